@@ -1,0 +1,3 @@
+from slm_align.cli import main
+
+main()

@@ -1,0 +1,201 @@
+"""The ``slm-align`` command line. Thin: parse, call one function, print."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import click
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from slm_align.errors import EXIT_USER_ERROR, NotYetAvailable, UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
+                  help="Align small language models safely and ship them to phones and CPU boards.")
+stdout = Console()
+
+JsonFlag = typer.Option(False, "--json", help="Print a machine-readable JSON result on stdout.")
+ConfigOpt = typer.Option(None, "--config", help="TOML recipe; flags override it.")
+ModelOpt = typer.Option(None, "--model", "-m", help="HF directory, hub id or .gguf file (default: bundled model).")
+DataOpt = typer.Option(None, "--data", "-d", help="Corpus: .txt/.jsonl/.json/.csv/.parquet or a datasets dir "
+                                                  "(default: demo stories).")
+TextFieldOpt = typer.Option(None, "--text-field", help="Column holding the text (found automatically otherwise).")
+SeedOpt = typer.Option(None, "--seed", help="Seed for split, initialisation and data order (default 0).")
+TrustOpt = typer.Option(False, "--trust-remote-code", help="Allow code shipped with a hub model to run.")
+PickleOpt = typer.Option(False, "--allow-pickle", help="Accept pickle (.bin) weights; they can run code.")
+
+
+def emit(as_json: bool, result: dict, human: Callable[[], None]) -> None:
+    """Print ``result`` as JSON, or call ``human`` to print it for people."""
+    if as_json:
+        sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
+    else:
+        human()
+
+
+def _recipe(config: Optional[Path], **overrides: Any):
+    from slm_align.config import load_recipe
+
+    return load_recipe(config, overrides)
+
+
+def _common(model, data, text_field, seed, trust, allow_pickle) -> dict:
+    return {"model.source": model, "data.path": data, "data.text_field": text_field, "seed": seed,
+            "model.trust_remote_code": trust or None, "model.allow_pickle": allow_pickle or None}
+
+
+def _sft_summary(result) -> dict:
+    return {"stage": "sft", "dir": str(result.stage_dir), "skipped": result.skipped, "metrics": result.metrics}
+
+
+@app.command(epilog="Examples:\n\n  slm-align sft --data stories.txt --out runs/demo\n\n"
+                    "  slm-align sft --model ./SmolLM2-135M --data chat.jsonl --lora-r 32 --epochs 2 --out runs/chat\n\n"
+                    "  slm-align sft --out runs/demo --resume   # continue an interrupted run")
+def sft(
+    out: Path = typer.Option(Path("runs/default"), "--out", "-o", help="Run directory; SFT writes OUT/sft/."),
+    model: Optional[str] = ModelOpt, data: Optional[str] = DataOpt, text_field: Optional[str] = TextFieldOpt,
+    config: Optional[Path] = ConfigOpt, seed: Optional[int] = SeedOpt,
+    epochs: Optional[float] = typer.Option(None, help="Passes over the training split (default 1)."),
+    max_steps: Optional[int] = typer.Option(None, help="Stop after this many optimizer steps."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate (default 2e-3)."),
+    batch_size: Optional[int] = typer.Option(None, help="Sequences per batch (default 8)."),
+    grad_accum: Optional[int] = typer.Option(None, help="Batches per optimizer step (default 1)."),
+    warmup_ratio: Optional[float] = typer.Option(None, help="Share of steps warming up (default 0.05)."),
+    neftune_alpha: Optional[float] = typer.Option(None, help="NEFTune noise scale, 0 to disable (default 5)."),
+    lora_r: Optional[int] = typer.Option(None, help="LoRA rank (default 16)."),
+    lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha (default 32)."),
+    lora_dropout: Optional[float] = typer.Option(None, help="LoRA dropout (default 0.05)."),
+    lora_targets: Optional[str] = typer.Option(None, help="Comma-separated module names to adapt."),
+    max_length: Optional[int] = typer.Option(None, help="Tokens per sequence (default 256)."),
+    save_steps: Optional[int] = typer.Option(None, help="Checkpoint every N steps (default 50)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted SFT run in OUT."),
+    trust_remote_code: bool = TrustOpt, allow_pickle: bool = PickleOpt, as_json: bool = JsonFlag,
+) -> None:
+    """Supervised fine-tuning with LoRA and NEFTune; writes the adapter, tokenizer and a manifest."""
+    from slm_align.sft import run_sft
+
+    recipe = _recipe(config, **_common(model, data, text_field, seed, trust_remote_code, allow_pickle),
+                     **{"sft.epochs": epochs, "sft.max_steps": max_steps, "sft.learning_rate": lr,
+                        "sft.batch_size": batch_size, "sft.grad_accum": grad_accum, "sft.warmup_ratio": warmup_ratio,
+                        "sft.neftune_alpha": neftune_alpha, "sft.lora.r": lora_r, "sft.lora.alpha": lora_alpha,
+                        "sft.lora.dropout": lora_dropout, "data.max_length": max_length, "sft.save_steps": save_steps,
+                        "sft.lora.target_modules": lora_targets.split(",") if lora_targets else None})
+    result = run_sft(recipe, out, resume=resume)
+    summary = _sft_summary(result)
+    emit(as_json, summary, lambda: print_sft(summary))
+
+
+def print_sft(summary: dict) -> None:
+    m = summary["metrics"]
+    state = "already done with these inputs (skipped)" if summary["skipped"] else f"{m['steps']} steps"
+    stdout.print(f"[bold]SFT[/] -> {summary['dir']}: {state}; train loss {m['train_loss']:.3f}, "
+                 f"eval loss {m['eval_loss']:.3f}, {m['trainable_parameters']:,} trainable parameters")
+
+
+@app.command("check-headroom",
+             epilog="Exit code 0 on PASS, 1 on FAIL, 2 on bad input.\n\nExamples:\n\n"
+                    "  slm-align check-headroom --run runs/demo\n\n"
+                    "  slm-align check-headroom --model ./base --adapter runs/demo/sft/adapter --data eval.jsonl\n\n"
+                    "  slm-align check-headroom --run runs/demo --max-ppl 15 --json")
+def check_headroom_cmd(
+    run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
+    model: Optional[str] = ModelOpt,
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with --model)."),
+    data: Optional[str] = DataOpt, text_field: Optional[str] = TextFieldOpt, config: Optional[Path] = ConfigOpt,
+    seed: Optional[int] = SeedOpt,
+    max_ppl: Optional[float] = typer.Option(None, "--max-ppl", help="Perplexity threshold (default 20)."),
+    trust_remote_code: bool = TrustOpt, allow_pickle: bool = PickleOpt, as_json: bool = JsonFlag,
+) -> None:
+    """Measure whether RL has headroom: held-out perplexity of the SFT prior against its threshold."""
+    from slm_align.headroom import check_headroom
+
+    if run is not None and model is not None:
+        raise UserError("pass either --run or --model, not both")
+    recipe = _recipe(config, **_common(model, data, text_field, seed, trust_remote_code, allow_pickle),
+                     **{"headroom.max_ppl": max_ppl})
+    report = check_headroom(recipe, run=run, adapter=adapter)
+    emit(as_json, report.to_dict(), lambda: print_headroom(report.to_dict()))
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def print_headroom(report: dict) -> None:
+    table = Table(title="Headroom gate")
+    for column in ("figure", "value", "threshold", "result"):
+        table.add_column(column)
+    for f in report["figures"]:
+        table.add_row(f["name"], f"{f['value']:.3f}", f"{f['comparison']} {f['threshold']:g}",
+                      "[green]pass[/]" if f["passed"] else "[red]FAIL[/]")
+    info = report["info"]
+    if "base_ppl" in info:
+        table.add_row("base model perplexity (context)", f"{info['base_ppl']:.3f}", "", "")
+    stdout.print(table)
+    color = "green" if report["passed"] else "red"
+    stdout.print(f"verdict: [bold {color}]{report['verdict']}[/]")
+    for reason, remedy in zip(report["reasons"], report["remedies"]):
+        stdout.print(f"  {reason}: {remedy}")
+
+
+@app.command(epilog="Examples:\n\n  slm-align quickstart\n\n  slm-align quickstart --out runs/qs --json")
+def quickstart(
+    out: Path = typer.Option(Path("runs/quickstart"), "--out", "-o", help="Run directory."),
+    sft_steps: int = typer.Option(150, help="SFT optimizer steps on the bundled model."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Walk the loop on the bundled model and demo stories, printing each stage's figures."""
+    from slm_align.quickstart import run_quickstart
+
+    result = run_quickstart(out, sft_steps=sft_steps, say=None if as_json else stdout.print)
+    emit(as_json, result, lambda: None)
+    raise typer.Exit(0 if result["headroom"]["passed"] else 1)
+
+
+def _later(name: str, what: str, issue: str, examples: str) -> None:
+    """Register a command whose capability a later issue builds: it says so in one line and exits 2."""
+
+    def command(ctx: typer.Context, as_json: bool = JsonFlag) -> None:
+        raise NotYetAvailable(f"`slm-align {name}` is not available yet: {what} arrives with {issue}")
+
+    command.__doc__ = f"{what[0].upper()}{what[1:]} (not yet available: {issue})."
+    app.command(name, epilog=f"Examples (once available):\n\n{examples}",
+                context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
+
+
+_later("train", "reward-model training and PPO/GRPO inside the safety envelope", "the reward and RL issues (#3, #4)",
+       "  slm-align train --algo grpo --out runs/demo")
+_later("evaluate", "the comparison report of policies", "the evaluation issue (#5)",
+       "  slm-align evaluate --run runs/demo")
+_later("merge", "folding adapters into a plain checkpoint", "the export issue (#6)",
+       "  slm-align merge --run runs/demo --out merged/")
+_later("export", "parity-checked GGUF and ONNX export", "the export issue (#6)",
+       "  slm-align export runs/demo --target gguf --quant Q8_0")
+_later("chat", "the terminal chat on an exported model", "the agent issue (#7)",
+       "  slm-align chat runs/demo/export/model.gguf")
+_later("feedback", "export of on-device preferences", "the agent issue (#7)",
+       "  slm-align feedback export prefs.db --out prefs.jsonl")
+_later("devices", "device profiles and fit estimates", "the devices issue (#8)",
+       "  slm-align devices fit runs/demo --device rpi5")
+_later("bench", "on-host speed and memory measurement", "the devices issue (#8)",
+       "  slm-align bench runs/demo/export/model.gguf")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point: user errors become one line on stderr and exit code 2; bugs keep their traceback."""
+    try:
+        code = typer.main.get_command(app).main(args=argv, prog_name="slm-align", standalone_mode=False)
+    except UserError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        code = EXIT_USER_ERROR
+    except click.UsageError as exc:
+        hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
+        sys.stderr.write(f"error: {' '.join(exc.format_message().split())}{hint}\n")
+        code = EXIT_USER_ERROR
+    except click.exceptions.Abort:
+        sys.stderr.write("aborted\n")
+        code = 130
+    except click.exceptions.Exit as exc:
+        code = exc.exit_code
+    sys.exit(code if isinstance(code, int) else 0)

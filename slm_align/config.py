@@ -1,0 +1,97 @@
+"""Typed recipe: every setting of every stage, loaded from TOML and overridden by CLI flags."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from slm_align.errors import UserError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSettings(_Strict):
+    source: Optional[str] = Field(None, description="HF directory, hub id or .gguf file; None = the bundled model.")
+    trust_remote_code: bool = Field(False, description="Run code shipped with a hub model (off unless asked).")
+    allow_pickle: bool = Field(False, description="Accept pickle (.bin) checkpoints (unsafe; off unless asked).")
+
+
+class DataSettings(_Strict):
+    path: Optional[str] = Field(None, description="Corpus file or datasets directory; None = the demo stories.")
+    text_field: Optional[str] = Field(None, description="Column holding the text; found automatically when None.")
+    demo_documents: int = Field(2000, ge=10, description="How many demo stories to generate when path is None.")
+    eval_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of documents kept for evaluation.")
+    heldout_prompts: int = Field(200, ge=1, description="Most documents kept back as held-out prompts.")
+    max_length: int = Field(256, ge=8, le=32768, description="Tokens per training sequence (longer is truncated).")
+
+
+class LoraSettings(_Strict):
+    r: int = Field(16, ge=1, le=1024, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: Optional[list[str]] = Field(None, description="Modules to adapt; None = per architecture.")
+
+
+class SFTSettings(_Strict):
+    epochs: float = Field(1.0, gt=0, description="Passes over the training split.")
+    max_steps: int = Field(-1, ge=-1, description="Stop after this many optimizer steps (-1: use epochs).")
+    learning_rate: float = Field(2e-3, gt=0, lt=1, description="Peak learning rate of the cosine schedule.")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of steps spent warming up.")
+    batch_size: int = Field(8, ge=1, description="Sequences per device batch.")
+    grad_accum: int = Field(1, ge=1, description="Batches accumulated per optimizer step.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    neftune_alpha: Optional[float] = Field(5.0, ge=0, description="NEFTune noise scale; None or 0 disables it.")
+    save_steps: int = Field(50, ge=1, description="Checkpoint every this many steps (for --resume).")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="The adapter.")
+
+
+class HeadroomSettings(_Strict):
+    max_ppl: float = Field(20.0, gt=1.0, description="Held-out perplexity the SFT prior must stay below.")
+    batch_size: int = Field(8, ge=1, description="Sequences per forward pass while measuring.")
+    max_documents: int = Field(500, ge=1, description="Most eval documents scored.")
+
+
+class Recipe(_Strict):
+    seed: int = Field(0, description="Seeds the split, the initialisation and the data order.")
+    model: ModelSettings = Field(default_factory=ModelSettings, description="Where the base model comes from.")
+    data: DataSettings = Field(default_factory=DataSettings, description="The corpus and its split.")
+    sft: SFTSettings = Field(default_factory=SFTSettings, description="Supervised fine-tuning.")
+    headroom: HeadroomSettings = Field(default_factory=HeadroomSettings, description="The headroom gate.")
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[keys[-1]] = value
+
+
+def _describe(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return f"invalid setting {where}: {first['msg']} (got {first.get('input')!r})"
+
+
+def load_recipe(path: Optional[Path] = None, overrides: Optional[dict[str, Any]] = None) -> Recipe:
+    """Read a TOML recipe (optional) and apply ``{"sft.learning_rate": 1e-3, ...}`` overrides (None skipped)."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"config file {path} not found; pass an existing TOML file")
+        try:
+            tree = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(tree, dotted, value)
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as exc:
+        raise UserError(_describe(exc)) from None

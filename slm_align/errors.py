@@ -1,0 +1,18 @@
+"""User errors versus bugs.
+
+A :class:`UserError` is bad input the user can fix: the CLI prints its one-line message and exits
+with code 2. Anything else is a bug and keeps its traceback.
+"""
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """Bad input: one line that names the problem and the fix."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+class NotYetAvailable(UserError):
+    """A command whose capability a later issue builds."""

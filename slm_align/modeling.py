@@ -1,0 +1,197 @@
+"""Load the policy and its tokenizer from any source; the tiny-model factory used by tests.
+
+Sources: a local HF directory (safetensors), a hub id, or a local ``.gguf`` file (dequantized by
+transformers' GGUF support). ``None`` means the bundled default model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from slm_align.errors import UserError
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default-model"
+
+# Attention projections adapted by LoRA, per architecture (model_type in config.json).
+LORA_TARGETS: dict[str, list[str]] = {
+    "gpt_neox": ["query_key_value", "dense"],
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gpt2": ["c_attn", "c_proj"],
+}
+SUPPORTED_ARCHITECTURES = tuple(LORA_TARGETS)
+
+# ChatML, used when a model has no chat template of its own (and by the bundled model).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: ``kind`` is "dir", "hub" or "gguf"; ``ref`` the path or hub id."""
+
+    kind: str
+    ref: str
+
+    @property
+    def label(self) -> str:
+        return "bundled default model" if Path(self.ref) == DEFAULT_MODEL_DIR else self.ref
+
+    def pretrained_args(self) -> tuple[str, dict]:
+        """Positional name and keyword arguments for ``from_pretrained``."""
+        if self.kind == "gguf":
+            path = Path(self.ref)
+            return str(path.parent), {"gguf_file": path.name}
+        return self.ref, {}
+
+
+def resolve_source(spec: Optional[str]) -> ModelSource:
+    """Classify ``--model``: an existing directory, an existing .gguf file, or a hub id."""
+    if spec is None or spec == "":
+        return ModelSource("dir", str(DEFAULT_MODEL_DIR))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return ModelSource("dir", str(path.resolve()))
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise UserError(f"model {spec} is a file but not .gguf; pass an HF model directory, a .gguf file or a hub id")
+        return ModelSource("gguf", str(path.resolve()))
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
+    if looks_like_path or not _HUB_ID.match(spec):
+        raise UserError(f"model {spec} not found; pass an HF model directory, a .gguf file or a hub id (org/name)")
+    return ModelSource("hub", spec)
+
+
+def _check_directory(path: Path, allow_pickle: bool) -> None:
+    config = path / "config.json"
+    if not config.is_file():
+        raise UserError(f"model directory {path} has no config.json; pass a directory saved by save_pretrained")
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{config} is not valid JSON; the checkpoint is corrupt") from None
+    check_architecture(model_type, str(path))
+    has_safetensors = any(path.glob("*.safetensors"))
+    has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt"))
+    if not has_safetensors and has_pickle and not allow_pickle:
+        raise UserError(f"model {path} has only pickle (.bin) weights, which can run code when loaded; "
+                        "convert it to safetensors or pass --allow-pickle if you trust it")
+    if not has_safetensors and not has_pickle:
+        raise UserError(f"model directory {path} has no weights (*.safetensors); pass a complete checkpoint")
+
+
+def check_architecture(model_type: Optional[str], where: str) -> str:
+    if model_type not in LORA_TARGETS:
+        raise UserError(f"model {where}: unsupported architecture '{model_type}'; "
+                        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return model_type
+
+
+def _hub_error(source: ModelSource, exc: Exception) -> UserError:
+    return UserError(f"cannot load '{source.ref}' from the Hugging Face Hub ({type(exc).__name__}); "
+                     "check the id and your connection, or pass a local directory or .gguf file")
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    """The source's tokenizer, with a pad token guaranteed (see :func:`ensure_pad_token`)."""
+    from transformers import AutoTokenizer
+
+    if source.kind == "dir":
+        _check_directory(Path(source.ref), allow_pickle=True)
+    name, kwargs = source.pretrained_args()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception as exc:  # transformers raises OSError, ValueError, or hub errors
+        if source.kind == "hub":
+            raise _hub_error(source, exc) from None
+        raise UserError(f"model {source.label}: cannot load its tokenizer ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:200]}); the directory needs tokenizer files") from None
+    return ensure_pad_token(tokenizer)
+
+
+def ensure_pad_token(tokenizer):
+    """Give a tokenizer without a pad token one, without changing the vocabulary.
+
+    The EOS token doubles as padding; losses mask by attention, never by pad id, so a real EOS still trains.
+    """
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise UserError("the tokenizer has neither a pad nor an EOS token; add one to tokenizer_config.json")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def load_model(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False):
+    """The causal LM of a source, in float32, in eval mode."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    name, kwargs = source.pretrained_args()
+    if source.kind == "dir":
+        _check_directory(Path(source.ref), allow_pickle)
+    try:
+        if source.kind == "hub":
+            config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+            check_architecture(config.model_type, source.ref)
+        model = AutoModelForCausalLM.from_pretrained(
+            name, torch_dtype=torch.float32, trust_remote_code=trust_remote_code,
+            use_safetensors=None if (allow_pickle or source.kind == "gguf") else True, **kwargs)
+    except UserError:
+        raise
+    except Exception as exc:
+        if source.kind == "hub":
+            raise _hub_error(source, exc) from None
+        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise UserError(f"model {source.label} cannot be loaded ({first}); the checkpoint may be corrupt "
+                        "or of an unsupported architecture") from None
+    check_architecture(model.config.model_type, source.label)
+    return model.float().eval()
+
+
+def lora_targets(model_type: str, override: Optional[list[str]] = None) -> list[str]:
+    """Module names LoRA adapts: the override when given, else the architecture's attention projections."""
+    return list(override) if override else list(LORA_TARGETS[check_architecture(model_type, model_type)])
+
+
+def build_tiny_model(architecture: str, vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """A randomly initialised model of ``architecture`` with a few layers, for tests and benchmarks."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab_size, max_position_embeddings=512)
+    configs = {
+        "llama": lambda: LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                                     num_attention_heads=4, num_key_value_heads=2, **common),
+        "qwen2": lambda: Qwen2Config(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                                     num_attention_heads=4, num_key_value_heads=2, **common),
+        "gpt_neox": lambda: GPTNeoXConfig(hidden_size=hidden, intermediate_size=hidden * 2,
+                                          num_hidden_layers=layers, num_attention_heads=4, **common),
+        "gpt2": lambda: GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=512, vocab_size=vocab_size),
+    }
+    check_architecture(architecture, architecture)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(configs[architecture]()).float().eval()
+
+
+def load_adapter(model, adapter_dir: Path):
+    """Attach a saved peft adapter to ``model`` (for evaluation; the adapter stays switchable)."""
+    from peft import PeftModel
+
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise UserError(f"adapter {adapter_dir} not found (no adapter_config.json); pass the sft/adapter directory "
+                        "of a finished run")
+    try:
+        return PeftModel.from_pretrained(model, str(adapter_dir)).float().eval()
+    except Exception as exc:
+        raise UserError(f"adapter {adapter_dir} does not fit this base model ({type(exc).__name__}); "
+                        "pass the base model the adapter was trained on") from None

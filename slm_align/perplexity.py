@@ -1,0 +1,43 @@
+"""Token-weighted perplexity: exp(total NLL / total scored tokens), unchanged by batch size or padding."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from slm_align.data.encoding import IGNORE_INDEX, pad_batch
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    """Held-out perplexity and what it was computed from."""
+
+    ppl: float
+    nll_sum: float
+    tokens: int
+    documents: int
+
+
+def perplexity(model, encoded: list[dict[str, list[int]]], pad_id: int, batch_size: int = 8) -> Perplexity:
+    """Sum NLL over every scored token of every document in float32, then divide once.
+
+    Averaging per batch (or per sequence) would weight short documents differently depending on how they
+    were batched; summing first makes the figure independent of batching and padding.
+    """
+    import torch
+
+    nll_sum, tokens = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(encoded), batch_size):
+            batch = pad_batch(encoded[start:start + batch_size], pad_id)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+            targets = batch["labels"][:, 1:]
+            mask = targets != IGNORE_INDEX
+            logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
+            picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            nll_sum += float(-(picked * mask).sum().double())
+            tokens += int(mask.sum())
+    if tokens == 0:
+        raise ValueError("no tokens to score")
+    return Perplexity(ppl=math.exp(nll_sum / tokens), nll_sum=nll_sum, tokens=tokens, documents=len(encoded))

@@ -1,0 +1,100 @@
+"""Run directories: atomic files, stage manifests, and the "already done with these inputs" check."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+from slm_align.errors import UserError
+
+MANIFEST = "manifest.json"
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    """Write JSON to a temporary name beside ``path``, fsync, then rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True, default=str)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def digest(data: Any) -> str:
+    """Stable sha256 of a JSON-serialisable value (used to recognise identical stage inputs)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def versions() -> dict[str, Optional[str]]:
+    """Versions of the packages that decide a stage's result."""
+    found: dict[str, Optional[str]] = {}
+    for name in ("slm-align", "torch", "transformers", "peft", "accelerate"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def read_manifest(stage_dir: Path) -> Optional[dict]:
+    path = Path(stage_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{path} is corrupt; remove the stage directory {stage_dir} and run the stage again") from None
+
+
+def completed(stage_dir: Path, inputs: dict) -> Optional[dict]:
+    """The stage's manifest when it already completed with exactly these inputs; None when it never ran.
+
+    A completed stage with other inputs is a UserError: its artifacts are never overwritten silently.
+    """
+    manifest = read_manifest(stage_dir)
+    if manifest is None:
+        if Path(stage_dir).exists():
+            raise UserError(f"{stage_dir} exists but holds no manifest; move it away or choose another --out")
+        return None
+    if manifest.get("inputs_hash") != digest(inputs):
+        raise UserError(f"{stage_dir} was made from other inputs or settings; choose another --out "
+                        "or remove that directory to redo the stage")
+    return manifest
+
+
+def make_manifest(stage: str, inputs: dict, metrics: dict, started: float) -> dict:
+    return {"stage": stage, "inputs": inputs, "inputs_hash": digest(inputs), "metrics": metrics,
+            "versions": versions(), "seconds": round(time.time() - started, 2),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def partial_dir(stage_dir: Path) -> Path:
+    """Where a stage works until it completes (checkpoints for --resume live there)."""
+    stage_dir = Path(stage_dir)
+    return stage_dir.with_name(stage_dir.name + ".partial")
+
+
+def publish(partial: Path, stage_dir: Path, manifest: dict, keep: tuple[str, ...] = ()) -> Path:
+    """Write the manifest, drop scratch files not in ``keep``, and rename the partial dir into place."""
+    if keep:
+        for child in Path(partial).iterdir():
+            if child.name not in keep and child.name != MANIFEST:
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    write_json_atomic(Path(partial) / MANIFEST, manifest)
+    os.replace(partial, stage_dir)
+    return Path(stage_dir)

@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny models of every supported architecture, built locally (no hub)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from slm_align.data.demo_corpus import write_demo_corpus  # noqa: E402
+from slm_align.modeling import DEFAULT_MODEL_DIR, build_tiny_model  # noqa: E402
+
+ARCHITECTURES = ["llama", "qwen2", "gpt_neox", "gpt2"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The bundled model's small BPE tokenizer (with a chat template), reused by every tiny model."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+
+
+def save_tiny(architecture: str, tokenizer, path: Path) -> Path:
+    model = build_tiny_model(architecture, vocab_size=len(tokenizer))
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    """An HF directory (safetensors + tokenizer) per architecture."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: save_tiny(arch, tokenizer, root / arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def stories(tmp_path_factory) -> Path:
+    """A small demo corpus as a .txt file."""
+    return write_demo_corpus(tmp_path_factory.mktemp("data") / "stories.txt", n=60, seed=3)
