@@ -55,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("slm_align/assets/default-model"))
     parser.add_argument("--stories", type=int, default=6000)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
 

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import click
 import typer
+from typer.exceptions import TyperException
 from rich.console import Console
 from rich.table import Table
 
@@ -189,13 +189,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     except UserError as exc:
         sys.stderr.write(f"error: {exc}\n")
         code = EXIT_USER_ERROR
-    except click.UsageError as exc:
-        hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
-        sys.stderr.write(f"error: {' '.join(exc.format_message().split())}{hint}\n")
-        code = EXIT_USER_ERROR
-    except click.exceptions.Abort:
+    except TyperException as exc:  # usage errors of the parser (unknown option, bad value, missing argument)
+        ctx = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # the parser has already printed the help
+            code = 0
+        else:
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            sys.stderr.write(f"error: {' '.join(exc.format_message().split())}{hint}\n")
+            code = EXIT_USER_ERROR
+    except typer.Abort:
         sys.stderr.write("aborted\n")
         code = 130
-    except click.exceptions.Exit as exc:
+    except typer.Exit as exc:
         code = exc.exit_code
     sys.exit(code if isinstance(code, int) else 0)

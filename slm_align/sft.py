@@ -91,7 +91,7 @@ def attach_lora(model, recipe: Recipe):
 
 def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> SFTResult:
     """Train the SFT adapter into ``out/sft`` (or return the existing one made from the same inputs)."""
-    from transformers import Trainer
+    from transformers import PrinterCallback, Trainer
 
     started = time.time()
     source = resolve_source(recipe.model.source)
@@ -113,6 +113,7 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> SFTResult:
     trainer = Trainer(model=model, args=_training_args(recipe, partial), train_dataset=train_rows,
                       eval_dataset=eval_rows, data_collator=lambda rows: pad_batch(rows, tokenizer.pad_token_id),
                       callbacks=[progress])
+    trainer.remove_callback(PrinterCallback)  # our progress bar and log.jsonl replace its stdout dicts
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
     final_eval = trainer.evaluate()
     model.save_pretrained(partial / "adapter", safe_serialization=True)

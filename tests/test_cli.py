@@ -1,0 +1,135 @@
+"""The command line: every command has help, bad input is one line and exit 2, and nothing is overwritten."""
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from slm_align.cli import main
+
+COMMANDS = ["quickstart", "sft", "check-headroom", "train", "evaluate", "merge", "export", "chat", "feedback",
+            "devices", "bench"]
+
+
+def run_cli(capsys, *args):
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def tree_digest(path):
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(path)).encode() + file.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_examples(capsys, command):
+    code, out, _ = run_cli(capsys, command, "--help")
+    assert code == 0 and "Example" in out and "--json" in out
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate", "merge", "export", "chat", "feedback", "devices", "bench"])
+def test_later_commands_say_so_in_one_line(capsys, command):
+    code, out, err = run_cli(capsys, command, "--json", "--anything", "x")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "not available yet" in err
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory, tiny_models):
+    root = tmp_path_factory.mktemp("bad")
+    (root / "empty.txt").write_text("")
+    (root / "broken.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+    (root / "nocol.jsonl").write_text('{"title": "a"}\n')
+    (root / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (root / "tiny.txt").write_text("one\n\ntwo\n")
+    (root / "data.xml").write_text("<a/>")
+    (root / "bad.toml").write_text("[sft\nlr = 1")
+    (root / "unknown.toml").write_text("[sft]\nlearnin_rate = 0.1\n")
+    bert = root / "bert"
+    shutil.copytree(tiny_models["llama"], bert)
+    config = json.loads((bert / "config.json").read_text())
+    (bert / "config.json").write_text(json.dumps(dict(config, model_type="bert")))
+    pickled = root / "pickled"
+    shutil.copytree(tiny_models["llama"], pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save({}, pickled / "pytorch_model.bin")
+    corrupt = root / "corrupt"
+    shutil.copytree(tiny_models["llama"], corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 64)
+    return root
+
+
+CASES = {
+    "missing data path": (["--data", "{root}/nope.jsonl"], "not found"),
+    "empty data file": (["--data", "{root}/empty.txt"], "holds no documents"),
+    "malformed jsonl line": (["--data", "{root}/broken.jsonl"], "broken.jsonl:2: not valid JSON"),
+    "no text column": (["--data", "{root}/nocol.jsonl"], "no text column"),
+    "missing named column": (["--data", "{root}/broken.jsonl", "--text-field", "body"], "no column 'body'"),
+    "wrong encoding": (["--data", "{root}/latin.txt"], "not UTF-8"),
+    "too few documents": (["--data", "{root}/tiny.txt"], "need at least"),
+    "unsupported data format": (["--data", "{root}/data.xml"], "unsupported format"),
+    "missing model": (["--model", "{root}/no-model"], "not found"),
+    "unsupported architecture": (["--model", "{root}/bert"], "unsupported architecture 'bert'"),
+    "pickle checkpoint": (["--model", "{root}/pickled"], "pickle"),
+    "corrupt safetensors": (["--model", "{root}/corrupt"], "cannot be loaded"),
+    "offline hub id": (["--model", "nobody/nothing-here"], "Hugging Face Hub"),
+    "non-numeric flag": (["--lr", "fast"], "Invalid value for '--lr'"),
+    "out-of-range rank": (["--lora-r", "0"], "sft.lora.r"),
+    "out-of-range learning rate": (["--lr", "-1"], "sft.learning_rate"),
+    "unknown flag": (["--learning-rate", "1"], "No such option"),
+    "invalid TOML": (["--config", "{root}/bad.toml"], "not valid TOML"),
+    "unknown TOML setting": (["--config", "{root}/unknown.toml"], "learnin_rate"),
+    "missing config": (["--config", "{root}/none.toml"], "not found"),
+    "LoRA targets that do not exist": (["--lora-targets", "nonexistent_proj"], "--lora-targets"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(capsys, bad_inputs, tmp_path, tiny_models, stories, case):
+    args, expected = CASES[case]
+    args = [a.format(root=bad_inputs) for a in args]
+    if "--model" not in args:
+        args += ["--model", str(tiny_models["llama"])]
+    if "--data" not in args:
+        args += ["--data", str(stories)]
+    out = tmp_path / "run"
+    (out / "notes").mkdir(parents=True)
+    (out / "keep.txt").write_text("earlier result")
+    before = tree_digest(out)
+    code, stdout, stderr = run_cli(capsys, "sft", "--out", out, "--max-steps", "1", *args)
+    assert code == 2, stderr
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    assert expected in stderr
+    assert stdout == ""
+    assert tree_digest(out) == before and sorted(p.name for p in out.iterdir()) == ["keep.txt", "notes"]
+
+
+def test_headroom_on_a_run_without_sft_is_a_user_error(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "check-headroom", "--run", tmp_path)
+    assert code == 2 and "no finished SFT stage" in err
+
+
+def test_sft_then_headroom_from_the_cli_with_json_and_exit_codes(capsys, tmp_path, tiny_models, stories):
+    out = tmp_path / "run"
+    code, stdout, _ = run_cli(capsys, "sft", "--model", tiny_models["gpt_neox"], "--data", stories, "--out", out,
+                              "--max-steps", "3", "--batch-size", "4", "--max-length", "64", "--json")
+    summary = json.loads(stdout)
+    assert code == 0 and summary["metrics"]["steps"] == 3 and not summary["skipped"]
+    code, stdout, _ = run_cli(capsys, "check-headroom", "--run", out, "--max-ppl", "1e9", "--json")
+    report = json.loads(stdout)
+    assert code == 0 and report["verdict"] == "PASS"
+    assert report["figures"][0]["name"] == "held-out perplexity" and report["info"]["base_ppl"] > 1
+    code, stdout, _ = run_cli(capsys, "check-headroom", "--run", out, "--max-ppl", "1.5")
+    assert code == 1 and "FAIL" in stdout and "LoRA rank" in stdout
+
+
+def test_module_entry_point_runs():
+    result = subprocess.run([sys.executable, "-m", "slm_align", "sft", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "NEFTune" in result.stdout

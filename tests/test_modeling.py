@@ -1,0 +1,74 @@
+import json
+import shutil
+
+import pytest
+import torch
+
+from slm_align.errors import UserError
+from slm_align.modeling import (DEFAULT_MODEL_DIR, ensure_pad_token, load_model, load_tokenizer, lora_targets,
+                                resolve_source)
+from tests.conftest import ARCHITECTURES
+
+
+def test_sources_are_classified(tmp_path, tiny_models):
+    assert resolve_source(None).ref == str(DEFAULT_MODEL_DIR)
+    assert resolve_source(str(tiny_models["llama"])).kind == "dir"
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert resolve_source(str(gguf)).kind == "gguf"
+    assert resolve_source("HuggingFaceTB/SmolLM2-135M").kind == "hub"
+    with pytest.raises(UserError, match="not found"):
+        resolve_source("./missing-dir")
+    with pytest.raises(UserError, match="not .gguf"):
+        resolve_source(str(tiny_models["llama"] / "config.json"))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_architecture_loads_in_float32(tiny_models, arch):
+    source = resolve_source(str(tiny_models[arch]))
+    model = load_model(source)
+    tokenizer = load_tokenizer(source)
+    assert model.config.model_type == arch
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert tokenizer.pad_token is not None
+    assert lora_targets(arch)  # every architecture has default LoRA targets
+
+
+def test_pickle_checkpoints_are_refused_unless_opted_in(tmp_path, tiny_models):
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_models["llama"], pickled)
+    model = load_model(resolve_source(str(pickled)))
+    (pickled / "model.safetensors").unlink()
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    with pytest.raises(UserError, match="pickle"):
+        load_model(resolve_source(str(pickled)))
+    assert load_model(resolve_source(str(pickled)), allow_pickle=True).config.model_type == "llama"
+
+
+def test_unsupported_architecture_and_corrupt_weights(tmp_path, tiny_models):
+    other = tmp_path / "other"
+    shutil.copytree(tiny_models["llama"], other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, model_type="bert")))
+    with pytest.raises(UserError, match="unsupported architecture 'bert'"):
+        load_model(resolve_source(str(other)))
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_models["llama"], corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match="cannot be loaded"):
+        load_model(resolve_source(str(corrupt)))
+
+
+def test_offline_hub_id_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="cannot load 'someone/some-model' from the Hugging Face Hub"):
+        load_tokenizer(resolve_source("someone/some-model"))
+
+
+def test_missing_pad_token_becomes_eos(tokenizer):
+    from transformers import AutoTokenizer
+
+    fresh = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    fresh.pad_token = None
+    ensure_pad_token(fresh)
+    assert fresh.pad_token == fresh.eos_token and len(fresh) == len(tokenizer)
