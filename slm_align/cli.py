@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -184,6 +185,8 @@ _later("bench", "on-host speed and memory measurement", "the devices issue (#8)"
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: user errors become one line on stderr and exit code 2; bugs keep their traceback."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # our messages, not library advisories
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         code = typer.main.get_command(app).main(args=argv, prog_name="slm-align", standalone_mode=False)
     except UserError as exc:

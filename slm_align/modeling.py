@@ -114,7 +114,32 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
             raise _hub_error(source, exc) from None
         raise UserError(f"model {source.label}: cannot load its tokenizer ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0][:200]}); the directory needs tokenizer files") from None
+    if source.kind == "gguf":
+        _apply_gguf_special_tokens(tokenizer, Path(source.ref))
     return ensure_pad_token(tokenizer)
+
+
+def _apply_gguf_special_tokens(tokenizer, path: Path) -> None:
+    """Take special tokens and the BOS flag from the file itself.
+
+    transformers' GGUF tokenizer conversion mixes up BOS/EOS/pad for byte-level BPE vocabularies and ignores
+    ``tokenizer.ggml.add_bos_token``; llama.cpp reads these keys, so we read them the same way.
+    """
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+
+    def value(key):
+        field = fields.get(key)
+        return None if field is None else field.parts[field.data[0]][0]
+
+    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
+        token_id = value(f"tokenizer.ggml.{key}")
+        if token_id is not None:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
+    add_bos = value("tokenizer.ggml.add_bos_token")
+    if add_bos is not None and hasattr(tokenizer, "add_bos_token"):
+        tokenizer.add_bos_token = bool(add_bos)
 
 
 def ensure_pad_token(tokenizer):
@@ -134,7 +159,9 @@ def load_model(source: ModelSource, trust_remote_code: bool = False, allow_pickl
     """The causal LM of a source, in float32, in eval mode."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # long stages show their own progress
     name, kwargs = source.pretrained_args()
     if source.kind == "dir":
         _check_directory(Path(source.ref), allow_pickle)
@@ -143,7 +170,7 @@ def load_model(source: ModelSource, trust_remote_code: bool = False, allow_pickl
             config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
             check_architecture(config.model_type, source.ref)
         model = AutoModelForCausalLM.from_pretrained(
-            name, torch_dtype=torch.float32, trust_remote_code=trust_remote_code,
+            name, dtype=torch.float32, trust_remote_code=trust_remote_code,
             use_safetensors=None if (allow_pickle or source.kind == "gguf") else True, **kwargs)
     except UserError:
         raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -116,7 +117,9 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> SFTResult:
     trainer.remove_callback(PrinterCallback)  # our progress bar and log.jsonl replace its stdout dicts
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
     final_eval = trainer.evaluate()
-    model.save_pretrained(partial / "adapter", safe_serialization=True)
+    with warnings.catch_warnings():  # peft warns when the base came from a .gguf or the bundled dir: harmless
+        warnings.filterwarnings("ignore", message="Could not find a config file")
+        model.save_pretrained(partial / "adapter", safe_serialization=True)
     tokenizer.save_pretrained(partial / "tokenizer")
     metrics = {"train_loss": train_output.training_loss, "eval_loss": final_eval["eval_loss"],
                "eval_loss_per_epoch": progress.eval_losses, "steps": train_output.global_step,

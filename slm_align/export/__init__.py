@@ -1,0 +1,1 @@
+"""Export: merged checkpoints, GGUF and ONNX artifacts."""
