@@ -37,23 +37,50 @@ class LoraSettings(_Strict):
     target_modules: Optional[list[str]] = Field(None, description="Modules to adapt; None = per architecture.")
 
 
-class SFTSettings(_Strict):
-    epochs: float = Field(1.0, gt=0, description="Passes over the training split.")
+class TrainSettings(_Strict):
+    """Optimizer and schedule settings shared by the stages that run on transformers' Trainer."""
+
+    epochs: float = Field(1.0, gt=0, description="Passes over the training data.")
     max_steps: int = Field(-1, ge=-1, description="Stop after this many optimizer steps (-1: use epochs).")
     learning_rate: float = Field(2e-3, gt=0, lt=1, description="Peak learning rate of the cosine schedule.")
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of steps spent warming up.")
-    batch_size: int = Field(8, ge=1, description="Sequences per device batch.")
+    batch_size: int = Field(8, ge=1, description="Sequences (SFT) or pairs (reward) per device batch.")
     grad_accum: int = Field(1, ge=1, description="Batches accumulated per optimizer step.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    neftune_alpha: Optional[float] = Field(5.0, ge=0, description="NEFTune noise scale; None or 0 disables it.")
     save_steps: int = Field(50, ge=1, description="Checkpoint every this many steps (for --resume).")
     lora: LoraSettings = Field(default_factory=LoraSettings, description="The adapter.")
+
+
+class SFTSettings(TrainSettings):
+    neftune_alpha: Optional[float] = Field(5.0, ge=0, description="NEFTune noise scale; None or 0 disables it.")
+
+
+class PairSettings(_Strict):
+    mix: dict[str, float] = Field(default_factory=lambda: {"truncate": 1.0, "shuffle": 1.0, "mismatch": 1.0,
+                                                           "dropout": 1.0},
+                                  description="Relative weight of each corruption that makes a rejected text.")
+    opening_sentences: int = Field(2, ge=1, description="Sentences of a document that form the prompt.")
+    min_words: int = Field(3, ge=1, description="Pairs whose chosen or rejected side has fewer words are dropped.")
+    dropout_rate: float = Field(0.3, gt=0, lt=1, description="Share of words removed by the dropout corruption.")
+    synthetic: bool = Field(True, description="Build pairs from the corpus (besides any imported preferences).")
+
+
+class RewardSettings(TrainSettings):
+    learning_rate: float = Field(1e-3, gt=0, lt=1, description="Peak learning rate of the cosine schedule.")
+    margin: float = Field(0.0, ge=0, description="Bradley-Terry margin: chosen must beat rejected by this much.")
+    center_coefficient: float = Field(0.01, ge=0, description="Weight of the (r_chosen + r_rejected)^2 penalty.")
+    pairs: PairSettings = Field(default_factory=PairSettings, description="Synthetic preference pairs.")
+    preferences: Optional[str] = Field(None, description="Preference file to import (TRL columns).")
 
 
 class HeadroomSettings(_Strict):
     max_ppl: float = Field(20.0, gt=1.0, description="Held-out perplexity the SFT prior must stay below.")
     batch_size: int = Field(8, ge=1, description="Sequences per forward pass while measuring.")
     max_documents: int = Field(500, ge=1, description="Most eval documents scored.")
+    min_reward_accuracy: float = Field(0.6, ge=0, le=1, description="Held-out pairwise accuracy the reward needs.")
+    min_reward_std: float = Field(0.1, ge=0, description="Spread (std) of rewards over policy samples required.")
+    spread_prompts: int = Field(32, ge=2, description="Held-out prompts sampled to measure the reward spread.")
+    max_new_tokens: int = Field(64, ge=1, description="Tokens sampled per completion when measuring the spread.")
 
 
 class Recipe(_Strict):
@@ -61,6 +88,7 @@ class Recipe(_Strict):
     model: ModelSettings = Field(default_factory=ModelSettings, description="Where the base model comes from.")
     data: DataSettings = Field(default_factory=DataSettings, description="The corpus and its split.")
     sft: SFTSettings = Field(default_factory=SFTSettings, description="Supervised fine-tuning.")
+    reward: RewardSettings = Field(default_factory=RewardSettings, description="The Bradley-Terry reward model.")
     headroom: HeadroomSettings = Field(default_factory=HeadroomSettings, description="The headroom gate.")
 
 

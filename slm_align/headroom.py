@@ -17,7 +17,8 @@ from slm_align.data.encoding import encode_all
 from slm_align.errors import UserError
 from slm_align.modeling import load_adapter, load_model, load_tokenizer, resolve_source
 from slm_align.perplexity import perplexity
-from slm_align.runs import read_manifest, write_json_atomic
+from slm_align.runs import write_json_atomic
+from slm_align.sft import recipe_from_sft
 
 REMEDY_PPL = ("the SFT prior is not fluent enough for RL to help: train SFT longer or on more or cleaner data, "
               "raise the LoRA rank (--lora-r), or start from a larger base model")
@@ -63,25 +64,11 @@ class HeadroomReport:
                 "remedies": [f.remedy for f in self.failures()]}
 
 
-def _sft_from_run(run: Path, recipe: Recipe) -> tuple[Recipe, Path]:
-    """The recipe and adapter of a run's finished SFT stage."""
-    manifest = read_manifest(Path(run) / "sft")
-    if manifest is None:
-        raise UserError(f"run {run} has no finished SFT stage (no sft/manifest.json); run `slm-align sft --out {run}`")
-    inputs = manifest["inputs"]
-    updated = recipe.model_copy(deep=True)
-    updated.model.source = inputs["model"]["ref"]
-    updated.seed = inputs["seed"]
-    if recipe.data.path is None:  # score the run's own held-out split unless the user names other data
-        updated.data = type(recipe.data).model_validate(inputs["data_settings"])
-    return updated, Path(run) / "sft" / "adapter"
-
-
 def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional[Path] = None) -> HeadroomReport:
     """Measure the gate's figures for a run (or a model plus optional adapter) and write ``run/headroom.json``."""
     started = time.time()
     if run is not None and adapter is None:
-        recipe, adapter = _sft_from_run(run, recipe)
+        recipe, adapter = recipe_from_sft(run, recipe)
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
     corpus = load_corpus(recipe.data, recipe.seed)

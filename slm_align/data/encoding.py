@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from slm_align.data.examples import Example
+from slm_align.data.prompts import chat_turn, render_chat
 
 IGNORE_INDEX = -100
 
@@ -10,17 +11,10 @@ IGNORE_INDEX = -100
 def render(example: Example, tokenizer) -> tuple[str, str]:
     """``(prompt, completion)`` text: the loss covers the completion only. Chats use the tokenizer's template."""
     if example.messages is not None:
-        messages = [{"role": role, "content": content} for role, content in example.messages]
-        template = dict(tokenize=False)
-        if tokenizer.chat_template is None:
-            from slm_align.modeling import CHATML_TEMPLATE
-
-            template["chat_template"] = CHATML_TEMPLATE
-        full = tokenizer.apply_chat_template(messages, **template)
-        if messages[-1]["role"] != "assistant" or len(messages) == 1:
-            return "", full
-        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, **template)
-        return (prompt, full[len(prompt):]) if full.startswith(prompt) else ("", full)
+        *history, last = example.messages
+        if history and last[0] == "assistant":
+            return chat_turn(history, last, tokenizer)
+        return "", render_chat(example.messages, tokenizer)
     if example.prompt is not None:
         return example.prompt, example.completion or ""
     return "", example.text or ""

@@ -1,0 +1,67 @@
+"""One prompt format for reward training, RL and evaluation.
+
+A plain document becomes ``opening`` (its first sentences) and ``continuation`` (the rest, with its leading
+space), so that ``prompt + completion`` is always the text a model would have produced after the prompt.
+Chat rows use the tokenizer's chat template with the generation prompt.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from slm_align.data.examples import Example
+
+def sentences(text: str) -> list[str]:
+    """Split text into sentences, keeping punctuation (and closing quotes) with each."""
+    parts, start = [], 0
+    for match in re.finditer(r"[.!?][\"']?(?=\s+[A-Z\"']|\s*$)", text):
+        end = match.end()
+        piece = text[start:end].strip()
+        if piece:
+            parts.append(piece)
+        start = end
+    tail = text[start:].strip()
+    if tail:
+        parts.append(tail)
+    return parts
+
+
+def split_opening(text: str, opening_sentences: int = 2) -> Optional[tuple[str, str]]:
+    """``(opening, " " + rest)``, or None when the text has too few sentences to split."""
+    parts = sentences(text)
+    if len(parts) <= opening_sentences:
+        return None
+    return " ".join(parts[:opening_sentences]), " " + " ".join(parts[opening_sentences:])
+
+
+def render_chat(messages, tokenizer, add_generation_prompt: bool = False) -> str:
+    """``(role, content)`` messages through the tokenizer's chat template (ChatML when it has none)."""
+    from slm_align.modeling import CHATML_TEMPLATE
+
+    rows = [{"role": role, "content": content} for role, content in messages]
+    return tokenizer.apply_chat_template(rows, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         chat_template=tokenizer.chat_template or CHATML_TEMPLATE)
+
+
+def chat_prompt(messages, tokenizer) -> str:
+    """The rendered history followed by the assistant's generation prompt."""
+    return render_chat(messages, tokenizer, add_generation_prompt=True)
+
+
+def chat_turn(history, answer: tuple[str, str], tokenizer) -> tuple[str, str]:
+    """``(prompt, completion)``: the completion is what the template adds for the final ``answer`` turn."""
+    prompt = chat_prompt(history, tokenizer)
+    full = render_chat(list(history) + [answer], tokenizer)
+    return (prompt, full[len(prompt):]) if full.startswith(prompt) else ("", full)
+
+
+def prompt_of(example: Example, tokenizer=None, opening_sentences: int = 2) -> Optional[str]:
+    """The prompt a policy answers for this item (None when a document is too short to split)."""
+    if example.prompt is not None:
+        return example.prompt
+    if example.messages is not None:
+        history = example.messages[:-1] if example.messages[-1][0] == "assistant" else example.messages
+        return chat_prompt(history, tokenizer) if history and tokenizer is not None else None
+    split = split_opening(example.text or "", opening_sentences)
+    return None if split is None else split[0]

@@ -1,0 +1,1 @@
+"""The reward side: preference pairs, the Bradley-Terry reward model, and reward functions."""

@@ -1,0 +1,128 @@
+"""The Bradley-Terry reward model: a one-output sequence classifier initialised from the SFT policy.
+
+The backbone starts as base + SFT adapter (merged); a fresh LoRA adapter and the score head train in fp32 with
+loss ``-log sigmoid(r_chosen - r_rejected - margin) + c * (r_chosen + r_rejected)^2``. The reward of a text is
+the score head applied to the hidden state of its last real token (EOS appended), with right padding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from slm_align.data.encoding import encode, pad_batch
+from slm_align.data.examples import Example
+from slm_align.errors import UserError
+
+
+def encode_scored(tokenizer, prompt: str, completion: str, max_length: int) -> list[int]:
+    """Token ids of ``prompt + completion`` + EOS: the one format for reward training, RL and evaluation."""
+    return encode(Example(prompt=prompt, completion=completion), tokenizer, max_length)["input_ids"]
+
+
+def classifier_from_policy(policy, pad_token_id: int):
+    """A one-output sequence classifier whose backbone holds the (merged) policy's weights."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = policy.config.__class__.from_dict(policy.config.to_dict())
+    config.num_labels, config.pad_token_id = 1, pad_token_id
+    classifier = AutoModelForSequenceClassification.from_config(config).float()
+    missing, _ = classifier.load_state_dict(policy.state_dict(), strict=False)
+    if any(not key.startswith("score.") for key in missing):
+        raise UserError(f"cannot build a reward model from this policy: backbone weights missing ({missing[:3]})")
+    return classifier.eval()
+
+
+def _unwrap(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def sequence_rewards(model, input_ids, attention_mask):
+    """One float32 reward per right-padded sequence: the score head at its last attended token."""
+    import torch
+
+    classifier = _unwrap(model)
+    hidden = classifier.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    last = attention_mask.sum(-1) - 1
+    pooled = hidden[torch.arange(hidden.shape[0]), last]
+    return classifier.score(pooled).squeeze(-1).float()
+
+
+def bradley_terry_loss(chosen, rejected, margin: float = 0.0, center_coefficient: float = 0.0):
+    import torch.nn.functional as F
+
+    loss = -F.logsigmoid(chosen - rejected - margin).mean()
+    if center_coefficient:
+        loss = loss + center_coefficient * ((chosen + rejected) ** 2).mean()
+    return loss
+
+
+def collate_pairs(rows: list[dict], pad_id: int) -> dict:
+    """Chosen sequences first, then rejected, in one right-padded batch."""
+    flat = [{"input_ids": r["chosen_ids"], "labels": r["chosen_ids"]} for r in rows]
+    flat += [{"input_ids": r["rejected_ids"], "labels": r["rejected_ids"]} for r in rows]
+    batch = pad_batch(flat, pad_id)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def score_texts(model, tokenizer, prompts: list[str], completions: list[str], max_length: int = 256,
+                batch_size: int = 16) -> list[float]:
+    """Rewards of ``prompt + completion`` texts, in batches, without gradients."""
+    import torch
+
+    scores: list[float] = []
+    with torch.no_grad():
+        for start in range(0, len(prompts), batch_size):
+            rows = [{"input_ids": ids, "labels": ids} for ids in (
+                encode_scored(tokenizer, p, c, max_length)
+                for p, c in zip(prompts[start:start + batch_size], completions[start:start + batch_size]))]
+            batch = pad_batch(rows, tokenizer.pad_token_id)
+            scores += sequence_rewards(model, batch["input_ids"], batch["attention_mask"]).tolist()
+    return scores
+
+
+def load_reward_model(path: Path, trust_remote_code: bool = False):
+    """A saved reward model (merged classifier + tokenizer), alone: ``(model, tokenizer)``."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from slm_align.modeling import ensure_pad_token
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"reward model {path} not found (no config.json); pass the reward/model directory of a run")
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype="float32", use_safetensors=True,
+                                                                   trust_remote_code=trust_remote_code)
+        tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(path))
+    except Exception as exc:
+        raise UserError(f"reward model {path} cannot be loaded ({type(exc).__name__}); it may be corrupt") from None
+    if model.config.num_labels != 1:
+        raise UserError(f"reward model {path} has {model.config.num_labels} outputs; a reward model has one")
+    return model.float().eval(), tokenizer
+
+
+def pairwise_metrics(model, tokenizer, pairs, max_length: int, batch_size: int = 16) -> dict:
+    """Held-out pairwise accuracy (ties count half), mean margin, and reward statistics, overall and per kind."""
+    import statistics
+
+    prompts = [p.prompt for p in pairs]
+    chosen = score_texts(model, tokenizer, prompts, [p.chosen for p in pairs], max_length, batch_size)
+    rejected = score_texts(model, tokenizer, prompts, [p.rejected for p in pairs], max_length, batch_size)
+    wins = [1.0 if c > r else 0.5 if c == r else 0.0 for c, r in zip(chosen, rejected)]
+    by_kind: dict[str, list[float]] = {}
+    for pair, win in zip(pairs, wins):
+        by_kind.setdefault(pair.kind, []).append(win)
+    every = chosen + rejected
+    return {"accuracy": sum(wins) / len(wins), "pairs": len(pairs),
+            "mean_margin": sum(c - r for c, r in zip(chosen, rejected)) / len(pairs),
+            "accuracy_by_kind": {k: sum(v) / len(v) for k, v in sorted(by_kind.items())},
+            "reward_mean": statistics.fmean(every), "reward_std": statistics.pstdev(every),
+            "chosen_mean": statistics.fmean(chosen), "rejected_mean": statistics.fmean(rejected)}
+
+
+def merged_policy(source, adapter: Optional[Path], trust_remote_code: bool = False, allow_pickle: bool = False):
+    """The policy's weights with the SFT adapter folded in (a plain model, no peft wrapper)."""
+    from slm_align.modeling import load_adapter, load_model
+
+    model = load_model(source, trust_remote_code, allow_pickle)
+    return load_adapter(model, adapter).merge_and_unload() if adapter is not None else model

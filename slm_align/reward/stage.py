@@ -1,0 +1,124 @@
+"""The reward stage: preference pairs -> Bradley-Terry reward model in ``OUT/reward/``.
+
+Artifacts: ``model/`` (merged classifier + tokenizer, loads alone), ``pairs.jsonl`` and ``eval_pairs.jsonl``
+(TRL columns plus the corruption ``kind``), ``log.jsonl`` and ``manifest.json`` with held-out accuracy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from slm_align.config import Recipe
+from slm_align.data.corpus import load_corpus
+from slm_align.errors import UserError
+from slm_align.modeling import load_tokenizer, resolve_source
+from slm_align.progress import TrainerProgress
+from slm_align.reward.model import (bradley_terry_loss, classifier_from_policy, collate_pairs, encode_scored,
+                                    merged_policy, pairwise_metrics, sequence_rewards)
+from slm_align.reward.pairs import Pair, PairStats, synthetic_pairs
+from slm_align.reward.preferences import read_preferences
+from slm_align.runs import completed, digest, make_manifest, partial_dir, publish, read_manifest
+from slm_align.sft import recipe_from_sft
+from slm_align.training import attach_lora, make_trainer, prepare_partial, training_arguments
+
+STAGE = "reward"
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """Where the reward model is, whether the stage was skipped as already done, and its metrics."""
+
+    stage_dir: Path
+    skipped: bool
+    metrics: dict
+
+
+def _held_out(pair: Pair, seed: int) -> bool:
+    """About one imported pair in ten is kept for measuring accuracy, chosen by a seeded content hash."""
+    key = f"{seed}\x00{pair.prompt}\x00{pair.chosen}\x00{pair.rejected}".encode()
+    return hashlib.sha256(key).digest()[0] < 26
+
+
+def build_pairs(recipe: Recipe, tokenizer) -> tuple[list[Pair], list[Pair], dict]:
+    """Training pairs (from training items only, plus imported ones) and held-out pairs for accuracy."""
+    settings = recipe.reward
+    train: list[Pair] = []
+    held: list[Pair] = []
+    stats: dict = {}
+    if settings.pairs.synthetic:
+        splits = load_corpus(recipe.data, recipe.seed).splits
+        train, made = synthetic_pairs(splits.train, settings.pairs, recipe.seed)
+        held, held_stats = synthetic_pairs(splits.eval, settings.pairs, recipe.seed + 1)
+        stats = {"synthetic": made.to_dict(), "eval": held_stats.to_dict()}
+    if settings.preferences:
+        imported = read_preferences(Path(settings.preferences), tokenizer)
+        train += [p for p in imported if not _held_out(p, recipe.seed)]
+        held += [p for p in imported if _held_out(p, recipe.seed)]
+        stats["imported"] = len(imported)
+    if not train:
+        raise UserError("no preference pairs to train on: the corpus gave none (documents too short to split) "
+                        "and no --preferences file was given")
+    if not held:
+        raise UserError("no held-out preference pairs to measure accuracy on; give a larger corpus or more "
+                        "preference rows")
+    return train, held, stats
+
+
+def _bt_trainer_class(margin: float, center: float):
+    from transformers import Trainer
+
+    class BradleyTerryTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            rewards = sequence_rewards(model, inputs["input_ids"], inputs["attention_mask"])
+            chosen, rejected = rewards.chunk(2)
+            loss = bradley_terry_loss(chosen, rejected, margin, center)
+            return (loss, {"rewards": rewards}) if return_outputs else loss
+
+    return BradleyTerryTrainer
+
+
+def _write_jsonl(path: Path, pairs: list[Pair]) -> None:
+    path.write_text("".join(json.dumps(p.to_row()) + "\n" for p in pairs), encoding="utf-8")
+
+
+def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> RewardResult:
+    """Train the reward model of run ``out`` (whose SFT stage must be finished)."""
+    started = time.time()
+    recipe, adapter = recipe_from_sft(out, recipe)
+    source = resolve_source(recipe.model.source)
+    tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
+    train, held, pair_stats = build_pairs(recipe, tokenizer)
+    stage_dir = Path(out) / STAGE
+    inputs = {"sft": read_manifest(Path(out) / "sft")["inputs_hash"], "seed": recipe.seed,
+              "reward": recipe.reward.model_dump(), "pairs": digest([p.to_row() for p in train + held])}
+    done = completed(stage_dir, inputs)
+    if done is not None:
+        return RewardResult(stage_dir, skipped=True, metrics=done["metrics"])
+    policy = merged_policy(source, adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
+    model = attach_lora(classifier_from_policy(policy, tokenizer.pad_token_id), recipe.reward.lora, recipe.seed,
+                        task_type="SEQ_CLS")
+    max_length = recipe.data.max_length
+    rows = [{"chosen_ids": encode_scored(tokenizer, p.prompt, p.chosen, max_length),
+             "rejected_ids": encode_scored(tokenizer, p.prompt, p.rejected, max_length)} for p in train]
+    partial = partial_dir(stage_dir)
+    checkpoint = prepare_partial(partial, inputs, resume)
+    progress = TrainerProgress("reward model", partial / "log.jsonl")
+    trainer = make_trainer(_bt_trainer_class(recipe.reward.margin, recipe.reward.center_coefficient), model,
+                           training_arguments(recipe.reward, recipe.seed, partial), rows,
+                           lambda batch: collate_pairs(batch, tokenizer.pad_token_id), progress)
+    output = trainer.train(resume_from_checkpoint=checkpoint)
+    merged = model.merge_and_unload().eval()
+    merged.save_pretrained(partial / "model", safe_serialization=True)
+    tokenizer.save_pretrained(partial / "model")
+    _write_jsonl(partial / "pairs.jsonl", train)
+    _write_jsonl(partial / "eval_pairs.jsonl", held)
+    metrics = pairwise_metrics(merged, tokenizer, held, max_length)
+    metrics.update(train_loss=output.training_loss, steps=output.global_step, train_pairs=len(train),
+                   pair_stats=pair_stats, resumed_from=checkpoint)
+    publish(partial, stage_dir, make_manifest(STAGE, inputs, metrics, started),
+            keep=("model", "pairs.jsonl", "eval_pairs.jsonl", "inputs.json", "log.jsonl"))
+    return RewardResult(stage_dir, skipped=False, metrics=metrics)

@@ -1,0 +1,77 @@
+"""Plumbing shared by the stages that train on transformers' Trainer (SFT, reward model)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from slm_align.config import LoraSettings, TrainSettings
+from slm_align.errors import UserError
+from slm_align.modeling import lora_targets
+from slm_align.runs import digest, write_json_atomic
+
+
+def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
+    """Create a stage's work dir, or check a leftover one; returns the Trainer checkpoint to resume from."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    marker = partial / "inputs.json"
+    if partial.exists():
+        if not resume:
+            raise UserError(f"an interrupted run is in {partial}; pass --resume to continue it, "
+                            "or remove that directory to start over")
+        if not marker.is_file() or json.loads(marker.read_text())["inputs_hash"] != digest(inputs):
+            raise UserError(f"{partial} was started with other inputs or settings; cannot resume it with these")
+        checkpoints = partial / "checkpoints"
+        return get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
+    partial.mkdir(parents=True)
+    write_json_atomic(marker, {"inputs_hash": digest(inputs), "inputs": inputs})
+    return None
+
+
+def training_arguments(settings: TrainSettings, seed: int, partial: Path, **extra):
+    """TrainingArguments for CPU fp32 training with a cosine schedule, checkpoints and our own progress bar."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(partial / "checkpoints"), num_train_epochs=settings.epochs, max_steps=settings.max_steps,
+        per_device_train_batch_size=settings.batch_size, per_device_eval_batch_size=settings.batch_size,
+        gradient_accumulation_steps=settings.grad_accum, learning_rate=settings.learning_rate,
+        lr_scheduler_type="cosine", warmup_ratio=settings.warmup_ratio, weight_decay=settings.weight_decay,
+        save_strategy="steps", save_steps=settings.save_steps, save_total_limit=2, logging_steps=10,
+        use_cpu=True, seed=seed, data_seed=seed, report_to=[], disable_tqdm=True, remove_unused_columns=False,
+        dataloader_num_workers=0, save_safetensors=True, **extra,
+    )
+
+
+def attach_lora(model, lora: LoraSettings, seed: int, task_type: str = "CAUSAL_LM"):
+    """Wrap ``model`` with a fresh LoRA adapter (for SEQ_CLS, peft also trains the score head)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import set_seed
+
+    set_seed(seed)
+    targets = lora_targets(model.config.model_type, lora.target_modules)
+    try:
+        return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                target_modules=targets, task_type=task_type))
+    except ValueError as exc:
+        raise UserError(f"LoRA target modules {targets} do not match this model ({exc}); "
+                        "name existing modules with --lora-targets") from None
+
+
+def make_trainer(trainer_class, model, args, train_rows, collate, progress, **kwargs):
+    """A Trainer with our progress callback in place of its stdout printer."""
+    from transformers import PrinterCallback
+
+    trainer = trainer_class(model=model, args=args, train_dataset=train_rows, data_collator=collate,
+                            callbacks=[progress], **kwargs)
+    trainer.remove_callback(PrinterCallback)  # our progress bar and log.jsonl replace its stdout dicts
+    return trainer
+
+
+def save_adapter(model, path: Path) -> None:
+    with warnings.catch_warnings():  # peft warns when the base came from a .gguf or the bundled dir: harmless
+        warnings.filterwarnings("ignore", message="Could not find a config file")
+        model.save_pretrained(path, safe_serialization=True)
