@@ -101,7 +101,8 @@ def print_sft(summary: dict) -> None:
              epilog="Exit code 0 on PASS, 1 on FAIL, 2 on bad input.\n\nExamples:\n\n"
                     "  slm-align check-headroom --run runs/demo\n\n"
                     "  slm-align check-headroom --model ./base --adapter runs/demo/sft/adapter --data eval.jsonl\n\n"
-                    "  slm-align check-headroom --run runs/demo --max-ppl 15 --json")
+                    "  slm-align check-headroom --run runs/demo --max-ppl 15 --json\n\n"
+                    "  slm-align check-headroom --run runs/demo --reward mypkg.rewards:politeness@0.5")
 def check_headroom_cmd(
     run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
     model: Optional[str] = ModelOpt,
@@ -109,16 +110,22 @@ def check_headroom_cmd(
     data: Optional[str] = DataOpt, text_field: Optional[str] = TextFieldOpt, config: Optional[Path] = ConfigOpt,
     seed: Optional[int] = SeedOpt,
     max_ppl: Optional[float] = typer.Option(None, "--max-ppl", help="Perplexity threshold (default 20)."),
+    reward_model: Optional[Path] = typer.Option(None, help="Reward model dir (default: the run's reward/model)."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight] or a built-in "
+                                                          "(length_window, exact_answer, json_tool_call); repeatable."),
+    min_reward_acc: Optional[float] = typer.Option(None, help="Minimum held-out pairwise accuracy (default 0.6)."),
+    min_reward_std: Optional[float] = typer.Option(None, help="Minimum reward std over samples (default 0.1)."),
     trust_remote_code: bool = TrustOpt, allow_pickle: bool = PickleOpt, as_json: bool = JsonFlag,
 ) -> None:
-    """Measure whether RL has headroom: held-out perplexity of the SFT prior against its threshold."""
+    """Measure whether RL has headroom: SFT perplexity, reward accuracy and reward spread against thresholds."""
     from slm_align.headroom import check_headroom
 
     if run is not None and model is not None:
         raise UserError("pass either --run or --model, not both")
     recipe = _recipe(config, **_common(model, data, text_field, seed, trust_remote_code, allow_pickle),
-                     **{"headroom.max_ppl": max_ppl})
-    report = check_headroom(recipe, run=run, adapter=adapter)
+                     **{"headroom.max_ppl": max_ppl, "headroom.min_reward_accuracy": min_reward_acc,
+                        "headroom.min_reward_std": min_reward_std})
+    report = check_headroom(recipe, run=run, adapter=adapter, reward_model=reward_model, rewards=reward)
     emit(as_json, report.to_dict(), lambda: print_headroom(report.to_dict()))
     raise typer.Exit(0 if report.passed else 1)
 
@@ -133,6 +140,9 @@ def print_headroom(report: dict) -> None:
     info = report["info"]
     if "base_ppl" in info:
         table.add_row("base model perplexity (context)", f"{info['base_ppl']:.3f}", "", "")
+    for key in ("reward", "reward_accuracy", "reward_spread"):
+        if key in info:
+            table.add_row(key.replace("_", " "), info[key], "", "")
     stdout.print(table)
     color = "green" if report["passed"] else "red"
     stdout.print(f"verdict: [bold {color}]{report['verdict']}[/]")
@@ -144,14 +154,80 @@ def print_headroom(report: dict) -> None:
 def quickstart(
     out: Path = typer.Option(Path("runs/quickstart"), "--out", "-o", help="Run directory."),
     sft_steps: int = typer.Option(150, help="SFT optimizer steps on the bundled model."),
+    reward_steps: int = typer.Option(100, help="Reward-model optimizer steps."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Walk the loop on the bundled model and demo stories, printing each stage's figures."""
     from slm_align.quickstart import run_quickstart
 
-    result = run_quickstart(out, sft_steps=sft_steps, say=None if as_json else stdout.print)
+    result = run_quickstart(out, sft_steps=sft_steps, reward_steps=reward_steps,
+                            say=None if as_json else stdout.print)
     emit(as_json, result, lambda: None)
     raise typer.Exit(0 if result["headroom"]["passed"] else 1)
+
+
+def _pair_mix(text: Optional[str]) -> Optional[dict]:
+    if text is None:
+        return None
+    mix = {}
+    for item in text.split(","):
+        name, _, weight = item.partition("=")
+        try:
+            mix[name.strip()] = float(weight) if weight else 1.0
+        except ValueError:
+            raise UserError(f"--pair-mix {text}: weight {weight!r} is not a number (e.g. truncate=1,shuffle=2)")
+    return mix
+
+
+@app.command(epilog="Examples:\n\n  slm-align train --stage reward --out runs/demo\n\n"
+                    "  slm-align train --stage reward --out runs/demo --preferences prefs.jsonl --pair-mix shuffle=2,truncate=1\n\n"
+                    "  slm-align train --stage sft --data stories.txt --out runs/demo\n\n"
+                    "  slm-align train --algo grpo --out runs/demo   # RL: arrives with issue #4")
+def train(
+    out: Path = typer.Option(Path("runs/default"), "--out", "-o", help="Run directory."),
+    stage: str = typer.Option("rl", help="sft, reward, or rl (the whole pipeline; arrives with issue #4)."),
+    algo: str = typer.Option("ppo", help="RL algorithm: ppo or grpo."),
+    model: Optional[str] = ModelOpt, data: Optional[str] = DataOpt, text_field: Optional[str] = TextFieldOpt,
+    config: Optional[Path] = ConfigOpt, seed: Optional[int] = SeedOpt,
+    preferences: Optional[str] = typer.Option(None, help="Preference file (TRL columns) for the reward model."),
+    pair_mix: Optional[str] = typer.Option(None, help="Corruption weights, e.g. truncate=1,shuffle=1,mismatch=1,dropout=1."),
+    no_synthetic_pairs: bool = typer.Option(False, "--no-synthetic-pairs", help="Train on --preferences only."),
+    reward_steps: Optional[int] = typer.Option(None, help="Reward-model optimizer steps (default: one epoch)."),
+    reward_lr: Optional[float] = typer.Option(None, help="Reward-model learning rate (default 1e-3)."),
+    margin: Optional[float] = typer.Option(None, help="Bradley-Terry margin (default 0)."),
+    center: Optional[float] = typer.Option(None, help="Reward-centering coefficient (default 0.01)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted stage in OUT."),
+    trust_remote_code: bool = TrustOpt, allow_pickle: bool = PickleOpt, as_json: bool = JsonFlag,
+) -> None:
+    """Run training stages: SFT, the Bradley-Terry reward model, then PPO/GRPO (RL arrives with issue #4)."""
+    from slm_align.reward.stage import run_reward
+    from slm_align.sft import run_sft
+
+    if stage not in ("sft", "reward", "rl"):
+        raise UserError(f"--stage {stage}: choose sft, reward or rl")
+    if stage == "rl":
+        raise NotYetAvailable(f"`slm-align train --stage rl` ({algo}) is not available yet: PPO/GRPO inside the "
+                              "safety envelope arrives with issue #4; run --stage sft and --stage reward now")
+    recipe = _recipe(config, **_common(model, data, text_field, seed, trust_remote_code, allow_pickle),
+                     **{"reward.preferences": preferences, "reward.pairs.mix": _pair_mix(pair_mix),
+                        "reward.pairs.synthetic": False if no_synthetic_pairs else None,
+                        "reward.max_steps": reward_steps, "reward.learning_rate": reward_lr, "reward.margin": margin,
+                        "reward.center_coefficient": center})
+    if stage == "sft":
+        summary = _sft_summary(run_sft(recipe, out, resume=resume))
+        emit(as_json, summary, lambda: print_sft(summary))
+        return
+    result = run_reward(recipe, out, resume=resume)
+    summary = {"stage": "reward", "dir": str(result.stage_dir), "skipped": result.skipped, "metrics": result.metrics}
+    emit(as_json, summary, lambda: print_reward(summary))
+
+
+def print_reward(summary: dict) -> None:
+    m = summary["metrics"]
+    state = "already done with these inputs (skipped)" if summary["skipped"] else f"{m['steps']} steps"
+    kinds = ", ".join(f"{k} {v:.2f}" for k, v in m["accuracy_by_kind"].items())
+    stdout.print(f"[bold]reward model[/] -> {summary['dir']}: {state}; held-out accuracy {m['accuracy']:.3f} "
+                 f"({kinds}) on {m['pairs']} pairs, mean margin {m['mean_margin']:.2f}")
 
 
 def _later(name: str, what: str, issue: str, examples: str) -> None:
@@ -165,8 +241,6 @@ def _later(name: str, what: str, issue: str, examples: str) -> None:
                 context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
 
 
-_later("train", "reward-model training and PPO/GRPO inside the safety envelope", "the reward and RL issues (#3, #4)",
-       "  slm-align train --algo grpo --out runs/demo")
 _later("evaluate", "the comparison report of policies", "the evaluation issue (#5)",
        "  slm-align evaluate --run runs/demo")
 _later("merge", "folding adapters into a plain checkpoint", "the export issue (#6)",

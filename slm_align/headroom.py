@@ -6,10 +6,11 @@ accuracy, reward spread) join the same table.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
@@ -22,6 +23,10 @@ from slm_align.sft import recipe_from_sft
 
 REMEDY_PPL = ("the SFT prior is not fluent enough for RL to help: train SFT longer or on more or cleaner data, "
               "raise the LoRA rank (--lora-r), or start from a larger base model")
+REMEDY_ACCURACY = ("the reward model cannot tell better from worse: give it more or better preference data "
+                   "(--preferences, another pair mix) or train it longer")
+REMEDY_SPREAD = ("the reward barely varies over the policy's samples, so RL has nothing to follow: use a more "
+                 "discriminative reward (another reward model or --reward functions)")
 
 
 @dataclass
@@ -64,11 +69,61 @@ class HeadroomReport:
                 "remedies": [f.remedy for f in self.failures()]}
 
 
-def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional[Path] = None) -> HeadroomReport:
-    """Measure the gate's figures for a run (or a model plus optional adapter) and write ``run/headroom.json``."""
+def _heldout_pairs(recipe: Recipe, corpus, run: Optional[Path]) -> list:
+    """The reward stage's own held-out pairs when the run has them, else pairs made from the eval split."""
+    from slm_align.reward.pairs import Pair, synthetic_pairs
+
+    saved = Path(run) / "reward" / "eval_pairs.jsonl" if run is not None else None
+    if saved is not None and saved.is_file():
+        return [Pair(**json.loads(line)) for line in saved.read_text(encoding="utf-8").splitlines() if line]
+    return synthetic_pairs(corpus.splits.eval, recipe.reward.pairs, recipe.seed + 1)[0]
+
+
+def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Optional[Path],
+                    rewards: Sequence[str], run: Optional[Path], info: dict) -> list[Figure]:
+    """Held-out pairwise accuracy of the reward model and the spread of rewards over policy samples."""
+    from slm_align.data.prompts import prompt_of
+    from slm_align.generation import sample
+    from slm_align.reward.functions import combine, spread
+    from slm_align.reward.model import pairwise_metrics
+
+    settings = recipe.headroom
+    reward = combine(rewards, learned=reward_model)
+    figures = []
+    if reward_model is not None:
+        pairs = _heldout_pairs(recipe, corpus, run)
+        if pairs:
+            learned = reward.terms[0][1]
+            metrics = pairwise_metrics(learned.model, learned.tokenizer, pairs, recipe.data.max_length)
+            info["reward_accuracy_by_kind"] = metrics["accuracy_by_kind"]
+            figures.append(Figure("reward accuracy (held-out pairs)", metrics["accuracy"],
+                                  settings.min_reward_accuracy, ">=", REMEDY_ACCURACY))
+        else:
+            info["reward_accuracy"] = "not measured: no held-out preference pairs"
+    prompts = [p for ex in corpus.splits.heldout if (p := prompt_of(ex, tokenizer))][: settings.spread_prompts]
+    if len(prompts) < 2:
+        info["reward_spread"] = "not measured: fewer than two held-out prompts"
+        return figures
+    samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, temperature=1.0, seed=recipe.seed)
+    scores = reward(prompts, samples.completions)
+    info.update(spread_samples=len(scores), reward_terms=[name for name, _, _ in reward.terms])
+    figures.append(Figure("reward spread (std over policy samples)", spread(scores), settings.min_reward_std, ">=",
+                          REMEDY_SPREAD))
+    return figures
+
+
+def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional[Path] = None,
+                   reward_model: Optional[Path] = None, rewards: Sequence[str] = ()) -> HeadroomReport:
+    """Measure the gate's figures and write ``run/headroom.json`` when a run is given.
+
+    Perplexity always; reward accuracy when a reward model is known (``reward_model`` or the run's
+    ``reward/model``); reward spread when any reward is known (the model and/or ``rewards`` specs).
+    """
     started = time.time()
     if run is not None and adapter is None:
         recipe, adapter = recipe_from_sft(run, recipe)
+    if reward_model is None and run is not None and (Path(run) / "reward" / "model").is_dir():
+        reward_model = Path(run) / "reward" / "model"
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
     corpus = load_corpus(recipe.data, recipe.seed)
@@ -84,9 +139,13 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
             info["base_ppl"] = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size).ppl
         info["adapter"] = str(adapter)
     measured = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size)
+    figures = [Figure("held-out perplexity", measured.ppl, recipe.headroom.max_ppl, "<", REMEDY_PPL)]
+    if reward_model is not None or rewards:
+        figures += _reward_figures(recipe, corpus, model, tokenizer, reward_model, rewards, run, info)
+    else:
+        info["reward"] = "not measured: no reward model or reward function (slm-align train --stage reward)"
     info.update(eval_tokens=measured.tokens, seconds=round(time.time() - started, 2))
-    report = HeadroomReport([Figure("held-out perplexity", measured.ppl, recipe.headroom.max_ppl, "<", REMEDY_PPL)],
-                            info)
+    report = HeadroomReport(figures, info)
     if run is not None:
         write_json_atomic(Path(run) / "headroom.json", report.to_dict())
     return report

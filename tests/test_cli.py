@@ -35,10 +35,15 @@ def test_every_command_has_help_with_examples(capsys, command):
     assert code == 0 and "Example" in out and "--json" in out
 
 
-@pytest.mark.parametrize("command", ["train", "evaluate", "merge", "export", "chat", "feedback", "devices", "bench"])
+@pytest.mark.parametrize("command", ["evaluate", "merge", "export", "chat", "feedback", "devices", "bench"])
 def test_later_commands_say_so_in_one_line(capsys, command):
     code, out, err = run_cli(capsys, command, "--json", "--anything", "x")
     assert code == 2 and out == "" and err.count("\n") == 1 and "not available yet" in err
+
+
+def test_rl_stage_says_it_comes_later_before_doing_any_work(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "train", "--algo", "grpo", "--out", tmp_path / "run")
+    assert code == 2 and "issue #4" in err and err.count("\n") == 1 and not (tmp_path / "run").exists()
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,9 @@ def read_preferences(path: Path, tokenizer=None) -> list[Pair]:
     """Every preference pair in ``path``; malformed rows are a UserError naming file and line."""
     pairs: list[Pair] = []
     unpaired: dict[str, dict[bool, list[str]]] = defaultdict(lambda: {True: [], False: []})
+    rows = 0
     for where, row in iter_rows(Path(path)):
+        rows += 1
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected an object, got {type(row).__name__}")
         if {"chosen", "rejected"} <= row.keys():
@@ -81,6 +83,8 @@ def read_preferences(path: Path, tokenizer=None) -> list[Pair]:
         combos = [(good, bad) for good in by_label[True] for bad in by_label[False] if good != bad]
         pairs.extend(Pair(prompt, good, bad, "unpaired") for good, bad in combos[:MAX_PAIRS_PER_PROMPT])
     pairs = [p for p in pairs if p.chosen.strip() != p.rejected.strip()]
+    if rows == 0:
+        raise UserError(f"preferences {path} are empty; give rows with prompt/chosen/rejected or prompt/completion/label")
     if not pairs:
         raise UserError(f"preferences {path} hold no usable pair (need chosen != rejected, or both a good and a bad "
                         "completion of one prompt)")
