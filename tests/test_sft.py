@@ -33,6 +33,9 @@ def test_sft_trains_lora_only_and_writes_a_complete_stage(tmp_path, tiny_models,
     adapter = load_file(stage / "adapter" / "adapter_model.safetensors")
     lora_b = [t for name, t in adapter.items() if "lora_B" in name]
     assert lora_b and all(t.abs().sum() > 0 for t in lora_b)  # B starts at zero: every B moved
+    report = check_headroom(load_recipe(overrides={"headroom.max_ppl": 1e9}), run=tmp_path).to_dict()
+    assert report["verdict"] == "PASS" and report["info"]["eval_tokens"] > 0
+    assert report["figures"][0]["value"] < report["info"]["base_ppl"]  # even 4 steps lower held-out perplexity
     base_before = load_model(resolve_source(str(tiny_models[arch]))).state_dict()
     reloaded = load_model(resolve_source(str(tiny_models[arch]))).state_dict()
     assert all(torch.equal(base_before[k], reloaded[k]) for k in base_before)  # the base checkpoint is untouched
