@@ -155,12 +155,13 @@ def quickstart(
     out: Path = typer.Option(Path("runs/quickstart"), "--out", "-o", help="Run directory."),
     sft_steps: int = typer.Option(150, help="SFT optimizer steps on the bundled model."),
     reward_steps: int = typer.Option(100, help="Reward-model optimizer steps."),
+    rl_steps: int = typer.Option(20, help="PPO iterations."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Walk the loop on the bundled model and demo stories, printing each stage's figures."""
     from slm_align.quickstart import run_quickstart
 
-    result = run_quickstart(out, sft_steps=sft_steps, reward_steps=reward_steps,
+    result = run_quickstart(out, sft_steps=sft_steps, reward_steps=reward_steps, rl_steps=rl_steps,
                             say=None if as_json else stdout.print)
     emit(as_json, result, lambda: None)
     raise typer.Exit(0 if result["headroom"]["passed"] else 1)
@@ -179,16 +180,23 @@ def _pair_mix(text: Optional[str]) -> Optional[dict]:
     return mix
 
 
-@app.command(epilog="Examples:\n\n  slm-align train --stage reward --out runs/demo\n\n"
+@app.command(epilog="Examples:\n\n  slm-align train --algo grpo --out runs/demo          # SFT, reward model, gate, GRPO\n\n"
+                    "  slm-align train --algo ppo --out runs/demo --steps 100 --kl-coef 0.1\n\n"
+                    "  slm-align train --algo grpo --sft runs/base --reward-model rm/ --reward my_rewards:fn@0.5 --out runs/g\n\n"
                     "  slm-align train --stage reward --out runs/demo --preferences prefs.jsonl --pair-mix shuffle=2,truncate=1\n\n"
-                    "  slm-align train --stage sft --data stories.txt --out runs/demo\n\n"
-                    "  slm-align train --algo grpo --out runs/demo   # RL: arrives with issue #4")
+                    "  slm-align train --out runs/demo --resume              # continue a killed run\n\n"
+                    "  slm-align train --out runs/demo --force               # train although the gate says FAIL (recorded)")
 def train(
     out: Path = typer.Option(Path("runs/default"), "--out", "-o", help="Run directory."),
-    stage: str = typer.Option("rl", help="sft, reward, or rl (the whole pipeline; arrives with issue #4)."),
-    algo: str = typer.Option("ppo", help="RL algorithm: ppo or grpo."),
+    stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it needs, the gate, then RL)."),
+    algo: Optional[str] = typer.Option(None, help="RL algorithm: ppo (default) or grpo."),
     model: Optional[str] = ModelOpt, data: Optional[str] = DataOpt, text_field: Optional[str] = TextFieldOpt,
     config: Optional[Path] = ConfigOpt, seed: Optional[int] = SeedOpt,
+    sft_from: Optional[Path] = typer.Option(None, "--sft", help="Take the finished SFT stage of this run instead."),
+    reward_model: Optional[Path] = typer.Option(None, help="Use this reward model dir instead of training one."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight] or a built-in; "
+                                                          "repeatable; added to the reward model."),
+    force: bool = typer.Option(False, "--force", help="Train even when the headroom gate says FAIL (recorded)."),
     preferences: Optional[str] = typer.Option(None, help="Preference file (TRL columns) for the reward model."),
     pair_mix: Optional[str] = typer.Option(None, help="Corruption weights, e.g. truncate=1,shuffle=1,mismatch=1,dropout=1."),
     no_synthetic_pairs: bool = typer.Option(False, "--no-synthetic-pairs", help="Train on --preferences only."),
@@ -196,30 +204,72 @@ def train(
     reward_lr: Optional[float] = typer.Option(None, help="Reward-model learning rate (default 1e-3)."),
     margin: Optional[float] = typer.Option(None, help="Bradley-Terry margin (default 0)."),
     center: Optional[float] = typer.Option(None, help="Reward-centering coefficient (default 0.01)."),
+    steps: Optional[int] = typer.Option(None, help="RL iterations (default 40)."),
+    rl_lr: Optional[float] = typer.Option(None, help="RL learning rate (default 1e-3)."),
+    prompts_per_step: Optional[int] = typer.Option(None, help="Prompts per iteration (default 4; PPO: x group size)."),
+    group_size: Optional[int] = typer.Option(None, help="GRPO group size G (default 8)."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens per completion (default 48)."),
+    kl_coef: Optional[float] = typer.Option(None, help="PPO KL coefficient (default 0.05)."),
+    kl_mode: Optional[str] = typer.Option(None, help="PPO KL: reward (k1 in the reward) or loss (k3 in the loss)."),
+    adaptive_kl: bool = typer.Option(False, "--adaptive-kl", help="PPO: adapt the KL coefficient."),
+    beta: Optional[float] = typer.Option(None, help="GRPO k3 KL coefficient (default 0.04)."),
+    loss_type: Optional[str] = typer.Option(None, help="GRPO loss: grpo, dr_grpo or token_mean."),
+    scale_rewards: Optional[str] = typer.Option(None, help="GRPO advantage scale: group, batch or none."),
+    resample_zero_std: bool = typer.Option(False, "--resample-zero-std", help="GRPO: resample all-equal groups."),
+    mask_truncated: bool = typer.Option(False, "--mask-truncated", help="No gradient from truncated completions."),
+    length_penalty: Optional[float] = typer.Option(None, help="Soft penalty per token past 80% of the budget."),
+    no_reinit_lora: bool = typer.Option(False, "--no-reinit-lora", help="ENVELOPE OFF: keep the SFT adapter as loaded."),
+    no_ratio_guard: bool = typer.Option(False, "--no-ratio-guard", help="ENVELOPE OFF: never skip on the ratio."),
+    no_rollback: bool = typer.Option(False, "--no-rollback", help="ENVELOPE OFF: no snapshot/rollback on NaN."),
+    sigma_clip: Optional[float] = typer.Option(None, help="Sigma clip of scores/advantages (default 3; 0: off)."),
+    grad_clip: Optional[float] = typer.Option(None, help="Gradient-norm clip (default 1; 0: off)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted stage in OUT."),
     trust_remote_code: bool = TrustOpt, allow_pickle: bool = PickleOpt, as_json: bool = JsonFlag,
 ) -> None:
-    """Run training stages: SFT, the Bradley-Terry reward model, then PPO/GRPO (RL arrives with issue #4)."""
+    """Train: SFT, the Bradley-Terry reward model, the headroom gate, then PPO or GRPO in the safety envelope."""
     from slm_align.reward.stage import run_reward
+    from slm_align.rl.stage import run_rl
     from slm_align.sft import run_sft
 
     if stage not in ("sft", "reward", "rl"):
         raise UserError(f"--stage {stage}: choose sft, reward or rl")
-    if stage == "rl":
-        raise NotYetAvailable(f"`slm-align train --stage rl` ({algo}) is not available yet: PPO/GRPO inside the "
-                              "safety envelope arrives with issue #4; run --stage sft and --stage reward now")
+    off = lambda flag: False if flag else None  # noqa: E731
     recipe = _recipe(config, **_common(model, data, text_field, seed, trust_remote_code, allow_pickle),
                      **{"reward.preferences": preferences, "reward.pairs.mix": _pair_mix(pair_mix),
-                        "reward.pairs.synthetic": False if no_synthetic_pairs else None,
-                        "reward.max_steps": reward_steps, "reward.learning_rate": reward_lr, "reward.margin": margin,
-                        "reward.center_coefficient": center})
+                        "reward.pairs.synthetic": off(no_synthetic_pairs), "reward.max_steps": reward_steps,
+                        "reward.learning_rate": reward_lr, "reward.margin": margin, "reward.center_coefficient": center,
+                        "rl.algo": algo, "rl.steps": steps, "rl.learning_rate": rl_lr,
+                        "rl.prompts_per_step": prompts_per_step, "rl.group_size": group_size,
+                        "rl.max_new_tokens": max_new_tokens, "rl.kl_coef": kl_coef, "rl.kl_mode": kl_mode,
+                        "rl.adaptive_kl": adaptive_kl or None, "rl.beta": beta, "rl.loss_type": loss_type,
+                        "rl.scale_rewards": scale_rewards, "rl.resample_zero_std": resample_zero_std or None,
+                        "rl.mask_truncated": mask_truncated or None, "rl.length_penalty": length_penalty,
+                        "rl.envelope.reinit_lora": off(no_reinit_lora), "rl.envelope.ratio_guard": 0.0 if no_ratio_guard else None,
+                        "rl.envelope.rollback": off(no_rollback), "rl.envelope.sigma_clip": sigma_clip,
+                        "rl.envelope.grad_clip": grad_clip})
     if stage == "sft":
         summary = _sft_summary(run_sft(recipe, out, resume=resume))
         emit(as_json, summary, lambda: print_sft(summary))
         return
-    result = run_reward(recipe, out, resume=resume)
-    summary = {"stage": "reward", "dir": str(result.stage_dir), "skipped": result.skipped, "metrics": result.metrics}
-    emit(as_json, summary, lambda: print_reward(summary))
+    if stage == "reward":
+        result = run_reward(recipe, out, resume=resume)
+        summary = {"stage": "reward", "dir": str(result.stage_dir), "skipped": result.skipped, "metrics": result.metrics}
+        emit(as_json, summary, lambda: print_reward(summary))
+        return
+    result = run_rl(recipe, out, resume=resume, force=force, sft_from=sft_from, reward_model=reward_model,
+                    rewards=reward, say=lambda text: None if as_json else stdout.print(text))
+    summary = {"stage": "rl", "dir": str(result.stage_dir), "skipped": result.skipped, "metrics": result.metrics}
+    emit(as_json, summary, lambda: print_rl(summary))
+
+
+def print_rl(summary: dict) -> None:
+    m = summary["metrics"]
+    state = "already done with these inputs (skipped)" if summary["skipped"] else f"{m['steps']} iterations"
+    forced = " (gate FAIL overridden by --force)" if m["gate"]["forced"] else ""
+    stdout.print(f"[bold]RL ({m['algo']})[/] -> {summary['dir']}: {state}{forced}; held-out reward "
+                 f"{m['heldout_reward_sft']:.3f} (SFT) -> {m['heldout_reward_rl']:.3f} (RL), delta "
+                 f"{m['heldout_reward_delta']:+.3f}; guard skips {m['guard']['skipped']}, rollbacks "
+                 f"{m['guard']['rollbacks']}")
 
 
 def print_reward(summary: dict) -> None:
@@ -265,7 +315,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         code = typer.main.get_command(app).main(args=argv, prog_name="slm-align", standalone_mode=False)
     except UserError as exc:
         sys.stderr.write(f"error: {exc}\n")
-        code = EXIT_USER_ERROR
+        code = exc.exit_code
     except TyperException as exc:  # usage errors of the parser (unknown option, bad value, missing argument)
         ctx = getattr(exc, "ctx", None)
         if type(exc).__name__ == "NoArgsIsHelpError":  # the parser has already printed the help

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -73,6 +73,54 @@ class RewardSettings(TrainSettings):
     preferences: Optional[str] = Field(None, description="Preference file to import (TRL columns).")
 
 
+class EnvelopeSettings(_Strict):
+    """The safety envelope. Every guard is on by default; switching one off is explicit and recorded."""
+
+    reinit_lora: bool = Field(True, description="Merge the SFT adapter and train a fresh zero-initialised LoRA.")
+    log_ratio_clamp: float = Field(20.0, gt=0, description="Clamp |log-ratio| before exp (float32).")
+    sigma_clip: float = Field(3.0, ge=0, description="Clip scores and advantages at this many std (0: off).")
+    ratio_guard: float = Field(5.0, ge=0, description="Skip a minibatch whose mean ratio exceeds this (0: off).")
+    rollback: bool = Field(True, description="Restore params and optimizer state on a non-finite loss/grad/param.")
+    max_consecutive_rollbacks: int = Field(5, ge=1, description="Stop the run after this many rollbacks in a row.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip (0: off).")
+
+
+class RLSettings(_Strict):
+    """PPO and GRPO: one loop, one envelope."""
+
+    algo: Literal["ppo", "grpo"] = Field("ppo", description="The algorithm.")
+    steps: int = Field(40, ge=1, description="Rollout-and-update iterations.")
+    prompts_per_step: int = Field(4, ge=1, description="GRPO: prompts per iteration (PPO: times group_size).")
+    group_size: int = Field(8, ge=2, description="GRPO: completions per prompt (PPO: one each, more prompts).")
+    max_new_tokens: int = Field(48, ge=1, description="Most tokens per completion.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (logprobs use the same).")
+    learning_rate: float = Field(1e-3, gt=0, lt=1, description="AdamW learning rate of LoRA (and value head).")
+    epochs: int = Field(2, ge=1, description="Passes over each rollout.")
+    minibatch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="Ratio clip (PPO, and GRPO's lower bound).")
+    clip_eps_high: float = Field(0.28, gt=0, lt=1, description="GRPO: upper ratio clip (asymmetric).")
+    value_clip: float = Field(0.2, gt=0, description="PPO: clip of the value update.")
+    value_coef: float = Field(0.5, ge=0, description="PPO: weight of the value loss.")
+    gamma: float = Field(1.0, gt=0, le=1, description="PPO: discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda.")
+    kl_coef: float = Field(0.05, ge=0, description="PPO: KL coefficient (initial value when adaptive).")
+    kl_mode: Literal["reward", "loss"] = Field("reward", description="PPO: k1 KL in the reward, or k3 in the loss.")
+    adaptive_kl: bool = Field(False, description="PPO: adapt the KL coefficient toward target_kl.")
+    target_kl: float = Field(0.1, gt=0, description="PPO: KL per sequence the adaptive controller aims for.")
+    beta: float = Field(0.04, ge=0, description="GRPO: coefficient of the k3 KL to the reference.")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="GRPO: advantage scaling.")
+    loss_type: Literal["grpo", "dr_grpo", "token_mean"] = Field("grpo", description="GRPO: loss normalisation.")
+    resample_zero_std: bool = Field(False, description="GRPO: resample groups whose rewards are all equal (once).")
+    mask_truncated: bool = Field(False, description="Give truncated completions no gradient.")
+    length_penalty: float = Field(0.0, ge=0, description="Soft penalty per token past 80% of max_new_tokens.")
+    whiten_rewards: bool = Field(True, description="PPO: whiten scores across the batch before use.")
+    save_steps: int = Field(10, ge=1, description="Checkpoint every this many iterations (for --resume).")
+    eval_prompts: int = Field(64, ge=1, description="Held-out prompts scored before and after RL.")
+    lora: LoraSettings = Field(default_factory=lambda: LoraSettings(r=16, alpha=32.0, dropout=0.0),
+                               description="The fresh RL adapter.")
+    envelope: EnvelopeSettings = Field(default_factory=EnvelopeSettings, description="The safety envelope.")
+
+
 class HeadroomSettings(_Strict):
     max_ppl: float = Field(20.0, gt=1.0, description="Held-out perplexity the SFT prior must stay below.")
     batch_size: int = Field(8, ge=1, description="Sequences per forward pass while measuring.")
@@ -90,6 +138,7 @@ class Recipe(_Strict):
     sft: SFTSettings = Field(default_factory=SFTSettings, description="Supervised fine-tuning.")
     reward: RewardSettings = Field(default_factory=RewardSettings, description="The Bradley-Terry reward model.")
     headroom: HeadroomSettings = Field(default_factory=HeadroomSettings, description="The headroom gate.")
+    rl: RLSettings = Field(default_factory=RLSettings, description="PPO/GRPO inside the safety envelope.")
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

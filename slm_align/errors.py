@@ -10,6 +10,8 @@ EXIT_USER_ERROR = 2
 class UserError(Exception):
     """Bad input: one line that names the problem and the fix."""
 
+    exit_code = EXIT_USER_ERROR
+
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
 

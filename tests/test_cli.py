@@ -41,9 +41,23 @@ def test_later_commands_say_so_in_one_line(capsys, command):
     assert code == 2 and out == "" and err.count("\n") == 1 and "not available yet" in err
 
 
-def test_rl_stage_says_it_comes_later_before_doing_any_work(capsys, tmp_path):
-    code, out, err = run_cli(capsys, "train", "--algo", "grpo", "--out", tmp_path / "run")
-    assert code == 2 and "issue #4" in err and err.count("\n") == 1 and not (tmp_path / "run").exists()
+def test_bad_rl_settings_are_refused_before_any_work(capsys, tmp_path):
+    for args, expected in ((["--algo", "a2c"], "rl.algo"), (["--group-size", "1"], "rl.group_size"),
+                           (["--loss-type", "mean"], "rl.loss_type"), (["--stage", "dpo"], "--stage dpo")):
+        code, out, err = run_cli(capsys, "train", "--out", tmp_path / "run", *args)
+        assert code == 2 and expected in err and err.count("\n") == 1 and not (tmp_path / "run").exists()
+
+
+def test_train_grpo_from_the_cli_with_a_reward_function(capsys, tmp_path, tiny_models, stories):
+    out = tmp_path / "run"
+    code, stdout, err = run_cli(capsys, "train", "--algo", "grpo", "--model", tiny_models["qwen2"], "--data", stories,
+                                "--out", out, "--reward", "length_window", "--steps", "2", "--prompts-per-step", "2",
+                                "--group-size", "2", "--max-new-tokens", "8", "--force", "--json")
+    summary = json.loads(stdout)
+    assert code == 0, err
+    assert summary["metrics"]["algo"] == "grpo" and summary["metrics"]["steps"] == 2
+    assert (out / "sft" / "manifest.json").is_file() and not (out / "reward").exists()  # a function, no model
+    assert len((out / "rl" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
 @pytest.fixture(scope="module")

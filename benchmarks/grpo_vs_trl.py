@@ -1,0 +1,146 @@
+"""GRPO: slm-align's loop vs TRL's GRPOTrainer, same model and settings, side by side in one run.
+
+Both sides: the bundled Llama (or --model), a fresh LoRA (same rank, alpha, targets), fp32 on CPU, the same
+prompts, G completions per prompt, the same completion length, temperature 1, beta (k3 KL to the adapter-disabled
+reference), clip 0.2/0.28, loss "grpo", group scaling, and the same Python reward. One *iteration* is: sample
+prompts_per_step x G completions, then `epochs` passes in minibatches (TRL: steps_per_generation and
+num_iterations set to the same number of optimizer steps). Each side runs in its own subprocess so peak RSS is its
+own; the first iteration is a warm-up and is not timed.
+
+    python benchmarks/grpo_vs_trl.py                 # needs `pip install trl`
+    python benchmarks/grpo_vs_trl.py --iterations 5 --group-size 8 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+def reward(prompts, completions, **_):
+    """Same reward on both sides: 1 inside a 20-40 word window (a verifiable, cheap reward)."""
+    from slm_align.reward.functions import length_window
+
+    return length_window(prompts, completions, min_words=20, max_words=40)
+
+
+def prompts_for(n: int) -> list[str]:
+    from slm_align.config import DataSettings
+    from slm_align.data.corpus import load_corpus
+    from slm_align.data.prompts import prompt_of
+
+    splits = load_corpus(DataSettings(demo_documents=2000), seed=0).splits
+    prompts = [prompt_of(ex) for ex in splits.train]
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def run_ours(args) -> dict:
+    import torch
+
+    from slm_align.config import LoraSettings, RLSettings
+    from slm_align.modeling import load_tokenizer, resolve_source
+    from slm_align.rl.loop import RLLoop
+    from slm_align.rl.policy import build_policy
+
+    torch.set_num_threads(args.threads)
+    source = resolve_source(args.model)
+    tokenizer = load_tokenizer(source)
+    settings = RLSettings(algo="grpo", prompts_per_step=args.prompts, group_size=args.group_size,
+                          max_new_tokens=args.max_new_tokens, epochs=args.epochs, minibatch_size=args.minibatch,
+                          beta=args.beta, loss_type="grpo", learning_rate=1e-5,
+                          lora=LoraSettings(r=LORA["r"], alpha=LORA["lora_alpha"], dropout=0.0,
+                                            target_modules=LORA["target_modules"]))
+    policy = build_policy(source, None, settings, seed=0)
+    loop = RLLoop(policy, tokenizer, reward, prompts_for(args.prompts * (args.iterations + 1)), settings, seed=0)
+    times = []
+    for step in range(args.iterations + 1):
+        started = time.perf_counter()
+        loop.run_step(step)
+        times.append(time.perf_counter() - started)
+    return {"seconds_per_iteration": sum(times[1:]) / args.iterations,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run_trl(args) -> dict:
+    import datasets
+    import torch
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+
+    torch.set_num_threads(args.threads)
+    source = resolve_source(args.model)
+    tokenizer = load_tokenizer(source)
+    tokenizer.padding_side = "left"
+    model = load_model(source)
+    updates = args.prompts * args.group_size * args.epochs // args.minibatch  # optimizer steps per iteration
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            stamps.append(time.perf_counter())
+
+    config = GRPOConfig(
+        output_dir="/tmp/slm-align-bench-trl", use_cpu=True, bf16=False, fp16=False, report_to=[],
+        disable_tqdm=True, logging_steps=10_000, save_strategy="no", gradient_checkpointing=False,
+        per_device_train_batch_size=args.minibatch,
+        steps_per_generation=args.prompts * args.group_size // args.minibatch, num_iterations=args.epochs,
+        num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=1.0, top_k=0,
+        top_p=1.0, beta=args.beta, epsilon=0.2, epsilon_high=0.28, loss_type="grpo", scale_rewards="group",
+        learning_rate=1e-5, max_steps=updates * (args.iterations + 1), seed=0, dataloader_num_workers=0,
+        remove_unused_columns=False,
+    )
+    dataset = datasets.Dataset.from_dict({"prompt": prompts_for(args.prompts * (args.iterations + 1) * 4)})
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=LoraConfig(task_type="CAUSAL_LM", **LORA),
+                          callbacks=[Stamp()])
+    started = time.perf_counter()
+    trainer.train()
+    boundaries = [started] + stamps[updates - 1::updates]
+    per_iteration = [b - a for a, b in zip(boundaries, boundaries[1:])]
+    return {"seconds_per_iteration": sum(per_iteration[1:]) / max(1, len(per_iteration) - 1),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "optimizer_steps": len(stamps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model source (default: the bundled model)")
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--minibatch", type=int, default=8)
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        print(json.dumps((run_ours if args.side == "ours" else run_trl)(args)))
+        return
+    results = {}
+    for side in ("ours", "trl"):
+        done = subprocess.run([sys.executable, __file__, "--side", side] + sys.argv[1:], capture_output=True,
+                              text=True, check=True)
+        results[side] = json.loads(done.stdout.strip().splitlines()[-1])
+    ours, trl = results["ours"], results["trl"]
+    print(f"GRPO, {args.prompts} prompts x G={args.group_size}, {args.max_new_tokens} new tokens, LoRA r={LORA['r']}, "
+          f"fp32, CPU ({args.threads} threads), {args.iterations} timed iterations")
+    print(f"{'':28}{'slm-align':>12}{'TRL':>12}{'ratio':>10}")
+    print(f"{'seconds per iteration':28}{ours['seconds_per_iteration']:12.2f}{trl['seconds_per_iteration']:12.2f}"
+          f"{ours['seconds_per_iteration'] / trl['seconds_per_iteration']:10.2f}")
+    print(f"{'peak RSS (MB)':28}{ours['peak_rss_mb']:12.0f}{trl['peak_rss_mb']:12.0f}"
+          f"{ours['peak_rss_mb'] / trl['peak_rss_mb']:10.2f}")
+
+
+if __name__ == "__main__":
+    main()

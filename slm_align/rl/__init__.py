@@ -1,0 +1,1 @@
+"""PPO and GRPO for small models: one loop, one safety envelope."""

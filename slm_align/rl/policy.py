@@ -1,0 +1,79 @@
+"""The trainable policy: merged SFT weights + a fresh LoRA, a value head, and fp32 log-probabilities.
+
+The reference policy is the same model with the adapter disabled: no second copy of the weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from slm_align.config import RLSettings
+from slm_align.errors import UserError
+
+
+class ValueHead(nn.Module):
+    """PPO's critic: a linear map from the policy's last hidden state to a scalar value, in fp32."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden.float()).squeeze(-1)
+
+
+def require_trainable(model) -> int:
+    """The envelope's hard check: refuse to train when no parameter requires grad (the silent freeze)."""
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if count == 0:
+        raise UserError("no policy parameter requires grad: the LoRA adapter is frozen, so RL would silently "
+                        "change nothing; keep merge-and-reinitialise on (do not pass --no-reinit-lora)")
+    return count
+
+
+def build_policy(source, sft_adapter: Optional[Path], settings: RLSettings, seed: int,
+                 trust_remote_code: bool = False, allow_pickle: bool = False):
+    """Merge the SFT adapter into the base and attach a fresh zero-initialised LoRA (the envelope's first part).
+
+    With ``reinit_lora`` off, the SFT adapter is loaded as it is, the way PEFT loads it by default: frozen.
+    """
+    from slm_align.modeling import load_model
+    from slm_align.reward.model import merged_policy
+    from slm_align.training import attach_lora
+
+    if settings.envelope.reinit_lora or sft_adapter is None:
+        merged = merged_policy(source, sft_adapter, trust_remote_code, allow_pickle)
+        policy = attach_lora(merged, settings.lora, seed)
+    else:
+        from peft import PeftModel
+
+        policy = PeftModel.from_pretrained(load_model(source, trust_remote_code, allow_pickle), str(sft_adapter))
+    require_trainable(policy)
+    return policy.float()
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as ``generate`` computes them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def forward_logprobs(model, input_ids, attention_mask, prompt_width: int, temperature: float,
+                     value_head: Optional[ValueHead] = None):
+    """Per-token log-probabilities (fp32, at the sampling temperature), entropies and values of the completion."""
+    outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                    output_hidden_states=value_head is not None, use_cache=False)
+    logits = outputs.logits[:, prompt_width - 1:-1].float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    targets = input_ids[:, prompt_width:]
+    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    values = None
+    if value_head is not None:
+        values = value_head(outputs.hidden_states[-1][:, prompt_width - 1:-1])
+    return logprobs, entropy, values

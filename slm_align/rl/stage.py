@@ -1,0 +1,153 @@
+"""The RL stage: the stages it needs, the headroom gate, then PPO or GRPO; artifacts in ``OUT/rl/``.
+
+Artifacts: ``adapter/`` (the RL LoRA on top of the merged SFT weights), ``value_head.safetensors`` (PPO),
+``metrics.jsonl`` (one line per iteration), ``plots/training_curves.png`` and ``manifest.json`` (the gate's
+verdict and any ``--force``, guard totals, and held-out reward of the SFT policy and of the RL policy).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from slm_align.config import Recipe
+from slm_align.data.corpus import load_corpus
+from slm_align.data.prompts import prompt_of
+from slm_align.errors import UserError
+from slm_align.generation import sample
+from slm_align.headroom import check_headroom
+from slm_align.modeling import load_tokenizer, resolve_source
+from slm_align.plots import plot_curves
+from slm_align.progress import new_progress
+from slm_align.reward.functions import combine
+from slm_align.reward.stage import run_reward
+from slm_align.rl.loop import RLLoop
+from slm_align.rl.policy import ValueHead, build_policy
+from slm_align.runs import completed, digest, make_manifest, partial_dir, publish, read_manifest
+from slm_align.sft import recipe_from_sft, run_sft
+from slm_align.training import prepare_partial, save_adapter
+
+STAGE = "rl"
+CHECKPOINT = "checkpoint.pt"
+
+
+class GateRefused(UserError):
+    """The headroom gate said FAIL and --force was not given."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class RLResult:
+    stage_dir: Path
+    skipped: bool
+    metrics: dict
+
+
+def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Recipe, adapter: bool) -> float:
+    """Mean reward of one sampled completion per held-out prompt, with the RL adapter on (RL) or off (SFT)."""
+    settings = recipe.rl
+    if adapter:
+        samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=recipe.seed)
+    else:
+        with policy.disable_adapter():
+            samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature,
+                             seed=recipe.seed)
+    return statistics.fmean(reward_fn(prompts, samples.completions))
+
+
+def _prerequisites(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_model: Optional[Path],
+                   rewards: Sequence[str], resume: bool, say) -> tuple[Recipe, Path, Optional[Path]]:
+    """Run (or find) SFT and the reward model; returns the SFT recipe, its adapter and the reward model."""
+    sft_run = Path(sft_from) if sft_from is not None else out
+    if read_manifest(sft_run / "sft") is None:
+        if sft_from is not None:
+            raise UserError(f"--sft {sft_from} has no finished SFT stage (no sft/manifest.json)")
+        say("running SFT first (no sft/ in the run)")
+        run_sft(recipe, out, resume=resume)
+    sft_recipe, adapter = recipe_from_sft(sft_run, recipe)
+    if reward_model is None and not rewards:
+        if read_manifest(out / "reward") is None:
+            if sft_from is not None:
+                raise UserError("no reward: pass --reward-model or --reward when --sft comes from another run")
+            say("training the reward model first (no reward/ in the run)")
+            run_reward(recipe, out, resume=resume)
+        reward_model = out / "reward" / "model"
+    return sft_recipe, adapter, reward_model
+
+
+def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False, sft_from: Optional[Path] = None,
+           reward_model: Optional[Path] = None, rewards: Sequence[str] = (), say=lambda _: None) -> RLResult:
+    started = time.time()
+    out = Path(out)
+    sft_recipe, adapter, reward_model = _prerequisites(recipe, out, sft_from, reward_model, rewards, resume, say)
+    recipe = sft_recipe.model_copy(update={"rl": recipe.rl})
+    gate = check_headroom(recipe, run=out, adapter=adapter, reward_model=reward_model, rewards=rewards).to_dict()
+    if not gate["passed"] and not force:
+        raise GateRefused(f"headroom gate FAIL ({'; '.join(gate['reasons'])}): {' '.join(gate['remedies'])} "
+                          "Pass --force to train anyway (recorded in the manifest).")
+    inputs = {"sft": digest(str(adapter)) + read_manifest(adapter.parent)["inputs_hash"],
+              "reward_model": str(reward_model) if reward_model else None, "rewards": list(rewards),
+              "seed": recipe.seed, "rl": recipe.rl.model_dump(), "forced": bool(force and not gate["passed"])}
+    stage_dir = out / STAGE
+    done = completed(stage_dir, inputs)
+    if done is not None:
+        return RLResult(stage_dir, skipped=True, metrics=done["metrics"])
+    return _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started)
+
+
+def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started) -> RLResult:
+    settings = recipe.rl
+    source = resolve_source(recipe.model.source)
+    tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
+    splits = load_corpus(recipe.data, recipe.seed).splits
+    train_prompts = [p for ex in splits.train if (p := prompt_of(ex, tokenizer))]
+    eval_prompts = [p for ex in splits.heldout if (p := prompt_of(ex, tokenizer))][: settings.eval_prompts]
+    if not train_prompts or not eval_prompts:
+        raise UserError("no prompts for RL: the corpus has no documents long enough to split into prompt and rest")
+    reward_fn = combine(rewards, learned=reward_model)
+    policy = build_policy(source, adapter, settings, recipe.seed, recipe.model.trust_remote_code,
+                          recipe.model.allow_pickle)
+    value_head = ValueHead(policy.config.hidden_size) if settings.algo == "ppo" else None
+    loop = RLLoop(policy, tokenizer, reward_fn, train_prompts, settings, recipe.seed, value_head)
+    partial = partial_dir(stage_dir)
+    prepare_partial(partial, inputs, resume)
+    if (partial / CHECKPOINT).is_file():
+        loop.load_state_dict(torch.load(partial / CHECKPOINT, weights_only=True))
+    before = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=False)
+    metrics_path = partial / "metrics.jsonl"
+    with new_progress() as progress:
+        task = progress.add_task(f"RL ({settings.algo})", total=settings.steps, completed=loop.step, status="")
+        for step in range(loop.step, settings.steps):
+            metrics = loop.run_step(step)
+            with open(metrics_path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(metrics) + "\n")
+            progress.update(task, completed=loop.step, status=f"reward {metrics['reward/mean']:.3f}")
+            if loop.step % settings.save_steps == 0 or loop.step == settings.steps:
+                tmp = partial / f".{CHECKPOINT}.tmp"
+                torch.save(loop.state_dict(), tmp)
+                tmp.replace(partial / CHECKPOINT)
+    after = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=True)
+    save_adapter(policy, partial / "adapter")
+    if value_head is not None:
+        from safetensors.torch import save_file
+
+        save_file(value_head.state_dict(), partial / "value_head.safetensors")
+    plot_curves(metrics_path, partial / "plots" / "training_curves.png")
+    result = {"heldout_reward_sft": before, "heldout_reward_rl": after, "heldout_reward_delta": after - before,
+              "eval_prompts": len(eval_prompts), "steps": loop.step, "algo": settings.algo,
+              "guard": {"skipped": loop.counters.skipped, "rollbacks": loop.counters.rollbacks,
+                        "score_clipped": loop.counters.score_clipped,
+                        "advantage_clipped": loop.counters.advantage_clipped},
+              "gate": {"verdict": gate["verdict"], "forced": inputs["forced"], "reasons": gate["reasons"]},
+              "envelope": settings.envelope.model_dump(), "sft_adapter": str(adapter),
+              "reward_model": inputs["reward_model"]}
+    publish(partial, stage_dir, make_manifest(STAGE, inputs, result, started),
+            keep=("adapter", "value_head.safetensors", "metrics.jsonl", "plots", "inputs.json"))
+    return RLResult(stage_dir, skipped=False, metrics=result)

@@ -1,0 +1,210 @@
+"""RL inside the safety envelope: fault injection proves each guard; a killed run resumes exactly."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from slm_align.config import load_recipe
+from slm_align.errors import UserError
+from slm_align.modeling import resolve_source
+from slm_align.rl.loop import RLLoop
+from slm_align.rl.policy import ValueHead, build_policy, forward_logprobs
+from slm_align.rl.safeguards import TrainingDiverged
+from slm_align.rl.stage import GateRefused, run_rl
+from slm_align.sft import run_sft
+
+
+def varied_reward(prompts, completions, **_):
+    """A cheap reward that differs between samples: longer completions score higher."""
+    return [len(c.split()) / 10 for c in completions]
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, tiny_models, stories):
+    out = tmp_path_factory.mktemp("rl") / "run"
+    recipe = load_recipe(overrides={"model.source": str(tiny_models["llama"]), "data.path": str(stories),
+                                    "sft.max_steps": 2, "sft.batch_size": 4, "data.max_length": 96})
+    run_sft(recipe, out)
+    return out, recipe
+
+
+def make_loop(sft_run, algo="grpo", loop_class=RLLoop, **rl):
+    out, recipe = sft_run
+    envelope = recipe.rl.envelope.model_copy(update=rl.pop("envelope", {}))
+    settings = recipe.rl.model_copy(update=dict(algo=algo, prompts_per_step=4, group_size=4, max_new_tokens=12,
+                                                minibatch_size=8, envelope=envelope, **rl))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model.source)
+    policy = build_policy(resolve_source(recipe.model.source), out / "sft" / "adapter", settings, seed=0)
+    value_head = ValueHead(policy.config.hidden_size) if algo == "ppo" else None
+    prompts = ["Once upon a time, there was a cat.", "Tom found a red ball.", "One day, Mia was happy.", "The sun."]
+    return loop_class(policy, tokenizer, varied_reward, prompts, settings, seed=0, value_head=value_head)
+
+
+def lora_state(loop):
+    return {n: p.detach().clone() for n, p in loop.named_params}
+
+
+def optimizer_state(loop):
+    return copy.deepcopy(loop.optimizer.state_dict()["state"])
+
+
+def same_state(a, b):
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else same_state(a[k], b[k]) for k in a)
+
+
+def prepared(loop):
+    batch, _ = loop.rollout(0)
+    advantages, returns = loop.advantages(batch)
+    return batch, advantages, returns, torch.arange(8)
+
+
+def test_step_zero_policy_equals_reference_and_first_ratio_is_one(sft_run):
+    loop = make_loop(sft_run)
+    ids = torch.tensor([loop.tokenizer("Once upon a time, there was a cat.")["input_ids"]])
+    with torch.no_grad():
+        logits = loop.policy(input_ids=ids).logits
+        with loop.policy.disable_adapter():
+            reference = loop.policy(input_ids=ids).logits
+    assert torch.equal(logits, reference)  # merged SFT + zero-initialised LoRA == reference
+    batch, _, _, rows = prepared(loop)
+    loop.policy.train()
+    new, _, _ = forward_logprobs(loop.policy, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_width,
+                                 loop.settings.temperature)
+    ratio = torch.exp(new - batch.old_logprobs[rows])[batch.mask[rows] > 0]
+    assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5)  # temperature accounted for: ratio is 1
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_one_iteration_changes_every_lora_parameter(sft_run, algo):
+    loop = make_loop(sft_run, algo=algo)
+    before = lora_state(loop)
+    metrics = loop.run_step(0)
+    after = lora_state(loop)
+    lora = [n for n in before if "lora_" in n]
+    assert lora and all(not torch.equal(before[n], after[n]) for n in lora)
+    for key in ("reward/mean", "kl", "entropy", "clip_frac", "ratio/mean", "guard/skipped", "guard/rollbacks",
+                "completion/length", "tokens_per_s"):
+        assert metrics[key] is not None
+    if algo == "ppo":
+        assert metrics["loss/value"] is not None and "value/explained_variance" in metrics
+
+
+class NaNGradientLoop(RLLoop):
+    fault = False
+
+    def after_backward(self):
+        if self.fault:
+            self.params[0].grad.view(-1)[0] = float("nan")
+
+
+def test_nan_gradient_restores_parameters_and_optimizer_state_bit_for_bit(sft_run):
+    loop = make_loop(sft_run, loop_class=NaNGradientLoop)
+    batch, advantages, returns, rows = prepared(loop)
+    loop.minibatch(batch, rows, advantages, returns)  # a normal step first, so the optimizer has state
+    params, state = lora_state(loop), optimizer_state(loop)
+    loop.fault = True
+    result = loop.minibatch(batch, rows, advantages, returns)
+    assert result["rolled_back"] == 1 and loop.counters.rollbacks == 1
+    assert same_state(lora_state(loop), params) and same_state(optimizer_state(loop), state)
+    loop.fault = False
+    loop.minibatch(batch, rows, advantages, returns)  # training continues
+    assert not same_state(lora_state(loop), params) and loop.counters.consecutive_rollbacks == 0
+
+
+def test_without_rollback_the_same_nan_corrupts_the_weights(sft_run):
+    loop = make_loop(sft_run, loop_class=NaNGradientLoop, envelope={"rollback": False})
+    batch, advantages, returns, rows = prepared(loop)
+    loop.fault = True
+    loop.minibatch(batch, rows, advantages, returns)
+    assert any(not torch.isfinite(p).all() for p in loop.params)
+
+
+def test_consecutive_rollbacks_stop_the_run_with_a_clear_message(sft_run):
+    loop = make_loop(sft_run, loop_class=NaNGradientLoop, envelope={"max_consecutive_rollbacks": 3})
+    batch, advantages, returns, rows = prepared(loop)
+    loop.fault = True
+    loop.minibatch(batch, rows, advantages, returns)
+    loop.minibatch(batch, rows, advantages, returns)
+    with pytest.raises(TrainingDiverged, match="3 consecutive rollbacks .*non-finite gradient"):
+        loop.minibatch(batch, rows, advantages, returns)
+
+
+@pytest.mark.parametrize("guard_on", [True, False])
+def test_ratio_guard_skips_the_minibatch_entirely(sft_run, guard_on):
+    loop = make_loop(sft_run, envelope={} if guard_on else {"ratio_guard": 0.0})
+    batch, advantages, returns, rows = prepared(loop)
+    loop.minibatch(batch, rows, advantages, returns)
+    params, state = lora_state(loop), optimizer_state(loop)
+    batch.old_logprobs = batch.old_logprobs - 3.0  # forces the ratio to e^3 ~ 20 > 5
+    result = loop.minibatch(batch, rows, advantages, returns)
+    assert result["ratio/mean"] > 5
+    if guard_on:
+        assert result["skipped"] == 1 and loop.counters.skipped == 1
+        assert same_state(lora_state(loop), params) and same_state(optimizer_state(loop), state)
+    else:  # the same fault, unguarded: the optimizer steps on it
+        assert loop.counters.skipped == 0
+        assert not same_state(lora_state(loop), params) and not same_state(optimizer_state(loop), state)
+
+
+def test_frozen_adapter_is_refused(sft_run):
+    out, recipe = sft_run
+    settings = recipe.rl.model_copy(update={"envelope": recipe.rl.envelope.model_copy(update={"reinit_lora": False})})
+    with pytest.raises(UserError, match="no policy parameter requires grad"):
+        build_policy(resolve_source(recipe.model.source), out / "sft" / "adapter", settings, seed=0)
+
+
+def rl_recipe(recipe, **rl):
+    small = dict(steps=4, save_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=8, eval_prompts=2)
+    return recipe.model_copy(update={"rl": recipe.rl.model_copy(update={**small, **rl})})
+
+
+def test_killed_run_resumes_to_the_same_result(sft_run, tmp_path, monkeypatch):
+    import shutil
+
+    out, recipe = sft_run
+    recipe = rl_recipe(recipe, algo="ppo")
+    for name in ("a", "b"):
+        shutil.copytree(out / "sft", tmp_path / name / "sft")
+    run_rl(recipe, tmp_path / "a", rewards=["tests.test_rl:varied_reward"], force=True)
+    original = RLLoop.run_step
+
+    def killed_at_third(self, step):
+        if step == 2:
+            raise KeyboardInterrupt
+        return original(self, step)
+
+    monkeypatch.setattr(RLLoop, "run_step", killed_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_rl(recipe, tmp_path / "b", rewards=["tests.test_rl:varied_reward"], force=True)
+    monkeypatch.undo()
+    assert not (tmp_path / "b" / "rl").exists() and (tmp_path / "b" / "rl.partial" / "checkpoint.pt").is_file()
+    resumed = run_rl(recipe, tmp_path / "b", rewards=["tests.test_rl:varied_reward"], force=True, resume=True)
+    assert resumed.metrics["steps"] == 4
+    lines = [json.loads(x) for x in (tmp_path / "b" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "a" / "rl" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "b" / "rl" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # resume-equivalent
+    assert (tmp_path / "b" / "rl" / "plots" / "training_curves.png").stat().st_size > 1000
+
+
+def test_gate_fail_refuses_unless_forced_and_the_manifest_records_it(tmp_path, tokenizer, stories):
+    from tests.conftest import save_tiny
+
+    untrained = save_tiny("llama", tokenizer, tmp_path / "untrained")
+    recipe = load_recipe(overrides={"model.source": str(untrained), "data.path": str(stories), "sft.max_steps": 1})
+    recipe = rl_recipe(recipe, algo="grpo", steps=1)
+    with pytest.raises(GateRefused, match="headroom gate FAIL .*held-out perplexity") as refused:
+        run_rl(recipe, tmp_path / "run", rewards=["length_window"])
+    assert refused.value.exit_code == 1 and not (tmp_path / "run" / "rl").exists()
+    result = run_rl(recipe, tmp_path / "run", rewards=["length_window"], force=True)
+    manifest = json.loads((tmp_path / "run" / "rl" / "manifest.json").read_text())
+    assert result.metrics["gate"] == manifest["metrics"]["gate"]
+    assert manifest["metrics"]["gate"]["verdict"] == "FAIL" and manifest["inputs"]["forced"] is True
