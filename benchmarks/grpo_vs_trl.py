@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -122,19 +123,23 @@ def main() -> None:
     parser.add_argument("--minibatch", type=int, default=8)
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; medians are reported")
     parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         print(json.dumps((run_ours if args.side == "ours" else run_trl)(args)))
         return
-    results = {}
-    for side in ("ours", "trl"):
-        done = subprocess.run([sys.executable, __file__, "--side", side] + sys.argv[1:], capture_output=True,
-                              text=True, check=True)
-        results[side] = json.loads(done.stdout.strip().splitlines()[-1])
-    ours, trl = results["ours"], results["trl"]
+    runs: dict[str, list[dict]] = {"ours": [], "trl": []}
+    for _ in range(args.repeats):  # alternate, so that a noisy neighbour slows both sides alike
+        for side in ("ours", "trl"):
+            done = subprocess.run([sys.executable, __file__, "--side", side] + sys.argv[1:], capture_output=True,
+                                  text=True, check=True)
+            runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    ours, trl = ({key: statistics.median(r[key] for r in runs[side]) for key in ("seconds_per_iteration",
+                                                                                "peak_rss_mb")}
+                 for side in ("ours", "trl"))
     print(f"GRPO, {args.prompts} prompts x G={args.group_size}, {args.max_new_tokens} new tokens, LoRA r={LORA['r']}, "
-          f"fp32, CPU ({args.threads} threads), {args.iterations} timed iterations")
+          f"fp32, CPU ({args.threads} threads), {args.iterations} timed iterations; median of {args.repeats} runs per side")
     print(f"{'':28}{'slm-align':>12}{'TRL':>12}{'ratio':>10}")
     print(f"{'seconds per iteration':28}{ours['seconds_per_iteration']:12.2f}{trl['seconds_per_iteration']:12.2f}"
           f"{ours['seconds_per_iteration'] / trl['seconds_per_iteration']:10.2f}")

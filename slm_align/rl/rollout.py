@@ -9,7 +9,7 @@ import torch
 
 from slm_align.config import RLSettings
 from slm_align.generation import sample
-from slm_align.rl.policy import ValueHead, forward_logprobs
+from slm_align.rl.policy import ValueHead, forward_logprobs, merged_for_sampling
 
 
 @dataclass
@@ -36,7 +36,8 @@ class Rollout:
 def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, prompts: list[str],
             settings: RLSettings, seed: int) -> Rollout:
     policy.eval()
-    samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=seed)
+    with merged_for_sampling(policy):
+        samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=seed)
     input_ids = torch.cat([samples.prompt_ids, samples.completion_ids], dim=1)
     attention = torch.cat([samples.prompt_mask, samples.completion_mask], dim=1)
     width = samples.prompt_ids.shape[1]

@@ -15,24 +15,38 @@ class TrainingDiverged(UserError):
 
 
 class Snapshot:
-    """Trainable parameters and optimizer state, copied so that :meth:`restore` puts them back bit for bit."""
+    """Trainable parameters and optimizer state, copied so that :meth:`restore` puts them back bit for bit.
+
+    Plain tensor clones (no deepcopy machinery): the snapshot is taken before every minibatch, so it must be cheap.
+    """
 
     def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer):
-        self.params = params
-        self.optimizer = optimizer
+        self.params, self.optimizer = params, optimizer
         self.values = [p.detach().clone() for p in params]
-        self.state = copy.deepcopy(optimizer.state_dict())
+        self.state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.copy(v) for k, v in st.items()}
+                      for p, st in optimizer.state.items()}
 
     def restore(self) -> None:
         with torch.no_grad():
             for param, value in zip(self.params, self.values):
                 param.copy_(value)
                 param.grad = None
-        self.optimizer.load_state_dict(copy.deepcopy(self.state))
+            for param in list(self.optimizer.state):
+                if param not in self.state:  # state created by the failed step: the optimizer never had it
+                    del self.optimizer.state[param]
+            for param, saved in self.state.items():
+                current = self.optimizer.state[param]
+                for key, value in saved.items():
+                    if isinstance(value, torch.Tensor) and isinstance(current.get(key), torch.Tensor):
+                        current[key].copy_(value)
+                    else:
+                        current[key] = copy.copy(value)
 
 
 def all_finite(tensors) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t is not None)
+    """One check over many tensors: a NaN or inf anywhere makes the sum of sums non-finite."""
+    sums = [t.detach().float().sum() for t in tensors if t is not None]
+    return bool(torch.isfinite(torch.stack(sums).sum())) if sums else True
 
 
 @dataclass

@@ -28,7 +28,7 @@ from slm_align.progress import new_progress
 from slm_align.reward.functions import combine
 from slm_align.reward.stage import run_reward
 from slm_align.rl.loop import RLLoop
-from slm_align.rl.policy import ValueHead, build_policy
+from slm_align.rl.policy import ValueHead, build_policy, merged_for_sampling
 from slm_align.runs import completed, digest, make_manifest, partial_dir, publish, read_manifest
 from slm_align.sft import recipe_from_sft, run_sft
 from slm_align.training import prepare_partial, save_adapter
@@ -53,12 +53,8 @@ class RLResult:
 def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Recipe, adapter: bool) -> float:
     """Mean reward of one sampled completion per held-out prompt, with the RL adapter on (RL) or off (SFT)."""
     settings = recipe.rl
-    if adapter:
+    with merged_for_sampling(policy) if adapter else policy.disable_adapter():
         samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=recipe.seed)
-    else:
-        with policy.disable_adapter():
-            samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature,
-                             seed=recipe.seed)
     return statistics.fmean(reward_fn(prompts, samples.completions))
 
 
