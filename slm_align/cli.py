@@ -258,6 +258,8 @@ def train(
         return
     result = run_rl(recipe, out, resume=resume, force=force, sft_from=sft_from, reward_model=reward_model,
                     rewards=reward, say=lambda text: None if as_json else stdout.print(text))
+    if not result.primary:  # other ranks of a data-parallel run: rank 0 reports
+        return
     summary = {"stage": "rl", "dir": str(result.stage_dir), "skipped": result.skipped, "metrics": result.metrics}
     emit(as_json, summary, lambda: print_rl(summary))
 

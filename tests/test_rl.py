@@ -208,3 +208,25 @@ def test_gate_fail_refuses_unless_forced_and_the_manifest_records_it(tmp_path, t
     manifest = json.loads((tmp_path / "run" / "rl" / "manifest.json").read_text())
     assert result.metrics["gate"] == manifest["metrics"]["gate"]
     assert manifest["metrics"]["gate"]["verdict"] == "FAIL" and manifest["inputs"]["forced"] is True
+
+
+def test_two_process_data_parallel_run_ends_with_identical_replicas(sft_run, tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out, _ = sft_run
+    shutil.copytree(out / "sft", tmp_path / "run" / "sft")
+    repo = Path(__file__).resolve().parent.parent  # so that the ranks can import tests.test_rl:varied_reward
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "slm_align", "train",
+               "--algo", "grpo", "--out", str(tmp_path / "run"), "--reward", "tests.test_rl:varied_reward",
+               "--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--force"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(repo)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    metrics = json.loads((tmp_path / "run" / "rl" / "manifest.json").read_text())["metrics"]
+    assert metrics["world_size"] == 2 and len(metrics["replica_digests"]) == 2
+    assert metrics["replicas_identical"]  # each rank sampled other prompts; averaged gradients kept them equal

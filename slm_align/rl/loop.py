@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from slm_align.config import RLSettings
+from slm_align.rl.distributed import World
 from slm_align.rl.advantages import gae, group_advantages, masked_mean, masked_whiten, sigma_clip
 from slm_align.rl.losses import aggregate, clipped_policy_loss, clipped_value_loss, kl_k1, kl_k3, ratio_of
 from slm_align.rl.policy import ValueHead, forward_logprobs
@@ -25,8 +26,8 @@ class RLLoop:
     """State of one RL run: policy, optional value head, optimizer, KL coefficient, guard counters."""
 
     def __init__(self, policy, tokenizer, reward_fn, train_prompts: list[str], settings: RLSettings, seed: int,
-                 value_head: Optional[ValueHead] = None):
-        self.policy, self.tokenizer, self.reward_fn = policy, tokenizer, reward_fn
+                 value_head: Optional[ValueHead] = None, world: World = World()):
+        self.policy, self.tokenizer, self.reward_fn, self.world = policy, tokenizer, reward_fn, world
         self.train_prompts, self.settings, self.seed, self.value_head = train_prompts, settings, seed, value_head
         self.envelope = settings.envelope
         self.named_params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
@@ -48,13 +49,14 @@ class RLLoop:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         # Both algorithms see prompts_per_step * group_size sequences: GRPO as groups, PPO as distinct prompts.
         draws = self.settings.prompts_per_step * (1 if self.grpo else self.settings.group_size)
-        picks = torch.randint(len(self.train_prompts), (draws,), generator=generator)
+        picks = torch.randint(len(self.train_prompts), (draws,), generator=generator).tolist()
+        picks = picks[self.world.rank::self.world.size]  # this rank's share (whole GRPO groups)
         repeat = self.settings.group_size if self.grpo else 1
-        return [self.train_prompts[i] for i in picks.tolist() for _ in range(repeat)]
+        return [self.train_prompts[i] for i in picks for _ in range(repeat)]
 
     def rollout(self, step: int) -> tuple[Rollout, int]:
         prompts = self.prompts_for(step)
-        seed = self.seed * 7919 + step
+        seed = self.seed * 7919 + step + 100_003 * self.world.rank
         batch = collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts, self.settings, seed)
         if not self.grpo:
             return batch, 0
@@ -110,7 +112,7 @@ class RLLoop:
         ratio = ratio_of(new, batch.old_logprobs[rows], env.log_ratio_clamp)
         stats = {"ratio/mean": float(masked_mean(ratio.detach(), mask)),
                  "ratio/max": float((ratio.detach() * mask).max()), "entropy": float(masked_mean(entropy.detach(), mask))}
-        if env.ratio_guard and stats["ratio/mean"] > env.ratio_guard:
+        if env.ratio_guard and self.world.mean(stats["ratio/mean"]) > env.ratio_guard:
             self.counters.skipped += 1  # no backward, no optimizer step: parameters and state stay as they are
             return dict(stats, skipped=1)
         loss_type = s.loss_type if self.grpo else "token_mean"
@@ -127,10 +129,11 @@ class RLLoop:
             if s.kl_mode == "loss":
                 loss = loss + self.kl_coef * masked_mean(kl_k3(new, batch.ref_logprobs[rows]), mask)
         self.optimizer.zero_grad(set_to_none=True)
-        if env.rollback and not all_finite([loss]):
+        if env.rollback and self.world.any(not all_finite([loss])):
             return self._roll_back(snapshot, stats, "non-finite loss")
         loss.backward()
         self.after_backward()
+        self.world.average_([p.grad for p in self.params])  # data parallel: every replica takes the same step
         if env.rollback and not all_finite([p.grad for p in self.params]):
             return self._roll_back(snapshot, stats, "non-finite gradient")
         max_norm = env.grad_clip if env.grad_clip else float("inf")

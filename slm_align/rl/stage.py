@@ -27,6 +27,8 @@ from slm_align.plots import plot_curves
 from slm_align.progress import new_progress
 from slm_align.reward.functions import combine
 from slm_align.reward.stage import run_reward
+from slm_align.rl.distributed import World, world_from_env
+from slm_align.rl.distributed import digest as replica_digest
 from slm_align.rl.loop import RLLoop
 from slm_align.rl.policy import ValueHead, build_policy, merged_for_sampling
 from slm_align.runs import completed, digest, make_manifest, partial_dir, publish, read_manifest
@@ -45,9 +47,12 @@ class GateRefused(UserError):
 
 @dataclass(frozen=True)
 class RLResult:
+    """Where the RL artifacts are, whether the stage was skipped, its metrics (rank 0 only; others get {})."""
+
     stage_dir: Path
     skipped: bool
     metrics: dict
+    primary: bool = True
 
 
 def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Recipe, adapter: bool) -> float:
@@ -80,8 +85,36 @@ def _prerequisites(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_m
 
 def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False, sft_from: Optional[Path] = None,
            reward_model: Optional[Path] = None, rewards: Sequence[str] = (), say=lambda _: None) -> RLResult:
+    """Prerequisites and the gate (on rank 0), then RL on every rank of the world (one process unless launched)."""
     started = time.time()
     out = Path(out)
+    world = world_from_env()
+    _check_divisible(recipe.rl, world)
+    outcome = None
+    if world.main:
+        try:
+            outcome = _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say)
+        except UserError as exc:
+            outcome = exc
+    outcome = world.share(outcome)
+    if isinstance(outcome, UserError):
+        raise outcome
+    recipe, adapter, reward_model, inputs, gate, done = outcome
+    if done is not None:
+        return RLResult(out / STAGE, skipped=True, metrics=done["metrics"])
+    return _train(recipe, adapter, reward_model, rewards, inputs, gate, out / STAGE, resume, started, world)
+
+
+def _check_divisible(settings, world: World) -> None:
+    sequences = settings.prompts_per_step if settings.algo == "grpo" else settings.prompts_per_step * settings.group_size
+    if sequences % world.size:
+        unit = "prompts" if settings.algo == "grpo" else "samples"
+        raise UserError(f"{world.size} processes cannot share {sequences} {unit} per iteration evenly; "
+                        "change --prompts-per-step or the number of processes")
+
+
+def _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say):
+    """Stages RL needs, the gate, and whether RL already completed with these inputs."""
     sft_recipe, adapter, reward_model = _prerequisites(recipe, out, sft_from, reward_model, rewards, resume, say)
     recipe = sft_recipe.model_copy(update={"rl": recipe.rl})
     gate = check_headroom(recipe, run=out, adapter=adapter, reward_model=reward_model, rewards=rewards).to_dict()
@@ -91,14 +124,10 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
     inputs = {"sft": digest(str(adapter)) + read_manifest(adapter.parent)["inputs_hash"],
               "reward_model": str(reward_model) if reward_model else None, "rewards": list(rewards),
               "seed": recipe.seed, "rl": recipe.rl.model_dump(), "forced": bool(force and not gate["passed"])}
-    stage_dir = out / STAGE
-    done = completed(stage_dir, inputs)
-    if done is not None:
-        return RLResult(stage_dir, skipped=True, metrics=done["metrics"])
-    return _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started)
+    return recipe, adapter, reward_model, inputs, gate, completed(out / STAGE, inputs)
 
 
-def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started) -> RLResult:
+def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started, world) -> RLResult:
     settings = recipe.rl
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
@@ -111,9 +140,11 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     policy = build_policy(source, adapter, settings, recipe.seed, recipe.model.trust_remote_code,
                           recipe.model.allow_pickle)
     value_head = ValueHead(policy.config.hidden_size) if settings.algo == "ppo" else None
-    loop = RLLoop(policy, tokenizer, reward_fn, train_prompts, settings, recipe.seed, value_head)
+    loop = RLLoop(policy, tokenizer, reward_fn, train_prompts, settings, recipe.seed, value_head, world)
     partial = partial_dir(stage_dir)
-    prepare_partial(partial, inputs, resume)
+    if world.main:
+        prepare_partial(partial, inputs, resume)
+    world.barrier()
     if (partial / CHECKPOINT).is_file():
         loop.load_state_dict(torch.load(partial / CHECKPOINT, weights_only=True))
     before = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=False)
@@ -122,14 +153,20 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
         task = progress.add_task(f"RL ({settings.algo})", total=settings.steps, completed=loop.step, status="")
         for step in range(loop.step, settings.steps):
             metrics = loop.run_step(step)
+            progress.update(task, completed=loop.step, status=f"reward {metrics['reward/mean']:.3f}")
+            if not world.main:
+                continue
             with open(metrics_path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(metrics) + "\n")
-            progress.update(task, completed=loop.step, status=f"reward {metrics['reward/mean']:.3f}")
             if loop.step % settings.save_steps == 0 or loop.step == settings.steps:
                 tmp = partial / f".{CHECKPOINT}.tmp"
                 torch.save(loop.state_dict(), tmp)
                 tmp.replace(partial / CHECKPOINT)
     after = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=True)
+    replicas = world.gather(replica_digest(loop.params))
+    if not world.main:
+        world.barrier()
+        return RLResult(stage_dir, skipped=False, metrics={}, primary=False)
     save_adapter(policy, partial / "adapter")
     if value_head is not None:
         from safetensors.torch import save_file
@@ -143,7 +180,9 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
                         "advantage_clipped": loop.counters.advantage_clipped},
               "gate": {"verdict": gate["verdict"], "forced": inputs["forced"], "reasons": gate["reasons"]},
               "envelope": settings.envelope.model_dump(), "sft_adapter": str(adapter),
-              "reward_model": inputs["reward_model"]}
+              "reward_model": inputs["reward_model"], "world_size": world.size, "replica_digests": replicas,
+              "replicas_identical": len(set(replicas)) == 1}
     publish(partial, stage_dir, make_manifest(STAGE, inputs, result, started),
             keep=("adapter", "value_head.safetensors", "metrics.jsonl", "plots", "inputs.json"))
+    world.barrier()
     return RLResult(stage_dir, skipped=False, metrics=result)

@@ -1,0 +1,92 @@
+"""Data parallel RL over processes started by ``accelerate launch`` or ``torchrun`` (gloo on CPU).
+
+Each rank samples its own share of the prompts; gradients are averaged across ranks before every optimizer step,
+and every guard decision (skip, rollback) is taken on world-wide figures, so all replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's rank and the number of processes (1 when not launched distributed)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def _dist(self):
+        import torch.distributed as dist
+
+        return dist
+
+    def average_(self, tensors) -> None:
+        """Average tensors across ranks in place (one flat all-reduce)."""
+        if self.size == 1:
+            return
+        tensors = [t for t in tensors if t is not None]
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self._dist().all_reduce(flat)
+        flat /= self.size
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def mean(self, value: float) -> float:
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64)
+        self._dist().all_reduce(tensor)
+        return float(tensor) / self.size
+
+    def any(self, flag: bool) -> bool:
+        return self.mean(1.0 if flag else 0.0) > 0
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._dist().barrier()
+
+    def share(self, value):
+        """Rank 0's ``value`` on every rank."""
+        if self.size == 1:
+            return value
+        box = [value]
+        self._dist().broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, value) -> list:
+        if self.size == 1:
+            return [value]
+        out = [None] * self.size
+        self._dist().all_gather_object(out, value)
+        return out
+
+
+def world_from_env() -> World:
+    """The world that ``accelerate launch``/``torchrun`` set up through WORLD_SIZE and RANK (gloo on CPU)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return World(rank=dist.get_rank(), size=dist.get_world_size())
+
+
+def digest(params) -> str:
+    """sha256 of parameter bytes: equal digests mean bit-identical replicas."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
