@@ -230,3 +230,24 @@ def test_two_process_data_parallel_run_ends_with_identical_replicas(sft_run, tmp
     metrics = json.loads((tmp_path / "run" / "rl" / "manifest.json").read_text())["metrics"]
     assert metrics["world_size"] == 2 and len(metrics["replica_digests"]) == 2
     assert metrics["replicas_identical"]  # each rank sampled other prompts; averaged gradients kept them equal
+
+
+def test_zero_variance_groups_are_counted_and_resampled(sft_run):
+    def first_prompt_is_constant(prompts, completions, **_):
+        return [0.0 if p == prompts[0] else len(c) for p, c in zip(prompts, completions)]
+
+    loop = make_loop(sft_run, resample_zero_std=True)
+    loop.reward_fn = first_prompt_is_constant
+    loop.train_prompts = ["Once upon a time, there was a cat.", "Tom found a red ball."]
+    plain = make_loop(sft_run)
+    plain.reward_fn, plain.train_prompts = first_prompt_is_constant, loop.train_prompts
+    first, zero = plain.rollout(0)
+    resampled, zero_again = loop.rollout(0)
+    assert zero == zero_again >= 1
+    g = loop.settings.group_size
+    constant = [i for i in range(len(first.prompts)) if first.scores.view(-1, g)[i // g].std() == 0]
+    assert [resampled.prompts[i] for i in range(len(first.prompts))] == first.prompts  # groups stay in place
+    assert any(resampled.completions[i] != first.completions[i] for i in constant)  # those groups were redrawn
+    kept = [i for i in range(len(first.prompts)) if i not in constant]
+    assert all(resampled.completions[i] == first.completions[i] for i in kept)
+    assert resampled.input_ids.shape[0] == first.input_ids.shape[0] and resampled.mask.shape == resampled.old_logprobs.shape

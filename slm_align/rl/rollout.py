@@ -65,32 +65,35 @@ def _pad_to(x: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
     return torch.cat([pad, x] if left else [x, pad], dim=1)
 
 
-def concat(first: Rollout, keep: list[int], second: Rollout, pad_id: int) -> Rollout:
-    """Rows ``keep`` of ``first`` followed by all of ``second`` (prompt parts re-padded left, completions right).
+def _row(r: Rollout, i: int, width: int, length: int, pad_id: int) -> dict:
+    """Row ``i`` of a rollout re-padded to a prompt ``width`` (left) and completion ``length`` (right)."""
+    prompt, completion = slice(None, r.prompt_width), slice(r.prompt_width, None)
+    ids, att = r.input_ids[i:i + 1], r.attention_mask[i:i + 1]
+    per_token = lambda t: None if t is None else _pad_to(t[i:i + 1], length, 0.0, False)  # noqa: E731
+    return {
+        "input_ids": torch.cat([_pad_to(ids[:, prompt], width, pad_id, True),
+                                _pad_to(ids[:, completion], length, pad_id, False)], 1),
+        "attention_mask": torch.cat([_pad_to(att[:, prompt], width, 0, True),
+                                     _pad_to(att[:, completion], length, 0, False)], 1),
+        "mask": per_token(r.mask), "old_logprobs": per_token(r.old_logprobs),
+        "ref_logprobs": per_token(r.ref_logprobs), "values": per_token(r.values),
+        "scores": r.scores[i:i + 1], "truncated": r.truncated[i:i + 1],
+        "prompt": r.prompts[i], "completion": r.completions[i],
+    }
 
-    Row order is restored so that GRPO groups stay contiguous: ``second`` replaces the rows not kept.
+
+def concat(first: Rollout, keep: list[int], second: Rollout, pad_id: int) -> Rollout:
+    """``first`` with the rows not in ``keep`` replaced, in order, by the rows of ``second``.
+
+    Prompts are re-padded on the left and completions on the right, so GRPO groups stay contiguous.
     """
     width = max(first.prompt_width, second.prompt_width)
     length = max(first.mask.shape[1], second.mask.shape[1])
-
-    def parts(r: Rollout, rows):
-        p, c = r.input_ids[rows, :r.prompt_width], r.input_ids[rows, r.prompt_width:]
-        pm, cm = r.attention_mask[rows, :r.prompt_width], r.attention_mask[rows, r.prompt_width:]
-        ids = torch.cat([_pad_to(p, width, pad_id, True), _pad_to(c, length, pad_id, False)], 1)
-        att = torch.cat([_pad_to(pm, width, 0, True), _pad_to(cm, length, 0, False)], 1)
-        per_token = [None if t is None else _pad_to(t[rows], length, 0.0, False)
-                     for t in (r.mask, r.old_logprobs, r.ref_logprobs, r.values)]
-        return ids, att, per_token
-
-    replaced = [i for i in range(len(first.prompts)) if i not in set(keep)]
-    order = sorted(range(len(first.prompts)), key=lambda i: i)
-    a, b = parts(first, keep), parts(second, list(range(len(second.prompts))))
-    position = {row: ("a", k) for k, row in enumerate(keep)}
-    position.update({row: ("b", k) for k, row in enumerate(replaced)})
-    pick = lambda ta, tb: torch.stack([(ta if position[i][0] == "a" else tb)[position[i][1]] for i in order])
-    texts = lambda la, lb: [(la if position[i][0] == "a" else lb)[position[i][1]] for i in order]
-    per_token = [None if ta is None else pick(ta, tb) for ta, tb in zip(a[2], b[2])]
-    return Rollout(texts([first.prompts[k] for k in keep], second.prompts),
-                   texts([first.completions[k] for k in keep], second.completions),
-                   pick(a[0], b[0]), pick(a[1], b[1]), width, per_token[0], per_token[1], per_token[2], per_token[3],
-                   pick(first.scores[keep], second.scores), pick(first.truncated[keep], second.truncated))
+    replacements = iter(range(len(second.prompts)))
+    rows = [_row(first, i, width, length, pad_id) if i in keep else _row(second, next(replacements), width, length,
+                                                                          pad_id)
+            for i in range(len(first.prompts))]
+    stack = lambda key: None if rows[0][key] is None else torch.cat([r[key] for r in rows])  # noqa: E731
+    return Rollout([r["prompt"] for r in rows], [r["completion"] for r in rows], stack("input_ids"),
+                   stack("attention_mask"), width, stack("mask"), stack("old_logprobs"), stack("ref_logprobs"),
+                   stack("values"), stack("scores"), stack("truncated"))

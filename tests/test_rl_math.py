@@ -1,0 +1,80 @@
+"""Advantages, losses and KL estimators on hand-computed inputs."""
+
+import math
+
+import pytest
+import torch
+
+from slm_align.rl.advantages import gae, group_advantages, masked_whiten, sigma_clip
+from slm_align.rl.losses import aggregate, clipped_policy_loss, clipped_value_loss, kl_k1, kl_k3, ratio_of
+
+
+def test_gae_matches_the_recursion_by_hand():
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    values = torch.tensor([[0.5, 0.4, 0.3, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last position is padding: its value must not leak in
+    gamma, lam = 0.9, 0.8
+    d2 = 1.0 - 0.3
+    d1 = 0.0 + gamma * 0.3 - 0.4
+    d0 = 0.0 + gamma * 0.4 - 0.5
+    a2, a1 = d2, d1 + gamma * lam * d2
+    a0 = d0 + gamma * lam * a1
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    assert advantages[0].tolist() == pytest.approx([a0, a1, a2, 0.0])
+    assert returns[0].tolist() == pytest.approx([a0 + 0.5, a1 + 0.4, a2 + 0.3, 0.0])
+
+
+def test_group_advantages_and_zero_std_groups():
+    scores = torch.tensor([1.0, 3.0, 2.0, 2.0, 5.0, 5.0])
+    adv, zero = group_advantages(scores, group_size=2, scale="none")
+    assert adv.tolist() == [-1.0, 1.0, 0.0, 0.0, 0.0, 0.0] and zero == 2
+    adv, _ = group_advantages(scores, group_size=2, scale="group")
+    assert adv[:2].tolist() == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)], rel=1e-4)
+    assert adv[2:].tolist() == [0.0] * 4
+    adv, _ = group_advantages(scores, group_size=2, scale="batch")
+    assert adv[1].item() == pytest.approx(1.0 / scores.std().item(), rel=1e-4)
+    g = 8  # group-normalised advantages are bounded by (G-1)/sqrt(G)
+    one_high = torch.tensor([1.0] + [0.0] * (g - 1))
+    assert group_advantages(one_high, g, "group")[0].max().item() <= (g - 1) / math.sqrt(g) + 1e-4
+
+
+def test_sigma_clip_and_whiten():
+    x = torch.tensor([0.0] * 99 + [100.0])
+    clipped, count = sigma_clip(x, 3.0)
+    mean, std = x.mean(), x.std(unbiased=False)
+    assert count == 1 and clipped.max().item() == pytest.approx((mean + 3 * std).item())
+    assert sigma_clip(x, 0.0) == (x, 0)
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    white = masked_whiten(torch.tensor([1.0, 2.0, 3.0, 50.0]), mask)
+    assert white[:3].mean().item() == pytest.approx(0.0, abs=1e-6) and white[3].item() == 0.0
+
+
+def test_loss_normalisations():
+    per_token = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+    assert aggregate(per_token, mask, "token_mean", 4).item() == pytest.approx(8 / 5)
+    assert aggregate(per_token, mask, "grpo", 4).item() == pytest.approx((1 + 4) / 2)
+    assert aggregate(per_token, mask, "dr_grpo", 4).item() == pytest.approx(8 / (2 * 4))
+
+
+def test_clipped_policy_loss_is_pessimistic_and_asymmetric():
+    mask = torch.ones(1, 2)
+    ratio = torch.tensor([[1.5, 0.5]])
+    loss, clip_frac = clipped_policy_loss(ratio, torch.tensor([[1.0, 1.0]]), mask, 0.2, 0.28, "token_mean", 2)
+    assert loss.item() == pytest.approx(-(1.28 + 0.5) / 2) and clip_frac.item() == 0.5
+    loss, _ = clipped_policy_loss(ratio, torch.tensor([[-1.0, -1.0]]), mask, 0.2, 0.28, "token_mean", 2)
+    assert loss.item() == pytest.approx((1.5 + 0.8) / 2)
+
+
+def test_value_loss_clips_the_update():
+    values, old, returns, mask = torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([[3.0]]), torch.ones(1, 1)
+    assert clipped_value_loss(values, old, returns, mask, clip=0.5).item() == pytest.approx(0.5 * (3.0 - 0.5) ** 2)
+
+
+def test_kl_estimators_and_the_fp32_ratio_clamp():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    assert kl_k1(logp, ref).tolist() == pytest.approx([0.5, -1.0])
+    k3 = kl_k3(logp, ref)
+    assert (k3 >= 0).all() and k3[0].item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    huge = ratio_of(torch.tensor([200.0]).bfloat16(), torch.tensor([0.0]), clamp=20.0)
+    assert huge.dtype == torch.float32 and huge.item() == pytest.approx(math.exp(20.0), rel=1e-6)
