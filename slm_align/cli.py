@@ -176,7 +176,7 @@ def _pair_mix(text: Optional[str]) -> Optional[dict]:
         try:
             mix[name.strip()] = float(weight) if weight else 1.0
         except ValueError:
-            raise UserError(f"--pair-mix {text}: weight {weight!r} is not a number (e.g. truncate=1,shuffle=2)")
+            raise UserError(f"--pair-mix {text}: weight {weight!r} is not a number (e.g. truncate=1,shuffle=2)") from None
     return mix
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from slm_align.config import Recipe
 from slm_align.data.corpus import Corpus, load_corpus

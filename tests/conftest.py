@@ -43,3 +43,14 @@ def tiny_models(tmp_path_factory, tokenizer) -> dict[str, Path]:
 def stories(tmp_path_factory) -> Path:
     """A small demo corpus as a .txt file."""
     return write_demo_corpus(tmp_path_factory.mktemp("data") / "stories.txt", n=60, seed=3)
+
+
+def finished_sft_run(out: Path, model_dir: Path, corpus: Path, steps: int):
+    """A run directory whose SFT stage finished after ``steps`` steps, and its recipe."""
+    from slm_align.config import load_recipe
+    from slm_align.sft import run_sft
+
+    recipe = load_recipe(overrides={"model.source": str(model_dir), "data.path": str(corpus),
+                                    "sft.max_steps": steps, "sft.batch_size": 4, "data.max_length": 96})
+    run_sft(recipe, out)
+    return out, recipe

@@ -15,6 +15,7 @@ from slm_align.reward.model import (bradley_terry_loss, classifier_from_policy, 
                                     sequence_rewards)
 from slm_align.reward.stage import run_reward
 from slm_align.sft import run_sft
+from tests.conftest import finished_sft_run
 
 
 def test_bradley_terry_loss_on_hand_computed_values():
@@ -47,11 +48,7 @@ def test_classifier_keeps_the_policy_backbone_and_pads_safely(tokenizer, arch):
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory, tiny_models, stories):
-    out = tmp_path_factory.mktemp("rm") / "run"
-    recipe = load_recipe(overrides={"model.source": str(tiny_models["llama"]), "data.path": str(stories),
-                                    "sft.max_steps": 3, "sft.batch_size": 4, "data.max_length": 96})
-    run_sft(recipe, out)
-    return out, recipe
+    return finished_sft_run(tmp_path_factory.mktemp("rm") / "run", tiny_models["llama"], stories, steps=3)
 
 
 def test_reward_stage_trains_saves_and_loads_alone(sft_run):

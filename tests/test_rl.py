@@ -13,7 +13,7 @@ from slm_align.rl.loop import RLLoop
 from slm_align.rl.policy import ValueHead, build_policy, forward_logprobs
 from slm_align.rl.safeguards import TrainingDiverged
 from slm_align.rl.stage import GateRefused, run_rl
-from slm_align.sft import run_sft
+from tests.conftest import finished_sft_run
 
 
 def varied_reward(prompts, completions, **_):
@@ -23,11 +23,7 @@ def varied_reward(prompts, completions, **_):
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory, tiny_models, stories):
-    out = tmp_path_factory.mktemp("rl") / "run"
-    recipe = load_recipe(overrides={"model.source": str(tiny_models["llama"]), "data.path": str(stories),
-                                    "sft.max_steps": 2, "sft.batch_size": 4, "data.max_length": 96})
-    run_sft(recipe, out)
-    return out, recipe
+    return finished_sft_run(tmp_path_factory.mktemp("rl") / "run", tiny_models["llama"], stories, steps=2)
 
 
 def make_loop(sft_run, algo="grpo", loop_class=RLLoop, **rl):

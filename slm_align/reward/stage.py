@@ -19,7 +19,7 @@ from slm_align.modeling import load_tokenizer, resolve_source
 from slm_align.progress import TrainerProgress
 from slm_align.reward.model import (bradley_terry_loss, classifier_from_policy, collate_pairs, encode_scored,
                                     merged_policy, pairwise_metrics, sequence_rewards)
-from slm_align.reward.pairs import Pair, PairStats, synthetic_pairs
+from slm_align.reward.pairs import Pair, synthetic_pairs
 from slm_align.reward.preferences import read_preferences
 from slm_align.runs import completed, digest, make_manifest, partial_dir, publish, read_manifest
 from slm_align.sft import recipe_from_sft

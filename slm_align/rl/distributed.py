@@ -84,7 +84,7 @@ def world_from_env() -> World:
     return World(rank=dist.get_rank(), size=dist.get_world_size())
 
 
-def digest(params) -> str:
+def replica_digest(params) -> str:
     """sha256 of parameter bytes: equal digests mean bit-identical replicas."""
     h = hashlib.sha256()
     for p in params:

@@ -27,11 +27,10 @@ from slm_align.plots import plot_curves
 from slm_align.progress import new_progress
 from slm_align.reward.functions import combine
 from slm_align.reward.stage import run_reward
-from slm_align.rl.distributed import World, world_from_env
-from slm_align.rl.distributed import digest as replica_digest
+from slm_align.rl.distributed import World, replica_digest, world_from_env
 from slm_align.rl.loop import RLLoop
 from slm_align.rl.policy import ValueHead, build_policy, merged_for_sampling
-from slm_align.runs import completed, digest, make_manifest, partial_dir, publish, read_manifest
+from slm_align.runs import completed, make_manifest, partial_dir, publish, read_manifest
 from slm_align.sft import recipe_from_sft, run_sft
 from slm_align.training import prepare_partial, save_adapter
 
@@ -121,7 +120,7 @@ def _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say):
     if not gate["passed"] and not force:
         raise GateRefused(f"headroom gate FAIL ({'; '.join(gate['reasons'])}): {' '.join(gate['remedies'])} "
                           "Pass --force to train anyway (recorded in the manifest).")
-    inputs = {"sft": digest(str(adapter)) + read_manifest(adapter.parent)["inputs_hash"],
+    inputs = {"sft": {"adapter": str(adapter), "inputs_hash": read_manifest(adapter.parent)["inputs_hash"]},
               "reward_model": str(reward_model) if reward_model else None, "rewards": list(rewards),
               "seed": recipe.seed, "rl": recipe.rl.model_dump(), "forced": bool(force and not gate["passed"])}
     return recipe, adapter, reward_model, inputs, gate, completed(out / STAGE, inputs)
