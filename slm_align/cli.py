@@ -260,8 +260,12 @@ def train(
                     rewards=reward, say=lambda text: None if as_json else stdout.print(text))
     if not result.primary:  # other ranks of a data-parallel run: rank 0 reports
         return
-    summary = {"stage": "rl", "dir": str(result.stage_dir), "skipped": result.skipped, "metrics": result.metrics}
-    emit(as_json, summary, lambda: print_rl(summary))
+    from slm_align.evaluate import evaluate as run_evaluation
+
+    report = run_evaluation(recipe, out, sft_run=sft_from, reward_model=reward_model, rewards=reward)
+    summary = {"stage": "rl", "dir": str(result.stage_dir), "skipped": result.skipped, "metrics": result.metrics,
+               "evaluation": report["comparisons"]}
+    emit(as_json, summary, lambda: (print_rl(summary), print_evaluation(report, out / "eval" / "report.md")))
 
 
 def print_rl(summary: dict) -> None:
@@ -282,6 +286,42 @@ def print_reward(summary: dict) -> None:
                  f"({kinds}) on {m['pairs']} pairs, mean margin {m['mean_margin']:.2f}")
 
 
+@app.command(epilog="Examples:\n\n  slm-align evaluate --run runs/demo\n\n"
+                    "  slm-align evaluate --run runs/demo --model ./SmolLM2-135M-Instruct --prompts 100\n\n"
+                    "  slm-align evaluate --run runs/demo --reward length_window@0.5 --json")
+def evaluate(
+    run: Path = typer.Option(..., "--run", "-r", help="Run directory (SFT required; RL and reward used if present)."),
+    model: list[str] = typer.Option([], "--model", "-m", help="Add a baseline policy from any model source; repeatable."),
+    reward_model: Optional[Path] = typer.Option(None, help="Shared reward model (default: the run's reward/model)."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight]; repeatable."),
+    prompts: int = typer.Option(200, min=2, help="Held-out prompts to sample."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens per completion (default: the RL setting, 48)."),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature (default 1.0)."),
+    config: Optional[Path] = ConfigOpt, as_json: bool = JsonFlag,
+) -> None:
+    """Compare the SFT prior, the aligned policy and any baselines on held-out prompts; write eval/report.md."""
+    from slm_align.evaluate import evaluate as run_evaluation
+
+    report = run_evaluation(_recipe(config), run, baselines=model, reward_model=reward_model, rewards=reward,
+                            prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature)
+    emit(as_json, report, lambda: print_evaluation(report, Path(run) / "eval" / "report.md"))
+
+
+def print_evaluation(report: dict, path: Path) -> None:
+    from slm_align.evaluate import summary_line
+
+    table = Table(title=f"Evaluation on {report['prompts']} held-out prompts")
+    for column in ("policy", "PPL", "reward mean", "reward std", "distinct-2", "length", "truncated"):
+        table.add_column(column)
+    for r in report["policies"]:
+        table.add_row(r["name"], f"{r['ppl']:.3f}", f"{r['reward_mean']:.3f}", f"{r['reward_std']:.3f}",
+                      f"{r['distinct_2']:.3f}", f"{r['length']:.1f}", f"{r['truncated_frac']:.0%}")
+    stdout.print(table)
+    for comparison in report["comparisons"]:
+        stdout.print(summary_line(comparison))
+    stdout.print(f"report: {path}")
+
+
 def _later(name: str, what: str, issue: str, examples: str) -> None:
     """Register a command whose capability a later issue builds: it says so in one line and exits 2."""
 
@@ -293,8 +333,6 @@ def _later(name: str, what: str, issue: str, examples: str) -> None:
                 context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
 
 
-_later("evaluate", "the comparison report of policies", "the evaluation issue (#5)",
-       "  slm-align evaluate --run runs/demo")
 _later("merge", "folding adapters into a plain checkpoint", "the export issue (#6)",
        "  slm-align merge --run runs/demo --out merged/")
 _later("export", "parity-checked GGUF and ONNX export", "the export issue (#6)",

@@ -35,7 +35,7 @@ def test_every_command_has_help_with_examples(capsys, command):
     assert code == 0 and "Example" in out and "--json" in out
 
 
-@pytest.mark.parametrize("command", ["evaluate", "merge", "export", "chat", "feedback", "devices", "bench"])
+@pytest.mark.parametrize("command", ["merge", "export", "chat", "feedback", "devices", "bench"])
 def test_later_commands_say_so_in_one_line(capsys, command):
     code, out, err = run_cli(capsys, command, "--json", "--anything", "x")
     assert code == 2 and out == "" and err.count("\n") == 1 and "not available yet" in err
@@ -152,3 +152,20 @@ def test_sft_then_headroom_from_the_cli_with_json_and_exit_codes(capsys, tmp_pat
 def test_module_entry_point_runs():
     result = subprocess.run([sys.executable, "-m", "slm_align", "sft", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "NEFTune" in result.stdout
+
+
+def test_evaluate_adds_a_baseline_row_under_the_same_reward(capsys, tmp_path, tiny_models, stories):
+    out = tmp_path / "run"
+    run_cli(capsys, "sft", "--model", tiny_models["llama"], "--data", stories, "--out", out, "--max-steps", "2",
+            "--batch-size", "4", "--max-length", "64")
+    capsys.readouterr()
+    code, stdout, err = run_cli(capsys, "evaluate", "--run", out, "--model", tiny_models["qwen2"], "--reward",
+                                "length_window", "--prompts", "4", "--max-new-tokens", "8", "--json")
+    report = json.loads(stdout)
+    assert code == 0, err
+    assert [p["name"] for p in report["policies"]] == ["sft", str(tiny_models["qwen2"])]
+    assert report["prompts"] == 4 and report["reward_terms"] == ["length_window"]
+    comparison = report["comparisons"][0]
+    assert comparison["baseline"] == "sft" and comparison["delta_ci95"][0] <= comparison["delta"] <= comparison["delta_ci95"][1]
+    markdown = (out / "eval" / "report.md").read_text()
+    assert "| sft |" in markdown and "95% CI" in markdown and (out / "eval" / "reward_distributions.png").is_file()

@@ -40,6 +40,20 @@ def test_quickstart_trains_the_bundled_model_and_passes_the_gate(capsys, quickst
     assert again["sft"]["skipped"] and again["reward"]["skipped"] and again["rl"]["skipped"]
 
 
+def test_quickstart_report_states_the_delta_with_its_interval(quickstart):
+    report = json.loads((quickstart / "eval" / "report.json").read_text())
+    assert [p["name"] for p in report["policies"]] == ["sft", "rl"] and report["prompts"] == 200
+    rl = report["comparisons"][0]
+    low, high = rl["delta_ci95"]
+    assert low <= rl["delta"] <= high
+    expected = "no significant change" if low <= 0 <= high else "significant gain" if rl["delta"] > 0 else "significant drop"
+    assert rl["verdict"] == expected
+    markdown = (quickstart / "eval" / "report.md").read_text()
+    assert f"reward delta {rl['delta']:+.3f} [95% CI {low:+.3f}, {high:+.3f}]" in markdown
+    assert "![reward distributions](reward_distributions.png)" in markdown
+    assert (quickstart / "eval" / "training_curves.png").is_file()
+
+
 def test_ppo_raises_heldout_reward_over_the_sft_policy(quickstart):
     metrics = json.loads((quickstart / "rl" / "manifest.json").read_text())["metrics"]
     assert metrics["algo"] == "ppo" and metrics["guard"]["rollbacks"] == 0

@@ -1,0 +1,177 @@
+"""Did alignment help? Compare policies on held-out prompts under one shared reward, with the statistics.
+
+Every policy samples the same prompts with the same settings and seed; the first policy (the SFT prior by
+default) is the baseline every other one is compared with. Output: ``eval/report.md``, ``eval/report.json``,
+``eval/reward_distributions.png`` and, when the run has RL metrics, ``eval/training_curves.png``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from slm_align.config import Recipe
+from slm_align.data.corpus import load_corpus
+from slm_align.data.encoding import encode_all
+from slm_align.data.prompts import prompt_of
+from slm_align.errors import UserError
+from slm_align.generation import sample
+from slm_align.modeling import load_model, load_tokenizer, resolve_source
+from slm_align.perplexity import perplexity
+from slm_align.plots import plot_curves
+from slm_align.reward.functions import combine
+from slm_align.reward.model import merged_policy
+from slm_align.runs import write_json_atomic
+from slm_align.sft import recipe_from_sft
+from slm_align.stats import (analytical_win_rate, bootstrap_ci, distinct_n, mean_delta, paired_win_rate,
+                             sign_flip_p_value)
+
+
+@dataclass
+class Policy:
+    """A named policy and how to load it (model, tokenizer) when its turn comes."""
+
+    name: str
+    describe: str
+    load: Callable
+
+
+def run_policies(recipe: Recipe, run: Path, adapter: Path, baselines: Sequence[str]) -> list[Policy]:
+    """The run's SFT prior, its RL policy when present, then any baseline model sources."""
+    from peft import PeftModel
+
+    source = resolve_source(recipe.model.source)
+    tokenizer = lambda: load_tokenizer(source, recipe.model.trust_remote_code)  # noqa: E731
+    sft = lambda: merged_policy(source, adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)  # noqa: E731
+    policies = [Policy("sft", f"{source.label} + SFT adapter", lambda: (sft(), tokenizer()))]
+    rl_adapter = Path(run) / "rl" / "adapter"
+    if rl_adapter.is_dir():
+        policies.append(Policy("rl", "SFT + RL adapter",
+                               lambda: (PeftModel.from_pretrained(sft(), str(rl_adapter)).eval(), tokenizer())))
+    for spec in baselines:
+        baseline = resolve_source(spec)
+        policies.append(Policy(baseline.label, baseline.label, lambda b=baseline: (
+            load_model(b, recipe.model.trust_remote_code, recipe.model.allow_pickle),
+            load_tokenizer(b, recipe.model.trust_remote_code))))
+    return policies
+
+
+def _measure(policy: Policy, prompts: list[str], documents, reward, recipe: Recipe, max_new_tokens: int,
+             temperature: float) -> dict:
+    model, tokenizer = policy.load()
+    samples = sample(model, tokenizer, prompts, max_new_tokens, temperature, seed=recipe.seed)
+    scores = [float(s) for s in reward(prompts, samples.completions)]
+    encoded = encode_all(documents, tokenizer, recipe.data.max_length)
+    lengths = samples.completion_mask.sum(-1).float()
+    return {"name": policy.name, "model": policy.describe,
+            "ppl": perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size).ppl,
+            "reward_mean": statistics.fmean(scores), "reward_std": statistics.pstdev(scores),
+            "distinct_1": distinct_n(samples.completions, 1), "distinct_2": distinct_n(samples.completions, 2),
+            "length": float(lengths.mean()), "truncated_frac": sum(samples.truncated) / len(prompts),
+            "rewards": scores, "completions": samples.completions}
+
+
+def compare(a: dict, b: dict, seed: int) -> dict:
+    """b against a on the same prompts: delta and paired win rate with 95% bootstrap intervals, and a test."""
+    ra, rb = a["rewards"], b["rewards"]
+    delta, delta_ci = mean_delta(ra, rb), bootstrap_ci(ra, rb, mean_delta, seed=seed)
+    significant = delta_ci[0] > 0 or delta_ci[1] < 0
+    verdict = ("significant gain" if delta > 0 else "significant drop") if significant else "no significant change"
+    return {"baseline": a["name"], "policy": b["name"], "delta": delta, "delta_ci95": delta_ci,
+            "win_rate": paired_win_rate(ra, rb), "win_rate_ci95": bootstrap_ci(ra, rb, paired_win_rate, seed=seed),
+            "analytical_win_rate": analytical_win_rate(delta, a["reward_std"], b["reward_std"]),
+            "p_value": sign_flip_p_value(ra, rb, seed=seed), "verdict": verdict}
+
+
+def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_model: Optional[Path] = None,
+             rewards: Sequence[str] = (), prompts: int = 200, max_new_tokens: Optional[int] = None,
+             temperature: Optional[float] = None, sft_run: Optional[Path] = None) -> dict:
+    """Measure every policy, compare each with the first, and write the report into ``run/eval/``.
+
+    ``sft_run`` names the run whose SFT stage is the prior when it is not ``run`` itself (``train --sft``).
+    """
+    run = Path(run)
+    recipe, adapter = recipe_from_sft(sft_run or run, recipe)
+    if reward_model is None and (run / "reward" / "model").is_dir():
+        reward_model = run / "reward" / "model"
+    reward = combine(rewards, learned=reward_model)
+    splits = load_corpus(recipe.data, recipe.seed).splits
+    tokenizer = load_tokenizer(resolve_source(recipe.model.source), recipe.model.trust_remote_code)
+    held = [p for ex in splits.heldout if (p := prompt_of(ex, tokenizer))][:prompts]
+    if len(held) < 2:
+        raise UserError("fewer than two held-out prompts to evaluate on; give a larger corpus")
+    documents = splits.eval[: recipe.headroom.max_documents]
+    max_new = max_new_tokens or recipe.rl.max_new_tokens
+    temp = recipe.rl.temperature if temperature is None else temperature
+    rows = [_measure(p, held, documents, reward, recipe, max_new, temp)
+            for p in run_policies(recipe, run, adapter, baselines)]
+    report = {"prompts": len(held), "max_new_tokens": max_new, "temperature": temp, "seed": recipe.seed,
+              "reward_terms": [name for name, _, _ in reward.terms], "policies": rows,
+              "comparisons": [compare(rows[0], row, recipe.seed) for row in rows[1:]],
+              "samples": [{"prompt": held[i], **{r["name"]: r["completions"][i] for r in rows}} for i in range(3)]}
+    _write(report, run / "eval", run / "rl" / "metrics.jsonl")
+    return report
+
+
+def _write(report: dict, out: Path, metrics: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "report.json", report)
+    _plot_rewards(report, out / "reward_distributions.png")
+    if metrics.is_file():
+        plot_curves(metrics, out / "training_curves.png")
+    tmp = out / ".report.md.tmp"
+    tmp.write_text(render_markdown(report, has_curves=metrics.is_file()), encoding="utf-8")
+    tmp.replace(out / "report.md")
+
+
+def _plot_rewards(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for row in report["policies"]:
+        ax.hist(row["rewards"], bins=20, alpha=0.5, label=f"{row['name']} (mean {row['reward_mean']:.2f})")
+    ax.set_xlabel("reward")
+    ax.set_ylabel("prompts")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def summary_line(comparison: dict) -> str:
+    c = comparison
+    low, high = c["delta_ci95"]
+    wl, wh = c["win_rate_ci95"]
+    return (f"{c['policy']} vs {c['baseline']}: reward delta {c['delta']:+.3f} [95% CI {low:+.3f}, {high:+.3f}], "
+            f"win rate {c['win_rate']:.1%} [{wl:.1%}, {wh:.1%}] (analytical {c['analytical_win_rate']:.1%}), "
+            f"p = {c['p_value']:.3g}: {c['verdict']}")
+
+
+def render_markdown(report: dict, has_curves: bool) -> str:
+    lines = ["# Evaluation report", "",
+             f"{report['prompts']} held-out prompts, one sample each, temperature {report['temperature']}, "
+             f"{report['max_new_tokens']} new tokens, seed {report['seed']}; reward: "
+             f"{' + '.join(report['reward_terms'])}.", "",
+             "| policy | held-out PPL | reward mean | reward std | distinct-1 | distinct-2 | length | truncated |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["policies"]:
+        lines.append(f"| {r['name']} | {r['ppl']:.3f} | {r['reward_mean']:.3f} | {r['reward_std']:.3f} | "
+                     f"{r['distinct_1']:.3f} | {r['distinct_2']:.3f} | {r['length']:.1f} | {r['truncated_frac']:.1%} |")
+    lines += ["", "## Comparisons", ""] + [f"- {summary_line(c)}" for c in report["comparisons"]]
+    lines += ["", "A delta whose 95% interval includes zero is reported as no significant change. Win rate: share "
+              "of prompts where the policy's reward beats the baseline's (ties half); analytical: "
+              "Phi(delta / sqrt(std_a^2 + std_b^2)) as in published tables; p: paired sign-flip test.", "",
+              "## Samples", ""]
+    for s in report["samples"]:
+        lines.append(f"**Prompt:** {s['prompt']}")
+        lines += [f"- *{name}*: {text.strip()[:300]}" for name, text in s.items() if name != "prompt"]
+        lines.append("")
+    lines += ["## Plots", "", "![reward distributions](reward_distributions.png)"]
+    if has_curves:
+        lines.append("![training curves](training_curves.png)")
+    return "\n".join(lines) + "\n"

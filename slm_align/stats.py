@@ -1,0 +1,56 @@
+"""Statistics for comparing two policies on the same prompts."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from typing import Callable, Sequence
+
+
+def analytical_win_rate(delta: float, std_a: float, std_b: float) -> float:
+    """Phi(delta / sqrt(std_a^2 + std_b^2)): the published tables' win rate of b over a."""
+    scale = math.sqrt(std_a ** 2 + std_b ** 2)
+    if scale == 0:
+        return 0.5 if delta == 0 else float(delta > 0)
+    return 0.5 * (1 + math.erf(delta / scale / math.sqrt(2)))
+
+
+def paired_win_rate(a: Sequence[float], b: Sequence[float]) -> float:
+    """Share of prompts where b's reward beats a's; ties count half."""
+    return statistics.fmean(1.0 if y > x else 0.5 if y == x else 0.0 for x, y in zip(a, b))
+
+
+def mean_delta(a: Sequence[float], b: Sequence[float]) -> float:
+    return statistics.fmean(y - x for x, y in zip(a, b))
+
+
+def bootstrap_ci(a: Sequence[float], b: Sequence[float], statistic: Callable, resamples: int = 2000,
+                 level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of ``statistic(a, b)`` over paired resamples of the prompts."""
+    rng = random.Random(seed)
+    n = len(a)
+    values = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        values.append(statistic([a[i] for i in idx], [b[i] for i in idx]))
+    values.sort()
+    low = values[int((1 - level) / 2 * resamples)]
+    high = values[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return low, high
+
+
+def sign_flip_p_value(a: Sequence[float], b: Sequence[float], resamples: int = 5000, seed: int = 0) -> float:
+    """Two-sided paired permutation test of mean(b - a) = 0: flip the sign of each difference at random."""
+    rng = random.Random(seed)
+    diffs = [y - x for x, y in zip(a, b)]
+    observed = abs(sum(diffs))
+    extreme = sum(abs(sum(d if rng.random() < 0.5 else -d for d in diffs)) >= observed - 1e-12
+                  for _ in range(resamples))
+    return (extreme + 1) / (resamples + 1)
+
+
+def distinct_n(texts: Sequence[str], n: int) -> float:
+    """Corpus-level Distinct-n: unique word n-grams over all word n-grams of all texts."""
+    grams = [tuple(words[i:i + n]) for words in (t.split() for t in texts) for i in range(len(words) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0

@@ -1,0 +1,47 @@
+"""Each statistic of the evaluation report pinned on hand-computed inputs."""
+
+import math
+import random
+
+import pytest
+
+from slm_align.stats import (analytical_win_rate, bootstrap_ci, distinct_n, mean_delta, paired_win_rate,
+                             sign_flip_p_value)
+
+
+def test_analytical_win_rate_matches_the_paper_formula():
+    # delta 1.355 over a combined std sqrt(s_a^2 + s_b^2) = 5.39 is Phi(0.2514) = 0.5993, by hand from the normal
+    # table (the paper's Pythia-410M/TinyStories row reads +1.355 and 59.9%).
+    assert analytical_win_rate(1.355, 3.811, 3.811) == pytest.approx(0.5993, abs=1e-3)
+    assert analytical_win_rate(0.0, 1.0, 1.0) == 0.5
+    assert analytical_win_rate(-1.0, 0.6, 0.8) == pytest.approx(0.5 * (1 + math.erf(-1.0 / 1.0 / math.sqrt(2))))
+    assert analytical_win_rate(1.0, 0.0, 0.0) == 1.0
+
+
+def test_paired_win_rate_counts_ties_half():
+    assert paired_win_rate([1, 2, 3, 4], [2, 2, 1, 5]) == pytest.approx((1 + 0.5 + 0 + 1) / 4)
+
+
+def test_distinct_n_is_corpus_level():
+    texts = ["the cat sat", "the cat ran"]
+    assert distinct_n(texts, 1) == pytest.approx(4 / 6)  # the, cat, sat, ran over 6 words
+    assert distinct_n(texts, 2) == pytest.approx(3 / 4)  # (the cat) twice, (cat sat), (cat ran)
+    assert distinct_n(["a"], 2) == 0.0
+
+
+def test_bootstrap_interval_contains_the_true_delta():
+    rng = random.Random(1)
+    a = [rng.gauss(0.0, 1.0) for _ in range(300)]
+    b = [x + 0.3 + rng.gauss(0.0, 0.5) for x in a]  # true mean improvement 0.3
+    low, high = bootstrap_ci(a, b, mean_delta, resamples=1000)
+    assert low < 0.3 < high and low > 0  # significant, and the truth is inside
+    same = [x + rng.gauss(0.0, 0.5) for x in a]
+    low, high = bootstrap_ci(a, same, mean_delta, resamples=1000)
+    assert low < 0 < high  # no real change: the interval includes zero
+
+
+def test_sign_flip_test_separates_real_and_null_changes():
+    rng = random.Random(2)
+    a = [rng.gauss(0, 1) for _ in range(100)]
+    assert sign_flip_p_value(a, [x + 0.5 for x in a], resamples=500) < 0.01
+    assert sign_flip_p_value(a, [x + rng.gauss(0, 0.1) for x in a], resamples=500) > 0.05
