@@ -49,10 +49,6 @@ def _common(model, data, text_field, seed, trust, allow_pickle) -> dict:
             "model.trust_remote_code": trust or None, "model.allow_pickle": allow_pickle or None}
 
 
-def _sft_summary(result) -> dict:
-    return {"stage": "sft", "dir": str(result.stage_dir), "skipped": result.skipped, "metrics": result.metrics}
-
-
 @app.command(epilog="Examples:\n\n  slm-align sft --data stories.txt --out runs/demo\n\n"
                     "  slm-align sft --model ./SmolLM2-135M --data chat.jsonl --lora-r 32 --epochs 2 --out runs/chat\n\n"
                     "  slm-align sft --out runs/demo --resume   # continue an interrupted run")
@@ -86,7 +82,7 @@ def sft(
                         "sft.lora.dropout": lora_dropout, "data.max_length": max_length, "sft.save_steps": save_steps,
                         "sft.lora.target_modules": lora_targets.split(",") if lora_targets else None})
     result = run_sft(recipe, out, resume=resume)
-    summary = _sft_summary(result)
+    summary = result.summary()
     emit(as_json, summary, lambda: print_sft(summary))
 
 
@@ -248,12 +244,12 @@ def train(
                         "rl.envelope.rollback": off(no_rollback), "rl.envelope.sigma_clip": sigma_clip,
                         "rl.envelope.grad_clip": grad_clip})
     if stage == "sft":
-        summary = _sft_summary(run_sft(recipe, out, resume=resume))
+        summary = run_sft(recipe, out, resume=resume).summary()
         emit(as_json, summary, lambda: print_sft(summary))
         return
     if stage == "reward":
         result = run_reward(recipe, out, resume=resume)
-        summary = {"stage": "reward", "dir": str(result.stage_dir), "skipped": result.skipped, "metrics": result.metrics}
+        summary = result.summary()
         emit(as_json, summary, lambda: print_reward(summary))
         return
     result = run_rl(recipe, out, resume=resume, force=force, sft_from=sft_from, reward_model=reward_model,
@@ -263,8 +259,7 @@ def train(
     from slm_align.evaluate import evaluate as run_evaluation
 
     report = run_evaluation(recipe, out, sft_run=sft_from, reward_model=reward_model, rewards=reward)
-    summary = {"stage": "rl", "dir": str(result.stage_dir), "skipped": result.skipped, "metrics": result.metrics,
-               "evaluation": report["comparisons"]}
+    summary = dict(result.summary(), evaluation=report["comparisons"])
     emit(as_json, summary, lambda: (print_rl(summary), print_evaluation(report, out / "eval" / "report.md")))
 
 

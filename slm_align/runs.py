@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
@@ -15,6 +16,23 @@ from typing import Any, Optional
 from slm_align.errors import UserError
 
 MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """Where a stage's artifacts are, whether it was skipped as already done, and its metrics.
+
+    ``primary`` is False on the non-zero ranks of a data-parallel run, which report nothing.
+    """
+
+    stage_dir: Path
+    skipped: bool
+    metrics: dict
+    primary: bool = True
+
+    def summary(self) -> dict:
+        return {"stage": self.stage_dir.name, "dir": str(self.stage_dir), "skipped": self.skipped,
+                "metrics": self.metrics}
 
 
 def write_json_atomic(path: Path, data: Any) -> Path:

@@ -8,7 +8,6 @@ complete, so a crash never leaves an ``sft/`` that looks whole.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from slm_align.config import Recipe
@@ -17,19 +16,10 @@ from slm_align.data.encoding import encode_all, pad_batch
 from slm_align.errors import UserError
 from slm_align.modeling import ModelSource, load_model, load_tokenizer, resolve_source
 from slm_align.progress import TrainerProgress
-from slm_align.runs import completed, make_manifest, partial_dir, publish, read_manifest
+from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
 from slm_align.training import attach_lora, make_trainer, prepare_partial, save_adapter, training_arguments
 
 STAGE = "sft"
-
-
-@dataclass(frozen=True)
-class SFTResult:
-    """Where the stage's artifacts are, whether it was skipped as already done, and its metrics."""
-
-    stage_dir: Path
-    skipped: bool
-    metrics: dict
 
 
 def sft_inputs(recipe: Recipe, source: ModelSource, corpus: Corpus) -> dict:
@@ -38,7 +28,7 @@ def sft_inputs(recipe: Recipe, source: ModelSource, corpus: Corpus) -> dict:
             "data_settings": recipe.data.model_dump(), "seed": recipe.seed, "sft": recipe.sft.model_dump()}
 
 
-def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> SFTResult:
+def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     """Train the SFT adapter into ``out/sft`` (or return the existing one made from the same inputs)."""
     from transformers import Trainer
 
@@ -50,7 +40,7 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> SFTResult:
     inputs = sft_inputs(recipe, source, corpus)
     done = completed(stage_dir, inputs)
     if done is not None:
-        return SFTResult(stage_dir, skipped=True, metrics=done["metrics"])
+        return StageResult(stage_dir, skipped=True, metrics=done["metrics"])
     train_rows = encode_all(corpus.splits.train, tokenizer, recipe.data.max_length)
     eval_rows = encode_all(corpus.splits.eval, tokenizer, recipe.data.max_length)
     if not train_rows or not eval_rows:
@@ -75,7 +65,7 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> SFTResult:
                "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     publish(partial, stage_dir, make_manifest(STAGE, inputs, metrics, started),
             keep=("adapter", "tokenizer", "inputs.json", "log.jsonl"))
-    return SFTResult(stage_dir, skipped=False, metrics=metrics)
+    return StageResult(stage_dir, skipped=False, metrics=metrics)
 
 
 def recipe_from_sft(run: Path, recipe: Recipe) -> tuple[Recipe, Path]:

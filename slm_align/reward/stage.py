@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from slm_align.config import Recipe
@@ -21,20 +20,11 @@ from slm_align.reward.model import (bradley_terry_loss, classifier_from_policy, 
                                     merged_policy, pairwise_metrics, sequence_rewards)
 from slm_align.reward.pairs import Pair, synthetic_pairs
 from slm_align.reward.preferences import read_preferences
-from slm_align.runs import completed, digest, make_manifest, partial_dir, publish, read_manifest
+from slm_align.runs import StageResult, completed, digest, make_manifest, partial_dir, publish, read_manifest
 from slm_align.sft import recipe_from_sft
 from slm_align.training import attach_lora, make_trainer, prepare_partial, training_arguments
 
 STAGE = "reward"
-
-
-@dataclass(frozen=True)
-class RewardResult:
-    """Where the reward model is, whether the stage was skipped as already done, and its metrics."""
-
-    stage_dir: Path
-    skipped: bool
-    metrics: dict
 
 
 def _held_out(pair: Pair, seed: int) -> bool:
@@ -85,7 +75,7 @@ def _write_jsonl(path: Path, pairs: list[Pair]) -> None:
     path.write_text("".join(json.dumps(p.to_row()) + "\n" for p in pairs), encoding="utf-8")
 
 
-def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> RewardResult:
+def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     """Train the reward model of run ``out`` (whose SFT stage must be finished)."""
     started = time.time()
     recipe, adapter = recipe_from_sft(out, recipe)
@@ -97,7 +87,7 @@ def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> RewardResult:
               "reward": recipe.reward.model_dump(), "pairs": digest([p.to_row() for p in train + held])}
     done = completed(stage_dir, inputs)
     if done is not None:
-        return RewardResult(stage_dir, skipped=True, metrics=done["metrics"])
+        return StageResult(stage_dir, skipped=True, metrics=done["metrics"])
     policy = merged_policy(source, adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
     model = attach_lora(classifier_from_policy(policy, tokenizer.pad_token_id), recipe.reward.lora, recipe.seed,
                         task_type="SEQ_CLS")
@@ -121,4 +111,4 @@ def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> RewardResult:
                    pair_stats=pair_stats, resumed_from=checkpoint)
     publish(partial, stage_dir, make_manifest(STAGE, inputs, metrics, started),
             keep=("model", "pairs.jsonl", "eval_pairs.jsonl", "inputs.json", "log.jsonl"))
-    return RewardResult(stage_dir, skipped=False, metrics=metrics)
+    return StageResult(stage_dir, skipped=False, metrics=metrics)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -30,7 +29,7 @@ from slm_align.reward.stage import run_reward
 from slm_align.rl.distributed import World, replica_digest, world_from_env
 from slm_align.rl.loop import RLLoop
 from slm_align.rl.policy import ValueHead, build_policy, merged_for_sampling
-from slm_align.runs import completed, make_manifest, partial_dir, publish, read_manifest
+from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
 from slm_align.sft import recipe_from_sft, run_sft
 from slm_align.training import prepare_partial, save_adapter
 
@@ -42,16 +41,6 @@ class GateRefused(UserError):
     """The headroom gate said FAIL and --force was not given."""
 
     exit_code = 1
-
-
-@dataclass(frozen=True)
-class RLResult:
-    """Where the RL artifacts are, whether the stage was skipped, its metrics (rank 0 only; others get {})."""
-
-    stage_dir: Path
-    skipped: bool
-    metrics: dict
-    primary: bool = True
 
 
 def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Recipe, adapter: bool) -> float:
@@ -83,7 +72,7 @@ def _prerequisites(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_m
 
 
 def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False, sft_from: Optional[Path] = None,
-           reward_model: Optional[Path] = None, rewards: Sequence[str] = (), say=lambda _: None) -> RLResult:
+           reward_model: Optional[Path] = None, rewards: Sequence[str] = (), say=lambda _: None) -> StageResult:
     """Prerequisites and the gate (on rank 0), then RL on every rank of the world (one process unless launched)."""
     started = time.time()
     out = Path(out)
@@ -100,7 +89,7 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
         raise outcome
     recipe, adapter, reward_model, inputs, gate, done = outcome
     if done is not None:
-        return RLResult(out / STAGE, skipped=True, metrics=done["metrics"])
+        return StageResult(out / STAGE, skipped=True, metrics=done["metrics"])
     return _train(recipe, adapter, reward_model, rewards, inputs, gate, out / STAGE, resume, started, world)
 
 
@@ -126,7 +115,7 @@ def _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say):
     return recipe, adapter, reward_model, inputs, gate, completed(out / STAGE, inputs)
 
 
-def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started, world) -> RLResult:
+def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started, world) -> StageResult:
     settings = recipe.rl
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
@@ -165,7 +154,7 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     replicas = world.gather(replica_digest(loop.params))
     if not world.main:
         world.barrier()
-        return RLResult(stage_dir, skipped=False, metrics={}, primary=False)
+        return StageResult(stage_dir, skipped=False, metrics={}, primary=False)
     save_adapter(policy, partial / "adapter")
     if value_head is not None:
         from safetensors.torch import save_file
@@ -184,4 +173,4 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     publish(partial, stage_dir, make_manifest(STAGE, inputs, result, started),
             keep=("adapter", "value_head.safetensors", "metrics.jsonl", "plots", "inputs.json"))
     world.barrier()
-    return RLResult(stage_dir, skipped=False, metrics=result)
+    return StageResult(stage_dir, skipped=False, metrics=result)
