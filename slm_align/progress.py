@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from transformers import TrainerCallback
 
 stderr = Console(stderr=True)
 
@@ -16,20 +17,14 @@ def new_progress() -> Progress:
                     TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=stderr, transient=True)
 
 
-class TrainerProgress:
-    """A transformers TrainerCallback that drives a rich bar and appends each log line to a JSONL file."""
+class TrainerProgress(TrainerCallback):
+    """A Trainer callback that drives a rich bar and appends each log line to a JSONL file."""
 
     def __init__(self, name: str, log_path: Path):
         self.name, self.log_path = name, Path(log_path)
         self.eval_losses: list[float] = []
         self._progress = new_progress()
         self._task = None
-
-    # transformers looks callbacks up by method name; unused events are no-ops.
-    def __getattr__(self, event):
-        if event.startswith("on_"):
-            return lambda *args, **kwargs: None
-        raise AttributeError(event)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._progress.start()
