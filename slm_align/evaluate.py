@@ -18,11 +18,10 @@ from slm_align.data.encoding import encode_all
 from slm_align.data.prompts import prompt_of
 from slm_align.errors import UserError
 from slm_align.generation import sample
-from slm_align.modeling import load_model, load_tokenizer, resolve_source
+from slm_align.modeling import load_model, load_tokenizer, merged_policy, resolve_source
 from slm_align.perplexity import perplexity
 from slm_align.plots import plot_curves
 from slm_align.reward.functions import combine
-from slm_align.reward.model import merged_policy
 from slm_align.runs import write_json_atomic
 from slm_align.sft import recipe_from_sft
 from slm_align.stats import (analytical_win_rate, bootstrap_ci, distinct_n, mean_delta, paired_win_rate,

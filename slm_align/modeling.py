@@ -222,3 +222,10 @@ def load_adapter(model, adapter_dir: Path):
     except Exception as exc:
         raise UserError(f"adapter {adapter_dir} does not fit this base model ({type(exc).__name__}); "
                         "pass the base model the adapter was trained on") from None
+
+
+def merged_policy(source: ModelSource, adapter: Optional[Path], trust_remote_code: bool = False,
+                  allow_pickle: bool = False):
+    """The policy's weights with the SFT adapter folded in (a plain model, no peft wrapper)."""
+    model = load_model(source, trust_remote_code, allow_pickle)
+    return load_adapter(model, adapter).merge_and_unload() if adapter is not None else model

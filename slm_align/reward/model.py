@@ -8,7 +8,6 @@ the score head applied to the hidden state of its last real token (EOS appended)
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from slm_align.data.encoding import encode, pad_batch
 from slm_align.data.examples import Example
@@ -118,11 +117,3 @@ def pairwise_metrics(model, tokenizer, pairs, max_length: int, batch_size: int =
             "accuracy_by_kind": {k: sum(v) / len(v) for k, v in sorted(by_kind.items())},
             "reward_mean": statistics.fmean(every), "reward_std": statistics.pstdev(every),
             "chosen_mean": statistics.fmean(chosen), "rejected_mean": statistics.fmean(rejected)}
-
-
-def merged_policy(source, adapter: Optional[Path], trust_remote_code: bool = False, allow_pickle: bool = False):
-    """The policy's weights with the SFT adapter folded in (a plain model, no peft wrapper)."""
-    from slm_align.modeling import load_adapter, load_model
-
-    model = load_model(source, trust_remote_code, allow_pickle)
-    return load_adapter(model, adapter).merge_and_unload() if adapter is not None else model

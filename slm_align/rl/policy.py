@@ -44,8 +44,7 @@ def build_policy(source, sft_adapter: Optional[Path], settings: RLSettings, seed
 
     With ``reinit_lora`` off, the SFT adapter is loaded as it is, the way PEFT loads it by default: frozen.
     """
-    from slm_align.modeling import load_model
-    from slm_align.reward.model import merged_policy
+    from slm_align.modeling import load_model, merged_policy
     from slm_align.training import attach_lora
 
     if settings.envelope.reinit_lora or sft_adapter is None:
