@@ -317,6 +317,24 @@ def print_evaluation(report: dict, path: Path) -> None:
     stdout.print(f"report: {path}")
 
 
+@app.command(epilog="Examples:\n\n  slm-align merge --run runs/demo                 # writes runs/demo/merged/\n\n"
+                    "  slm-align merge --run runs/demo --out models/story-rl --overwrite --json")
+def merge(
+    run: Path = typer.Option(..., "--run", "-r", help="Run directory with a finished SFT stage (RL used if present)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default: RUN/merged)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    config: Optional[Path] = ConfigOpt, as_json: bool = JsonFlag,
+) -> None:
+    """Fold the SFT and RL adapters into the base weights: a plain HF directory that loads without peft."""
+    from slm_align.export.merge import merge_run
+
+    summary = merge_run(_recipe(config), run, out, overwrite).summary()
+    emit(as_json, summary, lambda: stdout.print(
+        f"[bold]merged[/] -> {summary['dir']}: {summary['metrics']['architecture']}, "
+        f"{summary['metrics']['parameters']:,} parameters"
+        + (" (ChatML chat template added)" if summary["metrics"]["default_chat_template"] else "")))
+
+
 def _later(name: str, what: str, issue: str, examples: str) -> None:
     """Register a command whose capability a later issue builds: it says so in one line and exits 2."""
 
@@ -328,8 +346,6 @@ def _later(name: str, what: str, issue: str, examples: str) -> None:
                 context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
 
 
-_later("merge", "folding adapters into a plain checkpoint", "the export issue (#6)",
-       "  slm-align merge --run runs/demo --out merged/")
 _later("export", "parity-checked GGUF and ONNX export", "the export issue (#6)",
        "  slm-align export runs/demo --target gguf --quant Q8_0")
 _later("chat", "the terminal chat on an exported model", "the agent issue (#7)",

@@ -35,7 +35,7 @@ def test_every_command_has_help_with_examples(capsys, command):
     assert code == 0 and "Example" in out and "--json" in out
 
 
-@pytest.mark.parametrize("command", ["merge", "export", "chat", "feedback", "devices", "bench"])
+@pytest.mark.parametrize("command", ["export", "chat", "feedback", "devices", "bench"])
 def test_later_commands_say_so_in_one_line(capsys, command):
     code, out, err = run_cli(capsys, command, "--json", "--anything", "x")
     assert code == 2 and out == "" and err.count("\n") == 1 and "not available yet" in err

@@ -1,0 +1,54 @@
+"""Fold a run's adapters into the base weights: a plain HF directory that loads without peft.
+
+SFT adapter first (into the base), then the RL adapter (trained on top of the merged SFT weights). The output has
+safetensors weights, the tokenizer with a chat template (ChatML when the model has none, recorded in the
+manifest), a generation config, and ``manifest.json``. Written to ``OUT.partial`` and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+from slm_align.config import Recipe
+from slm_align.errors import UserError
+from slm_align.modeling import CHATML_TEMPLATE, load_tokenizer, merged_policy, resolve_source
+from slm_align.runs import StageResult, make_manifest, partial_dir, publish
+from slm_align.sft import recipe_from_sft
+
+
+def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: bool = False) -> StageResult:
+    """Write ``out`` (default ``run/merged``) from the run's base model, SFT adapter and RL adapter (if any)."""
+    from peft import PeftModel
+
+    started = time.time()
+    run = Path(run)
+    out = Path(out) if out is not None else run / "merged"
+    if out.exists() and not overwrite:
+        raise UserError(f"{out} exists; pass --overwrite to replace it or choose another --out")
+    recipe, sft_adapter = recipe_from_sft(run, recipe)
+    source = resolve_source(recipe.model.source)
+    tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
+    model = merged_policy(source, sft_adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
+    rl_adapter = run / "rl" / "adapter"
+    if rl_adapter.is_dir():
+        model = PeftModel.from_pretrained(model, str(rl_adapter)).merge_and_unload()
+    default_template = tokenizer.chat_template is None
+    if default_template:
+        tokenizer.chat_template = CHATML_TEMPLATE
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    partial = partial_dir(out)
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    inputs = {"base": source.ref, "sft_adapter": str(sft_adapter),
+              "rl_adapter": str(rl_adapter) if rl_adapter.is_dir() else None}
+    metrics = {"parameters": sum(p.numel() for p in model.parameters()), "default_chat_template": default_template,
+               "architecture": model.config.model_type}
+    if out.exists():
+        shutil.rmtree(out)
+    publish(partial, out, make_manifest("merge", inputs, metrics, started))
+    return StageResult(out, skipped=False, metrics=metrics)
