@@ -34,10 +34,10 @@ def reward(prompts, completions, **_):
 def prompts_for(n: int) -> list[str]:
     from slm_align.config import DataSettings
     from slm_align.data.corpus import load_corpus
-    from slm_align.data.prompts import prompt_of
+    from slm_align.data.prompts import prompts_of
 
     splits = load_corpus(DataSettings(demo_documents=2000), seed=0).splits
-    prompts = [prompt_of(ex) for ex in splits.train]
+    prompts = prompts_of(splits.train)
     return [prompts[i % len(prompts)] for i in range(n)]
 
 

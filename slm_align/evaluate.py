@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
 from slm_align.data.encoding import encode_all
-from slm_align.data.prompts import prompt_of
+from slm_align.data.prompts import prompts_of
 from slm_align.errors import UserError
 from slm_align.generation import sample
 from slm_align.modeling import load_model, load_tokenizer, merged_policy, resolve_source
@@ -98,7 +98,7 @@ def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_mo
     reward = combine(rewards, learned=reward_model)
     splits = load_corpus(recipe.data, recipe.seed).splits
     tokenizer = load_tokenizer(resolve_source(recipe.model.source), recipe.model.trust_remote_code)
-    held = [p for ex in splits.heldout if (p := prompt_of(ex, tokenizer))][:prompts]
+    held = prompts_of(splits.heldout, tokenizer, prompts)
     if len(held) < 2:
         raise UserError("fewer than two held-out prompts to evaluate on; give a larger corpus")
     documents = splits.eval[: recipe.headroom.max_documents]

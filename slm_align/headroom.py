@@ -82,7 +82,7 @@ def _heldout_pairs(recipe: Recipe, corpus, run: Optional[Path]) -> list:
 def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Optional[Path],
                     rewards: Sequence[str], run: Optional[Path], info: dict) -> list[Figure]:
     """Held-out pairwise accuracy of the reward model and the spread of rewards over policy samples."""
-    from slm_align.data.prompts import prompt_of
+    from slm_align.data.prompts import prompts_of
     from slm_align.generation import sample
     from slm_align.reward.functions import combine, spread
     from slm_align.reward.model import pairwise_metrics
@@ -93,14 +93,14 @@ def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Opt
     if reward_model is not None:
         pairs = _heldout_pairs(recipe, corpus, run)
         if pairs:
-            learned = reward.terms[0][1]
+            learned = next(fn for name, fn, _ in reward.terms if name == "reward_model")
             metrics = pairwise_metrics(learned.model, learned.tokenizer, pairs, recipe.data.max_length)
             info["reward_accuracy_by_kind"] = metrics["accuracy_by_kind"]
             figures.append(Figure("reward accuracy (held-out pairs)", metrics["accuracy"],
                                   settings.min_reward_accuracy, ">=", REMEDY_ACCURACY))
         else:
             info["reward_accuracy"] = "not measured: no held-out preference pairs"
-    prompts = [p for ex in corpus.splits.heldout if (p := prompt_of(ex, tokenizer))][: settings.spread_prompts]
+    prompts = prompts_of(corpus.splits.heldout, tokenizer, settings.spread_prompts)
     if len(prompts) < 2:
         info["reward_spread"] = "not measured: fewer than two held-out prompts"
         return figures

@@ -1,13 +1,11 @@
 """merge folds SFT and RL adapters into a plain checkpoint with the same outputs as the adapted policy."""
 
 import json
-import shutil
 
 import pytest
 import torch
 
 from slm_align.cli import main
-from slm_align.config import load_recipe
 from slm_align.modeling import merged_policy, resolve_source
 from slm_align.rl.stage import run_rl
 from tests.conftest import finished_sft_run

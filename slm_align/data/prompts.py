@@ -65,3 +65,8 @@ def prompt_of(example: Example, tokenizer=None, opening_sentences: int = 2) -> O
         return chat_prompt(history, tokenizer) if history and tokenizer is not None else None
     split = split_opening(example.text or "", opening_sentences)
     return None if split is None else split[0]
+
+
+def prompts_of(examples, tokenizer=None, limit: Optional[int] = None) -> list[str]:
+    """The prompts of the items that have one (see :func:`prompt_of`), at most ``limit`` of them."""
+    return [p for ex in examples if (p := prompt_of(ex, tokenizer))][:limit]

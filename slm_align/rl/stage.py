@@ -17,7 +17,7 @@ import torch
 
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
-from slm_align.data.prompts import prompt_of
+from slm_align.data.prompts import prompts_of
 from slm_align.errors import UserError
 from slm_align.generation import sample
 from slm_align.headroom import check_headroom
@@ -120,8 +120,8 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
     splits = load_corpus(recipe.data, recipe.seed).splits
-    train_prompts = [p for ex in splits.train if (p := prompt_of(ex, tokenizer))]
-    eval_prompts = [p for ex in splits.heldout if (p := prompt_of(ex, tokenizer))][: settings.eval_prompts]
+    train_prompts = prompts_of(splits.train, tokenizer)
+    eval_prompts = prompts_of(splits.heldout, tokenizer, settings.eval_prompts)
     if not train_prompts or not eval_prompts:
         raise UserError("no prompts for RL: the corpus has no documents long enough to split into prompt and rest")
     reward_fn = combine(rewards, learned=reward_model)
