@@ -1,0 +1,165 @@
+"""Export consented on-device feedback as preference data for the next round (TRL's conversational format).
+
+Two JSONL files, because the two kinds of rows feed different trainers and the repo's importer
+(:func:`slm_align.reward.preferences.read_preferences`) reads unpaired rows as text only:
+
+- ``OUT`` (e.g. ``prefs.jsonl``): paired rows ``{"prompt": [messages], "chosen": [{"role": "assistant", ...}],
+  "rejected": [{"role": "assistant", ...}]}`` from 'choice' feedback (the winner is chosen) and 'edit' feedback
+  (the user's edit is chosen over the model's answer). The importer reads this file directly; so does TRL's
+  DPO/reward trainers.
+- ``OUT`` with ``.unpaired.jsonl`` for ``.jsonl`` (e.g. ``prefs.unpaired.jsonl``): unpaired rows
+  ``{"prompt": [messages], "completion": [{"role": "assistant", ...}], "label": true|false}`` from thumbs up/down
+  (TRL's KTO format).
+
+Both files are always written (one may be empty, so no stale file from an earlier export is left beside them),
+atomically and owner-only (0o600). Only turns with consent are exported. Feedback rows are append-only, so
+the latest verdict per question counts: the last thumbs on a turn, its last edit, and the last verdict against
+each distinct other candidate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from slm_align.agent.scrub import scrub as scrub_text
+from slm_align.agent.store import Feedback, PreferenceStore, Turn
+from slm_align.errors import UserError
+
+UNPAIRED_SUFFIX = ".unpaired.jsonl"
+
+
+def unpaired_path(out_path: str | os.PathLike) -> Path:
+    """Where the unpaired (thumbs) rows go beside ``out_path``: ``prefs.jsonl`` -> ``prefs.unpaired.jsonl``."""
+    out = Path(out_path)
+    return out.with_name(out.name[: -len(".jsonl")] + UNPAIRED_SUFFIX)
+
+
+def _assistant(text: str) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": text}]
+
+
+def _question(feedback: Feedback) -> tuple:
+    """What a verdict answers; a later verdict on the same question replaces an earlier one."""
+    if feedback.kind in ("up", "down"):
+        return ("thumbs",)
+    if feedback.kind == "choice":
+        return ("choice", feedback.other_completion)
+    return ("edit",)
+
+
+def latest_verdicts(turn: Turn) -> list[Feedback]:
+    """The turn's feedback with only the latest verdict per question, oldest first."""
+    latest = {_question(f): f for f in sorted(turn.feedback, key=lambda f: f.id)}
+    return sorted(latest.values(), key=lambda f: f.id)
+
+
+def _row(turn: Turn, feedback: Feedback) -> dict[str, Any] | None:
+    """One TRL row for a verdict; None when chosen and rejected would be the same text."""
+    if feedback.kind in ("up", "down"):
+        return {"prompt": turn.messages, "completion": _assistant(turn.completion), "label": feedback.kind == "up"}
+    if feedback.kind == "choice":
+        pair = (turn.completion, feedback.other_completion)
+        chosen, rejected = pair if feedback.preferred == "this" else pair[::-1]
+    else:
+        chosen, rejected = feedback.edited_text, turn.completion
+    if chosen.strip() == rejected.strip():
+        return None
+    return {"prompt": turn.messages, "chosen": _assistant(chosen), "rejected": _assistant(rejected)}
+
+
+def _scrub_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    out, total = [], 0
+    for message in messages:
+        content, count = scrub_text(message["content"])
+        out.append({**message, "content": content})
+        total += count
+    return out, total
+
+
+def scrub_row(row: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The row with personal data replaced in every message's content, and the number of replacements."""
+    out, total = {}, 0
+    for column, value in row.items():
+        if isinstance(value, list):
+            value, count = _scrub_messages(value)
+            total += count
+        out[column] = value
+    return out, total
+
+
+def _check_paths(store_path: Path, out: Path, overwrite: bool) -> None:
+    if out.suffix.lower() != ".jsonl":
+        raise UserError(f"feedback export writes JSONL; name the output with .jsonl (got {out})")
+    if out.resolve() == store_path.resolve():
+        raise UserError(f"output {out} is the preference DB itself; pass another --out")
+    for path in (out, unpaired_path(out)):
+        if path.is_dir():
+            raise UserError(f"output {path} is a directory; pass a file path ending in .jsonl")
+        if path.exists() and not overwrite:
+            raise UserError(f"output {path} exists; pass --overwrite to replace it or choose another --out")
+
+
+def _write_jsonl_atomic(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    """Write to an owner-only temporary file beside ``path``, flush it to disk, then rename it into place."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def collect_rows(turns: Iterable[Turn], scrub: bool = False) -> tuple[list[dict], list[dict], dict[str, int]]:
+    """``(paired rows, unpaired rows, counts)`` from the consented turns' latest verdicts."""
+    paired, unpaired = [], []
+    counts = {"skipped_without_consent": 0, "skipped_identical": 0, "scrubbed_replacements": 0}
+    for turn in turns:
+        for feedback in latest_verdicts(turn):
+            if not turn.consent:
+                counts["skipped_without_consent"] += 1
+                continue
+            row = _row(turn, feedback)
+            if row is None:
+                counts["skipped_identical"] += 1
+                continue
+            if scrub:
+                row, replaced = scrub_row(row)
+                counts["scrubbed_replacements"] += replaced
+            (paired if "chosen" in row else unpaired).append(row)
+    return paired, unpaired, counts
+
+
+def export_preferences(store_path: str | os.PathLike, out_path: str | os.PathLike, scrub: bool = False,
+                       overwrite: bool = False) -> dict[str, Any]:
+    """Write the consented feedback in ``store_path`` to ``out_path`` (pairs) and its ``.unpaired.jsonl`` sibling.
+
+    Returns ``pairs``, ``unpaired``, ``skipped_without_consent``, ``skipped_identical``, ``scrubbed_replacements``
+    and the two paths written (``out``, ``unpaired_out``). Bad input is a UserError and writes nothing.
+    """
+    store_path, out = Path(store_path), Path(out_path)
+    _check_paths(store_path, out, overwrite)
+    with PreferenceStore(store_path, create=False) as store:
+        turns = store.turns()
+    paired, unpaired, counts = collect_rows(turns, scrub=scrub)
+    if not paired and not unpaired:
+        if counts["skipped_identical"]:
+            raise UserError(f"no usable feedback in DB {store_path}: every consented choice or edit equals the "
+                            "original answer; collect more feedback")
+        raise UserError(f"no consented feedback in DB {store_path}; record thumbs/choices/edits on turns whose "
+                        "user gave consent (set_consent) and export again")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_jsonl_atomic(out, paired)
+    _write_jsonl_atomic(unpaired_path(out), unpaired)
+    return {"pairs": len(paired), "unpaired": len(unpaired), **counts, "out": str(out),
+            "unpaired_out": str(unpaired_path(out))}

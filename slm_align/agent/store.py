@@ -1,0 +1,349 @@
+"""The on-device preference store: every turn the model answered and what the user said about it.
+
+One SQLite file in WAL mode with ``synchronous=FULL``: a write returns only once it is durable, so a turn or a
+verdict that was committed survives the app being killed. The schema is versioned with ``PRAGMA user_version``
+and brought up to :data:`SCHEMA_VERSION` by :func:`migrate` when the store opens.
+
+Threads: a store holds ONE connection (``check_same_thread=False``) and serializes every call on a lock, so a
+server may share one ``PreferenceStore`` between its threads. Other processes may open the same file too (WAL
+lets readers run beside the writer; writers wait up to :data:`BUSY_TIMEOUT_MS`).
+
+Privacy: the file (and its ``-wal``/``-shm`` companions) is created readable and writable by the owner only.
+Feedback rows are appended, never updated: the export takes the latest verdict (see ``feedback_export``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from slm_align.errors import UserError
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_MS = 5000
+PRIVATE_UMASK = 0o077
+PRIVATE_MODE = 0o600
+SQLITE_HEADER = b"SQLite format 3\x00"
+FEEDBACK_KINDS = ("up", "down", "choice", "edit")
+PREFERRED = ("this", "other")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+_SCHEMA_V1 = """
+CREATE TABLE turns (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    conversation_id TEXT    NOT NULL,
+    created_at      TEXT    NOT NULL,                -- ISO 8601, UTC
+    model_id        TEXT    NOT NULL,                -- sha256 of the model artifact that answered
+    messages        TEXT    NOT NULL,                -- JSON: the chat messages up to this turn (the prompt)
+    completion      TEXT    NOT NULL,                -- the model's answer
+    sampling        TEXT    NOT NULL,                -- JSON: the sampling parameters
+    consent         INTEGER NOT NULL CHECK (consent IN (0, 1))
+);
+CREATE INDEX turns_by_conversation ON turns (conversation_id);
+CREATE TABLE feedback (
+    id               INTEGER PRIMARY KEY AUTOINCREMENT,
+    turn_id          INTEGER NOT NULL REFERENCES turns (id) ON DELETE CASCADE,
+    kind             TEXT    NOT NULL CHECK (kind IN ('up', 'down', 'choice', 'edit')),
+    other_completion TEXT,                            -- 'choice': the other candidate's text
+    preferred        TEXT    CHECK (preferred IN ('this', 'other')),  -- 'choice': which one won
+    edited_text      TEXT,                            -- 'edit': the user's corrected answer
+    created_at       TEXT    NOT NULL,
+    CHECK ((kind = 'choice') = (other_completion IS NOT NULL AND preferred IS NOT NULL)),
+    CHECK ((kind = 'edit') = (edited_text IS NOT NULL))
+);
+CREATE INDEX feedback_by_turn ON feedback (turn_id);
+"""
+
+# MIGRATIONS[v - 1] takes a database from version v - 1 to version v (statements split on ';').
+MIGRATIONS: tuple[str, ...] = (_SCHEMA_V1,)
+assert len(MIGRATIONS) == SCHEMA_VERSION
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """One verdict on a turn."""
+
+    id: int
+    turn_id: int
+    kind: str                          # 'up' | 'down' | 'choice' | 'edit'
+    other_completion: str | None    # 'choice': the other candidate
+    preferred: str | None           # 'choice': 'this' (the turn's completion) or 'other'
+    edited_text: str | None         # 'edit': the corrected answer
+    created_at: str
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One answer of the model, with the feedback given on it (oldest first)."""
+
+    id: int
+    conversation_id: str
+    created_at: str
+    model_id: str
+    messages: list[dict[str, Any]]
+    completion: str
+    sampling: dict[str, Any]
+    consent: bool
+    feedback: tuple[Feedback, ...] = ()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+@contextmanager
+def _private_umask() -> Iterator[None]:
+    """Files created inside are owner-only (the umask is per process: keep the block short)."""
+    previous = os.umask(PRIVATE_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def _check_is_sqlite(path: Path) -> None:
+    """A non-empty file must start with SQLite's header; an empty one SQLite initialises."""
+    with open(path, "rb") as f:
+        header = f.read(len(SQLITE_HEADER))
+    if header and header != SQLITE_HEADER:
+        raise UserError(f"preference DB {path} is not a SQLite database; pass the store's .db file or a new path")
+
+
+def _create_private(path: Path) -> None:
+    """Create ``path`` empty with mode 0o600, unless another process just created it."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_MODE))
+    except FileExistsError:
+        pass
+
+
+def _schema_version(conn: sqlite3.Connection) -> int:
+    """The file's schema version; a newer one than this code knows is refused before anything is written."""
+    found = conn.execute("PRAGMA user_version").fetchone()[0]
+    if found > SCHEMA_VERSION:
+        raise UserError(f"preference DB schema version {found} is newer than this slm-align supports "
+                        f"({SCHEMA_VERSION}); upgrade slm-align to open it")
+    return found
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Bring the schema up to :data:`SCHEMA_VERSION` in one transaction; return the version found."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        found = _schema_version(conn)
+        for version in range(found + 1, SCHEMA_VERSION + 1):
+            for statement in MIGRATIONS[version - 1].split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {version}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return found
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    """An autocommit connection (transactions are explicit) in WAL mode with durable commits."""
+    conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+    try:
+        _schema_version(conn)
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise UserError(f"preference DB {path}: cannot switch to WAL mode (got {mode}); "
+                            "put the store on a local file system")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        migrate(conn)
+    except sqlite3.DatabaseError as e:
+        conn.close()
+        raise UserError(f"preference DB {path} is not a readable SQLite database ({e}); "
+                        "pass the store's .db file or a new path") from None
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _json_text(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{what} must be JSON-serializable ({e}); pass plain numbers, strings, lists and dicts") from None
+
+
+def _check_messages(messages: Any) -> list[dict[str, Any]]:
+    if (not isinstance(messages, list) or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in messages)):
+        raise UserError("messages must be a non-empty list of {role, content} dicts with text values; "
+                        "pass the chat history the model answered")
+    return messages
+
+
+def _check_model_id(model_id: Any) -> str:
+    if not isinstance(model_id, str) or not _SHA256.fullmatch(model_id.lower()):
+        raise UserError(f"model_id must be the model artifact's sha256 (64 hex digits), got {model_id!r}; "
+                        "hash the .gguf/.onnx file the runtime loaded")
+    return model_id.lower()
+
+
+def _check_text(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise UserError(f"{what} must be non-empty text, got {value!r}")
+    return value
+
+
+def _feedback(row: sqlite3.Row) -> Feedback:
+    return Feedback(row["id"], row["turn_id"], row["kind"], row["other_completion"], row["preferred"],
+                    row["edited_text"], row["created_at"])
+
+
+def _turn(row: sqlite3.Row, feedback: tuple[Feedback, ...]) -> Turn:
+    return Turn(row["id"], row["conversation_id"], row["created_at"], row["model_id"], json.loads(row["messages"]),
+                row["completion"], json.loads(row["sampling"]), bool(row["consent"]), feedback)
+
+
+class PreferenceStore:
+    """Turns and feedback in one SQLite file. Thread-safe: one connection, every call under one lock.
+
+    ``create=False`` refuses a missing file instead of making a new store (the export uses it).
+    """
+
+    def __init__(self, path: str | os.PathLike, create: bool = True):
+        self.path = Path(path)
+        self._lock = threading.RLock()
+        self._conn = self._open(create)
+        self._conn.row_factory = sqlite3.Row
+
+    def _open(self, create: bool) -> sqlite3.Connection:
+        if self.path.is_dir():
+            raise UserError(f"preference DB {self.path} is a directory; pass a file path such as prefs.db")
+        if not self.path.exists():
+            if not create:
+                raise UserError(f"preference DB {self.path} not found; pass the file the agent records into")
+            if not self.path.parent.is_dir():
+                raise UserError(f"preference DB {self.path}: folder {self.path.parent} does not exist; create it first")
+            _create_private(self.path)
+        _check_is_sqlite(self.path)
+        with _private_umask():
+            return _connect(self.path)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction under the lock: committed (durably) on success, rolled back on any error."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    # -- writes ------------------------------------------------------------------------------------------------
+
+    def record_turn(self, conversation_id: str, messages: list[dict[str, Any]], completion: str, model_id: str,
+                    sampling: dict[str, Any], consent: bool) -> int:
+        """Store one answer of the model; return its turn id."""
+        if not isinstance(conversation_id, str) or not conversation_id:
+            raise UserError(f"conversation_id must be non-empty text, got {conversation_id!r}")
+        if not isinstance(completion, str):
+            raise UserError(f"completion must be text, got {type(completion).__name__}")
+        if not isinstance(sampling, dict):
+            raise UserError(f"sampling must be a dict of sampling parameters, got {type(sampling).__name__}")
+        row = (conversation_id, _now(), _check_model_id(model_id),
+               _json_text(_check_messages(messages), "messages"), completion, _json_text(sampling, "sampling"),
+               int(bool(consent)))
+        with self._transaction() as conn:
+            cursor = conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, "
+                                  "sampling, consent) VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+            return int(cursor.lastrowid)
+
+    def _add_feedback(self, turn_id: int, kind: str, other_completion: str | None = None,
+                      preferred: str | None = None, edited_text: str | None = None) -> int:
+        with self._transaction() as conn:
+            self._require_turn(conn, turn_id)
+            cursor = conn.execute("INSERT INTO feedback (turn_id, kind, other_completion, preferred, edited_text, "
+                                  "created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                                  (turn_id, kind, other_completion, preferred, edited_text, _now()))
+            return int(cursor.lastrowid)
+
+    def thumbs(self, turn_id: int, up: bool) -> int:
+        """Thumbs up or down on a turn; return the feedback id."""
+        return self._add_feedback(turn_id, "up" if up else "down")
+
+    def choose(self, turn_id: int, other_completion: str, preferred: str) -> int:
+        """The user compared the turn's completion with ``other_completion``; ``preferred`` is 'this' or 'other'."""
+        if preferred not in PREFERRED:
+            raise UserError(f"preferred must be 'this' or 'other', got {preferred!r}")
+        return self._add_feedback(turn_id, "choice", other_completion=_check_text(other_completion, "other_completion"),
+                                  preferred=preferred)
+
+    def edit(self, turn_id: int, edited_text: str) -> int:
+        """The user rewrote the turn's completion as ``edited_text``."""
+        return self._add_feedback(turn_id, "edit", edited_text=_check_text(edited_text, "edited_text"))
+
+    def set_consent(self, target: int | str, consent: bool) -> int:
+        """Consent for one turn (``target`` an int turn id) or a whole conversation (a str conversation id).
+
+        Returns the number of turns changed; an unknown id is a UserError.
+        """
+        if isinstance(target, bool) or not isinstance(target, (int, str)):
+            raise UserError(f"set_consent takes a turn id (int) or a conversation id (str), got {target!r}")
+        column = "id" if isinstance(target, int) else "conversation_id"
+        with self._transaction() as conn:
+            changed = conn.execute(f"UPDATE turns SET consent = ? WHERE {column} = ?",
+                                   (int(bool(consent)), target)).rowcount
+            if changed == 0:
+                what = "turn id" if column == "id" else "conversation id"
+                raise UserError(f"unknown {what} {target!r} in preference DB {self.path}; pass one that record_turn made")
+            return changed
+
+    # -- reads -------------------------------------------------------------------------------------------------
+
+    def _require_turn(self, conn: sqlite3.Connection, turn_id: Any) -> None:
+        known = (isinstance(turn_id, int) and not isinstance(turn_id, bool)
+                 and conn.execute("SELECT 1 FROM turns WHERE id = ?", (turn_id,)).fetchone())
+        if not known:
+            raise UserError(f"unknown turn id {turn_id!r} in preference DB {self.path}; pass an id record_turn returned")
+
+    def turns(self, conversation_id: str | None = None) -> list[Turn]:
+        """Every turn (or one conversation's), oldest first, each with its feedback."""
+        where, args = ("WHERE conversation_id = ?", (conversation_id,)) if conversation_id is not None else ("", ())
+        with self._lock:
+            rows = self._conn.execute(f"SELECT * FROM turns {where} ORDER BY id", args).fetchall()
+            feedback = self._conn.execute(
+                f"SELECT * FROM feedback WHERE turn_id IN (SELECT id FROM turns {where}) ORDER BY id", args).fetchall()
+        by_turn: dict[int, list[Feedback]] = {}
+        for row in feedback:
+            by_turn.setdefault(row["turn_id"], []).append(_feedback(row))
+        return [_turn(row, tuple(by_turn.get(row["id"], ()))) for row in rows]
+
+    def counts(self) -> dict[str, int]:
+        """``turns``, ``consented`` turns and the number of feedback rows of each kind."""
+        with self._lock:
+            turns, consented = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(consent), 0) FROM turns").fetchone()
+            kinds = dict(self._conn.execute("SELECT kind, COUNT(*) FROM feedback GROUP BY kind").fetchall())
+        return {"turns": turns, "consented": consented, **{kind: kinds.get(kind, 0) for kind in FEEDBACK_KINDS}}
