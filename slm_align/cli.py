@@ -13,7 +13,7 @@ from typer.exceptions import TyperException
 from rich.console import Console
 from rich.table import Table
 
-from slm_align.errors import EXIT_USER_ERROR, NotYetAvailable, UserError
+from slm_align.errors import EXIT_USER_ERROR, UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="Align small language models safely and ship them to phones and CPU boards.")
@@ -193,7 +193,8 @@ def train(
     reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight] or a built-in; "
                                                           "repeatable; added to the reward model."),
     force: bool = typer.Option(False, "--force", help="Train even when the headroom gate says FAIL (recorded)."),
-    preferences: Optional[str] = typer.Option(None, help="Preference file (TRL columns) for the reward model."),
+    preferences: list[str] = typer.Option([], help="Preference file (TRL columns) for the reward model; repeatable "
+                                                   "(give both files of `feedback export`)."),
     pair_mix: Optional[str] = typer.Option(None, help="Corruption weights, e.g. truncate=1,shuffle=1,mismatch=1,dropout=1."),
     no_synthetic_pairs: bool = typer.Option(False, "--no-synthetic-pairs", help="Train on --preferences only."),
     reward_steps: Optional[int] = typer.Option(None, help="Reward-model optimizer steps (default: one epoch)."),
@@ -231,7 +232,7 @@ def train(
         raise UserError(f"--stage {stage}: choose sft, reward or rl")
     off = lambda flag: False if flag else None  # noqa: E731
     recipe = _recipe(config, **_common(model, data, text_field, seed, trust_remote_code, allow_pickle),
-                     **{"reward.preferences": preferences, "reward.pairs.mix": _pair_mix(pair_mix),
+                     **{"reward.preferences": preferences or None, "reward.pairs.mix": _pair_mix(pair_mix),
                         "reward.pairs.synthetic": off(no_synthetic_pairs), "reward.max_steps": reward_steps,
                         "reward.learning_rate": reward_lr, "reward.margin": margin, "reward.center_coefficient": center,
                         "rl.algo": algo, "rl.steps": steps, "rl.learning_rate": rl_lr,
@@ -335,27 +336,298 @@ def merge(
         + (" (ChatML chat template added)" if summary["metrics"]["default_chat_template"] else "")))
 
 
-def _later(name: str, what: str, issue: str, examples: str) -> None:
-    """Register a command whose capability a later issue builds: it says so in one line and exits 2."""
+@app.command(epilog="Examples:\n\n  slm-align export runs/demo --target gguf               # Q8_0, parity-checked\n\n"
+                    "  slm-align export runs/demo --target gguf --quant Q4_K_M\n\n"
+                    "  slm-align export runs/demo --target onnx --device rpi5  # int8, arm64 preset\n\n"
+                    "  slm-align export ./SmolLM2-135M --target onnx --quant fp32 --out exports/ --json\n\n"
+                    "Exit code 1 when verification fails (nothing published unless --force).")
+def export(
+    source: str = typer.Argument(..., help="Run directory, merged/HF model directory, .gguf file or hub id."),
+    target: str = typer.Option("gguf", "--target", "-t", help="gguf (llama.cpp) or onnx (onnxruntime)."),
+    quant: Optional[str] = typer.Option(None, "--quant", "-q", help="GGUF: F32, F16, Q8_0 (ours) or Q4_0, Q4_K_M, "
+                                        "Q5_K_M, Q6_K, ... (llama.cpp's quantizer). ONNX: fp32, int8, int4. "
+                                        "Default: the device's, else Q8_0 / int8."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile (see `slm-align devices list`)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default RUN/export or ./export)."),
+    preset: Optional[str] = typer.Option(None, help="ONNX int8 preset: arm64, avx2, avx512, avx512_vnni."),
+    ort_format: bool = typer.Option(False, "--ort-format", help="ONNX: also write model.ort for mobile builds."),
+    min_agreement: float = typer.Option(0.9, help="Lowest top-1 agreement with PyTorch for low-bit types."),
+    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the parity check (recorded in the manifest)."),
+    force: bool = typer.Option(False, "--force", help="Publish even when verification fails (recorded)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact of the same name."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Merge and export to GGUF or ONNX, quantized for a device, verified against the PyTorch model."""
+    from slm_align.export.stage import ExportRequest, run_export
 
-    def command(ctx: typer.Context, as_json: bool = JsonFlag) -> None:
-        raise NotYetAvailable(f"`slm-align {name}` is not available yet: {what} arrives with {issue}")
+    request = ExportRequest(source, target=target, quant=quant, device=device, out=out, verify=not no_verify,
+                            overwrite=overwrite, force=force, min_agreement=min_agreement, ort_format=ort_format,
+                            threads=threads, preset=preset)
+    summary = run_export(request).summary()
+    emit(as_json, summary, lambda: print_export(summary))
 
-    command.__doc__ = f"{what[0].upper()}{what[1:]} (not yet available: {issue})."
-    app.command(name, epilog=f"Examples (once available):\n\n{examples}",
-                context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
+
+def print_export(summary: dict) -> None:
+    m = summary["metrics"]
+    stdout.print(f"[bold]export[/] -> {summary['dir']}: {m['target']} {m['quant']}, {m['bytes'] / 1e6:.1f} MB, "
+                 f"{m['export_seconds']:.1f} s")
+    v = m["verification"]
+    if v.get("skipped"):
+        stdout.print("verification: [yellow]skipped (--no-verify)[/]")
+        return
+    greedy = (f"greedy {v['greedy_exact']}/{v['prompts']} prompts identical for 32 tokens"
+              + (f" ({len(v['ties'])} near-tie)" if v["ties"] else "") + ", " if v["prompts"] else "")
+    verdict = "[green]passed[/]" if v["passed"] else "[red]FAILED (published with --force)[/]"
+    stdout.print(f"verification {verdict}: tokenizer {'identical' if v['tokenizer_match'] else 'DIFFERENT'}, "
+                 f"{greedy}top-1 agreement {v['agreement']:.3f} over {v['agreement_positions']} tokens")
 
 
-_later("export", "parity-checked GGUF and ONNX export", "the export issue (#6)",
-       "  slm-align export runs/demo --target gguf --quant Q8_0")
-_later("chat", "the terminal chat on an exported model", "the agent issue (#7)",
-       "  slm-align chat runs/demo/export/model.gguf")
-_later("feedback", "export of on-device preferences", "the agent issue (#7)",
-       "  slm-align feedback export prefs.db --out prefs.jsonl")
-_later("devices", "device profiles and fit estimates", "the devices issue (#8)",
-       "  slm-align devices fit runs/demo --device rpi5")
-_later("bench", "on-host speed and memory measurement", "the devices issue (#8)",
-       "  slm-align bench runs/demo/export/model.gguf")
+@app.command(epilog="Examples:\n\n  slm-align chat runs/demo/export/model-Q8_0.gguf --store prefs.db --consent\n\n"
+                    "  slm-align chat runs/demo/export/onnx-int8 --system 'You are terse.' --tools --temperature 0\n\n"
+                    "  echo 'hello' | slm-align chat model.gguf --json   # one answer per input line, as JSON\n\n"
+                    "In the chat: /good /bad /compare /pick 1|2 /edit TEXT /tools /reset /save FILE /quit")
+def chat(
+    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export directory."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) to record turns in."),
+    consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as consented for training."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    tools: bool = typer.Option(False, "--tools", help="Offer the built-in tools (calculator, clock, notes)."),
+    notes: Optional[Path] = typer.Option(None, "--notes", help="Folder the notes tool may use (with --tools)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and context."),
+    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
+    n_ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context window in tokens."),
+    temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(0.95, min=0.0, max=1.0, help="Nucleus sampling threshold."),
+    max_tokens: int = typer.Option(256, min=1, help="Most tokens per answer."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Chat with an exported model in the terminal; give feedback that lands in the preference store."""
+    from slm_align.agent.builtin_tools import default_tools
+    from slm_align.agent.runtime import Agent
+    from slm_align.agent.sampling import SamplingParams
+    from slm_align.agent.terminal import chat_loop
+
+    agent = Agent.load(artifact, device=device, threads=threads, n_ctx=n_ctx, store=store, consent=consent,
+                       system=system, tools=default_tools(notes) if tools else None,
+                       sampling=SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed))
+    if as_json:
+        for line in (line.strip() for line in sys.stdin):
+            if line:
+                reply = agent.chat(line)
+                sys.stdout.write(json.dumps({"reply": reply.text, "tool_calls": reply.tool_calls,
+                                             "turn_id": reply.turn_id, "truncated": reply.truncated}) + "\n")
+        return
+    err = Console(stderr=True)
+    chat_loop(agent, (line for line in iter(lambda: (err.print("[bold]you>[/] ", end="") or sys.stdin.readline()), "")),
+              say=lambda text: err.print(text, markup=False, highlight=False),
+              write=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+
+
+feedback_app = typer.Typer(help="On-device preferences: export them for the next training round.",
+                           no_args_is_help=True)
+app.add_typer(feedback_app, name="feedback")
+
+
+@feedback_app.command("export", epilog="Examples:\n\n  slm-align feedback export prefs.db --out round2.jsonl --scrub\n\n"
+                                        "  slm-align train --stage reward --out runs/round2 --preferences round2.jsonl "
+                                        "--preferences round2.unpaired.jsonl")
+def feedback_export(
+    db: Path = typer.Argument(..., help="Preference database written by the agent (chat, serve, Python API)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Pairs file (.jsonl); thumbs go to OUT's .unpaired.jsonl."),
+    scrub: bool = typer.Option(False, "--scrub", help="Replace e-mails, phone numbers, cards, IPs, IBANs."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing output files."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Write consented feedback as TRL rows: pairs {prompt, chosen, rejected} and unpaired {prompt, completion, label}."""
+    from slm_align.agent.feedback_export import export_preferences
+
+    result = export_preferences(db, out, scrub=scrub, overwrite=overwrite)
+    emit(as_json, result, lambda: stdout.print(
+        f"[bold]feedback[/] -> {result['out']} ({result['pairs']} pairs), {result['unpaired_out']} "
+        f"({result['unpaired']} rated answers); {result['skipped_without_consent']} turns without consent skipped"
+        + (f"; {result['scrubbed_replacements']} personal details scrubbed" if scrub else "")))
+
+
+devices_app = typer.Typer(
+    no_args_is_help=True, rich_markup_mode="markdown",
+    help="Device profiles and fit / speed estimates: will this model run on my board, and how fast?",
+    epilog="Examples:\n\n  slm-align devices list\n\n  slm-align devices show rpi5 --json\n\n"
+           "  slm-align devices fit runs/demo/merged --device rpi5 --quant Q4_0 --context 2048")
+app.add_typer(devices_app, name="devices")
+
+
+@devices_app.command("list", epilog="Examples:\n\n  slm-align devices list\n\n  slm-align devices list --json\n\n"
+                                    "  SLM_ALIGN_DEVICES=./my-devices slm-align devices list   # your own TOML files")
+def devices_list(as_json: bool = JsonFlag) -> None:
+    """List the device profiles: bundled, ~/.config/slm-align/devices/ and $SLM_ALIGN_DEVICES (user files win)."""
+    from slm_align.devices import list_profiles, load_profile
+
+    rows = [{"name": p.name, "device": p.display_name, "ram_gb": p.ram_gb, "bandwidth_gbs": p.bandwidth_gbs,
+             "runtime": p.runtime, "quant": p.gguf_quant, "reference_points": len(p.reference)}
+            for p in map(load_profile, list_profiles())]
+    emit(as_json, {"devices": rows}, lambda: stdout.print(_rows_table("Device profiles", rows)))
+
+
+@devices_app.command("show", epilog="Examples:\n\n  slm-align devices show rpi5\n\n"
+                                    "  slm-align devices show x86-laptop --json")
+def devices_show(name: str = typer.Argument(..., help="Profile name (see `slm-align devices list`)."),
+                 as_json: bool = JsonFlag) -> None:
+    """Show one device profile with its published reference measurements and their sources."""
+    from slm_align.devices import load_profile
+
+    profile = load_profile(name).model_dump()
+    emit(as_json, profile, lambda: print_device(profile))
+
+
+@devices_app.command("fit", epilog="Examples:\n\n  slm-align devices fit runs/demo/merged --device rpi5\n\n"
+                                   "  slm-align devices fit model.gguf --device rpi-zero2w --context 1024\n\n"
+                                   "  slm-align devices fit runs/demo/export/onnx --device android-mid --quant int8 "
+                                   "--json")
+def devices_fit(
+    model: Path = typer.Argument(..., help="HF directory (safetensors), .gguf file or ONNX export directory."),
+    device: str = typer.Option(..., "--device", help="Device profile name (see `slm-align devices list`)."),
+    quant: Optional[str] = typer.Option(None, "--quant", help="Weight type, e.g. Q4_0, Q4_K_M, Q8_0, F16, int8 "
+                                                              "(default: the device's preference, downgraded to fit)."),
+    context: Optional[int] = typer.Option(None, "--context", help="Context length in tokens (default: 4096 or the "
+                                                                  "model's own, if shorter)."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Estimate memory, verdict (fits / tight / does not fit), largest context and decode speed on a device."""
+    from slm_align.devices import estimate_fit, load_profile, model_facts
+
+    profile = load_profile(device)
+    report = estimate_fit(model_facts(model), profile, quant, context).to_dict()
+    emit(as_json, report, lambda: print_fit(report))
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.0f} MiB"
+
+
+def _rows_table(title: str, rows: list[dict]) -> Table:
+    table = Table(title=title)
+    for column in (rows[0] if rows else {}):
+        table.add_column(column.replace("_", " "))
+    for row in rows:
+        table.add_row(*(str(value) for value in row.values()))
+    return table
+
+
+def print_device(profile: dict) -> None:
+    table = Table(title=f"{profile['display_name']} ({profile['name']})", show_header=False)
+    for key, value in profile.items():
+        if key not in ("reference", "name", "display_name"):
+            table.add_row(key.replace("_", " "), ", ".join(value) if isinstance(value, list) else str(value))
+    stdout.print(table)
+    rows = [{k: p[k] for k in ("model", "quant", "tokens_per_second", "context", "runtime", "source")}
+            for p in profile["reference"]]
+    stdout.print(_rows_table("Reference decode measurements", rows) if rows else "no reference measurements")
+
+
+def print_fit(report: dict) -> None:
+    memory, color = report["memory"], {"fits": "green", "tight": "yellow"}.get(report["verdict"], "red")
+    table = Table(title=f"{report['model']} on {report['device']}", show_header=False)
+    for label, value in (
+            ("weights", f"{_size(memory['weights'])} ({report['quant']})"),
+            ("KV cache", f"{_size(memory['kv_cache'])} at {report['context']} tokens"),
+            ("runtime overhead", _size(memory["compute"] + memory["fixed"])),
+            ("total / app budget", f"{_size(memory['total'])} / {_size(report['budget_bytes'])} "
+                                   f"({report['share_of_budget']:.0%})"),
+            ("verdict", f"[bold {color}]{report['verdict']}[/]"),
+            ("largest context that fits", str(report["max_context"])),
+            ("recommended quantization", report["recommended_quant"] or "none fits"),
+            ("decode speed", f"~{report['tokens_per_second']:.1f} tokens/s (efficiency "
+                             f"{report['efficiency']['value']:.2f}, {report['efficiency']['basis']})")):
+        table.add_row(label, value)
+    stdout.print(table)
+    for note in report["notes"]:
+        stdout.print(f"note: {note}")
+
+
+@app.command(epilog="Examples:\n\n  slm-align bench runs/demo/export/model-Q8_0.gguf\n\n"
+                    "  slm-align bench runs/demo/export/onnx-int8 --threads 4 --prompt-tokens 256 --repeats 5\n\n"
+                    "  slm-align bench model-Q8_0.gguf --save-profile my-laptop     # then: devices fit ... "
+                    "--device my-laptop\n\n"
+                    "  slm-align bench model-Q8_0.gguf --device x86-laptop --json    # measured vs predicted")
+def bench(
+    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export directory."),
+    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: this host's physical cores)."),
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens", min=1, help="Prompt length fed at once."),
+    decode_tokens: int = typer.Option(64, "--decode-tokens", min=1, help="Tokens generated after the first one."),
+    repeats: int = typer.Option(3, min=1, help="Measurement repeats (speeds are medians)."),
+    n_ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context window (default: the model's own)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Also show `devices fit`'s decode prediction for "
+                                                               "this profile, and measured / predicted."),
+    save_profile: Optional[str] = typer.Option(None, "--save-profile", help="Save this host as a user device "
+                                               "profile NAME ($SLM_ALIGN_DEVICES or ~/.config/slm-align/devices/)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing profile of that name."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Measure an exported model on this host: load time, time to first token, prompt and decode tokens/s, peak RAM."""
+    from slm_align.devices.bench import run_bench
+
+    summary = run_bench(artifact, threads, prompt_tokens, decode_tokens, repeats, n_ctx, device=device,
+                        save_as=save_profile, overwrite=overwrite)
+    emit(as_json, summary, lambda: print_bench(summary))
+
+
+def print_bench(summary: dict) -> None:
+    b, host = summary["bench"], summary["bench"]["host"]
+    table = Table(title=f"{b['model']} ({b['kind']}, {b['runtime']})", show_header=False)
+    for label, value in (
+            ("host", f"{host['cpu']}, {host['cores']} cores, {host['ram_gb']:.1f} GiB, "
+                     f"{' '.join(host['isa']) or 'no SIMD flags found'}"),
+            ("threads / context", f"{b['threads']} / {b['n_ctx']} tokens"),
+            ("load", f"{b['load_seconds'] * 1000:.0f} ms"),
+            ("time to first token", f"{b['time_to_first_token_seconds'] * 1000:.0f} ms ({b['prompt_tokens']}-token "
+                                    "prompt)"),
+            ("prompt processing", f"{b['prompt_tokens_per_second']:.1f} tokens/s"),
+            ("decode", f"{b['decode_tokens_per_second']:.1f} tokens/s (median of {b['repeats']}, "
+                       f"{b['decode_tokens']} tokens each)"),
+            ("peak memory (RSS)", f"{_size(b['peak_rss_bytes'])} ({_size(b['rss_before_load_bytes'])} before "
+                                  f"loading, +{_size(b['model_rss_bytes'])} for the model)")):
+        table.add_row(label, value)
+    stdout.print(table)
+    p = summary["prediction"]
+    if p:
+        stdout.print(f"prediction for {p['device']} ({p['quant']}, {p['context']} tokens): "
+                     f"~{p['predicted_tokens_per_second']:.1f} tokens/s; measured / predicted = {p['ratio']:.2f}")
+    if summary["saved_profile"]:
+        saved = summary["saved_profile"]
+        stdout.print(f"[bold]saved[/] device profile {saved['name']} -> {saved['path']} (bandwidth "
+                     f"{saved['bandwidth_gbs']:.1f} GB/s); use it with --device {saved['name']}")
+
+
+@app.command(epilog="Examples:\n\n  slm-align serve runs/demo/export/model-Q8_0.gguf --store prefs.db --consent   # open http://127.0.0.1:8080/\n\n"
+                    "  SLM_ALIGN_API_KEY=s3cret slm-align serve model.gguf --host 0.0.0.0 --port 9000\n\n"
+                    "  curl -s http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' "
+                    "-d '{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'\n\n"
+                    "Any OpenAI client works: base_url http://127.0.0.1:8080/v1, api_key the --api-key (or any text).")
+def serve(
+    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export directory."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; beyond loopback it needs --api-key."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on (0: any free one)."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) for turns and feedback."),
+    consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as consented for training."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SLM_ALIGN_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on /v1 (env SLM_ALIGN_API_KEY)."),
+    tools: bool = typer.Option(False, "--tools", help="Run the built-in tools (calculator, clock) on the server."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and context."),
+    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
+    n_ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context window in tokens."),
+    insecure: bool = typer.Option(False, "--insecure", help="Allow listening beyond loopback without an API key."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Serve an exported model: an OpenAI-compatible API (/v1/chat/completions) and a chat page with feedback."""
+    from slm_align.agent.server import serve as run_server
+
+    run_server(artifact, host=host, port=port, api_key=api_key, insecure=insecure, store_path=store, consent=consent,
+               tools=tools, device=device, threads=threads, n_ctx=n_ctx,
+               announce=lambda info: emit(as_json, info, lambda: stdout.print(
+                   f"[bold]serving[/] {info['model']} at {info['url']} (API at {info['url']}v1"
+                   + (", key required" if info["api_key"] else "") + "); Ctrl-C stops")))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

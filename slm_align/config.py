@@ -6,7 +6,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from slm_align.errors import UserError
 
@@ -70,7 +70,14 @@ class RewardSettings(TrainSettings):
     margin: float = Field(0.0, ge=0, description="Bradley-Terry margin: chosen must beat rejected by this much.")
     center_coefficient: float = Field(0.01, ge=0, description="Weight of the (r_chosen + r_rejected)^2 penalty.")
     pairs: PairSettings = Field(default_factory=PairSettings, description="Synthetic preference pairs.")
-    preferences: Optional[str] = Field(None, description="Preference file to import (TRL columns).")
+    preferences: list[str] = Field(default_factory=list,
+                                   description="Preference files to import (TRL columns), e.g. both files of "
+                                               "`slm-align feedback export`.")
+
+    @field_validator("preferences", mode="before")
+    @classmethod
+    def _one_or_many(cls, value):
+        return [value] if isinstance(value, str) else [] if value is None else value
 
 
 class EnvelopeSettings(_Strict):

@@ -45,6 +45,16 @@ def stories(tmp_path_factory) -> Path:
     return write_demo_corpus(tmp_path_factory.mktemp("data") / "stories.txt", n=60, seed=3)
 
 
+def run_cli(capsys, *args):
+    """Run the CLI in-process: (exit code, stdout, stderr)."""
+    from slm_align.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
 def finished_sft_run(out: Path, model_dir: Path, corpus: Path, steps: int):
     """A run directory whose SFT stage finished after ``steps`` steps, and its recipe."""
     from slm_align.config import load_recipe

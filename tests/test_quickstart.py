@@ -68,3 +68,15 @@ def test_grpo_raises_heldout_reward_over_the_sft_policy(quickstart, tmp_path):
     recipe = load_recipe(overrides={"rl.algo": "grpo", "rl.steps": 30})
     metrics = run_rl(recipe, run).metrics
     assert metrics["heldout_reward_rl"] > metrics["heldout_reward_sft"]
+
+
+def test_quickstart_exports_parity_checked_artifacts_and_records_a_preference(quickstart):
+    from slm_align.agent.store import PreferenceStore
+
+    gguf = json.loads((quickstart / "export" / "model-Q8_0.gguf.json").read_text())["metrics"]["verification"]
+    onnx = json.loads((quickstart / "export" / "onnx-fp32" / "manifest.json").read_text())["metrics"]["verification"]
+    assert gguf["passed"] and gguf["greedy_exact"] + len(gguf["ties"]) == gguf["prompts"] == 4
+    assert onnx["passed"] and onnx["greedy_exact"] == onnx["prompts"] == 4 and onnx["agreement"] == 1.0
+    store = PreferenceStore(quickstart / "preferences.db")
+    turns = store.turns()
+    assert len(turns) == 1 and turns[0].consent and [f.kind for f in turns[0].feedback] == ["up"]

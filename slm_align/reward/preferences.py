@@ -4,7 +4,8 @@ Accepted rows (any corpus format that :mod:`slm_align.data.readers` reads):
 
 - paired: ``{prompt, chosen, rejected}`` with text values, or TRL's conversational form where ``chosen`` and
   ``rejected`` are message lists (``prompt`` a message list too, or left out when it is the shared prefix);
-- unpaired: ``{prompt, completion, label}`` with a boolean label; within one prompt, every good completion is
+- unpaired: ``{prompt, completion, label}`` with a boolean label (text, or TRL's conversational form with message
+  lists); within one prompt, every good completion is
   paired with every bad one (at most :data:`MAX_PAIRS_PER_PROMPT`).
 
 This is also the format ``slm-align feedback export`` writes for the next round. Extra columns are ignored.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from slm_align.data.prompts import chat_turn
 from slm_align.data.readers import iter_rows
@@ -41,6 +42,14 @@ def _render_chat(where: str, row: dict, tokenizer) -> Pair:
     return Pair(prompt_text, chosen_text, chat_turn(prompt, rejected[-1], tokenizer)[1])
 
 
+def _unpaired(where: str, row: dict, tokenizer) -> tuple[str, str]:
+    """(prompt, completion) as text; TRL's conversational form goes through the chat template."""
+    if isinstance(row["prompt"], list) or isinstance(row["completion"], list):
+        completion = _messages(where, row["completion"], "completion")
+        return chat_turn(_messages(where, row["prompt"], "prompt"), completion[-1], tokenizer)
+    return _text(where, row, "prompt"), _text(where, row, "completion")
+
+
 def _text(where: str, row: dict, column: str) -> str:
     value = row[column]
     if not isinstance(value, str):
@@ -58,12 +67,20 @@ def _label(where: str, value: Any) -> bool:
     raise UserError(f"{where}: 'label' must be true or false, got {value!r}")
 
 
-def read_preferences(path: Path, tokenizer=None) -> list[Pair]:
-    """Every preference pair in ``path``; malformed rows are a UserError naming file and line."""
+def _rows(paths: list[Path]):
+    for path in paths:
+        yield from iter_rows(path)
+
+
+def read_preferences(path: Union[Path, list[Path]], tokenizer=None) -> list[Pair]:
+    """Every preference pair in ``path`` (or in several files read as one, so that unpaired rows of one prompt
+    pair up across them); malformed rows are a UserError naming file and line."""
+    paths = [Path(p) for p in path] if isinstance(path, (list, tuple)) else [Path(path)]
+    path = ", ".join(map(str, paths))
     pairs: list[Pair] = []
     unpaired: dict[str, dict[bool, list[str]]] = defaultdict(lambda: {True: [], False: []})
     rows = 0
-    for where, row in iter_rows(Path(path)):
+    for where, row in _rows(paths):
         rows += 1
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected an object, got {type(row).__name__}")
@@ -74,8 +91,8 @@ def read_preferences(path: Path, tokenizer=None) -> list[Pair]:
                 pairs.append(Pair(_text(where, row, "prompt") if "prompt" in row else "",
                                   _text(where, row, "chosen"), _text(where, row, "rejected")))
         elif {"prompt", "completion", "label"} <= row.keys():
-            prompt = _text(where, row, "prompt")
-            unpaired[prompt][_label(where, row["label"])].append(_text(where, row, "completion"))
+            prompt, completion = _unpaired(where, row, tokenizer)
+            unpaired[prompt][_label(where, row["label"])].append(completion)
         else:
             raise UserError(f"{where}: a preference row needs prompt/chosen/rejected or prompt/completion/label "
                             f"(found: {', '.join(map(str, row)) or 'none'})")

@@ -45,7 +45,7 @@ def build_pairs(recipe: Recipe, tokenizer) -> tuple[list[Pair], list[Pair], dict
         held, held_stats = synthetic_pairs(splits.eval, settings.pairs, recipe.seed + 1)
         stats = {"synthetic": made.to_dict(), "eval": held_stats.to_dict()}
     if settings.preferences:
-        imported = read_preferences(Path(settings.preferences), tokenizer)
+        imported = read_preferences([Path(path) for path in settings.preferences], tokenizer)
         train += [p for p in imported if not _held_out(p, recipe.seed)]
         held += [p for p in imported if _held_out(p, recipe.seed)]
         stats["imported"] = len(imported)

@@ -1,0 +1,95 @@
+"""llama.cpp backend (llama-cpp-python) for GGUF artifacts: llama.cpp's tokenizer, its KV cache, our loop on top."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from slm_align.errors import UserError
+
+
+class LlamaCppBackend:
+    """One llama.cpp context. ``all_logits`` keeps every position's logits (for teacher-forced comparisons)."""
+
+    kind = "gguf"
+
+    def __init__(self, artifact: Path, threads: Optional[int] = None, n_ctx: Optional[int] = None,
+                 all_logits: bool = False):
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise UserError("GGUF artifacts need llama-cpp-python: pip install 'slm-align[agent]'") from None
+        artifact = Path(artifact)
+        if not artifact.is_file():
+            raise UserError(f"GGUF file {artifact} not found; create one with `slm-align export --target gguf`")
+        try:
+            self.llm = Llama(model_path=str(artifact), n_ctx=n_ctx or 0, n_threads=threads,
+                             n_threads_batch=threads, n_batch=512,
+                             logits_all=all_logits, verbose=False)
+        except ValueError as exc:
+            raise UserError(f"llama.cpp cannot load {artifact} ({exc}); the file is corrupt or not a GGUF model") from None
+        self.all_logits = all_logits
+        self.n_ctx = min(self.llm.n_ctx(), len(self.llm.input_ids))  # llama.cpp pads the context it allocates
+        self.vocab_size = self.llm.n_vocab()
+        meta = self.llm.metadata
+        self.chat_template = meta.get("tokenizer.chat_template")
+        self.eos_ids = {self.llm.token_eos()}
+        if "tokenizer.ggml.eot_token_id" in meta:
+            self.eos_ids.add(int(meta["tokenizer.ggml.eot_token_id"]))
+        self.bos_token = self._piece(self.llm.token_bos())
+        self.eos_token = self._piece(self.llm.token_eos())
+
+    def _piece(self, token: int) -> Optional[str]:
+        return None if token < 0 else self.detokenize([token])
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """llama.cpp's tokenizer; special-token text (``<|im_end|>``) becomes the special token, as in HF."""
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.llm.detokenize(list(ids), special=True).decode("utf-8", errors="replace")
+
+    def reset(self) -> None:
+        self.llm.reset()
+
+    @property
+    def n_past(self) -> int:
+        return self.llm.n_tokens
+
+    def feed_all(self, ids: Sequence[int]) -> np.ndarray:
+        """Append ``ids``; the logits at each of their positions (needs ``all_logits=True``)."""
+        if not self.all_logits:
+            raise ValueError("feed_all needs a backend opened with all_logits=True")
+        start = self.llm.n_tokens
+        self._eval(ids)
+        return np.array(self.llm.scores[start:self.llm.n_tokens], dtype=np.float32)
+
+    def feed(self, ids: Sequence[int]) -> np.ndarray:
+        """Append ``ids``; the logits for the next token, shape (vocab,)."""
+        self._eval(ids)
+        if self.all_logits:
+            return np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
+        import llama_cpp
+
+        row = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)  # only the last position has logits
+        return np.ctypeslib.as_array(row, shape=(self.vocab_size,)).copy()
+
+    def generate(self, prompt: Sequence[int], params, grammar: Optional[str] = None) -> Iterator[int]:
+        """llama.cpp's own sampler chain (and grammar); the cache of a shared prefix is reused."""
+        if len(prompt) >= self.n_ctx:
+            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new conversation")
+        from llama_cpp import LlamaGrammar
+
+        self.llm.set_seed(params.seed)
+        return self.llm.generate(list(prompt), top_k=params.top_k, top_p=params.top_p, min_p=0.0,
+                                 temp=params.temperature, repeat_penalty=1.0,
+                                 grammar=LlamaGrammar.from_string(grammar, verbose=False) if grammar else None)
+
+    def _eval(self, ids: Sequence[int]) -> None:
+        if not ids:
+            raise ValueError("feed needs at least one token")
+        if self.llm.n_tokens + len(ids) > self.n_ctx:
+            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new conversation")
+        self.llm.eval(list(ids))

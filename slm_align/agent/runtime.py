@@ -1,0 +1,257 @@
+"""The embeddable agent: multi-turn chat on an exported model, tool calls, and preference collection.
+
+    agent = Agent.load("model-Q8_0.gguf", store="prefs.db", consent=True)
+    reply = agent.chat("What is 17 * 23?")
+    agent.feedback("up")
+
+No torch, no transformers: llama.cpp or onnxruntime does the arithmetic, ``tokenizers`` and ``jinja2`` the text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+from slm_align.agent.backend import Backend, open_backend
+from slm_align.agent.sampling import SamplingParams
+from slm_align.agent.template import render
+from slm_align.agent.tools import ToolRegistry
+from slm_align.errors import UserError
+
+CONVERSATION_FORMAT = 1
+
+
+@dataclass
+class Reply:
+    """One assistant answer: its text, the tool rounds that led to it, and its id in the preference store."""
+
+    text: str
+    tool_calls: list = field(default_factory=list)
+    """Every call made on the way, as ``{name, arguments, ok, content}``."""
+    turn_id: Optional[int] = None
+    truncated: bool = False
+    """The answer hit ``max_tokens`` before the model ended it."""
+
+
+def artifact_id(artifact: Path) -> str:
+    """The sha256 that identifies the model in preference records (from the export manifest when present)."""
+    artifact = Path(artifact)
+    manifest = artifact / "manifest.json" if artifact.is_dir() else artifact.with_name(artifact.name + ".json")
+    if manifest.is_file():
+        found = json.loads(manifest.read_text(encoding="utf-8")).get("metrics", {}).get("sha256")
+        if found:
+            return found
+    files = sorted(p for p in artifact.rglob("*") if p.is_file()) if artifact.is_dir() else [artifact]
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+class Agent:
+    """A conversation with one exported model. Not thread-safe: one agent per conversation (servers queue)."""
+
+    def __init__(self, backend: Backend, model_id: str, system: Optional[str] = None,
+                 tools: Optional[ToolRegistry] = None, sampling: Optional[SamplingParams] = None,
+                 store=None, consent: bool = False, max_tool_rounds: int = 4, grammar: bool = True):
+        self.backend, self.model_id = backend, model_id
+        self.system, self.tools = system, tools
+        self.sampling = sampling or SamplingParams()
+        self.store, self.consent = store, consent
+        self.max_tool_rounds, self.use_grammar = max_tool_rounds, grammar
+        self.reset()
+
+    @classmethod
+    def load(cls, artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
+             n_ctx: Optional[int] = None, store: Union[str, Path, None] = None, **options) -> "Agent":
+        """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context from its profile."""
+        if device is not None:
+            threads, n_ctx = device_settings(Path(artifact), device, threads, n_ctx)
+        backend = open_backend(Path(artifact), threads=threads, n_ctx=n_ctx)
+        if store is not None and not hasattr(store, "record_turn"):
+            from slm_align.agent.store import PreferenceStore
+
+            store = PreferenceStore(Path(store))
+        return cls(backend, artifact_id(Path(artifact)), store=store, **options)
+
+    # conversation state
+    def reset(self) -> None:
+        """Start a new conversation (the system prompt stays)."""
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        self.conversation_id = uuid.uuid4().hex
+        self.last: Optional[Reply] = None
+        self._last_prompt: list[dict] = []
+
+    def save(self, path: Union[str, Path]) -> Path:
+        """Write the conversation to a JSON file (restore it with :meth:`restore`)."""
+        from slm_align.runs import write_json_atomic
+
+        return write_json_atomic(Path(path), {"format": CONVERSATION_FORMAT, "id": self.conversation_id,
+                                              "model": self.model_id, "messages": self.messages})
+
+    def restore(self, path: Union[str, Path]) -> None:
+        """Continue a conversation saved by :meth:`save`."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            messages = data["messages"]
+            assert data.get("format") == CONVERSATION_FORMAT and isinstance(messages, list)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError):
+            raise UserError(f"{path} is not a conversation saved by Agent.save") from None
+        self.messages, self.conversation_id, self.last = messages, data.get("id", uuid.uuid4().hex), None
+
+    # prompting
+    def _prompt_tokens(self, messages: list[dict], max_tokens: int) -> tuple[list[int], list[dict]]:
+        """The rendered prompt, dropping the oldest turns (never the system prompt) until the reply fits."""
+        system = [m for m in messages[:1] if m["role"] == "system"]
+        turns = messages[len(system):]
+        while True:
+            window = system + turns
+            ids = self.backend.tokenize(render(self.backend.chat_template, window, self.backend.bos_token,
+                                               self.backend.eos_token, self.tools.specs() if self.tools else None),
+                                        add_special=False)
+            if len(ids) + max_tokens <= self.backend.n_ctx:
+                return ids, window
+            if len(turns) <= 1:
+                raise UserError(f"the message needs {len(ids)} tokens plus {max_tokens} for the answer, more than "
+                                f"the context window of {self.backend.n_ctx}; send a shorter message")
+            turns = _drop_oldest_turn(turns)
+
+    def _generate(self, prompt: list[int], sampling: SamplingParams, grammar: Optional[str]) -> Iterator[str]:
+        """Text pieces of one completion, ended by EOS, a stop string or ``max_tokens``."""
+        tokens: list[int] = []
+        emitted = ""
+        holdback = max((len(s) for s in sampling.stop), default=1) - 1
+        self._truncated = True
+        for token in self.backend.generate(prompt, sampling, grammar):
+            if token in self.backend.eos_ids:
+                self._truncated = False
+                break
+            tokens.append(token)
+            text = self.backend.detokenize(tokens)
+            cut = min((text.find(s) for s in sampling.stop if s in text), default=-1)
+            if cut >= 0:
+                self._truncated = False
+                text = text[:cut]
+            if len(tokens) >= sampling.max_tokens or cut >= 0:
+                if text[len(emitted):]:
+                    yield text[len(emitted):]
+                return
+            ready = text[: len(text) - holdback] if holdback else text
+            if len(ready) > len(emitted) and not ready.endswith("\ufffd"):
+                yield ready[len(emitted):]
+                emitted = ready
+        text = self.backend.detokenize(tokens)
+        if text[len(emitted):]:
+            yield text[len(emitted):]
+
+    def _grammar(self) -> Optional[str]:
+        if self.tools and len(self.tools) and self.use_grammar and self.backend.kind == "gguf":
+            return self.tools.gbnf_grammar()
+        return None
+
+    # chatting
+    def stream(self, message: str, **sampling) -> Iterator[str]:
+        """Answer ``message`` piece by piece; tool rounds happen before the final answer streams."""
+        params = replace(self.sampling, **sampling)
+        self.messages.append({"role": "user", "content": message})
+        calls: list[dict] = []
+        for round_ in range(self.max_tool_rounds + 1):
+            prompt, window = self._prompt_tokens(self.messages, params.max_tokens)
+            if not self.tools or round_ == self.max_tool_rounds:
+                break
+            text = "".join(self._generate(prompt, params, self._grammar()))
+            parsed = self.tools.parse_calls(text)
+            if not parsed.wants_tools:
+                yield text
+                self._finish(text, window, calls, params)
+                return
+            self._act(text, parsed, calls)
+        pieces = []
+        for piece in self._generate(prompt, params, None):
+            pieces.append(piece)
+            yield piece
+        self._finish("".join(pieces), window, calls, params)
+
+    def chat(self, message: str, **sampling) -> Reply:
+        """Answer ``message`` (calling tools as the model asks); the reply is recorded when a store is set."""
+        for _ in self.stream(message, **sampling):
+            pass
+        return self.last
+
+    def _act(self, text: str, parsed, calls: list) -> None:
+        """Run the model's tool calls; results (and malformed calls) go back to it as observations."""
+        self.messages.append({"role": "assistant", "content": text,
+                              "tool_calls": [call.as_dict() for call in parsed.calls]})
+        for call in parsed.calls:
+            observation = self.tools.execute(call)
+            calls.append({"name": call.name, "arguments": call.arguments, "ok": observation.ok,
+                          "content": observation.content})
+            self.messages.append(observation.as_message())
+        for error in parsed.errors:
+            calls.append({"name": error.name, "arguments": None, "ok": False, "content": error.content})
+            self.messages.append(error.as_message())
+
+    def _finish(self, text: str, window: list[dict], calls: list, params: SamplingParams) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+        self._last_prompt = window
+        turn_id = None
+        if self.store is not None:
+            turn_id = self.store.record_turn(self.conversation_id, window, text, self.model_id, params.to_dict(),
+                                             self.consent)
+        self.last = Reply(text, calls, turn_id, truncated=self._truncated)
+
+    # feedback
+    def _require_last(self) -> Reply:
+        if self.last is None or self.last.turn_id is None:
+            raise UserError("no recorded answer to give feedback on; chat first, with a preference store set")
+        return self.last
+
+    def feedback(self, kind: str, text: Optional[str] = None, other: Optional[str] = None,
+                 preferred: str = "this") -> None:
+        """Feedback on the last answer: ``up``, ``down``, ``edit`` (with ``text``) or ``choice`` (with ``other``)."""
+        turn = self._require_last().turn_id
+        if kind in ("up", "down"):
+            self.store.thumbs(turn, kind == "up")
+        elif kind == "edit" and text is not None:
+            self.store.edit(turn, text)
+        elif kind == "choice" and other is not None:
+            self.store.choose(turn, other, preferred)
+        else:
+            raise UserError(f"feedback '{kind}': use up, down, edit (with text) or choice (with other)")
+
+    def alternative(self, **sampling) -> str:
+        """A second candidate for the last answer, sampled with another seed, for a "which is better" choice."""
+        self._require_last()
+        params = replace(self.sampling, **{"seed": self.sampling.seed + 1, **sampling})
+        if params.temperature <= 0:
+            params = replace(params, temperature=0.8)
+        prompt, _ = self._prompt_tokens(self._last_prompt, params.max_tokens)
+        return "".join(self._generate(prompt, params, None))
+
+
+def device_settings(artifact: Path, device: str, threads: Optional[int], n_ctx: Optional[int]) -> tuple[int, int]:
+    """Threads from the device profile, and the largest context that fits its memory (at most 4096)."""
+    from slm_align.devices import estimate_fit, load_profile, model_facts
+
+    profile = load_profile(device)
+    if n_ctx is None:
+        fit = estimate_fit(model_facts(artifact), profile)
+        if fit.max_context < 256:
+            raise UserError(f"{artifact} does not fit {device} with a useful context ({fit.verdict}); export a "
+                            f"smaller quantization (recommended: {fit.recommended_quant})")
+        n_ctx = min(fit.max_context, 4096)
+    return threads or profile.threads, n_ctx
+
+
+def _drop_oldest_turn(turns: list[dict]) -> list[dict]:
+    """Everything after the first user message's exchange (its answer and tool messages go with it)."""
+    rest = turns[1:]
+    while len(rest) > 1 and rest[0]["role"] != "user":
+        rest = rest[1:]
+    return rest

@@ -1,0 +1,37 @@
+"""The artifact's chat template, rendered with jinja2 the way transformers and llama.cpp render it.
+
+A sandboxed environment (templates come with downloaded models), ``raise_exception`` and ``strftime_now`` as
+transformers provides them, and ``tools`` passed through so tool-aware templates (Qwen2.5, SmolLM2) describe them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from functools import lru_cache
+from typing import Optional
+
+from slm_align.errors import UserError
+
+
+def _raise(message: str):
+    raise UserError(f"the chat template refused the conversation: {message}")
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def render(template: Optional[str], messages: list[dict], bos_token: Optional[str], eos_token: Optional[str],
+           tools: Optional[list[dict]] = None, add_generation_prompt: bool = True) -> str:
+    """The prompt text for ``messages`` (and ``tools``), ending with the assistant's opening."""
+    if not template:
+        raise UserError("this artifact has no chat template; re-export it with `slm-align export` "
+                        "(which writes a default ChatML template)")
+    return _compile(template).render(messages=messages, tools=tools or None, bos_token=bos_token or "",
+                                     eos_token=eos_token or "", add_generation_prompt=add_generation_prompt)

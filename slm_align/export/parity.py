@@ -1,0 +1,122 @@
+"""Parity of an exported artifact with the PyTorch model it came from.
+
+Three checks, all recorded in the export manifest:
+
+- tokenizer: the artifact's tokenizer gives the same ids as the HF tokenizer on every verification text;
+- greedy (F32/F16/Q8_0 GGUF, fp32 ONNX): greedy decoding of each prompt matches PyTorch token for token for
+  ``tokens`` steps (EOS does not stop either side). A divergence is tolerated only at a near tie: where PyTorch's
+  own logits for the two tokens differ by less than ``tie_tolerance`` (rounding to F16 can flip a tie; it cannot
+  flip a clear choice). Each tolerated tie is reported;
+- agreement (every type): the share of positions of a held-out text where the artifact's top-1 next token equals
+  PyTorch's, teacher-forced. Low-bit types pass when it reaches ``min_agreement``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from slm_align.agent.backend import Backend, greedy
+
+USER_MESSAGES = ("Tell me a short story about a brave mouse.", "What should I name my new puppy?")
+RAW_TEXTS = ("Once upon a time, there was a little girl named Lily.", "The sun was warm and the birds")
+HELDOUT_TEXT = (
+    "Once upon a time, in a small village by the sea, there lived an old fisherman and his clever cat. Every "
+    "morning they rowed out before the sun came up, and every evening they shared what they had caught with the "
+    "children of the village. One day a storm came, and the boat did not come back. The children waited on the "
+    "beach all night. In the morning they saw a small light far away on the water. It was the cat, sitting on "
+    "the bow, and the fisherman was rowing slowly home. \"We were lost,\" he said, \"but she always knows the "
+    "way.\" From then on, the children called her the captain, and she liked that very much."
+)
+
+
+@dataclass
+class ParityReport:
+    """What verification measured; ``passed`` decides whether the artifact is published."""
+
+    tokenizer_match: bool
+    prompts: int = 0
+    greedy_tokens: int = 0
+    greedy_exact: int = 0
+    ties: list = field(default_factory=list)
+    divergences: list = field(default_factory=list)
+    agreement: float = float("nan")
+    agreement_positions: int = 0
+    min_agreement: float = 0.0
+    passed: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def verification_prompts(tokenizer) -> list[list[int]]:
+    """Chat-rendered user turns (when the model has a template) and raw story openings, as HF token ids."""
+    prompts = [tokenizer(text)["input_ids"] for text in RAW_TEXTS]
+    if tokenizer.chat_template:
+        for message in USER_MESSAGES:
+            prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": message}],
+                                                         add_generation_prompt=True, tokenize=True))
+    return prompts
+
+
+def _torch_logits(model, ids: Sequence[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
+
+
+def torch_greedy(model, prompt: Sequence[int], steps: int) -> list[int]:
+    """PyTorch's greedy continuation with the KV cache, EOS ignored (the same rule as the artifact's side)."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([list(prompt)]), use_cache=True)
+        tokens = []
+        for _ in range(steps):
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+def _compare_greedy(model, backend: Backend, prompt: list[int], steps: int, tie_tolerance: float, report) -> None:
+    expected = torch_greedy(model, prompt, steps)
+    got = greedy(backend, prompt, steps, stop_at_eos=False)
+    report.greedy_tokens += steps
+    mismatch = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+    if mismatch is None:
+        report.greedy_exact += 1
+        return
+    logits = _torch_logits(model, prompt + expected[:mismatch])[-1]
+    gap = float(logits[expected[mismatch]] - logits[got[mismatch]])
+    entry = {"prompt": report.prompts - 1, "position": mismatch, "torch_logit_gap": gap}
+    (report.ties if gap < tie_tolerance else report.divergences).append(entry)
+
+
+def top1_agreement(model, backend: Backend, ids: Sequence[int]) -> float:
+    """Share of positions where the artifact's argmax equals PyTorch's, teacher-forced over ``ids``."""
+    backend.reset()
+    ours = backend.feed_all(list(ids)).argmax(-1)
+    theirs = _torch_logits(model, ids).argmax(-1)
+    return float((ours == theirs).mean())
+
+
+def verify(model, tokenizer, backend: Backend, exact: bool, steps: int = 32, min_agreement: float = 0.9,
+           tie_tolerance: float = 0.05) -> ParityReport:
+    """Run the checks; ``exact`` asks for greedy equality (F32/F16/Q8_0, fp32 ONNX), else top-1 agreement only."""
+    texts = list(RAW_TEXTS) + [HELDOUT_TEXT]
+    report = ParityReport(tokenizer_match=all(backend.tokenize(t) == tokenizer(t)["input_ids"] for t in texts),
+                          min_agreement=min_agreement)
+    if exact:
+        for prompt in verification_prompts(tokenizer):
+            report.prompts += 1
+            _compare_greedy(model, backend, prompt, steps, tie_tolerance, report)
+    heldout = tokenizer(HELDOUT_TEXT)["input_ids"][: backend.n_ctx]
+    report.agreement = top1_agreement(model, backend, heldout)
+    report.agreement_positions = len(heldout)
+    greedy_ok = not report.divergences
+    report.passed = report.tokenizer_match and greedy_ok and (exact or report.agreement >= min_agreement)
+    return report

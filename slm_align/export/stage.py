@@ -1,0 +1,243 @@
+"""``slm-align export``: a run, a merged directory or any model source -> a parity-checked GGUF or ONNX artifact.
+
+The artifact is built in a scratch directory beside its final name, verified against the PyTorch model, and
+only then renamed into place with its manifest (``model-Q8_0.gguf`` + ``model-Q8_0.gguf.json``, or
+``onnx-int8/`` with ``manifest.json`` inside). A failed verification publishes nothing unless ``force``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from slm_align.errors import UserError
+from slm_align.export.gguf import ARCHITECTURES, QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
+from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
+from slm_align.runs import MANIFEST, StageResult, make_manifest, write_json_atomic
+
+TARGETS = ("gguf", "onnx")
+DEFAULT_QUANT = {"gguf": "Q8_0", "onnx": "int8"}
+EXACT_TYPES = {"F32", "F16", "Q8_0", "fp32"}  # verified by greedy equality; the rest by top-1 agreement
+
+
+class VerificationFailed(UserError):
+    """The artifact does not behave like the PyTorch model; nothing was published."""
+
+    exit_code = 1
+
+
+@dataclass
+class ExportRequest:
+    """What to export and how; one field per ``slm-align export`` flag."""
+
+    source: str
+    """Run directory, merged/HF model directory, .gguf file or hub id."""
+    target: str = "gguf"
+    """gguf (llama.cpp) or onnx (onnxruntime)."""
+    quant: Optional[str] = None
+    """GGUF type (F32, F16, Q8_0, Q4_K_M, ...) or ONNX fp32/int8/int4; default from the device, else Q8_0/int8."""
+    device: Optional[str] = None
+    """Device profile name: picks the quantization, the int8 preset and the thread count."""
+    out: Optional[Path] = None
+    """Output directory (default RUN/export for a run, ./export otherwise)."""
+    verify: bool = True
+    """Check parity with the PyTorch model before publishing (recorded when off)."""
+    overwrite: bool = False
+    """Replace an existing artifact of the same name."""
+    force: bool = False
+    """Publish even when verification fails (recorded)."""
+    min_agreement: float = 0.9
+    """Lowest top-1 agreement with PyTorch that a low-bit artifact may have."""
+    ort_format: bool = False
+    """ONNX: also convert the graph to the ORT format of onnxruntime's mobile builds."""
+    threads: Optional[int] = None
+    """Threads for quantization and verification (default: the device's, else all cores)."""
+    preset: Optional[str] = field(default=None)
+    """ONNX int8 preset (arm64, avx2, avx512, avx512_vnni); default from the device, else this host's."""
+
+
+def _device_settings(request: ExportRequest) -> tuple[str, str, int]:
+    """(quant, onnx preset, threads) from the flags, the device profile, then the defaults."""
+    quant, preset, threads = request.quant, request.preset, request.threads
+    if request.device is not None:
+        from slm_align.devices import load_profile
+
+        profile = load_profile(request.device)
+        quant = quant or (profile.gguf_quant if request.target == "gguf" else None)  # ONNX: int8
+        preset = preset or profile.onnx_preset
+        threads = threads or profile.threads
+    return quant or DEFAULT_QUANT[request.target], preset or host_preset(), threads or os.cpu_count() or 1
+
+
+def _validate(request: ExportRequest) -> tuple[str, str, int]:
+    if request.target not in TARGETS:
+        raise UserError(f"--target {request.target}: choose gguf or onnx")
+    if not 0.0 <= request.min_agreement <= 1.0:
+        raise UserError(f"--min-agreement {request.min_agreement}: must be between 0 and 1")
+    quant, preset, threads = _device_settings(request)
+    if request.target == "gguf":
+        return check_gguf_type(quant), preset, threads
+    quant, preset = check_onnx_quant(quant, preset)
+    return quant, preset, threads
+
+
+def _is_run(path: Path) -> bool:
+    return (path / "sft" / MANIFEST).is_file()
+
+
+def _locate(source: str, target: str) -> dict:
+    """Where ``source`` is and what it is, refused in one line when it cannot be exported; writes nothing."""
+    path = Path(source).expanduser()
+    if path.is_dir() and _is_run(path):
+        return {"kind": "run", "run": str(path.resolve())}
+    from slm_align.modeling import load_tokenizer, resolve_source
+
+    resolved = resolve_source(source)
+    if resolved.kind != "dir":
+        return {"kind": resolved.kind, "ref": resolved.ref}
+    if not (Path(resolved.ref) / "tokenizer.json").is_file():
+        raise UserError(f"{resolved.ref} has no tokenizer.json; save the model's fast tokenizer beside the weights "
+                        "(tokenizer.save_pretrained) before exporting")
+    load_tokenizer(resolved)  # a broken tokenizer is refused here, in one line
+    config = json.loads((Path(resolved.ref) / "config.json").read_text(encoding="utf-8"))
+    if target == "gguf" and config.get("model_type") not in ARCHITECTURES:
+        raise UserError(f"GGUF export does not support architecture '{config.get('model_type')}' yet; supported: "
+                        f"{', '.join(ARCHITECTURES)} (--target onnx takes more)")
+    return {"kind": "dir", "path": resolved.ref}
+
+
+def _checkpoint(origin: dict, scratch: Path) -> Path:
+    """A plain HF directory for ``origin``: the run merged, the directory itself, or a .gguf/hub model saved."""
+    if origin["kind"] == "run":
+        run = Path(origin["run"])
+        if not (run / "merged" / MANIFEST).is_file():
+            from slm_align.config import load_recipe
+            from slm_align.export.merge import merge_run
+
+            merge_run(load_recipe(None, {}), run, run / "merged")
+        return run / "merged"
+    if origin["kind"] == "dir":
+        return Path(origin["path"])
+    from slm_align.modeling import ModelSource, load_model, load_tokenizer
+
+    source, checkpoint = ModelSource(origin["kind"], origin["ref"]), scratch / "checkpoint"
+    load_model(source).save_pretrained(checkpoint, safe_serialization=True)
+    load_tokenizer(source).save_pretrained(checkpoint)
+    return checkpoint
+
+
+def _default_out(source: str) -> Path:
+    path = Path(source).expanduser()
+    return path / "export" if path.is_dir() and _is_run(path) else Path("export")
+
+
+def _artifact_name(target: str, quant: str) -> str:
+    return f"model-{quant}.gguf" if target == "gguf" else f"onnx-{quant}"
+
+
+def _build(target: str, quant: str, preset: str, threads: int, checkpoint: Path, scratch: Path,
+           template: Optional[str], ort_format: bool) -> Path:
+    """Write the artifact inside ``scratch``; returns its path there."""
+    if target == "onnx":
+        built = scratch / "artifact"
+        write_onnx(checkpoint, built, quant, preset, ort_format)
+        if template is not None:
+            (built / "chat_template.jinja").write_text(template, encoding="utf-8")
+        return built
+    built = scratch / _artifact_name(target, quant)
+    if quant in QUANTIZER_TYPES:
+        full = write_gguf(checkpoint, scratch / "f32.gguf", "F32", chat_template=template)
+        quantize_gguf(full, built, quant, threads)
+        full.unlink()
+        return built
+    return write_gguf(checkpoint, built, quant, chat_template=template)
+
+
+def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agreement: float) -> dict:
+    from slm_align.agent.backend import open_backend
+    from slm_align.export.parity import verify
+    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+
+    source = resolve_source(str(checkpoint))
+    model, tokenizer = load_model(source), load_tokenizer(source)
+    backend = open_backend(artifact, threads=threads, all_logits=True)
+    return verify(model, tokenizer, backend, exact=quant in EXACT_TYPES, min_agreement=min_agreement).to_dict()
+
+
+def _file_digest(path: Path) -> str:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def _publish(built: Path, final: Path, manifest: dict) -> None:
+    """Manifest first (inside an ONNX dir, beside a GGUF file), then the artifact renamed into place."""
+    if built.is_dir():
+        write_json_atomic(built / MANIFEST, manifest)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(built, final)
+    else:
+        write_json_atomic(final.with_name(final.name + ".json"), manifest)
+        os.replace(built, final)
+
+
+def _failure(verification: dict) -> str:
+    if not verification["tokenizer_match"]:
+        return "its tokenizer splits text differently from the model's"
+    if verification["divergences"]:
+        first = verification["divergences"][0]
+        return (f"greedy decoding diverged from PyTorch on {len(verification['divergences'])} prompt(s) "
+                f"(first at token {first['position']})")
+    return f"top-1 agreement {verification['agreement']:.3f} < {verification['min_agreement']}"
+
+
+def run_export(request: ExportRequest) -> StageResult:
+    """Export, verify and publish one artifact; returns its path and the manifest's metrics."""
+    started = time.time()
+    quant, preset, threads = _validate(request)
+    origin = _locate(request.source, request.target)
+    out = Path(request.out) if request.out is not None else _default_out(request.source)
+    final = out / _artifact_name(request.target, quant)
+    if final.exists() and not request.overwrite:
+        raise UserError(f"{final} exists; pass --overwrite to replace it or choose another --out")
+    scratch = out / f".{final.name}.partial"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    try:
+        checkpoint = _checkpoint(origin, scratch)
+        from slm_align.modeling import CHATML_TEMPLATE, load_tokenizer, resolve_source
+
+        has_template = load_tokenizer(resolve_source(str(checkpoint))).chat_template is not None
+        template = None if has_template else CHATML_TEMPLATE
+        built = _build(request.target, quant, preset, threads, checkpoint, scratch, template, request.ort_format)
+        export_seconds = round(time.time() - started, 2)
+        verification = (_verify(checkpoint, built, quant, threads, request.min_agreement) if request.verify
+                        else {"skipped": True})
+        if request.verify and not verification["passed"] and not request.force:
+            raise VerificationFailed(f"export not published: {_failure(verification)}; nothing was written to "
+                                     f"{final}. Try a higher-precision --quant, or --force to publish anyway")
+        metrics = {"target": request.target, "quant": quant, "preset": preset if request.target == "onnx" else None,
+                   "device": request.device, "threads": threads, "bytes": _size(built),
+                   "sha256": _file_digest(built), "export_seconds": export_seconds,
+                   "default_chat_template": template is not None, "verification": verification,
+                   "forced": bool(request.force and request.verify and not verification["passed"])}
+        inputs = {"source": origin, "target": request.target, "quant": quant, "ort_format": request.ort_format}
+        _publish(built, final, make_manifest("export", inputs, metrics, started))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return StageResult(final, skipped=False, metrics=metrics)

@@ -1,0 +1,171 @@
+"""Export: GGUF and ONNX artifacts that load in llama.cpp and onnxruntime and decode like the PyTorch model."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from slm_align.agent.backend import greedy, open_backend
+from slm_align.export.gguf import _unfuse_neox_qkv
+from slm_align.export.parity import torch_greedy, verification_prompts
+from slm_align.export.stage import ExportRequest, VerificationFailed, run_export
+from slm_align.modeling import build_tiny_model, load_model, load_tokenizer, resolve_source
+from tests.conftest import finished_sft_run, run_cli
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("onnxruntime")
+
+ARCHS = ["gpt_neox", "llama", "qwen2"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tokenizer, tiny_models):
+    """Tiny models whose output head is scaled up: a random model at init std 0.02 has near-tied logits, where
+    rounding to F16 may legitimately flip a greedy choice; these make every choice clear."""
+    import torch
+
+    root = tmp_path_factory.mktemp("decisive")
+    for arch in ARCHS:
+        model = build_tiny_model(arch, vocab_size=len(tokenizer))
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(20.0)
+        model.save_pretrained(root / arch, safe_serialization=True)
+        tokenizer.save_pretrained(root / arch)
+    return {**tiny_models, **{arch: root / arch for arch in ARCHS}}
+
+
+def _independent_greedy_check(model_dir, artifact, check, quantized=False, steps=32):
+    """Our own comparison, outside the export's verification: every prompt decodes to PyTorch's tokens, except,
+    for quantized weights, after a recorded near tie (PyTorch's own logits for the two tokens closer than 0.05:
+    llama.cpp's Q8_0 also rounds activations to 8 bits, which can flip such a tie, even on the trained bundled
+    model). F16 and F32 must match exactly."""
+    source = resolve_source(str(model_dir))
+    model, tokenizer = load_model(source), load_tokenizer(source)
+    backend = open_backend(artifact)
+    assert not check["divergences"] and all(tie["torch_logit_gap"] < 0.05 for tie in check["ties"])
+    assert check["greedy_exact"] + len(check["ties"]) == check["prompts"] == 4
+    if not quantized:
+        assert check["ties"] == []
+    tied = {tie["prompt"]: tie["position"] for tie in check["ties"]}
+    for index, prompt in enumerate(verification_prompts(tokenizer)):
+        upto = tied.get(index, steps)
+        assert greedy(backend, prompt, steps, stop_at_eos=False)[:upto] == torch_greedy(model, prompt, steps)[:upto]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("quant", ["F16", "Q8_0"])
+def test_gguf_export_decodes_like_pytorch(tmp_path, models, arch, quant):
+    result = run_export(ExportRequest(str(models[arch]), "gguf", quant, out=tmp_path))
+    artifact = tmp_path / f"model-{quant}.gguf"
+    assert result.stage_dir == artifact and artifact.is_file()
+    manifest = json.loads((tmp_path / f"model-{quant}.gguf.json").read_text())
+    check = manifest["metrics"]["verification"]
+    assert check["passed"] and check["tokenizer_match"]
+    assert manifest["metrics"]["bytes"] == artifact.stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == [artifact.name, artifact.name + ".json"]  # no scratch
+    _independent_greedy_check(models[arch], artifact, check, quantized=quant == "Q8_0")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_onnx_export_decodes_like_pytorch(tmp_path, models, arch):
+    run_export(ExportRequest(str(models[arch]), "onnx", "fp32", out=tmp_path))
+    artifact = tmp_path / "onnx-fp32"
+    check = json.loads((artifact / "manifest.json").read_text())["metrics"]["verification"]
+    assert check["passed"] and check["greedy_exact"] == check["prompts"] == 4 and check["agreement"] == 1.0
+    assert {"model.onnx", "tokenizer.json", "config.json"} <= {p.name for p in artifact.iterdir()}
+    _independent_greedy_check(models[arch], artifact, check)
+
+
+def test_int8_onnx_and_gguf_agree_and_are_smaller(tmp_path, tiny_models):
+    f32 = run_export(ExportRequest(str(tiny_models["llama"]), "gguf", "F32", out=tmp_path)).metrics
+    q8 = run_export(ExportRequest(str(tiny_models["llama"]), "gguf", "Q8_0", out=tmp_path)).metrics
+    onnx8 = run_export(ExportRequest(str(tiny_models["llama"]), "onnx", "int8", preset="avx2", out=tmp_path,
+                                     min_agreement=0.5)).metrics
+    assert q8["bytes"] < 0.5 * f32["bytes"]
+    assert onnx8["preset"] == "avx2" and 0.5 <= onnx8["verification"]["agreement"] <= 1.0
+    assert onnx8["verification"]["prompts"] == 0  # int8 is checked by agreement, not greedy equality
+
+
+def test_q4_k_m_is_produced_by_llama_cpp_and_loads(tmp_path, tiny_models):
+    metrics = run_export(ExportRequest(str(tiny_models["qwen2"]), "gguf", "q4_k_m", out=tmp_path,
+                                       min_agreement=0.0)).metrics
+    artifact = tmp_path / "model-Q4_K_M.gguf"
+    assert metrics["quant"] == "Q4_K_M" and 0.0 <= metrics["verification"]["agreement"] <= 1.0
+    backend = open_backend(artifact)
+    assert len(greedy(backend, backend.tokenize("Once upon a time"), 8, stop_at_eos=False)) == 8
+    from gguf import GGUFReader
+
+    types = {t.tensor_type.name for t in GGUFReader(str(artifact)).tensors}
+    assert types & {"Q4_K", "Q5_0", "Q5_1", "Q6_K", "Q8_0", "Q4_0"}  # llama.cpp quantized (with fallbacks)
+
+
+def test_failed_verification_publishes_nothing_unless_forced(tmp_path, tiny_models):
+    request = ExportRequest(str(tiny_models["llama"]), "gguf", "Q2_K", out=tmp_path, min_agreement=1.0)
+    with pytest.raises(VerificationFailed, match="top-1 agreement"):
+        run_export(request)
+    assert list(tmp_path.iterdir()) == []
+    request.force = True
+    metrics = run_export(request).metrics
+    assert metrics["forced"] and not metrics["verification"]["passed"]
+
+
+def test_gpt_neox_qkv_is_regrouped_per_projection():
+    heads, head_dim, width = 2, 3, 5
+    fused = np.arange(heads * 3 * head_dim * width, dtype=np.float32).reshape(heads * 3 * head_dim, width)
+    regrouped = _unfuse_neox_qkv(fused, heads)
+    per_head = fused.reshape(heads, 3, head_dim, width)
+    for part in range(3):  # q, k, v blocks, each holding every head in order
+        block = regrouped[part * heads * head_dim:(part + 1) * heads * head_dim]
+        assert np.array_equal(block, per_head[:, part].reshape(heads * head_dim, width))
+
+
+def test_model_without_chat_template_gets_chatml_written_in(tmp_path, tiny_models):
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_models["llama"], plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    assert load_tokenizer(resolve_source(str(plain))).chat_template is None
+    metrics = run_export(ExportRequest(str(plain), "gguf", "F16", out=tmp_path / "out")).metrics
+    backend = open_backend(tmp_path / "out" / "model-F16.gguf")
+    assert metrics["default_chat_template"] and "<|im_start|>" in backend.chat_template
+
+
+def test_cli_exports_a_run_and_never_overwrites(capsys, tmp_path, tiny_models, stories):
+    run, _ = finished_sft_run(tmp_path / "run", tiny_models["llama"], stories, steps=2)
+    code, out, _ = run_cli(capsys, "export", run, "--target", "gguf", "--json")
+    summary = json.loads(out)
+    artifact = run / "export" / "model-Q8_0.gguf"
+    assert code == 0 and summary["dir"] == str(artifact) and (run / "merged" / "manifest.json").is_file()
+    assert summary["metrics"]["verification"]["passed"]
+    before = artifact.read_bytes()
+    code, out, err = run_cli(capsys, "export", run, "--target", "gguf")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--overwrite" in err
+    assert artifact.read_bytes() == before
+    code, out, _ = run_cli(capsys, "export", run, "--target", "onnx", "--quant", "fp32", "--no-verify", "--json")
+    assert code == 0 and json.loads(out)["metrics"]["verification"] == {"skipped": True}
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["{gpt2}", "--target", "gguf"], "does not support architecture 'gpt2'"),
+    (["{llama}", "--target", "gguf", "--quant", "Q3_X"], "unknown GGUF quantization 'Q3_X'"),
+    (["{llama}", "--target", "onnx", "--quant", "int3"], "unknown ONNX quantization 'int3'"),
+    (["{llama}", "--target", "tflite"], "--target tflite"),
+    (["{llama}", "--target", "onnx", "--preset", "sse2"], "unknown ONNX quantization preset"),
+    (["{llama}", "--min-agreement", "1.5"], "--min-agreement"),
+    (["{notok}", "--target", "gguf"], "tokenizer"),
+    (["{missing}", "--target", "gguf"], "not found"),
+])
+def test_bad_export_input_is_one_line(capsys, tmp_path, tiny_models, args, expected):
+    notok = tmp_path / "notok"
+    shutil.copytree(tiny_models["llama"], notok)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (notok / name).unlink(missing_ok=True)
+    paths = {"{gpt2}": tiny_models["gpt2"], "{llama}": tiny_models["llama"], "{notok}": notok,
+             "{missing}": tmp_path / "nowhere"}
+    out_dir = tmp_path / "out"
+    code, out, err = run_cli(capsys, "export", *[paths.get(a, a) for a in args], "--out", out_dir)
+    assert code == 2 and out == "" and err.count("\n") == 1 and expected in err
+    assert not out_dir.exists()
