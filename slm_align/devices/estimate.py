@@ -9,10 +9,14 @@ Memory = weights + KV cache + runtime overhead:
   compute buffer, which is dominated by one prompt micro-batch's float32 logits and activations:
   4 bytes x ubatch x (vocab + 8 x hidden).
 
-Decode speed is memory-bound: every generated token reads all weights and the KV cache once, so
-tokens/s = efficiency x bandwidth / (weight bytes + KV bytes at the context). The efficiency is calibrated on
-the profiles' published reference points: the geometric mean of measured / (bandwidth / bytes per token) over
-the device's own points when it has at least :data:`MIN_DEVICE_POINTS`, else over every device's points.
+Decode time per token = streaming time + fixed cost. Every generated token reads all weights and the KV cache
+once: (weight bytes + KV bytes at the context) / (efficiency x bandwidth). On top, each layer costs a fixed
+time per token whatever its size (graph building, kernel dispatch, cache hand-over): :data:`LAYER_OVERHEAD_S`
+per runtime, measured with ``slm-align bench`` on the bundled 2.5M model, whose weights stream in a fraction
+of that time. The fixed cost dominates only for tiny models; at 100M+ parameters streaming does. The efficiency
+is calibrated on the profiles' published reference points: the geometric mean of measured / (bandwidth / bytes
+per token) over the device's own points when it has at least :data:`MIN_DEVICE_POINTS`, else over every
+device's points.
 The verdict compares memory with the app's budget (RAM x app share): "fits" up to 70 %, "tight" up to 100 %.
 """
 
@@ -34,6 +38,9 @@ FITS_SHARE, TIGHT_SHARE = 0.70, 1.00
 MIN_DEVICE_POINTS = 2               # fewer own points than this: calibrate on every device's points
 DEFAULT_EFFICIENCY = 0.8            # used only when no profile has any reference point
 HEAD_BITS = BITS_PER_WEIGHT["Q6_K"]  # llama.cpp keeps the output head at Q6_K below that type
+# Fixed decode cost per layer and token, by runtime (x86 host, 2 threads, bundled 6-layer model: llama.cpp
+# ~0.45 ms/token of which ~0.15 ms streaming; our onnxruntime loop ~2.1 ms/token).
+LAYER_OVERHEAD_S = {"gguf": 0.05e-3, "onnx": 0.3e-3}
 
 Pool = list[tuple[DeviceProfile, ReferencePoint]]
 
@@ -140,6 +147,18 @@ def bandwidth_bound_tokens_per_second(facts: ModelFacts, profile: DeviceProfile,
     return profile.bandwidth_gbs * 1e9 / (weight_bytes(facts, quant) + kv_bytes(facts, context))
 
 
+def runtime_of(facts: ModelFacts, profile: DeviceProfile) -> str:
+    """The runtime that will decode: the artifact's own, else the device's preferred one."""
+    return facts.format if facts.format in LAYER_OVERHEAD_S else profile.runtime
+
+
+def decode_tokens_per_second(facts: ModelFacts, profile: DeviceProfile, quant: str, context: int,
+                             efficiency: float) -> float:
+    """Tokens/s from streaming at ``efficiency`` x bandwidth plus the runtime's fixed cost per layer."""
+    streaming = 1.0 / (efficiency * bandwidth_bound_tokens_per_second(facts, profile, quant, context))
+    return 1.0 / (streaming + (facts.layers or 0) * LAYER_OVERHEAD_S[runtime_of(facts, profile)])
+
+
 def max_context(facts: ModelFacts, profile: DeviceProfile, quant: str) -> int:
     """Largest context whose KV cache still fits the app budget next to the weights and overhead."""
     free = profile.budget_bytes - memory_needed(facts, profile, quant, 0).total
@@ -229,7 +248,7 @@ def estimate_fit(facts: ModelFacts, profile: DeviceProfile, quant: Optional[str]
         device=profile.name, model=facts.source, quant=quant, context=context, memory=memory,
         budget_bytes=profile.budget_bytes, share_of_budget=share, verdict=verdict(share),
         max_context=max_context(facts, profile, quant), recommended_quant=recommended,
-        tokens_per_second=efficiency.value * bandwidth_bound_tokens_per_second(facts, profile, quant, context),
+        tokens_per_second=decode_tokens_per_second(facts, profile, quant, context, efficiency.value),
         efficiency=efficiency, notes=_notes(facts, context, efficiency))
 
 
@@ -242,6 +261,6 @@ def leave_one_out(profiles: Optional[list[DeviceProfile]] = None) -> list[LooRow
         without = profile.model_copy(update={"reference": [p for p in profile.reference if p is not point]})
         facts = reference_facts(point)
         efficiency = efficiency_for(without, rest)
-        predicted = efficiency.value * bandwidth_bound_tokens_per_second(facts, profile, facts.quant, point.context)
+        predicted = decode_tokens_per_second(facts, profile, facts.quant, point.context, efficiency.value)
         rows.append(LooRow(profile.name, point.model, facts.quant, point.tokens_per_second, predicted))
     return rows
