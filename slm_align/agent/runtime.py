@@ -35,6 +35,10 @@ class Reply:
     turn_id: Optional[int] = None
     truncated: bool = False
     """The answer hit ``max_tokens`` before the model ended it."""
+    tokens: int = 0
+    """Tokens generated for the final answer."""
+    prompt_tokens: int = 0
+    """Tokens of the prompt the final answer was generated from."""
 
 
 def artifact_id(artifact: Path) -> str:
@@ -127,12 +131,13 @@ class Agent:
         tokens: list[int] = []
         emitted = ""
         holdback = max((len(s) for s in sampling.stop), default=1) - 1
-        self._truncated = True
+        self._truncated, self._usage = True, (len(prompt), 0)
         for token in self.backend.generate(prompt, sampling, grammar):
             if token in self.backend.eos_ids:
                 self._truncated = False
                 break
             tokens.append(token)
+            self._usage = (len(prompt), len(tokens))
             text = self.backend.detokenize(tokens)
             cut = min((text.find(s) for s in sampling.stop if s in text), default=-1)
             if cut >= 0:
@@ -204,7 +209,8 @@ class Agent:
         if self.store is not None:
             turn_id = self.store.record_turn(self.conversation_id, window, text, self.model_id, params.to_dict(),
                                              self.consent)
-        self.last = Reply(text, calls, turn_id, truncated=self._truncated)
+        self.last = Reply(text, calls, turn_id, truncated=self._truncated, prompt_tokens=self._usage[0],
+                          tokens=self._usage[1])
 
     # feedback
     def _require_last(self) -> Reply:
