@@ -163,8 +163,13 @@ class Agent:
     # chatting
     def stream(self, message: str, **sampling) -> Iterator[str]:
         """Answer ``message`` piece by piece; tool rounds happen before the final answer streams."""
+        return self.respond(self.messages + [{"role": "user", "content": message}], **sampling)
+
+    def respond(self, messages: list[dict], **sampling) -> Iterator[str]:
+        """Answer a whole conversation (as an OpenAI request sends it): the last message is the user's, or a tool
+        result the caller sends back. The conversation becomes this agent's."""
         params = replace(self.sampling, **sampling)
-        self.messages.append({"role": "user", "content": message})
+        self.messages = list(messages)
         calls: list[dict] = []
         for round_ in range(self.max_tool_rounds + 1):
             prompt, window = self._prompt_tokens(self.messages, params.max_tokens)
@@ -231,13 +236,15 @@ class Agent:
         else:
             raise UserError(f"feedback '{kind}': use up, down, edit (with text) or choice (with other)")
 
-    def alternative(self, **sampling) -> str:
-        """A second candidate for the last answer, sampled with another seed, for a "which is better" choice."""
-        self._require_last()
+    def alternative(self, messages: Optional[list[dict]] = None, **sampling) -> str:
+        """A second candidate for the last answer (or for the prompt ``messages`` of a stored turn), sampled with
+        another seed, for a "which is better" choice."""
+        if messages is None and not self._last_prompt:
+            raise UserError("no answer to compare with yet; chat first")
         params = replace(self.sampling, **{"seed": self.sampling.seed + 1, **sampling})
         if params.temperature <= 0:
             params = replace(params, temperature=0.8)
-        prompt, _ = self._prompt_tokens(self._last_prompt, params.max_tokens)
+        prompt, _ = self._prompt_tokens(messages if messages is not None else self._last_prompt, params.max_tokens)
         return "".join(self._generate(prompt, params, None))
 
 

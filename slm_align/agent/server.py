@@ -524,16 +524,15 @@ class Service:
     def answer(self, chat: ChatRequest) -> Iterator[Union[str, Outcome]]:
         """Text pieces of the answer (unless held back for client tools), then its :class:`Outcome`."""
         agent = self._agent(chat)
-        prompt_tokens = len(agent._prompt_tokens(chat.messages, chat.sampling.max_tokens)[0])  # refuses too long
         held_back = chat.client_tools is not None
-        for piece in _respond(agent, chat.messages):
+        for piece in agent.respond(chat.messages):
             if not held_back:
                 yield piece
         reply = agent.last
         self._remember(reply.turn_id, agent.conversation_id)
         outcome = Outcome(content=reply.text, finish_reason="length" if reply.truncated else "stop",
-                          turn_id=reply.turn_id, prompt_tokens=prompt_tokens, streamed=not held_back,
-                          completion_tokens=len(self.model.backend.tokenize(reply.text, add_special=False)))
+                          turn_id=reply.turn_id, prompt_tokens=reply.prompt_tokens, streamed=not held_back,
+                          completion_tokens=reply.tokens)
         yield client_calls(outcome, chat.client_tools) if held_back else outcome
 
     def _agent(self, chat: ChatRequest) -> Agent:
@@ -560,9 +559,7 @@ class Service:
         params = _stored_sampling(turn.sampling)
         params.seed = _seed(params.seed + 1 if seed is None else seed)
         params.temperature = params.temperature if params.temperature > 0 else 0.8
-        agent = Agent(self.model.backend, self.model.sha256, sampling=params)
-        prompt, _ = agent._prompt_tokens(turn.messages, params.max_tokens)
-        yield "".join(agent._generate(prompt, params, None))
+        yield Agent(self.model.backend, self.model.sha256, sampling=params).alternative(turn.messages, seed=params.seed)
 
     def _remember(self, turn_id: Optional[int], conversation_id: str) -> None:
         if turn_id is None:
@@ -581,24 +578,6 @@ class Service:
         self.worker.close()
         if self.store is not None:
             self.store.close()
-
-
-def _respond(agent: Agent, messages: list[dict]) -> Iterator[str]:
-    """Answer ``messages`` with ``agent``: through its tool loop when the user spoke last, else one completion.
-
-    The second case (the last message is a tool result the client sends back) uses the runtime's internal
-    pieces; a public ``Agent.respond(messages)`` would replace both branches.
-    """
-    if messages[-1]["role"] == "user":
-        agent.messages = list(messages[:-1])
-        yield from agent.stream(messages[-1]["content"])
-        return
-    prompt, window = agent._prompt_tokens(messages, agent.sampling.max_tokens)
-    pieces = []
-    for piece in agent._generate(prompt, agent.sampling, None):
-        pieces.append(piece)
-        yield piece
-    agent._finish("".join(pieces), window, [], agent.sampling)
 
 
 def client_calls(outcome: Outcome, tools: ToolRegistry) -> Outcome:
