@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
@@ -35,15 +36,14 @@ class StageResult:
                 "metrics": self.metrics}
 
 
-def write_json_atomic(path: Path, data: Any) -> Path:
-    """Write JSON to a temporary name beside ``path``, fsync, then rename: never a half-written file."""
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` to a temporary name beside ``path``, fsync, then rename: never a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True, default=str)
-            handle.write("\n")
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -51,6 +51,11 @@ def write_json_atomic(path: Path, data: Any) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    """Write JSON atomically (see :func:`write_text_atomic`)."""
+    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def digest(data: Any) -> str:
@@ -69,14 +74,64 @@ def versions() -> dict[str, Optional[str]]:
     return found
 
 
+@lru_cache(maxsize=256)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 of a file's bytes (remembered for an unchanged file within one process)."""
+    stat = Path(path).stat()
+    return _sha256(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def _files(path: Path) -> list[Path]:
+    """An artifact's files in a stable order: the file itself, or every file below a directory but its manifest."""
+    path = Path(path)
+    if not path.is_dir():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.relative_to(path).as_posix() != MANIFEST)
+
+
+def file_checksums(directory: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file in ``directory`` except its manifest."""
+    return {p.relative_to(directory).as_posix(): sha256_file(p) for p in _files(directory)}
+
+
+def artifact_digest(path: Path) -> str:
+    """One sha256 for a file, or for a directory's files (their digests in path order), manifest excluded."""
+    files = _files(path)
+    if len(files) == 1 and files[0] == Path(path):
+        return sha256_file(path)
+    return hashlib.sha256("".join(f"{p.relative_to(path).as_posix()}:{sha256_file(p)}\n"
+                                  for p in files).encode()).hexdigest()
+
+
+def verify_checksums(stage_dir: Path, manifest: dict) -> None:
+    """Every file the manifest lists is present with its recorded sha256, or one line saying which is not."""
+    for name, expected in (manifest.get("files") or {}).items():
+        file = Path(stage_dir) / name
+        if not file.is_file() or sha256_file(file) != expected:
+            state = "is missing" if not file.is_file() else "does not match the checksum in its manifest"
+            raise UserError(f"{file} {state}: the stage output was changed or damaged; remove {stage_dir} "
+                            "and run the stage again")
+
+
 def read_manifest(stage_dir: Path) -> Optional[dict]:
+    """A finished stage's manifest, after checking that the files it describes are intact."""
     path = Path(stage_dir) / MANIFEST
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{path} is corrupt; remove the stage directory {stage_dir} and run the stage again") from None
+    verify_checksums(stage_dir, manifest)
+    return manifest
 
 
 def completed(stage_dir: Path, inputs: dict) -> Optional[dict]:
@@ -113,6 +168,6 @@ def publish(partial: Path, stage_dir: Path, manifest: dict, keep: tuple[str, ...
         for child in Path(partial).iterdir():
             if child.name not in keep and child.name != MANIFEST:
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
-    write_json_atomic(Path(partial) / MANIFEST, manifest)
+    write_json_atomic(Path(partial) / MANIFEST, dict(manifest, files=file_checksums(Path(partial))))
     os.replace(partial, stage_dir)
     return Path(stage_dir)

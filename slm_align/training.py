@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -14,9 +16,11 @@ from slm_align.runs import digest, write_json_atomic
 
 
 def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
-    """Create a stage's work dir, or check a leftover one; returns the Trainer checkpoint to resume from."""
-    from transformers.trainer_utils import get_last_checkpoint
+    """Create a stage's work dir, or check a leftover one; returns the Trainer checkpoint to resume from.
 
+    The work dir appears with its inputs record already inside (built beside it and renamed), so a process
+    killed at any moment leaves either no work dir or one that ``--resume`` can check.
+    """
     marker = partial / "inputs.json"
     if partial.exists():
         if not resume:
@@ -24,10 +28,32 @@ def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
                             "or remove that directory to start over")
         if not marker.is_file() or json.loads(marker.read_text())["inputs_hash"] != digest(inputs):
             raise UserError(f"{partial} was started with other inputs or settings; cannot resume it with these")
-        checkpoints = partial / "checkpoints"
-        return get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
-    partial.mkdir(parents=True)
-    write_json_atomic(marker, {"inputs_hash": digest(inputs), "inputs": inputs})
+        return last_complete_checkpoint(partial / "checkpoints")
+    staging = partial.with_name(partial.name + ".new")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    write_json_atomic(staging / "inputs.json", {"inputs_hash": digest(inputs), "inputs": inputs})
+    os.replace(staging, partial)
+    return None
+
+
+def last_complete_checkpoint(checkpoints: Path) -> Optional[str]:
+    """The newest Trainer checkpoint that was written to the end; half-written ones (a kill mid-save) are removed.
+
+    The Trainer writes ``trainer_state.json`` last, and not atomically, so a checkpoint is complete exactly when
+    that file parses.
+    """
+    if not checkpoints.is_dir():
+        return None
+    found = sorted((d for d in checkpoints.iterdir() if d.is_dir() and d.name.startswith("checkpoint-")
+                    and d.name.split("-")[-1].isdigit()), key=lambda d: int(d.name.split("-")[-1]))
+    while found:
+        newest = found.pop()
+        try:
+            json.loads((newest / "trainer_state.json").read_text(encoding="utf-8"))
+            return str(newest)
+        except (OSError, ValueError):
+            shutil.rmtree(newest)
     return None
 
 

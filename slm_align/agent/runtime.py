@@ -9,7 +9,6 @@ No torch, no transformers: llama.cpp or onnxruntime does the arithmetic, ``token
 
 from __future__ import annotations
 
-import hashlib
 import json
 import uuid
 from dataclasses import dataclass, field, replace
@@ -42,20 +41,21 @@ class Reply:
 
 
 def artifact_id(artifact: Path) -> str:
-    """The sha256 that identifies the model in preference records (from the export manifest when present)."""
+    """The sha256 that identifies the model in preference records; checked against the export manifest."""
+    from slm_align.runs import artifact_digest
+
     artifact = Path(artifact)
+    found = artifact_digest(artifact)
     manifest = artifact / "manifest.json" if artifact.is_dir() else artifact.with_name(artifact.name + ".json")
     if manifest.is_file():
-        found = json.loads(manifest.read_text(encoding="utf-8")).get("metrics", {}).get("sha256")
-        if found:
-            return found
-    files = sorted(p for p in artifact.rglob("*") if p.is_file()) if artifact.is_dir() else [artifact]
-    digest = hashlib.sha256()
-    for file in files:
-        with open(file, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
+        try:
+            recorded = json.loads(manifest.read_text(encoding="utf-8")).get("metrics", {}).get("sha256")
+        except ValueError:
+            raise UserError(f"{manifest} is corrupt; export the model again") from None
+        if recorded and recorded != found:
+            raise UserError(f"{artifact} does not match the checksum in {manifest.name}: the file was changed or "
+                            "damaged after export; export it again")
+    return found
 
 
 class Agent:

@@ -7,7 +7,6 @@ only then renamed into place with its manifest (``model-Q8_0.gguf`` + ``model-Q8
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from typing import Optional
 from slm_align.errors import UserError
 from slm_align.export.gguf import ARCHITECTURES, QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
-from slm_align.runs import MANIFEST, StageResult, make_manifest, write_json_atomic
+from slm_align.runs import MANIFEST, StageResult, artifact_digest, file_checksums, make_manifest, write_json_atomic
 
 TARGETS = ("gguf", "onnx")
 DEFAULT_QUANT = {"gguf": "Q8_0", "onnx": "int8"}
@@ -170,16 +169,6 @@ def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agre
     return verify(model, tokenizer, backend, exact=quant in EXACT_TYPES, min_agreement=min_agreement).to_dict()
 
 
-def _file_digest(path: Path) -> str:
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    digest = hashlib.sha256()
-    for file in files:
-        with open(file, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
@@ -187,7 +176,7 @@ def _size(path: Path) -> int:
 def _publish(built: Path, final: Path, manifest: dict) -> None:
     """Manifest first (inside an ONNX dir, beside a GGUF file), then the artifact renamed into place."""
     if built.is_dir():
-        write_json_atomic(built / MANIFEST, manifest)
+        write_json_atomic(built / MANIFEST, dict(manifest, files=file_checksums(built)))
         if final.exists():
             shutil.rmtree(final)
         os.replace(built, final)
@@ -233,7 +222,7 @@ def run_export(request: ExportRequest) -> StageResult:
                                      f"{final}. Try a higher-precision --quant, or --force to publish anyway")
         metrics = {"target": request.target, "quant": quant, "preset": preset if request.target == "onnx" else None,
                    "device": request.device, "threads": threads, "bytes": _size(built),
-                   "sha256": _file_digest(built), "export_seconds": export_seconds,
+                   "sha256": artifact_digest(built), "export_seconds": export_seconds,
                    "default_chat_template": template is not None, "verification": verification,
                    "forced": bool(request.force and request.verify and not verification["passed"])}
         inputs = {"source": origin, "target": request.target, "quant": quant, "ort_format": request.ort_format}

@@ -29,7 +29,8 @@ from slm_align.reward.stage import run_reward
 from slm_align.rl.distributed import World, replica_digest, world_from_env
 from slm_align.rl.loop import RLLoop
 from slm_align.rl.policy import ValueHead, build_policy, merged_for_sampling
-from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
+from slm_align.runs import (StageResult, completed, make_manifest, partial_dir, publish, read_manifest,
+                            write_text_atomic)
 from slm_align.sft import recipe_from_sft, run_sft
 from slm_align.training import prepare_partial, save_adapter
 
@@ -115,6 +116,15 @@ def _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say):
     return recipe, adapter, reward_model, inputs, gate, completed(out / STAGE, inputs)
 
 
+def keep_first_lines(path: Path, count: int) -> None:
+    """Cut a JSONL log back to its first ``count`` complete lines (a killed run may have logged past its
+    checkpoint, or half a line)."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n")]
+    write_text_atomic(path, "".join(lines[:count]))
+
+
 def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started, world) -> StageResult:
     settings = recipe.rl
     source = resolve_source(recipe.model.source)
@@ -137,6 +147,8 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
         loop.load_state_dict(torch.load(partial / CHECKPOINT, weights_only=True))
     before = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=False)
     metrics_path = partial / "metrics.jsonl"
+    if world.main:
+        keep_first_lines(metrics_path, loop.step)  # steps after the checkpoint are trained again
     with new_progress() as progress:
         task = progress.add_task(f"RL ({settings.algo})", total=settings.steps, completed=loop.step, status="")
         for step in range(loop.step, settings.steps):
