@@ -45,6 +45,14 @@ def stories(tmp_path_factory) -> Path:
     return write_demo_corpus(tmp_path_factory.mktemp("data") / "stories.txt", n=60, seed=3)
 
 
+def export_bundled(out: Path, *kinds: tuple[str, str]) -> dict[str, Path]:
+    """The bundled model exported without verification (fast) as each ``(target, quant)``, keyed by target."""
+    from slm_align.export.stage import ExportRequest, run_export
+
+    return {target: run_export(ExportRequest(str(DEFAULT_MODEL_DIR), target, quant, out=out, verify=False)).stage_dir
+            for target, quant in kinds}
+
+
 def run_cli(capsys, *args):
     """Run the CLI in-process: (exit code, stdout, stderr)."""
     from slm_align.cli import main

@@ -11,9 +11,7 @@ from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.store import PreferenceStore
 from slm_align.errors import UserError
-from slm_align.export.stage import ExportRequest, run_export
-from slm_align.modeling import DEFAULT_MODEL_DIR
-from tests.conftest import finished_sft_run, run_cli
+from tests.conftest import export_bundled, finished_sft_run, run_cli
 
 pytest.importorskip("llama_cpp")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -23,10 +21,7 @@ SCRIPTED = SamplingParams(temperature=0.0, max_tokens=200)  # room for a whole s
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     """The bundled (trained) model exported once to GGUF F16 and ONNX fp32."""
-    out = tmp_path_factory.mktemp("artifacts")
-    gguf = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "gguf", "F16", out=out, verify=False)).stage_dir
-    onnx = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "onnx", "fp32", out=out, verify=False)).stage_dir
-    return {"gguf": gguf, "onnx": onnx}
+    return export_bundled(tmp_path_factory.mktemp("artifacts"), ("gguf", "F16"), ("onnx", "fp32"))
 
 
 class ScriptedBackend:

@@ -11,9 +11,7 @@ from slm_align.devices.bench import (BenchResult, bench, cpu_flags, profile_isa,
                                      to_toml)
 from slm_align.devices.profiles import load_profile, tomllib
 from slm_align.errors import UserError
-from slm_align.export.stage import ExportRequest, run_export
-from slm_align.modeling import DEFAULT_MODEL_DIR
-from tests.conftest import run_cli
+from tests.conftest import export_bundled, run_cli
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("onnxruntime")
@@ -24,10 +22,7 @@ SMALL_FLAGS = ["--prompt-tokens", "16", "--decode-tokens", "8", "--repeats", "1"
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     """The bundled model exported once to GGUF Q8_0 and ONNX int8."""
-    out = tmp_path_factory.mktemp("bench-artifacts")
-    gguf = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "gguf", "Q8_0", out=out, verify=False)).stage_dir
-    onnx = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "onnx", "int8", out=out, verify=False)).stage_dir
-    return {"gguf": gguf, "onnx": onnx}
+    return export_bundled(tmp_path_factory.mktemp("bench-artifacts"), ("gguf", "Q8_0"), ("onnx", "int8"))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import operator
 import os
 import re
 import stat
-import tempfile
 from datetime import datetime
 from datetime import timezone as dt_timezone
 from pathlib import Path
@@ -25,6 +24,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from slm_align.agent.tools import ToolRegistry
 from slm_align.errors import UserError
+from slm_align.runs import write_text_atomic  # temporary file (created 0o600), then rename
 
 # --- calculator ---------------------------------------------------------------------------------
 
@@ -198,7 +198,7 @@ class NoteStore:
             raise ValueError(f"note too long ({len(text)} characters, limit {self.max_note_chars})")
         if not path.exists() and len(self.list_notes()) >= self.max_notes:
             raise ValueError(f"the notes folder is full ({self.max_notes} notes); overwrite an existing note")
-        _write_private(path, text)
+        write_text_atomic(path, text)
         return f"saved note {path.stem!r} ({len(text)} characters)"
 
     def read_note(self, title: str) -> str:
@@ -245,18 +245,6 @@ def _clean_title(title: str) -> str:
     if len(clean) > MAX_TITLE_CHARS:
         raise ValueError(f"note title too long ({len(clean)} characters, limit {MAX_TITLE_CHARS})")
     return _UNSAFE_TITLE_CHARS.sub("_", clean)
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file, then rename), mode 0o600."""
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".note-", suffix=".tmp")  # created 0o600
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 # --- the bundle ---------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from slm_align.errors import EXIT_USER_ERROR, UserError
+from slm_align.runs import write_text_atomic
 
 APP_MEMORY_SHARE = 0.7        # share of RAM a saved host profile lets one app use
 BANDWIDTH_MB = 256            # size of the array the bandwidth probe copies
@@ -453,16 +454,7 @@ def save_profile(result: BenchResult, name: str, overwrite: bool = False,
         error = exc.errors()[0]
         where = ".".join(map(str, error["loc"]))
         raise UserError(f"cannot save profile '{name}': {where + ': ' if where else ''}{error['msg']}") from None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(path, text)
 
 
 # --- what the CLI calls --------------------------------------------------------------------------------------
