@@ -191,3 +191,15 @@ def test_bad_agent_input_is_one_line(capsys, tmp_path, args, expected):
     paths = {"{missing}": tmp_path / "nothing.gguf", "{out}": tmp_path / "o.jsonl"}
     code, out, err = run_cli(capsys, *[paths.get(a, a) for a in args])
     assert code == 2 and err.count("\n") == 1 and expected in err
+
+
+def test_device_profile_sets_threads_and_a_context_that_fits(artifacts):
+    from slm_align.devices import estimate_fit, load_profile, model_facts
+
+    profile = load_profile("rpi-zero2w")
+    agent = Agent.load(artifacts["gguf"], device="rpi-zero2w", sampling=GREEDY)
+    fit = estimate_fit(model_facts(artifacts["gguf"]), profile)
+    assert agent.backend.llm.context_params.n_threads == profile.threads
+    assert agent.backend.n_ctx == min(fit.max_context, 4096)
+    with pytest.raises(UserError, match="unknown device|not found|no device"):
+        Agent.load(artifacts["gguf"], device="toaster")

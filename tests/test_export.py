@@ -169,3 +169,22 @@ def test_bad_export_input_is_one_line(capsys, tmp_path, tiny_models, args, expec
     code, out, err = run_cli(capsys, "export", *[paths.get(a, a) for a in args], "--out", out_dir)
     assert code == 2 and out == "" and err.count("\n") == 1 and expected in err
     assert not out_dir.exists()
+
+
+def test_device_profile_chooses_quantization_preset_and_threads(tmp_path, models):
+    gguf = run_export(ExportRequest(str(models["llama"]), "gguf", device="rpi5", out=tmp_path, force=True)).metrics
+    onnx = run_export(ExportRequest(str(models["llama"]), "onnx", device="rpi5", out=tmp_path, force=True)).metrics
+    assert (gguf["quant"], gguf["threads"], gguf["device"]) == ("Q4_0", 4, "rpi5")  # the profile's choices
+    assert (onnx["quant"], onnx["preset"]) == ("int8", "arm64")
+    assert (tmp_path / "model-Q4_0.gguf").is_file() and (tmp_path / "onnx-int8" / "model.onnx").is_file()
+
+
+def test_onnx_int4_and_ort_format(tmp_path, models):
+    metrics = run_export(ExportRequest(str(models["qwen2"]), "onnx", "int4", out=tmp_path, ort_format=True,
+                                       min_agreement=0.0)).metrics
+    artifact = tmp_path / "onnx-int4"
+    import onnx
+
+    ops = {node.op_type for node in onnx.load(str(artifact / "model.onnx")).graph.node}
+    assert "MatMulNBits" in ops and (artifact / "model.ort").is_file()
+    assert 0.0 <= metrics["verification"]["agreement"] <= 1.0
