@@ -27,7 +27,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
@@ -74,8 +73,6 @@ class Limits:
     """Most function tools one request may offer."""
     max_stop: int = 4
     """Most stop strings one request may give (OpenAI's limit)."""
-    recent_turns: int = 4096
-    """Turn ids remembered with their conversation, so /v1/alternative finds a turn without a full scan."""
 
 
 # --- errors -----------------------------------------------------------------------------------------------------
@@ -517,8 +514,6 @@ class Service:
                  tools: Optional[ToolRegistry], limits: Limits):
         self.model, self.store, self.consent, self.tools, self.limits = model, store, consent, tools, limits
         self.worker = ModelWorker(limits.max_queue)
-        self._recent: OrderedDict[int, str] = OrderedDict()
-        self._recent_lock = threading.Lock()
 
     # chat (on the model thread)
     def answer(self, chat: ChatRequest) -> Iterator[Union[str, Outcome]]:
@@ -529,7 +524,6 @@ class Service:
             if not held_back:
                 yield piece
         reply = agent.last
-        self._remember(reply.turn_id, agent.conversation_id)
         outcome = Outcome(content=reply.text, finish_reason="length" if reply.truncated else "stop",
                           turn_id=reply.turn_id, prompt_tokens=reply.prompt_tokens, streamed=not held_back,
                           completion_tokens=reply.tokens)
@@ -545,11 +539,8 @@ class Service:
 
     # alternatives
     def stored_turn(self, turn_id: int) -> Turn:
-        """The turn with its prompt and sampling (a full scan only for turns older than this process's memory)."""
-        store = self.require_store()
-        with self._recent_lock:
-            conversation = self._recent.get(turn_id)
-        found = next((turn for turn in store.turns(conversation) if turn.id == turn_id), None)
+        """The turn with its prompt and sampling."""
+        found = self.require_store().turn(turn_id)
         if found is None:
             raise ApiError(404, f"unknown turn id {turn_id}; pass the x_turn_id of an answer", "not_found_error")
         return found
@@ -560,14 +551,6 @@ class Service:
         params.seed = _seed(params.seed + 1 if seed is None else seed)
         params.temperature = params.temperature if params.temperature > 0 else 0.8
         yield Agent(self.model.backend, self.model.sha256, sampling=params).alternative(turn.messages, seed=params.seed)
-
-    def _remember(self, turn_id: Optional[int], conversation_id: str) -> None:
-        if turn_id is None:
-            return
-        with self._recent_lock:
-            self._recent[turn_id] = conversation_id
-            while len(self._recent) > self.limits.recent_turns:
-                self._recent.popitem(last=False)
 
     def require_store(self) -> PreferenceStore:
         if self.store is None:

@@ -329,9 +329,17 @@ class PreferenceStore:
         if not known:
             raise UserError(f"unknown turn id {turn_id!r} in preference DB {self.path}; pass an id record_turn returned")
 
+    def turn(self, turn_id: int) -> Turn | None:
+        """One turn with its feedback, or None when there is no such turn."""
+        found = self._select("WHERE id = ?", (turn_id,))
+        return found[0] if found else None
+
     def turns(self, conversation_id: str | None = None) -> list[Turn]:
         """Every turn (or one conversation's), oldest first, each with its feedback."""
         where, args = ("WHERE conversation_id = ?", (conversation_id,)) if conversation_id is not None else ("", ())
+        return self._select(where, args)
+
+    def _select(self, where: str, args: tuple) -> list[Turn]:
         with self._lock:
             rows = self._conn.execute(f"SELECT * FROM turns {where} ORDER BY id", args).fetchall()
             feedback = self._conn.execute(
