@@ -86,6 +86,25 @@ def _check_directory(path: Path, allow_pickle: bool) -> None:
                         "convert it to safetensors or pass --allow-pickle if you trust it")
     if not has_safetensors and not has_pickle:
         raise UserError(f"model directory {path} has no weights (*.safetensors); pass a complete checkpoint")
+    for weights in sorted(path.glob("*.safetensors")):
+        _check_not_truncated(weights)
+
+
+def _check_not_truncated(weights: Path) -> None:
+    """A safetensors file shorter than its own header says is cut off (an interrupted copy or download)."""
+    import struct
+
+    try:
+        with weights.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length)) if length < 100_000_000 else {}
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError):
+        return  # not a readable header: the loader refuses it with its own message
+    size, expected = weights.stat().st_size, 8 + length + end
+    if size < expected:
+        raise UserError(f"model {weights} is truncated ({size} of {expected} bytes) and cannot be loaded; "
+                        "copy or download the checkpoint again")
 
 
 def check_architecture(model_type: Optional[str], where: str) -> str:
@@ -112,11 +131,23 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     except Exception as exc:  # transformers raises OSError, ValueError, or hub errors
         if source.kind == "hub":
             raise _hub_error(source, exc) from None
+        fix = ("the .gguf file is corrupt or not a GGUF model; export or download it again" if source.kind == "gguf"
+               else "the directory needs tokenizer files")
         raise UserError(f"model {source.label}: cannot load its tokenizer ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:200]}); the directory needs tokenizer files") from None
+                        f"{str(exc).splitlines()[0][:200]}); {fix}") from None
     if source.kind == "gguf":
         _apply_gguf_special_tokens(tokenizer, Path(source.ref))
+    if source.kind == "dir":
+        _check_vocabulary(tokenizer, Path(source.ref))
     return ensure_pad_token(tokenizer)
+
+
+def _check_vocabulary(tokenizer, path: Path) -> None:
+    """Token ids past the model's embedding rows would crash the first forward pass; refuse the pair up front."""
+    rows = json.loads((path / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    if isinstance(rows, int) and len(tokenizer) > rows:
+        raise UserError(f"model {path}: its tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                        f"{rows} (embedding rows); save the tokenizer the model was trained with beside its weights")
 
 
 def _apply_gguf_special_tokens(tokenizer, path: Path) -> None:

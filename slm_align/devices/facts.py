@@ -95,6 +95,10 @@ def safetensors_header(path: Path) -> dict:
     except (struct.error, ValueError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: not a safetensors file ({exc}); re-save the model with save_pretrained") from None
     header.pop("__metadata__", None)
+    expected = 8 + length + max((t.get("data_offsets", (0, 0))[1] for t in header.values()), default=0)
+    if path.stat().st_size < expected:
+        raise UserError(f"{path}: truncated safetensors file ({path.stat().st_size} of {expected} bytes); copy or "
+                        "download the model again")
     return header
 
 
