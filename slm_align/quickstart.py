@@ -12,6 +12,7 @@ from slm_align.evaluate import evaluate, summary_line
 from slm_align.headroom import check_headroom
 from slm_align.reward.stage import run_reward
 from slm_align.rl.stage import run_rl
+from slm_align.runs import check_out_dir
 from slm_align.sft import run_sft
 
 
@@ -25,6 +26,7 @@ def run_quickstart(out: Path, sft_steps: int = 150, reward_steps: int = 100, rl_
     inputs."""
     say = say or _quiet
     started = time.time()
+    check_out_dir(out)  # before the first progress line
     recipe = load_recipe(overrides={"sft.max_steps": sft_steps, "sft.batch_size": 16, "sft.save_steps": 50,
                                     "reward.max_steps": reward_steps, "reward.batch_size": 16, "rl.algo": "ppo",
                                     "rl.steps": rl_steps})

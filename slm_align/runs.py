@@ -134,11 +134,23 @@ def read_manifest(stage_dir: Path) -> Optional[dict]:
     return manifest
 
 
+def check_out_dir(out: Path) -> Path:
+    """``out`` can be a directory: it is one, or its nearest existing ancestor is (a file in the way is refused)."""
+    out = Path(out)
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise UserError(f"--out {out}: {path} is a file, not a directory; pass a directory (new or existing)")
+            break
+    return out
+
+
 def completed(stage_dir: Path, inputs: dict) -> Optional[dict]:
     """The stage's manifest when it already completed with exactly these inputs; None when it never ran.
 
     A completed stage with other inputs is a UserError: its artifacts are never overwritten silently.
     """
+    check_out_dir(Path(stage_dir).parent)
     manifest = read_manifest(stage_dir)
     if manifest is None:
         if Path(stage_dir).exists():

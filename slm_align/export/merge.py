@@ -15,7 +15,7 @@ from typing import Optional
 from slm_align.config import Recipe
 from slm_align.errors import UserError
 from slm_align.modeling import CHATML_TEMPLATE, load_tokenizer, merged_policy, resolve_source
-from slm_align.runs import StageResult, make_manifest, partial_dir, publish
+from slm_align.runs import StageResult, check_out_dir, make_manifest, partial_dir, publish
 from slm_align.sft import recipe_from_sft
 
 
@@ -25,7 +25,7 @@ def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: 
 
     started = time.time()
     run = Path(run)
-    out = Path(out) if out is not None else run / "merged"
+    out = check_out_dir(Path(out) if out is not None else run / "merged")
     if out.exists() and not overwrite:
         raise UserError(f"{out} exists; pass --overwrite to replace it or choose another --out")
     recipe, sft_adapter = recipe_from_sft(run, recipe)

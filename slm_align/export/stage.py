@@ -18,7 +18,8 @@ from typing import Optional
 from slm_align.errors import UserError
 from slm_align.export.gguf import ARCHITECTURES, QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
-from slm_align.runs import MANIFEST, StageResult, artifact_digest, file_checksums, make_manifest, write_json_atomic
+from slm_align.runs import (MANIFEST, StageResult, artifact_digest, check_out_dir, file_checksums, make_manifest,
+                            write_json_atomic)
 
 TARGETS = ("gguf", "onnx")
 DEFAULT_QUANT = {"gguf": "Q8_0", "onnx": "int8"}
@@ -200,7 +201,7 @@ def run_export(request: ExportRequest) -> StageResult:
     started = time.time()
     quant, preset, threads = _validate(request)
     origin = _locate(request.source, request.target)
-    out = Path(request.out) if request.out is not None else _default_out(request.source)
+    out = check_out_dir(Path(request.out) if request.out is not None else _default_out(request.source))
     final = out / _artifact_name(request.target, quant)
     if final.exists() and not request.overwrite:
         raise UserError(f"{final} exists; pass --overwrite to replace it or choose another --out")
