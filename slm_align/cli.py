@@ -13,7 +13,7 @@ from typer.exceptions import TyperException
 from rich.console import Console
 from rich.table import Table
 
-from slm_align.errors import EXIT_USER_ERROR, UserError
+from slm_align.errors import EXIT_USER_ERROR, UserError, storage_error
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="Align small language models safely and ship them to phones and CPU boards.")
@@ -149,9 +149,9 @@ def print_headroom(report: dict) -> None:
 @app.command(epilog="Examples:\n\n  slm-align quickstart\n\n  slm-align quickstart --out runs/qs --json")
 def quickstart(
     out: Path = typer.Option(Path("runs/quickstart"), "--out", "-o", help="Run directory."),
-    sft_steps: int = typer.Option(150, help="SFT optimizer steps on the bundled model."),
-    reward_steps: int = typer.Option(100, help="Reward-model optimizer steps."),
-    rl_steps: int = typer.Option(20, help="PPO iterations."),
+    sft_steps: int = typer.Option(150, min=1, help="SFT optimizer steps on the bundled model."),
+    reward_steps: int = typer.Option(100, min=1, help="Reward-model optimizer steps."),
+    rl_steps: int = typer.Option(20, min=1, help="PPO iterations."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Walk the loop on the bundled model and demo stories, printing each stage's figures."""
@@ -298,7 +298,8 @@ def evaluate(
     """Compare the SFT prior, the aligned policy and any baselines on held-out prompts; write eval/report.md."""
     from slm_align.evaluate import evaluate as run_evaluation
 
-    report = run_evaluation(_recipe(config), run, baselines=model, reward_model=reward_model, rewards=reward,
+    recipe = _recipe(config, **{"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens})  # validated
+    report = run_evaluation(recipe, run, baselines=model, reward_model=reward_model, rewards=reward,
                             prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature)
     emit(as_json, report, lambda: print_evaluation(report, Path(run) / "eval" / "report.md"))
 
@@ -639,6 +640,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     except UserError as exc:
         sys.stderr.write(f"error: {exc}\n")
         code = exc.exit_code
+    except OSError as exc:  # a full disk or a permission: one line, not a traceback
+        error = storage_error(exc)
+        if error is None:
+            raise
+        sys.stderr.write(f"error: {error}\n")
+        code = error.exit_code
     except TyperException as exc:  # usage errors of the parser (unknown option, bad value, missing argument)
         ctx = getattr(exc, "ctx", None)
         if type(exc).__name__ == "NoArgsIsHelpError":  # the parser has already printed the help

@@ -29,6 +29,7 @@ from typing import Any
 from slm_align.agent.scrub import scrub as scrub_text
 from slm_align.agent.store import Feedback, PreferenceStore, Turn
 from slm_align.errors import UserError
+from slm_align.runs import check_out_dir
 
 UNPAIRED_SUFFIX = ".unpaired.jsonl"
 
@@ -97,6 +98,7 @@ def _check_paths(store_path: Path, out: Path, overwrite: bool) -> None:
         raise UserError(f"feedback export writes JSONL; name the output with .jsonl (got {out})")
     if out.resolve() == store_path.resolve():
         raise UserError(f"output {out} is the preference DB itself; pass another --out")
+    check_out_dir(out.parent)
     for path in (out, unpaired_path(out)):
         if path.is_dir():
             raise UserError(f"output {path} is a directory; pass a file path ending in .jsonl")
@@ -104,8 +106,8 @@ def _check_paths(store_path: Path, out: Path, overwrite: bool) -> None:
             raise UserError(f"output {path} exists; pass --overwrite to replace it or choose another --out")
 
 
-def _write_jsonl_atomic(path: Path, rows: Iterable[dict[str, Any]]) -> None:
-    """Write to an owner-only temporary file beside ``path``, flush it to disk, then rename it into place."""
+def _write_jsonl_temp(path: Path, rows: Iterable[dict[str, Any]]) -> Path:
+    """Write an owner-only temporary file beside ``path`` and flush it to disk; the caller renames it into place."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -114,10 +116,23 @@ def _write_jsonl_atomic(path: Path, rows: Iterable[dict[str, Any]]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return Path(tmp)
+
+
+def _write_jsonl_pair(files: list[tuple[Path, list[dict[str, Any]]]]) -> None:
+    """Both files written in full first, then both renamed: a failure (a full disk) publishes neither."""
+    temps: list[tuple[Path, Path]] = []
+    try:
+        for path, rows in files:
+            temps.append((_write_jsonl_temp(path, rows), path))
+        for tmp, path in temps:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in temps:
+            tmp.unlink(missing_ok=True)
 
 
 def collect_rows(turns: Iterable[Turn], scrub: bool = False) -> tuple[list[dict], list[dict], dict[str, int]]:
@@ -159,7 +174,6 @@ def export_preferences(store_path: str | os.PathLike, out_path: str | os.PathLik
         raise UserError(f"no consented feedback in DB {store_path}; record thumbs/choices/edits on turns whose "
                         "user gave consent (set_consent) and export again")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_jsonl_atomic(out, paired)
-    _write_jsonl_atomic(unpaired_path(out), unpaired)
+    _write_jsonl_pair([(out, paired), (unpaired_path(out), unpaired)])
     return {"pairs": len(paired), "unpaired": len(unpaired), **counts, "out": str(out),
             "unpaired_out": str(unpaired_path(out))}
