@@ -50,8 +50,9 @@ def build_pairs(recipe: Recipe, tokenizer) -> tuple[list[Pair], list[Pair], dict
         held += [p for p in imported if _held_out(p, recipe.seed)]
         stats["imported"] = len(imported)
     if not train:
-        raise UserError("no preference pairs to train on: the corpus gave none (documents too short to split) "
-                        "and no --preferences file was given")
+        cause = ("the corpus gave none (documents too short to split)" if settings.pairs.synthetic
+                 else "--no-synthetic-pairs is set")
+        raise UserError(f"no preference pairs to train on: {cause} and no --preferences file was given")
     if not held:
         raise UserError("no held-out preference pairs to measure accuracy on; give a larger corpus or more "
                         "preference rows")
