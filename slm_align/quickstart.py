@@ -103,15 +103,25 @@ def _export_step(out: Path, say: Callable[[str], None]) -> dict:
 
 
 def _agent_step(artifact: Path, store: Path, say: Callable[[str], None]) -> dict:
-    """One turn of the torch-free agent on the exported model, and one stored preference."""
+    """One turn of the torch-free agent on the exported model, and one stored preference (reused when the
+    quickstart's store already holds it)."""
     from slm_align.agent.runtime import Agent
     from slm_align.agent.sampling import SamplingParams
+    from slm_align.agent.store import PreferenceStore
 
     say("[bold]7/7 agent[/] one turn on the exported GGUF, one thumbs-up into the preference store")
+    message = "Tell me a story about a fox."
+    with PreferenceStore(store) as existing:
+        turns = existing.turns()
+        if turns:
+            say(f"    reused turn {turns[-1].id} in {store}")
+            return {"reply": turns[-1].completion, "turn_id": turns[-1].id, "store": str(store),
+                    "counts": existing.counts(), "skipped": True}
     agent = Agent.load(artifact, store=store, consent=True, sampling=SamplingParams(temperature=0.7, max_tokens=48))
-    reply = agent.chat("Tell me a story about a fox.")
+    reply = agent.chat(message)
     agent.feedback("up")
-    say(f"    you> Tell me a story about a fox.\n    model> {reply.text.strip()}")
+    say(f"    you> {message}\n    model> {reply.text.strip()}")
     say(f"    recorded turn {reply.turn_id} with a thumbs-up in {store} "
         "(`slm-align feedback export` turns it into training rows)")
-    return {"reply": reply.text, "turn_id": reply.turn_id, "store": str(store), "counts": agent.store.counts()}
+    return {"reply": reply.text, "turn_id": reply.turn_id, "store": str(store), "counts": agent.store.counts(),
+            "skipped": False}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from slm_align.errors import UserError
@@ -49,8 +50,10 @@ def _optimum_export(model_dir: Path, out_dir: Path) -> None:
         from optimum.exporters.onnx import main_export
     except ImportError:
         raise UserError("ONNX export needs optimum's exporter: pip install 'slm-align[export]'") from None
-    main_export(str(model_dir), output=str(out_dir), task="text-generation-with-past", device="cpu",
-                do_validation=False)
+    with warnings.catch_warnings():  # the tracer's advisories about data-dependent branches are not for users
+        warnings.simplefilter("ignore")
+        main_export(str(model_dir), output=str(out_dir), task="text-generation-with-past", device="cpu",
+                    do_validation=False)
 
 
 def _int8(out_dir: Path, preset: str) -> None:

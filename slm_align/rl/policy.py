@@ -64,8 +64,9 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def forward_logprobs(model, input_ids, attention_mask, prompt_width: int, temperature: float,
-                     value_head: Optional[ValueHead] = None):
-    """Per-token log-probabilities (fp32, at the sampling temperature), entropies and values of the completion."""
+                     value_head: Optional[ValueHead] = None, with_entropy: bool = True):
+    """Per-token log-probabilities (fp32, at the sampling temperature), entropies (None unless ``with_entropy``)
+    and values of the completion."""
     completion = input_ids.shape[1] - prompt_width
     outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                     output_hidden_states=value_head is not None, use_cache=False,
@@ -74,7 +75,7 @@ def forward_logprobs(model, input_ids, attention_mask, prompt_width: int, temper
     logp_all = torch.log_softmax(logits, dim=-1)
     targets = input_ids[:, prompt_width:]
     logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
     values = None
     if value_head is not None:
         values = value_head(outputs.hidden_states[-1][:, prompt_width - 1:-1])
