@@ -79,10 +79,11 @@ def run_quickstart(out: Path, sft_steps: int = 150, reward_steps: int = 100, rl_
 
 def _export_once(out: Path, target: str, quant: str) -> dict:
     """Export the run (reusing an artifact the quickstart already made)."""
-    from slm_align.export.stage import ExportRequest, run_export
+    from slm_align.export.stage import ExportRequest, artifact_name, run_export
+    from slm_align.runs import artifact_manifest
 
-    final = Path(out) / "export" / (f"model-{quant}.gguf" if target == "gguf" else f"onnx-{quant}")
-    manifest = final.with_name(final.name + ".json") if target == "gguf" else final / "manifest.json"
+    final = Path(out) / "export" / artifact_name(target, quant)
+    manifest = artifact_manifest(final)
     if manifest.is_file():
         return {"dir": str(final), "skipped": True, "metrics": json.loads(manifest.read_text())["metrics"]}
     return run_export(ExportRequest(str(out), target, quant)).summary()

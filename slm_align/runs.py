@@ -97,6 +97,12 @@ def _files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file() and p.relative_to(path).as_posix() != MANIFEST)
 
 
+def artifact_manifest(artifact: Path) -> Path:
+    """Where an exported artifact's manifest is: inside an ONNX directory, beside a GGUF file."""
+    artifact = Path(artifact)
+    return artifact / MANIFEST if artifact.is_dir() else artifact.with_name(artifact.name + ".json")
+
+
 def file_checksums(directory: Path) -> dict[str, str]:
     """``{relative path: sha256}`` of every file in ``directory`` except its manifest."""
     return {p.relative_to(directory).as_posix(): sha256_file(p) for p in _files(directory)}

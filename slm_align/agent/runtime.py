@@ -42,11 +42,11 @@ class Reply:
 
 def artifact_id(artifact: Path) -> str:
     """The sha256 that identifies the model in preference records; checked against the export manifest."""
-    from slm_align.runs import artifact_digest
+    from slm_align.runs import artifact_digest, artifact_manifest
 
     artifact = Path(artifact)
     found = artifact_digest(artifact)
-    manifest = artifact / "manifest.json" if artifact.is_dir() else artifact.with_name(artifact.name + ".json")
+    manifest = artifact_manifest(artifact)
     if manifest.is_file():
         try:
             recorded = json.loads(manifest.read_text(encoding="utf-8")).get("metrics", {}).get("sha256")

@@ -18,8 +18,8 @@ from typing import Optional
 from slm_align.errors import UserError
 from slm_align.export.gguf import ARCHITECTURES, QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
-from slm_align.runs import (MANIFEST, StageResult, artifact_digest, check_out_dir, file_checksums, make_manifest,
-                            write_json_atomic)
+from slm_align.runs import (MANIFEST, StageResult, artifact_digest, artifact_manifest, check_out_dir, file_checksums,
+                            make_manifest, write_json_atomic)
 
 TARGETS = ("gguf", "onnx")
 DEFAULT_QUANT = {"gguf": "Q8_0", "onnx": "int8"}
@@ -137,7 +137,7 @@ def _default_out(source: str) -> Path:
     return path / "export" if path.is_dir() and _is_run(path) else Path("export")
 
 
-def _artifact_name(target: str, quant: str) -> str:
+def artifact_name(target: str, quant: str) -> str:
     return f"model-{quant}.gguf" if target == "gguf" else f"onnx-{quant}"
 
 
@@ -150,7 +150,7 @@ def _build(target: str, quant: str, preset: str, threads: int, checkpoint: Path,
         if template is not None:
             (built / "chat_template.jinja").write_text(template, encoding="utf-8")
         return built
-    built = scratch / _artifact_name(target, quant)
+    built = scratch / artifact_name(target, quant)
     if quant in QUANTIZER_TYPES:
         full = write_gguf(checkpoint, scratch / "f32.gguf", "F32", chat_template=template)
         quantize_gguf(full, built, quant, threads)
@@ -177,12 +177,12 @@ def _size(path: Path) -> int:
 def _publish(built: Path, final: Path, manifest: dict) -> None:
     """Manifest first (inside an ONNX dir, beside a GGUF file), then the artifact renamed into place."""
     if built.is_dir():
-        write_json_atomic(built / MANIFEST, dict(manifest, files=file_checksums(built)))
+        write_json_atomic(artifact_manifest(built), dict(manifest, files=file_checksums(built)))
         if final.exists():
             shutil.rmtree(final)
         os.replace(built, final)
     else:
-        write_json_atomic(final.with_name(final.name + ".json"), manifest)
+        write_json_atomic(artifact_manifest(final), manifest)
         os.replace(built, final)
 
 
@@ -202,7 +202,7 @@ def run_export(request: ExportRequest) -> StageResult:
     quant, preset, threads = _validate(request)
     origin = _locate(request.source, request.target)
     out = check_out_dir(Path(request.out) if request.out is not None else _default_out(request.source))
-    final = out / _artifact_name(request.target, quant)
+    final = out / artifact_name(request.target, quant)
     if final.exists() and not request.overwrite:
         raise UserError(f"{final} exists; pass --overwrite to replace it or choose another --out")
     scratch = out / f".{final.name}.partial"
