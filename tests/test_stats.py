@@ -1,5 +1,6 @@
 """Each statistic of the evaluation report pinned on hand-computed inputs."""
 
+import itertools
 import math
 import random
 
@@ -45,3 +46,13 @@ def test_sign_flip_test_separates_real_and_null_changes():
     a = [rng.gauss(0, 1) for _ in range(100)]
     assert sign_flip_p_value(a, [x + 0.5 for x in a], resamples=500) < 0.01
     assert sign_flip_p_value(a, [x + rng.gauss(0, 0.1) for x in a], resamples=500) > 0.05
+
+
+def test_bootstrap_bounds_leave_out_as_many_resamples_above_as_below():
+    def ordinal(counter):
+        def statistic(a, b):
+            return next(counter)  # the resampled values are 0, 1, ..., resamples - 1
+        return statistic
+
+    assert bootstrap_ci([0.0], [0.0], ordinal(itertools.count()), resamples=2000, level=0.95) == (50, 1949)
+    assert bootstrap_ci([0.0], [0.0], ordinal(itertools.count()), resamples=1000, level=0.9) == (50, 949)
