@@ -5,8 +5,10 @@ import math
 import pytest
 import torch
 
-from slm_align.rl.advantages import gae, group_advantages, masked_whiten, sigma_clip
-from slm_align.rl.losses import aggregate, clipped_policy_loss, clipped_value_loss, kl_k1, kl_k3, ratio_of
+from slm_align.rl.advantages import (gae, group_advantages, grpo_advantages, masked_whiten, per_token_rewards,
+                                     sigma_clip)
+from slm_align.rl.losses import (adaptive_kl_coef, aggregate, clipped_policy_loss, clipped_value_loss, kl_k1, kl_k3,
+                                 ratio_of)
 
 
 def test_gae_matches_the_recursion_by_hand():
@@ -78,3 +80,49 @@ def test_kl_estimators_and_the_fp32_ratio_clamp():
     assert (k3 >= 0).all() and k3[0].item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
     huge = ratio_of(torch.tensor([200.0]).bfloat16(), torch.tensor([0.0]), clamp=20.0)
     assert huge.dtype == torch.float32 and huge.item() == pytest.approx(math.exp(20.0), rel=1e-6)
+
+
+def test_group_std_epsilon_is_trls():
+    adv, _ = group_advantages(torch.tensor([0.0, 1e-3]), group_size=2, scale="group")
+    std = math.sqrt(2) * 5e-4  # unbiased std of (0, 0.001)
+    assert adv.tolist() == pytest.approx([-5e-4 / (std + 1e-4), 5e-4 / (std + 1e-4)], rel=1e-5)  # not +-0.707
+
+
+def test_grpo_clips_raw_scores_so_a_lone_success_among_sixteen_keeps_its_advantage():
+    g = 16
+    scores = torch.zeros(4 * g)
+    scores[3] = 1.0  # one success in the first group; three all-equal groups
+    adv, clipped = grpo_advantages(scores, g, "group", n_sigma=3.0)
+    group = adv[:g]
+    assert group[3].item() == pytest.approx((g - 1) / math.sqrt(g), abs=0.01)  # 3.75 (less eps): not cut to 1.45
+    assert group.sum().item() == pytest.approx(0.0, abs=1e-5) and (adv[g:] == 0).all()
+    assert clipped == 1  # the raw 1 is over 3 sigma of the batch, but clipping it keeps the group's order and sum
+    for scale in ("batch", "none"):
+        adv, _ = grpo_advantages(scores, g, scale, n_sigma=3.0)
+        assert adv.view(-1, g).sum(-1).abs().max().item() < 1e-5 and adv[3].item() > 0
+
+
+def test_ppo_per_token_rewards_kl_sign_and_score_position():
+    scores = torch.tensor([2.0, -1.0])
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.0, -1.0, 0.0, 0.0]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5, 0.0], [-0.5, -3.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])  # three and two completion tokens
+    rewards = per_token_rewards(scores, logprobs, ref, mask, kl_coef=0.1)
+    # r_t = -0.1 * (logp - ref): above the reference costs reward; the score lands on the last real token
+    assert rewards[0].tolist() == pytest.approx([-0.05, 0.1, 0.0 + 2.0, 0.0])
+    assert rewards[1].tolist() == pytest.approx([0.05, -0.2 - 1.0, 0.0, 0.0])
+    silent = per_token_rewards(scores, logprobs, ref, torch.zeros_like(mask), kl_coef=0.1)
+    assert (silent == 0).all()  # a row that does not train gets neither penalty nor score
+
+
+def test_k3_log_ratio_is_clamped_like_the_policy_ratio():
+    far = kl_k3(torch.tensor([-100.0]), torch.tensor([0.0]))  # the reference finds the token e^100 times likelier
+    assert torch.isfinite(far).all() and far.item() == pytest.approx(math.exp(20.0) - 1 - 20.0, rel=1e-6)
+    assert kl_k3(torch.tensor([-100.0]), torch.tensor([0.0]), clamp=5.0).item() == pytest.approx(math.exp(5) - 6)
+    assert kl_k3(torch.tensor([-1.0]).bfloat16(), torch.tensor([-1.0])).dtype == torch.float32
+
+
+def test_adaptive_kl_error_is_clipped_at_two_tenths():
+    assert adaptive_kl_coef(0.05, kl=10.0, target=0.1) == pytest.approx(0.05 * 1.02)  # not 0.05 * 1.1
+    assert adaptive_kl_coef(0.05, kl=0.0, target=0.1) == pytest.approx(0.05 * 0.98)
+    assert adaptive_kl_coef(0.05, kl=0.11, target=0.1) == pytest.approx(0.05 * (1 + 0.1 * 0.1))

@@ -10,13 +10,20 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the entries where ``mask`` is 1, zero elsewhere; x, mask: (B, T).
+
+    Population variance, as TRL's ``masked_whiten`` (which follows OpenAI's lm-human-preferences)."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
 def sigma_clip(x: torch.Tensor, n_sigma: float, mask: torch.Tensor = None) -> tuple[torch.Tensor, int]:
-    """Clip ``x`` to mean +- n_sigma std (over ``mask``); returns the tensor and how many values were clipped."""
+    """Clip ``x`` to mean +- n_sigma * std, both taken over ``mask``; returns it and how many values were clipped.
+
+    x, mask: any equal shapes, e.g. (B,) scores or (B, T) advantages; std is the population std. The envelope's
+    3-sigma clip (the alignment paper's reward clipping). Entries outside ``mask`` come back as 0.
+    """
     if n_sigma <= 0:
         return x, 0
     mask = torch.ones_like(x) if mask is None else mask
@@ -27,8 +34,53 @@ def sigma_clip(x: torch.Tensor, n_sigma: float, mask: torch.Tensor = None) -> tu
     return clipped * mask, int(((x < low) | (x > high)).logical_and(mask > 0).sum())
 
 
+def grpo_advantages(scores: torch.Tensor, group_size: int, scale: str, n_sigma: float) -> tuple[torch.Tensor, int]:
+    """GRPO's advantages inside the envelope: sigma-clip the raw scores over the batch, then normalise in groups.
+
+    Args:
+        scores: (B,) raw rewards, groups of ``group_size`` contiguous; n_sigma: the envelope's clip (0: off).
+
+    Returns:
+        (B,) advantages (see :func:`group_advantages`) and how many raw scores the clip moved.
+
+    Clipping before the group normalisation, as the alignment paper's code does, keeps every group's sum at zero;
+    a batch-wide sigma taken over group advantages (zeros of all-equal groups included) would cut a lone success
+    among G=16 (its advantage (G-1)/sqrt(G) = 3.75 is over 3 sigma) and break that sum.
+    """
+    clipped, count = sigma_clip(scores, n_sigma)
+    advantages, _ = group_advantages(clipped, group_size, scale)
+    return advantages, count
+
+
+def per_token_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
+                      kl_coef: float) -> torch.Tensor:
+    """PPO's per-token rewards: a KL penalty on every completion token, the score on the last one.
+
+    Args:
+        scores: (B,) sequence-level reward of each completion (whitened and clipped by the caller).
+        logprobs, ref_logprobs: (B, T) log-probabilities of the sampled tokens under the rollout policy and the
+            reference; ``mask``: (B, T) 1 on completion tokens that train (right-padded, contiguous).
+
+    Returns:
+        (B, T) r_t = -kl_coef * (log pi(y_t) - log pi_ref(y_t)) * m_t, plus ``scores`` at t = (number of completion
+        tokens) - 1, the last token (its EOS when it has one). A row whose mask is all zero gets nothing.
+
+    As TRL's ``PPOTrainer`` (non_score_reward = -kl_coef * kl; scores added at the last response token) after
+    Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences".
+    """
+    rewards = -kl_coef * (logprobs - ref_logprobs) * mask
+    rows = torch.arange(scores.shape[0])
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    rewards[rows, last] += scores * mask[rows, last]
+    return rewards
+
+
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
-    """Generalised advantage estimation over the completion tokens; returns (advantages, returns)."""
+    """Generalised advantage estimation over the completion tokens; returns (advantages, returns), both (B, T).
+
+    rewards, values, mask: (B, T). delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t and
+    A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}; returns = A + V (Schulman et al. 2016, as TRL's PPOTrainer).
+    """
     batch, length = rewards.shape
     advantages = torch.zeros_like(rewards)
     last = torch.zeros(batch)
@@ -42,12 +94,27 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, (advantages + values) * mask
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, scale: str, eps: float = 1e-6):
-    """(reward - group mean), divided by the group std, the batch std, or nothing; and the zero-std groups."""
+ZERO_STD = 1e-6  # a group whose rewards spread less than this is "all equal": it carries no GRPO signal
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, scale: str, eps: float = 1e-4):
+    """GRPO's group-relative advantages; returns them and the number of all-equal groups.
+
+    Args:
+        scores: (B,) one reward per completion, B = groups * ``group_size``, each group contiguous.
+        scale: "group": A_i = (r_i - mean_g) / (std_g + eps); "batch": the batch std instead of std_g
+            (Dr. GRPO's suggestion, Liu et al. 2025); "none": A_i = r_i - mean_g.
+
+    Returns:
+        (B,) advantages, each group summing to zero; and how many groups have std_g < ``ZERO_STD``.
+
+    std is the unbiased (Bessel) std and ``eps`` = 1e-4 is added to it, as TRL's ``GRPOTrainer`` does (Shao et
+    al. 2024, DeepSeekMath, eq. for outcome supervision).
+    """
     groups = scores.view(-1, group_size)
     centred = groups - groups.mean(-1, keepdim=True)
     std = groups.std(-1, keepdim=True)
-    zero_std = int((std.squeeze(-1) < eps).sum())
+    zero_std = int((std.squeeze(-1) < ZERO_STD).sum())
     if scale == "group":
         centred = centred / (std + eps)
     elif scale == "batch":

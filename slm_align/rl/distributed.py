@@ -52,6 +52,9 @@ class World:
     def any(self, flag: bool) -> bool:
         return self.mean(1.0 if flag else 0.0) > 0
 
+    def all(self, flag: bool) -> bool:
+        return self.mean(1.0 if flag else 0.0) == 1.0
+
     def barrier(self) -> None:
         if self.size > 1:
             self._dist().barrier()

@@ -14,9 +14,12 @@ from typing import Optional
 import torch
 
 from slm_align.config import RLSettings
+from slm_align.errors import UserError
 from slm_align.rl.distributed import World
-from slm_align.rl.advantages import gae, group_advantages, masked_mean, masked_whiten, sigma_clip
-from slm_align.rl.losses import aggregate, clipped_policy_loss, clipped_value_loss, kl_k1, kl_k3, ratio_of
+from slm_align.rl.advantages import (gae, grpo_advantages, masked_mean, masked_whiten, per_token_rewards,
+                                     sigma_clip)
+from slm_align.rl.losses import (adaptive_kl_coef, aggregate, clipped_policy_loss, clipped_value_loss, kl_k3,
+                                 ratio_of)
 from slm_align.rl.policy import ValueHead, forward_logprobs
 from slm_align.rl.rollout import Rollout, collect, concat
 from slm_align.rl.safeguards import GuardCounters, Snapshot, all_finite
@@ -75,23 +78,24 @@ class RLLoop:
 
     # ---- advantages ----------------------------------------------------------------------------------------
     def advantages(self, batch: Rollout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Per-token advantages (and PPO's returns), whitened and sigma-clipped as the envelope says."""
+        """Per-token advantages (and PPO's returns), whitened and sigma-clipped as the envelope says.
+
+        GRPO clips the raw scores over the batch, then normalises within groups: a lone success keeps its
+        advantage and every group still sums to zero. PPO clips the whitened scores and the advantages.
+        """
         n_sigma, mask = self.envelope.sigma_clip, batch.mask
         if self.grpo:
-            per_sequence, _ = group_advantages(batch.scores, self.settings.group_size, self.settings.scale_rewards)
-            per_sequence, clipped = sigma_clip(per_sequence, n_sigma)
-            self.counters.advantage_clipped += clipped
+            per_sequence, clipped = grpo_advantages(batch.scores, self.settings.group_size, self.settings.scale_rewards,
+                                                    n_sigma)
+            self.counters.score_clipped += clipped
             return per_sequence.unsqueeze(-1) * mask, None
         scores = batch.scores
         if self.settings.whiten_rewards and scores.numel() > 1:
             scores = (scores - scores.mean()) / (scores.std() + 1e-8)
         scores, clipped = sigma_clip(scores, n_sigma)
         self.counters.score_clipped += clipped
-        rewards = torch.zeros_like(mask)
-        if self.settings.kl_mode == "reward":
-            rewards = -self.kl_coef * kl_k1(batch.old_logprobs, batch.ref_logprobs) * mask
-        last = (batch.lengths - 1).clamp(min=0)
-        rewards[torch.arange(len(scores)), last] += scores * mask[torch.arange(len(scores)), last]
+        kl_coef = self.kl_coef if self.settings.kl_mode == "reward" else 0.0
+        rewards = per_token_rewards(scores, batch.old_logprobs, batch.ref_logprobs, mask, kl_coef)
         advantages, returns = gae(rewards, batch.values, mask, self.settings.gamma, self.settings.lam)
         advantages, clipped = sigma_clip(masked_whiten(advantages, mask), n_sigma, mask)
         self.counters.advantage_clipped += clipped
@@ -105,7 +109,7 @@ class RLLoop:
         """One guarded optimizer step on ``rows`` of the batch; returns its statistics."""
         s, env = self.settings, self.envelope
         snapshot = Snapshot(self.params, self.optimizer) if env.rollback else None
-        self.policy.train()
+        self.policy.eval()  # dropout off in every RL forward: the first ratio is exactly 1, not dropout noise
         new, entropy, values = forward_logprobs(self.policy, batch.input_ids[rows], batch.attention_mask[rows],
                                                 batch.prompt_width, s.temperature, self.value_head)
         mask = batch.mask[rows]
@@ -121,13 +125,15 @@ class RLLoop:
                                               s.max_new_tokens)
         stats.update({"loss/policy": float(loss.detach()), "clip_frac": float(clip_frac)})
         if self.grpo and s.beta:
-            loss = loss + s.beta * aggregate(kl_k3(new, batch.ref_logprobs[rows]), mask, loss_type, s.max_new_tokens)
+            kl = kl_k3(new, batch.ref_logprobs[rows], env.log_ratio_clamp)
+            loss = loss + s.beta * aggregate(kl, mask, loss_type, s.max_new_tokens)
         if not self.grpo:
             value_loss = clipped_value_loss(values, batch.values[rows], returns[rows], mask, s.value_clip)
             loss = loss + s.value_coef * value_loss
             stats["loss/value"] = float(value_loss.detach())
             if s.kl_mode == "loss":
-                loss = loss + self.kl_coef * masked_mean(kl_k3(new, batch.ref_logprobs[rows]), mask)
+                loss = loss + self.kl_coef * masked_mean(kl_k3(new, batch.ref_logprobs[rows], env.log_ratio_clamp),
+                                                         mask)
         self.optimizer.zero_grad(set_to_none=True)
         if env.rollback and self.world.any(not all_finite([loss])):
             return self._roll_back(snapshot, stats, "non-finite loss")
@@ -163,13 +169,13 @@ class RLLoop:
     def run_step(self, step: int) -> dict:
         started = time.time()
         batch, zero_std = self.rollout(step)
+        self._require_training_tokens(batch, step)
         advantages, returns = self.advantages(batch)
         results = self.update(batch, advantages, returns, step)
         self.step = step + 1
         kl = float(((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum(-1).mean())
         if not self.grpo and self.settings.adaptive_kl:
-            error = max(-1.0, min(1.0, kl / self.settings.target_kl - 1))
-            self.kl_coef *= 1 + 0.1 * error
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, kl, self.settings.target_kl)
         metrics = _summarise(batch, results, advantages, returns, kl, time.time() - started)
         metrics.update({"step": self.step, "kl_coef": self.kl_coef, "guard/skipped": self.counters.skipped,
                         "guard/rollbacks": self.counters.rollbacks, "guard/score_clipped": self.counters.score_clipped,
@@ -177,6 +183,16 @@ class RLLoop:
         if self.grpo:
             metrics["grpo/zero_std_frac"] = zero_std / max(1, self.settings.prompts_per_step)
         return metrics
+
+    def _require_training_tokens(self, batch: Rollout, step: int) -> None:
+        """Stop when no completion token of the rollout trains (on every rank): an update would only replay AdamW's
+        stale momentum on a zero gradient."""
+        if not self.world.all(float(batch.mask.sum()) == 0):
+            return
+        budget = self.settings.max_new_tokens
+        raise UserError(f"RL iteration {step + 1}: every completion ran to max_new_tokens={budget} without EOS and "
+                        "--mask-truncated gives truncated completions no gradient, so nothing would train; raise "
+                        "--max-new-tokens or drop --mask-truncated")
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
