@@ -120,6 +120,8 @@ class RLSettings(_Strict):
     resample_zero_std: bool = Field(False, description="GRPO: resample groups whose rewards are all equal (once).")
     mask_truncated: bool = Field(False, description="Give truncated completions no gradient.")
     length_penalty: float = Field(0.0, ge=0, description="Soft penalty per token past 80% of max_new_tokens.")
+    missing_eos_penalty: float = Field(0.0, ge=0, description="Subtract from the score of a completion without EOS "
+                                                              "(TRL's missing_eos_penalty; 0: off).")
     whiten_rewards: bool = Field(True, description="PPO: whiten scores across the batch before use.")
     save_steps: int = Field(10, ge=1, description="Checkpoint every this many iterations (for --resume).")
     eval_prompts: int = Field(64, ge=1, description="Held-out prompts scored before and after RL.")

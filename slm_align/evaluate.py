@@ -17,7 +17,7 @@ from slm_align.data.corpus import load_corpus
 from slm_align.data.encoding import encode_all
 from slm_align.data.prompts import prompts_of
 from slm_align.errors import UserError
-from slm_align.generation import sample
+from slm_align.generation import sample, score
 from slm_align.modeling import load_model, load_tokenizer, merged_policy, resolve_source
 from slm_align.perplexity import perplexity
 from slm_align.plots import plot_curves
@@ -61,7 +61,7 @@ def _measure(policy: Policy, prompts: list[str], documents, reward, recipe: Reci
              temperature: float) -> dict:
     model, tokenizer = policy.load()
     samples = sample(model, tokenizer, prompts, max_new_tokens, temperature, seed=recipe.seed)
-    scores = [float(s) for s in reward(prompts, samples.completions)]
+    scores = score(reward, samples)
     encoded = encode_all(documents, tokenizer, recipe.data.max_length)
     lengths = samples.completion_mask.sum(-1).float()
     return {"name": policy.name, "model": policy.describe,

@@ -83,7 +83,7 @@ def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Opt
                     rewards: Sequence[str], run: Optional[Path], info: dict) -> list[Figure]:
     """Held-out pairwise accuracy of the reward model and the spread of rewards over policy samples."""
     from slm_align.data.prompts import prompts_of
-    from slm_align.generation import sample
+    from slm_align.generation import sample, score
     from slm_align.reward.functions import combine, spread
     from slm_align.reward.model import pairwise_metrics
 
@@ -105,7 +105,7 @@ def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Opt
         info["reward_spread"] = "not measured: fewer than two held-out prompts"
         return figures
     samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, temperature=1.0, seed=recipe.seed)
-    scores = reward(prompts, samples.completions)
+    scores = score(reward, samples)
     info.update(spread_samples=len(scores), reward_terms=[name for name, _, _ in reward.terms])
     figures.append(Figure("reward spread (std over policy samples)", spread(scores), settings.min_reward_std, ">=",
                           REMEDY_SPREAD))

@@ -29,8 +29,8 @@ def sft_run(tmp_path_factory, tiny_models, stories):
 def make_loop(sft_run, algo="grpo", loop_class=RLLoop, **rl):
     out, recipe = sft_run
     envelope = recipe.rl.envelope.model_copy(update=rl.pop("envelope", {}))
-    settings = recipe.rl.model_copy(update=dict(algo=algo, prompts_per_step=4, group_size=4, max_new_tokens=12,
-                                                minibatch_size=8, envelope=envelope, **rl))
+    small = dict(algo=algo, prompts_per_step=4, group_size=4, max_new_tokens=12, minibatch_size=8, envelope=envelope)
+    settings = recipe.rl.model_copy(update={**small, **rl})
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.source)
@@ -247,3 +247,41 @@ def test_zero_variance_groups_are_counted_and_resampled(sft_run):
     kept = [i for i in range(len(first.prompts)) if i not in constant]
     assert all(resampled.completions[i] == first.completions[i] for i in kept)
     assert resampled.input_ids.shape[0] == first.input_ids.shape[0] and resampled.mask.shape == resampled.old_logprobs.shape
+
+
+def test_reference_policy_is_the_merged_sft_model_and_not_the_base(sft_run):
+    from slm_align.modeling import load_model, merged_policy
+
+    out, recipe = sft_run
+    source = resolve_source(recipe.model.source)
+    loop = make_loop(sft_run)
+    ids = torch.tensor([loop.tokenizer("Once upon a time, there was a cat.")["input_ids"]])
+    with torch.no_grad(), loop.policy.disable_adapter():
+        reference = loop.policy(input_ids=ids).logits
+    with torch.no_grad():
+        sft = merged_policy(source, out / "sft" / "adapter")(input_ids=ids).logits
+        base = load_model(source)(input_ids=ids).logits
+    assert torch.allclose(reference, sft, atol=1e-6)
+    assert (reference - base).abs().max() > 1e-3  # the SFT adapter is in the reference, not thrown away
+
+
+def test_a_rollout_with_no_training_token_stops_with_the_fix(sft_run):
+    loop = make_loop(sft_run, mask_truncated=True, max_new_tokens=1)  # one token: every completion is cut
+    before, state = lora_state(loop), optimizer_state(loop)
+    with pytest.raises(UserError, match="raise --max-new-tokens or drop --mask-truncated"):
+        loop.run_step(0)
+    assert same_state(lora_state(loop), before) and same_state(optimizer_state(loop), state)
+
+
+def test_a_non_finite_reward_names_the_term_and_the_prompt(sft_run):
+    from slm_align.reward.functions import CombinedReward
+
+    def broken_on_the_sun(prompts, completions, **_):
+        return [float("nan") if p == "The sun." else 0.0 for p in prompts]
+
+    loop = make_loop(sft_run)
+    loop.reward_fn = CombinedReward([("varied", varied_reward, 1.0), ("broken", broken_on_the_sun, 1.0)])
+    loop.train_prompts = ["Tom found a red ball.", "The sun."]
+    with pytest.raises(UserError, match="reward term 'broken' gave nan for prompt 'The sun.'"):
+        loop.run_step(0)
+    assert loop.counters.rollbacks == 0

@@ -1,7 +1,8 @@
 """Reward functions: anything that scores (prompt, completion) batches.
 
 The protocol is a callable ``fn(prompts, completions, **context) -> list[float]``; ``context`` may carry
-``references`` (reference answers, when the data has them). Give one from the CLI as ``module:function``
+``references`` (reference answers, when the data has them) and, for sampled completions, ``truncated`` (one bool
+each: the completion hit the token budget without EOS). Give one from the CLI as ``module:function``
 (optionally ``module:function@weight``) or a built-in name; from Python, pass the callable. The learned reward
 model is one such function (:class:`LearnedReward`), and :class:`CombinedReward` sums weighted terms.
 """
@@ -120,11 +121,12 @@ class LearnedReward:
         self.model, self.tokenizer = load_reward_model(path)
         self.max_length, self.batch_size = max_length, batch_size
 
-    def __call__(self, prompts, completions, **_) -> list[float]:
+    def __call__(self, prompts, completions, truncated: Optional[Sequence[bool]] = None, **_) -> list[float]:
+        """Scores of the texts; a completion flagged ``truncated`` (no EOS within the budget) is scored as written."""
         from slm_align.reward.model import score_texts
 
         return score_texts(self.model, self.tokenizer, list(prompts), list(completions), self.max_length,
-                           self.batch_size)
+                           self.batch_size, None if truncated is None else list(truncated))
 
 
 @dataclass

@@ -2,21 +2,30 @@
 
 The backbone starts as base + SFT adapter (merged); a fresh LoRA adapter and the score head train in fp32 with
 loss ``-log sigmoid(r_chosen - r_rejected - margin) + c * (r_chosen + r_rejected)^2``. The reward of a text is
-the score head applied to the hidden state of its last real token (EOS appended), with right padding.
+the score head applied to the hidden state of its last real token (EOS appended to a finished text, never to a
+truncated completion: that one is scored as written), with right padding.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from slm_align.data.encoding import encode, pad_batch
 from slm_align.data.examples import Example
 from slm_align.errors import UserError
 
 
-def encode_scored(tokenizer, prompt: str, completion: str, max_length: int) -> list[int]:
-    """Token ids of ``prompt + completion`` + EOS: the one format for reward training, RL and evaluation."""
-    return encode(Example(prompt=prompt, completion=completion), tokenizer, max_length)["input_ids"]
+def encode_scored(tokenizer, prompt: str, completion: str, max_length: int, ended: bool = True) -> list[int]:
+    """Token ids of ``prompt + completion`` + EOS: the one format for reward training, RL and evaluation.
+
+    ``ended=False`` (a completion cut at the token budget) leaves the EOS off: the reward model sees the text as
+    written, not as if the policy had finished it.
+    """
+    ids = encode(Example(prompt=prompt, completion=completion), tokenizer, max_length)["input_ids"]
+    if not ended and len(ids) > 1 and ids[-1] == tokenizer.eos_token_id:
+        return ids[:-1]
+    return ids
 
 
 def classifier_from_policy(policy, pad_token_id: int):
@@ -65,16 +74,18 @@ def collate_pairs(rows: list[dict], pad_id: int) -> dict:
 
 
 def score_texts(model, tokenizer, prompts: list[str], completions: list[str], max_length: int = 256,
-                batch_size: int = 16) -> list[float]:
-    """Rewards of ``prompt + completion`` texts, in batches, without gradients."""
+                batch_size: int = 16, truncated: Optional[list[bool]] = None) -> list[float]:
+    """Rewards of ``prompt + completion`` texts, in batches, without gradients; ``truncated`` ones get no EOS."""
     import torch
 
+    ended = [not t for t in truncated] if truncated is not None else [True] * len(prompts)
     scores: list[float] = []
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
+            end = start + batch_size
             rows = [{"input_ids": ids, "labels": ids} for ids in (
-                encode_scored(tokenizer, p, c, max_length)
-                for p, c in zip(prompts[start:start + batch_size], completions[start:start + batch_size]))]
+                encode_scored(tokenizer, p, c, max_length, e)
+                for p, c, e in zip(prompts[start:end], completions[start:end], ended[start:end]))]
             batch = pad_batch(rows, tokenizer.pad_token_id)
             scores += sequence_rewards(model, batch["input_ids"], batch["attention_mask"]).tolist()
     return scores

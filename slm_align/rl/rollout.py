@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from slm_align.config import RLSettings
-from slm_align.generation import sample
+from slm_align.generation import sample, score
 from slm_align.rl.policy import ValueHead, forward_logprobs, merged_for_sampling
 
 
@@ -45,16 +45,21 @@ def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, promp
         old, values = _scored(policy, input_ids, attention, width, settings, value_head)
         with policy.disable_adapter():
             ref, _ = _scored(policy, input_ids, attention, width, settings)
-    scores = torch.tensor(reward_fn(prompts, samples.completions), dtype=torch.float32)
-    lengths = samples.completion_mask.sum(-1).float()
-    if settings.length_penalty:
-        scores = scores - settings.length_penalty * (lengths - 0.8 * settings.max_new_tokens).clamp(min=0)
     truncated = torch.tensor(samples.truncated)
+    scores = _penalised(torch.tensor(score(reward_fn, samples), dtype=torch.float32), samples, truncated, settings)
     mask = samples.completion_mask.float()
     if settings.mask_truncated:
         mask = mask * (~truncated).float().unsqueeze(-1)
     return Rollout(prompts, samples.completions, input_ids, attention, width, mask, old, ref, values, scores,
                    truncated)
+
+
+def _penalised(scores: torch.Tensor, samples, truncated: torch.Tensor, settings: RLSettings) -> torch.Tensor:
+    """Scores (B,) less the length penalty (per token past 80% of the budget) and the missing-EOS penalty."""
+    lengths = samples.completion_mask.sum(-1).float()
+    if settings.length_penalty:
+        scores = scores - settings.length_penalty * (lengths - 0.8 * settings.max_new_tokens).clamp(min=0)
+    return scores - settings.missing_eos_penalty * truncated.float()
 
 
 def _scored(policy, input_ids, attention, width: int, settings: RLSettings, value_head=None):

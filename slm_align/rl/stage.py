@@ -19,7 +19,7 @@ from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
 from slm_align.data.prompts import prompts_of
 from slm_align.errors import UserError
-from slm_align.generation import sample
+from slm_align.generation import sample, score
 from slm_align.headroom import check_headroom
 from slm_align.modeling import load_tokenizer, resolve_source
 from slm_align.plots import plot_curves
@@ -49,7 +49,7 @@ def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Rec
     settings = recipe.rl
     with merged_for_sampling(policy) if adapter else policy.disable_adapter():
         samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=recipe.seed)
-    return statistics.fmean(reward_fn(prompts, samples.completions))
+    return statistics.fmean(score(reward_fn, samples))
 
 
 def _prerequisites(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_model: Optional[Path],
