@@ -1,11 +1,13 @@
 """Load the policy and its tokenizer from any source; the tiny-model factory used by tests.
 
-Sources: a local HF directory (safetensors), a hub id, or a local ``.gguf`` file (dequantized by
-transformers' GGUF support). ``None`` means the bundled default model.
+Sources: a local HF directory (safetensors), a hub id, or a local ``.gguf`` file (weights dequantized by
+transformers' GGUF support, tokenizer rebuilt from the file's own metadata by :mod:`slm_align.gguf_tokenizer`).
+``None`` means the bundled default model.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -120,26 +122,64 @@ def _hub_error(source: ModelSource, exc: Exception) -> UserError:
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
-    """The source's tokenizer, with a pad token guaranteed (see :func:`ensure_pad_token`)."""
+    """The source's tokenizer, with a pad token guaranteed (see :func:`ensure_pad_token`).
+
+    A .gguf file's tokenizer is rebuilt from its own ``tokenizer.*`` metadata and checked against llama.cpp
+    (:mod:`slm_align.gguf_tokenizer`): transformers' GGUF tokenizer conversion is lossy.
+    """
     from transformers import AutoTokenizer
 
+    if source.kind == "gguf":
+        return ensure_pad_token(_gguf_tokenizer(Path(source.ref)))
     if source.kind == "dir":
         _check_directory(Path(source.ref), allow_pickle=True)
-    name, kwargs = source.pretrained_args()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source.ref, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises OSError, ValueError, or hub errors
         if source.kind == "hub":
             raise _hub_error(source, exc) from None
-        fix = ("the .gguf file is corrupt or not a GGUF model; export or download it again" if source.kind == "gguf"
-               else "the directory needs tokenizer files")
         raise UserError(f"model {source.label}: cannot load its tokenizer ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:200]}); {fix}") from None
-    if source.kind == "gguf":
-        _apply_gguf_special_tokens(tokenizer, Path(source.ref))
+                        f"{str(exc).splitlines()[0][:200]}); the directory needs tokenizer files") from None
     if source.kind == "dir":
         _check_vocabulary(tokenizer, Path(source.ref))
     return ensure_pad_token(tokenizer)
+
+
+def _gguf_tokenizer(path: Path):
+    """A fresh copy of the file's verified tokenizer: building and checking one costs seconds on a 262k
+    vocabulary, and stages of one process (quickstart, train's gate) load the same file more than once."""
+    import copy
+
+    stat = path.stat()
+    return copy.deepcopy(_cached_gguf_tokenizer(str(path.resolve()), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_gguf_tokenizer(path: str, size: int, mtime_ns: int):
+    from slm_align.gguf_tokenizer import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(Path(path))
+
+
+def tokenizer_sidecar(source: ModelSource) -> Path | None:
+    """Where the source's GGUF tokenizer fields are: the .gguf itself, a saved model's ``tokenizer.gguf``, or None."""
+    from slm_align.gguf_tokenizer import SIDECAR
+
+    if source.kind == "gguf":
+        return Path(source.ref)
+    sidecar = Path(source.ref) / SIDECAR
+    return sidecar if source.kind == "dir" and sidecar.is_file() else None
+
+
+def save_tokenizer(tokenizer, source: ModelSource, directory: Path) -> None:
+    """Save ``tokenizer`` into a model directory; when the model came from a GGUF file, its ``tokenizer.*`` fields
+    go too (``tokenizer.gguf``), so that GGUF export writes the source's exact tokenizer back."""
+    from slm_align.gguf_tokenizer import write_sidecar
+
+    tokenizer.save_pretrained(directory)
+    origin = tokenizer_sidecar(source)
+    if origin is not None:
+        write_sidecar(origin, Path(directory))
 
 
 def _check_vocabulary(tokenizer, path: Path) -> None:
@@ -148,29 +188,6 @@ def _check_vocabulary(tokenizer, path: Path) -> None:
     if isinstance(rows, int) and len(tokenizer) > rows:
         raise UserError(f"model {path}: its tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                         f"{rows} (embedding rows); save the tokenizer the model was trained with beside its weights")
-
-
-def _apply_gguf_special_tokens(tokenizer, path: Path) -> None:
-    """Take special tokens and the BOS flag from the file itself.
-
-    transformers' GGUF tokenizer conversion mixes up BOS/EOS/pad for byte-level BPE vocabularies and ignores
-    ``tokenizer.ggml.add_bos_token``; llama.cpp reads these keys, so we read them the same way.
-    """
-    import gguf
-
-    fields = gguf.GGUFReader(str(path)).fields
-
-    def value(key):
-        field = fields.get(key)
-        return None if field is None else field.parts[field.data[0]][0]
-
-    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
-        token_id = value(f"tokenizer.ggml.{key}")
-        if token_id is not None:
-            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
-    add_bos = value("tokenizer.ggml.add_bos_token")
-    if add_bos is not None and hasattr(tokenizer, "add_bos_token"):
-        tokenizer.add_bos_token = bool(add_bos)
 
 
 def ensure_pad_token(tokenizer):

@@ -14,7 +14,7 @@ from slm_align.config import Recipe
 from slm_align.data.corpus import Corpus, load_corpus
 from slm_align.data.encoding import encode_all, pad_batch
 from slm_align.errors import UserError
-from slm_align.modeling import ModelSource, load_model, load_tokenizer, resolve_source
+from slm_align.modeling import ModelSource, load_model, load_tokenizer, resolve_source, save_tokenizer
 from slm_align.progress import TrainerProgress
 from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
 from slm_align.training import attach_lora, make_trainer, prepare_partial, save_adapter, training_arguments
@@ -57,7 +57,7 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
     final_eval = trainer.evaluate()
     save_adapter(model, partial / "adapter")
-    tokenizer.save_pretrained(partial / "tokenizer")
+    save_tokenizer(tokenizer, source, partial / "tokenizer")
     metrics = {"train_loss": train_output.training_loss, "eval_loss": final_eval["eval_loss"],
                "eval_loss_per_epoch": progress.eval_losses, "steps": train_output.global_step,
                "train_documents": len(train_rows), "eval_documents": len(eval_rows),

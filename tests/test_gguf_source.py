@@ -7,8 +7,16 @@ import torch
 
 from slm_align.cli import main
 from slm_align.errors import UserError
-from slm_align.export.gguf import write_gguf
-from slm_align.modeling import load_model, load_tokenizer, resolve_source
+from slm_align.export.gguf import quantize_gguf, write_gguf
+from slm_align.export.stage import ExportRequest, run_export
+from slm_align.gguf_tokenizer import PROBE_TEXTS, SIDECAR, read_fields
+from slm_align.modeling import (
+    load_model,
+    load_tokenizer,
+    resolve_source,
+    save_tokenizer,
+)
+from tests.conftest import finished_sft_run
 
 TEXTS = ["Once upon a time, there was a shy duck named Nina.", "<|im_start|>user\nhi<|im_end|>\n", " two  spaces"]
 
@@ -49,3 +57,54 @@ def test_unsupported_gguf_export_is_a_user_error(tmp_path, tiny_models):
     with pytest.raises(UserError, match="does not support architecture 'gpt2'"):
         write_gguf(tiny_models["gpt2"], tmp_path / "x.gguf")
     assert not any(tmp_path.iterdir())
+
+
+def tokenizer_fields(path) -> dict[str, bytes]:
+    """Each tokenizer.* key/value of a .gguf as stored (key, type and value bytes)."""
+    return {key: field.raw for key, field in read_fields(path).items()}
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_made(tmp_path_factory, tiny_models):
+    """The tiny Llama as a GGUF written by llama.cpp's quantizer (Q4_0), the way users get their files."""
+    pytest.importorskip("llama_cpp")
+    root = tmp_path_factory.mktemp("llama-cpp-made")
+    full = write_gguf(tiny_models["llama"], root / "f32.gguf", "F32")
+    return quantize_gguf(full, root / "base-Q4_0.gguf", "Q4_0")
+
+
+def test_llama_cpp_gguf_loaded_saved_and_exported_keeps_its_tokenizer_fields(tmp_path, llama_cpp_made):
+    source = resolve_source(str(llama_cpp_made))
+    saved = tmp_path / "saved"
+    load_model(source).save_pretrained(saved, safe_serialization=True)
+    save_tokenizer(load_tokenizer(source), source, saved)
+    assert (saved / SIDECAR).is_file()
+    exported = write_gguf(saved, tmp_path / "out.gguf", "F32")
+    assert tokenizer_fields(exported) == tokenizer_fields(llama_cpp_made)
+
+
+def test_a_run_on_a_llama_cpp_gguf_exports_its_tokenizer_to_gguf_and_onnx(tmp_path, llama_cpp_made, stories):
+    import llama_cpp
+    from tokenizers import Tokenizer
+
+    run, _ = finished_sft_run(tmp_path / "run", llama_cpp_made, stories, steps=2)
+    exported = run_export(ExportRequest(str(run), "gguf", "Q8_0", out=tmp_path / "export"))
+    assert exported.metrics["verification"]["tokenizer_match"] and exported.metrics["verification"]["passed"]
+    assert tokenizer_fields(run / "merged" / SIDECAR) == tokenizer_fields(llama_cpp_made)
+    assert tokenizer_fields(exported.stage_dir) == tokenizer_fields(llama_cpp_made)
+    onnx = run_export(ExportRequest(str(run), "onnx", "fp32", out=tmp_path / "export"))
+    assert onnx.metrics["verification"]["tokenizer_match"] and onnx.metrics["verification"]["passed"]
+    llm = llama_cpp.Llama(str(llama_cpp_made), vocab_only=True, verbose=False)
+    onnx_tokenizer = Tokenizer.from_file(str(onnx.stage_dir / "tokenizer.json"))
+    for text in PROBE_TEXTS:
+        assert onnx_tokenizer.encode(text).ids == llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+
+@pytest.mark.slow
+def test_real_gemma_gguf_saved_and_exported_keeps_its_tokenizer_fields(tmp_path, real_gemma_gguf):
+    source = resolve_source(str(real_gemma_gguf))
+    saved = tmp_path / "gemma"
+    load_model(source).save_pretrained(saved, safe_serialization=True)
+    save_tokenizer(load_tokenizer(source), source, saved)
+    exported = write_gguf(saved, tmp_path / "gemma-F16.gguf", "F16")
+    assert tokenizer_fields(exported) == tokenizer_fields(real_gemma_gguf)

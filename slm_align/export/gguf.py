@@ -18,6 +18,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from slm_align.errors import UserError
+from slm_align.export.gguf_vocab import add_vocab
+from slm_align.export.gguf_vocab import pre_tokenizer_name as pre_tokenizer_name  # re-exported
 
 ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2", "gpt_neox": "GPTNEOX"}
 WRITTEN_TYPES = ("F32", "F16", "Q8_0")
@@ -27,8 +29,6 @@ QUANTIZER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_S", "Q3_K_M", "
 GGUF_TYPES = WRITTEN_TYPES + QUANTIZER_TYPES
 # Buffers some checkpoints carry that are not weights.
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
-# The pre-tokenizer regexes llama.cpp knows by name, recognised by a fragment only that regex has.
-_PRE_TOKENIZERS = ((r"\p{N}{1,3}", "llama-bpe"), (r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+", "qwen2"))
 
 
 def check_gguf_type(name: str) -> str:
@@ -92,63 +92,6 @@ def _add_hparams(writer, model_type: str, config: dict) -> None:
         writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
 
 
-def pre_tokenizer_name(tokenizer_json: dict) -> str:
-    """The name llama.cpp gives this tokenizer's pre-tokenizer (it decides how text is split before BPE)."""
-    pre = tokenizer_json.get("pre_tokenizer") or {}
-    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    kinds = [part.get("type") for part in parts]
-    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
-        return "gpt-2"
-    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
-        return "smollm"
-    if kinds and kinds[0] == "Split":
-        pattern = parts[0].get("pattern", {}).get("Regex", "")
-        for fragment, name in _PRE_TOKENIZERS:
-            if fragment in pattern:
-                return name
-    raise UserError(f"GGUF export does not know this tokenizer's pre-tokenizer ({' + '.join(map(str, kinds))}); "
-                    "llama.cpp would split text differently from the trained model. Export to ONNX instead")
-
-
-def _add_vocab(writer, model_dir: Path, vocab_size: int, chat_template: Optional[str]) -> None:
-    """Byte-level BPE: tokens, types (special tokens as CONTROL), merges, pre-tokenizer, special ids, template."""
-    import gguf
-
-    try:
-        vocab = gguf.BpeVocab(model_dir)
-        tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError) as exc:
-        raise UserError(f"{model_dir}: no byte-level BPE tokenizer.json to convert ({exc}); "
-                        "GGUF export needs the model's fast tokenizer saved beside the weights") from None
-    special = {item["id"] for item in tokenizer_json.get("added_tokens", []) if item.get("special")}
-    tokens, types = [], []
-    for index, (text, _score, kind) in enumerate(vocab.all_tokens()):
-        tokens.append(text)
-        types.append(gguf.TokenType.CONTROL if index in special else kind)
-    for index in range(len(tokens), vocab_size):  # embedding rows beyond the tokenizer: padding tokens
-        tokens.append(f"[PAD{index}]")
-        types.append(gguf.TokenType.UNUSED)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer_name(tokenizer_json))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    special_vocab = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=len(tokens))
-    if "bos" not in special_vocab.special_token_ids and "eos" in special_vocab.special_token_ids:
-        special_vocab.special_token_ids["bos"] = special_vocab.special_token_ids["eos"]
-    if chat_template is not None:
-        special_vocab.chat_template = chat_template
-    special_vocab.add_to_gguf(writer, quiet=True)
-    if "bos" not in special_vocab.add_special_token:  # say it explicitly: readers default differently
-        writer.add_add_bos_token(bool(_adds_bos(model_dir)))
-
-
-def _adds_bos(model_dir: Path) -> bool:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return bool(tokenizer.bos_token_id is not None and tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id])
-
-
 def _add_tensor(writer, name: str, data: np.ndarray, file_type: str) -> None:
     """Norms and biases stay F32 (llama.cpp expects it); matrices take the file's type where their rows allow."""
     import gguf
@@ -198,7 +141,7 @@ def write_gguf(model_dir: Path, out_path: Path, file_type: str = "F32",
     writer.add_name(model_dir.name)
     writer.add_file_type(getattr(gguf.LlamaFileType, "ALL_F32" if file_type == "F32" else f"MOSTLY_{file_type}"))
     _add_hparams(writer, model_type, config)
-    _add_vocab(writer, model_dir, config["vocab_size"], chat_template)
+    add_vocab(writer, model_dir, config["vocab_size"], chat_template)
     for name, tensor in _load_state(model_dir).items():
         if name.endswith(_SKIPPED_SUFFIXES):
             continue

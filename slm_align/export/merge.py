@@ -2,7 +2,8 @@
 
 SFT adapter first (into the base), then the RL adapter (trained on top of the merged SFT weights). The output has
 safetensors weights, the tokenizer with a chat template (ChatML when the model has none, recorded in the
-manifest), a generation config, and ``manifest.json``. Written to ``OUT.partial`` and renamed when complete.
+manifest; a GGUF base's own tokenizer fields too, as ``tokenizer.gguf``), a generation config, and
+``manifest.json``. Written to ``OUT.partial`` and renamed when complete.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Optional
 
 from slm_align.config import Recipe
 from slm_align.errors import UserError
-from slm_align.modeling import CHATML_TEMPLATE, load_tokenizer, merged_policy, resolve_source
+from slm_align.modeling import CHATML_TEMPLATE, load_tokenizer, merged_policy, resolve_source, save_tokenizer
 from slm_align.runs import StageResult, check_out_dir, make_manifest, partial_dir, publish
 from slm_align.sft import recipe_from_sft
 
@@ -43,7 +44,7 @@ def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: 
     partial = partial_dir(out)
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, safe_serialization=True)
-    tokenizer.save_pretrained(partial)
+    save_tokenizer(tokenizer, source, partial)
     inputs = {"base": source.ref, "sft_adapter": str(sft_adapter),
               "rl_adapter": str(rl_adapter) if rl_adapter.is_dir() else None}
     metrics = {"parameters": sum(p.numel() for p in model.parameters()), "default_chat_template": default_template,

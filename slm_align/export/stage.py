@@ -124,11 +124,11 @@ def _checkpoint(origin: dict, scratch: Path) -> Path:
         return run / "merged"
     if origin["kind"] == "dir":
         return Path(origin["path"])
-    from slm_align.modeling import ModelSource, load_model, load_tokenizer
+    from slm_align.modeling import ModelSource, load_model, load_tokenizer, save_tokenizer
 
     source, checkpoint = ModelSource(origin["kind"], origin["ref"]), scratch / "checkpoint"
     load_model(source).save_pretrained(checkpoint, safe_serialization=True)
-    load_tokenizer(source).save_pretrained(checkpoint)
+    save_tokenizer(load_tokenizer(source), source, checkpoint)
     return checkpoint
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
 from slm_align.errors import UserError
-from slm_align.modeling import load_tokenizer, merged_policy, resolve_source
+from slm_align.modeling import load_tokenizer, merged_policy, resolve_source, save_tokenizer
 from slm_align.progress import TrainerProgress
 from slm_align.reward.model import (bradley_terry_loss, classifier_from_policy, collate_pairs, encode_scored,
                                     pairwise_metrics, sequence_rewards)
@@ -104,7 +104,7 @@ def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     output = trainer.train(resume_from_checkpoint=checkpoint)
     merged = model.merge_and_unload().eval()
     merged.save_pretrained(partial / "model", safe_serialization=True)
-    tokenizer.save_pretrained(partial / "model")
+    save_tokenizer(tokenizer, source, partial / "model")
     _write_jsonl(partial / "pairs.jsonl", train)
     _write_jsonl(partial / "eval_pairs.jsonl", held)
     metrics = pairwise_metrics(merged, tokenizer, held, max_length)
