@@ -7,7 +7,6 @@ transformers' GGUF support, tokenizer rebuilt from the file's own metadata by :m
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ LORA_TARGETS: dict[str, list[str]] = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "gpt2": ["c_attn", "c_proj"],
+    "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gemma3_text": ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
 SUPPORTED_ARCHITECTURES = tuple(LORA_TARGETS)
 
@@ -125,12 +126,13 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     """The source's tokenizer, with a pad token guaranteed (see :func:`ensure_pad_token`).
 
     A .gguf file's tokenizer is rebuilt from its own ``tokenizer.*`` metadata and checked against llama.cpp
-    (:mod:`slm_align.gguf_tokenizer`): transformers' GGUF tokenizer conversion is lossy.
+    (:mod:`slm_align.gguf_tokenizer`; transformers' GGUF tokenizer conversion is lossy) on first use, then read
+    from the file's cached HF directory (:func:`gguf_directory`).
     """
     from transformers import AutoTokenizer
 
     if source.kind == "gguf":
-        return ensure_pad_token(_gguf_tokenizer(Path(source.ref)))
+        source = gguf_directory(source)
     if source.kind == "dir":
         _check_directory(Path(source.ref), allow_pickle=True)
     try:
@@ -143,22 +145,6 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     if source.kind == "dir":
         _check_vocabulary(tokenizer, Path(source.ref))
     return ensure_pad_token(tokenizer)
-
-
-def _gguf_tokenizer(path: Path):
-    """A fresh copy of the file's verified tokenizer: building and checking one costs seconds on a 262k
-    vocabulary, and stages of one process (quickstart, train's gate) load the same file more than once."""
-    import copy
-
-    stat = path.stat()
-    return copy.deepcopy(_cached_gguf_tokenizer(str(path.resolve()), stat.st_size, stat.st_mtime_ns))
-
-
-@functools.lru_cache(maxsize=2)
-def _cached_gguf_tokenizer(path: str, size: int, mtime_ns: int):
-    from slm_align.gguf_tokenizer import load_gguf_tokenizer
-
-    return load_gguf_tokenizer(Path(path))
 
 
 def tokenizer_sidecar(source: ModelSource) -> Path | None:
@@ -203,8 +189,62 @@ def ensure_pad_token(tokenizer):
     return tokenizer
 
 
+# Config fields that transformers' GGUF loader (4.57) leaves at their defaults although the file has them, as
+# {model_type: {GGUF key after "<arch>.": config field}}. Gemma 3: llama.cpp scales attention by 1/sqrt(head_dim),
+# so query_pre_attn_scalar is the key length (transformers' default, 256, fits only head_dim 256).
+_GGUF_CONFIG_GAPS = {
+    "qwen3": {"attention.key_length": "head_dim"},
+    "gemma3_text": {"attention.key_length": "query_pre_attn_scalar", "rope.freq_base_swa": "rope_local_base_freq",
+                    "final_logit_softcapping": "final_logit_softcapping"},
+    "gpt2": {"context_length": "n_positions", "feed_forward_length": "n_inner"},
+}
+
+
+def gguf_config(path: Path):
+    """transformers' config of a .gguf file, with the fields its GGUF loader misses read from the file."""
+    import gguf
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    check_architecture(config.model_type, str(path))
+    fields = gguf.GGUFReader(str(path)).fields
+    architecture = bytes(fields["general.architecture"].parts[-1]).decode("utf-8")
+    for key, attribute in _GGUF_CONFIG_GAPS.get(config.model_type, {}).items():
+        field = fields.get(f"{architecture}.{key}")
+        if field is not None:
+            setattr(config, attribute, field.parts[field.data[0]][0].item())
+    return config
+
+
 def load_model(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False):
-    """The causal LM of a source, in float32, in eval mode."""
+    """The causal LM of a source, in float32, in eval mode (a .gguf file through its cached HF directory)."""
+    if source.kind == "gguf":
+        return _load_pretrained(gguf_directory(source))
+    return _load_pretrained(source, trust_remote_code, allow_pickle)
+
+
+def gguf_directory(source: ModelSource) -> ModelSource:
+    """The HF directory of a .gguf source, dequantized and saved on first use (:mod:`slm_align.gguf_cache`)."""
+    from slm_align import gguf_cache
+
+    path = Path(source.ref)
+
+    def read_model():
+        return _load_pretrained(source)
+
+    def read_tokenizer():
+        from slm_align.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+
+    def write_tokenizer(tokenizer, directory: Path) -> None:
+        save_tokenizer(tokenizer, source, directory)
+
+    return ModelSource("dir", str(gguf_cache.materialize(path, read_model, read_tokenizer, write_tokenizer)))
+
+
+def _load_pretrained(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False):
+    """``from_pretrained`` of a directory, hub id or .gguf file, with one-line errors."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -217,6 +257,8 @@ def load_model(source: ModelSource, trust_remote_code: bool = False, allow_pickl
         if source.kind == "hub":
             config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
             check_architecture(config.model_type, source.ref)
+        if source.kind == "gguf":
+            kwargs["config"] = gguf_config(Path(source.ref))
         model = AutoModelForCausalLM.from_pretrained(
             name, dtype=torch.float32, trust_remote_code=trust_remote_code,
             use_safetensors=None if (allow_pickle or source.kind == "gguf") else True, **kwargs)
@@ -237,24 +279,49 @@ def lora_targets(model_type: str, override: Optional[list[str]] = None) -> list[
     return list(override) if override else list(LORA_TARGETS[check_architecture(model_type, model_type)])
 
 
+def _llama_like(hidden: int, layers: int) -> dict:
+    """Llama and Qwen2: grouped-query attention, head_dim = hidden / heads."""
+    return {"hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": layers,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+
+
+def _qwen3(hidden: int, layers: int) -> dict:
+    """Qwen3: q/k norms and an explicit head_dim that is not hidden / heads."""
+    return {**_llama_like(hidden, layers), "head_dim": hidden // 2}
+
+
+def _gemma3_text(hidden: int, layers: int) -> dict:
+    """Gemma 3 (text): at least six layers, because llama.cpp makes every sixth layer global (the first at index
+    5) and the rest sliding; a sliding window of 8 tokens, so that it matters on any longer probe."""
+    head_dim = hidden // 2
+    return {"hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": max(layers, 6),
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": head_dim,
+            "query_pre_attn_scalar": head_dim, "sliding_window": 8, "max_position_embeddings": 512}
+
+
+def _gpt_neox(hidden: int, layers: int) -> dict:
+    return {"hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": layers,
+            "num_attention_heads": 4, "max_position_embeddings": 512}
+
+
+def _gpt2(hidden: int, layers: int) -> dict:
+    return {"n_embd": hidden, "n_layer": layers, "n_head": 4, "n_positions": 512}
+
+
+# config.json fields of each architecture's tiny model (besides vocab_size), from hidden width and layer count.
+_TINY_CONFIGS = {"llama": _llama_like, "qwen2": _llama_like, "qwen3": _qwen3, "gemma3_text": _gemma3_text,
+                 "gpt_neox": _gpt_neox, "gpt2": _gpt2}
+
+
 def build_tiny_model(architecture: str, vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2):
     """A randomly initialised model of ``architecture`` with a few layers, for tests and benchmarks."""
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    common = dict(vocab_size=vocab_size, max_position_embeddings=512)
-    configs = {
-        "llama": lambda: LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                                     num_attention_heads=4, num_key_value_heads=2, **common),
-        "qwen2": lambda: Qwen2Config(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                                     num_attention_heads=4, num_key_value_heads=2, **common),
-        "gpt_neox": lambda: GPTNeoXConfig(hidden_size=hidden, intermediate_size=hidden * 2,
-                                          num_hidden_layers=layers, num_attention_heads=4, **common),
-        "gpt2": lambda: GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=512, vocab_size=vocab_size),
-    }
     check_architecture(architecture, architecture)
+    config = AutoConfig.for_model(architecture, vocab_size=vocab_size, **_TINY_CONFIGS[architecture](hidden, layers))
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(configs[architecture]()).float().eval()
+    return AutoModelForCausalLM.from_config(config).float().eval()
 
 
 def load_adapter(model, adapter_dir: Path):
