@@ -115,7 +115,8 @@ class RLLoop:
         mask = batch.mask[rows]
         ratio = ratio_of(new, batch.old_logprobs[rows], env.log_ratio_clamp)
         stats = {"ratio/mean": float(masked_mean(ratio.detach(), mask)),
-                 "ratio/max": float((ratio.detach() * mask).max()), "entropy": float(masked_mean(entropy.detach(), mask))}
+                 "ratio/max": float((ratio.detach() * mask).max()),
+                 "entropy": float(masked_mean(entropy.detach(), mask))}
         if env.ratio_guard and self.world.mean(stats["ratio/mean"]) > env.ratio_guard:
             self.counters.skipped += 1  # no backward, no optimizer step: parameters and state stay as they are
             return dict(stats, skipped=1)

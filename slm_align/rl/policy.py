@@ -55,7 +55,7 @@ def build_policy(source, sft_adapter: Optional[Path], settings: RLSettings, seed
 
         policy = PeftModel.from_pretrained(load_model(source, trust_remote_code, allow_pickle), str(sft_adapter))
     require_trainable(policy)
-    return policy.float()
+    return policy.float().eval()  # eval mode throughout RL: no dropout in any forward (peft's new LoRA dropout too)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
