@@ -13,8 +13,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from slm_align.data.demo_corpus import write_demo_corpus  # noqa: E402
 from slm_align.modeling import DEFAULT_MODEL_DIR, build_tiny_model  # noqa: E402
+from tests.llama_cpp_reference import ReferenceUnavailable, convert  # noqa: E402
 
-ARCHITECTURES = ["llama", "qwen2", "gpt_neox", "gpt2"]
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "gpt2"]
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +38,30 @@ def tiny_models(tmp_path_factory, tokenizer) -> dict[str, Path]:
     """An HF directory (safetensors + tokenizer) per architecture."""
     root = tmp_path_factory.mktemp("tiny")
     return {arch: save_tiny(arch, tokenizer, root / arch) for arch in ARCHITECTURES}
+
+
+class LlamaCppReference:
+    """The tiny models converted to F32 GGUF by llama.cpp's own convert_hf_to_gguf.py, each on first use."""
+
+    def __init__(self, models: dict[str, Path], root: Path):
+        self.models = models
+        self.root = root
+        self.files: dict[str, Path] = {}
+
+    def __getitem__(self, arch: str) -> Path:
+        if arch not in self.files:
+            try:
+                self.files[arch] = convert(self.models[arch], self.root / f"{arch}.gguf")
+            except ReferenceUnavailable as exc:
+                pytest.skip(str(exc))
+        return self.files[arch]
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_reference(tmp_path_factory, tiny_models) -> LlamaCppReference:
+    """llama.cpp's converter (from the installed llama-cpp-python's sdist, cached) applied to the tiny models."""
+    pytest.importorskip("llama_cpp")
+    return LlamaCppReference(tiny_models, tmp_path_factory.mktemp("llama-cpp-reference"))
 
 
 @pytest.fixture(scope="session")

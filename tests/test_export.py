@@ -16,7 +16,7 @@ from tests.conftest import finished_sft_run, run_cli
 pytest.importorskip("llama_cpp")
 pytest.importorskip("onnxruntime")
 
-ARCHS = ["gpt_neox", "llama", "qwen2"]
+ARCHS = ["gpt_neox", "llama", "qwen2", "qwen3", "gemma3_text", "gpt2"]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,12 @@ def _independent_greedy_check(model_dir, artifact, check, quantized=False, steps
         assert greedy(backend, prompt, steps, stop_at_eos=False)[:upto] == torch_greedy(model, prompt, steps)[:upto]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("quant", ["F16", "Q8_0"])
+# Qwen3's random model has a near tie (PyTorch gap 0.083) that Q8_0 flips, in llama.cpp's own converter's file as
+# in ours; its Q8_0 is pinned instead by bit equality with that file (test_architectures.py).
+GGUF_CASES = [(arch, quant) for quant in ("F16", "Q8_0") for arch in ARCHS if (arch, quant) != ("qwen3", "Q8_0")]
+
+
+@pytest.mark.parametrize("arch, quant", GGUF_CASES)
 def test_gguf_export_decodes_like_pytorch(tmp_path, models, arch, quant):
     result = run_export(ExportRequest(str(models[arch]), "gguf", quant, out=tmp_path))
     artifact = tmp_path / f"model-{quant}.gguf"
@@ -149,7 +153,8 @@ def test_cli_exports_a_run_and_never_overwrites(capsys, tmp_path, tiny_models, s
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["{gpt2}", "--target", "gguf"], "does not support architecture 'gpt2'"),
+    (["{bert}", "--target", "gguf"], "unsupported architecture 'bert'"),
+    (["{gemma_global_first}", "--target", "gguf"], "llama.cpp would run this gemma3_text model differently"),
     (["{llama}", "--target", "gguf", "--quant", "Q3_X"], "unknown GGUF quantization 'Q3_X'"),
     (["{llama}", "--target", "onnx", "--quant", "int3"], "unknown ONNX quantization 'int3'"),
     (["{llama}", "--target", "tflite"], "--target tflite"),
@@ -163,7 +168,13 @@ def test_bad_export_input_is_one_line(capsys, tmp_path, tiny_models, args, expec
     shutil.copytree(tiny_models["llama"], notok)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         (notok / name).unlink(missing_ok=True)
-    paths = {"{gpt2}": tiny_models["gpt2"], "{llama}": tiny_models["llama"], "{notok}": notok,
+    bert = shutil.copytree(tiny_models["llama"], tmp_path / "bert")
+    (bert / "config.json").write_text(json.dumps(dict(json.loads((bert / "config.json").read_text()),
+                                                      model_type="bert")))
+    gemma = shutil.copytree(tiny_models["gemma3_text"], tmp_path / "gemma")
+    config = json.loads((gemma / "config.json").read_text())
+    (gemma / "config.json").write_text(json.dumps(dict(config, layer_types=config["layer_types"][::-1])))
+    paths = {"{bert}": bert, "{gemma_global_first}": gemma, "{llama}": tiny_models["llama"], "{notok}": notok,
              "{missing}": tmp_path / "nowhere"}
     out_dir = tmp_path / "out"
     code, out, err = run_cli(capsys, "export", *[paths.get(a, a) for a in args], "--out", out_dir)

@@ -1,6 +1,7 @@
 """A .gguf file is a model source: dequantized into a trainable model with its tokenizer and chat template."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -54,9 +55,13 @@ def test_sft_and_headroom_from_a_gguf_file(capsys, tmp_path, tiny_models, storie
 
 
 def test_unsupported_gguf_export_is_a_user_error(tmp_path, tiny_models):
-    with pytest.raises(UserError, match="does not support architecture 'gpt2'"):
-        write_gguf(tiny_models["gpt2"], tmp_path / "x.gguf")
-    assert not any(tmp_path.iterdir())
+    model = tmp_path / "bert"
+    shutil.copytree(tiny_models["llama"], model)
+    (model / "config.json").write_text(json.dumps(dict(json.loads((model / "config.json").read_text()),
+                                                       model_type="bert")))
+    with pytest.raises(UserError, match="does not support architecture 'bert'"):
+        write_gguf(model, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def tokenizer_fields(path) -> dict[str, bytes]:

@@ -1,7 +1,10 @@
 """Our GGUF converter, on gguf-py's writer: HF safetensors directory -> one ``.gguf`` file.
 
-Architectures: Llama (with the Q/K row permutation llama.cpp's rope expects), Qwen2, GPT-NeoX (fused QKV
-reordered from per-head to Q|K|V blocks). Types written by this module: F32, F16, Q8_0. Every other llama.cpp
+Architectures: Llama (with the Q/K row permutation llama.cpp's rope expects), Qwen2, Qwen3 (q/k norms, explicit
+head_dim), Gemma 3 text (norm weights written as 1 + w, llama.cpp's (1+w) convention baked in; tied output),
+GPT-NeoX (fused QKV reordered from per-head to Q|K|V blocks) and GPT-2 (Conv1D weights transposed to Linear
+layout; learned positions; tied output). A config that llama.cpp would run differently from transformers (a
+Gemma 3 layer pattern other than every sixth layer global, for one) is refused before anything is written. Types written by this module: F32, F16, Q8_0. Every other llama.cpp
 type (Q4_0, Q4_K_M, Q5_K_M, ...) is produced by llama.cpp's own quantizer from an F32 file we write first
 (:func:`quantize_gguf`). Files are written to a temporary name and renamed, so a crash never leaves a file that
 looks whole.
@@ -21,14 +24,21 @@ from slm_align.errors import UserError
 from slm_align.export.gguf_vocab import add_vocab
 from slm_align.export.gguf_vocab import pre_tokenizer_name as pre_tokenizer_name  # re-exported
 
-ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2", "gpt_neox": "GPTNEOX"}
+ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma3_text": "GEMMA3",
+                 "gpt_neox": "GPTNEOX", "gpt2": "GPT2"}
 WRITTEN_TYPES = ("F32", "F16", "Q8_0")
 # llama.cpp's quantizer types we expose (names as llama.cpp's `llama-quantize` prints them).
 QUANTIZER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
                    "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS")
 GGUF_TYPES = WRITTEN_TYPES + QUANTIZER_TYPES
 # Buffers some checkpoints carry that are not weights.
-_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias", ".attn.bias",
+                     ".attn.masked_bias")
+# GPT-2 stores these as Conv1D (in_features, out_features); llama.cpp reads Linear's (out, in).
+_CONV1D_WEIGHTS = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
+# llama.cpp's Gemma 3 makes every sixth layer global and the rest sliding (it reads no per-layer list from files
+# its converter writes).
+GEMMA3_GLOBAL_EVERY = 6
 
 
 def check_gguf_type(name: str) -> str:
@@ -50,9 +60,83 @@ def _unfuse_neox_qkv(weight: np.ndarray, n_head: int) -> np.ndarray:
     return np.concatenate([per_head[:, part].reshape(-1, *weight.shape[1:]) for part in range(3)], axis=0)
 
 
+def _gpt2_names(config: dict) -> dict:
+    """GPT-2's config under the names the other architectures use (so one set of hparam writers serves all)."""
+    hidden = config["n_embd"]
+    return dict(config, hidden_size=hidden, num_hidden_layers=config["n_layer"],
+                num_attention_heads=config["n_head"], max_position_embeddings=config["n_positions"],
+                intermediate_size=config.get("n_inner") or 4 * hidden,
+                layer_norm_eps=config.get("layer_norm_epsilon", 1e-5))
+
+
+def _normalized(config: dict) -> dict:
+    return _gpt2_names(config) if config.get("model_type") == "gpt2" else config
+
+
 def _head_counts(config: dict) -> tuple[int, int]:
     heads = config["num_attention_heads"]
     return heads, config.get("num_key_value_heads") or heads
+
+
+def _head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def gemma3_layer_types(layers: int) -> list[str]:
+    """The layer pattern llama.cpp's Gemma 3 graph assumes (it reads no per-layer list from our files)."""
+    global_layer = GEMMA3_GLOBAL_EVERY - 1
+    return ["full_attention" if i % GEMMA3_GLOBAL_EVERY == global_layer else "sliding_attention"
+            for i in range(layers)]
+
+
+def _gemma3_difference(config: dict) -> Optional[str]:
+    """What llama.cpp's Gemma 3 graph would do differently from transformers with this config, if anything."""
+    layer_types = config.get("layer_types") or gemma3_layer_types(config["num_hidden_layers"])
+    if layer_types != gemma3_layer_types(config["num_hidden_layers"]):
+        return f"its layer_types are not llama.cpp's pattern (every {GEMMA3_GLOBAL_EVERY}th layer global)"
+    if config.get("query_pre_attn_scalar", _head_dim(config)) != _head_dim(config):
+        return "query_pre_attn_scalar differs from head_dim (llama.cpp scales attention by 1/sqrt(head_dim))"
+    if config.get("attn_logit_softcapping") is not None:
+        return "it caps attention logits (attn_logit_softcapping), which llama.cpp's Gemma 3 does not"
+    if config.get("use_bidirectional_attention"):
+        return "its attention is bidirectional"
+    if (config.get("rope_scaling") or {}).get("rope_type", "linear") != "linear":
+        return f"its rope scaling '{config['rope_scaling'].get('rope_type')}' is not linear"
+    return None
+
+
+def _gpt2_difference(config: dict) -> Optional[str]:
+    if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return f"its activation '{config['activation_function']}' is not the tanh GELU llama.cpp uses"
+    if config.get("scale_attn_by_inverse_layer_idx") or not config.get("scale_attn_weights", True):
+        return "its attention scaling is not 1/sqrt(head_dim)"
+    return None
+
+
+def _qwen_difference(config: dict) -> Optional[str]:
+    if config.get("use_sliding_window") and config.get("sliding_window"):
+        return "it uses sliding-window attention, which llama.cpp's Qwen graph does not"
+    return None
+
+
+def _no_difference(config: dict) -> None:
+    return None
+
+
+_DIFFERENCES = {"gemma3_text": _gemma3_difference, "gpt2": _gpt2_difference, "qwen2": _qwen_difference,
+                "qwen3": _qwen_difference}
+
+
+def check_gguf_config(config: dict) -> None:
+    """Refuse, in one line, an architecture we cannot write or a config llama.cpp would run differently."""
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise UserError(f"GGUF export does not support architecture '{model_type}' yet; supported: "
+                        f"{', '.join(ARCHITECTURES)} (--target onnx takes more)")
+    difference = _DIFFERENCES.get(model_type, _no_difference)(_normalized(config))
+    if difference is not None:
+        raise UserError(f"GGUF export: llama.cpp would run this {model_type} model differently from transformers: "
+                        f"{difference}; export to ONNX instead")
 
 
 def _transform(model_type: str, config: dict) -> Callable[[str, np.ndarray], np.ndarray]:
@@ -66,37 +150,72 @@ def _transform(model_type: str, config: dict) -> Callable[[str, np.ndarray], np.
             return _permute_for_rope(data, kv_heads)
         if model_type == "gpt_neox" and "query_key_value" in name:
             return _unfuse_neox_qkv(data, heads)
+        if model_type == "gemma3_text" and name.endswith("norm.weight"):
+            return data + np.float32(1.0)  # Gemma3RMSNorm computes x * (1 + w); llama.cpp computes x * w
+        if model_type == "gpt2" and name.endswith(_CONV1D_WEIGHTS):
+            return np.ascontiguousarray(data.T)
         return data
 
     return transform
 
 
+def _add_rms_hparams(writer, model_type: str, config: dict) -> None:
+    """Llama, Qwen and Gemma: grouped-query attention, rope over the whole head, RMSNorm."""
+    head_dim = _head_dim(config)
+    writer.add_head_count_kv(_head_counts(config)[1])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    if model_type == "gemma3_text":
+        _add_gemma3_hparams(writer, config)
+
+
+def _add_gemma3_hparams(writer, config: dict) -> None:
+    """Sliding window (llama.cpp derives the layer pattern), the sliding layers' rope base, final logit cap and
+    linear rope scaling (global layers)."""
+    import gguf
+
+    writer.add_sliding_window(int(config["sliding_window"]))
+    writer.add_float32(f"{writer.arch}.rope.freq_base_swa", float(config.get("rope_local_base_freq", 10000.0)))
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("factor"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+
+
+def _add_gpt_neox_hparams(writer, config: dict) -> None:
+    rotary = config.get("partial_rotary_factor") or config.get("rotary_pct") or 1.0
+    writer.add_rope_dimension_count(int(rotary * _head_dim(config)))
+    writer.add_parallel_residual(bool(config.get("use_parallel_residual", True)))
+    writer.add_layer_norm_eps(float(config.get("layer_norm_eps", 1e-5)))
+
+
 def _add_hparams(writer, model_type: str, config: dict) -> None:
-    heads, kv_heads = _head_counts(config)
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_rope_freq_base(float(config.get("rope_theta") or config.get("rotary_emb_base") or 10000.0))
+    writer.add_head_count(config["num_attention_heads"])
     writer.add_vocab_size(config["vocab_size"])
+    if model_type == "gpt2":  # learned positions, no rope
+        writer.add_layer_norm_eps(float(config["layer_norm_eps"]))
+        return
+    writer.add_rope_freq_base(float(config.get("rope_theta") or config.get("rotary_emb_base") or 10000.0))
     if model_type == "gpt_neox":
-        rotary = config.get("partial_rotary_factor") or config.get("rotary_pct") or 1.0
-        writer.add_rope_dimension_count(int(rotary * head_dim))
-        writer.add_parallel_residual(bool(config.get("use_parallel_residual", True)))
-        writer.add_layer_norm_eps(float(config.get("layer_norm_eps", 1e-5)))
+        _add_gpt_neox_hparams(writer, config)
     else:
-        writer.add_head_count_kv(kv_heads)
-        writer.add_rope_dimension_count(head_dim)
-        writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+        _add_rms_hparams(writer, model_type, config)
 
 
 def _add_tensor(writer, name: str, data: np.ndarray, file_type: str) -> None:
-    """Norms and biases stay F32 (llama.cpp expects it); matrices take the file's type where their rows allow."""
+    """Norms, biases and learned positions stay F32 (as llama.cpp's converter and quantizer keep them); matrices
+    take the file's type where their rows allow."""
     import gguf
 
-    if data.ndim < 2 or file_type == "F32":
+    if data.ndim < 2 or file_type == "F32" or name == "position_embd.weight":
         writer.add_tensor(name, data)
     elif file_type == "Q8_0" and data.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0] == 0:
         qtype = gguf.GGMLQuantizationType.Q8_0
@@ -127,10 +246,9 @@ def write_gguf(model_dir: Path, out_path: Path, file_type: str = "F32",
 
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise UserError(f"GGUF export does not support architecture '{model_type}' yet; "
-                        f"supported: {', '.join(ARCHITECTURES)}")
+    check_gguf_config(config)
+    config = _normalized(config)
+    model_type = config["model_type"]
     if file_type not in WRITTEN_TYPES:
         raise UserError(f"write_gguf writes {', '.join(WRITTEN_TYPES)}; {file_type} goes through quantize_gguf")
     arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[model_type])

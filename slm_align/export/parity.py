@@ -20,6 +20,10 @@ import numpy as np
 
 from slm_align.agent.backend import Backend, greedy
 
+# The runtime's context while verifying: every check fits in it (the held-out text and the prompts with their
+# greedy steps are a few hundred tokens), and llama.cpp keeps the logits of every position, context x vocabulary
+# floats: at Gemma 3's own context (32768) and vocabulary (262144) that would be 32 GiB.
+VERIFY_CONTEXT = 512
 USER_MESSAGES = ("Tell me a short story about a brave mouse.", "What should I name my new puppy?")
 RAW_TEXTS = ("Once upon a time, there was a little girl named Lily.", "The sun was warm and the birds")
 HELDOUT_TEXT = (

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from slm_align.errors import UserError
-from slm_align.export.gguf import ARCHITECTURES, QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
+from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_config, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
 from slm_align.runs import (MANIFEST, StageResult, artifact_digest, artifact_manifest, check_out_dir, file_checksums,
                             make_manifest, write_json_atomic)
@@ -106,9 +106,8 @@ def _locate(source: str, target: str) -> dict:
                         "(tokenizer.save_pretrained) before exporting")
     load_tokenizer(resolved)  # a broken tokenizer is refused here, in one line
     config = json.loads((Path(resolved.ref) / "config.json").read_text(encoding="utf-8"))
-    if target == "gguf" and config.get("model_type") not in ARCHITECTURES:
-        raise UserError(f"GGUF export does not support architecture '{config.get('model_type')}' yet; supported: "
-                        f"{', '.join(ARCHITECTURES)} (--target onnx takes more)")
+    if target == "gguf":
+        check_gguf_config(config)
     return {"kind": "dir", "path": resolved.ref}
 
 
@@ -161,12 +160,12 @@ def _build(target: str, quant: str, preset: str, threads: int, checkpoint: Path,
 
 def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agreement: float) -> dict:
     from slm_align.agent.backend import open_backend
-    from slm_align.export.parity import verify
+    from slm_align.export.parity import VERIFY_CONTEXT, verify
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
     model, tokenizer = load_model(source), load_tokenizer(source)
-    backend = open_backend(artifact, threads=threads, all_logits=True)
+    backend = open_backend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True)
     return verify(model, tokenizer, backend, exact=quant in EXACT_TYPES, min_agreement=min_agreement).to_dict()
 
 
