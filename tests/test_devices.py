@@ -20,8 +20,10 @@ from slm_align.devices import (
     model_facts,
 )
 from slm_align.devices.estimate import FIXED_OVERHEAD_BYTES, efficiency_for, reference_pool
+from slm_align.devices.facts import params_from_config
 from slm_align.devices.profiles import ReferencePoint
 from slm_align.errors import UserError
+from tests.conftest import ARCHITECTURES
 
 REQUIRED = ["rpi4", "rpi5", "rpi-zero2w", "jetson-orin-nano", "android-mid", "android-flagship", "iphone-15-pro",
             "x86-laptop"]
@@ -296,6 +298,25 @@ def test_model_facts_sizes_an_onnx_export_from_its_files(tmp_path, numpy_hf_dir)
 def test_unsupported_model_inputs_are_user_errors(tmp_path, make, problem):
     with pytest.raises(UserError, match=problem):
         model_facts(make(tmp_path))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_config_formula_counts_every_architectures_parameters_exactly(tiny_models, arch):
+    """ONNX exports are sized from config.json alone: Qwen2's qkv biases, Qwen3's and Gemma's q/k norms, Gemma's
+    extra norms, GPT-2's learned positions and every GPT-style bias are counted."""
+    config = json.loads((tiny_models[arch] / "config.json").read_text())
+    assert params_from_config(config) == model_facts(tiny_models[arch]).parameters
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_gguf_facts_take_head_dim_from_the_key_length(tmp_path, tiny_models, arch):
+    """Qwen3 and Gemma 3 heads are wider than hidden / heads (16, not 8, in the tiny models): the KV cache too."""
+    from slm_align.export.gguf import write_gguf
+
+    hf = model_facts(tiny_models[arch])
+    found = model_facts(write_gguf(tiny_models[arch], tmp_path / "m.gguf", "F16"))
+    assert found.head_dim == hf.head_dim == 16 and found.parameters == hf.parameters
+    assert found.kv_bytes_per_token == hf.kv_bytes_per_token == 2 * found.layers * found.kv_heads * 16 * 2
 
 
 def test_a_corrupt_gguf_or_safetensors_is_a_user_error(tmp_path):

@@ -4,7 +4,8 @@ Memory = weights + KV cache + runtime overhead:
 
 - weights: the artifact's own size when it already has the asked-for type, else parameters x bits per weight
   (:data:`~slm_align.devices.quant.BITS_PER_WEIGHT`), with the output head at Q6_K as llama.cpp quantizes it;
-- KV cache (f16): 2 x layers x kv_heads x head_dim x context x 2 bytes;
+- KV cache (f16): 2 x layers x kv_heads x head_dim x context x 2 bytes, sliding-window layers (Gemma 3) included
+  at the full context: llama-cpp-python allocates a full-size SWA cache, and our ONNX loop keeps every past token;
 - overhead: a fixed :data:`FIXED_OVERHEAD_BYTES` (runtime library, interpreter, tokenizer) plus llama.cpp's
   compute buffer, which is dominated by one prompt micro-batch's float32 logits and activations:
   4 bytes x ubatch x (vocab + 8 x hidden).

@@ -182,19 +182,48 @@ def gguf_facts(path: Path) -> ModelFacts:
         weight_bytes=sum(bytes_by_type.values()))
 
 
+# Families by what a layer holds besides its attention and MLP matrices.
+_UNGATED = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon"}  # two MLP matrices, not three
+_BIASED = {"gpt2", "gpt_neox"}                  # a bias on every linear layer; LayerNorms with biases
+_LEARNED_POSITIONS = {"gpt2": "n_positions"}    # a position embedding table of this many rows
+_QK_NORMS = {"qwen3", "gemma3_text"}            # an RMSNorm over each query and key head
+_SANDWICH_NORMS = {"gemma3_text"}               # norms after attention and after the MLP too
+
+
+def _layer_extras(model_type: Optional[str], hidden: int, intermediate: int, q_width: int, kv_width: int,
+                  head_dim: int) -> int:
+    """Norm weights and biases of one layer (the two pre-norms included)."""
+    if model_type in _BIASED:
+        return 2 * 2 * hidden + (q_width + 2 * kv_width + hidden) + (intermediate + hidden)
+    extras = 2 * hidden
+    if model_type == "qwen2":  # q/k/v biases
+        extras += q_width + 2 * kv_width
+    if model_type in _QK_NORMS:
+        extras += 2 * head_dim
+    if model_type in _SANDWICH_NORMS:
+        extras += 2 * hidden
+    return extras
+
+
 def params_from_config(config: dict) -> int:
-    """Parameter count of a decoder-only transformer from its config (embeddings, attention, MLP, norms)."""
+    """Parameter count of a decoder-only transformer from its config (embeddings, attention, MLP, norms, biases);
+    exact for the architectures slm-align trains."""
     dims = _dims_from_config(config)
     hidden, layers, vocab = dims["hidden_size"], dims["layers"], dims["vocab_size"]
     if not (hidden and layers and vocab):
         raise UserError("config.json lacks hidden_size, num_hidden_layers or vocab_size; cannot size the model")
-    heads, kv_heads, head_dim = dims["attention_heads"], dims["kv_heads"], dims["head_dim"]
+    model_type = config.get("model_type")
+    q_width = dims["attention_heads"] * dims["head_dim"]
+    kv_width = dims["kv_heads"] * dims["head_dim"]
     intermediate = _first(config, "intermediate_size", "n_inner") or 4 * hidden
-    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
-    gated = config.get("model_type") not in {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon"}
-    mlp = (3 if gated else 2) * hidden * intermediate
+    attention = 2 * hidden * q_width + 2 * hidden * kv_width
+    mlp = (2 if model_type in _UNGATED else 3) * hidden * intermediate
+    layer = attention + mlp + _layer_extras(model_type, hidden, intermediate, q_width, kv_width, dims["head_dim"])
     untied = not config.get("tie_word_embeddings", True)
-    return vocab * hidden * (2 if untied else 1) + layers * (attention + mlp + 2 * hidden) + hidden
+    embeddings = vocab * hidden * (2 if untied else 1)
+    positions = config.get(_LEARNED_POSITIONS.get(model_type, ""), 0) * hidden
+    final_norm = hidden * (2 if model_type in _BIASED else 1)
+    return embeddings + positions + layers * layer + final_norm
 
 
 def _onnx_quant(bits: float) -> str:
