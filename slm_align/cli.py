@@ -202,7 +202,7 @@ def train(
     margin: Optional[float] = typer.Option(None, help="Bradley-Terry margin (default 0)."),
     center: Optional[float] = typer.Option(None, help="Reward-centering coefficient (default 0.01)."),
     steps: Optional[int] = typer.Option(None, help="RL iterations (default 40)."),
-    rl_lr: Optional[float] = typer.Option(None, help="RL learning rate (default 1e-3)."),
+    rl_lr: Optional[float] = typer.Option(None, help="RL learning rate (default: by model size, 1e-3 at 2.5M to 1.5e-5 at 500M)."),
     prompts_per_step: Optional[int] = typer.Option(None, help="Prompts per iteration (default 4; PPO: x group size)."),
     group_size: Optional[int] = typer.Option(None, help="GRPO group size G (default 8)."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens per completion (default 48)."),

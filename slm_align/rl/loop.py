@@ -18,6 +18,7 @@ from slm_align.errors import UserError
 from slm_align.rl.distributed import World
 from slm_align.rl.advantages import (gae, grpo_advantages, masked_mean, masked_whiten, per_token_rewards,
                                      sigma_clip)
+from slm_align.rl.learning_rate import base_parameters, default_learning_rate
 from slm_align.rl.losses import (adaptive_kl_coef, aggregate, clipped_policy_loss, clipped_value_loss, kl_k3,
                                  ratio_of)
 from slm_align.rl.policy import ValueHead, forward_logprobs
@@ -37,7 +38,10 @@ class RLLoop:
         if value_head is not None:
             self.named_params += [(f"value_head.{n}", p) for n, p in value_head.named_parameters()]
         self.params = [p for _, p in self.named_params]
-        self.optimizer = torch.optim.AdamW(self.params, lr=settings.learning_rate, weight_decay=0.0)
+        self.learning_rate = settings.learning_rate
+        if self.learning_rate is None:
+            self.learning_rate = default_learning_rate(base_parameters(policy))
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.learning_rate, weight_decay=0.0)
         self.kl_coef = settings.kl_coef
         self.counters = GuardCounters()
         self.step = 0

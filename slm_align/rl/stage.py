@@ -175,6 +175,7 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     plot_curves(metrics_path, partial / "plots" / "training_curves.png")
     result = {"heldout_reward_sft": before, "heldout_reward_rl": after, "heldout_reward_delta": after - before,
               "eval_prompts": len(eval_prompts), "steps": loop.step, "algo": settings.algo,
+              "learning_rate": loop.learning_rate,
               "guard": {"skipped": loop.counters.skipped, "rollbacks": loop.counters.rollbacks,
                         "score_clipped": loop.counters.score_clipped,
                         "advantage_clipped": loop.counters.advantage_clipped},
