@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# .gguf sources are dequantized into a cache (slm_align.gguf_cache): one per test session, not the user's,
+# removed at exit (the real Gemma 3 270M takes 1 GB there).
+if "SLM_ALIGN_CACHE" not in os.environ:
+    os.environ["SLM_ALIGN_CACHE"] = tempfile.mkdtemp(prefix="slm-align-cache-")
+    atexit.register(shutil.rmtree, os.environ["SLM_ALIGN_CACHE"], True)
 
 from slm_align.data.demo_corpus import write_demo_corpus  # noqa: E402
 from slm_align.modeling import DEFAULT_MODEL_DIR, build_tiny_model  # noqa: E402
