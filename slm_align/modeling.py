@@ -34,6 +34,25 @@ CHATML_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# Gemma's turn format, used when a model whose vocabulary has Gemma's turn tokens has no template (Gemma 3 base
+# GGUFs have none): those tokens are single pieces it knows, where ChatML's markers would be split into text.
+# Gemma knows two roles; the assistant is "model" and every other role speaks as the user.
+GEMMA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = 'user' %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def default_chat_template(tokenizer) -> str:
+    """The template for a tokenizer without one: Gemma's turns when its vocabulary has them, else ChatML."""
+    vocabulary = tokenizer.get_vocab()
+    if "<start_of_turn>" in vocabulary and "<end_of_turn>" in vocabulary:
+        return GEMMA_TEMPLATE
+    return CHATML_TEMPLATE
+
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 

@@ -72,3 +72,22 @@ def test_missing_pad_token_becomes_eos(tokenizer):
     fresh.pad_token = None
     ensure_pad_token(fresh)
     assert fresh.pad_token == fresh.eos_token and len(fresh) == len(tokenizer)
+
+
+def test_default_chat_template_speaks_gemma_to_a_gemma_vocabulary(tokenizer):
+    import copy
+
+    from slm_align.data.prompts import render_chat
+    from slm_align.modeling import CHATML_TEMPLATE, GEMMA_TEMPLATE, default_chat_template
+
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    assert default_chat_template(plain) == CHATML_TEMPLATE
+    gemma = copy.deepcopy(plain)
+    gemma.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    assert default_chat_template(gemma) == GEMMA_TEMPLATE
+    text = render_chat([("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello")], gemma,
+                       add_generation_prompt=True)
+    assert text == ("<start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>user\nHi<end_of_turn>\n"
+                    "<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>model\n")
+    assert gemma("<start_of_turn>user")["input_ids"][:1] == [gemma.convert_tokens_to_ids("<start_of_turn>")]

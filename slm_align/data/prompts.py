@@ -36,12 +36,14 @@ def split_opening(text: str, opening_sentences: int = 2) -> Optional[tuple[str, 
 
 
 def render_chat(messages, tokenizer, add_generation_prompt: bool = False) -> str:
-    """``(role, content)`` messages through the tokenizer's chat template (ChatML when it has none)."""
-    from slm_align.modeling import CHATML_TEMPLATE
+    """``(role, content)`` messages through the tokenizer's chat template (the default one when it has none: see
+    :func:`slm_align.modeling.default_chat_template`)."""
+    from slm_align.modeling import default_chat_template
 
     rows = [{"role": role, "content": content} for role, content in messages]
+    template = tokenizer.chat_template or default_chat_template(tokenizer)
     return tokenizer.apply_chat_template(rows, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         chat_template=tokenizer.chat_template or CHATML_TEMPLATE)
+                                         chat_template=template)
 
 
 def chat_prompt(messages, tokenizer) -> str:

@@ -15,7 +15,7 @@ from typing import Optional
 
 from slm_align.config import Recipe
 from slm_align.errors import UserError
-from slm_align.modeling import CHATML_TEMPLATE, load_tokenizer, merged_policy, resolve_source, save_tokenizer
+from slm_align.modeling import default_chat_template, load_tokenizer, merged_policy, resolve_source, save_tokenizer
 from slm_align.runs import StageResult, check_out_dir, make_manifest, partial_dir, publish
 from slm_align.sft import recipe_from_sft
 
@@ -38,7 +38,7 @@ def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: 
         model = PeftModel.from_pretrained(model, str(rl_adapter)).merge_and_unload()
     default_template = tokenizer.chat_template is None
     if default_template:
-        tokenizer.chat_template = CHATML_TEMPLATE
+        tokenizer.chat_template = default_chat_template(tokenizer)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     partial = partial_dir(out)

@@ -209,10 +209,12 @@ def run_export(request: ExportRequest) -> StageResult:
     scratch.mkdir(parents=True)
     try:
         checkpoint = _checkpoint(origin, scratch)
-        from slm_align.modeling import CHATML_TEMPLATE, load_tokenizer, resolve_source
+        from slm_align.modeling import default_chat_template, load_tokenizer, resolve_source
 
-        has_template = load_tokenizer(resolve_source(str(checkpoint))).chat_template is not None
-        template = None if has_template else CHATML_TEMPLATE
+        checkpoint_tokenizer = load_tokenizer(resolve_source(str(checkpoint)))
+        template = None
+        if checkpoint_tokenizer.chat_template is None:
+            template = default_chat_template(checkpoint_tokenizer)
         built = _build(request.target, quant, preset, threads, checkpoint, scratch, template, request.ort_format)
         export_seconds = round(time.time() - started, 2)
         verification = (_verify(checkpoint, built, quant, threads, request.min_agreement) if request.verify
