@@ -220,6 +220,8 @@ def train(
     no_rollback: bool = typer.Option(False, "--no-rollback", help="ENVELOPE OFF: no snapshot/rollback on NaN."),
     sigma_clip: Optional[float] = typer.Option(None, help="Sigma clip of scores/advantages (default 3; 0: off)."),
     grad_clip: Optional[float] = typer.Option(None, help="Gradient-norm clip (default 1; 0: off)."),
+    report_prompts: Optional[int] = typer.Option(None, help="Held-out prompts of the closing evaluation report "
+                                                            "(default 200; 0: none)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted stage in OUT."),
     trust_remote_code: bool = TrustOpt, allow_pickle: bool = PickleOpt, as_json: bool = JsonFlag,
 ) -> None:
@@ -235,7 +237,7 @@ def train(
                      **{"reward.preferences": preferences or None, "reward.pairs.mix": _pair_mix(pair_mix),
                         "reward.pairs.synthetic": off(no_synthetic_pairs), "reward.max_steps": reward_steps,
                         "reward.learning_rate": reward_lr, "reward.margin": margin, "reward.center_coefficient": center,
-                        "rl.algo": algo, "rl.steps": steps, "rl.learning_rate": rl_lr,
+                        "rl.algo": algo, "rl.steps": steps, "rl.learning_rate": rl_lr, "rl.report_prompts": report_prompts,
                         "rl.prompts_per_step": prompts_per_step, "rl.group_size": group_size,
                         "rl.max_new_tokens": max_new_tokens, "rl.kl_coef": kl_coef, "rl.kl_mode": kl_mode,
                         "rl.adaptive_kl": adaptive_kl or None, "rl.beta": beta, "rl.loss_type": loss_type,
@@ -257,9 +259,14 @@ def train(
                     rewards=reward, say=lambda text: None if as_json else stdout.print(text))
     if not result.primary:  # other ranks of a data-parallel run: rank 0 reports
         return
+    if recipe.rl.report_prompts == 0:
+        summary = result.summary()
+        emit(as_json, summary, lambda: print_rl(summary))
+        return
     from slm_align.evaluate import evaluate as run_evaluation
 
-    report = run_evaluation(recipe, out, sft_run=sft_from, reward_model=reward_model, rewards=reward)
+    report = run_evaluation(recipe, out, sft_run=sft_from, reward_model=reward_model, rewards=reward,
+                            prompts=recipe.rl.report_prompts)
     summary = dict(result.summary(), evaluation=report["comparisons"])
     emit(as_json, summary, lambda: (print_rl(summary), print_evaluation(report, out / "eval" / "report.md")))
 

@@ -126,9 +126,18 @@ class RLSettings(_Strict):
     whiten_rewards: bool = Field(True, description="PPO: whiten scores across the batch before use.")
     save_steps: int = Field(10, ge=1, description="Checkpoint every this many iterations (for --resume).")
     eval_prompts: int = Field(64, ge=1, description="Held-out prompts scored before and after RL.")
+    report_prompts: int = Field(200, ge=0, description="Held-out prompts of the evaluation report `train` ends "
+                                                       "with (0: no report; `slm-align evaluate` writes it later).")
     lora: LoraSettings = Field(default_factory=lambda: LoraSettings(r=16, alpha=32.0, dropout=0.0),
                                description="The fresh RL adapter.")
     envelope: EnvelopeSettings = Field(default_factory=EnvelopeSettings, description="The safety envelope.")
+
+    @field_validator("report_prompts")
+    @classmethod
+    def _report_needs_two(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError("a report compares at least 2 prompts (0 skips it)")
+        return value
 
 
 class HeadroomSettings(_Strict):

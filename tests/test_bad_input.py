@@ -226,6 +226,8 @@ CASES = [
     case("train", train("rl", "--out", "{out}", "--scale-rewards", "max"), "scale_rewards",
          id="--scale-rewards max"),
     case("train", train("rl", "--out", "{out}", "--steps", "0"), "steps", id="--steps 0"),
+    case("train", train("rl", "--out", "{out}", "--report-prompts", "1"), "report_prompts",
+         id="--report-prompts 1"),
     case("train", train("rl", "--out", "{out}", "--beta", "-1"), "beta", id="--beta -1"),
     case("train", train("rl", "--out", "{out}", "--prompts-per-step", "0"), "prompts_per_step",
          id="--prompts-per-step 0"),

@@ -40,10 +40,12 @@ def test_train_grpo_from_the_cli_with_a_reward_function(capsys, tmp_path, tiny_m
     out = tmp_path / "run"
     code, stdout, err = run_cli(capsys, "train", "--algo", "grpo", "--model", tiny_models["qwen2"], "--data", stories,
                                 "--out", out, "--reward", "length_window", "--steps", "2", "--prompts-per-step", "2",
-                                "--group-size", "2", "--max-new-tokens", "8", "--force", "--json")
+                                "--group-size", "2", "--max-new-tokens", "8", "--force", "--report-prompts", "0",
+                                "--json")
     summary = json.loads(stdout)
     assert code == 0, err
     assert summary["metrics"]["algo"] == "grpo" and summary["metrics"]["steps"] == 2
+    assert "evaluation" not in summary and not (out / "eval").exists()  # --report-prompts 0: no closing report
     assert (out / "sft" / "manifest.json").is_file() and not (out / "reward").exists()  # a function, no model
     assert len((out / "rl" / "metrics.jsonl").read_text().splitlines()) == 2
 
