@@ -27,6 +27,7 @@ prompts_per_step = 2
 group_size = 4
 max_new_tokens = 32
 eval_prompts = {eval_prompts}
+report_prompts = 0
 [headroom]
 max_documents = 16
 spread_prompts = 4
