@@ -297,7 +297,8 @@ def _add_special_tokens(backend, vocab: GgufVocab) -> None:
     """CONTROL/UNKNOWN tokens as special added tokens, USER_DEFINED as plain ones: all matched on the raw text."""
     from tokenizers import AddedToken
 
-    special, plain = [], []
+    special = []
+    plain = []
     for index, kind in enumerate(vocab.types):
         if kind in _SPECIAL_TYPES and vocab.tokens[index]:
             token = AddedToken(vocab.tokens[index], special=kind != USER_DEFINED, normalized=False)
@@ -310,7 +311,8 @@ def _post_processor(vocab: GgufVocab):
     """BOS/EOS added around the text exactly when llama.cpp adds them (``add_special``)."""
     from tokenizers import processors
 
-    single, specials = ["$A"], []
+    single = ["$A"]
+    specials = []
     if vocab.add_bos and vocab.bos_id is not None:
         single.insert(0, vocab.tokens[vocab.bos_id])
         specials.append((vocab.tokens[vocab.bos_id], vocab.bos_id))

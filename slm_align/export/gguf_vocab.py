@@ -137,7 +137,8 @@ def _add_byte_level_vocab(writer, model_dir: Path, tokenizer_json: dict, vocab_s
         raise UserError(f"{model_dir}: no byte-level BPE tokenizer.json to convert ({exc}); "
                         "GGUF export needs the model's fast tokenizer saved beside the weights") from None
     special = {item["id"] for item in tokenizer_json.get("added_tokens", []) if item.get("special")}
-    tokens, types = [], []
+    tokens = []
+    types = []
     for index, (text, _score, kind) in enumerate(vocab.all_tokens()):
         tokens.append(text)
         types.append(gguf.TokenType.CONTROL if index in special else kind)
@@ -168,7 +169,8 @@ def _sentencepiece_pieces(tokenizer_json: dict) -> tuple[list[str], list[int]]:
     added = {item["id"]: item for item in tokenizer_json.get("added_tokens", [])}
     by_id.update({index: item["content"] for index, item in added.items()})
     unk = tokenizer_json["model"].get("unk_token")
-    tokens, types = [], []
+    tokens = []
+    types = []
     for index in range(max(by_id) + 1):
         text = by_id.get(index, f"[PAD{index}]")
         tokens.append(text)

@@ -29,7 +29,8 @@ def sigma_clip(x: torch.Tensor, n_sigma: float, mask: torch.Tensor = None) -> tu
     mask = torch.ones_like(x) if mask is None else mask
     mean = masked_mean(x, mask)
     std = masked_mean((x - mean) ** 2, mask).sqrt()
-    low, high = mean - n_sigma * std, mean + n_sigma * std
+    low = mean - n_sigma * std
+    high = mean + n_sigma * std
     clipped = x.clamp(low, high)
     return clipped * mask, int(((x < low) | (x > high)).logical_and(mask > 0).sum())
 

@@ -112,7 +112,8 @@ def _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say):
                           "Pass --force to train anyway (recorded in the manifest).")
     inputs = {"sft": {"adapter": str(adapter), "inputs_hash": read_manifest(adapter.parent)["inputs_hash"]},
               "reward_model": str(reward_model) if reward_model else None, "rewards": list(rewards),
-              "seed": recipe.seed, "rl": recipe.rl.model_dump(exclude={"report_prompts"}), "forced": bool(force and not gate["passed"])}
+              "seed": recipe.seed, "rl": recipe.rl.model_dump(exclude={"report_prompts"}),  # reporting, not training
+              "forced": bool(force and not gate["passed"])}
     return recipe, adapter, reward_model, inputs, gate, completed(out / STAGE, inputs)
 
 
