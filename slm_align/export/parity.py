@@ -3,12 +3,13 @@
 Three checks, all recorded in the export manifest:
 
 - tokenizer: the artifact's tokenizer gives the same ids as the HF tokenizer on every verification text;
-- greedy (F32/F16/Q8_0 GGUF, fp32 ONNX): greedy decoding of each prompt matches PyTorch token for token for
+- greedy (F32/F16 GGUF, fp32 ONNX): greedy decoding of each prompt matches PyTorch token for token for
   ``tokens`` steps (EOS does not stop either side). A divergence is tolerated only at a near tie: where PyTorch's
   own logits for the two tokens differ by less than ``tie_tolerance`` (rounding to F16 can flip a tie; it cannot
-  flip a clear choice). Each tolerated tie is reported;
+  flip a clear choice). Each tolerated tie is reported. Q8_0's greedy decoding is measured and reported too,
+  but not required: on the real Gemma 3 270M it diverged on 3 of 4 prompts (first at token 25);
 - agreement (every type): the share of positions of a held-out text where the artifact's top-1 next token equals
-  PyTorch's, teacher-forced. Low-bit types pass when it reaches ``min_agreement``.
+  PyTorch's, teacher-forced. Quantized types (Q8_0 included) pass when it reaches ``min_agreement``.
 """
 
 from __future__ import annotations
@@ -109,18 +110,24 @@ def top1_agreement(model, backend: Backend, ids: Sequence[int]) -> float:
 
 
 def verify(model, tokenizer, backend: Backend, exact: bool, steps: int = 32, min_agreement: float = 0.9,
-           tie_tolerance: float = 0.05) -> ParityReport:
-    """Run the checks; ``exact`` asks for greedy equality (F32/F16/Q8_0, fp32 ONNX), else top-1 agreement only."""
+           tie_tolerance: float = 0.05, greedy: bool = False) -> ParityReport:
+    """Run the checks; ``exact`` asks for greedy equality (F32/F16, fp32 ONNX), else top-1 agreement decides.
+
+    ``greedy`` measures and reports greedy decoding without requiring it (Q8_0: exact on toy weights, but on a
+    real checkpoint with a 262k vocabulary 8-bit weights and activations flip a few choices in 32 tokens).
+    """
     texts = list(RAW_TEXTS) + [HELDOUT_TEXT]
     report = ParityReport(tokenizer_match=all(backend.tokenize(t) == tokenizer(t)["input_ids"] for t in texts),
                           min_agreement=min_agreement)
-    if exact:
+    if exact or greedy:
         for prompt in verification_prompts(tokenizer):
             report.prompts += 1
             _compare_greedy(model, backend, prompt, steps, tie_tolerance, report)
     heldout = tokenizer(HELDOUT_TEXT)["input_ids"][: backend.n_ctx]
     report.agreement = top1_agreement(model, backend, heldout)
     report.agreement_positions = len(heldout)
-    greedy_ok = not report.divergences
-    report.passed = report.tokenizer_match and greedy_ok and (exact or report.agreement >= min_agreement)
+    if exact:
+        report.passed = report.tokenizer_match and not report.divergences
+    else:
+        report.passed = report.tokenizer_match and report.agreement >= min_agreement
     return report
