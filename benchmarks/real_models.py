@@ -147,8 +147,8 @@ def _figure(stage: Stage) -> str:
         return (f"{metrics.get('bytes', 0) / 1e6:.0f} MB; tokenizer "
                 f"{'identical' if check.get('tokenizer_match') else 'DIFFERENT'}, greedy "
                 f"{check.get('greedy_exact')}/{check.get('prompts')}, top-1 {check.get('agreement', 0):.3f}")
-    reply = " ".join(str(result.get("reply", "")).split())
-    return f"reply: {reply[:70]!r}"
+    reply = str(result.get("reply", ""))
+    return f"reply ({len(reply)} chars): {reply[:60]!r}"
 
 
 def print_table(results: dict[str, list[Stage]]) -> None:
