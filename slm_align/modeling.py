@@ -221,17 +221,18 @@ _GGUF_CONFIG_GAPS = {
 
 def gguf_config(path: Path):
     """transformers' config of a .gguf file, with the fields its GGUF loader misses read from the file."""
-    import gguf
     from transformers import AutoConfig
+
+    from slm_align.gguf_tokenizer import read_fields
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     check_architecture(config.model_type, str(path))
-    fields = gguf.GGUFReader(str(path)).fields
-    architecture = bytes(fields["general.architecture"].parts[-1]).decode("utf-8")
+    fields = read_fields(path, prefix="")  # the header only: gguf-py's reader parses every tensor (30 s on Gemma)
+    architecture = fields["general.architecture"].value
     for key, attribute in _GGUF_CONFIG_GAPS.get(config.model_type, {}).items():
         field = fields.get(f"{architecture}.{key}")
         if field is not None:
-            setattr(config, attribute, field.parts[field.data[0]][0].item())
+            setattr(config, attribute, field.value)
     return config
 
 
