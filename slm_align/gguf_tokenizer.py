@@ -26,9 +26,7 @@ before any training. When llama-cpp-python is not installed the check is skipped
 from __future__ import annotations
 
 import mmap
-import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from slm_align.errors import UserError
+from slm_align.runs import write_bytes_atomic
 
 SIDECAR = "tokenizer.gguf"
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
@@ -433,16 +432,6 @@ def load_gguf_tokenizer(path: Path):
     return tokenizer
 
 
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
 def write_sidecar(source: Path, directory: Path) -> Path:
     """Copy the ``tokenizer.*`` key/values of ``source`` (a .gguf, or a sidecar) verbatim into
     ``directory/tokenizer.gguf``: a GGUF v3 file with no tensors, readable by gguf-py and by :func:`read_fields`."""
@@ -451,7 +440,7 @@ def write_sidecar(source: Path, directory: Path) -> Path:
     body = header + b"".join(field.raw for field in fields.values())
     padding = b"\0" * (-len(body) % 32)  # the (empty) tensor data section starts aligned
     out = Path(directory) / SIDECAR
-    _write_bytes_atomic(out, body + padding)
+    write_bytes_atomic(out, body + padding)
     return out
 
 

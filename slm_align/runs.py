@@ -36,14 +36,14 @@ class StageResult:
                 "metrics": self.metrics}
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to a temporary name beside ``path``, fsync, then rename: never a half-written file."""
+def write_bytes_atomic(path: Path, data: bytes) -> Path:
+    """Write ``data`` to a temporary name beside ``path``, fsync, then rename: never a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -51,6 +51,11 @@ def write_text_atomic(path: Path, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) atomically (see :func:`write_bytes_atomic`)."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_json_atomic(path: Path, data: Any) -> Path:
