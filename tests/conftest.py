@@ -21,9 +21,8 @@ if "SLM_ALIGN_CACHE" not in os.environ:
 
 from slm_align.data.demo_corpus import write_demo_corpus  # noqa: E402
 from slm_align.modeling import DEFAULT_MODEL_DIR, build_tiny_model  # noqa: E402
+from tests.helpers import ARCHITECTURES  # noqa: E402
 from tests.llama_cpp_reference import ReferenceUnavailable, convert  # noqa: E402
-
-ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "gpt2"]
 
 
 @pytest.fixture(scope="session")
@@ -87,32 +86,3 @@ def real_gemma_gguf() -> Path:
 def stories(tmp_path_factory) -> Path:
     """A small demo corpus as a .txt file."""
     return write_demo_corpus(tmp_path_factory.mktemp("data") / "stories.txt", n=60, seed=3)
-
-
-def export_bundled(out: Path, *kinds: tuple[str, str]) -> dict[str, Path]:
-    """The bundled model exported without verification (fast) as each ``(target, quant)``, keyed by target."""
-    from slm_align.export.stage import ExportRequest, run_export
-
-    return {target: run_export(ExportRequest(str(DEFAULT_MODEL_DIR), target, quant, out=out, verify=False)).stage_dir
-            for target, quant in kinds}
-
-
-def run_cli(capsys, *args):
-    """Run the CLI in-process: (exit code, stdout, stderr)."""
-    from slm_align.cli import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
-
-
-def finished_sft_run(out: Path, model_dir: Path, corpus: Path, steps: int):
-    """A run directory whose SFT stage finished after ``steps`` steps, and its recipe."""
-    from slm_align.config import load_recipe
-    from slm_align.sft import run_sft
-
-    recipe = load_recipe(overrides={"model.source": str(model_dir), "data.path": str(corpus),
-                                    "sft.max_steps": steps, "sft.batch_size": 4, "data.max_length": 96})
-    run_sft(recipe, out)
-    return out, recipe

@@ -11,7 +11,7 @@ from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.store import PreferenceStore
 from slm_align.errors import UserError
-from tests.conftest import export_bundled, finished_sft_run, run_cli
+from tests.helpers import export_bundled, finished_sft_run, run_cli
 
 pytest.importorskip("llama_cpp")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)

@@ -22,7 +22,7 @@ from slm_align.modeling import (
     lora_targets,
     resolve_source,
 )
-from tests.conftest import ARCHITECTURES, run_cli
+from tests.helpers import ARCHITECTURES, run_cli
 
 pytest.importorskip("llama_cpp")
 

@@ -28,8 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import finished_sft_run, run_cli
-from tests.test_cli import tree_digest
+from tests.helpers import finished_sft_run, run_cli, tree_digest
 
 
 def tree_listing(path: Path) -> list[str]:

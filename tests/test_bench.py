@@ -7,11 +7,10 @@ import sys
 
 import pytest
 
-from slm_align.devices.bench import (BenchResult, bench, cpu_flags, profile_isa, run_bench, save_profile,
-                                     to_toml)
+from slm_align.devices.bench import BenchResult, bench, cpu_flags, profile_isa, run_bench, save_profile, to_toml
 from slm_align.devices.profiles import load_profile, tomllib
 from slm_align.errors import UserError
-from tests.conftest import export_bundled, run_cli
+from tests.helpers import export_bundled, run_cli
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("onnxruntime")

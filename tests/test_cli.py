@@ -1,6 +1,5 @@
 """The command line: every command has help, bad input is one line and exit 2, and nothing is overwritten."""
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -9,18 +8,11 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli, tree_digest
 
 COMMANDS = ["quickstart", "sft", "check-headroom", "train", "evaluate", "merge", "export", "chat", "feedback export",
             "devices list", "devices show", "devices fit", "bench", "serve"]
 
-
-
-def tree_digest(path):
-    digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        digest.update(str(file.relative_to(path)).encode() + file.read_bytes())
-    return digest.hexdigest()
 
 
 @pytest.mark.parametrize("command", COMMANDS)

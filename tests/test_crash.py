@@ -12,7 +12,7 @@ import pytest
 
 from slm_align.errors import UserError
 from slm_align.runs import read_manifest
-from tests.conftest import finished_sft_run
+from tests.helpers import finished_sft_run
 
 TIMEOUT = 600
 

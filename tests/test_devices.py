@@ -23,7 +23,7 @@ from slm_align.devices.estimate import FIXED_OVERHEAD_BYTES, efficiency_for, ref
 from slm_align.devices.facts import params_from_config
 from slm_align.devices.profiles import ReferencePoint
 from slm_align.errors import UserError
-from tests.conftest import ARCHITECTURES
+from tests.helpers import ARCHITECTURES
 
 REQUIRED = ["rpi4", "rpi5", "rpi-zero2w", "jetson-orin-nano", "android-mid", "android-flagship", "iphone-15-pro",
             "x86-laptop"]

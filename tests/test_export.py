@@ -11,7 +11,7 @@ from slm_align.export.gguf import _unfuse_neox_qkv
 from slm_align.export.parity import torch_greedy, verification_prompts
 from slm_align.export.stage import ExportRequest, VerificationFailed, run_export
 from slm_align.modeling import build_tiny_model, load_model, load_tokenizer, resolve_source
-from tests.conftest import finished_sft_run, run_cli
+from tests.helpers import finished_sft_run, run_cli
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("onnxruntime")

@@ -17,7 +17,7 @@ from slm_align.modeling import (
     resolve_source,
     save_tokenizer,
 )
-from tests.conftest import finished_sft_run
+from tests.helpers import finished_sft_run
 
 TEXTS = ["Once upon a time, there was a shy duck named Nina.", "<|im_start|>user\nhi<|im_end|>\n", " two  spaces"]
 

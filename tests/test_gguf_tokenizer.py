@@ -24,7 +24,7 @@ from slm_align.gguf_tokenizer import (
     write_sidecar,
 )
 from slm_align.modeling import ModelSource, load_tokenizer, save_tokenizer
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

@@ -8,7 +8,7 @@ import torch
 from slm_align.cli import main
 from slm_align.modeling import merged_policy, resolve_source
 from slm_align.rl.stage import run_rl
-from tests.conftest import finished_sft_run
+from tests.helpers import finished_sft_run
 
 
 def test_merged_checkpoint_loads_without_peft_and_matches_the_policy(capsys, tmp_path, tiny_models, stories):

@@ -5,9 +5,15 @@ import pytest
 import torch
 
 from slm_align.errors import UserError
-from slm_align.modeling import (DEFAULT_MODEL_DIR, ensure_pad_token, load_model, load_tokenizer, lora_targets,
-                                resolve_source)
-from tests.conftest import ARCHITECTURES
+from slm_align.modeling import (
+    DEFAULT_MODEL_DIR,
+    ensure_pad_token,
+    load_model,
+    load_tokenizer,
+    lora_targets,
+    resolve_source,
+)
+from tests.helpers import ARCHITECTURES
 
 
 def test_sources_are_classified(tmp_path, tiny_models):

@@ -5,8 +5,14 @@ import textwrap
 import pytest
 
 from slm_align.errors import UserError
-from slm_align.reward.functions import (combine, exact_answer, extract_answer, json_tool_call, length_window,
-                                        load_reward_fn)
+from slm_align.reward.functions import (
+    combine,
+    exact_answer,
+    extract_answer,
+    json_tool_call,
+    length_window,
+    load_reward_fn,
+)
 
 USER_MODULE = textwrap.dedent('''
     # How a user writes a reward: a function of prompts and completions returning one float each.

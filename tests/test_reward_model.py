@@ -11,11 +11,10 @@ from slm_align.config import load_recipe
 from slm_align.data.encoding import pad_batch
 from slm_align.headroom import check_headroom
 from slm_align.modeling import build_tiny_model, load_model, resolve_source
-from slm_align.reward.model import (bradley_terry_loss, classifier_from_policy, load_reward_model,
-                                    sequence_rewards)
+from slm_align.reward.model import bradley_terry_loss, classifier_from_policy, load_reward_model, sequence_rewards
 from slm_align.reward.stage import run_reward
 from slm_align.sft import run_sft
-from tests.conftest import finished_sft_run
+from tests.helpers import finished_sft_run
 
 
 def test_bradley_terry_loss_on_hand_computed_values():

@@ -13,7 +13,7 @@ from slm_align.rl.loop import RLLoop
 from slm_align.rl.policy import ValueHead, build_policy, forward_logprobs
 from slm_align.rl.safeguards import TrainingDiverged
 from slm_align.rl.stage import GateRefused, run_rl
-from tests.conftest import finished_sft_run
+from tests.helpers import finished_sft_run
 
 
 def varied_reward(prompts, completions, **_):

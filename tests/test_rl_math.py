@@ -5,10 +5,16 @@ import math
 import pytest
 import torch
 
-from slm_align.rl.advantages import (gae, group_advantages, grpo_advantages, masked_whiten, per_token_rewards,
-                                     sigma_clip)
-from slm_align.rl.losses import (adaptive_kl_coef, aggregate, clipped_policy_loss, clipped_value_loss, kl_k1, kl_k3,
-                                 ratio_of)
+from slm_align.rl.advantages import gae, group_advantages, grpo_advantages, masked_whiten, per_token_rewards, sigma_clip
+from slm_align.rl.losses import (
+    adaptive_kl_coef,
+    aggregate,
+    clipped_policy_loss,
+    clipped_value_loss,
+    kl_k1,
+    kl_k3,
+    ratio_of,
+)
 
 
 def test_gae_matches_the_recursion_by_hand():

@@ -13,7 +13,7 @@ from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams
 from slm_align.config import load_recipe
 from slm_align.export.stage import ExportRequest, run_export
-from tests.conftest import finished_sft_run, run_cli
+from tests.helpers import finished_sft_run, run_cli
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from slm_align.agent.sampling import SamplingParams  # noqa: E402
 from slm_align.agent.server import create_app, is_loopback  # noqa: E402
 from slm_align.export.stage import ExportRequest, run_export  # noqa: E402
 from slm_align.modeling import DEFAULT_MODEL_DIR  # noqa: E402
-from tests.conftest import run_cli  # noqa: E402
+from tests.helpers import run_cli  # noqa: E402
 
 PROMPT = "Tell me about a cat."
 WEATHER_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'

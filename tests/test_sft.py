@@ -9,7 +9,7 @@ from slm_align.errors import UserError
 from slm_align.headroom import check_headroom
 from slm_align.modeling import load_model, resolve_source
 from slm_align.sft import run_sft
-from tests.conftest import ARCHITECTURES
+from tests.helpers import ARCHITECTURES
 
 
 def recipe_for(model_dir, stories, **extra):

@@ -6,8 +6,14 @@ import random
 
 import pytest
 
-from slm_align.stats import (analytical_win_rate, bootstrap_ci, distinct_n, mean_delta, paired_win_rate,
-                             sign_flip_p_value)
+from slm_align.stats import (
+    analytical_win_rate,
+    bootstrap_ci,
+    distinct_n,
+    mean_delta,
+    paired_win_rate,
+    sign_flip_p_value,
+)
 
 
 def test_analytical_win_rate_matches_the_paper_formula():

@@ -1,0 +1,50 @@
+"""Helpers the test modules share (fixtures stay in conftest.py): running the CLI in-process, a finished SFT run,
+the bundled model exported, a digest of a directory tree."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from slm_align.modeling import DEFAULT_MODEL_DIR
+
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "gpt2"]
+
+
+def export_bundled(out: Path, *kinds: tuple[str, str]) -> dict[str, Path]:
+    """The bundled model exported without verification (fast) as each ``(target, quant)``, keyed by target."""
+    from slm_align.export.stage import ExportRequest, run_export
+
+    return {target: run_export(ExportRequest(str(DEFAULT_MODEL_DIR), target, quant, out=out, verify=False)).stage_dir
+            for target, quant in kinds}
+
+
+def run_cli(capsys, *args):
+    """Run the CLI in-process: (exit code, stdout, stderr)."""
+    from slm_align.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def finished_sft_run(out: Path, model_dir: Path, corpus: Path, steps: int):
+    """A run directory whose SFT stage finished after ``steps`` steps, and its recipe."""
+    from slm_align.config import load_recipe
+    from slm_align.sft import run_sft
+
+    recipe = load_recipe(overrides={"model.source": str(model_dir), "data.path": str(corpus),
+                                    "sft.max_steps": steps, "sft.batch_size": 4, "data.max_length": 96})
+    run_sft(recipe, out)
+    return out, recipe
+
+
+def tree_digest(path: Path) -> str:
+    """sha256 over every file's relative path and bytes below ``path`` (equal digests: nothing changed)."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(path)).encode() + file.read_bytes())
+    return digest.hexdigest()
