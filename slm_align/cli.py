@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
-from typer.exceptions import TyperException
 from rich.console import Console
 from rich.table import Table
+from typer.exceptions import TyperException
 
 from slm_align.errors import EXIT_USER_ERROR, UserError, storage_error
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from slm_align.atomic import write_json_atomic, write_text_atomic
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
 from slm_align.data.encoding import encode_all
@@ -22,10 +23,15 @@ from slm_align.modeling import load_model, load_tokenizer, merged_policy, resolv
 from slm_align.perplexity import perplexity
 from slm_align.plots import plot_curves
 from slm_align.reward.functions import combine
-from slm_align.runs import write_json_atomic
 from slm_align.sft import recipe_from_sft
-from slm_align.stats import (analytical_win_rate, bootstrap_ci, distinct_n, mean_delta, paired_win_rate,
-                             sign_flip_p_value)
+from slm_align.stats import (
+    analytical_win_rate,
+    bootstrap_ci,
+    distinct_n,
+    mean_delta,
+    paired_win_rate,
+    sign_flip_p_value,
+)
 
 
 @dataclass
@@ -120,9 +126,7 @@ def _write(report: dict, out: Path, metrics: Path) -> None:
     _plot_rewards(report, out / "reward_distributions.png")
     if metrics.is_file():
         plot_curves(metrics, out / "training_curves.png")
-    tmp = out / ".report.md.tmp"
-    tmp.write_text(render_markdown(report, has_curves=metrics.is_file()), encoding="utf-8")
-    tmp.replace(out / "report.md")
+    write_text_atomic(out / "report.md", render_markdown(report, has_curves=metrics.is_file()))
 
 
 def _plot_rewards(report: dict, path: Path) -> None:

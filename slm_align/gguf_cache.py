@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import shutil
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
+
+from slm_align.atomic import publish_directory, write_json_atomic
 
 CACHE_ENV = "SLM_ALIGN_CACHE"
 RECORD = "gguf-source.json"
@@ -71,7 +72,7 @@ def materialize(path: Path, load_model: Callable[[], object], load_tokenizer: Ca
         model.save_pretrained(partial, safe_serialization=True)
         save_tokenizer(tokenizer, partial)
         record = {"gguf": str(path.resolve()), "sha256": final.name, "bytes": path.stat().st_size}
-        (partial / RECORD).write_text(json.dumps(record, indent=1), encoding="utf-8")
+        write_json_atomic(partial / RECORD, record)
         _publish(partial, final)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
@@ -82,8 +83,8 @@ def _publish(partial: Path, final: Path) -> None:
     """Rename ``partial`` into place; when another process got there first, keep theirs (same bytes, same key)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.rename(partial, final)
+        publish_directory(partial, final)
     except OSError:
         if not is_complete(final):
             shutil.rmtree(final, ignore_errors=True)
-            os.rename(partial, final)
+            publish_directory(partial, final)

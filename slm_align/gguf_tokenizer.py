@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from slm_align.atomic import write_bytes_atomic
 from slm_align.errors import UserError
-from slm_align.runs import write_bytes_atomic
 
 SIDECAR = "tokenizer.gguf"
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"

@@ -12,13 +12,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from slm_align.atomic import write_json_atomic
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
 from slm_align.data.encoding import encode_all
 from slm_align.errors import UserError
 from slm_align.modeling import load_adapter, load_model, load_tokenizer, resolve_source
 from slm_align.perplexity import perplexity
-from slm_align.runs import write_json_atomic
 from slm_align.sft import recipe_from_sft
 
 REMEDY_PPL = ("the SFT prior is not fluent enough for RL to help: train SFT longer or on more or cleaner data, "

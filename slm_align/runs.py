@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -14,6 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
+from slm_align.atomic import publish_directory, write_json_atomic
 from slm_align.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -34,33 +33,6 @@ class StageResult:
     def summary(self) -> dict:
         return {"stage": self.stage_dir.name, "dir": str(self.stage_dir), "skipped": self.skipped,
                 "metrics": self.metrics}
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> Path:
-    """Write ``data`` to a temporary name beside ``path``, fsync, then rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` (UTF-8) atomically (see :func:`write_bytes_atomic`)."""
-    return write_bytes_atomic(path, text.encode("utf-8"))
-
-
-def write_json_atomic(path: Path, data: Any) -> Path:
-    """Write JSON atomically (see :func:`write_text_atomic`)."""
-    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def digest(data: Any) -> str:
@@ -192,5 +164,4 @@ def publish(partial: Path, stage_dir: Path, manifest: dict, keep: tuple[str, ...
             if child.name not in keep and child.name != MANIFEST:
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
     write_json_atomic(Path(partial) / MANIFEST, dict(manifest, files=file_checksums(Path(partial))))
-    os.replace(partial, stage_dir)
-    return Path(stage_dir)
+    return publish_directory(Path(partial), Path(stage_dir))

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
 from typing import Optional
 
+from slm_align.atomic import publish_directory, write_json_atomic
 from slm_align.config import LoraSettings, TrainSettings
 from slm_align.errors import UserError
 from slm_align.modeling import lora_targets
-from slm_align.runs import digest, write_json_atomic
+from slm_align.runs import digest
 
 
 def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
@@ -33,7 +33,7 @@ def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     write_json_atomic(staging / "inputs.json", {"inputs_hash": digest(inputs), "inputs": inputs})
-    os.replace(staging, partial)
+    publish_directory(staging, partial)
     return None
 
 

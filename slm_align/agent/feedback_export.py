@@ -19,15 +19,14 @@ each distinct other candidate.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from slm_align.agent.scrub import scrub as scrub_text
 from slm_align.agent.store import Feedback, PreferenceStore, Turn
+from slm_align.atomic import atomic_paths, jsonl_text
 from slm_align.errors import UserError
 from slm_align.runs import check_out_dir
 
@@ -106,33 +105,12 @@ def _check_paths(store_path: Path, out: Path, overwrite: bool) -> None:
             raise UserError(f"output {path} exists; pass --overwrite to replace it or choose another --out")
 
 
-def _write_jsonl_temp(path: Path, rows: Iterable[dict[str, Any]]) -> Path:
-    """Write an owner-only temporary file beside ``path`` and flush it to disk; the caller renames it into place."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return Path(tmp)
-
-
 def _write_jsonl_pair(files: list[tuple[Path, list[dict[str, Any]]]]) -> None:
-    """Both files written in full first, then both renamed: a failure (a full disk) publishes neither."""
-    temps: list[tuple[Path, Path]] = []
-    try:
-        for path, rows in files:
-            temps.append((_write_jsonl_temp(path, rows), path))
-        for tmp, path in temps:
-            os.replace(tmp, path)
-    finally:
-        for tmp, _ in temps:
-            tmp.unlink(missing_ok=True)
+    """Both files written in full first, then both renamed (owner-only): a failure publishes neither."""
+    targets = [path for path, _ in files]
+    with atomic_paths(*targets, mode=0o600) as temps:
+        for tmp, (_, rows) in zip(temps, files):
+            tmp.write_text(jsonl_text(rows), encoding="utf-8")
 
 
 def collect_rows(turns: Iterable[Turn], scrub: bool = False) -> tuple[list[dict], list[dict], dict[str, int]]:

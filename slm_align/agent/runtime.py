@@ -94,7 +94,7 @@ class Agent:
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the conversation to a JSON file (restore it with :meth:`restore`)."""
-        from slm_align.runs import write_json_atomic
+        from slm_align.atomic import write_json_atomic
 
         return write_json_atomic(Path(path), {"format": CONVERSATION_FORMAT, "id": self.conversation_id,
                                               "model": self.model_id, "messages": self.messages})

@@ -12,6 +12,7 @@ from typing import Optional
 
 from slm_align.data.examples import Example
 
+
 def sentences(text: str) -> list[str]:
     """Split text into sentences, keeping punctuation (and closing quotes) with each."""
     parts, start = [], 0

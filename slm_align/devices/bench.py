@@ -32,8 +32,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from slm_align.atomic import write_text_atomic
 from slm_align.errors import EXIT_USER_ERROR, UserError
-from slm_align.runs import write_text_atomic
 
 APP_MEMORY_SHARE = 0.7        # share of RAM a saved host profile lets one app use
 BANDWIDTH_MB = 256            # size of the array the bandwidth probe copies

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
+from slm_align.atomic import atomic_path
 from slm_align.errors import UserError
 from slm_align.export.gguf_vocab import add_vocab
 from slm_align.export.gguf_vocab import pre_tokenizer_name as pre_tokenizer_name  # re-exported
@@ -253,10 +253,24 @@ def write_gguf(model_dir: Path, out_path: Path, file_type: str = "F32",
     if file_type not in WRITTEN_TYPES:
         raise UserError(f"write_gguf writes {', '.join(WRITTEN_TYPES)}; {file_type} goes through quantize_gguf")
     arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[model_type])
+    with atomic_path(out_path) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
+        _fill(writer, model_dir, model_type, config, file_type, chat_template)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return out_path
+
+
+def _fill(writer, model_dir: Path, model_type: str, config: dict, file_type: str,
+          chat_template: Optional[str]) -> None:
+    """Add the name, file type, hyper-parameters, vocabulary and every tensor (renamed for llama.cpp) to ``writer``."""
+    import gguf
+
+    arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[model_type])
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     transform = _transform(model_type, config)
-    tmp = out_path.with_name(f".{out_path.name}.tmp")
-    writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(model_dir.name)
     writer.add_file_type(getattr(gguf.LlamaFileType, "ALL_F32" if file_type == "F32" else f"MOSTLY_{file_type}"))
     _add_hparams(writer, model_type, config)
@@ -268,16 +282,6 @@ def write_gguf(model_dir: Path, out_path: Path, file_type: str = "F32",
         if target is None:
             raise UserError(f"GGUF export: no GGUF name for tensor {name}; the checkpoint has unexpected layers")
         _add_tensor(writer, target, transform(name, tensor.astype(np.float32)), file_type)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out_path
 
 
 def quantize_gguf(source: Path, out_path: Path, quant: str, threads: int = 0) -> Path:
@@ -290,12 +294,8 @@ def quantize_gguf(source: Path, out_path: Path, quant: str, threads: int = 0) ->
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
     params.nthread = threads
-    tmp = Path(out_path).with_name(f".{Path(out_path).name}.tmp")
-    try:
+    with atomic_path(out_path) as tmp:
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
         if status != 0:
             raise RuntimeError(f"llama.cpp's quantizer returned {status} for {source} -> {quant}")
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return Path(out_path)

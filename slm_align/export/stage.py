@@ -15,11 +15,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from slm_align.atomic import publish_directory, write_json_atomic
 from slm_align.errors import UserError
 from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_config, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
-from slm_align.runs import (MANIFEST, StageResult, artifact_digest, artifact_manifest, check_out_dir, file_checksums,
-                            make_manifest, write_json_atomic)
+from slm_align.runs import (
+    MANIFEST,
+    StageResult,
+    artifact_digest,
+    artifact_manifest,
+    check_out_dir,
+    file_checksums,
+    make_manifest,
+)
 
 TARGETS = ("gguf", "onnx")
 DEFAULT_QUANT = {"gguf": "Q8_0", "onnx": "int8"}
@@ -179,12 +187,9 @@ def _publish(built: Path, final: Path, manifest: dict) -> None:
     """Manifest first (inside an ONNX dir, beside a GGUF file), then the artifact renamed into place."""
     if built.is_dir():
         write_json_atomic(artifact_manifest(built), dict(manifest, files=file_checksums(built)))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(built, final)
     else:
         write_json_atomic(artifact_manifest(final), manifest)
-        os.replace(built, final)
+    publish_directory(built, final, replace=True)
 
 
 def _failure(verification: dict) -> str:

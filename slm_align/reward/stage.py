@@ -16,8 +16,14 @@ from slm_align.data.corpus import load_corpus
 from slm_align.errors import UserError
 from slm_align.modeling import load_tokenizer, merged_policy, resolve_source, save_tokenizer
 from slm_align.progress import TrainerProgress
-from slm_align.reward.model import (bradley_terry_loss, classifier_from_policy, collate_pairs, encode_scored,
-                                    pairwise_metrics, sequence_rewards)
+from slm_align.reward.model import (
+    bradley_terry_loss,
+    classifier_from_policy,
+    collate_pairs,
+    encode_scored,
+    pairwise_metrics,
+    sequence_rewards,
+)
 from slm_align.reward.pairs import Pair, synthetic_pairs
 from slm_align.reward.preferences import read_preferences
 from slm_align.runs import StageResult, completed, digest, make_manifest, partial_dir, publish, read_manifest

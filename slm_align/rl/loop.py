@@ -15,12 +15,10 @@ import torch
 
 from slm_align.config import RLSettings
 from slm_align.errors import UserError
+from slm_align.rl.advantages import gae, grpo_advantages, masked_mean, masked_whiten, per_token_rewards, sigma_clip
 from slm_align.rl.distributed import World
-from slm_align.rl.advantages import (gae, grpo_advantages, masked_mean, masked_whiten, per_token_rewards,
-                                     sigma_clip)
 from slm_align.rl.learning_rate import base_parameters, default_learning_rate
-from slm_align.rl.losses import (adaptive_kl_coef, aggregate, clipped_policy_loss, clipped_value_loss, kl_k3,
-                                 ratio_of)
+from slm_align.rl.losses import adaptive_kl_coef, aggregate, clipped_policy_loss, clipped_value_loss, kl_k3, ratio_of
 from slm_align.rl.policy import ValueHead, forward_logprobs
 from slm_align.rl.rollout import Rollout, collect, concat
 from slm_align.rl.safeguards import GuardCounters, Snapshot, all_finite

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from slm_align.atomic import atomic_path, write_text_atomic
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
 from slm_align.data.prompts import prompts_of
@@ -29,8 +30,7 @@ from slm_align.reward.stage import run_reward
 from slm_align.rl.distributed import World, replica_digest, world_from_env
 from slm_align.rl.loop import RLLoop
 from slm_align.rl.policy import ValueHead, build_policy, merged_for_sampling
-from slm_align.runs import (StageResult, completed, make_manifest, partial_dir, publish, read_manifest,
-                            write_text_atomic)
+from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
 from slm_align.sft import recipe_from_sft, run_sft
 from slm_align.training import prepare_partial, save_adapter
 
@@ -160,9 +160,8 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
             with open(metrics_path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(metrics) + "\n")
             if loop.step % settings.save_steps == 0 or loop.step == settings.steps:
-                tmp = partial / f".{CHECKPOINT}.tmp"
-                torch.save(loop.state_dict(), tmp)
-                tmp.replace(partial / CHECKPOINT)
+                with atomic_path(partial / CHECKPOINT) as tmp:
+                    torch.save(loop.state_dict(), tmp)
     after = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=True)
     replicas = world.gather(replica_digest(loop.params))
     if not world.main:
