@@ -26,6 +26,22 @@ def function_lengths(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def packed_statements(path: Path) -> tuple[int, int, int]:
+    """(packed tuple assignments ``a, b = x, y``, chained conditional expressions, lambdas bound to names)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    packed = 0
+    chained = 0
+    bound_lambdas = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+            packed += int(any(isinstance(target, ast.Tuple) for target in node.targets))
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda):
+            bound_lambdas += 1
+        if isinstance(node, ast.IfExp) and isinstance(node.orelse, ast.IfExp):
+            chained += 1
+    return packed, chained, bound_lambdas
+
+
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "slm_align")
     files = sorted(root.rglob("*.py"))
@@ -33,7 +49,10 @@ def main() -> None:
     functions = []
     total = 0
     long_lines = 0
+    packed = [0, 0, 0]
     for path in files:
+        for index, count in enumerate(packed_statements(path)):
+            packed[index] += count
         lines = path.read_text(encoding="utf-8").splitlines()
         sizes.append((len(lines), str(path)))
         total += len(lines)
@@ -43,6 +62,8 @@ def main() -> None:
     functions.sort(reverse=True)
     print(f"modules: {len(files)}  lines: {total}  mean lines/module: {total / len(files):.0f}")
     print(f"lines over {LONG_LINE} characters: {long_lines} ({100 * long_lines / total:.1f}%)")
+    print(f"packed tuple assignments: {packed[0]}  chained conditional expressions: {packed[1]}  "
+          f"lambdas bound to names: {packed[2]}")
     print("largest modules:")
     for count, name in sizes[:8]:
         print(f"  {count:5d}  {name}")
