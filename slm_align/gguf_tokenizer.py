@@ -39,7 +39,12 @@ from slm_align.errors import UserError
 SIDECAR = "tokenizer.gguf"
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 # gguf.TokenType values (llama.cpp's llama_token_type), spelled out so that reading needs no gguf import.
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+NORMAL = 1
+UNKNOWN = 2
+CONTROL = 3
+USER_DEFINED = 4
+UNUSED = 5
+BYTE = 6
 _SPECIAL_TYPES = (UNKNOWN, CONTROL, USER_DEFINED)
 
 # The pre-tokenizer regexes of llama.cpp's llama-vocab.cpp for the tokenizer.ggml.pre names we reproduce.
@@ -81,7 +86,8 @@ class Field:
     raw: bytes
 
 
-_STRING, _ARRAY = 8, 9
+_STRING = 8
+_ARRAY = 9
 _NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
                 12: "<f8"}
 

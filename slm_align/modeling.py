@@ -84,7 +84,8 @@ def resolve_source(spec: Optional[str]) -> ModelSource:
         return ModelSource("dir", str(path.resolve()))
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise UserError(f"model {spec} is a file but not .gguf; pass an HF model directory, a .gguf file or a hub id")
+            raise UserError(f"model {spec} is a file but not .gguf; "
+                            "pass an HF model directory, a .gguf file or a hub id")
         return ModelSource("gguf", str(path.resolve()))
     looks_like_path = spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
     if looks_like_path or not _HUB_ID.match(spec):
@@ -123,7 +124,8 @@ def _check_not_truncated(weights: Path) -> None:
         end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError):
         return  # not a readable header: the loader refuses it with its own message
-    size, expected = weights.stat().st_size, 8 + length + end
+    size = weights.stat().st_size
+    expected = 8 + length + end
     if size < expected:
         raise UserError(f"model {weights} is truncated ({size} of {expected} bytes) and cannot be loaded; "
                         "copy or download the checkpoint again")

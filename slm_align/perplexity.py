@@ -26,7 +26,8 @@ def perplexity(model, encoded: list[dict[str, list[int]]], pad_id: int, batch_si
     """
     import torch
 
-    nll_sum, tokens = 0.0, 0
+    nll_sum = 0.0
+    tokens = 0
     model.eval()
     with torch.no_grad():
         for start in range(0, len(encoded), batch_size):

@@ -19,8 +19,8 @@ def plot_curves(metrics_path: Path, out_path: Path, keys=CURVES) -> Path:
     rows = [json.loads(line) for line in Path(metrics_path).read_text(encoding="utf-8").splitlines() if line]
     keys = [k for k in keys if any(r.get(k) is not None for r in rows)]
     cols = 4
-    fig, axes = plt.subplots((len(keys) + cols - 1) // cols, cols, figsize=(4 * cols, 3 * ((len(keys) + cols - 1) // cols)),
-                             squeeze=False)
+    fig, axes = plt.subplots((len(keys) + cols - 1) // cols, cols,
+                             figsize=(4 * cols, 3 * ((len(keys) + cols - 1) // cols)), squeeze=False)
     for ax, key in zip(axes.flat, keys):
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         ax.plot(*zip(*points), marker=".")

@@ -21,7 +21,8 @@ class TrainerProgress(TrainerCallback):
     """A Trainer callback that drives a rich bar and appends each log line to a JSONL file."""
 
     def __init__(self, name: str, log_path: Path):
-        self.name, self.log_path = name, Path(log_path)
+        self.name = name
+        self.log_path = Path(log_path)
         self.eval_losses: list[float] = []
         self._progress = new_progress()
         self._task = None

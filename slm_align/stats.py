@@ -16,9 +16,18 @@ def analytical_win_rate(delta: float, std_a: float, std_b: float) -> float:
     return 0.5 * (1 + math.erf(delta / scale / math.sqrt(2)))
 
 
+def win_score(score: float, other: float) -> float:
+    """1 when ``score`` beats ``other``, 0.5 on a tie, else 0."""
+    if score > other:
+        return 1.0
+    if score == other:
+        return 0.5
+    return 0.0
+
+
 def paired_win_rate(a: Sequence[float], b: Sequence[float]) -> float:
     """Share of prompts where b's reward beats a's; ties count half."""
-    return statistics.fmean(1.0 if y > x else 0.5 if y == x else 0.0 for x, y in zip(a, b))
+    return statistics.fmean(win_score(y, x) for x, y in zip(a, b))
 
 
 def mean_delta(a: Sequence[float], b: Sequence[float]) -> float:

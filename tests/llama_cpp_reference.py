@@ -46,7 +46,8 @@ def _download_sdist(version: str) -> Path:
     if sdist.is_file():
         return sdist
     done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                           f"llama-cpp-python=={version}", "-d", str(CACHE)], capture_output=True, text=True, check=False)
+                           f"llama-cpp-python=={version}", "-d", str(CACHE)],
+                          capture_output=True, text=True, check=False)
     if done.returncode != 0 or not sdist.is_file():
         raise ReferenceUnavailable(f"pip could not download the llama-cpp-python {version} sdist: "
                                    f"{done.stderr.strip()[-300:]}")

@@ -191,7 +191,8 @@ def trained_runs(tmp_path_factory, tiny_models, stories):
         recipe = root / "recipe.toml"
         recipe.write_text('[data]\nmax_length = 64\n[sft]\nmax_steps = 2\nbatch_size = 4\n[reward]\nmax_steps = 2\n'
                           'batch_size = 4\n[rl]\nsteps = 1\nprompts_per_step = 2\ngroup_size = 2\n'
-                          'max_new_tokens = 8\neval_prompts = 2\nreport_prompts = 4\n[headroom]\nmax_documents = 8\nspread_prompts = 2\n'
+                          'max_new_tokens = 8\neval_prompts = 2\nreport_prompts = 4\n'
+                          '[headroom]\nmax_documents = 8\nspread_prompts = 2\n'
                           'max_new_tokens = 8\n')
         with pytest.raises(SystemExit) as done:
             main(["train", "--algo", "ppo", "--model", str(tiny_models[arch]), "--data", str(stories), "--out",

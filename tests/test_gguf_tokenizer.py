@@ -96,7 +96,8 @@ def test_gemma_special_tokens_come_from_the_file(gemma_tokenizer):
     assert (gemma_tokenizer.bos_token_id, gemma_tokenizer.eos_token_id, gemma_tokenizer.pad_token_id) == (2, 1, 0)
     assert gemma_tokenizer.chat_template is None  # the base model's file has none
     assert len(gemma_tokenizer) == GEMMA_VOCAB
-    assert gemma_tokenizer.decode(gemma_tokenizer("Café 東京 🦙")["input_ids"], skip_special_tokens=True) == "Café 東京 🦙"
+    ids = gemma_tokenizer("Café 東京 🦙")["input_ids"]
+    assert gemma_tokenizer.decode(ids, skip_special_tokens=True) == "Café 東京 🦙"
 
 
 def test_sidecar_holds_the_tokenizer_fields_verbatim(real_gemma_gguf, tmp_path):

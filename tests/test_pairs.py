@@ -33,7 +33,8 @@ def test_each_corruption_makes_a_different_rejected_text():
         pairs, _ = synthetic_pairs([Example(text=STORY), Example(text=OTHER)], PairSettings(mix={kind: 1.0}), seed=1)
         assert {p.kind for p in pairs} == {kind}
         rejected[kind] = pairs[0].rejected
-        assert pairs[0].rejected != pairs[0].chosen and pairs[0].prompt == STORY.split(" He lived")[0] + " He lived in a small house."
+        assert (pairs[0].rejected != pairs[0].chosen
+                and pairs[0].prompt == STORY.split(" He lived")[0] + " He lived in a small house.")
     assert len(set(rejected.values())) == 4
     chosen_words = STORY.split(". ", 2)[2].split()
     assert sorted(rejected["shuffle"].split()) == sorted(chosen_words)  # same words, other order

@@ -40,7 +40,8 @@ def test_conversational_rows_render_through_the_chat_template(tmp_path, tokenize
 
 
 @pytest.mark.parametrize("rows, expected", [
-    ([{"prompt": "Q", "chosen": "a"}], r"needs prompt/chosen/rejected or prompt/completion/label \(found: prompt, chosen\)"),
+    ([{"prompt": "Q", "chosen": "a"}],
+     r"needs prompt/chosen/rejected or prompt/completion/label \(found: prompt, chosen\)"),
     ([{"prompt": "Q", "chosen": 1, "rejected": "b"}], "column 'chosen' holds int"),
     ([{"prompt": "Q", "completion": "a", "label": "maybe"}], "'label' must be true or false"),
     ([{"prompt": "Q", "chosen": "same", "rejected": "same"}], "no usable pair"),

@@ -67,7 +67,8 @@ def test_reward_stage_trains_saves_and_loads_alone(sft_run):
                         if not torch.equal(p, initial.base_model.get_parameter(n))]
     assert backbone_changed and all("proj" in n for n in backbone_changed)  # ...and LoRA only touched projections
     metrics = result.metrics
-    assert 0 <= metrics["accuracy"] <= 1 and metrics["pairs"] == len((stage / "eval_pairs.jsonl").read_text().splitlines())
+    assert (0 <= metrics["accuracy"] <= 1
+            and metrics["pairs"] == len((stage / "eval_pairs.jsonl").read_text().splitlines()))
     assert run_reward(recipe, out).skipped
 
 

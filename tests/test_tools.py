@@ -435,7 +435,8 @@ def _llama_accepts(llama_vocab, grammar: str, text: str) -> bool:
     try:
         for token in tokens + [llama_cpp.llama_vocab_eos(vocab)]:
             candidates = (llama_cpp.llama_token_data * 1)(llama_cpp.llama_token_data(token, 0.0, 0.0))
-            llama_cpp.llama_sampler_apply(sampler, ctypes.byref(llama_cpp.llama_token_data_array(candidates, 1, -1, False)))
+            array = llama_cpp.llama_token_data_array(candidates, 1, -1, False)
+            llama_cpp.llama_sampler_apply(sampler, ctypes.byref(array))
             if candidates[0].logit == float("-inf"):
                 return False
             llama_cpp.llama_sampler_accept(sampler, token)
@@ -463,7 +464,8 @@ def _call(name: str, arguments: str) -> str:
         _call("current_time", "{}") + "\n" + _call("current_time", '{"timezone": "Asia/Tokyo"}'),
         _call("forecast", '{"city": "Oslo"}'),
         _call("forecast", '{"city": "Oslo", "unit": "fahrenheit", "hours": [1, 2], "extra": null}'),
-        _call("forecast", '{"city": "O\\"slo", "days": -3, "extra": 2.5e3, "metrics": {"rain": true}, "verbose": false}'),
+        _call("forecast",
+              '{"city": "O\\"slo", "days": -3, "extra": 2.5e3, "metrics": {"rain": true}, "verbose": false}'),
         '<tool_call>{\n  "name": "calculator",\n  "arguments": {\n    "expression": "1"\n  }\n}</tool_call>',
     ],
 )

@@ -66,14 +66,16 @@ def _row(turn: Turn, feedback: Feedback) -> dict[str, Any] | None:
         pair = (turn.completion, feedback.other_completion)
         chosen, rejected = pair if feedback.preferred == "this" else pair[::-1]
     else:
-        chosen, rejected = feedback.edited_text, turn.completion
+        chosen = feedback.edited_text
+        rejected = turn.completion
     if chosen.strip() == rejected.strip():
         return None
     return {"prompt": turn.messages, "chosen": _assistant(chosen), "rejected": _assistant(rejected)}
 
 
 def _scrub_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    out, total = [], 0
+    out = []
+    total = 0
     for message in messages:
         content, count = scrub_text(message["content"])
         out.append({**message, "content": content})
@@ -83,7 +85,8 @@ def _scrub_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]
 
 def scrub_row(row: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The row with personal data replaced in every message's content, and the number of replacements."""
-    out, total = {}, 0
+    out = {}
+    total = 0
     for column, value in row.items():
         if isinstance(value, list):
             value, count = _scrub_messages(value)
@@ -115,7 +118,8 @@ def _write_jsonl_pair(files: list[tuple[Path, list[dict[str, Any]]]]) -> None:
 
 def collect_rows(turns: Iterable[Turn], scrub: bool = False) -> tuple[list[dict], list[dict], dict[str, int]]:
     """``(paired rows, unpaired rows, counts)`` from the consented turns' latest verdicts."""
-    paired, unpaired = [], []
+    paired = []
+    unpaired = []
     counts = {"skipped_without_consent": 0, "skipped_identical": 0, "scrubbed_replacements": 0}
     for turn in turns:
         for feedback in latest_verdicts(turn):
@@ -140,7 +144,8 @@ def export_preferences(store_path: str | os.PathLike, out_path: str | os.PathLik
     Returns ``pairs``, ``unpaired``, ``skipped_without_consent``, ``skipped_identical``, ``scrubbed_replacements``
     and the two paths written (``out``, ``unpaired_out``). Bad input is a UserError and writes nothing.
     """
-    store_path, out = Path(store_path), Path(out_path)
+    store_path = Path(store_path)
+    out = Path(out_path)
     _check_paths(store_path, out, overwrite)
     with PreferenceStore(store_path, create=False) as store:
         turns = store.turns()

@@ -29,7 +29,8 @@ class LlamaCppBackend:
                              n_threads_batch=threads, n_batch=512,
                              logits_all=all_logits, verbose=False)
         except ValueError as exc:
-            raise UserError(f"llama.cpp cannot load {artifact} ({exc}); the file is corrupt or not a GGUF model") from None
+            raise UserError(f"llama.cpp cannot load {artifact} ({exc}); "
+                            "the file is corrupt or not a GGUF model") from None
         self.all_logits = all_logits
         self.n_ctx = min(self.llm.n_ctx(), len(self.llm.input_ids))  # llama.cpp pads the context it allocates
         self.vocab_size = self.llm.n_vocab()

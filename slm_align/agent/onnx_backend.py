@@ -27,6 +27,15 @@ def _token_text(value) -> Optional[str]:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def _empty_cache_dim(dim):
+    """One axis of an empty past-key/value input: batch 1, every other named (dynamic) axis 0, fixed axes as given."""
+    if dim == "batch_size":
+        return 1
+    if isinstance(dim, str):
+        return 0
+    return dim
+
+
 class OnnxBackend:
     """One decoder session and its cache. Not thread-safe: one conversation at a time."""
 
@@ -37,7 +46,8 @@ class OnnxBackend:
         from tokenizers import Tokenizer
 
         artifact = Path(artifact)
-        model_file = next((artifact / name for name in ("model.onnx", "model.ort") if (artifact / name).is_file()), None)
+        model_file = next((artifact / name for name in ("model.onnx", "model.ort") if (artifact / name).is_file()),
+                          None)
         if model_file is None or not (artifact / "tokenizer.json").is_file():
             raise UserError(f"{artifact} is not an ONNX export (needs model.onnx and tokenizer.json); "
                             "create one with `slm-align export --target onnx`")
@@ -61,7 +71,13 @@ class OnnxBackend:
         self.bos_token = _token_text(tokenizer_config.get("bos_token"))
         self.eos_token = _token_text(tokenizer_config.get("eos_token"))
         eos = _read_json(artifact / "generation_config.json").get("eos_token_id", config.get("eos_token_id"))
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if isinstance(eos, list):
+            eos_ids = eos
+        elif eos is not None:
+            eos_ids = [eos]
+        else:
+            eos_ids = []
+        self.eos_ids = set(eos_ids)
         if self.eos_token is not None and self.tokenizer.token_to_id(self.eos_token) is not None:
             self.eos_ids.add(self.tokenizer.token_to_id(self.eos_token))
         self.n_ctx = int(n_ctx or config.get("max_position_embeddings") or 2048)
@@ -81,7 +97,7 @@ class OnnxBackend:
         self._past = {}
         for name in self._past_names:
             meta = self._inputs[name]
-            shape = [1 if dim == "batch_size" else 0 if isinstance(dim, str) else dim for dim in meta.shape]
+            shape = [_empty_cache_dim(dim) for dim in meta.shape]
             self._past[name] = np.zeros(shape, dtype=_DTYPES.get(meta.type, np.float32))
 
     @property

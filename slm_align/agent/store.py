@@ -178,7 +178,8 @@ def _json_text(value: Any, what: str) -> str:
     try:
         return json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise UserError(f"{what} must be JSON-serializable ({e}); pass plain numbers, strings, lists and dicts") from None
+        raise UserError(f"{what} must be JSON-serializable ({e}); "
+                        "pass plain numbers, strings, lists and dicts") from None
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -318,7 +319,8 @@ class PreferenceStore:
                                    (int(bool(consent)), target)).rowcount
             if changed == 0:
                 what = "turn id" if column == "id" else "conversation id"
-                raise UserError(f"unknown {what} {target!r} in preference DB {self.path}; pass one that record_turn made")
+                raise UserError(f"unknown {what} {target!r} in preference DB {self.path}; "
+                                "pass one that record_turn made")
             return changed
 
     # -- reads -------------------------------------------------------------------------------------------------
@@ -327,7 +329,8 @@ class PreferenceStore:
         known = (isinstance(turn_id, int) and not isinstance(turn_id, bool)
                  and conn.execute("SELECT 1 FROM turns WHERE id = ?", (turn_id,)).fetchone())
         if not known:
-            raise UserError(f"unknown turn id {turn_id!r} in preference DB {self.path}; pass an id record_turn returned")
+            raise UserError(f"unknown turn id {turn_id!r} in preference DB {self.path}; "
+                            "pass an id record_turn returned")
 
     def turn(self, turn_id: int) -> Turn | None:
         """One turn with its feedback, or None when there is no such turn."""

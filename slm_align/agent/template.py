@@ -17,13 +17,17 @@ def _raise(message: str):
     raise UserError(f"the chat template refused the conversation: {message}")
 
 
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
 
 

@@ -117,7 +117,8 @@ def function_schema(fn: Callable, name: str) -> tuple[str, dict]:
     """The docstring's first line and the JSON schema of ``fn``'s parameters, from its type hints."""
     summary, arg_docs = _docstring_parts(fn)
     hints = _type_hints(fn, name)
-    properties, required = {}, []
+    properties = {}
+    required = []
     for param in inspect.signature(fn).parameters.values():
         where = f"tool {name!r}, parameter {param.name!r}"
         _check_parameter_kind(param, where)
@@ -137,7 +138,8 @@ def function_schema(fn: Callable, name: str) -> tuple[str, dict]:
 
 def annotation_schema(annotation: Any, where: str = "annotation") -> dict:
     """The JSON schema of one type annotation; an unsupported one is a UserError naming ``where``."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
     if annotation in _SIMPLE_TYPES:
         return {"type": _SIMPLE_TYPES[annotation]}
     if annotation is type(None):
@@ -219,13 +221,17 @@ _ARG_LINE = re.compile(r"^(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
 
 def _args_section(lines: list[str]) -> dict[str, str]:
     docs: dict[str, str] = {}
-    inside, indent, current = False, None, None
+    inside = False
+    indent = None
+    current = None
     for line in lines:
         if not line.strip():
             continue
         depth = len(line) - len(line.lstrip())
         if depth == 0:  # a section header, or text outside any section
-            inside, indent, current = line.strip() in ("Args:", "Arguments:"), None, None
+            inside = line.strip() in ("Args:", "Arguments:")
+            indent = None
+            current = None
             continue
         if not inside:
             continue
@@ -305,19 +311,24 @@ class ToolRegistry:
             summary, parameters = function_schema(fn, tool_name)
             function = _accepting_enum_values(fn)
         else:
-            summary, parameters, function = _docstring_parts(fn)[0], schema, fn
+            summary = _docstring_parts(fn)[0]
+            parameters = schema
+            function = fn
         tool = Tool(tool_name, description or summary, parameters, function)
         if not tool.description:
-            raise UserError(f"tool {tool_name!r} has no description: give the function a docstring or pass description=")
+            raise UserError(f"tool {tool_name!r} has no description: give the function a docstring "
+                            "or pass description=")
         self._validators[tool_name] = _validator(tool)
         self._tools[tool_name] = tool
         return fn
 
     def _check_name(self, name: str) -> None:
         if not _NAME.match(name):
-            raise UserError(f"tool name {name!r} is invalid: use 1-64 letters, digits, '_' or '-', starting with a letter or '_'")
+            raise UserError(f"tool name {name!r} is invalid: use 1-64 letters, digits, '_' or '-', "
+                            "starting with a letter or '_'")
         if name in self._tools:
-            raise UserError(f"a tool named {name!r} is already registered: pass name= to register it under another name")
+            raise UserError(f"a tool named {name!r} is already registered: "
+                            "pass name= to register it under another name")
 
     # lookup
 
@@ -373,7 +384,8 @@ class ToolRegistry:
 
     def _to_call(self, obj: Any) -> Union[ToolCall, Observation]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return Observation.failure("", f"a tool call must be a JSON object with a \"name\" and \"arguments\"; {_FORMAT_HINT}")
+            return Observation.failure("", "a tool call must be a JSON object with a \"name\" and \"arguments\"; "
+                                       f"{_FORMAT_HINT}")
         name = obj["name"]
         if name not in self._tools:
             return Observation.failure(name, self._unknown_tool(name))
@@ -381,7 +393,8 @@ class ToolRegistry:
         if isinstance(arguments, str):  # OpenAI clients send arguments as a JSON string
             arguments = _decode(arguments)
         if not isinstance(arguments, dict):
-            return Observation.failure(name, f"\"arguments\" of {name} must be a JSON object such as {self._example(name)}")
+            return Observation.failure(name, f"\"arguments\" of {name} must be a JSON object "
+                                             f"such as {self._example(name)}")
         return ToolCall(name=name, arguments=arguments)
 
     # execution
@@ -502,7 +515,8 @@ def _decode(text: str) -> Union[Any, Observation]:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        return Observation.failure("", f"malformed JSON in tool call ({exc.msg} at character {exc.pos}); {_FORMAT_HINT}")
+        return Observation.failure("", f"malformed JSON in tool call ({exc.msg} at character {exc.pos}); "
+                                   f"{_FORMAT_HINT}")
 
 
 def _bare_call(text: str) -> Union[dict, Observation, None]:
@@ -537,7 +551,8 @@ _TYPE_RULES = {"string", "number", "integer", "boolean", "null"}
 
 def _literal(text: str) -> str:
     """``text`` as a GBNF string literal."""
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    escaped = escaped.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
     return f'"{escaped}"'
 
 
@@ -550,7 +565,8 @@ class _GrammarBuilder:
     def add(self, hint: str, body: str) -> str:
         """Add a rule with a name derived from ``hint`` (made unique) and return the name."""
         base = re.sub(r"[^A-Za-z0-9]+", "-", hint).strip("-").lower() or "rule"
-        name, n = base, 1
+        name = base
+        n = 1
         while name in self.rules or name in _JSON_RULES or name == "root":
             n += 1
             name = f"{base}-{n}"
@@ -586,7 +602,8 @@ class _GrammarBuilder:
             return "( " + " | ".join(_literal(json.dumps(item)) for item in schema["enum"]) + " )"
         for key in ("anyOf", "oneOf"):
             if key in schema:
-                return "( " + " | ".join(self.value(option, f"{hint}-{i}") for i, option in enumerate(schema[key])) + " )"
+                options = (self.value(option, f"{hint}-{i}") for i, option in enumerate(schema[key]))
+                return "( " + " | ".join(options) + " )"
         kind = schema.get("type")
         if isinstance(kind, list):
             return "( " + " | ".join(self.value({**schema, "type": one}, f"{hint}-{one}") for one in kind) + " )"
@@ -617,10 +634,12 @@ class _GrammarBuilder:
         required = set(schema.get("required", ()))
         unwritten = written = ""  # the members after the current one: when none / when one was written before
         for key, sub in reversed(list(schema["properties"].items())):
-            member = self.add(f"{hint}-{key}", f'{_literal(json.dumps(key))} ws ":" ws {self.value(sub, f"{hint}-{key}")}')
+            member_body = f'{_literal(json.dumps(key))} ws ":" ws {self.value(sub, f"{hint}-{key}")}'
+            member = self.add(f"{hint}-{key}", member_body)
             after = self.add(f"{hint}-after-{key}", written) if written else ""
             if key in required:
-                unwritten, written = f"{member} {after}".strip(), f'ws "," ws {member} {after}'.strip()
+                unwritten = f"{member} {after}".strip()
+                written = f'ws "," ws {member} {after}'.strip()
                 continue
             without = self.add(f"{hint}-without-{key}", unwritten) if unwritten else ""
             unwritten = f"( {member} {after} | {without} )" if without else f"( {member} {after} )?"

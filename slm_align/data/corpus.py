@@ -33,7 +33,8 @@ def load_corpus(settings: DataSettings, seed: int) -> Corpus:
     else:
         path = Path(settings.path)
         examples = read_examples(path, settings.text_field)
-        description, source_hash = str(path), fingerprint(path)
+        description = str(path)
+        source_hash = fingerprint(path)
     splits = split_examples(examples, seed=seed, eval_fraction=settings.eval_fraction,
                             heldout_prompts=settings.heldout_prompts)
     return Corpus(splits=splits, description=description, fingerprint=source_hash)

@@ -15,7 +15,8 @@ from slm_align.data.examples import Example
 
 def sentences(text: str) -> list[str]:
     """Split text into sentences, keeping punctuation (and closing quotes) with each."""
-    parts, start = [], 0
+    parts = []
+    start = 0
     for match in re.finditer(r"[.!?][\"']?(?=\s+[A-Z\"']|\s*$)", text):
         end = match.end()
         piece = text[start:end].strip()

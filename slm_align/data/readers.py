@@ -145,7 +145,8 @@ def row_to_example(where: str, row: Any, text_field: Optional[str] = None) -> Op
     if "messages" in row:
         return Example(messages=_messages(where, row["messages"]))
     if "prompt" in row and "completion" in row:
-        prompt, completion = _string(where, row, "prompt"), _string(where, row, "completion")
+        prompt = _string(where, row, "prompt")
+        completion = _string(where, row, "completion")
         return Example(prompt=prompt, completion=completion) if completion.strip() else None
     for field in TEXT_FIELDS:
         if field in row:

@@ -5,11 +5,12 @@ resident set size (VmHWM on Linux, else ``ru_maxrss``) is the artifact's and its
 child also reports the high-water mark before the model is loaded (interpreter, numpy and the runtime library) as
 the baseline.
 
-After one short warm-up run, per repeat: the prompt of exactly ``prompt_tokens`` tokens is fed to an empty cache (prompt processing), the first
-token is taken greedily from its logits (time to first token), then ``decode_tokens`` more tokens are generated one
-forward pass each (decode speed; end-of-sequence is ignored, as llama-bench does). Figures are medians over the
-repeats. ``--save-profile`` turns the result into a user device profile (with a numpy-copy bandwidth figure and this
-measurement as its reference point) that ``slm-align devices fit`` can use. Imports neither torch nor transformers.
+After one short warm-up run, per repeat: the prompt of exactly ``prompt_tokens`` tokens is fed to an empty cache
+(prompt processing), the first token is taken greedily from its logits (time to first token), then ``decode_tokens``
+more tokens are generated one forward pass each (decode speed; end-of-sequence is ignored, as llama-bench does).
+Figures are medians over the repeats. ``--save-profile`` turns the result into a user device profile (with a
+numpy-copy bandwidth figure and this measurement as its reference point) that ``slm-align devices fit`` can use.
+Imports neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ def profile_isa(flags: Sequence[str]) -> list[str]:
 
 def physical_cores(cpuinfo: str) -> int:
     """Distinct (physical id, core id) pairs in /proc/cpuinfo, else the logical CPU count."""
-    pairs, physical = set(), "0"
+    pairs = set()
+    physical = "0"
     for line in cpuinfo.splitlines():
         key, _, value = (part.strip() for part in line.partition(":"))
         if key == "physical id":
@@ -189,7 +191,8 @@ def ram_bytes() -> int:
 
 def host_facts() -> HostFacts:
     """CPU name, cores, RAM and ISA flags of this host."""
-    cpuinfo, machine = _read("/proc/cpuinfo"), platform.machine()
+    cpuinfo = _read("/proc/cpuinfo")
+    machine = platform.machine()
     flags = cpu_flags(cpuinfo, machine)
     return HostFacts(cpu=cpu_name(cpuinfo), machine=machine, cores=physical_cores(cpuinfo),
                      logical_cpus=logical_cpus(), ram_gb=round(ram_bytes() / 2**30, 2), cpu_flags=flags,

@@ -35,7 +35,8 @@ from slm_align.errors import UserError
 FIXED_OVERHEAD_BYTES = 80 * 2**20   # runtime library, Python interpreter, tokenizer and sampler state
 COMPUTE_BYTES_PER_VALUE = 4         # llama.cpp keeps logits and activations in float32
 DEFAULT_CONTEXT = 4096              # context assumed when none is asked for (capped at the model's own)
-FITS_SHARE, TIGHT_SHARE = 0.70, 1.00
+FITS_SHARE = 0.70
+TIGHT_SHARE = 1.00
 MIN_DEVICE_POINTS = 2               # fewer own points than this: calibrate on every device's points
 DEFAULT_EFFICIENCY = 0.8            # used only when no profile has any reference point
 HEAD_BITS = BITS_PER_WEIGHT["Q6_K"]  # llama.cpp keeps the output head at Q6_K below that type
@@ -140,7 +141,11 @@ def memory_needed(facts: ModelFacts, profile: DeviceProfile, quant: str, context
 
 
 def verdict(share: float) -> str:
-    return "fits" if share <= FITS_SHARE else "tight" if share <= TIGHT_SHARE else "does not fit"
+    if share <= FITS_SHARE:
+        return "fits"
+    if share <= TIGHT_SHARE:
+        return "tight"
+    return "does not fit"
 
 
 def bandwidth_bound_tokens_per_second(facts: ModelFacts, profile: DeviceProfile, quant: str, context: int) -> float:

@@ -113,7 +113,8 @@ def hf_facts(directory: Path) -> ModelFacts:
         raise UserError(f"{directory}: no *.safetensors weights; save the model with save_pretrained "
                         "(safe_serialization=True)")
     config = _read_config(directory)
-    parameters, bytes_by_type = 0, {}
+    parameters = 0
+    bytes_by_type = {}
     for file in files:
         for tensor in safetensors_header(file).values():
             start, end = tensor["data_offsets"]
@@ -169,7 +170,8 @@ def gguf_facts(path: Path) -> ModelFacts:
     bytes_by_type: dict[str, int] = {}
     for tensor in reader.tensors:
         bytes_by_type[tensor.tensor_type.name] = bytes_by_type.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
-    heads, hidden = meta["attention.head_count"], meta["embedding_length"]
+    heads = meta["attention.head_count"]
+    hidden = meta["embedding_length"]
     tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
     return ModelFacts(
         source=str(path), format="gguf", architecture=arch,
@@ -209,7 +211,9 @@ def params_from_config(config: dict) -> int:
     """Parameter count of a decoder-only transformer from its config (embeddings, attention, MLP, norms, biases);
     exact for the architectures slm-align trains."""
     dims = _dims_from_config(config)
-    hidden, layers, vocab = dims["hidden_size"], dims["layers"], dims["vocab_size"]
+    hidden = dims["hidden_size"]
+    layers = dims["layers"]
+    vocab = dims["vocab_size"]
     if not (hidden and layers and vocab):
         raise UserError("config.json lacks hidden_size, num_hidden_layers or vocab_size; cannot size the model")
     model_type = config.get("model_type")

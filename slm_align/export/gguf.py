@@ -2,12 +2,12 @@
 
 Architectures: Llama (with the Q/K row permutation llama.cpp's rope expects), Qwen2, Qwen3 (q/k norms, explicit
 head_dim), Gemma 3 text (norm weights written as 1 + w, llama.cpp's (1+w) convention baked in; tied output),
-GPT-NeoX (fused QKV reordered from per-head to Q|K|V blocks) and GPT-2 (Conv1D weights transposed to Linear
-layout; learned positions; tied output). A config that llama.cpp would run differently from transformers (a
-Gemma 3 layer pattern other than every sixth layer global, for one) is refused before anything is written.
-Types written by this module: F32, F16, Q8_0. Every other llama.cpp type (Q4_0, Q4_K_M, Q5_K_M, ...) is produced by llama.cpp's own quantizer from an F32 file we write first
-(:func:`quantize_gguf`). Files are written to a temporary name and renamed, so a crash never leaves a file that
-looks whole.
+GPT-NeoX (fused QKV reordered from per-head to Q|K|V blocks) and GPT-2 (Conv1D weights transposed to Linear layout;
+learned positions; tied output). A config that llama.cpp would run differently from transformers (a Gemma 3 layer
+pattern other than every sixth layer global, for one) is refused before anything is written. Types written by this
+module: F32, F16, Q8_0. Every other llama.cpp type (Q4_0, Q4_K_M, Q5_K_M, ...) is produced by llama.cpp's own
+quantizer from an F32 file we write first (:func:`quantize_gguf`). Files are written to a temporary name and
+renamed, so a crash never leaves a file that looks whole.
 """
 
 from __future__ import annotations

@@ -88,8 +88,8 @@ def _replace_model(out_dir: Path, quantized: Path) -> None:
 
 
 def _to_ort_format(out_dir: Path) -> Path:
-    done = subprocess.run([sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort", str(out_dir / MODEL_FILE),
-                           "--output_dir", str(out_dir)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort",
+                           str(out_dir / MODEL_FILE), "--output_dir", str(out_dir)], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"ORT format conversion failed: {done.stderr.strip()[-500:]}")
     return out_dir / "model.ort"

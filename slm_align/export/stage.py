@@ -73,7 +73,9 @@ class ExportRequest:
 
 def _device_settings(request: ExportRequest) -> tuple[str, str, int]:
     """(quant, onnx preset, threads) from the flags, the device profile, then the defaults."""
-    quant, preset, threads = request.quant, request.preset, request.threads
+    quant = request.quant
+    preset = request.preset
+    threads = request.threads
     if request.device is not None:
         from slm_align.devices import load_profile
 
@@ -134,7 +136,8 @@ def _checkpoint(origin: dict, scratch: Path) -> Path:
         return Path(origin["path"])
     from slm_align.modeling import ModelSource, load_model, load_tokenizer, save_tokenizer
 
-    source, checkpoint = ModelSource(origin["kind"], origin["ref"]), scratch / "checkpoint"
+    source = ModelSource(origin["kind"], origin["ref"])
+    checkpoint = scratch / "checkpoint"
     load_model(source).save_pretrained(checkpoint, safe_serialization=True)
     save_tokenizer(load_tokenizer(source), source, checkpoint)
     return checkpoint
@@ -173,7 +176,8 @@ def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agre
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
-    model, tokenizer = load_model(source), load_tokenizer(source)
+    model = load_model(source)
+    tokenizer = load_tokenizer(source)
     backend = open_backend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True)
     return verify(model, tokenizer, backend, exact=quant in EXACT_TYPES, min_agreement=min_agreement,
                   greedy=quant in GREEDY_REPORTED).to_dict()

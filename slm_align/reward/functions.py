@@ -81,7 +81,13 @@ def json_tool_call(prompts, completions, schema: Optional[dict] = None, **_) -> 
     scores = []
     for completion in completions:
         call = _first_json_object(completion)
-        scores.append(0.0 if call is None else 1.0 if validator.is_valid(call) else 0.5)
+        if call is None:
+            score = 0.0
+        elif validator.is_valid(call):
+            score = 1.0
+        else:
+            score = 0.5
+        scores.append(score)
     return scores
 
 
@@ -119,7 +125,8 @@ class LearnedReward:
         from slm_align.reward.model import load_reward_model
 
         self.model, self.tokenizer = load_reward_model(path)
-        self.max_length, self.batch_size = max_length, batch_size
+        self.max_length = max_length
+        self.batch_size = batch_size
 
     def __call__(self, prompts, completions, truncated: Optional[Sequence[bool]] = None, **_) -> list[float]:
         """Scores of the texts; a completion flagged ``truncated`` (no EOS within the budget) is scored as written."""

@@ -14,6 +14,7 @@ from typing import Optional
 from slm_align.data.encoding import encode, pad_batch
 from slm_align.data.examples import Example
 from slm_align.errors import UserError
+from slm_align.stats import win_score
 
 
 def encode_scored(tokenizer, prompt: str, completion: str, max_length: int, ended: bool = True) -> list[int]:
@@ -33,7 +34,8 @@ def classifier_from_policy(policy, pad_token_id: int):
     from transformers import AutoModelForSequenceClassification
 
     config = policy.config.__class__.from_dict(policy.config.to_dict())
-    config.num_labels, config.pad_token_id = 1, pad_token_id
+    config.num_labels = 1
+    config.pad_token_id = pad_token_id
     classifier = AutoModelForSequenceClassification.from_config(config).float()
     missing, _ = classifier.load_state_dict(policy.state_dict(), strict=False)
     if any(not key.startswith("score.") for key in missing):
@@ -118,7 +120,7 @@ def pairwise_metrics(model, tokenizer, pairs, max_length: int, batch_size: int =
     prompts = [p.prompt for p in pairs]
     chosen = score_texts(model, tokenizer, prompts, [p.chosen for p in pairs], max_length, batch_size)
     rejected = score_texts(model, tokenizer, prompts, [p.rejected for p in pairs], max_length, batch_size)
-    wins = [1.0 if c > r else 0.5 if c == r else 0.0 for c, r in zip(chosen, rejected)]
+    wins = [win_score(c, r) for c, r in zip(chosen, rejected)]
     by_kind: dict[str, list[float]] = {}
     for pair, win in zip(pairs, wins):
         by_kind.setdefault(pair.kind, []).append(win)

@@ -34,7 +34,8 @@ def _messages(where: str, value: Any, column: str) -> list[tuple[str, str]]:
 
 def _render_chat(where: str, row: dict, tokenizer) -> Pair:
     """A conversational pair as text: the prompt through the chat template, each answer as its last turn."""
-    chosen, rejected = _messages(where, row["chosen"], "chosen"), _messages(where, row["rejected"], "rejected")
+    chosen = _messages(where, row["chosen"], "chosen")
+    rejected = _messages(where, row["rejected"], "rejected")
     prompt = _messages(where, row["prompt"], "prompt") if "prompt" in row else chosen[:-1]
     if "prompt" not in row and chosen[:-1] != rejected[:-1]:
         raise UserError(f"{where}: without a 'prompt' column, chosen and rejected must share all but the last turn")
@@ -101,7 +102,8 @@ def read_preferences(path: Union[Path, list[Path]], tokenizer=None) -> list[Pair
         pairs.extend(Pair(prompt, good, bad, "unpaired") for good, bad in combos[:MAX_PAIRS_PER_PROMPT])
     pairs = [p for p in pairs if p.chosen.strip() != p.rejected.strip()]
     if rows == 0:
-        raise UserError(f"preferences {path} are empty; give rows with prompt/chosen/rejected or prompt/completion/label")
+        raise UserError(f"preferences {path} are empty; "
+                        "give rows with prompt/chosen/rejected or prompt/completion/label")
     if not pairs:
         raise UserError(f"preferences {path} hold no usable pair (need chosen != rejected, or both a good and a bad "
                         "completion of one prompt)")
