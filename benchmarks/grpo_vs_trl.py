@@ -44,9 +44,9 @@ def prompts_for(n: int) -> list[str]:
 def run_ours(args) -> dict:
     import torch
 
-    from slm_align.config import LoraSettings, RLSettings
+    from slm_align.config import GRPOSettings, LoraSettings, RLSettings
     from slm_align.modeling import load_tokenizer, resolve_source
-    from slm_align.rl.loop import RLLoop
+    from slm_align.rl.grpo import GRPO
     from slm_align.rl.policy import build_policy
 
     torch.set_num_threads(args.threads)
@@ -54,11 +54,11 @@ def run_ours(args) -> dict:
     tokenizer = load_tokenizer(source)
     settings = RLSettings(algo="grpo", prompts_per_step=args.prompts, group_size=args.group_size,
                           max_new_tokens=args.max_new_tokens, epochs=args.epochs, minibatch_size=args.minibatch,
-                          beta=args.beta, loss_type="grpo", learning_rate=1e-5,
+                          grpo=GRPOSettings(beta=args.beta, loss_type="grpo"), learning_rate=1e-5,
                           lora=LoraSettings(r=LORA["r"], alpha=LORA["lora_alpha"], dropout=0.0,
                                             target_modules=LORA["target_modules"]))
     policy = build_policy(source, None, settings, seed=0)
-    loop = RLLoop(policy, tokenizer, reward, prompts_for(args.prompts * (args.iterations + 1)), settings, seed=0)
+    loop = GRPO(policy, tokenizer, reward, prompts_for(args.prompts * (args.iterations + 1)), settings, seed=0)
     times = []
     for step in range(args.iterations + 1):
         started = time.perf_counter()
@@ -139,7 +139,8 @@ def main() -> None:
                                                                                 "peak_rss_mb")}
                  for side in ("ours", "trl"))
     print(f"GRPO, {args.prompts} prompts x G={args.group_size}, {args.max_new_tokens} new tokens, LoRA r={LORA['r']}, "
-          f"fp32, CPU ({args.threads} threads), {args.iterations} timed iterations; median of {args.repeats} runs per side")
+          f"fp32, CPU ({args.threads} threads), {args.iterations} timed iterations; "
+          f"median of {args.repeats} runs per side")
     print(f"{'':28}{'slm-align':>12}{'TRL':>12}{'ratio':>10}")
     print(f"{'seconds per iteration':28}{ours['seconds_per_iteration']:12.2f}{trl['seconds_per_iteration']:12.2f}"
           f"{ours['seconds_per_iteration'] / trl['seconds_per_iteration']:10.2f}")

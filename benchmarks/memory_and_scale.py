@@ -124,14 +124,15 @@ def wrap(owner, name: str, before=None, after=None) -> None:
 
 
 def instrument_rl(probe: Probe) -> None:
-    from slm_align.rl import loop
+    from slm_align.rl import grpo, ppo
 
     def done(metrics):
         probe.completion_lengths.append(metrics["completion/length"])
         probe.step_done()
 
-    wrap(loop.RLLoop, "run_step", before=lambda *_: probe.begin(), after=done)
-    wrap(loop, "collect", after=lambda _: probe.rollout_done())
+    for module, algorithm in ((ppo, ppo.PPO), (grpo, grpo.GRPO)):
+        wrap(algorithm, "run_step", before=lambda *_: probe.begin(), after=done)
+        wrap(module, "collect", after=lambda _: probe.rollout_done())
 
 
 def instrument_trainer(probe: Probe) -> None:
@@ -171,7 +172,7 @@ def runner_args(spec: dict) -> argparse.Namespace:
                               prompts=spec.get("prompts", d.prompts_per_step),
                               group_size=spec.get("group_size", d.group_size),
                               max_new_tokens=spec.get("max_new_tokens", d.max_new_tokens), epochs=d.epochs,
-                              minibatch=d.minibatch_size, beta=d.beta)
+                              minibatch=d.minibatch_size, beta=d.grpo.beta)
 
 
 def child(spec: dict) -> dict:
@@ -294,7 +295,7 @@ def main() -> None:
         print(f"memory: {shape if memory_model else 'bundled model'}; recipe defaults except sft.max_steps = "
               f"reward.max_steps = rl.steps = {steps} and force=True for RL; RL: {defaults.prompts_per_step} prompts "
               f"x G={defaults.group_size}, {defaults.max_new_tokens} new tokens, {defaults.epochs} epochs of "
-              f"minibatch {defaults.minibatch_size}, LoRA r={defaults.lora.r}, beta={defaults.beta}; fp32, "
+              f"minibatch {defaults.minibatch_size}, LoRA r={defaults.lora.r}, beta={defaults.grpo.beta}; fp32, "
               f"{args.threads} thread(s)", flush=True)
         common = {"model": memory_model, "threads": args.threads, "steps": steps, "out": str(Path(tmp) / "run")}
         rows = {}

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from slm_align.errors import UserError
 
@@ -92,8 +92,51 @@ class EnvelopeSettings(_Strict):
     grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip (0: off).")
 
 
+class PPOSettings(_Strict):
+    """PPO's own settings (``[rl.ppo]``): the value loss, GAE, the KL penalty and reward whitening."""
+
+    value_clip: float = Field(0.2, gt=0, description="PPO: clip of the value update.")
+    value_coef: float = Field(0.5, ge=0, description="PPO: weight of the value loss.")
+    gamma: float = Field(1.0, gt=0, le=1, description="PPO: discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda.")
+    kl_coef: float = Field(0.05, ge=0, description="PPO: KL coefficient (initial value when adaptive).")
+    kl_mode: Literal["reward", "loss"] = Field("reward", description="PPO: k1 KL in the reward, or k3 in the loss.")
+    adaptive_kl: bool = Field(False, description="PPO: adapt the KL coefficient toward target_kl.")
+    target_kl: float = Field(0.1, gt=0, description="PPO: KL per sequence the adaptive controller aims for.")
+    whiten_rewards: bool = Field(True, description="PPO: whiten scores across the batch before use.")
+
+
+class GRPOSettings(_Strict):
+    """GRPO's own settings (``[rl.grpo]``): the asymmetric clip, the KL weight, advantage scaling, the loss."""
+
+    clip_eps_high: float = Field(0.28, gt=0, lt=1, description="GRPO: upper ratio clip (asymmetric).")
+    beta: float = Field(0.04, ge=0, description="GRPO: coefficient of the k3 KL to the reference.")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="GRPO: advantage scaling.")
+    loss_type: Literal["grpo", "dr_grpo", "token_mean"] = Field("grpo", description="GRPO: loss normalisation.")
+    resample_zero_std: bool = Field(False, description="GRPO: resample groups whose rewards are all equal (once).")
+
+
+RL_SECTIONS = {"ppo": PPOSettings, "grpo": GRPOSettings}
+"""The algorithm sections of ``[rl]``; their keys are also accepted flat (``[rl] beta = 0.1``, ``rl.beta``)."""
+
+
+def _section_of(key: str) -> Optional[str]:
+    """The ``[rl]`` sub-section that owns ``key`` ("ppo" or "grpo"), or None for a shared or unknown key."""
+    for section, model in RL_SECTIONS.items():
+        if key in model.model_fields:
+            return section
+    return None
+
+
+def _given(section: Any) -> Any:
+    """A sub-section's keys as given: a dict as it is, a settings object as the fields that were set on it."""
+    if isinstance(section, BaseModel):
+        return section.model_dump(include=section.model_fields_set)
+    return section
+
+
 class RLSettings(_Strict):
-    """PPO and GRPO: one loop, one envelope."""
+    """PPO and GRPO: the shared settings here, each algorithm's own in ``ppo`` and ``grpo``; one envelope."""
 
     algo: Literal["ppo", "grpo"] = Field("ppo", description="The algorithm.")
     steps: int = Field(40, ge=1, description="Rollout-and-update iterations.")
@@ -106,31 +149,40 @@ class RLSettings(_Strict):
     epochs: int = Field(2, ge=1, description="Passes over each rollout.")
     minibatch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="Ratio clip (PPO, and GRPO's lower bound).")
-    clip_eps_high: float = Field(0.28, gt=0, lt=1, description="GRPO: upper ratio clip (asymmetric).")
-    value_clip: float = Field(0.2, gt=0, description="PPO: clip of the value update.")
-    value_coef: float = Field(0.5, ge=0, description="PPO: weight of the value loss.")
-    gamma: float = Field(1.0, gt=0, le=1, description="PPO: discount.")
-    lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda.")
-    kl_coef: float = Field(0.05, ge=0, description="PPO: KL coefficient (initial value when adaptive).")
-    kl_mode: Literal["reward", "loss"] = Field("reward", description="PPO: k1 KL in the reward, or k3 in the loss.")
-    adaptive_kl: bool = Field(False, description="PPO: adapt the KL coefficient toward target_kl.")
-    target_kl: float = Field(0.1, gt=0, description="PPO: KL per sequence the adaptive controller aims for.")
-    beta: float = Field(0.04, ge=0, description="GRPO: coefficient of the k3 KL to the reference.")
-    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="GRPO: advantage scaling.")
-    loss_type: Literal["grpo", "dr_grpo", "token_mean"] = Field("grpo", description="GRPO: loss normalisation.")
-    resample_zero_std: bool = Field(False, description="GRPO: resample groups whose rewards are all equal (once).")
     mask_truncated: bool = Field(False, description="Give truncated completions no gradient.")
     length_penalty: float = Field(0.0, ge=0, description="Soft penalty per token past 80% of max_new_tokens.")
     missing_eos_penalty: float = Field(0.0, ge=0, description="Subtract from the score of a completion without EOS "
                                                               "(TRL's missing_eos_penalty; 0: off).")
-    whiten_rewards: bool = Field(True, description="PPO: whiten scores across the batch before use.")
     save_steps: int = Field(10, ge=1, description="Checkpoint every this many iterations (for --resume).")
     eval_prompts: int = Field(64, ge=1, description="Held-out prompts scored before and after RL.")
     report_prompts: int = Field(200, ge=0, description="Held-out prompts of the evaluation report `train` ends "
                                                        "with (0: no report; `slm-align evaluate` writes it later).")
+    ppo: PPOSettings = Field(default_factory=PPOSettings, description="PPO's own settings.")
+    grpo: GRPOSettings = Field(default_factory=GRPOSettings, description="GRPO's own settings.")
     lora: LoraSettings = Field(default_factory=lambda: LoraSettings(r=16, alpha=32.0, dropout=0.0),
                                description="The fresh RL adapter.")
     envelope: EnvelopeSettings = Field(default_factory=EnvelopeSettings, description="The safety envelope.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_keys_into_sections(cls, data: Any) -> Any:
+        """Move a flat algorithm key (``beta``, as recipes and ``rl.beta`` overrides wrote it before the split) into
+        its section; a key given both flat and in its section is refused. Unknown keys stay for extra="forbid"."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for section in RL_SECTIONS:
+            flat = {key: data.pop(key) for key in list(data) if _section_of(key) == section}
+            if not flat:
+                continue
+            nested = _given(data.get(section, {}))
+            if not isinstance(nested, dict):
+                return data  # a section of the wrong type: pydantic names it
+            for key in flat:
+                if key in nested:
+                    raise ValueError(f"rl.{key} and rl.{section}.{key} are both set; keep one (rl.{section}.{key})")
+            data[section] = {**nested, **flat}
+        return data
 
     @field_validator("report_prompts")
     @classmethod
@@ -167,9 +219,23 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     tree[keys[-1]] = value
 
 
-def _describe(err: ValidationError) -> str:
+def _flat_rl_keys(tree: dict) -> set[str]:
+    """The algorithm keys a recipe wrote flat under ``[rl]`` (``rl.beta``): errors name them as written."""
+    rl = tree.get("rl")
+    if not isinstance(rl, dict):
+        return set()
+    return {key for key in rl if _section_of(key) is not None}
+
+
+def _describe(err: ValidationError, flat: set[str] = frozenset()) -> str:
+    """One line naming the first invalid setting as the recipe wrote it, the reason and the value given."""
     first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
+    loc = list(first["loc"])
+    if loc[:1] == ["rl"] and len(loc) > 2 and loc[1] in RL_SECTIONS and loc[2] in flat:
+        del loc[1]  # written flat (rl.beta), validated in its section (rl.grpo.beta)
+    where = ".".join(str(p) for p in loc)
+    if isinstance(first.get("input"), dict):  # a whole section (two spellings of one key): the message says it all
+        return f"invalid setting {where}: {first['msg']}"
     return f"invalid setting {where}: {first['msg']} (got {first.get('input')!r})"
 
 
@@ -190,4 +256,4 @@ def load_recipe(path: Optional[Path] = None, overrides: Optional[dict[str, Any]]
     try:
         return Recipe.model_validate(tree)
     except ValidationError as exc:
-        raise UserError(_describe(exc)) from None
+        raise UserError(_describe(exc, _flat_rl_keys(tree))) from None

@@ -11,6 +11,7 @@ from slm_align.config import load_recipe
 from slm_align.evaluate import evaluate, summary_line
 from slm_align.headroom import check_headroom
 from slm_align.reward.stage import run_reward
+from slm_align.rl.schedule import iteration_size
 from slm_align.rl.stage import run_rl
 from slm_align.runs import check_out_dir
 from slm_align.sft import run_sft
@@ -56,7 +57,7 @@ def run_quickstart(out: Path, sft_steps: int = 150, reward_steps: int = 100, rl_
               "reward": {"dir": str(reward.stage_dir), "skipped": reward.skipped, "metrics": r}, "headroom": report}
     if report["passed"]:
         say(f"[bold]4/7 RL[/] PPO in the safety envelope ({rl_steps} iterations of "
-            f"{recipe.rl.prompts_per_step * recipe.rl.group_size} samples)")
+            f"{iteration_size(recipe.rl).samples} samples)")
         rl = run_rl(recipe, out, resume=True)
         curve = [json.loads(line)["reward/mean"] for line in (rl.stage_dir / "metrics.jsonl").read_text().splitlines()]
         g = rl.metrics["guard"]
@@ -98,7 +99,8 @@ def _export_step(out: Path, say: Callable[[str], None]) -> dict:
         done[target] = summary = _export_once(out, target, quant)
         m, v = summary["metrics"], summary["metrics"]["verification"]
         greedy = f"greedy {v['greedy_exact']}/{v['prompts']} prompts identical, " if v["prompts"] else ""
-        say(f"    {summary['dir']}: {m['bytes'] / 1e6:.1f} MB; tokenizer {'identical' if v['tokenizer_match'] else 'DIFFERENT'}, "
+        tokenizer = "identical" if v["tokenizer_match"] else "DIFFERENT"
+        say(f"    {summary['dir']}: {m['bytes'] / 1e6:.1f} MB; tokenizer {tokenizer}, "
             f"{greedy}top-1 agreement {v['agreement']:.3f}")
     return done
 

@@ -9,8 +9,9 @@ import torch
 from slm_align.config import load_recipe
 from slm_align.errors import UserError
 from slm_align.modeling import resolve_source
-from slm_align.rl.loop import RLLoop
+from slm_align.rl.grpo import GRPO
 from slm_align.rl.policy import ValueHead, build_policy, forward_logprobs
+from slm_align.rl.ppo import PPO
 from slm_align.rl.safeguards import TrainingDiverged
 from slm_align.rl.stage import GateRefused, run_rl
 from tests.helpers import finished_sft_run
@@ -26,11 +27,15 @@ def sft_run(tmp_path_factory, tiny_models, stories):
     return finished_sft_run(tmp_path_factory.mktemp("rl") / "run", tiny_models["llama"], stories, steps=2)
 
 
-def make_loop(sft_run, algo="grpo", loop_class=RLLoop, **rl):
+def make_loop(sft_run, algo="grpo", loop_class=None, **rl):
     out, recipe = sft_run
     envelope = recipe.rl.envelope.model_copy(update=rl.pop("envelope", {}))
-    small = dict(algo=algo, prompts_per_step=4, group_size=4, max_new_tokens=12, minibatch_size=8, envelope=envelope)
+    grpo = recipe.rl.grpo.model_copy(update=rl.pop("grpo", {}))
+    small = dict(algo=algo, prompts_per_step=4, group_size=4, max_new_tokens=12, minibatch_size=8, envelope=envelope,
+                 grpo=grpo)
     settings = recipe.rl.model_copy(update={**small, **rl})
+    if loop_class is None:
+        loop_class = PPO if algo == "ppo" else GRPO
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.source)
@@ -54,9 +59,9 @@ def same_state(a, b):
 
 
 def prepared(loop):
+    """A GRPO rollout, the loss of its minibatches, and the rows of one minibatch."""
     batch, _ = loop.rollout(0)
-    advantages, returns = loop.advantages(batch)
-    return batch, advantages, returns, torch.arange(8)
+    return batch, loop.loss(batch, loop.advantages(batch)), torch.arange(8)
 
 
 def test_step_zero_policy_equals_reference_and_first_ratio_is_one(sft_run):
@@ -67,7 +72,7 @@ def test_step_zero_policy_equals_reference_and_first_ratio_is_one(sft_run):
         with loop.policy.disable_adapter():
             reference = loop.policy(input_ids=ids).logits
     assert torch.equal(logits, reference)  # merged SFT + zero-initialised LoRA == reference
-    batch, _, _, rows = prepared(loop)
+    batch, _, rows = prepared(loop)
     loop.policy.train()
     new, _, _ = forward_logprobs(loop.policy, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_width,
                                  loop.settings.temperature)
@@ -90,7 +95,7 @@ def test_one_iteration_changes_every_lora_parameter(sft_run, algo):
         assert metrics["loss/value"] is not None and "value/explained_variance" in metrics
 
 
-class NaNGradientLoop(RLLoop):
+class NaNGradientLoop(GRPO):
     fault = False
 
     def after_backward(self):
@@ -100,44 +105,44 @@ class NaNGradientLoop(RLLoop):
 
 def test_nan_gradient_restores_parameters_and_optimizer_state_bit_for_bit(sft_run):
     loop = make_loop(sft_run, loop_class=NaNGradientLoop)
-    batch, advantages, returns, rows = prepared(loop)
-    loop.minibatch(batch, rows, advantages, returns)  # a normal step first, so the optimizer has state
+    batch, loss_fn, rows = prepared(loop)
+    loop.minibatch(batch, rows, loss_fn)  # a normal step first, so the optimizer has state
     params, state = lora_state(loop), optimizer_state(loop)
     loop.fault = True
-    result = loop.minibatch(batch, rows, advantages, returns)
+    result = loop.minibatch(batch, rows, loss_fn)
     assert result["rolled_back"] == 1 and loop.counters.rollbacks == 1
     assert same_state(lora_state(loop), params) and same_state(optimizer_state(loop), state)
     loop.fault = False
-    loop.minibatch(batch, rows, advantages, returns)  # training continues
+    loop.minibatch(batch, rows, loss_fn)  # training continues
     assert not same_state(lora_state(loop), params) and loop.counters.consecutive_rollbacks == 0
 
 
 def test_without_rollback_the_same_nan_corrupts_the_weights(sft_run):
     loop = make_loop(sft_run, loop_class=NaNGradientLoop, envelope={"rollback": False})
-    batch, advantages, returns, rows = prepared(loop)
+    batch, loss_fn, rows = prepared(loop)
     loop.fault = True
-    loop.minibatch(batch, rows, advantages, returns)
+    loop.minibatch(batch, rows, loss_fn)
     assert any(not torch.isfinite(p).all() for p in loop.params)
 
 
 def test_consecutive_rollbacks_stop_the_run_with_a_clear_message(sft_run):
     loop = make_loop(sft_run, loop_class=NaNGradientLoop, envelope={"max_consecutive_rollbacks": 3})
-    batch, advantages, returns, rows = prepared(loop)
+    batch, loss_fn, rows = prepared(loop)
     loop.fault = True
-    loop.minibatch(batch, rows, advantages, returns)
-    loop.minibatch(batch, rows, advantages, returns)
+    loop.minibatch(batch, rows, loss_fn)
+    loop.minibatch(batch, rows, loss_fn)
     with pytest.raises(TrainingDiverged, match="3 consecutive rollbacks .*non-finite gradient"):
-        loop.minibatch(batch, rows, advantages, returns)
+        loop.minibatch(batch, rows, loss_fn)
 
 
 @pytest.mark.parametrize("guard_on", [True, False])
 def test_ratio_guard_skips_the_minibatch_entirely(sft_run, guard_on):
     loop = make_loop(sft_run, envelope={} if guard_on else {"ratio_guard": 0.0})
-    batch, advantages, returns, rows = prepared(loop)
-    loop.minibatch(batch, rows, advantages, returns)
+    batch, loss_fn, rows = prepared(loop)
+    loop.minibatch(batch, rows, loss_fn)
     params, state = lora_state(loop), optimizer_state(loop)
     batch.old_logprobs = batch.old_logprobs - 3.0  # forces the ratio to e^3 ~ 20 > 5
-    result = loop.minibatch(batch, rows, advantages, returns)
+    result = loop.minibatch(batch, rows, loss_fn)
     assert result["ratio/mean"] > 5
     if guard_on:
         assert result["skipped"] == 1 and loop.counters.skipped == 1
@@ -167,14 +172,14 @@ def test_killed_run_resumes_to_the_same_result(sft_run, tmp_path, monkeypatch):
     for name in ("a", "b"):
         shutil.copytree(out / "sft", tmp_path / name / "sft")
     run_rl(recipe, tmp_path / "a", rewards=["tests.test_rl:varied_reward"], force=True)
-    original = RLLoop.run_step
+    original = PPO.run_step
 
     def killed_at_third(self, step):
         if step == 2:
             raise KeyboardInterrupt
         return original(self, step)
 
-    monkeypatch.setattr(RLLoop, "run_step", killed_at_third)
+    monkeypatch.setattr(PPO, "run_step", killed_at_third)
     with pytest.raises(KeyboardInterrupt):
         run_rl(recipe, tmp_path / "b", rewards=["tests.test_rl:varied_reward"], force=True)
     monkeypatch.undo()
@@ -232,7 +237,7 @@ def test_zero_variance_groups_are_counted_and_resampled(sft_run):
     def first_prompt_is_constant(prompts, completions, **_):
         return [0.0 if p == prompts[0] else len(c) for p, c in zip(prompts, completions)]
 
-    loop = make_loop(sft_run, resample_zero_std=True)
+    loop = make_loop(sft_run, grpo={"resample_zero_std": True})
     loop.reward_fn = first_prompt_is_constant
     loop.train_prompts = ["Once upon a time, there was a cat.", "Tom found a red ball."]
     plain = make_loop(sft_run)
@@ -246,7 +251,8 @@ def test_zero_variance_groups_are_counted_and_resampled(sft_run):
     assert any(resampled.completions[i] != first.completions[i] for i in constant)  # those groups were redrawn
     kept = [i for i in range(len(first.prompts)) if i not in constant]
     assert all(resampled.completions[i] == first.completions[i] for i in kept)
-    assert resampled.input_ids.shape[0] == first.input_ids.shape[0] and resampled.mask.shape == resampled.old_logprobs.shape
+    assert resampled.input_ids.shape[0] == first.input_ids.shape[0]
+    assert resampled.mask.shape == resampled.old_logprobs.shape
 
 
 def test_reference_policy_is_the_merged_sft_model_and_not_the_base(sft_run):
@@ -285,3 +291,25 @@ def test_a_non_finite_reward_names_the_term_and_the_prompt(sft_run):
     with pytest.raises(UserError, match="reward term 'broken' gave nan for prompt 'The sun.'"):
         loop.run_step(0)
     assert loop.counters.rollbacks == 0
+
+
+def test_flat_algorithm_keys_of_older_recipes_move_into_their_sections(tmp_path):
+    toml = tmp_path / "recipe.toml"
+    toml.write_text("[rl]\nbeta = 0.1\nkl_coef = 0.2\n[rl.ppo]\ngamma = 0.9\n")
+    recipe = load_recipe(toml, overrides={"rl.loss_type": "dr_grpo"})
+    assert recipe.rl.grpo.beta == 0.1 and recipe.rl.grpo.loss_type == "dr_grpo"
+    assert recipe.rl.ppo.kl_coef == 0.2 and recipe.rl.ppo.gamma == 0.9
+    assert load_recipe(overrides={"rl.grpo.beta": 0.3}).rl.grpo.beta == 0.3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"rl.beta": 0.1, "rl.grpo.beta": 0.2}, "rl.beta and rl.grpo.beta are both set"),
+    ({"rl.loss_type": "mean"}, "invalid setting rl.loss_type: "),  # named as written, not as rl.grpo.loss_type
+    ({"rl.grpo.loss_type": "mean"}, "invalid setting rl.grpo.loss_type: "),
+    ({"rl.no_such_key": 1}, "invalid setting rl.no_such_key: Extra inputs are not permitted"),
+    ({"rl.ppo.beta": 1}, "invalid setting rl.ppo.beta: Extra inputs are not permitted"),
+])
+def test_bad_algorithm_keys_are_refused_in_one_line(overrides, message):
+    with pytest.raises(UserError, match=message) as refused:
+        load_recipe(overrides=overrides)
+    assert "\n" not in str(refused.value)

@@ -13,8 +13,9 @@ import torch
 from slm_align.config import RLSettings
 from slm_align.generation import sample
 from slm_align.modeling import DEFAULT_MODEL_DIR, resolve_source
-from slm_align.rl.loop import RLLoop
+from slm_align.rl.grpo import GRPO
 from slm_align.rl.policy import ValueHead, build_policy, merged_for_sampling
+from slm_align.rl.ppo import PPO
 
 PROMPTS = ["Once upon a time, there was a cat.", "Tom found a red ball.", "One day, Mia was happy.",
            "The sun was warm."]
@@ -47,7 +48,8 @@ def test_a_few_iterations_raise_a_trivially_learnable_reward(algo, tokenizer, on
                     learning_rate=3e-3)
     policy = build_policy(resolve_source(str(DEFAULT_MODEL_DIR)), None, rl, seed=0)
     value_head = ValueHead(policy.config.hidden_size) if algo == "ppo" else None
-    loop = RLLoop(policy, tokenizer, brevity, PROMPTS, rl, seed=0, value_head=value_head)
+    algorithm = PPO if algo == "ppo" else GRPO
+    loop = algorithm(policy, tokenizer, brevity, PROMPTS, rl, seed=0, value_head=value_head)
     before = heldout_reward(policy, tokenizer)
     for step in range(6):
         loop.run_step(step)

@@ -11,8 +11,8 @@ import torch
 from slm_align.config import LoraSettings, RLSettings
 from slm_align.generation import sample
 from slm_align.modeling import resolve_source
-from slm_align.rl.loop import RLLoop
 from slm_align.rl.policy import ValueHead, build_policy, forward_logprobs, merged_for_sampling
+from slm_align.rl.ppo import PPO
 from slm_align.rl.rollout import collect
 
 PROMPTS = ["Once upon a time, there was a cat.", "Tom found a red ball.", "One day, Mia was happy.", "The sun."]
@@ -91,12 +91,12 @@ def characters(prompts, completions, **_):
 def test_dropout_is_off_in_every_rl_forward_so_the_first_ratio_is_exactly_one(checkpoint, tokenizer):
     rl = settings()
     policy = trained_policy(checkpoint, rl)
-    loop = RLLoop(policy, tokenizer, characters, PROMPTS, rl, seed=0, value_head=ValueHead(policy.config.hidden_size))
-    batch, _ = loop.rollout(0)
+    loop = PPO(policy, tokenizer, characters, PROMPTS, rl, seed=0, value_head=ValueHead(policy.config.hidden_size))
+    batch = loop.rollout(0)
     advantages, returns = loop.advantages(batch)
-    result = loop.minibatch(batch, torch.arange(8), advantages, returns)
+    result = loop.minibatch(batch, torch.arange(8), loop.loss(batch, advantages, returns))
     assert result["ratio/mean"] == 1.0 and result["ratio/max"] == 1.0  # not dropout noise around 1
-    again, _ = loop.rollout(0)  # the same rollout, sampled again after one update ...
+    again = loop.rollout(0)  # the same rollout, sampled again after one update ...
     assert torch.equal(again.ref_logprobs, batch.ref_logprobs)  # ... has a bit-identical reference
 
 

@@ -1,1 +1,1 @@
-"""PPO and GRPO for small models: one loop, one safety envelope."""
+"""PPO and GRPO for small models: ppo.py and grpo.py, one shared guarded step (step.py), one safety envelope."""

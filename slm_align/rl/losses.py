@@ -1,4 +1,8 @@
-"""Clipped policy loss with three normalisations, clipped value loss, and KL estimators."""
+"""The importance ratio, the clipped policy loss with three normalisations, the clipped value loss, KL estimators
+and the adaptive KL controller.
+
+Shapes: B sequences, T completion tokens; ``mask`` (B, T) is 1 on the completion tokens that train.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,18 @@ from slm_align.rl.advantages import masked_mean
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_tokens: int) -> torch.Tensor:
-    """token_mean: over all tokens; grpo: per sequence, then over sequences; dr_grpo: by a constant."""
+    """Reduce a per-token loss to a scalar, three ways.
+
+    Args:
+        per_token, mask: (B, T). max_tokens: the completion budget L_max (``max_new_tokens``).
+        loss_type: "token_mean": sum(l * m) / sum(m), every token of the batch weighs the same (DAPO, Yu et al.
+            2025; TRL's "bnpo"); "grpo": mean over sequences of sum_t(l * m) / sum_t(m), each sequence weighs the
+            same (Shao et al. 2024); "dr_grpo": sum(l * m) / (B * L_max), a constant normaliser with no length
+            bias (Liu et al. 2025, "Understanding R1-Zero-Like Training").
+
+    Returns:
+        A scalar. As TRL's GRPOTrainer ``loss_type`` options.
+    """
     if loss_type == "token_mean":
         return masked_mean(per_token, mask)
     if loss_type == "grpo":
@@ -20,17 +35,34 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_t
 
 
 def ratio_of(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, clamp: float) -> torch.Tensor:
-    """Importance ratio pi / pi_old per token, (B, T): exp of the float32 log-ratio, clamped to [-clamp, clamp]
-    before exp so that it cannot overflow (the envelope's float32 rule)."""
+    """Importance ratio rho_t = pi(y_t) / pi_old(y_t) per token.
+
+    Args:
+        new_logprobs, old_logprobs: (B, T) log-probabilities of the sampled tokens now and at rollout time.
+        clamp: bound of |log-ratio| (the envelope's ``log_ratio_clamp``).
+
+    Returns:
+        (B, T) float32 ``exp(clamp(log pi - log pi_old, -clamp, clamp))``: the log-ratio taken in float32 and clamped
+        before exp so that it cannot overflow (the envelope's float32 rule; bf16 log-probabilities are cast first).
+    """
     return torch.exp((new_logprobs.float() - old_logprobs.float()).clamp(-clamp, clamp))
 
 
 def clipped_policy_loss(ratio, advantages, mask, eps_low: float, eps_high: float, loss_type: str,
                         max_tokens: int):
-    """PPO's pessimistic clipped surrogate; returns (loss, fraction of tokens where the clip was active).
+    """PPO's pessimistic clipped surrogate.
 
-    ratio, advantages, mask: (B, T). loss_t = max(-A_t * rho_t, -A_t * clip(rho_t, 1 - eps_low, 1 + eps_high)),
-    aggregated by ``loss_type`` (Schulman et al. 2017; the asymmetric clip is DAPO's "clip-higher", Yu et al. 2025).
+    Args:
+        ratio, advantages, mask: (B, T) importance ratios rho_t, advantages A_t, the completion mask.
+        eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high] (equal for PPO; GRPO's upper bound is
+            DAPO's "clip-higher", Yu et al. 2025). loss_type, max_tokens: see :func:`aggregate`.
+
+    Returns:
+        loss: scalar, ``aggregate(max(-A_t * rho_t, -A_t * clip(rho_t, 1 - eps_low, 1 + eps_high)))``;
+        clip_frac: scalar, the masked share of tokens where the clipped term is the larger (the clip is active).
+
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7 (negated: a loss to minimise), as
+    torchtune's ``PPOLoss`` and TRL's trainers write it.
     """
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
@@ -40,34 +72,62 @@ def clipped_policy_loss(ratio, advantages, mask, eps_low: float, eps_high: float
 
 
 def clipped_value_loss(values, old_values, returns, mask, clip: float) -> torch.Tensor:
-    """PPO's clipped value loss, all inputs (B, T): 0.5 * mean over ``mask`` of max((V - R)^2, (V_clip - R)^2),
-    V_clip = V_old + clip(V - V_old, -clip, clip) (as TRL's PPOTrainer, after OpenAI's baselines)."""
+    """PPO's clipped value loss.
+
+    Args:
+        values, old_values, returns, mask: (B, T) the value head's V now, V_old at rollout time, GAE's returns R,
+            the completion mask. clip: how far V may move from V_old before the clipped term takes over.
+
+    Returns:
+        Scalar 0.5 * masked_mean(max((V - R)^2, (V_clip - R)^2)), V_clip = V_old + clip(V - V_old, -clip, clip).
+
+    As TRL's PPOTrainer and torchtune's ``PPOLoss`` (after OpenAI's baselines ppo2).
+    """
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
 
 
 def kl_k1(logprobs, ref_logprobs):
-    """k1 = log pi(y) - log pi_ref(y) per token, (B, T): unbiased, can be negative (Schulman 2020)."""
+    """Schulman's k1 estimator of KL(pi || pi_ref) per token.
+
+    Args:
+        logprobs, ref_logprobs: (B, T) log-probabilities of the sampled tokens (sampled from pi).
+
+    Returns:
+        (B, T) k1 = log pi(y) - log pi_ref(y): unbiased, can be negative per token (J. Schulman, "Approximating
+        KL divergence", 2020). PPO's KL penalty in the reward (:func:`per_token_rewards`) is -kl_coef * k1.
+    """
     return logprobs - ref_logprobs
 
 
 def kl_k3(logprobs, ref_logprobs, clamp: float = 20.0):
-    """Schulman's k3 estimator of KL(pi || pi_ref) per token: (B, T) log-probabilities in, (B, T) out.
+    """Schulman's k3 estimator of KL(pi || pi_ref) per token.
 
-    k3 = exp(d) - 1 - d with d = log pi_ref(y) - log pi(y): unbiased, non-negative, lower variance than k1
-    (J. Schulman, "Approximating KL divergence", 2020; the GRPO loss, Shao et al. 2024, and TRL's GRPOTrainer).
-    d is taken in float32 and clamped to [-clamp, clamp] before exp, as the policy ratio is, so that a token the
-    reference finds far likelier cannot overflow to inf.
+    Args:
+        logprobs, ref_logprobs: (B, T) log-probabilities of the sampled tokens (sampled from pi).
+        clamp: bound of |d| before exp.
+
+    Returns:
+        (B, T) float32 k3 = exp(d) - 1 - d with d = clamp(log pi_ref(y) - log pi(y), -clamp, clamp): unbiased,
+        non-negative, lower variance than k1 (J. Schulman, "Approximating KL divergence", 2020; the GRPO loss,
+        Shao et al. 2024, and TRL's GRPOTrainer). d is taken in float32 and clamped as the policy ratio is, so
+        that a token the reference finds far likelier cannot overflow to inf.
     """
     log_ratio = (ref_logprobs.float() - logprobs.float()).clamp(-clamp, clamp)
     return torch.exp(log_ratio) - 1 - log_ratio
 
 
 def adaptive_kl_coef(coef: float, kl: float, target: float, gain: float = 0.1) -> float:
-    """The adaptive KL controller's next coefficient: coef * (1 + gain * e), e = clip(kl / target - 1, -0.2, 0.2).
+    """The adaptive KL controller's next coefficient.
 
-    ``kl``: the rollout's mean KL per sequence. The proportional error is clipped at +-0.2 so that one odd rollout
-    moves the coefficient by at most 2% (Ziegler et al. 2019, section 2.2; TRL's ``AdaptiveKLController``).
+    Args:
+        coef: the current coefficient beta. kl: the rollout's mean KL per sequence (sum over tokens of k1).
+        target: the KL per sequence aimed for. gain: K_beta, the proportional gain.
+
+    Returns:
+        beta * (1 + gain * e) with e = clip(kl / target - 1, -0.2, 0.2): the error is clipped so that one odd
+        rollout moves the coefficient by at most 2% (Ziegler et al. 2019, section 2.2, with one update per
+        iteration; TRL's ``AdaptiveKLController`` scales the step by the batch's share of its horizon).
     """
     error = max(-0.2, min(0.2, kl / target - 1))
     return coef * (1 + gain * error)

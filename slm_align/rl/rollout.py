@@ -30,11 +30,14 @@ class Rollout:
 
     @property
     def lengths(self) -> torch.Tensor:
+        """(B,) completion tokens of each row (EOS included, padding not)."""
         return self.attention_mask[:, self.prompt_width:].sum(-1)
 
 
 def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, prompts: list[str],
             settings: RLSettings, seed: int) -> Rollout:
+    """Sample one completion per prompt (``seed``), score it, and recompute its log-probabilities in fp32 under the
+    policy (with values, when there is a value head) and the reference (the adapter disabled)."""
     policy.eval()
     with merged_for_sampling(policy):
         samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=seed)
@@ -42,9 +45,9 @@ def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, promp
     attention = torch.cat([samples.prompt_mask, samples.completion_mask], dim=1)
     width = samples.prompt_ids.shape[1]
     with torch.no_grad():
-        old, values = _scored(policy, input_ids, attention, width, settings, value_head)
+        old, values = _logprobs_and_values(policy, input_ids, attention, width, settings, value_head)
         with policy.disable_adapter():
-            ref, _ = _scored(policy, input_ids, attention, width, settings)
+            ref, _ = _logprobs_and_values(policy, input_ids, attention, width, settings)
     truncated = torch.tensor(samples.truncated)
     scores = _penalised(torch.tensor(score(reward_fn, samples), dtype=torch.float32), samples, truncated, settings)
     mask = samples.completion_mask.float()
@@ -62,7 +65,7 @@ def _penalised(scores: torch.Tensor, samples, truncated: torch.Tensor, settings:
     return scores - settings.missing_eos_penalty * truncated.float()
 
 
-def _scored(policy, input_ids, attention, width: int, settings: RLSettings, value_head=None):
+def _logprobs_and_values(policy, input_ids, attention, width: int, settings: RLSettings, value_head=None):
     """Log-probs (and values) of the samples, a minibatch at a time: the full-vocabulary tensors of one minibatch
     are alive at once, not those of the whole rollout (with a 49k vocabulary that was 1.1 GB more than TRL)."""
     size = settings.minibatch_size
@@ -80,35 +83,55 @@ def _pad_to(x: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
     return torch.cat([pad, x] if left else [x, pad], dim=1)
 
 
+def _padded_tokens(t: Optional[torch.Tensor], i: int, length: int) -> Optional[torch.Tensor]:
+    """Row ``i`` of a (B, T) per-token tensor right-padded with zeros to ``length`` tokens (None stays None)."""
+    if t is None:
+        return None
+    return _pad_to(t[i:i + 1], length, 0.0, False)
+
+
 def _row(r: Rollout, i: int, width: int, length: int, pad_id: int) -> dict:
     """Row ``i`` of a rollout re-padded to a prompt ``width`` (left) and completion ``length`` (right)."""
-    prompt, completion = slice(None, r.prompt_width), slice(r.prompt_width, None)
-    ids, att = r.input_ids[i:i + 1], r.attention_mask[i:i + 1]
-    per_token = lambda t: None if t is None else _pad_to(t[i:i + 1], length, 0.0, False)  # noqa: E731
+    prompt = slice(None, r.prompt_width)
+    completion = slice(r.prompt_width, None)
+    ids = r.input_ids[i:i + 1]
+    att = r.attention_mask[i:i + 1]
     return {
         "input_ids": torch.cat([_pad_to(ids[:, prompt], width, pad_id, True),
                                 _pad_to(ids[:, completion], length, pad_id, False)], 1),
         "attention_mask": torch.cat([_pad_to(att[:, prompt], width, 0, True),
                                      _pad_to(att[:, completion], length, 0, False)], 1),
-        "mask": per_token(r.mask), "old_logprobs": per_token(r.old_logprobs),
-        "ref_logprobs": per_token(r.ref_logprobs), "values": per_token(r.values),
+        "mask": _padded_tokens(r.mask, i, length), "old_logprobs": _padded_tokens(r.old_logprobs, i, length),
+        "ref_logprobs": _padded_tokens(r.ref_logprobs, i, length), "values": _padded_tokens(r.values, i, length),
         "scores": r.scores[i:i + 1], "truncated": r.truncated[i:i + 1],
         "prompt": r.prompts[i], "completion": r.completions[i],
     }
 
 
-def concat(first: Rollout, keep: list[int], second: Rollout, pad_id: int) -> Rollout:
-    """``first`` with the rows not in ``keep`` replaced, in order, by the rows of ``second``.
+def _stack(rows: list[dict], key: str) -> Optional[torch.Tensor]:
+    """The rows' ``key`` tensors stacked into a batch (None when the rollout has none, as values under GRPO)."""
+    if rows[0][key] is None:
+        return None
+    return torch.cat([r[key] for r in rows])
 
-    Prompts are re-padded on the left and completions on the right, so GRPO groups stay contiguous.
+
+def replace_rows(batch: Rollout, rows: list[int], replacement: Rollout, pad_id: int) -> Rollout:
+    """``batch`` with its ``rows`` replaced, in order, by the rows of ``replacement`` (one each).
+
+    Prompts are re-padded on the left and completions on the right to the wider of the two rollouts, so the other
+    rows keep their places (GRPO groups stay contiguous).
     """
-    width = max(first.prompt_width, second.prompt_width)
-    length = max(first.mask.shape[1], second.mask.shape[1])
-    replacements = iter(range(len(second.prompts)))
-    rows = [_row(first, i, width, length, pad_id) if i in keep else _row(second, next(replacements), width, length,
-                                                                          pad_id)
-            for i in range(len(first.prompts))]
-    stack = lambda key: None if rows[0][key] is None else torch.cat([r[key] for r in rows])  # noqa: E731
-    return Rollout([r["prompt"] for r in rows], [r["completion"] for r in rows], stack("input_ids"),
-                   stack("attention_mask"), width, stack("mask"), stack("old_logprobs"), stack("ref_logprobs"),
-                   stack("values"), stack("scores"), stack("truncated"))
+    width = max(batch.prompt_width, replacement.prompt_width)
+    length = max(batch.mask.shape[1], replacement.mask.shape[1])
+    replaced = set(rows)
+    replacements = iter(range(len(replacement.prompts)))
+    merged = []
+    for i in range(len(batch.prompts)):
+        if i in replaced:
+            merged.append(_row(replacement, next(replacements), width, length, pad_id))
+        else:
+            merged.append(_row(batch, i, width, length, pad_id))
+    return Rollout([r["prompt"] for r in merged], [r["completion"] for r in merged], _stack(merged, "input_ids"),
+                   _stack(merged, "attention_mask"), width, _stack(merged, "mask"), _stack(merged, "old_logprobs"),
+                   _stack(merged, "ref_logprobs"), _stack(merged, "values"), _stack(merged, "scores"),
+                   _stack(merged, "truncated"))

@@ -1,4 +1,5 @@
-"""The RL stage: the stages it needs, the headroom gate, then PPO or GRPO; artifacts in ``OUT/rl/``.
+"""The RL stage: the stages it needs, the headroom gate, then PPO (rl/ppo.py) or GRPO (rl/grpo.py); artifacts
+in ``OUT/rl/``.
 
 Artifacts: ``adapter/`` (the RL LoRA on top of the merged SFT weights), ``value_head.safetensors`` (PPO),
 ``metrics.jsonl`` (one line per iteration), ``plots/training_curves.png`` and ``manifest.json`` (the gate's
@@ -28,8 +29,10 @@ from slm_align.progress import new_progress
 from slm_align.reward.functions import combine
 from slm_align.reward.stage import run_reward
 from slm_align.rl.distributed import World, replica_digest, world_from_env
-from slm_align.rl.loop import RLLoop
+from slm_align.rl.grpo import GRPO
 from slm_align.rl.policy import ValueHead, build_policy, merged_for_sampling
+from slm_align.rl.ppo import PPO
+from slm_align.rl.schedule import iteration_size
 from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
 from slm_align.sft import recipe_from_sft, run_sft
 from slm_align.training import prepare_partial, save_adapter
@@ -95,7 +98,8 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
 
 
 def _check_divisible(settings, world: World) -> None:
-    sequences = settings.prompts_per_step if settings.algo == "grpo" else settings.prompts_per_step * settings.group_size
+    """Ranks share an iteration's prompt draws (GRPO: whole groups): refuse a world that cannot split them evenly."""
+    sequences = iteration_size(settings).prompts
     if sequences % world.size:
         unit = "prompts" if settings.algo == "grpo" else "samples"
         raise UserError(f"{world.size} processes cannot share {sequences} {unit} per iteration evenly; "
@@ -139,7 +143,8 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     policy = build_policy(source, adapter, settings, recipe.seed, recipe.model.trust_remote_code,
                           recipe.model.allow_pickle)
     value_head = ValueHead(policy.config.hidden_size) if settings.algo == "ppo" else None
-    loop = RLLoop(policy, tokenizer, reward_fn, train_prompts, settings, recipe.seed, value_head, world)
+    algorithm = PPO if settings.algo == "ppo" else GRPO
+    loop = algorithm(policy, tokenizer, reward_fn, train_prompts, settings, recipe.seed, value_head, world)
     partial = partial_dir(stage_dir)
     if world.main:
         prepare_partial(partial, inputs, resume)

@@ -1,0 +1,177 @@
+"""The guarded optimizer step PPO and GRPO share, and the run state around it.
+
+One minibatch step, in order: snapshot (trainable parameters and optimizer state), forward (dropout off), the
+fp32 importance ratio with its log-ratio clamped, the ratio guard (a minibatch whose world-wide mean ratio exceeds
+the envelope's bound is skipped: no backward, no step), the algorithm's loss (passed in as a function), a finite
+loss, backward, :meth:`Learner.after_backward`, gradient averaging across data-parallel ranks, a finite gradient,
+the gradient-norm clip, the optimizer step, finite parameters. Any non-finite value restores the snapshot bit for
+bit and is counted; too many rollbacks in a row stop the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Callable, Optional
+
+import torch
+
+from slm_align.config import RLSettings
+from slm_align.errors import UserError
+from slm_align.rl.advantages import masked_mean
+from slm_align.rl.distributed import World
+from slm_align.rl.learning_rate import base_parameters, default_learning_rate
+from slm_align.rl.losses import ratio_of
+from slm_align.rl.policy import ValueHead, forward_logprobs
+from slm_align.rl.rollout import Rollout
+from slm_align.rl.safeguards import GuardCounters, Snapshot, all_finite
+from slm_align.rl.schedule import derive_seed
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor],
+                  tuple[torch.Tensor, dict]]
+"""An algorithm's loss on one minibatch: ``(rows, new_logprobs, values, ratio, mask) -> (loss, statistics)``.
+
+rows: (b,) indices into the rollout; new_logprobs, ratio, mask: (b, T); values: (b, T) or None (no value head)."""
+
+
+class Learner:
+    """One RL run's state: policy, optional value head, optimizer, KL coefficient, guard counters, step.
+
+    PPO and GRPO subclass it and add the rollout, advantages and loss of their iteration (``run_step``).
+    """
+
+    def __init__(self, policy, tokenizer, reward_fn, train_prompts: list[str], settings: RLSettings, seed: int,
+                 value_head: Optional[ValueHead] = None, world: World = World()):
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.world = world
+        self.train_prompts = train_prompts
+        self.settings = settings
+        self.seed = seed
+        self.value_head = value_head
+        self.envelope = settings.envelope
+        self.named_params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+        if value_head is not None:
+            self.named_params += [(f"value_head.{n}", p) for n, p in value_head.named_parameters()]
+        self.params = [p for _, p in self.named_params]
+        self.learning_rate = settings.learning_rate
+        if self.learning_rate is None:
+            self.learning_rate = default_learning_rate(base_parameters(policy))
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.learning_rate, weight_decay=0.0)
+        # PPO's (adaptive) KL coefficient. GRPO weighs its KL by grpo.beta and carries this value unchanged, so
+        # that both write the same checkpoint and the same "kl_coef" metric.
+        self.kl_coef = settings.ppo.kl_coef
+        self.counters = GuardCounters()
+        self.step = 0
+
+    # ---- the guarded step ----------------------------------------------------------------------------------
+    def after_backward(self) -> None:
+        """Hook between backward and the optimizer step (fault-injection tests override it)."""
+
+    def minibatch(self, batch: Rollout, rows: torch.Tensor, loss_fn: LossFn) -> dict:
+        """One guarded optimizer step on ``rows`` of the batch with the algorithm's ``loss_fn``; its statistics."""
+        env = self.envelope
+        snapshot = Snapshot(self.params, self.optimizer) if env.rollback else None
+        self.policy.eval()  # dropout off in every RL forward: the first ratio is exactly 1, not dropout noise
+        new, entropy, values = forward_logprobs(self.policy, batch.input_ids[rows], batch.attention_mask[rows],
+                                                batch.prompt_width, self.settings.temperature, self.value_head)
+        mask = batch.mask[rows]
+        ratio = ratio_of(new, batch.old_logprobs[rows], env.log_ratio_clamp)
+        stats = {"ratio/mean": float(masked_mean(ratio.detach(), mask)),
+                 "ratio/max": float((ratio.detach() * mask).max()),
+                 "entropy": float(masked_mean(entropy.detach(), mask))}
+        if env.ratio_guard and self.world.mean(stats["ratio/mean"]) > env.ratio_guard:
+            self.counters.skipped += 1  # no backward, no optimizer step: parameters and state stay as they are
+            return dict(stats, skipped=1)
+        loss, loss_stats = loss_fn(rows, new, values, ratio, mask)
+        stats.update(loss_stats)
+        self.optimizer.zero_grad(set_to_none=True)
+        if env.rollback and self.world.any(not all_finite([loss])):
+            return self._roll_back(snapshot, stats, "non-finite loss")
+        loss.backward()
+        self.after_backward()
+        self.world.average_([p.grad for p in self.params])  # data parallel: every replica takes the same step
+        if env.rollback and not all_finite([p.grad for p in self.params]):
+            return self._roll_back(snapshot, stats, "non-finite gradient")
+        max_norm = env.grad_clip if env.grad_clip else float("inf")
+        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        self.optimizer.step()
+        if env.rollback and not all_finite(self.params):
+            return self._roll_back(snapshot, stats, "non-finite parameter")
+        self.counters.consecutive_rollbacks = 0
+        return dict(stats, loss=float(loss.detach()), skipped=0)
+
+    def _roll_back(self, snapshot: Snapshot, stats: dict, reason: str) -> dict:
+        snapshot.restore()
+        self.counters.rolled_back(self.envelope.max_consecutive_rollbacks, reason)
+        return dict(stats, rolled_back=1, skipped=0)
+
+    def update(self, batch: Rollout, loss_fn: LossFn, step: int) -> list[dict]:
+        """``epochs`` passes over the rollout in shuffled minibatches, one guarded step each; their statistics."""
+        size = batch.scores.shape[0]
+        results = []
+        for epoch in range(self.settings.epochs):
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, "minibatch_order", step, epoch=epoch))
+            order = torch.randperm(size, generator=generator)
+            for start in range(0, size, self.settings.minibatch_size):
+                results.append(self.minibatch(batch, order[start:start + self.settings.minibatch_size], loss_fn))
+        return results
+
+    # ---- around the iteration ------------------------------------------------------------------------------
+    def require_training_tokens(self, batch: Rollout, step: int) -> None:
+        """Stop when no completion token of the rollout trains (on every rank): an update would only replay AdamW's
+        stale momentum on a zero gradient."""
+        if not self.world.all(float(batch.mask.sum()) == 0):
+            return
+        budget = self.settings.max_new_tokens
+        raise UserError(f"RL iteration {step + 1}: every completion ran to max_new_tokens={budget} without EOS and "
+                        "--mask-truncated gives truncated completions no gradient, so nothing would train; raise "
+                        "--max-new-tokens or drop --mask-truncated")
+
+    def guard_metrics(self) -> dict:
+        """The iteration count, the KL coefficient and what the guards did so far (totals of the run)."""
+        return {"step": self.step, "kl_coef": self.kl_coef, "guard/skipped": self.counters.skipped,
+                "guard/rollbacks": self.counters.rollbacks, "guard/score_clipped": self.counters.score_clipped,
+                "guard/advantage_clipped": self.counters.advantage_clipped}
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue bit for bit (trainable weights, AdamW, RNG, counters)."""
+        return {"step": self.step, "kl_coef": self.kl_coef, "counters": asdict(self.counters),
+                "params": {n: p.detach().clone() for n, p in self.named_params},
+                "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict`."""
+        with torch.no_grad():
+            for name, param in self.named_params:
+                param.copy_(state["params"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        self.kl_coef = state["kl_coef"]
+        self.counters = GuardCounters(**state["counters"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+def rollout_kl(batch: Rollout) -> float:
+    """Mean over sequences of the summed k1 KL, sum_t (log pi_old - log pi_ref) * m_t: the run's "kl" metric and
+    the adaptive controller's input."""
+    return float(((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum(-1).mean())
+
+
+def _mean(results: list[dict], key: str) -> Optional[float]:
+    values = [r[key] for r in results if key in r]
+    return sum(values) / len(values) if values else None
+
+
+def rollout_metrics(batch: Rollout, results: list[dict], kl: float, seconds: float) -> dict:
+    """The metrics both algorithms log: reward, KL, lengths, and the minibatch statistics averaged."""
+    lengths = batch.lengths.float()
+    metrics = {"reward/mean": float(batch.scores.mean()), "reward/std": float(batch.scores.std()),
+               "kl": kl, "completion/length": float(lengths.mean()),
+               "completion/truncated_frac": float(batch.truncated.float().mean()),
+               "ratio/max": max(r["ratio/max"] for r in results), "step_time": seconds,
+               "tokens_per_s": float(lengths.sum()) / seconds if seconds else 0.0}
+    for key in ("ratio/mean", "entropy", "clip_frac", "loss/policy", "loss/value", "grad_norm"):
+        metrics[key] = _mean(results, key)
+    return metrics
