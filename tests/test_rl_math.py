@@ -1,11 +1,25 @@
-"""Advantages, losses and KL estimators on hand-computed inputs."""
+"""Advantages, losses, KL estimators, metrics and seeds on hand-computed inputs: each test fails on a flipped sign,
+a wrong normaliser or a misplaced index."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from slm_align.rl.advantages import gae, group_advantages, grpo_advantages, masked_whiten, per_token_rewards, sigma_clip
+from slm_align.config import EnvelopeSettings, GRPOSettings, PPOSettings, RLSettings
+from slm_align.rl.advantages import (
+    all_equal_groups,
+    gae,
+    group_advantages,
+    grpo_advantages,
+    masked_mean,
+    masked_whiten,
+    per_token_rewards,
+    sigma_clip,
+    whiten_scores,
+)
+from slm_align.rl.grpo import GRPO
 from slm_align.rl.losses import (
     adaptive_kl_coef,
     aggregate,
@@ -15,6 +29,8 @@ from slm_align.rl.losses import (
     kl_k3,
     ratio_of,
 )
+from slm_align.rl.ppo import PPO, explained_variance
+from slm_align.rl.schedule import SEED_STREAMS, derive_seed, iteration_size
 
 
 def test_gae_matches_the_recursion_by_hand():
@@ -132,3 +148,105 @@ def test_adaptive_kl_error_is_clipped_at_two_tenths():
     assert adaptive_kl_coef(0.05, kl=10.0, target=0.1) == pytest.approx(0.05 * 1.02)  # not 0.05 * 1.1
     assert adaptive_kl_coef(0.05, kl=0.0, target=0.1) == pytest.approx(0.05 * 0.98)
     assert adaptive_kl_coef(0.05, kl=0.11, target=0.1) == pytest.approx(0.05 * (1 + 0.1 * 0.1))
+
+
+def test_masked_mean_ignores_padding_and_is_zero_when_empty():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert masked_mean(x, mask).item() == pytest.approx(2.0)  # (1 + 2 + 3) / 3, not / 6
+    assert masked_mean(x, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_masked_whiten_divides_by_the_population_std():
+    white = masked_whiten(torch.tensor([[1.0, 2.0, 3.0, 50.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+    unit = 1 / math.sqrt(2 / 3)  # population variance of (1, 2, 3) is 2/3 (Bessel's would give 1)
+    assert white[0].tolist() == pytest.approx([-unit, 0.0, unit, 0.0], rel=1e-6)
+
+
+def test_whiten_scores_uses_the_unbiased_std_and_leaves_a_single_score_alone():
+    white = whiten_scores(torch.tensor([1.0, 2.0, 3.0]))
+    assert white.tolist() == pytest.approx([-1.0, 0.0, 1.0], rel=1e-6)  # unbiased std of (1, 2, 3) is 1
+    assert whiten_scores(torch.tensor([5.0])).tolist() == [5.0]
+
+
+def test_sigma_clip_takes_mean_and_std_over_the_mask_only():
+    x = torch.tensor([[0.0, 0.0, 0.0, 10.0, -99.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    clipped, count = sigma_clip(x, 1.0, mask)
+    mean, std = 2.5, math.sqrt((3 * 2.5 ** 2 + 7.5 ** 2) / 4)  # the masked -99 takes no part
+    assert count == 1  # the 10, not the masked -99
+    assert clipped[0].tolist() == pytest.approx([0.0, 0.0, 0.0, mean + std, 0.0], rel=1e-6)
+
+
+def test_all_equal_groups_names_the_groups_group_advantages_counts():
+    scores = torch.tensor([1.0, 1.0, 0.0, 2.0, 5.0, 5.0, 3.0, 3.0 + 1e-3])
+    assert all_equal_groups(scores, 2) == [0, 2]
+    assert group_advantages(scores, 2, "group")[1] == 2
+    assert all_equal_groups(torch.tensor([1.0, 2.0, 3.0, 4.0]), 2) == []
+
+
+def test_explained_variance_by_hand():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    values = torch.tensor([[1.0, 2.0, 2.0, 0.0]])
+    assert explained_variance(returns, values, mask) == pytest.approx(1 - (1 / 3) / (2 / 3))  # 0.5
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.ones(1, 3), torch.zeros(1, 3), torch.ones(1, 3)) == 0.0  # constant returns
+
+
+def fake_run(**settings):
+    """What an algorithm's ``loss`` reads from its run: settings, the envelope and PPO's KL coefficient."""
+    rl = RLSettings(max_new_tokens=2, **settings)
+    return SimpleNamespace(settings=rl, envelope=EnvelopeSettings(), kl_coef=0.3)
+
+
+def loss_inputs():
+    rows = torch.tensor([0])
+    new = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]])
+    mask = torch.tensor([[1.0, 1.0]])
+    ratio = torch.tensor([[1.0, 1.0]])
+    batch = SimpleNamespace(values=torch.tensor([[0.0, 0.0]]), ref_logprobs=ref)
+    return rows, new, ref, mask, ratio, batch
+
+
+@pytest.mark.parametrize("kl_mode", ["reward", "loss"])
+def test_ppo_loss_adds_the_weighted_value_loss_and_k3_only_in_loss_mode(kl_mode):
+    rows, new, ref, mask, ratio, batch = loss_inputs()
+    advantages = torch.tensor([[1.0, -1.0]])
+    returns = torch.tensor([[2.0, 0.0]])
+    run = fake_run(ppo=PPOSettings(value_coef=0.25, kl_mode=kl_mode))
+    loss, stats = PPO.loss(run, batch, advantages, returns)(rows, new, torch.tensor([[0.0, 0.0]]), ratio, mask)
+    policy = 0.0  # ratio 1: -(1 * 1 + (-1) * 1) / 2
+    value = 0.5 * (4.0 + 0.0) / 2  # V = V_old = 0, R = (2, 0)
+    k3 = masked_mean(kl_k3(new, ref), mask).item() if kl_mode == "loss" else 0.0
+    assert stats["loss/policy"] == pytest.approx(policy) and stats["loss/value"] == pytest.approx(value)
+    assert loss.item() == pytest.approx(policy + 0.25 * value + 0.3 * k3)
+
+
+def test_grpo_loss_adds_beta_times_the_k3_kl_with_the_same_normalisation():
+    rows, new, ref, mask, ratio, batch = loss_inputs()
+    mask = torch.tensor([[1.0, 0.0]])  # one token trains: dr_grpo divides by B * max_new_tokens = 2
+    advantages = torch.tensor([[2.0, 5.0]])
+    run = fake_run(grpo=GRPOSettings(beta=0.5, loss_type="dr_grpo"))
+    loss, stats = GRPO.loss(run, batch, advantages)(rows, new, None, ratio, mask)
+    k3 = math.exp(-0.5) - 1 + 0.5  # d = log pi_ref - log pi = -0.5 on the token that trains
+    assert stats["loss/policy"] == pytest.approx(-2.0 / 2)
+    assert loss.item() == pytest.approx(-2.0 / 2 + 0.5 * k3 / 2)
+
+
+def test_seed_streams_are_the_formulas_of_the_first_release():
+    """The quickstart's figures for a fixed seed depend on these integers: they must never move."""
+    seed, step, rank, epoch = 42, 7, 1, 1
+    assert derive_seed(seed, "prompts", step) == seed * 1_000_003 + step
+    assert derive_seed(seed, "rollout", step, rank) == seed * 7919 + step + 100_003 * rank
+    assert derive_seed(seed, "resample", step, rank) == seed * 7919 + step + 100_003 * rank + 104729
+    assert derive_seed(seed, "minibatch_order", step, epoch=epoch) == seed * 31 + step * 1009 + epoch
+    assert set(SEED_STREAMS) == {"prompts", "rollout", "resample", "minibatch_order"}
+
+
+def test_iteration_size_is_the_same_number_of_samples_for_both_algorithms():
+    grpo = iteration_size(RLSettings(algo="grpo", prompts_per_step=3, group_size=4))
+    ppo = iteration_size(RLSettings(algo="ppo", prompts_per_step=3, group_size=4))
+    assert (grpo.prompts, grpo.completions_per_prompt, grpo.samples) == (3, 4, 12)
+    assert (ppo.prompts, ppo.completions_per_prompt, ppo.samples) == (12, 1, 12)
