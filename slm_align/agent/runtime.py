@@ -22,6 +22,10 @@ from slm_align.agent.tools import ToolRegistry
 from slm_align.errors import UserError
 
 CONVERSATION_FORMAT = 1
+SEED_SPAN = 2 ** 32
+"""Seeds both backends take: llama.cpp's are 32 bits."""
+ALTERNATIVE_TEMPERATURE = 0.8
+"""A second candidate to a greedy answer is sampled at this temperature (greedy would repeat the first)."""
 
 
 @dataclass
@@ -38,6 +42,55 @@ class Reply:
     """Tokens generated for the final answer."""
     prompt_tokens: int = 0
     """Tokens of the prompt the final answer was generated from."""
+
+
+@dataclass
+class Model:
+    """An opened artifact: what an agent (or a server's every request) generates with."""
+
+    backend: Backend
+    """The llama.cpp or onnxruntime backend."""
+    sha256: str
+    """Identifies the model in preference records."""
+    name: str
+    """The artifact's file or directory name."""
+
+
+def load_model(artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
+               n_ctx: Optional[int] = None) -> Model:
+    """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context from its profile."""
+    artifact = Path(artifact)
+    if device is not None:
+        threads, n_ctx = device_settings(artifact, device, threads, n_ctx)
+    backend = open_backend(artifact, threads=threads, n_ctx=n_ctx)
+    return Model(backend, artifact_id(artifact), artifact.name)
+
+
+def fold_seed(seed: int) -> int:
+    """Any integer seed, folded into the 32 bits both backends take."""
+    return seed % SEED_SPAN
+
+
+def alternative_sampling(params: SamplingParams, seed: Optional[int] = None) -> SamplingParams:
+    """How a second candidate for a "which is better" choice is sampled: with ``seed``, else the next one after the
+    first answer's, and never greedily (that would repeat the first answer)."""
+    chosen = replace(params, seed=fold_seed(params.seed + 1 if seed is None else seed))
+    if chosen.temperature <= 0:
+        chosen = replace(chosen, temperature=ALTERNATIVE_TEMPERATURE)
+    return chosen
+
+
+def record_feedback(store, turn_id: int, kind: str, text: Optional[str] = None, other: Optional[str] = None,
+                    preferred: str = "this") -> int:
+    """Write a verdict on a recorded turn: ``up``, ``down``, ``edit`` (with ``text``) or ``choice`` (with ``other``,
+    ``preferred`` naming the winner); returns the feedback row's id."""
+    if kind in ("up", "down"):
+        return store.thumbs(turn_id, kind == "up")
+    if kind == "edit" and text is not None:
+        return store.edit(turn_id, text)
+    if kind == "choice" and other is not None:
+        return store.choose(turn_id, other, preferred)
+    raise UserError(f"feedback '{kind}': use up, down, edit (with text) or choice (with other)")
 
 
 def artifact_id(artifact: Path) -> str:
@@ -64,25 +117,27 @@ class Agent:
     def __init__(self, backend: Backend, model_id: str, system: Optional[str] = None,
                  tools: Optional[ToolRegistry] = None, sampling: Optional[SamplingParams] = None,
                  store=None, consent: bool = False, max_tool_rounds: int = 4, grammar: bool = True):
-        self.backend, self.model_id = backend, model_id
-        self.system, self.tools = system, tools
+        self.backend = backend
+        self.model_id = model_id
+        self.system = system
+        self.tools = tools
         self.sampling = sampling or SamplingParams()
-        self.store, self.consent = store, consent
-        self.max_tool_rounds, self.use_grammar = max_tool_rounds, grammar
+        self.store = store
+        self.consent = consent
+        self.max_tool_rounds = max_tool_rounds
+        self.use_grammar = grammar
         self.reset()
 
     @classmethod
     def load(cls, artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
              n_ctx: Optional[int] = None, store: Union[str, Path, None] = None, **options) -> "Agent":
         """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context from its profile."""
-        if device is not None:
-            threads, n_ctx = device_settings(Path(artifact), device, threads, n_ctx)
-        backend = open_backend(Path(artifact), threads=threads, n_ctx=n_ctx)
+        model = load_model(artifact, device, threads, n_ctx)
         if store is not None and not hasattr(store, "record_turn"):
             from slm_align.agent.store import PreferenceStore
 
             store = PreferenceStore(Path(store))
-        return cls(backend, artifact_id(Path(artifact)), store=store, **options)
+        return cls(model.backend, model.sha256, store=store, **options)
 
     # conversation state
     def reset(self) -> None:
@@ -107,7 +162,9 @@ class Agent:
             assert data.get("format") == CONVERSATION_FORMAT and isinstance(messages, list)
         except (OSError, ValueError, KeyError, TypeError, AssertionError):
             raise UserError(f"{path} is not a conversation saved by Agent.save") from None
-        self.messages, self.conversation_id, self.last = messages, data.get("id", uuid.uuid4().hex), None
+        self.messages = messages
+        self.conversation_id = data.get("id", uuid.uuid4().hex)
+        self.last = None
 
     # prompting
     def _prompt_tokens(self, messages: list[dict], max_tokens: int) -> tuple[list[int], list[dict]]:
@@ -131,7 +188,8 @@ class Agent:
         tokens: list[int] = []
         emitted = ""
         holdback = max((len(s) for s in sampling.stop), default=1) - 1
-        self._truncated, self._usage = True, (len(prompt), 0)
+        self._truncated = True
+        self._usage = (len(prompt), 0)
         for token in self.backend.generate(prompt, sampling, grammar):
             if token in self.backend.eos_ids:
                 self._truncated = False
@@ -226,24 +284,14 @@ class Agent:
     def feedback(self, kind: str, text: Optional[str] = None, other: Optional[str] = None,
                  preferred: str = "this") -> None:
         """Feedback on the last answer: ``up``, ``down``, ``edit`` (with ``text``) or ``choice`` (with ``other``)."""
-        turn = self._require_last().turn_id
-        if kind in ("up", "down"):
-            self.store.thumbs(turn, kind == "up")
-        elif kind == "edit" and text is not None:
-            self.store.edit(turn, text)
-        elif kind == "choice" and other is not None:
-            self.store.choose(turn, other, preferred)
-        else:
-            raise UserError(f"feedback '{kind}': use up, down, edit (with text) or choice (with other)")
+        record_feedback(self.store, self._require_last().turn_id, kind, text, other, preferred)
 
-    def alternative(self, messages: Optional[list[dict]] = None, **sampling) -> str:
-        """A second candidate for the last answer (or for the prompt ``messages`` of a stored turn), sampled with
-        another seed, for a "which is better" choice."""
+    def alternative(self, messages: Optional[list[dict]] = None, seed: Optional[int] = None, **sampling) -> str:
+        """A second candidate for the last answer (or for the prompt ``messages`` of a stored turn), sampled as
+        :func:`alternative_sampling` says (``seed``, else the next seed), for a "which is better" choice."""
         if messages is None and not self._last_prompt:
             raise UserError("no answer to compare with yet; chat first")
-        params = replace(self.sampling, **{"seed": self.sampling.seed + 1, **sampling})
-        if params.temperature <= 0:
-            params = replace(params, temperature=0.8)
+        params = alternative_sampling(replace(self.sampling, **sampling), seed)
         prompt, _ = self._prompt_tokens(messages if messages is not None else self._last_prompt, params.max_tokens)
         return "".join(self._generate(prompt, params, None))
 
