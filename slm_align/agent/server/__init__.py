@@ -1,0 +1,29 @@
+"""``slm-align serve``: an OpenAI-compatible chat endpoint and a feedback page over one exported model.
+
+    app = create_app("model-Q8_0.gguf", store_path="prefs.db", consent=True)   # a Starlette app
+    serve("model-Q8_0.gguf", port=8080, store_path="prefs.db")                  # ... run by uvicorn
+
+Routes: ``POST /v1/chat/completions`` (OpenAI request and response shapes, streaming by server-sent events,
+client-side function tools), ``GET /v1/models``, ``POST /v1/feedback``, ``POST /v1/alternative``, ``GET /health``
+and the chat page at ``/``. Answers carry a non-standard ``x_turn_id``: the turn's id in the preference store,
+which feedback refers to; a request may carry ``x_conversation_id`` to group its turns.
+
+One model, one thread: every generation runs on a single worker thread, in arrival order; at most
+``max_queue`` requests wait behind the running one and later ones get 503. Bad requests get an OpenAI-style
+``{"error": {"message", "type"}}`` with a 4xx status and the server keeps serving.
+
+Torch-free like the rest of ``slm_align.agent``: Starlette here, uvicorn only inside :func:`serve`.
+
+Modules: ``requests`` (request bodies as pydantic models, their errors as 400s), ``worker`` (the model thread),
+``service`` (what the routes share, answering on the model thread), ``responses`` (OpenAI's response shapes),
+``routes`` (the routes and the API-key guard), ``app`` (``create_app`` and ``serve``), ``errors``.
+"""
+
+from slm_align.agent.server.app import bind, check_exposure, create_app, is_loopback, serve
+from slm_align.agent.server.errors import ApiError
+from slm_align.agent.server.requests import ChatRequest, Limits, parse_chat
+from slm_align.agent.server.service import Outcome, Service
+from slm_align.agent.server.worker import ModelWorker
+
+__all__ = ["ApiError", "ChatRequest", "Limits", "ModelWorker", "Outcome", "Service", "bind", "check_exposure",
+           "create_app", "is_loopback", "parse_chat", "serve"]

@@ -1,0 +1,120 @@
+"""Building the app and serving it: ``create_app`` for any ASGI server, ``serve`` to listen with uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from contextlib import asynccontextmanager
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+from starlette.applications import Starlette
+
+from slm_align.agent.runtime import load_model
+from slm_align.agent.server.errors import HANDLERS
+from slm_align.agent.server.requests import Limits
+from slm_align.agent.server.routes import ROUTES, BearerAuth
+from slm_align.agent.server.service import Service
+from slm_align.agent.store import PreferenceStore
+from slm_align.errors import UserError
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def read_page() -> str:
+    """The chat page's HTML, shipped with the package."""
+    return resources.files("slm_align.agent").joinpath("static/index.html").read_text(encoding="utf-8")
+
+
+def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = None, api_key: Optional[str] = None,
+               consent: bool = False, tools: bool = False, notes: Union[str, Path, None] = None,
+               device: Optional[str] = None, threads: Optional[int] = None, n_ctx: Optional[int] = None,
+               **limits: int) -> Starlette:
+    """The server as an ASGI app (run it with uvicorn or :func:`serve`).
+
+    Args:
+        artifact: A .gguf file or an ONNX export directory.
+        store_path: Preference database to record turns and feedback in (None: record nothing).
+        api_key: When set, every /v1 route needs ``Authorization: Bearer <api_key>``.
+        consent: Mark recorded turns as consented for training.
+        tools: Run the built-in tools (calculator, clock, and notes in ``notes``) on the server.
+        notes: Folder the notes tools may use (with ``tools``).
+        device, threads, n_ctx: How to load the model, as for ``Agent.load``.
+        limits: Any :class:`Limits` field (max_body_bytes, max_queue, max_messages, ...).
+    """
+    from slm_align.agent.builtin_tools import default_tools
+
+    settings = Limits(**limits)
+    model = load_model(artifact, device, threads, n_ctx)
+    store = PreferenceStore(Path(store_path)) if store_path is not None else None
+    service = Service(model, store, consent, default_tools(notes) if tools else None, settings)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        service.close()
+
+    app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
+    if api_key:
+        app.add_middleware(BearerAuth, key=api_key)
+    app.state.service = service
+    app.state.page = read_page()
+    return app
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: Optional[str], insecure: bool) -> None:
+    """Listening beyond loopback needs an API key, or an explicit ``insecure``."""
+    if not is_loopback(host) and not api_key and not insecure:
+        raise UserError(f"refusing to listen on {host} without an API key: anyone who can reach it could use the "
+                        "model and write to the preference store; pass --api-key KEY (or set SLM_ALIGN_API_KEY), "
+                        "or --insecure to accept that")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, or a one-line UserError (port in use, unknown address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host.strip("[]"), port), family=family, reuse_port=False)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise UserError(f"cannot listen on {host}:{port} ({reason}); pass another --port or --host") from None
+
+
+def serve(artifact: Union[str, Path], host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
+          insecure: bool = False, log_level: str = "info", announce: Optional[Callable[[dict], None]] = None,
+          **options: Any) -> None:
+    """Check the address, load the model, listen, and answer until interrupted (Ctrl-C).
+
+    ``options`` go to :func:`create_app`; ``announce`` receives ``{url, model, store, api_key}`` once listening.
+    """
+    import uvicorn
+
+    check_exposure(host, api_key, insecure)
+    sock = bind(host, port)  # before loading the model: a taken port fails fast
+    try:
+        app = create_app(artifact, api_key=api_key, **options)
+    except BaseException:
+        sock.close()
+        raise
+    if announce is not None:
+        announce(_listening(app, host, sock, api_key, options.get("store_path")))
+    uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
+
+
+def _listening(app: Starlette, host: str, sock: socket.socket, api_key: Optional[str], store_path: Any) -> dict:
+    """What :func:`serve` announces once listening."""
+    shown = f"[{host}]" if ":" in host else host
+    return {"url": f"http://{shown}:{sock.getsockname()[1]}/", "model": app.state.service.model.name,
+            "store": str(store_path) if store_path else None, "api_key": bool(api_key)}

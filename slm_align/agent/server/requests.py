@@ -1,0 +1,491 @@
+"""Request bodies as pydantic models, and the one function that turns their validation errors into 400s.
+
+Models are strict (a bool is not a number, "1" is not an integer), ignore unknown keys, and read a top-level null as
+"not given". A body is validated with :func:`validate`, which passes the server's :class:`Limits` as validation
+context and maps the first error to the one-line message clients have always received (:func:`to_api_error`).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import asdict, dataclass
+from string import Template
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError, PydanticKnownError
+from starlette.requests import Request
+
+from slm_align.agent.runtime import fold_seed
+from slm_align.agent.sampling import SamplingParams
+from slm_align.agent.server.errors import ApiError, bad
+from slm_align.agent.store import FEEDBACK_KINDS, PREFERRED
+from slm_align.agent.tools import ToolRegistry
+
+ROLES = ("system", "user", "assistant", "tool")
+DEFAULTS = SamplingParams()
+
+
+@dataclass
+class Limits:
+    """What one request may ask of the server; beyond it the answer is a 4xx (or 503) and serving goes on."""
+
+    max_body_bytes: int = 1 << 20
+    """Largest request body in bytes; a larger one gets 413."""
+    max_queue: int = 16
+    """Requests that may wait for the model behind the running one; more get 503."""
+    max_messages: int = 256
+    """Most messages in one chat request."""
+    max_message_chars: int = 32_000
+    """Longest text of one message, feedback text or edit."""
+    max_tokens: int = 4096
+    """Most tokens one answer may ask for (``max_tokens`` / ``max_completion_tokens``)."""
+    max_tools: int = 64
+    """Most function tools one request may offer."""
+    max_stop: int = 4
+    """Most stop strings one request may give (OpenAI's limit)."""
+
+
+# --- the body as JSON -------------------------------------------------------------------------------------------
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object, refused with 413 past ``limit`` bytes (declared or actually sent).
+
+    Only ``Content-Type: application/json`` is read (415 otherwise): a page on another site can send text/plain
+    or form posts to a loopback server without asking, but not JSON.
+    """
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+        raise ApiError(415, "send the body as JSON with the header 'Content-Type: application/json'")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise bad(f"the body is not valid JSON ({type(exc).__name__}: {str(exc)[:120]})") from None
+    if not isinstance(data, dict):
+        raise bad("the body must be a JSON object")
+    return data
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes; send fewer or shorter messages")
+
+
+# --- validators that need the limits ----------------------------------------------------------------------------
+
+
+def _limits(info: ValidationInfo) -> Limits:
+    return info.context["limits"]
+
+
+def _at_most_max_tokens(value: int, info: ValidationInfo) -> int:
+    if value > _limits(info).max_tokens:
+        raise PydanticKnownError("less_than_equal", {"le": _limits(info).max_tokens})
+    return value
+
+
+def _count_at_most(limit_name: str):
+    """A before-validator refusing a list longer than the named limit (before its items are looked at)."""
+    def check(value: Any, info: ValidationInfo) -> Any:
+        limit = getattr(_limits(info), limit_name)
+        if isinstance(value, list) and len(value) > limit:
+            raise PydanticKnownError("too_long", {"field_type": "List", "max_length": limit,
+                                                  "actual_length": len(value)})
+        return value
+    return BeforeValidator(check)
+
+
+def _one_of(choices: tuple):
+    def check(value: str) -> str:
+        if value not in choices:
+            raise PydanticCustomError("not_one_of", "must be one of {choices}", {"choices": ", ".join(choices)})
+        return value
+    return AfterValidator(check)
+
+
+def _message_sized(text: Optional[str], info: ValidationInfo) -> Optional[str]:
+    limit = _limits(info).max_message_chars
+    if text is not None and len(text) > limit:
+        raise PydanticKnownError("string_too_long", {"max_length": limit})
+    return text
+
+
+Number = Union[StrictInt, StrictFloat]
+Tokens = Annotated[StrictInt, Field(ge=1), AfterValidator(_at_most_max_tokens)]
+NonEmpty = Annotated[StrictStr, Field(min_length=1)]
+
+
+class Strict(BaseModel):
+    """A JSON object: strict types, unknown keys ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class Body(Strict):
+    """A request body: a top-level null reads as "not given" (the field's default)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _given(cls, data: Any) -> Any:
+        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+
+
+# --- chat -------------------------------------------------------------------------------------------------------
+
+
+class TextPart(Strict):
+    """``{"type": "text", "text"}``: the only content part this model reads."""
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class CalledFunction(Strict):
+    """The function of an assistant's past tool call; ``arguments`` as JSON text (or already an object)."""
+
+    name: StrictStr
+    arguments: Any = None
+
+
+class ToolCall(Strict):
+    """One of an assistant's past tool calls (``type`` is not checked)."""
+
+    id: Any = None
+    function: CalledFunction
+
+
+class Message(Strict):
+    """One chat message; ``developer`` is read as ``system``, tool calls count on assistant messages only."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(None, validate_default=True)
+    content: Union[None, StrictStr, list[TextPart]] = Field(None, validate_default=True)
+    tool_calls: Optional[list[ToolCall]] = None
+    name: Any = None
+    tool_call_id: Any = None
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _text(cls, content: Union[None, str, list[TextPart]], info: ValidationInfo) -> str:
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        else:
+            text = "".join(part.text for part in content)
+        return _message_sized(text, info)
+
+    @field_validator("tool_calls", mode="wrap")
+    @classmethod
+    def _assistants_only(cls, value: Any, handler, info: ValidationInfo) -> Optional[list[ToolCall]]:
+        return handler(value) if info.data.get("role") == "assistant" else None
+
+
+class FunctionSpec(Strict):
+    """A client tool's function: its name, and a description and JSON schema of any shape."""
+
+    name: StrictStr
+    description: Any = None
+    parameters: Any = None
+
+
+class ToolSpec(Strict):
+    """A client-side function tool, as OpenAI's ``tools`` list has them."""
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class ChatBody(Body):
+    """An OpenAI chat completion request; fields are checked in this order (the first error is the answer)."""
+
+    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    tool_choice: Any = None
+    tools: Annotated[Optional[list[ToolSpec]], _count_at_most("max_tools")] = None
+    stream_options: Optional[dict] = None
+    messages: Annotated[list[Message], Field(min_length=1), _count_at_most("max_messages")]
+    max_completion_tokens: Optional[Tokens] = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] = DEFAULTS.temperature
+    top_p: Annotated[Number, Field(ge=0, le=1)] = DEFAULTS.top_p
+    top_k: Annotated[StrictInt, Field(ge=0)] = DEFAULTS.top_k
+    max_tokens: Optional[Tokens] = None
+    stop: Annotated[Union[NonEmpty, list[NonEmpty]], _count_at_most("max_stop")] = Field(default_factory=list)
+    seed: Optional[StrictInt] = None
+    stream: StrictBool = False
+    include_usage: StrictBool = False
+    """``stream_options.include_usage``, lifted here so that it is checked after ``stream``."""
+    x_conversation_id: Optional[Annotated[StrictStr, Field(max_length=128)]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_include_usage(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        options = data.get("stream_options")
+        lifted = options.get("include_usage") if isinstance(options, dict) else None
+        body = {key: value for key, value in data.items() if key != "include_usage"}
+        if lifted is not None:
+            body["include_usage"] = lifted
+        return body
+
+    @field_validator("tools", mode="wrap")
+    @classmethod
+    def _unless_tool_choice_none(cls, value: Any, handler, info: ValidationInfo) -> Optional[list[ToolSpec]]:
+        return None if info.data.get("tool_choice") == "none" else handler(value)
+
+    @field_validator("max_tokens", mode="wrap")
+    @classmethod
+    def _unless_max_completion_tokens(cls, value: Any, handler, info: ValidationInfo) -> Optional[int]:
+        return None if info.data.get("max_completion_tokens") is not None else handler(value)
+
+    def sampling(self) -> SamplingParams:
+        """Sampling from the request; a missing seed is drawn at random (and recorded with the turn)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=self.max_completion_tokens or self.max_tokens or DEFAULTS.max_tokens,
+                              stop=[self.stop] if isinstance(self.stop, str) else list(self.stop),
+                              seed=secrets.randbits(32) if self.seed is None else fold_seed(self.seed))
+
+    def runtime_messages(self) -> list[dict]:
+        """The messages as chat templates take them: tool-call arguments as objects, tool results named."""
+        call_names: dict = {}
+        return [_runtime_message(message, call_names) for message in self.messages]
+
+    def client_tools(self) -> Optional[ToolRegistry]:
+        """The request's function tools as a registry that parses the model's calls (the client runs them)."""
+        if not self.tools:
+            return None
+        registry = ToolRegistry()
+        for spec in self.tools:
+            function = spec.function
+            registry.register(_runs_on_the_client, name=function.name,
+                              description=function.description or function.name,
+                              schema=function.parameters or {"type": "object", "properties": {}})
+        return registry
+
+
+def _runtime_message(message: Message, call_names: dict) -> dict:
+    """One message in the runtime's shape; ``call_names`` maps the call ids seen so far to their functions."""
+    role = "system" if message.role == "developer" else message.role
+    shaped = {"role": role, "content": message.content}
+    if message.tool_calls is not None:
+        shaped["tool_calls"] = [{"type": "function", "function": {"name": call.function.name,
+                                                                  "arguments": _arguments(call.function.arguments)}}
+                                for call in message.tool_calls]
+        call_names.update({call.id: call.function.name for call in message.tool_calls if isinstance(call.id, str)})
+    if role == "tool":
+        named = message.name
+        shaped["name"] = named if isinstance(named, str) else call_names.get(message.tool_call_id, "")
+    return shaped
+
+
+def _arguments(arguments: Any) -> Any:
+    """OpenAI's JSON-text arguments as the object chat templates take (text that is not JSON stays text)."""
+    if not isinstance(arguments, str):
+        return arguments if arguments is not None else {}
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def _runs_on_the_client(**arguments: Any) -> None:
+    """A client-side tool: the server returns the call instead of running it."""
+    raise RuntimeError("client-side tools are run by the client")
+
+
+# --- feedback and alternatives ----------------------------------------------------------------------------------
+
+
+def _required_for(kind: str):
+    """An after-validator: the text must be non-empty when the verdict's kind is ``kind``."""
+    def check(text: Optional[str], info: ValidationInfo) -> Optional[str]:
+        if info.data.get("kind") == kind and not (text or "").strip():
+            raise PydanticKnownError("missing")
+        return text
+    return AfterValidator(check)
+
+
+class FeedbackBody(Body):
+    """A verdict on a recorded turn, as the page and API clients send it."""
+
+    kind: Annotated[StrictStr, _one_of(FEEDBACK_KINDS)]
+    """up, down, choice or edit."""
+    preferred: Annotated[StrictStr, _one_of(PREFERRED)] = "this"
+    """choice: which answer won, 'this' (the turn's) or 'other'."""
+    turn_id: Annotated[StrictInt, Field(ge=1)]
+    """The ``x_turn_id`` of the answer."""
+    text: Annotated[Optional[StrictStr], _required_for("edit"), AfterValidator(_message_sized)] = \
+        Field(None, validate_default=True)
+    """edit: the corrected answer."""
+    other: Annotated[Optional[StrictStr], _required_for("choice"), AfterValidator(_message_sized)] = \
+        Field(None, validate_default=True)
+    """choice: the other candidate (from /v1/alternative)."""
+
+
+class AlternativeBody(Body):
+    """A request for a second answer to a recorded turn's prompt."""
+
+    turn_id: Annotated[StrictInt, Field(ge=1)]
+    """The ``x_turn_id`` of the answer."""
+    seed: Optional[StrictInt] = None
+    """The candidate's seed (default: the turn's seed + 1)."""
+
+
+# --- validation errors as the server's 400s ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How refusals of one field read: ``'<where>' must be <phrase>[, got <value>]``."""
+
+    phrase: str
+    """What the value must be; ``$max_tokens`` and the like name a :class:`Limits` field."""
+    got: bool = True
+    """Quote the value sent (for type and range errors)."""
+    required: Optional[str] = None
+    """For a missing value: ``'<where>' is required: <required>``."""
+    counted: bool = False
+    """A list past its limit: ``'<where>' has N <name>; at most M are accepted``."""
+
+
+TOOL_SHAPE = '{"type": "function", "function": {"name", "description", "parameters"}}}}'
+CALL_SHAPE = '{"type": "function", "function": {"name", "arguments"}}'
+TEXT = Rule("text", required="non-empty text")
+RULES = {
+    "n": Rule("an integer from 1 to 1"),
+    "tools": Rule("a list of function tools", counted=True),
+    "tools.*": Rule(TOOL_SHAPE, got=False),
+    "stream_options": Rule("an object"),
+    "messages": Rule("a non-empty list of {role, content} objects", got=False, counted=True),
+    "messages.*": Rule("an object with a role and content", got=False),
+    "messages.*.role": Rule(f"one of {', '.join(ROLES)}"),
+    "messages.*.content": Rule("text or a list of text parts (this model reads text only)", got=False),
+    "messages.*.tool_calls": Rule("a list of function calls", got=False),
+    "messages.*.tool_calls.*": Rule(CALL_SHAPE, got=False),
+    "max_completion_tokens": Rule("an integer from 1 to $max_tokens"),
+    "temperature": Rule("a number from 0 to 2"),
+    "top_p": Rule("a number from 0 to 1"),
+    "top_k": Rule("an integer from 0"),
+    "max_tokens": Rule("an integer from 1 to $max_tokens"),
+    "stop": Rule("a non-empty string or a list of at most $max_stop of them", got=False),
+    "seed": Rule("an integer"),
+    "stream": Rule("true or false"),
+    "include_usage": Rule("true or false"),
+    "x_conversation_id": Rule("text"),
+    "kind": Rule(f"one of {', '.join(FEEDBACK_KINDS)}"),
+    "preferred": Rule("'this' or 'other'"),
+    "turn_id": Rule("an integer from 1", required="the x_turn_id of the answer"),
+    "text": TEXT,
+    "other": TEXT,
+}
+RANGE_ERRORS = ("greater_than_equal", "less_than_equal")
+"""Out-of-range values are quoted as Python prints them, wrong types as JSON."""
+UNQUOTED_ERRORS = ("missing", "not_one_of")
+
+
+def to_api_error(exc: ValidationError, limits: Limits) -> ApiError:
+    """The 400 for a body that failed validation: the first error, in the words of its field's :data:`RULES`."""
+    error = exc.errors(include_url=False)[0]
+    key, loc = _rule_for(error["loc"])
+    rule = RULES[key]
+    where = _where(loc)
+    kind = error["type"]
+    context = error.get("ctx") or {}
+    if kind == "missing" and rule.required:
+        return bad(f"{where} is required: {rule.required}")
+    if kind == "too_long" and rule.counted:
+        return bad(f"{where} has {context['actual_length']} {loc[-1]}; at most {context['max_length']} are accepted")
+    if kind == "string_too_long":
+        return bad(f"{where} is longer than {context['max_length']} characters")
+    refusal = f"{where} must be {Template(rule.phrase).safe_substitute(asdict(limits))}"
+    if not rule.got or kind in UNQUOTED_ERRORS:
+        return bad(refusal)
+    if kind in RANGE_ERRORS:
+        return bad(f"{refusal}, got {error['input']}")
+    return bad(f"{refusal}, got {json.dumps(error['input'])[:60]}")
+
+
+def _rule_for(loc: tuple) -> tuple[str, tuple]:
+    """The most specific rule for an error's location, and the part of the location it covers."""
+    pattern = ["*" if isinstance(part, int) else str(part) for part in loc]
+    for end in range(len(loc), 0, -1):
+        key = ".".join(pattern[:end])
+        if key in RULES:
+            return key, tuple(loc[:end])
+    raise KeyError(f"no refusal rule for {loc}")
+
+
+def _where(loc: tuple) -> str:
+    """``'field'`` for a top-level field, ``messages[2].content`` inside a list."""
+    if not any(isinstance(part, int) for part in loc):
+        return f"'{loc[-1]}'"
+    where = ""
+    for part in loc:
+        if isinstance(part, int):
+            where += f"[{part}]"
+        else:
+            where += f".{part}" if where else part
+    return where
+
+
+Parsed = TypeVar("Parsed", bound=BaseModel)
+
+
+def validate(model: type[Parsed], body: dict, limits: Limits) -> Parsed:
+    """``body`` as ``model``, or the 400 :func:`to_api_error` makes of its first error."""
+    try:
+        return model.model_validate(body, context={"limits": limits})
+    except ValidationError as exc:
+        raise to_api_error(exc, limits) from None
+
+
+# --- the chat request the service answers -----------------------------------------------------------------------
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat completion request, in the runtime's message shape."""
+
+    messages: list[dict]
+    """The conversation, ``{"role", "content": str}`` (+ ``tool_calls`` / ``name``) as chat templates take it."""
+    sampling: SamplingParams
+    """How to sample the answer."""
+    stream: bool = False
+    """Answer by server-sent events."""
+    include_usage: bool = False
+    """Streaming: send a last chunk with token usage (``stream_options.include_usage``)."""
+    client_tools: Optional[ToolRegistry] = None
+    """Function tools the client runs: the model's calls go back to it as ``tool_calls``."""
+    server_tools: bool = True
+    """May the server's own tools (``--tools``) be used (``tool_choice`` "none" says no)."""
+    conversation_id: Optional[str] = None
+    """Groups the turns of one conversation in the store (``x_conversation_id``)."""
+
+
+def parse_chat(body: dict, limits: Limits) -> ChatRequest:
+    """Validate an OpenAI chat completion request; wrong shapes and values are 400s naming the field."""
+    chat = validate(ChatBody, body, limits)
+    return ChatRequest(messages=chat.runtime_messages(), sampling=chat.sampling(), stream=chat.stream,
+                       include_usage=chat.include_usage, client_tools=chat.client_tools(),
+                       server_tools=chat.tool_choice != "none", conversation_id=chat.x_conversation_id)

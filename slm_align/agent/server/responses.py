@@ -1,0 +1,85 @@
+"""Answers in OpenAI's shapes: ``chat.completion`` objects, and ``chat.completion.chunk`` server-sent events."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Union
+
+from slm_align.agent.server.errors import ApiError
+from slm_align.agent.server.requests import ChatRequest
+from slm_align.agent.server.service import Outcome
+from slm_align.errors import UserError
+
+
+@dataclass
+class Meta:
+    """What every response and chunk of one completion repeats."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, model: str) -> "Meta":
+        """A fresh completion id, stamped now."""
+        return cls(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model)
+
+
+def usage(outcome: Outcome) -> dict:
+    """OpenAI's token usage of an answer."""
+    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
+            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+
+
+def completion_body(meta: Meta, outcome: Outcome) -> dict:
+    """A ``chat.completion`` object, plus ``x_turn_id``."""
+    message = {"role": "assistant", "content": outcome.content}
+    if outcome.tool_calls:
+        message["tool_calls"] = outcome.tool_calls
+    return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": outcome.finish_reason}],
+            "usage": usage(outcome), "x_turn_id": outcome.turn_id}
+
+
+def chunk(meta: Meta, delta: dict, finish_reason: Optional[str] = None, **extra: Any) -> dict:
+    """A ``chat.completion.chunk`` object."""
+    return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}], **extra}
+
+
+def sse(data: Union[dict, str]) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def sse_stream(first: Any, rest: AsyncIterator, meta: Meta, chat: ChatRequest) -> AsyncIterator[str]:
+    """The answer as chunks: role, content pieces, held-back content or tool calls, finish, usage, [DONE]."""
+    yield sse(chunk(meta, {"role": "assistant", "content": ""}))
+    try:
+        item = first
+        while isinstance(item, str):
+            yield sse(chunk(meta, {"content": item}))
+            item = await anext(rest)
+    except Exception as exc:  # the status line went out already: report in the stream
+        message = str(exc) if isinstance(exc, (UserError, ApiError)) else f"internal error ({type(exc).__name__})"
+        yield sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+        return
+    if not item.streamed and item.content:
+        yield sse(chunk(meta, {"content": item.content}))
+    if item.tool_calls:
+        yield sse(chunk(meta, {"tool_calls": [{"index": i, **call} for i, call in enumerate(item.tool_calls)]}))
+    yield sse(chunk(meta, {}, item.finish_reason, x_turn_id=item.turn_id))
+    if chat.include_usage:
+        yield sse({**chunk(meta, {}), "choices": [], "usage": usage(item)})
+    yield sse("[DONE]")
+
+
+async def last_item(items: AsyncIterator) -> Any:
+    """The last item of ``items`` (all of them are consumed)."""
+    last = None
+    async for item in items:
+        last = item
+    return last

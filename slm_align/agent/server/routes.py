@@ -1,0 +1,106 @@
+"""The routes: chat completions, feedback, alternatives, models, health and the page; the API-key guard."""
+
+from __future__ import annotations
+
+import hmac
+from functools import partial
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from slm_align.agent.server.errors import error_response
+from slm_align.agent.server.requests import AlternativeBody, FeedbackBody, parse_chat, read_json, validate
+from slm_align.agent.server.responses import Meta, completion_body, last_item, sse_stream
+from slm_align.agent.server.service import Outcome, Service
+
+PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+            "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+async def _body(request: Request) -> dict:
+    return await read_json(request, _service(request).limits.max_body_bytes)
+
+
+async def chat_completions(request: Request):
+    """``POST /v1/chat/completions``: one answer, whole or streamed by server-sent events."""
+    service = _service(request)
+    chat = parse_chat(await _body(request), service.limits)
+    events = service.worker.run(partial(service.answer, chat))
+    first = await anext(events)  # a full queue or a prompt too long is refused here, before any byte is sent
+    meta = Meta.new(service.model.name)
+    if chat.stream:
+        return StreamingResponse(sse_stream(first, events, meta, chat), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    outcome = first if isinstance(first, Outcome) else await last_item(events)
+    return JSONResponse(completion_body(meta, outcome))
+
+
+async def feedback(request: Request):
+    """``POST /v1/feedback``: a verdict on a recorded turn."""
+    service = _service(request)
+    verdict = validate(FeedbackBody, await _body(request), service.limits)
+    feedback_id = await run_in_threadpool(service.feedback, verdict)
+    return JSONResponse({"object": "feedback", "id": feedback_id, "turn_id": verdict.turn_id, "kind": verdict.kind})
+
+
+async def alternative(request: Request):
+    """``POST /v1/alternative``: a second answer to a recorded turn's prompt, for a "which is better" choice."""
+    service = _service(request)
+    wanted = validate(AlternativeBody, await _body(request), service.limits)
+    turn = await run_in_threadpool(service.stored_turn, wanted.turn_id)
+    text = await last_item(service.worker.run(partial(service.alternative, turn, wanted.seed)))
+    return JSONResponse({"object": "alternative", "turn_id": wanted.turn_id, "content": text})
+
+
+async def models(request: Request):
+    """``GET /v1/models``: the one model served."""
+    model = _service(request).model
+    return JSONResponse({"object": "list", "data": [{"id": model.name, "object": "model", "created": 0,
+                                                     "owned_by": "slm-align", "x_sha256": model.sha256}]})
+
+
+async def health(request: Request):
+    """``GET /health``: the model, the backend, and how busy the model thread is."""
+    service = _service(request)
+    return JSONResponse({"status": "ok", "model": service.model.name, "backend": service.model.backend.kind,
+                         "store": service.store is not None, "tools": service.tools is not None,
+                         "active_requests": service.worker.active, "abandoned_requests": service.worker.abandoned})
+
+
+async def page(request: Request):
+    """``GET /``: the chat page, one self-contained file under a strict content security policy."""
+    return HTMLResponse(request.app.state.page, headers={"Content-Security-Policy": PAGE_CSP,
+                                                          "X-Content-Type-Options": "nosniff"})
+
+
+ROUTES = [Route("/", page), Route("/health", health), Route("/v1/models", models),
+          Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+          Route("/v1/feedback", feedback, methods=["POST"]),
+          Route("/v1/alternative", alternative, methods=["POST"])]
+
+
+class BearerAuth:
+    """ASGI middleware: every /v1 route needs ``Authorization: Bearer KEY`` (the page and /health do not)."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self._expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        """Refuse an unauthorized /v1 request with 401; pass everything else on."""
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+            response = error_response(401, "missing or wrong API key; send the header 'Authorization: Bearer KEY'",
+                                      "authentication_error", {"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        sent = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(sent, self._expected)

@@ -1,0 +1,118 @@
+"""What the routes share: the model, its thread, the store, the server's tools and limits; answering on the thread."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Iterator, Optional, Union
+
+from slm_align.agent.runtime import Agent, Model, record_feedback
+from slm_align.agent.sampling import SamplingParams
+from slm_align.agent.server.errors import ApiError, bad
+from slm_align.agent.server.requests import ChatRequest, FeedbackBody, Limits
+from slm_align.agent.server.worker import ModelWorker
+from slm_align.agent.store import PreferenceStore, Turn
+from slm_align.agent.tools import ToolRegistry
+
+
+@dataclass
+class Outcome:
+    """How a chat request ended: the last item of a chat job."""
+
+    content: Optional[str]
+    """The answer text (without tool-call blocks when the client's tools were called)."""
+    tool_calls: list = field(default_factory=list)
+    """OpenAI-shaped calls for the client to run."""
+    finish_reason: str = "stop"
+    """stop, length or tool_calls."""
+    turn_id: Optional[int] = None
+    """The turn's id in the preference store (None without a store)."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    streamed: bool = True
+    """The content already went out piece by piece (False: it was held back to look for tool calls)."""
+
+
+class Service:
+    """Everything the routes share: the model, its thread, the store, the server-side tools and the limits."""
+
+    def __init__(self, model: Model, store: Optional[PreferenceStore], consent: bool,
+                 tools: Optional[ToolRegistry], limits: Limits):
+        self.model = model
+        self.store = store
+        self.consent = consent
+        self.tools = tools
+        self.limits = limits
+        self.worker = ModelWorker(limits.max_queue)
+
+    # chat (on the model thread)
+    def answer(self, chat: ChatRequest) -> Iterator[Union[str, Outcome]]:
+        """Text pieces of the answer (unless held back for client tools), then its :class:`Outcome`."""
+        agent = self._agent(chat)
+        held_back = chat.client_tools is not None
+        for piece in agent.respond(chat.messages):
+            if not held_back:
+                yield piece
+        reply = agent.last
+        outcome = Outcome(content=reply.text, finish_reason="length" if reply.truncated else "stop",
+                          turn_id=reply.turn_id, prompt_tokens=reply.prompt_tokens, streamed=not held_back,
+                          completion_tokens=reply.tokens)
+        yield client_calls(outcome, chat.client_tools) if held_back else outcome
+
+    def _agent(self, chat: ChatRequest) -> Agent:
+        """A fresh agent on the shared backend: client tools are returned, server tools run in its loop."""
+        tools = chat.client_tools or (self.tools if chat.server_tools else None)
+        agent = Agent(self.model.backend, self.model.sha256, tools=tools, sampling=chat.sampling, store=self.store,
+                      consent=self.consent, max_tool_rounds=0 if chat.client_tools else 4)
+        agent.conversation_id = chat.conversation_id or agent.conversation_id
+        return agent
+
+    # alternatives (on the model thread) and feedback
+    def stored_turn(self, turn_id: int) -> Turn:
+        """The turn with its prompt and sampling."""
+        found = self.require_store().turn(turn_id)
+        if found is None:
+            raise ApiError(404, f"unknown turn id {turn_id}; pass the x_turn_id of an answer", "not_found_error")
+        return found
+
+    def alternative(self, turn: Turn, seed: Optional[int]) -> Iterator[str]:
+        """A second answer to the turn's prompt, sampled as the runtime samples every second candidate."""
+        agent = Agent(self.model.backend, self.model.sha256, sampling=stored_sampling(turn.sampling))
+        yield agent.alternative(turn.messages, seed=seed)
+
+    def feedback(self, verdict: FeedbackBody) -> int:
+        """Write the verdict as the runtime's agents do; returns the feedback row's id."""
+        return record_feedback(self.require_store(), verdict.turn_id, verdict.kind, verdict.text, verdict.other,
+                               verdict.preferred)
+
+    def require_store(self) -> PreferenceStore:
+        """The preference store, or a 400 when the server records nothing."""
+        if self.store is None:
+            raise bad("this server records no turns; start it with --store FILE to collect feedback")
+        return self.store
+
+    def close(self) -> None:
+        """Stop the model thread and close the store."""
+        self.worker.close()
+        if self.store is not None:
+            self.store.close()
+
+
+def client_calls(outcome: Outcome, tools: ToolRegistry) -> Outcome:
+    """The outcome with the model's calls of the client's tools as OpenAI ``tool_calls`` (if it made any)."""
+    parsed = tools.parse_calls(outcome.content or "")
+    if not parsed.calls:
+        return outcome
+    outcome.tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+                          for call in parsed.calls]
+    outcome.content = parsed.text or None
+    outcome.finish_reason = "tool_calls"
+    return outcome
+
+
+def stored_sampling(recorded: dict) -> SamplingParams:
+    """The sampling recorded with a turn (keys this version does not know are left out)."""
+    known = {f.name for f in fields(SamplingParams)}
+    return SamplingParams(**{key: value for key, value in recorded.items() if key in known})
