@@ -1,0 +1,61 @@
+"""The ``slm-align`` command line. Thin: parse, call one function, print.
+
+Commands live by job: ``train`` (training stages), ``export`` (merge, export), ``runtime`` (chat, serve,
+feedback), ``devices`` (profiles, bench); ``render`` prints for people and ``options`` builds shared options.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import typer
+from typer.exceptions import TyperException
+
+from slm_align.cli import devices, export, runtime, train
+from slm_align.errors import EXIT_USER_ERROR, UserError, storage_error
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
+                  help="Align small language models safely and ship them to phones and CPU boards.")
+app.add_typer(train.commands)
+app.add_typer(export.commands)
+app.add_typer(runtime.commands)
+app.add_typer(devices.commands)
+app.add_typer(runtime.feedback_app, name="feedback")
+app.add_typer(devices.devices_app, name="devices")
+
+
+def _usage_error(exc: TyperException) -> int:
+    """Report a parser error (unknown option, bad value, missing argument) in one line; the exit code."""
+    if type(exc).__name__ == "NoArgsIsHelpError":  # the parser has already printed the help
+        return 0
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+    sys.stderr.write(f"error: {' '.join(exc.format_message().split())}{hint}\n")
+    return EXIT_USER_ERROR
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point: user errors become one line on stderr and exit code 2; bugs keep their traceback."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # our messages, not library advisories
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        code = typer.main.get_command(app).main(args=argv, prog_name="slm-align", standalone_mode=False)
+    except UserError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        code = exc.exit_code
+    except OSError as exc:  # a full disk or a permission: one line, not a traceback
+        error = storage_error(exc)
+        if error is None:
+            raise
+        sys.stderr.write(f"error: {error}\n")
+        code = error.exit_code
+    except TyperException as exc:  # usage errors of the parser (unknown option, bad value, missing argument)
+        code = _usage_error(exc)
+    except typer.Abort:
+        sys.stderr.write("aborted\n")
+        code = 130
+    except typer.Exit as exc:
+        code = exc.exit_code
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,62 @@
+"""Publishing commands: merge the adapters into the base weights, export to GGUF or ONNX."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from slm_align.cli.options import ConfigOpt, JsonFlag, recipe_from
+from slm_align.cli.render import emit, print_export, print_merge
+
+commands = typer.Typer()
+
+
+@commands.command(epilog="Examples:\n\n  slm-align merge --run runs/demo                 # writes runs/demo/merged/\n\n"
+                         "  slm-align merge --run runs/demo --out models/story-rl --overwrite --json")
+def merge(
+    run: Path = typer.Option(..., "--run", "-r", help="Run directory with a finished SFT stage (RL used if present)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default: RUN/merged)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    config: Optional[Path] = ConfigOpt,
+    as_json: bool = JsonFlag,
+) -> None:
+    """Fold the SFT and RL adapters into the base weights: a plain HF directory that loads without peft."""
+    from slm_align.export.merge import merge_run
+
+    summary = merge_run(recipe_from(config), run, out, overwrite).summary()
+    emit(as_json, summary, lambda: print_merge(summary))
+
+
+@commands.command(epilog="Examples:\n\n"
+                         "  slm-align export runs/demo --target gguf               # Q8_0, parity-checked\n\n"
+                         "  slm-align export runs/demo --target gguf --quant Q4_K_M\n\n"
+                         "  slm-align export runs/demo --target onnx --device rpi5  # int8, arm64 preset\n\n"
+                         "  slm-align export ./SmolLM2-135M --target onnx --quant fp32 --out exports/ --json\n\n"
+                         "Exit code 1 when verification fails (nothing published unless --force).")
+def export(
+    source: str = typer.Argument(..., help="Run directory, merged/HF model directory, .gguf file or hub id."),
+    target: str = typer.Option("gguf", "--target", "-t", help="gguf (llama.cpp) or onnx (onnxruntime)."),
+    quant: Optional[str] = typer.Option(None, "--quant", "-q", help="GGUF: F32, F16, Q8_0 (ours) or Q4_0, Q4_K_M, "
+                                        "Q5_K_M, Q6_K, ... (llama.cpp's quantizer). ONNX: fp32, int8, int4. "
+                                        "Default: the device's, else Q8_0 / int8."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile (see `slm-align devices list`)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default RUN/export or ./export)."),
+    preset: Optional[str] = typer.Option(None, help="ONNX int8 preset: arm64, avx2, avx512, avx512_vnni."),
+    ort_format: bool = typer.Option(False, "--ort-format", help="ONNX: also write model.ort for mobile builds."),
+    min_agreement: float = typer.Option(0.9, help="Lowest top-1 agreement with PyTorch for low-bit types."),
+    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the parity check (recorded in the manifest)."),
+    force: bool = typer.Option(False, "--force", help="Publish even when verification fails (recorded)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact of the same name."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Merge and export to GGUF or ONNX, quantized for a device, verified against the PyTorch model."""
+    from slm_align.export.stage import ExportRequest, run_export
+
+    request = ExportRequest(source, target=target, quant=quant, device=device, out=out, verify=not no_verify,
+                            overwrite=overwrite, force=force, min_agreement=min_agreement, ort_format=ort_format,
+                            threads=threads, preset=preset)
+    summary = run_export(request).summary()
+    emit(as_json, summary, lambda: print_export(summary))

@@ -1,0 +1,130 @@
+"""Commands around an exported model at run time: chat, serve, and exporting the feedback they collect."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+from rich.console import Console
+
+from slm_align.cli.options import JsonFlag
+from slm_align.cli.render import emit, print_feedback_export, print_serving
+
+commands = typer.Typer()
+feedback_app = typer.Typer(help="On-device preferences: export them for the next training round.",
+                           no_args_is_help=True)
+
+
+@commands.command(epilog="Examples:\n\n  slm-align chat runs/demo/export/model-Q8_0.gguf --store prefs.db --consent\n\n"
+                         "  slm-align chat runs/demo/export/onnx-int8 --system 'You are terse.' --tools "
+                         "--temperature 0\n\n"
+                         "  echo 'hello' | slm-align chat model.gguf --json   # one answer per input line, as JSON\n\n"
+                         "In the chat: /good /bad /compare /pick 1|2 /edit TEXT /tools /reset /save FILE /quit")
+def chat(
+    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export directory."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) to record turns in."),
+    consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as consented for training."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    tools: bool = typer.Option(False, "--tools", help="Offer the built-in tools (calculator, clock, notes)."),
+    notes: Optional[Path] = typer.Option(None, "--notes", help="Folder the notes tool may use (with --tools)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and context."),
+    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
+    n_ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context window in tokens."),
+    temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(0.95, min=0.0, max=1.0, help="Nucleus sampling threshold."),
+    max_tokens: int = typer.Option(256, min=1, help="Most tokens per answer."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Chat with an exported model in the terminal; give feedback that lands in the preference store."""
+    from slm_align.agent.builtin_tools import default_tools
+    from slm_align.agent.runtime import Agent
+    from slm_align.agent.sampling import SamplingParams
+    from slm_align.agent.terminal import chat_loop
+
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    agent = Agent.load(artifact, device=device, threads=threads, n_ctx=n_ctx, store=store, consent=consent,
+                       system=system, tools=default_tools(notes) if tools else None, sampling=sampling)
+    if as_json:
+        answer_lines(agent)
+        return
+    err = Console(stderr=True)
+    chat_loop(agent, typed_lines(err), say=lambda text: err.print(text, markup=False, highlight=False),
+              write=write_now)
+
+
+def answer_lines(agent) -> None:
+    """One JSON answer on stdout per non-empty line of stdin."""
+    for line in (line.strip() for line in sys.stdin):
+        if line:
+            reply = agent.chat(line)
+            sys.stdout.write(json.dumps({"reply": reply.text, "tool_calls": reply.tool_calls,
+                                         "turn_id": reply.turn_id, "truncated": reply.truncated}) + "\n")
+
+
+def typed_lines(err: Console) -> Iterator[str]:
+    """The lines the user types, each after a ``you>`` prompt on stderr, until end of input."""
+    while True:
+        err.print("[bold]you>[/] ", end="")
+        line = sys.stdin.readline()
+        if line == "":
+            return
+        yield line
+
+
+def write_now(text: str) -> None:
+    """Write streamed answer text to stdout at once."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+@commands.command(epilog="Examples:\n\n  slm-align serve runs/demo/export/model-Q8_0.gguf --store prefs.db --consent   "
+                         "# open http://127.0.0.1:8080/\n\n"
+                         "  SLM_ALIGN_API_KEY=s3cret slm-align serve model.gguf --host 0.0.0.0 --port 9000\n\n"
+                         "  curl -s http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' "
+                         "-d '{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'\n\n"
+                         "Any OpenAI client works: base_url http://127.0.0.1:8080/v1, api_key the --api-key "
+                         "(or any text).")
+def serve(
+    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export directory."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; beyond loopback it needs --api-key."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on (0: any free one)."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) for turns and feedback."),
+    consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as consented for training."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SLM_ALIGN_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on /v1 (env SLM_ALIGN_API_KEY)."),
+    tools: bool = typer.Option(False, "--tools", help="Run the built-in tools (calculator, clock) on the server."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and context."),
+    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
+    n_ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context window in tokens."),
+    insecure: bool = typer.Option(False, "--insecure", help="Allow listening beyond loopback without an API key."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Serve an exported model: an OpenAI-compatible API (/v1/chat/completions) and a chat page with feedback."""
+    from slm_align.agent.server import serve as run_server
+
+    run_server(artifact, host=host, port=port, api_key=api_key, insecure=insecure, store_path=store, consent=consent,
+               tools=tools, device=device, threads=threads, n_ctx=n_ctx,
+               announce=lambda info: emit(as_json, info, lambda: print_serving(info)))
+
+
+@feedback_app.command("export", epilog="Examples:\n\n"
+                                        "  slm-align feedback export prefs.db --out round2.jsonl --scrub\n\n"
+                                        "  slm-align train --stage reward --out runs/round2 --preferences round2.jsonl "
+                                        "--preferences round2.unpaired.jsonl")
+def feedback_export(
+    db: Path = typer.Argument(..., help="Preference database written by the agent (chat, serve, Python API)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Pairs file (.jsonl); thumbs go to OUT's .unpaired.jsonl."),
+    scrub: bool = typer.Option(False, "--scrub", help="Replace e-mails, phone numbers, cards, IPs, IBANs."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing output files."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Write consented feedback as TRL rows: pairs {prompt, chosen, rejected} and unpaired
+    {prompt, completion, label}."""
+    from slm_align.agent.feedback_export import export_preferences
+
+    result = export_preferences(db, out, scrub=scrub, overwrite=overwrite)
+    emit(as_json, result, lambda: print_feedback_export(result, scrub))

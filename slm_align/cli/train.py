@@ -1,0 +1,255 @@
+"""Training-stage commands: sft, check-headroom, quickstart, train and evaluate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from slm_align.cli.options import ConfigOpt, Flag, JsonFlag, recipe_flags, recipe_from, recipe_option
+from slm_align.cli.render import emit, print_evaluation, print_headroom, print_reward, print_rl, print_sft, stdout
+from slm_align.errors import UserError
+
+commands = typer.Typer()
+
+
+def comma_list(text: str) -> list[str]:
+    """"q_proj,v_proj" -> ["q_proj", "v_proj"]."""
+    return text.split(",")
+
+
+def pair_mix(text: str) -> dict[str, float]:
+    """"truncate=1,shuffle=2" -> {"truncate": 1.0, "shuffle": 2.0}; a name without a weight weighs 1."""
+    mix = {}
+    for item in text.split(","):
+        name, _, weight = item.partition("=")
+        try:
+            mix[name.strip()] = float(weight) if weight else 1.0
+        except ValueError:
+            raise UserError(f"--pair-mix {text}: weight {weight!r} is not a number "
+                            "(e.g. truncate=1,shuffle=2)") from None
+    return mix
+
+
+# The recipe flags: (flag, dotted recipe key). Help and shown default come from the recipe field; the commands
+# that take a table receive its flags as load_recipe overrides (see options.recipe_flags).
+SOURCE = (
+    Flag("--model", "model.source", short="-m"),
+    Flag("--data", "data.path", short="-d"),
+    Flag("--text-field", "data.text_field"),
+    Flag("--seed", "seed"),
+)
+SAFETY = (
+    Flag("--trust-remote-code", "model.trust_remote_code", sets=True),
+    Flag("--allow-pickle", "model.allow_pickle", sets=True),
+)
+SFT = (
+    Flag("--epochs", "sft.epochs"),
+    Flag("--max-steps", "sft.max_steps"),
+    Flag("--lr", "sft.learning_rate"),
+    Flag("--batch-size", "sft.batch_size"),
+    Flag("--grad-accum", "sft.grad_accum"),
+    Flag("--warmup-ratio", "sft.warmup_ratio"),
+    Flag("--neftune-alpha", "sft.neftune_alpha"),
+    Flag("--lora-r", "sft.lora.r"),
+    Flag("--lora-alpha", "sft.lora.alpha"),
+    Flag("--lora-dropout", "sft.lora.dropout"),
+    Flag("--lora-targets", "sft.lora.target_modules", parse=comma_list, note="Comma-separated."),
+    Flag("--max-length", "data.max_length"),
+    Flag("--save-steps", "sft.save_steps"),
+)
+HEADROOM = (
+    Flag("--max-ppl", "headroom.max_ppl"),
+    Flag("--min-reward-acc", "headroom.min_reward_accuracy"),
+    Flag("--min-reward-std", "headroom.min_reward_std"),
+)
+REWARD = (
+    Flag("--preferences", "reward.preferences", repeat=True, note="Repeatable."),
+    Flag("--pair-mix", "reward.pairs.mix", parse=pair_mix, note="As NAME=WEIGHT,..."),
+    Flag("--no-synthetic-pairs", "reward.pairs.synthetic", sets=False, help="Train on --preferences only."),
+    Flag("--reward-steps", "reward.max_steps"),
+    Flag("--reward-lr", "reward.learning_rate"),
+    Flag("--margin", "reward.margin"),
+    Flag("--center", "reward.center_coefficient"),
+)
+RL = (  # flat keys: load_recipe also accepts them once PPO and GRPO settings live in rl.ppo / rl.grpo
+    Flag("--algo", "rl.algo"),
+    Flag("--steps", "rl.steps"),
+    Flag("--rl-lr", "rl.learning_rate"),
+    Flag("--prompts-per-step", "rl.prompts_per_step"),
+    Flag("--group-size", "rl.group_size"),
+    Flag("--max-new-tokens", "rl.max_new_tokens"),
+    Flag("--kl-coef", "rl.kl_coef"),
+    Flag("--kl-mode", "rl.kl_mode"),
+    Flag("--adaptive-kl", "rl.adaptive_kl", sets=True),
+    Flag("--beta", "rl.beta"),
+    Flag("--loss-type", "rl.loss_type"),
+    Flag("--scale-rewards", "rl.scale_rewards"),
+    Flag("--resample-zero-std", "rl.resample_zero_std", sets=True),
+    Flag("--mask-truncated", "rl.mask_truncated", sets=True),
+    Flag("--length-penalty", "rl.length_penalty"),
+    Flag("--no-reinit-lora", "rl.envelope.reinit_lora", sets=False,
+         help="ENVELOPE OFF: keep the SFT adapter as loaded."),
+    Flag("--no-ratio-guard", "rl.envelope.ratio_guard", sets=0.0, help="ENVELOPE OFF: never skip on the ratio."),
+    Flag("--no-rollback", "rl.envelope.rollback", sets=False, help="ENVELOPE OFF: no snapshot/rollback on NaN."),
+    Flag("--sigma-clip", "rl.envelope.sigma_clip"),
+    Flag("--grad-clip", "rl.envelope.grad_clip"),
+    Flag("--report-prompts", "rl.report_prompts"),
+)
+
+STAGES = ("sft", "reward", "rl")
+RUN_DIR_HELP = "Run directory."
+
+
+@commands.command(epilog="Examples:\n\n  slm-align sft --data stories.txt --out runs/demo\n\n"
+                         "  slm-align sft --model ./SmolLM2-135M --data chat.jsonl --lora-r 32 --epochs 2 "
+                         "--out runs/chat\n\n"
+                         "  slm-align sft --out runs/demo --resume   # continue an interrupted run")
+@recipe_flags(SOURCE, SFT, SAFETY)
+def sft(
+    out: Path = typer.Option(Path("runs/default"), "--out", "-o", help="Run directory; SFT writes OUT/sft/."),
+    config: Optional[Path] = ConfigOpt,
+    settings: Optional[dict[str, Any]] = None,
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted SFT run in OUT."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Supervised fine-tuning with LoRA and NEFTune; writes the adapter, tokenizer and a manifest."""
+    from slm_align.sft import run_sft
+
+    summary = run_sft(recipe_from(config, settings), out, resume=resume).summary()
+    emit(as_json, summary, lambda: print_sft(summary))
+
+
+@commands.command("check-headroom",
+                  epilog="Exit code 0 on PASS, 1 on FAIL, 2 on bad input.\n\nExamples:\n\n"
+                         "  slm-align check-headroom --run runs/demo\n\n"
+                         "  slm-align check-headroom --model ./base --adapter runs/demo/sft/adapter "
+                         "--data eval.jsonl\n\n"
+                         "  slm-align check-headroom --run runs/demo --max-ppl 15 --json\n\n"
+                         "  slm-align check-headroom --run runs/demo --reward mypkg.rewards:politeness@0.5")
+@recipe_flags(SOURCE, HEADROOM, SAFETY)
+def check_headroom(
+    run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with --model)."),
+    config: Optional[Path] = ConfigOpt,
+    settings: Optional[dict[str, Any]] = None,
+    reward_model: Optional[Path] = typer.Option(None, help="Reward model dir (default: the run's reward/model)."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight] or a built-in "
+                                                          "(length_window, exact_answer, json_tool_call); repeatable."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Measure whether RL has headroom: SFT perplexity, reward accuracy and reward spread against thresholds."""
+    from slm_align.headroom import check_headroom as measure_headroom
+
+    if run is not None and settings["model.source"] is not None:
+        raise UserError("pass either --run or --model, not both")
+    recipe = recipe_from(config, settings)
+    report = measure_headroom(recipe, run=run, adapter=adapter, reward_model=reward_model, rewards=reward).to_dict()
+    emit(as_json, report, lambda: print_headroom(report))
+    raise typer.Exit(0 if report["passed"] else 1)
+
+
+@commands.command(epilog="Examples:\n\n  slm-align quickstart\n\n  slm-align quickstart --out runs/qs --json")
+def quickstart(
+    out: Path = typer.Option(Path("runs/quickstart"), "--out", "-o", help=RUN_DIR_HELP),
+    sft_steps: int = typer.Option(150, min=1, help="SFT optimizer steps on the bundled model."),
+    reward_steps: int = typer.Option(100, min=1, help="Reward-model optimizer steps."),
+    rl_steps: int = typer.Option(20, min=1, help="PPO iterations."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Walk the loop on the bundled model and demo stories, printing each stage's figures."""
+    from slm_align.quickstart import run_quickstart
+
+    say = None if as_json else stdout.print
+    result = run_quickstart(out, sft_steps=sft_steps, reward_steps=reward_steps, rl_steps=rl_steps, say=say)
+    emit(as_json, result, lambda: None)
+    raise typer.Exit(0 if result["headroom"]["passed"] else 1)
+
+
+@commands.command(epilog="Examples:\n\n"
+                         "  slm-align train --algo grpo --out runs/demo          # SFT, reward model, gate, GRPO\n\n"
+                         "  slm-align train --algo ppo --out runs/demo --steps 100 --kl-coef 0.1\n\n"
+                         "  slm-align train --algo grpo --sft runs/base --reward-model rm/ --reward my_rewards:fn@0.5 "
+                         "--out runs/g\n\n"
+                         "  slm-align train --stage reward --out runs/demo --preferences prefs.jsonl "
+                         "--pair-mix shuffle=2,truncate=1\n\n"
+                         "  slm-align train --out runs/demo --resume              # continue a killed run\n\n"
+                         "  slm-align train --out runs/demo --force               # train although the gate says FAIL "
+                         "(recorded)")
+@recipe_flags(SOURCE, REWARD, RL, SAFETY)
+def train(
+    out: Path = typer.Option(Path("runs/default"), "--out", "-o", help=RUN_DIR_HELP),
+    stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it needs, the gate, then RL)."),
+    config: Optional[Path] = ConfigOpt,
+    settings: Optional[dict[str, Any]] = None,
+    sft_from: Optional[Path] = typer.Option(None, "--sft", help="Take the finished SFT stage of this run instead."),
+    reward_model: Optional[Path] = typer.Option(None, help="Use this reward model dir instead of training one."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight] or a built-in; "
+                                                          "repeatable; added to the reward model."),
+    force: bool = typer.Option(False, "--force", help="Train even when the headroom gate says FAIL (recorded)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted stage in OUT."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Train: SFT, the Bradley-Terry reward model, the headroom gate, then PPO or GRPO in the safety envelope."""
+    if stage not in STAGES:
+        raise UserError(f"--stage {stage}: choose sft, reward or rl")
+    recipe = recipe_from(config, settings)
+    if stage == "sft":
+        from slm_align.sft import run_sft
+
+        summary = run_sft(recipe, out, resume=resume).summary()
+        emit(as_json, summary, lambda: print_sft(summary))
+    elif stage == "reward":
+        from slm_align.reward.stage import run_reward
+
+        summary = run_reward(recipe, out, resume=resume).summary()
+        emit(as_json, summary, lambda: print_reward(summary))
+    else:
+        train_rl(recipe, out, resume=resume, force=force, sft_from=sft_from, reward_model=reward_model,
+                 rewards=reward, as_json=as_json)
+
+
+def train_rl(recipe, out: Path, *, resume: bool, force: bool, sft_from: Optional[Path],
+             reward_model: Optional[Path], rewards: list[str], as_json: bool) -> None:
+    """The RL stage (and the stages and gate it needs), then the closing evaluation report unless it is off."""
+    from slm_align.rl.stage import run_rl
+
+    result = run_rl(recipe, out, resume=resume, force=force, sft_from=sft_from, reward_model=reward_model,
+                    rewards=rewards, say=lambda text: None if as_json else stdout.print(text))
+    if not result.primary:  # other ranks of a data-parallel run: rank 0 reports
+        return
+    if recipe.rl.report_prompts == 0:
+        summary = result.summary()
+        emit(as_json, summary, lambda: print_rl(summary))
+        return
+    from slm_align.evaluate import evaluate as run_evaluation
+
+    report = run_evaluation(recipe, out, sft_run=sft_from, reward_model=reward_model, rewards=rewards,
+                            prompts=recipe.rl.report_prompts)
+    summary = dict(result.summary(), evaluation=report["comparisons"])
+    emit(as_json, summary, lambda: (print_rl(summary), print_evaluation(report, out / "eval" / "report.md")))
+
+
+@commands.command(epilog="Examples:\n\n  slm-align evaluate --run runs/demo\n\n"
+                         "  slm-align evaluate --run runs/demo --model ./SmolLM2-135M-Instruct --prompts 100\n\n"
+                         "  slm-align evaluate --run runs/demo --reward length_window@0.5 --json")
+def evaluate(
+    run: Path = typer.Option(..., "--run", "-r", help="Run directory (SFT required; RL and reward used if present)."),
+    model: list[str] = typer.Option([], "--model", "-m", help="Add a baseline policy from any model source; "
+                                                              "repeatable."),
+    reward_model: Optional[Path] = typer.Option(None, help="Shared reward model (default: the run's reward/model)."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight]; repeatable."),
+    prompts: int = typer.Option(200, min=2, help="Held-out prompts to sample."),
+    max_new_tokens: Optional[int] = recipe_option("rl.max_new_tokens", "--max-new-tokens"),
+    temperature: Optional[float] = recipe_option("rl.temperature", "--temperature"),
+    config: Optional[Path] = ConfigOpt,
+    as_json: bool = JsonFlag,
+) -> None:
+    """Compare the SFT prior, the aligned policy and any baselines on held-out prompts; write eval/report.md."""
+    from slm_align.evaluate import evaluate as run_evaluation
+
+    recipe = recipe_from(config, {"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens})  # validated
+    report = run_evaluation(recipe, run, baselines=model, reward_model=reward_model, rewards=reward,
+                            prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature)
+    emit(as_json, report, lambda: print_evaluation(report, Path(run) / "eval" / "report.md"))
