@@ -148,6 +148,66 @@ def test_evaluate_adds_a_baseline_row_under_the_same_reward(capsys, tmp_path, ti
     assert [p["name"] for p in report["policies"]] == ["sft", str(tiny_models["qwen2"])]
     assert report["prompts"] == 4 and report["reward_terms"] == ["length_window"]
     comparison = report["comparisons"][0]
-    assert comparison["baseline"] == "sft" and comparison["delta_ci95"][0] <= comparison["delta"] <= comparison["delta_ci95"][1]
+    low = comparison["delta_ci95"][0]
+    high = comparison["delta_ci95"][1]
+    assert comparison["baseline"] == "sft" and low <= comparison["delta"] <= high
     markdown = (out / "eval" / "report.md").read_text()
     assert "| sft |" in markdown and "95% CI" in markdown and (out / "eval" / "reward_distributions.png").is_file()
+
+
+def test_recipe_flags_take_help_and_default_from_the_recipe_field_in_either_rl_layout():
+    from pydantic import BaseModel, Field
+
+    from slm_align.cli.options import recipe_field, recipe_help, recipe_option
+    from slm_align.config import Recipe
+
+    class Grpo(BaseModel):
+        beta: float = Field(0.5, description="split beta")
+
+    class FlatRL(BaseModel):
+        beta: float = Field(0.04, description="flat beta")
+
+    class SplitRL(BaseModel):
+        grpo: Grpo = Field(default_factory=Grpo)
+
+    class FlatRecipe(BaseModel):
+        rl: FlatRL = Field(default_factory=FlatRL)
+
+    class SplitRecipe(BaseModel):
+        rl: SplitRL = Field(default_factory=SplitRL)
+
+    assert recipe_field("rl.beta", FlatRecipe).default == 0.04
+    split = recipe_field("rl.beta", SplitRecipe)
+    assert split.default == 0.5 and split.info.description == "split beta"
+    assert recipe_field("rl.lora.dropout").default == Recipe().rl.lora.dropout  # a default_factory's own value
+    with pytest.raises(KeyError):
+        recipe_field("rl.no_such_setting")
+    option = recipe_option("sft.learning_rate", "--lr")
+    assert option.default is None and option.help == recipe_field("sft.learning_rate").info.description
+    assert option.show_default == f"{Recipe().sft.learning_rate:g}"
+    assert recipe_help("rl.algo").endswith("One of: ppo, grpo.")
+
+
+def test_train_flags_become_recipe_overrides_and_absent_ones_leave_the_toml(tmp_path, monkeypatch):
+    import slm_align.sft
+    from slm_align.cli import main
+
+    class Stop(Exception):
+        """Raised by the stand-in for run_sft once it has seen the recipe."""
+
+    seen = {}
+
+    def fake_run_sft(recipe, out, resume=False):
+        seen["recipe"] = recipe
+        raise Stop
+
+    monkeypatch.setattr(slm_align.sft, "run_sft", fake_run_sft)
+    config = tmp_path / "recipe.toml"
+    config.write_text("[sft]\nlearning_rate = 0.0001\nbatch_size = 3\n")
+    with pytest.raises(Stop):
+        main(["train", "--stage", "sft", "--config", str(config), "--out", str(tmp_path / "run"), "--no-rollback",
+              "--no-ratio-guard", "--pair-mix", "shuffle=2,truncate", "--seed", "7"])
+    recipe = seen["recipe"]
+    assert recipe.sft.learning_rate == 0.0001 and recipe.sft.batch_size == 3 and recipe.seed == 7
+    assert recipe.rl.envelope.rollback is False and recipe.rl.envelope.ratio_guard == 0.0
+    assert recipe.rl.envelope.reinit_lora is True and recipe.reward.pairs.mix == {"shuffle": 2.0, "truncate": 1.0}
