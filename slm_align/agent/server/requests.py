@@ -369,7 +369,7 @@ class Rule:
     """A list past its limit: ``'<where>' has N <name>; at most M are accepted``."""
 
 
-TOOL_SHAPE = '{"type": "function", "function": {"name", "description", "parameters"}}}}'
+TOOL_SHAPE = '{"type": "function", "function": {"name", "description", "parameters"}}'
 CALL_SHAPE = '{"type": "function", "function": {"name", "arguments"}}'
 TEXT = Rule("text", required="non-empty text")
 RULES = {
