@@ -18,13 +18,24 @@ from pathlib import Path
 from typing import Any
 
 
-def fsync_path(path: Path) -> None:
-    """Flush a file or a directory entry list to disk (a no-op where the platform cannot open directories)."""
-    flags = os.O_RDONLY
-    if hasattr(os, "O_DIRECTORY") and Path(path).is_dir():
-        flags |= os.O_DIRECTORY
+def fsync_file(path: Path) -> None:
+    """Flush a file's data to disk; a failure (ENOSPC, EIO: the data is not safe) raises."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        fd = os.open(path, flags)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_directory(path: Path) -> None:
+    """Flush a directory's entry list (a rename) to disk, where the platform and filesystem allow it.
+
+    Best effort: Windows cannot open a directory, and some filesystems refuse fsync on one (EINVAL).
+    """
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return
     try:
@@ -37,7 +48,7 @@ def fsync_path(path: Path) -> None:
 
 def _fsync_tree(root: Path) -> None:
     for file in sorted(p for p in root.rglob("*") if p.is_file()):
-        fsync_path(file)
+        fsync_file(file)
 
 
 @contextlib.contextmanager
@@ -59,10 +70,10 @@ def atomic_paths(*targets: Path, mode: int = 0) -> Iterator[list[Path]]:
         for tmp in temps:
             if mode:
                 os.chmod(tmp, mode)
-            fsync_path(tmp)
+            fsync_file(tmp)
         for tmp, target in zip(temps, targets):
             os.replace(tmp, target)
-            fsync_path(Path(target).parent)
+            fsync_directory(Path(target).parent)
     finally:
         for tmp in temps:
             tmp.unlink(missing_ok=True)
@@ -112,5 +123,5 @@ def publish_directory(built: Path, final: Path, replace: bool = False) -> Path:
         else:
             final.unlink()
     os.replace(built, final)
-    fsync_path(final.parent)
+    fsync_directory(final.parent)
     return final

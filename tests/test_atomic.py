@@ -67,3 +67,16 @@ def test_a_directory_is_renamed_into_place_and_replace_is_explicit(tmp_path):
     assert (final / "model.onnx").read_bytes() == b"old"
     publish_directory(built, final, replace=True)
     assert (final / "model.onnx").read_bytes() == b"new" and not built.exists()
+
+
+def test_a_failed_flush_publishes_nothing(tmp_path, monkeypatch):
+    import errno
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    target = tmp_path / "pairs.jsonl"
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError):
+        write_text_atomic(target, "row\n")
+    assert list(tmp_path.iterdir()) == []
