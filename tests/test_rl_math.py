@@ -37,11 +37,13 @@ def test_gae_matches_the_recursion_by_hand():
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
     values = torch.tensor([[0.5, 0.4, 0.3, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last position is padding: its value must not leak in
-    gamma, lam = 0.9, 0.8
+    gamma = 0.9
+    lam = 0.8
     d2 = 1.0 - 0.3
     d1 = 0.0 + gamma * 0.3 - 0.4
     d0 = 0.0 + gamma * 0.4 - 0.5
-    a2, a1 = d2, d1 + gamma * lam * d2
+    a2 = d2
+    a1 = d1 + gamma * lam * d2
     a0 = d0 + gamma * lam * a1
     advantages, returns = gae(rewards, values, mask, gamma, lam)
     assert advantages[0].tolist() == pytest.approx([a0, a1, a2, 0.0])
@@ -173,7 +175,8 @@ def test_sigma_clip_takes_mean_and_std_over_the_mask_only():
     x = torch.tensor([[0.0, 0.0, 0.0, 10.0, -99.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
     clipped, count = sigma_clip(x, 1.0, mask)
-    mean, std = 2.5, math.sqrt((3 * 2.5 ** 2 + 7.5 ** 2) / 4)  # the masked -99 takes no part
+    mean = 2.5  # the masked -99 takes no part
+    std = math.sqrt((3 * 2.5 ** 2 + 7.5 ** 2) / 4)
     assert count == 1  # the 10, not the masked -99
     assert clipped[0].tolist() == pytest.approx([0.0, 0.0, 0.0, mean + std, 0.0], rel=1e-6)
 

@@ -22,6 +22,7 @@ class World:
 
     @property
     def main(self) -> bool:
+        """Rank 0: the process that writes artifacts and logs."""
         return self.rank == 0
 
     def _dist(self):
@@ -43,6 +44,7 @@ class World:
             offset += t.numel()
 
     def mean(self, value: float) -> float:
+        """The mean of ``value`` over ranks (float64 all-reduce); ``value`` itself in one process."""
         if self.size == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.float64)
@@ -50,12 +52,15 @@ class World:
         return float(tensor) / self.size
 
     def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on at least one."""
         return self.mean(1.0 if flag else 0.0) > 0
 
     def all(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on all of them."""
         return self.mean(1.0 if flag else 0.0) == 1.0
 
     def barrier(self) -> None:
+        """Wait until every rank gets here."""
         if self.size > 1:
             self._dist().barrier()
 
@@ -68,6 +73,7 @@ class World:
         return box[0]
 
     def gather(self, value) -> list:
+        """Every rank's ``value``, in rank order, on every rank."""
         if self.size == 1:
             return [value]
         out = [None] * self.size

@@ -70,6 +70,7 @@ class GRPO(Learner):
         s = self.settings
 
         def loss_fn(rows, new_logprobs, values, ratio, mask):
+            """GRPO's loss on ``rows`` (see :data:`slm_align.rl.step.LossFn`) and its statistics."""
             loss, clip_frac = clipped_policy_loss(ratio, advantages[rows], mask, s.clip_eps, s.grpo.clip_eps_high,
                                                   s.grpo.loss_type, s.max_new_tokens)
             stats = {"loss/policy": float(loss.detach()), "clip_frac": float(clip_frac)}

@@ -26,6 +26,7 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) hidden states in, (B, T) float32 values out."""
         return self.linear(hidden.float()).squeeze(-1)
 
 

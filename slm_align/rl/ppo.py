@@ -62,6 +62,7 @@ class PPO(Learner):
         s = self.settings
 
         def loss_fn(rows, new_logprobs, values, ratio, mask):
+            """PPO's loss on ``rows`` (see :data:`slm_align.rl.step.LossFn`) and its statistics."""
             loss, clip_frac = clipped_policy_loss(ratio, advantages[rows], mask, s.clip_eps, s.clip_eps,
                                                   "token_mean", s.max_new_tokens)
             stats = {"loss/policy": float(loss.detach()), "clip_frac": float(clip_frac)}

@@ -27,6 +27,7 @@ class Snapshot:
                       for p, st in optimizer.state.items()}
 
     def restore(self) -> None:
+        """Put parameters and optimizer state back as they were; drop gradients and any state created since."""
         with torch.no_grad():
             for param, value in zip(self.params, self.values):
                 param.copy_(value)
@@ -60,6 +61,7 @@ class GuardCounters:
     advantage_clipped: int = 0
 
     def rolled_back(self, limit: int, reason: str) -> None:
+        """Count a rollback; stop the run (:class:`TrainingDiverged`) at ``limit`` in a row."""
         self.rollbacks += 1
         self.consecutive_rollbacks += 1
         if self.consecutive_rollbacks >= limit:
