@@ -110,8 +110,10 @@ def main() -> None:
                      result.metrics["verification"]))
     decode = {
         "pytorch fp32": timed(torch_decode(model_dir, args.tokens, args.threads), args.repeats),
-        f"onnxruntime {args.onnx_quant}": timed(onnx_decode(artifacts["onnx"], args.tokens, args.threads), args.repeats),
-        f"llama.cpp {args.gguf_quant}": timed(llama_decode(artifacts["gguf"], args.tokens, args.threads), args.repeats),
+        f"onnxruntime {args.onnx_quant}": timed(onnx_decode(artifacts["onnx"], args.tokens, args.threads),
+                                                args.repeats),
+        f"llama.cpp {args.gguf_quant}": timed(llama_decode(artifacts["gguf"], args.tokens, args.threads),
+                                              args.repeats),
     }
     weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     print(f"\nmodel: {model_dir} ({weights / 1e6:.1f} MB of fp32 safetensors); {args.tokens} greedy tokens, "

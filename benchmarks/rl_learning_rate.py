@@ -62,7 +62,7 @@ def main() -> None:
     config.write_text(SETTINGS.format(eval_prompts=args.eval_prompts))
     results = {rate: train(args.sft, work / f"lr-{rate}", rate, args.steps, config) for rate in args.rates}
     print(f"{'rate':>8} {'iter':>4} " + " ".join(f"{name:>12}" for name in COLUMNS))
-    for rate, result in results.items():
+    for result in results.values():
         used = result["metrics"].get("learning_rate")
         for index, row in enumerate(result["iterations"]):
             label = f"{used:.1e}" if index == 0 and used else ""

@@ -77,7 +77,11 @@ class RewardSettings(TrainSettings):
     @field_validator("preferences", mode="before")
     @classmethod
     def _one_or_many(cls, value):
-        return [value] if isinstance(value, str) else [] if value is None else value
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        return value
 
 
 class EnvelopeSettings(_Strict):

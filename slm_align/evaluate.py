@@ -7,6 +7,7 @@ default) is the baseline every other one is compared with. Output: ``eval/report
 
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,19 +49,30 @@ def run_policies(recipe: Recipe, run: Path, adapter: Path, baselines: Sequence[s
     from peft import PeftModel
 
     source = resolve_source(recipe.model.source)
-    tokenizer = lambda: load_tokenizer(source, recipe.model.trust_remote_code)  # noqa: E731
-    sft = lambda: merged_policy(source, adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)  # noqa: E731
-    policies = [Policy("sft", f"{source.label} + SFT adapter", lambda: (sft(), tokenizer()))]
+    model = recipe.model
     rl_adapter = Path(run) / "rl" / "adapter"
+
+    def load_sft():
+        policy = merged_policy(source, adapter, model.trust_remote_code, model.allow_pickle)
+        return policy, load_tokenizer(source, model.trust_remote_code)
+
+    def load_rl():
+        policy, tokenizer = load_sft()
+        return PeftModel.from_pretrained(policy, str(rl_adapter)).eval(), tokenizer
+
+    policies = [Policy("sft", f"{source.label} + SFT adapter", load_sft)]
     if rl_adapter.is_dir():
-        policies.append(Policy("rl", "SFT + RL adapter",
-                               lambda: (PeftModel.from_pretrained(sft(), str(rl_adapter)).eval(), tokenizer())))
+        policies.append(Policy("rl", "SFT + RL adapter", load_rl))
     for spec in baselines:
         baseline = resolve_source(spec)
-        policies.append(Policy(baseline.label, baseline.label, lambda b=baseline: (
-            load_model(b, recipe.model.trust_remote_code, recipe.model.allow_pickle),
-            load_tokenizer(b, recipe.model.trust_remote_code))))
+        policies.append(Policy(baseline.label, baseline.label, functools.partial(_load_source, baseline, recipe)))
     return policies
+
+
+def _load_source(source, recipe: Recipe):
+    """A baseline model and its tokenizer, as they are (no adapter)."""
+    model = load_model(source, recipe.model.trust_remote_code, recipe.model.allow_pickle)
+    return model, load_tokenizer(source, recipe.model.trust_remote_code)
 
 
 def _measure(policy: Policy, prompts: list[str], documents, reward, recipe: Recipe, max_new_tokens: int,
@@ -80,10 +92,13 @@ def _measure(policy: Policy, prompts: list[str], documents, reward, recipe: Reci
 
 def compare(a: dict, b: dict, seed: int) -> dict:
     """b against a on the same prompts: delta and paired win rate with 95% bootstrap intervals, and a test."""
-    ra, rb = a["rewards"], b["rewards"]
-    delta, delta_ci = mean_delta(ra, rb), bootstrap_ci(ra, rb, mean_delta, seed=seed)
-    significant = delta_ci[0] > 0 or delta_ci[1] < 0
-    verdict = ("significant gain" if delta > 0 else "significant drop") if significant else "no significant change"
+    ra = a["rewards"]
+    rb = b["rewards"]
+    delta = mean_delta(ra, rb)
+    delta_ci = bootstrap_ci(ra, rb, mean_delta, seed=seed)
+    verdict = "no significant change"
+    if delta_ci[0] > 0 or delta_ci[1] < 0:
+        verdict = "significant gain" if delta > 0 else "significant drop"
     return {"baseline": a["name"], "policy": b["name"], "delta": delta, "delta_ci95": delta_ci,
             "win_rate": paired_win_rate(ra, rb), "win_rate_ci95": bootstrap_ci(ra, rb, paired_win_rate, seed=seed),
             "analytical_win_rate": analytical_win_rate(delta, a["reward_std"], b["reward_std"]),

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from slm_align.config import load_recipe
+from slm_align.config import Recipe, load_recipe
 from slm_align.evaluate import evaluate, summary_line
 from slm_align.headroom import check_headroom
 from slm_align.reward.stage import run_reward
@@ -23,59 +23,85 @@ def _quiet(_: str) -> None:
 
 def run_quickstart(out: Path, sft_steps: int = 150, reward_steps: int = 100, rl_steps: int = 20,
                    say: Optional[Callable[[str], None]] = None) -> dict:
-    """SFT, the reward model, the headroom gate, then PPO; each stage is reused when already done with the same
-    inputs."""
+    """SFT, the reward model, the headroom gate, then PPO, evaluation, export and one agent turn; each stage is
+    reused when already done with the same inputs."""
     say = say or _quiet
     started = time.time()
     check_out_dir(out)  # before the first progress line
     recipe = load_recipe(overrides={"sft.max_steps": sft_steps, "sft.batch_size": 16, "sft.save_steps": 50,
                                     "reward.max_steps": reward_steps, "reward.batch_size": 16, "rl.algo": "ppo",
                                     "rl.steps": rl_steps})
-    say(f"[bold]1/7 SFT[/] bundled Llama model on {recipe.data.demo_documents} demo stories "
-        f"(LoRA r={recipe.sft.lora.r}, NEFTune alpha={recipe.sft.neftune_alpha}, {sft_steps} steps)")
-    sft = run_sft(recipe, out, resume=True)
-    m = sft.metrics
-    say(f"    {'reused' if sft.skipped else 'trained'} {sft.stage_dir}: train loss {m['train_loss']:.3f}, "
-        f"eval loss {m['eval_loss']:.3f}")
-    say(f"[bold]2/7 reward model[/] Bradley-Terry on synthetic pairs from training stories ({reward_steps} steps)")
-    reward = run_reward(recipe, out, resume=True)
-    r = reward.metrics
-    kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["accuracy_by_kind"].items())
-    say(f"    {'reused' if reward.skipped else 'trained'} {reward.stage_dir}: held-out accuracy {r['accuracy']:.3f} "
-        f"on {r['pairs']} unseen pairs ({kinds})")
-    say("[bold]3/7 headroom gate[/] SFT perplexity, reward accuracy, reward spread over policy samples")
-    report = check_headroom(recipe, run=out).to_dict()
-    info = report["info"]
-    say(f"    base perplexity {info['base_ppl']:.2f} -> SFT {report['figures'][0]['value']:.2f}")
-    for figure in report["figures"]:
-        say(f"    {figure['name']}: {figure['value']:.3f} ({figure['comparison']} {figure['threshold']:g}) "
-            f"{'pass' if figure['passed'] else 'FAIL'}")
-    say(f"    verdict: {report['verdict']}")
-    for reason, remedy in zip(report["reasons"], report["remedies"]):
-        say(f"    {reason}: {remedy}")
-    result = {"out": str(out), "sft": {"dir": str(sft.stage_dir), "skipped": sft.skipped, "metrics": m},
-              "reward": {"dir": str(reward.stage_dir), "skipped": reward.skipped, "metrics": r}, "headroom": report}
-    if report["passed"]:
-        say(f"[bold]4/7 RL[/] PPO in the safety envelope ({rl_steps} iterations of "
-            f"{iteration_size(recipe.rl).samples} samples)")
-        rl = run_rl(recipe, out, resume=True)
-        curve = [json.loads(line)["reward/mean"] for line in (rl.stage_dir / "metrics.jsonl").read_text().splitlines()]
-        g = rl.metrics["guard"]
-        say(f"    {'reused' if rl.skipped else 'trained'} {rl.stage_dir}: training reward {curve[0]:.2f} -> "
-            f"{curve[-1]:.2f}; held-out reward SFT {rl.metrics['heldout_reward_sft']:.3f} -> RL "
-            f"{rl.metrics['heldout_reward_rl']:.3f} ({rl.metrics['heldout_reward_delta']:+.3f}); guard skips "
-            f"{g['skipped']}, rollbacks {g['rollbacks']}; plots in {rl.stage_dir / 'plots'}")
-        result["rl"] = {"dir": str(rl.stage_dir), "skipped": rl.skipped, "metrics": rl.metrics, "reward_curve": curve}
-        say("[bold]5/7 evaluation[/] SFT vs RL on held-out prompts under the shared reward model")
-        report = evaluate(recipe, out)
-        for comparison in report["comparisons"]:
-            say(f"    {summary_line(comparison)}")
-        say(f"    report: {Path(out) / 'eval' / 'report.md'}")
-        result["evaluation"] = report["comparisons"]
+    result = {"out": str(out), "sft": _sft_step(recipe, out, say), "reward": _reward_step(recipe, out, say)}
+    result["headroom"] = _gate_step(recipe, out, say)
+    if result["headroom"]["passed"]:
+        result["rl"] = _rl_step(recipe, out, say)
+        result["evaluation"] = _evaluation_step(recipe, out, say)
         result["export"] = _export_step(out, say)
         result["agent"] = _agent_step(Path(result["export"]["gguf"]["dir"]), Path(out) / "preferences.db", say)
     say(f"done in {time.time() - started:.0f}s; artifacts in {out}")
     return dict(result, seconds=round(time.time() - started, 1))
+
+
+def _done(stage) -> str:
+    return "reused" if stage.skipped else "trained"
+
+
+def _sft_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> dict:
+    sft = recipe.sft
+    say(f"[bold]1/7 SFT[/] bundled Llama model on {recipe.data.demo_documents} demo stories "
+        f"(LoRA r={sft.lora.r}, NEFTune alpha={sft.neftune_alpha}, {sft.max_steps} steps)")
+    stage = run_sft(recipe, out, resume=True)
+    m = stage.metrics
+    say(f"    {_done(stage)} {stage.stage_dir}: train loss {m['train_loss']:.3f}, eval loss {m['eval_loss']:.3f}")
+    return {"dir": str(stage.stage_dir), "skipped": stage.skipped, "metrics": m}
+
+
+def _reward_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> dict:
+    say(f"[bold]2/7 reward model[/] Bradley-Terry on synthetic pairs from training stories "
+        f"({recipe.reward.max_steps} steps)")
+    stage = run_reward(recipe, out, resume=True)
+    r = stage.metrics
+    kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["accuracy_by_kind"].items())
+    say(f"    {_done(stage)} {stage.stage_dir}: held-out accuracy {r['accuracy']:.3f} "
+        f"on {r['pairs']} unseen pairs ({kinds})")
+    return {"dir": str(stage.stage_dir), "skipped": stage.skipped, "metrics": r}
+
+
+def _gate_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> dict:
+    say("[bold]3/7 headroom gate[/] SFT perplexity, reward accuracy, reward spread over policy samples")
+    report = check_headroom(recipe, run=out).to_dict()
+    say(f"    base perplexity {report['info']['base_ppl']:.2f} -> SFT {report['figures'][0]['value']:.2f}")
+    for figure in report["figures"]:
+        verdict = "pass" if figure["passed"] else "FAIL"
+        say(f"    {figure['name']}: {figure['value']:.3f} ({figure['comparison']} {figure['threshold']:g}) {verdict}")
+    say(f"    verdict: {report['verdict']}")
+    for reason, remedy in zip(report["reasons"], report["remedies"]):
+        say(f"    {reason}: {remedy}")
+    return report
+
+
+def _rl_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> dict:
+    say(f"[bold]4/7 RL[/] PPO in the safety envelope ({recipe.rl.steps} iterations of "
+        f"{iteration_size(recipe.rl).samples} samples)")
+    stage = run_rl(recipe, out, resume=True)
+    lines = (stage.stage_dir / "metrics.jsonl").read_text().splitlines()
+    curve = [json.loads(line)["reward/mean"] for line in lines]
+    m = stage.metrics
+    g = m["guard"]
+    say(f"    {_done(stage)} {stage.stage_dir}: training reward {curve[0]:.2f} -> "
+        f"{curve[-1]:.2f}; held-out reward SFT {m['heldout_reward_sft']:.3f} -> RL "
+        f"{m['heldout_reward_rl']:.3f} ({m['heldout_reward_delta']:+.3f}); guard skips "
+        f"{g['skipped']}, rollbacks {g['rollbacks']}; plots in {stage.stage_dir / 'plots'}")
+    return {"dir": str(stage.stage_dir), "skipped": stage.skipped, "metrics": m, "reward_curve": curve}
+
+
+def _evaluation_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> list:
+    say("[bold]5/7 evaluation[/] SFT vs RL on held-out prompts under the shared reward model")
+    report = evaluate(recipe, out)
+    for comparison in report["comparisons"]:
+        say(f"    {summary_line(comparison)}")
+    say(f"    report: {Path(out) / 'eval' / 'report.md'}")
+    return report["comparisons"]
 
 
 def _export_once(out: Path, target: str, quant: str) -> dict:
@@ -96,8 +122,10 @@ def _export_step(out: Path, say: Callable[[str], None]) -> dict:
     # ONNX int8 (the default for real models) loses too much on a 2.5M-parameter model: top-1 agreement ~0.82,
     # which verification refuses; fp32 shows the exact path.
     for target, quant in (("gguf", "Q8_0"), ("onnx", "fp32")):
-        done[target] = summary = _export_once(out, target, quant)
-        m, v = summary["metrics"], summary["metrics"]["verification"]
+        summary = _export_once(out, target, quant)
+        done[target] = summary
+        m = summary["metrics"]
+        v = m["verification"]
         greedy = f"greedy {v['greedy_exact']}/{v['prompts']} prompts identical, " if v["prompts"] else ""
         tokenizer = "identical" if v["tokenizer_match"] else "DIFFERENT"
         say(f"    {summary['dir']}: {m['bytes'] / 1e6:.1f} MB; tokenizer {tokenizer}, "

@@ -129,8 +129,9 @@ def test_feedback_lands_in_the_store_and_exports_for_the_reward_stage(artifacts,
     code, _, _ = run_cli(capsys, "feedback", "export", db, "--out", out, "--json")
     assert code == 0
     run, _ = finished_sft_run(tmp_path / "run", tiny_models["llama"], stories, steps=2)
-    code, stdout, err = run_cli(capsys, "train", "--stage", "reward", "--out", run, "--no-synthetic-pairs", "--preferences", out, "--preferences",
-                                out.with_name("round2.unpaired.jsonl"), "--reward-steps", "2", "--json")
+    code, stdout, err = run_cli(capsys, "train", "--stage", "reward", "--out", run, "--no-synthetic-pairs",
+                                "--preferences", out, "--preferences", out.with_name("round2.unpaired.jsonl"),
+                                "--reward-steps", "2", "--json")
     assert code == 0, err
     assert json.loads((run / "reward" / "manifest.json").read_text())["metrics"]["pairs"] > 0
 

@@ -23,7 +23,7 @@ def test_every_command_has_help_with_examples(capsys, command):
 
 def test_bad_rl_settings_are_refused_before_any_work(capsys, tmp_path):
     for args, expected in ((["--algo", "a2c"], "rl.algo"), (["--group-size", "1"], "rl.group_size"),
-                           (["--loss-type", "mean"], "rl.loss_type"), (["--stage", "dpo"], "--stage dpo")):
+                           (["--loss-type", "mean"], "rl.grpo.loss_type"), (["--stage", "dpo"], "--stage dpo")):
         code, out, err = run_cli(capsys, "train", "--out", tmp_path / "run", *args)
         assert code == 2 and expected in err and err.count("\n") == 1 and not (tmp_path / "run").exists()
 
@@ -155,30 +155,12 @@ def test_evaluate_adds_a_baseline_row_under_the_same_reward(capsys, tmp_path, ti
     assert "| sft |" in markdown and "95% CI" in markdown and (out / "eval" / "reward_distributions.png").is_file()
 
 
-def test_recipe_flags_take_help_and_default_from_the_recipe_field_in_either_rl_layout():
-    from pydantic import BaseModel, Field
-
+def test_recipe_flags_take_help_and_default_from_the_recipe_field():
     from slm_align.cli.options import recipe_field, recipe_help, recipe_option
     from slm_align.config import Recipe
 
-    class Grpo(BaseModel):
-        beta: float = Field(0.5, description="split beta")
-
-    class FlatRL(BaseModel):
-        beta: float = Field(0.04, description="flat beta")
-
-    class SplitRL(BaseModel):
-        grpo: Grpo = Field(default_factory=Grpo)
-
-    class FlatRecipe(BaseModel):
-        rl: FlatRL = Field(default_factory=FlatRL)
-
-    class SplitRecipe(BaseModel):
-        rl: SplitRL = Field(default_factory=SplitRL)
-
-    assert recipe_field("rl.beta", FlatRecipe).default == 0.04
-    split = recipe_field("rl.beta", SplitRecipe)
-    assert split.default == 0.5 and split.info.description == "split beta"
+    beta = recipe_field("rl.grpo.beta")
+    assert beta.default == Recipe().rl.grpo.beta and beta.info.description.startswith("GRPO: coefficient")
     assert recipe_field("rl.lora.dropout").default == Recipe().rl.lora.dropout  # a default_factory's own value
     with pytest.raises(KeyError):
         recipe_field("rl.no_such_setting")

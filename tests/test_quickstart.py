@@ -46,7 +46,9 @@ def test_quickstart_report_states_the_delta_with_its_interval(quickstart):
     rl = report["comparisons"][0]
     low, high = rl["delta_ci95"]
     assert low <= rl["delta"] <= high
-    expected = "no significant change" if low <= 0 <= high else "significant gain" if rl["delta"] > 0 else "significant drop"
+    expected = "no significant change"
+    if not low <= 0 <= high:
+        expected = "significant gain" if rl["delta"] > 0 else "significant drop"
     assert rl["verdict"] == expected
     markdown = (quickstart / "eval" / "report.md").read_text()
     assert f"reward delta {rl['delta']:+.3f} [95% CI {low:+.3f}, {high:+.3f}]" in markdown

@@ -212,7 +212,8 @@ class NoteStore:
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:
-            raise ValueError(f"no note titled {title!r}; saved notes: {', '.join(self.list_notes()) or 'none'}") from None
+            saved = ", ".join(self.list_notes()) or "none"
+            raise ValueError(f"no note titled {title!r}; saved notes: {saved}") from None
         with os.fdopen(fd, encoding="utf-8", errors="replace") as handle:
             if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
                 raise ValueError(f"note {title!r} is not a regular file; refused")

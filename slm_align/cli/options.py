@@ -23,10 +23,6 @@ from slm_align.config import Recipe, load_recipe
 JsonFlag = typer.Option(False, "--json", help="Print a machine-readable JSON result on stdout.")
 ConfigOpt = typer.Option(None, "--config", help="TOML recipe; flags override it.")
 
-# Sub-models a setting may have moved into (``rl.beta`` -> ``rl.grpo.beta``); their old flat keys stay accepted.
-SPLIT_SECTIONS = ("ppo", "grpo")
-
-
 @dataclass(frozen=True)
 class RecipeField:
     """One recipe setting: its dotted key, pydantic field and default (as in ``Recipe()``)."""
@@ -42,30 +38,14 @@ def _nested_model(annotation: Any) -> Optional[type[BaseModel]]:
     return None
 
 
-def _section_holding(model: type[BaseModel], name: str) -> Optional[str]:
-    for section in SPLIT_SECTIONS:
-        field = model.model_fields.get(section)
-        nested = _nested_model(field.annotation) if field is not None else None
-        if nested is not None and name in nested.model_fields:
-            return section
-    return None
-
-
 def recipe_field(key: str, root: type[BaseModel] = Recipe) -> RecipeField:
-    """Find the setting ``key`` ("sft.lora.r") by walking the recipe's models; a name missing from a model is
-    looked up in its ``ppo`` / ``grpo`` sub-model, so flat keys resolve before and after the RL settings split."""
+    """Find the setting ``key`` ("sft.lora.r", "rl.grpo.beta") by walking the recipe's models."""
     model: Optional[type[BaseModel]] = root
     value: Any = root()
     info: Optional[FieldInfo] = None
     for name in key.split("."):
-        if model is None:
+        if model is None or name not in model.model_fields:
             raise KeyError(f"no recipe setting {key}")
-        if name not in model.model_fields:
-            section = _section_holding(model, name)
-            if section is None:
-                raise KeyError(f"no recipe setting {key}")
-            model = _nested_model(model.model_fields[section].annotation)
-            value = getattr(value, section)
         info = model.model_fields[name]
         value = getattr(value, name)
         model = _nested_model(info.annotation)

@@ -21,7 +21,8 @@ class Snapshot:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer):
-        self.params, self.optimizer = params, optimizer
+        self.params = params
+        self.optimizer = optimizer
         self.values = [p.detach().clone() for p in params]
         self.state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.copy(v) for k, v in st.items()}
                       for p, st in optimizer.state.items()}

@@ -131,14 +131,11 @@ def keep_first_lines(path: Path, count: int) -> None:
 
 
 def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started, world) -> StageResult:
+    """Build the learner, iterate (resuming from the checkpoint), measure held-out reward, publish on rank 0."""
     settings = recipe.rl
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
-    splits = load_corpus(recipe.data, recipe.seed).splits
-    train_prompts = prompts_of(splits.train, tokenizer)
-    eval_prompts = prompts_of(splits.heldout, tokenizer, settings.eval_prompts)
-    if not train_prompts or not eval_prompts:
-        raise UserError("no prompts for RL: the corpus has no documents long enough to split into prompt and rest")
+    train_prompts, eval_prompts = _prompts(recipe, tokenizer)
     reward_fn = combine(rewards, learned=reward_model)
     policy = build_policy(source, adapter, settings, recipe.seed, recipe.model.trust_remote_code,
                           recipe.model.allow_pickle)
@@ -152,6 +149,40 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     if (partial / CHECKPOINT).is_file():
         loop.load_state_dict(torch.load(partial / CHECKPOINT, weights_only=True))
     before = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=False)
+    _iterate(loop, partial, world)
+    after = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=True)
+    replicas = world.gather(replica_digest(loop.params))
+    if not world.main:
+        world.barrier()
+        return StageResult(stage_dir, skipped=False, metrics={}, primary=False)
+    save_adapter(policy, partial / "adapter")
+    if value_head is not None:
+        from safetensors.torch import save_file
+
+        save_file(value_head.state_dict(), partial / "value_head.safetensors")
+    plot_curves(partial / "metrics.jsonl", partial / "plots" / "training_curves.png")
+    heldout = {"heldout_reward_sft": before, "heldout_reward_rl": after, "heldout_reward_delta": after - before,
+               "eval_prompts": len(eval_prompts)}
+    result = dict(heldout, **_run_figures(loop, gate, inputs, adapter, world, replicas))
+    publish(partial, stage_dir, make_manifest(STAGE, inputs, result, started),
+            keep=("adapter", "value_head.safetensors", "metrics.jsonl", "plots", "inputs.json"))
+    world.barrier()
+    return StageResult(stage_dir, skipped=False, metrics=result)
+
+
+def _prompts(recipe: Recipe, tokenizer) -> tuple[list[str], list[str]]:
+    """Training prompts and held-out prompts (at most ``rl.eval_prompts``) from the corpus split."""
+    splits = load_corpus(recipe.data, recipe.seed).splits
+    train_prompts = prompts_of(splits.train, tokenizer)
+    eval_prompts = prompts_of(splits.heldout, tokenizer, recipe.rl.eval_prompts)
+    if not train_prompts or not eval_prompts:
+        raise UserError("no prompts for RL: the corpus has no documents long enough to split into prompt and rest")
+    return train_prompts, eval_prompts
+
+
+def _iterate(loop, partial: Path, world: World) -> None:
+    """Run the remaining iterations; rank 0 appends each one's metrics and checkpoints every ``save_steps``."""
+    settings = loop.settings
     metrics_path = partial / "metrics.jsonl"
     if world.main:
         keep_first_lines(metrics_path, loop.step)  # steps after the checkpoint are trained again
@@ -167,28 +198,15 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
             if loop.step % settings.save_steps == 0 or loop.step == settings.steps:
                 with atomic_path(partial / CHECKPOINT) as tmp:
                     torch.save(loop.state_dict(), tmp)
-    after = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=True)
-    replicas = world.gather(replica_digest(loop.params))
-    if not world.main:
-        world.barrier()
-        return StageResult(stage_dir, skipped=False, metrics={}, primary=False)
-    save_adapter(policy, partial / "adapter")
-    if value_head is not None:
-        from safetensors.torch import save_file
 
-        save_file(value_head.state_dict(), partial / "value_head.safetensors")
-    plot_curves(metrics_path, partial / "plots" / "training_curves.png")
-    result = {"heldout_reward_sft": before, "heldout_reward_rl": after, "heldout_reward_delta": after - before,
-              "eval_prompts": len(eval_prompts), "steps": loop.step, "algo": settings.algo,
-              "learning_rate": loop.learning_rate,
-              "guard": {"skipped": loop.counters.skipped, "rollbacks": loop.counters.rollbacks,
-                        "score_clipped": loop.counters.score_clipped,
-                        "advantage_clipped": loop.counters.advantage_clipped},
-              "gate": {"verdict": gate["verdict"], "forced": inputs["forced"], "reasons": gate["reasons"]},
-              "envelope": settings.envelope.model_dump(), "sft_adapter": str(adapter),
-              "reward_model": inputs["reward_model"], "world_size": world.size, "replica_digests": replicas,
-              "replicas_identical": len(set(replicas)) == 1}
-    publish(partial, stage_dir, make_manifest(STAGE, inputs, result, started),
-            keep=("adapter", "value_head.safetensors", "metrics.jsonl", "plots", "inputs.json"))
-    world.barrier()
-    return StageResult(stage_dir, skipped=False, metrics=result)
+
+def _run_figures(loop, gate: dict, inputs: dict, adapter, world: World, replicas: list[str]) -> dict:
+    """What the manifest records about the run besides held-out reward: steps, guards, gate, envelope, replicas."""
+    counters = loop.counters
+    return {"steps": loop.step, "algo": loop.settings.algo, "learning_rate": loop.learning_rate,
+            "guard": {"skipped": counters.skipped, "rollbacks": counters.rollbacks,
+                      "score_clipped": counters.score_clipped, "advantage_clipped": counters.advantage_clipped},
+            "gate": {"verdict": gate["verdict"], "forced": inputs["forced"], "reasons": gate["reasons"]},
+            "envelope": loop.settings.envelope.model_dump(), "sft_adapter": str(adapter),
+            "reward_model": inputs["reward_model"], "world_size": world.size, "replica_digests": replicas,
+            "replicas_identical": len(set(replicas)) == 1}
