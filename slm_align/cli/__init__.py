@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 from typer.exceptions import TyperException
 
-from slm_align.cli import devices, export, runtime, train
+from slm_align.cli import devices, export, runtime, tasks, train
 from slm_align.errors import EXIT_USER_ERROR, UserError, storage_error
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
@@ -22,6 +22,7 @@ app.add_typer(train.commands)
 app.add_typer(export.commands)
 app.add_typer(runtime.commands)
 app.add_typer(devices.commands)
+app.add_typer(tasks.commands)
 app.add_typer(runtime.feedback_app, name="feedback")
 app.add_typer(devices.devices_app, name="devices")
 

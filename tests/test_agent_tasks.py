@@ -1,0 +1,238 @@
+"""The bundled calculator task and agent evaluation in the runtime: generation, split, SFT rows that render as the
+runtime renders, failure categories, and `evaluate-agent` end to end."""
+
+import json
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+
+from slm_align.agent.builtin_tools import calculator, default_tools
+from slm_align.agent.task_eval import answers_match, classify, compare, open_agent, run_task, summarize
+from slm_align.agent.template import render
+from slm_align.data.agent_tasks import leaks, make_tasks, sft_rows, split_tasks, tool_call_text, write_agent_tasks
+from slm_align.data.encoding import render as render_example
+from slm_align.data.readers import row_to_example
+from tests.helpers import export_bundled, run_cli
+
+OPERATIONS = {"+": Fraction.__add__, "-": Fraction.__sub__, "*": Fraction.__mul__, "/": Fraction.__truediv__}
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    """The bundled model exported once to GGUF Q8_0."""
+    pytest.importorskip("llama_cpp")
+    return export_bundled(tmp_path_factory.mktemp("artifacts"), ("gguf", "Q8_0"))["gguf"]
+
+
+class ScriptedBackend:
+    """A real backend whose completions are scripted, to drive the tool loop deterministically."""
+
+    def __init__(self, backend, replies):
+        self.inner = backend
+        self.replies = list(replies)
+        self.prompts = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, prompt, params, grammar=None):
+        """The next scripted reply's tokens, then EOS."""
+        self.prompts.append(prompt)
+        yield from self.inner.tokenize(self.replies.pop(0), add_special=False)
+        yield next(iter(self.inner.eos_ids))
+
+
+def scripted_agent(artifact, replies):
+    """The evaluation agent on ``artifact`` with its completions scripted (its token counter kept)."""
+    agent = open_agent(artifact, max_tokens=200)
+    agent.backend.inner = ScriptedBackend(agent.backend.inner, replies)
+    return agent
+
+
+def independent_value(expression: str) -> Fraction:
+    first, op, second = expression.split()
+    return OPERATIONS[op](Fraction(first), Fraction(second))
+
+
+def canonical(expression: str) -> tuple:
+    first, op, second = expression.split()
+    if op in "+*":
+        return (op, frozenset((Fraction(first), Fraction(second))))
+    return (op, Fraction(first), Fraction(second))
+
+
+def test_generation_is_deterministic_and_seeded():
+    assert split_tasks(60, 20, seed=3) == split_tasks(60, 20, seed=3)
+    assert split_tasks(60, 20, seed=3) != split_tasks(60, 20, seed=4)
+    kinds = {row["prompt"][0]["content"].split()[0] for row in make_tasks(200)}
+    assert len(kinds) > 8  # several templates, arithmetic and units
+
+
+def test_split_shares_no_question_and_no_expression():
+    train, heldout = split_tasks(300, 100, seed=0)
+    assert len(train) == 300 and len(heldout) == 100 and leaks(train, heldout) is None
+    questions = [row["prompt"][0]["content"] for row in train + heldout]
+    expressions = [canonical(row["expression"]) for row in train + heldout]
+    assert len(set(questions)) == len(questions) and len(set(expressions)) == len(expressions)
+    assert leaks(train, train[:1]) is not None
+
+
+def test_answers_are_right_and_what_the_calculator_says():
+    for row in make_tasks(300, seed=1):
+        value = independent_value(row["expression"])
+        assert Fraction(row["answer"]) == value
+        assert calculator(row["expression"]) == row["answer"]
+        assert row["tool"] == "calculator" and row["tools"] == default_tools().specs()[:1]
+        assert all(len(part.replace(".", "")) <= 4 for part in row["expression"].split()[::2])
+
+
+def test_sft_rows_are_two_chats_per_task_and_parse_as_the_runtime_parses():
+    task = make_tasks(1, seed=2)[0]
+    call_row, answer_row = sft_rows(task)
+    assert [m["role"] for m in call_row["messages"]] == ["user", "assistant"]
+    assert [m["role"] for m in answer_row["messages"]] == ["user", "assistant", "tool", "assistant"]
+    parsed = default_tools().parse_calls(call_row["messages"][-1]["content"])
+    assert not parsed.errors and parsed.calls[0].arguments == {"expression": task["expression"]}
+    assert answers_match(answer_row["messages"][-1]["content"], task["answer"])
+
+
+def test_write_agent_tasks_and_refuse_to_overwrite(tmp_path, capsys):
+    paths = write_agent_tasks(tmp_path / "calc", n_train=10, n_heldout=4, seed=0)
+    lines = {name: path.read_text().splitlines() for name, path in paths.items()}
+    assert [len(lines[name]) for name in ("sft", "train", "heldout")] == [20, 10, 4]
+    assert all("answer" in json.loads(line) for line in lines["heldout"])
+    code, _, err = run_cli(capsys, "tasks", "make", "--out", tmp_path / "calc")
+    assert code == 2 and "already exist" in err and err.count("\n") == 1
+    assert paths["train"].read_text().splitlines() == lines["train"]
+
+
+def test_sft_rows_render_as_the_runtime_renders(gguf, tokenizer):
+    task = make_tasks(1, seed=5)[0]
+    call_row, answer_row = sft_rows(task)
+    final = answer_row["messages"][-1]["content"]
+    agent = scripted_agent(gguf, [call_row["messages"][-1]["content"], final])
+    result = run_task(agent, task)
+    assert result.category == "success" and result.rounds == 1
+    backend = agent.backend.inner.inner
+    tools = agent.tools.specs()
+    runtime_text = render(backend.chat_template, agent.messages, backend.bos_token, backend.eos_token, tools,
+                          add_generation_prompt=False)
+    for row, turns in ((answer_row, agent.messages), (call_row, agent.messages[:2])):
+        example = row_to_example("sft", row)
+        prompt, completion = render_example(example, tokenizer)  # what SFT trains on
+        expected = render(backend.chat_template, turns, backend.bos_token, backend.eos_token, tools,
+                          add_generation_prompt=False)
+        assert prompt + completion == expected
+        model_prompt = render(backend.chat_template, turns[:-1], backend.bos_token, backend.eos_token, tools)
+        assert prompt == model_prompt  # the text the model continues at inference
+    assert runtime_text.endswith(final + "<|im_end|>\n")
+    seen = [backend.detokenize(ids) for ids in agent.backend.inner.prompts]  # what the runtime fed the model
+    assert seen == [render_example(row_to_example("sft", row), tokenizer)[0] for row in (call_row, answer_row)]
+
+
+HAND_WRITTEN = [  # (calls, final text, category) for the task "17 * 23" -> 391
+    ([{"name": "calculator", "arguments": {"expression": "17 * 23"}, "ok": True, "content": "391"}],
+     "The answer is 391.", "success"),
+    ([], "391", "success"),
+    ([], "I think it is 400.", "no_call"),
+    ([{"name": "", "arguments": None, "ok": False, "content": "Error: malformed JSON"}], "Sorry.", "malformed_call"),
+    ([{"name": "calculator", "arguments": {"expression": "__import__(1)"}, "ok": False, "content": "Error: no"}],
+     "Sorry.", "malformed_call"),
+    ([{"name": "current_time", "arguments": {}, "ok": True, "content": "2025-01-01T00:00:00"}], "2025",
+     "wrong_tool"),
+    ([{"name": "rm_rf", "arguments": None, "ok": False, "content": "Error: unknown tool"}], "Done.", "wrong_tool"),
+    ([{"name": "calculator", "arguments": {"expression": "17 + 23"}, "ok": True, "content": "40"}],
+     "The answer is 40.", "wrong_answer"),
+]
+
+
+@pytest.mark.parametrize("calls, final, category", HAND_WRITTEN)
+def test_failure_categories_on_hand_written_turns(calls, final, category):
+    assert classify(calls, final, "391", "calculator") == category
+
+
+def test_answers_match_numerically():
+    assert answers_match("The answer is 391.", "391") and answers_match("It is 350.0", "350")
+    assert answers_match("1,200 grams", "1200") and not answers_match("It is 12", "13")
+    assert not answers_match("", "391")
+
+
+def test_compare_gives_a_paired_interval_and_a_verdict():
+    from slm_align.agent.task_eval import TaskResult
+
+    def results(category, n=20):
+        return [TaskResult("q", "1", "r", category, 1, 1, 1, 10) for _ in range(n)]
+
+    better = compare(results("no_call"), results("success"))
+    assert better["success_delta"] == 1.0 and better["ci95"] == [1.0, 1.0] and better["verdict"] == "better"
+    same = compare(results("success"), results("success"))
+    assert same["ci95"] == [0.0, 0.0] and same["verdict"].startswith("no clear difference")
+
+
+def test_task_eval_counts_on_a_scripted_backend(gguf):
+    tasks = make_tasks(5, seed=7)
+    calls = [tool_call_text(task["expression"]) for task in tasks]
+    script = [calls[0], f"The answer is {tasks[0]['answer']}.",
+              "I do not know.",
+              '<tool_call>{"name": "calculator", "arguments": {oops</tool_call>', "Sorry.",
+              '<tool_call>{"name": "current_time", "arguments": {"timezone": "UTC"}}</tool_call>', "Noon.",
+              calls[4], "The answer is 0.5."]
+    agent = scripted_agent(gguf, script)
+    results = [run_task(agent, task) for task in tasks]
+    assert [r.category for r in results] == ["success", "no_call", "malformed_call", "wrong_tool", "wrong_answer"]
+    summary = summarize(results)
+    assert summary["success_rate"] == 0.2 and summary["call_rate"] == 0.8
+    assert summary["valid_call_rate"] == 3 / 4 and summary["rounds_per_task"] == 4 / 5
+    assert summary["failures"] == {"no_call": 1, "malformed_call": 1, "wrong_tool": 1, "wrong_answer": 1}
+    assert all(r.tokens > 0 for r in results) and results[0].tokens > results[1].tokens
+
+
+def test_evaluate_agent_end_to_end_on_the_bundled_export(gguf, tmp_path, capsys):
+    code, out, err = run_cli(capsys, "tasks", "make", "--out", tmp_path / "calc", "--train", "8", "--heldout", "5",
+                             "--json")
+    assert code == 0, err
+    heldout = json.loads(out)["files"]["heldout"]
+    report_path = tmp_path / "report.json"
+    code, out, err = run_cli(capsys, "evaluate-agent", heldout, "--artifact", gguf, "--artifact", gguf,
+                             "--limit", "3", "--max-tokens", "24", "--out", report_path, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report == json.loads(report_path.read_text())
+    assert report["n_tasks"] == 3 and len(report["artifacts"]) == 2 and len(report["comparisons"]) == 1
+    first = report["artifacts"][0]
+    for key in ("success_rate", "valid_call_rate", "call_rate", "rounds_per_task", "tokens_per_task", "failures"):
+        assert key in first
+    assert len(first["results"]) == 3 and sum(first["failures"].values()) + 3 * first["success_rate"] == 3
+    assert report["artifacts"][1]["results"] == first["results"]  # greedy: the same model answers the same
+    assert report["comparisons"][0]["success_delta"] == 0.0 and report["comparisons"][0]["ci95"] == [0.0, 0.0]
+
+
+def test_evaluate_agent_bad_input_is_one_line_and_exit_2(gguf, tmp_path, capsys):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"prompt": "What is 2 + 2?"}) + "\n")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a model")
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"prompt": "What is 2 + 2?", "answer": "4"}) + "\n")
+    cases = [((tmp_path / "missing.jsonl", "--artifact", gguf), "not found"),
+             ((tasks, "--artifact", gguf), "'answer'"),
+             ((good, "--artifact", tmp_path / "missing.gguf"), "not found"),
+             ((good, "--artifact", broken), "cannot load")]
+    for args, expected in cases:
+        code, _, err = run_cli(capsys, "evaluate-agent", *args)
+        assert code == 2 and expected in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("command", ["tasks make", "evaluate-agent"])
+def test_commands_have_help_with_examples(capsys, command):
+    code, out, _ = run_cli(capsys, *command.split(), "--help")
+    assert code == 0 and "Example" in out and "--json" in out
+
+
+def test_task_evaluation_imports_no_torch():
+    script = ("import sys, slm_align.agent.task_eval, slm_align.data.agent_tasks, slm_align.cli.tasks\n"
+              "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
