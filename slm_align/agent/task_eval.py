@@ -11,7 +11,6 @@ No torch, no transformers: like the rest of the runtime.
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from slm_align.agent.builtin_tools import default_tools
 from slm_align.agent.runtime import Agent, load_model
 from slm_align.agent.sampling import SamplingParams
 from slm_align.errors import UserError
-from slm_align.reward.functions import extract_answer
+from slm_align.reward.functions import exact_answer
 from slm_align.stats import bootstrap_ci, mean_delta
 
 CATEGORIES = ("success", "no_call", "malformed_call", "wrong_tool", "wrong_answer")
@@ -31,15 +30,9 @@ DEFAULT_TOOL_ROUNDS = 3
 
 
 def answers_match(text: str, answer: str) -> bool:
-    """The final answer in ``text`` equals ``answer``: as normalised text, or as numbers when both are numbers."""
-    got = extract_answer(text)
-    want = extract_answer(str(answer))
-    if got == want:
-        return True
-    try:
-        return math.isclose(float(got), float(want), rel_tol=1e-9, abs_tol=1e-9)
-    except ValueError:
-        return False
+    """The final answer in ``text`` equals ``answer`` (numbers by value): the rule of the ``exact_answer`` reward,
+    so that evaluation judges success as RL rewarded it."""
+    return exact_answer([""], [text], answer=[answer])[0] == 1.0
 
 
 def classify(calls: Sequence[dict], final_text: str, answer: str, tool: Optional[str] = None) -> str:
