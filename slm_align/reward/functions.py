@@ -293,9 +293,9 @@ def tool_task(prompts, completions, answer: Optional[Sequence[Any]] = None, tool
       containing it as a whole phrase, as the clock's "... (Monday, UTC)" contains "Monday").
 
     The known tools are the row's ``tools`` column (OpenAI function schemas) when present, else the built-in
-    tools. Calls run with the same-named tool of ``registry`` (default: :func:`slm_align.agent.builtin_tools.
-    default_tools`, the calculator and clock, safe by construction); bind your own registry with
-    ``functools.partial(tool_task, registry=...)`` to run other tools.
+    tools. Calls run with the same-named tool of ``registry``, by default the built-in calculator and clock
+    (:func:`~slm_align.agent.builtin_tools.default_tools`, safe by construction); bind your own registry with
+    ``functools.partial(tool_task, registry=...)`` to run other tools. The scale is :data:`TOOL_TASK_SCORES`.
     """
     executables = registry or _builtin_registry()
     registries: dict[str, Any] = {}
