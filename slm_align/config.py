@@ -23,6 +23,10 @@ class ModelSettings(_Strict):
 
 class DataSettings(_Strict):
     path: Optional[str] = Field(None, description="Corpus file or datasets directory; None = the demo stories.")
+    tasks: Optional[str] = Field(None, description="Task file for RL, the gate's reward spread and evaluation: a "
+                                 "prompt column (text or chat messages) and any others (answer, tools, ...), which "
+                                 "reach the reward functions as keyword lists; jsonl, json, parquet or a datasets "
+                                 "directory. None: prompts are the openings of the corpus's held-out documents.")
     text_field: Optional[str] = Field(None, description="Column holding the text; found automatically when None.")
     demo_documents: int = Field(2000, ge=10, description="How many demo stories to generate when path is None.")
     eval_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of documents kept for evaluation.")
@@ -142,7 +146,10 @@ def _given(section: Any) -> Any:
 class RLSettings(_Strict):
     """PPO and GRPO: the shared settings here, each algorithm's own in ``ppo`` and ``grpo``; one envelope."""
 
-    algo: Literal["ppo", "grpo"] = Field("ppo", description="The algorithm.")
+    algo: Literal["ppo", "grpo", "auto"] = Field("ppo", description="The algorithm; auto follows the headroom "
+                                                 "gate's recommendation (recorded in headroom.json).")
+    from_sft: bool = Field(True, description="Start from the run's SFT adapter (trained first when missing); False: "
+                           "from the model as given (already fluent), which the gate then measures as it is.")
     steps: int = Field(40, ge=1, description="Rollout-and-update iterations.")
     prompts_per_step: int = Field(4, ge=1, description="GRPO: prompts per iteration (PPO: times group_size).")
     group_size: int = Field(8, ge=2, description="GRPO: completions per prompt (PPO: one each, more prompts).")
@@ -201,8 +208,14 @@ class HeadroomSettings(_Strict):
     batch_size: int = Field(8, ge=1, description="Sequences per forward pass while measuring.")
     max_documents: int = Field(500, ge=1, description="Most eval documents scored.")
     min_reward_accuracy: float = Field(0.6, ge=0, le=1, description="Held-out pairwise accuracy the reward needs.")
-    min_reward_std: float = Field(0.1, ge=0, description="Spread (std) of rewards over policy samples required.")
-    spread_prompts: int = Field(32, ge=2, description="Held-out prompts sampled to measure the reward spread.")
+    min_reward_std: float = Field(0.1, ge=0, description="Mean within-prompt std of rewards (over samples_per_prompt "
+                                  "samples of each prompt) required: the variation both algorithms learn from.")
+    spread_prompts: int = Field(16, ge=2, description="Held-out prompts sampled to measure the reward spread.")
+    samples_per_prompt: int = Field(4, ge=2, description="Completions sampled per prompt to measure the spread within "
+                                    "a prompt (GRPO's group) and how many prompts get identical rewards.")
+    max_all_equal_share: float = Field(0.5, ge=0, le=1, description="GRPO is advised only while at most this share "
+                                       "of prompts get identical rewards in all their samples (GRPO learns nothing "
+                                       "from those); above it PPO, whose learned value baseline copes.")
     max_new_tokens: int = Field(64, ge=1, description="Tokens sampled per completion when measuring the spread.")
 
 

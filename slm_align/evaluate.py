@@ -17,13 +17,13 @@ from slm_align.atomic import write_json_atomic, write_text_atomic
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
 from slm_align.data.encoding import encode_all
-from slm_align.data.prompts import prompts_of
+from slm_align.data.prompt_source import prompt_source
 from slm_align.errors import UserError
 from slm_align.generation import sample, score
 from slm_align.modeling import load_model, load_tokenizer, merged_policy, resolve_source
 from slm_align.perplexity import perplexity
 from slm_align.plots import plot_curves
-from slm_align.reward.functions import combine
+from slm_align.runs import read_manifest
 from slm_align.sft import recipe_from_sft
 from slm_align.stats import (
     analytical_win_rate,
@@ -44,8 +44,9 @@ class Policy:
     load: Callable
 
 
-def run_policies(recipe: Recipe, run: Path, adapter: Path, baselines: Sequence[str]) -> list[Policy]:
-    """The run's SFT prior, its RL policy when present, then any baseline model sources."""
+def run_policies(recipe: Recipe, run: Path, adapter: Optional[Path], baselines: Sequence[str]) -> list[Policy]:
+    """The run's SFT prior (the model as given when ``adapter`` is None), its RL policy when present, then any
+    baseline model sources."""
     from peft import PeftModel
 
     source = resolve_source(recipe.model.source)
@@ -61,8 +62,10 @@ def run_policies(recipe: Recipe, run: Path, adapter: Path, baselines: Sequence[s
         return PeftModel.from_pretrained(policy, str(rl_adapter)).eval(), tokenizer
 
     policies = [Policy("sft", f"{source.label} + SFT adapter", load_sft)]
+    if adapter is None:  # RL started from the model as given (--no-sft)
+        policies = [Policy("base", f"{source.label} as given", load_sft)]
     if rl_adapter.is_dir():
-        policies.append(Policy("rl", "SFT + RL adapter", load_rl))
+        policies.append(Policy("rl", f"{policies[0].name} + RL adapter", load_rl))
     for spec in baselines:
         baseline = resolve_source(spec)
         policies.append(Policy(baseline.label, baseline.label, functools.partial(_load_source, baseline, recipe)))
@@ -113,13 +116,17 @@ def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_mo
     ``sft_run`` names the run whose SFT stage is the prior when it is not ``run`` itself (``train --sft``).
     """
     run = Path(run)
-    recipe, adapter = recipe_from_sft(sft_run or run, recipe)
+    adapter = None
+    if _starts_from_sft(recipe, run, sft_run):
+        recipe, adapter = recipe_from_sft(sft_run or run, recipe)
     if reward_model is None and (run / "reward" / "model").is_dir():
         reward_model = run / "reward" / "model"
-    reward = combine(rewards, learned=reward_model)
-    splits = load_corpus(recipe.data, recipe.seed).splits
+    corpus = load_corpus(recipe.data, recipe.seed)
+    splits = corpus.splits
     tokenizer = load_tokenizer(resolve_source(recipe.model.source), recipe.model.trust_remote_code)
-    held = prompts_of(splits.heldout, tokenizer, prompts)
+    source = prompt_source(recipe, tokenizer, corpus)
+    reward = source.reward(rewards, learned=reward_model)
+    held = source.heldout[:prompts]
     if len(held) < 2:
         raise UserError("fewer than two held-out prompts to evaluate on; give a larger corpus")
     documents = splits.eval[: recipe.headroom.max_documents]
@@ -133,6 +140,17 @@ def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_mo
               "samples": [{"prompt": held[i], **{r["name"]: r["completions"][i] for r in rows}} for i in range(3)]}
     _write(report, run / "eval", run / "rl" / "metrics.jsonl")
     return report
+
+
+def _starts_from_sft(recipe: Recipe, run: Path, sft_run: Optional[Path]) -> bool:
+    """Whether the run's prior is an SFT adapter: not when RL was asked to start from the model as given, or when
+    the run has no SFT stage and its RL stage recorded none."""
+    if sft_run is not None:
+        return True
+    if not recipe.rl.from_sft:
+        return False
+    rl = read_manifest(run / "rl")
+    return not (read_manifest(run / "sft") is None and rl is not None and rl["inputs"].get("sft") is None)
 
 
 def _write(report: dict, out: Path, metrics: Path) -> None:

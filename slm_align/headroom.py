@@ -16,6 +16,7 @@ from slm_align.atomic import write_json_atomic
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
 from slm_align.data.encoding import encode_all
+from slm_align.data.prompt_source import prompt_source
 from slm_align.errors import UserError
 from slm_align.modeling import load_adapter, load_model, load_tokenizer, resolve_source
 from slm_align.perplexity import perplexity
@@ -80,15 +81,12 @@ def _heldout_pairs(recipe: Recipe, corpus, run: Optional[Path]) -> list:
 
 
 def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Optional[Path],
-                    rewards: Sequence[str], run: Optional[Path], info: dict) -> list[Figure]:
+                    rewards: Sequence[str], run: Optional[Path], info: dict, source) -> list[Figure]:
     """Held-out pairwise accuracy of the reward model and the spread of rewards over policy samples."""
-    from slm_align.data.prompts import prompts_of
-    from slm_align.generation import sample, score
-    from slm_align.reward.functions import combine, spread
     from slm_align.reward.model import pairwise_metrics
 
     settings = recipe.headroom
-    reward = combine(rewards, learned=reward_model)
+    reward = source.reward(rewards, learned=reward_model)
     figures = []
     if reward_model is not None:
         pairs = _heldout_pairs(recipe, corpus, run)
@@ -100,16 +98,39 @@ def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Opt
                                   settings.min_reward_accuracy, ">=", REMEDY_ACCURACY))
         else:
             info["reward_accuracy"] = "not measured: no held-out preference pairs"
-    prompts = prompts_of(corpus.splits.heldout, tokenizer, settings.spread_prompts)
+    prompts = source.heldout[: settings.spread_prompts]
     if len(prompts) < 2:
         info["reward_spread"] = "not measured: fewer than two held-out prompts"
         return figures
-    samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, temperature=1.0, seed=recipe.seed)
-    scores = score(reward, samples)
-    info.update(spread_samples=len(scores), reward_terms=[name for name, _, _ in reward.terms])
-    figures.append(Figure("reward spread (std over policy samples)", spread(scores), settings.min_reward_std, ">=",
-                          REMEDY_SPREAD))
-    return figures
+    return figures + [_spread_figure(recipe, policy, tokenizer, reward, prompts, info)]
+
+
+def _spread_figure(recipe: Recipe, policy, tokenizer, reward, prompts: list[str], info: dict) -> Figure:
+    """Sample k completions per prompt, gate on the within-prompt spread, and advise PPO or GRPO."""
+    from slm_align.generation import sample, score
+    from slm_align.reward_spread import measure_spread, recommend
+
+    settings = recipe.headroom
+    k = settings.samples_per_prompt
+    repeated = [prompt for prompt in prompts for _ in range(k)]
+    samples = sample(policy, tokenizer, repeated, settings.max_new_tokens, temperature=1.0, seed=recipe.seed)
+    spread = measure_spread(score(reward, samples), k)
+    info["spread_samples"] = len(repeated)
+    info["reward_terms"] = [name for name, _, _ in reward.terms]
+    info["reward_spread"] = spread.to_dict()
+    info["recommendation"] = recommend(spread, settings.max_all_equal_share, recipe.rl.group_size)
+    return Figure(f"reward spread within prompts (mean std of {k} samples)", spread.within, settings.min_reward_std,
+                  ">=", REMEDY_SPREAD)
+
+
+def _perplexity_documents(recipe: Recipe, corpus, source) -> list:
+    """The SFT prior is scored on the corpus's eval split; with a task file and no corpus, on the held-out tasks
+    (prompt and answer), the text the model must be fluent in."""
+    from slm_align.data.examples import Example
+
+    if recipe.data.tasks is None or recipe.data.path is not None:
+        return corpus.splits.eval[: recipe.headroom.max_documents]
+    return [Example(text=text) for text in source.heldout_texts()[: recipe.headroom.max_documents]]
 
 
 def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional[Path] = None,
@@ -120,19 +141,20 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
     ``reward/model``); reward spread when any reward is known (the model and/or ``rewards`` specs).
     """
     started = time.time()
-    if run is not None and adapter is None:
+    if run is not None and adapter is None and recipe.rl.from_sft:
         recipe, adapter = recipe_from_sft(run, recipe)
     if reward_model is None and run is not None and (Path(run) / "reward" / "model").is_dir():
         reward_model = Path(run) / "reward" / "model"
-    source = resolve_source(recipe.model.source)
-    tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
+    model_source = resolve_source(recipe.model.source)
+    tokenizer = load_tokenizer(model_source, recipe.model.trust_remote_code)
     corpus = load_corpus(recipe.data, recipe.seed)
-    documents = corpus.splits.eval[: recipe.headroom.max_documents]
-    encoded = encode_all(documents, tokenizer, recipe.data.max_length)
+    source = prompt_source(recipe, tokenizer, corpus)
+    encoded = encode_all(_perplexity_documents(recipe, corpus, source), tokenizer, recipe.data.max_length)
     if not encoded:
         raise UserError(f"data {corpus.description}: no eval document has tokens to score")
-    model = load_model(source, recipe.model.trust_remote_code, recipe.model.allow_pickle)
-    info = {"model": source.label, "data": corpus.description, "eval_documents": len(encoded)}
+    model = load_model(model_source, recipe.model.trust_remote_code, recipe.model.allow_pickle)
+    info = {"model": model_source.label, "data": corpus.description, "prompts": source.description,
+            "eval_documents": len(encoded)}
     if adapter is not None:
         model = load_adapter(model, adapter)
         with model.disable_adapter():
@@ -141,7 +163,7 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
     measured = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size)
     figures = [Figure("held-out perplexity", measured.ppl, recipe.headroom.max_ppl, "<", REMEDY_PPL)]
     if reward_model is not None or rewards:
-        figures += _reward_figures(recipe, corpus, model, tokenizer, reward_model, rewards, run, info)
+        figures += _reward_figures(recipe, corpus, model, tokenizer, reward_model, rewards, run, info, source)
     else:
         info["reward"] = "not measured: no reward model or reward function (slm-align train --stage reward)"
     info.update(eval_tokens=measured.tokens, seconds=round(time.time() - started, 2))

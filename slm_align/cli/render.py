@@ -61,11 +61,18 @@ def print_headroom(report: dict) -> None:
     if "base_ppl" in info:
         table.add_row("base model perplexity (context)", f"{info['base_ppl']:.3f}", "", "")
     for key in ("reward", "reward_accuracy", "reward_spread"):
-        if key in info:
+        if isinstance(info.get(key), str):
             table.add_row(key.replace("_", " "), info[key], "", "")
+    spread = info.get("reward_spread")
+    if isinstance(spread, dict):
+        table.add_row("reward spread between prompts (context)", f"{spread['between']:.3f}", "", "")
+        table.add_row(f"prompts with {spread['k']} identical rewards (context)", f"{spread['all_equal_share']:.0%}",
+                      "", "")
     stdout.print(table)
     color = "green" if report["passed"] else "red"
     stdout.print(f"verdict: [bold {color}]{report['verdict']}[/]")
+    if "recommendation" in info:
+        stdout.print(f"advice: {info['recommendation']['why']}")
     for reason, remedy in zip(report["reasons"], report["remedies"]):
         stdout.print(f"  {reason}: {remedy}")
 

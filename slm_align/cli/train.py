@@ -40,6 +40,9 @@ SOURCE = (
     Flag("--text-field", "data.text_field"),
     Flag("--seed", "seed"),
 )
+TASKS = (
+    Flag("--tasks", "data.tasks"),
+)
 SAFETY = (
     Flag("--trust-remote-code", "model.trust_remote_code", sets=True),
     Flag("--allow-pickle", "model.allow_pickle", sets=True),
@@ -63,6 +66,8 @@ HEADROOM = (
     Flag("--max-ppl", "headroom.max_ppl"),
     Flag("--min-reward-acc", "headroom.min_reward_accuracy"),
     Flag("--min-reward-std", "headroom.min_reward_std"),
+    Flag("--gate-samples", "headroom.samples_per_prompt"),
+    Flag("--max-all-equal", "headroom.max_all_equal_share"),
 )
 REWARD = (
     Flag("--preferences", "reward.preferences", repeat=True, note="Repeatable."),
@@ -73,8 +78,10 @@ REWARD = (
     Flag("--margin", "reward.margin"),
     Flag("--center", "reward.center_coefficient"),
 )
-RL = (  # flat keys: load_recipe also accepts them once PPO and GRPO settings live in rl.ppo / rl.grpo
+RL = (
     Flag("--algo", "rl.algo"),
+    Flag("--no-sft", "rl.from_sft", sets=False, help="Start RL from the model as given (already fluent): no SFT "
+         "stage; the gate measures the model itself. Needs --reward or --reward-model."),
     Flag("--steps", "rl.steps"),
     Flag("--rl-lr", "rl.learning_rate"),
     Flag("--prompts-per-step", "rl.prompts_per_step"),
@@ -128,7 +135,7 @@ def sft(
                          "--data eval.jsonl\n\n"
                          "  slm-align check-headroom --run runs/demo --max-ppl 15 --json\n\n"
                          "  slm-align check-headroom --run runs/demo --reward mypkg.rewards:politeness@0.5")
-@recipe_flags(SOURCE, HEADROOM, SAFETY)
+@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY)
 def check_headroom(
     run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with --model)."),
@@ -176,8 +183,10 @@ def quickstart(
                          "--pair-mix shuffle=2,truncate=1\n\n"
                          "  slm-align train --out runs/demo --resume              # continue a killed run\n\n"
                          "  slm-align train --out runs/demo --force               # train although the gate says FAIL "
-                         "(recorded)")
-@recipe_flags(SOURCE, REWARD, RL, SAFETY)
+                         "(recorded)\n\n"
+                         "  slm-align train --algo auto --tasks tasks.jsonl --reward exact_answer --out runs/t  "
+                         "# the gate picks PPO or GRPO")
+@recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, SAFETY)
 def train(
     out: Path = typer.Option(Path("runs/default"), "--out", "-o", help=RUN_DIR_HELP),
     stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it needs, the gate, then RL)."),
@@ -243,13 +252,15 @@ def evaluate(
     prompts: int = typer.Option(200, min=2, help="Held-out prompts to sample."),
     max_new_tokens: Optional[int] = recipe_option("rl.max_new_tokens", "--max-new-tokens"),
     temperature: Optional[float] = recipe_option("rl.temperature", "--temperature"),
+    tasks: Optional[str] = recipe_option("data.tasks", "--tasks"),
     config: Optional[Path] = ConfigOpt,
     as_json: bool = JsonFlag,
 ) -> None:
     """Compare the SFT prior, the aligned policy and any baselines on held-out prompts; write eval/report.md."""
     from slm_align.evaluate import evaluate as run_evaluation
 
-    recipe = recipe_from(config, {"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens})  # validated
+    overrides = {"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens, "data.tasks": tasks}
+    recipe = recipe_from(config, overrides)  # validated
     report = run_evaluation(recipe, run, baselines=model, reward_model=reward_model, rewards=reward,
                             prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature)
     emit(as_json, report, lambda: print_evaluation(report, Path(run) / "eval" / "report.md"))

@@ -18,15 +18,14 @@ import torch
 
 from slm_align.atomic import atomic_path, write_text_atomic
 from slm_align.config import Recipe
-from slm_align.data.corpus import load_corpus
-from slm_align.data.prompts import prompts_of
+from slm_align.data.prompt_source import prompt_source
+from slm_align.data.readers import fingerprint
 from slm_align.errors import UserError
 from slm_align.generation import sample, score
 from slm_align.headroom import check_headroom
 from slm_align.modeling import load_tokenizer, resolve_source
 from slm_align.plots import plot_curves
 from slm_align.progress import new_progress
-from slm_align.reward.functions import combine
 from slm_align.reward.stage import run_reward
 from slm_align.rl.distributed import World, replica_digest, world_from_env
 from slm_align.rl.grpo import GRPO
@@ -56,8 +55,16 @@ def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Rec
 
 
 def _prerequisites(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_model: Optional[Path],
-                   rewards: Sequence[str], resume: bool, say) -> tuple[Recipe, Path, Optional[Path]]:
-    """Run (or find) SFT and the reward model; returns the SFT recipe, its adapter and the reward model."""
+                   rewards: Sequence[str], resume: bool, say) -> tuple[Recipe, Optional[Path], Optional[Path]]:
+    """Run (or find) SFT and the reward model; returns the SFT recipe, its adapter and the reward model.
+
+    With ``rl.from_sft`` off RL starts from the model as given: no SFT, no adapter, and a reward must be given
+    (the reward stage trains on the SFT prior)."""
+    if not recipe.rl.from_sft:
+        if reward_model is None and not rewards:
+            raise UserError("--no-sft starts RL from the model as given, without the SFT prior the reward stage "
+                            "trains on: pass --reward (e.g. exact_answer, tool_task) or --reward-model")
+        return recipe, None, reward_model
     sft_run = Path(sft_from) if sft_from is not None else out
     if read_manifest(sft_run / "sft") is None:
         if sft_from is not None:
@@ -92,6 +99,7 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
     if isinstance(outcome, UserError):
         raise outcome
     recipe, adapter, reward_model, inputs, gate, done = outcome
+    _check_divisible(recipe.rl, world)  # again: --algo auto has become ppo or grpo
     if done is not None:
         return StageResult(out / STAGE, skipped=True, metrics=done["metrics"])
     return _train(recipe, adapter, reward_model, rewards, inputs, gate, out / STAGE, resume, started, world)
@@ -114,11 +122,32 @@ def _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say):
     if not gate["passed"] and not force:
         raise GateRefused(f"headroom gate FAIL ({'; '.join(gate['reasons'])}): {' '.join(gate['remedies'])} "
                           "Pass --force to train anyway (recorded in the manifest).")
-    inputs = {"sft": {"adapter": str(adapter), "inputs_hash": read_manifest(adapter.parent)["inputs_hash"]},
-              "reward_model": str(reward_model) if reward_model else None, "rewards": list(rewards),
-              "seed": recipe.seed, "rl": recipe.rl.model_dump(exclude={"report_prompts"}),  # reporting, not training
+    recipe = _resolve_algorithm(recipe, gate, say)
+    sft = None
+    if adapter is not None:
+        sft = {"adapter": str(adapter), "inputs_hash": read_manifest(adapter.parent)["inputs_hash"]}
+    tasks = None
+    if recipe.data.tasks is not None:
+        tasks = fingerprint(Path(recipe.data.tasks))
+    inputs = {"sft": sft, "tasks": tasks, "reward_model": str(reward_model) if reward_model else None,
+              "rewards": list(rewards), "seed": recipe.seed,
+              "rl": recipe.rl.model_dump(exclude={"report_prompts"}),  # reporting, not training
               "forced": bool(force and not gate["passed"])}
     return recipe, adapter, reward_model, inputs, gate, completed(out / STAGE, inputs)
+
+
+def _resolve_algorithm(recipe: Recipe, gate: dict, say) -> Recipe:
+    """``--algo auto`` becomes the gate's recommendation (PPO or GRPO), said and recorded; others stay."""
+    recommendation = gate["info"].get("recommendation")
+    if recommendation is not None:
+        say(f"gate advice: {recommendation['why']}")
+    if recipe.rl.algo != "auto":
+        return recipe
+    if recommendation is None:
+        raise UserError("--algo auto follows the gate's advice, which needs the reward spread; the gate could not "
+                        "measure it (fewer than two held-out prompts): choose --algo ppo or grpo")
+    rl = recipe.rl.model_copy(update={"algo": recommendation["algo"]})
+    return recipe.model_copy(update={"rl": rl})
 
 
 def keep_first_lines(path: Path, count: int) -> None:
@@ -135,8 +164,12 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     settings = recipe.rl
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
-    train_prompts, eval_prompts = _prompts(recipe, tokenizer)
-    reward_fn = combine(rewards, learned=reward_model)
+    prompts = prompt_source(recipe, tokenizer)
+    train_prompts = prompts.train
+    eval_prompts = prompts.heldout[: settings.eval_prompts]
+    if not train_prompts or not eval_prompts:
+        raise UserError("no prompts for RL: the corpus has no documents long enough to split into prompt and rest")
+    reward_fn = prompts.reward(rewards, learned=reward_model)
     policy = build_policy(source, adapter, settings, recipe.seed, recipe.model.trust_remote_code,
                           recipe.model.allow_pickle)
     value_head = ValueHead(policy.config.hidden_size) if settings.algo == "ppo" else None
@@ -170,16 +203,6 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     return StageResult(stage_dir, skipped=False, metrics=result)
 
 
-def _prompts(recipe: Recipe, tokenizer) -> tuple[list[str], list[str]]:
-    """Training prompts and held-out prompts (at most ``rl.eval_prompts``) from the corpus split."""
-    splits = load_corpus(recipe.data, recipe.seed).splits
-    train_prompts = prompts_of(splits.train, tokenizer)
-    eval_prompts = prompts_of(splits.heldout, tokenizer, recipe.rl.eval_prompts)
-    if not train_prompts or not eval_prompts:
-        raise UserError("no prompts for RL: the corpus has no documents long enough to split into prompt and rest")
-    return train_prompts, eval_prompts
-
-
 def _iterate(loop, partial: Path, world: World) -> None:
     """Run the remaining iterations; rank 0 appends each one's metrics and checkpoints every ``save_steps``."""
     settings = loop.settings
@@ -206,7 +229,8 @@ def _run_figures(loop, gate: dict, inputs: dict, adapter, world: World, replicas
     return {"steps": loop.step, "algo": loop.settings.algo, "learning_rate": loop.learning_rate,
             "guard": {"skipped": counters.skipped, "rollbacks": counters.rollbacks,
                       "score_clipped": counters.score_clipped, "advantage_clipped": counters.advantage_clipped},
-            "gate": {"verdict": gate["verdict"], "forced": inputs["forced"], "reasons": gate["reasons"]},
-            "envelope": loop.settings.envelope.model_dump(), "sft_adapter": str(adapter),
+            "gate": {"verdict": gate["verdict"], "forced": inputs["forced"], "reasons": gate["reasons"],
+                     "advice": gate["info"].get("recommendation")},
+            "envelope": loop.settings.envelope.model_dump(), "sft_adapter": str(adapter) if adapter else None,
             "reward_model": inputs["reward_model"], "world_size": world.size, "replica_digests": replicas,
             "replicas_identical": len(set(replicas)) == 1}
