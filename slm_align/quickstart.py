@@ -68,7 +68,7 @@ def _reward_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> dict:
 
 
 def _gate_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> dict:
-    say("[bold]3/7 headroom gate[/] SFT perplexity, reward accuracy, reward spread over policy samples")
+    say("[bold]3/7 headroom gate[/] SFT perplexity, reward accuracy, reward spread within prompts")
     report = check_headroom(recipe, run=out).to_dict()
     say(f"    base perplexity {report['info']['base_ppl']:.2f} -> SFT {report['figures'][0]['value']:.2f}")
     for figure in report["figures"]:
@@ -77,6 +77,8 @@ def _gate_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> dict:
     say(f"    verdict: {report['verdict']}")
     for reason, remedy in zip(report["reasons"], report["remedies"]):
         say(f"    {reason}: {remedy}")
+    if "recommendation" in report["info"]:
+        say(f"    advice: {report['info']['recommendation']['why']}")
     return report
 
 

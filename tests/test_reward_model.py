@@ -102,7 +102,7 @@ def test_gate_fails_on_an_uninformative_reward_with_accuracy_and_spread_reasons(
     assert done.value.code == 1
     names = {f["name"]: f for f in report["figures"]}
     assert names["reward accuracy (held-out pairs)"]["value"] == 0.5  # every pair a tie
-    assert names["reward spread (std over policy samples)"]["value"] == 0.0
+    assert names["reward spread within prompts (mean std of 4 samples)"]["value"] == 0.0
     assert len(report["reasons"]) == 2 and any("preference data" in r for r in report["remedies"])
     assert any("more discriminative reward" in r for r in report["remedies"])
 
