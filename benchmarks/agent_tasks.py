@@ -44,7 +44,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def export(run: Path, out: Path) -> Path:
-    """The run's latest policy (RL when present, else SFT) merged and written as an F32 GGUF."""
+    """The run's latest policy (RL when present, else SFT) merged and written as an F32 GGUF (kept on a rerun)."""
+    from slm_align.export.stage import artifact_name
+
+    final = out / artifact_name("gguf", "F32")
+    if final.is_file():
+        return final
     return run_export(ExportRequest(str(run), "gguf", "F32", out=out)).stage_dir
 
 
@@ -56,11 +61,11 @@ def train(args: argparse.Namespace, files: dict, run: Path) -> dict:
                                     "rl.max_new_tokens": 48, "rl.report_prompts": 0})
     seconds = {}
     started = time.time()
-    run_sft(recipe, run)
+    run_sft(recipe, run, resume=True)  # a rerun on the same --work continues or reuses it
     seconds["sft"] = time.time() - started
     sft_artifact = export(run, run.parent / "export-sft")
     started = time.time()
-    rl = run_rl(recipe, run, rewards=["tool_task"], force=True)
+    rl = run_rl(recipe, run, rewards=["tool_task"], force=True, resume=True)
     seconds["rl"] = time.time() - started
     rl_artifact = export(run, run.parent / "export-rl")
     headroom = json.loads((run / "headroom.json").read_text(encoding="utf-8"))
@@ -91,7 +96,7 @@ def print_report(report: dict, trained: dict) -> None:
 def main() -> None:
     args = parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="agent-tasks-"))
-    files = write_agent_tasks(work / "tasks", n_train=args.train, n_heldout=args.heldout, seed=0)
+    files = write_agent_tasks(work / "tasks", n_train=args.train, n_heldout=args.heldout, seed=0, overwrite=True)
     trained = train(args, files, work / "run")
     report = evaluate_artifacts(files["heldout"], [trained["sft"], trained["rl"]])
     (work / "agent_eval.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
