@@ -1,0 +1,274 @@
+"""The collapse watchdog: each detector on hand-written metric sequences (fires on the failure, not on noise), its
+state surviving a checkpoint bit for bit, and fault-injection runs on a tiny model (a reward that flips sign, a
+reward that pays for length) with the watchdog on and off."""
+
+import importlib
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from slm_align.config import WatchdogSettings
+from slm_align.rl.grpo import GRPO
+from slm_align.rl.stage import run_rl
+from slm_align.rl.watchdog import Watchdog, entropy_collapse, kl_runaway, paired_drop, reward_dropped
+from tests.helpers import finished_sft_run
+
+
+def noisy(center: float, spread: float, count: int, seed: int = 0) -> list[float]:
+    """``count`` values uniform in center +- spread."""
+    generator = random.Random(seed)
+    return [center + generator.uniform(-spread, spread) for _ in range(count)]
+
+
+def feed(watchdog: Watchdog, key: str, values: list[float]):
+    """Observe one metric's values, one iteration each; the first trigger and the iteration it came at."""
+    for i, value in enumerate(values):
+        watchdog.observe({key: value})
+        trigger = watchdog.check()
+        if trigger is not None:
+            return trigger, i + 1
+    return None, None
+
+
+# ---- detectors on hand-written sequences ------------------------------------------------------------------------
+@pytest.mark.parametrize("key, healthy, failing, detector", [
+    ("entropy", noisy(2.0, 0.3, 30), noisy(2.0, 0.3, 6) + [1.0, 0.6, 0.4, 0.3, 0.2, 0.2, 0.1, 0.1], "entropy_collapse"),
+    ("completion/length", noisy(20, 4, 30), noisy(20, 4, 6) + [26, 30, 34, 40, 44, 46, 48, 48], "length_inflation"),
+    ("completion/truncated_frac", noisy(0.2, 0.1, 30), noisy(0.2, 0.1, 6) + [0.4, 0.6, 0.8, 0.9, 1.0, 1.0, 1.0],
+     "length_inflation"),
+    ("kl", noisy(2.0, 1.5, 30), noisy(2.0, 1.0, 6) + [6, 9, 14, 20, 30, 40], "kl_runaway"),
+    ("grpo/zero_std_frac", noisy(0.25, 0.25, 30), noisy(0.2, 0.2, 6) + [0.5, 0.75, 1.0, 1.0, 1.0, 1.0],
+     "starving_groups"),
+])
+def test_each_windowed_detector_fires_on_its_failure_and_not_on_noise(key, healthy, failing, detector):
+    settings = WatchdogSettings(window=3)
+    trigger, _ = feed(Watchdog(settings), key, healthy)
+    assert trigger is None  # 30 noisy healthy iterations: nothing
+    trigger, at = feed(Watchdog(settings), key, failing)
+    assert trigger is not None and trigger.detector == detector and at > 6
+
+
+def test_a_single_outlier_does_not_fire_a_windowed_detector():
+    values = [2.0] * 6 + [0.1] + [2.0] * 6  # one iteration with near-zero entropy
+    trigger, _ = feed(Watchdog(WatchdogSettings(window=3)), "entropy", values)
+    assert trigger is None
+
+
+def test_detector_thresholds_and_off_switches():
+    assert entropy_collapse([2.0, 2.0], [0.5, 0.7], floor=0.3) is None  # 0.6 >= 0.3 x 2.0
+    assert entropy_collapse([2.0, 2.0], [0.5, 0.5], floor=0.3).threshold == pytest.approx(0.6)
+    assert entropy_collapse([2.0, 2.0], [0.0, 0.0], floor=0.0) is None  # 0: off
+    assert kl_runaway([11.0, 12.0], max_kl=10.0).value == 11.5
+    assert kl_runaway([11.0, 12.0], max_kl=0.0) is None
+
+
+def test_paired_drop_is_mean_and_standard_error_of_the_differences():
+    mean, se = paired_drop([1.0, 2.0, 3.0], [0.0, 2.0, 1.0])  # d = 1, 0, 2
+    assert mean == pytest.approx(1.0) and se == pytest.approx(1.0 / 3 ** 0.5)
+    assert reward_dropped([1.0, 2.0, 3.0], [0.0, 2.0, 1.0], margin=0.0, z=1.5)  # 1.0 > 1.5 x 0.577
+    assert not reward_dropped([1.0, 2.0, 3.0], [0.0, 2.0, 1.0], margin=0.0, z=2.0)  # 1.0 < 2 x 0.577
+    assert not reward_dropped([1.0, 2.0, 3.0], [0.0, 2.0, 1.0], margin=1.5, z=0.5)
+
+
+def test_reward_drop_needs_patience_probes_in_a_row_and_tracks_the_best():
+    watchdog = Watchdog(WatchdogSettings(reward_patience=2))
+    best = noisy(1.0, 0.2, 16, seed=1)
+    assert watchdog.record_probe(0, [0.0] * 16, lambda: "start")
+    assert watchdog.record_probe(5, best, lambda: "best")
+    watchdog.record_probe(10, [b - 0.5 for b in best], lambda: "never")
+    assert watchdog.check() is None  # one probe below: not yet
+    within_noise = [b - 0.3 if i % 2 else b + 0.25 for i, b in enumerate(best)]  # mean drop 0.025, se 0.07
+    assert not watchdog.record_probe(15, within_noise, lambda: "never")  # not a drop: the count starts over
+    watchdog.record_probe(20, [b - 0.5 for b in best], lambda: "never")
+    assert watchdog.check() is None
+    watchdog.record_probe(25, [b - 0.6 for b in best], lambda: "never")
+    trigger = watchdog.check()
+    assert trigger.detector == "reward_drop" and watchdog.best_step == 5 and watchdog.best_state == "best"
+
+
+def test_respond_rolls_back_until_recoveries_are_spent_then_stops():
+    watchdog = Watchdog(WatchdogSettings(window=2, max_recoveries=2, lr_factor=0.5, kl_factor=2.0))
+    watchdog.record_probe(0, [1.0], lambda: "best")
+    for value in (1.0, 1.0, 20.0, 20.0):
+        watchdog.observe({"kl": value})
+    trigger = watchdog.check()
+    assert trigger.detector == "kl_runaway"
+    first = watchdog.respond(4, trigger)
+    assert first["action"] == "rollback" and first["lr_scale"] == 0.5 and first["kl_scale"] == 2.0
+    assert watchdog.check() is None  # the recent window starts over after a rollback
+    second = watchdog.respond(6, trigger)
+    third = watchdog.respond(8, trigger)
+    assert second["action"] == "rollback" and second["lr_scale"] == 0.25 and second["recoveries"] == 2
+    assert third["action"] == "stop" and watchdog.stopped.startswith("kl_runaway")
+
+
+def test_state_survives_a_checkpoint_bit_for_bit(tmp_path):
+    settings = WatchdogSettings(window=3)
+    watchdog = Watchdog(settings)
+    watchdog.record_probe(0, noisy(0.5, 0.5, 8), lambda: {"w": torch.randn(3, 3)})
+    for value in noisy(2.0, 0.3, 7):
+        watchdog.observe({"entropy": value, "kl": value / 3, "completion/length": value * 10})
+    torch.save({"watchdog": watchdog.state_dict()}, tmp_path / "c.pt")
+    again = Watchdog(settings)
+    again.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True)["watchdog"])
+    state = again.state_dict()
+    for name, value in watchdog.state_dict().items():
+        if name == "best_state":
+            assert torch.equal(state[name]["w"], value["w"])
+        else:
+            assert state[name] == value, name
+
+
+# ---- fault injection on a tiny model ------------------------------------------------------------------------------
+FLIP = {"after": 10 ** 9, "step": 0}
+"""The sign-flip fault: iterations from ``after`` on (and the probes after them) pay minus what they paid before."""
+
+
+def shared_flip() -> dict:
+    """``FLIP`` of this module as the run imports it (``tests.test_watchdog``), which pytest may have imported
+    under another name: the fixture and the reward must share one dict."""
+    return importlib.import_module("tests.test_watchdog").FLIP
+
+
+def flipping_reward(prompts, completions, **_):
+    """Words per completion / 10, negated once the run has passed iteration ``FLIP["after"]``."""
+    flip = shared_flip()
+    sign = -1.0 if flip["step"] >= flip["after"] else 1.0
+    return [sign * len(c.split()) / 10 for c in completions]
+
+
+def length_reward(prompts, completions, **_):
+    """Pays for length: characters / 10."""
+    return [len(c) / 10 for c in completions]
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, tiny_models, stories):
+    return finished_sft_run(tmp_path_factory.mktemp("wd") / "run", tiny_models["llama"], stories, steps=2)
+
+
+@pytest.fixture
+def flip_after(monkeypatch):
+    """Set the iteration after which ``flipping_reward`` flips; the run's iterations tell it where it is."""
+    original = GRPO.run_step
+    flip = shared_flip()
+
+    def counted(self, step):
+        flip["step"] = step
+        return original(self, step)
+
+    monkeypatch.setattr(GRPO, "run_step", counted)
+
+    def arm(after: int) -> None:
+        flip["after"] = after
+        flip["step"] = 0
+
+    yield arm
+    flip["after"] = 10 ** 9
+
+
+def watched_run(sft_run, out, reward, **watchdog):
+    """A tiny GRPO run (2 prompts x 4, 8 tokens) under the given watchdog settings; its rl/ directory."""
+    base, recipe = sft_run
+    shutil.copytree(base / "sft", out / "sft")
+    rl = dict(algo="grpo", steps=watchdog.pop("steps", 8), save_steps=2, prompts_per_step=2, group_size=4,
+              max_new_tokens=watchdog.pop("max_new_tokens", 8), eval_prompts=2, learning_rate=watchdog.pop("lr", 1e-2),
+              report_prompts=0, watchdog=recipe.rl.watchdog.model_copy(update=watchdog))
+    recipe = recipe.model_copy(update={"rl": recipe.rl.model_copy(update=rl)})
+    run_rl(recipe, out, rewards=[reward], force=True)
+    return out / "rl"
+
+
+def manifest_of(stage: Path) -> dict:
+    return json.loads((stage / "manifest.json").read_text())
+
+
+def events_of(stage: Path) -> list[dict]:
+    return [json.loads(line) for line in (stage / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def bundled_run(tmp_path_factory, stories):
+    """The bundled 2.5M model after one SFT step: it ends completions with EOS, so lengths can grow."""
+    from slm_align.modeling import DEFAULT_MODEL_DIR
+
+    return finished_sft_run(tmp_path_factory.mktemp("wdb") / "run", DEFAULT_MODEL_DIR, stories, steps=1)
+
+
+def adapter_bytes(directory: Path) -> bytes:
+    return (directory / "adapter_model.safetensors").read_bytes()
+
+
+def test_reward_that_flips_sign_is_a_reward_drop_rolled_back_and_the_best_is_published(sft_run, tmp_path,
+                                                                                       flip_after):
+    flip = "tests.test_watchdog:flipping_reward"
+    flip_after(3)  # iterations 4.. pay for brevity instead of length
+    stage = watched_run(sft_run, tmp_path / "on", flip, eval_every=1, window=2, max_recoveries=1)
+    events = events_of(stage)
+    assert [(e["detector"], e["action"]) for e in events] == [("reward_drop", "rollback"), ("reward_drop", "stop")]
+    assert events[0]["learning_rate"] == pytest.approx(5e-3)  # halved after the rollback
+    record = manifest_of(stage)["metrics"]["watchdog"]
+    best = record["published_step"]
+    assert 1 <= best <= 3 and record["stopped_early"].startswith("reward_drop")
+    assert manifest_of(stage)["metrics"]["steps"] == events[-1]["step"] < 8  # stopped early
+    flip_after(3)
+    reference = watched_run(sft_run, tmp_path / "until-best", flip, enabled=False, steps=best)
+    assert adapter_bytes(stage / "adapter") == adapter_bytes(reference / "adapter")  # the best, byte for byte
+    assert adapter_bytes(stage / "adapter-last") != adapter_bytes(stage / "adapter")
+    flip_after(3)
+    off = watched_run(sft_run, tmp_path / "off", flip, enabled=False)
+    assert manifest_of(off)["metrics"]["watchdog"] == {"enabled": False, "published_step": None}
+    assert manifest_of(off)["inputs"]["rl"]["watchdog"]["enabled"] is False
+    assert manifest_of(off)["metrics"]["steps"] == 8 and not (off / "events.jsonl").exists()
+    assert not (off / "adapter-last").exists()
+    last = [json.loads(line) for line in (off / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["reward/mean"] < 0  # published after the collapse: the last adapter
+
+
+def test_a_killed_run_resumes_the_watchdog_state_bit_for_bit(sft_run, tmp_path, flip_after, monkeypatch):
+    flip = "tests.test_watchdog:flipping_reward"
+    flip_after(3)
+    whole = watched_run(sft_run, tmp_path / "whole", flip, eval_every=1, window=2, max_recoveries=1)
+    flip_after(3)
+    patched = GRPO.run_step
+
+    def killed_at_seventh(self, step):
+        if step == 6:  # after the rollback at iteration 5 and the checkpoint at 6
+            raise KeyboardInterrupt
+        return patched(self, step)
+
+    monkeypatch.setattr(GRPO, "run_step", killed_at_seventh)
+    with pytest.raises(KeyboardInterrupt):
+        watched_run(sft_run, tmp_path / "killed", flip, eval_every=1, window=2, max_recoveries=1)
+    monkeypatch.setattr(GRPO, "run_step", patched)
+    assert (tmp_path / "killed" / "rl.partial" / "checkpoint.pt").is_file()
+    resumed = _resume(sft_run, tmp_path / "killed", flip)
+    assert adapter_bytes(resumed / "adapter") == adapter_bytes(whole / "adapter")
+    assert adapter_bytes(resumed / "adapter-last") == adapter_bytes(whole / "adapter-last")
+    assert events_of(resumed) == events_of(whole)
+    watch = manifest_of(whole)["metrics"]["watchdog"]
+    assert manifest_of(resumed)["metrics"]["watchdog"] == watch
+
+
+def _resume(sft_run, out: Path, reward: str) -> Path:
+    """Resume the killed run of the test above with the same settings."""
+    _, recipe = sft_run
+    rl = dict(algo="grpo", steps=8, save_steps=2, prompts_per_step=2, group_size=4, max_new_tokens=8, eval_prompts=2,
+              learning_rate=1e-2, report_prompts=0,
+              watchdog=recipe.rl.watchdog.model_copy(update=dict(eval_every=1, window=2, max_recoveries=1)))
+    recipe = recipe.model_copy(update={"rl": recipe.rl.model_copy(update=rl)})
+    run_rl(recipe, out, rewards=[reward], force=True, resume=True)
+    return out / "rl"
+
+
+def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp_path):
+    stage = watched_run(bundled_run, tmp_path / "on", "tests.test_watchdog:length_reward", window=2, max_kl=0.0,
+                        truncated_rise=0.2, length_ratio=1.2, max_recoveries=0, max_new_tokens=32, steps=8)
+    events = events_of(stage)
+    assert [e["detector"] for e in events] == ["length_inflation"] and events[0]["action"] == "stop"
+    record = manifest_of(stage)["metrics"]["watchdog"]
+    assert record["detectors"] == ["length_inflation"] and record["stopped_early"].startswith("length_inflation")
