@@ -23,6 +23,7 @@ from slm_align.generation import sample, score
 from slm_align.modeling import load_model, load_tokenizer, merged_policy, resolve_source
 from slm_align.perplexity import perplexity
 from slm_align.plots import plot_curves
+from slm_align.rl.watchdog import read_events, report_section
 from slm_align.runs import read_manifest
 from slm_align.sft import recipe_from_sft
 from slm_align.stats import (
@@ -138,8 +139,17 @@ def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_mo
               "reward_terms": [name for name, _, _ in reward.terms], "policies": rows,
               "comparisons": [compare(rows[0], row, recipe.seed) for row in rows[1:]],
               "samples": [{"prompt": held[i], **{r["name"]: r["completions"][i] for r in rows}} for i in range(3)]}
+    report["watchdog"] = _watchdog_of(run / "rl")
     _write(report, run / "eval", run / "rl" / "metrics.jsonl")
     return report
+
+
+def _watchdog_of(stage: Path) -> Optional[dict]:
+    """The RL stage's watchdog record and events (None without a finished RL stage)."""
+    manifest = read_manifest(stage)
+    if manifest is None or "watchdog" not in manifest["metrics"]:
+        return None
+    return dict(manifest["metrics"]["watchdog"], event_list=read_events(stage / "events.jsonl"))
 
 
 def _starts_from_sft(recipe: Recipe, run: Path, sft_run: Optional[Path]) -> bool:
@@ -158,7 +168,8 @@ def _write(report: dict, out: Path, metrics: Path) -> None:
     write_json_atomic(out / "report.json", report)
     _plot_rewards(report, out / "reward_distributions.png")
     if metrics.is_file():
-        plot_curves(metrics, out / "training_curves.png")
+        events = (report.get("watchdog") or {}).get("event_list", [])
+        plot_curves(metrics, out / "training_curves.png", events=events)
     write_text_atomic(out / "report.md", render_markdown(report, has_curves=metrics.is_file()))
 
 
@@ -207,6 +218,8 @@ def render_markdown(report: dict, has_curves: bool) -> str:
         lines.append(f"**Prompt:** {s['prompt']}")
         lines += [f"- *{name}*: {text.strip()[:300]}" for name, text in s.items() if name != "prompt"]
         lines.append("")
+    watchdog = report.get("watchdog")
+    lines += report_section(watchdog, (watchdog or {}).get("event_list", []))
     lines += ["## Plots", "", "![reward distributions](reward_distributions.png)"]
     if has_curves:
         lines.append("![training curves](training_curves.png)")

@@ -14,7 +14,8 @@ import torch
 from slm_align.config import WatchdogSettings
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.stage import run_rl
-from slm_align.rl.watchdog import Watchdog, entropy_collapse, kl_runaway, paired_drop, reward_dropped
+from slm_align.rl.watchdog import (Watchdog, entropy_collapse, event_line, kl_runaway, paired_drop, report_section,
+                                   reward_dropped)
 from tests.helpers import finished_sft_run
 
 
@@ -121,6 +122,24 @@ def test_state_survives_a_checkpoint_bit_for_bit(tmp_path):
             assert torch.equal(state[name]["w"], value["w"])
         else:
             assert state[name] == value, name
+
+
+def test_events_reach_the_report_and_the_curves(tmp_path):
+    from slm_align.plots import plot_curves
+
+    event = {"step": 3, "detector": "kl_runaway", "value": 12.5, "threshold": 10.0, "why": "KL 12.5 > 10",
+             "action": "rollback", "best_step": 2, "best_reward": 0.5, "recoveries": 1, "lr_scale": 0.5,
+             "kl_scale": 2.0, "learning_rate": 5e-4, "kl_coef": 0.1}
+    record = {"enabled": True, "published_step": 2, "best_reward": 0.5, "stopped_early": None}
+    section = "\n".join(report_section(record, [event]))
+    assert "## Watchdog" in section and "| 3 | kl_runaway | 12.5 | 10 | rollback | 0.0005 |" in section
+    assert "iteration 2" in section and "adapter-last" in section
+    assert "was off" in "\n".join(report_section({"enabled": False, "published_step": None}, []))
+    assert report_section(None, []) == []
+    assert event_line(event).startswith("watchdog: kl_runaway at iteration 3 (KL 12.5 > 10); rolled back to iteration 2")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "kl": float(i)}) + "\n" for i in range(1, 6)))
+    assert plot_curves(metrics, tmp_path / "curves.png", events=[event]).stat().st_size > 1000
 
 
 # ---- fault injection on a tiny model ------------------------------------------------------------------------------

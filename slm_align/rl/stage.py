@@ -31,7 +31,9 @@ from slm_align.rl.distributed import World, replica_digest, world_from_env
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.policy import ValueHead, build_policy, merged_for_sampling
 from slm_align.rl.ppo import PPO
+from slm_align.rl.recovery import EVENTS, WatchedRun, probe_rewards, restore
 from slm_align.rl.schedule import iteration_size
+from slm_align.rl.watchdog import Watchdog, read_events
 from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
 from slm_align.sft import recipe_from_sft, run_sft
 from slm_align.training import prepare_partial, save_adapter
@@ -102,7 +104,8 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
     _check_divisible(recipe.rl, world)  # again: --algo auto has become ppo or grpo
     if done is not None:
         return StageResult(out / STAGE, skipped=True, metrics=done["metrics"])
-    return _train(recipe, adapter, reward_model, rewards, inputs, gate, out / STAGE, resume, started, world)
+    return _train(recipe, adapter, reward_model, rewards, inputs, gate, out / STAGE, resume, started, world,
+                  say)
 
 
 def _check_divisible(settings, world: World) -> None:
@@ -159,8 +162,10 @@ def keep_first_lines(path: Path, count: int) -> None:
     write_text_atomic(path, "".join(lines[:count]))
 
 
-def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started, world) -> StageResult:
-    """Build the learner, iterate (resuming from the checkpoint), measure held-out reward, publish on rank 0."""
+def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started, world,
+           say=lambda _: None) -> StageResult:
+    """Build the learner, iterate (resuming from the checkpoint) under the watchdog, measure held-out reward,
+    publish on rank 0 (the best probe's adapter when the watchdog is on, the last one beside it)."""
     settings = recipe.rl
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
@@ -179,10 +184,16 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     if world.main:
         prepare_partial(partial, inputs, resume)
     world.barrier()
+    watch = _watch(recipe, loop, prompts.heldout, partial, world, say)
     if (partial / CHECKPOINT).is_file():
-        loop.load_state_dict(torch.load(partial / CHECKPOINT, weights_only=True))
+        state = torch.load(partial / CHECKPOINT, weights_only=True)
+        loop.load_state_dict(state)
+        if watch is not None:
+            watch.watchdog.load_state_dict(state["watchdog"])
     before = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=False)
-    _iterate(loop, partial, world)
+    _iterate(loop, partial, world, watch)
+    last = _keep_last(loop, watch, partial, world, lambda: heldout_reward(policy, tokenizer, reward_fn, eval_prompts,
+                                                                          recipe, adapter=True))
     after = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=True)
     replicas = world.gather(replica_digest(loop.params))
     if not world.main:
@@ -193,34 +204,90 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
         from safetensors.torch import save_file
 
         save_file(value_head.state_dict(), partial / "value_head.safetensors")
-    plot_curves(partial / "metrics.jsonl", partial / "plots" / "training_curves.png")
+    events = read_events(partial / EVENTS)
+    plot_curves(partial / "metrics.jsonl", partial / "plots" / "training_curves.png", events=events)
     heldout = {"heldout_reward_sft": before, "heldout_reward_rl": after, "heldout_reward_delta": after - before,
                "eval_prompts": len(eval_prompts)}
     result = dict(heldout, **_run_figures(loop, gate, inputs, adapter, world, replicas))
+    result["watchdog"] = _watchdog_figures(watch, last, events)
     publish(partial, stage_dir, make_manifest(STAGE, inputs, result, started),
-            keep=("adapter", "value_head.safetensors", "metrics.jsonl", "plots", "inputs.json"))
+            keep=("adapter", "adapter-last", EVENTS, "value_head.safetensors", "metrics.jsonl", "plots",
+                  "inputs.json"))
     world.barrier()
     return StageResult(stage_dir, skipped=False, metrics=result)
 
 
-def _iterate(loop, partial: Path, world: World) -> None:
-    """Run the remaining iterations; rank 0 appends each one's metrics and checkpoints every ``save_steps``."""
+def _watch(recipe: Recipe, loop, heldout: list[str], partial: Path, world: World, say) -> Optional[WatchedRun]:
+    """The run's watchdog (None when it is off): its probe is the first ``probe_prompts`` held-out prompts."""
+    settings = recipe.rl.watchdog
+    if not settings.enabled:
+        return None
+    prompts = heldout[: settings.probe_prompts]
+
+    def probe() -> list[float]:
+        """Per-prompt rewards of the current adapter on the probe prompts (the recipe's seed)."""
+        return probe_rewards(loop.policy, loop.tokenizer, loop.reward_fn, prompts, recipe.rl, recipe.seed)
+
+    return WatchedRun(Watchdog(settings), probe, partial, world, say, recipe.rl.grpo.beta)
+
+
+def _keep_last(loop, watch: Optional[WatchedRun], partial: Path, world: World, measure) -> Optional[dict]:
+    """With the watchdog on: save the last adapter as ``adapter-last`` (rank 0), measure it, then put the best
+    probe's weights back for publishing. Returns the last adapter's iteration and held-out reward."""
+    if watch is None:
+        return None
+    if world.main:
+        save_adapter(loop.policy, partial / "adapter-last")
+    if watch.watchdog.best_step == loop.step:
+        return {"step": loop.step, "heldout_reward": None, "is_published": True}  # the same weights: not measured
+    last = {"step": loop.step, "heldout_reward": measure(), "is_published": False}
+    restore(loop, watch.watchdog.best_state)
+    return last
+
+
+def _watchdog_figures(watch: Optional[WatchedRun], last: Optional[dict], events: list[dict]) -> dict:
+    """The manifest's watchdog record: off, or the published (best) iteration, the last one, events, stop reason."""
+    if watch is None:
+        return {"enabled": False, "published_step": None}
+    summary = watch.watchdog.summary()
+    return dict(summary, published_step=summary["best_step"], last=last, events=len(events),
+                detectors=sorted({event["detector"] for event in events}))
+
+
+def _iterate(loop, partial: Path, world: World, watch: Optional[WatchedRun] = None) -> None:
+    """Run the remaining iterations under the watchdog (when on); rank 0 appends each one's metrics and checkpoints
+    every ``save_steps``, at the end, and when the watchdog stops the run."""
     settings = loop.settings
     metrics_path = partial / "metrics.jsonl"
     if world.main:
         keep_first_lines(metrics_path, loop.step)  # steps after the checkpoint are trained again
+    if watch is not None:
+        watch.begin(loop)
     with new_progress() as progress:
         task = progress.add_task(f"RL ({settings.algo})", total=settings.steps, completed=loop.step, status="")
         for step in range(loop.step, settings.steps):
+            if watch is not None and watch.stopped:
+                break
             metrics = loop.run_step(step)
+            if watch is not None:
+                watch.after_step(loop, metrics)
             progress.update(task, completed=loop.step, status=f"reward {metrics['reward/mean']:.3f}")
             if not world.main:
                 continue
             with open(metrics_path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(metrics) + "\n")
-            if loop.step % settings.save_steps == 0 or loop.step == settings.steps:
-                with atomic_path(partial / CHECKPOINT) as tmp:
-                    torch.save(loop.state_dict(), tmp)
+            stopping = watch is not None and watch.stopped is not None
+            if loop.step % settings.save_steps == 0 or loop.step == settings.steps or stopping:
+                _checkpoint(loop, watch, partial)
+
+
+def _checkpoint(loop, watch: Optional[WatchedRun], partial: Path) -> None:
+    """Write the learner's state (and the watchdog's: windows, best weights, recoveries) atomically."""
+    state = loop.state_dict()
+    if watch is not None:
+        state["watchdog"] = watch.watchdog.state_dict()
+    with atomic_path(partial / CHECKPOINT) as tmp:
+        torch.save(state, tmp)
 
 
 def _run_figures(loop, gate: dict, inputs: dict, adapter, world: World, replicas: list[str]) -> dict:

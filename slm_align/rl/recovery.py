@@ -1,0 +1,121 @@
+"""The collapse watchdog (rl/watchdog.py) wired to a live run: the probe, the best iteration's weights kept and put
+back, the learning rate and KL coefficient lowered or raised, and each event said, logged and recorded.
+
+The probe samples one completion per held-out prompt with the recipe's seed inside a forked RNG, so a run with the
+watchdog trains on exactly the draws of a run without it until the first event.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from slm_align.generation import sample, score
+from slm_align.rl.distributed import World
+from slm_align.rl.policy import merged_for_sampling
+from slm_align.rl.watchdog import Watchdog, event_line
+
+EVENTS = "events.jsonl"
+
+
+def probe_rewards(policy, tokenizer, reward_fn, prompts: list[str], settings, seed: int) -> list[float]:
+    """Per-prompt reward of one completion per held-out prompt (RL adapter on), sampled with ``seed`` so that
+    every probe of a run draws with the same random numbers; the global RNG is left as it was."""
+    with torch.random.fork_rng():
+        with merged_for_sampling(policy):
+            samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=seed)
+    return score(reward_fn, samples)
+
+
+def capture(loop) -> dict:
+    """A copy of the learner's trainable parameters (value head included) and optimizer state."""
+    return {"params": {name: p.detach().clone() for name, p in loop.named_params},
+            "optimizer": copy.deepcopy(loop.optimizer.state_dict())}
+
+
+def restore(loop, state: dict) -> None:
+    """Put a :func:`capture` back bit for bit (copied again, so that later steps never write into the kept one)."""
+    with torch.no_grad():
+        for name, param in loop.named_params:
+            param.copy_(state["params"][name])
+            param.grad = None
+    loop.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+
+
+def apply_scales(loop, watchdog: Watchdog, base_beta: float) -> None:
+    """The learning rate (base times ``lr_scale``) and GRPO's beta (base times ``kl_scale``) the watchdog asks for.
+
+    PPO's kl_coef lives in the learner's own state (and checkpoint); the event multiplies it directly."""
+    for group in loop.optimizer.param_groups:
+        group["lr"] = loop.learning_rate * watchdog.lr_scale
+    if loop.settings.algo == "grpo":
+        grpo = loop.settings.grpo.model_copy(update={"beta": base_beta * watchdog.kl_scale})
+        loop.settings = loop.settings.model_copy(update={"grpo": grpo})
+
+
+def keep_events_until(path: Path, step: int) -> None:
+    """Drop the events a killed run logged after its checkpoint (they happen again on resume)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+            if line.endswith("\n") and json.loads(line)["step"] <= step]
+    path.write_text("".join(kept), encoding="utf-8")
+
+
+class WatchedRun:
+    """One run's watchdog at work: probes, triggers and their actions on the learner, events written by rank 0."""
+
+    def __init__(self, watchdog: Watchdog, probe, partial: Path, world: World, say, base_beta: float):
+        self.watchdog = watchdog
+        self.probe = probe
+        self.events_path = partial / EVENTS
+        self.world = world
+        self.say = say
+        self.base_beta = base_beta
+
+    def begin(self, loop) -> None:
+        """Before the first iteration: the probe of the starting adapter (a fresh run), the scales (a resumed run)."""
+        if self.world.main:
+            keep_events_until(self.events_path, loop.step)
+        apply_scales(loop, self.watchdog, self.base_beta)
+        if self.watchdog.best_step is None:
+            self.watchdog.record_probe(loop.step, self.probe(), lambda: capture(loop))
+
+    def after_step(self, loop, metrics: dict) -> None:
+        """After an iteration: observe, probe when due (its mean joins ``metrics``), check and act on a trigger."""
+        watchdog = self.watchdog
+        watchdog.observe(metrics)
+        if watchdog.probe_due(loop.step, loop.settings.steps):
+            rewards = self.probe()
+            watchdog.record_probe(loop.step, rewards, lambda: capture(loop))
+            metrics["watchdog/probe_reward"] = sum(rewards) / len(rewards)
+        trigger = self.world.share(watchdog.check())  # rank 0's windows decide for every replica
+        if trigger is None:
+            return
+        event = self._act(loop, trigger)
+        metrics["watchdog/event"] = event["detector"]
+        self.say(event_line(event))
+        if self.world.main:
+            with open(self.events_path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(event) + "\n")
+
+    def _act(self, loop, trigger) -> dict:
+        """Roll back to the best (lower learning rate, higher KL coefficient on KL runaway) or stop; the event."""
+        event = self.watchdog.respond(loop.step, trigger)
+        if event["action"] == "rollback":
+            restore(loop, self.watchdog.best_state)
+            if trigger.detector == "kl_runaway" and loop.settings.algo == "ppo":
+                loop.kl_coef *= self.watchdog.settings.kl_factor
+            apply_scales(loop, self.watchdog, self.base_beta)
+        event["learning_rate"] = loop.optimizer.param_groups[0]["lr"]
+        event["kl_coef"] = loop.kl_coef if loop.settings.algo == "ppo" else loop.settings.grpo.beta
+        return event
+
+    @property
+    def stopped(self) -> Optional[str]:
+        """Why the run stopped early, or None."""
+        return self.watchdog.stopped

@@ -1,0 +1,261 @@
+"""The collapse watchdog: the quiet failures of small-model RL detected from metric dicts, and what to do about them.
+
+Pure: no torch, no model. The RL stage feeds it each iteration's metrics (:meth:`Watchdog.observe`) and, every
+``eval_every`` iterations, the per-prompt rewards of a fixed held-out probe (:meth:`Watchdog.record_probe`); it
+answers with a :class:`Trigger` (:meth:`Watchdog.check`) and the action (:meth:`Watchdog.respond`): roll back to
+the best probe with a lower learning rate (and, for KL runaway, a higher KL coefficient), or stop early once
+``max_recoveries`` are spent. Its whole state is plain numbers and lists (:meth:`Watchdog.state_dict`), so a
+resumed run continues bit for bit; the best iteration's weights travel beside it as an opaque ``payload``.
+
+The detectors compare windows of ``W = window`` iterations: the first window of the run (its start) and the last
+``W`` iterations since the latest rollback, each summarised by its mean ``m = (1/W) sum_i x_i``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from slm_align.config import WatchdogSettings
+
+WATCHED = ("entropy", "completion/length", "completion/truncated_frac", "kl", "grpo/zero_std_frac")
+"""The per-iteration metrics the windowed detectors read (a metric an algorithm does not log is not watched)."""
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """A detector that fired: its name, the statistic it measured, the bound it crossed, and why in words."""
+
+    detector: str
+    value: float
+    threshold: float
+    why: str
+
+
+def window_mean(values: list[float]) -> float:
+    """Mean of a window, m = (1/W) sum_i x_i."""
+    return statistics.fmean(values)
+
+
+def paired_drop(best: list[float], now: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the paired drop d_i = best_i - now_i over the probe's prompts.
+
+    Common random numbers (same prompts, same sampling seed) make the pairs comparable: mean = (1/n) sum_i d_i,
+    se = sd(d) / sqrt(n) with the sample standard deviation (0 for a single prompt).
+    """
+    drops = [b - n for b, n in zip(best, now)]
+    mean = statistics.fmean(drops)
+    if len(drops) < 2:
+        return mean, 0.0
+    return mean, statistics.stdev(drops) / math.sqrt(len(drops))
+
+
+def reward_dropped(best: list[float], now: list[float], margin: float, z: float) -> bool:
+    """Whether a probe lies below the best: mean drop > margin and mean drop > z * se (see :func:`paired_drop`)."""
+    mean, se = paired_drop(best, now)
+    return mean > margin and mean > z * se
+
+
+def entropy_collapse(start: list[float], recent: list[float], floor: float) -> Optional[Trigger]:
+    """Fires when m(recent entropy) < floor * m(start entropy): the policy stopped exploring."""
+    bound = floor * window_mean(start)
+    value = window_mean(recent)
+    if floor and value < bound:
+        return Trigger("entropy_collapse", value, bound, f"entropy {value:.3f} < {floor:g} x start {bound / floor:.3f}")
+    return None
+
+
+def length_inflation(start: list[float], recent: list[float], ratio: float) -> Optional[Trigger]:
+    """Fires when m(recent length) > ratio * m(start length): completions inflate."""
+    bound = ratio * window_mean(start)
+    value = window_mean(recent)
+    if ratio and value > bound:
+        return Trigger("length_inflation", value, bound, f"mean length {value:.1f} > {ratio:g} x start")
+    return None
+
+
+def truncation_inflation(start: list[float], recent: list[float], rise: float) -> Optional[Trigger]:
+    """Fires when m(recent truncated fraction) > m(start truncated fraction) + rise: completions hit the budget."""
+    bound = window_mean(start) + rise
+    value = window_mean(recent)
+    if rise and value > bound:
+        return Trigger("length_inflation", value, bound, f"truncated fraction {value:.2f} > start + {rise:g}")
+    return None
+
+
+def kl_runaway(recent: list[float], max_kl: float) -> Optional[Trigger]:
+    """Fires when m(recent KL) > max_kl: the policy runs away from the reference."""
+    value = window_mean(recent)
+    if max_kl and value > max_kl:
+        return Trigger("kl_runaway", value, max_kl, f"KL {value:.3f} > {max_kl:g}")
+    return None
+
+
+def starving(start: list[float], recent: list[float], rise: float) -> Optional[Trigger]:
+    """Fires when m(recent all-equal share) > m(start all-equal share) + rise: GRPO's groups stop teaching."""
+    bound = window_mean(start) + rise
+    value = window_mean(recent)
+    if rise and value > bound:
+        return Trigger("starving_groups", value, bound, f"all-equal groups {value:.2f} > start + {rise:g}")
+    return None
+
+
+class Watchdog:
+    """The watchdog's state over one run: windows, the best probe (and its opaque payload), recoveries spent."""
+
+    def __init__(self, settings: WatchdogSettings):
+        self.settings = settings
+        self.start: dict[str, list[float]] = {key: [] for key in WATCHED}
+        self.recent: dict[str, list[float]] = {key: [] for key in WATCHED}
+        self.best_step: Optional[int] = None
+        self.best_reward: Optional[float] = None
+        self.best_rewards: list[float] = []
+        self.best_state: Any = None
+        self.below = 0
+        self.recoveries = 0
+        self.lr_scale = 1.0
+        self.kl_scale = 1.0
+        self.stopped: Optional[str] = None
+
+    def observe(self, metrics: dict) -> None:
+        """Add an iteration's metrics to the windows: the first ``W`` values of a metric form its start window,
+        later ones the recent window (its last ``W``), which a rollback empties."""
+        width = self.settings.window
+        for key in WATCHED:
+            value = metrics.get(key)
+            if value is None:
+                continue
+            if len(self.start[key]) < width:
+                self.start[key].append(float(value))
+                continue
+            self.recent[key] = (self.recent[key] + [float(value)])[-width:]
+
+    def probe_due(self, done: int, last: int) -> bool:
+        """Whether the probe runs after ``done`` iterations: at the start, every ``eval_every``, and at the end."""
+        return done % self.settings.eval_every == 0 or done == last
+
+    def record_probe(self, step: int, rewards: list[float], capture) -> bool:
+        """Take a probe's per-prompt rewards; a new best (higher mean) keeps ``capture()``'s payload and is True.
+
+        Otherwise counts the probes in a row that lie below the best (:func:`reward_dropped`)."""
+        mean = statistics.fmean(rewards)
+        if self.best_reward is None or mean > self.best_reward:
+            self.best_step = step
+            self.best_reward = mean
+            self.best_rewards = list(rewards)
+            self.best_state = capture()
+            self.below = 0
+            return True
+        s = self.settings
+        if s.reward_z and reward_dropped(self.best_rewards, rewards, s.reward_margin, s.reward_z):
+            self.below += 1
+        else:
+            self.below = 0
+        return False
+
+    def check(self) -> Optional[Trigger]:
+        """The first detector that fires, or None: reward drop, then the windowed ones (each needs full windows)."""
+        s = self.settings
+        if self.below >= s.reward_patience:
+            return Trigger("reward_drop", float(self.below), float(s.reward_patience),
+                           f"held-out reward below the best (iteration {self.best_step}, {self.best_reward:.3f}) "
+                           f"for {self.below} probes in a row")
+        start = self.start
+        recent = self.recent
+        checks = (
+            ("entropy", entropy_collapse, (s.entropy_floor,)),
+            ("completion/length", length_inflation, (s.length_ratio,)),
+            ("completion/truncated_frac", truncation_inflation, (s.truncated_rise,)),
+            ("kl", None, (s.max_kl,)),
+            ("grpo/zero_std_frac", starving, (s.zero_std_rise,)),
+        )
+        for key, detector, args in checks:
+            if len(recent[key]) < s.window:
+                continue
+            if detector is None:
+                trigger = kl_runaway(recent[key], *args)
+            else:
+                trigger = detector(start[key], recent[key], *args)
+            if trigger is not None:
+                return trigger
+        return None
+
+    def respond(self, step: int, trigger: Trigger) -> dict:
+        """The action on a trigger and its event record: a rollback (learning rate times ``lr_factor``, KL
+        coefficient times ``kl_factor`` on KL runaway, recent windows emptied) while recoveries remain, else a stop.
+        """
+        s = self.settings
+        action = "stop"
+        if self.recoveries < s.max_recoveries:
+            action = "rollback"
+            self.recoveries += 1
+            self.lr_scale *= s.lr_factor
+            if trigger.detector == "kl_runaway":
+                self.kl_scale *= s.kl_factor
+            self.recent = {key: [] for key in WATCHED}
+            self.below = 0
+        else:
+            self.stopped = f"{trigger.detector}: {trigger.why}"
+        return {"step": step, "detector": trigger.detector, "value": trigger.value, "threshold": trigger.threshold,
+                "why": trigger.why, "action": action, "best_step": self.best_step, "best_reward": self.best_reward,
+                "recoveries": self.recoveries, "lr_scale": self.lr_scale, "kl_scale": self.kl_scale}
+
+    def summary(self) -> dict:
+        """What the manifest records: on, the best probe, recoveries spent, and why the run stopped early."""
+        return {"enabled": True, "best_step": self.best_step, "best_reward": self.best_reward,
+                "recoveries": self.recoveries, "stopped_early": self.stopped, "lr_scale": self.lr_scale,
+                "kl_scale": self.kl_scale, "settings": self.settings.model_dump()}
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs (plain numbers and lists, and the best payload as given)."""
+        fields = ("start", "recent", "best_step", "best_reward", "best_rewards", "best_state", "below", "recoveries",
+                  "lr_scale", "kl_scale", "stopped")
+        return {name: getattr(self, name) for name in fields}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict`."""
+        for name, value in state.items():
+            setattr(self, name, value)
+
+
+def event_line(event: dict) -> str:
+    """The console line of an event."""
+    if event["action"] == "stop":
+        tail = f"recoveries spent: stopping early; publishing iteration {event['best_step']}'s adapter"
+    else:
+        tail = (f"rolled back to iteration {event['best_step']}, learning rate x{event['lr_scale']:g} "
+                f"(recovery {event['recoveries']})")
+    return f"watchdog: {event['detector']} at iteration {event['step']} ({event['why']}); {tail}"
+
+
+
+def read_events(path: Path) -> list[dict]:
+    """The events of a run's ``rl/events.jsonl`` (none when the file is missing)."""
+    if not Path(path).is_file():
+        return []
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line]
+
+
+def report_section(record: Optional[dict], events: list[dict]) -> list[str]:
+    """The Markdown lines of ``eval/report.md``'s watchdog section: off, or what was published and each event."""
+    if record is None:
+        return []
+    lines = ["## Watchdog", ""]
+    if not record.get("enabled"):
+        return lines + ["The collapse watchdog was off (`--watchdog off`): the last adapter is published.", ""]
+    lines.append(f"Published: the adapter of iteration {record['published_step']} (best held-out probe, mean reward "
+                 f"{record['best_reward']:.3f}); the last iteration's adapter is kept as `rl/adapter-last`.")
+    if record.get("stopped_early"):
+        lines.append(f"Stopped early: {record['stopped_early']}.")
+    lines.append("")
+    if not events:
+        return lines + ["No detector fired.", ""]
+    lines += ["| iteration | detector | value | threshold | action | learning rate |", "|---|---|---|---|---|---|"]
+    for e in events:
+        lines.append(f"| {e['step']} | {e['detector']} | {e['value']:.3g} | {e['threshold']:.3g} | {e['action']} | "
+                     f"{e['learning_rate']:.3g} |")
+    return lines + [""]
