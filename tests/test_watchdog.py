@@ -14,8 +14,15 @@ import torch
 from slm_align.config import WatchdogSettings
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.stage import run_rl
-from slm_align.rl.watchdog import (Watchdog, entropy_collapse, event_line, kl_runaway, paired_drop, report_section,
-                                   reward_dropped)
+from slm_align.rl.watchdog import (
+    Watchdog,
+    entropy_collapse,
+    event_line,
+    kl_runaway,
+    paired_drop,
+    report_section,
+    reward_dropped,
+)
 from tests.helpers import finished_sft_run
 
 
@@ -136,7 +143,8 @@ def test_events_reach_the_report_and_the_curves(tmp_path):
     assert "iteration 2" in section and "adapter-last" in section
     assert "was off" in "\n".join(report_section({"enabled": False, "published_step": None}, []))
     assert report_section(None, []) == []
-    assert event_line(event).startswith("watchdog: kl_runaway at iteration 3 (KL 12.5 > 10); rolled back to iteration 2")
+    line = event_line(event)
+    assert line.startswith("watchdog: kl_runaway at iteration 3 (KL 12.5 > 10); rolled back to iteration 2")
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": i, "kl": float(i)}) + "\n" for i in range(1, 6)))
     assert plot_curves(metrics, tmp_path / "curves.png", events=[event]).stat().st_size > 1000
