@@ -185,11 +185,7 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
         prepare_partial(partial, inputs, resume)
     world.barrier()
     watch = _watch(recipe, loop, prompts.heldout, partial, world, say)
-    if (partial / CHECKPOINT).is_file():
-        state = torch.load(partial / CHECKPOINT, weights_only=True)
-        loop.load_state_dict(state)
-        if watch is not None:
-            watch.watchdog.load_state_dict(state["watchdog"])
+    _load_checkpoint(loop, watch, partial)
     before = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=False)
     _iterate(loop, partial, world, watch)
     last = _keep_last(loop, watch, partial, world, lambda: heldout_reward(policy, tokenizer, reward_fn, eval_prompts,
@@ -217,12 +213,23 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     return StageResult(stage_dir, skipped=False, metrics=result)
 
 
+def _load_checkpoint(loop, watch: Optional[WatchedRun], partial: Path) -> None:
+    """Continue from the partial dir's checkpoint, when there is one: the learner's state and the watchdog's."""
+    if not (partial / CHECKPOINT).is_file():
+        return
+    state = torch.load(partial / CHECKPOINT, weights_only=True)
+    loop.load_state_dict(state)
+    if watch is not None:
+        watch.watchdog.load_state_dict(state["watchdog"])
+
+
 def _watch(recipe: Recipe, loop, heldout: list[str], partial: Path, world: World, say) -> Optional[WatchedRun]:
-    """The run's watchdog (None when it is off): its probe is the first ``probe_prompts`` held-out prompts."""
+    """The run's watchdog (None when it is off). Its probe is the last ``probe_prompts`` held-out prompts: apart
+    from the first ``eval_prompts`` that measure the published adapter whenever the held-out set has room."""
     settings = recipe.rl.watchdog
     if not settings.enabled:
         return None
-    prompts = heldout[: settings.probe_prompts]
+    prompts = heldout[-settings.probe_prompts:]
 
     def probe() -> list[float]:
         """Per-prompt rewards of the current adapter on the probe prompts (the recipe's seed)."""

@@ -1,0 +1,177 @@
+"""The collapse watchdog side by side: a run that collapses, with and without it; and a healthy run's overhead.
+
+    python benchmarks/watchdog.py --work /tmp/wd               # defaults: bundled model, 16 GRPO iterations
+    python benchmarks/watchdog.py --work /tmp/wd --steps 24 --flip-after 6 --skip-healthy
+
+The collapse is injected: GRPO trains the bundled model on words per completion / 10 (the objective), and from
+iteration ``--flip-after`` on the training signal pays the opposite (a reward pipeline gone wrong: the policy
+unlearns what it learned while every envelope guard stays green). Both runs start from the same SFT prior with the
+same seed. Each published adapter is then scored on held-out prompts by the objective: mean reward with a 95%
+interval (mean +- 1.96 sd / sqrt(n)), iterations trained after the published one (wasted), events fired.
+
+The healthy run is the quickstart's RL stage (PPO, 20 iterations, the learned reward model, the same SFT and
+reward model for both): events fired (none expected) and wall-clock time with the watchdog on and off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+STATE = {"after": 10 ** 9, "step": 0}
+"""Where the flipped signal starts, and the iteration the run is at (set by the patched ``run_step``)."""
+
+
+def shared_state() -> dict:
+    """``STATE`` of this file imported as the module ``watchdog`` (how the reward spec loads it), shared with the
+    script that runs as ``__main__``."""
+    return importlib.import_module("watchdog").STATE
+
+
+def objective(prompts, completions, **_):
+    """What we want: words per completion / 10."""
+    return [len(c.split()) / 10 for c in completions]
+
+
+def flipping(prompts, completions, **_):
+    """The training signal: the objective, negated from iteration ``STATE["after"]`` on."""
+    state = shared_state()
+    sign = -1.0 if state["step"] >= state["after"] else 1.0
+    return [sign * score for score in objective(prompts, completions)]
+
+
+def patch_iterations() -> None:
+    """Tell the reward which iteration the run is at."""
+    from slm_align.rl.grpo import GRPO
+    from slm_align.rl.ppo import PPO
+
+    state = shared_state()
+    for algorithm in (GRPO, PPO):
+        original = algorithm.run_step
+
+        def counted(self, step, original=original):
+            """The iteration, counted."""
+            state["step"] = step
+            return original(self, step)
+
+        algorithm.run_step = counted
+
+
+def rl_recipe(recipe, steps: int, enabled: bool, **rl):
+    """``recipe`` with the RL settings of one run and the watchdog on or off."""
+    watchdog = recipe.rl.watchdog.model_copy(update={"enabled": enabled})
+    settings = recipe.rl.model_copy(update=dict(rl, steps=steps, report_prompts=0, watchdog=watchdog))
+    return recipe.model_copy(update={"rl": settings})
+
+
+def held_out(recipe, run: Path, prompts: int) -> tuple[float, float]:
+    """Mean objective of the run's published adapter on held-out prompts, and the half-width of its 95% interval."""
+    from slm_align.evaluate import evaluate
+
+    report = evaluate(recipe, run, rewards=["watchdog:objective"], prompts=prompts)
+    row = report["policies"][-1]
+    return row["reward_mean"], 1.96 * row["reward_std"] / math.sqrt(report["prompts"])
+
+
+def collapsing(work: Path, sft, steps: int, flip_after: int, prompts: int) -> list[dict]:
+    """The injected collapse with the watchdog off and on; one row each."""
+    from slm_align.rl.stage import run_rl
+
+    base, recipe = sft
+    rows = []
+    for enabled in (False, True):
+        out = work / f"collapse-{'on' if enabled else 'off'}"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(base / "sft", out / "sft")
+        shared_state().update(after=flip_after, step=0)
+        run = rl_recipe(recipe, steps, enabled, algo="grpo", prompts_per_step=2, group_size=4, max_new_tokens=32,
+                        eval_prompts=16, learning_rate=1e-2)
+        started = time.time()
+        result = run_rl(run, out, rewards=["watchdog:flipping"], force=True)
+        seconds = time.time() - started
+        watch = result.metrics["watchdog"]
+        published = watch["published_step"] if enabled else result.metrics["steps"]
+        mean, half = held_out(run, out, prompts)
+        rows.append({"run": f"collapse, watchdog {'on' if enabled else 'off'}", "published": published,
+                     "trained": result.metrics["steps"], "wasted": result.metrics["steps"] - published,
+                     "events": watch.get("events", 0), "reward": mean, "ci": half, "seconds": seconds})
+    return rows
+
+
+def healthy(work: Path) -> list[dict]:
+    """The quickstart's RL stage with the watchdog off and on, from the same SFT and reward model."""
+    from slm_align.config import load_recipe
+    from slm_align.reward.stage import run_reward
+    from slm_align.rl.stage import run_rl
+    from slm_align.sft import run_sft
+
+    recipe = load_recipe(overrides={"sft.max_steps": 150, "sft.batch_size": 16, "reward.max_steps": 100,
+                                    "reward.batch_size": 16, "rl.algo": "ppo", "rl.steps": 20})
+    quick = work / "quickstart"
+    run_sft(recipe, quick, resume=True)  # the quickstart's SFT and reward model (reused when done)
+    run_reward(recipe, quick, resume=True)
+    rows = []
+    for enabled in (False, True):
+        out = work / f"healthy-{'on' if enabled else 'off'}"
+        shutil.rmtree(out, ignore_errors=True)
+        for stage in ("sft", "reward"):
+            shutil.copytree(quick / stage, out / stage)
+        run = rl_recipe(recipe, 20, enabled)
+        started = time.time()
+        result = run_rl(run, out, force=True)
+        watch = result.metrics["watchdog"]
+        rows.append({"run": f"quickstart PPO, watchdog {'on' if enabled else 'off'}", "events": watch.get("events", 0),
+                     "published": watch["published_step"] if enabled else result.metrics["steps"],
+                     "reward": result.metrics["heldout_reward_rl"], "seconds": time.time() - started})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True, help="Scratch directory (runs are written here).")
+    parser.add_argument("--steps", type=int, default=16, help="GRPO iterations of the collapsing run.")
+    parser.add_argument("--flip-after", type=int, default=6, help="Iteration from which the signal is flipped.")
+    parser.add_argument("--prompts", type=int, default=64, help="Held-out prompts scoring each published adapter.")
+    parser.add_argument("--skip-healthy", action="store_true", help="Only the collapsing run.")
+    args = parser.parse_args()
+    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from tests.helpers import finished_sft_run
+
+    patch_iterations()
+    args.work.mkdir(parents=True, exist_ok=True)
+    stories = args.work / "stories.txt"
+    sft = finished_sft_run(args.work / "sft-run", DEFAULT_MODEL_DIR, _demo_corpus(stories), steps=20)
+    rows = collapsing(args.work, sft, args.steps, args.flip_after, args.prompts)
+    print("| run | published iteration | trained | wasted | events | held-out objective [95% CI] | seconds |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['run']} | {r['published']} | {r['trained']} | {r['wasted']} | {r['events']} | "
+              f"{r['reward']:.3f} [{r['reward'] - r['ci']:.3f}, {r['reward'] + r['ci']:.3f}] | {r['seconds']:.0f} |")
+    if args.skip_healthy:
+        return
+    rows = healthy(args.work)
+    print("\n| run | events | published iteration | held-out reward | seconds |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['run']} | {r['events']} | {r['published']} | {r['reward']:.3f} | {r['seconds']:.1f} |")
+    overhead = rows[1]["seconds"] / rows[0]["seconds"] - 1
+    print(f"\nwatchdog time overhead on the healthy run: {overhead:+.1%}")
+    print(json.dumps({"overhead": overhead}))
+
+
+def _demo_corpus(path: Path) -> Path:
+    """The demo stories as a text corpus."""
+    from slm_align.data.demo_corpus import write_demo_corpus
+
+    return write_demo_corpus(path, n=400, seed=0)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.helpers
+    main()
