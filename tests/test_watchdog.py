@@ -299,3 +299,4 @@ def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp
     assert [e["detector"] for e in events] == ["length_inflation"] and events[0]["action"] == "stop"
     record = manifest_of(stage)["metrics"]["watchdog"]
     assert record["detectors"] == ["length_inflation"] and record["stopped_early"].startswith("length_inflation")
+
