@@ -100,6 +100,40 @@ class EnvelopeSettings(_Strict):
     grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip (0: off).")
 
 
+class WatchdogSettings(_Strict):
+    """The collapse watchdog (``[rl.watchdog]``): a held-out probe keeps the best adapter; windowed detectors roll
+    back to it with a lower learning rate, then stop early. A detector whose threshold is 0 is off."""
+
+    enabled: bool = Field(True, description="Watch for the quiet collapses (reward drop, entropy collapse, length "
+                          "inflation, KL runaway, starving groups); off: publish the last adapter, recorded.")
+    eval_every: int = Field(5, ge=1, description="Probe the held-out reward every this many iterations (and at the "
+                            "start and the end); the best probe's adapter is published.")
+    probe_prompts: int = Field(16, ge=1, description="Held-out prompts of the probe, sampled once each with the "
+                               "recipe's seed (common random numbers across probes).")
+    window: int = Field(5, ge=1, description="Iterations per window: detectors compare the mean of the last window "
+                        "with the mean of the first (and need both full).")
+    reward_margin: float = Field(0.0, ge=0, description="Reward drop: the probe's mean paired drop below the best "
+                                 "must exceed this many reward units ...")
+    reward_z: float = Field(2.0, ge=0, description="... and this many standard errors of the paired drop "
+                            "(0: reward drop off).")
+    reward_patience: int = Field(2, ge=1, description="Reward drop: probes in a row below the best before it fires.")
+    entropy_floor: float = Field(0.3, ge=0, lt=1, description="Entropy collapse: window entropy below this fraction "
+                                 "of the first window's (0: off).")
+    length_ratio: float = Field(1.5, ge=0, description="Length inflation: window mean completion length above this "
+                                "multiple of the first window's (0: off).")
+    truncated_rise: float = Field(0.3, ge=0, description="Length inflation: window truncated fraction above the "
+                                  "first window's plus this (0: off).")
+    max_kl: float = Field(10.0, ge=0, description="KL runaway: window mean of the per-sequence KL to the reference "
+                          "above this (nats; 0: off); the recovery also raises the KL coefficient.")
+    zero_std_rise: float = Field(0.5, ge=0, description="GRPO starving: window share of all-equal groups above the "
+                                 "first window's plus this (0: off).")
+    lr_factor: float = Field(0.5, gt=0, lt=1, description="Each recovery multiplies the learning rate by this.")
+    kl_factor: float = Field(2.0, ge=1, description="A KL-runaway recovery multiplies the KL coefficient (PPO kl_coef, "
+                             "GRPO beta) by this.")
+    max_recoveries: int = Field(2, ge=0, description="Rollbacks to the best before a further trigger stops the run "
+                                "early (the best adapter published).")
+
+
 class PPOSettings(_Strict):
     """PPO's own settings (``[rl.ppo]``): the value loss, GAE, the KL penalty and reward whitening."""
 
@@ -173,6 +207,7 @@ class RLSettings(_Strict):
     lora: LoraSettings = Field(default_factory=lambda: LoraSettings(r=16, alpha=32.0, dropout=0.0),
                                description="The fresh RL adapter.")
     envelope: EnvelopeSettings = Field(default_factory=EnvelopeSettings, description="The safety envelope.")
+    watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings, description="The collapse watchdog.")
 
     @model_validator(mode="before")
     @classmethod

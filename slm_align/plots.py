@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-CURVES = ("reward/mean", "kl", "entropy", "clip_frac", "ratio/mean", "completion/length", "guard/skipped",
-          "guard/rollbacks")
+CURVES = ("reward/mean", "watchdog/probe_reward", "kl", "entropy", "clip_frac", "ratio/mean", "completion/length",
+          "guard/skipped", "guard/rollbacks")
 
 
-def plot_curves(metrics_path: Path, out_path: Path, keys=CURVES) -> Path:
-    """One panel per metric over steps, saved as a PNG."""
+def plot_curves(metrics_path: Path, out_path: Path, keys=CURVES, events=()) -> Path:
+    """One panel per metric over steps, saved as a PNG; each watchdog event (a dict with ``step`` and
+    ``detector``, see rl/watchdog.py) is a dashed vertical line on every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,6 +26,8 @@ def plot_curves(metrics_path: Path, out_path: Path, keys=CURVES) -> Path:
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         ax.plot(*zip(*points), marker=".")
         ax.set_title(key)
+        for event in events:
+            ax.axvline(event["step"], color="red", linestyle="--", linewidth=1, label=event["detector"])
         ax.set_xlabel("step")
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")

@@ -32,6 +32,13 @@ def pair_mix(text: str) -> dict[str, float]:
     return mix
 
 
+def on_off(text: str) -> bool:
+    """"on" -> True, "off" -> False (a switch that is on by default and can be turned off by name)."""
+    if text not in ("on", "off"):
+        raise UserError(f"--watchdog {text}: choose on or off")
+    return text == "on"
+
+
 # The recipe flags: (flag, dotted recipe key). Help and shown default come from the recipe field; the commands
 # that take a table receive its flags as load_recipe overrides (see options.recipe_flags).
 SOURCE = (
@@ -102,6 +109,8 @@ RL = (
     Flag("--no-rollback", "rl.envelope.rollback", sets=False, help="ENVELOPE OFF: no snapshot/rollback on NaN."),
     Flag("--sigma-clip", "rl.envelope.sigma_clip"),
     Flag("--grad-clip", "rl.envelope.grad_clip"),
+    Flag("--watchdog", "rl.watchdog.enabled", parse=on_off, note="on or off (default on); off is recorded."),
+    Flag("--watchdog-every", "rl.watchdog.eval_every"),
     Flag("--report-prompts", "rl.report_prompts"),
 )
 
