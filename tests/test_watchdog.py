@@ -90,12 +90,23 @@ def test_reward_drop_needs_patience_probes_in_a_row_and_tracks_the_best():
     watchdog.record_probe(10, [b - 0.5 for b in best], lambda: "never")
     assert watchdog.check() is None  # one probe below: not yet
     within_noise = [b - 0.3 if i % 2 else b + 0.25 for i, b in enumerate(best)]  # mean drop 0.025, se 0.07
-    assert not watchdog.record_probe(15, within_noise, lambda: "never")  # not a drop: the count starts over
+    # not a drop: the count starts over, and this later, as-good adapter is the one to publish
+    assert watchdog.record_probe(15, within_noise, lambda: "later")
     watchdog.record_probe(20, [b - 0.5 for b in best], lambda: "never")
     assert watchdog.check() is None
     watchdog.record_probe(25, [b - 0.6 for b in best], lambda: "never")
     trigger = watchdog.check()
-    assert trigger.detector == "reward_drop" and watchdog.best_step == 5 and watchdog.best_state == "best"
+    assert trigger.detector == "reward_drop" and "peak (iteration 5" in trigger.why
+    assert watchdog.peak_step == 5 and watchdog.best_step == 15 and watchdog.best_state == "later"
+
+
+def test_a_trained_adapter_as_good_as_the_start_is_published_not_the_untrained_one():
+    watchdog = Watchdog(WatchdogSettings())
+    start = noisy(0.5, 0.2, 16, seed=2)
+    assert watchdog.record_probe(0, start, lambda: "untrained")
+    slightly_lower = [value - 0.06 if i % 2 else value + 0.05 for i, value in enumerate(start)]  # within noise
+    assert watchdog.record_probe(5, slightly_lower, lambda: "trained")
+    assert watchdog.best_step == 5 and watchdog.peak_step == 0 and watchdog.best_state == "trained"
 
 
 def test_respond_rolls_back_until_recoveries_are_spent_then_stops():

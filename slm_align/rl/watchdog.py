@@ -112,9 +112,12 @@ class Watchdog:
         self.start: dict[str, list[float]] = {key: [] for key in WATCHED}
         self.recent: dict[str, list[float]] = {key: [] for key in WATCHED}
         self.best_step: Optional[int] = None
+        """The iteration to publish and roll back to: the latest probe not significantly below the peak."""
+        self.best_state: Any = None
+        self.peak_step: Optional[int] = None
+        """The probe with the highest mean reward: what a reward drop is measured against."""
         self.best_reward: Optional[float] = None
         self.best_rewards: list[float] = []
-        self.best_state: Any = None
         self.below = 0
         self.recoveries = 0
         self.lr_scale = 1.0
@@ -139,30 +142,33 @@ class Watchdog:
         return done % self.settings.eval_every == 0 or done == last
 
     def record_probe(self, step: int, rewards: list[float], capture) -> bool:
-        """Take a probe's per-prompt rewards; a new best (higher mean) keeps ``capture()``'s payload and is True.
+        """Take a probe's per-prompt rewards; True when it becomes the adapter to publish (``capture()`` kept).
 
-        Otherwise counts the probes in a row that lie below the best (:func:`reward_dropped`)."""
+        A probe with a higher mean than the peak becomes the peak. A probe that does not lie significantly below the
+        peak (:func:`reward_dropped`) becomes the one to publish, so training is not thrown away on probe noise
+        (the start's untrained adapter is not kept over a trained one that is as good); one that does lie below
+        it counts toward the reward drop, measured against the peak so that a slow slide cannot ratchet it down.
+        """
         mean = statistics.fmean(rewards)
+        s = self.settings
         if self.best_reward is None or mean > self.best_reward:
-            self.best_step = step
+            self.peak_step = step
             self.best_reward = mean
             self.best_rewards = list(rewards)
-            self.best_state = capture()
-            self.below = 0
-            return True
-        s = self.settings
-        if s.reward_z and reward_dropped(self.best_rewards, rewards, s.reward_margin, s.reward_z):
+        elif s.reward_z and reward_dropped(self.best_rewards, rewards, s.reward_margin, s.reward_z):
             self.below += 1
-        else:
-            self.below = 0
-        return False
+            return False
+        self.best_step = step
+        self.best_state = capture()
+        self.below = 0
+        return True
 
     def check(self) -> Optional[Trigger]:
         """The first detector that fires, or None: reward drop, then the windowed ones (each needs full windows)."""
         s = self.settings
         if self.below >= s.reward_patience:
             return Trigger("reward_drop", float(self.below), float(s.reward_patience),
-                           f"held-out reward below the best (iteration {self.best_step}, {self.best_reward:.3f}) "
+                           f"held-out reward below the peak (iteration {self.peak_step}, {self.best_reward:.3f}) "
                            f"for {self.below} probes in a row")
         start = self.start
         recent = self.recent
@@ -206,13 +212,15 @@ class Watchdog:
 
     def summary(self) -> dict:
         """What the manifest records: on, the best probe, recoveries spent, and why the run stopped early."""
-        return {"enabled": True, "best_step": self.best_step, "best_reward": self.best_reward,
+        return {"enabled": True, "best_step": self.best_step, "peak_step": self.peak_step,
+                "best_reward": self.best_reward,
                 "recoveries": self.recoveries, "stopped_early": self.stopped, "lr_scale": self.lr_scale,
                 "kl_scale": self.kl_scale, "settings": self.settings.model_dump()}
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs (plain numbers and lists, and the best payload as given)."""
-        fields = ("start", "recent", "best_step", "best_reward", "best_rewards", "best_state", "below", "recoveries",
+        fields = ("start", "recent", "best_step", "peak_step", "best_reward", "best_rewards", "best_state", "below",
+                  "recoveries",
                   "lr_scale", "kl_scale", "stopped")
         return {name: getattr(self, name) for name in fields}
 
@@ -247,8 +255,9 @@ def report_section(record: Optional[dict], events: list[dict]) -> list[str]:
     lines = ["## Watchdog", ""]
     if not record.get("enabled"):
         return lines + ["The collapse watchdog was off (`--watchdog off`): the last adapter is published.", ""]
-    lines.append(f"Published: the adapter of iteration {record['published_step']} (best held-out probe, mean reward "
-                 f"{record['best_reward']:.3f}); the last iteration's adapter is kept as `rl/adapter-last`.")
+    lines.append(f"Published: the adapter of iteration {record['published_step']} (the latest held-out probe not "
+                 f"significantly below the peak, mean reward {record['best_reward']:.3f}); the last iteration's "
+                 "adapter is kept as `rl/adapter-last`.")
     if record.get("stopped_early"):
         lines.append(f"Stopped early: {record['stopped_early']}.")
     lines.append("")
