@@ -37,6 +37,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--train", type=int, default=400, help="Training tasks.")
     parser.add_argument("--heldout", type=int, default=100, help="Held-out tasks for the runtime evaluation.")
     parser.add_argument("--sft-steps", type=int, default=600)
+    parser.add_argument("--sft-lr", type=float, default=None, help="SFT learning rate (default: the recipe's).")
+    parser.add_argument("--lora-r", type=int, default=None, help="SFT LoRA rank (default: the recipe's).")
+    parser.add_argument("--lora-targets", default=None, help="SFT LoRA modules, comma-separated (default: "
+                        "the architecture's).")
     parser.add_argument("--rl-steps", type=int, default=30)
     parser.add_argument("--algo", default="grpo", choices=("ppo", "grpo", "auto"))
     parser.add_argument("--work", type=Path, default=None, help="Working directory (default: a new temporary one).")
@@ -55,10 +59,14 @@ def export(run: Path, out: Path) -> Path:
 
 def train(args: argparse.Namespace, files: dict, run: Path) -> dict:
     """SFT, its export, RL with the tool_task reward, its export; the seconds of each and the gate's verdict."""
+    targets = None
+    if args.lora_targets:
+        targets = args.lora_targets.split(",")
     recipe = load_recipe(overrides={"model.source": args.model, "data.path": str(files["sft"]),
                                     "data.tasks": str(files["train"]), "sft.max_steps": args.sft_steps,
                                     "sft.batch_size": 16, "rl.algo": args.algo, "rl.steps": args.rl_steps,
-                                    "rl.max_new_tokens": 48, "rl.report_prompts": 0})
+                                    "rl.max_new_tokens": 48, "rl.report_prompts": 0, "sft.learning_rate": args.sft_lr,
+                                    "sft.lora.r": args.lora_r, "sft.lora.target_modules": targets})
     seconds = {}
     started = time.time()
     run_sft(recipe, run, resume=True)  # a rerun on the same --work continues or reuses it
