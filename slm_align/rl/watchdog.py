@@ -78,13 +78,18 @@ def length_inflation(start: list[float], recent: list[float], ratio: float) -> O
     return None
 
 
-def truncation_inflation(start: list[float], recent: list[float], rise: float) -> Optional[Trigger]:
-    """Fires when m(recent truncated fraction) > m(start truncated fraction) + rise: completions hit the budget."""
+def _risen(start: list[float], recent: list[float], rise: float, detector: str, label: str) -> Optional[Trigger]:
+    """Fires when m(recent) > m(start) + rise (``rise`` 0: off); ``label`` names the share in the reason."""
     bound = window_mean(start) + rise
     value = window_mean(recent)
     if rise and value > bound:
-        return Trigger("length_inflation", value, bound, f"truncated fraction {value:.2f} > start + {rise:g}")
+        return Trigger(detector, value, bound, f"{label} {value:.2f} > start + {rise:g}")
     return None
+
+
+def truncation_inflation(start: list[float], recent: list[float], rise: float) -> Optional[Trigger]:
+    """Fires when m(recent truncated fraction) > m(start truncated fraction) + rise: completions hit the budget."""
+    return _risen(start, recent, rise, "length_inflation", "truncated fraction")
 
 
 def kl_runaway(recent: list[float], max_kl: float) -> Optional[Trigger]:
@@ -97,11 +102,7 @@ def kl_runaway(recent: list[float], max_kl: float) -> Optional[Trigger]:
 
 def starving(start: list[float], recent: list[float], rise: float) -> Optional[Trigger]:
     """Fires when m(recent all-equal share) > m(start all-equal share) + rise: GRPO's groups stop teaching."""
-    bound = window_mean(start) + rise
-    value = window_mean(recent)
-    if rise and value > bound:
-        return Trigger("starving_groups", value, bound, f"all-equal groups {value:.2f} > start + {rise:g}")
-    return None
+    return _risen(start, recent, rise, "starving_groups", "all-equal groups")
 
 
 class Watchdog:
