@@ -19,7 +19,6 @@ import inspect
 import json
 import math
 import re
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -392,10 +391,6 @@ def combine(specs: Sequence[str] = (), learned: Optional[Path] = None, learned_w
         raise UserError("no reward: train a reward model (`slm-align train --stage reward`) or pass --reward")
     return CombinedReward(terms)
 
-
-def spread(scores: Sequence[float]) -> float:
-    """Population standard deviation of rewards (0 for fewer than two)."""
-    return statistics.pstdev(scores) if len(scores) > 1 else 0.0
 
 
 # --- columns --------------------------------------------------------------------------------------
