@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from slm_align.agent.builtin_tools import calculator, default_tools
+from slm_align.atomic import jsonl_text, write_text_atomic
 from slm_align.errors import UserError
 
 TOOL = "calculator"
@@ -178,16 +179,10 @@ def sft_rows(task: dict) -> list[dict]:
     return [{"messages": question + [call]}, {"messages": question + [call, observation, final]}]
 
 
-def _jsonl(rows: list[dict]) -> str:
-    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-
-
 def write_agent_tasks(out_dir, n_train: int = 400, n_heldout: int = 100, seed: int = 0,
                       overwrite: bool = False) -> dict[str, Path]:
     """Write ``sft.jsonl`` (format-teaching chats), ``train.jsonl`` (RL task rows) and ``heldout.jsonl``
     (evaluation task rows) into ``out_dir``; returns their paths keyed ``sft``, ``train``, ``heldout``."""
-    from slm_align.atomic import write_text_atomic
-
     out = Path(out_dir)
     paths = {name: out / f"{name}.jsonl" for name in FILES}
     existing = [str(path) for path in paths.values() if path.exists()]
@@ -197,9 +192,9 @@ def write_agent_tasks(out_dir, n_train: int = 400, n_heldout: int = 100, seed: i
         raise UserError(f"--out {out} is a file; pass a directory")
     train, heldout = split_tasks(n_train, n_heldout, seed)
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(paths["sft"], _jsonl([row for task in train for row in sft_rows(task)]))
-    write_text_atomic(paths["train"], _jsonl(train))
-    write_text_atomic(paths["heldout"], _jsonl(heldout))
+    write_text_atomic(paths["sft"], jsonl_text([row for task in train for row in sft_rows(task)]))
+    write_text_atomic(paths["train"], jsonl_text(train))
+    write_text_atomic(paths["heldout"], jsonl_text(heldout))
     return paths
 
 

@@ -25,8 +25,13 @@ class Splits:
     duplicates_dropped: int = 0
 
 
+def seeded_rank(seed: int, key: str) -> str:
+    """The sort key that splits without leaks: a seeded hash of an item's canonical text (same text, same side)."""
+    return hashlib.sha256(f"{seed}\x00{key}".encode()).hexdigest()
+
+
 def _rank(seed: int, example: Example) -> str:
-    return hashlib.sha256(f"{seed}\x00{example.key()}".encode()).hexdigest()
+    return seeded_rank(seed, example.key())
 
 
 def split_examples(examples: list[Example], seed: int, eval_fraction: float, heldout_prompts: int) -> Splits:

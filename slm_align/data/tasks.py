@@ -14,7 +14,6 @@ columns (identical rows collapse to one), and :func:`split_tasks` keeps identica
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from slm_align.data.readers import iter_rows
+from slm_align.data.splits import seeded_rank
 from slm_align.errors import UserError
 
 RESERVED_COLUMNS = frozenset({"prompts", "completions"})
@@ -251,10 +251,6 @@ def render_conversation(where: str, messages: list[dict], tools: Optional[list[d
 # --- splitting ------------------------------------------------------------------------------------
 
 
-def _rank(seed: int, prompt: str) -> str:
-    return hashlib.sha256(f"{seed}\x00{prompt}".encode()).hexdigest()
-
-
 def split_tasks(tasks: TaskSet, seed: int, heldout_fraction: float, max_heldout: int) -> tuple[TaskSet, TaskSet]:
     """``(train, heldout)`` by a seeded hash of each prompt, so identical prompts always land on the same side.
 
@@ -270,7 +266,7 @@ def split_tasks(tasks: TaskSet, seed: int, heldout_fraction: float, max_heldout:
     if wanted >= len(distinct) and wanted > 0:
         raise UserError(f"the task data has {len(distinct)} distinct prompt(s); need more than {wanted} to hold "
                         f"{wanted} out and still train on some")
-    ranked = sorted(distinct, key=lambda prompt: _rank(seed, prompt))
+    ranked = sorted(distinct, key=lambda prompt: seeded_rank(seed, prompt))
     heldout = set(ranked[:wanted])
     train_rows = [i for i, prompt in enumerate(tasks.prompts) if prompt not in heldout]
     heldout_rows = [i for i, prompt in enumerate(tasks.prompts) if prompt in heldout]

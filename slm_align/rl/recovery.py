@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from slm_align.atomic import write_text_atomic
 from slm_align.generation import sample, score
 from slm_align.rl.distributed import World
 from slm_align.rl.policy import merged_for_sampling
@@ -63,7 +64,7 @@ def keep_events_until(path: Path, step: int) -> None:
         return
     kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
             if line.endswith("\n") and json.loads(line)["step"] <= step]
-    path.write_text("".join(kept), encoding="utf-8")
+    write_text_atomic(path, "".join(kept))
 
 
 class WatchedRun:
