@@ -108,3 +108,15 @@ def merged_for_sampling(model):
         finally:
             for weight, value in saved:
                 weight.copy_(value)
+
+
+def policy_rewards(policy, tokenizer, reward_fn, prompts: list[str], settings: RLSettings, seed: int,
+                   adapter: bool = True) -> list[float]:
+    """Per-prompt reward of one completion sampled for each prompt with ``seed`` (the RL adapter on, merged for
+    speed, or off: the prior), at the recipe's temperature and token budget."""
+    from slm_align.generation import sample, score
+
+    context = merged_for_sampling(policy) if adapter else policy.disable_adapter()
+    with context:
+        samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=seed)
+    return score(reward_fn, samples)

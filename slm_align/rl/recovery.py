@@ -15,21 +15,18 @@ from typing import Optional
 import torch
 
 from slm_align.atomic import write_text_atomic
-from slm_align.generation import sample, score
 from slm_align.rl.distributed import World
-from slm_align.rl.policy import merged_for_sampling
+from slm_align.rl.policy import policy_rewards
 from slm_align.rl.watchdog import Watchdog, event_line
 
 EVENTS = "events.jsonl"
 
 
 def probe_rewards(policy, tokenizer, reward_fn, prompts: list[str], settings, seed: int) -> list[float]:
-    """Per-prompt reward of one completion per held-out prompt (RL adapter on), sampled with ``seed`` so that
-    every probe of a run draws with the same random numbers; the global RNG is left as it was."""
+    """:func:`policy_rewards` of the current adapter, with ``seed`` so that every probe of a run draws with the
+    same random numbers; the global RNG is left as it was (training draws do not depend on the probes)."""
     with torch.random.fork_rng():
-        with merged_for_sampling(policy):
-            samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=seed)
-    return score(reward_fn, samples)
+        return policy_rewards(policy, tokenizer, reward_fn, prompts, settings, seed)
 
 
 def capture(loop) -> dict:

@@ -21,7 +21,6 @@ from slm_align.config import Recipe
 from slm_align.data.prompt_source import prompt_source
 from slm_align.data.readers import fingerprint
 from slm_align.errors import UserError
-from slm_align.generation import sample, score
 from slm_align.headroom import check_headroom
 from slm_align.modeling import load_tokenizer, resolve_source
 from slm_align.plots import plot_curves
@@ -29,7 +28,7 @@ from slm_align.progress import new_progress
 from slm_align.reward.stage import run_reward
 from slm_align.rl.distributed import World, replica_digest, world_from_env
 from slm_align.rl.grpo import GRPO
-from slm_align.rl.policy import ValueHead, build_policy, merged_for_sampling
+from slm_align.rl.policy import ValueHead, build_policy, policy_rewards
 from slm_align.rl.ppo import PPO
 from slm_align.rl.recovery import EVENTS, WatchedRun, probe_rewards, restore
 from slm_align.rl.schedule import iteration_size
@@ -50,10 +49,8 @@ class GateRefused(UserError):
 
 def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Recipe, adapter: bool) -> float:
     """Mean reward of one sampled completion per held-out prompt, with the RL adapter on (RL) or off (SFT)."""
-    settings = recipe.rl
-    with merged_for_sampling(policy) if adapter else policy.disable_adapter():
-        samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=recipe.seed)
-    return statistics.fmean(score(reward_fn, samples))
+    rewards = policy_rewards(policy, tokenizer, reward_fn, prompts, recipe.rl, recipe.seed, adapter)
+    return statistics.fmean(rewards)
 
 
 def _prerequisites(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_model: Optional[Path],
