@@ -7,9 +7,11 @@ than the prompt reaches the reward functions as a keyword list (TRL's convention
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from slm_align.config import Recipe
 from slm_align.data.prompts import prompts_of
@@ -20,13 +22,19 @@ from slm_align.errors import UserError
 class PromptSource:
     """Training and held-out prompts, and the task rows behind them (None for corpus prompts: no columns)."""
 
-    train: list[str]
+    make_train: Callable[[], list[str]] = field(repr=False)
+    """Builds the training prompts on first use (:attr:`train`): the gate and evaluation never need them."""
     heldout: list[str]
     description: str
     tasks: Optional[object] = None
     """Every task row (a ``slm_align.data.tasks.TaskSet``), for the columns' lookup by prompt."""
     heldout_answers: tuple[str, ...] = ()
     """The held-out tasks' ``answer`` column, when they have one."""
+
+    @cached_property
+    def train(self) -> list[str]:
+        """The training prompts (rendering every training document's prompt only when RL asks for them)."""
+        return self.make_train()
 
     def heldout_texts(self) -> list[str]:
         """Held-out prompts followed by their answers (when known): text for the prior's perplexity."""
@@ -61,8 +69,8 @@ def prompt_source(recipe: Recipe, tokenizer, corpus=None) -> PromptSource:
 
         corpus = load_corpus(recipe.data, recipe.seed)
     splits = corpus.splits
-    return PromptSource(prompts_of(splits.train, tokenizer), prompts_of(splits.heldout, tokenizer),
-                        f"openings of {corpus.description}")
+    make_train = functools.partial(prompts_of, splits.train, tokenizer)
+    return PromptSource(make_train, prompts_of(splits.heldout, tokenizer), f"openings of {corpus.description}")
 
 
 def _task_source(recipe: Recipe, tokenizer) -> PromptSource:
@@ -79,5 +87,5 @@ def _task_source(recipe: Recipe, tokenizer) -> PromptSource:
     answers = ()
     if "answer" in heldout.column_names():
         answers = tuple(str(row["answer"]) for row in heldout.columns)
-    return PromptSource(list(train.prompts), list(heldout.prompts), f"tasks {path} ({len(tasks)} prompts)", tasks,
-                        answers)
+    make_train = functools.partial(list, train.prompts)
+    return PromptSource(make_train, list(heldout.prompts), f"tasks {path} ({len(tasks)} prompts)", tasks, answers)
