@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from slm_align.errors import UserError
+from slm_align.tomlcompat import tomllib
 
 
 class _Strict(BaseModel):

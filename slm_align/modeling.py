@@ -75,6 +75,12 @@ class ModelSource:
         return self.ref, {}
 
 
+def looks_like_hub_id(spec: str) -> bool:
+    """Whether ``spec`` (not an existing path) reads as a hub id ``org/name`` or ``name``, not a path."""
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1
+    return not looks_like_path and _HUB_ID.match(spec) is not None
+
+
 def resolve_source(spec: Optional[str]) -> ModelSource:
     """Classify ``--model``: an existing directory, an existing .gguf file, or a hub id."""
     if spec is None or spec == "":
@@ -87,8 +93,7 @@ def resolve_source(spec: Optional[str]) -> ModelSource:
             raise UserError(f"model {spec} is a file but not .gguf; "
                             "pass an HF model directory, a .gguf file or a hub id")
         return ModelSource("gguf", str(path.resolve()))
-    looks_like_path = spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
-    if looks_like_path or not _HUB_ID.match(spec):
+    if not looks_like_hub_id(spec) or spec.endswith(".gguf"):
         raise UserError(f"model {spec} not found; pass an HF model directory, a .gguf file or a hub id (org/name)")
     return ModelSource("hub", spec)
 

@@ -12,7 +12,7 @@ from tests.helpers import run_cli, tree_digest
 
 COMMANDS = ["quickstart", "sft", "check-headroom", "train", "evaluate", "merge", "export", "chat", "feedback export",
             "devices list", "devices show", "devices fit", "bench", "serve",
-            "tasks make", "evaluate-agent"]
+            "tasks make", "evaluate-agent", "env"]
 
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 from typer.exceptions import TyperException
 
-from slm_align.cli import devices, export, runtime, tasks, train
+from slm_align.cli import devices, env_cmd, export, runtime, tasks, train
 from slm_align.errors import EXIT_USER_ERROR, UserError, storage_error
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
@@ -23,8 +23,15 @@ app.add_typer(export.commands)
 app.add_typer(runtime.commands)
 app.add_typer(devices.commands)
 app.add_typer(tasks.commands)
+app.add_typer(env_cmd.commands)
 app.add_typer(runtime.feedback_app, name="feedback")
 app.add_typer(devices.devices_app, name="devices")
+
+
+@app.callback()
+def root(version: bool = typer.Option(False, "--version", is_eager=True, callback=env_cmd.print_version,
+                                      help="Print slm-align's version and exit.")) -> None:
+    """Align small language models safely and ship them to phones and CPU boards."""
 
 
 def _usage_error(exc: TyperException) -> int:

@@ -1,4 +1,4 @@
-"""Read a corpus from .txt, .jsonl, .json, .csv, .parquet or a directory saved by ``datasets``.
+"""Read a corpus from .txt, .jsonl, .json, .csv, .parquet, a directory saved by ``datasets`` or a hub dataset id.
 
 Every reader yields ``(where, row)`` pairs, ``where`` naming the file and line (or row) so that a bad
 row is reported precisely. :func:`read_examples` turns rows into :class:`Example` objects.
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from slm_align.data.examples import Example
+from slm_align.data.hub import hub_fingerprint, hub_rows, is_hub_dataset
 from slm_align.errors import UserError
 
 TEXT_FIELDS = ("text", "content", "story", "document", "body", "article", "passage", "sentence")
@@ -103,6 +104,8 @@ def _datasets_rows(path: Path) -> Iterator[Row]:
 def iter_rows(path: Path) -> Iterator[Row]:
     """Rows of any supported corpus format, with where each came from."""
     path = Path(path)
+    if is_hub_dataset(path, SUFFIXES):
+        return hub_rows(str(path))
     if not path.exists():
         raise UserError(f"data {path} not found; pass a corpus file ({', '.join(SUFFIXES)}) or a datasets directory")
     if path.is_dir():
@@ -169,6 +172,8 @@ def read_examples(path: Path, text_field: Optional[str] = None) -> list[Example]
 def fingerprint(path: Path) -> str:
     """sha256 of a file, or of every file in a directory (names and bytes), for manifests."""
     path = Path(path)
+    if is_hub_dataset(path, SUFFIXES):
+        return hub_fingerprint(str(path))
     digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:

@@ -16,11 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from slm_align.devices.quant import BITS_PER_WEIGHT, GGUF_TYPES, find_quant
 from slm_align.errors import UserError
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+from slm_align.tomlcompat import tomllib
 
 BUNDLED_DIR = Path(__file__).parent / "profiles"
 ENV_DIR = "SLM_ALIGN_DEVICES"
