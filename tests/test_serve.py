@@ -409,7 +409,7 @@ def test_serving_imports_neither_torch_nor_transformers(onnx_model):
     code = ("import sys\n"
             "from starlette.testclient import TestClient\n"
             "from slm_align.agent.server import create_app\n"
-            f"with TestClient(create_app({str(onnx_model)!r})) as client:\n"
+            f"with TestClient(create_app({str(onnx_model)!r}), base_url='http://127.0.0.1') as client:\n"
             "    reply = client.post('/v1/chat/completions', json={'model': 'm', 'max_tokens': 4,\n"
             "                        'messages': [{'role': 'user', 'content': 'Hi'}]})\n"
             "    assert reply.status_code == 200, reply.text\n"

@@ -101,13 +101,15 @@ def serve(
     threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
     n_ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context window in tokens."),
     insecure: bool = typer.Option(False, "--insecure", help="Allow listening beyond loopback without an API key."),
+    allow_host: list[str] = typer.Option([], "--allow-host", help="Without --api-key, also answer requests addressed "
+                                         "to this host name (repeatable; '*': any). Loopback names always work."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Serve an exported model: an OpenAI-compatible API (/v1/chat/completions) and a chat page with feedback."""
     from slm_align.agent.server import serve as run_server
 
     run_server(artifact, host=host, port=port, api_key=api_key, insecure=insecure, store_path=store, consent=consent,
-               tools=tools, device=device, threads=threads, n_ctx=n_ctx,
+               tools=tools, device=device, threads=threads, n_ctx=n_ctx, allowed_hosts=allow_host,
                announce=lambda info: emit(as_json, info, lambda: print_serving(info)))
 
 

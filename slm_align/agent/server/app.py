@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from contextlib import asynccontextmanager
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from starlette.applications import Starlette
 
 from slm_align.agent.runtime import load_model
 from slm_align.agent.server.errors import HANDLERS
+from slm_align.agent.server.guard import HostGuard, is_loopback
 from slm_align.agent.server.requests import Limits
 from slm_align.agent.server.routes import ROUTES, BearerAuth
 from slm_align.agent.server.service import Service
 from slm_align.agent.store import PreferenceStore
 from slm_align.errors import UserError
 
-LOOPBACK_NAMES = ("localhost",)
+WILDCARD_ADDRESSES = ("0.0.0.0", "::", "[::]", "")
 
 
 def read_page() -> str:
@@ -31,7 +31,7 @@ def read_page() -> str:
 def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = None, api_key: Optional[str] = None,
                consent: bool = False, tools: bool = False, notes: Union[str, Path, None] = None,
                device: Optional[str] = None, threads: Optional[int] = None, n_ctx: Optional[int] = None,
-               **limits: int) -> Starlette:
+               allowed_hosts: Sequence[str] = (), **limits: int) -> Starlette:
     """The server as an ASGI app (run it with uvicorn or :func:`serve`).
 
     Args:
@@ -42,6 +42,8 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
         tools: Run the built-in tools (calculator, clock, and notes in ``notes``) on the server.
         notes: Folder the notes tools may use (with ``tools``).
         device, threads, n_ctx: How to load the model, as for ``Agent.load``.
+        allowed_hosts: Host names accepted besides loopback ones when no ``api_key`` is set (``*``: any); see
+            :mod:`slm_align.agent.server.guard`.
         limits: Any :class:`Limits` field (max_body_bytes, max_queue, max_messages, ...).
     """
     from slm_align.agent.builtin_tools import default_tools
@@ -59,19 +61,11 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
     app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)
+    else:
+        app.add_middleware(HostGuard, allowed_hosts=allowed_hosts)
     app.state.service = service
     app.state.page = read_page()
     return app
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 or localhost."""
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(host: str, api_key: Optional[str], insecure: bool) -> None:
@@ -104,13 +98,22 @@ def serve(artifact: Union[str, Path], host: str = "127.0.0.1", port: int = 8080,
     check_exposure(host, api_key, insecure)
     sock = bind(host, port)  # before loading the model: a taken port fails fast
     try:
-        app = create_app(artifact, api_key=api_key, **options)
+        names = listening_names(host, options.pop("allowed_hosts", ()))
+        app = create_app(artifact, api_key=api_key, allowed_hosts=names, **options)
     except BaseException:
         sock.close()
         raise
     if announce is not None:
         announce(_listening(app, host, sock, api_key, options.get("store_path")))
     uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
+
+
+def listening_names(host: str, allowed_hosts: Sequence[str]) -> list[str]:
+    """The host names a request may address: those allowed, and the address listened on unless it is a wildcard."""
+    names = list(allowed_hosts)
+    if host not in WILDCARD_ADDRESSES:
+        names.append(host)
+    return names
 
 
 def _listening(app: Starlette, host: str, sock: socket.socket, api_key: Optional[str], store_path: Any) -> dict:
