@@ -34,6 +34,7 @@ def merge(
                          "  slm-align export runs/demo --target gguf --quant Q4_K_M\n\n"
                          "  slm-align export runs/demo --target onnx --device rpi5  # int8, arm64 preset\n\n"
                          "  slm-align export ./SmolLM2-135M --target onnx --quant fp32 --out exports/ --json\n\n"
+                         "  slm-align export runs/demo --system 'You tell short stories.'  # the Modelfile's SYSTEM\n\n"
                          "Exit code 1 when verification fails (nothing published unless --force).")
 def export(
     source: str = typer.Argument(..., help="Run directory, merged/HF model directory, .gguf file or hub id."),
@@ -50,13 +51,16 @@ def export(
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the parity check (recorded in the manifest)."),
     force: bool = typer.Option(False, "--force", help="Publish even when verification fails (recorded)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact of the same name."),
+    system: Optional[str] = typer.Option(None, "--system", help="GGUF: system prompt of the Ollama Modelfile "
+                                         "written beside the artifact."),
     as_json: bool = JsonFlag,
 ) -> None:
-    """Merge and export to GGUF or ONNX, quantized for a device, verified against the PyTorch model."""
+    """Merge and export to GGUF or ONNX, quantized for a device, verified against the PyTorch model; beside a GGUF an
+    Ollama Modelfile (`ollama create NAME -f model-Q8_0.Modelfile`)."""
     from slm_align.export.stage import ExportRequest, run_export
 
     request = ExportRequest(source, target=target, quant=quant, device=device, out=out, verify=not no_verify,
                             overwrite=overwrite, force=force, min_agreement=min_agreement, ort_format=ort_format,
-                            threads=threads, preset=preset)
+                            threads=threads, preset=preset, system=system)
     summary = run_export(request).summary()
     emit(as_json, summary, lambda: print_export(summary))

@@ -126,6 +126,11 @@ def print_export(summary: dict) -> None:
     m = summary["metrics"]
     stdout.print(f"[bold]export[/] -> {summary['dir']}: {m['target']} {m['quant']}, {m['bytes'] / 1e6:.1f} MB, "
                  f"{m['export_seconds']:.1f} s")
+    modelfile = m.get("modelfile")
+    if modelfile is not None:
+        stdout.print(f"Ollama: [bold]{modelfile['path']}[/] beside it (ollama create NAME -f {modelfile['path']})")
+        if modelfile["note"]:
+            stdout.print(modelfile["note"], style="yellow", highlight=False, markup=False)
     v = m["verification"]
     if v.get("skipped"):
         stdout.print("verification: [yellow]skipped (--no-verify)[/]")

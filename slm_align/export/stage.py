@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from slm_align.atomic import publish_directory, write_json_atomic
+from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
 from slm_align.errors import UserError
 from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_config, check_gguf_type, quantize_gguf, write_gguf
+from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
 from slm_align.runs import (
     MANIFEST,
@@ -69,6 +70,8 @@ class ExportRequest:
     """Threads for quantization and verification (default: the device's, else all cores)."""
     preset: Optional[str] = field(default=None)
     """ONNX int8 preset (arm64, avx2, avx512, avx512_vnni); default from the device, else this host's."""
+    system: Optional[str] = None
+    """GGUF: the system prompt of the Ollama Modelfile written beside the artifact."""
 
 
 def _device_settings(request: ExportRequest) -> tuple[str, str, int]:
@@ -91,6 +94,7 @@ def _validate(request: ExportRequest) -> tuple[str, str, int]:
         raise UserError(f"--target {request.target}: choose gguf or onnx")
     if not 0.0 <= request.min_agreement <= 1.0:
         raise UserError(f"--min-agreement {request.min_agreement}: must be between 0 and 1")
+    check_system_prompt(request.system, request.target)
     quant, preset, threads = _device_settings(request)
     if request.target == "gguf":
         return check_gguf_type(quant), preset, threads
@@ -238,8 +242,15 @@ def run_export(request: ExportRequest) -> StageResult:
                    "sha256": artifact_digest(built), "export_seconds": export_seconds,
                    "default_chat_template": template is not None, "verification": verification,
                    "forced": bool(request.force and request.verify and not verification["passed"])}
+        modelfile = None
+        if request.target == "gguf":
+            modelfile = build_modelfile(final.name, template or checkpoint_tokenizer.chat_template,
+                                        default_parameters(checkpoint), request.system)
+            metrics["modelfile"] = {"path": modelfile_path(final).name, "note": modelfile.note}
         inputs = {"source": origin, "target": request.target, "quant": quant, "ort_format": request.ort_format}
         _publish(built, final, make_manifest("export", inputs, metrics, started))
+        if modelfile is not None:
+            write_text_atomic(modelfile_path(final), modelfile.text)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return StageResult(final, skipped=False, metrics=metrics)
