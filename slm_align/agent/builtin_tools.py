@@ -30,6 +30,8 @@ from slm_align.errors import UserError
 
 MAX_EXPRESSION_CHARS = 500
 MAX_INTEGER_BITS = 10_000  # about 3000 decimal digits
+MAX_ROUND_DIGITS = math.ceil(MAX_INTEGER_BITS * math.log10(2))
+"""round(x, n) with |n| past every digit a number here can have: CPython would compute 10**|n| first."""
 
 _FUNCTIONS = {
     **{name: getattr(math, name) for name in (
@@ -91,7 +93,23 @@ def _call(node: ast.Call) -> Number:
         raise ValueError(f"only these functions can be called: {', '.join(_FUNCTIONS)}")
     if any(isinstance(arg, ast.Starred) for arg in node.args):
         raise ValueError("*arguments are not allowed in a calculation")
-    return _FUNCTIONS[node.func.id](*(_evaluate(arg) for arg in node.args))
+    arguments = [_evaluate(arg) for arg in node.args]
+    _ARGUMENT_CHECKS.get(node.func.id, _no_check)(arguments)
+    return _FUNCTIONS[node.func.id](*arguments)
+
+
+def _no_check(arguments: list) -> None:
+    """Functions whose work stays small for any number the calculator can make."""
+
+
+def _check_round(arguments: list) -> None:
+    """round's digits drive its work (it computes 10 to their power): bound them before calling."""
+    if len(arguments) == 2 and isinstance(arguments[1], int) and abs(arguments[1]) > MAX_ROUND_DIGITS:
+        raise ValueError(f"round takes at most {MAX_ROUND_DIGITS} digits either side of the point, "
+                         f"got {format_number(arguments[1])[:20]}")
+
+
+_ARGUMENT_CHECKS = {"round": _check_round}
 
 
 def _power(base: Number, exponent: Number) -> Number:
