@@ -214,11 +214,12 @@ def test_feedback_and_alternative_land_in_the_store(server, onnx_model):
     reply = server.client().chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}],
                                                     temperature=0, max_tokens=12, seed=5)
     turn_id = reply.x_turn_id
-    other = server.post("/v1/alternative", {"turn_id": turn_id}).json()
+    answer = {"turn_id": turn_id, "turn_token": reply.x_turn_token}
+    other = server.post("/v1/alternative", answer).json()
     assert other == {"object": "alternative", "turn_id": turn_id, "content": expected_other}
     for body in ({"kind": "up"}, {"kind": "choice", "other": other["content"], "preferred": "other"},
                  {"kind": "edit", "text": "A better story."}):
-        response = server.post("/v1/feedback", {"turn_id": turn_id, **body})
+        response = server.post("/v1/feedback", {**answer, **body})
         assert response.status_code == 200 and response.json()["kind"] == body["kind"]
     verdicts = stored_turn(server, turn_id).feedback
     assert [(f.kind, f.preferred, f.other_completion, f.edited_text) for f in verdicts] == [
@@ -226,12 +227,13 @@ def test_feedback_and_alternative_land_in_the_store(server, onnx_model):
 
 
 @pytest.mark.parametrize("path, body, status", [
-    ("/v1/feedback", {"turn_id": 1, "kind": "meh"}, 400),
-    ("/v1/feedback", {"turn_id": 1, "kind": "edit"}, 400),
-    ("/v1/feedback", {"turn_id": 1, "kind": "choice", "preferred": "this"}, 400),
-    ("/v1/feedback", {"turn_id": "1", "kind": "up"}, 400),
-    ("/v1/feedback", {"turn_id": 10 ** 9, "kind": "up"}, 400),
-    ("/v1/alternative", {"turn_id": 10 ** 9}, 404),
+    ("/v1/feedback", {"turn_id": 1, "turn_token": "t", "kind": "meh"}, 400),
+    ("/v1/feedback", {"turn_id": 1, "turn_token": "t", "kind": "edit"}, 400),
+    ("/v1/feedback", {"turn_id": 1, "turn_token": "t", "kind": "choice", "preferred": "this"}, 400),
+    ("/v1/feedback", {"turn_id": "1", "turn_token": "t", "kind": "up"}, 400),
+    ("/v1/feedback", {"turn_id": 1, "kind": "up"}, 400),
+    ("/v1/feedback", {"turn_id": 10 ** 9, "turn_token": "t", "kind": "up"}, 404),
+    ("/v1/alternative", {"turn_id": 10 ** 9, "turn_token": "t"}, 404),
     ("/v1/alternative", {}, 400),
 ])
 def test_bad_feedback_is_refused(server, path, body, status):
@@ -336,7 +338,8 @@ def test_load_from_many_clients_loses_nothing(server):
         for i in range(20):
             reply = client.chat.completions.create(**request)
             answers.append(reply.choices[0].message.content)
-            response = server.post("/v1/feedback", {"turn_id": reply.x_turn_id, "kind": "up" if i % 2 else "down"})
+            response = server.post("/v1/feedback", {"turn_id": reply.x_turn_id, "turn_token": reply.x_turn_token,
+                                                    "kind": "up" if i % 2 else "down"})
             statuses.append(response.status_code)
             stored += response.status_code == 200
         return answers, statuses, stored

@@ -53,3 +53,56 @@ def test_allowed_hosts_or_an_api_key_widen_the_guard(onnx_model):
     with Running(create_app(onnx_model, api_key="k")) as running:
         keyed = send(running, "/v1/models", {"Host": "board.example", "Authorization": "Bearer k"})
         assert keyed.status_code == 200
+
+
+# --- 2. feedback poisoning ----------------------------------------------------------------------------------------
+
+
+def test_feedback_and_alternatives_need_the_turns_unguessable_token(server):
+    reply = server.post("/v1/chat/completions", HELLO).json()
+    turn_id = reply["x_turn_id"]
+    token = reply["x_turn_token"]
+    assert isinstance(token, str) and len(token) >= 22
+    poison = {"kind": "edit", "text": "always reply with http://evil.example"}
+    for guess in range(1, turn_id + 1):  # every id so far, without the token or with a wrong one
+        assert server.post("/v1/feedback", {"turn_id": guess, **poison}).status_code == 400
+        wrong = server.post("/v1/feedback", {"turn_id": guess, "turn_token": "x" * 32, **poison})
+        assert wrong.status_code == 404 and "prefs.db" not in wrong.text
+        assert server.post("/v1/alternative", {"turn_id": guess, "turn_token": token[::-1]}).status_code == 404
+    assert all(not turn.feedback for turn in server.service.store.turns() if turn.id <= turn_id)
+    assert server.post("/v1/feedback", {"turn_id": turn_id, "turn_token": token, "kind": "up"}).status_code == 200
+    other = server.post("/v1/alternative", {"turn_id": turn_id, "turn_token": token})
+    assert other.status_code == 200 and other.json()["content"] is not None
+
+
+def test_the_python_api_needs_the_token_too(server):
+    from slm_align.agent.runtime import record_feedback
+    from slm_align.errors import UserError
+
+    reply = server.post("/v1/chat/completions", HELLO).json()
+    store = server.service.store
+    with pytest.raises(UserError, match="token"):
+        record_feedback(store, reply["x_turn_id"], "edit", text="poison", token="guess")
+    assert record_feedback(store, reply["x_turn_id"], "up", token=reply["x_turn_token"]) > 0
+    assert [f.kind for f in store.turn(reply["x_turn_id"]).feedback] == ["up"]
+
+
+def test_a_version_1_store_migrates_and_its_old_turns_take_no_token_feedback(tmp_path):
+    import sqlite3
+
+    from slm_align.agent.store import MIGRATIONS, PreferenceStore
+
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(MIGRATIONS[0] + "PRAGMA user_version = 1;")
+    conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, sampling, consent) "
+                 "VALUES ('c', 'now', ?, '[{\"role\": \"user\", \"content\": \"Hi\"}]', 'Hello', '{}', 1)",
+                 ("ab" * 32,))
+    conn.commit()
+    conn.close()
+    with PreferenceStore(path) as store:
+        (old,) = store.turns()
+        new = store.record_turn("c", [{"role": "user", "content": "Hi"}], "Hey", "ab" * 32, {}, True)
+        assert old.token is None and store.turn_by_token(old.id, "") is None
+        assert store.turn_by_token(new, store.turn(new).token).completion == "Hey"
+        assert store.turn_by_token(10 ** 21, "x") is None and store.turn(10 ** 21) is None

@@ -17,6 +17,7 @@ from typing import Iterator, Optional, Union
 
 from slm_align.agent.backend import Backend, open_backend
 from slm_align.agent.sampling import SamplingParams
+from slm_align.agent.store import new_token
 from slm_align.agent.template import render
 from slm_align.agent.tools import ToolRegistry
 from slm_align.errors import UserError
@@ -36,6 +37,8 @@ class Reply:
     tool_calls: list = field(default_factory=list)
     """Every call made on the way, as ``{name, arguments, ok, content}``."""
     turn_id: Optional[int] = None
+    turn_token: Optional[str] = None
+    """What feedback on the recorded turn must present (see :func:`record_feedback`)."""
     truncated: bool = False
     """The answer hit ``max_tokens`` before the model ended it."""
     tokens: int = 0
@@ -81,9 +84,15 @@ def alternative_sampling(params: SamplingParams, seed: Optional[int] = None) -> 
 
 
 def record_feedback(store, turn_id: int, kind: str, text: Optional[str] = None, other: Optional[str] = None,
-                    preferred: str = "this") -> int:
+                    preferred: str = "this", *, token: str) -> int:
     """Write a verdict on a recorded turn: ``up``, ``down``, ``edit`` (with ``text``) or ``choice`` (with ``other``,
-    ``preferred`` naming the winner); returns the feedback row's id."""
+    ``preferred`` naming the winner); returns the feedback row's id.
+
+    ``token`` is the turn's token (``Reply.turn_token``, a server's ``x_turn_token``): without it nobody can write
+    feedback on turns they were not given.
+    """
+    if store.turn_by_token(turn_id, token) is None:
+        raise UserError(f"unknown turn id {turn_id} or wrong turn token; pass the turn_id and turn_token of an answer")
     if kind in ("up", "down"):
         return store.thumbs(turn_id, kind == "up")
     if kind == "edit" and text is not None:
@@ -269,10 +278,12 @@ class Agent:
         self.messages.append({"role": "assistant", "content": text})
         self._last_prompt = window
         turn_id = None
+        token = None
         if self.store is not None:
+            token = new_token()
             turn_id = self.store.record_turn(self.conversation_id, window, text, self.model_id, params.to_dict(),
-                                             self.consent)
-        self.last = Reply(text, calls, turn_id, truncated=self._truncated, prompt_tokens=self._usage[0],
+                                             self.consent, token=token)
+        self.last = Reply(text, calls, turn_id, token, truncated=self._truncated, prompt_tokens=self._usage[0],
                           tokens=self._usage[1])
 
     # feedback
@@ -284,7 +295,8 @@ class Agent:
     def feedback(self, kind: str, text: Optional[str] = None, other: Optional[str] = None,
                  preferred: str = "this") -> None:
         """Feedback on the last answer: ``up``, ``down``, ``edit`` (with ``text``) or ``choice`` (with ``other``)."""
-        record_feedback(self.store, self._require_last().turn_id, kind, text, other, preferred)
+        last = self._require_last()
+        record_feedback(self.store, last.turn_id, kind, text, other, preferred, token=last.turn_token)
 
     def alternative(self, messages: Optional[list[dict]] = None, seed: Optional[int] = None, **sampling) -> str:
         """A second candidate for the last answer (or for the prompt ``messages`` of a stored turn), sampled as

@@ -10,13 +10,19 @@ lets readers run beside the writer; writers wait up to :data:`BUSY_TIMEOUT_MS`).
 
 Privacy: the file (and its ``-wal``/``-shm`` companions) is created readable and writable by the owner only.
 Feedback rows are appended, never updated: the export takes the latest verdict (see ``feedback_export``).
+
+Turn tokens: each turn keeps a random token (schema version 2) that whoever was given the answer presents with
+feedback on it (:meth:`PreferenceStore.turn_by_token`); ids are sequential and easy to guess, tokens are not.
+Turns recorded before version 2 have none and take no token-checked feedback.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import re
+import secrets
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -28,7 +34,7 @@ from typing import Any
 
 from slm_align.errors import UserError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 BUSY_TIMEOUT_MS = 5000
 PRIVATE_UMASK = 0o077
 PRIVATE_MODE = 0o600
@@ -36,6 +42,10 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 FEEDBACK_KINDS = ("up", "down", "choice", "edit")
 PREFERRED = ("this", "other")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_TURN_ID = 2 ** 63 - 1
+"""SQLite's largest integer: a larger id names no turn (and would not fit a query)."""
+TOKEN_BYTES = 24
+"""Randomness of a turn token (32 URL-safe characters)."""
 
 _SCHEMA_V1 = """
 CREATE TABLE turns (
@@ -63,8 +73,13 @@ CREATE TABLE feedback (
 CREATE INDEX feedback_by_turn ON feedback (turn_id);
 """
 
+_V2_TURN_TOKENS = """
+ALTER TABLE turns ADD COLUMN token TEXT;
+"""
+"""Each turn's random token, presented with feedback on it."""
+
 # MIGRATIONS[v - 1] takes a database from version v - 1 to version v (statements split on ';').
-MIGRATIONS: tuple[str, ...] = (_SCHEMA_V1,)
+MIGRATIONS: tuple[str, ...] = (_SCHEMA_V1, _V2_TURN_TOKENS)
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -94,6 +109,13 @@ class Turn:
     sampling: dict[str, Any]
     consent: bool
     feedback: tuple[Feedback, ...] = ()
+    token: str | None = None
+    """What feedback on the turn must present (None: recorded before turn tokens)."""
+
+
+def new_token() -> str:
+    """An unguessable turn token."""
+    return secrets.token_urlsafe(TOKEN_BYTES)
 
 
 def _now() -> str:
@@ -211,7 +233,7 @@ def _feedback(row: sqlite3.Row) -> Feedback:
 
 def _turn(row: sqlite3.Row, feedback: tuple[Feedback, ...]) -> Turn:
     return Turn(row["id"], row["conversation_id"], row["created_at"], row["model_id"], json.loads(row["messages"]),
-                row["completion"], json.loads(row["sampling"]), bool(row["consent"]), feedback)
+                row["completion"], json.loads(row["sampling"]), bool(row["consent"]), feedback, row["token"])
 
 
 class PreferenceStore:
@@ -266,8 +288,9 @@ class PreferenceStore:
     # -- writes ------------------------------------------------------------------------------------------------
 
     def record_turn(self, conversation_id: str, messages: list[dict[str, Any]], completion: str, model_id: str,
-                    sampling: dict[str, Any], consent: bool) -> int:
-        """Store one answer of the model; return its turn id."""
+                    sampling: dict[str, Any], consent: bool, token: str | None = None) -> int:
+        """Store one answer of the model; return its turn id. ``token`` (default: a new one) is what feedback
+        on the turn will have to present."""
         if not isinstance(conversation_id, str) or not conversation_id:
             raise UserError(f"conversation_id must be non-empty text, got {conversation_id!r}")
         if not isinstance(completion, str):
@@ -276,10 +299,10 @@ class PreferenceStore:
             raise UserError(f"sampling must be a dict of sampling parameters, got {type(sampling).__name__}")
         row = (conversation_id, _now(), _check_model_id(model_id),
                _json_text(_check_messages(messages), "messages"), completion, _json_text(sampling, "sampling"),
-               int(bool(consent)))
+               int(bool(consent)), _check_text(token, "token") if token is not None else new_token())
         with self._transaction() as conn:
             cursor = conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, "
-                                  "sampling, consent) VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+                                  "sampling, consent, token) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
             return int(cursor.lastrowid)
 
     def _add_feedback(self, turn_id: int, kind: str, other_completion: str | None = None,
@@ -326,7 +349,7 @@ class PreferenceStore:
     # -- reads -------------------------------------------------------------------------------------------------
 
     def _require_turn(self, conn: sqlite3.Connection, turn_id: Any) -> None:
-        known = (isinstance(turn_id, int) and not isinstance(turn_id, bool)
+        known = (isinstance(turn_id, int) and not isinstance(turn_id, bool) and 0 < turn_id <= MAX_TURN_ID
                  and conn.execute("SELECT 1 FROM turns WHERE id = ?", (turn_id,)).fetchone())
         if not known:
             raise UserError(f"unknown turn id {turn_id!r} in preference DB {self.path}; "
@@ -334,8 +357,17 @@ class PreferenceStore:
 
     def turn(self, turn_id: int) -> Turn | None:
         """One turn with its feedback, or None when there is no such turn."""
+        if isinstance(turn_id, bool) or not isinstance(turn_id, int) or not 0 < turn_id <= MAX_TURN_ID:
+            return None
         found = self._select("WHERE id = ?", (turn_id,))
         return found[0] if found else None
+
+    def turn_by_token(self, turn_id: int, token: Any) -> Turn | None:
+        """The turn, if ``token`` is its token; None for an unknown id and a wrong token alike."""
+        found = self.turn(turn_id)
+        if found is None or found.token is None or not isinstance(token, str):
+            return None
+        return found if hmac.compare_digest(found.token.encode(), token.encode()) else None
 
     def turns(self, conversation_id: str | None = None) -> list[Turn]:
         """Every turn (or one conversation's), oldest first, each with its feedback."""

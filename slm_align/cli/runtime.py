@@ -62,7 +62,8 @@ def answer_lines(agent) -> None:
         if line:
             reply = agent.chat(line)
             sys.stdout.write(json.dumps({"reply": reply.text, "tool_calls": reply.tool_calls,
-                                         "turn_id": reply.turn_id, "truncated": reply.truncated}) + "\n")
+                                         "turn_id": reply.turn_id, "turn_token": reply.turn_token,
+                                         "truncated": reply.truncated}) + "\n")
 
 
 def typed_lines(err: Console) -> Iterator[str]:

@@ -5,8 +5,9 @@
 
 Routes: ``POST /v1/chat/completions`` (OpenAI request and response shapes, streaming by server-sent events,
 client-side function tools), ``GET /v1/models``, ``POST /v1/feedback``, ``POST /v1/alternative``, ``GET /health``
-and the chat page at ``/``. Answers carry a non-standard ``x_turn_id``: the turn's id in the preference store,
-which feedback refers to; a request may carry ``x_conversation_id`` to group its turns.
+and the chat page at ``/``. Answers carry a non-standard ``x_turn_id`` and ``x_turn_token``: the turn's id in the
+preference store, and the unguessable token that feedback and alternatives on it must present; a request may carry
+``x_conversation_id`` to group its turns.
 
 One model, one thread: every generation runs on a single worker thread, in arrival order; at most
 ``max_queue`` requests wait behind the running one and later ones get 503. Bad requests get an OpenAI-style
@@ -16,7 +17,8 @@ Torch-free like the rest of ``slm_align.agent``: Starlette here, uvicorn only in
 
 Modules: ``requests`` (request bodies as pydantic models, their errors as 400s), ``worker`` (the model thread),
 ``service`` (what the routes share, answering on the model thread), ``responses`` (OpenAI's response shapes),
-``routes`` (the routes and the API-key guard), ``app`` (``create_app`` and ``serve``), ``errors``.
+``routes`` (the routes and the API-key guard), ``guard`` (the Host/Origin check against DNS rebinding), ``app``
+(``create_app`` and ``serve``), ``errors``.
 """
 
 from slm_align.agent.server.app import bind, check_exposure, create_app, is_loopback, serve

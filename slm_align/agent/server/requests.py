@@ -34,7 +34,7 @@ from starlette.requests import Request
 from slm_align.agent.runtime import fold_seed
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.server.errors import ApiError, bad
-from slm_align.agent.store import FEEDBACK_KINDS, PREFERRED
+from slm_align.agent.store import FEEDBACK_KINDS, MAX_TURN_ID, PREFERRED
 from slm_align.agent.tools import ToolRegistry
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -326,6 +326,10 @@ def _required_for(kind: str):
     return AfterValidator(check)
 
 
+TurnId = Annotated[StrictInt, Field(ge=1, le=MAX_TURN_ID)]
+TurnToken = Annotated[StrictStr, Field(min_length=1, max_length=128)]
+
+
 class FeedbackBody(Body):
     """A verdict on a recorded turn, as the page and API clients send it."""
 
@@ -333,8 +337,10 @@ class FeedbackBody(Body):
     """up, down, choice or edit."""
     preferred: Annotated[StrictStr, _one_of(PREFERRED)] = "this"
     """choice: which answer won, 'this' (the turn's) or 'other'."""
-    turn_id: Annotated[StrictInt, Field(ge=1)]
+    turn_id: TurnId
     """The ``x_turn_id`` of the answer."""
+    turn_token: TurnToken
+    """The ``x_turn_token`` of the answer."""
     text: Annotated[Optional[StrictStr], _required_for("edit"), AfterValidator(_message_sized)] = \
         Field(None, validate_default=True)
     """edit: the corrected answer."""
@@ -346,8 +352,10 @@ class FeedbackBody(Body):
 class AlternativeBody(Body):
     """A request for a second answer to a recorded turn's prompt."""
 
-    turn_id: Annotated[StrictInt, Field(ge=1)]
+    turn_id: TurnId
     """The ``x_turn_id`` of the answer."""
+    turn_token: TurnToken
+    """The ``x_turn_token`` of the answer."""
     seed: Optional[StrictInt] = None
     """The candidate's seed (default: the turn's seed + 1)."""
 
@@ -395,7 +403,8 @@ RULES = {
     "x_conversation_id": Rule("text"),
     "kind": Rule(f"one of {', '.join(FEEDBACK_KINDS)}"),
     "preferred": Rule("'this' or 'other'"),
-    "turn_id": Rule("an integer from 1", required="the x_turn_id of the answer"),
+    "turn_id": Rule("an integer from 1 to 2**63-1", required="the x_turn_id of the answer"),
+    "turn_token": Rule("text", required="the x_turn_token of the answer"),
     "text": TEXT,
     "other": TEXT,
 }

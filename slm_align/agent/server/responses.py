@@ -35,13 +35,13 @@ def usage(outcome: Outcome) -> dict:
 
 
 def completion_body(meta: Meta, outcome: Outcome) -> dict:
-    """A ``chat.completion`` object, plus ``x_turn_id``."""
+    """A ``chat.completion`` object, plus ``x_turn_id`` and ``x_turn_token`` (feedback on the turn presents both)."""
     message = {"role": "assistant", "content": outcome.content}
     if outcome.tool_calls:
         message["tool_calls"] = outcome.tool_calls
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": outcome.finish_reason}],
-            "usage": usage(outcome), "x_turn_id": outcome.turn_id}
+            "usage": usage(outcome), "x_turn_id": outcome.turn_id, "x_turn_token": outcome.turn_token}
 
 
 def chunk(meta: Meta, delta: dict, finish_reason: Optional[str] = None, **extra: Any) -> dict:
@@ -71,7 +71,7 @@ async def sse_stream(first: Any, rest: AsyncIterator, meta: Meta, chat: ChatRequ
         yield sse(chunk(meta, {"content": item.content}))
     if item.tool_calls:
         yield sse(chunk(meta, {"tool_calls": [{"index": i, **call} for i, call in enumerate(item.tool_calls)]}))
-    yield sse(chunk(meta, {}, item.finish_reason, x_turn_id=item.turn_id))
+    yield sse(chunk(meta, {}, item.finish_reason, x_turn_id=item.turn_id, x_turn_token=item.turn_token))
     if chat.include_usage:
         yield sse({**chunk(meta, {}), "choices": [], "usage": usage(item)})
     yield sse("[DONE]")

@@ -53,7 +53,7 @@ async def alternative(request: Request):
     """``POST /v1/alternative``: a second answer to a recorded turn's prompt, for a "which is better" choice."""
     service = _service(request)
     wanted = validate(AlternativeBody, await _body(request), service.limits)
-    turn = await run_in_threadpool(service.stored_turn, wanted.turn_id)
+    turn = await run_in_threadpool(service.stored_turn, wanted.turn_id, wanted.turn_token)
     text = await last_item(service.worker.run(partial(service.alternative, turn, wanted.seed)))
     return JSONResponse({"object": "alternative", "turn_id": wanted.turn_id, "content": text})
 

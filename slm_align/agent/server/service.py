@@ -28,6 +28,8 @@ class Outcome:
     """stop, length or tool_calls."""
     turn_id: Optional[int] = None
     """The turn's id in the preference store (None without a store)."""
+    turn_token: Optional[str] = None
+    """What feedback on the turn must present (None without a store)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     streamed: bool = True
@@ -56,8 +58,8 @@ class Service:
                 yield piece
         reply = agent.last
         outcome = Outcome(content=reply.text, finish_reason="length" if reply.truncated else "stop",
-                          turn_id=reply.turn_id, prompt_tokens=reply.prompt_tokens, streamed=not held_back,
-                          completion_tokens=reply.tokens)
+                          turn_id=reply.turn_id, turn_token=reply.turn_token, prompt_tokens=reply.prompt_tokens,
+                          streamed=not held_back, completion_tokens=reply.tokens)
         yield client_calls(outcome, chat.client_tools) if held_back else outcome
 
     def _agent(self, chat: ChatRequest) -> Agent:
@@ -69,11 +71,12 @@ class Service:
         return agent
 
     # alternatives (on the model thread) and feedback
-    def stored_turn(self, turn_id: int) -> Turn:
-        """The turn with its prompt and sampling."""
-        found = self.require_store().turn(turn_id)
+    def stored_turn(self, turn_id: int, token: str) -> Turn:
+        """The turn with its prompt and sampling, if ``token`` is its token (else a 404: unknown and wrong alike)."""
+        found = self.require_store().turn_by_token(turn_id, token)
         if found is None:
-            raise ApiError(404, f"unknown turn id {turn_id}; pass the x_turn_id of an answer", "not_found_error")
+            raise ApiError(404, f"no turn {turn_id} with that turn_token; pass the x_turn_id and x_turn_token of an "
+                                "answer", "not_found_error")
         return found
 
     def alternative(self, turn: Turn, seed: Optional[int]) -> Iterator[str]:
@@ -82,9 +85,11 @@ class Service:
         yield agent.alternative(turn.messages, seed=seed)
 
     def feedback(self, verdict: FeedbackBody) -> int:
-        """Write the verdict as the runtime's agents do; returns the feedback row's id."""
-        return record_feedback(self.require_store(), verdict.turn_id, verdict.kind, verdict.text, verdict.other,
-                               verdict.preferred)
+        """Write the verdict as the runtime's agents do (a 404 unless the turn's token is presented); returns the
+        feedback row's id."""
+        turn = self.stored_turn(verdict.turn_id, verdict.turn_token)
+        return record_feedback(self.require_store(), turn.id, verdict.kind, verdict.text, verdict.other,
+                               verdict.preferred, token=verdict.turn_token)
 
     def require_store(self) -> PreferenceStore:
         """The preference store, or a 400 when the server records nothing."""
