@@ -98,7 +98,7 @@ def test_killed_export_leaves_no_artifact_and_a_rerun_completes(tmp_path, tiny_m
     assert not (out / "model-F16.gguf").exists() and not (out / "model-F16.gguf.json").exists()
     finish(*args)
     assert (out / "model-F16.gguf").is_file() and sorted(p.name for p in out.iterdir()) == [
-        "model-F16.gguf", "model-F16.gguf.json"]
+        "README.md", "model-F16.Modelfile", "model-F16.gguf", "model-F16.gguf.json"]
 
 
 def test_a_damaged_stage_output_is_refused_with_one_line(tmp_path, tiny_models, stories):

@@ -67,7 +67,8 @@ def test_gguf_export_decodes_like_pytorch(tmp_path, models, arch, quant):
     check = manifest["metrics"]["verification"]
     assert check["passed"] and check["tokenizer_match"]
     assert manifest["metrics"]["bytes"] == artifact.stat().st_size
-    assert sorted(p.name for p in tmp_path.iterdir()) == [artifact.name, artifact.name + ".json"]  # no scratch
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", f"model-{quant}.Modelfile", artifact.name,
+                                                          artifact.name + ".json"]  # no scratch
     _independent_greedy_check(models[arch], artifact, check, quantized=quant == "Q8_0")
 
 

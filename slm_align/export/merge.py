@@ -2,8 +2,8 @@
 
 SFT adapter first (into the base), then the RL adapter (trained on top of the merged SFT weights). The output has
 safetensors weights, the tokenizer with a chat template (ChatML when the model has none, recorded in the
-manifest; a GGUF base's own tokenizer fields too, as ``tokenizer.gguf``), a generation config, and
-``manifest.json``. Written to ``OUT.partial`` and renamed when complete.
+manifest; a GGUF base's own tokenizer fields too, as ``tokenizer.gguf``), a generation config, a model card
+(README.md, from the run's records) and ``manifest.json``. Written to ``OUT.partial`` and renamed when complete.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Optional
 
 from slm_align.config import Recipe
 from slm_align.errors import UserError
+from slm_align.export.model_card import CARD, merged_card
 from slm_align.modeling import default_chat_template, load_tokenizer, merged_policy, resolve_source, save_tokenizer
 from slm_align.runs import StageResult, check_out_dir, make_manifest, partial_dir, publish
 from slm_align.sft import recipe_from_sft
@@ -48,7 +49,8 @@ def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: 
     inputs = {"base": source.ref, "sft_adapter": str(sft_adapter),
               "rl_adapter": str(rl_adapter) if rl_adapter.is_dir() else None}
     metrics = {"parameters": sum(p.numel() for p in model.parameters()), "default_chat_template": default_template,
-               "architecture": model.config.model_type}
+               "architecture": model.config.model_type, "model_card": CARD}
+    (partial / CARD).write_text(merged_card(run, out.name), encoding="utf-8")
     if out.exists():
         shutil.rmtree(out)
     publish(partial, out, make_manifest("merge", inputs, metrics, started))

@@ -18,6 +18,7 @@ from typing import Optional
 from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
 from slm_align.errors import UserError
 from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_config, check_gguf_type, quantize_gguf, write_gguf
+from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
 from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
 from slm_align.runs import (
@@ -210,6 +211,29 @@ def _failure(verification: dict) -> str:
     return f"top-1 agreement {verification['agreement']:.3f} < {verification['min_agreement']}"
 
 
+def _source_path(origin: dict) -> Optional[Path]:
+    """The local run or directory exported (a model card reads the run's records from it); None otherwise."""
+    if origin["kind"] == "run":
+        return Path(origin["run"])
+    if origin["kind"] == "dir":
+        return Path(origin["path"])
+    return None
+
+
+def _gguf_companions(request: ExportRequest, final: Path, checkpoint: Path, chat_template: Optional[str],
+                     metrics: dict, origin: dict) -> dict[Path, str]:
+    """The files written beside a GGUF once it is published (its Ollama Modelfile, the directory's model card),
+    by path; each recorded in ``metrics``."""
+    modelfile = build_modelfile(final.name, chat_template, default_parameters(checkpoint), request.system)
+    metrics["modelfile"] = {"path": modelfile_path(final).name, "note": modelfile.note}
+    companions = {modelfile_path(final): modelfile.text}
+    blocked = card_blocked(final.parent)
+    metrics["model_card"] = {"path": CARD, "note": blocked}
+    if blocked is None:
+        companions[final.parent / CARD] = gguf_card(final.parent, _source_path(origin), (final.name, metrics))
+    return companions
+
+
 def run_export(request: ExportRequest) -> StageResult:
     """Export, verify and publish one artifact; returns its path and the manifest's metrics."""
     started = time.time()
@@ -242,15 +266,17 @@ def run_export(request: ExportRequest) -> StageResult:
                    "sha256": artifact_digest(built), "export_seconds": export_seconds,
                    "default_chat_template": template is not None, "verification": verification,
                    "forced": bool(request.force and request.verify and not verification["passed"])}
-        modelfile = None
+        companions = {}
         if request.target == "gguf":
-            modelfile = build_modelfile(final.name, template or checkpoint_tokenizer.chat_template,
-                                        default_parameters(checkpoint), request.system)
-            metrics["modelfile"] = {"path": modelfile_path(final).name, "note": modelfile.note}
+            chat_template = template or checkpoint_tokenizer.chat_template
+            companions = _gguf_companions(request, final, checkpoint, chat_template, metrics, origin)
+        else:
+            metrics["model_card"] = {"path": CARD, "note": None}
+            (built / CARD).write_text(onnx_card(final.name, metrics, _source_path(origin)), encoding="utf-8")
         inputs = {"source": origin, "target": request.target, "quant": quant, "ort_format": request.ort_format}
         _publish(built, final, make_manifest("export", inputs, metrics, started))
-        if modelfile is not None:
-            write_text_atomic(modelfile_path(final), modelfile.text)
+        for path, text in companions.items():
+            write_text_atomic(path, text)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return StageResult(final, skipped=False, metrics=metrics)
