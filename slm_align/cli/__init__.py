@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 from typer.exceptions import TyperException
 
-from slm_align.cli import devices, env_cmd, export, runtime, tasks, train
+from slm_align.cli import config_cmd, devices, env_cmd, export, runtime, tasks, train
 from slm_align.errors import EXIT_USER_ERROR, UserError, storage_error
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
@@ -26,6 +26,7 @@ app.add_typer(tasks.commands)
 app.add_typer(env_cmd.commands)
 app.add_typer(runtime.feedback_app, name="feedback")
 app.add_typer(devices.devices_app, name="devices")
+app.add_typer(config_cmd.config_app, name="config")
 
 
 @app.callback()

@@ -19,9 +19,13 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from slm_align.config import Recipe, load_recipe
+from slm_align.recipe_overrides import merged_overrides, refuse_other_algorithm
 
 JsonFlag = typer.Option(False, "--json", help="Print a machine-readable JSON result on stdout.")
 ConfigOpt = typer.Option(None, "--config", help="TOML recipe; flags override it.")
+SetOpt = typer.Option([], "--set", help="Any recipe setting as KEY=VALUE, typed and checked like the TOML "
+                      "(--set sft.lora.r=32 --set rl.grpo.loss_type=dr_grpo); repeatable; a named flag wins. "
+                      "`slm-align config show` lists every setting.")
 
 @dataclass(frozen=True)
 class RecipeField:
@@ -173,6 +177,8 @@ def _signature_with(command: Callable, flags: Sequence[Flag]) -> inspect.Signatu
     for parameter in signature.parameters.values():
         if parameter.name == "settings":
             parameters.extend(flag.parameter() for flag in flags)
+            parameters.append(inspect.Parameter("set_values", inspect.Parameter.KEYWORD_ONLY, default=SetOpt,
+                                                annotation=list[str]))
         else:
             parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
     return signature.replace(parameters=parameters)
@@ -191,10 +197,16 @@ def recipe_flags(*tables: Sequence[Flag]) -> Callable[[Callable], Callable]:
 
         @functools.wraps(command)
         def with_settings(**given: Any) -> Any:
-            """Call the command with the flags' values gathered into ``settings``."""
-            settings = {}
+            """Call the command with the flags' values and ``--set`` gathered into ``settings``; a flag of the
+            other RL algorithm is refused here, before any work."""
+            named = {}
             for flag in flags:
-                settings[flag.key] = flag.override(given.pop(flag.param))
+                named[flag.key] = flag.override(given.pop(flag.param))
+            settings = merged_overrides(given.pop("set_values"), named)
+            if "rl.algo" in named:
+                algo = recipe_from(given.get("config"), settings).rl.algo
+                given_flags = {flag.key: flag.name for flag in flags if named[flag.key] is not None}
+                refuse_other_algorithm(algo, settings, given_flags)
             return command(settings=settings, **given)
 
         signature = _signature_with(command, flags)

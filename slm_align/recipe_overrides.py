@@ -1,0 +1,92 @@
+"""Recipe settings from the command line: ``--set key=value`` parsed into ``load_recipe`` overrides, and the refusal of
+flags that belong to the other RL algorithm.
+
+A value is read as a TOML value (``32``, ``1e-3``, ``true``, ``["q_proj", "v_proj"]``, ``"text"``); one that is not
+TOML is taken as a bare string (``--set rl.algo=grpo``). ``load_recipe`` then types and validates it like the TOML
+recipe, so the same setting gives the same error from either place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import BaseModel
+
+from slm_align.config import RL_SECTIONS, Recipe, _section_of
+from slm_align.errors import UserError
+from slm_align.tomlcompat import tomllib
+
+
+def _nested(model: type[BaseModel], name: str) -> Optional[type[BaseModel]]:
+    annotation = model.model_fields[name].annotation
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def is_recipe_key(key: str) -> bool:
+    """Whether ``key`` names a recipe setting (``sft.lora.r``), flat RL keys included (``rl.beta``)."""
+    model: Optional[type[BaseModel]] = Recipe
+    names = key.split(".")
+    if names[:1] == ["rl"] and len(names) == 2 and _section_of(names[1]) is not None:
+        return True
+    for name in names:
+        if model is None or name not in model.model_fields:
+            return False
+        model = _nested(model, name)
+    return True
+
+
+def parse_value(text: str) -> Any:
+    """A TOML value, or the text itself when it is not one (a bare word)."""
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """``["sft.lora.r=32", "rl.algo=grpo"]`` -> ``{"sft.lora.r": 32, "rl.algo": "grpo"}``; one line on a bad item."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, equals, text = item.partition("=")
+        key = key.strip()
+        if not equals or not key:
+            raise UserError(f"--set {item}: expected KEY=VALUE (e.g. --set sft.lora.r=32)")
+        if not is_recipe_key(key):
+            raise UserError(f"--set {item}: no recipe setting {key}; `slm-align config show` lists every setting")
+        overrides[key] = parse_value(text.strip())
+    return overrides
+
+
+def merged_overrides(sets: list[str], flags: dict[str, Any]) -> dict[str, Any]:
+    """The ``--set`` overrides with the named flags on top (a flag given wins over ``--set`` of the same key)."""
+    overrides = parse_sets(sets)
+    for key, value in flags.items():
+        if value is not None or key not in overrides:
+            overrides[key] = value
+    return overrides
+
+
+def _algorithm_of(key: str) -> Optional[str]:
+    """The RL algorithm a setting belongs to ("ppo", "grpo"), or None for a shared one."""
+    names = key.split(".")
+    if names[0] != "rl" or len(names) < 2:
+        return None
+    if names[1] in RL_SECTIONS:
+        return names[1]
+    if len(names) == 2:
+        return _section_of(names[1])
+    return None
+
+
+def refuse_other_algorithm(algo: str, overrides: dict[str, Any], flag_names: dict[str, str]) -> None:
+    """Refuse a setting given on the command line that only the other RL algorithm reads (``--algo ppo --beta``)."""
+    if algo == "auto":
+        return
+    for key, value in overrides.items():
+        owner = _algorithm_of(key)
+        if value is None or owner is None or owner == algo:
+            continue
+        given = flag_names.get(key, f"--set {key}")
+        raise UserError(f"{given} is a {owner.upper()} setting and --algo is {algo}: drop it or use --algo {owner}")

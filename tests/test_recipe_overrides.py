@@ -1,0 +1,118 @@
+"""Settings from the command line: --set KEY=VALUE typed and validated like the TOML recipe, `config show`, and the
+refusal of flags that only the other RL algorithm reads."""
+
+import json
+
+import pytest
+
+from slm_align.config import Recipe, load_recipe
+from slm_align.errors import UserError
+from slm_align.recipe_overrides import parse_sets, refuse_other_algorithm
+from tests.helpers import run_cli
+
+
+def shown(capsys, *args):
+    """`config show --json` with ``args``: {key: {value, default, doc}}."""
+    code, out, err = run_cli(capsys, "config", "show", "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_set_values_are_typed_like_the_toml(capsys):
+    settings = shown(capsys, "--set", "sft.lora.r=32", "--set", "sft.learning_rate=1e-3", "--set", "rl.algo=grpo",
+                     "--set", "rl.envelope.rollback=false", "--set", 'sft.lora.target_modules=["q_proj", "v_proj"]',
+                     "--set", 'data.path="my corpus.txt"', "--set", "reward.pairs.mix={ shuffle = 2.0 }")
+    assert settings["sft.lora.r"]["value"] == 32 and settings["sft.learning_rate"]["value"] == 0.001
+    assert settings["rl.algo"]["value"] == "grpo" and settings["rl.envelope.rollback"]["value"] is False
+    assert settings["sft.lora.target_modules"]["value"] == ["q_proj", "v_proj"]
+    assert settings["data.path"]["value"] == "my corpus.txt"
+    assert settings["reward.pairs.mix"]["value"] == {"shuffle": 2.0}
+
+
+def test_set_overrides_the_toml_and_a_named_flag_wins_over_set(capsys, tmp_path):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text("seed = 3\n[sft.lora]\nr = 8\n")
+    settings = shown(capsys, "--config", recipe, "--set", "sft.lora.r=64")
+    assert settings["seed"]["value"] == 3 and settings["sft.lora.r"]["value"] == 64
+    from slm_align.recipe_overrides import merged_overrides
+
+    assert merged_overrides(["sft.lora.r=64"], {"sft.lora.r": 4, "seed": None}) == {"sft.lora.r": 4, "seed": None}
+    assert merged_overrides(["sft.lora.r=64"], {"sft.lora.r": None}) == {"sft.lora.r": 64}
+
+
+def test_flat_rl_keys_are_accepted_as_in_the_toml():
+    assert load_recipe(overrides=parse_sets(["rl.beta=0.2"])).rl.grpo.beta == 0.2
+
+
+BAD_SETS = {
+    "not a number": (["--set", "sft.lora.r=abc"], "invalid setting sft.lora.r"),
+    "out of range": (["--set", "sft.lora.r=0"], "invalid setting sft.lora.r"),
+    "not a choice": (["--set", "rl.grpo.loss_type=mean"], "invalid setting rl.grpo.loss_type"),
+    "unknown key": (["--set", "sft.lora.rank=8"], "no recipe setting sft.lora.rank"),
+    "unknown section": (["--set", "optimizer.lr=1"], "no recipe setting optimizer.lr"),
+    "no value": (["--set", "sft.lora.r"], "expected KEY=VALUE"),
+    "no key": (["--set", "=3"], "expected KEY=VALUE"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SETS))
+def test_bad_set_is_one_line_exit_2_and_writes_nothing(capsys, tmp_path, case):
+    args, expected = BAD_SETS[case]
+    for command in (["sft"], ["train"], ["check-headroom"]):
+        code, _, err = run_cli(capsys, *command, "--out" if command != ["check-headroom"] else "--run",
+                               tmp_path / "run", *args)
+        assert code == 2 and expected in err and err.count("\n") == 1, (command, err)
+        assert not (tmp_path / "run").exists()
+    code, _, err = run_cli(capsys, "config", "show", *args)
+    assert code == 2 and expected in err
+
+
+OTHER_ALGORITHM = {
+    "GRPO flag with PPO": (["--algo", "ppo", "--loss-type", "dr_grpo"], "--loss-type is a GRPO setting"),
+    "GRPO flag with the default algorithm": (["--beta", "0.1"], "--beta is a GRPO setting and --algo is ppo"),
+    "PPO flag with GRPO": (["--algo", "grpo", "--kl-coef", "0.1"], "--kl-coef is a PPO setting and --algo is grpo"),
+    "PPO switch with GRPO": (["--algo", "grpo", "--adaptive-kl"], "--adaptive-kl is a PPO setting"),
+    "GRPO --set with PPO": (["--algo", "ppo", "--set", "rl.grpo.scale_rewards=none"],
+                            "--set rl.grpo.scale_rewards is a GRPO setting"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OTHER_ALGORITHM))
+def test_the_other_algorithms_flags_are_refused(capsys, tmp_path, case):
+    args, expected = OTHER_ALGORITHM[case]
+    code, _, err = run_cli(capsys, "train", "--out", tmp_path / "run", *args)
+    assert code == 2 and expected in err and err.count("\n") == 1 and not (tmp_path / "run").exists()
+
+
+def test_the_algorithm_from_the_toml_decides(capsys, tmp_path):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('[rl]\nalgo = "grpo"\n')
+    code, _, err = run_cli(capsys, "train", "--config", recipe, "--out", tmp_path / "run", "--kl-coef", "0.1")
+    assert code == 2 and "--algo is grpo" in err
+
+
+def test_own_and_shared_settings_pass_and_auto_takes_both():
+    own = {"rl.grpo.loss_type": "dr_grpo", "rl.group_size": 4, "rl.ppo.kl_coef": None}
+    refuse_other_algorithm("grpo", own, {})
+    refuse_other_algorithm("auto", {"rl.grpo.beta": 0.1, "rl.ppo.kl_coef": 0.1}, {})
+    with pytest.raises(UserError, match="--kl-coef is a PPO setting"):
+        refuse_other_algorithm("grpo", {"rl.ppo.kl_coef": 0.1}, {"rl.ppo.kl_coef": "--kl-coef"})
+
+
+def test_config_show_prints_each_setting_with_its_doc_and_default_as_a_loadable_recipe(capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "config", "show", "--set", "sft.lora.r=32", "--set", "rl.algo=grpo")
+    assert code == 0
+    assert "r = 32  # LoRA rank. (default: 16)" in out
+    assert '# source = (unset)  # HF directory, hub id or .gguf file; None = the bundled model. (default: unset)' in out
+    recipe = tmp_path / "shown.toml"
+    recipe.write_text(out)
+    assert load_recipe(recipe) == load_recipe(overrides={"sft.lora.r": 32, "rl.algo": "grpo"})
+
+
+def test_config_show_json_lists_every_field_with_doc_and_default(capsys):
+    settings = shown(capsys)
+    assert settings["rl.grpo.beta"] == {"value": 0.04, "default": 0.04,
+                                        "doc": Recipe.model_fields["rl"].annotation.model_fields["grpo"]
+                                        .annotation.model_fields["beta"].description}
+    assert all(entry["doc"] for entry in settings.values())  # every field has its doc line
+    assert len(settings) > 80
