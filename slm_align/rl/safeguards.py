@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -45,6 +46,22 @@ class Snapshot:
                         current[key] = copy.copy(value)
 
 
+def trainable_state(named_params: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer) -> dict:
+    """What a resumed run needs to continue bit for bit: trainable weights, optimizer state, torch's RNG."""
+    return {"params": {name: param.detach().clone() for name, param in named_params},
+            "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+
+
+def load_trainable_state(named_params: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer,
+                         state: dict) -> None:
+    """Put a :func:`trainable_state` back."""
+    with torch.no_grad():
+        for name, param in named_params:
+            param.copy_(state["params"][name])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+
+
 def all_finite(tensors) -> bool:
     """One check over many tensors: a NaN or inf anywhere makes the sum of sums non-finite."""
     sums = [t.detach().float().sum() for t in tensors if t is not None]
@@ -66,6 +83,55 @@ class GuardCounters:
         self.rollbacks += 1
         self.consecutive_rollbacks += 1
         if self.consecutive_rollbacks >= limit:
-            raise TrainingDiverged(f"RL stopped after {self.consecutive_rollbacks} consecutive rollbacks (last: "
+            raise TrainingDiverged(f"training stopped after {self.consecutive_rollbacks} consecutive rollbacks (last: "
                                    f"{reason}); lower the learning rate, check the reward for NaN/inf, or resume "
                                    "from the last checkpoint")
+
+
+class GuardedOptimizer:
+    """The envelope around one optimizer step, shared by RL and preference optimisation.
+
+    :meth:`step` takes a loss already computed: a finite loss, backward, the ``after_backward`` hook, gradient
+    averaging across data-parallel ranks, a finite gradient, the gradient-norm clip, the optimizer step, finite
+    parameters. Any non-finite value restores the :meth:`snapshot` taken before the forward pass bit for bit and is
+    counted; ``max_consecutive_rollbacks`` in a row stop the run (:class:`TrainingDiverged`).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, envelope, world,
+                 counters: GuardCounters):
+        self.params = params
+        self.optimizer = optimizer
+        self.envelope = envelope
+        self.world = world
+        self.counters = counters
+
+    def snapshot(self) -> Optional[Snapshot]:
+        """Parameters and optimizer state before the step (None with rollback off)."""
+        if not self.envelope.rollback:
+            return None
+        return Snapshot(self.params, self.optimizer)
+
+    def step(self, loss: torch.Tensor, snapshot: Optional[Snapshot], after_backward=None) -> dict:
+        """Backward and one optimizer step on ``loss``: ``{"loss", "grad_norm"}``, or ``{"rolled_back": 1}``."""
+        guarded = self.envelope.rollback
+        self.optimizer.zero_grad(set_to_none=True)
+        if guarded and self.world.any(not all_finite([loss])):
+            return self._roll_back(snapshot, "non-finite loss")
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        self.world.average_([p.grad for p in self.params])  # data parallel: every replica takes the same step
+        if guarded and not all_finite([p.grad for p in self.params]):
+            return self._roll_back(snapshot, "non-finite gradient")
+        max_norm = self.envelope.grad_clip if self.envelope.grad_clip else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        self.optimizer.step()
+        if guarded and not all_finite(self.params):
+            return dict(self._roll_back(snapshot, "non-finite parameter"), grad_norm=grad_norm)
+        self.counters.consecutive_rollbacks = 0
+        return {"loss": float(loss.detach()), "grad_norm": grad_norm}
+
+    def _roll_back(self, snapshot: Snapshot, reason: str) -> dict:
+        snapshot.restore()
+        self.counters.rolled_back(self.envelope.max_consecutive_rollbacks, reason)
+        return {"rolled_back": 1}

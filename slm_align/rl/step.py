@@ -23,7 +23,7 @@ from slm_align.rl.learning_rate import base_parameters, default_learning_rate
 from slm_align.rl.losses import ratio_of
 from slm_align.rl.policy import ValueHead, forward_logprobs
 from slm_align.rl.rollout import Rollout
-from slm_align.rl.safeguards import GuardCounters, Snapshot, all_finite
+from slm_align.rl.safeguards import GuardCounters, GuardedOptimizer, load_trainable_state, trainable_state
 from slm_align.rl.schedule import derive_seed
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor],
@@ -61,8 +61,17 @@ class Learner:
         # PPO's (adaptive) KL coefficient. GRPO weighs its KL by grpo.beta and carries this value unchanged, so
         # that both write the same checkpoint and the same "kl_coef" metric.
         self.kl_coef = settings.ppo.kl_coef
-        self.counters = GuardCounters()
+        self.guard = GuardedOptimizer(self.params, self.optimizer, self.envelope, world, GuardCounters())
         self.step = 0
+
+    @property
+    def counters(self) -> GuardCounters:
+        """What the guards did so far (the guarded optimizer's counters)."""
+        return self.guard.counters
+
+    @counters.setter
+    def counters(self, value: GuardCounters) -> None:
+        self.guard.counters = value
 
     # ---- the guarded step ----------------------------------------------------------------------------------
     def after_backward(self) -> None:
@@ -71,7 +80,7 @@ class Learner:
     def minibatch(self, batch: Rollout, rows: torch.Tensor, loss_fn: LossFn) -> dict:
         """One guarded optimizer step on ``rows`` of the batch with the algorithm's ``loss_fn``; its statistics."""
         env = self.envelope
-        snapshot = Snapshot(self.params, self.optimizer) if env.rollback else None
+        snapshot = self.guard.snapshot()
         self.policy.eval()  # dropout off in every RL forward: the first ratio is exactly 1, not dropout noise
         new, entropy, values = forward_logprobs(self.policy, batch.input_ids[rows], batch.attention_mask[rows],
                                                 batch.prompt_width, self.settings.temperature, self.value_head)
@@ -85,26 +94,7 @@ class Learner:
             return dict(stats, skipped=1)
         loss, loss_stats = loss_fn(rows, new, values, ratio, mask)
         stats.update(loss_stats)
-        self.optimizer.zero_grad(set_to_none=True)
-        if env.rollback and self.world.any(not all_finite([loss])):
-            return self._roll_back(snapshot, stats, "non-finite loss")
-        loss.backward()
-        self.after_backward()
-        self.world.average_([p.grad for p in self.params])  # data parallel: every replica takes the same step
-        if env.rollback and not all_finite([p.grad for p in self.params]):
-            return self._roll_back(snapshot, stats, "non-finite gradient")
-        max_norm = env.grad_clip if env.grad_clip else float("inf")
-        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        self.optimizer.step()
-        if env.rollback and not all_finite(self.params):
-            return self._roll_back(snapshot, stats, "non-finite parameter")
-        self.counters.consecutive_rollbacks = 0
-        return dict(stats, loss=float(loss.detach()), skipped=0)
-
-    def _roll_back(self, snapshot: Snapshot, stats: dict, reason: str) -> dict:
-        snapshot.restore()
-        self.counters.rolled_back(self.envelope.max_consecutive_rollbacks, reason)
-        return dict(stats, rolled_back=1, skipped=0)
+        return dict(stats, skipped=0, **self.guard.step(loss, snapshot, self.after_backward))
 
     def update(self, batch: Rollout, loss_fn: LossFn, step: int) -> list[dict]:
         """``epochs`` passes over the rollout in shuffled minibatches, one guarded step each; their statistics."""
@@ -137,20 +127,15 @@ class Learner:
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue bit for bit (trainable weights, AdamW, RNG, counters)."""
-        return {"step": self.step, "kl_coef": self.kl_coef, "counters": asdict(self.counters),
-                "params": {n: p.detach().clone() for n, p in self.named_params},
-                "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+        state = trainable_state(self.named_params, self.optimizer)
+        return dict(state, step=self.step, kl_coef=self.kl_coef, counters=asdict(self.counters))
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a :meth:`state_dict`."""
-        with torch.no_grad():
-            for name, param in self.named_params:
-                param.copy_(state["params"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_trainable_state(self.named_params, self.optimizer, state)
         self.step = state["step"]
         self.kl_coef = state["kl_coef"]
         self.counters = GuardCounters(**state["counters"])
-        torch.set_rng_state(state["torch_rng"])
 
 
 def rollout_kl(batch: Rollout) -> float:
