@@ -1,6 +1,6 @@
 """The collapse watchdog: each detector on hand-written metric sequences (fires on the failure, not on noise), its
 state surviving a checkpoint bit for bit, and fault-injection runs on a tiny model (a reward that flips sign, a
-reward that pays for length) with the watchdog on and off."""
+reward that pays for length, logits sharpened from an iteration on) with the watchdog on and off."""
 
 import importlib
 import json
@@ -311,3 +311,42 @@ def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp
     record = manifest_of(stage)["metrics"]["watchdog"]
     assert record["detectors"] == ["length_inflation"] and record["stopped_early"].startswith("length_inflation")
 
+
+
+@pytest.fixture
+def sharpen_after(monkeypatch):
+    """From iteration ``after`` on, multiply the policy's output logits by ``factor`` (a forward hook on the output
+    projection): the symptom of entropy collapse, injected, so the detector's wiring is tested on a real run."""
+    original = GRPO.run_step
+    plan = {"after": 10 ** 9, "factor": 1.0, "hooked": False}
+
+    def scale_logits(module, inputs, output):
+        return output * plan["factor"]
+
+    def sharpened(self, step):
+        if step >= plan["after"] and not plan["hooked"]:
+            self.policy.get_output_embeddings().register_forward_hook(scale_logits)
+            plan["hooked"] = True
+        return original(self, step)
+
+    monkeypatch.setattr(GRPO, "run_step", sharpened)
+
+    def arm(after: int, factor: float) -> None:
+        plan.update(after=after, factor=factor, hooked=False)
+
+    return arm
+
+
+def test_a_policy_whose_distribution_sharpens_is_an_entropy_collapse(bundled_run, tmp_path, sharpen_after):
+    sharpen_after(4, 8.0)  # iterations 5.. sample from logits x 8: the distribution collapses onto its top tokens
+    stage = watched_run(bundled_run, tmp_path / "on", "tests.test_watchdog:length_reward", window=2, max_kl=0.0,
+                        length_ratio=0.0, truncated_rise=0.0, zero_std_rise=0.0, reward_z=0.0, max_recoveries=0,
+                        entropy_floor=0.5, steps=10)
+    events = events_of(stage)
+    assert [(e["detector"], e["action"]) for e in events] == [("entropy_collapse", "stop")]
+    assert events[0]["step"] >= 6  # needs a whole window after the injection
+    record = manifest_of(stage)["metrics"]["watchdog"]
+    assert record["stopped_early"].startswith("entropy_collapse")
+    assert record["published_step"] < events[0]["step"] < 10  # stopped early; a probe before the trigger published
+    entropies = [json.loads(line)["entropy"] for line in (stage / "metrics.jsonl").read_text().splitlines()]
+    assert max(entropies[4:]) < 0.5 * min(entropies[:4])  # the injection really collapsed it
