@@ -263,13 +263,14 @@ def test_export_writes_pairs_and_unpaired_rows_the_right_way_round(filled, tmp_p
                       "scrubbed_replacements": 0, "out": str(out), "unpaired_out": str(tmp_path / "out" /
                                                                                        "prefs.unpaired.jsonl")}
     assert read_jsonl(out) == [
-        {"prompt": HISTORY, "chosen": assistant("Once upon a time."), "rejected": assistant("No.")},
-        {"prompt": HISTORY, "chosen": assistant("A dragon woke up."), "rejected": assistant("Meh.")},
-        {"prompt": HISTORY, "chosen": assistant("A cat sat on the mat."), "rejected": assistant("A cat.")},
+        {"prompt": HISTORY, "chosen": assistant("Once upon a time."), "rejected": assistant("No."), "model_id": MODEL},
+        {"prompt": HISTORY, "chosen": assistant("A dragon woke up."), "rejected": assistant("Meh."), "model_id": MODEL},
+        {"prompt": HISTORY, "chosen": assistant("A cat sat on the mat."), "rejected": assistant("A cat."),
+         "model_id": MODEL},
     ]
     assert read_jsonl(unpaired_path(out)) == [
-        {"prompt": HISTORY, "completion": assistant("A fox ran."), "label": True},
-        {"prompt": HISTORY, "completion": assistant("Story."), "label": False},
+        {"prompt": HISTORY, "completion": assistant("A fox ran."), "label": True, "model_id": MODEL},
+        {"prompt": HISTORY, "completion": assistant("Story."), "label": False, "model_id": MODEL},
     ]
     assert "Secret" not in out.read_text() + unpaired_path(out).read_text()
     assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in (out, unpaired_path(out))} == {oct(0o600)}
@@ -300,7 +301,8 @@ def test_export_scrubs_prompts_and_answers(tmp_path):
     result = export_preferences(path, out, scrub=True)
     assert result["scrubbed_replacements"] == 3
     assert read_jsonl(out) == [{"prompt": [{"role": "user", "content": "I am <EMAIL>, in 2024 I had 3 cats"}],
-                                "chosen": assistant("Pay with <CARD>."), "rejected": assistant("Call <PHONE>.")}]
+                                "chosen": assistant("Pay with <CARD>."), "rejected": assistant("Call <PHONE>."),
+                                "model_id": MODEL}]
     with PreferenceStore(path) as store:  # the store itself keeps the original text
         assert store.turns()[0].completion == "Call +44 20 7946 0958."
 

@@ -7,6 +7,8 @@ Two JSONL files, because the two kinds of rows feed different trainers and the r
   "rejected": [{"role": "assistant", ...}]}`` from 'choice' feedback (the winner is chosen) and 'edit' feedback
   (the user's edit is chosen over the model's answer). The importer reads this file directly; so does TRL's
   DPO/reward trainers.
+- every row also carries ``model_id``: the sha256 of the artifact the feedback was given to, so that
+  ``train --algo dpo|kto`` can refuse feedback about a model the run did not export.
 - ``OUT`` with ``.unpaired.jsonl`` for ``.jsonl`` (e.g. ``prefs.unpaired.jsonl``): unpaired rows
   ``{"prompt": [messages], "completion": [{"role": "assistant", ...}], "label": true|false}`` from thumbs up/down
   (TRL's KTO format).
@@ -61,7 +63,8 @@ def latest_verdicts(turn: Turn) -> list[Feedback]:
 def _row(turn: Turn, feedback: Feedback) -> dict[str, Any] | None:
     """One TRL row for a verdict; None when chosen and rejected would be the same text."""
     if feedback.kind in ("up", "down"):
-        return {"prompt": turn.messages, "completion": _assistant(turn.completion), "label": feedback.kind == "up"}
+        return {"prompt": turn.messages, "completion": _assistant(turn.completion), "label": feedback.kind == "up",
+                "model_id": turn.model_id}
     if feedback.kind == "choice":
         pair = (turn.completion, feedback.other_completion)
         chosen, rejected = pair if feedback.preferred == "this" else pair[::-1]
@@ -70,7 +73,8 @@ def _row(turn: Turn, feedback: Feedback) -> dict[str, Any] | None:
         rejected = turn.completion
     if chosen.strip() == rejected.strip():
         return None
-    return {"prompt": turn.messages, "chosen": _assistant(chosen), "rejected": _assistant(rejected)}
+    return {"prompt": turn.messages, "chosen": _assistant(chosen), "rejected": _assistant(rejected),
+            "model_id": turn.model_id}
 
 
 def _scrub_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
