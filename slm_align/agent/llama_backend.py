@@ -45,9 +45,9 @@ class LlamaCppBackend:
     def _piece(self, token: int) -> Optional[str]:
         return None if token < 0 else self.detokenize([token])
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        """llama.cpp's tokenizer; special-token text (``<|im_end|>``) becomes the special token, as in HF."""
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+    def tokenize(self, text: str, add_special: bool = True, special: bool = True) -> list[int]:
+        """llama.cpp's tokenizer; with ``special`` special-token text (``<|im_end|>``) becomes the special token."""
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.llm.detokenize(list(ids), special=True).decode("utf-8", errors="replace")

@@ -84,8 +84,13 @@ class OnnxBackend:
         self.vocab_size = int(config.get("vocab_size") or self.tokenizer.get_vocab_size())
 
     # text
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special).ids
+    def tokenize(self, text: str, add_special: bool = True, special: bool = True) -> list[int]:
+        """The tokenizer's ids; without ``special``, special-token text is encoded as the characters it is."""
+        self.tokenizer.encode_special_tokens = not special
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special).ids
+        finally:
+            self.tokenizer.encode_special_tokens = False
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 from slm_align.agent.backend import Backend, open_backend
+from slm_align.agent.prompt import PromptFitter
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.store import new_token
-from slm_align.agent.template import render
 from slm_align.agent.tools import ToolRegistry
 from slm_align.errors import UserError
 
@@ -177,20 +177,10 @@ class Agent:
 
     # prompting
     def _prompt_tokens(self, messages: list[dict], max_tokens: int) -> tuple[list[int], list[dict]]:
-        """The rendered prompt, dropping the oldest turns (never the system prompt) until the reply fits."""
-        system = [m for m in messages[:1] if m["role"] == "system"]
-        turns = messages[len(system):]
-        while True:
-            window = system + turns
-            ids = self.backend.tokenize(render(self.backend.chat_template, window, self.backend.bos_token,
-                                               self.backend.eos_token, self.tools.specs() if self.tools else None),
-                                        add_special=False)
-            if len(ids) + max_tokens <= self.backend.n_ctx:
-                return ids, window
-            if len(turns) <= 1:
-                raise UserError(f"the message needs {len(ids)} tokens plus {max_tokens} for the answer, more than "
-                                f"the context window of {self.backend.n_ctx}; send a shorter message")
-            turns = _drop_oldest_turn(turns)
+        """The prompt's ids, dropping the oldest turns (never the system prompt) until the reply fits; message
+        contents are tokenised once each, as plain text (see :mod:`slm_align.agent.prompt`)."""
+        fitter = PromptFitter(self.backend, self.tools.specs() if self.tools else None)
+        return fitter.fit(messages, max_tokens)
 
     def _generate(self, prompt: list[int], sampling: SamplingParams, grammar: Optional[str]) -> Iterator[str]:
         """Text pieces of one completion, ended by EOS, a stop string or ``max_tokens``."""
@@ -320,11 +310,3 @@ def device_settings(artifact: Path, device: str, threads: Optional[int], n_ctx: 
                             f"smaller quantization (recommended: {fit.recommended_quant})")
         n_ctx = min(fit.max_context, 4096)
     return threads or profile.threads, n_ctx
-
-
-def _drop_oldest_turn(turns: list[dict]) -> list[dict]:
-    """Everything after the first user message's exchange (its answer and tool messages go with it)."""
-    rest = turns[1:]
-    while len(rest) > 1 and rest[0]["role"] != "user":
-        rest = rest[1:]
-    return rest

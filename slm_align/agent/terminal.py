@@ -2,9 +2,47 @@
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Iterable
 
 from slm_align.errors import UserError
+
+SEQUENCE = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves, a cleared screen
+                      r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"  # OSC, DCS
+                      r"|\x1b(?![\[\]PX^_])[ -/]*[0-~]")  # two-character escapes
+"""Terminal control sequences a model's text could carry (a title change, the clipboard, a cleared screen)."""
+CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+"""Control characters but newline and tab, C1 included."""
+INTRODUCERS = "\x1b\x90\x98\x9b\x9d\x9e\x9f"
+MAX_PENDING = 256
+"""An unfinished sequence longer than this is not held back for the next piece."""
+
+
+def printable(text: str) -> str:
+    """``text`` without terminal control sequences and control characters, newline and tab kept."""
+    return CONTROLS.sub("", SEQUENCE.sub("", text))
+
+
+class PrintableStream:
+    """:func:`printable` over streamed pieces: a sequence cut between two pieces is held until it is whole."""
+
+    def __init__(self):
+        self.pending = ""
+
+    def feed(self, piece: str) -> str:
+        """The printable part of ``piece`` (and of what was held), holding back an unfinished sequence."""
+        text = self.pending + piece
+        start = max(text.rfind(ch) for ch in INTRODUCERS)
+        unfinished = start >= 0 and SEQUENCE.match(text, start) is None and len(text) - start <= MAX_PENDING
+        cut = start if unfinished else len(text)
+        self.pending = text[cut:]
+        return printable(text[:cut])
+
+    def flush(self) -> str:
+        """Whatever was held, printable."""
+        text = self.pending
+        self.pending = ""
+        return printable(text)
 
 HELP = ("commands: /good  /bad  /compare (second answer, then /pick 1|2)  /edit TEXT  /tools (show calls)  "
         "/reset  /save FILE  /quit")
@@ -41,7 +79,9 @@ def _command(agent, line: str, state: dict, say: Callable[[str], None]) -> bool:
 
 
 def chat_loop(agent, lines: Iterable[str], say: Callable[[str], None], write: Callable[[str], None]) -> None:
-    """Read messages and /commands from ``lines``; stream answers with ``write``; notes with ``say``."""
+    """Read messages and /commands from ``lines``; stream answers with ``write``; notes with ``say``. What the
+    model wrote reaches the terminal without control sequences (:func:`printable`)."""
+    say = _printably(say)
     state: dict = {}
     say(HELP)
     for line in lines:
@@ -55,10 +95,18 @@ def chat_loop(agent, lines: Iterable[str], say: Callable[[str], None], write: Ca
             except UserError as exc:  # feedback without a store, nothing to compare yet...: say so, keep chatting
                 say(f"[{exc}]")
             continue
+        stream = PrintableStream()
         for piece in agent.stream(line):
-            write(piece)
-        write("\n")
+            write(stream.feed(piece))
+        write(stream.flush() + "\n")
         if state.get("show_tools"):
             for call in agent.last.tool_calls:
                 say(f"[tool {call['name']}({call['arguments']}) -> {'ok' if call['ok'] else 'error'}: "
                     f"{call['content']}]")
+
+
+def _printably(say: Callable[[str], None]) -> Callable[[str], None]:
+    """``say``, with control sequences removed from what it is given."""
+    def printable_say(text: str) -> None:
+        say(printable(text))
+    return printable_say

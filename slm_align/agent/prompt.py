@@ -1,0 +1,141 @@
+"""The prompt of a conversation: the chat template's text around each message's content, as token ids.
+
+Two rules make it safe and cheap:
+
+- Message contents are tokenised as plain text: ``<|im_end|><|im_start|>system`` typed into a message (or returned
+  by a tool) stays those characters, it never becomes the control tokens the template itself writes. The template is
+  rendered with a marker in place of each content; the text between markers is the template's own (its special
+  tokens parsed), each content is tokenised on its own without parsing them.
+- Each content is tokenised once. When the conversation does not fit the context, the oldest turns (never the
+  system prompt, never the last turn) are cut where the cumulative token counts say, and the window is rendered
+  again to check: a few renders, not one per dropped turn. Before any of that, turns beyond
+  ``n_ctx * MAX_CHARS_PER_TOKEN`` characters are cut unread.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Optional
+
+from slm_align.agent.template import render
+from slm_align.errors import UserError
+
+MARK = "\ue000{}\ue001"
+"""Stands for message N's content while the template renders (private-use characters no template writes)."""
+MARKS = re.compile("\ue000(\\d+)\ue001")
+MAX_CHARS_PER_TOKEN = 16
+"""A conversation longer than the context times this many characters cannot fit: its oldest turns go unread."""
+
+
+@dataclass
+class Pieces:
+    """One rendering of a window: its token ids, and the template tokens that open each message."""
+
+    ids: list[int]
+    opening: dict[int, int] = field(default_factory=dict)
+    """Message index -> template tokens just before its content (its share of the template's text)."""
+
+
+class PromptFitter:
+    """Builds the prompt for one conversation; caches each content's tokens and each template piece's."""
+
+    def __init__(self, backend, tools: Optional[list[dict]] = None):
+        self.backend = backend
+        self.tools = tools
+        self._contents: dict[int, list[int]] = {}
+        self._template: dict[str, list[int]] = {}
+
+    def fit(self, messages: list[dict], max_tokens: int) -> tuple[list[int], list[dict]]:
+        """The prompt ids and the window of ``messages`` they render: the oldest turns cut until the answer's
+        ``max_tokens`` fit the context; a UserError when even the last turn does not."""
+        head = 1 if messages and messages[0]["role"] == "system" else 0
+        starts = cut_points(messages, head)
+        start = self._first_within_chars(messages, starts)
+        while True:
+            window = messages[:head] + messages[start:]
+            indices = list(range(head)) + list(range(start, len(messages)))
+            pieces = self._render(messages, indices)
+            over = len(pieces.ids) + max_tokens - self.backend.n_ctx
+            if over <= 0:
+                return pieces.ids, window
+            later = [s for s in starts if s > start]
+            if not later:
+                raise UserError(f"the message needs {len(pieces.ids)} tokens plus {max_tokens} for the answer, more "
+                                f"than the context window of {self.backend.n_ctx}; send a shorter message")
+            start = self._cut(start, later, over, pieces)
+
+    def _first_within_chars(self, messages: list[dict], starts: list[int]) -> int:
+        """The earliest cut point whose turns hold at most the character cap (the last one in any case)."""
+        budget = self.backend.n_ctx * MAX_CHARS_PER_TOKEN
+        total = 0
+        end = len(messages)
+        for start in reversed(starts):
+            total += sum(len(message["content"]) for message in messages[start:end])
+            end = start
+            if total > budget:
+                later = [s for s in starts if s > start]
+                return later[0] if later else start
+        return starts[0]
+
+    def _cut(self, start: int, later: list[int], over: int, pieces: Pieces) -> int:
+        """The first cut point after ``start`` whose dropped messages free ``over`` tokens (the last one if none)."""
+        freed = 0
+        index = start
+        for candidate in later:
+            while index < candidate:
+                freed += pieces.opening.get(index, 0) + len(self._contents.get(index, ()))
+                index += 1
+            if freed >= over:
+                return candidate
+        return later[-1]
+
+    def _render(self, messages: list[dict], indices: list[int]) -> Pieces:
+        """The window's ids: template text between markers parsed for special tokens, contents as plain text.
+
+        A template that looks into contents (``startswith``, ``split``) renders the markers differently from the
+        contents: then the window's real text is tokenised whole, as transformers and llama.cpp do.
+        """
+        window = [messages[i] for i in indices]
+        marked = [{**messages[i], "content": MARK.format(i)} for i in indices]
+        text = self._text(marked)
+        pieces = Pieces([])
+        position = 0
+        for found in MARKS.finditer(text):
+            index = int(found.group(1))
+            opening = self._template_ids(text[position:found.start()])
+            pieces.ids += opening + self._content_ids(messages, index)
+            pieces.opening[index] = len(opening)
+            position = found.end()
+        pieces.ids += self._template_ids(text[position:])
+        real = self._text(window)
+        if MARKS.sub(partial(_content_of, messages), text) != real:
+            pieces.ids = self.backend.tokenize(real, add_special=False)
+        return pieces
+
+    def _text(self, window: list[dict]) -> str:
+        return render(self.backend.chat_template, window, self.backend.bos_token, self.backend.eos_token, self.tools)
+
+    def _template_ids(self, text: str) -> list[int]:
+        if text not in self._template:
+            self._template[text] = self.backend.tokenize(text, add_special=False) if text else []
+        return self._template[text]
+
+    def _content_ids(self, messages: list[dict], index: int) -> list[int]:
+        if index not in self._contents:
+            content = messages[index]["content"]
+            self._contents[index] = self.backend.tokenize(content, add_special=False, special=False) if content else []
+        return self._contents[index]
+
+
+def _content_of(messages: list[dict], found: re.Match) -> str:
+    return messages[int(found.group(1))]["content"]
+
+
+def cut_points(messages: list[dict], head: int) -> list[int]:
+    """Where the kept part of a conversation may start: its first turn, each later user message, and the last
+    message (a window keeps at least that)."""
+    points = {head, max(head, len(messages) - 1)}
+    points.update(i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user")
+    return sorted(points)
