@@ -180,8 +180,11 @@ def _given(section: Any) -> Any:
 class RLSettings(_Strict):
     """PPO and GRPO: the shared settings here, each algorithm's own in ``ppo`` and ``grpo``; one envelope."""
 
-    algo: Literal["ppo", "grpo", "auto"] = Field("ppo", description="The algorithm; auto follows the headroom "
-                                                 "gate's recommendation (recorded in headroom.json).")
+    algo: Literal["ppo", "grpo", "auto", "dpo", "kto"] = Field("ppo", description="The algorithm; auto follows the "
+                                                               "headroom gate's recommendation (recorded in "
+                                                               "headroom.json); dpo and kto optimise the policy on "
+                                                               "reward.preferences directly, no reward model and no "
+                                                               "sampling (settings in [preference]).")
     from_sft: bool = Field(True, description="Start from the run's SFT adapter (trained first when missing); False: "
                            "from the model as given (already fluent), which the gate then measures as it is.")
     steps: int = Field(40, ge=1, description="Rollout-and-update iterations.")
@@ -238,6 +241,35 @@ class RLSettings(_Strict):
         return value
 
 
+class PreferenceSettings(_Strict):
+    """DPO and KTO (``[preference]``): the policy optimised on preference files directly, from the merged SFT prior
+    with a fresh LoRA; the reference is the prior (the adapter disabled). The envelope's rollback, gradient clip and
+    merge-and-reinitialise come from ``[rl.envelope]``."""
+
+    beta: float = Field(0.1, gt=0, description="Implicit reward scale: r = beta * (log pi - log pi_ref) of a "
+                        "completion; larger keeps the policy closer to the prior.")
+    steps: int = Field(60, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(8, ge=1, description="Pairs (DPO) or labelled completions (KTO) per step.")
+    learning_rate: Optional[float] = Field(None, gt=0, lt=1, description="AdamW learning rate of the fresh LoRA; "
+                                           "None: scaled to the model's size as for RL.")
+    desirable_weight: Optional[float] = Field(None, gt=0, description="KTO: weight of the desirable (thumbs-up) "
+                                              "losses; None: n_undesirable / n_desirable, so both labels weigh the "
+                                              "same in total (KTO paper, section 4.2).")
+    undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable (thumbs-down) losses.")
+    heldout_fraction: float = Field(0.2, gt=0, lt=0.9, description="Share of prompts kept out of training: "
+                                    "held-out accuracy and the gate's perplexity are measured on them.")
+    min_train: int = Field(16, ge=1, description="Gate: training pairs (DPO) or labelled completions (KTO) needed.")
+    min_heldout: int = Field(4, ge=1, description="Gate: held-out pairs needed to measure preference accuracy.")
+    min_label_share: float = Field(0.1, ge=0, lt=0.5, description="Gate (KTO): the rarer label's share of the "
+                                   "training completions must reach this.")
+    eval_every: int = Field(10, ge=1, description="Measure held-out accuracy every this many steps (and at the end).")
+    save_steps: int = Field(20, ge=1, description="Checkpoint every this many steps (for --resume).")
+    any_model: bool = Field(False, description="Train on feedback rows whose model_id is not an artifact this run "
+                            "exported (recorded); off: refused in one line.")
+    lora: LoraSettings = Field(default_factory=lambda: LoraSettings(r=16, alpha=32.0, dropout=0.0),
+                               description="The fresh preference adapter.")
+
+
 class HeadroomSettings(_Strict):
     max_ppl: float = Field(20.0, gt=1.0, description="Held-out perplexity the SFT prior must stay below.")
     batch_size: int = Field(8, ge=1, description="Sequences per forward pass while measuring.")
@@ -262,6 +294,8 @@ class Recipe(_Strict):
     reward: RewardSettings = Field(default_factory=RewardSettings, description="The Bradley-Terry reward model.")
     headroom: HeadroomSettings = Field(default_factory=HeadroomSettings, description="The headroom gate.")
     rl: RLSettings = Field(default_factory=RLSettings, description="PPO/GRPO inside the safety envelope.")
+    preference: PreferenceSettings = Field(default_factory=PreferenceSettings,
+                                           description="DPO/KTO on preference files, inside the envelope.")
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

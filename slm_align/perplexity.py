@@ -18,6 +18,23 @@ class Perplexity:
     documents: int
 
 
+def labelled_logprobs(model, batch: dict):
+    """Log-probability of every labelled token under ``model``, in float32, and the label mask.
+
+    batch: ``input_ids``, ``attention_mask``, ``labels`` (B, T) from :func:`slm_align.data.encoding.pad_batch`, right
+    padded, -100 where no label. Returns (B, T-1) log p(x_t | x_<t) at the labelled targets (0 elsewhere) and the
+    (B, T-1) bool mask: position t of the outputs predicts token t+1 of the input.
+    """
+    import torch
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    targets = batch["labels"][:, 1:]
+    mask = targets != IGNORE_INDEX
+    logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
+    picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return picked * mask, mask
+
+
 def perplexity(model, encoded: list[dict[str, list[int]]], pad_id: int, batch_size: int = 8) -> Perplexity:
     """Sum NLL over every scored token of every document in float32, then divide once.
 
@@ -31,13 +48,8 @@ def perplexity(model, encoded: list[dict[str, list[int]]], pad_id: int, batch_si
     model.eval()
     with torch.no_grad():
         for start in range(0, len(encoded), batch_size):
-            batch = pad_batch(encoded[start:start + batch_size], pad_id)
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-            targets = batch["labels"][:, 1:]
-            mask = targets != IGNORE_INDEX
-            logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
-            picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            nll_sum += float(-(picked * mask).sum().double())
+            picked, mask = labelled_logprobs(model, pad_batch(encoded[start:start + batch_size], pad_id))
+            nll_sum += float(-picked.sum().double())
             tokens += int(mask.sum())
     if tokens == 0:
         raise ValueError("no tokens to score")

@@ -68,25 +68,35 @@ def merged_overrides(sets: list[str], flags: dict[str, Any]) -> dict[str, Any]:
     return overrides
 
 
-def _algorithm_of(key: str) -> Optional[str]:
-    """The RL algorithm a setting belongs to ("ppo", "grpo"), or None for a shared one."""
+KTO_ONLY = ("desirable_weight", "undesirable_weight")
+"""Preference settings only KTO reads."""
+
+
+def _algorithms_of(key: str) -> Optional[tuple[str, ...]]:
+    """The algorithms that read a setting (("ppo",), ("grpo",), ("dpo", "kto"), ("kto",)), or None for a shared one."""
     names = key.split(".")
+    if names[0] == "preference":
+        return ("kto",) if names[-1] in KTO_ONLY else ("dpo", "kto")
     if names[0] != "rl" or len(names) < 2:
         return None
+    section = None
     if names[1] in RL_SECTIONS:
-        return names[1]
-    if len(names) == 2:
-        return _section_of(names[1])
-    return None
+        section = names[1]
+    elif len(names) == 2:
+        section = _section_of(names[1])
+    return None if section is None else (section,)
 
 
 def refuse_other_algorithm(algo: str, overrides: dict[str, Any], flag_names: dict[str, str]) -> None:
-    """Refuse a setting given on the command line that only the other RL algorithm reads (``--algo ppo --beta``)."""
-    if algo == "auto":
-        return
+    """Refuse a setting given on the command line that only another algorithm reads (``--algo ppo --beta``,
+    ``--algo dpo --desirable-weight``); ``auto`` (PPO or GRPO, the gate decides) accepts both RL sections."""
     for key, value in overrides.items():
-        owner = _algorithm_of(key)
-        if value is None or owner is None or owner == algo:
+        owners = _algorithms_of(key)
+        if value is None or owners is None or algo in owners:
+            continue
+        if algo == "auto" and set(owners) <= {"ppo", "grpo"}:
             continue
         given = flag_names.get(key, f"--set {key}")
-        raise UserError(f"{given} is a {owner.upper()} setting and --algo is {algo}: drop it or use --algo {owner}")
+        owner = "/".join(owners)
+        raise UserError(f"{given} is a {owner.upper()} setting and --algo is {algo}: drop it or use --algo "
+                        f"{owners[0]}")

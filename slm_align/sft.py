@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Optional
 
 from slm_align.config import Recipe
 from slm_align.data.corpus import Corpus, load_corpus
@@ -81,3 +82,15 @@ def recipe_from_sft(run: Path, recipe: Recipe) -> tuple[Recipe, Path]:
         updated.data = type(recipe.data).model_validate(inputs["data_settings"])
         updated.data.tasks = recipe.data.tasks  # RL's task file is not SFT's: the user's choice stands
     return updated, Path(run) / STAGE / "adapter"
+
+
+def sft_prior(recipe: Recipe, out: Path, sft_from: Optional[Path], resume: bool, say) -> tuple[Recipe, Path]:
+    """The SFT prior a later stage starts from: ``sft_from``'s finished SFT, or this run's (trained first when it
+    is missing); returns the SFT recipe and adapter."""
+    sft_run = Path(sft_from) if sft_from is not None else Path(out)
+    if read_manifest(sft_run / STAGE) is None:
+        if sft_from is not None:
+            raise UserError(f"--sft {sft_from} has no finished SFT stage (no sft/manifest.json)")
+        say("running SFT first (no sft/ in the run)")
+        run_sft(recipe, out, resume=resume)
+    return recipe_from_sft(sft_run, recipe)

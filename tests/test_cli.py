@@ -168,7 +168,7 @@ def test_recipe_flags_take_help_and_default_from_the_recipe_field():
     option = recipe_option("sft.learning_rate", "--lr")
     assert option.default is None and option.help == recipe_field("sft.learning_rate").info.description
     assert option.show_default == f"{Recipe().sft.learning_rate:g}"
-    assert recipe_help("rl.algo").endswith("One of: ppo, grpo, auto.")
+    assert recipe_help("rl.algo").endswith("One of: ppo, grpo, auto, dpo, kto.")
 
 
 def test_train_flags_become_recipe_overrides_and_absent_ones_leave_the_toml(tmp_path, monkeypatch):

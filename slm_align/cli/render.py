@@ -88,6 +88,21 @@ def print_rl(summary: dict) -> None:
                  f"{m['guard']['rollbacks']}")
 
 
+def print_preference(summary: dict) -> None:
+    """One line: the DPO/KTO steps, held-out preference accuracy before and after (with its interval), rollbacks."""
+    m = summary["metrics"]
+    state = SKIPPED if summary["skipped"] else f"{m['steps']} steps on {m['train_items']} items"
+    forced = " (gate FAIL overridden by --force)" if m["gate"]["forced"] else ""
+    line = f"[bold]{m['algo'].upper()}[/] -> {summary['dir']}: {state}{forced}"
+    headline = m["heldout_accuracy"]
+    if headline is not None:
+        kind = headline["kind"]
+        low, high = headline["ci95"]
+        line += (f"; held-out {kind.replace('_', ' ')} {m['heldout_before'][kind]:.3f} -> {headline['value']:.3f} "
+                 f"[{low:.3f}, {high:.3f}]")
+    stdout.print(f"{line}; rollbacks {m['guard']['rollbacks']}")
+
+
 def print_reward(summary: dict) -> None:
     """One line: the reward model's held-out accuracy (per corruption kind) and mean margin."""
     m = summary["metrics"]

@@ -8,7 +8,16 @@ from typing import Any, Optional
 import typer
 
 from slm_align.cli.options import ConfigOpt, Flag, JsonFlag, recipe_flags, recipe_from, recipe_option
-from slm_align.cli.render import emit, print_evaluation, print_headroom, print_reward, print_rl, print_sft, stdout
+from slm_align.cli.render import (
+    emit,
+    print_evaluation,
+    print_headroom,
+    print_preference,
+    print_reward,
+    print_rl,
+    print_sft,
+    stdout,
+)
 from slm_align.errors import UserError
 
 commands = typer.Typer()
@@ -113,6 +122,15 @@ RL = (
     Flag("--watchdog-every", "rl.watchdog.eval_every"),
     Flag("--report-prompts", "rl.report_prompts"),
 )
+PREFERENCE = (
+    Flag("--pref-steps", "preference.steps"),
+    Flag("--pref-lr", "preference.learning_rate"),
+    Flag("--pref-beta", "preference.beta"),
+    Flag("--pref-batch-size", "preference.batch_size"),
+    Flag("--desirable-weight", "preference.desirable_weight"),
+    Flag("--undesirable-weight", "preference.undesirable_weight"),
+    Flag("--any-model", "preference.any_model", sets=True),
+)
 
 STAGES = ("sft", "reward", "rl")
 RUN_DIR_HELP = "Run directory."
@@ -194,8 +212,12 @@ def quickstart(
                          "  slm-align train --out runs/demo --force               # train although the gate says FAIL "
                          "(recorded)\n\n"
                          "  slm-align train --algo auto --tasks tasks.jsonl --reward exact_answer --out runs/t  "
-                         "# the gate picks PPO or GRPO")
-@recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, SAFETY)
+                         "# the gate picks PPO or GRPO\n\n"
+                         "  slm-align train --algo dpo --out runs/demo --preferences prefs.jsonl "
+                         "--preferences prefs.unpaired.jsonl   # DPO on device feedback\n\n"
+                         "  slm-align train --algo kto --out runs/demo --preferences prefs.unpaired.jsonl "
+                         "--desirable-weight 1.5")
+@recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, PREFERENCE, SAFETY)
 def train(
     out: Path = typer.Option(Path("runs/default"), "--out", "-o", help=RUN_DIR_HELP),
     stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it needs, the gate, then RL)."),
@@ -209,7 +231,8 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted stage in OUT."),
     as_json: bool = JsonFlag,
 ) -> None:
-    """Train: SFT, the Bradley-Terry reward model, the headroom gate, then PPO or GRPO in the safety envelope."""
+    """Train: SFT, the Bradley-Terry reward model, the headroom gate, then PPO or GRPO in the safety envelope; or
+    DPO/KTO (--algo dpo|kto) on --preferences files from the SFT prior."""
     if stage not in STAGES:
         raise UserError(f"--stage {stage}: choose sft, reward or rl")
     recipe = recipe_from(config, settings)
@@ -223,9 +246,22 @@ def train(
 
         summary = run_reward(recipe, out, resume=resume).summary()
         emit(as_json, summary, lambda: print_reward(summary))
+    elif recipe.rl.algo in ("dpo", "kto"):
+        train_preference(recipe, out, resume=resume, force=force, sft_from=sft_from, as_json=as_json)
     else:
         train_rl(recipe, out, resume=resume, force=force, sft_from=sft_from, reward_model=reward_model,
                  rewards=reward, as_json=as_json)
+
+
+def train_preference(recipe, out: Path, *, resume: bool, force: bool, sft_from: Optional[Path],
+                     as_json: bool) -> None:
+    """DPO or KTO on the --preferences files (and the SFT stage it needs), then its one-line summary."""
+    from slm_align.preference.stage import run_preference
+
+    result = run_preference(recipe, out, resume=resume, force=force, sft_from=sft_from,
+                            say=lambda text: None if as_json else stdout.print(text))
+    summary = result.summary()
+    emit(as_json, summary, lambda: print_preference(summary))
 
 
 def train_rl(recipe, out: Path, *, resume: bool, force: bool, sft_from: Optional[Path],

@@ -14,6 +14,7 @@ This is also the format ``slm-align feedback export`` writes for the next round.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
@@ -68,43 +69,95 @@ def _label(where: str, value: Any) -> bool:
     raise UserError(f"{where}: 'label' must be true or false, got {value!r}")
 
 
+def _paths(path: Union[Path, list[Path]]) -> list[Path]:
+    """One path or several, as a list."""
+    if isinstance(path, (list, tuple)):
+        return [Path(p) for p in path]
+    return [Path(path)]
+
+
 def _rows(paths: list[Path]):
     for path in paths:
         yield from iter_rows(path)
 
 
+@dataclass(frozen=True)
+class Labelled:
+    """One unpaired verdict: ``completion`` of ``prompt`` is good (``label`` True) or bad."""
+
+    prompt: str
+    completion: str
+    label: bool
+
+
+@dataclass
+class PreferenceRows:
+    """Every row of some preference files as read: pairs, unpaired verdicts, and the ``model_id`` column's values
+    (the sha256 of the artifact each piece of feedback was given to, written by ``feedback export``)."""
+
+    pairs: list[Pair] = field(default_factory=list)
+    labelled: list[Labelled] = field(default_factory=list)
+    model_ids: set[str] = field(default_factory=set)
+
+    def paired(self) -> list[Pair]:
+        """The pairs, then every good completion of a prompt paired with every bad one (at most
+        :data:`MAX_PAIRS_PER_PROMPT` per prompt)."""
+        by_prompt: dict[str, dict[bool, list[str]]] = defaultdict(lambda: {True: [], False: []})
+        for item in self.labelled:
+            by_prompt[item.prompt][item.label].append(item.completion)
+        pairs = list(self.pairs)
+        for prompt, by_label in by_prompt.items():
+            combos = [(good, bad) for good in by_label[True] for bad in by_label[False] if good != bad]
+            pairs.extend(Pair(prompt, good, bad, "unpaired") for good, bad in combos[:MAX_PAIRS_PER_PROMPT])
+        return [p for p in pairs if p.chosen.strip() != p.rejected.strip()]
+
+    def unpaired(self) -> list[Labelled]:
+        """The unpaired verdicts, then each pair as a good and a bad completion (TRL's conversion for KTO)."""
+        split = [Labelled(p.prompt, p.chosen, True) for p in self.pairs]
+        split += [Labelled(p.prompt, p.rejected, False) for p in self.pairs]
+        return self.labelled + split
+
+
+def _read_row(where: str, row: Any, tokenizer, rows: PreferenceRows) -> None:
+    """Add one file row to ``rows`` (a pair or a verdict); a malformed row is a UserError naming file and line."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected an object, got {type(row).__name__}")
+    if {"chosen", "rejected"} <= row.keys():
+        if isinstance(row["chosen"], list) or isinstance(row["rejected"], list):
+            rows.pairs.append(_render_chat(where, row, tokenizer))
+        else:
+            prompt = _text(where, row, "prompt") if "prompt" in row else ""
+            rows.pairs.append(Pair(prompt, _text(where, row, "chosen"), _text(where, row, "rejected")))
+    elif {"prompt", "completion", "label"} <= row.keys():
+        prompt, completion = _unpaired(where, row, tokenizer)
+        rows.labelled.append(Labelled(prompt, completion, _label(where, row["label"])))
+    else:
+        raise UserError(f"{where}: a preference row needs prompt/chosen/rejected or prompt/completion/label "
+                        f"(found: {', '.join(map(str, row)) or 'none'})")
+    if isinstance(row.get("model_id"), str):
+        rows.model_ids.add(row["model_id"])
+
+
+def read_preference_rows(path: Union[Path, list[Path]], tokenizer=None) -> PreferenceRows:
+    """Every row of ``path`` (or of several files read as one); empty input is a UserError."""
+    paths = _paths(path)
+    rows = PreferenceRows()
+    count = 0
+    for where, row in _rows(paths):
+        count += 1
+        _read_row(where, row, tokenizer, rows)
+    if count == 0:
+        raise UserError(f"preferences {', '.join(map(str, paths))} are empty; "
+                        "give rows with prompt/chosen/rejected or prompt/completion/label")
+    return rows
+
+
 def read_preferences(path: Union[Path, list[Path]], tokenizer=None) -> list[Pair]:
     """Every preference pair in ``path`` (or in several files read as one, so that unpaired rows of one prompt
     pair up across them); malformed rows are a UserError naming file and line."""
-    paths = [Path(p) for p in path] if isinstance(path, (list, tuple)) else [Path(path)]
-    path = ", ".join(map(str, paths))
-    pairs: list[Pair] = []
-    unpaired: dict[str, dict[bool, list[str]]] = defaultdict(lambda: {True: [], False: []})
-    rows = 0
-    for where, row in _rows(paths):
-        rows += 1
-        if not isinstance(row, dict):
-            raise UserError(f"{where}: expected an object, got {type(row).__name__}")
-        if {"chosen", "rejected"} <= row.keys():
-            if isinstance(row["chosen"], list) or isinstance(row["rejected"], list):
-                pairs.append(_render_chat(where, row, tokenizer))
-            else:
-                pairs.append(Pair(_text(where, row, "prompt") if "prompt" in row else "",
-                                  _text(where, row, "chosen"), _text(where, row, "rejected")))
-        elif {"prompt", "completion", "label"} <= row.keys():
-            prompt, completion = _unpaired(where, row, tokenizer)
-            unpaired[prompt][_label(where, row["label"])].append(completion)
-        else:
-            raise UserError(f"{where}: a preference row needs prompt/chosen/rejected or prompt/completion/label "
-                            f"(found: {', '.join(map(str, row)) or 'none'})")
-    for prompt, by_label in unpaired.items():
-        combos = [(good, bad) for good in by_label[True] for bad in by_label[False] if good != bad]
-        pairs.extend(Pair(prompt, good, bad, "unpaired") for good, bad in combos[:MAX_PAIRS_PER_PROMPT])
-    pairs = [p for p in pairs if p.chosen.strip() != p.rejected.strip()]
-    if rows == 0:
-        raise UserError(f"preferences {path} are empty; "
-                        "give rows with prompt/chosen/rejected or prompt/completion/label")
+    pairs = read_preference_rows(path, tokenizer).paired()
     if not pairs:
-        raise UserError(f"preferences {path} hold no usable pair (need chosen != rejected, or both a good and a bad "
-                        "completion of one prompt)")
+        paths = _paths(path)
+        raise UserError(f"preferences {', '.join(map(str, paths))} hold no usable pair (need chosen != rejected, "
+                        "or both a good and a bad completion of one prompt)")
     return pairs

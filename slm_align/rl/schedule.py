@@ -29,8 +29,9 @@ SEED_STREAMS = {
     "rollout": SeedStream(7919, 1, 100_003, 0, 0),  # the sampler of this rank's completions
     "resample": SeedStream(7919, 1, 100_003, 0, 104_729),  # GRPO's second draw of its all-equal groups
     "minibatch_order": SeedStream(31, 1009, 0, 1, 0),  # the shuffle of the rollout before each epoch
+    "preference_order": SeedStream(37, 0, 0, 1013, 0),  # DPO/KTO: the shuffle of the training items per epoch
 }
-"""The four random draws of an iteration and their multipliers (primes, so that streams rarely collide). Changing
+"""The random draws of a run and their multipliers (primes, so that streams rarely collide). Changing
 one changes every figure of a seeded run (the quickstart's included): add a stream, never edit one."""
 
 

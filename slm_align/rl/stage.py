@@ -34,7 +34,7 @@ from slm_align.rl.recovery import EVENTS, WatchedRun, probe_rewards, restore
 from slm_align.rl.schedule import iteration_size
 from slm_align.rl.watchdog import Watchdog, read_events
 from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
-from slm_align.sft import recipe_from_sft, run_sft
+from slm_align.sft import sft_prior
 from slm_align.training import prepare_partial, save_adapter
 
 STAGE = "rl"
@@ -64,13 +64,7 @@ def _prerequisites(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_m
             raise UserError("--no-sft starts RL from the model as given, without the SFT prior the reward stage "
                             "trains on: pass --reward (e.g. exact_answer, tool_task) or --reward-model")
         return recipe, None, reward_model
-    sft_run = Path(sft_from) if sft_from is not None else out
-    if read_manifest(sft_run / "sft") is None:
-        if sft_from is not None:
-            raise UserError(f"--sft {sft_from} has no finished SFT stage (no sft/manifest.json)")
-        say("running SFT first (no sft/ in the run)")
-        run_sft(recipe, out, resume=resume)
-    sft_recipe, adapter = recipe_from_sft(sft_run, recipe)
+    sft_recipe, adapter = sft_prior(recipe, out, sft_from, resume, say)
     if reward_model is None and not rewards:
         if read_manifest(out / "reward") is None:
             if sft_from is not None:
@@ -84,6 +78,9 @@ def _prerequisites(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_m
 def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False, sft_from: Optional[Path] = None,
            reward_model: Optional[Path] = None, rewards: Sequence[str] = (), say=lambda _: None) -> StageResult:
     """Prerequisites and the gate (on rank 0), then RL on every rank of the world (one process unless launched)."""
+    if recipe.rl.algo in ("dpo", "kto"):
+        raise UserError(f"--algo {recipe.rl.algo} is preference optimisation, not RL: run it with "
+                        "slm_align.preference.stage.run_preference (the CLI's train does)")
     started = time.time()
     out = Path(out)
     world = world_from_env()

@@ -1,0 +1,250 @@
+"""DPO and KTO: the losses on hand-computed log-probabilities, the reference being the merged SFT prior, NaN
+rollback, a bit-identical resume, learning a learnable preference on a tiny model, and the CLI's refusals."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from slm_align.errors import UserError
+from slm_align.preference.data import check_feedback_models, heldout_prompts, load_preference_data
+from slm_align.preference.learner import PreferenceLearner, sequence_logprobs, wilson_interval
+from slm_align.preference.losses import dpo_loss, kto_loss, kto_reference_point
+from slm_align.preference.stage import run_preference
+from tests.helpers import finished_sft_run, run_cli
+
+
+# ---- the math ----------------------------------------------------------------------------------------------------
+def test_dpo_loss_on_hand_computed_logprobs():
+    chosen = torch.tensor([-1.0, -5.0])
+    rejected = torch.tensor([-3.0, -2.0])
+    chosen_ref = torch.tensor([-2.0, -4.0])
+    rejected_ref = torch.tensor([-2.0, -4.0])
+    terms = dpo_loss(chosen, rejected, chosen_ref, rejected_ref, beta=0.5)
+    # pair 1: r_c = 0.5 * (-1 + 2) = 0.5, r_r = 0.5 * (-3 + 2) = -0.5, margin 1
+    # pair 2: r_c = 0.5 * (-5 + 4) = -0.5, r_r = 0.5 * (-2 + 4) = 1, margin -1.5
+    assert terms.rewards.tolist() == pytest.approx([1.0, -1.5])
+    expected = [math.log1p(math.exp(-1.0)), math.log1p(math.exp(1.5))]  # -log sigmoid(m) = log(1 + e^-m)
+    assert terms.losses.tolist() == pytest.approx(expected)
+    assert float(terms.loss) == pytest.approx(sum(expected) / 2)
+
+
+def test_dpo_gradient_raises_chosen_and_lowers_rejected():
+    chosen = torch.tensor([-2.0], requires_grad=True)
+    rejected = torch.tensor([-2.0], requires_grad=True)
+    dpo_loss(chosen, rejected, torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.1).loss.backward()
+    assert float(chosen.grad) == pytest.approx(-0.05)  # -beta * sigmoid(0): descent raises log pi(chosen)
+    assert float(rejected.grad) == pytest.approx(0.05)
+
+
+def test_kto_loss_on_hand_computed_logprobs():
+    logp = torch.tensor([-1.0, -4.0])
+    ref = torch.tensor([-2.0, -2.0])
+    desirable = torch.tensor([True, False])
+    terms = kto_loss(logp, ref, desirable, torch.tensor(0.5), beta=0.5, desirable_weight=2.0, undesirable_weight=1.0)
+    good = 2.0 * (1 - 1 / (1 + math.exp(-0.5 * (1.0 - 0.5))))  # rho = 1
+    bad = 1.0 * (1 - 1 / (1 + math.exp(-0.5 * (0.5 + 2.0))))  # rho = -2
+    assert terms.losses.tolist() == pytest.approx([good, bad])
+    assert float(terms.loss) == pytest.approx((good + bad) / 2)
+    assert terms.rewards.tolist() == pytest.approx([0.5, -1.0])
+
+
+def test_kto_reference_point_is_the_mean_log_ratio_clamped_at_zero_without_gradient():
+    policy = torch.tensor([-1.0, -3.0], requires_grad=True)
+    assert float(kto_reference_point(policy, torch.tensor([-2.0, -3.0]))) == pytest.approx(0.5)
+    assert float(kto_reference_point(policy, torch.tensor([0.0, 0.0]))) == 0.0
+    assert not kto_reference_point(policy, torch.tensor([-2.0, -3.0])).requires_grad
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    low, high = wilson_interval(8, 10)
+    assert (low, high) == pytest.approx((0.4902, 0.9433), abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+# ---- data ----------------------------------------------------------------------------------------------------------
+def learnable_rows(count: int, offset: int = 0) -> list[dict]:
+    """Pairs whose chosen side always opens with "Yes, indeed." and whose rejected side never does."""
+    rows = []
+    for i in range(offset, offset + count):
+        prompt = f"Story {i}: the fox went to the river on day {i}."
+        rest = f" It saw {i % 7} birds and a boat."
+        rows.append({"prompt": prompt, "chosen": " Yes, indeed." + rest, "rejected": rest})
+    return rows
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def test_the_split_is_by_prompt_and_kto_sees_pairs_as_good_and_bad(tmp_path):
+    rows = learnable_rows(20)
+    rows.append({"prompt": rows[0]["prompt"], "completion": " a thumbs-down answer", "label": False})
+    path = write_rows(tmp_path / "prefs.jsonl", rows)
+    dpo = load_preference_data([path], None, "dpo", seed=0, fraction=0.25)
+    kto = load_preference_data([path], None, "kto", seed=0, fraction=0.25)
+    held = {p.prompt for p in dpo.heldout_pairs}
+    assert len(held) == 5 and not held & {p.prompt for p in dpo.train}
+    assert held == heldout_prompts({row["prompt"] for row in rows}, 0, 0.25)
+    assert len(kto.train) == 2 * len(dpo.train) + (rows[0]["prompt"] not in held)
+    assert {item.label for item in kto.train if item.completion.startswith(" Yes")} == {True}
+
+
+def test_feedback_about_another_model_is_refused_unless_asked(tmp_path):
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    mine = "a" * 64
+    (run / "export" / "model-F16.gguf.json").write_text(json.dumps({"metrics": {"sha256": mine}}))
+    assert check_feedback_models({mine}, run, any_model=False)["matched"] == [mine]
+    with pytest.raises(UserError, match="--any-model"):
+        check_feedback_models({mine, "b" * 64}, run, any_model=False)
+    assert check_feedback_models({"b" * 64}, run, any_model=True)["foreign"] == ["b" * 64]
+    assert check_feedback_models(set(), run, any_model=False)["foreign"] == []  # TRL rows carry no model_id
+
+
+# ---- the stage on a tiny model -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, tiny_models, stories):
+    return finished_sft_run(tmp_path_factory.mktemp("pref") / "run", tiny_models["llama"], stories, steps=2)
+
+
+@pytest.fixture(scope="module")
+def prefs(tmp_path_factory):
+    return write_rows(tmp_path_factory.mktemp("prefs") / "prefs.jsonl", learnable_rows(60))
+
+
+def preference_recipe(recipe, algo, prefs, **settings):
+    settings = dict(dict(steps=30, learning_rate=5e-3, batch_size=8, eval_every=10, save_steps=10), **settings)
+    return recipe.model_copy(update={
+        "rl": recipe.rl.model_copy(update={"algo": algo}),
+        "preference": recipe.preference.model_copy(update=settings),
+        "reward": recipe.reward.model_copy(update={"preferences": [str(prefs)]})})
+
+
+def fresh_run(sft_run, out):
+    base, recipe = sft_run
+    shutil.copytree(base / "sft", out / "sft")
+    return recipe
+
+
+@pytest.mark.parametrize("algo", ["dpo", "kto"])
+def test_a_learnable_preference_is_learned_on_held_out_prompts(sft_run, prefs, tmp_path, algo):
+    recipe = preference_recipe(fresh_run(sft_run, tmp_path / "run"), algo, prefs)
+    result = run_preference(recipe, tmp_path / "run", force=True)
+    metrics = result.metrics
+    assert metrics["heldout_before"]["pair_accuracy"] == 0.0  # the policy starts as the reference: no margin
+    assert metrics["heldout_accuracy"]["kind"] == "pair_accuracy"
+    assert metrics["heldout_accuracy"]["value"] > 0.8
+    low, high = metrics["heldout_accuracy"]["ci95"]
+    assert low <= metrics["heldout_accuracy"]["value"] <= high
+    assert (tmp_path / "run" / algo / "adapter" / "adapter_model.safetensors").is_file()
+    logged = [json.loads(line) for line in (tmp_path / "run" / algo / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == 30 and "heldout/pair_accuracy" in logged[9]
+    assert metrics["gate"]["forced"] is True  # a 2-step SFT prior is not fluent: recorded
+
+
+def test_the_reference_is_the_merged_sft_prior_and_the_first_step_starts_from_it(sft_run, prefs, tmp_path):
+    from slm_align.modeling import load_tokenizer, merged_policy, resolve_source
+    from slm_align.rl.policy import build_policy
+
+    base, recipe = sft_run
+    recipe = preference_recipe(recipe, "dpo", prefs)
+    source = resolve_source(recipe.model.source)
+    tokenizer = load_tokenizer(source)
+    data = load_preference_data([prefs], tokenizer, "dpo", recipe.seed, 0.2)
+    adapter = base / "sft" / "adapter"
+    policy = build_policy(source, adapter, recipe.rl, recipe.seed)
+    learner = PreferenceLearner(policy, tokenizer, data, recipe.preference, "dpo", recipe.rl.envelope, recipe.seed,
+                                recipe.data.max_length)
+    prior = merged_policy(source, adapter).float().eval()
+    with torch.no_grad():
+        expected, _ = sequence_logprobs(prior, learner.chosen.rows, tokenizer.pad_token_id, 4)
+        base_only, _ = sequence_logprobs(merged_policy(source, None).float().eval(), learner.chosen.rows,
+                                         tokenizer.pad_token_id, 4)
+    assert torch.allclose(learner.chosen.ref, expected, atol=1e-4)
+    assert not torch.allclose(learner.chosen.ref, base_only, atol=1e-3)  # the SFT adapter is merged in
+    first = learner.train_step()
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)  # margin 0 at the first step: -log sigmoid(0)
+
+
+def test_a_nan_loss_rolls_back_parameters_and_optimizer_state(sft_run, prefs, tmp_path, monkeypatch):
+    from slm_align.modeling import load_tokenizer, resolve_source
+    from slm_align.rl.policy import build_policy
+
+    base, recipe = sft_run
+    recipe = preference_recipe(recipe, "dpo", prefs)
+    source = resolve_source(recipe.model.source)
+    tokenizer = load_tokenizer(source)
+    data = load_preference_data([prefs], tokenizer, "dpo", recipe.seed, 0.2)
+    policy = build_policy(source, base / "sft" / "adapter", recipe.rl, recipe.seed)
+    learner = PreferenceLearner(policy, tokenizer, data, recipe.preference, "dpo", recipe.rl.envelope, recipe.seed,
+                                recipe.data.max_length)
+    learner.train_step()
+    learner.train_step()
+    before = {name: param.detach().clone() for name, param in learner.named_params}
+    state_before = {k: v.clone() for k, v in next(iter(learner.optimizer.state.values())).items()}
+    original = learner.loss
+
+    def poisoned(indices):
+        loss, stats = original(indices)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(learner, "loss", poisoned)
+    result = learner.train_step()
+    assert result["rolled_back"] == 1 and learner.guard.counters.rollbacks == 1
+    for name, param in learner.named_params:
+        assert torch.equal(param, before[name])
+    state_after = next(iter(learner.optimizer.state.values()))
+    assert all(torch.equal(state_after[k], v) for k, v in state_before.items())
+
+
+def test_a_killed_run_resumes_bit_identical(sft_run, prefs, tmp_path, monkeypatch):
+    recipe = preference_recipe(fresh_run(sft_run, tmp_path / "whole"), "dpo", prefs, steps=12, save_steps=4)
+    run_preference(recipe, tmp_path / "whole", force=True)
+    fresh_run(sft_run, tmp_path / "killed")
+    original = PreferenceLearner.train_step
+
+    def killed_at_seven(self):
+        if self.step == 6:  # after the checkpoint at step 4: steps 5 and 6 are trained again
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(PreferenceLearner, "train_step", killed_at_seven)
+    with pytest.raises(KeyboardInterrupt):
+        run_preference(recipe, tmp_path / "killed", force=True)
+    monkeypatch.setattr(PreferenceLearner, "train_step", original)
+    with pytest.raises(UserError, match="--resume"):
+        run_preference(recipe, tmp_path / "killed", force=True)
+    resumed = run_preference(recipe, tmp_path / "killed", force=True, resume=True)
+    adapter = "dpo/adapter/adapter_model.safetensors"
+    assert (tmp_path / "killed" / adapter).read_bytes() == (tmp_path / "whole" / adapter).read_bytes()
+    assert (tmp_path / "killed" / "dpo" / "metrics.jsonl").read_text() == \
+        (tmp_path / "whole" / "dpo" / "metrics.jsonl").read_text()
+    assert resumed.metrics["heldout_before"] == json.loads(
+        (tmp_path / "whole" / "dpo" / "manifest.json").read_text())["metrics"]["heldout_before"]
+
+
+# ---- the command line ----------------------------------------------------------------------------------------------
+def test_cli_dpo_without_preferences_or_with_too_few_is_one_line(sft_run, tmp_path, capsys):
+    base, _ = sft_run
+    out = tmp_path / "run"
+    shutil.copytree(base / "sft", out / "sft")
+    code, stdout, stderr = run_cli(capsys, "train", "--algo", "dpo", "--out", out)
+    assert code == 2 and "--preferences" in stderr and len(stderr.strip().splitlines()) == 1
+    few = write_rows(tmp_path / "few.jsonl", learnable_rows(6))
+    code, stdout, stderr = run_cli(capsys, "train", "--algo", "kto", "--out", out, "--preferences", few)
+    assert code == 1 and "training labelled completions" in stderr
+    assert not (out / "kto").exists() and not (out / "kto.partial").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--algo", "dpo", "--desirable-weight", "2"], "--desirable-weight is a KTO setting and --algo is dpo"),
+    (["--algo", "ppo", "--pref-beta", "0.2"], "--pref-beta is a DPO/KTO setting and --algo is ppo"),
+    (["--algo", "kto", "--beta", "0.2"], "--beta is a GRPO setting and --algo is kto"),
+])
+def test_a_setting_of_another_algorithm_is_refused(tmp_path, capsys, args, message):
+    code, _, stderr = run_cli(capsys, "train", "--out", tmp_path / "run", *args)
+    assert code == 2 and message in stderr and not (tmp_path / "run").exists()
