@@ -24,7 +24,7 @@ from slm_align.modeling import load_model, load_tokenizer, merged_policy, resolv
 from slm_align.perplexity import perplexity
 from slm_align.plots import plot_curves
 from slm_align.rl.watchdog import read_events, report_section
-from slm_align.runs import read_manifest
+from slm_align.runs import ALIGNED_STAGES, read_manifest
 from slm_align.sft import recipe_from_sft
 from slm_align.stats import (
     analytical_win_rate,
@@ -46,27 +46,28 @@ class Policy:
 
 
 def run_policies(recipe: Recipe, run: Path, adapter: Optional[Path], baselines: Sequence[str]) -> list[Policy]:
-    """The run's SFT prior (the model as given when ``adapter`` is None), its RL policy when present, then any
-    baseline model sources."""
+    """The run's SFT prior (the model as given when ``adapter`` is None), its RL, DPO and KTO policies when present,
+    then any baseline model sources."""
     from peft import PeftModel
 
     source = resolve_source(recipe.model.source)
     model = recipe.model
-    rl_adapter = Path(run) / "rl" / "adapter"
 
     def load_sft():
         policy = merged_policy(source, adapter, model.trust_remote_code, model.allow_pickle)
         return policy, load_tokenizer(source, model.trust_remote_code)
 
-    def load_rl():
+    def load_aligned(stage: str):
         policy, tokenizer = load_sft()
-        return PeftModel.from_pretrained(policy, str(rl_adapter)).eval(), tokenizer
+        return PeftModel.from_pretrained(policy, str(Path(run) / stage / "adapter")).eval(), tokenizer
 
     policies = [Policy("sft", f"{source.label} + SFT adapter", load_sft)]
     if adapter is None:  # RL started from the model as given (--no-sft)
         policies = [Policy("base", f"{source.label} as given", load_sft)]
-    if rl_adapter.is_dir():
-        policies.append(Policy("rl", f"{policies[0].name} + RL adapter", load_rl))
+    for stage in ALIGNED_STAGES:
+        if (Path(run) / stage / "adapter").is_dir():
+            describe = f"{policies[0].name} + {stage.upper()} adapter"
+            policies.append(Policy(stage, describe, functools.partial(load_aligned, stage)))
     for spec in baselines:
         baseline = resolve_source(spec)
         policies.append(Policy(baseline.label, baseline.label, functools.partial(_load_source, baseline, recipe)))
@@ -140,6 +141,7 @@ def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_mo
               "comparisons": [compare(rows[0], row, recipe.seed) for row in rows[1:]],
               "samples": [{"prompt": held[i], **{r["name"]: r["completions"][i] for r in rows}} for i in range(3)]}
     report["watchdog"] = _watchdog_of(run / "rl")
+    report["preference"] = preference_records(run)
     _write(report, run / "eval", run / "rl" / "metrics.jsonl")
     return report
 
@@ -150,6 +152,38 @@ def _watchdog_of(stage: Path) -> Optional[dict]:
     if manifest is None or "watchdog" not in manifest["metrics"]:
         return None
     return dict(manifest["metrics"]["watchdog"], event_list=read_events(stage / "events.jsonl"))
+
+
+def preference_records(run: Path) -> list[dict]:
+    """The held-out preference accuracy (with its 95% interval) of each finished DPO/KTO stage, before and after."""
+    records = []
+    for stage in ("dpo", "kto"):
+        manifest = read_manifest(Path(run) / stage)
+        if manifest is None or manifest["metrics"].get("heldout_accuracy") is None:
+            continue
+        metrics = manifest["metrics"]
+        headline = metrics["heldout_accuracy"]
+        records.append({"stage": stage, "kind": headline["kind"], "before": metrics["heldout_before"][headline["kind"]],
+                        "after": headline["value"], "ci95": headline["ci95"], "steps": metrics["steps"],
+                        "heldout_pairs": metrics["heldout_pairs"]})
+    return records
+
+
+def preference_section(records: list[dict]) -> list[str]:
+    """The report's markdown lines for :func:`preference_records` (none without a DPO/KTO stage)."""
+    if not records:
+        return []
+    lines = ["## Preference optimisation", "",
+             "| stage | held-out accuracy before | after | 95% CI | held-out pairs | steps |",
+             "|---|---|---|---|---|---|"]
+    for r in records:
+        low = r["ci95"][0]
+        high = r["ci95"][1]
+        lines.append(f"| {r['stage']} ({r['kind'].replace('_', ' ')}) | {r['before']:.3f} | {r['after']:.3f} | "
+                     f"[{low:.3f}, {high:.3f}] | {r['heldout_pairs']} | {r['steps']} |")
+    lines += ["", "Pair accuracy: share of held-out pairs whose implicit reward beta * log(pi / pi_ref) is higher for "
+              "the chosen answer (0 before training: the policy equals the reference); interval: Wilson.", ""]
+    return lines
 
 
 def _starts_from_sft(recipe: Recipe, run: Path, sft_run: Optional[Path]) -> bool:
@@ -220,6 +254,7 @@ def render_markdown(report: dict, has_curves: bool) -> str:
         lines.append("")
     watchdog = report.get("watchdog")
     lines += report_section(watchdog, (watchdog or {}).get("event_list", []))
+    lines += preference_section(report.get("preference", []))
     lines += ["## Plots", "", "![reward distributions](reward_distributions.png)"]
     if has_curves:
         lines.append("![training curves](training_curves.png)")

@@ -117,6 +117,19 @@ def read_manifest(stage_dir: Path) -> Optional[dict]:
     return manifest
 
 
+ALIGNED_STAGES = ("rl", "dpo", "kto")
+"""The stages that train an adapter on top of the merged SFT prior."""
+
+
+def aligned_stages(run: Path) -> list[str]:
+    """The run's finished aligned stages that hold an adapter, oldest first (by their manifest's write time)."""
+    found = []
+    for stage in ALIGNED_STAGES:
+        if (Path(run) / stage / "adapter").is_dir() and read_manifest(Path(run) / stage) is not None:
+            found.append((Path(run, stage, MANIFEST).stat().st_mtime_ns, stage))
+    return [stage for _, stage in sorted(found)]
+
+
 def check_out_dir(out: Path) -> Path:
     """``out`` can be a directory: it is one, or its nearest existing ancestor is (a file in the way is refused)."""
     out = Path(out)

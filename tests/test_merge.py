@@ -35,7 +35,7 @@ def test_merged_checkpoint_loads_without_peft_and_matches_the_policy(capsys, tmp
     tokenizer = AutoTokenizer.from_pretrained(merged_dir)
     assert tokenizer.chat_template and merged.generation_config.eos_token_id == tokenizer.eos_token_id
     manifest = json.loads((merged_dir / "manifest.json").read_text())
-    assert manifest["inputs"]["rl_adapter"].endswith("rl/adapter")
+    assert manifest["inputs"]["aligned_adapter"].endswith("rl/adapter") and manifest["inputs"]["aligned_stage"] == "rl"
     before = (merged_dir / "model.safetensors").read_bytes()
     with pytest.raises(SystemExit) as again:
         main(["merge", "--run", str(out)])

@@ -1,6 +1,7 @@
 """Fold a run's adapters into the base weights: a plain HF directory that loads without peft.
 
-SFT adapter first (into the base), then the RL adapter (trained on top of the merged SFT weights). The output has
+SFT adapter first (into the base), then the adapter of the run's latest aligned stage (RL, DPO or KTO, each trained
+on top of the merged SFT weights). The output has
 safetensors weights, the tokenizer with a chat template (ChatML when the model has none, recorded in the
 manifest; a GGUF base's own tokenizer fields too, as ``tokenizer.gguf``), a generation config, a model card
 (README.md, from the run's records) and ``manifest.json``. Written to ``OUT.partial`` and renamed when complete.
@@ -17,12 +18,20 @@ from slm_align.config import Recipe
 from slm_align.errors import UserError
 from slm_align.export.model_card import CARD, merged_card
 from slm_align.modeling import default_chat_template, load_tokenizer, merged_policy, resolve_source, save_tokenizer
-from slm_align.runs import StageResult, check_out_dir, make_manifest, partial_dir, publish
+from slm_align.runs import StageResult, aligned_stages, check_out_dir, make_manifest, partial_dir, publish
 from slm_align.sft import recipe_from_sft
 
 
+def merged_stage(run: Path) -> Optional[str]:
+    """The aligned stage whose adapter a merge folds in: the run's most recently finished of RL, DPO and KTO (None:
+    the SFT prior alone)."""
+    stages = aligned_stages(run)
+    return stages[-1] if stages else None
+
+
 def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: bool = False) -> StageResult:
-    """Write ``out`` (default ``run/merged``) from the run's base model, SFT adapter and RL adapter (if any)."""
+    """Write ``out`` (default ``run/merged``) from the run's base model, SFT adapter and the adapter of its latest
+    aligned stage (RL, DPO or KTO; if any)."""
     from peft import PeftModel
 
     started = time.time()
@@ -34,9 +43,9 @@ def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: 
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
     model = merged_policy(source, sft_adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
-    rl_adapter = run / "rl" / "adapter"
-    if rl_adapter.is_dir():
-        model = PeftModel.from_pretrained(model, str(rl_adapter)).merge_and_unload()
+    aligned = merged_stage(run)
+    if aligned is not None:
+        model = PeftModel.from_pretrained(model, str(run / aligned / "adapter")).merge_and_unload()
     default_template = tokenizer.chat_template is None
     if default_template:
         tokenizer.chat_template = default_chat_template(tokenizer)
@@ -46,8 +55,8 @@ def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: 
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, safe_serialization=True)
     save_tokenizer(tokenizer, source, partial)
-    inputs = {"base": source.ref, "sft_adapter": str(sft_adapter),
-              "rl_adapter": str(rl_adapter) if rl_adapter.is_dir() else None}
+    inputs = {"base": source.ref, "sft_adapter": str(sft_adapter), "aligned_stage": aligned,
+              "aligned_adapter": str(run / aligned / "adapter") if aligned is not None else None}
     metrics = {"parameters": sum(p.numel() for p in model.parameters()), "default_chat_template": default_template,
                "architecture": model.config.model_type, "model_card": CARD}
     (partial / CARD).write_text(merged_card(run, out.name), encoding="utf-8")

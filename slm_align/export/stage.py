@@ -29,6 +29,7 @@ from slm_align.runs import (
     check_out_dir,
     file_checksums,
     make_manifest,
+    read_manifest,
 )
 
 TARGETS = ("gguf", "onnx")
@@ -127,15 +128,30 @@ def _locate(source: str, target: str) -> dict:
     return {"kind": "dir", "path": resolved.ref}
 
 
+def _merged_is_current(run: Path) -> bool:
+    """Whether ``run/merged`` folds in the run's latest aligned stage (a DPO round after an export makes it stale)."""
+    from slm_align.export.merge import merged_stage
+
+    manifest = read_manifest(run / "merged")
+    if manifest is None:
+        return False
+    stage = merged_stage(run)
+    if manifest["inputs"].get("aligned_stage") != stage:
+        return False
+    if stage is None:
+        return True
+    return (run / "merged" / MANIFEST).stat().st_mtime_ns >= (run / stage / MANIFEST).stat().st_mtime_ns
+
+
 def _checkpoint(origin: dict, scratch: Path) -> Path:
     """A plain HF directory for ``origin``: the run merged, the directory itself, or a .gguf/hub model saved."""
     if origin["kind"] == "run":
         run = Path(origin["run"])
-        if not (run / "merged" / MANIFEST).is_file():
+        if not _merged_is_current(run):
             from slm_align.config import load_recipe
             from slm_align.export.merge import merge_run
 
-            merge_run(load_recipe(None, {}), run, run / "merged")
+            merge_run(load_recipe(None, {}), run, run / "merged", overwrite=True)
         return run / "merged"
     if origin["kind"] == "dir":
         return Path(origin["path"])
