@@ -106,3 +106,23 @@ def test_a_version_1_store_migrates_and_its_old_turns_take_no_token_feedback(tmp
         assert old.token is None and store.turn_by_token(old.id, "") is None
         assert store.turn_by_token(new, store.turn(new).token).completion == "Hey"
         assert store.turn_by_token(10 ** 21, "x") is None and store.turn(10 ** 21) is None
+
+
+# --- 10. client errors are 4xx, without paths -------------------------------------------------------------------
+
+
+def test_huge_ids_and_deep_arguments_are_client_errors(server):
+    deep_text = "[" * 5000 + "]" * 5000
+    deep_object = {"a": 1}
+    for _ in range(300):
+        deep_object = {"a": deep_object}
+    for arguments in (deep_text, deep_object):
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+        response = server.post("/v1/chat/completions", {**HELLO, "messages": messages})
+        assert response.status_code == 400 and "nest" in response.json()["error"]["message"]
+    for path in ("/v1/feedback", "/v1/alternative"):
+        response = server.post(path, {"turn_id": 10 ** 21, "turn_token": "t", "kind": "up"})
+        assert response.status_code == 400 and "2**63-1" in response.json()["error"]["message"]
+    assert server.post("/v1/chat/completions", HELLO).status_code == 200

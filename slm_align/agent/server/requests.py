@@ -38,6 +38,8 @@ from slm_align.agent.store import FEEDBACK_KINDS, MAX_TURN_ID, PREFERRED
 from slm_align.agent.tools import ToolRegistry
 
 ROLES = ("system", "user", "assistant", "tool")
+MAX_ARGUMENT_DEPTH = 64
+"""Deepest nesting of a past tool call's arguments: past it, rendering and storing would exhaust the stack."""
 DEFAULTS = SamplingParams()
 
 
@@ -300,13 +302,37 @@ def _runtime_message(message: Message, call_names: dict) -> dict:
 
 
 def _arguments(arguments: Any) -> Any:
-    """OpenAI's JSON-text arguments as the object chat templates take (text that is not JSON stays text)."""
-    if not isinstance(arguments, str):
-        return arguments if arguments is not None else {}
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
+    """OpenAI's JSON-text arguments as the object chat templates take (text that is not JSON stays text); a 400
+    when they nest deeper than :data:`MAX_ARGUMENT_DEPTH` (templates and the store recurse into them)."""
+    if arguments is None:
+        return {}
+    value = arguments
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return arguments
+        except RecursionError:
+            raise _too_deep() from None
+    if _depth(value) > MAX_ARGUMENT_DEPTH:
+        raise _too_deep()
+    return value
+
+
+def _too_deep() -> ApiError:
+    return bad(f"tool call arguments may nest at most {MAX_ARGUMENT_DEPTH} levels deep")
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in ``value`` (counted without recursion)."""
+    deepest = 0
+    pending = [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, level)
+            pending.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _runs_on_the_client(**arguments: Any) -> None:
