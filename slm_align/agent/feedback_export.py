@@ -77,23 +77,27 @@ def _row(turn: Turn, feedback: Feedback) -> dict[str, Any] | None:
             "model_id": turn.model_id}
 
 
-def _scrub_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    out = []
-    total = 0
-    for message in messages:
-        content, count = scrub_text(message["content"])
-        out.append({**message, "content": content})
-        total += count
-    return out, total
+def _scrub_value(value: Any) -> tuple[Any, int]:
+    """``value`` with every string in it scrubbed, however deeply nested (tool-call arguments included)."""
+    if isinstance(value, str):
+        return scrub_text(value)
+    if isinstance(value, dict):
+        items = [_scrub_value(item) for item in value.values()]
+        return dict(zip(value, (item for item, _ in items))), sum(count for _, count in items)
+    if isinstance(value, list):
+        items = [_scrub_value(item) for item in value]
+        return [item for item, _ in items], sum(count for _, count in items)
+    return value, 0
 
 
 def scrub_row(row: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """The row with personal data replaced in every message's content, and the number of replacements."""
+    """The row with personal data replaced in every string of its message columns (contents, tool calls and
+    their arguments, names), and the number of replacements; the label and other metadata stay as they are."""
     out = {}
     total = 0
     for column, value in row.items():
         if isinstance(value, list):
-            value, count = _scrub_messages(value)
+            value, count = _scrub_value(value)
             total += count
         out[column] = value
     return out, total
@@ -120,7 +124,7 @@ def _write_jsonl_pair(files: list[tuple[Path, list[dict[str, Any]]]]) -> None:
             tmp.write_text(jsonl_text(rows), encoding="utf-8")
 
 
-def collect_rows(turns: Iterable[Turn], scrub: bool = False) -> tuple[list[dict], list[dict], dict[str, int]]:
+def collect_rows(turns: Iterable[Turn], scrub: bool = True) -> tuple[list[dict], list[dict], dict[str, int]]:
     """``(paired rows, unpaired rows, counts)`` from the consented turns' latest verdicts."""
     paired = []
     unpaired = []
@@ -141,7 +145,7 @@ def collect_rows(turns: Iterable[Turn], scrub: bool = False) -> tuple[list[dict]
     return paired, unpaired, counts
 
 
-def export_preferences(store_path: str | os.PathLike, out_path: str | os.PathLike, scrub: bool = False,
+def export_preferences(store_path: str | os.PathLike, out_path: str | os.PathLike, scrub: bool = True,
                        overwrite: bool = False) -> dict[str, Any]:
     """Write the consented feedback in ``store_path`` to ``out_path`` (pairs) and its ``.unpaired.jsonl`` sibling.
 

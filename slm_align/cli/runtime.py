@@ -115,13 +115,17 @@ def serve(
 
 
 @feedback_app.command("export", epilog="Examples:\n\n"
-                                        "  slm-align feedback export prefs.db --out round2.jsonl --scrub\n\n"
+                                        "  slm-align feedback export prefs.db --out round2.jsonl\n\n"
                                         "  slm-align train --stage reward --out runs/round2 --preferences round2.jsonl "
                                         "--preferences round2.unpaired.jsonl")
 def feedback_export(
     db: Path = typer.Argument(..., help="Preference database written by the agent (chat, serve, Python API)."),
     out: Path = typer.Option(..., "--out", "-o", help="Pairs file (.jsonl); thumbs go to OUT's .unpaired.jsonl."),
-    scrub: bool = typer.Option(False, "--scrub", help="Replace e-mails, phone numbers, cards, IPs, IBANs."),
+    scrub: bool = typer.Option(True, "--scrub/--no-scrub",
+                               help="Replace e-mails, phone numbers, cards, SSNs, IPs (v4 and v6), IBANs, API keys and "
+                                    "tokens in every string of every row (on by default). Not caught: names, street "
+                                    "addresses and other personal data without a fixed shape: read the rows before "
+                                    "sharing them."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing output files."),
     as_json: bool = JsonFlag,
 ) -> None:
