@@ -182,3 +182,27 @@ def test_chat_writes_no_terminal_control_sequences():
     assert "".join(written[:3]) == "Hi red\n\tok\n"
     assert not any(ch in shown for ch in "\x1b\x07\x00\x7f\r\x9b")
     assert "[2]" in said[-1] and "bold" in said[-1]
+
+
+# --- 9. hash first, then open -------------------------------------------------------------------------------------
+
+
+def test_a_changed_artifact_is_refused_before_llama_cpp_parses_it(tmp_path, monkeypatch):
+    import json
+
+    from slm_align.agent import runtime
+    from slm_align.errors import UserError
+
+    gguf = tmp_path / "model-Q8_0.gguf"
+    gguf.write_bytes(b"GGUF" + b"\x00" * 64)
+    (tmp_path / "model-Q8_0.gguf.json").write_text(json.dumps({"metrics": {"sha256": "0" * 64}}))
+    opened = []
+
+    def spy(artifact, **options):
+        opened.append(artifact)
+        return object()
+
+    monkeypatch.setattr(runtime, "open_backend", spy)
+    with pytest.raises(UserError, match="does not match the checksum"):
+        runtime.load_model(gguf)
+    assert opened == []

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-from slm_align.agent.backend import Backend, open_backend
+from slm_align.agent.backend import Backend, artifact_kind, open_backend
 from slm_align.agent.prompt import PromptFitter
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.store import new_token
@@ -61,12 +61,18 @@ class Model:
 
 def load_model(artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
                n_ctx: Optional[int] = None) -> Model:
-    """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context from its profile."""
+    """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context from its profile.
+
+    The artifact is hashed and checked against its export manifest first: a parser (llama.cpp's, onnxruntime's)
+    never reads a file that changed after export.
+    """
     artifact = Path(artifact)
+    artifact_kind(artifact)
+    sha256 = artifact_id(artifact)
     if device is not None:
         threads, n_ctx = device_settings(artifact, device, threads, n_ctx)
     backend = open_backend(artifact, threads=threads, n_ctx=n_ctx)
-    return Model(backend, artifact_id(artifact), artifact.name)
+    return Model(backend, sha256, artifact.name)
 
 
 def fold_seed(seed: int) -> int:
