@@ -126,3 +126,38 @@ def test_huge_ids_and_deep_arguments_are_client_errors(server):
         response = server.post(path, {"turn_id": 10 ** 21, "turn_token": "t", "kind": "up"})
         assert response.status_code == 400 and "2**63-1" in response.json()["error"]["message"]
     assert server.post("/v1/chat/completions", HELLO).status_code == 200
+
+
+# --- 6. slow clients ----------------------------------------------------------------------------------------------
+
+
+def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(onnx_model):
+    import socket
+    import threading
+
+    import uvicorn
+
+    from slm_align.agent.server.connections import server_config
+    from tests.test_serve import wait_until
+
+    config = server_config(create_app(onnx_model), "warning", max_connections=4, header_timeout=0.5)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, "the server starts")
+        slow = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
+        for client in slow:
+            client.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # headers never finished
+        assert [client.recv(100) for client in slow] == [b""] * 3  # closed by the server, nothing answered
+        many = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(6)]
+        request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+        for client in many:
+            client.sendall(request)
+        statuses = sorted(client.recv(12)[-3:] for client in many)
+        assert b"503" in statuses and b"200" in statuses  # beyond the limit: refused, not queued forever
+    finally:
+        server.should_exit = True
+        thread.join()

@@ -89,11 +89,14 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(artifact: Union[str, Path], host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
           insecure: bool = False, log_level: str = "info", announce: Optional[Callable[[dict], None]] = None,
           **options: Any) -> None:
-    """Check the address, load the model, listen, and answer until interrupted (Ctrl-C).
+    """Check the address, load the model, listen, and answer until interrupted (Ctrl-C); with the connection limits
+    of :func:`slm_align.agent.server.connections.server_config`.
 
     ``options`` go to :func:`create_app`; ``announce`` receives ``{url, model, store, api_key}`` once listening.
     """
     import uvicorn
+
+    from slm_align.agent.server.connections import server_config
 
     check_exposure(host, api_key, insecure)
     sock = bind(host, port)  # before loading the model: a taken port fails fast
@@ -105,7 +108,7 @@ def serve(artifact: Union[str, Path], host: str = "127.0.0.1", port: int = 8080,
         raise
     if announce is not None:
         announce(_listening(app, host, sock, api_key, options.get("store_path")))
-    uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
+    uvicorn.Server(server_config(app, log_level)).run(sockets=[sock])
 
 
 def listening_names(host: str, allowed_hosts: Sequence[str]) -> list[str]:
