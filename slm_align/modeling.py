@@ -351,14 +351,16 @@ def build_tiny_model(architecture: str, vocab_size: int, seed: int = 0, hidden: 
     return AutoModelForCausalLM.from_config(config).float().eval()
 
 
-def load_adapter(model, adapter_dir: Path):
-    """Attach a saved peft adapter to ``model`` (for evaluation; the adapter stays switchable)."""
+def load_adapter(model, adapter_dir: Path, allow_pickle: bool = False):
+    """Attach a saved peft adapter to ``model`` (for evaluation; the adapter stays switchable). An adapter saved
+    only as pickle (``adapter_model.bin``, which peft reads with ``torch.load``) needs ``allow_pickle``."""
     from peft import PeftModel
 
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter_config.json").is_file():
         raise UserError(f"adapter {adapter_dir} not found (no adapter_config.json); pass the sft/adapter directory "
                         "of a finished run")
+    check_adapter_files(adapter_dir, allow_pickle)
     try:
         return PeftModel.from_pretrained(model, str(adapter_dir)).float().eval()
     except Exception as exc:
@@ -366,8 +368,18 @@ def load_adapter(model, adapter_dir: Path):
                         "pass the base model the adapter was trained on") from None
 
 
+def check_adapter_files(adapter_dir: Path, allow_pickle: bool) -> None:
+    """Refuse an adapter saved only as pickle (``adapter_model.bin``) unless ``allow_pickle``: loading it runs
+    ``torch.load`` on a file that could execute code."""
+    safe = (adapter_dir / "adapter_model.safetensors").is_file()
+    pickle_only = (adapter_dir / "adapter_model.bin").is_file() and not safe
+    if pickle_only and not allow_pickle:
+        raise UserError(f"adapter {adapter_dir} is saved only as pickle (adapter_model.bin), which can run code when "
+                        "loaded; convert it to safetensors or pass --allow-pickle if you trust it")
+
+
 def merged_policy(source: ModelSource, adapter: Optional[Path], trust_remote_code: bool = False,
                   allow_pickle: bool = False):
     """The policy's weights with the SFT adapter folded in (a plain model, no peft wrapper)."""
     model = load_model(source, trust_remote_code, allow_pickle)
-    return load_adapter(model, adapter).merge_and_unload() if adapter is not None else model
+    return load_adapter(model, adapter, allow_pickle).merge_and_unload() if adapter is not None else model

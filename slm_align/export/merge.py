@@ -17,7 +17,14 @@ from typing import Optional
 from slm_align.config import Recipe
 from slm_align.errors import UserError
 from slm_align.export.model_card import CARD, merged_card
-from slm_align.modeling import default_chat_template, load_tokenizer, merged_policy, resolve_source, save_tokenizer
+from slm_align.modeling import (
+    check_adapter_files,
+    default_chat_template,
+    load_tokenizer,
+    merged_policy,
+    resolve_source,
+    save_tokenizer,
+)
 from slm_align.runs import StageResult, aligned_stages, check_out_dir, make_manifest, partial_dir, publish
 from slm_align.sft import recipe_from_sft
 
@@ -45,6 +52,7 @@ def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: 
     model = merged_policy(source, sft_adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
     aligned = merged_stage(run)
     if aligned is not None:
+        check_adapter_files(run / aligned / "adapter", recipe.model.allow_pickle)
         model = PeftModel.from_pretrained(model, str(run / aligned / "adapter")).merge_and_unload()
     default_template = tokenizer.chat_template is None
     if default_template:
