@@ -85,9 +85,15 @@ def file_checksums(directory: Path) -> dict[str, str]:
     return {p.relative_to(directory).as_posix(): sha256_file(p) for p in _files(directory)}
 
 
+MODEL_CARD = "README.md"
+"""The model card an export writes into an artifact directory: it describes the artifact (its sha256 included), so
+it is not part of what the digest identifies."""
+
+
 def artifact_digest(path: Path) -> str:
-    """One sha256 for a file, or for a directory's files (their digests in path order), manifest excluded."""
-    files = _files(path)
+    """One sha256 for a file, or for a directory's files (their digests in path order), manifest and model card
+    excluded."""
+    files = [file for file in _files(path) if file != Path(path) / MODEL_CARD]
     if len(files) == 1 and files[0] == Path(path):
         return sha256_file(path)
     return hashlib.sha256("".join(f"{p.relative_to(path).as_posix()}:{sha256_file(p)}\n"

@@ -128,3 +128,15 @@ def test_onnx_export_carries_its_card_inside(tmp_path):
     assert header["library_name"] == "onnx" and header["tags"] == ["slm-align", "onnx", "fp32"]
     assert f"| `{artifact.name}` | fp32 |" in body and f"slm-align chat {artifact.name}" in body
     assert "README.md" in json.loads((artifact / "manifest.json").read_text())["files"]  # checksummed with the rest
+
+
+def test_the_card_inside_an_onnx_export_is_not_part_of_its_digest(tmp_path):
+    from slm_align.agent.runtime import artifact_id
+    from slm_align.runs import artifact_digest, artifact_manifest
+
+    artifact = export_bundled(tmp_path, ("onnx", "fp32"))["onnx"]
+    assert (artifact / "README.md").is_file()
+    recorded = json.loads(artifact_manifest(artifact).read_text())["metrics"]["sha256"]
+    assert artifact_id(artifact) == artifact_digest(artifact) == recorded  # the runtime loads it
+    (artifact / "model.onnx").write_bytes((artifact / "model.onnx").read_bytes() + b"\0")
+    assert artifact_digest(artifact) != recorded  # the weights still are

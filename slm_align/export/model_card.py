@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 from slm_align.modeling import DEFAULT_MODEL_DIR, looks_like_hub_id
-from slm_align.runs import MANIFEST
+from slm_align.runs import MANIFEST, MODEL_CARD
 
-CARD = "README.md"
+CARD = MODEL_CARD
 MARKER = "<!-- model card written by slm-align: merge and export rewrite this file -->"
 BUNDLED_LICENSE = "apache-2.0"  # the bundled model is this project's own, under its license
 _FRONT_MATTER = re.compile(r"\A---\s*\n(.*?)\n---\s*\n", re.DOTALL)
