@@ -21,17 +21,28 @@ class ModelSettings(_Strict):
     allow_pickle: bool = Field(False, description="Accept pickle (.bin) checkpoints (unsafe; off unless asked).")
 
 
+DEMO = "demo"
+"""``data.path`` (``--data demo``) naming the generated demo stories; a file named demo is ``./demo``."""
+
+
 class DataSettings(_Strict):
-    path: Optional[str] = Field(None, description="Corpus file or datasets directory; None = the demo stories.")
+    path: Optional[str] = Field(None, description="Corpus file, datasets directory or hub dataset id; demo: the "
+                                "generated demo stories (./demo for a file of that name). sft, check-headroom and "
+                                "train refuse to run without it unless the data comes from a finished SFT stage.")
     tasks: Optional[str] = Field(None, description="Task file for RL, the gate's reward spread and evaluation: a "
                                  "prompt column (text or chat messages) and any others (answer, tools, ...), which "
                                  "reach the reward functions as keyword lists; jsonl, json, parquet or a datasets "
                                  "directory. None: prompts are the openings of the corpus's held-out documents.")
     text_field: Optional[str] = Field(None, description="Column holding the text; found automatically when None.")
-    demo_documents: int = Field(2000, ge=10, description="How many demo stories to generate when path is None.")
+    demo_documents: int = Field(2000, ge=10, description="How many demo stories to generate (data.path demo).")
     eval_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of documents kept for evaluation.")
     heldout_prompts: int = Field(200, ge=1, description="Most documents kept back as held-out prompts.")
     max_length: int = Field(256, ge=8, le=32768, description="Tokens per training sequence (longer is truncated).")
+
+    @property
+    def uses_demo(self) -> bool:
+        """Whether the corpus is the demo stories: named (``demo``) or left unset by a caller of the library."""
+        return self.path is None or self.path == DEMO
 
 
 class LoraSettings(_Strict):

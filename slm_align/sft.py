@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from slm_align.config import Recipe
+from slm_align.config import DataSettings, Recipe
 from slm_align.data.corpus import Corpus, load_corpus
 from slm_align.data.encoding import encode_all, pad_batch
 from slm_align.errors import UserError
@@ -26,7 +26,16 @@ STAGE = "sft"
 def sft_inputs(recipe: Recipe, source: ModelSource, corpus: Corpus) -> dict:
     """Everything that decides the SFT result; equal inputs mean the stage need not run again."""
     return {"model": {"kind": source.kind, "ref": source.ref}, "data": corpus.fingerprint,
-            "data_settings": recipe.data.model_dump(), "seed": recipe.seed, "sft": recipe.sft.model_dump()}
+            "data_settings": recorded_data(recipe.data), "seed": recipe.seed, "sft": recipe.sft.model_dump()}
+
+
+def recorded_data(settings: DataSettings) -> dict:
+    """The data settings as a manifest records them: the demo with one spelling (unset, as runs recorded it before
+    ``--data demo``), so ``--data demo`` and a library caller's unset path reuse the same SFT stage."""
+    recorded = settings.model_dump()
+    if settings.uses_demo:
+        recorded["path"] = None
+    return recorded
 
 
 def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:

@@ -186,11 +186,92 @@ def test_train_flags_become_recipe_overrides_and_absent_ones_leave_the_toml(tmp_
 
     monkeypatch.setattr(slm_align.sft, "run_sft", fake_run_sft)
     config = tmp_path / "recipe.toml"
-    config.write_text("[sft]\nlearning_rate = 0.0001\nbatch_size = 3\n")
+    config.write_text('[data]\npath = "demo"\n[sft]\nlearning_rate = 0.0001\nbatch_size = 3\n')
     with pytest.raises(Stop):
         main(["train", "--stage", "sft", "--config", str(config), "--out", str(tmp_path / "run"), "--no-rollback",
               "--no-ratio-guard", "--pair-mix", "shuffle=2,truncate", "--seed", "7"])
     recipe = seen["recipe"]
     assert recipe.sft.learning_rate == 0.0001 and recipe.sft.batch_size == 3 and recipe.seed == 7
+    assert recipe.data.path == "demo"  # the TOML's data.path = "demo" asks for the demo stories
     assert recipe.rl.envelope.rollback is False and recipe.rl.envelope.ratio_guard == 0.0
     assert recipe.rl.envelope.reinit_lora is True and recipe.reward.pairs.mix == {"shuffle": 2.0, "truncate": 1.0}
+
+
+class Reached(Exception):
+    """Raised by a stand-in stage once the command got past its checks."""
+
+
+def _stop(*args, **kwargs):
+    raise Reached
+
+
+NO_DATA_COMMANDS = {
+    "sft": ["sft"],
+    "train --stage sft": ["train", "--stage", "sft"],
+    "train (SFT first)": ["train"],
+    "train --algo dpo (SFT first)": ["train", "--algo", "dpo", "--preferences", "prefs.jsonl"],
+    "train --tasks (SFT first: tasks are no corpus)": ["train", "--tasks", "tasks.jsonl"],
+    "check-headroom --model": ["check-headroom", "--model", "base", "--adapter", "adapter"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(NO_DATA_COMMANDS))
+def test_training_without_data_is_refused_naming_a_file_or_the_demo(capsys, tmp_path, case):
+    out = tmp_path / "run"
+    args = NO_DATA_COMMANDS[case]
+    place = ["--out", out] if args[0] != "check-headroom" else []
+    code, stdout, err = run_cli(capsys, *args, *place)
+    assert code == 2 and stdout == "" and err.count("\n") == 1, err
+    assert "no training data" in err and "--data FILE" in err and "--data demo" in err
+    assert not out.exists()
+
+
+def test_data_demo_on_the_command_line_asks_for_the_demo_stories(tmp_path, monkeypatch):
+    import slm_align.sft
+    from slm_align.cli import main
+
+    seen = {}
+
+    def fake_run_sft(recipe, out, resume=False):
+        seen["recipe"] = recipe
+        raise Reached
+
+    monkeypatch.setattr(slm_align.sft, "run_sft", fake_run_sft)
+    with pytest.raises(Reached):
+        main(["sft", "--data", "demo", "--out", str(tmp_path / "run")])
+    assert seen["recipe"].data.path == "demo" and seen["recipe"].data.uses_demo
+
+
+def test_data_taken_from_a_finished_sft_stage_or_tasks_needs_no_data_flag(capsys, tmp_path, monkeypatch):
+    import slm_align.headroom
+    import slm_align.reward.stage
+    import slm_align.rl.stage
+
+    monkeypatch.setattr(slm_align.rl.stage, "run_rl", _stop)
+    monkeypatch.setattr(slm_align.reward.stage, "run_reward", _stop)
+    monkeypatch.setattr(slm_align.headroom, "check_headroom", _stop)
+    run = tmp_path / "run"
+    (run / "sft").mkdir(parents=True)
+    (run / "sft" / "manifest.json").write_text("{}")
+    for args in (["train", "--out", run], ["train", "--out", tmp_path / "new", "--sft", run],
+                 ["train", "--stage", "reward", "--out", run], ["check-headroom", "--run", run],
+                 ["train", "--no-sft", "--tasks", "tasks.jsonl", "--reward", "exact_answer", "--out", tmp_path / "t"],
+                 ["check-headroom", "--model", "base", "--tasks", "tasks.jsonl"]):
+        with pytest.raises(Reached):
+            run_cli(capsys, *args)
+
+
+def test_the_demo_named_or_left_unset_is_one_corpus_and_one_sft_stage():
+    from slm_align.config import load_recipe
+    from slm_align.data.corpus import load_corpus
+    from slm_align.modeling import resolve_source
+    from slm_align.sft import sft_inputs
+
+    unset = load_recipe(overrides={"data.demo_documents": 40})
+    named = load_recipe(overrides={"data.demo_documents": 40, "data.path": "demo"})
+    corpus = load_corpus(unset.data, seed=0)
+    again = load_corpus(named.data, seed=0)
+    assert again.fingerprint == corpus.fingerprint and again.splits.train == corpus.splits.train
+    source = resolve_source(None)
+    assert sft_inputs(named, source, again) == sft_inputs(unset, source, corpus)  # the stage is reused
+    assert sft_inputs(named, source, again)["data_settings"]["path"] is None

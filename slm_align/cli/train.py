@@ -18,6 +18,7 @@ from slm_align.cli.render import (
     print_sft,
     stdout,
 )
+from slm_align.data.corpus import require_data
 from slm_align.errors import UserError
 
 commands = typer.Typer()
@@ -62,6 +63,12 @@ TASKS = (
 SAFETY = (
     Flag("--trust-remote-code", "model.trust_remote_code", sets=True),
     Flag("--allow-pickle", "model.allow_pickle", sets=True),
+)
+COMPUTE = (
+    Flag("--device", "compute.device"),
+    Flag("--precision", "compute.precision"),
+    Flag("--gradient-checkpointing", "compute.gradient_checkpointing", sets=True),
+    Flag("--load-in-4bit", "compute.load_in_4bit", sets=True),
 )
 SFT = (
     Flag("--epochs", "sft.epochs"),
@@ -139,8 +146,9 @@ RUN_DIR_HELP = "Run directory."
 @commands.command(epilog="Examples:\n\n  slm-align sft --data stories.txt --out runs/demo\n\n"
                          "  slm-align sft --model ./SmolLM2-135M --data chat.jsonl --lora-r 32 --epochs 2 "
                          "--out runs/chat\n\n"
-                         "  slm-align sft --out runs/demo --resume   # continue an interrupted run")
-@recipe_flags(SOURCE, SFT, SAFETY)
+                         "  slm-align sft --data demo --out runs/demo   # the generated demo stories\n\n"
+                         "  slm-align sft --data stories.txt --out runs/demo --resume   # continue an interrupted run")
+@recipe_flags(SOURCE, SFT, SAFETY, COMPUTE)
 def sft(
     out: Path = typer.Option(Path("runs/default"), "--out", "-o", help="Run directory; SFT writes OUT/sft/."),
     config: Optional[Path] = ConfigOpt,
@@ -151,7 +159,9 @@ def sft(
     """Supervised fine-tuning with LoRA and NEFTune; writes the adapter, tokenizer and a manifest."""
     from slm_align.sft import run_sft
 
-    summary = run_sft(recipe_from(config, settings), out, resume=resume).summary()
+    recipe = recipe_from(config, settings)
+    require_data(recipe.data)
+    summary = run_sft(recipe, out, resume=resume).summary()
     emit(as_json, summary, lambda: print_sft(summary))
 
 
@@ -162,7 +172,7 @@ def sft(
                          "--data eval.jsonl\n\n"
                          "  slm-align check-headroom --run runs/demo --max-ppl 15 --json\n\n"
                          "  slm-align check-headroom --run runs/demo --reward mypkg.rewards:politeness@0.5")
-@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY)
+@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY, COMPUTE[:1])
 def check_headroom(
     run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with --model)."),
@@ -179,6 +189,7 @@ def check_headroom(
     if run is not None and settings["model.source"] is not None:
         raise UserError("pass either --run or --model, not both")
     recipe = recipe_from(config, settings)
+    require_data(recipe.data, from_run=run is not None and recipe.rl.from_sft, tasks_stand_in=True)
     report = measure_headroom(recipe, run=run, adapter=adapter, reward_model=reward_model, rewards=reward).to_dict()
     emit(as_json, report, lambda: print_headroom(report))
     raise typer.Exit(0 if report["passed"] else 1)
@@ -202,22 +213,26 @@ def quickstart(
 
 
 @commands.command(epilog="Examples:\n\n"
-                         "  slm-align train --algo grpo --out runs/demo          # SFT, reward model, gate, GRPO\n\n"
+                         "  slm-align train --algo grpo --data stories.txt --out runs/demo   # SFT, reward model, "
+                         "gate, GRPO\n\n"
+                         "  slm-align train --data demo --out runs/demo          # the same on the generated demo "
+                         "stories\n\n"
                          "  slm-align train --algo ppo --out runs/demo --steps 100 --kl-coef 0.1\n\n"
                          "  slm-align train --algo grpo --sft runs/base --reward-model rm/ --reward my_rewards:fn@0.5 "
                          "--out runs/g\n\n"
                          "  slm-align train --stage reward --out runs/demo --preferences prefs.jsonl "
                          "--pair-mix shuffle=2,truncate=1\n\n"
-                         "  slm-align train --out runs/demo --resume              # continue a killed run\n\n"
+                         "  slm-align train --data stories.txt --out runs/demo --resume   # continue a killed run\n\n"
                          "  slm-align train --out runs/demo --force               # train although the gate says FAIL "
                          "(recorded)\n\n"
-                         "  slm-align train --algo auto --tasks tasks.jsonl --reward exact_answer --out runs/t  "
+                         "  slm-align train --algo auto --data chat.jsonl --tasks tasks.jsonl --reward exact_answer "
+                         "--out runs/t  "
                          "# the gate picks PPO or GRPO\n\n"
                          "  slm-align train --algo dpo --out runs/demo --preferences prefs.jsonl "
                          "--preferences prefs.unpaired.jsonl   # DPO on device feedback\n\n"
                          "  slm-align train --algo kto --out runs/demo --preferences prefs.unpaired.jsonl "
                          "--desirable-weight 1.5")
-@recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, PREFERENCE, SAFETY)
+@recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, PREFERENCE, SAFETY, COMPUTE)
 def train(
     out: Path = typer.Option(Path("runs/default"), "--out", "-o", help=RUN_DIR_HELP),
     stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it needs, the gate, then RL)."),
@@ -236,6 +251,8 @@ def train(
     if stage not in STAGES:
         raise UserError(f"--stage {stage}: choose sft, reward or rl")
     recipe = recipe_from(config, settings)
+    require_data(recipe.data, from_run=_data_from_run(recipe, stage, out, sft_from),
+                 tasks_stand_in=stage == "rl" and not recipe.rl.from_sft)
     if stage == "sft":
         from slm_align.sft import run_sft
 
@@ -251,6 +268,13 @@ def train(
     else:
         train_rl(recipe, out, resume=resume, force=force, sft_from=sft_from, reward_model=reward_model,
                  rewards=reward, as_json=as_json)
+
+
+def _data_from_run(recipe, stage: str, out: Path, sft_from: Optional[Path]) -> bool:
+    """Whether the stage takes its corpus from a finished SFT stage (the run's, or --sft's) rather than --data."""
+    if stage == "reward" or sft_from is not None:
+        return True
+    return stage == "rl" and recipe.rl.from_sft and (Path(out) / "sft" / "manifest.json").is_file()
 
 
 def train_preference(recipe, out: Path, *, resume: bool, force: bool, sft_from: Optional[Path],
@@ -298,13 +322,15 @@ def evaluate(
     max_new_tokens: Optional[int] = recipe_option("rl.max_new_tokens", "--max-new-tokens"),
     temperature: Optional[float] = recipe_option("rl.temperature", "--temperature"),
     tasks: Optional[str] = recipe_option("data.tasks", "--tasks"),
+    device: Optional[str] = recipe_option("compute.device", "--device"),
     config: Optional[Path] = ConfigOpt,
     as_json: bool = JsonFlag,
 ) -> None:
     """Compare the SFT prior, the aligned policy and any baselines on held-out prompts; write eval/report.md."""
     from slm_align.evaluate import evaluate as run_evaluation
 
-    overrides = {"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens, "data.tasks": tasks}
+    overrides = {"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens, "data.tasks": tasks,
+                 "compute.device": device}
     recipe = recipe_from(config, overrides)  # validated
     report = run_evaluation(recipe, run, baselines=model, reward_model=reward_model, rewards=reward,
                             prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature)
