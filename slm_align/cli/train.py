@@ -64,12 +64,6 @@ SAFETY = (
     Flag("--trust-remote-code", "model.trust_remote_code", sets=True),
     Flag("--allow-pickle", "model.allow_pickle", sets=True),
 )
-COMPUTE = (
-    Flag("--device", "compute.device"),
-    Flag("--precision", "compute.precision"),
-    Flag("--gradient-checkpointing", "compute.gradient_checkpointing", sets=True),
-    Flag("--load-in-4bit", "compute.load_in_4bit", sets=True),
-)
 SFT = (
     Flag("--epochs", "sft.epochs"),
     Flag("--max-steps", "sft.max_steps"),
@@ -148,7 +142,7 @@ RUN_DIR_HELP = "Run directory."
                          "--out runs/chat\n\n"
                          "  slm-align sft --data demo --out runs/demo   # the generated demo stories\n\n"
                          "  slm-align sft --data stories.txt --out runs/demo --resume   # continue an interrupted run")
-@recipe_flags(SOURCE, SFT, SAFETY, COMPUTE)
+@recipe_flags(SOURCE, SFT, SAFETY)
 def sft(
     out: Path = typer.Option(Path("runs/default"), "--out", "-o", help="Run directory; SFT writes OUT/sft/."),
     config: Optional[Path] = ConfigOpt,
@@ -172,7 +166,7 @@ def sft(
                          "--data eval.jsonl\n\n"
                          "  slm-align check-headroom --run runs/demo --max-ppl 15 --json\n\n"
                          "  slm-align check-headroom --run runs/demo --reward mypkg.rewards:politeness@0.5")
-@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY, COMPUTE[:1])
+@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY)
 def check_headroom(
     run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with --model)."),
@@ -232,7 +226,7 @@ def quickstart(
                          "--preferences prefs.unpaired.jsonl   # DPO on device feedback\n\n"
                          "  slm-align train --algo kto --out runs/demo --preferences prefs.unpaired.jsonl "
                          "--desirable-weight 1.5")
-@recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, PREFERENCE, SAFETY, COMPUTE)
+@recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, PREFERENCE, SAFETY)
 def train(
     out: Path = typer.Option(Path("runs/default"), "--out", "-o", help=RUN_DIR_HELP),
     stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it needs, the gate, then RL)."),
@@ -322,15 +316,13 @@ def evaluate(
     max_new_tokens: Optional[int] = recipe_option("rl.max_new_tokens", "--max-new-tokens"),
     temperature: Optional[float] = recipe_option("rl.temperature", "--temperature"),
     tasks: Optional[str] = recipe_option("data.tasks", "--tasks"),
-    device: Optional[str] = recipe_option("compute.device", "--device"),
     config: Optional[Path] = ConfigOpt,
     as_json: bool = JsonFlag,
 ) -> None:
     """Compare the SFT prior, the aligned policy and any baselines on held-out prompts; write eval/report.md."""
     from slm_align.evaluate import evaluate as run_evaluation
 
-    overrides = {"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens, "data.tasks": tasks,
-                 "compute.device": device}
+    overrides = {"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens, "data.tasks": tasks}
     recipe = recipe_from(config, overrides)  # validated
     report = run_evaluation(recipe, run, baselines=model, reward_model=reward_model, rewards=reward,
                             prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature)
