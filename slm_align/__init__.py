@@ -2,7 +2,7 @@
 
 The public API, importable from the package itself::
 
-    from slm_align import load_recipe, run_sft, run_reward, check_headroom, run_rl, run_evaluation
+    from slm_align import load_recipe, run_sft, run_reward, check_headroom, run_rl, run_preference, run_evaluation
     from slm_align import merge_run, ExportRequest, run_export, Agent, default_tools
 
 Names resolve on first use (PEP 562), so ``import slm_align`` stays light: the agent runtime on a board
@@ -26,6 +26,7 @@ _EXPORTS = {
     "run_reward": "slm_align.reward.stage",
     "check_headroom": "slm_align.headroom",
     "run_rl": "slm_align.rl.stage",
+    "run_preference": "slm_align.preference.stage",
     "run_evaluation": "slm_align.evaluate:evaluate",
     "merge_run": "slm_align.export.merge",
     "ExportRequest": "slm_align.export.stage",
@@ -48,6 +49,7 @@ __all__ = [
     "merge_run",
     "run_evaluation",
     "run_export",
+    "run_preference",
     "run_quickstart",
     "run_reward",
     "run_rl",
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from slm_align.export.merge import merge_run
     from slm_align.export.stage import ExportRequest, run_export
     from slm_align.headroom import check_headroom
+    from slm_align.preference.stage import run_preference
     from slm_align.quickstart import run_quickstart
     from slm_align.reward.stage import run_reward
     from slm_align.rl.stage import run_rl
