@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -74,6 +75,7 @@ class WatchedRun:
         self.world = world
         self.say = say
         self.base_beta = base_beta
+        self.seconds = 0.0  # the watchdog's own work in this process (probes, weights kept and put back)
 
     def begin(self, loop) -> None:
         """Before the first iteration: the probe of the starting adapter (a fresh run), the scales (a resumed run)."""
@@ -81,10 +83,17 @@ class WatchedRun:
             keep_events_until(self.events_path, loop.step)
         apply_scales(loop, self.watchdog, self.base_beta)
         if self.watchdog.best_step is None:
+            started = time.perf_counter()
             self.watchdog.record_probe(loop.step, self.probe(), lambda: capture(loop))
+            self.seconds += time.perf_counter() - started
 
     def after_step(self, loop, metrics: dict) -> None:
         """After an iteration: observe, probe when due (its mean joins ``metrics``), check and act on a trigger."""
+        started = time.perf_counter()
+        self._watch(loop, metrics)
+        self.seconds += time.perf_counter() - started
+
+    def _watch(self, loop, metrics: dict) -> None:
         watchdog = self.watchdog
         watchdog.observe(metrics)
         if watchdog.probe_due(loop.step, loop.settings.steps):

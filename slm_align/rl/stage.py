@@ -241,8 +241,10 @@ def _keep_last(loop, watch: Optional[WatchedRun], partial: Path, world: World, m
         save_adapter(loop.policy, partial / "adapter-last")
     if watch.watchdog.best_step == loop.step:
         return {"step": loop.step, "heldout_reward": None, "is_published": True}  # the same weights: not measured
+    started = time.perf_counter()
     last = {"step": loop.step, "heldout_reward": measure(), "is_published": False}
     restore(loop, watch.watchdog.best_state)
+    watch.seconds += time.perf_counter() - started
     return last
 
 
@@ -252,7 +254,7 @@ def _watchdog_figures(watch: Optional[WatchedRun], last: Optional[dict], events:
         return {"enabled": False, "published_step": None}
     summary = watch.watchdog.summary()
     return dict(summary, published_step=summary["best_step"], last=last, events=len(events),
-                detectors=sorted({event["detector"] for event in events}))
+                detectors=sorted({event["detector"] for event in events}), seconds=round(watch.seconds, 3))
 
 
 def _iterate(loop, partial: Path, world: World, watch: Optional[WatchedRun] = None) -> None:
