@@ -119,7 +119,7 @@ def pipeline(model: str, corpus: Path, out: Path, args: argparse.Namespace) -> l
                                                              quant, "--json"]))
     q4 = out / "export" / "model-Q4_K_M.gguf"
     if q4.is_file():
-        stages.append(run_stage("agent turn (Q4_K_M)", ["chat", str(q4), "--temperature", "0", "--max-tokens", "32",
+        stages.append(run_stage("agent turn (Q4_K_M)", ["chat", str(q4), "--temperature", "0", "--max-new-tokens", "32",
                                                         "--json"], stdin="What is a Python list?\n"))
     return stages
 

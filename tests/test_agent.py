@@ -178,7 +178,7 @@ def test_chat_command_records_feedback(artifacts, tmp_path, monkeypatch, capsys)
     db = tmp_path / "chat.db"
     monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me a story.\n/good\n/compare\n/pick 2\n/edit A better one.\n"
                                                   "/quit\n"))
-    code, out, err = run_cli(capsys, "chat", artifacts["gguf"], "--store", db, "--consent", "--max-tokens", "12")
+    code, out, err = run_cli(capsys, "chat", artifacts["gguf"], "--store", db, "--consent", "--max-new-tokens", "12")
     assert code == 0 and "recorded: thumbs up" in err and "answer 2 preferred" in err
     counts = PreferenceStore(db).counts()
     assert (counts["up"], counts["choice"], counts["edit"], counts["consented"]) == (1, 1, 1, 1)

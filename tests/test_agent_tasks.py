@@ -196,7 +196,7 @@ def test_evaluate_agent_end_to_end_on_the_bundled_export(gguf, tmp_path, capsys)
     heldout = json.loads(out)["files"]["heldout"]
     report_path = tmp_path / "report.json"
     code, out, err = run_cli(capsys, "evaluate-agent", heldout, "--artifact", gguf, "--artifact", gguf,
-                             "--limit", "3", "--max-tokens", "24", "--out", report_path, "--json")
+                             "--limit", "3", "--max-new-tokens", "24", "--out", report_path, "--json")
     assert code == 0, err
     report = json.loads(out)
     assert report == json.loads(report_path.read_text())

@@ -7,7 +7,7 @@ tests/test_cli.py (21 `sft` data/model/flag/recipe cases; `train` --algo, --grou
 and preset, --min-agreement 1.5, no tokenizer, a missing source, an existing artifact), tests/test_merge.py (an
 existing --out), tests/test_agent.py (`chat` on a missing artifact, `feedback export` of a missing DB),
 tests/test_store.py (not-SQLite and newer-schema stores, no consented feedback, existing or non-.jsonl outputs,
-through the Python API), tests/test_devices.py (`devices fit` with an unknown device or quantization, --context 0,
+through the Python API), tests/test_devices.py (`devices fit` with an unknown device or quantization, --ctx 0,
 a missing model; `devices show` of an unknown name; malformed profiles and corrupt GGUF/safetensors headers through
 the API), tests/test_bench.py (a missing artifact, an unknown device, prompt + decode beyond the context, an
 existing --save-profile; bad profile names and --repeats 0 through the API), tests/test_serve.py (the network
@@ -241,8 +241,8 @@ CASES = [
          id="--temperature -1"),
     case("evaluate", ["evaluate", "--run", "{run}", "--reward", "length_window", "--max-new-tokens", "0"],
          "max_new_tokens", id="--max-new-tokens 0"),
-    case("evaluate", ["evaluate", "--run", "{run}", "--reward", "length_window", "--model", "{root}/no-model"],
-         "no-model", id="baseline --model missing"),
+    case("evaluate", ["evaluate", "--run", "{run}", "--reward", "length_window", "--baseline", "{root}/no-model"],
+         "no-model", id="--baseline missing"),
     case("evaluate", ["evaluate", "--run", "{run}", "--reward-model", "{llama}", "--prompts", "2"], "one",
          id="--reward-model is a language model"),
     case("evaluate", ["evaluate", "--run", "{broken_run}", "--reward", "length_window", "--prompts", "4"],
@@ -276,7 +276,7 @@ CASES = [
     case("chat", ["chat", "{gguf}", "--temperature", "-1"], "--temperature", id="--temperature -1"),
     case("chat", ["chat", "{gguf}", "--top-p", "1.5"], "--top-p", id="--top-p 1.5"),
     case("chat", ["chat", "{gguf}", "--threads", "0"], "--threads", id="--threads 0"),
-    case("chat", ["chat", "{gguf}", "--max-tokens", "0"], "--max-tokens", id="--max-tokens 0"),
+    case("chat", ["chat", "{gguf}", "--max-new-tokens", "0"], "--max-new-tokens", id="--max-new-tokens 0"),
     case("chat", ["chat", "{gguf}", "--device", "toaster"], "unknown device 'toaster'", id="--device unknown"),
     case("chat", ["chat", "{gguf}", "--store", "{root}/no-folder/prefs.db"], "does not exist",
          id="--store in a missing folder"),
@@ -306,8 +306,8 @@ CASES = [
          id="random bytes named .gguf"),
     case("devices fit", ["devices", "fit", "{truncated}", "--device", "rpi5"], "safetensors",
          id="truncated safetensors"),
-    case("devices fit", ["devices", "fit", "{llama}", "--device", "rpi5", "--context", "-5"], "--context -5",
-         id="--context -5"),
+    case("devices fit", ["devices", "fit", "{llama}", "--device", "rpi5", "--ctx", "-5"], "--ctx -5",
+         id="--ctx -5"),
     case("devices fit", ["devices", "fit", "{root}/empty-onnx", "--device", "rpi5"], "empty-onnx",
          id="ONNX dir without model.onnx"),
     # bench

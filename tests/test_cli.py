@@ -85,7 +85,7 @@ CASES = {
     "non-numeric flag": (["--lr", "fast"], "Invalid value for '--lr'"),
     "out-of-range rank": (["--lora-r", "0"], "sft.lora.r"),
     "out-of-range learning rate": (["--lr", "-1"], "sft.learning_rate"),
-    "unknown flag": (["--learning-rate", "1"], "No such option"),
+    "unknown flag": (["--lerning-rate", "1"], "No such option"),
     "invalid TOML": (["--config", "{root}/bad.toml"], "not valid TOML"),
     "unknown TOML setting": (["--config", "{root}/unknown.toml"], "learnin_rate"),
     "missing config": (["--config", "{root}/none.toml"], "not found"),
@@ -142,7 +142,7 @@ def test_evaluate_adds_a_baseline_row_under_the_same_reward(capsys, tmp_path, ti
     run_cli(capsys, "sft", "--model", tiny_models["llama"], "--data", stories, "--out", out, "--max-steps", "2",
             "--batch-size", "4", "--max-length", "64")
     capsys.readouterr()
-    code, stdout, err = run_cli(capsys, "evaluate", "--run", out, "--model", tiny_models["qwen2"], "--reward",
+    code, stdout, err = run_cli(capsys, "evaluate", "--run", out, "--baseline", tiny_models["qwen2"], "--reward",
                                 "length_window", "--prompts", "4", "--max-new-tokens", "8", "--json")
     report = json.loads(stdout)
     assert code == 0, err

@@ -165,7 +165,7 @@ def test_largest_context_is_the_last_one_within_the_budget():
 def test_bad_quantization_and_context_are_user_errors():
     with pytest.raises(UserError, match="unknown quantization 'Q9_X'"):
         estimate_fit(facts(), load_profile("rpi5"), quant="Q9_X")
-    with pytest.raises(UserError, match="--context 0"):
+    with pytest.raises(UserError, match="--ctx 0"):
         estimate_fit(facts(), load_profile("rpi5"), context=0)
     assert estimate_fit(facts(), load_profile("rpi5"), quant="q4_k_m").quant == "Q4_K_M"
 
@@ -364,7 +364,7 @@ def test_devices_list_and_show_on_the_command_line(capsys):
 
 def test_devices_fit_on_the_command_line(capsys, numpy_hf_dir):
     root, expected = numpy_hf_dir
-    code, out, err = run_cli(capsys, "devices", "fit", root, "--device", "rpi5", "--quant", "Q8_0", "--context",
+    code, out, err = run_cli(capsys, "devices", "fit", root, "--device", "rpi5", "--quant", "Q8_0", "--ctx",
                              "128", "--json")
     report = json.loads(out)
     assert code == 0, err
@@ -377,7 +377,7 @@ def test_devices_fit_on_the_command_line(capsys, numpy_hf_dir):
 
 @pytest.mark.parametrize("args, problem", [(["--device", "toaster"], "unknown device 'toaster'"),
                                            (["--device", "rpi5", "--quant", "Q9"], "unknown quantization"),
-                                           (["--device", "rpi5", "--context", "0"], "--context 0")])
+                                           (["--device", "rpi5", "--ctx", "0"], "--ctx 0")])
 def test_devices_fit_bad_input_is_one_line_exit_2(capsys, numpy_hf_dir, args, problem):
     code, out, err = run_cli(capsys, "devices", "fit", numpy_hf_dir[0], *args)
     assert code == 2 and out == "" and err.count("\n") == 1 and problem in err

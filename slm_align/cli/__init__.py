@@ -14,6 +14,7 @@ import typer
 from typer.exceptions import TyperException
 
 from slm_align.cli import config_cmd, devices, env_cmd, export, runtime, tasks, train
+from slm_align.cli.aliases import current_spellings
 from slm_align.errors import EXIT_USER_ERROR, UserError, storage_error
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
@@ -49,8 +50,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: user errors become one line on stderr and exit code 2; bugs keep their traceback."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # our messages, not library advisories
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = current_spellings(sys.argv[1:] if argv is None else argv, sys.stderr.write)
     try:
-        code = typer.main.get_command(app).main(args=argv, prog_name="slm-align", standalone_mode=False)
+        code = typer.main.get_command(app).main(args=args, prog_name="slm-align", standalone_mode=False)
     except UserError as exc:
         sys.stderr.write(f"error: {exc}\n")
         code = exc.exit_code

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from slm_align.cli.options import JsonFlag
+from slm_align.cli.options import CTX_NAMES, JsonFlag
 from slm_align.cli.render import emit, print_bench, print_device, print_fit, rows_table, stdout
 
 commands = typer.Typer()
@@ -15,7 +15,7 @@ devices_app = typer.Typer(
     no_args_is_help=True, rich_markup_mode="markdown",
     help="Device profiles and fit / speed estimates: will this model run on my board, and how fast?",
     epilog="Examples:\n\n  slm-align devices list\n\n  slm-align devices show rpi5 --json\n\n"
-           "  slm-align devices fit runs/demo/merged --device rpi5 --quant Q4_0 --context 2048")
+           "  slm-align devices fit runs/demo/merged --device rpi5 --quant Q4_0 --ctx 2048")
 
 
 @devices_app.command("list", epilog="Examples:\n\n  slm-align devices list\n\n  slm-align devices list --json\n\n"
@@ -42,7 +42,7 @@ def devices_show(name: str = typer.Argument(..., help="Profile name (see `slm-al
 
 
 @devices_app.command("fit", epilog="Examples:\n\n  slm-align devices fit runs/demo/merged --device rpi5\n\n"
-                                   "  slm-align devices fit model.gguf --device rpi-zero2w --context 1024\n\n"
+                                   "  slm-align devices fit model.gguf --device rpi-zero2w --ctx 1024\n\n"
                                    "  slm-align devices fit runs/demo/export/onnx --device android-mid --quant int8 "
                                    "--json")
 def devices_fit(
@@ -50,7 +50,7 @@ def devices_fit(
     device: str = typer.Option(..., "--device", help="Device profile name (see `slm-align devices list`)."),
     quant: Optional[str] = typer.Option(None, "--quant", help="Weight type, e.g. Q4_0, Q4_K_M, Q8_0, F16, int8 "
                                                               "(default: the device's preference, downgraded to fit)."),
-    context: Optional[int] = typer.Option(None, "--context", help="Context length in tokens (default: 4096 or the "
+    context: Optional[int] = typer.Option(None, *CTX_NAMES, help="Context length in tokens (default: 4096 or the "
                                                                   "model's own, if shorter)."),
     as_json: bool = JsonFlag,
 ) -> None:
@@ -73,7 +73,7 @@ def bench(
     prompt_tokens: int = typer.Option(128, "--prompt-tokens", min=1, help="Prompt length fed at once."),
     decode_tokens: int = typer.Option(64, "--decode-tokens", min=1, help="Tokens generated after the first one."),
     repeats: int = typer.Option(3, min=1, help="Measurement repeats (speeds are medians)."),
-    n_ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context window (default: the model's own)."),
+    n_ctx: Optional[int] = typer.Option(None, *CTX_NAMES, min=16, help="Context window (default: the model's own)."),
     device: Optional[str] = typer.Option(None, "--device", help="Also show `devices fit`'s decode prediction for "
                                                                "this profile, and measured / predicted."),
     save_profile: Optional[str] = typer.Option(None, "--save-profile", help="Save this host as a user device "

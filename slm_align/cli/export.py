@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from slm_align.cli.options import ConfigOpt, JsonFlag, recipe_from
+from slm_align.cli.options import OUT_NAMES, ConfigOpt, JsonFlag, recipe_from
 from slm_align.cli.render import emit, print_export, print_merge
 
 commands = typer.Typer()
@@ -17,7 +17,7 @@ commands = typer.Typer()
                          "  slm-align merge --run runs/demo --out models/story-rl --overwrite --json")
 def merge(
     run: Path = typer.Option(..., "--run", "-r", help="Run directory with a finished SFT stage (RL used if present)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default: RUN/merged)."),
+    out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default: RUN/merged)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     config: Optional[Path] = ConfigOpt,
     as_json: bool = JsonFlag,
@@ -43,7 +43,7 @@ def export(
                                         "Q5_K_M, Q6_K, ... (llama.cpp's quantizer). ONNX: fp32, int8, int4. "
                                         "Default: the device's, else Q8_0 / int8."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (see `slm-align devices list`)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default RUN/export or ./export)."),
+    out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default RUN/export or ./export)."),
     preset: Optional[str] = typer.Option(None, help="ONNX int8 preset: arm64, avx2, avx512, avx512_vnni."),
     ort_format: bool = typer.Option(False, "--ort-format", help="ONNX: also write model.ort for mobile builds."),
     min_agreement: float = typer.Option(0.9, help="Lowest top-1 agreement with PyTorch for low-bit types."),

@@ -22,6 +22,10 @@ from slm_align.config import Recipe, load_recipe
 from slm_align.recipe_overrides import merged_overrides, refuse_other_algorithm
 
 JsonFlag = typer.Option(False, "--json", help="Print a machine-readable JSON result on stdout.")
+CTX_NAMES = ("--ctx", "--ctx-size")
+"""The context window's flag, and llama.cpp's spelling of it."""
+OUT_NAMES = ("--out", "-o", "--output-dir")
+"""A stage's output directory, and TRL's (transformers') spelling of it."""
 ConfigOpt = typer.Option(None, "--config", help="TOML recipe; flags override it.")
 SetOpt = typer.Option([], "--set", help="Any recipe setting as KEY=VALUE, typed and checked like the TOML "
                       "(--set sft.lora.r=32 --set rl.grpo.loss_type=dr_grpo); repeatable; a named flag wins. "
@@ -120,6 +124,7 @@ class Flag:
     A value flag takes the field's type. ``sets``: a switch that sets the field to this value when given.
     ``repeat``: given several times, collected into a list. ``parse``: turns the flag's text into the value.
     ``help``: own help, only for a flag whose meaning is not the field's (a switch that turns a guard off).
+    ``aliases``: other names users know (TRL's ``--num-generations``), accepted as they are, no note.
     """
 
     name: str
@@ -130,6 +135,7 @@ class Flag:
     parse: Optional[Callable[[str], Any]] = None
     note: str = ""
     help: Optional[str] = None
+    aliases: tuple[str, ...] = ()
 
     @property
     def param(self) -> str:
@@ -148,7 +154,7 @@ class Flag:
 
     def option(self) -> Any:
         """The ``typer.Option`` that parses this flag."""
-        names = [self.name] + ([self.short] if self.short else [])
+        names = [self.name, *self.aliases] + ([self.short] if self.short else [])
         if self.sets is not None:
             return typer.Option(False, *names, help=self.help or recipe_help(self.key, self.note))
         if self.repeat:

@@ -10,7 +10,7 @@ from typing import Iterator, Optional
 import typer
 from rich.console import Console
 
-from slm_align.cli.options import JsonFlag
+from slm_align.cli.options import CTX_NAMES, JsonFlag
 from slm_align.cli.render import emit, print_feedback_export, print_serving
 
 commands = typer.Typer()
@@ -32,10 +32,10 @@ def chat(
     notes: Optional[Path] = typer.Option(None, "--notes", help="Folder the notes tool may use (with --tools)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and context."),
     threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
-    n_ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context window in tokens."),
+    n_ctx: Optional[int] = typer.Option(None, *CTX_NAMES, min=16, help="Context window in tokens."),
     temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature (0: greedy)."),
     top_p: float = typer.Option(0.95, min=0.0, max=1.0, help="Nucleus sampling threshold."),
-    max_tokens: int = typer.Option(256, min=1, help="Most tokens per answer."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Most tokens per answer."),
     seed: int = typer.Option(0, help="Sampling seed."),
     as_json: bool = JsonFlag,
 ) -> None:
@@ -45,7 +45,7 @@ def chat(
     from slm_align.agent.sampling import SamplingParams
     from slm_align.agent.terminal import chat_loop
 
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
     agent = Agent.load(artifact, device=device, threads=threads, n_ctx=n_ctx, store=store, consent=consent,
                        system=system, tools=default_tools(notes) if tools else None, sampling=sampling)
     if as_json:
@@ -100,7 +100,7 @@ def serve(
     tools: bool = typer.Option(False, "--tools", help="Run the built-in tools (calculator, clock) on the server."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and context."),
     threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
-    n_ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="Context window in tokens."),
+    n_ctx: Optional[int] = typer.Option(None, *CTX_NAMES, min=16, help="Context window in tokens."),
     insecure: bool = typer.Option(False, "--insecure", help="Allow listening beyond loopback without an API key."),
     allow_host: list[str] = typer.Option([], "--allow-host", help="Without --api-key, also answer requests addressed "
                                          "to this host name (repeatable; '*': any). Loopback names always work."),

@@ -26,7 +26,8 @@ commands.add_typer(tasks_app, name="tasks")
                                   "Then: slm-align train --data data/calc/sft.jsonl ... and "
                                   "slm-align evaluate-agent data/calc/heldout.jsonl --artifact model.gguf")
 def tasks_make(
-    out: Path = typer.Option(..., "--out", help="Directory for sft.jsonl, train.jsonl and heldout.jsonl."),
+    out: Path = typer.Option(..., "--out", "--output-dir", help="Directory for sft.jsonl, train.jsonl and "
+                             "heldout.jsonl."),
     train: int = typer.Option(400, "--train", min=1, help="Training tasks (each gives two SFT chats)."),
     heldout: int = typer.Option(100, "--heldout", min=0, help="Held-out tasks for evaluation."),
     seed: int = typer.Option(0, "--seed", help="Generation seed: the same seed writes the same files."),
@@ -56,7 +57,7 @@ def evaluate_agent(
     artifact: list[Path] = typer.Option(..., "--artifact", help="Exported model (.gguf or ONNX directory); repeat "
                                                                "to compare: each is compared with the first."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Use the first N tasks only."),
-    max_tokens: int = typer.Option(96, "--max-tokens", min=1, help="Most tokens per model reply."),
+    max_new_tokens: int = typer.Option(96, "--max-new-tokens", min=1, help="Most tokens per model reply."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the full report (per-task results) here."),
     as_json: bool = JsonFlag,
 ) -> None:
@@ -65,7 +66,7 @@ def evaluate_agent(
     from slm_align.agent.task_eval import evaluate_artifacts
     from slm_align.atomic import write_json_atomic
 
-    report = evaluate_artifacts(tasks, artifact, limit=limit, max_tokens=max_tokens)
+    report = evaluate_artifacts(tasks, artifact, limit=limit, max_tokens=max_new_tokens)
     if out is not None:
         write_json_atomic(out, report)
     emit(as_json, report, lambda: print_agent_report(report))

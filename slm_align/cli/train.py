@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from slm_align.cli.options import ConfigOpt, Flag, JsonFlag, recipe_flags, recipe_from, recipe_option
+from slm_align.cli.options import OUT_NAMES, ConfigOpt, Flag, JsonFlag, recipe_flags, recipe_from, recipe_option
 from slm_align.cli.render import (
     emit,
     print_evaluation,
@@ -65,17 +65,18 @@ SAFETY = (
     Flag("--allow-pickle", "model.allow_pickle", sets=True),
 )
 SFT = (
-    Flag("--epochs", "sft.epochs"),
+    Flag("--epochs", "sft.epochs", aliases=("--num-train-epochs",)),
     Flag("--max-steps", "sft.max_steps"),
-    Flag("--lr", "sft.learning_rate"),
-    Flag("--batch-size", "sft.batch_size"),
-    Flag("--grad-accum", "sft.grad_accum"),
+    Flag("--lr", "sft.learning_rate", aliases=("--learning-rate",)),
+    Flag("--batch-size", "sft.batch_size", aliases=("--per-device-train-batch-size",)),
+    Flag("--grad-accum", "sft.grad_accum", aliases=("--gradient-accumulation-steps",)),
     Flag("--warmup-ratio", "sft.warmup_ratio"),
-    Flag("--neftune-alpha", "sft.neftune_alpha"),
+    Flag("--neftune-alpha", "sft.neftune_alpha", aliases=("--neftune-noise-alpha",)),
     Flag("--lora-r", "sft.lora.r"),
     Flag("--lora-alpha", "sft.lora.alpha"),
     Flag("--lora-dropout", "sft.lora.dropout"),
-    Flag("--lora-targets", "sft.lora.target_modules", parse=comma_list, note="Comma-separated."),
+    Flag("--lora-targets", "sft.lora.target_modules", parse=comma_list, note="Comma-separated.",
+         aliases=("--lora-target-modules",)),
     Flag("--max-length", "data.max_length"),
     Flag("--save-steps", "sft.save_steps"),
 )
@@ -102,8 +103,8 @@ RL = (
     Flag("--steps", "rl.steps"),
     Flag("--rl-lr", "rl.learning_rate"),
     Flag("--prompts-per-step", "rl.prompts_per_step"),
-    Flag("--group-size", "rl.group_size"),
-    Flag("--max-new-tokens", "rl.max_new_tokens"),
+    Flag("--group-size", "rl.group_size", aliases=("--num-generations",)),
+    Flag("--max-new-tokens", "rl.max_new_tokens", aliases=("--max-completion-length",)),
     Flag("--kl-coef", "rl.ppo.kl_coef"),
     Flag("--kl-mode", "rl.ppo.kl_mode"),
     Flag("--adaptive-kl", "rl.ppo.adaptive_kl", sets=True),
@@ -111,7 +112,7 @@ RL = (
     Flag("--loss-type", "rl.grpo.loss_type"),
     Flag("--scale-rewards", "rl.grpo.scale_rewards"),
     Flag("--resample-zero-std", "rl.grpo.resample_zero_std", sets=True),
-    Flag("--mask-truncated", "rl.mask_truncated", sets=True),
+    Flag("--mask-truncated", "rl.mask_truncated", sets=True, aliases=("--mask-truncated-completions",)),
     Flag("--length-penalty", "rl.length_penalty"),
     Flag("--no-reinit-lora", "rl.envelope.reinit_lora", sets=False,
          help="ENVELOPE OFF: keep the SFT adapter as loaded."),
@@ -144,7 +145,7 @@ RUN_DIR_HELP = "Run directory."
                          "  slm-align sft --data stories.txt --out runs/demo --resume   # continue an interrupted run")
 @recipe_flags(SOURCE, SFT, SAFETY)
 def sft(
-    out: Path = typer.Option(Path("runs/default"), "--out", "-o", help="Run directory; SFT writes OUT/sft/."),
+    out: Path = typer.Option(Path("runs/default"), *OUT_NAMES, help="Run directory; SFT writes OUT/sft/."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted SFT run in OUT."),
@@ -191,7 +192,7 @@ def check_headroom(
 
 @commands.command(epilog="Examples:\n\n  slm-align quickstart\n\n  slm-align quickstart --out runs/qs --json")
 def quickstart(
-    out: Path = typer.Option(Path("runs/quickstart"), "--out", "-o", help=RUN_DIR_HELP),
+    out: Path = typer.Option(Path("runs/quickstart"), *OUT_NAMES, help=RUN_DIR_HELP),
     sft_steps: int = typer.Option(150, min=1, help="SFT optimizer steps on the bundled model."),
     reward_steps: int = typer.Option(100, min=1, help="Reward-model optimizer steps."),
     rl_steps: int = typer.Option(20, min=1, help="PPO iterations."),
@@ -228,7 +229,7 @@ def quickstart(
                          "--desirable-weight 1.5")
 @recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, PREFERENCE, SAFETY)
 def train(
-    out: Path = typer.Option(Path("runs/default"), "--out", "-o", help=RUN_DIR_HELP),
+    out: Path = typer.Option(Path("runs/default"), *OUT_NAMES, help=RUN_DIR_HELP),
     stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it needs, the gate, then RL)."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
@@ -304,16 +305,16 @@ def train_rl(recipe, out: Path, *, resume: bool, force: bool, sft_from: Optional
 
 
 @commands.command(epilog="Examples:\n\n  slm-align evaluate --run runs/demo\n\n"
-                         "  slm-align evaluate --run runs/demo --model ./SmolLM2-135M-Instruct --prompts 100\n\n"
+                         "  slm-align evaluate --run runs/demo --baseline ./SmolLM2-135M-Instruct --prompts 100\n\n"
                          "  slm-align evaluate --run runs/demo --reward length_window@0.5 --json")
 def evaluate(
     run: Path = typer.Option(..., "--run", "-r", help="Run directory (SFT required; RL and reward used if present)."),
-    model: list[str] = typer.Option([], "--model", "-m", help="Add a baseline policy from any model source; "
-                                                              "repeatable."),
+    baseline: list[str] = typer.Option([], "--baseline", help="Add a baseline policy from any model source; "
+                                                              "repeatable (was --model)."),
     reward_model: Optional[Path] = typer.Option(None, help="Shared reward model (default: the run's reward/model)."),
     reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight]; repeatable."),
     prompts: int = typer.Option(200, min=2, help="Held-out prompts to sample."),
-    max_new_tokens: Optional[int] = recipe_option("rl.max_new_tokens", "--max-new-tokens"),
+    max_new_tokens: Optional[int] = recipe_option("rl.max_new_tokens", "--max-new-tokens", "--max-completion-length"),
     temperature: Optional[float] = recipe_option("rl.temperature", "--temperature"),
     tasks: Optional[str] = recipe_option("data.tasks", "--tasks"),
     config: Optional[Path] = ConfigOpt,
@@ -324,6 +325,6 @@ def evaluate(
 
     overrides = {"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens, "data.tasks": tasks}
     recipe = recipe_from(config, overrides)  # validated
-    report = run_evaluation(recipe, run, baselines=model, reward_model=reward_model, rewards=reward,
+    report = run_evaluation(recipe, run, baselines=baseline, reward_model=reward_model, rewards=reward,
                             prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature)
     emit(as_json, report, lambda: print_evaluation(report, Path(run) / "eval" / "report.md"))

@@ -243,7 +243,7 @@ def estimate_fit(facts: ModelFacts, profile: DeviceProfile, quant: Optional[str]
                  context: Optional[int] = None, pool: Optional[Pool] = None) -> FitReport:
     """Memory, verdict, largest context, recommended type and decode speed of ``facts`` on ``profile``."""
     if context is not None and context < 1:
-        raise UserError(f"--context {context}: must be at least 1 token")
+        raise UserError(f"--ctx {context}: must be at least 1 token")
     context = context or min(DEFAULT_CONTEXT, facts.context_length or DEFAULT_CONTEXT)
     recommended = recommend_quant(facts, profile, context)
     quant = canonical_quant(quant) if quant else (recommended or preferred_quant(profile))
