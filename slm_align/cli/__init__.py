@@ -30,10 +30,27 @@ app.add_typer(devices.devices_app, name="devices")
 app.add_typer(config_cmd.config_app, name="config")
 
 
+QUIET_HELP = ("Print nothing but errors: no progress bars or lines, no summaries (the exit code and the run's files "
+              "say how it went).")
+
+
 @app.callback()
 def root(version: bool = typer.Option(False, "--version", is_eager=True, callback=env_cmd.print_version,
-                                      help="Print slm-align's version and exit.")) -> None:
+                                      help="Print slm-align's version and exit."),
+         quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP)) -> None:
     """Align small language models safely and ship them to phones and CPU boards."""
+    from slm_align.cli.render import stdout
+    from slm_align.progress import set_quiet
+
+    set_quiet(quiet)  # every invocation decides afresh (tests run many in one process)
+    stdout.quiet = quiet
+
+
+def quiet_first(args: list[str]) -> list[str]:
+    """``--quiet`` is a root option; accept it after the command too (``slm-align train ... --quiet``)."""
+    if "--quiet" not in args:
+        return args
+    return ["--quiet"] + [arg for arg in args if arg != "--quiet"]
 
 
 def _usage_error(exc: TyperException) -> int:
@@ -50,7 +67,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: user errors become one line on stderr and exit code 2; bugs keep their traceback."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # our messages, not library advisories
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = current_spellings(sys.argv[1:] if argv is None else argv, sys.stderr.write)
+    args = quiet_first(current_spellings(sys.argv[1:] if argv is None else argv, sys.stderr.write))
     try:
         code = typer.main.get_command(app).main(args=args, prog_name="slm-align", standalone_mode=False)
     except UserError as exc:
