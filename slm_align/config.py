@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -19,6 +20,27 @@ class ModelSettings(_Strict):
     source: Optional[str] = Field(None, description="HF directory, hub id or .gguf file; None = the bundled model.")
     trust_remote_code: bool = Field(False, description="Run code shipped with a hub model (off unless asked).")
     allow_pickle: bool = Field(False, description="Accept pickle (.bin) checkpoints (unsafe; off unless asked).")
+
+
+class ComputeSettings(_Strict):
+    """Where and how the training stages compute (``[compute]``); the envelope's math is float32 whatever is set."""
+
+    device: str = Field("auto", description="auto (the CUDA GPU, else Apple's MPS, else the CPU), cpu, cuda, "
+                        "cuda:N or mps.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Forward passes of the training stages: "
+                                                       "fp32, or bf16/fp16 autocast (fp16 on CUDA only); "
+                                                       "log-probabilities, ratios, advantages and KL stay fp32.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass (SFT, "
+                                         "reward, RL, DPO/KTO): less memory, about a third more compute.")
+    load_in_4bit: bool = Field(False, description="QLoRA: NF4 4-bit base weights (bitsandbytes) for SFT; CUDA only "
+                               "(refused elsewhere and by the other stages).")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", value) is None:
+            raise ValueError("choose auto, cpu, cuda, cuda:N or mps")
+        return value
 
 
 DEMO = "demo"
@@ -300,6 +322,8 @@ class HeadroomSettings(_Strict):
 class Recipe(_Strict):
     seed: int = Field(0, description="Seeds the split, the initialisation and the data order.")
     model: ModelSettings = Field(default_factory=ModelSettings, description="Where the base model comes from.")
+    compute: ComputeSettings = Field(default_factory=ComputeSettings, description="Device, precision, memory "
+                                     "savers.")
     data: DataSettings = Field(default_factory=DataSettings, description="The corpus and its split.")
     sft: SFTSettings = Field(default_factory=SFTSettings, description="Supervised fine-tuning.")
     reward: RewardSettings = Field(default_factory=RewardSettings, description="The Bradley-Terry reward model.")

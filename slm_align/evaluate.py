@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from slm_align.accelerator import resolve_device
 from slm_align.atomic import write_json_atomic, write_text_atomic
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
@@ -81,8 +82,9 @@ def _load_source(source, recipe: Recipe):
 
 
 def _measure(policy: Policy, prompts: list[str], documents, reward, recipe: Recipe, max_new_tokens: int,
-             temperature: float) -> dict:
+             temperature: float, device: str = "cpu") -> dict:
     model, tokenizer = policy.load()
+    model = model.to(device)
     samples = sample(model, tokenizer, prompts, max_new_tokens, temperature, seed=recipe.seed)
     scores = score(reward, samples)
     encoded = encode_all(documents, tokenizer, recipe.data.max_length)
@@ -118,6 +120,7 @@ def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_mo
     ``sft_run`` names the run whose SFT stage is the prior when it is not ``run`` itself (``train --sft``).
     """
     run = Path(run)
+    device = resolve_device(recipe.compute.device)
     adapter = None
     if _starts_from_sft(recipe, run, sft_run):
         recipe, adapter = recipe_from_sft(sft_run or run, recipe)
@@ -127,14 +130,14 @@ def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_mo
     splits = corpus.splits
     tokenizer = load_tokenizer(resolve_source(recipe.model.source), recipe.model.trust_remote_code)
     source = prompt_source(recipe, tokenizer, corpus)
-    reward = source.reward(rewards, learned=reward_model)
+    reward = source.reward(rewards, learned=reward_model, device=device)
     held = source.heldout[:prompts]
     if len(held) < 2:
         raise UserError("fewer than two held-out prompts to evaluate on; give a larger corpus")
     documents = splits.eval[: recipe.headroom.max_documents]
     max_new = max_new_tokens or recipe.rl.max_new_tokens
     temp = recipe.rl.temperature if temperature is None else temperature
-    rows = [_measure(p, held, documents, reward, recipe, max_new, temp)
+    rows = [_measure(p, held, documents, reward, recipe, max_new, temp, device)
             for p in run_policies(recipe, run, adapter, baselines)]
     report = {"prompts": len(held), "max_new_tokens": max_new, "temperature": temp, "seed": recipe.seed,
               "reward_terms": [name for name, _, _ in reward.terms], "policies": rows,

@@ -51,11 +51,14 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     """
     import torch
 
+    from slm_align.accelerator import device_of
+
     encoded = [tokenizer(p, add_special_tokens=True)["input_ids"] or [tokenizer.eos_token_id] for p in prompts]
     width = max(len(ids) for ids in encoded)
     pad = tokenizer.pad_token_id
-    prompt_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded])
-    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
+    device = device_of(model)
+    prompt_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=device)
+    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
     if seed is not None:
         torch.manual_seed(seed)
     config = recipe_config(max_new_tokens, temperature, top_p, tokenizer.eos_token_id, pad)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from slm_align.accelerator import device_of, resolve_device
 from slm_align.atomic import write_json_atomic
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
@@ -86,7 +87,7 @@ def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Opt
     from slm_align.reward.model import pairwise_metrics
 
     settings = recipe.headroom
-    reward = source.reward(rewards, learned=reward_model)
+    reward = source.reward(rewards, learned=reward_model, device=device_of(policy))
     figures = []
     if reward_model is not None:
         pairs = _heldout_pairs(recipe, corpus, run)
@@ -141,6 +142,7 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
     ``reward/model``); reward spread when any reward is known (the model and/or ``rewards`` specs).
     """
     started = time.time()
+    device = resolve_device(recipe.compute.device)
     if run is not None and adapter is None and recipe.rl.from_sft:
         recipe, adapter = recipe_from_sft(run, recipe)
     if reward_model is None and run is not None and (Path(run) / "reward" / "model").is_dir():
@@ -152,7 +154,7 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
     encoded = encode_all(_perplexity_documents(recipe, corpus, source), tokenizer, recipe.data.max_length)
     if not encoded:
         raise UserError(f"data {corpus.description}: no eval document has tokens to score")
-    model = load_model(model_source, recipe.model.trust_remote_code, recipe.model.allow_pickle)
+    model = load_model(model_source, recipe.model.trust_remote_code, recipe.model.allow_pickle).to(device)
     info = {"model": model_source.label, "data": corpus.description, "prompts": source.description,
             "eval_documents": len(encoded)}
     if adapter is not None:

@@ -243,11 +243,13 @@ def gguf_config(path: Path):
     return config
 
 
-def load_model(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False):
-    """The causal LM of a source, in float32, in eval mode (a .gguf file through its cached HF directory)."""
+def load_model(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
+               quantization=None):
+    """The causal LM of a source, in float32, in eval mode (a .gguf file through its cached HF directory);
+    ``quantization``: a transformers quantization config (4-bit base weights for QLoRA), None for float32."""
     if source.kind == "gguf":
-        return _load_pretrained(gguf_directory(source))
-    return _load_pretrained(source, trust_remote_code, allow_pickle)
+        return _load_pretrained(gguf_directory(source), quantization=quantization)
+    return _load_pretrained(source, trust_remote_code, allow_pickle, quantization)
 
 
 def gguf_directory(source: ModelSource) -> ModelSource:
@@ -270,7 +272,8 @@ def gguf_directory(source: ModelSource) -> ModelSource:
     return ModelSource("dir", str(gguf_cache.materialize(path, read_model, read_tokenizer, write_tokenizer)))
 
 
-def _load_pretrained(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False):
+def _load_pretrained(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
+                     quantization=None):
     """``from_pretrained`` of a directory, hub id or .gguf file, with one-line errors."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -286,6 +289,8 @@ def _load_pretrained(source: ModelSource, trust_remote_code: bool = False, allow
             check_architecture(config.model_type, source.ref)
         if source.kind == "gguf":
             kwargs["config"] = gguf_config(Path(source.ref))
+        if quantization is not None:
+            kwargs["quantization_config"] = quantization
         model = AutoModelForCausalLM.from_pretrained(
             name, dtype=torch.float32, trust_remote_code=trust_remote_code,
             use_safetensors=None if (allow_pickle or source.kind == "gguf") else True, **kwargs)
@@ -298,6 +303,8 @@ def _load_pretrained(source: ModelSource, trust_remote_code: bool = False, allow
         raise UserError(f"model {source.label} cannot be loaded ({first}); the checkpoint may be corrupt "
                         "or of an unsupported architecture") from None
     check_architecture(model.config.model_type, source.label)
+    if quantization is not None:
+        return model.eval()  # 4-bit weights stay 4-bit (.float() would refuse them)
     return model.float().eval()
 
 

@@ -22,7 +22,7 @@ def _quiet(_: str) -> None:
 
 
 def run_quickstart(out: Path, sft_steps: int = 150, reward_steps: int = 100, rl_steps: int = 20,
-                   say: Optional[Callable[[str], None]] = None) -> dict:
+                   say: Optional[Callable[[str], None]] = None, device: str = "auto") -> dict:
     """SFT, the reward model, the headroom gate, then PPO, evaluation, export and one agent turn; each stage is
     reused when already done with the same inputs."""
     say = say or _quiet
@@ -30,7 +30,7 @@ def run_quickstart(out: Path, sft_steps: int = 150, reward_steps: int = 100, rl_
     check_out_dir(out)  # before the first progress line
     recipe = load_recipe(overrides={"sft.max_steps": sft_steps, "sft.batch_size": 16, "sft.save_steps": 50,
                                     "reward.max_steps": reward_steps, "reward.batch_size": 16, "rl.algo": "ppo",
-                                    "rl.steps": rl_steps})
+                                    "rl.steps": rl_steps, "compute.device": device})
     result = {"out": str(out), "sft": _sft_step(recipe, out, say), "reward": _reward_step(recipe, out, say)}
     result["headroom"] = _gate_step(recipe, out, say)
     if result["headroom"]["passed"]:

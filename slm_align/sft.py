@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from slm_align.accelerator import check_trainer_device, resolve_compute, training_inputs
 from slm_align.config import DataSettings, Recipe
 from slm_align.data.corpus import Corpus, load_corpus
 from slm_align.data.encoding import encode_all, pad_batch
@@ -18,7 +19,14 @@ from slm_align.errors import UserError
 from slm_align.modeling import ModelSource, load_model, load_tokenizer, resolve_source, save_tokenizer
 from slm_align.progress import TrainerProgress
 from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
-from slm_align.training import attach_lora, make_trainer, prepare_partial, save_adapter, training_arguments
+from slm_align.training import (
+    attach_lora,
+    make_trainer,
+    prepare_partial,
+    save_adapter,
+    trainable_base,
+    training_arguments,
+)
 
 STAGE = "sft"
 
@@ -26,7 +34,8 @@ STAGE = "sft"
 def sft_inputs(recipe: Recipe, source: ModelSource, corpus: Corpus) -> dict:
     """Everything that decides the SFT result; equal inputs mean the stage need not run again."""
     return {"model": {"kind": source.kind, "ref": source.ref}, "data": corpus.fingerprint,
-            "data_settings": recorded_data(recipe.data), "seed": recipe.seed, "sft": recipe.sft.model_dump()}
+            "data_settings": recorded_data(recipe.data), "seed": recipe.seed, "sft": recipe.sft.model_dump(),
+            **training_inputs(recipe.compute)}
 
 
 def recorded_data(settings: DataSettings) -> dict:
@@ -43,6 +52,8 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     from transformers import Trainer
 
     started = time.time()
+    compute = resolve_compute(recipe.compute, quantizable=True)
+    check_trainer_device(compute)
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
     corpus = load_corpus(recipe.data, recipe.seed)
@@ -55,12 +66,13 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     eval_rows = encode_all(corpus.splits.eval, tokenizer, recipe.data.max_length)
     if not train_rows or not eval_rows:
         raise UserError(f"data {corpus.description}: no document has text left to train on after tokenizing")
-    model = load_model(source, recipe.model.trust_remote_code, recipe.model.allow_pickle)
-    model = attach_lora(model, recipe.sft.lora, recipe.seed)
+    model = load_model(source, recipe.model.trust_remote_code, recipe.model.allow_pickle,
+                       compute.quantization_config())
+    model = attach_lora(trainable_base(model, compute), recipe.sft.lora, recipe.seed)
     partial = partial_dir(stage_dir)
     checkpoint = prepare_partial(partial, inputs, resume)
     progress = TrainerProgress("sft", partial / "log.jsonl")
-    args = training_arguments(recipe.sft, recipe.seed, partial, eval_strategy="epoch",
+    args = training_arguments(recipe.sft, recipe.seed, partial, compute, eval_strategy="epoch",
                               neftune_noise_alpha=recipe.sft.neftune_alpha or None)
     trainer = make_trainer(Trainer, model, args, train_rows, lambda rows: pad_batch(rows, tokenizer.pad_token_id),
                            progress, eval_dataset=eval_rows)
@@ -72,7 +84,8 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
                "eval_loss_per_epoch": progress.eval_losses, "steps": train_output.global_step,
                "train_documents": len(train_rows), "eval_documents": len(eval_rows),
                "heldout_prompts": len(corpus.splits.heldout), "resumed_from": checkpoint,
-               "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+               "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+               "compute": compute.record()}
     publish(partial, stage_dir, make_manifest(STAGE, inputs, metrics, started),
             keep=("adapter", "tokenizer", "inputs.json", "log.jsonl"))
     return StageResult(stage_dir, skipped=False, metrics=metrics)

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+from slm_align.accelerator import Compute
 from slm_align.atomic import publish_directory, write_json_atomic
 from slm_align.config import LoraSettings, TrainSettings
 from slm_align.errors import UserError
@@ -57,8 +58,9 @@ def last_complete_checkpoint(checkpoints: Path) -> Optional[str]:
     return None
 
 
-def training_arguments(settings: TrainSettings, seed: int, partial: Path, **extra):
-    """TrainingArguments for CPU fp32 training with a cosine schedule, checkpoints and our own progress bar."""
+def training_arguments(settings: TrainSettings, seed: int, partial: Path, compute: Compute, **extra):
+    """TrainingArguments with a cosine schedule, checkpoints and our own progress bar, on the stage's device (the CPU
+    only when it resolved to the CPU), in its precision, with gradient checkpointing when asked."""
     from transformers import TrainingArguments
 
     return TrainingArguments(
@@ -67,9 +69,20 @@ def training_arguments(settings: TrainSettings, seed: int, partial: Path, **extr
         gradient_accumulation_steps=settings.grad_accum, learning_rate=settings.learning_rate,
         lr_scheduler_type="cosine", warmup_ratio=settings.warmup_ratio, weight_decay=settings.weight_decay,
         save_strategy="steps", save_steps=settings.save_steps, save_total_limit=2, logging_steps=10,
-        use_cpu=True, seed=seed, data_seed=seed, report_to=[], disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, save_safetensors=True, **extra,
+        seed=seed, data_seed=seed, report_to=[], disable_tqdm=True, remove_unused_columns=False,
+        dataloader_num_workers=0, save_safetensors=True, **compute.trainer_arguments(), **extra,
     )
+
+
+def trainable_base(model, compute: Compute):
+    """The base model LoRA attaches to: with 4-bit weights, prepared for k-bit training (QLoRA: norms in fp32,
+    input gradients on); otherwise as it is."""
+    if not compute.load_in_4bit:
+        return model
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=compute.gradient_checkpointing,
+                                           gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def attach_lora(model, lora: LoraSettings, seed: int, task_type: str = "CAUSAL_LM"):

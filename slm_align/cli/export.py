@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from slm_align.cli.options import OUT_NAMES, ConfigOpt, JsonFlag, recipe_from
+from slm_align.cli.options import OUT_NAMES, ConfigOpt, JsonFlag, recipe_from, recipe_option
 from slm_align.cli.render import emit, print_export, print_merge
 
 commands = typer.Typer()
@@ -20,12 +20,13 @@ def merge(
     out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default: RUN/merged)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     config: Optional[Path] = ConfigOpt,
+    device: Optional[str] = recipe_option("compute.device", "--device"),
     as_json: bool = JsonFlag,
 ) -> None:
     """Fold the SFT and RL adapters into the base weights: a plain HF directory that loads without peft."""
     from slm_align.export.merge import merge_run
 
-    summary = merge_run(recipe_from(config), run, out, overwrite).summary()
+    summary = merge_run(recipe_from(config, {"compute.device": device}), run, out, overwrite).summary()
     emit(as_json, summary, lambda: print_merge(summary))
 
 
@@ -53,6 +54,8 @@ def export(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact of the same name."),
     system: Optional[str] = typer.Option(None, "--system", help="GGUF: system prompt of the Ollama Modelfile "
                                          "written beside the artifact."),
+    torch_device: str = typer.Option("auto", "--torch-device", help="Where the PyTorch side of the parity check "
+                                     "runs: auto, cpu, cuda, cuda:N or mps (--device names the target profile)."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Merge and export to GGUF or ONNX, quantized for a device, verified against the PyTorch model; beside a GGUF an
@@ -61,6 +64,6 @@ def export(
 
     request = ExportRequest(source, target=target, quant=quant, device=device, out=out, verify=not no_verify,
                             overwrite=overwrite, force=force, min_agreement=min_agreement, ort_format=ort_format,
-                            threads=threads, preset=preset, system=system)
+                            threads=threads, preset=preset, system=system, torch_device=torch_device)
     summary = run_export(request).summary()
     emit(as_json, summary, lambda: print_export(summary))

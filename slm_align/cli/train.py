@@ -64,6 +64,12 @@ SAFETY = (
     Flag("--trust-remote-code", "model.trust_remote_code", sets=True),
     Flag("--allow-pickle", "model.allow_pickle", sets=True),
 )
+COMPUTE = (
+    Flag("--device", "compute.device"),
+    Flag("--precision", "compute.precision"),
+    Flag("--gradient-checkpointing", "compute.gradient_checkpointing", sets=True),
+    Flag("--load-in-4bit", "compute.load_in_4bit", sets=True),
+)
 SFT = (
     Flag("--epochs", "sft.epochs", aliases=("--num-train-epochs",)),
     Flag("--max-steps", "sft.max_steps"),
@@ -143,7 +149,7 @@ RUN_DIR_HELP = "Run directory."
                          "--out runs/chat\n\n"
                          "  slm-align sft --data demo --out runs/demo   # the generated demo stories\n\n"
                          "  slm-align sft --data stories.txt --out runs/demo --resume   # continue an interrupted run")
-@recipe_flags(SOURCE, SFT, SAFETY)
+@recipe_flags(SOURCE, SFT, SAFETY, COMPUTE)
 def sft(
     out: Path = typer.Option(Path("runs/default"), *OUT_NAMES, help="Run directory; SFT writes OUT/sft/."),
     config: Optional[Path] = ConfigOpt,
@@ -167,7 +173,7 @@ def sft(
                          "--data eval.jsonl\n\n"
                          "  slm-align check-headroom --run runs/demo --max-ppl 15 --json\n\n"
                          "  slm-align check-headroom --run runs/demo --reward mypkg.rewards:politeness@0.5")
-@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY)
+@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY, COMPUTE[:1])
 def check_headroom(
     run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with --model)."),
@@ -196,13 +202,15 @@ def quickstart(
     sft_steps: int = typer.Option(150, min=1, help="SFT optimizer steps on the bundled model."),
     reward_steps: int = typer.Option(100, min=1, help="Reward-model optimizer steps."),
     rl_steps: int = typer.Option(20, min=1, help="PPO iterations."),
+    device: Optional[str] = recipe_option("compute.device", "--device"),
     as_json: bool = JsonFlag,
 ) -> None:
     """Walk the loop on the bundled model and demo stories, printing each stage's figures."""
     from slm_align.quickstart import run_quickstart
 
     say = None if as_json else stdout.print
-    result = run_quickstart(out, sft_steps=sft_steps, reward_steps=reward_steps, rl_steps=rl_steps, say=say)
+    result = run_quickstart(out, sft_steps=sft_steps, reward_steps=reward_steps, rl_steps=rl_steps, say=say,
+                            device=device or "auto")
     emit(as_json, result, lambda: None)
     raise typer.Exit(0 if result["headroom"]["passed"] else 1)
 
@@ -227,7 +235,7 @@ def quickstart(
                          "--preferences prefs.unpaired.jsonl   # DPO on device feedback\n\n"
                          "  slm-align train --algo kto --out runs/demo --preferences prefs.unpaired.jsonl "
                          "--desirable-weight 1.5")
-@recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, PREFERENCE, SAFETY)
+@recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, PREFERENCE, SAFETY, COMPUTE)
 def train(
     out: Path = typer.Option(Path("runs/default"), *OUT_NAMES, help=RUN_DIR_HELP),
     stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it needs, the gate, then RL)."),
@@ -317,13 +325,15 @@ def evaluate(
     max_new_tokens: Optional[int] = recipe_option("rl.max_new_tokens", "--max-new-tokens", "--max-completion-length"),
     temperature: Optional[float] = recipe_option("rl.temperature", "--temperature"),
     tasks: Optional[str] = recipe_option("data.tasks", "--tasks"),
+    device: Optional[str] = recipe_option("compute.device", "--device"),
     config: Optional[Path] = ConfigOpt,
     as_json: bool = JsonFlag,
 ) -> None:
     """Compare the SFT prior, the aligned policy and any baselines on held-out prompts; write eval/report.md."""
     from slm_align.evaluate import evaluate as run_evaluation
 
-    overrides = {"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens, "data.tasks": tasks}
+    overrides = {"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens, "data.tasks": tasks,
+                 "compute.device": device}
     recipe = recipe_from(config, overrides)  # validated
     report = run_evaluation(recipe, run, baselines=baseline, reward_model=reward_model, rewards=reward,
                             prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature)

@@ -48,12 +48,12 @@ class PromptSource:
             return set()
         return self.tasks.column_names()
 
-    def reward(self, specs: Sequence[str] = (), learned: Optional[Path] = None):
-        """The combined reward (learned model and/or specs), given the rows' columns; refused in one line before
-        any sampling when a reward needs a column the data does not have."""
+    def reward(self, specs: Sequence[str] = (), learned: Optional[Path] = None, device: str = "cpu"):
+        """The combined reward (learned model and/or specs, the model on ``device``), given the rows' columns;
+        refused in one line before any sampling when a reward needs a column the data does not have."""
         from slm_align.reward.functions import check_columns, combine, with_columns
 
-        reward = combine(specs, learned=learned)
+        reward = combine(specs, learned=learned, device=device)
         check_columns(reward, self.columns())
         if self.tasks is None:
             return reward

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from slm_align.accelerator import resolve_device
 from slm_align.config import Recipe
 from slm_align.errors import UserError
 from slm_align.export.model_card import CARD, merged_card
@@ -42,6 +43,7 @@ def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: 
     from peft import PeftModel
 
     started = time.time()
+    device = resolve_device(recipe.compute.device)  # a device that is not there: refused before any work
     run = Path(run)
     out = check_out_dir(Path(out) if out is not None else run / "merged")
     if out.exists() and not overwrite:
@@ -50,6 +52,7 @@ def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: 
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
     model = merged_policy(source, sft_adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
+    model = model.to(device)
     aligned = merged_stage(run)
     if aligned is not None:
         check_adapter_files(run / aligned / "adapter", recipe.model.allow_pickle)

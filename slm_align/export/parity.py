@@ -66,11 +66,20 @@ def verification_prompts(tokenizer) -> list[list[int]]:
     return prompts
 
 
+def _token_batch(model, ids: Sequence[int]):
+    """(1, T) token ids on the model's device."""
+    import torch
+
+    from slm_align.accelerator import device_of
+
+    return torch.tensor([list(ids)], device=device_of(model))
+
+
 def _torch_logits(model, ids: Sequence[int]) -> np.ndarray:
     import torch
 
     with torch.no_grad():
-        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
+        return model(_token_batch(model, ids)).logits[0].float().cpu().numpy()
 
 
 def torch_greedy(model, prompt: Sequence[int], steps: int) -> list[int]:
@@ -78,12 +87,12 @@ def torch_greedy(model, prompt: Sequence[int], steps: int) -> list[int]:
     import torch
 
     with torch.no_grad():
-        out = model(torch.tensor([list(prompt)]), use_cache=True)
+        out = model(_token_batch(model, prompt), use_cache=True)
         tokens = []
         for _ in range(steps):
             token = int(out.logits[0, -1].argmax())
             tokens.append(token)
-            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(_token_batch(model, [token]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
 
 

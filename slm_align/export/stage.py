@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from slm_align.accelerator import resolve_device
 from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
 from slm_align.errors import UserError
 from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_config, check_gguf_type, quantize_gguf, write_gguf
@@ -74,6 +75,8 @@ class ExportRequest:
     """ONNX int8 preset (arm64, avx2, avx512, avx512_vnni); default from the device, else this host's."""
     system: Optional[str] = None
     """GGUF: the system prompt of the Ollama Modelfile written beside the artifact."""
+    torch_device: str = "auto"
+    """Where the PyTorch side of the parity check runs (auto, cpu, cuda, cuda:N, mps)."""
 
 
 def _device_settings(request: ExportRequest) -> tuple[str, str, int]:
@@ -97,6 +100,8 @@ def _validate(request: ExportRequest) -> tuple[str, str, int]:
     if not 0.0 <= request.min_agreement <= 1.0:
         raise UserError(f"--min-agreement {request.min_agreement}: must be between 0 and 1")
     check_system_prompt(request.system, request.target)
+    if request.verify:
+        resolve_device(request.torch_device)  # a device that is not there: refused before any work
     quant, preset, threads = _device_settings(request)
     if request.target == "gguf":
         return check_gguf_type(quant), preset, threads
@@ -191,13 +196,14 @@ def _build(target: str, quant: str, preset: str, threads: int, checkpoint: Path,
     return write_gguf(checkpoint, built, quant, chat_template=template)
 
 
-def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agreement: float) -> dict:
+def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agreement: float,
+            torch_device: str = "auto") -> dict:
     from slm_align.agent.backend import open_backend
     from slm_align.export.parity import VERIFY_CONTEXT, verify
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
-    model = load_model(source)
+    model = load_model(source).to(resolve_device(torch_device))
     tokenizer = load_tokenizer(source)
     backend = open_backend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True)
     return verify(model, tokenizer, backend, exact=quant in EXACT_TYPES, min_agreement=min_agreement,
@@ -272,8 +278,9 @@ def run_export(request: ExportRequest) -> StageResult:
             template = default_chat_template(checkpoint_tokenizer)
         built = _build(request.target, quant, preset, threads, checkpoint, scratch, template, request.ort_format)
         export_seconds = round(time.time() - started, 2)
-        verification = (_verify(checkpoint, built, quant, threads, request.min_agreement) if request.verify
-                        else {"skipped": True})
+        verification = {"skipped": True}
+        if request.verify:
+            verification = _verify(checkpoint, built, quant, threads, request.min_agreement, request.torch_device)
         if request.verify and not verification["passed"] and not request.force:
             raise VerificationFailed(f"export not published: {_failure(verification)}; nothing was written to "
                                      f"{final}. Try a higher-precision --quant, or --force to publish anyway")

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from slm_align.accelerator import device_of, forward_autocast
 from slm_align.config import EnvelopeSettings, PreferenceSettings
 from slm_align.data.encoding import IGNORE_INDEX, encode, pad_batch
 from slm_align.data.examples import Example
@@ -22,6 +23,7 @@ from slm_align.preference.losses import dpo_loss, implicit_rewards, kto_loss, kt
 from slm_align.reward.pairs import Pair
 from slm_align.rl.distributed import World
 from slm_align.rl.learning_rate import base_parameters, default_learning_rate
+from slm_align.rl.policy import checkpoint_in_eval, enable_checkpointing
 from slm_align.rl.safeguards import GuardCounters, GuardedOptimizer, load_trainable_state, trainable_state
 from slm_align.rl.schedule import derive_seed
 
@@ -69,8 +71,14 @@ class PreferenceLearner:
     """One DPO or KTO run's state: the policy (merged prior + fresh LoRA), AdamW, the guard, the step."""
 
     def __init__(self, policy, tokenizer, data: PreferenceData, settings: PreferenceSettings, algo: str,
-                 envelope: EnvelopeSettings, seed: int, max_length: int):
+                 envelope: EnvelopeSettings, seed: int, max_length: int, precision: str = "fp32",
+                 checkpointing: bool = False):
         self.policy = policy
+        self.device = device_of(policy)
+        self.precision = precision
+        self.checkpointing = checkpointing
+        if checkpointing:
+            enable_checkpointing(policy)
         self.settings = settings
         self.algo = algo
         self.seed = seed
@@ -100,8 +108,8 @@ class PreferenceLearner:
         """The rows (those that kept a token) with the reference's log-probabilities: the adapter disabled."""
         kept = [row for row in rows if row is not None]
         if not kept:
-            return Completions([], torch.zeros(0))
-        with torch.no_grad(), self.policy.disable_adapter():
+            return Completions([], torch.zeros(0, device=self.device))
+        with torch.no_grad(), self.policy.disable_adapter(), self.forward_context():
             ref, _ = sequence_logprobs(self.policy.eval(), kept, self.pad_id, self.settings.batch_size)
         return Completions(kept, ref)
 
@@ -137,6 +145,10 @@ class PreferenceLearner:
             indices.append(int(torch.randperm(size, generator=generator)[slot % size]))
         return indices
 
+    def forward_context(self):
+        """Autocast of this run's forward passes on the policy's device (none at fp32); the losses are fp32."""
+        return forward_autocast(self.device, self.precision)
+
     def after_backward(self) -> None:
         """Hook between backward and the optimizer step (fault-injection tests override it)."""
 
@@ -165,7 +177,7 @@ class PreferenceLearner:
             kl_rows = [self.mismatched.rows[i] for i in indices]
             kl_logp, _ = sequence_logprobs(self.policy, kl_rows, self.pad_id, len(kl_rows))
         z_ref = kto_reference_point(kl_logp, self.mismatched.ref[indices])
-        desirable = torch.tensor([self.labels[i] for i in indices])
+        desirable = torch.tensor([self.labels[i] for i in indices], device=self.device)
         terms = kto_loss(logp, self.train_completions.ref[indices], desirable, z_ref, self.settings.beta,
                          self.desirable_weight, self.settings.undesirable_weight)
         rewards = terms.rewards.detach()
@@ -181,7 +193,10 @@ class PreferenceLearner:
         indices = self.batch_indices(self.step)
         snapshot = self.guard.snapshot()
         self.policy.eval()  # no dropout: at step 0 the policy equals the reference exactly
-        loss, stats = self.loss(indices)
+        if self.checkpointing:
+            checkpoint_in_eval(self.policy)
+        with self.forward_context():
+            loss, stats = self.loss(indices)
         result = self.guard.step(loss, snapshot, self.after_backward)
         self.step += 1
         return dict(stats, **result, step=self.step, **{"guard/rollbacks": self.guard.counters.rollbacks})
@@ -189,7 +204,7 @@ class PreferenceLearner:
     # ---- held-out figures -------------------------------------------------------------------------------------
     def heldout(self) -> dict:
         """Held-out preference figures of the current policy (see :func:`heldout_figures`)."""
-        with torch.no_grad():
+        with torch.no_grad(), self.forward_context():
             self.policy.eval()
             chosen = self._policy_logprobs(self.chosen)
             rejected = self._policy_logprobs(self.rejected)
@@ -199,7 +214,7 @@ class PreferenceLearner:
 
     def _policy_logprobs(self, completions: Completions) -> torch.Tensor:
         if not completions.rows:
-            return torch.zeros(0)
+            return torch.zeros(0, device=self.device)
         logp, _ = sequence_logprobs(self.policy, completions.rows, self.pad_id, self.settings.batch_size)
         return logp
 

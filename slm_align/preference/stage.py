@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from slm_align.accelerator import resolve_compute, training_inputs
 from slm_align.atomic import atomic_path
 from slm_align.config import Recipe
 from slm_align.data.readers import fingerprint
@@ -40,6 +41,7 @@ def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool 
                    sft_from: Optional[Path] = None, say=lambda _: None) -> StageResult:
     """DPO or KTO (``recipe.rl.algo``) on ``recipe.reward.preferences`` from the run's SFT prior."""
     started = time.time()
+    compute = resolve_compute(recipe.compute, loss_scaling=False)
     out = Path(out)
     algo = recipe.rl.algo
     stage_dir = out / algo
@@ -56,9 +58,9 @@ def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool 
     if done is not None:
         return StageResult(stage_dir, skipped=True, metrics=done["metrics"])
     policy = build_policy(source, adapter, recipe.rl.model_copy(update={"lora": recipe.preference.lora}), recipe.seed,
-                          recipe.model.trust_remote_code, recipe.model.allow_pickle)
+                          recipe.model.trust_remote_code, recipe.model.allow_pickle, compute.device)
     learner = PreferenceLearner(policy, tokenizer, data, recipe.preference, algo, recipe.rl.envelope, recipe.seed,
-                                recipe.data.max_length)
+                                recipe.data.max_length, compute.precision, compute.gradient_checkpointing)
     gate = preference_gate(recipe, algo, data, learner).to_dict()
     say(f"{algo} gate: {gate['verdict']}" + (f" ({'; '.join(gate['reasons'])})" if gate["reasons"] else ""))
     if not gate["passed"] and not force:
@@ -73,7 +75,7 @@ def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool 
     after = learner.heldout()
     save_adapter(policy, partial / "adapter")
     plot_curves(partial / "metrics.jsonl", partial / "plots" / "training_curves.png", keys=CURVES)
-    metrics = _figures(learner, data, gate, before, after, feedback, adapter, force)
+    metrics = dict(_figures(learner, data, gate, before, after, feedback, adapter, force), compute=compute.record())
     publish(partial, stage_dir, make_manifest(algo, inputs, metrics, started),
             keep=("adapter", "metrics.jsonl", "plots", "inputs.json", "heldout_start.json"))
     return StageResult(stage_dir, skipped=False, metrics=metrics)
@@ -84,7 +86,7 @@ def _inputs(recipe: Recipe, algo: str, adapter: Path, paths: list[Path]) -> dict
     return {"algo": algo, "sft": {"adapter": str(adapter), "inputs_hash": read_manifest(adapter.parent)["inputs_hash"]},
             "preferences": [fingerprint(path) for path in paths], "seed": recipe.seed,
             "preference": recipe.preference.model_dump(), "envelope": recipe.rl.envelope.model_dump(),
-            "max_length": recipe.data.max_length}
+            "max_length": recipe.data.max_length, **training_inputs(recipe.compute)}
 
 
 def preference_gate(recipe: Recipe, algo: str, data: PreferenceData, learner: PreferenceLearner) -> HeadroomReport:

@@ -343,10 +343,11 @@ def load_reward_fn(spec: str) -> tuple[str, RewardFn, float]:
 class LearnedReward:
     """The trained Bradley-Terry model as a reward function (loads alone from ``reward/model``)."""
 
-    def __init__(self, path: Path, max_length: int = 256, batch_size: int = 16):
+    def __init__(self, path: Path, max_length: int = 256, batch_size: int = 16, device: str = "cpu"):
         from slm_align.reward.model import load_reward_model
 
         self.model, self.tokenizer = load_reward_model(path)
+        self.model.to(device)
         self.max_length = max_length
         self.batch_size = batch_size
 
@@ -380,11 +381,11 @@ class CombinedReward:
 
 
 def combine(specs: Sequence[str] = (), learned: Optional[Path] = None, learned_weight: float = 1.0,
-            callables: Sequence[tuple[RewardFn, float]] = ()) -> CombinedReward:
-    """The learned model (when given), CLI specs and Python callables as one reward."""
+            callables: Sequence[tuple[RewardFn, float]] = (), device: str = "cpu") -> CombinedReward:
+    """The learned model (when given, on ``device``), CLI specs and Python callables as one reward."""
     terms: list[tuple[str, RewardFn, float]] = []
     if learned is not None:
-        terms.append(("reward_model", LearnedReward(learned), learned_weight))
+        terms.append(("reward_model", LearnedReward(learned, device=device), learned_weight))
     terms += [load_reward_fn(spec) for spec in specs]
     terms += [(getattr(fn, "__name__", type(fn).__name__), fn, weight) for fn, weight in callables]
     if not terms:

@@ -54,7 +54,7 @@ def sequence_rewards(model, input_ids, attention_mask):
     classifier = _unwrap(model)
     hidden = classifier.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     last = attention_mask.sum(-1) - 1
-    pooled = hidden[torch.arange(hidden.shape[0]), last]
+    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     return classifier.score(pooled).squeeze(-1).float()
 
 
@@ -80,6 +80,9 @@ def score_texts(model, tokenizer, prompts: list[str], completions: list[str], ma
     """Rewards of ``prompt + completion`` texts, in batches, without gradients; ``truncated`` ones get no EOS."""
     import torch
 
+    from slm_align.accelerator import device_of
+
+    device = device_of(model)
     ended = [not t for t in truncated] if truncated is not None else [True] * len(prompts)
     scores: list[float] = []
     with torch.no_grad():
@@ -89,7 +92,8 @@ def score_texts(model, tokenizer, prompts: list[str], completions: list[str], ma
                 encode_scored(tokenizer, p, c, max_length, e)
                 for p, c, e in zip(prompts[start:end], completions[start:end], ended[start:end]))]
             batch = pad_batch(rows, tokenizer.pad_token_id)
-            scores += sequence_rewards(model, batch["input_ids"], batch["attention_mask"]).tolist()
+            scores += sequence_rewards(model, batch["input_ids"].to(device),
+                                       batch["attention_mask"].to(device)).tolist()
     return scores
 
 

@@ -11,6 +11,7 @@ import json
 import time
 from pathlib import Path
 
+from slm_align.accelerator import check_trainer_device, resolve_compute, training_inputs
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
 from slm_align.errors import UserError
@@ -85,13 +86,16 @@ def _write_jsonl(path: Path, pairs: list[Pair]) -> None:
 def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     """Train the reward model of run ``out`` (whose SFT stage must be finished)."""
     started = time.time()
+    compute = resolve_compute(recipe.compute)
+    check_trainer_device(compute)
     recipe, adapter = recipe_from_sft(out, recipe)
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
     train, held, pair_stats = build_pairs(recipe, tokenizer)
     stage_dir = Path(out) / STAGE
     inputs = {"sft": read_manifest(Path(out) / "sft")["inputs_hash"], "seed": recipe.seed,
-              "reward": recipe.reward.model_dump(), "pairs": digest([p.to_row() for p in train + held])}
+              "reward": recipe.reward.model_dump(), "pairs": digest([p.to_row() for p in train + held]),
+              **training_inputs(recipe.compute)}
     done = completed(stage_dir, inputs)
     if done is not None:
         return StageResult(stage_dir, skipped=True, metrics=done["metrics"])
@@ -105,7 +109,7 @@ def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     checkpoint = prepare_partial(partial, inputs, resume)
     progress = TrainerProgress("reward model", partial / "log.jsonl")
     trainer = make_trainer(_bt_trainer_class(recipe.reward.margin, recipe.reward.center_coefficient), model,
-                           training_arguments(recipe.reward, recipe.seed, partial), rows,
+                           training_arguments(recipe.reward, recipe.seed, partial, compute), rows,
                            lambda batch: collate_pairs(batch, tokenizer.pad_token_id), progress)
     output = trainer.train(resume_from_checkpoint=checkpoint)
     merged = model.merge_and_unload().eval()
@@ -115,7 +119,7 @@ def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     _write_jsonl(partial / "eval_pairs.jsonl", held)
     metrics = pairwise_metrics(merged, tokenizer, held, max_length)
     metrics.update(train_loss=output.training_loss, steps=output.global_step, train_pairs=len(train),
-                   pair_stats=pair_stats, resumed_from=checkpoint)
+                   pair_stats=pair_stats, resumed_from=checkpoint, compute=compute.record())
     publish(partial, stage_dir, make_manifest(STAGE, inputs, metrics, started),
             keep=("model", "pairs.jsonl", "eval_pairs.jsonl", "inputs.json", "log.jsonl"))
     return StageResult(stage_dir, skipped=False, metrics=metrics)

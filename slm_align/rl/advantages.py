@@ -93,7 +93,7 @@ def per_token_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs
     Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences".
     """
     rewards = -kl_coef * (logprobs - ref_logprobs) * mask
-    rows = torch.arange(scores.shape[0])
+    rows = torch.arange(scores.shape[0], device=scores.device)
     last = (mask.sum(-1).long() - 1).clamp(min=0)
     rewards[rows, last] += scores * mask[rows, last]
     return rewards
@@ -116,10 +116,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     """
     batch, length = rewards.shape
     advantages = torch.zeros_like(rewards)
-    last = torch.zeros(batch)
+    last = rewards.new_zeros(batch)
     for t in reversed(range(length)):
-        next_mask = mask[:, t + 1] if t + 1 < length else torch.zeros(batch)
-        next_value = values[:, t + 1] * next_mask if t + 1 < length else torch.zeros(batch)
+        next_mask = mask[:, t + 1] if t + 1 < length else rewards.new_zeros(batch)
+        next_value = values[:, t + 1] * next_mask if t + 1 < length else rewards.new_zeros(batch)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         last = delta + gamma * lam * next_mask * last
         advantages[:, t] = last

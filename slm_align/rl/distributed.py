@@ -1,4 +1,5 @@
-"""Data parallel RL over processes started by ``accelerate launch`` or ``torchrun`` (gloo on CPU).
+"""Data parallel RL over processes started by ``accelerate launch`` or ``torchrun``: NCCL between GPUs (one per
+process, by LOCAL_RANK), gloo between CPU processes.
 
 Each rank samples its own share of the prompts; gradients are averaged across ranks before every optimizer step,
 and every guard decision (skip, rollback) is taken on world-wide figures, so all replicas stay identical.
@@ -19,6 +20,8 @@ class World:
 
     rank: int = 0
     size: int = 1
+    device: str = "cpu"
+    """Where the tensors of collectives live: this rank's GPU under NCCL, the CPU under gloo."""
 
     @property
     def main(self) -> bool:
@@ -47,7 +50,7 @@ class World:
         """The mean of ``value`` over ranks (float64 all-reduce); ``value`` itself in one process."""
         if self.size == 1:
             return value
-        tensor = torch.tensor([value], dtype=torch.float64)
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
         self._dist().all_reduce(tensor)
         return float(tensor) / self.size
 
@@ -81,21 +84,37 @@ class World:
         return out
 
 
-def world_from_env() -> World:
-    """The world that ``accelerate launch``/``torchrun`` set up through WORLD_SIZE and RANK (gloo on CPU)."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size == 1:
+def launched() -> bool:
+    """Whether ``accelerate launch``/``torchrun`` started this process as one of several (WORLD_SIZE > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def rank_device(device: str) -> str:
+    """The device this process computes on: under a launcher with CUDA, the GPU of its LOCAL_RANK; else ``device``."""
+    if launched() and device.startswith("cuda"):
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return device
+
+
+def world_from_env(device: str = "cpu") -> World:
+    """The world that ``accelerate launch``/``torchrun`` set up through WORLD_SIZE and RANK: NCCL when this rank
+    computes on a GPU (``device`` from :func:`rank_device`), gloo otherwise."""
+    if not launched():
         return World()
     import torch.distributed as dist
 
+    collective = "cpu"
+    if device.startswith("cuda"):
+        collective = device
+        torch.cuda.set_device(device)  # NCCL's object collectives use the current device
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return World(rank=dist.get_rank(), size=dist.get_world_size())
+        dist.init_process_group("nccl" if collective != "cpu" else "gloo")
+    return World(rank=dist.get_rank(), size=dist.get_world_size(), device=collective)
 
 
 def replica_digest(params) -> str:
     """sha256 of parameter bytes: equal digests mean bit-identical replicas."""
     h = hashlib.sha256()
     for p in params:
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()

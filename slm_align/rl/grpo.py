@@ -23,7 +23,7 @@ import torch
 
 from slm_align.rl.advantages import all_equal_groups, grpo_advantages
 from slm_align.rl.losses import aggregate, clipped_policy_loss, kl_k3
-from slm_align.rl.rollout import Rollout, collect, replace_rows
+from slm_align.rl.rollout import Rollout, replace_rows
 from slm_align.rl.schedule import derive_seed, iteration_size
 from slm_align.rl.step import Learner, LossFn, rollout_kl, rollout_metrics
 
@@ -44,13 +44,12 @@ class GRPO(Learner):
         group = self.settings.group_size
         prompts = self.prompts_for(step)
         seed = derive_seed(self.seed, "rollout", step, self.world.rank)
-        batch = collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts, self.settings, seed)
+        batch = self.sample_rollout(prompts, seed)
         flat = all_equal_groups(batch.scores, group)
         if flat and self.settings.grpo.resample_zero_std:
             rows = [g * group + k for g in flat for k in range(group)]
             seed = derive_seed(self.seed, "resample", step, self.world.rank)
-            redo = collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, [prompts[i] for i in rows],
-                           self.settings, seed)
+            redo = self.sample_rollout([prompts[i] for i in rows], seed)
             batch = replace_rows(batch, rows, redo, self.tokenizer.pad_token_id)
         return batch, len(flat)
 

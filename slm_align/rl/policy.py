@@ -26,8 +26,9 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, T, H) hidden states in, (B, T) float32 values out."""
-        return self.linear(hidden.float()).squeeze(-1)
+        """(B, T, H) hidden states in, (B, T) float32 values out (autocast off: values feed GAE in fp32)."""
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            return self.linear(hidden.float()).squeeze(-1)
 
 
 def require_trainable(model) -> int:
@@ -40,8 +41,9 @@ def require_trainable(model) -> int:
 
 
 def build_policy(source, sft_adapter: Optional[Path], settings: RLSettings, seed: int,
-                 trust_remote_code: bool = False, allow_pickle: bool = False):
-    """Merge the SFT adapter into the base and attach a fresh zero-initialised LoRA (the envelope's first part).
+                 trust_remote_code: bool = False, allow_pickle: bool = False, device: str = "cpu"):
+    """Merge the SFT adapter into the base and attach a fresh zero-initialised LoRA (the envelope's first part),
+    in float32 on ``device``.
 
     With ``reinit_lora`` off, the SFT adapter is loaded as it is, the way PEFT loads it by default: frozen.
     """
@@ -56,7 +58,25 @@ def build_policy(source, sft_adapter: Optional[Path], settings: RLSettings, seed
 
         policy = PeftModel.from_pretrained(load_model(source, trust_remote_code, allow_pickle), str(sft_adapter))
     require_trainable(policy)
-    return policy.float().eval()  # eval mode throughout RL: no dropout in any forward (peft's new LoRA dropout too)
+    # eval mode throughout RL: no dropout in any forward (peft's new LoRA dropout too)
+    return policy.float().to(device).eval()
+
+
+def enable_checkpointing(model) -> None:
+    """Gradient checkpointing without reentrant autograd (no input gradients needed under LoRA)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def checkpoint_in_eval(model) -> int:
+    """Let the decoder layers checkpoint while RL stays in eval mode: transformers checkpoints a layer only when it is
+    training, so the layers alone are marked as training; every module inside them (attention, dropout, LoRA
+    dropout) stays in eval mode, so no dropout runs. Returns how many layers checkpoint."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer.training = True
+    return len(layers)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

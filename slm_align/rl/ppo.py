@@ -19,7 +19,7 @@ import torch
 
 from slm_align.rl.advantages import gae, masked_mean, masked_whiten, per_token_rewards, sigma_clip, whiten_scores
 from slm_align.rl.losses import adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, kl_k3
-from slm_align.rl.rollout import Rollout, collect
+from slm_align.rl.rollout import Rollout
 from slm_align.rl.schedule import derive_seed, iteration_size
 from slm_align.rl.step import Learner, LossFn, rollout_kl, rollout_metrics
 
@@ -38,8 +38,7 @@ class PPO(Learner):
     def rollout(self, step: int) -> Rollout:
         """One completion per prompt, scored, with old and reference log-probabilities and values."""
         seed = derive_seed(self.seed, "rollout", step, self.world.rank)
-        return collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, self.prompts_for(step),
-                       self.settings, seed)
+        return self.sample_rollout(self.prompts_for(step), seed)
 
     def advantages(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token advantages and returns, (B, T) each, whitened and sigma-clipped as the envelope says."""

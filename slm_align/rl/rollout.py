@@ -48,8 +48,10 @@ def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, promp
         old, values = _logprobs_and_values(policy, input_ids, attention, width, settings, value_head)
         with policy.disable_adapter():
             ref, _ = _logprobs_and_values(policy, input_ids, attention, width, settings)
-    truncated = torch.tensor(samples.truncated)
-    scores = _penalised(torch.tensor(score(reward_fn, samples), dtype=torch.float32), samples, truncated, settings)
+    device = input_ids.device
+    truncated = torch.tensor(samples.truncated, device=device)
+    raw = torch.tensor(score(reward_fn, samples), dtype=torch.float32, device=device)
+    scores = _penalised(raw, samples, truncated, settings)
     mask = samples.completion_mask.float()
     if settings.mask_truncated:
         mask = mask * (~truncated).float().unsqueeze(-1)
@@ -79,7 +81,7 @@ def _pad_to(x: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
     extra = width - x.shape[1]
     if extra <= 0:
         return x
-    pad = torch.full((x.shape[0], extra), value, dtype=x.dtype)
+    pad = torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)
     return torch.cat([pad, x] if left else [x, pad], dim=1)
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
+from slm_align.accelerator import resolve_compute, training_inputs
 from slm_align.atomic import atomic_path, write_text_atomic
 from slm_align.config import Recipe
 from slm_align.data.prompt_source import prompt_source
@@ -26,7 +28,7 @@ from slm_align.modeling import load_tokenizer, resolve_source
 from slm_align.plots import plot_curves
 from slm_align.progress import new_progress
 from slm_align.reward.stage import run_reward
-from slm_align.rl.distributed import World, replica_digest, world_from_env
+from slm_align.rl.distributed import World, rank_device, replica_digest, world_from_env
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.policy import ValueHead, build_policy, policy_rewards
 from slm_align.rl.ppo import PPO
@@ -83,7 +85,9 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
                         "slm_align.preference.stage.run_preference (the CLI's train does)")
     started = time.time()
     out = Path(out)
-    world = world_from_env()
+    compute = resolve_compute(recipe.compute, loss_scaling=False)
+    compute = replace(compute, device=rank_device(compute.device))
+    world = world_from_env(compute.device)
     _check_divisible(recipe.rl, world)
     outcome = None
     if world.main:
@@ -99,7 +103,7 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
     if done is not None:
         return StageResult(out / STAGE, skipped=True, metrics=done["metrics"])
     return _train(recipe, adapter, reward_model, rewards, inputs, gate, out / STAGE, resume, started, world,
-                  say)
+                  compute, say)
 
 
 def _check_divisible(settings, world: World) -> None:
@@ -129,7 +133,7 @@ def _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say):
     inputs = {"sft": sft, "tasks": tasks, "reward_model": str(reward_model) if reward_model else None,
               "rewards": list(rewards), "seed": recipe.seed,
               "rl": recipe.rl.model_dump(exclude={"report_prompts"}),  # reporting, not training
-              "forced": bool(force and not gate["passed"])}
+              "forced": bool(force and not gate["passed"]), **training_inputs(recipe.compute)}
     return recipe, adapter, reward_model, inputs, gate, completed(out / STAGE, inputs)
 
 
@@ -156,7 +160,7 @@ def keep_first_lines(path: Path, count: int) -> None:
     write_text_atomic(path, "".join(lines[:count]))
 
 
-def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started, world,
+def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started, world, compute,
            say=lambda _: None) -> StageResult:
     """Build the learner, iterate (resuming from the checkpoint) under the watchdog, measure held-out reward,
     publish on rank 0 (the best probe's adapter when the watchdog is on, the last one beside it)."""
@@ -168,12 +172,15 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     eval_prompts = prompts.heldout[: settings.eval_prompts]
     if not train_prompts or not eval_prompts:
         raise UserError("no prompts for RL: the corpus has no documents long enough to split into prompt and rest")
-    reward_fn = prompts.reward(rewards, learned=reward_model)
+    reward_fn = prompts.reward(rewards, learned=reward_model, device=compute.device)
     policy = build_policy(source, adapter, settings, recipe.seed, recipe.model.trust_remote_code,
-                          recipe.model.allow_pickle)
-    value_head = ValueHead(policy.config.hidden_size) if settings.algo == "ppo" else None
+                          recipe.model.allow_pickle, compute.device)
+    value_head = None
+    if settings.algo == "ppo":
+        value_head = ValueHead(policy.config.hidden_size).to(compute.device)
     algorithm = PPO if settings.algo == "ppo" else GRPO
-    loop = algorithm(policy, tokenizer, reward_fn, train_prompts, settings, recipe.seed, value_head, world)
+    loop = algorithm(policy, tokenizer, reward_fn, train_prompts, settings, recipe.seed, value_head, world,
+                     compute.precision, compute.gradient_checkpointing)
     partial = partial_dir(stage_dir)
     if world.main:
         prepare_partial(partial, inputs, resume)
@@ -193,12 +200,12 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     if value_head is not None:
         from safetensors.torch import save_file
 
-        save_file(value_head.state_dict(), partial / "value_head.safetensors")
+        save_file({name: t.cpu() for name, t in value_head.state_dict().items()}, partial / "value_head.safetensors")
     events = read_events(partial / EVENTS)
     plot_curves(partial / "metrics.jsonl", partial / "plots" / "training_curves.png", events=events)
     heldout = {"heldout_reward_sft": before, "heldout_reward_rl": after, "heldout_reward_delta": after - before,
                "eval_prompts": len(eval_prompts)}
-    result = dict(heldout, **_run_figures(loop, gate, inputs, adapter, world, replicas))
+    result = dict(heldout, **_run_figures(loop, gate, inputs, adapter, world, replicas), compute=compute.record())
     result["watchdog"] = _watchdog_figures(watch, last, events)
     publish(partial, stage_dir, make_manifest(STAGE, inputs, result, started),
             keep=("adapter", "adapter-last", EVENTS, "value_head.safetensors", "metrics.jsonl", "plots",

@@ -15,14 +15,15 @@ from typing import Callable, Optional
 
 import torch
 
+from slm_align.accelerator import device_of, forward_autocast
 from slm_align.config import RLSettings
 from slm_align.errors import UserError
 from slm_align.rl.advantages import masked_mean
 from slm_align.rl.distributed import World
 from slm_align.rl.learning_rate import base_parameters, default_learning_rate
 from slm_align.rl.losses import ratio_of
-from slm_align.rl.policy import ValueHead, forward_logprobs
-from slm_align.rl.rollout import Rollout
+from slm_align.rl.policy import ValueHead, checkpoint_in_eval, enable_checkpointing, forward_logprobs
+from slm_align.rl.rollout import Rollout, collect
 from slm_align.rl.safeguards import GuardCounters, GuardedOptimizer, load_trainable_state, trainable_state
 from slm_align.rl.schedule import derive_seed
 
@@ -40,8 +41,14 @@ class Learner:
     """
 
     def __init__(self, policy, tokenizer, reward_fn, train_prompts: list[str], settings: RLSettings, seed: int,
-                 value_head: Optional[ValueHead] = None, world: World = World()):
+                 value_head: Optional[ValueHead] = None, world: World = World(), precision: str = "fp32",
+                 checkpointing: bool = False):
         self.policy = policy
+        self.device = device_of(policy)
+        self.precision = precision
+        self.checkpointing = checkpointing
+        if checkpointing:
+            enable_checkpointing(policy)
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.world = world
@@ -74,6 +81,15 @@ class Learner:
         self.guard.counters = value
 
     # ---- the guarded step ----------------------------------------------------------------------------------
+    def forward_context(self):
+        """Autocast of this run's forward passes on the policy's device (none at fp32); the loss math is fp32."""
+        return forward_autocast(self.device, self.precision)
+
+    def sample_rollout(self, prompts: list[str], seed: int) -> Rollout:
+        """One completion per prompt, scored, with old and reference log-probabilities (values under PPO)."""
+        with self.forward_context():
+            return collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts, self.settings, seed)
+
     def after_backward(self) -> None:
         """Hook between backward and the optimizer step (fault-injection tests override it)."""
 
@@ -82,8 +98,11 @@ class Learner:
         env = self.envelope
         snapshot = self.guard.snapshot()
         self.policy.eval()  # dropout off in every RL forward: the first ratio is exactly 1, not dropout noise
-        new, entropy, values = forward_logprobs(self.policy, batch.input_ids[rows], batch.attention_mask[rows],
-                                                batch.prompt_width, self.settings.temperature, self.value_head)
+        if self.checkpointing:
+            checkpoint_in_eval(self.policy)
+        with self.forward_context():
+            new, entropy, values = forward_logprobs(self.policy, batch.input_ids[rows], batch.attention_mask[rows],
+                                                    batch.prompt_width, self.settings.temperature, self.value_head)
         mask = batch.mask[rows]
         ratio = ratio_of(new, batch.old_logprobs[rows], env.log_ratio_clamp)
         stats = {"ratio/mean": float(masked_mean(ratio.detach(), mask)),
