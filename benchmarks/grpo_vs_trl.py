@@ -9,6 +9,7 @@ own; the first iteration is a warm-up and is not timed.
 
     python benchmarks/grpo_vs_trl.py                 # needs `pip install trl`
     python benchmarks/grpo_vs_trl.py --iterations 5 --group-size 8 --max-new-tokens 64
+    python benchmarks/grpo_vs_trl.py --device cuda --precision bf16   # both sides on the GPU, bf16 forward passes
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def prompts_for(n: int) -> list[str]:
 def run_ours(args) -> dict:
     import torch
 
+    from slm_align.accelerator import resolve_device
     from slm_align.config import GRPOSettings, LoraSettings, RLSettings
     from slm_align.modeling import load_tokenizer, resolve_source
     from slm_align.rl.grpo import GRPO
@@ -57,8 +59,9 @@ def run_ours(args) -> dict:
                           grpo=GRPOSettings(beta=args.beta, loss_type="grpo"), learning_rate=1e-5,
                           lora=LoraSettings(r=LORA["r"], alpha=LORA["lora_alpha"], dropout=0.0,
                                             target_modules=LORA["target_modules"]))
-    policy = build_policy(source, None, settings, seed=0)
-    loop = GRPO(policy, tokenizer, reward, prompts_for(args.prompts * (args.iterations + 1)), settings, seed=0)
+    policy = build_policy(source, None, settings, seed=0, device=resolve_device(args.device))
+    loop = GRPO(policy, tokenizer, reward, prompts_for(args.prompts * (args.iterations + 1)), settings, seed=0,
+                precision=args.precision)
     times = []
     for step in range(args.iterations + 1):
         started = time.perf_counter()
@@ -90,7 +93,8 @@ def run_trl(args) -> dict:
             stamps.append(time.perf_counter())
 
     config = GRPOConfig(
-        output_dir="/tmp/slm-align-bench-trl", use_cpu=True, bf16=False, fp16=False, report_to=[],
+        output_dir="/tmp/slm-align-bench-trl", use_cpu=args.device == "cpu", bf16=args.precision == "bf16",
+        fp16=False, report_to=[],
         disable_tqdm=True, logging_steps=10_000, save_strategy="no", gradient_checkpointing=False,
         per_device_train_batch_size=args.minibatch,
         steps_per_generation=args.prompts * args.group_size // args.minibatch, num_iterations=args.epochs,
@@ -124,6 +128,8 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; medians are reported")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (both sides)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="forward passes (both sides)")
     parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
@@ -139,7 +145,7 @@ def main() -> None:
                                                                                 "peak_rss_mb")}
                  for side in ("ours", "trl"))
     print(f"GRPO, {args.prompts} prompts x G={args.group_size}, {args.max_new_tokens} new tokens, LoRA r={LORA['r']}, "
-          f"fp32, CPU ({args.threads} threads), {args.iterations} timed iterations; "
+          f"{args.precision}, {args.device} ({args.threads} threads), {args.iterations} timed iterations; "
           f"median of {args.repeats} runs per side")
     print(f"{'':28}{'slm-align':>12}{'TRL':>12}{'ratio':>10}")
     print(f"{'seconds per iteration':28}{ours['seconds_per_iteration']:12.2f}{trl['seconds_per_iteration']:12.2f}"
