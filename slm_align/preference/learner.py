@@ -55,6 +55,21 @@ def sequence_logprobs(model, rows: list[dict], pad_id: int, batch_size: int) -> 
     return torch.cat(sums), torch.cat(counts)
 
 
+def _length(row: dict) -> int:
+    return len(row["input_ids"])
+
+
+def scored_by_length(model, rows: list[dict], pad_id: int, batch_size: int) -> torch.Tensor:
+    """:func:`sequence_logprobs` of ``rows`` (no gradient needed) in batches of similar length, so that little of
+    each batch is padding; returned in the order given, shape (N,)."""
+    lengths = [_length(row) for row in rows]
+    order = sorted(range(len(rows)), key=lengths.__getitem__)
+    scored, _ = sequence_logprobs(model, [rows[index] for index in order], pad_id, batch_size)
+    result = torch.empty_like(scored)
+    result[torch.tensor(order, device=scored.device)] = scored
+    return result
+
+
 def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval of a proportion (Wilson 1927): centre (p + z^2/2n) / (1 + z^2/n), half-width
     z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n)."""
@@ -91,11 +106,14 @@ class PreferenceLearner:
         self.optimizer = torch.optim.AdamW(self.params, lr=self.learning_rate, weight_decay=0.0)
         self.guard = GuardedOptimizer(self.params, self.optimizer, envelope, World(), GuardCounters())
         self.step = 0
+        self.scoring_batch = 2 * settings.batch_size  # no-gradient passes: as many rows as a training step's forward
         encoder = _Encoder(tokenizer, max_length)
         self.train_items = encoder.train_items(data.train, algo)
         self._prepare_training(encoder)
         self.chosen, self.rejected = self._reference_pair(encoder.pairs(data.heldout_pairs))
-        heldout_labelled = encoder.train_items(data.heldout_labelled, "kto")
+        heldout_labelled = []  # DPO measures pairs only; KTO also the sign of each labelled answer's reward
+        if algo == "kto":
+            heldout_labelled = encoder.train_items(data.heldout_labelled, "kto")
         self.heldout_labels = [label for _, label in heldout_labelled]
         self.labelled = self._reference([row for row, _ in heldout_labelled])
         self.dropped = encoder.dropped
@@ -110,7 +128,7 @@ class PreferenceLearner:
         if not kept:
             return Completions([], torch.zeros(0, device=self.device))
         with torch.no_grad(), self.policy.disable_adapter(), self.forward_context():
-            ref, _ = sequence_logprobs(self.policy.eval(), kept, self.pad_id, self.settings.batch_size)
+            ref = scored_by_length(self.policy.eval(), kept, self.pad_id, self.scoring_batch)
         return Completions(kept, ref)
 
     def _reference_pair(self, pairs: list[tuple[dict, dict]]) -> tuple[Completions, Completions]:
@@ -215,8 +233,7 @@ class PreferenceLearner:
     def _policy_logprobs(self, completions: Completions) -> torch.Tensor:
         if not completions.rows:
             return torch.zeros(0, device=self.device)
-        logp, _ = sequence_logprobs(self.policy, completions.rows, self.pad_id, self.settings.batch_size)
-        return logp
+        return scored_by_length(self.policy, completions.rows, self.pad_id, self.scoring_batch)
 
     def prior_perplexity(self) -> Optional[float]:
         """Perplexity of the reference (the SFT prior) on the held-out chosen completions: exp(-sum logp / tokens)."""
