@@ -32,4 +32,10 @@ def test_device_feedback_trains_dpo_and_kto_whose_exports_prefer_the_chosen_answ
         assert record["foreign"] == [] and len(record["matched"]) == 1  # the feedback was given to this run's model
     rows = [json.loads(line) for line in (tmp_path / "prefs.jsonl").read_text().splitlines()]
     assert {row["model_id"] for row in rows} == set(record["matched"])
+    for algo in ("dpo", "kto"):  # each export's model card names the round it folds in, with its figures
+        card = (tmp_path / f"export-{algo}" / "README.md").read_text()
+        accuracy = result["rounds"][algo]["heldout_accuracy"]["value"]
+        assert f"- {algo.upper()}: 30 steps" in card and f"-> {accuracy:.3f}" in card
+        assert f"- \"{algo}\"" in card.split("---")[1]  # a tag in the YAML header
+
 

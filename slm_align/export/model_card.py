@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from slm_align.modeling import DEFAULT_MODEL_DIR, looks_like_hub_id
-from slm_align.runs import MANIFEST, MODEL_CARD
+from slm_align.runs import MANIFEST, MODEL_CARD, aligned_stages
 
 CARD = MODEL_CARD
 MARKER = "<!-- model card written by slm-align: merge and export rewrite this file -->"
@@ -40,12 +40,18 @@ class RunRecords:
     headroom: Optional[dict]
     rl: Optional[dict]
     evaluation: Optional[dict]
+    preference: Optional[dict] = None
+    """The DPO or KTO stage's manifest when that is the aligned stage the merge folds in."""
 
 
 def read_run(run: Path) -> RunRecords:
-    """The manifests and reports of ``run``."""
+    """The manifests and reports of ``run``; of its aligned stages, only the one a merge folds in (the latest)."""
+    stages = aligned_stages(run)
+    latest = stages[-1] if stages else None
+    rl = _read_json(run / "rl" / MANIFEST) if latest == "rl" else None
+    preference = _read_json(run / latest / MANIFEST) if latest in ("dpo", "kto") else None
     return RunRecords(run=run, sft=_read_json(run / "sft" / MANIFEST), headroom=_read_json(run / "headroom.json"),
-                      rl=_read_json(run / "rl" / MANIFEST), evaluation=_read_json(run / "eval" / "report.json"))
+                      rl=rl, evaluation=_read_json(run / "eval" / "report.json"), preference=preference)
 
 
 def run_of(path: Optional[Path]) -> Optional[Path]:
@@ -131,9 +137,12 @@ def front_matter(records: Optional[RunRecords], library: str, tags: list[str]) -
 
 
 def _algo(records: Optional[RunRecords]) -> Optional[str]:
-    if records is None or records.rl is None:
+    if records is None:
         return None
-    return records.rl["metrics"]["algo"]
+    for stage in (records.rl, records.preference):
+        if stage is not None:
+            return stage["metrics"]["algo"]
+    return None
 
 
 def card_tags(records: Optional[RunRecords], extra: list[str]) -> list[str]:
@@ -172,6 +181,18 @@ def _rl_line(rl: dict) -> str:
             f"{metrics['heldout_reward_rl']:.3f} (RL) over {metrics['eval_prompts']} prompts")
 
 
+def _preference_line(stage: dict) -> str:
+    metrics = stage["metrics"]
+    line = (f"- {metrics['algo'].upper()}: {metrics['steps']} steps on {metrics['train_items']} preference items, "
+            f"learning rate {metrics['learning_rate']:g}")
+    headline = metrics.get("heldout_accuracy")
+    if headline is not None:
+        kind = headline["kind"].replace("_", " ")
+        line += (f"; held-out {kind} {metrics['heldout_before'][headline['kind']]:.3f} -> {headline['value']:.3f} "
+                 f"(95% CI {_interval(headline['ci95'], 3)}) on {metrics['heldout_pairs']} pairs")
+    return line
+
+
 def training_section(records: RunRecords) -> list[str]:
     """Base, data and what each training stage did and measured."""
     if records.sft is None:
@@ -180,6 +201,8 @@ def training_section(records: RunRecords) -> list[str]:
              _data_line(records.sft["inputs"]), _sft_line(records.sft)]
     if records.rl is not None:
         lines.append(_rl_line(records.rl))
+    if records.preference is not None:
+        lines.append(_preference_line(records.preference))
     return lines + [""]
 
 
