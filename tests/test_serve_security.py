@@ -1,5 +1,11 @@
 """The security review of `slm-align serve` (issue 20): each finding's regression test, through the real server."""
 
+import json
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
 import httpx
 import pytest
 
@@ -7,7 +13,7 @@ pytest.importorskip("uvicorn")
 
 from slm_align.agent.server import create_app  # noqa: E402
 from tests import test_serve as base  # noqa: E402
-from tests.test_serve import Running  # noqa: E402
+from tests.test_serve import Running, wait_until  # noqa: E402
 
 onnx_model = base.onnx_model
 """The exported model and the shared server of test_serve (module fixtures, found by these names)."""
@@ -161,3 +167,88 @@ def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(on
     finally:
         server.should_exit = True
         thread.join()
+
+
+# --- 5. abandoned work ----------------------------------------------------------------------------------------------
+
+
+class CountingBackend:
+    """The real backend, generating one token over and over (never EOS); it counts the tokens it makes and waits at
+    ``gate`` before the first one of each job."""
+
+    def __init__(self, backend, gate):
+        self.inner = backend
+        self.gate = gate
+        self.jobs = 0
+        self.tokens = 0
+        self.waiting = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, prompt, params, grammar=None):
+        self.jobs += 1
+        self.waiting.set()
+        assert self.gate.wait(timeout=60)
+        token = self.inner.tokenize("cat", add_special=False)[0]
+        while True:
+            self.tokens += 1
+            yield token
+
+
+@contextmanager
+def counting(running):
+    model = running.service.model
+    real = model.backend
+    model.backend = CountingBackend(real, threading.Event())
+    try:
+        yield model.backend
+    finally:
+        model.backend.gate.set()
+        model.backend = real
+
+
+def raw_request(running, body):
+    """Send a chat request on a plain socket (closed by the caller to disconnect at a moment of its choosing)."""
+    port = int(running.url.rsplit(":", 1)[1])
+    client = socket.create_connection(("127.0.0.1", port), timeout=30)
+    data = json.dumps(body).encode()
+    client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return client
+
+
+def health(running):
+    return httpx.get(f"{running.url}/health").json()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_before_the_first_token_stops_its_job(server, stream):
+    body = {**HELLO, "max_tokens": 200, "stream": stream}
+    turns = server.service.store.counts()["turns"]
+    abandoned = health(server)["abandoned_requests"]
+    with counting(server) as backend:
+        client = raw_request(server, body)
+        assert backend.waiting.wait(timeout=60)  # the job started; its first token waits at the gate
+        client.close()
+        wait_until(lambda: health(server)["abandoned_requests"] == abandoned + 1, "the server notices the client left")
+        backend.gate.set()
+        wait_until(lambda: health(server)["active_requests"] == 0, "the job ends")
+    assert backend.jobs == 1 and backend.tokens <= 1  # 200 before: the whole answer was generated for nobody
+    assert server.service.store.counts()["turns"] == turns  # and nothing was recorded
+
+
+def test_queued_jobs_whose_clients_left_never_start(server):
+    abandoned = health(server)["abandoned_requests"]
+    with counting(server) as backend, ThreadPoolExecutor(1) as pool:
+        first = pool.submit(server.post, "/v1/chat/completions", {**HELLO, "max_tokens": 3})
+        assert backend.waiting.wait(timeout=60)
+        queued = [raw_request(server, {**HELLO, "max_tokens": 200, "stream": stream}) for stream in (False, True)]
+        wait_until(lambda: health(server)["active_requests"] == 3, "both requests are queued")
+        for client in queued:
+            client.close()
+        wait_until(lambda: health(server)["abandoned_requests"] == abandoned + 2, "the server notices both left")
+        backend.gate.set()
+        assert first.result().status_code == 200
+        wait_until(lambda: health(server)["active_requests"] == 0, "the queue drains")
+    assert backend.jobs == 1 and backend.tokens == 3  # only the waiting client's answer was generated

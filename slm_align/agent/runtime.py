@@ -10,6 +10,7 @@ No torch, no transformers: llama.cpp or onnxruntime does the arithmetic, ``token
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,6 +28,10 @@ SEED_SPAN = 2 ** 32
 """Seeds both backends take: llama.cpp's are 32 bits."""
 ALTERNATIVE_TEMPERATURE = 0.8
 """A second candidate to a greedy answer is sampled at this temperature (greedy would repeat the first)."""
+
+
+class Cancelled(Exception):
+    """The caller gave up on the answer (a server's client disconnected): generation stopped, nothing recorded."""
 
 
 @dataclass
@@ -131,7 +136,8 @@ class Agent:
 
     def __init__(self, backend: Backend, model_id: str, system: Optional[str] = None,
                  tools: Optional[ToolRegistry] = None, sampling: Optional[SamplingParams] = None,
-                 store=None, consent: bool = False, max_tool_rounds: int = 4, grammar: bool = True):
+                 store=None, consent: bool = False, max_tool_rounds: int = 4, grammar: bool = True,
+                 cancel: Optional[threading.Event] = None):
         self.backend = backend
         self.model_id = model_id
         self.system = system
@@ -141,6 +147,8 @@ class Agent:
         self.consent = consent
         self.max_tool_rounds = max_tool_rounds
         self.use_grammar = grammar
+        self.cancel = cancel
+        """When set (by another thread), generation stops before its next token with :class:`Cancelled`."""
         self.reset()
 
     @classmethod
@@ -195,7 +203,9 @@ class Agent:
         holdback = max((len(s) for s in sampling.stop), default=1) - 1
         self._truncated = True
         self._usage = (len(prompt), 0)
+        self._check_cancel()
         for token in self.backend.generate(prompt, sampling, grammar):
+            self._check_cancel()
             if token in self.backend.eos_ids:
                 self._truncated = False
                 break
@@ -217,6 +227,10 @@ class Agent:
         text = self.backend.detokenize(tokens)
         if text[len(emitted):]:
             yield text[len(emitted):]
+
+    def _check_cancel(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled("the answer was cancelled")
 
     def _grammar(self) -> Optional[str]:
         if self.tools and len(self.tools) and self.use_grammar and self.backend.kind == "gguf":

@@ -7,7 +7,7 @@ from functools import partial
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from slm_align.agent.server.errors import error_response
@@ -31,14 +31,23 @@ async def chat_completions(request: Request):
     """``POST /v1/chat/completions``: one answer, whole or streamed by server-sent events."""
     service = _service(request)
     chat = parse_chat(await _body(request), service.limits)
-    events = service.worker.run(partial(service.answer, chat))
-    first = await anext(events)  # a full queue or a prompt too long is refused here, before any byte is sent
+    events = service.worker.run(partial(service.answer, chat), request.receive)
+    first = await anext(events, None)  # a full queue or a prompt too long is refused here, before any byte is sent
+    if first is None:
+        return client_left()
     meta = Meta.new(service.model.name)
     if chat.stream:
         return StreamingResponse(sse_stream(first, events, meta, chat), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     outcome = first if isinstance(first, Outcome) else await last_item(events)
+    if not isinstance(outcome, Outcome):
+        return client_left()
     return JSONResponse(completion_body(meta, outcome))
+
+
+def client_left() -> Response:
+    """What a request whose client disconnected gets (nobody reads it): nginx's 499, "client closed request"."""
+    return Response(status_code=499)
 
 
 async def feedback(request: Request):
@@ -54,7 +63,9 @@ async def alternative(request: Request):
     service = _service(request)
     wanted = validate(AlternativeBody, await _body(request), service.limits)
     turn = await run_in_threadpool(service.stored_turn, wanted.turn_id, wanted.turn_token)
-    text = await last_item(service.worker.run(partial(service.alternative, turn, wanted.seed)))
+    text = await last_item(service.worker.run(partial(service.alternative, turn, wanted.seed), request.receive))
+    if text is None:
+        return client_left()
     return JSONResponse({"object": "alternative", "turn_id": wanted.turn_id, "content": text})
 
 

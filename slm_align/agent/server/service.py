@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Iterator, Optional, Union
@@ -49,9 +50,10 @@ class Service:
         self.worker = ModelWorker(limits.max_queue)
 
     # chat (on the model thread)
-    def answer(self, chat: ChatRequest) -> Iterator[Union[str, Outcome]]:
-        """Text pieces of the answer (unless held back for client tools), then its :class:`Outcome`."""
-        agent = self._agent(chat)
+    def answer(self, chat: ChatRequest, cancel: threading.Event) -> Iterator[Union[str, Outcome]]:
+        """Text pieces of the answer (unless held back for client tools), then its :class:`Outcome`; generation
+        stops at the next token once ``cancel`` is set."""
+        agent = self._agent(chat, cancel)
         held_back = chat.client_tools is not None
         for piece in agent.respond(chat.messages):
             if not held_back:
@@ -62,11 +64,11 @@ class Service:
                           streamed=not held_back, completion_tokens=reply.tokens)
         yield client_calls(outcome, chat.client_tools) if held_back else outcome
 
-    def _agent(self, chat: ChatRequest) -> Agent:
+    def _agent(self, chat: ChatRequest, cancel: threading.Event) -> Agent:
         """A fresh agent on the shared backend: client tools are returned, server tools run in its loop."""
         tools = chat.client_tools or (self.tools if chat.server_tools else None)
         agent = Agent(self.model.backend, self.model.sha256, tools=tools, sampling=chat.sampling, store=self.store,
-                      consent=self.consent, max_tool_rounds=0 if chat.client_tools else 4)
+                      consent=self.consent, max_tool_rounds=0 if chat.client_tools else 4, cancel=cancel)
         agent.conversation_id = chat.conversation_id or agent.conversation_id
         return agent
 
@@ -79,9 +81,9 @@ class Service:
                                 "answer", "not_found_error")
         return found
 
-    def alternative(self, turn: Turn, seed: Optional[int]) -> Iterator[str]:
+    def alternative(self, turn: Turn, seed: Optional[int], cancel: threading.Event) -> Iterator[str]:
         """A second answer to the turn's prompt, sampled as the runtime samples every second candidate."""
-        agent = Agent(self.model.backend, self.model.sha256, sampling=stored_sampling(turn.sampling))
+        agent = Agent(self.model.backend, self.model.sha256, sampling=stored_sampling(turn.sampling), cancel=cancel)
         yield agent.alternative(turn.messages, seed=seed)
 
     def feedback(self, verdict: FeedbackBody) -> int:

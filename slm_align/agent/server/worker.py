@@ -1,13 +1,24 @@
-"""The model thread: every generation runs on one worker thread, in arrival order, behind a bounded queue."""
+"""The model thread: every generation runs on one worker thread, in arrival order, behind a bounded queue.
+
+A job whose client left is not worth the model's time: while a request waits, :meth:`ModelWorker.run` watches its
+connection (the ASGI ``receive`` channel) and, when the client disconnects, sets the job's ``cancel`` flag. A queued
+job that is cancelled never starts; a running one stops at its next token (the job is handed the flag and checks it
+between tokens, see :class:`slm_align.agent.runtime.Agent`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional
 
+from slm_align.agent.runtime import Cancelled
 from slm_align.agent.server.errors import ApiError
+
+Receive = Callable[[], Awaitable[dict]]
+Job = Callable[[threading.Event], Iterator]
+"""Makes a job's items on the model thread; it is given the job's cancel flag to check between tokens."""
 
 
 class Handoff:
@@ -16,8 +27,11 @@ class Handoff:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.stop = threading.Event()
-        """Set when the request stopped waiting (its client left): the job ends at its next item."""
+        self.cancel = threading.Event()
+        """Set when the request stopped waiting (its client left): the job does not start, or stops at its next
+        token."""
+        self.finished = False
+        """The job ended (answered, failed or stopped); a later disconnect changes nothing."""
 
     def send(self, kind: str, value: Any = None) -> None:
         """Queue ``(kind, value)`` for the request: kind is item, error or end (called from the model thread)."""
@@ -25,6 +39,12 @@ class Handoff:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
         except RuntimeError:  # the event loop closed (shutdown): nobody is waiting
             pass
+
+
+async def until_disconnect(receive: Receive) -> None:
+    """Return once the client has disconnected (the request's body was read before: only the end can come)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class ModelWorker:
@@ -37,7 +57,9 @@ class ModelWorker:
         self.active = 0
         """Requests running or waiting."""
         self.abandoned = 0
-        """Requests whose client left before the answer was complete (their job stops at its next item)."""
+        """Requests whose client left before the answer was complete (their job stops, or never starts)."""
+        self.started = 0
+        """Jobs the model thread started (a cancelled queued job is not started)."""
 
     def _admit(self) -> None:
         with self._lock:
@@ -46,23 +68,33 @@ class ModelWorker:
                                "server_overloaded", {"Retry-After": "1"})
             self.active += 1
 
-    def _release(self) -> None:
+    def _release(self, handoff: Handoff) -> None:
         with self._lock:
             self.active -= 1
+            handoff.finished = True
 
     def _abandon(self, handoff: Handoff) -> None:
-        handoff.stop.set()
+        """Cancel the job of a request nobody waits for any more (once; not after it ended)."""
         with self._lock:
+            if handoff.finished or handoff.cancel.is_set():
+                return
+            handoff.cancel.set()
             self.abandoned += 1
 
-    async def run(self, job: Callable[[], Iterator]) -> AsyncIterator:
-        """The items of ``job()``, made on the model thread and handed over as they come.
+    async def _watch(self, receive: Receive, handoff: Handoff) -> None:
+        await until_disconnect(receive)
+        self._abandon(handoff)
 
-        Raises ApiError 503 when the queue is full. Closing the iterator early (a client that left) stops the job
-        at its next item.
+    async def run(self, job: Job, receive: Optional[Receive] = None) -> AsyncIterator:
+        """The items of ``job(cancel)``, made on the model thread and handed over as they come.
+
+        Raises ApiError 503 when the queue is full. With ``receive`` (the request's ASGI channel, its body already
+        read) a client disconnecting at any time, before the first item or while queued, cancels the job; so does
+        closing the iterator early. A cancelled job ends without further items.
         """
         self._admit()
         handoff = Handoff(asyncio.get_running_loop())
+        watcher = asyncio.create_task(self._watch(receive, handoff)) if receive is not None else None
         self._executor.submit(self._work, job, handoff)
         kind = None
         try:
@@ -74,27 +106,32 @@ class ModelWorker:
                 if kind == "item":
                     yield message[1]
         finally:
+            if watcher is not None:
+                watcher.cancel()
             if kind not in ("end", "error"):
                 self._abandon(handoff)
 
-    def _work(self, job: Callable[[], Iterator], handoff: Handoff) -> None:
+    def _work(self, job: Job, handoff: Handoff) -> None:
         """On the model thread: run the job unless its request left while it waited; always release its place."""
         try:
-            if not handoff.stop.is_set():
-                self._produce(job(), handoff)
+            if not handoff.cancel.is_set():
+                self.started += 1
+                self._produce(job(handoff.cancel), handoff)
+        except Cancelled:
+            pass
         except BaseException as exc:  # handed to the request, raised there
             handoff.send("error", exc)
         finally:
-            self._release()
+            self._release(handoff)
             handoff.send("end")
 
     @staticmethod
     def _produce(generator: Iterator, handoff: Handoff) -> None:
         try:
             for item in generator:
-                handoff.send("item", item)
-                if handoff.stop.is_set():
+                if handoff.cancel.is_set():
                     return
+                handoff.send("item", item)
         finally:
             close = getattr(generator, "close", None)
             if close:
