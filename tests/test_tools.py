@@ -181,6 +181,19 @@ def test_parse_bare_json_call_and_plain_text(registry):
     assert plain.text == "The answer is {4}. Nothing to call."
 
 
+def test_parse_smollm2_list_form_and_several_calls_in_one_block(registry):
+    calc = '{"name": "calculator", "arguments": {"expression": "1+1"}}'
+    time = '{"name": "current_time", "arguments": {"timezone": "UTC"}}'
+    expected = [ToolCall("calculator", {"expression": "1+1"}), ToolCall("current_time", {"timezone": "UTC"})]
+    for reply in (f"<tool_call>[{calc}, {time}]</tool_call>", f"<tool_call>\n{calc}\n{time}\n</tool_call>",
+                  f"[{calc}, {time}]", f"Checking.\n<tool_call>[{calc}]</tool_call>\n{TIME}"):
+        parsed = registry.parse_calls(reply)
+        assert parsed.calls == expected and parsed.errors == [], reply
+    mixed = registry.parse_calls(f'<tool_call>[{calc}, {{"name": "nope", "arguments": {{}}}}]</tool_call>')
+    assert mixed.calls == expected[:1] and [error.name for error in mixed.errors] == ["nope"]
+    assert registry.parse_calls("<tool_call>[]</tool_call>").errors and not registry.parse_calls("[1, 2]").wants_tools
+
+
 def test_parse_call_whose_closing_tag_was_cut_off(registry):
     parsed = registry.parse_calls('<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*3"}}')
     assert parsed.calls == [ToolCall("calculator", {"expression": "3*3"})]

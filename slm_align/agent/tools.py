@@ -11,7 +11,9 @@ The tool-call text format is the Hermes / Qwen2.5 one::
     {"name": "calculator", "arguments": {"expression": "2*(3+4)"}}
     </tool_call>
 
-(one or several blocks), or a bare ``{"name": ..., "arguments": {...}}`` object as the whole reply.
+(one or several blocks), SmolLM2's list form ``<tool_call>[{"name": ...}, {"name": ...}]</tool_call>`` (several calls
+in one block, as are several objects one after another), or a bare ``{"name": ..., "arguments": {...}}`` object (or a
+list of them) as the whole reply.
 
 Bad input while *registering* a tool raises a one-line :class:`~slm_align.errors.UserError`.
 Anything that goes wrong while *running* (malformed JSON, an unknown tool, arguments that break the
@@ -357,21 +359,24 @@ class ToolRegistry:
         """Find tool calls in a model reply; never raises.
 
         Recognises ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (one or several;
-        a last block whose closing tag was cut off still counts) and a bare ``{"name": ..., "arguments":
-        ...}`` object as the whole reply. ``text`` is the reply without the blocks. Bad JSON, an unknown
+        a last block whose closing tag was cut off still counts), a block holding a list of calls
+        (SmolLM2) or several call objects, and a bare ``{"name": ..., "arguments": ...}`` object or
+        list of them as the whole reply. ``text`` is the reply without the blocks. Bad JSON, an unknown
         tool or arguments that are not an object land in ``errors`` as failed observations.
         """
         if "<tool_call>" in text:
             parts = _TOOL_CALL_BLOCK.split(text)  # text, call body, text, call body, ..., text
             parsed = ParsedCalls(text="\n".join(part.strip() for part in parts[0::2] if part.strip()))
             for body in parts[1::2]:
-                self._collect(parsed, _decode(_unfence(body.strip())))
+                for decoded in _decode_calls(_unfence(body.strip())):
+                    self._collect(parsed, decoded)
             return parsed
-        bare = _bare_call(text)
+        bare = _bare_calls(text)
         if bare is None:
             return ParsedCalls(text=text.strip())
         parsed = ParsedCalls()
-        self._collect(parsed, bare)
+        for decoded in bare:
+            self._collect(parsed, decoded)
         return parsed
 
     def _collect(self, parsed: ParsedCalls, decoded: Any) -> None:
@@ -519,17 +524,46 @@ def _decode(text: str) -> Union[Any, Observation]:
                                    f"{_FORMAT_HINT}")
 
 
-def _bare_call(text: str) -> Union[dict, Observation, None]:
-    """A whole reply that is one ``{"name": ..., "arguments": ...}`` object; None for ordinary text."""
+def _decode_calls(text: str) -> list:
+    """The calls of one block: a call object, a list of them (SmolLM2's form), or several objects one after another
+    (each still to be checked); a failed observation when the block is not JSON."""
+    decoder = json.JSONDecoder()
+    values = []
+    position = 0
+    while position < len(text):
+        try:
+            value, end = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return [_decode(text)]
+        values.extend(value if isinstance(value, list) and value else [value])
+        position = len(text) - len(text[end:].lstrip())
+    return values or [_decode(text)]
+
+
+def _is_call(obj: Any) -> bool:
+    return isinstance(obj, dict) and ("arguments" in obj or "parameters" in obj)
+
+
+def _looks_like_calls(obj: Any) -> bool:
+    """A call object, or a non-empty list of them."""
+    if isinstance(obj, list):
+        return bool(obj) and all(_is_call(item) for item in obj)
+    return _is_call(obj)
+
+
+def _bare_calls(text: str) -> Optional[list]:
+    """A whole reply that is a ``{"name": ..., "arguments": ...}`` object or a list of them; None for ordinary
+    text."""
     candidate = _unfence(text.strip())
-    if not (candidate.startswith("{") and candidate.endswith("}") and '"name"' in candidate):
+    bracketed = candidate[:1] + candidate[-1:] in ("{}", "[]")
+    if not (bracketed and '"name"' in candidate):
         return None
     decoded = _decode(candidate)
     if isinstance(decoded, Observation):  # looks like a call ("name" and "arguments") but is broken
-        return decoded if '"arguments"' in candidate else None
-    if isinstance(decoded, dict) and ("arguments" in decoded or "parameters" in decoded):
-        return decoded
-    return None
+        return [decoded] if '"arguments"' in candidate else None
+    if not _looks_like_calls(decoded):
+        return None
+    return decoded if isinstance(decoded, list) else [decoded]
 
 
 # --- GBNF -------------------------------------------------------------------------------------
