@@ -3,12 +3,14 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from slm_align.agent.builtin_tools import default_tools
 from slm_align.agent.runtime import Agent
-from slm_align.agent.sampling import SamplingParams
+from slm_align.agent.sampling import SamplingParams, apply_penalties, candidates, sample_token
 from slm_align.agent.store import PreferenceStore
 from slm_align.errors import UserError
 from tests.helpers import export_bundled, finished_sft_run, run_cli
@@ -70,6 +72,47 @@ def test_conversation_longer_than_the_window_keeps_working(artifacts):
     prompt, window = agent._prompt_tokens(agent.messages + [{"role": "user", "content": "next"}], 24)
     assert window[0]["content"] == "SYSTEM-PROMPT" and len(window) < len(agent.messages)
     assert len(prompt) + 24 <= 192
+
+
+LOOP = "But then it home."
+"""What the bundled model repeats, greedily, about a cat."""
+
+
+def test_repeat_penalty_stops_a_loop_and_both_backends_agree(artifacts):
+    plain = Agent.load(artifacts["onnx"], sampling=replace(GREEDY, max_tokens=40)).chat("Tell me about a cat.").text
+    assert plain.count(LOOP) >= 3
+    for params in (dict(repeat_penalty=1.5), dict(repeat_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3)):
+        sampling = replace(GREEDY, max_tokens=40, **params)
+        replies = {kind: Agent.load(path, sampling=sampling).chat("Tell me about a cat.").text
+                   for kind, path in artifacts.items()}
+        assert replies["gguf"] == replies["onnx"] and replies["onnx"].count(LOOP) <= 1, params
+
+
+def test_numpy_sampler_penalises_and_cuts_as_llama_cpp_does():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+    penalized = apply_penalties(np.array([2.0, -2.0, 1.0, 0.0], dtype=np.float32),
+                                SamplingParams(repeat_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+                                [0, 1, 1, 3] + [3] * 70)  # only the last 64 count: token 3's 64, not 0 and 1
+    assert penalized.tolist() == [2.0, -2.0, 1.0, 0.0 * 2.0 - 64 * 0.5 - 0.25]
+    assert candidates(logits, SamplingParams(top_k=0, top_p=1.0, min_p=0.5)).tolist() == [0, 1]
+    assert candidates(logits, SamplingParams(top_k=3, top_p=1.0)).tolist() == [0, 1, 2]
+    assert candidates(logits, SamplingParams(top_k=0, top_p=0.8)).tolist() == [0, 1]
+    rng = np.random.default_rng(0)
+    draws = {sample_token(logits, SamplingParams(temperature=1.5, top_p=1.0, top_k=0, min_p=0.25), rng)
+             for _ in range(200)}
+    assert draws == {0, 1, 2}
+    assert sample_token(logits, SamplingParams(temperature=0, repeat_penalty=3.0), rng, [0]) == 1
+
+
+def test_chat_command_takes_top_k_min_p_and_repeat_penalty(artifacts, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me about a cat.\n"))
+    code, out, err = run_cli(capsys, "chat", artifacts["onnx"], "--json", "--temperature", "0", "--max-new-tokens",
+                             "40", "--top-k", "5", "--min-p", "0.05", "--repeat-penalty", "1.5")
+    assert code == 0 and json.loads(out)["reply"].count(LOOP) <= 1
+    code, out, err = run_cli(capsys, "chat", artifacts["onnx"], "--repeat-penalty", "0.5")
+    assert code == 2 and "--repeat-penalty" in err
 
 
 def test_tool_call_is_parsed_executed_and_observed(artifacts):

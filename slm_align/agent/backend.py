@@ -82,7 +82,9 @@ def numpy_generate(backend, prompt: Sequence[int], params) -> Iterator[int]:
     backend.rewind(shared)
     rng = np.random.default_rng(params.seed)
     logits = backend.feed(prompt[shared:])
+    generated: list[int] = []
     while True:
-        token = sample_token(logits, params, rng)
+        token = sample_token(logits, params, rng, generated)
+        generated.append(token)
         yield token
         logits = backend.feed([token])

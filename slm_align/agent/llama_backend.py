@@ -84,8 +84,9 @@ class LlamaCppBackend:
         from llama_cpp import LlamaGrammar
 
         self.llm.set_seed(params.seed)
-        return self.llm.generate(list(prompt), top_k=params.top_k, top_p=params.top_p, min_p=0.0,
-                                 temp=params.temperature, repeat_penalty=1.0,
+        return self.llm.generate(list(prompt), top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                                 temp=params.temperature, repeat_penalty=params.repeat_penalty,
+                                 frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
                                  grammar=LlamaGrammar.from_string(grammar, verbose=False) if grammar else None)
 
     def _eval(self, ids: Sequence[int]) -> None:

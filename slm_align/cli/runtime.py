@@ -35,6 +35,12 @@ def chat(
     n_ctx: Optional[int] = typer.Option(None, *CTX_NAMES, min=16, help="Context window in tokens."),
     temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature (0: greedy)."),
     top_p: float = typer.Option(0.95, min=0.0, max=1.0, help="Nucleus sampling threshold."),
+    top_k: int = typer.Option(40, "--top-k", min=0, help="Sample from the k most likely tokens only (0: all)."),
+    min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0,
+                                help="Drop tokens less likely than this fraction of the likeliest (0: off; try 0.05)."),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=1.0,
+                                         help="Penalise the last 64 generated tokens (1: off; 1.1-1.5 stops tiny "
+                                              "models looping)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Most tokens per answer."),
     seed: int = typer.Option(0, help="Sampling seed."),
     as_json: bool = JsonFlag,
@@ -45,7 +51,8 @@ def chat(
     from slm_align.agent.sampling import SamplingParams
     from slm_align.agent.terminal import chat_loop
 
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                              repeat_penalty=repeat_penalty, max_tokens=max_new_tokens, seed=seed)
     agent = Agent.load(artifact, device=device, threads=threads, n_ctx=n_ctx, store=store, consent=consent,
                        system=system, tools=default_tools(notes) if tools else None, sampling=sampling)
     if as_json:
