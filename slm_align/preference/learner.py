@@ -1,8 +1,9 @@
 """DPO and KTO steps inside the envelope: fp32 sequence log-probabilities, the reference as the adapter disabled
 (no second model copy), one guarded optimizer step per batch (NaN rollback), state for a bit-identical resume.
 
-The reference never changes, so its log-probabilities are computed once, for every training and held-out
-completion, before the first step (TRL's ``precompute_ref_log_probs``): each step then runs the policy only.
+The reference never changes, so each answer's reference log-probability is computed once: the held-out answers
+before the first step (the gate and the figures before training need them), each training answer when a batch
+first uses it (kept in checkpoints). Later epochs run the policy only.
 """
 
 from __future__ import annotations
@@ -30,10 +31,16 @@ from slm_align.rl.schedule import derive_seed
 
 @dataclass
 class Completions:
-    """Encoded (prompt, completion) rows and the reference's summed log-probability of each, shape (N,)."""
+    """Encoded (prompt, completion) rows and the reference's summed log-probability of each, shape (N,); NaN where
+    not computed yet (training answers are scored on first use)."""
 
     rows: list[dict]
     ref: torch.Tensor
+
+    def missing(self, indices: list[int]) -> list[int]:
+        """The distinct ``indices`` whose reference is not computed yet, in order."""
+        unknown = torch.isnan(self.ref[indices]).tolist()
+        return list(dict.fromkeys(index for index, absent in zip(indices, unknown) if absent))
 
 
 def encode_completion(prompt: str, completion: str, tokenizer, max_length: int) -> Optional[dict]:
@@ -121,32 +128,51 @@ class PreferenceLearner:
         if self.desirable_weight is None:
             self.desirable_weight = _balancing_weight(self.labels)
 
-    # ---- set-up ----------------------------------------------------------------------------------------------
-    def _reference(self, rows: list[Optional[dict]]) -> Completions:
-        """The rows (those that kept a token) with the reference's log-probabilities: the adapter disabled."""
+    # ---- the reference ---------------------------------------------------------------------------------------
+    def _reference_of(self, rows: list[dict]) -> torch.Tensor:
+        """The reference's log-probabilities of ``rows`` (the adapter disabled, no gradient), shape (N,)."""
+        with torch.no_grad(), self.policy.disable_adapter(), self.forward_context():
+            return scored_by_length(self.policy.eval(), rows, self.pad_id, self.scoring_batch)
+
+    def _reference(self, rows: list[Optional[dict]], now: bool = True) -> Completions:
+        """The rows (those that kept a token) with the reference's log-probabilities: computed ``now`` (held-out
+        answers), or on first use (training answers: :meth:`_ensure_reference`)."""
         kept = [row for row in rows if row is not None]
         if not kept:
             return Completions([], torch.zeros(0, device=self.device))
-        with torch.no_grad(), self.policy.disable_adapter(), self.forward_context():
-            ref = scored_by_length(self.policy.eval(), kept, self.pad_id, self.scoring_batch)
-        return Completions(kept, ref)
+        if now:
+            return Completions(kept, self._reference_of(kept))
+        return Completions(kept, torch.full((len(kept),), float("nan"), device=self.device))
 
-    def _reference_pair(self, pairs: list[tuple[dict, dict]]) -> tuple[Completions, Completions]:
-        return self._reference([c for c, _ in pairs]), self._reference([r for _, r in pairs])
+    def _reference_pair(self, pairs: list[tuple[dict, dict]], now: bool = True) -> tuple[Completions, Completions]:
+        return self._reference([c for c, _ in pairs], now), self._reference([r for _, r in pairs], now)
+
+    def _ensure_reference(self, completions: Completions, indices: list[int]) -> None:
+        """Score the batch's answers the reference has not scored yet (each training answer is scored once, and
+        only if it is used: TRL's precomputation without its pass over answers a short run never reaches)."""
+        missing = completions.missing(indices)
+        if missing:
+            completions.ref[missing] = self._reference_of([completions.rows[i] for i in missing])
+
+    def _cached_references(self) -> dict[str, torch.Tensor]:
+        """The training answers' reference log-probabilities computed so far (NaN: not yet), for checkpoints."""
+        if self.algo == "dpo":
+            return {"chosen": self.train_chosen.ref, "rejected": self.train_rejected.ref}
+        return {"completions": self.train_completions.ref, "mismatched": self.mismatched.ref}
 
     def _prepare_training(self, encoder: "_Encoder") -> None:
         """Reference log-probabilities of the training completions (and, for KTO, of the mismatched pairs that
         estimate z_ref: item i's prompt with item i+1's completion)."""
         if self.algo == "dpo":
-            self.train_chosen, self.train_rejected = self._reference_pair(self.train_items)
+            self.train_chosen, self.train_rejected = self._reference_pair(self.train_items, now=False)
             self.labels = []
             return
         self.labels = [label for _, label in self.train_items]
-        self.train_completions = self._reference([row for row, _ in self.train_items])
+        self.train_completions = self._reference([row for row, _ in self.train_items], now=False)
         texts = list(encoder.kept_texts)
         mismatched = [encoder.row(texts[i][0], texts[(i + 1) % len(texts)][1]) for i in range(len(texts))]
         self.mismatched = self._reference([row if row is not None else encoder.row(*texts[i])
-                                           for i, row in enumerate(mismatched)])
+                                           for i, row in enumerate(mismatched)], now=False)
 
     # ---- training --------------------------------------------------------------------------------------------
     def size(self) -> int:
@@ -177,6 +203,8 @@ class PreferenceLearner:
         return self._kto(indices)
 
     def _dpo(self, indices: list[int]) -> tuple[torch.Tensor, dict]:
+        self._ensure_reference(self.train_chosen, indices)
+        self._ensure_reference(self.train_rejected, indices)
         rows = [self.train_chosen.rows[i] for i in indices] + [self.train_rejected.rows[i] for i in indices]
         logp, _ = sequence_logprobs(self.policy, rows, self.pad_id, len(rows))
         chosen = logp[: len(indices)]
@@ -189,6 +217,8 @@ class PreferenceLearner:
                             "logp/rejected": float(rejected.detach().mean())}
 
     def _kto(self, indices: list[int]) -> tuple[torch.Tensor, dict]:
+        self._ensure_reference(self.train_completions, indices)
+        self._ensure_reference(self.mismatched, indices)
         rows = [self.train_completions.rows[i] for i in indices]
         logp, _ = sequence_logprobs(self.policy, rows, self.pad_id, len(rows))
         with torch.no_grad():
@@ -246,13 +276,16 @@ class PreferenceLearner:
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue bit for bit."""
         state = trainable_state(self.named_params, self.optimizer)
-        return dict(state, step=self.step, counters=asdict(self.guard.counters))
+        references = {name: ref.clone() for name, ref in self._cached_references().items()}
+        return dict(state, step=self.step, counters=asdict(self.guard.counters), references=references)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a :meth:`state_dict`."""
         load_trainable_state(self.named_params, self.optimizer, state)
         self.step = state["step"]
         self.guard.counters = GuardCounters(**state["counters"])
+        for name, ref in self._cached_references().items():
+            ref.copy_(state["references"][name])
 
 
 def heldout_figures(chosen, rejected, chosen_ref, rejected_ref, labelled, labelled_ref, labels: list[bool],
