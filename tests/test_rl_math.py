@@ -245,7 +245,8 @@ def test_seed_streams_are_the_formulas_of_the_first_release():
     assert derive_seed(seed, "rollout", step, rank) == seed * 7919 + step + 100_003 * rank
     assert derive_seed(seed, "resample", step, rank) == seed * 7919 + step + 100_003 * rank + 104729
     assert derive_seed(seed, "minibatch_order", step, epoch=epoch) == seed * 31 + step * 1009 + epoch
-    assert set(SEED_STREAMS) == {"prompts", "rollout", "resample", "minibatch_order"}
+    assert derive_seed(seed, "preference_order", 0, epoch=epoch) == seed * 37 + epoch * 1013  # DPO/KTO, added later
+    assert set(SEED_STREAMS) == {"prompts", "rollout", "resample", "minibatch_order", "preference_order"}
 
 
 def test_iteration_size_is_the_same_number_of_samples_for_both_algorithms():
