@@ -30,17 +30,29 @@ def encode_scored(tokenizer, prompt: str, completion: str, max_length: int, ende
 
 
 def classifier_from_policy(policy, pad_token_id: int):
-    """A one-output sequence classifier whose backbone holds the (merged) policy's weights."""
+    """A one-output sequence classifier whose backbone holds the (merged) policy's weights.
+
+    The backbone takes the policy's tensors themselves (no copy: built without weights, then assigned), and only
+    the score head is initialised, so the reward stage never holds two copies of the model; the policy's output
+    projection is freed with the policy unless tied to the embeddings.
+    """
+    import torch
+    from accelerate import init_empty_weights
     from transformers import AutoModelForSequenceClassification
 
     config = policy.config.__class__.from_dict(policy.config.to_dict())
     config.num_labels = 1
     config.pad_token_id = pad_token_id
-    classifier = AutoModelForSequenceClassification.from_config(config).float()
-    missing, _ = classifier.load_state_dict(policy.state_dict(), strict=False)
+    with init_empty_weights(include_buffers=False):
+        classifier = AutoModelForSequenceClassification.from_config(config)
+    missing, _ = classifier.load_state_dict(policy.state_dict(), strict=False, assign=True)
     if any(not key.startswith("score.") for key in missing):
         raise UserError(f"cannot build a reward model from this policy: backbone weights missing ({missing[:3]})")
-    return classifier.eval()
+    device = next(policy.parameters()).device
+    classifier.score.to_empty(device=device)
+    with torch.no_grad():
+        classifier._init_weights(classifier.score)
+    return classifier.float().eval()
 
 
 def _unwrap(model):
