@@ -319,6 +319,13 @@ class HeadroomSettings(_Strict):
     max_new_tokens: int = Field(64, ge=1, description="Tokens sampled per completion when measuring the spread.")
 
 
+class TrackingSettings(_Strict):
+    report_to: Literal["none", "tensorboard", "wandb", "mlflow", "trackio"] = Field(
+        "none", description="Experiment tracker every training stage reports to, one run per stage with the recipe "
+        "as its config: tensorboard (event files in OUT/tracking/<stage>/), wandb (offline unless WANDB_MODE is set), "
+        "mlflow (a local file store unless MLFLOW_TRACKING_URI is set), trackio; none reports nothing.")
+
+
 class Recipe(_Strict):
     seed: int = Field(0, description="Seeds the split, the initialisation and the data order.")
     model: ModelSettings = Field(default_factory=ModelSettings, description="Where the base model comes from.")
@@ -331,6 +338,8 @@ class Recipe(_Strict):
     rl: RLSettings = Field(default_factory=RLSettings, description="PPO/GRPO inside the safety envelope.")
     preference: PreferenceSettings = Field(default_factory=PreferenceSettings,
                                            description="DPO/KTO on preference files, inside the envelope.")
+    tracking: TrackingSettings = Field(default_factory=TrackingSettings, description="Experiment tracking (reporting "
+                                       "only: no stage's inputs, so it never makes a stage run again).")
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

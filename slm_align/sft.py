@@ -19,6 +19,7 @@ from slm_align.errors import UserError
 from slm_align.modeling import ModelSource, load_model, load_tokenizer, resolve_source, save_tokenizer
 from slm_align.progress import TrainerProgress
 from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
+from slm_align.tracking import finish_trainer_tracking, require_library, trainer_tracker
 from slm_align.training import (
     attach_lora,
     make_trainer,
@@ -52,6 +53,7 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     from transformers import Trainer
 
     started = time.time()
+    require_library(recipe.tracking.report_to)
     compute = resolve_compute(recipe.compute, quantizable=True)
     check_trainer_device(compute)
     source = resolve_source(recipe.model.source)
@@ -72,12 +74,16 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     partial = partial_dir(stage_dir)
     checkpoint = prepare_partial(partial, inputs, resume)
     progress = TrainerProgress("sft", partial / "log.jsonl")
-    args = training_arguments(recipe.sft, recipe.seed, partial, compute, eval_strategy="epoch",
+    tracker = trainer_tracker(recipe, out, STAGE, checkpoint)
+    args = training_arguments(recipe.sft, recipe.seed, partial, compute, tracker, eval_strategy="epoch",
                               neftune_noise_alpha=recipe.sft.neftune_alpha or None)
     trainer = make_trainer(Trainer, model, args, train_rows, lambda rows: pad_batch(rows, tokenizer.pad_token_id),
                            progress, eval_dataset=eval_rows)
-    train_output = trainer.train(resume_from_checkpoint=checkpoint)
-    final_eval = trainer.evaluate()
+    try:
+        train_output = trainer.train(resume_from_checkpoint=checkpoint)
+        final_eval = trainer.evaluate()
+    finally:
+        finish_trainer_tracking(trainer, tracker)
     save_adapter(model, partial / "adapter")
     save_tokenizer(tokenizer, source, partial / "tokenizer")
     metrics = {"train_loss": train_output.training_loss, "eval_loss": final_eval["eval_loss"],

@@ -14,6 +14,7 @@ from slm_align.config import LoraSettings, TrainSettings
 from slm_align.errors import UserError
 from slm_align.modeling import lora_targets
 from slm_align.runs import digest
+from slm_align.tracking import Tracker
 
 
 def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
@@ -58,19 +59,24 @@ def last_complete_checkpoint(checkpoints: Path) -> Optional[str]:
     return None
 
 
-def training_arguments(settings: TrainSettings, seed: int, partial: Path, compute: Compute, **extra):
+def training_arguments(settings: TrainSettings, seed: int, partial: Path, compute: Compute,
+                       tracker: Optional[Tracker] = None, **extra):
     """TrainingArguments with a cosine schedule, checkpoints and our own progress bar, on the stage's device (the CPU
-    only when it resolved to the CPU), in its precision, with gradient checkpointing when asked."""
+    only when it resolved to the CPU), in its precision, with gradient checkpointing when asked; reporting to the
+    stage's tracker (none by default)."""
     from transformers import TrainingArguments
 
+    if tracker is None:
+        tracker = Tracker()
     return TrainingArguments(
         output_dir=str(partial / "checkpoints"), num_train_epochs=settings.epochs, max_steps=settings.max_steps,
         per_device_train_batch_size=settings.batch_size, per_device_eval_batch_size=settings.batch_size,
         gradient_accumulation_steps=settings.grad_accum, learning_rate=settings.learning_rate,
         lr_scheduler_type="cosine", warmup_ratio=settings.warmup_ratio, weight_decay=settings.weight_decay,
         save_strategy="steps", save_steps=settings.save_steps, save_total_limit=2, logging_steps=10,
-        seed=seed, data_seed=seed, report_to=[], disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, save_safetensors=True, **compute.trainer_arguments(), **extra,
+        seed=seed, data_seed=seed, disable_tqdm=True, remove_unused_columns=False,
+        dataloader_num_workers=0, save_safetensors=True, **tracker.trainer_arguments(), **compute.trainer_arguments(),
+        **extra,
     )
 
 

@@ -130,6 +130,9 @@ RL = (
     Flag("--watchdog-every", "rl.watchdog.eval_every"),
     Flag("--report-prompts", "rl.report_prompts"),
 )
+TRACKING = (
+    Flag("--report-to", "tracking.report_to"),
+)
 PREFERENCE = (
     Flag("--pref-steps", "preference.steps"),
     Flag("--pref-lr", "preference.learning_rate"),
@@ -149,7 +152,7 @@ RUN_DIR_HELP = "Run directory."
                          "--out runs/chat\n\n"
                          "  slm-align sft --data demo --out runs/demo   # the generated demo stories\n\n"
                          "  slm-align sft --data stories.txt --out runs/demo --resume   # continue an interrupted run")
-@recipe_flags(SOURCE, SFT, SAFETY, COMPUTE)
+@recipe_flags(SOURCE, SFT, SAFETY, COMPUTE, TRACKING)
 def sft(
     out: Path = typer.Option(Path("runs/default"), *OUT_NAMES, help="Run directory; SFT writes OUT/sft/."),
     config: Optional[Path] = ConfigOpt,
@@ -235,7 +238,7 @@ def quickstart(
                          "--preferences prefs.unpaired.jsonl   # DPO on device feedback\n\n"
                          "  slm-align train --algo kto --out runs/demo --preferences prefs.unpaired.jsonl "
                          "--desirable-weight 1.5")
-@recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, PREFERENCE, SAFETY, COMPUTE)
+@recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, PREFERENCE, SAFETY, COMPUTE, TRACKING)
 def train(
     out: Path = typer.Option(Path("runs/default"), *OUT_NAMES, help=RUN_DIR_HELP),
     stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it needs, the gate, then RL)."),

@@ -29,6 +29,7 @@ from slm_align.rl.policy import build_policy
 from slm_align.rl.stage import GateRefused, keep_first_lines
 from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
 from slm_align.sft import sft_prior
+from slm_align.tracking import Tracker, open_tracker, require_library
 from slm_align.training import prepare_partial, save_adapter
 
 ALGORITHMS = ("dpo", "kto")
@@ -41,6 +42,7 @@ def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool 
                    sft_from: Optional[Path] = None, say=lambda _: None) -> StageResult:
     """DPO or KTO (``recipe.rl.algo``) on ``recipe.reward.preferences`` from the run's SFT prior."""
     started = time.time()
+    require_library(recipe.tracking.report_to)
     compute = resolve_compute(recipe.compute, loss_scaling=False)
     out = Path(out)
     algo = recipe.rl.algo
@@ -68,10 +70,16 @@ def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool 
                           "Pass --force to train anyway (recorded in the manifest).")
     partial = partial_dir(stage_dir)
     prepare_partial(partial, inputs, resume)
+    resume_step = None
     if (partial / CHECKPOINT).is_file():
         learner.load_state_dict(torch.load(partial / CHECKPOINT, weights_only=True))
+        resume_step = learner.step
     before = learner.heldout() if learner.step == 0 else _first_heldout(partial)
-    _iterate(learner, partial)
+    tracker = open_tracker(recipe, out, algo, resume_step)
+    try:
+        _iterate(learner, partial, tracker)
+    finally:
+        tracker.close()
     after = learner.heldout()
     save_adapter(policy, partial / "adapter")
     plot_curves(partial / "metrics.jsonl", partial / "plots" / "training_curves.png", keys=CURVES)
@@ -119,9 +127,9 @@ def _first_heldout(partial: Path) -> dict:
     return json.loads((partial / "heldout_start.json").read_text(encoding="utf-8"))
 
 
-def _iterate(learner: PreferenceLearner, partial: Path) -> None:
-    """The remaining steps: metrics appended per step (held-out figures every ``eval_every``), checkpoints every
-    ``save_steps`` and at the end."""
+def _iterate(learner: PreferenceLearner, partial: Path, tracker: Tracker) -> None:
+    """The remaining steps: metrics appended per step (held-out figures every ``eval_every``) and reported to the
+    tracker, checkpoints every ``save_steps`` and at the end."""
     settings = learner.settings
     metrics_path = partial / "metrics.jsonl"
     keep_first_lines(metrics_path, learner.step)  # steps after the checkpoint are trained again
@@ -136,6 +144,7 @@ def _iterate(learner: PreferenceLearner, partial: Path) -> None:
             progress.update(task, completed=learner.step, status=f"loss {metrics.get('loss', float('nan')):.3f}")
             with open(metrics_path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(metrics) + "\n")
+            tracker.log(learner.step, metrics)
             if learner.step % settings.save_steps == 0 or learner.step == settings.steps:
                 with atomic_path(partial / CHECKPOINT) as tmp:
                     torch.save(learner.state_dict(), tmp)

@@ -29,6 +29,7 @@ from slm_align.reward.pairs import Pair, synthetic_pairs
 from slm_align.reward.preferences import read_preferences
 from slm_align.runs import StageResult, completed, digest, make_manifest, partial_dir, publish, read_manifest
 from slm_align.sft import recipe_from_sft
+from slm_align.tracking import finish_trainer_tracking, trainer_tracker
 from slm_align.training import attach_lora, make_trainer, prepare_partial, training_arguments
 
 STAGE = "reward"
@@ -108,10 +109,14 @@ def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     partial = partial_dir(stage_dir)
     checkpoint = prepare_partial(partial, inputs, resume)
     progress = TrainerProgress("reward model", partial / "log.jsonl")
+    tracker = trainer_tracker(recipe, out, STAGE, checkpoint)
     trainer = make_trainer(_bt_trainer_class(recipe.reward.margin, recipe.reward.center_coefficient), model,
-                           training_arguments(recipe.reward, recipe.seed, partial, compute), rows,
+                           training_arguments(recipe.reward, recipe.seed, partial, compute, tracker), rows,
                            lambda batch: collate_pairs(batch, tokenizer.pad_token_id), progress)
-    output = trainer.train(resume_from_checkpoint=checkpoint)
+    try:
+        output = trainer.train(resume_from_checkpoint=checkpoint)
+    finally:
+        finish_trainer_tracking(trainer, tracker)
     merged = model.merge_and_unload().eval()
     merged.save_pretrained(partial / "model", safe_serialization=True)
     save_tokenizer(tokenizer, source, partial / "model")

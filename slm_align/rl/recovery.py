@@ -19,6 +19,7 @@ from slm_align.atomic import write_text_atomic
 from slm_align.rl.distributed import World
 from slm_align.rl.policy import policy_rewards
 from slm_align.rl.watchdog import Watchdog, event_line
+from slm_align.tracking import Tracker
 
 EVENTS = "events.jsonl"
 
@@ -76,9 +77,13 @@ class WatchedRun:
         self.say = say
         self.base_beta = base_beta
         self.seconds = 0.0  # the watchdog's own work in this process (probes, weights kept and put back)
+        self.tracker = Tracker()
 
-    def begin(self, loop) -> None:
-        """Before the first iteration: the probe of the starting adapter (a fresh run), the scales (a resumed run)."""
+    def begin(self, loop, tracker: Optional[Tracker] = None) -> None:
+        """Before the first iteration: the probe of the starting adapter (a fresh run), the scales (a resumed run);
+        events go to ``tracker`` too."""
+        if tracker is not None:
+            self.tracker = tracker
         if self.world.main:
             keep_events_until(self.events_path, loop.step)
         apply_scales(loop, self.watchdog, self.base_beta)
@@ -109,6 +114,7 @@ class WatchedRun:
         if self.world.main:
             with open(self.events_path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(event) + "\n")
+            self.tracker.event(loop.step, event)
 
     def _act(self, loop, trigger) -> dict:
         """Roll back to the best (lower learning rate, higher KL coefficient on KL runaway) or stop; the event."""

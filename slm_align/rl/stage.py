@@ -37,6 +37,7 @@ from slm_align.rl.schedule import iteration_size
 from slm_align.rl.watchdog import Watchdog, read_events
 from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
 from slm_align.sft import sft_prior
+from slm_align.tracking import Tracker, open_tracker, require_library
 from slm_align.training import prepare_partial, save_adapter
 
 STAGE = "rl"
@@ -84,6 +85,7 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
         raise UserError(f"--algo {recipe.rl.algo} is preference optimisation, not RL: run it with "
                         "slm_align.preference.stage.run_preference (the CLI's train does)")
     started = time.time()
+    require_library(recipe.tracking.report_to)
     out = Path(out)
     compute = resolve_compute(recipe.compute, loss_scaling=False)
     compute = replace(compute, device=rank_device(compute.device))
@@ -187,8 +189,15 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     world.barrier()
     watch = _watch(recipe, loop, prompts.heldout, partial, world, say)
     _load_checkpoint(loop, watch, partial)
+    tracker = Tracker()
+    if world.main:
+        resume_step = loop.step if (partial / CHECKPOINT).is_file() else None
+        tracker = open_tracker(recipe, stage_dir.parent, STAGE, resume_step)
     before = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=False)
-    _iterate(loop, partial, world, watch)
+    try:
+        _iterate(loop, partial, world, watch, tracker)
+    finally:
+        tracker.close()
     last = _keep_last(loop, watch, partial, world, lambda: heldout_reward(policy, tokenizer, reward_fn, eval_prompts,
                                                                           recipe, adapter=True))
     after = heldout_reward(policy, tokenizer, reward_fn, eval_prompts, recipe, adapter=True)
@@ -264,15 +273,15 @@ def _watchdog_figures(watch: Optional[WatchedRun], last: Optional[dict], events:
                 detectors=sorted({event["detector"] for event in events}), seconds=round(watch.seconds, 3))
 
 
-def _iterate(loop, partial: Path, world: World, watch: Optional[WatchedRun] = None) -> None:
-    """Run the remaining iterations under the watchdog (when on); rank 0 appends each one's metrics and checkpoints
-    every ``save_steps``, at the end, and when the watchdog stops the run."""
+def _iterate(loop, partial: Path, world: World, watch: Optional[WatchedRun], tracker: Tracker) -> None:
+    """Run the remaining iterations under the watchdog (when on); rank 0 appends each one's metrics (and reports them
+    to the tracker) and checkpoints every ``save_steps``, at the end, and when the watchdog stops the run."""
     settings = loop.settings
     metrics_path = partial / "metrics.jsonl"
     if world.main:
         keep_first_lines(metrics_path, loop.step)  # steps after the checkpoint are trained again
     if watch is not None:
-        watch.begin(loop)
+        watch.begin(loop, tracker)
     with new_progress() as progress:
         task = progress.add_task(f"RL ({settings.algo})", total=settings.steps, completed=loop.step, status="")
         for step in range(loop.step, settings.steps):
@@ -286,6 +295,7 @@ def _iterate(loop, partial: Path, world: World, watch: Optional[WatchedRun] = No
                 continue
             with open(metrics_path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(metrics) + "\n")
+            tracker.log(loop.step, metrics)
             stopping = watch is not None and watch.stopped is not None
             if loop.step % settings.save_steps == 0 or loop.step == settings.steps or stopping:
                 _checkpoint(loop, watch, partial)

@@ -1,0 +1,175 @@
+"""Experiment tracking (--report-to): TensorBoard event files that read back equal to the JSONL metrics (SFT through
+transformers' integration, DPO through our tracker, across a kill and resume), a stored run's resume logging no step
+twice, and the refusals: an unknown tracker, a library that is not installed, and none writing nothing."""
+
+import json
+import sys
+import types
+from collections import defaultdict
+
+import pytest
+
+from slm_align.config import load_recipe
+from slm_align.preference.stage import run_preference
+from slm_align.sft import run_sft
+from slm_align.tracking import TensorBoardTracker, open_tracker, scalars
+from tests.helpers import finished_sft_run, run_cli
+from tests.test_preference import fresh_run, learnable_rows, preference_recipe, write_rows
+
+pytest.importorskip("tensorboard")
+
+
+def tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in a run directory as tensorboard's own reader sees it: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}
+
+
+def jsonl_scalars(lines: list[dict], tag_of) -> dict[str, list[tuple[int, float]]]:
+    """The numbers of JSONL metric lines in the same shape: tag -> [(step, value)], each line at its ``step``."""
+    found = defaultdict(list)
+    for line in lines:
+        step = line["step"]
+        for key, value in scalars(line).items():
+            if key != "step":
+                found[tag_of(key)].append((step, value))
+    return dict(found)
+
+
+def assert_same(logged: dict, read_back: dict) -> None:
+    """Equal tags, steps and values (TensorBoard keeps float32)."""
+    assert sorted(logged) == sorted(read_back)
+    for tag, points in logged.items():
+        assert [step for step, _ in sorted(read_back[tag])] == [step for step, _ in sorted(points)], tag
+        assert [value for _, value in sorted(read_back[tag])] == pytest.approx(
+            [value for _, value in sorted(points)], rel=1e-6, nan_ok=True), tag
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def trainer_tag(key: str) -> str:
+    """transformers' names in TensorBoard (its rewrite_logs): eval_loss -> eval/loss, loss -> train/loss."""
+    if key.startswith("eval_"):
+        return "eval/" + key[len("eval_"):]
+    return "train/" + key
+
+
+def test_sft_with_tensorboard_writes_the_logged_metrics_and_the_recipe(tmp_path, tiny_models, stories):
+    recipe = load_recipe(overrides={"model.source": str(tiny_models["llama"]), "data.path": str(stories),
+                                    "sft.max_steps": 20, "sft.batch_size": 4, "data.max_length": 96,
+                                    "tracking.report_to": "tensorboard"})
+    run_sft(recipe, tmp_path / "run")
+    logged = read_jsonl(tmp_path / "run" / "sft" / "log.jsonl")
+    assert any("loss" in line for line in logged) and any("eval_loss" in line for line in logged)
+    directory = tmp_path / "run" / "tracking" / "sft"
+    assert_same(jsonl_scalars(logged, trainer_tag), tensorboard_scalars(directory))
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(directory))
+    accumulator.Reload()
+    text = accumulator.Tensors("recipe/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert json.loads(text.removeprefix("```json\n").removesuffix("\n```")) == recipe.model_dump(mode="json")
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, tiny_models, stories):
+    return finished_sft_run(tmp_path_factory.mktemp("tracking") / "run", tiny_models["llama"], stories, steps=2)
+
+
+def test_report_to_none_writes_nothing(sft_run):
+    out, recipe = sft_run
+    assert recipe.tracking.report_to == "none"
+    assert (out / "sft" / "manifest.json").is_file()
+    assert not (out / "tracking").exists()
+
+
+def test_a_killed_and_resumed_dpo_run_reads_back_each_step_once_equal_to_its_jsonl(sft_run, tmp_path, monkeypatch):
+    prefs = write_rows(tmp_path / "prefs.jsonl", learnable_rows(60))
+    recipe = preference_recipe(fresh_run(sft_run, tmp_path / "run"), "dpo", prefs, steps=12, save_steps=4,
+                               eval_every=4)
+    recipe = recipe.model_copy(update={"tracking": recipe.tracking.model_copy(update={"report_to": "tensorboard"})})
+    original = TensorBoardTracker.log
+
+    def log_then_die_at_six(self, step, metrics):
+        original(self, step, metrics)
+        if step == 6:  # killed once step 6 reached the JSONL and TensorBoard; the checkpoint is at step 4
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(TensorBoardTracker, "log", log_then_die_at_six)
+    with pytest.raises(KeyboardInterrupt):
+        run_preference(recipe, tmp_path / "run", force=True)
+    monkeypatch.setattr(TensorBoardTracker, "log", original)
+    run_preference(recipe, tmp_path / "run", force=True, resume=True)
+    directory = tmp_path / "run" / "tracking" / "dpo"
+    assert len(list(directory.glob("events.out.tfevents.*"))) == 2  # the killed attempt's file and the resumed one's
+    logged = [dict(line, step=step) for step, line in
+              enumerate(read_jsonl(tmp_path / "run" / "dpo" / "metrics.jsonl"), start=1)]
+    assert len(logged) == 12 and "heldout/pair_accuracy" in logged[3]
+    read_back = tensorboard_scalars(directory)
+    assert [step for step, _ in read_back["loss"]] == list(range(1, 13))  # steps 5 and 6 once, the resumed values
+    assert_same(jsonl_scalars(logged, str), read_back)
+
+
+class FakeWandb(types.ModuleType):
+    """Records what a tracker asks of wandb: init arguments and (step, values) per run id."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.inits = []
+        self.logged = defaultdict(list)
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        run_id = kwargs["id"] or f"run{len(self.inits)}"
+        logged = self.logged[run_id]
+
+        def log(values, step):
+            logged.append((step, values))
+
+        return types.SimpleNamespace(id=run_id, log=log, finish=lambda: None)
+
+
+def test_wandb_is_offline_with_the_recipe_as_config_and_a_resume_logs_no_step_twice(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    recipe = load_recipe(overrides={"tracking.report_to": "wandb"})
+    killed = open_tracker(recipe, tmp_path, "rl")
+    for step in (1, 2, 3):
+        killed.log(step, {"reward/mean": step, "watchdog/event": "entropy_collapse"})
+    resumed = open_tracker(recipe, tmp_path, "rl", resume_step=1)  # the checkpoint was at step 1
+    for step in (2, 3, 4):  # as in RL: a step's event, then its metrics
+        resumed.event(step, {"step": step, "detector": "kl_runaway"})
+        resumed.log(step, {"reward/mean": 10 * step})
+    resumed.close()
+    first, second = fake.inits
+    assert first["mode"] == "offline" and first["config"] == recipe.model_dump(mode="json")
+    assert first["dir"] == str(tmp_path / "tracking" / "rl") and first["id"] is None
+    assert second["id"] == "run1" and second["resume"] == "allow"
+    steps = [step for step, _ in fake.logged["run1"]]
+    assert steps == [1, 2, 3, 4, 4]  # 2 and 3 were in the run already; step 4's event and its metrics
+    assert fake.logged["run1"][0][1] == {"reward/mean": 1.0}  # the string metric is not a scalar
+    assert json.loads(fake.logged["run1"][3][1]["watchdog/events"])["detector"] == "kl_runaway"
+    assert fake.logged["run1"][4][1] == {"reward/mean": 40.0}
+
+
+def test_an_unknown_tracker_is_refused_in_one_line(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "sft", "--report-to", "neptune", "--out", tmp_path / "run")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "tracking.report_to" in err and "tensorboard" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tracker_that_is_not_installed_is_one_line_naming_the_install(tmp_path, capsys, monkeypatch, stories):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # import mlflow raises ImportError
+    code, _, err = run_cli(capsys, "sft", "--data", stories, "--report-to", "mlflow", "--out", tmp_path / "run")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "pip install mlflow" in err
+    assert not (tmp_path / "run").exists()
