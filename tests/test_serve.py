@@ -445,3 +445,118 @@ def test_gguf_artifact_serves_the_same_answers(tmp_path_factory):
         reply = running.client().chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}],
                                                          temperature=0, max_tokens=12)
     assert health["backend"] == "gguf" and reply.choices[0].message.content == expected and expected.strip()
+
+
+# --- the OpenAI surface apps use ----------------------------------------------------------------------------------
+
+LOOP = "But then it home."
+"""What the bundled model repeats, greedily, about a cat (see tests/test_agent.py)."""
+CAT = [{"role": "user", "content": PROMPT}]
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"logit_bias": {"42": 5}}, "logit_bias"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "always", "tools": [WEATHER_TOOL]}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER_TOOL]}, "tool_choice"),
+    ({"tool_choice": "required", "tools": [WEATHER_TOOL]}, "tool_choice"),  # ONNX: no grammar
+    ({"response_format": {"type": "json_object"}}, "response_format"),  # ONNX: no grammar
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "stream": True}, "logprobs"),
+    ({"repeat_penalty": 0}, "repeat_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+])
+def test_fields_that_would_change_the_answer_are_honoured_or_refused(server, extra, field):
+    response = server.post("/v1/chat/completions", {"model": "m", "messages": CAT, "max_tokens": 4, **extra})
+    assert response.status_code == 400 and f"'{field}'" in response.json()["error"]["message"], response.text
+    harmless = {"logit_bias": {}, "modalities": ["text"], "user": "u1", "metadata": {"a": "b"}, "store": False,
+                "parallel_tool_calls": True, "tool_choice": "auto", "response_format": {"type": "text"}}
+    assert server.post("/v1/chat/completions", {"model": "m", "messages": CAT, "max_tokens": 2,
+                                                **harmless}).status_code == 200
+
+
+def test_repetition_penalties_and_min_p_reach_the_sampler(server, onnx_model):
+    asked = {"temperature": 0, "max_tokens": 40, "seed": 1}
+    plain = server.client().chat.completions.create(model="m", messages=CAT, **asked).choices[0].message.content
+    penalties = {"repeat_penalty": 1.5, "min_p": 0.05, "top_k": 20, "frequency_penalty": 0.1}
+    reply = server.client().chat.completions.create(model="m", messages=CAT, **asked, extra_body=penalties)
+    params = SamplingParams(temperature=0, max_tokens=40, repeat_penalty=1.5, min_p=0.05, top_k=20,
+                            frequency_penalty=0.1)
+    expected = Agent.load(onnx_model, sampling=params).chat(PROMPT).text
+    assert plain.count(LOOP) >= 3 and reply.choices[0].message.content == expected and expected.count(LOOP) <= 1
+    recorded = stored_turn(server, reply.x_turn_id).sampling
+    assert (recorded["repeat_penalty"], recorded["min_p"], recorded["frequency_penalty"]) == (1.5, 0.05, 0.1)
+
+
+def test_logprobs_when_asked(server):
+    reply = server.client().chat.completions.create(model="m", messages=CAT, temperature=0, max_tokens=8,
+                                                    logprobs=True, top_logprobs=3)
+    tokens = reply.choices[0].logprobs.content
+    assert len(tokens) == reply.usage.completion_tokens == 8
+    assert "".join(t.token for t in tokens) == reply.choices[0].message.content
+    for token in tokens:
+        assert len(token.top_logprobs) == 3 and token.logprob <= 0
+        assert token.top_logprobs[0].token == token.token and token.top_logprobs[0].logprob == token.logprob  # greedy
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob >= token.top_logprobs[2].logprob
+    plain = server.client().chat.completions.create(model="m", messages=CAT, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_several_calls_in_one_turn_come_back_and_parallel_tool_calls_false_keeps_one(server):
+    calls = ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+             '{"name": "get_weather", "arguments": {"city": "Rome"}}]</tool_call>')
+    ask = {"model": "m", "messages": [{"role": "user", "content": "Paris and Rome?"}], "tools": [WEATHER_TOOL]}
+    with scripted(server, [calls, calls]):
+        both = server.client().chat.completions.create(**ask)
+        one = server.client().chat.completions.create(**ask, parallel_tool_calls=False)
+    cities = [json.loads(call.function.arguments)["city"] for call in both.choices[0].message.tool_calls]
+    assert cities == ["Paris", "Rome"] and both.choices[0].finish_reason == "tool_calls"
+    assert len(one.choices[0].message.tool_calls) == 1
+
+
+@pytest.fixture(scope="module")
+def gguf_server(tmp_path_factory):
+    """The bundled model exported to GGUF F16, served (llama.cpp samples under grammars)."""
+    pytest.importorskip("llama_cpp")
+    out = tmp_path_factory.mktemp("gguf-server")
+    gguf = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "gguf", "F16", out=out, verify=False)).stage_dir
+    with Running(create_app(gguf)) as running:
+        yield running
+
+
+def _no_argument_tool(name):
+    return {"type": "function", "function": {"name": name, "description": f"The {name}.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_tool_choice_required_and_named_are_honoured(gguf_server):
+    """The bundled model was never taught tools: left to itself it tells a story; asked, it calls."""
+    ask = {"model": "m", "messages": CAT, "temperature": 0, "max_tokens": 60}
+    clock = _no_argument_tool("get_time")
+    for tools, choice, names in (([clock, _no_argument_tool("get_date")], "required", {"get_time", "get_date"}),
+                                 ([WEATHER_TOOL, clock], {"type": "function", "function": {"name": "get_time"}},
+                                  {"get_time"})):
+        free = gguf_server.client().chat.completions.create(**ask, tools=tools)
+        assert free.choices[0].finish_reason != "tool_calls" and not free.choices[0].message.tool_calls
+        reply = gguf_server.client().chat.completions.create(**ask, tools=tools, tool_choice=choice)
+        (call,) = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and call.function.name in names, choice
+        assert json.loads(call.function.arguments) == {}
+
+
+def test_response_format_json_schema_and_json_object(gguf_server):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}, "legs": {"type": "integer"}},
+              "required": ["mood", "legs"], "additionalProperties": False}
+    ask = {"model": "m", "messages": CAT, "temperature": 0, "max_tokens": 40}
+    reply = gguf_server.client().chat.completions.create(
+        **ask, response_format={"type": "json_schema", "json_schema": {"name": "cat", "schema": schema}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    reply = gguf_server.client().chat.completions.create(**ask, response_format={"type": "json_object"})
+    assert reply.choices[0].finish_reason == "stop" and isinstance(json.loads(reply.choices[0].message.content), dict)
+    broken = gguf_server.post("/v1/chat/completions", {**ask, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    assert broken.status_code == 400 and "'response_format'" in broken.json()["error"]["message"]

@@ -506,6 +506,17 @@ def test_llama_cpp_grammar_rejects_what_breaks_the_schemas(registry, llama_vocab
     assert not _llama_accepts(llama_vocab, registry.gbnf_grammar(), reply)
 
 
+def test_required_and_named_grammars_admit_calls_only(registry, llama_vocab):
+    required = registry.gbnf_grammar(required=True)
+    named = registry.gbnf_grammar(required=True, names=["current_time"])
+    calc = '<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>'
+    clock = '<tool_call>{"name": "current_time", "arguments": {}}</tool_call>'
+    assert _llama_accepts(llama_vocab, required, calc) and _llama_accepts(llama_vocab, required, clock)
+    assert not _llama_accepts(llama_vocab, required, "Free text instead.")
+    assert _llama_accepts(llama_vocab, named, clock) and not _llama_accepts(llama_vocab, named, calc)
+    assert not _llama_accepts(llama_vocab, required, _call("calculator", '{"expression": "1"}').replace(" ", "\t"))
+
+
 # --- on-device footprint ----------------------------------------------------------------------------
 
 

@@ -72,6 +72,10 @@ class LlamaCppBackend:
         self._eval(ids)
         if self.all_logits:
             return np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
+        return self.last_logits()
+
+    def last_logits(self) -> np.ndarray:
+        """The logits of the last position evaluated: inside ``generate``, those its last token was drawn from."""
         import llama_cpp
 
         row = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)  # only the last position has logits

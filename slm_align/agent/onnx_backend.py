@@ -141,4 +141,9 @@ class OnnxBackend:
 
     def feed(self, ids: Sequence[int]) -> np.ndarray:
         """Append ``ids``; the logits for the next token, shape (vocab,)."""
-        return self.feed_all(ids)[-1]
+        self._last_logits = self.feed_all(ids)[-1]
+        return self._last_logits
+
+    def last_logits(self) -> np.ndarray:
+        """The logits of the last ``feed``: inside ``generate``, those its last token was drawn from."""
+        return self._last_logits

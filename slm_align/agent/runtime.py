@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 from slm_align.agent.backend import Backend, artifact_kind, open_backend
+from slm_align.agent.logprobs import token_logprobs
 from slm_align.agent.prompt import PromptFitter
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.store import new_token
@@ -50,6 +51,9 @@ class Reply:
     """Tokens generated for the final answer."""
     prompt_tokens: int = 0
     """Tokens of the prompt the final answer was generated from."""
+    logprobs: Optional[list] = None
+    """With ``Agent(logprobs=N)``: each token of the final answer with its log-probability and the N likeliest
+    tokens at its step (OpenAI's ``logprobs.content``)."""
 
 
 @dataclass
@@ -137,7 +141,11 @@ class Agent:
     def __init__(self, backend: Backend, model_id: str, system: Optional[str] = None,
                  tools: Optional[ToolRegistry] = None, sampling: Optional[SamplingParams] = None,
                  store=None, consent: bool = False, max_tool_rounds: int = 4, grammar: bool = True,
-                 cancel: Optional[threading.Event] = None):
+                 cancel: Optional[threading.Event] = None, answer_grammar: Optional[str] = None,
+                 logprobs: Optional[int] = None):
+        if answer_grammar and backend.kind != "gguf":
+            raise UserError("constrained answers (a grammar) need a GGUF model: llama.cpp samples under grammars, "
+                            "onnxruntime does not")
         self.backend = backend
         self.model_id = model_id
         self.system = system
@@ -149,6 +157,10 @@ class Agent:
         self.use_grammar = grammar
         self.cancel = cancel
         """When set (by another thread), generation stops before its next token with :class:`Cancelled`."""
+        self.answer_grammar = answer_grammar
+        """A llama.cpp grammar the final answer follows (see :mod:`slm_align.agent.constrain`)."""
+        self.logprobs = logprobs
+        """Record each answer token's log-probability and this many likeliest alternatives (None: don't)."""
         self.reset()
 
     @classmethod
@@ -203,6 +215,7 @@ class Agent:
         holdback = max((len(s) for s in sampling.stop), default=1) - 1
         self._truncated = True
         self._usage = (len(prompt), 0)
+        self._token_logprobs = [] if self.logprobs is not None else None
         self._check_cancel()
         for token in self.backend.generate(prompt, sampling, grammar):
             self._check_cancel()
@@ -210,6 +223,7 @@ class Agent:
                 self._truncated = False
                 break
             tokens.append(token)
+            self._record_logprobs(token)
             self._usage = (len(prompt), len(tokens))
             text = self.backend.detokenize(tokens)
             cut = min((text.find(s) for s in sampling.stop if s in text), default=-1)
@@ -227,6 +241,11 @@ class Agent:
         text = self.backend.detokenize(tokens)
         if text[len(emitted):]:
             yield text[len(emitted):]
+
+    def _record_logprobs(self, token: int) -> None:
+        if self._token_logprobs is not None:
+            entry = token_logprobs(self.backend.last_logits(), token, self.logprobs, self.backend.detokenize)
+            self._token_logprobs.append(entry)
 
     def _check_cancel(self) -> None:
         if self.cancel is not None and self.cancel.is_set():
@@ -260,7 +279,7 @@ class Agent:
                 return
             self._act(text, parsed, calls)
         pieces = []
-        for piece in self._generate(prompt, params, None):
+        for piece in self._generate(prompt, params, self.answer_grammar):
             pieces.append(piece)
             yield piece
         self._finish("".join(pieces), window, calls, params)
@@ -294,7 +313,7 @@ class Agent:
             turn_id = self.store.record_turn(self.conversation_id, window, text, self.model_id, params.to_dict(),
                                              self.consent, token=token)
         self.last = Reply(text, calls, turn_id, token, truncated=self._truncated, prompt_tokens=self._usage[0],
-                          tokens=self._usage[1])
+                          tokens=self._usage[1], logprobs=self._token_logprobs)
 
     # feedback
     def _require_last(self) -> Reply:

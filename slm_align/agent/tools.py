@@ -453,16 +453,20 @@ class ToolRegistry:
 
     # grammar
 
-    def gbnf_grammar(self) -> str:
+    def gbnf_grammar(self, required: bool = False, names: Optional[list[str]] = None) -> str:
         """A llama.cpp GBNF grammar: the reply is free text or ``<tool_call>`` blocks following the schemas.
 
         Free text may not start a tag (``<`` followed by a letter or ``/``), so a reply that calls a
         tool must use the grammar's path, where the name is one of the registered tools and the
         arguments are a JSON object with the schema's properties in order (optional ones may be
         left out). Schema keywords the grammar cannot express (minimum, pattern, ...) are left to
-        :meth:`execute`'s validation.
+        :meth:`execute`'s validation. ``required``: calls only, no free text (OpenAI's ``tool_choice``
+        "required"), written compactly (at most one space between tokens: a small model pushed into a
+        call otherwise wanders off in whitespace); ``names``: only these tools may be called (a named
+        ``tool_choice``).
         """
-        return _GrammarBuilder().build(list(self._tools.values()))
+        tools = [tool for name, tool in self._tools.items() if names is None or name in names]
+        return _GrammarBuilder().build(tools, free_text=not required, compact=required)
 
 
 def _validator(tool: Tool):
@@ -581,6 +585,8 @@ _JSON_RULES = {
     "ws": '| " " | "\\n" [ \\t]{0,20}',
 }
 _TYPE_RULES = {"string", "number", "integer", "boolean", "null"}
+_COMPACT_WS = '| " "'
+"""Whitespace of a compact grammar: none or one space."""
 
 
 def _literal(text: str) -> str:
@@ -607,7 +613,7 @@ class _GrammarBuilder:
         self.rules[name] = body
         return name
 
-    def build(self, tools: list[Tool]) -> str:
+    def build(self, tools: list[Tool], free_text: bool = True, compact: bool = False) -> str:
         self.add("text-char", '[^<] | "<" [^A-Za-z/<]')
         self.add("free-text", "text-char+")
         root = "free-text"
@@ -617,8 +623,10 @@ class _GrammarBuilder:
                 "tool-call",
                 f'"<tool_call>" "\\n"? "{{" ws "\\"name\\"" ws ":" ws ( {branches} ) ws "}}" "\\n"? "</tool_call>"',
             )
-            root = f'{call} ( "\\n" {call} )* | free-text'
-        lines = [f"root ::= {root}"] + [f"{k} ::= {v}" for k, v in {**self.rules, **_JSON_RULES}.items()]
+            calls = f'{call} ( "\\n" {call} )*'
+            root = f"{calls} | free-text" if free_text else calls
+        json_rules = {**_JSON_RULES, "ws": _COMPACT_WS} if compact else _JSON_RULES
+        lines = [f"root ::= {root}"] + [f"{k} ::= {v}" for k, v in {**self.rules, **json_rules}.items()]
         return "\n".join(lines) + "\n"
 
     def _call_branch(self, tool: Tool) -> str:

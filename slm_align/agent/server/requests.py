@@ -31,11 +31,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError, PydanticKnownError
 from starlette.requests import Request
 
+from slm_align.agent.constrain import json_grammar
+from slm_align.agent.logprobs import MAX_TOP_LOGPROBS
 from slm_align.agent.runtime import fold_seed
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.server.errors import ApiError, bad
 from slm_align.agent.store import FEEDBACK_KINDS, MAX_TURN_ID, PREFERRED
 from slm_align.agent.tools import ToolRegistry
+from slm_align.errors import UserError
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_ARGUMENT_DEPTH = 64
@@ -219,11 +222,72 @@ class ToolSpec(Strict):
     function: FunctionSpec
 
 
+class NamedFunction(Strict):
+    """The function a named ``tool_choice`` asks for."""
+
+    name: StrictStr
+    """One of the request's ``tools``."""
+
+
+class NamedToolChoice(Strict):
+    """``{"type": "function", "function": {"name"}}``: the answer is a call of that function."""
+
+    type: Literal["function"] = "function"
+    """Always "function"."""
+    function: NamedFunction
+    """Which function."""
+
+
+class JsonSchemaFormat(Strict):
+    """The ``json_schema`` of a structured-output ``response_format``."""
+
+    name: Any = None
+    """The schema's name (not used)."""
+    json_schema: dict = Field(alias="schema")
+    """The JSON schema the answer follows."""
+    strict: Any = None
+    """Accepted; the grammar always follows the schema strictly."""
+    description: Any = None
+    """Not used."""
+
+
+class ResponseFormat(Strict):
+    """``response_format``: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    """text, json_object or json_schema."""
+    json_schema: Optional[JsonSchemaFormat] = None
+    """With type json_schema: ``{"name", "schema"}``."""
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticKnownError("missing")
+        return self
+
+
+UNSUPPORTED = {"logit_bias": (None, {}), "functions": (None,), "function_call": (None,), "audio": (None,),
+               "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,)}
+"""OpenAI request fields that would change the answer and that this server does not implement, with the values
+that change nothing (accepted); any other value is a 400 naming the field. Other unknown keys are ignored."""
+
+
+def refuse_unsupported(data: Any) -> None:
+    """A 400 naming the first field of :data:`UNSUPPORTED` sent with a value that would change the answer."""
+    if not isinstance(data, dict):
+        return
+    for name, harmless in UNSUPPORTED.items():
+        if name in data and data[name] not in harmless:
+            raise bad(f"'{name}' is not supported by this server; leave it out (the answer would silently ignore it)")
+
+
 class ChatBody(Body):
     """An OpenAI chat completion request; fields are checked in this order (the first error is the answer)."""
 
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
-    tool_choice: Any = None
+    """Answers per request: only 1."""
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice] = "auto"
+    """none (no tools), auto (the model decides), required (calls only) or a named function (that call only)."""
     tools: Annotated[Optional[list[ToolSpec]], _count_at_most("max_tools")] = None
     stream_options: Optional[dict] = None
     messages: Annotated[list[Message], Field(min_length=1), _count_at_most("max_messages")]
@@ -231,13 +295,36 @@ class ChatBody(Body):
     temperature: Annotated[Number, Field(ge=0, le=2)] = DEFAULTS.temperature
     top_p: Annotated[Number, Field(ge=0, le=1)] = DEFAULTS.top_p
     top_k: Annotated[StrictInt, Field(ge=0)] = DEFAULTS.top_k
+    min_p: Annotated[Number, Field(ge=0, le=1)] = DEFAULTS.min_p
+    """Drop tokens less likely than this fraction of the likeliest one's probability."""
+    repeat_penalty: Annotated[Number, Field(ge=1, le=2)] = DEFAULTS.repeat_penalty
+    """llama.cpp's repetition penalty over the last 64 generated tokens (1: off)."""
+    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] = DEFAULTS.frequency_penalty
+    """OpenAI's: minus this times a token's count among the last 64 generated tokens."""
+    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] = DEFAULTS.presence_penalty
+    """OpenAI's: minus this for each token among the last 64 generated tokens."""
     max_tokens: Optional[Tokens] = None
     stop: Annotated[Union[NonEmpty, list[NonEmpty]], _count_at_most("max_stop")] = Field(default_factory=list)
     seed: Optional[StrictInt] = None
     stream: StrictBool = False
     include_usage: StrictBool = False
     """``stream_options.include_usage``, lifted here so that it is checked after ``stream``."""
+    response_format: Optional[ResponseFormat] = None
+    """Structured output: json_object or json_schema (GGUF models; a llama.cpp grammar)."""
+    parallel_tool_calls: StrictBool = True
+    """False: at most one tool call per answer."""
+    logprobs: StrictBool = False
+    """Return each answer token's log-probability (not with stream)."""
+    top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    """With logprobs: also the likeliest tokens at each step, this many."""
     x_conversation_id: Optional[Annotated[StrictStr, Field(max_length=128)]] = None
+    """Groups the turns of one conversation in the store."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nothing_unsupported(cls, data: Any) -> Any:
+        refuse_unsupported(data)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -263,7 +350,9 @@ class ChatBody(Body):
 
     def sampling(self) -> SamplingParams:
         """Sampling from the request; a missing seed is drawn at random (and recorded with the turn)."""
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              repeat_penalty=self.repeat_penalty, frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty,
                               max_tokens=self.max_completion_tokens or self.max_tokens or DEFAULTS.max_tokens,
                               stop=[self.stop] if isinstance(self.stop, str) else list(self.stop),
                               seed=secrets.randbits(32) if self.seed is None else fold_seed(self.seed))
@@ -421,6 +510,16 @@ RULES = {
     "temperature": Rule("a number from 0 to 2"),
     "top_p": Rule("a number from 0 to 1"),
     "top_k": Rule("an integer from 0"),
+    "tool_choice": Rule('"none", "auto", "required" or {"type": "function", "function": {"name"}}', got=False),
+    "min_p": Rule("a number from 0 to 1"),
+    "repeat_penalty": Rule("a number from 1 to 2"),
+    "frequency_penalty": Rule("a number from -2 to 2"),
+    "presence_penalty": Rule("a number from -2 to 2"),
+    "response_format": Rule('{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                            '{"name", "schema"}}', got=False),
+    "parallel_tool_calls": Rule("true or false"),
+    "logprobs": Rule("true or false"),
+    "top_logprobs": Rule(f"an integer from 0 to {MAX_TOP_LOGPROBS}"),
     "max_tokens": Rule("an integer from 1 to $max_tokens"),
     "stop": Rule("a non-empty string or a list of at most $max_stop of them", got=False),
     "seed": Rule("an integer"),
@@ -516,11 +615,70 @@ class ChatRequest:
     """May the server's own tools (``--tools``) be used (``tool_choice`` "none" says no)."""
     conversation_id: Optional[str] = None
     """Groups the turns of one conversation in the store (``x_conversation_id``)."""
+    answer_grammar: Optional[str] = None
+    """A llama.cpp grammar the answer follows (``tool_choice`` required or named, a JSON ``response_format``)."""
+    logprobs: Optional[int] = None
+    """Report each token's log-probability with this many alternatives (None: ``logprobs`` not asked for)."""
+    single_call: bool = False
+    """``parallel_tool_calls`` false: at most one call goes back."""
 
 
-def parse_chat(body: dict, limits: Limits) -> ChatRequest:
-    """Validate an OpenAI chat completion request; wrong shapes and values are 400s naming the field."""
+def parse_chat(body: dict, limits: Limits, backend_kind: str = "gguf") -> ChatRequest:
+    """Validate an OpenAI chat completion request; wrong shapes and values, and what ``backend_kind`` cannot do, are
+    400s naming the field."""
     chat = validate(ChatBody, body, limits)
+    check_combinations(chat)
+    tools = chat.client_tools()
     return ChatRequest(messages=chat.runtime_messages(), sampling=chat.sampling(), stream=chat.stream,
-                       include_usage=chat.include_usage, client_tools=chat.client_tools(),
-                       server_tools=chat.tool_choice != "none", conversation_id=chat.x_conversation_id)
+                       include_usage=chat.include_usage, client_tools=tools,
+                       server_tools=chat.tool_choice != "none" and not _wants_json(chat),
+                       conversation_id=chat.x_conversation_id, answer_grammar=answer_grammar(chat, tools, backend_kind),
+                       logprobs=_logprobs(chat), single_call=not chat.parallel_tool_calls)
+
+
+def _forced_call(chat: ChatBody) -> bool:
+    return chat.tool_choice == "required" or isinstance(chat.tool_choice, NamedToolChoice)
+
+
+def _wants_json(chat: ChatBody) -> bool:
+    return chat.response_format is not None and chat.response_format.type != "text"
+
+
+def _logprobs(chat: ChatBody) -> Optional[int]:
+    if not chat.logprobs:
+        return None
+    return chat.top_logprobs or 0
+
+
+def check_combinations(chat: ChatBody) -> None:
+    """400s for fields that contradict each other (each alone was valid)."""
+    if chat.top_logprobs is not None and not chat.logprobs:
+        raise bad("'top_logprobs' needs 'logprobs': true")
+    if chat.logprobs and chat.stream:
+        raise bad("'logprobs' is not available with 'stream': true on this server; ask without streaming")
+    if _forced_call(chat) and not chat.tools:
+        raise bad("'tool_choice' asks for a tool call but the request offers no 'tools'")
+    named = chat.tool_choice.function.name if isinstance(chat.tool_choice, NamedToolChoice) else None
+    if named is not None and named not in [tool.function.name for tool in chat.tools]:
+        raise bad(f"'tool_choice' names the function {named[:64]!r}, which is not among 'tools'")
+    if _wants_json(chat) and chat.tools and chat.tool_choice != "none":
+        raise bad("'response_format' cannot be combined with 'tools' on this server; send one or the other")
+
+
+def answer_grammar(chat: ChatBody, tools: Optional[ToolRegistry], backend_kind: str) -> Optional[str]:
+    """The grammar that makes the answer a call (``tool_choice``) or JSON (``response_format``); a 400 when the
+    backend cannot sample under a grammar."""
+    field = "tool_choice" if _forced_call(chat) else "response_format"
+    if not (_forced_call(chat) or _wants_json(chat)):
+        return None
+    if backend_kind != "gguf":
+        raise bad(f"'{field}' needs a GGUF model (a llama.cpp grammar constrains the answer); this server runs an "
+                  f"{backend_kind.upper()} model: leave '{field}' out, or serve the GGUF export")
+    if field == "tool_choice":
+        named = chat.tool_choice.function.name if isinstance(chat.tool_choice, NamedToolChoice) else None
+        return tools.gbnf_grammar(required=True, names=[named] if named else None)
+    schema = chat.response_format.json_schema
+    try:
+        return json_grammar(schema.json_schema if schema is not None else None)
+    except UserError as exc:
+        raise bad(f"'response_format': {exc}") from None

@@ -40,8 +40,13 @@ def completion_body(meta: Meta, outcome: Outcome) -> dict:
     if outcome.tool_calls:
         message["tool_calls"] = outcome.tool_calls
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": outcome.finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": _logprobs(outcome),
+                         "finish_reason": outcome.finish_reason}],
             "usage": usage(outcome), "x_turn_id": outcome.turn_id, "x_turn_token": outcome.turn_token}
+
+
+def _logprobs(outcome: Outcome) -> Optional[dict]:
+    return None if outcome.logprobs is None else {"content": outcome.logprobs, "refusal": None}
 
 
 def chunk(meta: Meta, delta: dict, finish_reason: Optional[str] = None, **extra: Any) -> dict:

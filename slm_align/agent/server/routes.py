@@ -30,7 +30,7 @@ async def _body(request: Request) -> dict:
 async def chat_completions(request: Request):
     """``POST /v1/chat/completions``: one answer, whole or streamed by server-sent events."""
     service = _service(request)
-    chat = parse_chat(await _body(request), service.limits)
+    chat = parse_chat(await _body(request), service.limits, service.model.backend.kind)
     events = service.worker.run(partial(service.answer, chat), request.receive)
     first = await anext(events, None)  # a full queue or a prompt too long is refused here, before any byte is sent
     if first is None:

@@ -35,6 +35,8 @@ class Outcome:
     completion_tokens: int = 0
     streamed: bool = True
     """The content already went out piece by piece (False: it was held back to look for tool calls)."""
+    logprobs: Optional[list] = None
+    """OpenAI's ``logprobs.content`` when the request asked for ``logprobs``."""
 
 
 class Service:
@@ -61,14 +63,15 @@ class Service:
         reply = agent.last
         outcome = Outcome(content=reply.text, finish_reason="length" if reply.truncated else "stop",
                           turn_id=reply.turn_id, turn_token=reply.turn_token, prompt_tokens=reply.prompt_tokens,
-                          streamed=not held_back, completion_tokens=reply.tokens)
-        yield client_calls(outcome, chat.client_tools) if held_back else outcome
+                          streamed=not held_back, completion_tokens=reply.tokens, logprobs=reply.logprobs)
+        yield client_calls(outcome, chat.client_tools, chat.single_call) if held_back else outcome
 
     def _agent(self, chat: ChatRequest, cancel: threading.Event) -> Agent:
         """A fresh agent on the shared backend: client tools are returned, server tools run in its loop."""
         tools = chat.client_tools or (self.tools if chat.server_tools else None)
         agent = Agent(self.model.backend, self.model.sha256, tools=tools, sampling=chat.sampling, store=self.store,
-                      consent=self.consent, max_tool_rounds=0 if chat.client_tools else 4, cancel=cancel)
+                      consent=self.consent, max_tool_rounds=0 if chat.client_tools else 4, cancel=cancel,
+                      answer_grammar=chat.answer_grammar, logprobs=chat.logprobs)
         agent.conversation_id = chat.conversation_id or agent.conversation_id
         return agent
 
@@ -106,14 +109,16 @@ class Service:
             self.store.close()
 
 
-def client_calls(outcome: Outcome, tools: ToolRegistry) -> Outcome:
-    """The outcome with the model's calls of the client's tools as OpenAI ``tool_calls`` (if it made any)."""
+def client_calls(outcome: Outcome, tools: ToolRegistry, single: bool = False) -> Outcome:
+    """The outcome with the model's calls of the client's tools as OpenAI ``tool_calls`` (if it made any; with
+    ``single``, the first one only)."""
     parsed = tools.parse_calls(outcome.content or "")
     if not parsed.calls:
         return outcome
+    calls = parsed.calls[:1] if single else parsed.calls
     outcome.tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
-                          for call in parsed.calls]
+                          for call in calls]
     outcome.content = parsed.text or None
     outcome.finish_reason = "tool_calls"
     return outcome
