@@ -24,6 +24,7 @@ from slm_align.generation import sample, score
 from slm_align.modeling import load_model, load_tokenizer, merged_policy, resolve_source
 from slm_align.perplexity import perplexity
 from slm_align.plots import plot_curves
+from slm_align.progress import stage_lines
 from slm_align.rl.watchdog import read_events, report_section
 from slm_align.runs import ALIGNED_STAGES, read_manifest
 from slm_align.sft import recipe_from_sft
@@ -83,14 +84,15 @@ def _load_source(source, recipe: Recipe):
 
 def _measure(policy: Policy, prompts: list[str], documents, reward, recipe: Recipe, max_new_tokens: int,
              temperature: float, device: str = "cpu") -> dict:
-    model, tokenizer = policy.load()
-    model = model.to(device)
-    samples = sample(model, tokenizer, prompts, max_new_tokens, temperature, seed=recipe.seed)
-    scores = score(reward, samples)
-    encoded = encode_all(documents, tokenizer, recipe.data.max_length)
+    with stage_lines("evaluation", f"{policy.name} on {len(prompts)} prompts and {len(documents)} documents"):
+        model, tokenizer = policy.load()
+        model = model.to(device)
+        samples = sample(model, tokenizer, prompts, max_new_tokens, temperature, seed=recipe.seed)
+        scores = score(reward, samples)
+        encoded = encode_all(documents, tokenizer, recipe.data.max_length)
+        ppl = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size).ppl
     lengths = samples.completion_mask.sum(-1).float()
-    return {"name": policy.name, "model": policy.describe,
-            "ppl": perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size).ppl,
+    return {"name": policy.name, "model": policy.describe, "ppl": ppl,
             "reward_mean": statistics.fmean(scores), "reward_std": statistics.pstdev(scores),
             "distinct_1": distinct_n(samples.completions, 1), "distinct_2": distinct_n(samples.completions, 2),
             "length": float(lengths.mean()), "truncated_frac": sum(samples.truncated) / len(prompts),
@@ -139,10 +141,11 @@ def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_mo
     temp = recipe.rl.temperature if temperature is None else temperature
     rows = [_measure(p, held, documents, reward, recipe, max_new, temp, device)
             for p in run_policies(recipe, run, adapter, baselines)]
+    shown = min(3, len(held))  # --prompts may be 2
     report = {"prompts": len(held), "max_new_tokens": max_new, "temperature": temp, "seed": recipe.seed,
               "reward_terms": [name for name, _, _ in reward.terms], "policies": rows,
               "comparisons": [compare(rows[0], row, recipe.seed) for row in rows[1:]],
-              "samples": [{"prompt": held[i], **{r["name"]: r["completions"][i] for r in rows}} for i in range(3)]}
+              "samples": [{"prompt": held[i], **{r["name"]: r["completions"][i] for r in rows}} for i in range(shown)]}
     report["watchdog"] = _watchdog_of(run / "rl")
     report["preference"] = preference_records(run)
     _write(report, run / "eval", run / "rl" / "metrics.jsonl")

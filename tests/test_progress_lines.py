@@ -57,3 +57,21 @@ def test_json_keeps_stdout_to_the_json_and_quiet_prints_nothing(tmp_path, storie
     code, stdout, stderr = run_cli(capsys, "sft", "--data", tmp_path / "missing.txt", "--out", tmp_path / "c",
                                    "--quiet")
     assert code == 2 and stderr.startswith("error: ")  # errors still speak
+
+
+def test_train_and_export_in_a_log_say_each_stage(tmp_path, stories, capsys, every_step):
+    out = tmp_path / "run"
+    code, _, stderr = run_cli(capsys, "train", "--algo", "grpo", "--data", stories, "--set", "sft.max_steps=2",
+                              "--reward-steps", "2", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+                              "--max-new-tokens", "8", "--report-prompts", "2", "--force", "--out", out)
+    assert code == 0, stderr
+    lines = progress_lines(stderr)
+    for stage in ("sft", "reward model", "headroom gate", "RL (grpo)", "held-out reward", "evaluation"):
+        assert any(line.startswith(f"{stage}: start") for line in lines), stage
+        assert any(line.startswith(f"{stage}: done") for line in lines), stage
+    assert any(line.startswith("RL (grpo): step 1/2") for line in lines)
+    code, _, stderr = run_cli(capsys, "export", out, "--target", "gguf", "--quant", "F32")
+    assert code == 0, stderr
+    lines = progress_lines(stderr)
+    assert [line.split(":")[0] for line in lines if ": start" in line] == ["export", "export verification"]
+    assert lines[-1].startswith("export verification: done in ")

@@ -24,7 +24,7 @@ from slm_align.modeling import load_tokenizer, resolve_source
 from slm_align.plots import plot_curves
 from slm_align.preference.data import PreferenceData, check_feedback_models, load_preference_data
 from slm_align.preference.learner import PreferenceLearner
-from slm_align.progress import new_progress
+from slm_align.progress import new_progress, stage_lines
 from slm_align.rl.policy import build_policy
 from slm_align.rl.stage import GateRefused, keep_first_lines
 from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
@@ -61,8 +61,11 @@ def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool 
         return StageResult(stage_dir, skipped=True, metrics=done["metrics"])
     policy = build_policy(source, adapter, recipe.rl.model_copy(update={"lora": recipe.preference.lora}), recipe.seed,
                           recipe.model.trust_remote_code, recipe.model.allow_pickle, compute.device)
-    learner = PreferenceLearner(policy, tokenizer, data, recipe.preference, algo, recipe.rl.envelope, recipe.seed,
-                                recipe.data.max_length, compute.precision, compute.gradient_checkpointing)
+    heldout = len(data.heldout_pairs)
+    with stage_lines(f"{algo} set-up", f"the reference's log-probabilities of {heldout} held-out pairs"):
+        learner = PreferenceLearner(policy, tokenizer, data, recipe.preference, algo, recipe.rl.envelope,
+                                    recipe.seed, recipe.data.max_length, compute.precision,
+                                    compute.gradient_checkpointing)
     gate = preference_gate(recipe, algo, data, learner).to_dict()
     say(f"{algo} gate: {gate['verdict']}" + (f" ({'; '.join(gate['reasons'])})" if gate["reasons"] else ""))
     if not gate["passed"] and not force:

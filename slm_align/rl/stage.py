@@ -26,7 +26,7 @@ from slm_align.errors import UserError
 from slm_align.headroom import check_headroom
 from slm_align.modeling import load_tokenizer, resolve_source
 from slm_align.plots import plot_curves
-from slm_align.progress import new_progress
+from slm_align.progress import new_progress, stage_lines
 from slm_align.reward.stage import run_reward
 from slm_align.rl.distributed import World, rank_device, replica_digest, world_from_env
 from slm_align.rl.grpo import GRPO
@@ -52,7 +52,9 @@ class GateRefused(UserError):
 
 def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Recipe, adapter: bool) -> float:
     """Mean reward of one sampled completion per held-out prompt, with the RL adapter on (RL) or off (SFT)."""
-    rewards = policy_rewards(policy, tokenizer, reward_fn, prompts, recipe.rl, recipe.seed, adapter)
+    policy_name = "RL" if adapter else "SFT"
+    with stage_lines("held-out reward", f"the {policy_name} policy on {len(prompts)} prompts"):
+        rewards = policy_rewards(policy, tokenizer, reward_fn, prompts, recipe.rl, recipe.seed, adapter)
     return statistics.fmean(rewards)
 
 
@@ -121,7 +123,8 @@ def _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say):
     """Stages RL needs, the gate, and whether RL already completed with these inputs."""
     sft_recipe, adapter, reward_model = _prerequisites(recipe, out, sft_from, reward_model, rewards, resume, say)
     recipe = sft_recipe.model_copy(update={"rl": recipe.rl})
-    gate = check_headroom(recipe, run=out, adapter=adapter, reward_model=reward_model, rewards=rewards).to_dict()
+    with stage_lines("headroom gate", "the SFT prior's perplexity and the reward's accuracy and spread"):
+        gate = check_headroom(recipe, run=out, adapter=adapter, reward_model=reward_model, rewards=rewards).to_dict()
     if not gate["passed"] and not force:
         raise GateRefused(f"headroom gate FAIL ({'; '.join(gate['reasons'])}): {' '.join(gate['remedies'])} "
                           "Pass --force to train anyway (recorded in the manifest).")
