@@ -7,6 +7,7 @@ transformers' GGUF support, tokenizer rebuilt from the file's own metadata by :m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -51,6 +52,47 @@ def default_chat_template(tokenizer) -> str:
     if "<start_of_turn>" in vocabulary and "<end_of_turn>" in vocabulary:
         return GEMMA_TEMPLATE
     return CHATML_TEMPLATE
+
+
+CHATML = "chatml"
+"""``--chat-template chatml``: the built-in :data:`CHATML_TEMPLATE`."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A template given with ``--chat-template``: its Jinja text, and what is recorded about where it came from."""
+
+    source: str
+    """The Jinja text."""
+    origin: str
+    """"chatml", or the file's name and the start of its text's sha256."""
+
+
+def chosen_chat_template(option: str) -> ChatTemplate:
+    """``--chat-template``'s value: "chatml" (the built-in ChatML) or a Jinja file; a UserError for anything else."""
+    if option == CHATML:
+        return ChatTemplate(CHATML_TEMPLATE, CHATML)
+    path = Path(option).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        raise UserError(f"--chat-template {option}: neither chatml nor a readable template file; pass chatml or a "
+                        "Jinja chat template file") from None
+    _check_template_syntax(text, option)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+    return ChatTemplate(text, f"{path.name} (sha256 {digest})")
+
+
+def _check_template_syntax(text: str, option: str) -> None:
+    from jinja2 import Environment, TemplateSyntaxError
+
+    if not text.strip():
+        raise UserError(f"--chat-template {option} is empty; pass chatml or a Jinja chat template file")
+    try:
+        Environment().parse(text)
+    except TemplateSyntaxError as exc:
+        raise UserError(f"--chat-template {option} is not a valid Jinja template (line {exc.lineno}: {exc.message}); "
+                        "fix it or pass chatml") from None
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

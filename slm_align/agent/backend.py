@@ -18,6 +18,8 @@ class Backend(Protocol):
     vocab_size: int
     eos_ids: set
     chat_template: Optional[str]
+    chat_template_origin: Optional[str]
+    """Recorded with each turn: "artifact" (the model's own), "chatml" or a template file (``--chat-template``)."""
     bos_token: Optional[str]
     eos_token: Optional[str]
 

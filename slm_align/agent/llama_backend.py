@@ -36,6 +36,7 @@ class LlamaCppBackend:
         self.vocab_size = self.llm.n_vocab()
         meta = self.llm.metadata
         self.chat_template = meta.get("tokenizer.chat_template")
+        self.chat_template_origin = "artifact" if self.chat_template else None
         self.eos_ids = {self.llm.token_eos()}
         if "tokenizer.ggml.eot_token_id" in meta:
             self.eos_ids.add(int(meta["tokenizer.ggml.eot_token_id"]))

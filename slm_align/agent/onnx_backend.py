@@ -68,6 +68,7 @@ class OnnxBackend:
         template_file = artifact / "chat_template.jinja"
         self.chat_template = (template_file.read_text(encoding="utf-8") if template_file.is_file()
                               else tokenizer_config.get("chat_template"))
+        self.chat_template_origin = "artifact" if self.chat_template else None
         self.bos_token = _token_text(tokenizer_config.get("bos_token"))
         self.eos_token = _token_text(tokenizer_config.get("eos_token"))
         eos = _read_json(artifact / "generation_config.json").get("eos_token_id", config.get("eos_token_id"))

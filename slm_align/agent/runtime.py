@@ -21,6 +21,7 @@ from slm_align.agent.logprobs import token_logprobs
 from slm_align.agent.prompt import PromptFitter
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.store import new_token
+from slm_align.agent.template import use_chat_template
 from slm_align.agent.tools import ToolRegistry
 from slm_align.errors import UserError
 
@@ -69,8 +70,9 @@ class Model:
 
 
 def load_model(artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
-               n_ctx: Optional[int] = None) -> Model:
-    """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context from its profile.
+               n_ctx: Optional[int] = None, chat_template: Optional[str] = None) -> Model:
+    """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context from its profile;
+    ``chat_template`` ("chatml" or a Jinja file) replaces the model's own (base models have none).
 
     The artifact is hashed and checked against its export manifest first: a parser (llama.cpp's, onnxruntime's)
     never reads a file that changed after export.
@@ -81,6 +83,7 @@ def load_model(artifact: Union[str, Path], device: Optional[str] = None, threads
     if device is not None:
         threads, n_ctx = device_settings(artifact, device, threads, n_ctx)
     backend = open_backend(artifact, threads=threads, n_ctx=n_ctx)
+    use_chat_template(backend, chat_template)
     return Model(backend, sha256, artifact.name)
 
 
@@ -165,9 +168,11 @@ class Agent:
 
     @classmethod
     def load(cls, artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
-             n_ctx: Optional[int] = None, store: Union[str, Path, None] = None, **options) -> "Agent":
-        """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context from its profile."""
-        model = load_model(artifact, device, threads, n_ctx)
+             n_ctx: Optional[int] = None, store: Union[str, Path, None] = None, chat_template: Optional[str] = None,
+             **options) -> "Agent":
+        """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context from its profile;
+        ``chat_template`` ("chatml" or a Jinja file) replaces the model's own (see :func:`load_model`)."""
+        model = load_model(artifact, device, threads, n_ctx, chat_template)
         if store is not None and not hasattr(store, "record_turn"):
             from slm_align.agent.store import PreferenceStore
 
@@ -284,6 +289,21 @@ class Agent:
             yield piece
         self._finish("".join(pieces), window, calls, params)
 
+    def complete(self, text: str, **sampling) -> Iterator[str]:
+        """Continue ``text`` as plain text, piece by piece: no template, no tools (what a base model does); the
+        conversation is untouched and nothing is recorded. ``self.last`` holds the :class:`Reply` once done."""
+        params = replace(self.sampling, **sampling)
+        prompt = self.backend.tokenize(text)
+        if len(prompt) + params.max_tokens > self.backend.n_ctx:
+            raise UserError(f"the text needs {len(prompt)} tokens plus {params.max_tokens} for the continuation, more "
+                            f"than the context window of {self.backend.n_ctx}; send a shorter text")
+        pieces = []
+        for piece in self._generate(prompt, params, None):
+            pieces.append(piece)
+            yield piece
+        self.last = Reply("".join(pieces), truncated=self._truncated, tokens=self._usage[1],
+                          prompt_tokens=self._usage[0], logprobs=self._token_logprobs)
+
     def chat(self, message: str, **sampling) -> Reply:
         """Answer ``message`` (calling tools as the model asks); the reply is recorded when a store is set."""
         for _ in self.stream(message, **sampling):
@@ -310,7 +330,8 @@ class Agent:
         token = None
         if self.store is not None:
             token = new_token()
-            turn_id = self.store.record_turn(self.conversation_id, window, text, self.model_id, params.to_dict(),
+            recorded = {**params.to_dict(), "chat_template": self.backend.chat_template_origin}
+            turn_id = self.store.record_turn(self.conversation_id, window, text, self.model_id, recorded,
                                              self.consent, token=token)
         self.last = Reply(text, calls, turn_id, token, truncated=self._truncated, prompt_tokens=self._usage[0],
                           tokens=self._usage[1], logprobs=self._token_logprobs)

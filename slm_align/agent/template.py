@@ -34,8 +34,26 @@ def _compile(source: str):
 def render(template: Optional[str], messages: list[dict], bos_token: Optional[str], eos_token: Optional[str],
            tools: Optional[list[dict]] = None, add_generation_prompt: bool = True) -> str:
     """The prompt text for ``messages`` (and ``tools``), ending with the assistant's opening."""
-    if not template:
-        raise UserError("this artifact has no chat template; re-export it with `slm-align export` "
-                        "(which writes a default ChatML template)")
+    require_template(template)
     return _compile(template).render(messages=messages, tools=tools or None, bos_token=bos_token or "",
                                      eos_token=eos_token or "", add_generation_prompt=add_generation_prompt)
+
+
+def require_template(template: Optional[str]) -> None:
+    """The one-line refusal for a model without a chat template (base models have none), naming the ways out."""
+    if not template:
+        raise UserError("this artifact has no chat template (a base model?): pass --chat-template chatml (or a Jinja "
+                        "file) to chat with one, or --raw to continue plain text (Python: Agent.load(..., "
+                        "chat_template='chatml') or Agent.complete; a server: /v1/completions)")
+
+
+def use_chat_template(backend, option: Optional[str]) -> None:
+    """Give ``backend`` the ``--chat-template`` ``option`` ("chatml" or a Jinja file) in place of its own, and record
+    where it came from in ``backend.chat_template_origin``; None keeps the model's own."""
+    from slm_align.modeling import chosen_chat_template
+
+    if option is None:
+        return
+    chosen = chosen_chat_template(option)
+    backend.chat_template = chosen.source
+    backend.chat_template_origin = chosen.origin

@@ -95,14 +95,35 @@ def chat_loop(agent, lines: Iterable[str], say: Callable[[str], None], write: Ca
             except UserError as exc:  # feedback without a store, nothing to compare yet...: say so, keep chatting
                 say(f"[{exc}]")
             continue
-        stream = PrintableStream()
-        for piece in agent.stream(line):
-            write(stream.feed(piece))
-        write(stream.flush() + "\n")
+        write_printably(agent.stream(line), write)
         if state.get("show_tools"):
             for call in agent.last.tool_calls:
                 say(f"[tool {call['name']}({call['arguments']}) -> {'ok' if call['ok'] else 'error'}: "
                     f"{call['content']}]")
+
+
+RAW_HELP = "raw mode: each line you type is continued as plain text (no template, no tools, nothing recorded); /quit"
+
+
+def raw_loop(agent, lines: Iterable[str], say: Callable[[str], None], write: Callable[[str], None]) -> None:
+    """``chat --raw``: each line from ``lines`` is continued as plain text (:meth:`Agent.complete`) and the
+    continuation streamed with ``write``; /quit ends."""
+    say(RAW_HELP)
+    for line in lines:
+        text = line.rstrip("\r\n")
+        if text.strip() in ("/quit", "/exit"):
+            return
+        if text.strip():
+            write_printably(agent.complete(text), write)
+
+
+def write_printably(pieces: Iterable[str], write: Callable[[str], None]) -> None:
+    """Stream ``pieces`` with ``write`` without terminal control sequences (:class:`PrintableStream`), then a
+    newline."""
+    stream = PrintableStream()
+    for piece in pieces:
+        write(stream.feed(piece))
+    write(stream.flush() + "\n")
 
 
 def _printably(say: Callable[[str], None]) -> Callable[[str], None]:

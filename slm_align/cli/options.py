@@ -27,6 +27,9 @@ CTX_NAMES = ("--ctx", "--ctx-size")
 OUT_NAMES = ("--out", "-o", "--output-dir")
 """A stage's output directory, and TRL's (transformers') spelling of it."""
 ConfigOpt = typer.Option(None, "--config", help="TOML recipe; flags override it.")
+ChatTemplateOpt = typer.Option(None, "--chat-template", metavar="chatml|FILE",
+                               help="Chat template in place of the model's own (base models have none): chatml (the "
+                                    "built-in ChatML) or a Jinja template file.")
 SetOpt = typer.Option([], "--set", help="Any recipe setting as KEY=VALUE, typed and checked like the TOML "
                       "(--set sft.lora.r=32 --set rl.grpo.loss_type=dr_grpo); repeatable; a named flag wins. "
                       "`slm-align config show` lists every setting.")

@@ -10,8 +10,9 @@ from typing import Iterator, Optional
 import typer
 from rich.console import Console
 
-from slm_align.cli.options import CTX_NAMES, JsonFlag
+from slm_align.cli.options import CTX_NAMES, ChatTemplateOpt, JsonFlag
 from slm_align.cli.render import emit, print_feedback_export, print_serving
+from slm_align.errors import UserError
 
 commands = typer.Typer()
 feedback_app = typer.Typer(help="On-device preferences: export them for the next training round.",
@@ -22,6 +23,9 @@ feedback_app = typer.Typer(help="On-device preferences: export them for the next
                          "  slm-align chat runs/demo/export/onnx-int8 --system 'You are terse.' --tools "
                          "--temperature 0\n\n"
                          "  echo 'hello' | slm-align chat model.gguf --json   # one answer per input line, as JSON\n\n"
+                         "  slm-align chat gemma-3-270m.gguf --chat-template chatml   # a base model: give it a "
+                         "template\n\n"
+                         "  slm-align chat gemma-3-270m.gguf --raw   # or continue each line as plain text\n\n"
                          "In the chat: /good /bad /compare /pick 1|2 /edit TEXT /tools /reset /save FILE /quit")
 def chat(
     artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export directory."),
@@ -43,31 +47,52 @@ def chat(
                                               "models looping)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Most tokens per answer."),
     seed: int = typer.Option(0, help="Sampling seed."),
+    chat_template: Optional[str] = ChatTemplateOpt,
+    raw: bool = typer.Option(False, "--raw", help="Plain completion (base models): each line is continued as text, "
+                             "no template, no tools, nothing recorded."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Chat with an exported model in the terminal; give feedback that lands in the preference store."""
     from slm_align.agent.builtin_tools import default_tools
     from slm_align.agent.runtime import Agent
     from slm_align.agent.sampling import SamplingParams
-    from slm_align.agent.terminal import chat_loop
+    from slm_align.agent.template import require_template
+    from slm_align.agent.terminal import chat_loop, raw_loop
 
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                               repeat_penalty=repeat_penalty, max_tokens=max_new_tokens, seed=seed)
+    if raw:
+        refuse_with_raw(chat_template=chat_template, store=store, system=system, tools=tools)
     agent = Agent.load(artifact, device=device, threads=threads, n_ctx=n_ctx, store=store, consent=consent,
-                       system=system, tools=default_tools(notes) if tools else None, sampling=sampling)
+                       system=system, tools=default_tools(notes) if tools else None, sampling=sampling,
+                       chat_template=chat_template)
+    if not raw:
+        require_template(agent.backend.chat_template)
     if as_json:
-        answer_lines(agent)
+        answer_lines(agent, raw)
         return
     err = Console(stderr=True)
-    chat_loop(agent, typed_lines(err), say=lambda text: err.print(text, markup=False, highlight=False),
-              write=write_now)
+    loop = raw_loop if raw else chat_loop
+    loop(agent, typed_lines(err), say=lambda text: err.print(text, markup=False, highlight=False), write=write_now)
 
 
-def answer_lines(agent) -> None:
-    """One JSON answer on stdout per non-empty line of stdin."""
+def refuse_with_raw(**given) -> None:
+    """--raw continues plain text: a flag that needs a chat (a template, a store, a system prompt, tools) is an
+    error, not silently ignored."""
+    for name, value in given.items():
+        if value:
+            flag = name.replace("_", "-")
+            raise UserError(f"--raw continues plain text without a chat; --{flag} needs a chat: drop one of them")
+
+
+def answer_lines(agent, raw: bool = False) -> None:
+    """One JSON answer on stdout per non-empty line of stdin (with ``raw``, its plain continuation)."""
+    answer = agent.complete if raw else agent.stream
     for line in (line.strip() for line in sys.stdin):
         if line:
-            reply = agent.chat(line)
+            for _ in answer(line):
+                pass
+            reply = agent.last
             sys.stdout.write(json.dumps({"reply": reply.text, "tool_calls": reply.tool_calls,
                                          "turn_id": reply.turn_id, "turn_token": reply.turn_token,
                                          "truncated": reply.truncated}) + "\n")
@@ -111,13 +136,16 @@ def serve(
     insecure: bool = typer.Option(False, "--insecure", help="Allow listening beyond loopback without an API key."),
     allow_host: list[str] = typer.Option([], "--allow-host", help="Without --api-key, also answer requests addressed "
                                          "to this host name (repeatable; '*': any). Loopback names always work."),
+    chat_template: Optional[str] = ChatTemplateOpt,
     as_json: bool = JsonFlag,
 ) -> None:
-    """Serve an exported model: an OpenAI-compatible API (/v1/chat/completions) and a chat page with feedback."""
+    """Serve an exported model: an OpenAI-compatible API (/v1/chat/completions, and /v1/completions for plain text)
+    and a chat page with feedback."""
     from slm_align.agent.server import serve as run_server
 
     run_server(artifact, host=host, port=port, api_key=api_key, insecure=insecure, store_path=store, consent=consent,
                tools=tools, device=device, threads=threads, n_ctx=n_ctx, allowed_hosts=allow_host,
+               chat_template=chat_template,
                announce=lambda info: emit(as_json, info, lambda: print_serving(info)))
 
 

@@ -22,6 +22,7 @@ from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_config, check_gguf
 from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
 from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
+from slm_align.modeling import chosen_chat_template, default_chat_template
 from slm_align.progress import stage_lines
 from slm_align.runs import (
     MANIFEST,
@@ -78,6 +79,19 @@ class ExportRequest:
     """GGUF: the system prompt of the Ollama Modelfile written beside the artifact."""
     torch_device: str = "auto"
     """Where the PyTorch side of the parity check runs (auto, cpu, cuda, cuda:N, mps)."""
+    chat_template: Optional[str] = None
+    """"chatml" or a Jinja file: written into the artifact in place of the model's own (recorded in the manifest)."""
+
+
+def _chat_template(option: Optional[str], tokenizer) -> tuple[Optional[str], str]:
+    """The template written into the artifact (None: the checkpoint's own stays) and what the manifest records:
+    the ``--chat-template`` given, else "default" (ChatML or Gemma's turns, for a model without one), else "source"."""
+    if option is not None:
+        chosen = chosen_chat_template(option)
+        return chosen.source, chosen.origin
+    if tokenizer.chat_template is None:
+        return default_chat_template(tokenizer), "default"
+    return None, "source"
 
 
 def _device_settings(request: ExportRequest) -> tuple[str, str, int]:
@@ -101,6 +115,8 @@ def _validate(request: ExportRequest) -> tuple[str, str, int]:
     if not 0.0 <= request.min_agreement <= 1.0:
         raise UserError(f"--min-agreement {request.min_agreement}: must be between 0 and 1")
     check_system_prompt(request.system, request.target)
+    if request.chat_template is not None:
+        chosen_chat_template(request.chat_template)  # a missing or broken file: refused before any work
     if request.verify:
         resolve_device(request.torch_device)  # a device that is not there: refused before any work
     quant, preset, threads = _device_settings(request)
@@ -271,12 +287,10 @@ def run_export(request: ExportRequest) -> StageResult:
     scratch.mkdir(parents=True)
     try:
         checkpoint = _checkpoint(origin, scratch)
-        from slm_align.modeling import default_chat_template, load_tokenizer, resolve_source
+        from slm_align.modeling import load_tokenizer, resolve_source
 
         checkpoint_tokenizer = load_tokenizer(resolve_source(str(checkpoint)))
-        template = None
-        if checkpoint_tokenizer.chat_template is None:
-            template = default_chat_template(checkpoint_tokenizer)
+        template, template_origin = _chat_template(request.chat_template, checkpoint_tokenizer)
         with stage_lines("export", f"{request.target} {quant} of {request.source}"):
             built = _build(request.target, quant, preset, threads, checkpoint, scratch, template, request.ort_format)
         export_seconds = round(time.time() - started, 2)
@@ -291,7 +305,8 @@ def run_export(request: ExportRequest) -> StageResult:
         metrics = {"target": request.target, "quant": quant, "preset": preset if request.target == "onnx" else None,
                    "device": request.device, "threads": threads, "bytes": _size(built),
                    "sha256": artifact_digest(built), "export_seconds": export_seconds,
-                   "default_chat_template": template is not None, "verification": verification,
+                   "default_chat_template": template_origin == "default", "chat_template": template_origin,
+                   "verification": verification,
                    "forced": bool(request.force and request.verify and not verification["passed"])}
         companions = {}
         if request.target == "gguf":

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from starlette.applications import Starlette
 
 from slm_align.agent.runtime import load_model
+from slm_align.agent.server.completions import COMPLETION_ROUTES
 from slm_align.agent.server.errors import HANDLERS
 from slm_align.agent.server.guard import HostGuard, is_loopback
 from slm_align.agent.server.requests import Limits
@@ -31,7 +32,7 @@ def read_page() -> str:
 def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = None, api_key: Optional[str] = None,
                consent: bool = False, tools: bool = False, notes: Union[str, Path, None] = None,
                device: Optional[str] = None, threads: Optional[int] = None, n_ctx: Optional[int] = None,
-               allowed_hosts: Sequence[str] = (), **limits: int) -> Starlette:
+               allowed_hosts: Sequence[str] = (), chat_template: Optional[str] = None, **limits: int) -> Starlette:
     """The server as an ASGI app (run it with uvicorn or :func:`serve`).
 
     Args:
@@ -44,12 +45,14 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
         device, threads, n_ctx: How to load the model, as for ``Agent.load``.
         allowed_hosts: Host names accepted besides loopback ones when no ``api_key`` is set (``*``: any); see
             :mod:`slm_align.agent.server.guard`.
+        chat_template: "chatml" or a Jinja file in place of the model's own (base models have none; without one,
+            chat requests are refused and /v1/completions still continues plain text).
         limits: Any :class:`Limits` field (max_body_bytes, max_queue, max_messages, ...).
     """
     from slm_align.agent.builtin_tools import default_tools
 
     settings = Limits(**limits)
-    model = load_model(artifact, device, threads, n_ctx)
+    model = load_model(artifact, device, threads, n_ctx, chat_template)
     store = PreferenceStore(Path(store_path)) if store_path is not None else None
     service = Service(model, store, consent, default_tools(notes) if tools else None, settings)
 
@@ -58,7 +61,7 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
         yield
         service.close()
 
-    app = Starlette(routes=ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
+    app = Starlette(routes=ROUTES + COMPLETION_ROUTES, exception_handlers=HANDLERS, lifespan=lifespan)
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)
     else:

@@ -272,11 +272,11 @@ UNSUPPORTED = {"logit_bias": (None, {}), "functions": (None,), "function_call": 
 that change nothing (accepted); any other value is a 400 naming the field. Other unknown keys are ignored."""
 
 
-def refuse_unsupported(data: Any) -> None:
-    """A 400 naming the first field of :data:`UNSUPPORTED` sent with a value that would change the answer."""
+def refuse_unsupported(data: Any, unsupported: dict = UNSUPPORTED) -> None:
+    """A 400 naming the first field of ``unsupported`` sent with a value that would change the answer."""
     if not isinstance(data, dict):
         return
-    for name, harmless in UNSUPPORTED.items():
+    for name, harmless in unsupported.items():
         if name in data and data[name] not in harmless:
             raise bad(f"'{name}' is not supported by this server; leave it out (the answer would silently ignore it)")
 
@@ -354,8 +354,7 @@ class ChatBody(Body):
                               repeat_penalty=self.repeat_penalty, frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty,
                               max_tokens=self.max_completion_tokens or self.max_tokens or DEFAULTS.max_tokens,
-                              stop=[self.stop] if isinstance(self.stop, str) else list(self.stop),
-                              seed=secrets.randbits(32) if self.seed is None else fold_seed(self.seed))
+                              stop=stop_list(self.stop), seed=request_seed(self.seed))
 
     def runtime_messages(self) -> list[dict]:
         """The messages as chat templates take them: tool-call arguments as objects, tool results named."""
@@ -373,6 +372,16 @@ class ChatBody(Body):
                               description=function.description or function.name,
                               schema=function.parameters or {"type": "object", "properties": {}})
         return registry
+
+
+def stop_list(stop: Union[str, list[str]]) -> list[str]:
+    """A request's ``stop``, one string or a list, as a list."""
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def request_seed(seed: Optional[int]) -> int:
+    """A request's ``seed`` folded to 32 bits; a missing one drawn at random (and recorded with the turn)."""
+    return secrets.randbits(32) if seed is None else fold_seed(seed)
 
 
 def _runtime_message(message: Message, call_names: dict) -> dict:
@@ -501,6 +510,7 @@ RULES = {
     "tools.*": Rule(TOOL_SHAPE, got=False),
     "stream_options": Rule("an object"),
     "messages": Rule("a non-empty list of {role, content} objects", got=False, counted=True),
+    "prompt": Rule("non-empty text (one prompt per request)", required="the text to continue"),
     "messages.*": Rule("an object with a role and content", got=False),
     "messages.*.role": Rule(f"one of {', '.join(ROLES)}"),
     "messages.*.content": Rule("text or a list of text parts (this model reads text only)", got=False),

@@ -69,8 +69,7 @@ async def sse_stream(first: Any, rest: AsyncIterator, meta: Meta, chat: ChatRequ
             yield sse(chunk(meta, {"content": item}))
             item = await anext(rest)
     except Exception as exc:  # the status line went out already: report in the stream
-        message = str(exc) if isinstance(exc, (UserError, ApiError)) else f"internal error ({type(exc).__name__})"
-        yield sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+        yield sse(stream_error(exc))
         return
     if not item.streamed and item.content:
         yield sse(chunk(meta, {"content": item.content}))
@@ -80,6 +79,12 @@ async def sse_stream(first: Any, rest: AsyncIterator, meta: Meta, chat: ChatRequ
     if chat.include_usage:
         yield sse({**chunk(meta, {}), "choices": [], "usage": usage(item)})
     yield sse("[DONE]")
+
+
+def stream_error(exc: Exception) -> dict:
+    """The error event of a stream that failed after its status line went out (a bug named, not described)."""
+    message = str(exc) if isinstance(exc, (UserError, ApiError)) else f"internal error ({type(exc).__name__})"
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
 
 
 async def last_item(items: AsyncIterator) -> Any:

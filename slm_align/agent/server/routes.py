@@ -17,6 +17,8 @@ from slm_align.agent.server.service import Outcome, Service
 
 PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
             "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+"""Headers of a streamed answer: nothing between the model and the client may hold its events back."""
 
 
 def _service(request: Request) -> Service:
@@ -38,7 +40,7 @@ async def chat_completions(request: Request):
     meta = Meta.new(service.model.name)
     if chat.stream:
         return StreamingResponse(sse_stream(first, events, meta, chat), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers=SSE_HEADERS)
     outcome = first if isinstance(first, Outcome) else await last_item(events)
     if not isinstance(outcome, Outcome):
         return client_left()
@@ -73,7 +75,8 @@ async def models(request: Request):
     """``GET /v1/models``: the one model served."""
     model = _service(request).model
     return JSONResponse({"object": "list", "data": [{"id": model.name, "object": "model", "created": 0,
-                                                     "owned_by": "slm-align", "x_sha256": model.sha256}]})
+                                                     "owned_by": "slm-align", "x_sha256": model.sha256,
+                                                     "x_chat_template": model.backend.chat_template_origin}]})
 
 
 async def health(request: Request):
