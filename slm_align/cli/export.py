@@ -33,7 +33,7 @@ def merge(
 @commands.command(epilog="Examples:\n\n"
                          "  slm-align export runs/demo --target gguf               # Q8_0, parity-checked\n\n"
                          "  slm-align export runs/demo --target gguf --quant Q4_K_M\n\n"
-                         "  slm-align export runs/demo --target onnx --device rpi5  # w8, arm64 preset\n\n"
+                         "  slm-align export runs/demo --target onnx --device rpi5  # int8, arm64 preset\n\n"
                          "  slm-align export ./SmolLM2-135M --target onnx --quant fp32 --out exports/ --json\n\n"
                          "  slm-align export runs/demo --system 'You tell short stories.'  # the Modelfile's SYSTEM\n\n"
                          "  slm-align export gemma-3-270m.gguf --chat-template chatml   # a base model, a template "
@@ -43,8 +43,8 @@ def export(
     source: str = typer.Argument(..., help="Run directory, merged/HF model directory, .gguf file or hub id."),
     target: str = typer.Option("gguf", "--target", "-t", help="gguf (llama.cpp) or onnx (onnxruntime)."),
     quant: Optional[str] = typer.Option(None, "--quant", "-q", help="GGUF: F32, F16, Q8_0 (ours) or Q4_0, Q4_K_M, "
-                                        "Q5_K_M, Q6_K, ... (llama.cpp's quantizer). ONNX: fp32, w8 (8-bit weight-only), int8 (dynamic), int4. "
-                                        "Default: the device's, else Q8_0 / w8."),
+                                        "Q5_K_M, Q6_K, ... (llama.cpp's quantizer). ONNX: fp32, int8, int4. "
+                                        "Default: the device's, else Q8_0 / int8."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (see `slm-align devices list`)."),
     out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default RUN/export or ./export)."),
     preset: Optional[str] = typer.Option(None, help="ONNX int8 preset: arm64, avx2, avx512, avx512_vnni."),
