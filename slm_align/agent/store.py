@@ -157,11 +157,40 @@ def _schema_version(conn: sqlite3.Connection) -> int:
     return found
 
 
+_TURN_COLUMNS = ("id", "conversation_id", "created_at", "model_id", "messages", "completion", "sampling", "consent")
+_FEEDBACK_COLUMNS = ("id", "turn_id", "kind", "other_completion", "preferred", "edited_text", "created_at")
+SPEC = "docs/feedback-store.md"
+"""The written schema a writer outside slm-align (a native app) follows."""
+
+
+def required_columns(version: int) -> dict[str, tuple[str, ...]]:
+    """The columns each table has at schema ``version`` (1 or later)."""
+    turns = _TURN_COLUMNS + ("token",) if version >= 2 else _TURN_COLUMNS
+    return {"turns": turns, "feedback": _FEEDBACK_COLUMNS}
+
+
+def _check_layout(conn: sqlite3.Connection, version: int) -> None:
+    """Version 0 has no tables yet; a later version has every column this code reads (a foreign writer's slip)."""
+    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if version == 0:
+        if tables & {"turns", "feedback"}:
+            raise UserError("preference DB has tables but schema version 0; its writer must set "
+                            f"PRAGMA user_version = {SCHEMA_VERSION} after creating them (see {SPEC})")
+        return
+    for table, columns in required_columns(version).items():
+        found = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        missing = [column for column in columns if column not in found]
+        if missing:
+            raise UserError(f"preference DB schema version {version}: table {table} lacks column(s) "
+                            f"{', '.join(missing)}; create the tables as {SPEC} says")
+
+
 def migrate(conn: sqlite3.Connection) -> int:
     """Bring the schema up to :data:`SCHEMA_VERSION` in one transaction; return the version found."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         found = _schema_version(conn)
+        _check_layout(conn, found)
         for version in range(found + 1, SCHEMA_VERSION + 1):
             for statement in MIGRATIONS[version - 1].split(";"):
                 if statement.strip():
