@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers import run_cli, tree_digest
 
-COMMANDS = ["quickstart", "sft", "check-headroom", "train", "evaluate", "merge", "export", "chat", "feedback export",
+COMMANDS = ["quickstart", "sft", "check-headroom", "train", "evaluate", "merge", "export", "bundle", "chat", "feedback export",
             "devices list", "devices show", "devices fit", "bench", "serve",
             "tasks make", "evaluate-agent", "env"]
 

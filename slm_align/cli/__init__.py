@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 from typer.exceptions import TyperException
 
-from slm_align.cli import config_cmd, devices, env_cmd, export, runtime, tasks, train
+from slm_align.cli import bundle, config_cmd, devices, env_cmd, export, runtime, tasks, train
 from slm_align.cli.aliases import current_spellings
 from slm_align.errors import EXIT_USER_ERROR, UserError, storage_error
 
@@ -21,6 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
                   help="Align small language models safely and ship them to phones and CPU boards.")
 app.add_typer(train.commands)
 app.add_typer(export.commands)
+app.add_typer(bundle.commands)
 app.add_typer(runtime.commands)
 app.add_typer(devices.commands)
 app.add_typer(tasks.commands)

@@ -1,0 +1,222 @@
+"""``slm-align bundle``: one directory (and a zip of it) an app developer drops into a phone app.
+
+A bundle holds the exported artifact under ``model/``, the tokenizer, the chat template, the sampling defaults, the
+tool schemas, the export manifest with its verification figures, ``bundle.json`` (what is where, the artifact digest
+the app records as ``model_id`` in the preference store, every file's sha256) and a README naming the runtime and
+the calls to make. ``--device NAME`` picks target and quantization from the device profile; a run without the
+artifact the device wants is exported first.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from slm_align.atomic import atomic_path, publish_directory
+from slm_align.errors import UserError
+from slm_align.export.bundle_readme import RUNTIMES, bundle_readme
+from slm_align.runs import MANIFEST, artifact_manifest, file_checksums
+
+BUNDLE_FORMAT = 1
+MODEL_DIR = "model"
+DEFAULT_ONNX_QUANT = "int8"
+
+
+@dataclass
+class BundleRequest:
+    """What to bundle; one field per ``slm-align bundle`` option."""
+
+    source: str
+    """A run directory, or an exported artifact (.gguf file, ONNX or genai folder) with its manifest."""
+    device: Optional[str] = None
+    """Device profile: picks target and quantization (needed for a run)."""
+    out: Optional[Path] = None
+    """Bundle directory (default: bundle-DEVICE, else bundle-ARTIFACT, beside the artifact)."""
+    overwrite: bool = False
+    """Replace an existing bundle."""
+
+
+def device_choice(device: str) -> tuple[str, str]:
+    """(target, quantization) the device profile recommends."""
+    from slm_align.devices import load_profile
+
+    profile = load_profile(device)
+    if profile.runtime == "gguf":
+        return "gguf", profile.gguf_quant
+    return profile.runtime, DEFAULT_ONNX_QUANT
+
+
+def _run_artifact(run: Path, device: Optional[str]) -> Path:
+    """The run's export for the device, exported (parity-checked) when it is not there yet."""
+    if device is None:
+        raise UserError(f"{run} is a run: pass --device NAME to pick the artifact (see `slm-align devices list`), "
+                        "or pass an exported artifact")
+    from slm_align.export.stage import ExportRequest, artifact_name, run_export
+
+    target, quant = device_choice(device)
+    artifact = run / "export" / artifact_name(target, quant)
+    if artifact_manifest(artifact).is_file():
+        return artifact
+    return Path(run_export(ExportRequest(str(run), target=target, quant=quant, device=device)).stage_dir)
+
+
+def _export_manifest(artifact: Path) -> dict:
+    manifest = artifact_manifest(artifact)
+    if not manifest.is_file():
+        raise UserError(f"{artifact} has no export manifest ({manifest.name}); bundle what `slm-align export` wrote")
+    try:
+        return json.loads(manifest.read_text(encoding="utf-8"))
+    except ValueError:
+        raise UserError(f"{manifest} is corrupt; export the model again") from None
+
+
+def locate_artifact(request: BundleRequest) -> Path:
+    """The artifact to bundle: the one given, or the run's export for the device."""
+    path = Path(request.source).expanduser()
+    if not path.exists():
+        raise UserError(f"{path} not found; pass a run directory or an exported artifact")
+    if path.is_dir() and (path / "sft" / MANIFEST).is_file():
+        return _run_artifact(path, request.device)
+    return path
+
+
+def _gguf_template(artifact: Path) -> Optional[str]:
+    from gguf import GGUFReader
+
+    field = GGUFReader(artifact).fields.get("tokenizer.chat_template")
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _folder_template(folder: Path) -> Optional[str]:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        return json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+    return None
+
+
+def chat_template_of(artifact: Path) -> Optional[str]:
+    """The chat template written into the artifact (None: a base model without one)."""
+    if artifact.is_dir():
+        return _folder_template(artifact)
+    return _gguf_template(artifact)
+
+
+def _source_folder(manifest: dict) -> Optional[Path]:
+    """The checkpoint folder the artifact was exported from, when it is still there."""
+    origin = manifest.get("inputs", {}).get("source", {})
+    if origin.get("kind") == "run":
+        return Path(origin["run"]) / "merged"
+    if origin.get("kind") == "dir":
+        return Path(origin["path"])
+    return None
+
+
+def tokenizer_file(artifact: Path, manifest: dict) -> Optional[Path]:
+    """tokenizer.json of the artifact folder, else of the checkpoint it came from (a GGUF embeds its own)."""
+    candidates = [artifact / "tokenizer.json"] if artifact.is_dir() else []
+    source = _source_folder(manifest)
+    if source is not None:
+        candidates.append(source / "tokenizer.json")
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def _write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _sampling_defaults() -> dict:
+    from slm_align.agent.sampling import SamplingParams
+
+    return SamplingParams().to_dict()
+
+
+def _tool_schemas() -> list[dict]:
+    from slm_align.agent.builtin_tools import default_tools
+
+    return default_tools().specs()
+
+
+def _copy_artifact(artifact: Path, bundle: Path) -> Path:
+    copied = bundle / MODEL_DIR / artifact.name
+    copied.parent.mkdir(parents=True)
+    if artifact.is_dir():
+        shutil.copytree(artifact, copied)
+    else:
+        shutil.copy2(artifact, copied)
+    return copied
+
+
+def _describe(artifact: Path, manifest: dict, device: Optional[str], template: Optional[str],
+              tokenizer: Optional[Path]) -> dict:
+    metrics = manifest.get("metrics", {})
+    target = metrics.get("target", "gguf")
+    return {"format": BUNDLE_FORMAT, "runtime": RUNTIMES[target]["name"], "target": target,
+            "quant": metrics.get("quant"), "device": device, "artifact": f"{MODEL_DIR}/{artifact.name}",
+            "model_id": metrics.get("sha256"), "verification_passed": metrics.get("verification", {}).get("passed"),
+            "chat_template": "chat_template.jinja" if template is not None else None,
+            "tokenizer": "tokenizer.json" if tokenizer is not None else "embedded in the artifact"}
+
+
+def _fill(bundle: Path, artifact: Path, manifest: dict, device: Optional[str]) -> dict:
+    """Write every file of the bundle into ``bundle``; returns bundle.json's content."""
+    _copy_artifact(artifact, bundle)
+    template = chat_template_of(artifact)
+    if template is not None:
+        (bundle / "chat_template.jinja").write_text(template, encoding="utf-8")
+    tokenizer = tokenizer_file(artifact, manifest)
+    if tokenizer is not None:
+        shutil.copy2(tokenizer, bundle / "tokenizer.json")
+    _write_json(bundle / "sampling.json", _sampling_defaults())
+    _write_json(bundle / "tools.json", _tool_schemas())
+    _write_json(bundle / "export-manifest.json", manifest)
+    _write_json(bundle / "verification.json", manifest.get("metrics", {}).get("verification", {}))
+    described = _describe(artifact, manifest, device, template, tokenizer)
+    (bundle / "README.md").write_text(bundle_readme(described), encoding="utf-8")
+    described["files"] = file_checksums(bundle)
+    _write_json(bundle / "bundle.json", described)
+    return described
+
+
+def _zip(folder: Path, target: Path) -> None:
+    """``folder`` zipped with its name as the top directory, written atomically."""
+    with atomic_path(target) as tmp:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+            for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+                archive.write(file, (Path(folder.name) / file.relative_to(folder)).as_posix())
+
+
+def _default_out(artifact: Path, device: Optional[str]) -> Path:
+    name = device or artifact.name.removesuffix(".gguf")
+    return artifact.parent / f"bundle-{name}"
+
+
+def make_bundle(request: BundleRequest) -> dict:
+    """Write the bundle directory and its zip; returns bundle.json's content with ``path`` and ``zip``."""
+    if request.device is not None:
+        device_choice(request.device)  # an unknown profile: refused before any work
+    artifact = locate_artifact(request)
+    manifest = _export_manifest(artifact)
+    out = Path(request.out) if request.out is not None else _default_out(artifact, request.device)
+    archive = out.with_name(out.name + ".zip")
+    if (out.exists() or archive.exists()) and not request.overwrite:
+        raise UserError(f"{out} exists; pass --overwrite to replace it or choose another --out")
+    scratch = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.parent.mkdir(parents=True, exist_ok=True)
+    scratch.mkdir()
+    try:
+        described = _fill(scratch, artifact, manifest, request.device)
+        publish_directory(scratch, out, replace=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    _zip(out, archive)
+    return dict(described, path=str(out), zip=str(archive))
