@@ -9,12 +9,11 @@ first uses it (kept in checkpoints). Later epochs run the policy only.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from slm_align.accelerator import device_of, forward_autocast
 from slm_align.config import EnvelopeSettings, PreferenceSettings
 from slm_align.data.encoding import IGNORE_INDEX, encode, pad_batch
 from slm_align.data.examples import Example
@@ -23,10 +22,8 @@ from slm_align.preference.data import PreferenceData
 from slm_align.preference.losses import dpo_loss, implicit_rewards, kto_loss, kto_reference_point
 from slm_align.reward.pairs import Pair
 from slm_align.rl.distributed import World
-from slm_align.rl.learning_rate import base_parameters, default_learning_rate
-from slm_align.rl.policy import checkpoint_in_eval, enable_checkpointing
-from slm_align.rl.safeguards import GuardCounters, GuardedOptimizer, load_trainable_state, trainable_state
 from slm_align.rl.schedule import derive_seed
+from slm_align.rl.trainable import TrainableRun
 
 
 @dataclass
@@ -89,30 +86,19 @@ def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float,
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-class PreferenceLearner:
-    """One DPO or KTO run's state: the policy (merged prior + fresh LoRA), AdamW, the guard, the step."""
+class PreferenceLearner(TrainableRun):
+    """One DPO or KTO run's state: the shared trainable run (policy = merged prior + fresh LoRA, AdamW, the guard,
+    the step; rl/trainable.py), the encoded answers and the reference's log-probabilities."""
 
     def __init__(self, policy, tokenizer, data: PreferenceData, settings: PreferenceSettings, algo: str,
                  envelope: EnvelopeSettings, seed: int, max_length: int, precision: str = "fp32",
                  checkpointing: bool = False):
-        self.policy = policy
-        self.device = device_of(policy)
-        self.precision = precision
-        self.checkpointing = checkpointing
-        if checkpointing:
-            enable_checkpointing(policy)
+        named_params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+        super().__init__(policy, named_params, settings.learning_rate, envelope, World(), precision, checkpointing)
         self.settings = settings
         self.algo = algo
         self.seed = seed
         self.pad_id = tokenizer.pad_token_id
-        self.named_params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in self.named_params]
-        self.learning_rate = settings.learning_rate
-        if self.learning_rate is None:
-            self.learning_rate = default_learning_rate(base_parameters(policy))
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.learning_rate, weight_decay=0.0)
-        self.guard = GuardedOptimizer(self.params, self.optimizer, envelope, World(), GuardCounters())
-        self.step = 0
         self.scoring_batch = 2 * settings.batch_size  # no-gradient passes: as many rows as a training step's forward
         encoder = _Encoder(tokenizer, max_length)
         self.train_items = encoder.train_items(data.train, algo)
@@ -189,13 +175,6 @@ class PreferenceLearner:
             indices.append(int(torch.randperm(size, generator=generator)[slot % size]))
         return indices
 
-    def forward_context(self):
-        """Autocast of this run's forward passes on the policy's device (none at fp32); the losses are fp32."""
-        return forward_autocast(self.device, self.precision)
-
-    def after_backward(self) -> None:
-        """Hook between backward and the optimizer step (fault-injection tests override it)."""
-
     def loss(self, indices: list[int]) -> tuple[torch.Tensor, dict]:
         """The batch's DPO or KTO loss (with gradient) and its statistics."""
         if self.algo == "dpo":
@@ -240,14 +219,12 @@ class PreferenceLearner:
         """One guarded step on the next batch; its statistics (``rolled_back`` when the envelope undid it)."""
         indices = self.batch_indices(self.step)
         snapshot = self.guard.snapshot()
-        self.policy.eval()  # no dropout: at step 0 the policy equals the reference exactly
-        if self.checkpointing:
-            checkpoint_in_eval(self.policy)
+        self.prepare_forward()
         with self.forward_context():
             loss, stats = self.loss(indices)
         result = self.guard.step(loss, snapshot, self.after_backward)
         self.step += 1
-        return dict(stats, **result, step=self.step, **{"guard/rollbacks": self.guard.counters.rollbacks})
+        return dict(stats, **result, step=self.step, **{"guard/rollbacks": self.counters.rollbacks})
 
     # ---- held-out figures -------------------------------------------------------------------------------------
     def heldout(self) -> dict:
@@ -275,15 +252,12 @@ class PreferenceLearner:
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue bit for bit."""
-        state = trainable_state(self.named_params, self.optimizer)
         references = {name: ref.clone() for name, ref in self._cached_references().items()}
-        return dict(state, step=self.step, counters=asdict(self.guard.counters), references=references)
+        return dict(self.run_state(), references=references)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a :meth:`state_dict`."""
-        load_trainable_state(self.named_params, self.optimizer, state)
-        self.step = state["step"]
-        self.guard.counters = GuardCounters(**state["counters"])
+        self.load_run_state(state)
         for name, ref in self._cached_references().items():
             ref.copy_(state["references"][name])
 

@@ -10,22 +10,19 @@ bit and is counted; too many rollbacks in a row stop the run.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Callable, Optional
 
 import torch
 
-from slm_align.accelerator import device_of, forward_autocast
 from slm_align.config import RLSettings
 from slm_align.errors import UserError
 from slm_align.rl.advantages import masked_mean
 from slm_align.rl.distributed import World
-from slm_align.rl.learning_rate import base_parameters, default_learning_rate
 from slm_align.rl.losses import ratio_of
-from slm_align.rl.policy import ValueHead, checkpoint_in_eval, enable_checkpointing, forward_logprobs
+from slm_align.rl.policy import ValueHead, forward_logprobs
 from slm_align.rl.rollout import Rollout, collect
-from slm_align.rl.safeguards import GuardCounters, GuardedOptimizer, load_trainable_state, trainable_state
 from slm_align.rl.schedule import derive_seed
+from slm_align.rl.trainable import TrainableRun
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor],
                   tuple[torch.Tensor, dict]]
@@ -34,8 +31,9 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Ten
 rows: (b,) indices into the rollout; new_logprobs, ratio, mask: (b, T); values: (b, T) or None (no value head)."""
 
 
-class Learner:
-    """One RL run's state: policy, optional value head, optimizer, KL coefficient, guard counters, step.
+class Learner(TrainableRun):
+    """One RL run's state: the shared trainable run (policy, optimizer, guard, step; rl/trainable.py), the optional
+    value head, the prompts, the reward and the KL coefficient.
 
     PPO and GRPO subclass it and add the rollout, advantages and loss of their iteration (``run_step``).
     """
@@ -43,63 +41,32 @@ class Learner:
     def __init__(self, policy, tokenizer, reward_fn, train_prompts: list[str], settings: RLSettings, seed: int,
                  value_head: Optional[ValueHead] = None, world: World = World(), precision: str = "fp32",
                  checkpointing: bool = False):
-        self.policy = policy
-        self.device = device_of(policy)
-        self.precision = precision
-        self.checkpointing = checkpointing
-        if checkpointing:
-            enable_checkpointing(policy)
+        named_params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+        if value_head is not None:
+            named_params += [(f"value_head.{n}", p) for n, p in value_head.named_parameters()]
+        super().__init__(policy, named_params, settings.learning_rate, settings.envelope, world, precision,
+                         checkpointing)
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
-        self.world = world
         self.train_prompts = train_prompts
         self.settings = settings
         self.seed = seed
         self.value_head = value_head
-        self.envelope = settings.envelope
-        self.named_params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
-        if value_head is not None:
-            self.named_params += [(f"value_head.{n}", p) for n, p in value_head.named_parameters()]
-        self.params = [p for _, p in self.named_params]
-        self.learning_rate = settings.learning_rate
-        if self.learning_rate is None:
-            self.learning_rate = default_learning_rate(base_parameters(policy))
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.learning_rate, weight_decay=0.0)
         # PPO's (adaptive) KL coefficient. GRPO weighs its KL by grpo.beta and carries this value unchanged, so
         # that both write the same checkpoint and the same "kl_coef" metric.
         self.kl_coef = settings.ppo.kl_coef
-        self.guard = GuardedOptimizer(self.params, self.optimizer, self.envelope, world, GuardCounters())
-        self.step = 0
-
-    @property
-    def counters(self) -> GuardCounters:
-        """What the guards did so far (the guarded optimizer's counters)."""
-        return self.guard.counters
-
-    @counters.setter
-    def counters(self, value: GuardCounters) -> None:
-        self.guard.counters = value
 
     # ---- the guarded step ----------------------------------------------------------------------------------
-    def forward_context(self):
-        """Autocast of this run's forward passes on the policy's device (none at fp32); the loss math is fp32."""
-        return forward_autocast(self.device, self.precision)
-
     def sample_rollout(self, prompts: list[str], seed: int) -> Rollout:
         """One completion per prompt, scored, with old and reference log-probabilities (values under PPO)."""
         with self.forward_context():
             return collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts, self.settings, seed)
 
-    def after_backward(self) -> None:
-        """Hook between backward and the optimizer step (fault-injection tests override it)."""
-
     def minibatch(self, batch: Rollout, rows: torch.Tensor, loss_fn: LossFn) -> dict:
         """One guarded optimizer step on ``rows`` of the batch with the algorithm's ``loss_fn``; its statistics."""
         env = self.envelope
         snapshot = self.guard.snapshot()
-        self.policy.eval()  # dropout off in every RL forward: the first ratio is exactly 1, not dropout noise
-        if self.checkpointing:
-            checkpoint_in_eval(self.policy)
+        self.prepare_forward()
         with self.forward_context():
             new, entropy, values = forward_logprobs(self.policy, batch.input_ids[rows], batch.attention_mask[rows],
                                                     batch.prompt_width, self.settings.temperature, self.value_head)
@@ -146,15 +113,12 @@ class Learner:
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue bit for bit (trainable weights, AdamW, RNG, counters)."""
-        state = trainable_state(self.named_params, self.optimizer)
-        return dict(state, step=self.step, kl_coef=self.kl_coef, counters=asdict(self.counters))
+        return dict(self.run_state(), kl_coef=self.kl_coef)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a :meth:`state_dict`."""
-        load_trainable_state(self.named_params, self.optimizer, state)
-        self.step = state["step"]
+        self.load_run_state(state)
         self.kl_coef = state["kl_coef"]
-        self.counters = GuardCounters(**state["counters"])
 
 
 def rollout_kl(batch: Rollout) -> float:
