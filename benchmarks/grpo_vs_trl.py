@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sides import alternate_sides, medians, print_rows  # noqa: E402
 
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
@@ -135,24 +137,13 @@ def main() -> None:
     if args.side:
         print(json.dumps((run_ours if args.side == "ours" else run_trl)(args)))
         return
-    runs: dict[str, list[dict]] = {"ours": [], "trl": []}
-    for _ in range(args.repeats):  # alternate, so that a noisy neighbour slows both sides alike
-        for side in ("ours", "trl"):
-            done = subprocess.run([sys.executable, __file__, "--side", side] + sys.argv[1:], capture_output=True,
-                                  text=True, check=True)
-            runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    ours, trl = ({key: statistics.median(r[key] for r in runs[side]) for key in ("seconds_per_iteration",
-                                                                                "peak_rss_mb")}
-                 for side in ("ours", "trl"))
+    runs = alternate_sides(__file__, sys.argv[1:], args.repeats)
+    table = medians(runs, ("seconds_per_iteration", "peak_rss_mb"))
     print(f"GRPO, {args.prompts} prompts x G={args.group_size}, {args.max_new_tokens} new tokens, LoRA r={LORA['r']}, "
           f"{args.precision}, {args.device} ({args.threads} threads), {args.iterations} timed iterations; "
           f"median of {args.repeats} runs per side")
-    print(f"{'':28}{'slm-align':>12}{'TRL':>12}{'ratio':>10}")
-    print(f"{'seconds per iteration':28}{ours['seconds_per_iteration']:12.2f}{trl['seconds_per_iteration']:12.2f}"
-          f"{ours['seconds_per_iteration'] / trl['seconds_per_iteration']:10.2f}")
-    print(f"{'peak RSS (MB)':28}{ours['peak_rss_mb']:12.0f}{trl['peak_rss_mb']:12.0f}"
-          f"{ours['peak_rss_mb'] / trl['peak_rss_mb']:10.2f}")
-
+    print_rows(table, (("seconds_per_iteration", "seconds per iteration", ".2f"),
+                       ("peak_rss_mb", "peak RSS (MB)", ".0f")))
 
 if __name__ == "__main__":
     main()

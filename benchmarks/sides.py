@@ -1,0 +1,39 @@
+"""Ours against another tool, side by side: each side in its own subprocess (so peak memory is its own), runs
+alternating (so a noisy neighbour slows both alike), medians reported. Used by the *_vs_trl benchmarks."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+SIDES = ("ours", "trl")
+
+
+def alternate_sides(script: str, argv: list[str], repeats: int) -> dict[str, list[dict]]:
+    """Run ``script --side S argv`` ``repeats`` times for each side, alternating; each run's last stdout line is
+    its JSON result. A failing side stops the benchmark with its last error line."""
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    for _ in range(repeats):
+        for side in SIDES:
+            done = subprocess.run([sys.executable, script, "--side", side] + argv, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"{side} failed: {done.stderr.strip().splitlines()[-1]}")
+            runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return runs
+
+
+def medians(runs: dict[str, list[dict]], keys: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """``{side: {key: median over its runs}}``."""
+    return {side: {key: statistics.median(run[key] for run in runs[side]) for key in keys} for side in runs}
+
+
+def print_rows(medians_by_side: dict[str, dict[str, float]], rows: tuple[tuple[str, str, str], ...]) -> None:
+    """One line per ``(key, label, format)``: ours, TRL's, and their ratio (a dash when TRL's is zero)."""
+    print(f"{'':30}{'slm-align':>12}{'TRL':>12}{'ratio':>10}")
+    for key, label, form in rows:
+        ours = medians_by_side["ours"][key]
+        trl = medians_by_side["trl"][key]
+        ratio = f"{ours / trl:10.2f}" if trl else f"{'-':>10}"
+        print(f"{label:30}{ours:12{form}}{trl:12{form}}{ratio}")
