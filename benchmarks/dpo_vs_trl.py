@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sides import alternate_sides, medians, print_rows  # noqa: E402
+from sides import add_side_arguments, alternate_sides, medians, print_rows, ran_as_side  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -152,11 +152,9 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; medians are reported")
-    parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    add_side_arguments(parser)
     args = parser.parse_args()
-    if args.side:
-        print(json.dumps((run_ours if args.side == "ours" else run_trl)(args)))
+    if ran_as_side(args, run_ours, run_trl):
         return
     runs = alternate_sides(__file__, sys.argv[1:], args.repeats)
     table = medians(runs, ("seconds_per_step", "setup_seconds", "total_seconds", "peak_rss_mb", "heldout_accuracy"))

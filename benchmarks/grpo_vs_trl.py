@@ -15,14 +15,13 @@ own; the first iteration is a warm-up and is not timed.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sides import alternate_sides, medians, print_rows  # noqa: E402
+from sides import add_side_arguments, alternate_sides, medians, print_rows, ran_as_side  # noqa: E402
 
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
@@ -129,13 +128,11 @@ def main() -> None:
     parser.add_argument("--minibatch", type=int, default=8)
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; medians are reported")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (both sides)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="forward passes (both sides)")
-    parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    add_side_arguments(parser)
     args = parser.parse_args()
-    if args.side:
-        print(json.dumps((run_ours if args.side == "ours" else run_trl)(args)))
+    if ran_as_side(args, run_ours, run_trl):
         return
     runs = alternate_sides(__file__, sys.argv[1:], args.repeats)
     table = medians(runs, ("seconds_per_iteration", "peak_rss_mb"))

@@ -3,10 +3,12 @@ alternating (so a noisy neighbour slows both alike), medians reported. Used by t
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
 import sys
+from typing import Callable
 
 SIDES = ("ours", "trl")
 
@@ -37,3 +39,20 @@ def print_rows(medians_by_side: dict[str, dict[str, float]], rows: tuple[tuple[s
         trl = medians_by_side["trl"][key]
         ratio = f"{ours / trl:10.2f}" if trl else f"{'-':>10}"
         print(f"{label:30}{ours:12{form}}{trl:12{form}}{ratio}")
+
+
+def add_side_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--repeats`` (runs per side) and the hidden ``--side`` a child process runs as."""
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; medians are reported")
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+
+
+def ran_as_side(args, run_ours: Callable, run_trl: Callable) -> bool:
+    """In a child process (``--side``): run that side, print its JSON result, and say so."""
+    if args.side is None:
+        return False
+    runner = run_ours
+    if args.side == "trl":
+        runner = run_trl
+    print(json.dumps(runner(args)))
+    return True
