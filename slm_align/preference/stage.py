@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from slm_align.accelerator import resolve_compute, training_inputs
-from slm_align.atomic import atomic_path
+from slm_align.atomic import atomic_path, write_json_atomic
 from slm_align.config import Recipe
 from slm_align.data.readers import fingerprint
 from slm_align.headroom import Figure, HeadroomReport
@@ -34,6 +34,8 @@ from slm_align.training import prepare_partial, save_adapter
 
 ALGORITHMS = ("dpo", "kto")
 CHECKPOINT = "checkpoint.pt"
+HELDOUT_START = "heldout_start.json"
+"""The held-out figures before the first step, kept for a resumed run's manifest."""
 CURVES = ("loss", "accuracy", "margin", "kl", "reward/desirable", "reward/undesirable", "pair_accuracy",
           "label_accuracy", "grad_norm")
 
@@ -88,7 +90,7 @@ def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool 
     plot_curves(partial / "metrics.jsonl", partial / "plots" / "training_curves.png", keys=CURVES)
     metrics = dict(_figures(learner, data, gate, before, after, feedback, adapter, force), compute=compute.record())
     publish(partial, stage_dir, make_manifest(algo, inputs, metrics, started),
-            keep=("adapter", "metrics.jsonl", "plots", "inputs.json", "heldout_start.json"))
+            keep=("adapter", "metrics.jsonl", "plots", "inputs.json", HELDOUT_START))
     return StageResult(stage_dir, skipped=False, metrics=metrics)
 
 
@@ -127,7 +129,7 @@ def preference_gate(recipe: Recipe, algo: str, data: PreferenceData, learner: Pr
 
 def _first_heldout(partial: Path) -> dict:
     """The held-out figures measured before the first step of an interrupted run (saved for its resume)."""
-    return json.loads((partial / "heldout_start.json").read_text(encoding="utf-8"))
+    return json.loads((partial / HELDOUT_START).read_text(encoding="utf-8"))
 
 
 def _iterate(learner: PreferenceLearner, partial: Path, tracker: Tracker) -> None:
@@ -137,7 +139,7 @@ def _iterate(learner: PreferenceLearner, partial: Path, tracker: Tracker) -> Non
     metrics_path = partial / "metrics.jsonl"
     keep_first_lines(metrics_path, learner.step)  # steps after the checkpoint are trained again
     if learner.step == 0:
-        (partial / "heldout_start.json").write_text(json.dumps(learner.heldout()), encoding="utf-8")
+        write_json_atomic(partial / HELDOUT_START, learner.heldout())
     with new_progress() as progress:
         task = progress.add_task(learner.algo.upper(), total=settings.steps, completed=learner.step, status="")
         while learner.step < settings.steps:
