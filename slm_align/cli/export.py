@@ -33,7 +33,7 @@ def merge(
 @commands.command(epilog="Examples:\n\n"
                          "  slm-align export runs/demo --target gguf               # Q8_0, parity-checked\n\n"
                          "  slm-align export runs/demo --target gguf --quant Q4_K_M\n\n"
-                         "  slm-align export runs/demo --target onnx --device rpi5  # int8, arm64 preset\n\n"
+                         "  slm-align export runs/demo --target onnx --device rpi5  # w8, arm64 preset\n\n"
                          "  slm-align export ./SmolLM2-135M --target onnx --quant fp32 --out exports/ --json\n\n"
                          "  slm-align export runs/demo --system 'You tell short stories.'  # the Modelfile's SYSTEM\n\n"
                          "  slm-align export gemma-3-270m.gguf --chat-template chatml   # a base model, a template "
@@ -43,8 +43,8 @@ def export(
     source: str = typer.Argument(..., help="Run directory, merged/HF model directory, .gguf file or hub id."),
     target: str = typer.Option("gguf", "--target", "-t", help="gguf (llama.cpp) or onnx (onnxruntime)."),
     quant: Optional[str] = typer.Option(None, "--quant", "-q", help="GGUF: F32, F16, Q8_0 (ours) or Q4_0, Q4_K_M, "
-                                        "Q5_K_M, Q6_K, ... (llama.cpp's quantizer). ONNX: fp32, int8, int4. "
-                                        "Default: the device's, else Q8_0 / int8."),
+                                        "Q5_K_M, Q6_K, ... (llama.cpp's quantizer). ONNX: fp32, w8 (8-bit "
+                                        "weight-only), int8 (dynamic), int4. Default: the device's, else Q8_0 / w8."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (see `slm-align devices list`)."),
     out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default RUN/export or ./export)."),
     preset: Optional[str] = typer.Option(None, help="ONNX int8 preset: arm64, avx2, avx512, avx512_vnni."),
@@ -53,6 +53,8 @@ def export(
     threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the parity check (recorded in the manifest)."),
     force: bool = typer.Option(False, "--force", help="Publish even when verification fails (recorded)."),
+    calibrate: bool = typer.Option(False, "--calibrate", help="GGUF Q4_K_M, IQ4_XS, ... from a run: llama.cpp's "
+                                   "importance matrix from the run's held-out texts weighs the rounding."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact of the same name."),
     system: Optional[str] = typer.Option(None, "--system", help="GGUF: system prompt of the Ollama Modelfile "
                                          "written beside the artifact."),
@@ -68,6 +70,6 @@ def export(
     request = ExportRequest(source, target=target, quant=quant, device=device, out=out, verify=not no_verify,
                             overwrite=overwrite, force=force, min_agreement=min_agreement, ort_format=ort_format,
                             threads=threads, preset=preset, system=system, torch_device=torch_device,
-                            chat_template=chat_template)
+                            chat_template=chat_template, calibrate=calibrate)
     summary = run_export(request).summary()
     emit(as_json, summary, lambda: print_export(summary))

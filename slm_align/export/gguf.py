@@ -284,8 +284,10 @@ def _fill(writer, model_dir: Path, model_type: str, config: dict, file_type: str
         _add_tensor(writer, target, transform(name, tensor.astype(np.float32)), file_type)
 
 
-def quantize_gguf(source: Path, out_path: Path, quant: str, threads: int = 0) -> Path:
-    """Quantize an F32/F16 ``source`` GGUF into ``out_path`` with llama.cpp's quantizer (Q4_K_M and friends)."""
+def quantize_gguf(source: Path, out_path: Path, quant: str, threads: int = 0,
+                  importance: Optional[dict[str, np.ndarray]] = None) -> Path:
+    """Quantize an F32/F16 ``source`` GGUF into ``out_path`` with llama.cpp's quantizer (Q4_K_M and friends),
+    weighting rounding errors by ``importance`` (an importance matrix by GGUF tensor name, see imatrix.py) if given."""
     try:
         import llama_cpp
     except ImportError:
@@ -294,6 +296,11 @@ def quantize_gguf(source: Path, out_path: Path, quant: str, threads: int = 0) ->
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
     params.nthread = threads
+    from slm_align.export.imatrix import imatrix_array
+
+    entries, _buffers = imatrix_array(importance)  # the buffers stay referenced until the quantizer returns
+    if entries is not None:
+        params.imatrix = entries
     with atomic_path(out_path) as tmp:
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
         if status != 0:

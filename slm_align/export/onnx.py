@@ -1,9 +1,10 @@
 """ONNX export: optimum's exporter with the KV cache, then onnxruntime's quantizers.
 
-``fp32`` is optimum's graph as exported. ``int8`` is dynamic quantization with the preset of the target CPU
-(arm64, avx2, avx512, avx512_vnni). ``int4`` is onnxruntime's MatMulNBits weight-only quantizer (block 32),
-available when ``onnx_ir`` is installed. ``--ort-format`` additionally converts the graph to the ORT format that
-onnxruntime's reduced mobile builds read. The tokenizer files and the chat template travel with the model.
+``fp32`` is optimum's graph as exported. ``int8`` is dynamic quantization (weights and activations) with the
+preset of the target CPU (arm64, avx2, avx512, avx512_vnni). ``w8`` (the default) and ``int4`` are weight-only
+schemes on onnxruntime's MatMulNBits (:mod:`slm_align.export.onnx_quant`). ``--ort-format`` additionally converts
+the graph to the ORT format that onnxruntime's reduced mobile builds read.
+The tokenizer files and the chat template travel with the model.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import warnings
 from pathlib import Path
 
 from slm_align.errors import UserError
+from slm_align.export.onnx_quant import SCHEMES, quantize_weight_only
 
-ONNX_QUANTS = ("fp32", "int8", "int4")
+ONNX_QUANTS = tuple(SCHEMES)
 ONNX_PRESETS = ("arm64", "avx2", "avx512", "avx512_vnni")
 MODEL_FILE = "model.onnx"
 
@@ -66,17 +68,15 @@ def _int8(out_dir: Path, preset: str) -> None:
     _replace_model(out_dir, Path(quantized) / "model_int8.onnx")
 
 
-def _int4(out_dir: Path) -> None:
-    try:
-        import onnx
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-    except ImportError:
-        raise UserError("ONNX int4 needs onnxruntime's MatMulNBits quantizer (pip install onnx-ir); "
-                        "use --quant int8 instead") from None
-    quantizer = MatMulNBitsQuantizer(onnx.load(str(out_dir / MODEL_FILE)), bits=4, block_size=32, is_symmetric=True)
-    quantizer.process()
-    target = out_dir / "model_int4.onnx"
-    quantizer.model.save_model_to_file(str(target), use_external_data_format=False)
+def quantize_onnx(out_dir: Path, quant: str, preset: str) -> None:
+    """Quantize ``out_dir``'s fp32 ``model.onnx`` in place by ``quant`` (see :mod:`slm_align.export.onnx_quant`)."""
+    if quant == "fp32":
+        return
+    if quant == "int8":
+        _int8(out_dir, preset)
+        return
+    target = out_dir / f"model_{quant}.onnx"
+    quantize_weight_only(out_dir / MODEL_FILE, target, SCHEMES[quant])
     _replace_model(out_dir, target)
 
 
@@ -100,10 +100,7 @@ def write_onnx(model_dir: Path, out_dir: Path, quant: str = "fp32", preset: str 
     """Export ``model_dir`` (plain HF checkpoint) into the empty directory ``out_dir``; returns the model file."""
     out_dir = Path(out_dir)
     _optimum_export(Path(model_dir), out_dir)
-    if quant == "int8":
-        _int8(out_dir, preset)
-    elif quant == "int4":
-        _int4(out_dir)
+    quantize_onnx(out_dir, quant, preset)
     for leftover in ("ort_config.json",):
         (out_dir / leftover).unlink(missing_ok=True)
     if ort_format:

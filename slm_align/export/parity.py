@@ -9,7 +9,8 @@ Three checks, all recorded in the export manifest:
   flip a clear choice). Each tolerated tie is reported. Q8_0's greedy decoding is measured and reported too,
   but not required: on the real Gemma 3 270M it diverged on 3 of 4 prompts (first at token 25);
 - agreement (every type): the share of positions of a held-out text where the artifact's top-1 next token equals
-  PyTorch's, teacher-forced. Quantized types (Q8_0 included) pass when it reaches ``min_agreement``.
+  PyTorch's, teacher-forced. Quantized types (Q8_0 included) pass when it reaches ``min_agreement``. The
+  perplexity of that text under the artifact and under PyTorch is reported beside it (not gated).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class ParityReport:
     divergences: list = field(default_factory=list)
     agreement: float = float("nan")
     agreement_positions: int = 0
+    perplexity: float = float("nan")
+    torch_perplexity: float = float("nan")
     min_agreement: float = 0.0
     passed: bool = False
 
@@ -110,12 +113,30 @@ def _compare_greedy(model, backend: Backend, prompt: list[int], steps: int, tie_
     (report.ties if gap < tie_tolerance else report.divergences).append(entry)
 
 
+def next_token_nll(logits: np.ndarray, ids: Sequence[int]) -> np.ndarray:
+    """Negative log-likelihood of each of ``ids[1:]`` under the logits of the position before it."""
+    shifted = logits[:-1].astype(np.float64)
+    peak = shifted.max(-1)
+    log_total = peak + np.log(np.exp(shifted - peak[:, None]).sum(-1))
+    return log_total - shifted[np.arange(len(shifted)), np.asarray(ids[1:])]
+
+
+def artifact_logits(backend: Backend, ids: Sequence[int]) -> np.ndarray:
+    """The artifact's logits at every position of ``ids``, from a fresh cache."""
+    backend.reset()
+    return backend.feed_all(list(ids))
+
+
+def compare_logits(reference: np.ndarray, artifact: np.ndarray, ids: Sequence[int]) -> dict:
+    """Top-1 agreement of ``artifact`` with ``reference`` and both perplexities over ``ids``, teacher-forced."""
+    return {"agreement": float((artifact.argmax(-1) == reference.argmax(-1)).mean()),
+            "perplexity": float(np.exp(next_token_nll(artifact, ids).mean())),
+            "torch_perplexity": float(np.exp(next_token_nll(reference, ids).mean()))}
+
+
 def top1_agreement(model, backend: Backend, ids: Sequence[int]) -> float:
     """Share of positions where the artifact's argmax equals PyTorch's, teacher-forced over ``ids``."""
-    backend.reset()
-    ours = backend.feed_all(list(ids)).argmax(-1)
-    theirs = _torch_logits(model, ids).argmax(-1)
-    return float((ours == theirs).mean())
+    return compare_logits(_torch_logits(model, ids), artifact_logits(backend, ids), ids)["agreement"]
 
 
 def verify(model, tokenizer, backend: Backend, exact: bool, steps: int = 32, min_agreement: float = 0.9,
@@ -133,7 +154,10 @@ def verify(model, tokenizer, backend: Backend, exact: bool, steps: int = 32, min
             report.prompts += 1
             _compare_greedy(model, backend, prompt, steps, tie_tolerance, report)
     heldout = tokenizer(HELDOUT_TEXT)["input_ids"][: backend.n_ctx]
-    report.agreement = top1_agreement(model, backend, heldout)
+    compared = compare_logits(_torch_logits(model, heldout), artifact_logits(backend, heldout), heldout)
+    report.agreement = compared["agreement"]
+    report.perplexity = compared["perplexity"]
+    report.torch_perplexity = compared["torch_perplexity"]
     report.agreement_positions = len(heldout)
     if exact:
         report.passed = report.tokenizer_match and not report.divergences

@@ -2,7 +2,7 @@
 
 The artifact is built in a scratch directory beside its final name, verified against the PyTorch model, and
 only then renamed into place with its manifest (``model-Q8_0.gguf`` + ``model-Q8_0.gguf.json``, or
-``onnx-int8/`` with ``manifest.json`` inside). A failed verification publishes nothing unless ``force``.
+``onnx-w8/`` with ``manifest.json`` inside). A failed verification publishes nothing unless ``force``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ from slm_align.runs import (
 )
 
 TARGETS = ("gguf", "onnx")
-DEFAULT_QUANT = {"gguf": "Q8_0", "onnx": "int8"}
+DEFAULT_QUANT = {"gguf": "Q8_0", "onnx": "w8"}  # w8: the ONNX scheme that passes on real weights (README)
+# What a refusal probes next, lowest precision first (the types benchmarks/quantization.py measures).
+PRECISION_LADDER = {"gguf": ("IQ4_XS", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "F16", "F32"),
+                    "onnx": ("int4", "w8", "fp32")}  # int8 (dynamic) probes w8, the next in bits
 EXACT_TYPES = {"F32", "F16", "fp32"}  # verified by greedy equality; the rest by top-1 agreement
 GREEDY_REPORTED = EXACT_TYPES | {"Q8_0"}  # greedy measured and reported (Q8_0: not required, see parity.verify)
 
@@ -56,7 +59,7 @@ class ExportRequest:
     target: str = "gguf"
     """gguf (llama.cpp) or onnx (onnxruntime)."""
     quant: Optional[str] = None
-    """GGUF type (F32, F16, Q8_0, Q4_K_M, ...) or ONNX fp32/int8/int4; default from the device, else Q8_0/int8."""
+    """GGUF type (F32, F16, Q8_0, Q4_K_M, ...) or ONNX fp32/w8/int8/int4; default from the device, else Q8_0/w8."""
     device: Optional[str] = None
     """Device profile name: picks the quantization, the int8 preset and the thread count."""
     out: Optional[Path] = None
@@ -66,6 +69,9 @@ class ExportRequest:
     overwrite: bool = False
     """Replace an existing artifact of the same name."""
     force: bool = False
+    calibrate: bool = False
+    """GGUF types from llama.cpp's quantizer: an importance matrix from the run's held-out texts (never its training
+    or evaluation items) weighs the rounding."""
     """Publish even when verification fails (recorded)."""
     min_agreement: float = 0.9
     """Lowest top-1 agreement with PyTorch that a low-bit artifact may have."""
@@ -196,7 +202,7 @@ def artifact_name(target: str, quant: str) -> str:
 
 
 def _build(target: str, quant: str, preset: str, threads: int, checkpoint: Path, scratch: Path,
-           template: Optional[str], ort_format: bool) -> Path:
+           template: Optional[str], ort_format: bool, importance: Optional[dict] = None) -> Path:
     """Write the artifact inside ``scratch``; returns its path there."""
     if target == "onnx":
         built = scratch / "artifact"
@@ -207,10 +213,31 @@ def _build(target: str, quant: str, preset: str, threads: int, checkpoint: Path,
     built = scratch / artifact_name(target, quant)
     if quant in QUANTIZER_TYPES:
         full = write_gguf(checkpoint, scratch / "f32.gguf", "F32", chat_template=template)
-        quantize_gguf(full, built, quant, threads)
+        quantize_gguf(full, built, quant, threads, importance)
         full.unlink()
         return built
     return write_gguf(checkpoint, built, quant, chat_template=template)
+
+
+def _check_calibrate(request: ExportRequest, quant: str, origin: dict) -> None:
+    """``--calibrate`` needs a run (its held-out texts) and a type llama.cpp's quantizer makes; one line if not."""
+    if not request.calibrate:
+        return
+    if request.target != "gguf" or quant not in QUANTIZER_TYPES:
+        raise UserError(f"--calibrate weighs llama.cpp's quantizer ({', '.join(QUANTIZER_TYPES)}); "
+                        f"{request.target} {quant} takes no calibration: drop --calibrate")
+    if origin["kind"] != "run":
+        raise UserError(f"--calibrate reads a run's held-out texts; {request.source} is not a run directory")
+
+
+def _importance(request: ExportRequest, origin: dict, quant: str, checkpoint: Path) -> dict:
+    """The importance matrix from the run's held-out texts (``matrix`` None without --calibrate)."""
+    if not request.calibrate:
+        return {"matrix": None, "texts": 0}
+    from slm_align.export.calibration import run_importance
+
+    matrix, texts = run_importance(Path(origin["run"]), checkpoint)
+    return {"matrix": matrix, "texts": texts}
 
 
 def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agreement: float,
@@ -247,7 +274,44 @@ def _failure(verification: dict) -> str:
         first = verification["divergences"][0]
         return (f"greedy decoding diverged from PyTorch on {len(verification['divergences'])} prompt(s) "
                 f"(first at token {first['position']})")
-    return f"top-1 agreement {verification['agreement']:.3f} < {verification['min_agreement']}"
+    return (f"top-1 agreement {verification['agreement']:.3f} < {verification['min_agreement']} "
+            f"({_perplexity_change(verification)})")
+
+
+def _perplexity_change(verification: dict) -> str:
+    """The held-out perplexity under PyTorch and under the artifact, e.g. 'perplexity 28.38 -> 32.27, +13.7%'."""
+    before = verification["torch_perplexity"]
+    after = verification["perplexity"]
+    return f"perplexity {before:.2f} -> {after:.2f}, {100 * (after - before) / before:+.1f}%"
+
+
+def next_higher(target: str, quant: str) -> Optional[str]:
+    """The next type up ``PRECISION_LADDER`` from ``quant`` (one not on it: the first above it in bits)."""
+    from slm_align.devices.quant import BITS_PER_WEIGHT, find_quant
+
+    ladder = PRECISION_LADDER[target]
+    if quant in ladder:
+        above = ladder[ladder.index(quant) + 1:]
+    else:
+        bits = BITS_PER_WEIGHT.get(find_quant(quant) or "", 0.0)
+        above = [q for q in ladder if BITS_PER_WEIGHT.get(find_quant(q) or "", 0.0) > bits]
+    return above[0] if above else None
+
+
+def _probe_advice(request: ExportRequest, quant: str, preset: str, threads: int, checkpoint: Path, scratch: Path,
+                  template: Optional[str]) -> str:
+    """Build and verify the next-higher type in ``scratch``; what the refusal should tell the user to do."""
+    higher = next_higher(request.target, quant)
+    if higher is None:
+        return "No higher precision to try; --force publishes anyway"
+    probe = scratch / "probe"
+    probe.mkdir()
+    built = _build(request.target, higher, preset, threads, checkpoint, probe, template, False)
+    found = _verify(checkpoint, built, higher, threads, request.min_agreement, request.torch_device)
+    if found["passed"]:
+        return (f"--quant {higher} passes (agreement {found['agreement']:.3f}, {_perplexity_change(found)}): "
+                "export with it, or --force to publish this one anyway")
+    return f"--quant {higher} fails too ({_failure(found)}); try a higher precision, or --force to publish anyway"
 
 
 def _source_path(origin: dict) -> Optional[Path]:
@@ -278,6 +342,7 @@ def run_export(request: ExportRequest) -> StageResult:
     started = time.time()
     quant, preset, threads = _validate(request)
     origin = _locate(request.source, request.target)
+    _check_calibrate(request, quant, origin)
     out = check_out_dir(Path(request.out) if request.out is not None else _default_out(request.source))
     final = out / artifact_name(request.target, quant)
     if final.exists() and not request.overwrite:
@@ -292,7 +357,9 @@ def run_export(request: ExportRequest) -> StageResult:
         checkpoint_tokenizer = load_tokenizer(resolve_source(str(checkpoint)))
         template, template_origin = _chat_template(request.chat_template, checkpoint_tokenizer)
         with stage_lines("export", f"{request.target} {quant} of {request.source}"):
-            built = _build(request.target, quant, preset, threads, checkpoint, scratch, template, request.ort_format)
+            importance = _importance(request, origin, quant, checkpoint)
+            built = _build(request.target, quant, preset, threads, checkpoint, scratch, template, request.ort_format,
+                           importance["matrix"])
         export_seconds = round(time.time() - started, 2)
         verification = {"skipped": True}
         if request.verify:
@@ -300,14 +367,16 @@ def run_export(request: ExportRequest) -> StageResult:
                 verification = _verify(checkpoint, built, quant, threads, request.min_agreement,
                                        request.torch_device)
         if request.verify and not verification["passed"] and not request.force:
+            advice = _probe_advice(request, quant, preset, threads, checkpoint, scratch, template)
             raise VerificationFailed(f"export not published: {_failure(verification)}; nothing was written to "
-                                     f"{final}. Try a higher-precision --quant, or --force to publish anyway")
+                                     f"{final}. {advice}")
         metrics = {"target": request.target, "quant": quant, "preset": preset if request.target == "onnx" else None,
                    "device": request.device, "threads": threads, "bytes": _size(built),
                    "sha256": artifact_digest(built), "export_seconds": export_seconds,
                    "default_chat_template": template_origin == "default", "chat_template": template_origin,
                    "verification": verification,
-                   "forced": bool(request.force and request.verify and not verification["passed"])}
+                   "forced": bool(request.force and request.verify and not verification["passed"]),
+                   "calibration_texts": importance["texts"]}
         companions = {}
         if request.target == "gguf":
             chat_template = template or checkpoint_tokenizer.chat_template
@@ -315,7 +384,8 @@ def run_export(request: ExportRequest) -> StageResult:
         else:
             metrics["model_card"] = {"path": CARD, "note": None}
             (built / CARD).write_text(onnx_card(final.name, metrics, _source_path(origin)), encoding="utf-8")
-        inputs = {"source": origin, "target": request.target, "quant": quant, "ort_format": request.ort_format}
+        inputs = {"source": origin, "target": request.target, "quant": quant, "ort_format": request.ort_format,
+                  "calibrate": request.calibrate}
         _publish(built, final, make_manifest("export", inputs, metrics, started))
         for path, text in companions.items():
             write_text_atomic(path, text)
