@@ -50,3 +50,58 @@ def test_the_config_carries_the_sampling_defaults_and_refuses_other_architecture
     json.dumps(written)
     with pytest.raises(UserError, match="gpt_neox is not supported"):
         genai_config(dict(config, model_type="gpt_neox"), SamplingParams().to_dict())
+
+
+def test_export_target_genai_of_a_run_through_the_cli_publishes_a_verified_folder(tiny_models, stories, tmp_path,
+                                                                                    capsys):
+    from transformers import AutoTokenizer
+
+    from tests.helpers import finished_sft_run, run_cli
+
+    run, _ = finished_sft_run(tmp_path / "run", tiny_models["llama"], stories, steps=2)
+    code, out, err = run_cli(capsys, "export", run, "--target", "genai", "--quant", "fp32", "--threads", "1",
+                             "--json")
+    assert code == 0, err
+    folder = run / "export" / "genai-fp32"
+    assert json.loads(out)["dir"] == str(folder)
+    for name in ("genai_config.json", "model.onnx", "tokenizer.json", "chat_template.jinja", "manifest.json"):
+        assert (folder / name).is_file(), name
+    assert not list((run / "export").glob(".*partial"))
+    metrics = json.loads((folder / "manifest.json").read_text())["metrics"]
+    verification = metrics["verification"]
+    assert metrics["target"] == "genai" and metrics["quant"] == "fp32"
+    assert verification["passed"] and verification["genai_tokenizer_match"]
+    assert verification["greedy_exact"] == verification["prompts"] == 4 and verification["agreement"] == 1.0
+    assert json.loads((folder / "genai_config.json").read_text())["model"]["type"] == "llama"
+    assert "onnxruntime-genai" in (folder / "README.md").read_text()
+    tokenizer = AutoTokenizer.from_pretrained(run / "merged")
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    assert genai_tokens(folder, PROMPTS[1]) == ids
+    genai = genai_greedy(folder, ids, NEW_TOKENS)  # genai's own search, as an app runs it
+    assert len(genai) >= 1 and genai == torch_greedy(run / "merged", ids)[:len(genai)]
+
+
+@pytest.mark.parametrize("quant", ["int4", "w8"])
+def test_a_quantized_genai_folder_is_published_on_top1_agreement(tiny_models, tmp_path, quant):
+    from slm_align.agent.genai_backend import GenaiBackend
+    from slm_align.export.parity import top1_agreement
+    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+
+    result = run_export(ExportRequest(str(tiny_models["llama"]), "genai", quant, out=tmp_path, threads=1))
+    verification = result.metrics["verification"]
+    assert result.stage_dir == tmp_path / f"genai-{quant}"
+    assert verification["passed"] and verification["genai_tokenizer_match"]
+    assert verification["agreement"] >= verification["min_agreement"] == 0.9
+    source = resolve_source(str(tiny_models["llama"]))
+    ids = load_tokenizer(source)(PROMPTS[1] + " " + PROMPTS[0])["input_ids"]
+    measured = top1_agreement(load_model(source), GenaiBackend(result.stage_dir, threads=1), ids)
+    assert measured >= 0.9
+
+
+def test_architectures_genai_cannot_run_are_refused_before_any_work(tiny_models, tmp_path, capsys):
+    from tests.helpers import run_cli
+
+    code, _, err = run_cli(capsys, "export", tiny_models["gpt_neox"], "--target", "genai", "--out", tmp_path / "out")
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "gpt_neox is not supported" in err
+    assert not (tmp_path / "out").exists()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 from slm_align.errors import UserError
 
@@ -48,12 +49,17 @@ def _decoder(config: dict) -> dict:
                         "present_value_names": "present.%d.value"}}
 
 
-def genai_config(config: dict, sampling: dict) -> dict:
-    """genai_config.json for an HF ``config`` and our sampling defaults (greedy when temperature is 0)."""
-    model_type = config.get("model_type")
+def check_genai_architecture(model_type: Optional[str]) -> str:
+    """``model_type`` when genai's decoder runs it, else one line naming the ones it does."""
     if model_type not in GENAI_TYPES:
         raise UserError(f"--target genai: architecture {model_type} is not supported (supported: "
                         f"{', '.join(GENAI_TYPES)}); export --target gguf or onnx instead")
+    return model_type
+
+
+def genai_config(config: dict, sampling: dict) -> dict:
+    """genai_config.json for an HF ``config`` and our sampling defaults (greedy when temperature is 0)."""
+    model_type = check_genai_architecture(config.get("model_type"))
     greedy = sampling["temperature"] == 0
     search = {"do_sample": not greedy, "max_length": config.get("max_position_embeddings", 2048), "min_length": 0,
               "num_beams": 1, "num_return_sequences": 1, "past_present_share_buffer": False,
@@ -90,6 +96,15 @@ def genai_tokens(folder: Path, text: str) -> list[int]:
     import onnxruntime_genai as og
 
     return [int(token) for token in og.Tokenizer(og.Model(str(folder))).encode(text)]
+
+
+def genai_tokenizer_match(model, tokenizer, texts: list[str]) -> bool:
+    """Whether genai's tokenizer of ``model`` (an ``og.Model``; the tokenizer an app calls) splits each of ``texts``
+    as the HF ``tokenizer`` does."""
+    import onnxruntime_genai as og
+
+    genai = og.Tokenizer(model)
+    return all([int(token) for token in genai.encode(text)] == tokenizer(text)["input_ids"] for text in texts)
 
 
 def genai_greedy(folder: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:

@@ -360,8 +360,22 @@ def gguf_card(out: Path, source: Optional[Path], published: tuple[str, dict]) ->
     return compose(title, records, "gguf", ["gguf"] + quants, rows, gguf_usage([name for name, _ in rows]))
 
 
+def genai_usage(name: str) -> list[str]:
+    """How to run a genai folder: onnxruntime-genai's API (the mobile bindings make the same calls), our runtime."""
+    return ["## How to run", "", "```python", "import onnxruntime_genai as og", "",
+            f'model = og.Model("{name}")  # genai_config.json holds the search defaults',
+            "tokenizer = og.Tokenizer(model)", "params = og.GeneratorParams(model)",
+            "generator = og.Generator(model, params)",
+            'generator.append_tokens(tokenizer.encode("Once upon a time"))',
+            "while not generator.is_done():", "    generator.generate_next_token()", "```", "", "```bash",
+            f"slm-align chat {name}    # slm-align's runtime (onnxruntime)", "```", ""]
+
+
 def onnx_card(name: str, metrics: dict, source: Optional[Path]) -> str:
-    """The card inside an ONNX export directory."""
+    """The card inside an ONNX export directory or genai folder."""
     records = _records(source)
     title = name if records is None else records.run.name
+    if metrics.get("target") == "genai":
+        tags = ["onnx", "onnxruntime-genai", metrics["quant"]]
+        return compose(title, records, "onnx", tags, [(name, metrics)], genai_usage(name))
     return compose(title, records, "onnx", ["onnx", metrics["quant"]], [(name, metrics)], onnx_usage(name))

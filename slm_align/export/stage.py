@@ -1,8 +1,11 @@
-"""``slm-align export``: a run, a merged directory or any model source -> a parity-checked GGUF or ONNX artifact.
+"""``slm-align export``: a run, a merged directory or any model source -> a parity-checked GGUF, ONNX or
+onnxruntime-genai artifact.
 
 The artifact is built in a scratch directory beside its final name, verified against the PyTorch model, and
 only then renamed into place with its manifest (``model-Q8_0.gguf`` + ``model-Q8_0.gguf.json``, or
-``onnx-w8/`` with ``manifest.json`` inside). A failed verification publishes nothing unless ``force``.
+``onnx-w8/`` / ``genai-w8/`` with ``manifest.json`` inside). A genai folder is the ONNX export with its
+``genai_config.json`` written before verification, which runs through onnxruntime-genai itself. A failed
+verification publishes nothing unless ``force``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Optional
 from slm_align.accelerator import resolve_device
 from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
 from slm_align.errors import UserError
+from slm_align.export.genai import check_genai_architecture, genai_tokenizer_match, write_genai_config
 from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_config, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
 from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
@@ -35,11 +39,11 @@ from slm_align.runs import (
     read_manifest,
 )
 
-TARGETS = ("gguf", "onnx")
-DEFAULT_QUANT = {"gguf": "Q8_0", "onnx": "w8"}  # w8: the ONNX scheme that passes on real weights (README)
+TARGETS = ("gguf", "onnx", "genai")
+DEFAULT_QUANT = {"gguf": "Q8_0", "onnx": "w8", "genai": "w8"}  # w8: the ONNX scheme that passes on real weights
 # What a refusal probes next, lowest precision first (the types benchmarks/quantization.py measures).
 PRECISION_LADDER = {"gguf": ("IQ4_XS", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "F16", "F32"),
-                    "onnx": ("int4", "w8", "fp32")}  # int8 (dynamic) probes w8, the next in bits
+                    "onnx": ("int4", "w8", "fp32"), "genai": ("int4", "w8", "fp32")}  # int8 (dynamic) probes w8
 EXACT_TYPES = {"F32", "F16", "fp32"}  # verified by greedy equality; the rest by top-1 agreement
 GREEDY_REPORTED = EXACT_TYPES | {"Q8_0"}  # greedy measured and reported (Q8_0: not required, see parity.verify)
 
@@ -57,7 +61,7 @@ class ExportRequest:
     source: str
     """Run directory, merged/HF model directory, .gguf file or hub id."""
     target: str = "gguf"
-    """gguf (llama.cpp) or onnx (onnxruntime)."""
+    """gguf (llama.cpp), onnx (onnxruntime) or genai (an onnxruntime-genai folder: the ONNX export + its config)."""
     quant: Optional[str] = None
     """GGUF type (F32, F16, Q8_0, Q4_K_M, ...) or ONNX fp32/w8/int8/int4; default from the device, else Q8_0/w8."""
     device: Optional[str] = None
@@ -117,7 +121,7 @@ def _device_settings(request: ExportRequest) -> tuple[str, str, int]:
 
 def _validate(request: ExportRequest) -> tuple[str, str, int]:
     if request.target not in TARGETS:
-        raise UserError(f"--target {request.target}: choose gguf or onnx")
+        raise UserError(f"--target {request.target}: choose gguf, onnx or genai")
     if not 0.0 <= request.min_agreement <= 1.0:
         raise UserError(f"--min-agreement {request.min_agreement}: must be between 0 and 1")
     check_system_prompt(request.system, request.target)
@@ -198,17 +202,37 @@ def _default_out(source: str) -> Path:
 
 
 def artifact_name(target: str, quant: str) -> str:
-    return f"model-{quant}.gguf" if target == "gguf" else f"onnx-{quant}"
+    return f"model-{quant}.gguf" if target == "gguf" else f"{target}-{quant}"
+
+
+def _model_type(origin: dict) -> Optional[str]:
+    """The architecture (config.json's model_type) of what ``origin`` exports, read without loading weights."""
+    if origin["kind"] == "run":
+        return _model_type(read_manifest(Path(origin["run"]) / "sft")["inputs"]["model"])
+    if origin["kind"] == "dir":
+        path = Path(origin.get("path") or origin["ref"]) / "config.json"
+        return json.loads(path.read_text(encoding="utf-8")).get("model_type")
+    if origin["kind"] == "gguf":
+        from slm_align.modeling import gguf_config
+
+        return gguf_config(Path(origin["ref"])).model_type
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(origin["ref"]).model_type
 
 
 def _build(target: str, quant: str, preset: str, threads: int, checkpoint: Path, scratch: Path,
            template: Optional[str], ort_format: bool, importance: Optional[dict] = None) -> Path:
     """Write the artifact inside ``scratch``; returns its path there."""
-    if target == "onnx":
+    if target != "gguf":
         built = scratch / "artifact"
         write_onnx(checkpoint, built, quant, preset, ort_format)
         if template is not None:
             (built / "chat_template.jinja").write_text(template, encoding="utf-8")
+        if target == "genai":
+            from slm_align.agent.sampling import SamplingParams
+
+            write_genai_config(built, SamplingParams().to_dict())
         return built
     built = scratch / artifact_name(target, quant)
     if quant in QUANTIZER_TYPES:
@@ -240,18 +264,38 @@ def _importance(request: ExportRequest, origin: dict, quant: str, checkpoint: Pa
     return {"matrix": matrix, "texts": texts}
 
 
-def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agreement: float,
-            torch_device: str = "auto") -> dict:
+def _open_artifact(target: str, artifact: Path, threads: int):
+    """The backend verification runs ``artifact`` on: onnxruntime-genai's decoder for a genai folder."""
+    from slm_align.export.parity import VERIFY_CONTEXT
+
+    if target == "genai":
+        from slm_align.agent.genai_backend import GenaiBackend
+
+        return GenaiBackend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT)
     from slm_align.agent.backend import open_backend
-    from slm_align.export.parity import VERIFY_CONTEXT, verify
+
+    return open_backend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True)
+
+
+def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agreement: float,
+            torch_device: str = "auto", target: str = "gguf") -> dict:
+    """Parity with PyTorch (:func:`~slm_align.export.parity.verify`); a genai folder also needs genai's own
+    tokenizer to split the verification texts as the model's tokenizer does."""
+    from slm_align.export.parity import HELDOUT_TEXT, RAW_TEXTS, verify
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
     model = load_model(source).to(resolve_device(torch_device))
     tokenizer = load_tokenizer(source)
-    backend = open_backend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True)
-    return verify(model, tokenizer, backend, exact=quant in EXACT_TYPES, min_agreement=min_agreement,
-                  greedy=quant in GREEDY_REPORTED).to_dict()
+    backend = _open_artifact(target, artifact, threads)
+    report = verify(model, tokenizer, backend, exact=quant in EXACT_TYPES, min_agreement=min_agreement,
+                    greedy=quant in GREEDY_REPORTED).to_dict()
+    if target == "genai":
+        match = genai_tokenizer_match(backend.model, tokenizer, list(RAW_TEXTS) + [HELDOUT_TEXT])
+        report["genai_tokenizer_match"] = match
+        report["tokenizer_match"] = report["tokenizer_match"] and match
+        report["passed"] = report["passed"] and match
+    return report
 
 
 def _size(path: Path) -> int:
@@ -307,7 +351,7 @@ def _probe_advice(request: ExportRequest, quant: str, preset: str, threads: int,
     probe = scratch / "probe"
     probe.mkdir()
     built = _build(request.target, higher, preset, threads, checkpoint, probe, template, False)
-    found = _verify(checkpoint, built, higher, threads, request.min_agreement, request.torch_device)
+    found = _verify(checkpoint, built, higher, threads, request.min_agreement, request.torch_device, request.target)
     if found["passed"]:
         return (f"--quant {higher} passes (agreement {found['agreement']:.3f}, {_perplexity_change(found)}): "
                 "export with it, or --force to publish this one anyway")
@@ -342,6 +386,8 @@ def run_export(request: ExportRequest) -> StageResult:
     started = time.time()
     quant, preset, threads = _validate(request)
     origin = _locate(request.source, request.target)
+    if request.target == "genai":
+        check_genai_architecture(_model_type(origin))  # GPT-NeoX, GPT-2: refused before any work
     _check_calibrate(request, quant, origin)
     out = check_out_dir(Path(request.out) if request.out is not None else _default_out(request.source))
     final = out / artifact_name(request.target, quant)
@@ -365,12 +411,12 @@ def run_export(request: ExportRequest) -> StageResult:
         if request.verify:
             with stage_lines("export verification", "tokenizer, greedy decoding and top-1 agreement against PyTorch"):
                 verification = _verify(checkpoint, built, quant, threads, request.min_agreement,
-                                       request.torch_device)
+                                       request.torch_device, request.target)
         if request.verify and not verification["passed"] and not request.force:
             advice = _probe_advice(request, quant, preset, threads, checkpoint, scratch, template)
             raise VerificationFailed(f"export not published: {_failure(verification)}; nothing was written to "
                                      f"{final}. {advice}")
-        metrics = {"target": request.target, "quant": quant, "preset": preset if request.target == "onnx" else None,
+        metrics = {"target": request.target, "quant": quant, "preset": preset if request.target != "gguf" else None,
                    "device": request.device, "threads": threads, "bytes": _size(built),
                    "sha256": artifact_digest(built), "export_seconds": export_seconds,
                    "default_chat_template": template_origin == "default", "chat_template": template_origin,
