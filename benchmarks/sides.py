@@ -13,12 +13,13 @@ from typing import Callable
 SIDES = ("ours", "trl")
 
 
-def alternate_sides(script: str, argv: list[str], repeats: int) -> dict[str, list[dict]]:
-    """Run ``script --side S argv`` ``repeats`` times for each side, alternating; each run's last stdout line is
-    its JSON result. A failing side stops the benchmark with its last error line."""
-    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+def alternate_sides(script: str, argv: list[str], repeats: int,
+                    sides: tuple[str, ...] = SIDES) -> dict[str, list[dict]]:
+    """Run ``script --side S argv`` ``repeats`` times for each of ``sides``, alternating; each run's last stdout line
+    is its JSON result. A failing side stops the benchmark with its last error line."""
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
     for _ in range(repeats):
-        for side in SIDES:
+        for side in sides:
             done = subprocess.run([sys.executable, script, "--side", side] + argv, capture_output=True, text=True)
             if done.returncode != 0:
                 sys.exit(f"{side} failed: {done.stderr.strip().splitlines()[-1]}")

@@ -49,6 +49,8 @@ class GenaiBackend(OnnxBackend):
         self.model = genai_model(artifact, threads)
         self.tokenizer = Tokenizer.from_file(str(artifact / "tokenizer.json"))
         self._read_settings(artifact, n_ctx)
+        context = json.loads((artifact / CONFIG).read_text(encoding="utf-8"))["model"]["context_length"]
+        self.n_ctx = min(self.n_ctx, int(context))  # genai refuses a longer max_length
         self.reset()
 
     def reset(self) -> None:
