@@ -79,6 +79,13 @@ def test_export_target_genai_of_a_run_through_the_cli_publishes_a_verified_folde
     assert genai_tokens(folder, PROMPTS[1]) == ids
     genai = genai_greedy(folder, ids, NEW_TOKENS)  # genai's own search, as an app runs it
     assert len(genai) >= 1 and genai == torch_greedy(run / "merged", ids)[:len(genai)]
+    code, _, err = run_cli(capsys, "bundle", folder, "--out", tmp_path / "app")
+    assert code == 0, err
+    described = json.loads((tmp_path / "app" / "bundle.json").read_text())
+    assert (described["runtime"], described["target"], described["artifact"]) == \
+        ("onnxruntime-genai", "genai", "model/genai-fp32")
+    assert "generate_next_token" in (tmp_path / "app" / "README.md").read_text()
+    assert genai_greedy(tmp_path / "app" / "model" / "genai-fp32", ids, NEW_TOKENS) == genai
 
 
 @pytest.mark.parametrize("quant", ["int4", "w8"])
