@@ -112,3 +112,26 @@ def test_architectures_genai_cannot_run_are_refused_before_any_work(tiny_models,
     assert code == 2
     assert err.strip().count("\n") == 0 and "gpt_neox is not supported" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_base_model_whose_tokenizer_settings_hold_nulls_loads_in_genai_tokenizer(tiny_models, tmp_path):
+    import shutil
+
+    import onnxruntime_genai as og
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_models["llama"], base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps(dict(settings, chat_template=None)))  # as from a .gguf
+    result = run_export(ExportRequest(str(base), "genai", "fp32", out=tmp_path / "out", threads=1))
+    assert result.metrics["verification"]["passed"] and result.metrics["verification"]["genai_tokenizer_match"]
+    assert None not in json.loads((result.stage_dir / "tokenizer_config.json").read_text()).values()
+    assert result.metrics["chat_template"] == "default"
+    messages = [{"role": "user", "content": "hi"}]
+    genai = og.Tokenizer(og.Model(str(result.stage_dir)))
+    rendered = genai.apply_chat_template(json.dumps(messages), add_generation_prompt=True)
+    expected = AutoTokenizer.from_pretrained(result.stage_dir).apply_chat_template(messages, tokenize=False,
+                                                                                   add_generation_prompt=True)
+    assert rendered == expected and "hi" in rendered

@@ -82,8 +82,23 @@ def _tokenizer_ids(folder: Path) -> dict:
     return {key: value for key, value in ids.items() if value is not None}
 
 
+def _drop_null_settings(folder: Path) -> None:
+    """tokenizer_config.json without its null entries: genai's tokenizer refuses ``"chat_template": null`` (which a
+    base model saved from a .gguf has) with "type must be string, but is null"; transformers reads a missing key
+    as it reads null. genai takes the template from chat_template.jinja."""
+    path = Path(folder) / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    kept = {key: value for key, value in settings.items() if value is not None}
+    if kept != settings:
+        path.write_text(json.dumps(kept, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def write_genai_config(folder: Path, sampling: dict) -> Path:
-    """Write genai_config.json into an ONNX export folder (its config.json describes the model)."""
+    """Write genai_config.json into an ONNX export folder (its config.json describes the model), and make its
+    tokenizer settings readable by genai."""
+    _drop_null_settings(folder)
     config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     config = {**_tokenizer_ids(folder), **{key: value for key, value in config.items() if value is not None}}
     path = Path(folder) / CONFIG
