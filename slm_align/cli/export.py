@@ -45,8 +45,9 @@ def export(
     target: str = typer.Option("gguf", "--target", "-t", help="gguf (llama.cpp), onnx (onnxruntime) or genai "
                                "(an onnxruntime-genai folder: Android/iOS bindings; Llama, Qwen2/3, Gemma 3)."),
     quant: Optional[str] = typer.Option(None, "--quant", "-q", help="GGUF: F32, F16, Q8_0 (ours) or Q4_0, Q4_K_M, "
-                                        "Q5_K_M, Q6_K, ... (llama.cpp's quantizer). ONNX: fp32, w8 (8-bit "
-                                        "weight-only), int8 (dynamic), int4. Default: the device's, else Q8_0 / w8."),
+                                        "Q5_K_M, Q6_K, ... (llama.cpp's quantizer); default: the device's, else "
+                                        "Q8_0. ONNX/genai: w8 (8-bit weight-only, the default), int4 (4-bit body), "
+                                        "int8 (dynamic), fp32."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (see `slm-align devices list`)."),
     out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default RUN/export or ./export)."),
     preset: Optional[str] = typer.Option(None, help="ONNX int8 preset: arm64, avx2, avx512, avx512_vnni."),

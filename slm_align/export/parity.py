@@ -139,6 +139,16 @@ def top1_agreement(model, backend: Backend, ids: Sequence[int]) -> float:
     return compare_logits(_torch_logits(model, ids), artifact_logits(backend, ids), ids)["agreement"]
 
 
+def perplexity_change(verification: dict) -> str:
+    """The held-out perplexity under PyTorch and under the artifact, e.g. 'perplexity 28.38 -> 32.27, +13.7%'
+    ("" for a record without them: one written before they were measured)."""
+    before = verification.get("torch_perplexity")
+    after = verification.get("perplexity")
+    if before is None or after is None:
+        return ""
+    return f"perplexity {before:.2f} -> {after:.2f}, {100 * (after - before) / before:+.1f}%"
+
+
 def verify(model, tokenizer, backend: Backend, exact: bool, steps: int = 32, min_agreement: float = 0.9,
            tie_tolerance: float = 0.05, greedy: bool = False) -> ParityReport:
     """Run the checks; ``exact`` asks for greedy equality (F32/F16, fp32 ONNX), else top-1 agreement decides.

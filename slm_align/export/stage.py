@@ -26,6 +26,7 @@ from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_config, check_gguf
 from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
 from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
+from slm_align.export.parity import perplexity_change
 from slm_align.modeling import chosen_chat_template, default_chat_template
 from slm_align.progress import stage_lines
 from slm_align.runs import (
@@ -63,7 +64,8 @@ class ExportRequest:
     target: str = "gguf"
     """gguf (llama.cpp), onnx (onnxruntime) or genai (an onnxruntime-genai folder: the ONNX export + its config)."""
     quant: Optional[str] = None
-    """GGUF type (F32, F16, Q8_0, Q4_K_M, ...) or ONNX fp32/w8/int8/int4; default from the device, else Q8_0/w8."""
+    """GGUF type (F32, F16, Q8_0, Q4_K_M, ...) or ONNX fp32/w8/int8/int4; default: GGUF the device's, else Q8_0;
+    ONNX and genai w8 (the scheme that passes on real weights; a device changes only the int8 preset)."""
     device: Optional[str] = None
     """Device profile name: picks the quantization, the int8 preset and the thread count."""
     out: Optional[Path] = None
@@ -73,10 +75,10 @@ class ExportRequest:
     overwrite: bool = False
     """Replace an existing artifact of the same name."""
     force: bool = False
+    """Publish even when verification fails (recorded)."""
     calibrate: bool = False
     """GGUF types from llama.cpp's quantizer: an importance matrix from the run's held-out texts (never its training
     or evaluation items) weighs the rounding."""
-    """Publish even when verification fails (recorded)."""
     min_agreement: float = 0.9
     """Lowest top-1 agreement with PyTorch that a low-bit artifact may have."""
     ort_format: bool = False
@@ -113,7 +115,7 @@ def _device_settings(request: ExportRequest) -> tuple[str, str, int]:
         from slm_align.devices import load_profile
 
         profile = load_profile(request.device)
-        quant = quant or (profile.gguf_quant if request.target == "gguf" else None)  # ONNX: int8
+        quant = quant or (profile.gguf_quant if request.target == "gguf" else None)  # ONNX: w8
         preset = preset or profile.onnx_preset
         threads = threads or profile.threads
     return quant or DEFAULT_QUANT[request.target], preset or host_preset(), threads or os.cpu_count() or 1
@@ -319,14 +321,7 @@ def _failure(verification: dict) -> str:
         return (f"greedy decoding diverged from PyTorch on {len(verification['divergences'])} prompt(s) "
                 f"(first at token {first['position']})")
     return (f"top-1 agreement {verification['agreement']:.3f} < {verification['min_agreement']} "
-            f"({_perplexity_change(verification)})")
-
-
-def _perplexity_change(verification: dict) -> str:
-    """The held-out perplexity under PyTorch and under the artifact, e.g. 'perplexity 28.38 -> 32.27, +13.7%'."""
-    before = verification["torch_perplexity"]
-    after = verification["perplexity"]
-    return f"perplexity {before:.2f} -> {after:.2f}, {100 * (after - before) / before:+.1f}%"
+            f"({perplexity_change(verification)})")
 
 
 def next_higher(target: str, quant: str) -> Optional[str]:
@@ -353,7 +348,7 @@ def _probe_advice(request: ExportRequest, quant: str, preset: str, threads: int,
     built = _build(request.target, higher, preset, threads, checkpoint, probe, template, False)
     found = _verify(checkpoint, built, higher, threads, request.min_agreement, request.torch_device, request.target)
     if found["passed"]:
-        return (f"--quant {higher} passes (agreement {found['agreement']:.3f}, {_perplexity_change(found)}): "
+        return (f"--quant {higher} passes (agreement {found['agreement']:.3f}, {perplexity_change(found)}): "
                 "export with it, or --force to publish this one anyway")
     return f"--quant {higher} fails too ({_failure(found)}); try a higher precision, or --force to publish anyway"
 
