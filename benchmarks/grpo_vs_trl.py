@@ -7,7 +7,12 @@ prompts_per_step x G completions, then `epochs` passes in minibatches (TRL: step
 num_iterations set to the same number of optimizer steps). Each side runs in its own subprocess so peak RSS is its
 own; the first iteration is a warm-up and is not timed.
 
-    python benchmarks/grpo_vs_trl.py                 # needs `pip install trl`
+Besides the totals it prints where an iteration's time goes: our loop's phases as it logs them (``time/*`` in
+``rl/metrics.jsonl``: sampling, reward, old and reference scoring, update forward and backward) and what can be
+seen of TRL's from outside (its ``_generate``, ``_calculate_rewards`` and ``_generate_and_score_completions``
+timed; the rest of the iteration is its update).
+
+    python benchmarks/grpo_vs_trl.py                 # needs `pip install trl` (or TRL on PYTHONPATH)
     python benchmarks/grpo_vs_trl.py --iterations 5 --group-size 8 --max-new-tokens 64
     python benchmarks/grpo_vs_trl.py --device cuda --precision bf16   # both sides on the GPU, bf16 forward passes
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sides import add_side_arguments, alternate_sides, medians, print_rows, ran_as_side  # noqa: E402
 
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+OUR_PHASES = ("sampling", "reward", "scoring_old", "scoring_ref", "update_forward", "update_backward")
+TRL_PHASES = ("sampling", "reward", "scoring")
+PHASE_ROWS = (("sampling", "sampling"), ("reward", "reward"), ("scoring_old", "scoring: old log-probs"),
+              ("scoring_ref", "scoring: reference log-probs"), ("scoring", "scoring: all"),
+              ("update_forward", "update: forward"), ("update_backward", "update: backward + optimizer"),
+              ("update", "update: all"), ("other", "other"))
+"""The phase table's rows: (key, label); a side shows a dash for a phase it does not report."""
 
 
 def reward(prompts, completions, **_):
@@ -64,12 +77,54 @@ def run_ours(args) -> dict:
     loop = GRPO(policy, tokenizer, reward, prompts_for(args.prompts * (args.iterations + 1)), settings, seed=0,
                 precision=args.precision)
     times = []
+    logged = []
     for step in range(args.iterations + 1):
         started = time.perf_counter()
-        loop.run_step(step)
+        logged.append(loop.run_step(step))
         times.append(time.perf_counter() - started)
-    return {"seconds_per_iteration": sum(times[1:]) / args.iterations,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    result = {"seconds_per_iteration": sum(times[1:]) / args.iterations,
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    for name in OUR_PHASES:
+        result[f"phase/{name}"] = sum(metrics[f"time/{name}"] for metrics in logged[1:]) / args.iterations
+    result["phase/scoring"] = result["phase/scoring_old"] + result["phase/scoring_ref"]
+    result["phase/update"] = result["phase/update_forward"] + result["phase/update_backward"]
+    phases = sum(result[f"phase/{name}"] for name in OUR_PHASES)
+    result["phase/other"] = result["seconds_per_iteration"] - phases
+    return result
+
+
+class CallTimer:
+    """Wall-clock seconds of every call of some methods of an object (TRL's trainer), per method name."""
+
+    def __init__(self, target, names: tuple[str, ...]):
+        self.seconds: dict[str, list[float]] = {name: [] for name in names}
+        for name in names:
+            setattr(target, name, self._timed(name, getattr(target, name)))
+
+    def _timed(self, name: str, method):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[name].append(time.perf_counter() - started)
+
+        return timed
+
+    def mean(self, name: str, skip: int = 1) -> float:
+        """Mean seconds per call after the first ``skip`` calls (the warm-up iteration's)."""
+        kept = self.seconds[name][skip:]
+        return sum(kept) / len(kept) if kept else 0.0
+
+
+def trl_phases(calls: CallTimer, seconds_per_iteration: float) -> dict:
+    """What can be seen of TRL's iteration: sampling (``_generate``), reward (``_calculate_rewards``), scoring (the
+    rest of ``_generate_and_score_completions``: old and reference log-probs, decoding), and the update (the rest)."""
+    sampling = calls.mean("_generate")
+    reward = calls.mean("_calculate_rewards")
+    prepared = calls.mean("_generate_and_score_completions")
+    return {"phase/sampling": sampling, "phase/reward": reward, "phase/scoring": prepared - sampling - reward,
+            "phase/update": seconds_per_iteration - prepared, "phase/other": 0.0}
 
 
 def run_trl(args) -> dict:
@@ -108,13 +163,25 @@ def run_trl(args) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=LoraConfig(task_type="CAUSAL_LM", **LORA),
                           callbacks=[Stamp()])
+    calls = CallTimer(trainer, ("_generate", "_calculate_rewards", "_generate_and_score_completions"))
     started = time.perf_counter()
     trainer.train()
     boundaries = [started] + stamps[updates - 1::updates]
     per_iteration = [b - a for a, b in zip(boundaries, boundaries[1:])]
-    return {"seconds_per_iteration": sum(per_iteration[1:]) / max(1, len(per_iteration) - 1),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "optimizer_steps": len(stamps)}
+    seconds = sum(per_iteration[1:]) / max(1, len(per_iteration) - 1)
+    return dict(trl_phases(calls, seconds), seconds_per_iteration=seconds,
+                peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, optimizer_steps=len(stamps))
+
+
+def print_phases(runs: dict[str, list[dict]]) -> None:
+    """Seconds per iteration in each phase, median over each side's runs; a dash where a side does not see it."""
+    print(f"{'phase (s per iteration)':30}{'slm-align':>12}{'TRL':>12}")
+    for key, label in PHASE_ROWS:
+        cells = []
+        for side in ("ours", "trl"):
+            values = [run[f"phase/{key}"] for run in runs[side] if f"phase/{key}" in run]
+            cells.append(f"{statistics.median(values):12.2f}" if values else f"{'-':>12}")
+        print(f"{label:30}{cells[0]}{cells[1]}")
 
 
 def main() -> None:
@@ -141,6 +208,8 @@ def main() -> None:
           f"median of {args.repeats} runs per side")
     print_rows(table, (("seconds_per_iteration", "seconds per iteration", ".2f"),
                        ("peak_rss_mb", "peak RSS (MB)", ".0f")))
+    print_phases(runs)
+
 
 if __name__ == "__main__":
     main()

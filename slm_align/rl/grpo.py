@@ -23,6 +23,7 @@ import torch
 
 from slm_align.rl.advantages import all_equal_groups, grpo_advantages
 from slm_align.rl.losses import aggregate, clipped_policy_loss, kl_k3
+from slm_align.rl.phases import PhaseClock
 from slm_align.rl.rollout import Rollout, replace_rows
 from slm_align.rl.schedule import derive_seed, iteration_size
 from slm_align.rl.step import Learner, LossFn, rollout_kl, rollout_metrics
@@ -38,6 +39,18 @@ class GRPO(Learner):
         picks = torch.randint(len(self.train_prompts), (size.prompts,), generator=generator).tolist()
         picks = picks[self.world.rank::self.world.size]  # this rank's share: whole groups
         return [self.train_prompts[i] for i in picks for _ in range(size.completions_per_prompt)]
+
+    def needs_old_pass(self) -> bool:
+        """Only when more than one optimizer step reuses the samples (several epochs or minibatches): a single step
+        takes its own forward's log-probabilities, detached, as the old ones (TRL does the same)."""
+        size = iteration_size(self.settings)
+        rows = size.prompts // self.world.size * size.completions_per_prompt
+        return self.settings.epochs > 1 or self.settings.minibatch_size < rows
+
+    def needs_reference(self) -> bool:
+        """Only when the loss weighs the KL (beta > 0) or the watchdog watches it: no reference pass otherwise
+        (TRL skips it at beta 0 too)."""
+        return self.settings.grpo.beta > 0 or self.kl_watched
 
     def rollout(self, step: int) -> tuple[Rollout, int]:
         """The groups of an iteration, all-equal ones drawn once more when asked; and how many were all equal."""
@@ -82,13 +95,15 @@ class GRPO(Learner):
 
     def run_step(self, step: int) -> dict:
         """One GRPO iteration: groups, advantages, guarded updates; the iteration's metrics."""
-        started = time.time()
+        started = time.perf_counter()
+        self.clock = PhaseClock()
         batch, all_equal = self.rollout(step)
         self.require_training_tokens(batch, step)
         advantages = self.advantages(batch)
         results = self.update(batch, self.loss(batch, advantages), step)
         self.step = step + 1
-        metrics = rollout_metrics(batch, results, rollout_kl(batch), time.time() - started)
+        metrics = rollout_metrics(batch, results, rollout_kl(batch), time.perf_counter() - started)
         metrics.update(self.guard_metrics())
+        metrics.update(self.clock.metrics())
         metrics["grpo/zero_std_frac"] = all_equal / max(1, self.settings.prompts_per_step)
         return metrics

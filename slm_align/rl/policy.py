@@ -86,8 +86,8 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def forward_logprobs(model, input_ids, attention_mask, prompt_width: int, temperature: float,
                      value_head: Optional[ValueHead] = None, with_entropy: bool = True):
-    """Per-token log-probabilities (fp32, at the sampling temperature), entropies (None unless ``with_entropy``)
-    and values of the completion."""
+    """Per-token log-probabilities (fp32, at the sampling temperature), entropies (None unless ``with_entropy``;
+    without gradient) and values of the completion."""
     completion = input_ids.shape[1] - prompt_width
     outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                     output_hidden_states=value_head is not None, use_cache=False,
@@ -96,7 +96,10 @@ def forward_logprobs(model, input_ids, attention_mask, prompt_width: int, temper
     logp_all = torch.log_softmax(logits, dim=-1)
     targets = input_ids[:, prompt_width:]
     logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():  # a statistic, not part of any loss: no graph over two more (B, T, V) tensors
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
     values = None
     if value_head is not None:
         values = value_head(outputs.hidden_states[-1][:, prompt_width - 1:-1])

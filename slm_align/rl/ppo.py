@@ -19,6 +19,7 @@ import torch
 
 from slm_align.rl.advantages import gae, masked_mean, masked_whiten, per_token_rewards, sigma_clip, whiten_scores
 from slm_align.rl.losses import adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, kl_k3
+from slm_align.rl.phases import PhaseClock
 from slm_align.rl.rollout import Rollout
 from slm_align.rl.schedule import derive_seed, iteration_size
 from slm_align.rl.step import Learner, LossFn, rollout_kl, rollout_metrics
@@ -77,7 +78,8 @@ class PPO(Learner):
 
     def run_step(self, step: int) -> dict:
         """One PPO iteration: rollout, advantages, guarded updates, the KL controller; the iteration's metrics."""
-        started = time.time()
+        started = time.perf_counter()
+        self.clock = PhaseClock()
         batch = self.rollout(step)
         self.require_training_tokens(batch, step)
         advantages, returns = self.advantages(batch)
@@ -86,9 +88,10 @@ class PPO(Learner):
         kl = rollout_kl(batch)
         if self.settings.ppo.adaptive_kl:
             self.kl_coef = adaptive_kl_coef(self.kl_coef, kl, self.settings.ppo.target_kl)
-        metrics = rollout_metrics(batch, results, kl, time.time() - started)
+        metrics = rollout_metrics(batch, results, kl, time.perf_counter() - started)
         metrics["value/explained_variance"] = explained_variance(returns, batch.values, batch.mask)
         metrics.update(self.guard_metrics())
+        metrics.update(self.clock.metrics())
         return metrics
 
 

@@ -84,6 +84,7 @@ class WatchedRun:
         events go to ``tracker`` too."""
         if tracker is not None:
             self.tracker = tracker
+        loop.kl_watched = bool(self.watchdog.settings.max_kl)  # the KL-runaway detector reads the "kl" metric
         if self.world.main:
             keep_events_until(self.events_path, loop.step)
         apply_scales(loop, self.watchdog, self.base_beta)

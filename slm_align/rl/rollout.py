@@ -9,6 +9,7 @@ import torch
 
 from slm_align.config import RLSettings
 from slm_align.generation import sample, score
+from slm_align.rl.phases import PhaseClock
 from slm_align.rl.policy import ValueHead, forward_logprobs, merged_for_sampling
 
 
@@ -22,8 +23,8 @@ class Rollout:
     attention_mask: torch.Tensor  # (B, P+T)
     prompt_width: int
     mask: torch.Tensor  # (B, T) float: completion tokens that train
-    old_logprobs: torch.Tensor  # (B, T)
-    ref_logprobs: torch.Tensor  # (B, T)
+    old_logprobs: Optional[torch.Tensor]  # (B, T); None until a single update's forward supplies them
+    ref_logprobs: Optional[torch.Tensor]  # (B, T); None when nothing uses them (GRPO, beta 0, KL unwatched)
     values: Optional[torch.Tensor]  # (B, T), PPO only
     scores: torch.Tensor  # (B,) reward of each completion (after any length penalty)
     truncated: torch.Tensor  # (B,) bool
@@ -35,22 +36,36 @@ class Rollout:
 
 
 def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, prompts: list[str],
-            settings: RLSettings, seed: int) -> Rollout:
+            settings: RLSettings, seed: int, clock: Optional[PhaseClock] = None, old_pass: bool = True,
+            reference_pass: bool = True) -> Rollout:
     """Sample one completion per prompt (``seed``), score it, and recompute its log-probabilities in fp32 under the
-    policy (with values, when there is a value head) and the reference (the adapter disabled)."""
+    policy (with values, when there is a value head) and the reference (the adapter disabled).
+
+    ``old_pass`` off leaves ``old_logprobs`` None (a single optimizer step takes its own forward's, detached; with a
+    value head the pass runs anyway, for the values);
+    ``reference_pass`` off leaves ``ref_logprobs`` None (nothing uses them). ``clock`` times the phases.
+    """
+    clock = clock or PhaseClock()
     policy.eval()
-    with merged_for_sampling(policy):
+    with clock.phase("sampling"), merged_for_sampling(policy):
         samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=seed)
     input_ids = torch.cat([samples.prompt_ids, samples.completion_ids], dim=1)
     attention = torch.cat([samples.prompt_mask, samples.completion_mask], dim=1)
     width = samples.prompt_ids.shape[1]
+    old = None
+    values = None
+    ref = None
     with torch.no_grad():
-        old, values = _logprobs_and_values(policy, input_ids, attention, width, settings, value_head)
-        with policy.disable_adapter():
-            ref, _ = _logprobs_and_values(policy, input_ids, attention, width, settings)
+        if old_pass or value_head is not None:
+            with clock.phase("scoring_old"):
+                old, values = _logprobs_and_values(policy, input_ids, attention, width, settings, value_head)
+        if reference_pass:
+            with clock.phase("scoring_ref"), policy.disable_adapter():
+                ref, _ = _logprobs_and_values(policy, input_ids, attention, width, settings)
     device = input_ids.device
     truncated = torch.tensor(samples.truncated, device=device)
-    raw = torch.tensor(score(reward_fn, samples), dtype=torch.float32, device=device)
+    with clock.phase("reward"):
+        raw = torch.tensor(score(reward_fn, samples), dtype=torch.float32, device=device)
     scores = _penalised(raw, samples, truncated, settings)
     mask = samples.completion_mask.float()
     if settings.mask_truncated:

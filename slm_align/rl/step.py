@@ -19,6 +19,7 @@ from slm_align.errors import UserError
 from slm_align.rl.advantages import masked_mean
 from slm_align.rl.distributed import World
 from slm_align.rl.losses import ratio_of
+from slm_align.rl.phases import PhaseClock
 from slm_align.rl.policy import ValueHead, forward_logprobs
 from slm_align.rl.rollout import Rollout, collect
 from slm_align.rl.schedule import derive_seed
@@ -55,32 +56,50 @@ class Learner(TrainableRun):
         # PPO's (adaptive) KL coefficient. GRPO weighs its KL by grpo.beta and carries this value unchanged, so
         # that both write the same checkpoint and the same "kl_coef" metric.
         self.kl_coef = settings.ppo.kl_coef
+        self.clock = PhaseClock()
+        """The current iteration's phase timings (a fresh clock each iteration)."""
+        self.kl_watched = False
+        """Whether something reads the "kl" metric besides the loss (the watchdog's KL-runaway detector)."""
 
     # ---- the guarded step ----------------------------------------------------------------------------------
     def sample_rollout(self, prompts: list[str], seed: int) -> Rollout:
-        """One completion per prompt, scored, with old and reference log-probabilities (values under PPO)."""
+        """One completion per prompt, scored, with the old and reference log-probabilities the algorithm uses
+        (values under PPO); the phases timed on :attr:`clock`."""
         with self.forward_context():
-            return collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts, self.settings, seed)
+            return collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts, self.settings, seed,
+                           self.clock, self.needs_old_pass(), self.needs_reference())
+
+    def needs_old_pass(self) -> bool:
+        """Whether the rollout scores old log-probabilities in a pass of their own before any update (PPO's advantages
+        and values need them: always; GRPO overrides)."""
+        return True
+
+    def needs_reference(self) -> bool:
+        """Whether the rollout scores reference log-probabilities (PPO's KL: always; GRPO overrides)."""
+        return True
 
     def minibatch(self, batch: Rollout, rows: torch.Tensor, loss_fn: LossFn) -> dict:
         """One guarded optimizer step on ``rows`` of the batch with the algorithm's ``loss_fn``; its statistics."""
         env = self.envelope
-        snapshot = self.guard.snapshot()
-        self.prepare_forward()
-        with self.forward_context():
-            new, entropy, values = forward_logprobs(self.policy, batch.input_ids[rows], batch.attention_mask[rows],
-                                                    batch.prompt_width, self.settings.temperature, self.value_head)
-        mask = batch.mask[rows]
-        ratio = ratio_of(new, batch.old_logprobs[rows], env.log_ratio_clamp)
-        stats = {"ratio/mean": float(masked_mean(ratio.detach(), mask)),
-                 "ratio/max": float((ratio.detach() * mask).max()),
-                 "entropy": float(masked_mean(entropy.detach(), mask))}
-        if env.ratio_guard and self.world.mean(stats["ratio/mean"]) > env.ratio_guard:
-            self.counters.skipped += 1  # no backward, no optimizer step: parameters and state stay as they are
-            return dict(stats, skipped=1)
-        loss, loss_stats = loss_fn(rows, new, values, ratio, mask)
+        with self.clock.phase("update_forward"):
+            snapshot = self.guard.snapshot()
+            self.prepare_forward()
+            with self.forward_context():
+                new, entropy, values = forward_logprobs(self.policy, batch.input_ids[rows],
+                                                        batch.attention_mask[rows], batch.prompt_width,
+                                                        self.settings.temperature, self.value_head)
+            mask = batch.mask[rows]
+            ratio = ratio_of(new, old_logprobs(batch, rows, new), env.log_ratio_clamp)
+            stats = {"ratio/mean": float(masked_mean(ratio.detach(), mask)),
+                     "ratio/max": float((ratio.detach() * mask).max()),
+                     "entropy": float(masked_mean(entropy, mask))}
+            if env.ratio_guard and self.world.mean(stats["ratio/mean"]) > env.ratio_guard:
+                self.counters.skipped += 1  # no backward, no optimizer step: parameters and state stay as they are
+                return dict(stats, skipped=1)
+            loss, loss_stats = loss_fn(rows, new, values, ratio, mask)
         stats.update(loss_stats)
-        return dict(stats, skipped=0, **self.guard.step(loss, snapshot, self.after_backward))
+        with self.clock.phase("update_backward"):
+            return dict(stats, skipped=0, **self.guard.step(loss, snapshot, self.after_backward))
 
     def update(self, batch: Rollout, loss_fn: LossFn, step: int) -> list[dict]:
         """``epochs`` passes over the rollout in shuffled minibatches, one guarded step each; their statistics."""
@@ -121,9 +140,25 @@ class Learner(TrainableRun):
         self.kl_coef = state["kl_coef"]
 
 
-def rollout_kl(batch: Rollout) -> float:
+def old_logprobs(batch: Rollout, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """(b, T) log-probabilities of ``rows`` under the rollout policy: the old pass's, or, when the rollout skipped
+    that pass (a single optimizer step uses the samples), this forward's own ``new`` detached, kept in the batch for
+    the KL metric. Those are the rollout policy's exactly (no step has been taken), so the ratio is exactly 1."""
+    if batch.old_logprobs is not None:
+        return batch.old_logprobs[rows]
+    if rows.numel() != batch.mask.shape[0]:
+        raise ValueError("a rollout without old log-probabilities trains in one minibatch of all its rows")
+    old = torch.zeros_like(batch.mask)
+    old[rows] = new.detach().float()
+    batch.old_logprobs = old
+    return old[rows]
+
+
+def rollout_kl(batch: Rollout) -> Optional[float]:
     """Mean over sequences of the summed k1 KL, sum_t (log pi_old - log pi_ref) * m_t: the run's "kl" metric and
-    the adaptive controller's input."""
+    the adaptive controller's input; None when the rollout has no reference log-probabilities."""
+    if batch.ref_logprobs is None:
+        return None
     return float(((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum(-1).mean())
 
 
