@@ -9,6 +9,7 @@ import yaml
 
 from slm_align.data.readers import fingerprint
 from slm_align.export.model_card import MARKER, base_model
+from slm_align.export.parity import perplexity_change
 from slm_align.modeling import DEFAULT_MODEL_DIR
 from tests.helpers import export_bundled, finished_sft_run, run_cli
 
@@ -75,6 +76,7 @@ def test_gguf_card_has_the_quantization_and_its_verification(aligned_run):
     assert header["library_name"] == "gguf" and {"gguf", "Q8_0", "grpo"} <= set(header["tags"])
     assert f"| `model-Q8_0.gguf` | Q8_0 | {metrics['bytes'] / 1e6:.1f} MB | `{metrics['sha256'][:16]}` |" in body
     assert f"top-1 agreement {verification['agreement']:.3f} over {verification['agreement_positions']} tokens" in body
+    assert f"held-out {perplexity_change(verification)}" in body
     for command in ("llama-cli -m model-Q8_0.gguf", "slm-align chat model-Q8_0.gguf", "slm-align serve model-Q8_0.gguf",
                     "ollama create my-model -f model-Q8_0.Modelfile"):
         assert command in body

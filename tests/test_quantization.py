@@ -80,6 +80,20 @@ def test_refusal_reports_perplexity_and_names_the_next_higher_scheme(tmp_path, t
     assert "--quant w8 " in str(refused.value) and list(tmp_path.iterdir()) == []
 
 
+def test_perplexity_change_is_printed_beside_agreement(capsys):
+    from slm_align.cli.render import print_export
+    from slm_align.export.parity import perplexity_change
+
+    verification = {"tokenizer_match": True, "prompts": 0, "ties": [], "passed": True, "agreement": 0.95,
+                    "agreement_positions": 141, "torch_perplexity": 20.0, "perplexity": 22.5}
+    assert perplexity_change(verification) == "perplexity 20.00 -> 22.50, +12.5%"
+    assert perplexity_change({"agreement": 0.95}) == ""  # a record from before perplexity was measured
+    print_export({"dir": "out/onnx-w8", "metrics": {"target": "onnx", "quant": "w8", "bytes": 1e6,
+                                                     "export_seconds": 1.0, "verification": verification}})
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps at the terminal's width
+    assert "top-1 agreement 0.950 over 141 tokens, held-out perplexity 20.00 -> 22.50, +12.5%" in printed
+
+
 LADDER_CASES = [("onnx", "int4", "w8"), ("onnx", "int8", "w8"), ("onnx", "w8", "fp32"), ("onnx", "fp32", None),
                 ("gguf", "Q4_K_M", "Q5_K_M"), ("gguf", "Q2_K", "Q4_0"), ("gguf", "Q8_0", "F16")]
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from slm_align.export.parity import perplexity_change
 from slm_align.modeling import DEFAULT_MODEL_DIR, looks_like_hub_id
 from slm_align.runs import MANIFEST, MODEL_CARD, aligned_stages
 
@@ -269,6 +270,9 @@ def _verification(verification: dict) -> str:
     parts = [f"tokenizer {'identical' if verification['tokenizer_match'] else 'DIFFERENT'}",
              f"top-1 agreement {verification['agreement']:.3f} over {verification['agreement_positions']} tokens "
              f"(min {verification['min_agreement']:g})"]
+    perplexity = perplexity_change(verification)
+    if perplexity:
+        parts.append(f"held-out {perplexity}")
     if verification["prompts"]:
         parts.append(f"greedy identical on {verification['greedy_exact']}/{verification['prompts']} prompts")
     parts.append("passed" if verification["passed"] else "FAILED")
