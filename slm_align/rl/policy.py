@@ -14,6 +14,7 @@ from torch import nn
 
 from slm_align.config import RLSettings
 from slm_align.errors import UserError
+from slm_align.rl.logprobs import CHUNK_POSITIONS, decoder_of, plain_head, token_logprobs
 
 
 class ValueHead(nn.Module):
@@ -85,9 +86,31 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def forward_logprobs(model, input_ids, attention_mask, prompt_width: int, temperature: float,
-                     value_head: Optional[ValueHead] = None, with_entropy: bool = True):
+                     value_head: Optional[ValueHead] = None, with_entropy: bool = True, chunk: int = CHUNK_POSITIONS):
     """Per-token log-probabilities (fp32, at the sampling temperature), entropies (None unless ``with_entropy``;
-    without gradient) and values of the completion."""
+    without gradient) and values of the completion.
+
+    The vocabulary projection and log-softmax go ``chunk`` positions at a time (rl/logprobs.py) when the model's
+    logits are a plain projection of its last hidden state; otherwise from the model's own logits."""
+    head = plain_head(model)
+    if head is None:
+        return _model_logprobs(model, input_ids, attention_mask, prompt_width, temperature, value_head, with_entropy)
+    last = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
+    hidden = last[:, prompt_width - 1:-1]  # (B, T, H): the state before each completion token
+    targets = input_ids[:, prompt_width:]
+    logprobs, entropy = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), head, targets.reshape(-1), temperature,
+                                       with_entropy, chunk)
+    if entropy is not None:
+        entropy = entropy.view(targets.shape)
+    values = value_head(hidden) if value_head is not None else None
+    return logprobs.view(targets.shape), entropy, values
+
+
+def _model_logprobs(model, input_ids, attention_mask, prompt_width: int, temperature: float,
+                    value_head: Optional[ValueHead], with_entropy: bool):
+    """:func:`forward_logprobs` from the model's own logits, all positions at once (a head that is more than a
+    projection: soft-capping, scaling, bias)."""
     completion = input_ids.shape[1] - prompt_width
     outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                     output_hidden_states=value_head is not None, use_cache=False,

@@ -1,0 +1,64 @@
+"""The chunked vocabulary projection and log-softmax (rl/logprobs.py) give the model's own log-probabilities, entropies
+and values on every architecture, gradients included, and the first ratio of a chunked update stays exactly 1."""
+
+import pytest
+import torch
+
+from slm_align.config import LoraSettings, RLSettings
+from slm_align.modeling import resolve_source
+from slm_align.rl.logprobs import plain_head
+from slm_align.rl.policy import ValueHead, _model_logprobs, build_policy, forward_logprobs
+from tests.helpers import ARCHITECTURES
+
+PROMPTS = ["Once upon a time, there was a cat.", "Tom found a red ball and", "One day,"]
+COMPLETIONS = [" She ran to the park with her friend.", " kicked it.", " Mia was very happy to see the sun."]
+
+
+def policy_with_trained_lora(path):
+    """A tiny policy whose LoRA has moved off zero, so that the adapter changes the log-probabilities."""
+    settings = RLSettings(lora=LoraSettings(r=4, alpha=8.0, dropout=0.0))
+    policy = build_policy(resolve_source(str(path)), None, settings, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    return policy
+
+
+def left_padded(tokenizer):
+    """(B, P+T) ids and mask: prompts padded on the left, completions on the right; and the prompt width P."""
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    completions = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in COMPLETIONS]
+    width = max(map(len, prompts))
+    length = max(map(len, completions))
+    pad = tokenizer.pad_token_id
+    ids = [[pad] * (width - len(p)) + p + c + [pad] * (length - len(c)) for p, c in zip(prompts, completions)]
+    mask = [[0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (length - len(c))
+            for p, c in zip(prompts, completions)]
+    return torch.tensor(ids), torch.tensor(mask), width
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_chunked_logprobs_equal_the_models_own_to_1e_6_with_their_gradients(tiny_models, tokenizer, arch):
+    policy = policy_with_trained_lora(tiny_models[arch])
+    assert plain_head(policy) is not None  # every tested architecture takes the chunked path
+    ids, mask, width = left_padded(tokenizer)
+    value_head = ValueHead(policy.config.hidden_size)
+    torch.nn.init.normal_(value_head.linear.weight)
+    chunked = forward_logprobs(policy, ids, mask, width, 0.7, value_head, chunk=5)  # several chunks per row
+    whole = _model_logprobs(policy, ids, mask, width, 0.7, value_head, True)
+    for ours, theirs in zip(chunked, whole):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    lora = [p for n, p in policy.named_parameters() if "lora_A" in n]
+    completion = mask[:, width:].float()
+    grads = [torch.autograd.grad((logprobs * completion).sum(), lora) for logprobs, _, _ in (chunked, whole)]
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert any(g.abs().max() > 0 for g in grads[0])
+
+
+def test_a_head_that_is_more_than_a_projection_uses_the_models_logits(tiny_models):
+    policy = policy_with_trained_lora(tiny_models["gemma3_text"])
+    policy.get_base_model().config.final_logit_softcapping = 30.0
+    assert plain_head(policy) is None
