@@ -135,3 +135,27 @@ def test_a_base_model_whose_tokenizer_settings_hold_nulls_loads_in_genai_tokeniz
     expected = AutoTokenizer.from_pretrained(result.stage_dir).apply_chat_template(messages, tokenize=False,
                                                                                    add_generation_prompt=True)
     assert rendered == expected and "hi" in rendered
+
+
+def test_a_tokenizer_that_adds_bos_is_accepted_with_genai_leaving_bos_to_the_caller(tiny_models, tmp_path):
+    """genai 0.18's encode does not run tokenizer.json's post-processor (Gemma's adds <bos>): the ids it gives are the
+    model's without that BOS, and the folder passes with genai_adds_bos False (the real Gemma 3 270M's case)."""
+    import shutil
+
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_models["llama"], base)
+    tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
+    bos = tokenizer.token_to_id("<|endoftext|>")
+    tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    tokenizer.save(str(base / "tokenizer.json"))
+    settings = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps(dict(settings, bos_token="<|endoftext|>")))
+    result = run_export(ExportRequest(str(base), "genai", "fp32", out=tmp_path / "out", threads=1))
+    verification = result.metrics["verification"]
+    assert verification["passed"] and verification["genai_tokenizer_match"]
+    assert verification["genai_adds_bos"] is False and verification["genai_chat_template_match"] is True
+    assert verification["greedy_exact"] == verification["prompts"] == 4
+    assert genai_tokens(result.stage_dir, PROMPTS[0])[0] != bos

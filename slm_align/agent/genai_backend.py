@@ -4,7 +4,7 @@ genai owns the session and the KV cache (``Generator.append_tokens`` runs the gr
 we read the logits of every appended position from its ``logits`` output, so the same sampling loop, greedy check
 and teacher-forced comparison run on it as on the other backends. Text goes through ``tokenizer.json`` with the
 ``tokenizers`` library like :class:`~slm_align.agent.onnx_backend.OnnxBackend`; genai's own tokenizer is checked
-against it when the folder is exported (:func:`slm_align.export.genai.genai_tokenizer_match`).
+against it when the folder is exported (:func:`slm_align.export.genai.genai_tokenizer_report`).
 """
 
 from __future__ import annotations

@@ -113,13 +113,40 @@ def genai_tokens(folder: Path, text: str) -> list[int]:
     return [int(token) for token in og.Tokenizer(og.Model(str(folder))).encode(text)]
 
 
-def genai_tokenizer_match(model, tokenizer, texts: list[str]) -> bool:
-    """Whether genai's tokenizer of ``model`` (an ``og.Model``; the tokenizer an app calls) splits each of ``texts``
-    as the HF ``tokenizer`` does."""
+def _same_ids(genai: list[int], model: list[int], bos: Optional[int]) -> Optional[bool]:
+    """True: equal; False: equal but for the leading BOS the model's tokenizer adds; None: different."""
+    if genai == model:
+        return True
+    if bos is not None and model[:1] == [bos] and genai == model[1:]:
+        return False
+    return None
+
+
+def genai_tokenizer_report(model, tokenizer, texts: list[str], chats: list[list[dict]], template_tokenizer) -> dict:
+    """genai's tokenizer of ``model`` (an ``og.Model``: the tokenizer an app calls) against the model's HF
+    ``tokenizer`` on ``texts`` and on ``chats`` rendered by genai's ``apply_chat_template`` (when
+    ``template_tokenizer``, the artifact's, has a template).
+
+    ``genai_tokenizer_match``: every id sequence equals the model tokenizer's, or equals it but for the leading BOS
+    the model's tokenizer adds (``genai_adds_bos`` False: genai's ``encode`` leaves BOS to the caller, as 0.18 does
+    for a tokenizer.json whose post-processor adds it), and genai renders every chat as transformers does
+    (``genai_chat_template_match``; None without a template).
+    """
     import onnxruntime_genai as og
 
     genai = og.Tokenizer(model)
-    return all([int(token) for token in genai.encode(text)] == tokenizer(text)["input_ids"] for text in texts)
+    strings = list(texts)
+    rendered = None
+    if template_tokenizer.chat_template:
+        rendered = [genai.apply_chat_template(json.dumps(chat), add_generation_prompt=True) for chat in chats]
+        expected = [template_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+                    for chat in chats]
+        strings.extend(rendered)
+        rendered = rendered == expected
+    same = [_same_ids([int(t) for t in genai.encode(text)], tokenizer(text)["input_ids"], tokenizer.bos_token_id)
+            for text in strings]
+    return {"genai_tokenizer_match": None not in same and rendered is not False,
+            "genai_adds_bos": False not in same, "genai_chat_template_match": rendered}
 
 
 def genai_greedy(folder: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:

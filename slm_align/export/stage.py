@@ -21,7 +21,7 @@ from typing import Optional
 from slm_align.accelerator import resolve_device
 from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
 from slm_align.errors import UserError
-from slm_align.export.genai import check_genai_architecture, genai_tokenizer_match, write_genai_config
+from slm_align.export.genai import check_genai_architecture, genai_tokenizer_report, write_genai_config
 from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_config, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
 from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
@@ -282,8 +282,9 @@ def _open_artifact(target: str, artifact: Path, threads: int):
 def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agreement: float,
             torch_device: str = "auto", target: str = "gguf") -> dict:
     """Parity with PyTorch (:func:`~slm_align.export.parity.verify`); a genai folder also needs genai's own
-    tokenizer to split the verification texts as the model's tokenizer does."""
-    from slm_align.export.parity import HELDOUT_TEXT, RAW_TEXTS, verify
+    tokenizer to split the verification texts and chats as the model's tokenizer does
+    (:func:`~slm_align.export.genai.genai_tokenizer_report`)."""
+    from slm_align.export.parity import HELDOUT_TEXT, RAW_TEXTS, USER_MESSAGES, verify
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
@@ -293,10 +294,12 @@ def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agre
     report = verify(model, tokenizer, backend, exact=quant in EXACT_TYPES, min_agreement=min_agreement,
                     greedy=quant in GREEDY_REPORTED).to_dict()
     if target == "genai":
-        match = genai_tokenizer_match(backend.model, tokenizer, list(RAW_TEXTS) + [HELDOUT_TEXT])
-        report["genai_tokenizer_match"] = match
-        report["tokenizer_match"] = report["tokenizer_match"] and match
-        report["passed"] = report["passed"] and match
+        from transformers import AutoTokenizer
+
+        chats = [[{"role": "user", "content": message}] for message in USER_MESSAGES]
+        report.update(genai_tokenizer_report(backend.model, tokenizer, list(RAW_TEXTS) + [HELDOUT_TEXT], chats,
+                                             AutoTokenizer.from_pretrained(artifact)))
+        report["passed"] = report["passed"] and report["genai_tokenizer_match"]
     return report
 
 
@@ -314,6 +317,8 @@ def _publish(built: Path, final: Path, manifest: dict) -> None:
 
 
 def _failure(verification: dict) -> str:
+    if verification.get("genai_tokenizer_match") is False:
+        return "onnxruntime-genai's tokenizer splits text or renders chats differently from the model's"
     if not verification["tokenizer_match"]:
         return "its tokenizer splits text differently from the model's"
     if verification["divergences"]:
