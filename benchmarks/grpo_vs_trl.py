@@ -140,6 +140,8 @@ def run_trl(args) -> dict:
     source = resolve_source(args.model)
     tokenizer = load_tokenizer(source)
     tokenizer.padding_side = "left"
+    # no token_type_ids: TRL hands the tokenizer's output to generate, which Gemma 3's causal LM refuses them in
+    tokenizer.model_input_names = [name for name in tokenizer.model_input_names if name != "token_type_ids"]
     model = load_model(source)
     updates = args.prompts * args.group_size * args.epochs // args.minibatch  # optimizer steps per iteration
     stamps: list[float] = []
