@@ -37,7 +37,9 @@ RUNTIMES = {
                     "`onnxruntime-genai-objc` pod; also C, C# and Python APIs.",
         "calls": [
             "`Model(\"model/{name}\")` (reads genai_config.json: the search defaults are sampling.json's)",
-            "`Tokenizer(model)`, `tokenizer.apply_chat_template(messages)`, `tokenizer.encode(prompt)`",
+            "`Tokenizer(model)`, `tokenizer.apply_chat_template(messages)`, `tokenizer.encode(prompt)` (when "
+            "verification.json says `genai_adds_bos: false`, genai leaves the model's BOS out: put its id first "
+            "unless the ids already start with it)",
             "`GeneratorParams(model)`, `params.set_search_options(max_length=..., temperature=..., top_p=...)`",
             "`Generator(model, params)`, `generator.append_tokens(tokens)`",
             "loop: `generator.generate_next_token()`, `generator.get_next_tokens()`, `TokenizerStream.decode`, "
