@@ -3,6 +3,8 @@
 Agreement figures on real weights live in benchmarks/quantization.py and the README, not here.
 """
 
+import json
+
 import onnx
 import pytest
 
@@ -64,6 +66,22 @@ def test_int4_keeps_output_embedding_and_sensitive_layers_at_8_bits(tmp_path, ti
     assert set(_bits_by_node(graph, "accuracy_level").values()) == {4}  # int8 compute: the fast kernels
     assert _float_weight_matmuls(graph) == []
     assert onnx.TensorProto.INT8 in _embedding_table_types(graph)
+
+
+@pytest.mark.parametrize("quant", ["w8", "int4"])
+def test_tied_embedding_reads_the_output_projection_blocks(tmp_path, tiny_models, quant):
+    """Gemma ties its embedding to the output projection: the vocabulary is stored once, as the head's 8-bit blocks,
+    and the embedding Gather reads them (no float or int8 table of its own)."""
+    metrics = run_export(ExportRequest(str(tiny_models["gemma3_text"]), "onnx", quant, out=tmp_path,
+                                       min_agreement=0.0)).metrics
+    graph = _graph(tmp_path / f"onnx-{quant}")
+    head = next(node for node in graph.node if node.name == "/lm_head/MatMul_Q8")
+    tokens = json.loads((tmp_path / f"onnx-{quant}" / "config.json").read_text())["vocab_size"]
+    vocabulary = {init.name for init in graph.initializer if init.dims and init.dims[0] == tokens}
+    gathered = {node.input[0] for node in graph.node if node.op_type == "Gather"}
+    assert set(head.input[1:4]) <= gathered  # blocks, scales and zero points, by token
+    assert vocabulary == set(head.input[1:4])  # and nothing else holds a row per token
+    assert metrics["verification"]["agreement"] >= (0.9 if quant == "w8" else 0.0)
 
 
 def test_dynamic_int8_is_still_offered(tmp_path, tiny_models):
