@@ -121,8 +121,8 @@ def _export_once(out: Path, target: str, quant: str) -> dict:
 def _export_step(out: Path, say: Callable[[str], None]) -> dict:
     say("[bold]6/7 export[/] merged model to GGUF Q8_0 (llama.cpp) and ONNX fp32 (onnxruntime), parity-checked")
     done = {}
-    # ONNX int8 (the default for real models) loses too much on a 2.5M-parameter model: top-1 agreement ~0.82,
-    # which verification refuses; fp32 shows the exact path.
+    # ONNX dynamic int8 loses too much on a 2.5M-parameter model (top-1 agreement ~0.82, which verification
+    # refuses); fp32 shows the exact path.
     for target, quant in (("gguf", "Q8_0"), ("onnx", "fp32")):
         summary = _export_once(out, target, quant)
         done[target] = summary
