@@ -83,6 +83,7 @@ def genai_stream(folder: Path, threads: int, prompt_tokens: int, tokens: int):
     prompt = prompt_ids(tokenizer.encode, prompt_tokens)
 
     def tokens_of(generator):
+        generator.append_tokens(np.asarray(prompt, dtype=np.int32))  # the prompt's pass, timed with the first token
         while True:
             generator.generate_next_token()
             yield int(generator.get_next_tokens()[0])
@@ -91,9 +92,7 @@ def genai_stream(folder: Path, threads: int, prompt_tokens: int, tokens: int):
         params = og.GeneratorParams(model)
         length = len(prompt) + tokens + 2
         params.set_search_options(max_length=length, min_length=length, do_sample=False)
-        generator = og.Generator(model, params)
-        generator.append_tokens(np.asarray(prompt, dtype=np.int32))
-        return tokens_of(generator)
+        return tokens_of(og.Generator(model, params))
     return start
 
 
