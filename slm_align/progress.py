@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -134,17 +135,61 @@ def new_progress() -> Union[Progress, LineProgress]:
                     TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=stderr, transient=True)
 
 
+class _DeferredLine:
+    """A stage's start line, said once: at once when the cadence is 0, else when the stage is still running after
+    one cadence (a timer thread). A stage refused within that time (bad input) thus leaves only its error line."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.said = False
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(cadence(), self.say)
+        self._timer.daemon = True
+
+    def arm(self) -> None:
+        """Say the line now (cadence 0) or start the timer."""
+        if cadence() <= 0:
+            self.say()
+            return
+        self._timer.start()
+
+    def say(self) -> None:
+        """Say the line unless it was said or cancelled."""
+        with self._lock:
+            if self.said:
+                return
+            self.said = True
+        say_line(self.text)
+
+    def cancel(self) -> bool:
+        """Stop the timer; whether the line had been said."""
+        self._timer.cancel()
+        with self._lock:
+            said = self.said
+            self.said = True
+        return said
+
+
 @contextmanager
 def stage_lines(name: str, start: str) -> Iterator[None]:
     """Start and end lines around a stage without steps (the gate, an evaluation, an export) when stderr is a log;
-    on a terminal the stage's own output says enough."""
+    on a terminal the stage's own output says enough. The start line waits one cadence (see
+    :class:`_DeferredLine`); a stage shorter than that says one line at its end, with what it did."""
     if stderr.is_terminal:
         yield
         return
     started = time.monotonic()
-    say_line(f"{name}: start, {start}")
-    yield
-    say_line(f"{name}: done in {duration(time.monotonic() - started)}")
+    line = _DeferredLine(f"{name}: start, {start}")
+    line.arm()
+    try:
+        yield
+    finally:
+        said = line.cancel()
+    took = duration(time.monotonic() - started)
+    if said:
+        say_line(f"{name}: done in {took}")
+        return
+    say_line(f"{name}: done in {took} ({start})")
 
 
 class TrainerProgress(TrainerCallback):

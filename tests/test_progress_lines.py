@@ -2,10 +2,11 @@
 --json keeps stdout to the JSON; --quiet prints nothing but errors."""
 
 import json
+import time
 
 import pytest
 
-from slm_align.progress import LineProgress, duration
+from slm_align.progress import LineProgress, duration, stage_lines
 from tests.helpers import run_cli
 
 
@@ -28,6 +29,30 @@ def test_line_progress_says_start_progress_and_end_at_its_cadence(capsys, monkey
     assert lines[0] == "RL (grpo): start, 4 steps"
     assert lines[1].startswith("RL (grpo): step 4/4 (reward 0.400), ")
     assert lines[2].startswith("RL (grpo): done, 4 steps in ") and len(lines) == 3
+
+
+def test_a_short_stage_says_one_line_and_a_refused_one_none(capsys, monkeypatch):
+    """The start line of a stage without steps waits one cadence: bad input refused before then leaves only the
+    error line; a stage done before then says its end with what it did."""
+    monkeypatch.setenv("SLM_ALIGN_PROGRESS_SECONDS", "3600")
+    with pytest.raises(ValueError):
+        with stage_lines("headroom gate", "the prior and the reward"):
+            raise ValueError("bad input")
+    assert progress_lines(capsys.readouterr().err) == []
+    with stage_lines("headroom gate", "the prior and the reward"):
+        pass
+    lines = progress_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("headroom gate: done in ")
+    assert lines[0].endswith(" (the prior and the reward)")
+
+
+def test_a_long_stage_says_its_start_after_one_cadence(capsys, monkeypatch):
+    monkeypatch.setenv("SLM_ALIGN_PROGRESS_SECONDS", "0.05")
+    with stage_lines("evaluation", "2 prompts"):
+        time.sleep(0.5)
+    lines = progress_lines(capsys.readouterr().err)
+    assert lines[0] == "evaluation: start, 2 prompts"
+    assert lines[1].startswith("evaluation: done in ") and len(lines) == 2
 
 
 def test_durations_read_like_a_clock():
