@@ -132,7 +132,7 @@ def test_decode_slows_with_context_and_with_bits_per_weight():
 
 
 def test_a_model_too_large_does_not_fit_and_gets_a_smaller_quantization_that_does():
-    board = load_profile("rpi4")  # 4 GiB x 0.75; prefers Q4_0
+    board = load_profile("rpi4")  # 4 GiB x 0.75; prefers Q4_K_M
     big = facts(parameters=4.5e9, layers=32, kv_heads=8, head_dim=128, context_length=4096)
     report = estimate_fit(big, board, quant="F16", context=1024)
     assert report.verdict == "does not fit" and report.share_of_budget > 1
@@ -187,7 +187,7 @@ def test_a_user_directory_adds_and_overrides_profiles(monkeypatch, tmp_path):
     assert "my-board" in list_profiles() and set(REQUIRED) <= set(list_profiles())
     assert load_profile("rpi5").ram_gb == 16 and load_profile("rpi5").reference == []
     board = load_profile("my-board")
-    assert board.display_name == "My board" and estimate_fit(facts(parameters=1e8), board).quant == "int8"
+    assert board.display_name == "My board" and estimate_fit(facts(parameters=1e8), board).quant == "w8"
 
 
 def test_the_config_directory_is_searched_and_the_environment_wins(monkeypatch, tmp_path):

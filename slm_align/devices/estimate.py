@@ -176,7 +176,11 @@ def max_context(facts: ModelFacts, profile: DeviceProfile, quant: str) -> int:
 
 
 def preferred_quant(profile: DeviceProfile) -> str:
-    return canonical_quant(profile.gguf_quant) if profile.runtime == "gguf" else "int8"
+    """The weight type the profile recommends: its GGUF type, else ONNX's w8 (the scheme that holds on real weights;
+    dynamic int8 is refused on the real Gemma 3 270M, benchmarks/quantization.py)."""
+    if profile.runtime == "gguf":
+        return canonical_quant(profile.gguf_quant)
+    return "w8"
 
 
 def recommend_quant(facts: ModelFacts, profile: DeviceProfile, context: int) -> Optional[str]:

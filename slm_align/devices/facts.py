@@ -232,7 +232,7 @@ def params_from_config(config: dict) -> int:
 
 def _onnx_quant(bits: float) -> str:
     """The ONNX weight type nearest to the measured bits per weight."""
-    return min(("F32", "F16", "int8", "int4"), key=lambda q: abs(BITS_PER_WEIGHT[q] - bits))
+    return min(("F32", "F16", "w8", "int8", "int4"), key=lambda q: abs(BITS_PER_WEIGHT[q] - bits))
 
 
 def onnx_facts(directory: Path) -> ModelFacts:

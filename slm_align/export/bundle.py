@@ -23,7 +23,6 @@ from slm_align.runs import MANIFEST, artifact_manifest, file_checksums
 
 BUNDLE_FORMAT = 1
 MODEL_DIR = "model"
-DEFAULT_ONNX_QUANT = "int8"
 
 
 @dataclass
@@ -43,11 +42,10 @@ class BundleRequest:
 def device_choice(device: str) -> tuple[str, str]:
     """(target, quantization) the device profile recommends."""
     from slm_align.devices import load_profile
+    from slm_align.devices.estimate import preferred_quant
 
     profile = load_profile(device)
-    if profile.runtime == "gguf":
-        return "gguf", profile.gguf_quant
-    return profile.runtime, DEFAULT_ONNX_QUANT
+    return profile.runtime, preferred_quant(profile)
 
 
 def _run_artifact(run: Path, device: Optional[str]) -> Path:
