@@ -26,7 +26,7 @@ def torch_greedy(model_dir, prompt_ids):
     return out[0, len(prompt_ids):].tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
 def test_a_genai_folder_tokenizes_and_decodes_greedily_as_pytorch(tiny_models, tmp_path, arch):
     from transformers import AutoTokenizer
 
@@ -159,3 +159,12 @@ def test_a_tokenizer_that_adds_bos_is_accepted_with_genai_leaving_bos_to_the_cal
     assert verification["genai_adds_bos"] is False and verification["genai_chat_template_match"] is True
     assert verification["greedy_exact"] == verification["prompts"] == 4
     assert genai_tokens(result.stage_dir, PROMPTS[0])[0] != bos
+
+
+def test_the_bundled_model_exports_to_genai_and_decodes_greedily_as_pytorch(tmp_path):
+    from slm_align.modeling import DEFAULT_MODEL_DIR
+
+    verification = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "genai", "fp32", out=tmp_path,
+                                            threads=1)).metrics["verification"]
+    assert verification["passed"] and verification["genai_tokenizer_match"]
+    assert verification["greedy_exact"] == verification["prompts"] == 4 and verification["agreement"] == 1.0
