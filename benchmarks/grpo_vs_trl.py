@@ -90,6 +90,7 @@ def run_ours(args) -> dict:
     result["phase/update"] = result["phase/update_forward"] + result["phase/update_backward"]
     phases = sum(result[f"phase/{name}"] for name in OUR_PHASES)
     result["phase/other"] = result["seconds_per_iteration"] - phases
+    result["completion_tokens"] = sum(metrics["completion/length"] for metrics in logged[1:]) / args.iterations
     return result
 
 
@@ -98,6 +99,7 @@ class CallTimer:
 
     def __init__(self, target, names: tuple[str, ...]):
         self.seconds: dict[str, list[float]] = {name: [] for name in names}
+        self.results: dict[str, list] = {name: [] for name in names}
         for name in names:
             setattr(target, name, self._timed(name, getattr(target, name)))
 
@@ -105,9 +107,11 @@ class CallTimer:
         def timed(*args, **kwargs):
             started = time.perf_counter()
             try:
-                return method(*args, **kwargs)
+                result = method(*args, **kwargs)
             finally:
                 self.seconds[name].append(time.perf_counter() - started)
+            self.results[name].append(result)
+            return result
 
         return timed
 
@@ -123,8 +127,16 @@ def trl_phases(calls: CallTimer, seconds_per_iteration: float) -> dict:
     sampling = calls.mean("_generate")
     reward = calls.mean("_calculate_rewards")
     prepared = calls.mean("_generate_and_score_completions")
+    lengths = [len(ids) for result in calls.results["_generate"][1:] for ids in result[1]]  # (prompts, completions, ..)
     return {"phase/sampling": sampling, "phase/reward": reward, "phase/scoring": prepared - sampling - reward,
-            "phase/update": seconds_per_iteration - prepared, "phase/other": 0.0}
+            "phase/update": seconds_per_iteration - prepared, "phase/other": 0.0,
+            "completion_tokens": sum(lengths) / len(lengths) if lengths else 0.0}
+
+
+def begins_with_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts a BOS before a text when it adds special tokens (as our sampler tokenizes)."""
+    ids = tokenizer("Once upon a time", add_special_tokens=True)["input_ids"]
+    return tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
 def run_trl(args) -> dict:
@@ -161,7 +173,10 @@ def run_trl(args) -> dict:
         learning_rate=1e-5, max_steps=updates * (args.iterations + 1), seed=0, dataloader_num_workers=0,
         remove_unused_columns=False,
     )
-    dataset = datasets.Dataset.from_dict({"prompt": prompts_for(args.prompts * (args.iterations + 1) * 4)})
+    # TRL tokenizes prompts without special tokens: the BOS our sampler's tokenizer adds (Gemma's) is written in
+    bos = tokenizer.bos_token if begins_with_bos(tokenizer) else ""
+    prompts = [bos + prompt for prompt in prompts_for(args.prompts * (args.iterations + 1) * 4)]
+    dataset = datasets.Dataset.from_dict({"prompt": prompts})
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=LoraConfig(task_type="CAUSAL_LM", **LORA),
                           callbacks=[Stamp()])
@@ -204,12 +219,13 @@ def main() -> None:
     if ran_as_side(args, run_ours, run_trl):
         return
     runs = alternate_sides(__file__, sys.argv[1:], args.repeats)
-    table = medians(runs, ("seconds_per_iteration", "peak_rss_mb"))
+    table = medians(runs, ("seconds_per_iteration", "peak_rss_mb", "completion_tokens"))
     print(f"GRPO, {args.prompts} prompts x G={args.group_size}, {args.max_new_tokens} new tokens, LoRA r={LORA['r']}, "
           f"{args.precision}, {args.device} ({args.threads} threads), {args.iterations} timed iterations; "
           f"median of {args.repeats} runs per side")
     print_rows(table, (("seconds_per_iteration", "seconds per iteration", ".2f"),
-                       ("peak_rss_mb", "peak RSS (MB)", ".0f")))
+                       ("peak_rss_mb", "peak RSS (MB)", ".0f"),
+                       ("completion_tokens", "completion tokens (mean)", ".1f")))
     print_phases(runs)
 
 
