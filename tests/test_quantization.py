@@ -9,6 +9,7 @@ import onnx
 import pytest
 
 from slm_align.export.stage import ExportRequest, VerificationFailed, next_higher, run_export
+from slm_align.modeling import DEFAULT_MODEL_DIR
 
 pytest.importorskip("onnxruntime")
 
@@ -68,12 +69,16 @@ def test_int4_keeps_output_embedding_and_sensitive_layers_at_8_bits(tmp_path, ti
     assert onnx.TensorProto.INT8 in _embedding_table_types(graph)
 
 
-@pytest.mark.parametrize("quant", ["w8", "int4"])
-def test_tied_embedding_reads_the_output_projection_blocks(tmp_path, tiny_models, quant):
+@pytest.mark.parametrize("model, quant", [("gemma3_text", "w8"), ("gemma3_text", "int4"), ("bundled", "w8"),
+                                          ("bundled", "int4")])
+def test_tied_embedding_reads_the_output_projection_blocks(tmp_path, tiny_models, model, quant):
     """Gemma ties its embedding to the output projection: the vocabulary is stored once, as the head's 8-bit blocks,
-    and the embedding Gather reads them (no float or int8 table of its own)."""
-    metrics = run_export(ExportRequest(str(tiny_models["gemma3_text"]), "onnx", quant, out=tmp_path,
-                                       min_agreement=0.0)).metrics
+    and the embedding Gather reads them (no float or int8 table of its own). optimum writes the bundled Llama's tied
+    head as MatMul(hidden, Transpose(embedding)) instead of a second copy: the same holds, and the graph loads."""
+    source = DEFAULT_MODEL_DIR
+    if model != "bundled":
+        source = tiny_models[model]
+    metrics = run_export(ExportRequest(str(source), "onnx", quant, out=tmp_path, min_agreement=0.0)).metrics
     graph = _graph(tmp_path / f"onnx-{quant}")
     head = next(node for node in graph.node if node.name == "/lm_head/MatMul_Q8")
     tokens = json.loads((tmp_path / f"onnx-{quant}" / "config.json").read_text())["vocab_size"]

@@ -187,9 +187,41 @@ def _shared_embedding(model, gather, head) -> None:
         model.graph.node.insert(position + offset, node)
 
 
+def _consumers(model, name: str) -> list:
+    """The nodes that read the tensor ``name``."""
+    return [node for node in model.graph.node if name in node.input]
+
+
+def _fold_head_transpose(model) -> None:
+    """Give the output projection an initializer of its own when optimum wrote a tied head as
+    ``MatMul(hidden, Transpose(embedding))`` (the bundled model): the weight-only quantizer only rewrites a MatMul
+    whose weight is an initializer, and the embedding passes below replace the table the Transpose reads.
+    The head then holds the transposed table, which :func:`_tied_to_head` recognises as tied."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    head = next((node for node in model.graph.node if node.name == HEAD_NODE), None)
+    if head is None or _initializer(model, head.input[1]) is not None:
+        return
+    producer = next((node for node in model.graph.node if head.input[1] in node.output), None)
+    if producer is None or producer.op_type != "Transpose":
+        return
+    table = _initializer(model, producer.input[0])
+    if table is None:
+        return
+    perm = next((list(a.ints) for a in producer.attribute if a.name == "perm"), None)
+    weight = np.transpose(numpy_helper.to_array(table), perm)
+    name = f"{HEAD_NODE}_weight"
+    model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight), name))
+    head.input[1] = name
+    if not _consumers(model, producer.output[0]):
+        model.graph.node.remove(producer)
+
+
 def _weight_only(model, scheme: Scheme):
     """The scheme's weight-only passes: body, then lm_head, then the embedding (sharing the 8-bit head's blocks
     when the two are tied, else int8 rows of its own)."""
+    _fold_head_transpose(model)
     eight = [node.name for node in model.graph.node if any(part in node.name for part in scheme.eight_bit_layers)]
     tied = {gather.name for gather in _embedding_gathers(model) if _tied_to_head(model, gather)}
     if scheme.body_bits is not None:
