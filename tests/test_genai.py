@@ -168,3 +168,14 @@ def test_the_bundled_model_exports_to_genai_and_decodes_greedily_as_pytorch(tmp_
                                             threads=1)).metrics["verification"]
     assert verification["passed"] and verification["genai_tokenizer_match"]
     assert verification["greedy_exact"] == verification["prompts"] == 4 and verification["agreement"] == 1.0
+
+
+def test_the_bundled_model_exports_to_genai_w8_the_default_scheme(tmp_path):
+    """The default scheme on the bundled model, whose tied head optimum writes as a Transpose of the embedding:
+    the 8-bit folder loads in onnxruntime-genai and agrees with PyTorch."""
+    from slm_align.modeling import DEFAULT_MODEL_DIR
+
+    result = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "genai", out=tmp_path, threads=1))
+    verification = result.metrics["verification"]
+    assert result.metrics["quant"] == "w8" and verification["passed"] and verification["agreement"] >= 0.9
+    assert (result.stage_dir / "genai_config.json").is_file()
