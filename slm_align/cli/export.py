@@ -35,6 +35,7 @@ def merge(
                          "  slm-align export runs/demo --target gguf --quant Q4_K_M\n\n"
                          "  slm-align export runs/demo --target onnx --device rpi5  # w8, arm64 preset\n\n"
                          "  slm-align export runs/demo --target genai --quant int4  # onnxruntime-genai folder\n\n"
+                         "  slm-align export runs/demo --target executorch  # ExecuTorch model.pte (fp32, XNNPACK)\n\n"
                          "  slm-align export ./SmolLM2-135M --target onnx --quant fp32 --out exports/ --json\n\n"
                          "  slm-align export runs/demo --system 'You tell short stories.'  # the Modelfile's SYSTEM\n\n"
                          "  slm-align export gemma-3-270m.gguf --chat-template chatml   # a base model, a template "
@@ -42,12 +43,13 @@ def merge(
                          "Exit code 1 when verification fails (nothing published unless --force).")
 def export(
     source: str = typer.Argument(..., help="Run directory, merged/HF model directory, .gguf file or hub id."),
-    target: str = typer.Option("gguf", "--target", "-t", help="gguf (llama.cpp), onnx (onnxruntime) or genai "
-                               "(an onnxruntime-genai folder: Android/iOS bindings; Llama, Qwen2/3, Gemma 3)."),
+    target: str = typer.Option("gguf", "--target", "-t", help="gguf (llama.cpp), onnx (onnxruntime), genai "
+                               "(an onnxruntime-genai folder: Android/iOS bindings; Llama, Qwen2/3, Gemma 3) or "
+                               "executorch (an fp32 model.pte, XNNPACK, static KV cache; Llama, Qwen2/3)."),
     quant: Optional[str] = typer.Option(None, "--quant", "-q", help="GGUF: F32, F16, Q8_0 (ours) or Q4_0, Q4_K_M, "
                                         "Q5_K_M, Q6_K, ... (llama.cpp's quantizer); default: the device's, else "
                                         "Q8_0. ONNX/genai: w8 (8-bit weight-only, the default), int4 (4-bit body), "
-                                        "int8 (dynamic), fp32."),
+                                        "int8 (dynamic), fp32. ExecuTorch: fp32 only."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (see `slm-align devices list`)."),
     out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default RUN/export or ./export)."),
     preset: Optional[str] = typer.Option(None, help="ONNX int8 preset: arm64, avx2, avx512, avx512_vnni."),
@@ -66,8 +68,9 @@ def export(
     chat_template: Optional[str] = ChatTemplateOpt,
     as_json: bool = JsonFlag,
 ) -> None:
-    """Merge and export to GGUF, ONNX or an onnxruntime-genai folder, quantized for a device, verified against the
-    PyTorch model; beside a GGUF an Ollama Modelfile (`ollama create NAME -f model-Q8_0.Modelfile`)."""
+    """Merge and export to GGUF, ONNX, an onnxruntime-genai folder or an ExecuTorch program, quantized for a
+    device, verified against the PyTorch model; beside a GGUF an Ollama Modelfile
+    (`ollama create NAME -f model-Q8_0.Modelfile`)."""
     from slm_align.export.stage import ExportRequest, run_export
 
     request = ExportRequest(source, target=target, quant=quant, device=device, out=out, verify=not no_verify,

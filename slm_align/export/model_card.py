@@ -375,10 +375,22 @@ def genai_usage(name: str) -> list[str]:
             f"slm-align chat {name}    # slm-align's runtime (onnxruntime)", "```", ""]
 
 
+def executorch_usage(name: str) -> list[str]:
+    """How to run a .pte folder: ExecuTorch's Python runtime (the Android/iOS runtimes load the same program)."""
+    return ["## How to run", "", "```python", "import torch", "from executorch.runtime import Runtime", "",
+            f'forward = Runtime.get().load_program("{name}/model.pte").load_method("forward")',
+            "# one token and its position per call; the static KV cache lives in the program",
+            "logits = forward.execute([torch.tensor([[token_id]]), torch.tensor([position])])[0]  # (1, 1, vocab)",
+            "```", ""]
+
+
 def onnx_card(name: str, metrics: dict, source: Optional[Path]) -> str:
-    """The card inside an ONNX export directory or genai folder."""
+    """The card inside an ONNX export directory, genai folder or ExecuTorch folder."""
     records = _records(source)
     title = name if records is None else records.run.name
+    if metrics.get("target") == "executorch":
+        tags = ["executorch", "xnnpack", metrics["quant"]]
+        return compose(title, records, "executorch", tags, [(name, metrics)], executorch_usage(name))
     if metrics.get("target") == "genai":
         tags = ["onnx", "onnxruntime-genai", metrics["quant"]]
         return compose(title, records, "onnx", tags, [(name, metrics)], genai_usage(name))

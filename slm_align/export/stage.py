@@ -1,10 +1,11 @@
-"""``slm-align export``: a run, a merged directory or any model source -> a parity-checked GGUF, ONNX or
-onnxruntime-genai artifact.
+"""``slm-align export``: a run, a merged directory or any model source -> a parity-checked GGUF, ONNX,
+onnxruntime-genai or ExecuTorch artifact.
 
 The artifact is built in a scratch directory beside its final name, verified against the PyTorch model, and
 only then renamed into place with its manifest (``model-Q8_0.gguf`` + ``model-Q8_0.gguf.json``, or
-``onnx-w8/`` / ``genai-w8/`` with ``manifest.json`` inside). A genai folder is the ONNX export with its
-``genai_config.json`` written before verification, which runs through onnxruntime-genai itself. A failed
+``onnx-w8/`` / ``genai-w8/`` / ``executorch-fp32/`` with ``manifest.json`` inside). A genai folder is the ONNX
+export with its ``genai_config.json`` written before verification, which runs through onnxruntime-genai itself; an
+ExecuTorch folder's ``model.pte`` is verified through ExecuTorch's Python runtime. A failed
 verification publishes nothing unless ``force``.
 """
 
@@ -21,6 +22,7 @@ from typing import Optional
 from slm_align.accelerator import resolve_device
 from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
 from slm_align.errors import UserError
+from slm_align.export.executorch import check_executorch_architecture, check_executorch_quant, write_executorch
 from slm_align.export.genai import check_genai_architecture, genai_tokenizer_report, write_genai_config
 from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_config, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
@@ -40,11 +42,13 @@ from slm_align.runs import (
     read_manifest,
 )
 
-TARGETS = ("gguf", "onnx", "genai")
-DEFAULT_QUANT = {"gguf": "Q8_0", "onnx": "w8", "genai": "w8"}  # w8: the ONNX scheme that passes on real weights
+TARGETS = ("gguf", "onnx", "genai", "executorch")
+# w8: the ONNX scheme that passes on real weights; ExecuTorch programs are fp32 only.
+DEFAULT_QUANT = {"gguf": "Q8_0", "onnx": "w8", "genai": "w8", "executorch": "fp32"}
 # What a refusal probes next, lowest precision first (the types benchmarks/quantization.py measures).
 PRECISION_LADDER = {"gguf": ("IQ4_XS", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "F16", "F32"),
-                    "onnx": ("int4", "w8", "fp32"), "genai": ("int4", "w8", "fp32")}  # int8 (dynamic) probes w8
+                    "onnx": ("int4", "w8", "fp32"), "genai": ("int4", "w8", "fp32"),  # int8 (dynamic) probes w8
+                    "executorch": ("fp32",)}
 EXACT_TYPES = {"F32", "F16", "fp32"}  # verified by greedy equality; the rest by top-1 agreement
 GREEDY_REPORTED = EXACT_TYPES | {"Q8_0"}  # greedy measured and reported (Q8_0: not required, see parity.verify)
 
@@ -62,7 +66,8 @@ class ExportRequest:
     source: str
     """Run directory, merged/HF model directory, .gguf file or hub id."""
     target: str = "gguf"
-    """gguf (llama.cpp), onnx (onnxruntime) or genai (an onnxruntime-genai folder: the ONNX export + its config)."""
+    """gguf (llama.cpp), onnx (onnxruntime), genai (an onnxruntime-genai folder: the ONNX export + its config) or
+    executorch (an fp32 ``model.pte`` with the XNNPACK delegate and a static KV cache)."""
     quant: Optional[str] = None
     """GGUF type (F32, F16, Q8_0, Q4_K_M, ...) or ONNX fp32/w8/int8/int4; default: GGUF the device's, else Q8_0;
     ONNX and genai w8 (the scheme that passes on real weights; a device changes only the int8 preset)."""
@@ -123,7 +128,7 @@ def _device_settings(request: ExportRequest) -> tuple[str, str, int]:
 
 def _validate(request: ExportRequest) -> tuple[str, str, int]:
     if request.target not in TARGETS:
-        raise UserError(f"--target {request.target}: choose gguf, onnx or genai")
+        raise UserError(f"--target {request.target}: choose gguf, onnx, genai or executorch")
     if not 0.0 <= request.min_agreement <= 1.0:
         raise UserError(f"--min-agreement {request.min_agreement}: must be between 0 and 1")
     check_system_prompt(request.system, request.target)
@@ -134,6 +139,8 @@ def _validate(request: ExportRequest) -> tuple[str, str, int]:
     quant, preset, threads = _device_settings(request)
     if request.target == "gguf":
         return check_gguf_type(quant), preset, threads
+    if request.target == "executorch":
+        return check_executorch_quant(quant), preset, threads
     quant, preset = check_onnx_quant(quant, preset)
     return quant, preset, threads
 
@@ -226,6 +233,12 @@ def _model_type(origin: dict) -> Optional[str]:
 def _build(target: str, quant: str, preset: str, threads: int, checkpoint: Path, scratch: Path,
            template: Optional[str], ort_format: bool, importance: Optional[dict] = None) -> Path:
     """Write the artifact inside ``scratch``; returns its path there."""
+    if target == "executorch":
+        built = scratch / "artifact"
+        write_executorch(checkpoint, built)
+        if template is not None:
+            (built / "chat_template.jinja").write_text(template, encoding="utf-8")
+        return built
     if target != "gguf":
         built = scratch / "artifact"
         write_onnx(checkpoint, built, quant, preset, ort_format)
@@ -267,9 +280,14 @@ def _importance(request: ExportRequest, origin: dict, quant: str, checkpoint: Pa
 
 
 def _open_artifact(target: str, artifact: Path, threads: int):
-    """The backend verification runs ``artifact`` on: onnxruntime-genai's decoder for a genai folder."""
+    """The backend verification runs ``artifact`` on: onnxruntime-genai's decoder for a genai folder, ExecuTorch's
+    runtime for a .pte."""
     from slm_align.export.parity import VERIFY_CONTEXT
 
+    if target == "executorch":
+        from slm_align.agent.executorch_backend import ExecutorchBackend
+
+        return ExecutorchBackend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT)
     if target == "genai":
         from slm_align.agent.genai_backend import GenaiBackend
 
@@ -388,6 +406,8 @@ def run_export(request: ExportRequest) -> StageResult:
     origin = _locate(request.source, request.target)
     if request.target == "genai":
         check_genai_architecture(_model_type(origin))  # GPT-NeoX, GPT-2: refused before any work
+    if request.target == "executorch":
+        check_executorch_architecture(_model_type(origin))
     _check_calibrate(request, quant, origin)
     out = check_out_dir(Path(request.out) if request.out is not None else _default_out(request.source))
     final = out / artifact_name(request.target, quant)
@@ -416,7 +436,8 @@ def run_export(request: ExportRequest) -> StageResult:
             advice = _probe_advice(request, quant, preset, threads, checkpoint, scratch, template)
             raise VerificationFailed(f"export not published: {_failure(verification)}; nothing was written to "
                                      f"{final}. {advice}")
-        metrics = {"target": request.target, "quant": quant, "preset": preset if request.target != "gguf" else None,
+        onnx_preset = preset if request.target in ("onnx", "genai") else None
+        metrics = {"target": request.target, "quant": quant, "preset": onnx_preset,
                    "device": request.device, "threads": threads, "bytes": _size(built),
                    "sha256": artifact_digest(built), "export_seconds": export_seconds,
                    "default_chat_template": template_origin == "default", "chat_template": template_origin,

@@ -1,0 +1,100 @@
+"""ExecuTorch programs (issue 23, item 2): ``export --target executorch`` writes an fp32 ``model.pte`` (XNNPACK,
+static KV cache) that ExecuTorch's own Python runtime decodes greedily exactly as PyTorch does."""
+
+import json
+
+import pytest
+
+from slm_align.runs import sha256_file
+from tests.helpers import run_cli
+
+pytest.importorskip("executorch.runtime")
+PROMPT = "The fox went to the river and"
+NEW_TOKENS = 24
+
+
+def torch_greedy(model_dir, prompt_ids):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             min_new_tokens=NEW_TOKENS, pad_token_id=model.config.eos_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def pte_greedy(program_path, prompt_ids):
+    """Greedy decoding as an app drives the program: ExecuTorch's runtime, one token and its position per call."""
+    import torch
+    from executorch.runtime import Runtime
+
+    forward = Runtime.get().load_program(program_path).load_method("forward")
+    position = 0
+    for token in prompt_ids:
+        logits = forward.execute([torch.tensor([[token]]), torch.tensor([position])])[0]
+        position += 1
+    out = []
+    while len(out) < NEW_TOKENS:
+        out.append(int(logits[0, -1].argmax()))
+        logits = forward.execute([torch.tensor([[out[-1]]]), torch.tensor([position])])[0]
+        position += 1
+    return out
+
+
+def test_export_target_executorch_publishes_a_verified_program_that_decodes_as_pytorch(tiny_models, tmp_path,
+                                                                                        capsys):
+    from executorch.runtime import Runtime
+    from transformers import AutoTokenizer
+
+    from slm_align.export.executorch import MAX_CACHE_LEN
+
+    code, out, err = run_cli(capsys, "export", tiny_models["llama"], "--target", "executorch", "--threads", "1",
+                             "--out", tmp_path / "out", "--json")
+    assert code == 0, err
+    folder = tmp_path / "out" / "executorch-fp32"
+    assert json.loads(out)["dir"] == str(folder)
+    for name in ("model.pte", "tokenizer.json", "tokenizer_config.json", "config.json", "manifest.json",
+                 "README.md"):
+        assert (folder / name).is_file(), name
+    assert not list((tmp_path / "out").glob(".*partial"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    metrics = manifest["metrics"]
+    verification = metrics["verification"]
+    assert (metrics["target"], metrics["quant"], metrics["preset"]) == ("executorch", "fp32", None)
+    assert manifest["inputs"]["target"] == "executorch"
+    assert verification["passed"] and verification["tokenizer_match"] and not verification["divergences"]
+    assert verification["greedy_exact"] == verification["prompts"] == 4 and verification["agreement"] == 1.0
+    assert manifest["files"]["model.pte"] == sha256_file(folder / "model.pte")
+    ids = AutoTokenizer.from_pretrained(tiny_models["llama"])(PROMPT)["input_ids"]
+    assert pte_greedy(folder / "model.pte", ids) == torch_greedy(tiny_models["llama"], ids)
+    program = Runtime.get().load_program(folder / "model.pte")  # what ExecuTorch's LLM runners read
+    assert program.load_method("get_max_seq_len").execute([])[0] == MAX_CACHE_LEN == 512
+    config = json.loads((tiny_models["llama"] / "config.json").read_text())
+    assert program.load_method("get_vocab_size").execute([])[0] == config["vocab_size"]
+    assert program.load_method("use_kv_cache").execute([])[0] is True
+
+
+@pytest.mark.parametrize("args, message", [(["gpt2", "--target", "executorch"], "gpt2 is not supported"),
+                                           (["llama", "--target", "executorch", "--quant", "int4"],
+                                            "only fp32 programs are built")])
+def test_bad_architecture_or_quant_is_refused_in_one_line_before_any_work(tiny_models, tmp_path, capsys, args,
+                                                                          message):
+    code, _, err = run_cli(capsys, "export", tiny_models[args[0]], *args[1:], "--out", tmp_path / "out")
+    assert code == 2
+    assert err.strip().count("\n") == 0 and message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_torch_export_cannot_take_is_refused_in_one_line_and_nothing_is_kept(tiny_models, tmp_path, capsys,
+                                                                                   monkeypatch):
+    import slm_align.export.executorch as executorch
+
+    def fail(model, max_cache_len):
+        raise RuntimeError("Unsupported: data-dependent control flow\n  a long trace")
+
+    monkeypatch.setattr(executorch, "_exported_program", fail)
+    code, _, err = run_cli(capsys, "export", tiny_models["llama"], "--target", "executorch", "--out", tmp_path / "out")
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "llama did not export (Unsupported: data-dependent" in err
+    assert list((tmp_path / "out").iterdir()) == []
