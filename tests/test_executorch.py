@@ -75,7 +75,8 @@ def test_export_target_executorch_publishes_a_verified_program_that_decodes_as_p
     assert program.load_method("use_kv_cache").execute([])[0] is True
 
 
-@pytest.mark.parametrize("args, message", [(["gpt2", "--target", "executorch"], "gpt2 is not supported"),
+@pytest.mark.parametrize("args, message", [(["gemma3_text", "--target", "executorch"],
+                                             "gemma3_text is not supported"),
                                            (["llama", "--target", "executorch", "--quant", "int4"],
                                             "only fp32 programs are built")])
 def test_bad_architecture_or_quant_is_refused_in_one_line_before_any_work(tiny_models, tmp_path, capsys, args,
@@ -98,3 +99,15 @@ def test_a_model_torch_export_cannot_take_is_refused_in_one_line_and_nothing_is_
     assert code == 2
     assert err.strip().count("\n") == 0 and "llama did not export (Unsupported: data-dependent" in err
     assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2"])
+def test_other_architectures_are_published_only_when_they_decode_exactly_as_pytorch(tiny_models, tmp_path, arch):
+    from slm_align.export.stage import ExportRequest, run_export
+
+    result = run_export(ExportRequest(str(tiny_models[arch]), "executorch", out=tmp_path, threads=1))
+    verification = result.metrics["verification"]
+    assert result.stage_dir == tmp_path / "executorch-fp32" and (result.stage_dir / "model.pte").is_file()
+    assert verification["passed"] and verification["greedy_exact"] == verification["prompts"] == 4
+    assert verification["agreement"] == 1.0 and verification["ties"] == []

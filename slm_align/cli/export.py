@@ -45,7 +45,7 @@ def export(
     source: str = typer.Argument(..., help="Run directory, merged/HF model directory, .gguf file or hub id."),
     target: str = typer.Option("gguf", "--target", "-t", help="gguf (llama.cpp), onnx (onnxruntime), genai "
                                "(an onnxruntime-genai folder: Android/iOS bindings; Llama, Qwen2/3, Gemma 3) or "
-                               "executorch (an fp32 model.pte, XNNPACK, static KV cache; Llama, Qwen2/3)."),
+                               "executorch (an fp32 model.pte, XNNPACK, static KV cache; not Gemma 3)."),
     quant: Optional[str] = typer.Option(None, "--quant", "-q", help="GGUF: F32, F16, Q8_0 (ours) or Q4_0, Q4_K_M, "
                                         "Q5_K_M, Q6_K, ... (llama.cpp's quantizer); default: the device's, else "
                                         "Q8_0. ONNX/genai: w8 (8-bit weight-only, the default), int4 (4-bit body), "
