@@ -12,9 +12,16 @@ imports neither torch nor transformers unless a training stage is asked for.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# torchao (which the executorch extra installs) logs at import, and transformers imports it on every model load, that
+# its CUDA kernels do not load on a CPU-only torch; torch's pytree then logs that torchao's enums need no
+# registration. Neither concerns slm-align, and both would reach stderr (a CLI error is one line there).
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 # public name -> "module:attribute" that defines it (the attribute is the name unless given)
 _EXPORTS = {

@@ -111,3 +111,16 @@ def test_other_architectures_are_published_only_when_they_decode_exactly_as_pyto
     assert result.stage_dir == tmp_path / "executorch-fp32" and (result.stage_dir / "model.pte").is_file()
     assert verification["passed"] and verification["greedy_exact"] == verification["prompts"] == 4
     assert verification["agreement"] == 1.0 and verification["ties"] == []
+
+
+def test_loading_a_model_beside_executorch_writes_nothing_to_stderr(tiny_models):
+    """torchao (an executorch dependency) logs at import, which transformers does on every model load."""
+    import subprocess
+    import sys
+
+    code = ("from slm_align.modeling import load_model, resolve_source\n"
+            f"load_model(resolve_source({str(tiny_models['llama'])!r}))\n"
+            "import torchao\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torchao" not in done.stderr and "Failed to load" not in done.stderr, done.stderr[-2000:]
