@@ -73,6 +73,14 @@ def test_export_target_executorch_publishes_a_verified_program_that_decodes_as_p
     config = json.loads((tiny_models["llama"] / "config.json").read_text())
     assert program.load_method("get_vocab_size").execute([])[0] == config["vocab_size"]
     assert program.load_method("use_kv_cache").execute([])[0] is True
+    code, _, err = run_cli(capsys, "bundle", folder, "--out", tmp_path / "app")
+    assert code == 0, err
+    described = json.loads((tmp_path / "app" / "bundle.json").read_text())
+    assert (described["runtime"], described["target"], described["artifact"]) == \
+        ("ExecuTorch", "executorch", "model/executorch-fp32")
+    assert "cache_position" in (tmp_path / "app" / "README.md").read_text()
+    assert pte_greedy(tmp_path / "app" / "model" / "executorch-fp32" / "model.pte", ids) == \
+        torch_greedy(tiny_models["llama"], ids)
 
 
 @pytest.mark.parametrize("args, message", [(["gemma3_text", "--target", "executorch"],

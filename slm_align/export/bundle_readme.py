@@ -46,6 +46,21 @@ RUNTIMES = {
             "until `generator.is_done()`",
         ],
     },
+    "executorch": {
+        "name": "ExecuTorch",
+        "packages": "Android: `org.pytorch:executorch-android` (the `Module` class); iOS/macOS: the ExecuTorch Swift "
+                    "package (`executorch` with `backend_xnnpack`: the program delegates to XNNPACK). fp32 only.",
+        "calls": [
+            "`Module(\"model/{name}/model.pte\")` (`Module.load(path)` on Android); its `get_max_seq_len` method "
+            "gives the static KV cache's length, `get_eos_ids` the end-of-sequence ids",
+            "render chat_template.jinja and tokenize with tokenizer.json (ExecuTorch's `pytorch_tokenizers` or a "
+            "Hugging Face tokenizers binding)",
+            "for each prompt token: `forward(input_ids=[[token]] int64, cache_position=[position] int64)` -> "
+            "logits (1, 1, vocab); the KV cache lives inside the program, position counts from 0",
+            "loop: sample the last logits with sampling.json, feed the token at the next position, stop at an EOS "
+            "id or at get_max_seq_len",
+        ],
+    },
 }
 
 VERDICTS = {True: "passed", False: "FAILED (published with --force)", None: "skipped"}
