@@ -48,3 +48,33 @@ def tree_digest(path: Path) -> str:
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         digest.update(str(file.relative_to(path)).encode() + file.read_bytes())
     return digest.hexdigest()
+
+
+def torch_greedy(model_dir, prompt_ids, new_tokens: int):
+    """PyTorch's greedy continuation of ``prompt_ids`` by the fp32 model in ``model_dir``: exactly ``new_tokens``
+    tokens (the reference the mobile runtimes' greedy decoding must match)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False,
+                             min_new_tokens=new_tokens, pad_token_id=model.config.eos_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def policy_with_moved_lora(path, rl, scale: float, seed: int):
+    """The RL policy of the model at ``path`` with its LoRA B matrices drawn at ``scale`` (seeded), as after some
+    updates: the adapter then changes the log-probabilities (and LoRA dropout would matter)."""
+    import torch
+
+    from slm_align.modeling import resolve_source
+    from slm_align.rl.policy import build_policy
+
+    policy = build_policy(resolve_source(str(path)), None, rl, seed=0)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(scale * torch.randn(param.shape, generator=generator))
+    return policy

@@ -6,22 +6,11 @@ import json
 import pytest
 
 from slm_align.runs import sha256_file
-from tests.helpers import run_cli
+from tests.helpers import run_cli, torch_greedy
 
 pytest.importorskip("executorch.runtime")
 PROMPT = "The fox went to the river and"
 NEW_TOKENS = 24
-
-
-def torch_greedy(model_dir, prompt_ids):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             min_new_tokens=NEW_TOKENS, pad_token_id=model.config.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def pte_greedy(program_path, prompt_ids):
@@ -67,7 +56,7 @@ def test_export_target_executorch_publishes_a_verified_program_that_decodes_as_p
     assert verification["greedy_exact"] == verification["prompts"] == 4 and verification["agreement"] == 1.0
     assert manifest["files"]["model.pte"] == sha256_file(folder / "model.pte")
     ids = AutoTokenizer.from_pretrained(tiny_models["llama"])(PROMPT)["input_ids"]
-    assert pte_greedy(folder / "model.pte", ids) == torch_greedy(tiny_models["llama"], ids)
+    assert pte_greedy(folder / "model.pte", ids) == torch_greedy(tiny_models["llama"], ids, NEW_TOKENS)
     program = Runtime.get().load_program(folder / "model.pte")  # what ExecuTorch's LLM runners read
     assert program.load_method("get_max_seq_len").execute([])[0] == MAX_CACHE_LEN == 512
     config = json.loads((tiny_models["llama"] / "config.json").read_text())
@@ -80,7 +69,7 @@ def test_export_target_executorch_publishes_a_verified_program_that_decodes_as_p
         ("ExecuTorch", "executorch", "model/executorch-fp32")
     assert "cache_position" in (tmp_path / "app" / "README.md").read_text()
     assert pte_greedy(tmp_path / "app" / "model" / "executorch-fp32" / "model.pte", ids) == \
-        torch_greedy(tiny_models["llama"], ids)
+        torch_greedy(tiny_models["llama"], ids, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("args, message", [(["gemma3_text", "--target", "executorch"],

@@ -9,21 +9,11 @@ from slm_align.agent.sampling import SamplingParams
 from slm_align.errors import UserError
 from slm_align.export.genai import genai_config, genai_greedy, genai_tokens, write_genai_config
 from slm_align.export.stage import ExportRequest, run_export
+from tests.helpers import torch_greedy
 
 og = pytest.importorskip("onnxruntime_genai")
 PROMPTS = ["Once upon a time", "The fox went to the river and"]
 NEW_TOKENS = 24
-
-
-def torch_greedy(model_dir, prompt_ids):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             min_new_tokens=NEW_TOKENS, pad_token_id=model.config.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
@@ -37,7 +27,7 @@ def test_a_genai_folder_tokenizes_and_decodes_greedily_as_pytorch(tiny_models, t
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         assert genai_tokens(folder, prompt) == ids
         genai = genai_greedy(folder, ids, NEW_TOKENS)
-        assert genai == torch_greedy(tiny_models[arch], ids)[:len(genai)] and len(genai) >= 1
+        assert genai == torch_greedy(tiny_models[arch], ids, NEW_TOKENS)[:len(genai)] and len(genai) >= 1
 
 
 def test_the_config_carries_the_sampling_defaults_and_refuses_other_architectures():
@@ -78,7 +68,7 @@ def test_export_target_genai_of_a_run_through_the_cli_publishes_a_verified_folde
     ids = tokenizer(PROMPTS[1])["input_ids"]
     assert genai_tokens(folder, PROMPTS[1]) == ids
     genai = genai_greedy(folder, ids, NEW_TOKENS)  # genai's own search, as an app runs it
-    assert len(genai) >= 1 and genai == torch_greedy(run / "merged", ids)[:len(genai)]
+    assert len(genai) >= 1 and genai == torch_greedy(run / "merged", ids, NEW_TOKENS)[:len(genai)]
     code, _, err = run_cli(capsys, "bundle", folder, "--out", tmp_path / "app")
     assert code == 0, err
     described = json.loads((tmp_path / "app" / "bundle.json").read_text())

@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from slm_align.config import LoraSettings, RLSettings
-from slm_align.modeling import resolve_source
 from slm_align.rl.logprobs import plain_head
-from slm_align.rl.policy import ValueHead, _model_logprobs, build_policy, forward_logprobs
-from tests.helpers import ARCHITECTURES
+from slm_align.rl.policy import ValueHead, _model_logprobs, forward_logprobs
+from tests.helpers import ARCHITECTURES, policy_with_moved_lora
 
 PROMPTS = ["Once upon a time, there was a cat.", "Tom found a red ball and", "One day,"]
 COMPLETIONS = [" She ran to the park with her friend.", " kicked it.", " Mia was very happy to see the sun."]
@@ -16,14 +15,7 @@ COMPLETIONS = [" She ran to the park with her friend.", " kicked it.", " Mia was
 
 def policy_with_trained_lora(path):
     """A tiny policy whose LoRA has moved off zero, so that the adapter changes the log-probabilities."""
-    settings = RLSettings(lora=LoraSettings(r=4, alpha=8.0, dropout=0.0))
-    policy = build_policy(resolve_source(str(path)), None, settings, seed=0)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
-    return policy
+    return policy_with_moved_lora(path, RLSettings(lora=LoraSettings(r=4, alpha=8.0, dropout=0.0)), 0.3, seed=0)
 
 
 def left_padded(tokenizer):

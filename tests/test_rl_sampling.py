@@ -14,6 +14,7 @@ from slm_align.modeling import resolve_source
 from slm_align.rl.policy import ValueHead, build_policy, forward_logprobs, merged_for_sampling
 from slm_align.rl.ppo import PPO
 from slm_align.rl.rollout import collect
+from tests.helpers import policy_with_moved_lora
 
 PROMPTS = ["Once upon a time, there was a cat.", "Tom found a red ball.", "One day, Mia was happy.", "The sun."]
 
@@ -43,13 +44,7 @@ def settings(**update) -> RLSettings:
 
 def trained_policy(checkpoint, rl: RLSettings):
     """The RL policy with its LoRA moved off zero, as after some updates (so LoRA dropout would matter)."""
-    policy = build_policy(resolve_source(str(checkpoint)), None, rl, seed=0)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
-    return policy
+    return policy_with_moved_lora(checkpoint, rl, 0.5, seed=1)
 
 
 def sampled_and_recomputed(policy, tokenizer, temperature: float):
