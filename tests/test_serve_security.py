@@ -158,12 +158,20 @@ def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(on
         for client in slow:
             client.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # headers never finished
         assert [client.recv(100) for client in slow] == [b""] * 3  # closed by the server, nothing answered
-        many = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(6)]
+
+        def open_connections() -> int:
+            return len(server.server_state.connections)
+
+        wait_until(lambda: open_connections() == 0, "the server forgets the closed connections")
         request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
-        for client in many:
+        first = socket.create_connection(("127.0.0.1", port), timeout=30)
+        first.sendall(request)
+        assert first.recv(12) == b"HTTP/1.1 200"  # within the limit: served
+        beyond = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(4)]
+        wait_until(lambda: open_connections() == 5, "the server holds all five connections")
+        for client in beyond:
             client.sendall(request)
-        statuses = sorted(client.recv(12)[-3:] for client in many)
-        assert b"503" in statuses and b"200" in statuses  # beyond the limit: refused, not queued forever
+        assert [client.recv(12) for client in beyond] == [b"HTTP/1.1 503"] * 4  # refused, not queued forever
     finally:
         server.should_exit = True
         thread.join()
