@@ -2,7 +2,7 @@
 
 The phases PPO and GRPO time (each a ``time/<phase>`` metric, seconds, summed over every entry in the iteration):
 
-- ``sampling``: generating the completions (``generate`` with the KV cache, the LoRA merged in);
+- ``sampling``: generating the completions (generation.py's decoding loop with the KV cache, the LoRA merged in);
 - ``reward``: the reward function on the decoded completions;
 - ``scoring_old``: the old log-probabilities (and PPO's values) of the samples, when computed in their own pass;
 - ``scoring_ref``: the reference log-probabilities (the adapter disabled), skipped when nothing uses them;
