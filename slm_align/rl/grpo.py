@@ -41,11 +41,12 @@ class GRPO(Learner):
         return [self.train_prompts[i] for i in picks for _ in range(size.completions_per_prompt)]
 
     def needs_old_pass(self) -> bool:
-        """Only when more than one optimizer step reuses the samples (several epochs or minibatches): a single step
-        takes its own forward's log-probabilities, detached, as the old ones (TRL does the same)."""
+        """Only when an epoch takes several minibatches (the second is scored after the first step). With one
+        minibatch per epoch, the first epoch's forward comes before any step: its log-probabilities, detached, are
+        the old ones, and the later epochs reuse them (TRL skips the pass only for a single step)."""
         size = iteration_size(self.settings)
         rows = size.prompts // self.world.size * size.completions_per_prompt
-        return self.settings.epochs > 1 or self.settings.minibatch_size < rows
+        return self.settings.minibatch_size < rows
 
     def needs_reference(self) -> bool:
         """Only when the loss weighs the KL (beta > 0) or the watchdog watches it: no reference pass otherwise

@@ -23,7 +23,7 @@ class Rollout:
     attention_mask: torch.Tensor  # (B, P+T)
     prompt_width: int
     mask: torch.Tensor  # (B, T) float: completion tokens that train
-    old_logprobs: Optional[torch.Tensor]  # (B, T); None until a single update's forward supplies them
+    old_logprobs: Optional[torch.Tensor]  # (B, T); None until the first epoch's forward supplies them (one minibatch)
     ref_logprobs: Optional[torch.Tensor]  # (B, T); None when nothing uses them (GRPO, beta 0, KL unwatched)
     values: Optional[torch.Tensor]  # (B, T), PPO only
     scores: torch.Tensor  # (B,) reward of each completion (after any length penalty)
@@ -41,8 +41,8 @@ def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, promp
     """Sample one completion per prompt (``seed``), score it, and recompute its log-probabilities in fp32 under the
     policy (with values, when there is a value head) and the reference (the adapter disabled).
 
-    ``old_pass`` off leaves ``old_logprobs`` None (a single optimizer step takes its own forward's, detached; with a
-    value head the pass runs anyway, for the values);
+    ``old_pass`` off leaves ``old_logprobs`` None (one minibatch per epoch: the first epoch's forward supplies
+    them, detached; with a value head the pass runs anyway, for the values);
     ``reference_pass`` off leaves ``ref_logprobs`` None (nothing uses them). ``clock`` times the phases.
     """
     clock = clock or PhaseClock()

@@ -142,8 +142,9 @@ class Learner(TrainableRun):
 
 def old_logprobs(batch: Rollout, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """(b, T) log-probabilities of ``rows`` under the rollout policy: the old pass's, or, when the rollout skipped
-    that pass (a single optimizer step uses the samples), this forward's own ``new`` detached, kept in the batch for
-    the KL metric. Those are the rollout policy's exactly (no step has been taken), so the ratio is exactly 1."""
+    that pass (one minibatch per epoch), the first epoch's forward's own ``new`` detached, kept in the batch for the
+    later epochs and the KL metric. Those are the rollout policy's exactly (no step has been taken yet), so the
+    first epoch's ratio is exactly 1."""
     if batch.old_logprobs is not None:
         return batch.old_logprobs[rows]
     if rows.numel() != batch.mask.shape[0]:
