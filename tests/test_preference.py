@@ -1,6 +1,7 @@
 """DPO and KTO: the losses on hand-computed log-probabilities, the reference being the merged SFT prior, NaN
 rollback, a bit-identical resume, learning a learnable preference on a tiny model, and the CLI's refusals."""
 
+import copy
 import json
 import math
 import shutil
@@ -170,7 +171,47 @@ def test_the_reference_is_the_merged_sft_prior_and_the_first_step_starts_from_it
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)  # margin 0 at the first step: -log sigmoid(0)
 
 
-def test_a_nan_loss_rolls_back_parameters_and_optimizer_state(sft_run, prefs, tmp_path, monkeypatch):
+def nan_loss(learner, monkeypatch) -> list:
+    """A NaN loss: caught before backward, so nothing has moved yet when the snapshot is restored."""
+    original = learner.loss
+
+    def poisoned(indices):
+        loss, stats = original(indices)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(learner, "loss", poisoned)
+    return []
+
+
+def nan_parameter_after_the_step(learner, monkeypatch) -> list:
+    """A NaN written into a parameter right after AdamW's step: caught only then, when every parameter and every
+    moment and step count has moved, so only a working restore puts them back. Returns what the hook saw."""
+    seen = []
+
+    def poison(optimizer, args, kwargs):
+        seen.append({"params": {n: p.detach().clone() for n, p in learner.named_params},
+                     "optimizer": copy.deepcopy(optimizer.state_dict())})
+        with torch.no_grad():
+            learner.params[0].view(-1)[0] = float("nan")
+
+    learner.optimizer.register_step_post_hook(poison)
+    return seen
+
+
+def same_tensors(a, b) -> bool:
+    """Nested dicts/lists of tensors and plain values equal bit for bit (same keys, torch.equal on tensors)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_tensors(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_tensors(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("fault", [nan_loss, nan_parameter_after_the_step])
+def test_a_non_finite_step_rolls_back_every_parameter_and_the_whole_optimizer_state(sft_run, prefs, monkeypatch,
+                                                                                     fault):
     from slm_align.modeling import load_tokenizer, resolve_source
     from slm_align.rl.policy import build_policy
 
@@ -183,22 +224,23 @@ def test_a_nan_loss_rolls_back_parameters_and_optimizer_state(sft_run, prefs, tm
     learner = PreferenceLearner(policy, tokenizer, data, recipe.preference, "dpo", recipe.rl.envelope, recipe.seed,
                                 recipe.data.max_length)
     learner.train_step()
-    learner.train_step()
-    before = {name: param.detach().clone() for name, param in learner.named_params}
-    state_before = {k: v.clone() for k, v in next(iter(learner.optimizer.state.values())).items()}
-    original = learner.loss
-
-    def poisoned(indices):
-        loss, stats = original(indices)
-        return loss * float("nan"), stats
-
-    monkeypatch.setattr(learner, "loss", poisoned)
+    learner.train_step()  # AdamW holds exp_avg, exp_avg_sq and step for every trainable parameter
+    params_before = {name: param.detach().clone() for name, param in learner.named_params}
+    optimizer_before = copy.deepcopy(learner.optimizer.state_dict())
+    assert len(optimizer_before["state"]) == len(learner.params) > 1
+    seen = fault(learner, monkeypatch)
     result = learner.train_step()
     assert result["rolled_back"] == 1 and learner.guard.counters.rollbacks == 1
-    for name, param in learner.named_params:
-        assert torch.equal(param, before[name])
-    state_after = next(iter(learner.optimizer.state.values()))
-    assert all(torch.equal(state_after[k], v) for k, v in state_before.items())
+    if seen:  # the failed step had moved every parameter and every piece of AdamW state before it was caught
+        moved = seen[0]
+        assert all(not torch.equal(moved["params"][n], params_before[n]) for n in params_before)
+        for index, state in optimizer_before["state"].items():
+            after_step = moved["optimizer"]["state"][index]
+            assert float(after_step["step"]) == float(state["step"]) + 1
+            assert not torch.equal(after_step["exp_avg_sq"], state["exp_avg_sq"])
+    assert same_tensors({n: p.detach() for n, p in learner.named_params}, params_before)
+    assert same_tensors(learner.optimizer.state_dict(), optimizer_before)
+    assert all(param.grad is None for param in learner.params)
 
 
 def test_a_killed_run_resumes_bit_identical(sft_run, prefs, tmp_path, monkeypatch):
