@@ -131,20 +131,55 @@ def fresh_run(sft_run, out):
     return recipe
 
 
+@pytest.fixture(scope="module")
+def aligned(sft_run, prefs, tmp_path_factory):
+    """One run holding the SFT prior and a DPO and a KTO stage (30 steps each on the learnable pairs), and each
+    stage's manifest metrics."""
+    out = tmp_path_factory.mktemp("aligned") / "run"
+    recipe = fresh_run(sft_run, out)
+    metrics = {}
+    for algo in ("dpo", "kto"):
+        metrics[algo] = run_preference(preference_recipe(recipe, algo, prefs), out, force=True).metrics
+    return out, metrics
+
+
 @pytest.mark.parametrize("algo", ["dpo", "kto"])
-def test_a_learnable_preference_is_learned_on_held_out_prompts(sft_run, prefs, tmp_path, algo):
-    recipe = preference_recipe(fresh_run(sft_run, tmp_path / "run"), algo, prefs)
-    result = run_preference(recipe, tmp_path / "run", force=True)
-    metrics = result.metrics
+def test_a_learnable_preference_is_learned_on_held_out_prompts(aligned, algo):
+    out, results = aligned
+    metrics = results[algo]
     assert metrics["heldout_before"]["pair_accuracy"] == 0.0  # the policy starts as the reference: no margin
     assert metrics["heldout_accuracy"]["kind"] == "pair_accuracy"
     assert metrics["heldout_accuracy"]["value"] > 0.8
     low, high = metrics["heldout_accuracy"]["ci95"]
     assert low <= metrics["heldout_accuracy"]["value"] <= high
-    assert (tmp_path / "run" / algo / "adapter" / "adapter_model.safetensors").is_file()
-    logged = [json.loads(line) for line in (tmp_path / "run" / algo / "metrics.jsonl").read_text().splitlines()]
+    assert (out / algo / "adapter" / "adapter_model.safetensors").is_file()
+    logged = [json.loads(line) for line in (out / algo / "metrics.jsonl").read_text().splitlines()]
     assert len(logged) == 30 and "heldout/pair_accuracy" in logged[9]
     assert metrics["gate"]["forced"] is True  # a 2-step SFT prior is not fluent: recorded
+
+
+def test_evaluate_reports_dpo_and_kto_beside_sft_with_held_out_accuracy_and_its_interval(aligned, capsys):
+    out, results = aligned
+    code, stdout, err = run_cli(capsys, "evaluate", "--run", out, "--reward", "length_window", "--prompts", "4",
+                                "--max-new-tokens", "8", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report == json.loads((out / "eval" / "report.json").read_text())
+    assert [p["name"] for p in report["policies"]] == ["sft", "dpo", "kto"]
+    assert [(c["baseline"], c["policy"]) for c in report["comparisons"]] == [("sft", "dpo"), ("sft", "kto")]
+    assert [record["stage"] for record in report["preference"]] == ["dpo", "kto"]
+    markdown = (out / "eval" / "report.md").read_text()
+    section = markdown.split("## Preference optimisation")[1]
+    assert "| dpo |" in markdown and "| kto |" in markdown
+    for record in report["preference"]:
+        headline = results[record["stage"]]["heldout_accuracy"]
+        low, high = record["ci95"]
+        assert record["kind"] == "pair_accuracy" and record["after"] == headline["value"] > 0.8
+        assert record["before"] == 0.0 and record["heldout_pairs"] == 12 and record["steps"] == 30
+        assert 0.0 <= low <= record["after"] <= high <= 1.0 and (low, high) == tuple(headline["ci95"])
+        row = (f"| {record['stage']} (pair accuracy) | 0.000 | {record['after']:.3f} | [{low:.3f}, {high:.3f}] | "
+               "12 | 30 |")
+        assert row in section
 
 
 def test_the_reference_is_the_merged_sft_prior_and_the_first_step_starts_from_it(sft_run, prefs, tmp_path):
