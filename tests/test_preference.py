@@ -182,24 +182,33 @@ def test_evaluate_reports_dpo_and_kto_beside_sft_with_held_out_accuracy_and_its_
         assert row in section
 
 
-def test_the_reference_is_the_merged_sft_prior_and_the_first_step_starts_from_it(sft_run, prefs, tmp_path):
-    from slm_align.modeling import load_tokenizer, merged_policy, resolve_source
+def make_learner(sft_run, prefs, algo: str) -> PreferenceLearner:
+    """A DPO or KTO learner on ``prefs`` from the module's SFT prior (merged, a fresh LoRA), as the stage builds it."""
+    from slm_align.modeling import load_tokenizer, resolve_source
     from slm_align.rl.policy import build_policy
 
     base, recipe = sft_run
-    recipe = preference_recipe(recipe, "dpo", prefs)
+    recipe = preference_recipe(recipe, algo, prefs)
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source)
-    data = load_preference_data([prefs], tokenizer, "dpo", recipe.seed, 0.2)
+    data = load_preference_data([prefs], tokenizer, algo, recipe.seed, 0.2)
+    policy = build_policy(source, base / "sft" / "adapter", recipe.rl, recipe.seed)
+    return PreferenceLearner(policy, tokenizer, data, recipe.preference, algo, recipe.rl.envelope, recipe.seed,
+                             recipe.data.max_length)
+
+
+def test_the_reference_is_the_merged_sft_prior_and_the_first_step_starts_from_it(sft_run, prefs):
+    from slm_align.modeling import merged_policy, resolve_source
+
+    base, recipe = sft_run
+    source = resolve_source(recipe.model.source)
     adapter = base / "sft" / "adapter"
-    policy = build_policy(source, adapter, recipe.rl, recipe.seed)
-    learner = PreferenceLearner(policy, tokenizer, data, recipe.preference, "dpo", recipe.rl.envelope, recipe.seed,
-                                recipe.data.max_length)
+    learner = make_learner(sft_run, prefs, "dpo")
     prior = merged_policy(source, adapter).float().eval()
     with torch.no_grad():
-        expected, _ = sequence_logprobs(prior, learner.chosen.rows, tokenizer.pad_token_id, 4)
+        expected, _ = sequence_logprobs(prior, learner.chosen.rows, learner.pad_id, 4)
         base_only, _ = sequence_logprobs(merged_policy(source, None).float().eval(), learner.chosen.rows,
-                                         tokenizer.pad_token_id, 4)
+                                         learner.pad_id, 4)
     assert torch.allclose(learner.chosen.ref, expected, atol=1e-4)
     assert not torch.allclose(learner.chosen.ref, base_only, atol=1e-3)  # the SFT adapter is merged in
     first = learner.train_step()
@@ -247,17 +256,7 @@ def same_tensors(a, b) -> bool:
 @pytest.mark.parametrize("fault", [nan_loss, nan_parameter_after_the_step])
 def test_a_non_finite_step_rolls_back_every_parameter_and_the_whole_optimizer_state(sft_run, prefs, monkeypatch,
                                                                                      fault):
-    from slm_align.modeling import load_tokenizer, resolve_source
-    from slm_align.rl.policy import build_policy
-
-    base, recipe = sft_run
-    recipe = preference_recipe(recipe, "dpo", prefs)
-    source = resolve_source(recipe.model.source)
-    tokenizer = load_tokenizer(source)
-    data = load_preference_data([prefs], tokenizer, "dpo", recipe.seed, 0.2)
-    policy = build_policy(source, base / "sft" / "adapter", recipe.rl, recipe.seed)
-    learner = PreferenceLearner(policy, tokenizer, data, recipe.preference, "dpo", recipe.rl.envelope, recipe.seed,
-                                recipe.data.max_length)
+    learner = make_learner(sft_run, prefs, "dpo")
     learner.train_step()
     learner.train_step()  # AdamW holds exp_avg, exp_avg_sq and step for every trainable parameter
     params_before = {name: param.detach().clone() for name, param in learner.named_params}
@@ -276,6 +275,26 @@ def test_a_non_finite_step_rolls_back_every_parameter_and_the_whole_optimizer_st
     assert same_tensors({n: p.detach() for n, p in learner.named_params}, params_before)
     assert same_tensors(learner.optimizer.state_dict(), optimizer_before)
     assert all(param.grad is None for param in learner.params)
+
+
+def test_kto_checkpoint_restores_the_cached_reference_scores_and_continues_the_same(sft_run, prefs, tmp_path):
+    """KTO scores each training answer (and its mismatched pair) under the reference on first use; a checkpoint
+    keeps those scores, NaN where not computed yet, and a fresh learner loaded from it takes the same next step."""
+    learner = make_learner(sft_run, prefs, "kto")
+    for _ in range(3):
+        learner.train_step()
+    torch.save(learner.state_dict(), tmp_path / "checkpoint.pt")  # as the stage saves it (no tensor shared)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    cache = state["references"]
+    assert set(cache) == {"completions", "mismatched"}
+    assert torch.isnan(cache["completions"]).any() and not torch.isnan(cache["completions"]).all()
+    resumed = make_learner(sft_run, prefs, "kto")
+    resumed.load_state_dict(state)
+    for name, scores in resumed.state_dict()["references"].items():
+        assert torch.equal(torch.isnan(scores), torch.isnan(cache[name]))
+        assert torch.equal(scores.nan_to_num(), cache[name].nan_to_num())
+    assert resumed.step == 3 and resumed.train_step() == learner.train_step()
+    assert all(torch.equal(a, b) for a, b in zip(resumed.params, learner.params))
 
 
 def test_a_killed_run_resumes_bit_identical(sft_run, prefs, tmp_path, monkeypatch):
