@@ -9,10 +9,12 @@ import sys
 import time
 
 import pytest
+import torch
 
 from slm_align.errors import UserError
 from slm_align.runs import read_manifest
 from tests.helpers import finished_sft_run
+from tests.test_preference import learnable_rows, write_rows
 
 TIMEOUT = 600
 
@@ -89,6 +91,37 @@ def test_reward_and_rl_killed_mid_training_resume_to_the_full_step_count(tmp_pat
     finish(*rl, "--resume")
     steps = [json.loads(line)["step"] for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert read_manifest(run / "rl")["metrics"]["steps"] == 12 and steps == list(range(1, 13))
+
+
+def test_kto_killed_between_checkpoints_resumes_bit_identical(tmp_path, tiny_models, stories):
+    """KTO scores each training answer under the reference on first use and keeps the scores in its checkpoints: a
+    run SIGKILLed after a checkpoint resumes with that partial cache and ends where an unbroken run ends."""
+    prefs = write_rows(tmp_path / "prefs.jsonl", learnable_rows(60))
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('[model]\nsource = "%s"\n[data]\npath = "%s"\nmax_length = 96\n[reward]\npreferences = ["%s"]\n'
+                      '[preference]\nsteps = 16\nsave_steps = 4\nbatch_size = 8\nlearning_rate = 5e-3\n'
+                      'eval_every = 5\n' % (tiny_models["llama"], stories, prefs))
+    runs = {}
+    for name in ("whole", "killed"):
+        runs[name], _ = finished_sft_run(tmp_path / name, tiny_models["llama"], stories, steps=2)
+    kto = ["train", "--algo", "kto", "--config", recipe, "--force", "--json", "--out"]
+    finish(*kto, runs["whole"])
+    log = runs["killed"] / "kto.partial" / "metrics.jsonl"
+    checkpoint = runs["killed"] / "kto.partial" / "checkpoint.pt"
+    kill_when(start(*kto, runs["killed"]), lambda: checkpoint.is_file() and log.read_text().count("\n") >= 6)
+    assert not (runs["killed"] / "kto").exists()
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["step"] in (4, 8, 12)
+    cache = saved["references"]["completions"]
+    assert torch.isnan(cache).any() and not torch.isnan(cache).all()  # some answers scored, the rest not yet
+    finish(*kto, runs["killed"], "--resume")
+    for name in ("adapter/adapter_model.safetensors", "metrics.jsonl"):
+        assert (runs["killed"] / "kto" / name).read_bytes() == (runs["whole"] / "kto" / name).read_bytes()
+    resumed = read_manifest(runs["killed"] / "kto")["metrics"]
+    whole = read_manifest(runs["whole"] / "kto")["metrics"]
+    assert resumed["steps"] == 16 and not (runs["killed"] / "kto.partial").exists()
+    for key in ("heldout_before", "heldout_after", "heldout_accuracy"):
+        assert resumed[key] == whole[key]
 
 
 def test_killed_export_leaves_no_artifact_and_a_rerun_completes(tmp_path, tiny_models):
