@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from slm_align.preference.learner import wilson_interval
+
 LOOP = Path(__file__).resolve().parents[1] / "benchmarks" / "feedback_loop.py"
 
 
@@ -25,6 +27,10 @@ def test_device_feedback_trains_dpo_and_kto_whose_exports_prefer_the_chosen_answ
     assert result["exported"]["pairs"] == 30 and result["exported"]["unpaired"] == 15
     shares = result["runtime_preference"]
     assert shares["sft"]["pairs"] >= 4
+    for name in ("sft", "dpo", "kto"):  # the runtime's share with its 95% Wilson interval, for every artifact
+        low, high = shares[name]["ci95"]
+        assert 0.0 <= low < high <= 1.0 and low <= shares[name]["share"] <= high
+        assert (low, high) == wilson_interval(shares[name]["wins"], shares[name]["pairs"])
     for algo in ("dpo", "kto"):
         assert shares[algo]["share"] > shares["sft"]["share"]
         assert shares[algo]["share"] >= 0.75
@@ -35,6 +41,8 @@ def test_device_feedback_trains_dpo_and_kto_whose_exports_prefer_the_chosen_answ
     for algo in ("dpo", "kto"):  # each export's model card names the round it folds in, with its figures
         card = (tmp_path / f"export-{algo}" / "README.md").read_text()
         accuracy = result["rounds"][algo]["heldout_accuracy"]["value"]
+        low, high = result["rounds"][algo]["heldout_accuracy"]["ci95"]  # the round's held-out figure, its interval
+        assert 0.0 <= low <= accuracy <= high <= 1.0
         assert f"- {algo.upper()}: 30 steps" in card and f"-> {accuracy:.3f}" in card
         assert f"- \"{algo}\"" in card.split("---")[1]  # a tag in the YAML header
 
