@@ -50,16 +50,18 @@ def tree_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def torch_greedy(model_dir, prompt_ids, new_tokens: int):
+def torch_greedy(model_dir, prompt_ids, new_tokens: int, stop_at_eos: bool = False):
     """PyTorch's greedy continuation of ``prompt_ids`` by the fp32 model in ``model_dir``: exactly ``new_tokens``
-    tokens (the reference the mobile runtimes' greedy decoding must match)."""
+    tokens (the reference the mobile runtimes' greedy decoding must match), or with ``stop_at_eos`` at most that
+    many, ending at the first end-of-sequence token (which is kept)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    least = 0 if stop_at_eos else new_tokens
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False,
-                             min_new_tokens=new_tokens, pad_token_id=model.config.eos_token_id)
+                             min_new_tokens=least, pad_token_id=model.config.eos_token_id)
     return out[0, len(prompt_ids):].tolist()
 
 

@@ -13,8 +13,9 @@ PROMPT = "The fox went to the river and"
 NEW_TOKENS = 24
 
 
-def pte_greedy(program_path, prompt_ids):
-    """Greedy decoding as an app drives the program: ExecuTorch's runtime, one token and its position per call."""
+def pte_greedy(program_path, prompt_ids, stop=()):
+    """Greedy decoding as an app drives the program: ExecuTorch's runtime, one token and its position per call;
+    NEW_TOKENS tokens, or fewer when one in ``stop`` (kept) ends the answer."""
     import torch
     from executorch.runtime import Runtime
 
@@ -24,7 +25,7 @@ def pte_greedy(program_path, prompt_ids):
         logits = forward.execute([torch.tensor([[token]]), torch.tensor([position])])[0]
         position += 1
     out = []
-    while len(out) < NEW_TOKENS:
+    while len(out) < NEW_TOKENS and not (out and out[-1] in stop):
         out.append(int(logits[0, -1].argmax()))
         logits = forward.execute([torch.tensor([[out[-1]]]), torch.tensor([position])])[0]
         position += 1
@@ -98,16 +99,41 @@ def test_a_model_torch_export_cannot_take_is_refused_in_one_line_and_nothing_is_
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def assert_exact_program(result) -> None:
+    """A published fp32 program whose verification decoded every prompt exactly as PyTorch, as its manifest says."""
+    verification = result.metrics["verification"]
+    assert (result.stage_dir / "model.pte").is_file()
+    assert verification["passed"] and verification["greedy_exact"] == verification["prompts"] == 4
+    assert verification["agreement"] == 1.0 and verification["ties"] == [] and not verification["divergences"]
+    manifest = json.loads((result.stage_dir / "manifest.json").read_text())
+    assert manifest["metrics"]["verification"] == verification
+    assert manifest["files"]["model.pte"] == sha256_file(result.stage_dir / "model.pte")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "gpt2"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gpt_neox", "gpt2"])
 def test_other_architectures_are_published_only_when_they_decode_exactly_as_pytorch(tiny_models, tmp_path, arch):
     from slm_align.export.stage import ExportRequest, run_export
 
     result = run_export(ExportRequest(str(tiny_models[arch]), "executorch", out=tmp_path, threads=1))
-    verification = result.metrics["verification"]
-    assert result.stage_dir == tmp_path / "executorch-fp32" and (result.stage_dir / "model.pte").is_file()
-    assert verification["passed"] and verification["greedy_exact"] == verification["prompts"] == 4
-    assert verification["agreement"] == 1.0 and verification["ties"] == []
+    assert result.stage_dir == tmp_path / "executorch-fp32"
+    assert_exact_program(result)
+
+
+@pytest.mark.slow
+def test_the_bundled_model_exports_to_executorch_and_decodes_greedily_as_pytorch(tmp_path):
+    from transformers import AutoTokenizer
+
+    from slm_align.export.stage import ExportRequest, run_export
+    from slm_align.modeling import DEFAULT_MODEL_DIR
+
+    result = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "executorch", out=tmp_path, threads=1))
+    assert_exact_program(result)
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    ids = tokenizer(PROMPT)["input_ids"]
+    program = pte_greedy(result.stage_dir / "model.pte", ids, stop=(tokenizer.eos_token_id,))
+    assert program == torch_greedy(DEFAULT_MODEL_DIR, ids, NEW_TOKENS, stop_at_eos=True)
+    assert len(program) > 8  # a real answer, not an immediate end of sequence
 
 
 def test_loading_a_model_beside_executorch_writes_nothing_to_stderr(tiny_models):
