@@ -1,7 +1,7 @@
 """The feedback interchange (issue 23, item 4): a store written by an independent writer that knows only
 docs/feedback-store.md (tests/native_writer.py: plain sqlite3, standing in for a Kotlin/Swift app) is read by
-`feedback export`, whose rows follow docs/feedback-rows.schema.json and train the reward model and DPO; a store of
-an unknown schema is refused in one line."""
+`feedback export`, whose rows follow docs/feedback-rows.schema.json and train the reward model, DPO and KTO; a store
+of an unknown schema is refused in one line."""
 
 import json
 import shutil
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from safetensors.torch import load_file
 
 from slm_align.agent.store import SCHEMA_VERSION, PreferenceStore
 from tests import native_writer
@@ -48,9 +49,14 @@ def test_the_writer_imports_nothing_from_slm_align():
     assert result.stdout.strip() == "[]"
 
 
+def latest_thumb_is_up(story: int) -> bool:
+    """Each thumbs is given twice, the verdicts swapped on every other thumbs turn; the latest counts."""
+    return story % 8 == 7
+
+
 def app_session(conn: sqlite3.Connection, model_id: str, turns: int) -> None:
     """Two-turn conversations with every kind of feedback; the preferred answers open with YES. The last turn's
-    user withheld consent; each thumbs is given twice (up, then down: the latest counts)."""
+    user withheld consent; each thumbs is given twice (up then down, or down then up: the latest counts)."""
     for i in range(turns):
         rest = f" It saw {i % 7} birds and a boat."
         messages = [{"role": "system", "content": "You tell stories."},
@@ -68,8 +74,11 @@ def app_session(conn: sqlite3.Connection, model_id: str, turns: int) -> None:
         elif kind == 2:
             native_writer.give_feedback(conn, turn, "choice", other=rest, preferred="this")
         else:
-            native_writer.give_feedback(conn, turn, "up")
-            native_writer.give_feedback(conn, turn, "down")
+            verdicts = ["up", "down"]
+            if latest_thumb_is_up(i):
+                verdicts.reverse()
+            for verdict in verdicts:
+                native_writer.give_feedback(conn, turn, verdict)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +91,36 @@ def run_with_sft(sft_run, out: Path) -> Path:
     return out
 
 
-def test_a_native_writers_store_is_exported_and_trains_the_reward_model_and_dpo(sft_run, tmp_path, capsys):
+def story_of(row: dict) -> int:
+    """The story number of an exported row (its first user message opens "Story N:")."""
+    opening = next(message["content"] for message in row["prompt"] if message["role"] == "user")
+    return int(opening.split(":")[0].removeprefix("Story "))
+
+
+def lora_b_tensors(adapter: Path) -> dict:
+    """The LoRA up-projections of a saved adapter (PEFT initialises them to zero)."""
+    weights = load_file(adapter / "adapter_model.safetensors")
+    return {name: tensor for name, tensor in weights.items() if "lora_B" in name}
+
+
+def assert_kto_trained(run: Path, model_id: str) -> None:
+    """KTO ran its steps on the thumbs alone: the adapter moved from its zero start and the held-out labelled
+    completions were measured before and after."""
+    metrics = json.loads((run / "kto" / "manifest.json").read_text())["metrics"]
+    assert metrics["algo"] == "kto" and metrics["steps"] == 3
+    assert metrics["train_items"] + metrics["heldout_labelled"] == 11 and metrics["heldout_labelled"] >= 1
+    assert metrics["heldout_pairs"] == 0 and metrics["gate"]["forced"] is True
+    for figures in (metrics["heldout_before"], metrics["heldout_after"]):
+        assert 0.0 <= figures["label_accuracy"] <= 1.0
+    assert metrics["heldout_accuracy"]["kind"] == "label_accuracy"
+    assert metrics["feedback_models"]["foreign"] == [model_id]
+    up = lora_b_tensors(run / "kto" / "adapter")
+    assert up and any(bool(tensor.abs().max() > 0) for tensor in up.values())
+    logged = [json.loads(line) for line in (run / "kto" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in logged] == [1, 2, 3] and "heldout/label_accuracy" in logged[-1]
+
+
+def test_a_native_writers_store_is_exported_and_trains_the_reward_model_dpo_and_kto(sft_run, tmp_path, capsys):
     artifact = tmp_path / "model.gguf"
     artifact.write_bytes(b"GGUF stand-in: the app hashes the file it loaded")
     model_id = native_writer.artifact_digest(artifact)
@@ -101,7 +139,8 @@ def test_a_native_writers_store_is_exported_and_trains_the_reward_model_and_dpo(
     for row in pairs + thumbs:
         validator.validate(row)
     assert all(row["chosen"][0]["content"].startswith(YES) for row in pairs)
-    assert {row["label"] for row in thumbs} == {False}  # the latest verdict (down) counts
+    assert all(row["label"] is latest_thumb_is_up(story_of(row)) for row in thumbs)  # the latest verdict counts
+    assert {row["label"] for row in thumbs} == {False, True}
     assert {row["model_id"] for row in pairs + thumbs} == {model_id}
     assert any(len(row["prompt"]) == 4 for row in pairs)  # the conversation so far is the prompt
 
@@ -121,6 +160,13 @@ def test_a_native_writers_store_is_exported_and_trains_the_reward_model_and_dpo(
     assert code == 0, stderr
     record = json.loads((dpo / "dpo" / "manifest.json").read_text())["metrics"]["feedback_models"]
     assert record["foreign"] == [model_id] and record["any_model"] is True
+
+    kto = run_with_sft(sft_run, tmp_path / "kto-run")  # the thumbs file alone; 11 answers: the gate is forced
+    code, _, stderr = run_cli(capsys, "train", "--algo", "kto", "--out", kto, "--preferences",
+                              tmp_path / "prefs.unpaired.jsonl", "--force", "--any-model", "--pref-steps", "3",
+                              "--pref-batch-size", "4")
+    assert code == 0, stderr
+    assert_kto_trained(kto, model_id)
 
 
 def spec_store(path: Path, edit) -> Path:
