@@ -20,10 +20,11 @@ from slm_align.rl.watchdog import (
     event_line,
     kl_runaway,
     paired_drop,
+    published_line,
     report_section,
     reward_dropped,
 )
-from tests.helpers import finished_sft_run
+from tests.helpers import finished_sft_run, run_cli
 
 
 def noisy(center: float, spread: float, count: int, seed: int = 0) -> list[float]:
@@ -148,11 +149,13 @@ def test_events_reach_the_report_and_the_curves(tmp_path):
     event = {"step": 3, "detector": "kl_runaway", "value": 12.5, "threshold": 10.0, "why": "KL 12.5 > 10",
              "action": "rollback", "best_step": 2, "best_reward": 0.5, "recoveries": 1, "lr_scale": 0.5,
              "kl_scale": 2.0, "learning_rate": 5e-4, "kl_coef": 0.1}
-    record = {"enabled": True, "published_step": 2, "best_reward": 0.5, "stopped_early": None}
+    record = {"enabled": True, "published_step": 2, "peak_step": 1, "best_reward": 0.5, "stopped_early": None}
     section = "\n".join(report_section(record, [event]))
     assert "## Watchdog" in section and "| 3 | kl_runaway | 12.5 | 10 | rollback | 0.0005 |" in section
-    assert "iteration 2" in section and "adapter-last" in section
-    assert "was off" in "\n".join(report_section({"enabled": False, "published_step": None}, []))
+    assert "adapter of iteration 2" in section and "iteration 1 at mean reward 0.500" in section
+    assert "adapter-last" in section
+    off = "\n".join(report_section({"enabled": False, "published_step": 8}, []))
+    assert "was off" in off and "the last adapter (iteration 8)" in off
     assert report_section(None, []) == []
     line = event_line(event)
     assert line.startswith("watchdog: kl_runaway at iteration 3 (KL 12.5 > 10); rolled back to iteration 2")
@@ -259,12 +262,59 @@ def test_reward_that_flips_sign_is_a_reward_drop_rolled_back_and_the_best_is_pub
     assert adapter_bytes(stage / "adapter-last") != adapter_bytes(stage / "adapter")
     flip_after(3)
     off = watched_run(sft_run, tmp_path / "off", flip, enabled=False)
-    assert manifest_of(off)["metrics"]["watchdog"] == {"enabled": False, "published_step": None}
+    assert manifest_of(off)["metrics"]["watchdog"] == {"enabled": False, "published_step": 8}
     assert manifest_of(off)["inputs"]["rl"]["watchdog"]["enabled"] is False
     assert manifest_of(off)["metrics"]["steps"] == 8 and not (off / "events.jsonl").exists()
     assert not (off / "adapter-last").exists()
     last = [json.loads(line) for line in (off / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["reward/mean"] < 0  # published after the collapse: the last adapter
+
+
+def test_train_from_the_cli_says_each_event_and_the_published_iteration_and_reports_them(sft_run, tmp_path,
+                                                                                         flip_after, capsys):
+    base, recipe = sft_run
+    out = tmp_path / "run"
+    shutil.copytree(base / "sft", out / "sft")
+    config = tmp_path / "recipe.toml"
+    config.write_text(f'[model]\nsource = "{recipe.model.source}"\n[data]\npath = "{recipe.data.path}"\n'
+                      "max_length = 96\n[sft]\nmax_steps = 2\nbatch_size = 4\n[rl]\nsave_steps = 2\n"
+                      "eval_prompts = 2\n[rl.watchdog]\nwindow = 2\nmax_recoveries = 1\n")
+    args = ["train", "--config", config, "--out", out, "--algo", "grpo", "--reward",
+            "tests.test_watchdog:flipping_reward", "--steps", "8", "--prompts-per-step", "2", "--group-size", "4",
+            "--max-new-tokens", "8", "--rl-lr", "0.01", "--watchdog-every", "1", "--report-prompts", "4", "--force"]
+    flip_after(3)  # the sign-flip run of the test above, through the CLI
+    code, stdout, err = run_cli(capsys, *args)
+    assert code == 0, err
+    console = " ".join(stdout.split())  # rich wraps long lines at the terminal's width
+    events = events_of(out / "rl")
+    assert [(e["detector"], e["action"]) for e in events] == [("reward_drop", "rollback"), ("reward_drop", "stop")]
+    for event in events:
+        assert event_line(event) in console
+    record = manifest_of(out / "rl")["metrics"]["watchdog"]
+    best = record["published_step"]
+    assert f"published: the adapter of iteration {best} (the watchdog's best held-out probe); the last, iteration " \
+           f"{events[-1]['step']}, kept as rl/adapter-last; stopped early on reward_drop" in console
+    report = (out / "eval" / "report.md").read_text()
+    section = report[report.index("## Watchdog"):]
+    assert f"Published: the adapter of iteration {best} " in section and "Stopped early: reward_drop" in section
+    for event in events:
+        assert f"| {event['step']} | reward_drop | " in section and f" | {event['action']} | " in section
+    # --json says it too (the stage is done: its manifest's figures)
+    code, stdout, err = run_cli(capsys, *args, "--report-prompts", "0", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["metrics"]["watchdog"]["published_step"] == best
+
+
+def test_published_line_names_the_iteration_with_the_watchdog_on_and_off():
+    record = {"enabled": True, "published_step": 5, "stopped_early": None,
+              "last": {"step": 9, "heldout_reward": 0.1, "is_published": False}}
+    assert published_line(record) == ("published: the adapter of iteration 5 (the watchdog's best held-out probe); "
+                                      "the last, iteration 9, kept as rl/adapter-last")
+    record["last"]["is_published"] = True
+    assert published_line(record) == "published: the adapter of iteration 5 (the watchdog's best held-out probe)"
+    assert published_line({"enabled": False, "published_step": 8}) == ("published: the last adapter, iteration 8 "
+                                                                        "(watchdog off)")
+    assert published_line(None) is None
 
 
 def test_a_killed_run_resumes_the_watchdog_state_bit_for_bit(sft_run, tmp_path, flip_after, monkeypatch):

@@ -78,7 +78,10 @@ def print_headroom(report: dict) -> None:
 
 
 def print_rl(summary: dict) -> None:
-    """One line: the RL iterations, held-out reward before and after, guard skips and rollbacks."""
+    """One line: the RL iterations, held-out reward before and after, guard skips and rollbacks; a second one
+    saying which iteration's adapter was published."""
+    from slm_align.rl.watchdog import published_line
+
     m = summary["metrics"]
     state = SKIPPED if summary["skipped"] else f"{m['steps']} iterations"
     forced = " (gate FAIL overridden by --force)" if m["gate"]["forced"] else ""
@@ -86,6 +89,9 @@ def print_rl(summary: dict) -> None:
                  f"{m['heldout_reward_sft']:.3f} (SFT) -> {m['heldout_reward_rl']:.3f} (RL), delta "
                  f"{m['heldout_reward_delta']:+.3f}; guard skips {m['guard']['skipped']}, rollbacks "
                  f"{m['guard']['rollbacks']}")
+    published = published_line(m.get("watchdog"))
+    if published is not None:
+        stdout.print(published, markup=False, highlight=False)
 
 
 def print_preference(summary: dict) -> None:

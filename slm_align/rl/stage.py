@@ -218,7 +218,7 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     heldout = {"heldout_reward_sft": before, "heldout_reward_rl": after, "heldout_reward_delta": after - before,
                "eval_prompts": len(eval_prompts)}
     result = dict(heldout, **_run_figures(loop, gate, inputs, adapter, world, replicas), compute=compute.record())
-    result["watchdog"] = _watchdog_figures(watch, last, events)
+    result["watchdog"] = _watchdog_figures(watch, last, events, loop.step)
     publish(partial, stage_dir, make_manifest(STAGE, inputs, result, started),
             keep=("adapter", "adapter-last", EVENTS, "value_head.safetensors", "metrics.jsonl", "plots",
                   "inputs.json"))
@@ -267,10 +267,11 @@ def _keep_last(loop, watch: Optional[WatchedRun], partial: Path, world: World, m
     return last
 
 
-def _watchdog_figures(watch: Optional[WatchedRun], last: Optional[dict], events: list[dict]) -> dict:
-    """The manifest's watchdog record: off, or the published (best) iteration, the last one, events, stop reason."""
+def _watchdog_figures(watch: Optional[WatchedRun], last: Optional[dict], events: list[dict], steps: int) -> dict:
+    """The manifest's watchdog record: off (the last iteration, ``steps``, published), or the published (best)
+    iteration, the last one, events, stop reason."""
     if watch is None:
-        return {"enabled": False, "published_step": None}
+        return {"enabled": False, "published_step": steps}
     summary = watch.watchdog.summary()
     return dict(summary, published_step=summary["best_step"], last=last, events=len(events),
                 detectors=sorted({event["detector"] for event in events}), seconds=round(watch.seconds, 3))

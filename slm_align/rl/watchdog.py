@@ -241,6 +241,20 @@ def event_line(event: dict) -> str:
     return f"watchdog: {event['detector']} at iteration {event['step']} ({event['why']}); {tail}"
 
 
+def published_line(record: Optional[dict]) -> Optional[str]:
+    """The console line at the end of RL: which iteration's adapter was published (None without a record)."""
+    if record is None:
+        return None
+    if not record["enabled"]:
+        return f"published: the last adapter, iteration {record['published_step']} (watchdog off)"
+    line = f"published: the adapter of iteration {record['published_step']} (the watchdog's best held-out probe)"
+    last = record.get("last")
+    if last is not None and not last["is_published"]:
+        line += f"; the last, iteration {last['step']}, kept as rl/adapter-last"
+    if record.get("stopped_early"):
+        line += f"; stopped early on {record['stopped_early']}"
+    return line
+
 
 def read_events(path: Path) -> list[dict]:
     """The events of a run's ``rl/events.jsonl`` (none when the file is missing)."""
@@ -255,10 +269,11 @@ def report_section(record: Optional[dict], events: list[dict]) -> list[str]:
         return []
     lines = ["## Watchdog", ""]
     if not record.get("enabled"):
-        return lines + ["The collapse watchdog was off (`--watchdog off`): the last adapter is published.", ""]
+        return lines + [f"The collapse watchdog was off (`--watchdog off`): the last adapter (iteration "
+                        f"{record['published_step']}) is published.", ""]
     lines.append(f"Published: the adapter of iteration {record['published_step']} (the latest held-out probe not "
-                 f"significantly below the peak, mean reward {record['best_reward']:.3f}); the last iteration's "
-                 "adapter is kept as `rl/adapter-last`.")
+                 f"significantly below the peak, iteration {record['peak_step']} at mean reward "
+                 f"{record['best_reward']:.3f}); the last iteration's adapter is kept as `rl/adapter-last`.")
     if record.get("stopped_early"):
         lines.append(f"Stopped early: {record['stopped_early']}.")
     lines.append("")
