@@ -1,11 +1,14 @@
 """The collapse watchdog: each detector on hand-written metric sequences (fires on the failure, not on noise), its
-state surviving a checkpoint bit for bit, and fault-injection runs on a tiny model (a reward that flips sign, a
-reward that pays for length, logits sharpened from an iteration on) with the watchdog on and off."""
+state surviving a checkpoint bit for bit, and fault-injection runs on tiny models (a reward that flips sign, a
+reward that pays for length, a reward that pays for one repeated token at a high learning rate) with the watchdog on
+and off, the CLI's console lines and evaluation report included."""
 
+import copy
 import importlib
 import json
 import random
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,7 @@ from slm_align.rl.watchdog import (
     report_section,
     reward_dropped,
 )
+from slm_align.training import save_adapter
 from tests.helpers import finished_sft_run, run_cli
 
 
@@ -244,8 +248,59 @@ def adapter_bytes(directory: Path) -> bytes:
     return (directory / "adapter_model.safetensors").read_bytes()
 
 
+def learner_state(loop) -> dict:
+    """The learner's trainable weights and AdamW state, cloned by the test itself (not the watchdog's capture)."""
+    return {"params": {name: param.detach().clone() for name, param in loop.named_params},
+            "adamw": copy.deepcopy(loop.optimizer.state_dict()["state"])}
+
+
+def same_state(first: dict, second: dict) -> bool:
+    """Whether two :func:`learner_state` are equal tensor for tensor."""
+    if first["params"].keys() != second["params"].keys() or first["adamw"].keys() != second["adamw"].keys():
+        return False
+    params = all(torch.equal(first["params"][name], second["params"][name]) for name in first["params"])
+    adamw = all(torch.equal(value, second["adamw"][index][key])
+                for index, moments in first["adamw"].items() for key, value in moments.items())
+    return params and adamw
+
+
+@pytest.fixture
+def snapshots(monkeypatch, tmp_path):
+    """What each GRPO iteration began with (``entering[step]``: state and learning rate) and ended with
+    (``after[iterations done]``, and its adapter saved under ``adapters/<iterations done>``)."""
+    original = GRPO.run_step
+    kept = {"entering": {}, "lr": {}, "after": {}, "adapters": tmp_path / "snapshots"}
+
+    def recorded(self, step):
+        kept["entering"][step] = learner_state(self)
+        kept["lr"][step] = self.optimizer.param_groups[0]["lr"]
+        metrics = original(self, step)
+        kept["after"][self.step] = learner_state(self)
+        save_adapter(self.policy, kept["adapters"] / str(self.step))
+        return metrics
+
+    monkeypatch.setattr(GRPO, "run_step", recorded)
+    return kept
+
+
+def metric_of(stage: Path, key: str) -> list[float]:
+    """One metric of every iteration in ``metrics.jsonl``."""
+    return [json.loads(line)[key] for line in (stage / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_watchdog_off(stage: Path, steps: int, last_adapter: Path) -> None:
+    """A ``--watchdog off`` run: recorded off in inputs and results, trained every iteration, no events and no
+    ``adapter-last``, and the adapter published is the last iteration's, byte for byte."""
+    manifest = manifest_of(stage)
+    assert manifest["metrics"]["watchdog"] == {"enabled": False, "published_step": steps}
+    assert manifest["inputs"]["rl"]["watchdog"]["enabled"] is False
+    assert manifest["metrics"]["steps"] == steps
+    assert not (stage / "events.jsonl").exists() and not (stage / "adapter-last").exists()
+    assert adapter_bytes(stage / "adapter") == adapter_bytes(last_adapter)
+
+
 def test_reward_that_flips_sign_is_a_reward_drop_rolled_back_and_the_best_is_published(sft_run, tmp_path,
-                                                                                       flip_after):
+                                                                                       flip_after, snapshots):
     flip = "tests.test_watchdog:flipping_reward"
     flip_after(3)  # iterations 4.. pay for brevity instead of length
     stage = watched_run(sft_run, tmp_path / "on", flip, eval_every=1, window=2, max_recoveries=1)
@@ -262,12 +317,8 @@ def test_reward_that_flips_sign_is_a_reward_drop_rolled_back_and_the_best_is_pub
     assert adapter_bytes(stage / "adapter-last") != adapter_bytes(stage / "adapter")
     flip_after(3)
     off = watched_run(sft_run, tmp_path / "off", flip, enabled=False)
-    assert manifest_of(off)["metrics"]["watchdog"] == {"enabled": False, "published_step": 8}
-    assert manifest_of(off)["inputs"]["rl"]["watchdog"]["enabled"] is False
-    assert manifest_of(off)["metrics"]["steps"] == 8 and not (off / "events.jsonl").exists()
-    assert not (off / "adapter-last").exists()
-    last = [json.loads(line) for line in (off / "metrics.jsonl").read_text().splitlines()][-1]
-    assert last["reward/mean"] < 0  # published after the collapse: the last adapter
+    assert_watchdog_off(off, 8, snapshots["adapters"] / "8")
+    assert metric_of(off, "reward/mean")[-1] < 0  # published after the collapse: the last adapter
 
 
 def test_train_from_the_cli_says_each_event_and_the_published_iteration_and_reports_them(sft_run, tmp_path,
@@ -356,50 +407,74 @@ def _resume(sft_run, out: Path, reward: str) -> Path:
     return out / "rl"
 
 
-def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp_path):
-    stage = watched_run(bundled_run, tmp_path / "on", "tests.test_watchdog:length_reward", window=2, max_kl=0.0,
-                        truncated_rise=0.2, length_ratio=1.2, max_recoveries=0, max_new_tokens=32, steps=8)
+INFLATION = dict(window=2, max_kl=0.0, truncated_rise=0.2, length_ratio=1.2, max_new_tokens=32, steps=8)
+"""A reward that pays for length on the bundled model: completions grow toward the 32-token budget."""
+
+
+def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp_path, snapshots):
+    stage = watched_run(bundled_run, tmp_path / "on", "tests.test_watchdog:length_reward", max_recoveries=0,
+                        eval_every=3, **INFLATION)
     events = events_of(stage)
     assert [e["detector"] for e in events] == ["length_inflation"] and events[0]["action"] == "stop"
     record = manifest_of(stage)["metrics"]["watchdog"]
     assert record["detectors"] == ["length_inflation"] and record["stopped_early"].startswith("length_inflation")
+    assert manifest_of(stage)["metrics"]["steps"] == events[0]["step"] < 8  # stopped early
+    published = record["published_step"]
+    assert 1 <= published < events[0]["step"]
+    assert adapter_bytes(stage / "adapter") == adapter_bytes(snapshots["adapters"] / str(published))
+    assert adapter_bytes(stage / "adapter-last") == adapter_bytes(snapshots["adapters"] / str(events[0]["step"]))
 
 
-
-@pytest.fixture
-def sharpen_after(monkeypatch):
-    """From iteration ``after`` on, multiply the policy's output logits by ``factor`` (a forward hook on the output
-    projection): the symptom of entropy collapse, injected, so the detector's wiring is tested on a real run."""
-    original = GRPO.run_step
-    plan = {"after": 10 ** 9, "factor": 1.0, "hooked": False}
-
-    def scale_logits(module, inputs, output):
-        return output * plan["factor"]
-
-    def sharpened(self, step):
-        if step >= plan["after"] and not plan["hooked"]:
-            self.policy.get_output_embeddings().register_forward_hook(scale_logits)
-            plan["hooked"] = True
-        return original(self, step)
-
-    monkeypatch.setattr(GRPO, "run_step", sharpened)
-
-    def arm(after: int, factor: float) -> None:
-        plan.update(after=after, factor=factor, hooked=False)
-
-    return arm
+def test_the_length_run_with_the_watchdog_off_publishes_the_last_adapter(bundled_run, tmp_path, snapshots):
+    stage = watched_run(bundled_run, tmp_path / "off", "tests.test_watchdog:length_reward", enabled=False,
+                        **INFLATION)
+    assert_watchdog_off(stage, 8, snapshots["adapters"] / "8")
+    truncated = metric_of(stage, "completion/truncated_frac")  # completions ran into the 32-token budget
+    assert statistics.fmean(truncated[-2:]) > statistics.fmean(truncated[:2]) + 0.2  # and nothing said so
 
 
-def test_a_policy_whose_distribution_sharpens_is_an_entropy_collapse(bundled_run, tmp_path, sharpen_after):
-    sharpen_after(4, 8.0)  # iterations 5.. sample from logits x 8: the distribution collapses onto its top tokens
-    stage = watched_run(bundled_run, tmp_path / "on", "tests.test_watchdog:length_reward", window=2, max_kl=0.0,
-                        length_ratio=0.0, truncated_rise=0.0, zero_std_rise=0.0, reward_z=0.0, max_recoveries=0,
-                        entropy_floor=0.5, steps=10)
+def token_reward(prompts, completions, **_):
+    """Pays for one repeated token: how many times the word "the" occurs in the completion."""
+    return [float(completion.split().count("the")) for completion in completions]
+
+
+COLLAPSE = dict(lr=1e-2, steps=24, window=3, eval_every=8, max_kl=0.0, length_ratio=0.0, truncated_rise=0.0,
+                zero_std_rise=0.0)
+"""GRPO on the bundled model at 10x its default learning rate, paid for "the": by iteration ~16 nearly every
+token is "the" (entropy 2.1 -> ~0.5 nats, default floor 0.3 of the start). Only entropy and the reward are watched."""
+
+
+@pytest.mark.slow
+def test_a_reward_for_one_repeated_token_collapses_entropy_rolled_back_to_the_best(bundled_run, tmp_path, snapshots):
+    stage = watched_run(bundled_run, tmp_path / "on", "tests.test_watchdog:token_reward", max_recoveries=1,
+                        **COLLAPSE)
     events = events_of(stage)
-    assert [(e["detector"], e["action"]) for e in events] == [("entropy_collapse", "stop")]
-    assert events[0]["step"] >= 6  # needs a whole window after the injection
+    assert [(e["detector"], e["action"]) for e in events] == [("entropy_collapse", "rollback"),
+                                                             ("entropy_collapse", "stop")]
+    rollback, stop = events
+    best = rollback["best_step"]
+    assert rollback["value"] < rollback["threshold"] and 0 < best < rollback["step"] < stop["step"] < 24
+    # the iteration after the event began from the best iteration's weights and AdamW state, exactly, at half the rate
+    assert same_state(snapshots["entering"][rollback["step"]], snapshots["after"][best])
+    assert not same_state(snapshots["after"][rollback["step"]], snapshots["after"][best])
+    assert snapshots["lr"][rollback["step"] - 1] == pytest.approx(1e-2)
+    assert snapshots["lr"][rollback["step"]] == pytest.approx(5e-3) == rollback["learning_rate"]
     record = manifest_of(stage)["metrics"]["watchdog"]
-    assert record["stopped_early"].startswith("entropy_collapse")
-    assert record["published_step"] < events[0]["step"] < 10  # stopped early; a probe before the trigger published
-    entropies = [json.loads(line)["entropy"] for line in (stage / "metrics.jsonl").read_text().splitlines()]
-    assert max(entropies[4:]) < 0.5 * min(entropies[:4])  # the injection really collapsed it
+    assert record["stopped_early"].startswith("entropy_collapse") and record["recoveries"] == 1
+    assert manifest_of(stage)["metrics"]["steps"] == stop["step"]
+    published = record["published_step"]
+    assert published < stop["step"] and record["last"]["step"] == stop["step"]
+    assert adapter_bytes(stage / "adapter") == adapter_bytes(snapshots["adapters"] / str(published))
+    assert adapter_bytes(stage / "adapter-last") == adapter_bytes(snapshots["adapters"] / str(stop["step"]))
+    rewards = metric_of(stage, "reward/mean")
+    assert rewards[-1] > 5 > rewards[0]  # the reward alone did it: most of the 8 tokens became "the"
+
+
+@pytest.mark.slow
+def test_the_repeated_token_run_with_the_watchdog_off_publishes_the_last_adapter(bundled_run, tmp_path, snapshots):
+    stage = watched_run(bundled_run, tmp_path / "off", "tests.test_watchdog:token_reward", enabled=False,
+                        **COLLAPSE)
+    assert_watchdog_off(stage, 24, snapshots["adapters"] / "24")
+    entropies = metric_of(stage, "entropy")
+    assert statistics.fmean(entropies[-3:]) < 0.3 * statistics.fmean(entropies[:3])  # collapsed, nothing said so
+
