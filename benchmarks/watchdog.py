@@ -3,11 +3,12 @@
     python benchmarks/watchdog.py --work /tmp/wd               # defaults: bundled model, 16 GRPO iterations
     python benchmarks/watchdog.py --work /tmp/wd --steps 24 --flip-after 6 --skip-healthy
 
-The collapse is injected: GRPO trains the bundled model on words per completion / 10 (the objective), and from
-iteration ``--flip-after`` on the training signal pays the opposite (a reward pipeline gone wrong: the policy
+The collapse is injected: GRPO trains the bundled model on words per completion / 10 (the objective); the first
+``--flip-after`` iterations pay it and every later one pays the opposite (a reward pipeline gone wrong: the policy
 unlearns what it learned while every envelope guard stays green). Both runs start from the same SFT prior with the
 same seed. Each published adapter is then scored on held-out prompts by the objective: mean reward with a 95%
-interval (mean +- 1.96 sd / sqrt(n)), iterations trained after the published one (wasted), events fired.
+interval (mean +- 1.96 sd / sqrt(n)); iterations wasted, the same count on both sides: those trained after the flip
+(``trained - flip_after``), which only unlearn; events fired.
 
 The healthy run is the quickstart's RL stage (PPO, 20 iterations, the learned reward model, the same SFT and
 reward model for both): events fired (none expected), wall-clock time with the watchdog on and off, and the
@@ -81,6 +82,11 @@ def held_out(recipe, run: Path, prompts: int) -> tuple[float, float]:
     return row["reward_mean"], 1.96 * row["reward_std"] / math.sqrt(report["prompts"])
 
 
+def wasted(trained: int, flip_after: int) -> int:
+    """Iterations trained after the flip: the training signal pays the opposite of the objective in every one."""
+    return max(0, trained - flip_after)
+
+
 def collapsing(work: Path, sft, steps: int, flip_after: int, prompts: int) -> list[dict]:
     """The injected collapse with the watchdog off and on; one row each."""
     from slm_align.rl.stage import run_rl
@@ -98,10 +104,10 @@ def collapsing(work: Path, sft, steps: int, flip_after: int, prompts: int) -> li
         result = run_rl(run, out, rewards=["watchdog:flipping"], force=True)
         seconds = time.time() - started
         watch = result.metrics["watchdog"]
-        published = watch["published_step"] if enabled else result.metrics["steps"]
+        published = watch["published_step"]  # watchdog off: the last iteration
         mean, half = held_out(run, out, prompts)
         rows.append({"run": f"collapse, watchdog {'on' if enabled else 'off'}", "published": published,
-                     "trained": result.metrics["steps"], "wasted": result.metrics["steps"] - published,
+                     "trained": result.metrics["steps"], "wasted": wasted(result.metrics["steps"], flip_after),
                      "events": watch.get("events", 0), "reward": mean, "ci": half, "seconds": seconds})
     return rows
 
@@ -130,7 +136,7 @@ def healthy(work: Path) -> list[dict]:
         watch = result.metrics["watchdog"]
         manifest = json.loads((out / "rl" / "manifest.json").read_text())
         rows.append({"run": f"quickstart PPO, watchdog {'on' if enabled else 'off'}", "events": watch.get("events", 0),
-                     "published": watch["published_step"] if enabled else result.metrics["steps"],
+                     "published": watch["published_step"],
                      "reward": result.metrics["heldout_reward_rl"], "seconds": time.time() - started,
                      "stage_seconds": manifest["seconds"], "watchdog_seconds": watch.get("seconds", 0.0)})
     return rows
@@ -140,7 +146,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True, help="Scratch directory (runs are written here).")
     parser.add_argument("--steps", type=int, default=16, help="GRPO iterations of the collapsing run.")
-    parser.add_argument("--flip-after", type=int, default=6, help="Iteration from which the signal is flipped.")
+    parser.add_argument("--flip-after", type=int, default=6, help="Iterations paying the objective; every later one "
+                        "pays the opposite (6: iterations 1-6 pay it, 7 on are flipped).")
     parser.add_argument("--prompts", type=int, default=64, help="Held-out prompts scoring each published adapter.")
     parser.add_argument("--skip-healthy", action="store_true", help="Only the collapsing run.")
     args = parser.parse_args()
@@ -152,6 +159,7 @@ def main() -> None:
     stories = args.work / "stories.txt"
     sft = finished_sft_run(args.work / "sft-run", DEFAULT_MODEL_DIR, _demo_corpus(stories), steps=20)
     rows = collapsing(args.work, sft, args.steps, args.flip_after, args.prompts)
+    print(f"signal flipped after iteration {args.flip_after}; wasted = iterations trained after the flip")
     print("| run | published iteration | trained | wasted | events | held-out objective [95% CI] | seconds |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
