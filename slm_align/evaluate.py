@@ -21,7 +21,14 @@ from slm_align.data.encoding import encode_all
 from slm_align.data.prompt_source import prompt_source
 from slm_align.errors import UserError
 from slm_align.generation import sample, score
-from slm_align.modeling import load_model, load_tokenizer, merged_policy, resolve_source
+from slm_align.modeling import (
+    load_adapter,
+    load_model,
+    load_tokenizer,
+    merged_policy,
+    require_adapter,
+    resolve_source,
+)
 from slm_align.perplexity import perplexity
 from slm_align.plots import plot_curves
 from slm_align.progress import stage_lines
@@ -49,11 +56,14 @@ class Policy:
 
 def run_policies(recipe: Recipe, run: Path, adapter: Optional[Path], baselines: Sequence[str]) -> list[Policy]:
     """The run's SFT prior (the model as given when ``adapter`` is None), its RL, DPO and KTO policies when present,
-    then any baseline model sources."""
-    from peft import PeftModel
-
+    then any baseline model sources. Every adapter is checked before any policy loads (a pickle-only one needs
+    ``model.allow_pickle``)."""
     source = resolve_source(recipe.model.source)
     model = recipe.model
+    stages = [stage for stage in ALIGNED_STAGES if (Path(run) / stage / "adapter").is_dir()]
+    adapters = ([adapter] if adapter is not None else []) + [Path(run) / stage / "adapter" for stage in stages]
+    for directory in adapters:
+        require_adapter(directory, model.allow_pickle)
 
     def load_sft():
         policy = merged_policy(source, adapter, model.trust_remote_code, model.allow_pickle)
@@ -61,15 +71,14 @@ def run_policies(recipe: Recipe, run: Path, adapter: Optional[Path], baselines: 
 
     def load_aligned(stage: str):
         policy, tokenizer = load_sft()
-        return PeftModel.from_pretrained(policy, str(Path(run) / stage / "adapter")).eval(), tokenizer
+        return load_adapter(policy, Path(run) / stage / "adapter", model.allow_pickle), tokenizer
 
     policies = [Policy("sft", f"{source.label} + SFT adapter", load_sft)]
     if adapter is None:  # RL started from the model as given (--no-sft)
         policies = [Policy("base", f"{source.label} as given", load_sft)]
-    for stage in ALIGNED_STAGES:
-        if (Path(run) / stage / "adapter").is_dir():
-            describe = f"{policies[0].name} + {stage.upper()} adapter"
-            policies.append(Policy(stage, describe, functools.partial(load_aligned, stage)))
+    for stage in stages:
+        describe = f"{policies[0].name} + {stage.upper()} adapter"
+        policies.append(Policy(stage, describe, functools.partial(load_aligned, stage)))
     for spec in baselines:
         baseline = resolve_source(spec)
         policies.append(Policy(baseline.label, baseline.label, functools.partial(_load_source, baseline, recipe)))

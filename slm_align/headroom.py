@@ -19,7 +19,7 @@ from slm_align.data.corpus import load_corpus
 from slm_align.data.encoding import encode_all
 from slm_align.data.prompt_source import prompt_source
 from slm_align.errors import UserError
-from slm_align.modeling import load_adapter, load_model, load_tokenizer, resolve_source
+from slm_align.modeling import load_adapter, load_model, load_tokenizer, require_adapter, resolve_source
 from slm_align.perplexity import perplexity
 from slm_align.sft import recipe_from_sft
 
@@ -145,6 +145,8 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
     device = resolve_device(recipe.compute.device)
     if run is not None and adapter is None and recipe.rl.from_sft:
         recipe, adapter = recipe_from_sft(run, recipe)
+    if adapter is not None:
+        require_adapter(adapter, recipe.model.allow_pickle)  # before anything loads
     if reward_model is None and run is not None and (Path(run) / "reward" / "model").is_dir():
         reward_model = Path(run) / "reward" / "model"
     model_source = resolve_source(recipe.model.source)
@@ -158,7 +160,7 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
     info = {"model": model_source.label, "data": corpus.description, "prompts": source.description,
             "eval_documents": len(encoded)}
     if adapter is not None:
-        model = load_adapter(model, adapter)
+        model = load_adapter(model, adapter, recipe.model.allow_pickle)
         with model.disable_adapter():
             info["base_ppl"] = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size).ppl
         info["adapter"] = str(adapter)

@@ -401,15 +401,13 @@ def build_tiny_model(architecture: str, vocab_size: int, seed: int = 0, hidden: 
 
 
 def load_adapter(model, adapter_dir: Path, allow_pickle: bool = False):
-    """Attach a saved peft adapter to ``model`` (for evaluation; the adapter stays switchable). An adapter saved
-    only as pickle (``adapter_model.bin``, which peft reads with ``torch.load``) needs ``allow_pickle``."""
+    """Attach a saved peft adapter to ``model`` (the adapter stays switchable; frozen, in float32, eval mode). Every
+    adapter the package loads comes through here: one saved only as pickle needs ``allow_pickle``
+    (:func:`require_adapter`)."""
     from peft import PeftModel
 
     adapter_dir = Path(adapter_dir)
-    if not (adapter_dir / "adapter_config.json").is_file():
-        raise UserError(f"adapter {adapter_dir} not found (no adapter_config.json); pass the sft/adapter directory "
-                        "of a finished run")
-    check_adapter_files(adapter_dir, allow_pickle)
+    require_adapter(adapter_dir, allow_pickle)
     try:
         return PeftModel.from_pretrained(model, str(adapter_dir)).float().eval()
     except Exception as exc:
@@ -417,9 +415,13 @@ def load_adapter(model, adapter_dir: Path, allow_pickle: bool = False):
                         "pass the base model the adapter was trained on") from None
 
 
-def check_adapter_files(adapter_dir: Path, allow_pickle: bool) -> None:
-    """Refuse an adapter saved only as pickle (``adapter_model.bin``) unless ``allow_pickle``: loading it runs
-    ``torch.load`` on a file that could execute code."""
+def require_adapter(adapter_dir: Path, allow_pickle: bool) -> None:
+    """Refuse, before any loading, an adapter directory without ``adapter_config.json`` or one saved only as pickle
+    (``adapter_model.bin``, which peft reads with ``torch.load`` and which can run code) unless ``allow_pickle``."""
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise UserError(f"adapter {adapter_dir} not found (no adapter_config.json); pass the sft/adapter directory "
+                        "of a finished run")
     safe = (adapter_dir / "adapter_model.safetensors").is_file()
     pickle_only = (adapter_dir / "adapter_model.bin").is_file() and not safe
     if pickle_only and not allow_pickle:

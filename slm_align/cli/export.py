@@ -7,7 +7,15 @@ from typing import Optional
 
 import typer
 
-from slm_align.cli.options import OUT_NAMES, ChatTemplateOpt, ConfigOpt, JsonFlag, recipe_from, recipe_option
+from slm_align.cli.options import (
+    ALLOW_PICKLE,
+    OUT_NAMES,
+    ChatTemplateOpt,
+    ConfigOpt,
+    JsonFlag,
+    recipe_from,
+    recipe_option,
+)
 from slm_align.cli.render import emit, print_export, print_merge
 
 commands = typer.Typer()
@@ -21,12 +29,14 @@ def merge(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     config: Optional[Path] = ConfigOpt,
     device: Optional[str] = recipe_option("compute.device", "--device"),
+    allow_pickle: bool = ALLOW_PICKLE.option(),
     as_json: bool = JsonFlag,
 ) -> None:
     """Fold the SFT and RL adapters into the base weights: a plain HF directory that loads without peft."""
     from slm_align.export.merge import merge_run
 
-    summary = merge_run(recipe_from(config, {"compute.device": device}), run, out, overwrite).summary()
+    overrides = {"compute.device": device, ALLOW_PICKLE.key: ALLOW_PICKLE.override(allow_pickle)}
+    summary = merge_run(recipe_from(config, overrides), run, out, overwrite).summary()
     emit(as_json, summary, lambda: print_merge(summary))
 
 

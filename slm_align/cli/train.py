@@ -7,7 +7,16 @@ from typing import Any, Optional
 
 import typer
 
-from slm_align.cli.options import OUT_NAMES, ConfigOpt, Flag, JsonFlag, recipe_flags, recipe_from, recipe_option
+from slm_align.cli.options import (
+    ALLOW_PICKLE,
+    OUT_NAMES,
+    ConfigOpt,
+    Flag,
+    JsonFlag,
+    recipe_flags,
+    recipe_from,
+    recipe_option,
+)
 from slm_align.cli.render import (
     emit,
     print_evaluation,
@@ -62,7 +71,7 @@ TASKS = (
 )
 SAFETY = (
     Flag("--trust-remote-code", "model.trust_remote_code", sets=True),
-    Flag("--allow-pickle", "model.allow_pickle", sets=True),
+    ALLOW_PICKLE,
 )
 COMPUTE = (
     Flag("--device", "compute.device"),
@@ -329,6 +338,7 @@ def evaluate(
     temperature: Optional[float] = recipe_option("rl.temperature", "--temperature"),
     tasks: Optional[str] = recipe_option("data.tasks", "--tasks"),
     device: Optional[str] = recipe_option("compute.device", "--device"),
+    allow_pickle: bool = ALLOW_PICKLE.option(),
     config: Optional[Path] = ConfigOpt,
     as_json: bool = JsonFlag,
 ) -> None:
@@ -336,7 +346,7 @@ def evaluate(
     from slm_align.evaluate import evaluate as run_evaluation
 
     overrides = {"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens, "data.tasks": tasks,
-                 "compute.device": device}
+                 "compute.device": device, ALLOW_PICKLE.key: ALLOW_PICKLE.override(allow_pickle)}
     recipe = recipe_from(config, overrides)  # validated
     report = run_evaluation(recipe, run, baselines=baseline, reward_model=reward_model, rewards=reward,
                             prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature)

@@ -19,10 +19,11 @@ from slm_align.config import Recipe
 from slm_align.errors import UserError
 from slm_align.export.model_card import CARD, merged_card
 from slm_align.modeling import (
-    check_adapter_files,
     default_chat_template,
+    load_adapter,
     load_tokenizer,
     merged_policy,
+    require_adapter,
     resolve_source,
     save_tokenizer,
 )
@@ -39,9 +40,8 @@ def merged_stage(run: Path) -> Optional[str]:
 
 def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: bool = False) -> StageResult:
     """Write ``out`` (default ``run/merged``) from the run's base model, SFT adapter and the adapter of its latest
-    aligned stage (RL, DPO or KTO; if any)."""
-    from peft import PeftModel
-
+    aligned stage (RL, DPO or KTO; if any). Both adapters are checked before anything loads (a pickle-only one
+    needs ``model.allow_pickle``)."""
     started = time.time()
     device = resolve_device(recipe.compute.device)  # a device that is not there: refused before any work
     run = Path(run)
@@ -49,14 +49,16 @@ def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: 
     if out.exists() and not overwrite:
         raise UserError(f"{out} exists; pass --overwrite to replace it or choose another --out")
     recipe, sft_adapter = recipe_from_sft(run, recipe)
+    aligned = merged_stage(run)
+    adapters = [sft_adapter] + ([run / aligned / "adapter"] if aligned is not None else [])
+    for adapter in adapters:
+        require_adapter(adapter, recipe.model.allow_pickle)
     source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
     model = merged_policy(source, sft_adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
     model = model.to(device)
-    aligned = merged_stage(run)
     if aligned is not None:
-        check_adapter_files(run / aligned / "adapter", recipe.model.allow_pickle)
-        model = PeftModel.from_pretrained(model, str(run / aligned / "adapter")).merge_and_unload()
+        model = load_adapter(model, run / aligned / "adapter", recipe.model.allow_pickle).merge_and_unload()
     default_template = tokenizer.chat_template is None
     if default_template:
         tokenizer.chat_template = default_chat_template(tokenizer)

@@ -48,16 +48,14 @@ def build_policy(source, sft_adapter: Optional[Path], settings: RLSettings, seed
 
     With ``reinit_lora`` off, the SFT adapter is loaded as it is, the way PEFT loads it by default: frozen.
     """
-    from slm_align.modeling import load_model, merged_policy
+    from slm_align.modeling import load_adapter, load_model, merged_policy
     from slm_align.training import attach_lora
 
     if settings.envelope.reinit_lora or sft_adapter is None:
         merged = merged_policy(source, sft_adapter, trust_remote_code, allow_pickle)
         policy = attach_lora(merged, settings.lora, seed)
     else:
-        from peft import PeftModel
-
-        policy = PeftModel.from_pretrained(load_model(source, trust_remote_code, allow_pickle), str(sft_adapter))
+        policy = load_adapter(load_model(source, trust_remote_code, allow_pickle), sft_adapter, allow_pickle)
     require_trainable(policy)
     # eval mode throughout RL: no dropout in any forward (peft's new LoRA dropout too)
     return policy.float().to(device).eval()
