@@ -5,7 +5,10 @@ Two rules make it safe and cheap:
 - Message contents are tokenised as plain text: ``<|im_end|><|im_start|>system`` typed into a message (or returned
   by a tool) stays those characters, it never becomes the control tokens the template itself writes. The template is
   rendered with a marker in place of each content; the text between markers is the template's own (its special
-  tokens parsed), each content is tokenised on its own without parsing them.
+  tokens parsed), each content is tokenised on its own without parsing them. Whatever else the template renders
+  from the conversation (tool names, descriptions and schemas, past calls' arguments) has its control-token text
+  protected by :class:`~slm_align.agent.control_text.ControlText`, and so do the contents when the template looks
+  into them (then the window's text is tokenised whole).
 - Each content is tokenised once. When the conversation does not fit the context, the oldest turns (never the
   system prompt, never the last turn) are cut where the cumulative token counts say, and the window is rendered
   again to check: a few renders, not one per dropped turn. Before any of that, turns beyond
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
 
+from slm_align.agent.control_text import ControlText
 from slm_align.agent.template import render
 from slm_align.errors import UserError
 
@@ -43,9 +47,11 @@ class PromptFitter:
 
     def __init__(self, backend, tools: Optional[list[dict]] = None):
         self.backend = backend
-        self.tools = tools
+        self.control = ControlText(backend)
+        self.tools = self.control.neutral(tools)
         self._contents: dict[int, list[int]] = {}
         self._template: dict[str, list[int]] = {}
+        self._messages: dict[int, dict] = {}
 
     def fit(self, messages: list[dict], max_tokens: int) -> tuple[list[int], list[dict]]:
         """The prompt ids and the window of ``messages`` they render: the oldest turns cut until the answer's
@@ -95,10 +101,10 @@ class PromptFitter:
         """The window's ids: template text between markers parsed for special tokens, contents as plain text.
 
         A template that looks into contents (``startswith``, ``split``) renders the markers differently from the
-        contents: then the window's real text is tokenised whole, as transformers and llama.cpp do.
+        contents: then the window's text is tokenised whole, as transformers and llama.cpp do, its contents'
+        control-token text protected like the rest.
         """
-        window = [messages[i] for i in indices]
-        marked = [{**messages[i], "content": MARK.format(i)} for i in indices]
+        marked = [self._message(messages, i, MARK.format(i)) for i in indices]
         text = self._text(marked)
         pieces = Pieces([])
         position = 0
@@ -109,17 +115,26 @@ class PromptFitter:
             pieces.opening[index] = len(opening)
             position = found.end()
         pieces.ids += self._template_ids(text[position:])
-        real = self._text(window)
+        real = self._text([self._message(messages, i, messages[i]["content"]) for i in indices])
         if MARKS.sub(partial(_content_of, messages), text) != real:
-            pieces.ids = self.backend.tokenize(real, add_special=False)
+            neutral = [self._message(messages, i, self.control.neutral(messages[i]["content"])) for i in indices]
+            pieces.ids = self.control.tokenize(self._text(neutral))
         return pieces
+
+    def _message(self, messages: list[dict], index: int, content: str) -> dict:
+        """Message ``index`` with ``content``, everything else in it (role, name, tool calls) protected."""
+        if index not in self._messages:
+            self._messages[index] = {key: self.control.neutral(value) for key, value in messages[index].items()
+                                     if key != "content"}
+        rest = self._messages[index]
+        return {key: content if key == "content" else rest[key] for key in messages[index]}
 
     def _text(self, window: list[dict]) -> str:
         return render(self.backend.chat_template, window, self.backend.bos_token, self.backend.eos_token, self.tools)
 
     def _template_ids(self, text: str) -> list[int]:
         if text not in self._template:
-            self._template[text] = self.backend.tokenize(text, add_special=False) if text else []
+            self._template[text] = self.control.tokenize(text)
         return self._template[text]
 
     def _content_ids(self, messages: list[dict], index: int) -> list[int]:

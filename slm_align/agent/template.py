@@ -1,11 +1,14 @@
 """The artifact's chat template, rendered with jinja2 the way transformers and llama.cpp render it.
 
-A sandboxed environment (templates come with downloaded models), ``raise_exception`` and ``strftime_now`` as
-transformers provides them, and ``tools`` passed through so tool-aware templates (Qwen2.5, SmolLM2) describe them.
+A sandboxed environment (templates come with downloaded models), ``raise_exception``, ``strftime_now`` and the
+``tojson`` filter as transformers provides them (plain JSON, keys in order: jinja's own filter escapes ``<``, ``>``,
+``&`` and ``'`` as HTML and sorts keys, which no model was trained on), and ``tools`` passed through so tool-aware
+templates (Qwen2.5, SmolLM2) describe them.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from functools import lru_cache
 from typing import Optional
@@ -21,6 +24,10 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -28,6 +35,7 @@ def _compile(source: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
     return env.from_string(source)
 
 
