@@ -478,6 +478,36 @@ def test_fields_that_would_change_the_answer_are_honoured_or_refused(server, ext
                                                 **harmless}).status_code == 200
 
 
+@pytest.mark.parametrize("path, field", [
+    ("/v1/chat/completions", "grammar"),  # llama.cpp's server
+    ("/v1/chat/completions", "repetition_penalty"),  # vLLM's, HF's spelling (ours: repeat_penalty)
+    ("/v1/chat/completions", "reasoning_effort"),
+    ("/v1/chat/completions", "min_tokens"),
+    ("/v1/chat/completions", "typical_p"),
+    ("/v1/completions", "grammar"),
+    ("/v1/completions", "top_k"),  # a chat field, not a completion one here
+    ("/v1/completions", "frequency_penalty"),
+])
+def test_unknown_fields_that_could_change_the_answer_are_refused(server, path, field):
+    body = {"model": "m", "messages": CAT, "prompt": PROMPT, "max_tokens": 2, field: 3}
+    if path == "/v1/completions":
+        body.pop("messages")
+    else:
+        body.pop("prompt")
+    response = server.post(path, body)
+    assert response.status_code == 400 and f"'{field}'" in response.json()["error"]["message"], response.text
+
+
+def test_fields_known_to_change_nothing_are_accepted(server):
+    harmless = {"user": "u1", "metadata": {"a": "b"}, "store": True, "service_tier": "auto", "safety_identifier": "s",
+                "prompt_cache_key": "k", "grammar": None}  # null: not given
+    chat = server.post("/v1/chat/completions", {"model": "m", "messages": CAT, "max_tokens": 2, **harmless})
+    assert chat.status_code == 200, chat.text
+    legacy = server.post("/v1/completions", {"model": "m", "prompt": PROMPT, "max_tokens": 2, "frequency_penalty": 0,
+                                             **harmless})
+    assert legacy.status_code == 200, legacy.text
+
+
 def test_repetition_penalties_and_min_p_reach_the_sampler(server, onnx_model):
     asked = {"temperature": 0, "max_tokens": 40, "seed": 1}
     plain = server.client().chat.completions.create(model="m", messages=CAT, **asked).choices[0].message.content

@@ -39,7 +39,8 @@ from slm_align.agent.server.routes import SSE_HEADERS, client_left
 LEGACY_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for completions."""
 UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "logprobs": (None,),
-               "logit_bias": (None, {})}
+               "logit_bias": (None, {}), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+               "stream_options": (None,)}
 """Legacy completion fields not implemented here, with the values that change nothing (any other is a 400)."""
 
 
@@ -66,7 +67,7 @@ class CompletionBody(Body):
     @model_validator(mode="before")
     @classmethod
     def _nothing_unsupported(cls, data: Any) -> Any:
-        refuse_unsupported(data, UNSUPPORTED)
+        refuse_unsupported(data, UNSUPPORTED, cls.model_fields)
         return data
 
     def sampling(self) -> SamplingParams:

@@ -1,8 +1,12 @@
 """Request bodies as pydantic models, and the one function that turns their validation errors into 400s.
 
-Models are strict (a bool is not a number, "1" is not an integer), ignore unknown keys, and read a top-level null as
-"not given". A body is validated with :func:`validate`, which passes the server's :class:`Limits` as validation
-context and maps the first error to the one-line message clients have always received (:func:`to_api_error`).
+Models are strict (a bool is not a number, "1" is not an integer) and read a top-level null as "not given". A chat or
+completion request's unknown top-level fields are a 400 naming the field (llama.cpp's ``grammar``, ``reasoning_effort``
+and the like would change the answer if honoured) unless they are known to change nothing (:data:`IGNORED`); unknown
+keys inside messages and tools are ignored (clients echo back fields of the answers they got).
+
+A body is validated with :func:`validate`, which passes the server's :class:`Limits` as validation context and maps
+the first error to the one-line message clients have always received (:func:`to_api_error`).
 """
 
 from __future__ import annotations
@@ -143,7 +147,7 @@ NonEmpty = Annotated[StrictStr, Field(min_length=1)]
 
 
 class Strict(BaseModel):
-    """A JSON object: strict types, unknown keys ignored."""
+    """A JSON object: strict types, unknown keys ignored (request bodies refuse theirs: :func:`refuse_unsupported`)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -269,16 +273,30 @@ class ResponseFormat(Strict):
 UNSUPPORTED = {"logit_bias": (None, {}), "functions": (None,), "function_call": (None,), "audio": (None,),
                "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,)}
 """OpenAI request fields that would change the answer and that this server does not implement, with the values
-that change nothing (accepted); any other value is a 400 naming the field. Other unknown keys are ignored."""
+that change nothing (accepted); any other value is a 400 naming the field."""
+IGNORED = ("model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+"""Request fields accepted with any value and ignored, because they cannot change the answer: the server serves one
+model, records turns only with its own consent setting, and has no tiers or prompt cache. Any other field that a body
+does not implement is a 400 naming it."""
 
 
-def refuse_unsupported(data: Any, unsupported: dict = UNSUPPORTED) -> None:
-    """A 400 naming the first field of ``unsupported`` sent with a value that would change the answer."""
+def refuse_unsupported(data: Any, unsupported: dict, implemented) -> None:
+    """A 400 naming the first field of ``unsupported`` sent with a value that would change the answer, or else the
+    first field (not null) that is neither ``implemented`` (the body's own field names), in ``unsupported`` nor in
+    :data:`IGNORED`."""
     if not isinstance(data, dict):
         return
     for name, harmless in unsupported.items():
         if name in data and data[name] not in harmless:
-            raise bad(f"'{name}' is not supported by this server; leave it out (the answer would silently ignore it)")
+            raise _not_supported(name)
+    for name, value in data.items():
+        known = name in implemented or name in unsupported or name in IGNORED
+        if not known and value is not None:
+            raise _not_supported(str(name)[:64])
+
+
+def _not_supported(name: str) -> ApiError:
+    return bad(f"'{name}' is not supported by this server; leave it out (the answer would silently ignore it)")
 
 
 class ChatBody(Body):
@@ -323,7 +341,7 @@ class ChatBody(Body):
     @model_validator(mode="before")
     @classmethod
     def _nothing_unsupported(cls, data: Any) -> Any:
-        refuse_unsupported(data)
+        refuse_unsupported(data, UNSUPPORTED, cls.model_fields)
         return data
 
     @model_validator(mode="before")
