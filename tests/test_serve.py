@@ -554,7 +554,28 @@ def gguf_server(tmp_path_factory):
     out = tmp_path_factory.mktemp("gguf-server")
     gguf = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "gguf", "F16", out=out, verify=False)).stage_dir
     with Running(create_app(gguf)) as running:
+        running.artifact = gguf
         yield running
+
+
+def test_logprobs_on_gguf_are_the_ones_llama_cpp_reports(gguf_server):
+    from llama_cpp import Llama
+
+    reply = gguf_server.client().chat.completions.create(model="m", messages=CAT, temperature=0, max_tokens=8,
+                                                         logprobs=True, top_logprobs=3)
+    tokens = reply.choices[0].logprobs.content
+    reference = Llama(model_path=str(gguf_server.artifact), n_ctx=512, logits_all=True, verbose=False)
+    prompt = reference.tokenize(f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n".encode(),
+                                add_bos=False, special=True)  # the bundled model's ChatML, as the server renders it
+    reported = reference.create_completion(prompt, max_tokens=8, temperature=0, repeat_penalty=1.0,
+                                           logprobs=3)["choices"][0]["logprobs"]
+    assert len(tokens) == reply.usage.completion_tokens == 8
+    assert [token.token for token in tokens] == reported["tokens"]
+    for token, logprob, top in zip(tokens, reported["token_logprobs"], reported["top_logprobs"]):
+        assert token.logprob == pytest.approx(logprob, abs=1e-4) and token.logprob <= 0
+        ours = [(alternative.token, alternative.logprob) for alternative in token.top_logprobs]
+        assert [logprob for _, logprob in ours] == sorted((logprob for _, logprob in ours), reverse=True)
+        assert dict(ours) == pytest.approx(top, abs=1e-4)  # the same three likeliest tokens, the same values
 
 
 def _no_argument_tool(name):
