@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("uvicorn")
 
 from slm_align.agent.server import create_app  # noqa: E402
+from slm_align.errors import UserError  # noqa: E402
 from tests import test_serve as base  # noqa: E402
 from tests.test_serve import Running, wait_until  # noqa: E402
 
@@ -132,6 +133,53 @@ def test_huge_ids_and_deep_arguments_are_client_errors(server):
         response = server.post(path, {"turn_id": 10 ** 21, "turn_token": "t", "kind": "up"})
         assert response.status_code == 400 and "2**63-1" in response.json()["error"]["message"]
     assert server.post("/v1/chat/completions", HELLO).status_code == 200
+
+
+def deep_schema(levels):
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_deeply_nested_tool_schemas_and_fields_are_client_errors(server):
+    messages = []
+    for levels in (33, 100):  # 67 and 201 objects deep; at 100, jsonschema's check recursed to a 500
+        tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": deep_schema(levels)}}
+        response = server.post("/v1/chat/completions", {**HELLO, "tools": [tool]})
+        assert response.status_code == 400 and "nests" in response.json()["error"]["message"]
+        messages.append(response.json()["error"]["message"])
+    assert messages[0].startswith("tools[0].function.parameters") and "at most 64 levels" in messages[0]
+    deep = "x"
+    for _ in range(400):
+        deep = [deep]
+    named = {"role": "tool", "name": deep, "content": "done"}
+    response = server.post("/v1/chat/completions", {**HELLO, "messages": HELLO["messages"] + [named]})
+    assert response.status_code == 400 and "nests" in response.json()["error"]["message"]
+    fine = {"type": "function", "function": {"name": "f", "description": "d", "parameters": deep_schema(20)}}
+    assert server.post("/v1/chat/completions", {**HELLO, "tools": [fine]}).status_code == 200
+
+
+def test_user_errors_reach_clients_without_the_servers_paths(server, monkeypatch):
+    store = server.service.store
+    reply = server.post("/v1/chat/completions", HELLO).json()
+    unknown = server.post("/v1/feedback", {"turn_id": reply["x_turn_id"] + 10 ** 6, "turn_token": reply["x_turn_token"],
+                                           "kind": "up"})
+    assert unknown.status_code == 404 and str(store.path.parent) not in unknown.text and "/" not in unknown.text
+
+    def failing(*args, **kwargs):
+        raise UserError(f"preference DB {store.path} is not a readable SQLite database (disk I/O error); "
+                        f"check {store.path.parent}/")
+
+    monkeypatch.setattr(store, "turn_by_token", failing)
+    monkeypatch.setattr(store, "record_turn", failing)
+    refused = server.post("/v1/feedback", {"turn_id": 1, "turn_token": "t", "kind": "up"})
+    chat = server.post("/v1/chat/completions", HELLO)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**HELLO, "stream": True}) as streamed:
+        events = "".join(streamed.iter_text())
+    for text in (refused.json()["error"]["message"], chat.json()["error"]["message"], events):
+        assert "prefs.db is not a readable SQLite database" in text and str(store.path.parent) not in text
+        assert f"{store.path.parent.name}/" not in text  # the folder named, not where it is
 
 
 # --- 6. slow clients ----------------------------------------------------------------------------------------------

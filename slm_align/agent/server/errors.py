@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from starlette.exceptions import HTTPException
@@ -11,6 +12,11 @@ from starlette.responses import JSONResponse
 from slm_align.errors import UserError
 
 HTTP_KINDS = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
+PATH_START = r"(?<![^\s'\"(\[=])"
+"""A path starts a message, or follows a space, a quote, a bracket or "=" (not a letter: "and/or", "text/plain")."""
+ABSOLUTE_PATH = re.compile(PATH_START + r"(?:~|[A-Za-z]:)?(?:[/\\][^\s'\"()\[\]/\\;,]+)+[/\\]?")
+RELATIVE_PATH = re.compile(PATH_START + r"[\w.~-]+(?:[/\\][\w.@+~-]+)*[/\\][\w@+~-]+\.\w{1,8}\b")
+"""A relative path is told from "application/json" by its file name's extension (runs/demo/prefs.db)."""
 
 
 class ApiError(Exception):
@@ -43,9 +49,23 @@ async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
     return exc.response()
 
 
+def client_text(exc: UserError) -> str:
+    """A UserError's line as a client reads it: each filesystem path cut to its last part (``/srv/data/prefs.db`` ->
+    ``prefs.db``): it says which file, never where the server keeps its files."""
+    message = str(exc)
+    for pattern in (ABSOLUTE_PATH, RELATIVE_PATH):
+        message = pattern.sub(_last_part, message)
+    return message
+
+
+def _last_part(found: re.Match) -> str:
+    return re.split(r"[/\\]", found.group(0).rstrip("/\\"))[-1]
+
+
 async def on_user_error(request: Request, exc: UserError) -> JSONResponse:
-    """A UserError from the runtime (a prompt beyond the context, an unknown turn): the request's fault, a 400."""
-    return error_response(400, str(exc), "invalid_request_error")
+    """A UserError from the runtime (a prompt beyond the context, a store that fails): the request's fault, a 400,
+    without the server's paths."""
+    return error_response(400, client_text(exc), "invalid_request_error")
 
 
 async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -46,7 +46,11 @@ from slm_align.errors import UserError
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_ARGUMENT_DEPTH = 64
-"""Deepest nesting of a past tool call's arguments: past it, rendering and storing would exhaust the stack."""
+"""Deepest nesting of a past tool call's arguments and of a tool's parameter schema: past it, rendering, checking
+the schema and storing would exhaust the stack (jsonschema's own check fails at about 200)."""
+MAX_BODY_DEPTH = MAX_ARGUMENT_DEPTH + 8
+"""Deepest nesting of a whole body: room for the arguments and schemas, and the messages and tools around them, so
+that no other field (a tool's description, a message's name) nests deeper."""
 DEFAULTS = SamplingParams()
 
 
@@ -95,6 +99,8 @@ async def read_json(request: Request, limit: int) -> dict:
         raise bad(f"the body is not valid JSON ({type(exc).__name__}: {str(exc)[:120]})") from None
     if not isinstance(data, dict):
         raise bad("the body must be a JSON object")
+    if _depth(data) > MAX_BODY_DEPTH:
+        raise bad(f"the body nests more than {MAX_BODY_DEPTH} levels deep; send flatter tool arguments and schemas")
     return data
 
 
@@ -211,12 +217,19 @@ class Message(Strict):
         return handler(value) if info.data.get("role") == "assistant" else None
 
 
+def _schema_depth(schema: Any) -> Any:
+    if _depth(schema) > MAX_ARGUMENT_DEPTH:
+        raise PydanticCustomError("too_deep", "nests too deeply")
+    return schema
+
+
 class FunctionSpec(Strict):
     """A client tool's function: its name, and a description and JSON schema of any shape."""
 
     name: StrictStr
     description: Any = None
-    parameters: Any = None
+    parameters: Annotated[Any, AfterValidator(_schema_depth)] = None
+    """Its arguments' JSON schema, nesting at most :data:`MAX_ARGUMENT_DEPTH` levels."""
 
 
 class ToolSpec(Strict):
@@ -526,6 +539,8 @@ RULES = {
     "n": Rule("an integer from 1 to 1"),
     "tools": Rule("a list of function tools", counted=True),
     "tools.*": Rule(TOOL_SHAPE, got=False),
+    "tools.*.function.parameters": Rule(f"a JSON schema that nests at most {MAX_ARGUMENT_DEPTH} levels deep",
+                                        got=False),
     "stream_options": Rule("an object"),
     "messages": Rule("a non-empty list of {role, content} objects", got=False, counted=True),
     "prompt": Rule("non-empty text (one prompt per request)", required="the text to continue"),

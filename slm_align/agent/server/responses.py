@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Union
 
-from slm_align.agent.server.errors import ApiError
+from slm_align.agent.server.errors import ApiError, client_text
 from slm_align.agent.server.requests import ChatRequest
 from slm_align.agent.server.service import Outcome
 from slm_align.errors import UserError
@@ -83,7 +83,11 @@ async def sse_stream(first: Any, rest: AsyncIterator, meta: Meta, chat: ChatRequ
 
 def stream_error(exc: Exception) -> dict:
     """The error event of a stream that failed after its status line went out (a bug named, not described)."""
-    message = str(exc) if isinstance(exc, (UserError, ApiError)) else f"internal error ({type(exc).__name__})"
+    message = f"internal error ({type(exc).__name__})"
+    if isinstance(exc, UserError):
+        message = client_text(exc)
+    if isinstance(exc, ApiError):
+        message = str(exc)
     return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
 
 
