@@ -47,11 +47,16 @@ def wait_until(condition, what):
 
 
 class Running:
-    """A server on a free loopback port, answering from a background thread."""
+    """A server on a free loopback port, answering from a background thread, with the settings `serve` uses
+    (connection limit, header and body deadlines, keep-alive)."""
 
     def __init__(self, app):
+        from slm_align.agent.server.connections import server_config
+
         self.app, self.service = app, app.state.service
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        config = server_config(app, "warning")
+        config.port = 0  # a free port
+        self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     def __enter__(self):

@@ -1,6 +1,7 @@
 """The security review of `slm-align serve` (issue 20): each finding's regression test, through the real server."""
 
 import json
+import logging
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -223,6 +224,39 @@ def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(on
     finally:
         server.should_exit = True
         thread.join()
+
+
+def test_a_connection_that_trickles_its_body_is_closed(onnx_model, caplog):
+    import socket
+    import threading
+
+    import uvicorn
+
+    from slm_align.agent.server.connections import server_config
+
+    config = server_config(create_app(onnx_model), "warning", header_timeout=30, body_timeout=0.5)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, "the server starts")
+        logging.getLogger("uvicorn.error").addHandler(caplog.handler)  # uvicorn's loggers do not propagate
+        client = socket.create_connection(("127.0.0.1", port), timeout=30)
+        client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                       "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())
+        assert client.recv(100) == b""  # closed by the server (the header clock alone would wait 30 s)
+        wait_until(lambda: len(server.server_state.connections) == 0, "the server forgets the connection")
+        request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+        healthy = socket.create_connection(("127.0.0.1", port), timeout=30)
+        healthy.sendall(request)
+        assert healthy.recv(12) == b"HTTP/1.1 200"  # serving goes on
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(caplog.handler)
+        server.should_exit = True
+        thread.join()
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []  # no traceback
 
 
 # --- 5. abandoned work ----------------------------------------------------------------------------------------------

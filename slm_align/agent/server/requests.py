@@ -33,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError, PydanticKnownError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from slm_align.agent.constrain import json_grammar
 from slm_align.agent.logprobs import MAX_TOP_LOGPROBS
@@ -80,7 +80,8 @@ class Limits:
 async def read_json(request: Request, limit: int) -> dict:
     """The body as a JSON object, refused with 413 past ``limit`` bytes (declared or actually sent).
 
-    Only ``Content-Type: application/json`` is read (415 otherwise): a page on another site can send text/plain
+    A body that stops arriving (the connection closed) is a 400 nobody reads, not a traceback. Only
+    ``Content-Type: application/json`` is read (415 otherwise): a page on another site can send text/plain
     or form posts to a loopback server without asking, but not JSON.
     """
     if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
@@ -89,10 +90,13 @@ async def read_json(request: Request, limit: int) -> dict:
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(limit)
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(limit)
+    except ClientDisconnect:  # the client left, or was too slow (connections.RequestDeadline): nobody reads this
+        raise bad("the connection closed before the whole body arrived") from None
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:
