@@ -106,3 +106,19 @@ def test_ctx_size_and_the_old_context_reach_devices_fit(capsys, tiny_models):
                              "--json")
     assert code == 0 and json.loads(out)["context"] == 32
     assert err == "note: --context is deprecated; use --ctx\n"
+
+
+def test_imatrix_is_llama_cpp_s_name_for_calibrate(capsys, monkeypatch, tmp_path):
+    import slm_align.export.stage
+
+    seen = {}
+
+    def fake_export(request):
+        seen["request"] = request
+        raise Reached
+
+    monkeypatch.setattr(slm_align.export.stage, "run_export", fake_export)
+    with pytest.raises(Reached):
+        run_cli(capsys, "export", tmp_path, "--target", "gguf", "--quant", "Q4_K_M", "--imatrix")
+    assert seen["request"].calibrate is True
+    assert capsys.readouterr().err == ""

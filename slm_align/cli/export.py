@@ -68,8 +68,8 @@ def export(
     threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the parity check (recorded in the manifest)."),
     force: bool = typer.Option(False, "--force", help="Publish even when verification fails (recorded)."),
-    calibrate: bool = typer.Option(False, "--calibrate", help="GGUF Q4_K_M, IQ4_XS, ... from a run: llama.cpp's "
-                                   "importance matrix from the run's held-out texts weighs the rounding."),
+    calibrate: bool = typer.Option(False, "--calibrate", "--imatrix", help="GGUF Q4_K_M, IQ4_XS, ... from a run: "
+                                   "llama.cpp's importance matrix from the run's held-out texts weighs the rounding."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact of the same name."),
     system: Optional[str] = typer.Option(None, "--system", help="GGUF: system prompt of the Ollama Modelfile "
                                          "written beside the artifact."),
