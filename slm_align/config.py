@@ -34,6 +34,9 @@ class ComputeSettings(_Strict):
                                          "reward, RL, DPO/KTO): less memory, about a third more compute.")
     load_in_4bit: bool = Field(False, description="QLoRA: NF4 4-bit base weights (bitsandbytes) for SFT; CUDA only "
                                "(refused elsewhere and by the other stages).")
+    deepspeed: Optional[str] = Field(None, description="DeepSpeed config of the Trainer stages (SFT, reward model), "
+                                     "passed to TrainingArguments: zero2 (the bundled ZeRO-2 config) or a JSON file; "
+                                     "CUDA and pip install deepspeed needed; refused by RL, DPO and KTO.")
 
     @field_validator("device")
     @classmethod

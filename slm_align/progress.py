@@ -193,11 +193,12 @@ def stage_lines(name: str, start: str) -> Iterator[None]:
 
 
 class TrainerProgress(TrainerCallback):
-    """A Trainer callback that drives the stage's progress (bar or lines) and appends each log to a JSONL file."""
+    """A Trainer callback that drives the stage's progress (bar or lines) and appends each log to a JSONL file (none
+    when ``log_path`` is None: the other ranks of a data-parallel run, whose rank 0 writes it)."""
 
-    def __init__(self, name: str, log_path: Path):
+    def __init__(self, name: str, log_path: Optional[Path]):
         self.name = name
-        self.log_path = Path(log_path)
+        self.log_path = log_path
         self.eval_losses: list[float] = []
         self._progress = new_progress()
         self._task = None
@@ -216,6 +217,8 @@ class TrainerProgress(TrainerCallback):
             self.eval_losses.append(logs["eval_loss"])
         if "loss" in logs:
             self._progress.update(self._task, status=f"loss {logs['loss']:.3f}")
+        if self.log_path is None:
+            return
         with open(self.log_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(logs) + "\n")
 

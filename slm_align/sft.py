@@ -17,14 +17,13 @@ from slm_align.data.corpus import Corpus, load_corpus
 from slm_align.data.encoding import encode_all, pad_batch
 from slm_align.errors import UserError
 from slm_align.modeling import ModelSource, load_model, load_tokenizer, resolve_source, save_tokenizer
-from slm_align.progress import TrainerProgress
-from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
-from slm_align.tracking import finish_trainer_tracking, require_library, trainer_tracker
+from slm_align.runs import StageResult, completed, make_manifest, publish, read_manifest
+from slm_align.tracking import finish_trainer_tracking, require_library
 from slm_align.training import (
     attach_lora,
     make_trainer,
-    prepare_partial,
     save_adapter,
+    start_trainer_run,
     trainable_base,
     training_arguments,
 )
@@ -71,11 +70,11 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     model = load_model(source, recipe.model.trust_remote_code, recipe.model.allow_pickle,
                        compute.quantization_config())
     model = attach_lora(trainable_base(model, compute), recipe.sft.lora, recipe.seed)
-    partial = partial_dir(stage_dir)
-    checkpoint = prepare_partial(partial, inputs, resume)
-    progress = TrainerProgress("sft", partial / "log.jsonl")
-    tracker = trainer_tracker(recipe, out, STAGE, checkpoint)
-    args = training_arguments(recipe.sft, recipe.seed, partial, compute, tracker, eval_strategy="epoch",
+    run = start_trainer_run(recipe, out, STAGE, stage_dir, inputs, resume, compute, "sft")
+    partial = run.partial
+    checkpoint = run.checkpoint
+    progress = run.progress
+    args = training_arguments(recipe.sft, recipe.seed, partial, compute, run.tracker, eval_strategy="epoch",
                               neftune_noise_alpha=recipe.sft.neftune_alpha or None)
     trainer = make_trainer(Trainer, model, args, train_rows, lambda rows: pad_batch(rows, tokenizer.pad_token_id),
                            progress, eval_dataset=eval_rows)
@@ -83,7 +82,11 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
         train_output = trainer.train(resume_from_checkpoint=checkpoint)
         final_eval = trainer.evaluate()
     finally:
-        finish_trainer_tracking(trainer, tracker)
+        finish_trainer_tracking(trainer, run.tracker)
+    replicas = run.replicas(model)
+    if not run.world.main:  # the other ranks of a data-parallel run: rank 0 publishes
+        run.world.barrier()
+        return StageResult(stage_dir, skipped=False, metrics={}, primary=False)
     save_adapter(model, partial / "adapter")
     save_tokenizer(tokenizer, source, partial / "tokenizer")
     metrics = {"train_loss": train_output.training_loss, "eval_loss": final_eval["eval_loss"],
@@ -91,9 +94,10 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
                "train_documents": len(train_rows), "eval_documents": len(eval_rows),
                "heldout_prompts": len(corpus.splits.heldout), "resumed_from": checkpoint,
                "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-               "compute": compute.record()}
+               "compute": compute.record(), **replicas}
     publish(partial, stage_dir, make_manifest(STAGE, inputs, metrics, started),
             keep=("adapter", "tokenizer", "inputs.json", "log.jsonl"))
+    run.world.barrier()
     return StageResult(stage_dir, skipped=False, metrics=metrics)
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -13,8 +15,47 @@ from slm_align.atomic import publish_directory, write_json_atomic
 from slm_align.config import LoraSettings, TrainSettings
 from slm_align.errors import UserError
 from slm_align.modeling import lora_targets
-from slm_align.runs import digest
-from slm_align.tracking import Tracker
+from slm_align.progress import TrainerProgress
+from slm_align.rl.distributed import World, rank_device, replica_digest, world_from_env
+from slm_align.runs import digest, partial_dir
+from slm_align.tracking import Tracker, trainer_tracker
+
+
+def trainer_world(compute: Compute) -> World:
+    """The world of a Trainer stage: under ``accelerate launch``/``torchrun`` (WORLD_SIZE > 1) the process group set
+    up here, before the Trainer, which takes it over for DDP or DeepSpeed, so that rank 0 alone can prepare and
+    publish the stage's folder; one process otherwise."""
+    return world_from_env(rank_device(compute.device))
+
+
+@dataclass
+class TrainerRun:
+    """Where a Trainer stage's rank works: its world, the work dir, the checkpoint it resumes from, its progress
+    callback and tracker (rank 0 writes the log and reports; the other ranks train only)."""
+
+    world: World
+    partial: Path
+    checkpoint: Optional[str]
+    progress: TrainerProgress
+    tracker: Tracker
+
+    def replicas(self, model) -> dict:
+        """What the manifest records of the ranks (on every rank, before rank 0 publishes): their number and each
+        one's digest of the trained weights, equal when gradients were averaged across them."""
+        digests = self.world.gather(replica_digest(p for p in model.parameters() if p.requires_grad))
+        return {"world_size": self.world.size, "replica_digests": digests, "replicas_identical": len(set(digests)) == 1}
+
+
+def start_trainer_run(recipe, out: Path, stage: str, stage_dir: Path, inputs: dict, resume: bool, compute: Compute,
+                      name: str) -> TrainerRun:
+    """The work dir prepared on rank 0 (its checkpoint shared with every rank), rank 0's log and tracker."""
+    world = trainer_world(compute)
+    partial = partial_dir(stage_dir)
+    checkpoint = world.on_main(functools.partial(prepare_partial, partial, inputs, resume))
+    if not world.main:
+        return TrainerRun(world, partial, checkpoint, TrainerProgress(name, None), Tracker())
+    tracker = trainer_tracker(recipe, out, stage, checkpoint)
+    return TrainerRun(world, partial, checkpoint, TrainerProgress(name, partial / "log.jsonl"), tracker)
 
 
 def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:

@@ -58,6 +58,139 @@ def test_4bit_weights_are_refused_by_the_stages_that_train_full_precision_weight
         resolve_compute(settings, quantizable=False)
 
 
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has Apple's GPU")
+def test_mps_requested_without_apples_gpu_is_exit_2_with_one_line(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "sft", "--data", "demo", "--device", "mps", "--out", tmp_path / "run")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--device mps: no Apple GPU (MPS) here" in err and not (tmp_path / "run").exists()
+
+
+@needs_no_cuda
+def test_check_headroom_refuses_a_missing_device(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "check-headroom", "--run", tmp_path / "run", "--device", "cuda")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--device cuda: no CUDA GPU here" in err
+
+
+@pytest.fixture
+def on_a_cuda_machine(monkeypatch):
+    """Resolve every device to cuda:0 (as on a machine with a GPU), so the checks after the device's are reached."""
+    import slm_align.accelerator as accelerator
+
+    def first_gpu(spec="auto"):
+        return "cuda:0"
+
+    monkeypatch.setattr(accelerator, "resolve_device", first_gpu)
+
+
+def test_fp16_is_refused_by_the_envelopes_loops_and_taken_by_the_trainer_stages(on_a_cuda_machine):
+    from slm_align.accelerator import resolve_compute
+
+    settings = ComputeSettings(precision="fp16")
+    assert resolve_compute(settings).trainer_arguments()["fp16"] is True  # SFT, reward: the Trainer scales losses
+    with pytest.raises(UserError, match="RL, DPO and KTO take the envelope's guarded step without loss scaling"):
+        resolve_compute(settings, trainer=False)
+
+
+def test_4bit_weights_are_refused_by_the_reward_stage_in_one_line_on_the_cpu(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "train", "--stage", "reward", "--load-in-4bit", "--device", "cpu", "--out",
+                           tmp_path / "run")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--load-in-4bit applies to SFT only (QLoRA): the reward model is published as a merged full-precision " \
+           "classifier" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def deepspeed_installed(monkeypatch):
+    """A stand-in deepspeed package: ``import deepspeed`` succeeds (nothing here trains under it)."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+
+
+def test_deepspeed_zero2_reaches_the_trainers_arguments(on_a_cuda_machine, deepspeed_installed, monkeypatch,
+                                                        tmp_path):
+    import transformers
+
+    from slm_align.accelerator import DEEPSPEED_PRESETS, resolve_compute
+    from slm_align.config import TrainSettings
+    from slm_align.training import training_arguments
+
+    compute = resolve_compute(ComputeSettings(deepspeed="zero2", precision="fp16"), quantizable=True)
+    passed = {}
+
+    def recorded(**arguments):
+        passed.update(arguments)
+        return arguments
+
+    monkeypatch.setattr(transformers, "TrainingArguments", recorded)
+    training_arguments(TrainSettings(), 0, tmp_path, compute)
+    assert passed["deepspeed"] == str(DEEPSPEED_PRESETS["zero2"]) and DEEPSPEED_PRESETS["zero2"].is_file()
+    assert passed["use_cpu"] is False and passed["fp16"] is True
+    assert compute.record()["deepspeed"] == str(DEEPSPEED_PRESETS["zero2"])
+    own = tmp_path / "ds.json"
+    own.write_text('{"zero_optimization": {"stage": 1}}')
+    assert resolve_compute(ComputeSettings(deepspeed=str(own))).trainer_arguments()["deepspeed"] == str(own)
+    assert "deepspeed" not in resolve_compute(ComputeSettings()).trainer_arguments()
+
+
+@pytest.mark.parametrize("command", [["sft", "--data", "demo"], ["train", "--stage", "sft", "--data", "demo"],
+                                     ["train", "--stage", "reward"]])
+def test_deepspeed_without_the_package_is_one_line_naming_the_install(capsys, tmp_path, monkeypatch, command):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed raises ImportError
+    code, _, err = run_cli(capsys, *command, "--deepspeed", "zero2", "--out", tmp_path / "run")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--deepspeed needs DeepSpeed: pip install deepspeed" in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "dpo", "kto"])
+def test_deepspeed_is_refused_by_rl_dpo_and_kto_in_one_line(capsys, tmp_path, deepspeed_installed, algo):
+    code, _, err = run_cli(capsys, "train", "--algo", algo, "--data", "demo", "--device", "cpu", "--deepspeed",
+                           "zero2", "--out", tmp_path / "run")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--deepspeed applies to the Trainer stages" in err and "RL, DPO and KTO" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("zero9", "no such file; pass zero2"),
+    ("list.json", "a DeepSpeed config is a JSON object, not a list"),
+    ("broken.json", "not a JSON file"),
+])
+def test_a_bad_deepspeed_config_is_refused_in_one_line(capsys, tmp_path, monkeypatch, deepspeed_installed, spec,
+                                                       message):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "broken.json").write_text("{stage: 2")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, "sft", "--data", "demo", "--deepspeed", spec, "--out", tmp_path / "run")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err
+    assert not (tmp_path / "run").exists()
+
+
+@needs_no_cuda
+def test_deepspeed_off_cuda_is_refused_in_one_line(capsys, tmp_path, deepspeed_installed):
+    code, _, err = run_cli(capsys, "sft", "--data", "demo", "--deepspeed", "zero2", "--out", tmp_path / "run")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "DeepSpeed's ZeRO shards training state across CUDA GPUs, not cpu" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_dpo_and_kto_refuse_a_data_parallel_launch_in_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for algo in ("dpo", "kto"):
+        code, _, err = run_cli(capsys, "train", "--algo", algo, "--data", "demo", "--out", tmp_path / "run")
+        assert code == 2 and len(err.strip().splitlines()) == 1
+        assert f"--algo {algo} trains in one process, and this one was launched as 1 of 2 (WORLD_SIZE)" in err
+        assert not (tmp_path / "run").exists()
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # refused before any process group was set up
+
+
 def test_trainer_arguments_follow_the_resolved_device():
     assert Compute("cpu").trainer_arguments() == {"use_cpu": True, "bf16": False, "fp16": False,
                                                   "gradient_checkpointing": False}

@@ -180,9 +180,12 @@ class Flag:
                                  annotation=self.annotation())
 
 
-
 ALLOW_PICKLE = Flag("--allow-pickle", "model.allow_pickle", sets=True)
 """The one switch that lets pickle checkpoints and adapters (``.bin``) load, on every command that loads them."""
+
+DEVICE = Flag("--device", "compute.device")
+"""Where a command computes; every command that loads a model for torch takes it."""
+
 
 def _signature_with(command: Callable, flags: Sequence[Flag]) -> inspect.Signature:
     signature = inspect.signature(command, eval_str=True)

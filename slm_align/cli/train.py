@@ -9,6 +9,7 @@ import typer
 
 from slm_align.cli.options import (
     ALLOW_PICKLE,
+    DEVICE,
     OUT_NAMES,
     ConfigOpt,
     Flag,
@@ -74,10 +75,11 @@ SAFETY = (
     ALLOW_PICKLE,
 )
 COMPUTE = (
-    Flag("--device", "compute.device"),
+    DEVICE,
     Flag("--precision", "compute.precision"),
     Flag("--gradient-checkpointing", "compute.gradient_checkpointing", sets=True),
     Flag("--load-in-4bit", "compute.load_in_4bit", sets=True),
+    Flag("--deepspeed", "compute.deepspeed"),
 )
 SFT = (
     Flag("--epochs", "sft.epochs", aliases=("--num-train-epochs",)),
@@ -174,8 +176,7 @@ def sft(
 
     recipe = recipe_from(config, settings)
     require_data(recipe.data)
-    summary = run_sft(recipe, out, resume=resume).summary()
-    emit(as_json, summary, lambda: print_sft(summary))
+    train_stage(run_sft, print_sft, recipe, out, resume=resume, as_json=as_json)
 
 
 @commands.command("check-headroom",
@@ -185,7 +186,7 @@ def sft(
                          "--data eval.jsonl\n\n"
                          "  slm-align check-headroom --run runs/demo --max-ppl 15 --json\n\n"
                          "  slm-align check-headroom --run runs/demo --reward mypkg.rewards:politeness@0.5")
-@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY, COMPUTE[:1])
+@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY, [DEVICE])
 def check_headroom(
     run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with --model)."),
@@ -271,18 +272,24 @@ def train(
     if stage == "sft":
         from slm_align.sft import run_sft
 
-        summary = run_sft(recipe, out, resume=resume).summary()
-        emit(as_json, summary, lambda: print_sft(summary))
+        train_stage(run_sft, print_sft, recipe, out, resume=resume, as_json=as_json)
     elif stage == "reward":
         from slm_align.reward.stage import run_reward
 
-        summary = run_reward(recipe, out, resume=resume).summary()
-        emit(as_json, summary, lambda: print_reward(summary))
+        train_stage(run_reward, print_reward, recipe, out, resume=resume, as_json=as_json)
     elif recipe.rl.algo in ("dpo", "kto"):
         train_preference(recipe, out, resume=resume, force=force, sft_from=sft_from, as_json=as_json)
     else:
         train_rl(recipe, out, resume=resume, force=force, sft_from=sft_from, reward_model=reward_model,
                  rewards=reward, as_json=as_json)
+
+
+def train_stage(run_stage, print_summary, recipe, out: Path, *, resume: bool, as_json: bool) -> None:
+    """A Trainer stage (SFT or the reward model), then its summary (rank 0 of a data-parallel run reports)."""
+    result = run_stage(recipe, out, resume=resume)
+    if result.primary:
+        summary = result.summary()
+        emit(as_json, summary, lambda: print_summary(summary))
 
 
 def _data_from_run(recipe, stage: str, out: Path, sft_from: Optional[Path]) -> bool:

@@ -9,6 +9,7 @@ held-out figures before and after with intervals, which models the feedback was 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -19,12 +20,14 @@ from slm_align.accelerator import resolve_compute, training_inputs
 from slm_align.atomic import atomic_path, write_json_atomic
 from slm_align.config import Recipe
 from slm_align.data.readers import fingerprint
+from slm_align.errors import UserError
 from slm_align.headroom import Figure, HeadroomReport
 from slm_align.modeling import load_tokenizer, resolve_source
 from slm_align.plots import plot_curves
 from slm_align.preference.data import PreferenceData, check_feedback_models, load_preference_data
 from slm_align.preference.learner import PreferenceLearner
 from slm_align.progress import new_progress, stage_lines
+from slm_align.rl.distributed import launched
 from slm_align.rl.policy import build_policy
 from slm_align.rl.stage import GateRefused, keep_first_lines
 from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
@@ -44,8 +47,9 @@ def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool 
                    sft_from: Optional[Path] = None, say=lambda _: None) -> StageResult:
     """DPO or KTO (``recipe.rl.algo``) on ``recipe.reward.preferences`` from the run's SFT prior."""
     started = time.time()
+    refuse_data_parallel(recipe.rl.algo)
     require_library(recipe.tracking.report_to)
-    compute = resolve_compute(recipe.compute, loss_scaling=False)
+    compute = resolve_compute(recipe.compute, trainer=False)
     out = Path(out)
     algo = recipe.rl.algo
     stage_dir = out / algo
@@ -92,6 +96,15 @@ def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool 
     publish(partial, stage_dir, make_manifest(algo, inputs, metrics, started),
             keep=("adapter", "metrics.jsonl", "plots", "inputs.json", HELDOUT_START))
     return StageResult(stage_dir, skipped=False, metrics=metrics)
+
+
+def refuse_data_parallel(algo: str) -> None:
+    """DPO and KTO train in one process: launched as one of several (WORLD_SIZE > 1), every rank would train the same
+    steps into the same folder, so the launch is refused in one line before any work."""
+    if launched():
+        raise UserError(f"--algo {algo} trains in one process, and this one was launched as 1 of "
+                        f"{os.environ['WORLD_SIZE']} (WORLD_SIZE); run it without accelerate launch or torchrun "
+                        "(SFT, the reward model and PPO/GRPO take data parallel)")
 
 
 def _inputs(recipe: Recipe, algo: str, adapter: Path, paths: list[Path]) -> dict:

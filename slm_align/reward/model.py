@@ -56,15 +56,22 @@ def classifier_from_policy(policy, pad_token_id: int):
 
 
 def _unwrap(model):
+    """The classifier inside a DDP wrapper (data-parallel Trainer) and a peft model, whichever are there."""
+    model = getattr(model, "module", model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def sequence_rewards(model, input_ids, attention_mask):
-    """One float32 reward per right-padded sequence: the score head at its last attended token."""
+    """One float32 reward per right-padded sequence: the score head at its last attended token.
+
+    The model's own forward runs (through the DDP wrapper when the Trainer trains data parallel: only a forward
+    through it averages the gradients across ranks); its last hidden states are pooled here, at the last attended
+    token, because the classifier's own pooling looks for the last non-pad id, which misses a final EOS when the pad
+    token is EOS."""
     import torch
 
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states[-1]
     classifier = _unwrap(model)
-    hidden = classifier.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     last = attention_mask.sum(-1) - 1
     pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     return classifier.score(pooled).squeeze(-1).float()

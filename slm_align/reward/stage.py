@@ -16,7 +16,6 @@ from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
 from slm_align.errors import UserError
 from slm_align.modeling import load_tokenizer, merged_policy, resolve_source, save_tokenizer
-from slm_align.progress import TrainerProgress
 from slm_align.reward.model import (
     bradley_terry_loss,
     classifier_from_policy,
@@ -27,10 +26,10 @@ from slm_align.reward.model import (
 )
 from slm_align.reward.pairs import Pair, synthetic_pairs
 from slm_align.reward.preferences import read_preferences
-from slm_align.runs import StageResult, completed, digest, make_manifest, partial_dir, publish, read_manifest
+from slm_align.runs import StageResult, completed, digest, make_manifest, publish, read_manifest
 from slm_align.sft import recipe_from_sft
-from slm_align.tracking import finish_trainer_tracking, trainer_tracker
-from slm_align.training import attach_lora, make_trainer, prepare_partial, training_arguments
+from slm_align.tracking import finish_trainer_tracking
+from slm_align.training import attach_lora, make_trainer, start_trainer_run, training_arguments
 
 STAGE = "reward"
 
@@ -106,17 +105,20 @@ def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     max_length = recipe.data.max_length
     rows = [{"chosen_ids": encode_scored(tokenizer, p.prompt, p.chosen, max_length),
              "rejected_ids": encode_scored(tokenizer, p.prompt, p.rejected, max_length)} for p in train]
-    partial = partial_dir(stage_dir)
-    checkpoint = prepare_partial(partial, inputs, resume)
-    progress = TrainerProgress("reward model", partial / "log.jsonl")
-    tracker = trainer_tracker(recipe, out, STAGE, checkpoint)
+    run = start_trainer_run(recipe, out, STAGE, stage_dir, inputs, resume, compute, "reward model")
+    partial = run.partial
+    checkpoint = run.checkpoint
     trainer = make_trainer(_bt_trainer_class(recipe.reward.margin, recipe.reward.center_coefficient), model,
-                           training_arguments(recipe.reward, recipe.seed, partial, compute, tracker), rows,
-                           lambda batch: collate_pairs(batch, tokenizer.pad_token_id), progress)
+                           training_arguments(recipe.reward, recipe.seed, partial, compute, run.tracker), rows,
+                           lambda batch: collate_pairs(batch, tokenizer.pad_token_id), run.progress)
     try:
         output = trainer.train(resume_from_checkpoint=checkpoint)
     finally:
-        finish_trainer_tracking(trainer, tracker)
+        finish_trainer_tracking(trainer, run.tracker)
+    replicas = run.replicas(model)
+    if not run.world.main:  # the other ranks of a data-parallel run: rank 0 publishes
+        run.world.barrier()
+        return StageResult(stage_dir, skipped=False, metrics={}, primary=False)
     merged = model.merge_and_unload().eval()
     merged.save_pretrained(partial / "model", safe_serialization=True)
     save_tokenizer(tokenizer, source, partial / "model")
@@ -124,7 +126,8 @@ def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     _write_jsonl(partial / "eval_pairs.jsonl", held)
     metrics = pairwise_metrics(merged, tokenizer, held, max_length)
     metrics.update(train_loss=output.training_loss, steps=output.global_step, train_pairs=len(train),
-                   pair_stats=pair_stats, resumed_from=checkpoint, compute=compute.record())
+                   pair_stats=pair_stats, resumed_from=checkpoint, compute=compute.record(), **replicas)
     publish(partial, stage_dir, make_manifest(STAGE, inputs, metrics, started),
             keep=("model", "pairs.jsonl", "eval_pairs.jsonl", "inputs.json", "log.jsonl"))
+    run.world.barrier()
     return StageResult(stage_dir, skipped=False, metrics=metrics)

@@ -1,5 +1,6 @@
-"""Data parallel RL over processes started by ``accelerate launch`` or ``torchrun``: NCCL between GPUs (one per
-process, by LOCAL_RANK), gloo between CPU processes.
+"""Data parallel over processes started by ``accelerate launch`` or ``torchrun``: NCCL between GPUs (one per process,
+by LOCAL_RANK), gloo between CPU processes. RL's own loop uses it directly; the Trainer stages set the process group
+up through it (the Trainer takes it over) so that rank 0 alone prepares and publishes their folders.
 
 Each rank samples its own share of the prompts; gradients are averaged across ranks before every optimizer step,
 and every guard decision (skip, rollback) is taken on world-wide figures, so all replicas stay identical.
@@ -10,8 +11,11 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+
+from slm_align.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,20 @@ class World:
         box = [value]
         self._dist().broadcast_object_list(box, src=0)
         return box[0]
+
+    def on_main(self, work: Callable[[], Any]) -> Any:
+        """``work()`` on rank 0 alone (preparing a stage's folder, the gate), its result shared with every rank; a
+        :class:`UserError` it raises is raised on every rank, so all of them stop with the same one line."""
+        outcome = None
+        if self.main:
+            try:
+                outcome = work()
+            except UserError as exc:
+                outcome = exc
+        outcome = self.share(outcome)
+        if isinstance(outcome, UserError):
+            raise outcome
+        return outcome
 
     def gather(self, value) -> list:
         """Every rank's ``value``, in rank order, on every rank."""

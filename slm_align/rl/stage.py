@@ -8,6 +8,7 @@ verdict and any ``--force``, guard totals, and held-out reward of the SFT policy
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -59,7 +60,8 @@ def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Rec
 
 
 def _prerequisites(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_model: Optional[Path],
-                   rewards: Sequence[str], resume: bool, say) -> tuple[Recipe, Optional[Path], Optional[Path]]:
+                   rewards: Sequence[str], resume: bool, say, world: World) -> tuple[Recipe, Optional[Path],
+                                                                                      Optional[Path]]:
     """Run (or find) SFT and the reward model; returns the SFT recipe, its adapter and the reward model.
 
     With ``rl.from_sft`` off RL starts from the model as given: no SFT, no adapter, and a reward must be given
@@ -69,6 +71,8 @@ def _prerequisites(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_m
             raise UserError("--no-sft starts RL from the model as given, without the SFT prior the reward stage "
                             "trains on: pass --reward (e.g. exact_answer, tool_task) or --reward-model")
         return recipe, None, reward_model
+    if world.size > 1:
+        _check_finished_before_launch(out, sft_from, reward_model is None and not rewards)
     sft_recipe, adapter = sft_prior(recipe, out, sft_from, resume, say)
     if reward_model is None and not rewards:
         if read_manifest(out / "reward") is None:
@@ -80,6 +84,20 @@ def _prerequisites(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_m
     return sft_recipe, adapter, reward_model
 
 
+def _check_finished_before_launch(out: Path, sft_from: Optional[Path], needs_reward_model: bool) -> None:
+    """A data-parallel RL launch finds the stages it needs finished: rank 0 alone would train them while the other
+    ranks wait, and the Trainer would ask those ranks to join in; refused in one line naming the stage to run first."""
+    missing = []
+    if sft_from is None and read_manifest(out / "sft") is None:
+        missing.append("sft")
+    if needs_reward_model and read_manifest(out / "reward") is None:
+        missing.append("reward")
+    if missing:
+        raise UserError(f"a data-parallel RL launch needs the {' and '.join(missing)} stage of {out} finished first: "
+                        f"run `slm-align train --stage {missing[0]} --out {out}` (launched the same way or not), then "
+                        "launch RL again")
+
+
 def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False, sft_from: Optional[Path] = None,
            reward_model: Optional[Path] = None, rewards: Sequence[str] = (), say=lambda _: None) -> StageResult:
     """Prerequisites and the gate (on rank 0), then RL on every rank of the world (one process unless launched)."""
@@ -89,20 +107,12 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
     started = time.time()
     require_library(recipe.tracking.report_to)
     out = Path(out)
-    compute = resolve_compute(recipe.compute, loss_scaling=False)
+    compute = resolve_compute(recipe.compute, trainer=False)
     compute = replace(compute, device=rank_device(compute.device))
     world = world_from_env(compute.device)
     _check_divisible(recipe.rl, world)
-    outcome = None
-    if world.main:
-        try:
-            outcome = _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say)
-        except UserError as exc:
-            outcome = exc
-    outcome = world.share(outcome)
-    if isinstance(outcome, UserError):
-        raise outcome
-    recipe, adapter, reward_model, inputs, gate, done = outcome
+    prepare = functools.partial(_prepare, recipe, out, resume, force, sft_from, reward_model, rewards, say, world)
+    recipe, adapter, reward_model, inputs, gate, done = world.on_main(prepare)
     _check_divisible(recipe.rl, world)  # again: --algo auto has become ppo or grpo
     if done is not None:
         return StageResult(out / STAGE, skipped=True, metrics=done["metrics"])
@@ -119,9 +129,10 @@ def _check_divisible(settings, world: World) -> None:
                         "change --prompts-per-step or the number of processes")
 
 
-def _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say):
-    """Stages RL needs, the gate, and whether RL already completed with these inputs."""
-    sft_recipe, adapter, reward_model = _prerequisites(recipe, out, sft_from, reward_model, rewards, resume, say)
+def _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say, world):
+    """Stages RL needs, the gate, and whether RL already completed with these inputs (rank 0)."""
+    sft_recipe, adapter, reward_model = _prerequisites(recipe, out, sft_from, reward_model, rewards, resume, say,
+                                                       world)
     recipe = sft_recipe.model_copy(update={"rl": recipe.rl})
     with stage_lines("headroom gate", "the SFT prior's perplexity and the reward's accuracy and spread"):
         gate = check_headroom(recipe, run=out, adapter=adapter, reward_model=reward_model, rewards=rewards).to_dict()
