@@ -8,7 +8,7 @@ import pytest
 from slm_align.config import Recipe, load_recipe
 from slm_align.errors import UserError
 from slm_align.recipe_overrides import parse_sets, refuse_other_algorithm
-from tests.helpers import run_cli
+from tests.helpers import finished_sft_run, run_cli
 
 
 def shown(capsys, *args):
@@ -58,13 +58,65 @@ BAD_SETS = {
 @pytest.mark.parametrize("case", sorted(BAD_SETS))
 def test_bad_set_is_one_line_exit_2_and_writes_nothing(capsys, tmp_path, case):
     args, expected = BAD_SETS[case]
-    for command in (["sft"], ["train"], ["check-headroom"]):
-        code, _, err = run_cli(capsys, *command, "--out" if command != ["check-headroom"] else "--run",
-                               tmp_path / "run", *args)
+    for command in (["sft", "--out"], ["train", "--out"], ["check-headroom", "--run"], ["evaluate", "--run"],
+                    ["merge", "--run"]):
+        code, _, err = run_cli(capsys, *command, tmp_path / "run", *args)
         assert code == 2 and expected in err and err.count("\n") == 1, (command, err)
         assert not (tmp_path / "run").exists()
     code, _, err = run_cli(capsys, "config", "show", *args)
     assert code == 2 and expected in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("command", ["evaluate", "merge"])
+def test_set_reaches_the_recipe_of_evaluate_and_merge(capsys, tmp_path, command):
+    code, _, err = run_cli(capsys, command, "--run", tmp_path / "run", "--set", "compute.device=cuda")
+    assert code == 2 and "--device cuda: no CUDA GPU here" in err and err.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, tiny_models, stories):
+    """A finished SFT run whose base model is a copy of the tiny Llama (so a test may change its files)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("sets")
+    base = root / "base"
+    shutil.copytree(tiny_models["llama"], base)
+    return finished_sft_run(root / "run", base, stories, steps=2)[0], base
+
+
+def test_evaluate_samples_with_the_set_settings_and_a_named_flag_wins(capsys, sft_run):
+    run, _ = sft_run
+    common = ["evaluate", "--run", run, "--reward", "length_window", "--prompts", "2", "--json"]
+    code, out, err = run_cli(capsys, *common, "--set", "rl.max_new_tokens=3", "--set", "rl.temperature=0.5")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["max_new_tokens"] == 3 and report["temperature"] == 0.5
+    assert all(len(p["completions"]) == 2 for p in report["policies"])
+    code, out, err = run_cli(capsys, *common, "--set", "rl.max_new_tokens=3", "--max-new-tokens", "4")
+    assert code == 0, err
+    assert json.loads(out)["max_new_tokens"] == 4
+
+
+def test_merge_takes_a_setting_from_set(capsys, sft_run, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    run, base = sft_run
+    weights = base / "model.safetensors"
+    kept = tmp_path / "model.safetensors"
+    torch.save(load_file(weights), base / "pytorch_model.bin")
+    weights.rename(kept)  # the base is a pickle checkpoint now
+    try:
+        code, _, err = run_cli(capsys, "merge", "--run", run, "--out", tmp_path / "refused")
+        assert code == 2 and "pickle" in err and not (tmp_path / "refused").exists()
+        code, _, err = run_cli(capsys, "merge", "--run", run, "--out", tmp_path / "merged", "--set",
+                               "model.allow_pickle=true")
+        assert code == 0, err
+        assert (tmp_path / "merged" / "model.safetensors").is_file()
+    finally:  # the module's run keeps its safetensors base
+        (base / "pytorch_model.bin").unlink()
+        kept.rename(weights)
 
 
 OTHER_ALGORITHM = {
@@ -74,6 +126,18 @@ OTHER_ALGORITHM = {
     "PPO switch with GRPO": (["--algo", "grpo", "--adaptive-kl"], "--adaptive-kl is a PPO setting"),
     "GRPO --set with PPO": (["--algo", "ppo", "--set", "rl.grpo.scale_rewards=none"],
                             "--set rl.grpo.scale_rewards is a GRPO setting"),
+    "KTO flag with GRPO": (["--algo", "grpo", "--desirable-weight", "1.5"],
+                           "--desirable-weight is a KTO setting and --algo is grpo: drop it or use --algo kto"),
+    "KTO flag with DPO": (["--algo", "dpo", "--undesirable-weight", "2"],
+                          "--undesirable-weight is a KTO setting and --algo is dpo"),
+    "DPO/KTO flag with PPO": (["--algo", "ppo", "--pref-beta", "0.2"],
+                              "--pref-beta is a DPO/KTO setting and --algo is ppo: drop it or use --algo dpo"),
+    "DPO/KTO switch with auto": (["--algo", "auto", "--any-model"],
+                                 "--any-model is a DPO/KTO setting and --algo is auto"),
+    "DPO/KTO --set with GRPO": (["--algo", "grpo", "--set", "preference.steps=5"],
+                                "--set preference.steps is a DPO/KTO setting"),
+    "GRPO flag with DPO": (["--algo", "dpo", "--loss-type", "dr_grpo"],
+                           "--loss-type is a GRPO setting and --algo is dpo"),
 }
 
 

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from slm_align.cli.options import (
     ALLOW_PICKLE,
+    DEVICE,
     OUT_NAMES,
     ChatTemplateOpt,
     ConfigOpt,
     JsonFlag,
+    recipe_flags,
     recipe_from,
-    recipe_option,
 )
 from slm_align.cli.render import emit, print_export, print_merge
 
@@ -22,21 +23,21 @@ commands = typer.Typer()
 
 
 @commands.command(epilog="Examples:\n\n  slm-align merge --run runs/demo                 # writes runs/demo/merged/\n\n"
-                         "  slm-align merge --run runs/demo --out models/story-rl --overwrite --json")
+                         "  slm-align merge --run runs/demo --out models/story-rl --overwrite --json\n\n"
+                         "  slm-align merge --run runs/demo --set model.allow_pickle=true   # a .bin base")
+@recipe_flags([DEVICE, ALLOW_PICKLE])
 def merge(
     run: Path = typer.Option(..., "--run", "-r", help="Run directory with a finished SFT stage (RL used if present)."),
     out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default: RUN/merged)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     config: Optional[Path] = ConfigOpt,
-    device: Optional[str] = recipe_option("compute.device", "--device"),
-    allow_pickle: bool = ALLOW_PICKLE.option(),
+    settings: Optional[dict[str, Any]] = None,
     as_json: bool = JsonFlag,
 ) -> None:
     """Fold the SFT and RL adapters into the base weights: a plain HF directory that loads without peft."""
     from slm_align.export.merge import merge_run
 
-    overrides = {"compute.device": device, ALLOW_PICKLE.key: ALLOW_PICKLE.override(allow_pickle)}
-    summary = merge_run(recipe_from(config, overrides), run, out, overwrite).summary()
+    summary = merge_run(recipe_from(config, settings), run, out, overwrite).summary()
     emit(as_json, summary, lambda: print_merge(summary))
 
 

@@ -113,6 +113,7 @@ REWARD = (
     Flag("--margin", "reward.margin"),
     Flag("--center", "reward.center_coefficient"),
 )
+MAX_NEW_TOKENS = Flag("--max-new-tokens", "rl.max_new_tokens", aliases=("--max-completion-length",))
 RL = (
     Flag("--algo", "rl.algo"),
     Flag("--no-sft", "rl.from_sft", sets=False, help="Start RL from the model as given (already fluent): no SFT "
@@ -121,7 +122,7 @@ RL = (
     Flag("--rl-lr", "rl.learning_rate"),
     Flag("--prompts-per-step", "rl.prompts_per_step"),
     Flag("--group-size", "rl.group_size", aliases=("--num-generations",)),
-    Flag("--max-new-tokens", "rl.max_new_tokens", aliases=("--max-completion-length",)),
+    MAX_NEW_TOKENS,
     Flag("--kl-coef", "rl.ppo.kl_coef"),
     Flag("--kl-mode", "rl.ppo.kl_mode"),
     Flag("--adaptive-kl", "rl.ppo.adaptive_kl", sets=True),
@@ -143,6 +144,10 @@ RL = (
 )
 TRACKING = (
     Flag("--report-to", "tracking.report_to"),
+)
+SAMPLING = (
+    MAX_NEW_TOKENS,
+    Flag("--temperature", "rl.temperature"),
 )
 PREFERENCE = (
     Flag("--pref-steps", "preference.steps"),
@@ -333,7 +338,10 @@ def train_rl(recipe, out: Path, *, resume: bool, force: bool, sft_from: Optional
 
 @commands.command(epilog="Examples:\n\n  slm-align evaluate --run runs/demo\n\n"
                          "  slm-align evaluate --run runs/demo --baseline ./SmolLM2-135M-Instruct --prompts 100\n\n"
-                         "  slm-align evaluate --run runs/demo --reward length_window@0.5 --json")
+                         "  slm-align evaluate --run runs/demo --reward length_window@0.5 --json\n\n"
+                         "  slm-align evaluate --run runs/demo --set rl.temperature=0.7 "
+                         "--set headroom.max_documents=50")
+@recipe_flags(SAMPLING, TASKS, [DEVICE, ALLOW_PICKLE])
 def evaluate(
     run: Path = typer.Option(..., "--run", "-r", help="Run directory (SFT required; RL and reward used if present)."),
     baseline: list[str] = typer.Option([], "--baseline", help="Add a baseline policy from any model source; "
@@ -341,20 +349,14 @@ def evaluate(
     reward_model: Optional[Path] = typer.Option(None, help="Shared reward model (default: the run's reward/model)."),
     reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight]; repeatable."),
     prompts: int = typer.Option(200, min=2, help="Held-out prompts to sample."),
-    max_new_tokens: Optional[int] = recipe_option("rl.max_new_tokens", "--max-new-tokens", "--max-completion-length"),
-    temperature: Optional[float] = recipe_option("rl.temperature", "--temperature"),
-    tasks: Optional[str] = recipe_option("data.tasks", "--tasks"),
-    device: Optional[str] = recipe_option("compute.device", "--device"),
-    allow_pickle: bool = ALLOW_PICKLE.option(),
     config: Optional[Path] = ConfigOpt,
+    settings: Optional[dict[str, Any]] = None,
     as_json: bool = JsonFlag,
 ) -> None:
     """Compare the SFT prior, the aligned policy and any baselines on held-out prompts; write eval/report.md."""
     from slm_align.evaluate import evaluate as run_evaluation
 
-    overrides = {"rl.temperature": temperature, "rl.max_new_tokens": max_new_tokens, "data.tasks": tasks,
-                 "compute.device": device, ALLOW_PICKLE.key: ALLOW_PICKLE.override(allow_pickle)}
-    recipe = recipe_from(config, overrides)  # validated
+    recipe = recipe_from(config, settings)  # sampling settings (--max-new-tokens, --temperature) are the recipe's
     report = run_evaluation(recipe, run, baselines=baseline, reward_model=reward_model, rewards=reward,
-                            prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature)
+                            prompts=prompts)
     emit(as_json, report, lambda: print_evaluation(report, Path(run) / "eval" / "report.md"))
