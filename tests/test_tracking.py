@@ -1,6 +1,7 @@
-"""Experiment tracking (--report-to): TensorBoard event files that read back equal to the JSONL metrics (SFT through
-transformers' integration, DPO through our tracker, across a kill and resume), a stored run's resume logging no step
-twice, and the refusals: an unknown tracker, a library that is not installed, and none writing nothing."""
+"""Experiment tracking (--report-to): TensorBoard event files that read back equal to the JSONL metrics (SFT and the
+reward model through transformers' integration; GRPO, with its watchdog events, and DPO through our tracker, DPO
+across a kill and resume), a stored run's resume logging no step twice, and the refusals: an unknown tracker, a
+library that is not installed, and none writing nothing."""
 
 import json
 import sys
@@ -94,7 +95,7 @@ def test_a_killed_and_resumed_dpo_run_reads_back_each_step_once_equal_to_its_jso
     prefs = write_rows(tmp_path / "prefs.jsonl", learnable_rows(60))
     recipe = preference_recipe(fresh_run(sft_run, tmp_path / "run"), "dpo", prefs, steps=12, save_steps=4,
                                eval_every=4)
-    recipe = recipe.model_copy(update={"tracking": recipe.tracking.model_copy(update={"report_to": "tensorboard"})})
+    recipe = with_tensorboard(recipe)
     original = TensorBoardTracker.log
 
     def log_then_die_at_six(self, step, metrics):
@@ -115,6 +116,65 @@ def test_a_killed_and_resumed_dpo_run_reads_back_each_step_once_equal_to_its_jso
     read_back = tensorboard_scalars(directory)
     assert [step for step, _ in read_back["loss"]] == list(range(1, 13))  # steps 5 and 6 once, the resumed values
     assert_same(jsonl_scalars(logged, str), read_back)
+
+
+def with_tensorboard(recipe):
+    return recipe.model_copy(update={"tracking": recipe.tracking.model_copy(update={"report_to": "tensorboard"})})
+
+
+def tensorboard_texts(directory, tag: str) -> list[tuple[int, str]]:
+    """The text summaries of ``tag`` as tensorboard's reader sees them: [(step, text)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(directory), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    return [(event.step, event.tensor_proto.string_val[0].decode()) for event in accumulator.Tensors(tag)]
+
+
+def test_a_grpo_run_reads_back_equal_to_its_jsonl_and_its_watchdog_events_reach_tensorboard(sft_run, tmp_path):
+    import shutil
+
+    from slm_align.rl.stage import run_rl
+
+    base, recipe = sft_run
+    out = tmp_path / "run"
+    shutil.copytree(base / "sft", out / "sft")
+    watchdog = recipe.rl.watchdog.model_copy(update=dict(  # only KL runaway, at any KL: an event at the 2nd step
+        window=1, max_kl=1e-9, entropy_floor=0.0, length_ratio=0.0, truncated_rise=0.0, zero_std_rise=0.0,
+        max_recoveries=1, eval_every=2, probe_prompts=2))
+    rl = recipe.rl.model_copy(update=dict(algo="grpo", steps=5, save_steps=5, prompts_per_step=2, group_size=2,
+                                          max_new_tokens=6, eval_prompts=2, learning_rate=1e-2, report_prompts=0,
+                                          watchdog=watchdog))
+    headroom = recipe.headroom.model_copy(update=dict(spread_prompts=2, samples_per_prompt=2, max_new_tokens=6,
+                                                      max_documents=8))
+    recipe = with_tensorboard(recipe.model_copy(update={"rl": rl, "headroom": headroom}))
+    run_rl(recipe, out, rewards=["length_window"], force=True)
+    directory = out / "tracking" / "rl"
+    logged = read_jsonl(out / "rl" / "metrics.jsonl")
+    assert [line["step"] for line in logged] == list(range(1, len(logged) + 1))
+    assert any("watchdog/probe_reward" in line for line in logged)
+    assert_same(jsonl_scalars(logged, str), tensorboard_scalars(directory))
+    events = read_jsonl(out / "rl" / "events.jsonl")
+    assert [event["detector"] for event in events][:1] == ["kl_runaway"]
+    read_back = tensorboard_texts(directory, "watchdog/events/text_summary")
+    assert [(step, json.loads(text)) for step, text in read_back] == [(event["step"], event) for event in events]
+    recipe_text = tensorboard_texts(directory, "recipe/text_summary")[0][1]
+    assert json.loads(recipe_text.removeprefix("```json\n").removesuffix("\n```")) == recipe.model_dump(mode="json")
+
+
+def test_the_reward_stage_with_tensorboard_reads_back_equal_to_its_log(sft_run, tmp_path):
+    import shutil
+
+    from slm_align.reward.stage import run_reward
+
+    base, recipe = sft_run
+    out = tmp_path / "run"
+    shutil.copytree(base / "sft", out / "sft")
+    reward = recipe.reward.model_copy(update={"max_steps": 10, "batch_size": 4})
+    run_reward(with_tensorboard(recipe.model_copy(update={"reward": reward})), out)
+    logged = read_jsonl(out / "reward" / "log.jsonl")
+    assert any("loss" in line for line in logged)
+    assert_same(jsonl_scalars(logged, trainer_tag), tensorboard_scalars(out / "tracking" / "reward"))
 
 
 class FakeWandb(types.ModuleType):
