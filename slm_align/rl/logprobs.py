@@ -3,9 +3,10 @@ a chunk of positions at a time, so that the full-vocabulary tensors of a whole m
 
 With a 262k vocabulary (Gemma 3) one minibatch of 8 x 64 completion tokens has 0.5 GB of logits in fp32; the
 unchunked path held the logits, their temperature-scaled copy, the log-softmax and the entropy's two temporaries
-alive together. Chunked, only the log-softmax (which its backward needs) is kept for the whole minibatch; the rest
-lives one chunk at a time, in the forward and in the backward: the logits are dropped as soon as the log-softmax
-exists, and the entropy takes one temporary, reused in place.
+alive together. Chunked, every full-vocabulary tensor lives one chunk at a time: the logits are dropped as soon as the
+log-softmax exists, the entropy takes one temporary, reused in place, and under a frozen head (LoRA) each chunk's
+gradient with respect to the hidden states is formed in its forward (:class:`FusedLogprob`), so the backward keeps
+(N, H) per minibatch instead of the (N, V) log-softmax.
 """
 
 from __future__ import annotations
@@ -61,20 +62,81 @@ def token_logprobs(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor,
     Returns:
         logprobs (N,) fp32, log softmax(W h_n / tau)[y_n]; entropies (N,) fp32, -sum_v p_v log p_v (None unless
         ``with_entropy``). The same formula as the unchunked path (log-softmax, then gather), chunk by chunk.
+
+    When the gradient reaches ``hidden`` but not W (LoRA under a frozen head), each chunk is a
+    :class:`FusedLogprob`: its gradient is formed in the forward and no (chunk, V) tensor outlives the chunk;
+    otherwise autograd keeps each chunk's log-softmax for its backward.
     """
+    fused = torch.is_grad_enabled() and hidden.requires_grad and not head.weight.requires_grad
     logprobs = []
     entropies = []
     for start in range(0, hidden.shape[0], chunk):
-        logits = head(hidden[start:start + chunk]).float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        del logits  # log-softmax's backward needs its output only
-        logprobs.append(logp.gather(-1, targets[start:start + chunk].unsqueeze(-1)).squeeze(-1))
-        if with_entropy:
-            entropies.append(_entropy(logp.detach()))
+        rows = hidden[start:start + chunk]
+        ys = targets[start:start + chunk]
+        if fused:
+            logprob, entropy = FusedLogprob.apply(rows, head.weight, ys, temperature, with_entropy)
+        else:
+            logprob, entropy = _chunk_logprobs(rows, head, ys, temperature, with_entropy)
+        logprobs.append(logprob)
+        entropies.append(entropy)
     entropy = torch.cat(entropies) if with_entropy else None
     return torch.cat(logprobs), entropy
+
+
+def _scaled_logp(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(n, V) fp32 log softmax(z / tau) of (n, V) logits."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _chunk_logprobs(rows, head: nn.Linear, ys, temperature: float, with_entropy: bool):
+    """One chunk through autograd: (n,) log-probabilities of ``ys`` and (n,) entropies (None unless asked)."""
+    logp = _scaled_logp(head(rows), temperature)
+    logprob = logp.gather(-1, ys.unsqueeze(-1)).squeeze(-1)
+    entropy = _entropy(logp.detach()) if with_entropy else None
+    return logprob, entropy
+
+
+class FusedLogprob(torch.autograd.Function):
+    """log p_n = log softmax(W h_n / tau)[y_n] for a chunk of rows, with its gradient formed in the forward.
+
+    The gradient of one row's log-probability with respect to its hidden state is
+
+        d log p_n / d h_n = (onehot(y_n) - p_n) W / tau = (W[y_n] - sum_v p_nv W[v]) / tau,
+        p_n = softmax(W h_n / tau),
+
+    (the softmax-cross-entropy gradient, as Liger's fused linear cross-entropy forms it), so the forward computes it,
+    (n, V) x (V, H), and keeps only that (n, H) tensor; the backward scales row n by the incoming d loss / d log p_n
+    (autograd applies that factor before the product instead: the two agree to fp32 rounding). The unfused path
+    keeps the (n, V) log-softmax until its backward: 268 MB for 256 positions of Gemma 3's 262k vocabulary.
+    W gets no gradient (this path is taken only when W is frozen); entropies carry none.
+
+    Shapes: rows (n, H), weight (V, H), targets (n,) -> logprobs (n,) fp32, entropies (n,) fp32 (empty unless asked).
+    """
+
+    @staticmethod
+    def forward(ctx, rows, weight, targets, temperature, with_entropy):
+        logp = _scaled_logp(nn.functional.linear(rows, weight), temperature)
+        logprob = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = _entropy(logp) if with_entropy else logprob.new_zeros(0)
+        residual = logp.exp_().neg_()  # the log-softmax is not needed any more: -p, in its place
+        residual.scatter_add_(-1, targets.unsqueeze(-1), torch.ones_like(logprob).unsqueeze(-1))  # onehot(y) - p
+        gradient = (residual.to(weight.dtype) @ weight).float()  # (n, H): W[y] - p W, as autograd orders it
+        del residual, logp
+        if temperature != 1.0:
+            gradient = gradient / temperature
+        ctx.save_for_backward(gradient)
+        ctx.rows_dtype = rows.dtype
+        ctx.mark_non_differentiable(entropy)
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        (gradient,) = ctx.saved_tensors
+        grad_rows = (grad_logprob.float().unsqueeze(-1) * gradient).to(ctx.rows_dtype)
+        return grad_rows, None, None, None, None
 
 
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
