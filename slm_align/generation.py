@@ -122,9 +122,10 @@ def draw_tokens(logits, temperature: float, top_p: float = 1.0):
     """One token per row of ``logits`` (B, V) fp32, and its log-probability under the distribution it was drawn from.
 
     Greedy at ``temperature`` 0 (argmax; log-softmax of the raw logits). Otherwise p = softmax(nucleus_top_p(z / T))
-    (transformers' ``TopPLogitsWarper`` when ``top_p`` < 1), drawn by inverting its cumulative distribution: with u ~
-    U[0, 1) per row, the token is the first v whose cumulative sum (float64) exceeds u times the total, so that
-    P(v) = p_v, and a token of probability 0 is never drawn. Returns (B,) token ids and (B,) fp32 log p_token.
+    (transformers' ``TopPLogitsWarper`` when ``top_p`` < 1), drawn by inverting its cumulative distribution: with
+    w_v = exp(z_v / T - max) (fp32) and their running sums c_v (float64), u ~ U[0, 1) per row, the token is the first
+    v with c_v > u c_V, so that P(v) = w_v / c_V = p_v, and a token of weight 0 is never drawn. Its log-probability is
+    z_v / T - max - log c_V. Returns (B,) token ids and (B,) fp32 log p_token.
     """
     import torch
 
@@ -136,18 +137,19 @@ def draw_tokens(logits, temperature: float, top_p: float = 1.0):
         from transformers import TopPLogitsWarper
 
         scaled = TopPLogitsWarper(top_p)(None, scaled)
-    logp = torch.log_softmax(scaled, dim=-1)
-    cumulative = logp.double().exp().cumsum(-1)
-    if not bool(torch.isfinite(cumulative[:, -1]).all()):  # torch.multinomial refuses these too
+    peak = scaled.max(-1, keepdim=True).values
+    weights = scaled.sub(peak).exp_()
+    cumulative = torch.cumsum(weights, -1, dtype=torch.float64)
+    total = cumulative[:, -1:]
+    if not bool(torch.isfinite(total).all()):  # torch.multinomial refuses these too
         raise RuntimeError("non-finite logits while sampling: the model's weights or inputs hold NaN or inf")
-    target = torch.rand(logits.shape[0], 1, dtype=torch.float64, device=logits.device) * cumulative[:, -1:]
+    target = torch.rand(logits.shape[0], 1, dtype=torch.float64, device=logits.device) * total
     token = torch.searchsorted(cumulative, target, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
-    drawn = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-    impossible = torch.isinf(drawn)  # u rounded up to the total: fall back on the row's most probable token
+    impossible = weights.gather(-1, token.unsqueeze(-1)).squeeze(-1) == 0  # u rounded up to the total
     if bool(impossible.any()):
-        token = torch.where(impossible, logp.argmax(-1), token)
-        drawn = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-    return token, drawn
+        token = torch.where(impossible, scaled.argmax(-1), token)
+    drawn = scaled.gather(-1, token.unsqueeze(-1)) - peak - total.log().float()
+    return token, drawn.squeeze(-1)
 
 
 def score(reward_fn, samples: Samples) -> list[float]:
