@@ -93,18 +93,26 @@ def _load_source(source, recipe: Recipe):
 
 def _measure(policy: Policy, prompts: list[str], documents, reward, recipe: Recipe, max_new_tokens: int,
              temperature: float, device: str = "cpu") -> dict:
-    with stage_lines("evaluation", f"{policy.name} on {len(prompts)} prompts and {len(documents)} documents"):
+    with stage_lines("evaluation", f"{policy.name} on {len(prompts)} prompts and {len(documents)} documents") as stage:
         model, tokenizer = policy.load()
         model = model.to(device)
         samples = sample(model, tokenizer, prompts, max_new_tokens, temperature, seed=recipe.seed)
         scores = score(reward, samples)
         encoded = encode_all(documents, tokenizer, recipe.data.max_length)
         ppl = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size).ppl
+        row = _row(policy, samples, scores, ppl)
+        stage.figures = (f"{policy.name}: reward mean {row['reward_mean']:.3f} (std {row['reward_std']:.3f}), "
+                         f"perplexity {ppl:.3f}")
+    return row
+
+
+def _row(policy: Policy, samples, scores: list[float], ppl: float) -> dict:
+    """One policy's figures in the report."""
     lengths = samples.completion_mask.sum(-1).float()
     return {"name": policy.name, "model": policy.describe, "ppl": ppl,
             "reward_mean": statistics.fmean(scores), "reward_std": statistics.pstdev(scores),
             "distinct_1": distinct_n(samples.completions, 1), "distinct_2": distinct_n(samples.completions, 2),
-            "length": float(lengths.mean()), "truncated_frac": sum(samples.truncated) / len(prompts),
+            "length": float(lengths.mean()), "truncated_frac": sum(samples.truncated) / len(scores),
             "rewards": scores, "completions": samples.completions}
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from slm_align.errors import UserError
+from slm_align.progress import Count, counted
 
 
 @dataclass
@@ -53,9 +54,10 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
     if seed is not None:
         torch.manual_seed(seed)
-    with torch.no_grad():
-        completion_ids, drawn_logprobs = _decode(model, prompt_ids, prompt_mask, max_new_tokens, temperature, top_p,
-                                                 tokenizer.eos_token_id, pad)
+    with counted("sampling", max_new_tokens, f"tokens of {len(prompts)} completions") as count:
+        with torch.no_grad():
+            completion_ids, drawn_logprobs = _decode(model, prompt_ids, prompt_mask, max_new_tokens, temperature,
+                                                     top_p, tokenizer.eos_token_id, pad, count)
     is_eos = completion_ids == tokenizer.eos_token_id
     ended = is_eos.cumsum(-1)
     completion_mask = ((ended == 0) | (is_eos & (ended == 1))).long()  # through the first EOS
@@ -71,9 +73,10 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
 
 
 def _decode(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, top_p: float, eos: int,
-            pad: int):
+            pad: int, count: Optional[Count] = None):
     """Decode up to ``max_new_tokens`` tokens for a left-padded batch with the KV cache, as ``generate`` does (the
     model's own ``prepare_inputs_for_generation``; positions that skip the padding), until every row has an EOS.
+    ``count`` advances by one per token position (a stage's progress; inactive in RL rollouts).
 
     Returns (B, T) token ids (``pad`` after a row's EOS) and (B, T) fp32 log-probabilities of the drawn tokens.
     """
@@ -99,6 +102,8 @@ def _decode(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: fl
         token = token.masked_fill(done, pad)
         tokens.append(token)
         logprobs.append(logprob)
+        if count is not None:
+            count.advance()
         done = done | (token == eos)
         if bool(done.all()):
             break

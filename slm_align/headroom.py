@@ -21,6 +21,7 @@ from slm_align.data.prompt_source import prompt_source
 from slm_align.errors import UserError
 from slm_align.modeling import load_adapter, load_model, load_tokenizer, require_adapter, resolve_source
 from slm_align.perplexity import perplexity
+from slm_align.progress import stage_lines
 from slm_align.sft import recipe_from_sft
 
 REMEDY_PPL = ("the SFT prior is not fluent enough for RL to help: train SFT longer or on more or cleaner data, "
@@ -63,6 +64,11 @@ class HeadroomReport:
 
     def failures(self) -> list[Figure]:
         return [f for f in self.figures if not f.passed]
+
+    def summary(self) -> str:
+        """The verdict and every figure against its threshold, on one line (the gate's end line in a log)."""
+        figures = "; ".join(f"{f.name} {f.value:.3f} ({f.comparison} {f.threshold:g})" for f in self.figures)
+        return f"{self.verdict}, {figures}"
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "passed": self.passed, "info": self.info,
@@ -134,6 +140,31 @@ def _perplexity_documents(recipe: Recipe, corpus, source) -> list:
     return [Example(text=text) for text in source.heldout_texts()[: recipe.headroom.max_documents]]
 
 
+def _gate_plan(recipe: Recipe, documents: int, source, reward_known: bool) -> str:
+    """What the gate will measure, and on how much (its start line in a log)."""
+    plan = f"the prior's perplexity on {documents} documents"
+    if not reward_known:
+        return plan
+    settings = recipe.headroom
+    prompts = len(source.heldout[: settings.spread_prompts])
+    return f"{plan}, the reward's accuracy and its spread over {settings.samples_per_prompt} samples of {prompts} " \
+           "prompts"
+
+
+def _prior(recipe: Recipe, model_source, device: str, adapter: Optional[Path], encoded: list, pad_id: int,
+           info: dict):
+    """The prior the gate measures: the model, with the SFT adapter when there is one (the base model's perplexity
+    recorded in ``info`` as context)."""
+    model = load_model(model_source, recipe.model.trust_remote_code, recipe.model.allow_pickle).to(device)
+    if adapter is None:
+        return model
+    model = load_adapter(model, adapter, recipe.model.allow_pickle)
+    with model.disable_adapter():
+        info["base_ppl"] = perplexity(model, encoded, pad_id, recipe.headroom.batch_size, "base perplexity").ppl
+    info["adapter"] = str(adapter)
+    return model
+
+
 def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional[Path] = None,
                    reward_model: Optional[Path] = None, rewards: Sequence[str] = ()) -> HeadroomReport:
     """Measure the gate's figures and write ``run/headroom.json`` when a run is given.
@@ -156,22 +187,20 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
     encoded = encode_all(_perplexity_documents(recipe, corpus, source), tokenizer, recipe.data.max_length)
     if not encoded:
         raise UserError(f"data {corpus.description}: no eval document has tokens to score")
-    model = load_model(model_source, recipe.model.trust_remote_code, recipe.model.allow_pickle).to(device)
-    info = {"model": model_source.label, "data": corpus.description, "prompts": source.description,
-            "eval_documents": len(encoded)}
-    if adapter is not None:
-        model = load_adapter(model, adapter, recipe.model.allow_pickle)
-        with model.disable_adapter():
-            info["base_ppl"] = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size).ppl
-        info["adapter"] = str(adapter)
-    measured = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size)
-    figures = [Figure("held-out perplexity", measured.ppl, recipe.headroom.max_ppl, "<", REMEDY_PPL)]
-    if reward_model is not None or rewards:
-        figures += _reward_figures(recipe, corpus, model, tokenizer, reward_model, rewards, run, info, source)
-    else:
-        info["reward"] = "not measured: no reward model or reward function (slm-align train --stage reward)"
-    info.update(eval_tokens=measured.tokens, seconds=round(time.time() - started, 2))
-    report = HeadroomReport(figures, info)
+    reward_known = reward_model is not None or bool(rewards)
+    with stage_lines("headroom gate", _gate_plan(recipe, len(encoded), source, reward_known)) as stage:
+        info = {"model": model_source.label, "data": corpus.description, "prompts": source.description,
+                "eval_documents": len(encoded)}
+        model = _prior(recipe, model_source, device, adapter, encoded, tokenizer.pad_token_id, info)
+        measured = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size)
+        figures = [Figure("held-out perplexity", measured.ppl, recipe.headroom.max_ppl, "<", REMEDY_PPL)]
+        if reward_known:
+            figures += _reward_figures(recipe, corpus, model, tokenizer, reward_model, rewards, run, info, source)
+        else:
+            info["reward"] = "not measured: no reward model or reward function (slm-align train --stage reward)"
+        info.update(eval_tokens=measured.tokens, seconds=round(time.time() - started, 2))
+        report = HeadroomReport(figures, info)
+        stage.figures = report.summary()
     if run is not None:
         write_json_atomic(Path(run) / "headroom.json", report.to_dict())
     return report

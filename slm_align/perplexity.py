@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from slm_align.data.encoding import IGNORE_INDEX, pad_batch
+from slm_align.progress import counted
 
 
 @dataclass(frozen=True)
@@ -38,22 +39,26 @@ def labelled_logprobs(model, batch: dict):
     return picked * mask, mask
 
 
-def perplexity(model, encoded: list[dict[str, list[int]]], pad_id: int, batch_size: int = 8) -> Perplexity:
+def perplexity(model, encoded: list[dict[str, list[int]]], pad_id: int, batch_size: int = 8,
+               what: str = "perplexity") -> Perplexity:
     """Sum NLL over every scored token of every document in float32, then divide once.
 
     Averaging per batch (or per sequence) would weight short documents differently depending on how they
-    were batched; summing first makes the figure independent of batching and padding.
+    were batched; summing first makes the figure independent of batching and padding. ``what`` names the
+    documents counted in the running stage's progress (:func:`slm_align.progress.counted`).
     """
     import torch
 
     nll_sum = 0.0
     tokens = 0
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), counted(what, len(encoded), "documents") as count:
         for start in range(0, len(encoded), batch_size):
-            picked, mask = labelled_logprobs(model, pad_batch(encoded[start:start + batch_size], pad_id))
+            batch = encoded[start:start + batch_size]
+            picked, mask = labelled_logprobs(model, pad_batch(batch, pad_id))
             nll_sum += float(-picked.sum().double())
             tokens += int(mask.sum())
+            count.advance(len(batch))
     if tokens == 0:
         raise ValueError("no tokens to score")
     return Perplexity(ppl=math.exp(nll_sum / tokens), nll_sum=nll_sum, tokens=tokens, documents=len(encoded))

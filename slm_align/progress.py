@@ -1,24 +1,27 @@
-"""Progress for long stages, on stderr: rich bars on a terminal, plain lines in a log; JSONL metric logs.
+"""Progress for long stages, on stderr: rich bars on a terminal, plain lines in a log (the Trainer callback that
+drives them for SFT and the reward model, and writes their JSONL logs, is :mod:`slm_align.trainer_progress`).
 
 When stderr is not a terminal (``nohup``, CI, a job scheduler, ``2> run.log``) every long stage writes plain lines
 instead of bars: its start (what it will do and how much), its progress every ``SLM_ALIGN_PROGRESS_SECONDS``
 seconds (30 by default; the last step always), and its end. ``--quiet`` silences both.
+
+A stage without optimizer steps (the gate, an evaluation, an export's verification) runs inside
+:func:`stage_lines`; the loops it runs count their items with :func:`counted` (documents scored, tokens sampled,
+prompts decoded), which shows as a bar on a terminal and as a line every cadence in a log.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-from transformers import TrainerCallback
 
 stderr = Console(stderr=True)
 
@@ -53,22 +56,32 @@ def say_line(text: str) -> None:
 
 @dataclass
 class _Task:
-    """One task of a :class:`LineProgress`: what it counts and when it last said so."""
+    """One task of a :class:`LineProgress`: what it counts and how far it is."""
 
-    description: str
-    total: Optional[float]
-    completed: float
-    status: str
-    started: float
-    said: float
-    done: bool = False
+    description: str  # what the lines call it: "sft", "headroom gate: perplexity"
+    total: Optional[float]  # how many units it will do (None: unknown)
+    completed: float  # how many are done
+    status: str  # its key figure now ("loss 0.703"), said in brackets
+    started: float  # time.monotonic() at its start (elapsed and remaining time)
+    unit: str = "steps"  # what it counts: steps ("step k/N") or anything else ("k/N documents")
+    done: bool = False  # its end was reached: no more lines
 
 
 class LineProgress:
-    """The part of rich's Progress the stages use (``add_task``, ``update``, a context manager), as plain lines."""
+    """The part of rich's Progress the stages use (``add_task``, ``update``, ``remove_task``, a context manager), as
+    plain lines: at most one line per cadence, whichever task it is about.
 
-    def __init__(self):
+    ``ends``: each task says its start, its last step and its end (a training stage); without, only its cadence
+    lines (the counted loops of a stage whose start and end :func:`stage_lines` says). ``before_line`` is called
+    before every line (the stage's start line, said first); ``since`` is when the cadence starts (default: now).
+    """
+
+    def __init__(self, ends: bool = True, before_line: Optional[Callable[[], None]] = None,
+                 since: Optional[float] = None):
         self.tasks: list[_Task] = []
+        self.ends = ends
+        self.before_line = before_line
+        self.said = time.monotonic() if since is None else since
 
     def __enter__(self) -> "LineProgress":
         return self
@@ -85,13 +98,17 @@ class LineProgress:
             self._finish(task)
 
     def add_task(self, description: str, total: Optional[float] = None, completed: float = 0, status: str = "",
-                 **_) -> int:
-        """Start a task: its start line (how much it will do); its id."""
-        now = time.monotonic()
-        self.tasks.append(_Task(description, total, completed, status, now, now))
-        resumed = f", resuming at {completed:g}" if completed else ""
-        say_line(f"{description}: start, {total:g} steps{resumed}" if total else f"{description}: start")
+                 unit: str = "steps", **_) -> int:
+        """Start a task: its start line (how much it will do) when ``ends``; its id."""
+        self.tasks.append(_Task(description, total, completed, status, time.monotonic(), unit))
+        if self.ends:
+            resumed = f", resuming at {completed:g}" if completed else ""
+            self._say(f"{description}: start, {total:g} {unit}{resumed}" if total else f"{description}: start")
         return len(self.tasks) - 1
+
+    def remove_task(self, task_id: int) -> None:
+        """The task is over: its end line when ``ends``, then no more lines."""
+        self._finish(self.tasks[task_id])
 
     def update(self, task_id: int, completed: Optional[float] = None, status: Optional[str] = None, **_) -> None:
         """Record progress; a line when the cadence has passed or the last step is reached."""
@@ -103,16 +120,25 @@ class LineProgress:
         if status is not None:
             task.status = status
         now = time.monotonic()
-        last = task.total is not None and task.completed >= task.total
-        if last or now - task.said >= cadence():
-            task.said = now
-            say_line(self._progress_text(task, now))
+        last = self.ends and task.total is not None and task.completed >= task.total
+        if last or now - self.said >= cadence():
+            self._say(self._progress_text(task, now))
         if last:
             self._finish(task)
 
+    def _say(self, text: str) -> None:
+        if self.before_line is not None:
+            self.before_line()
+        self.said = time.monotonic()
+        say_line(text)
+
     def _progress_text(self, task: _Task, now: float) -> str:
         elapsed = now - task.started
-        text = f"{task.description}: step {task.completed:g}/{task.total:g}" if task.total else task.description
+        text = task.description
+        if task.total and task.unit == "steps":
+            text += f": step {task.completed:g}/{task.total:g}"
+        elif task.total:
+            text += f" {task.completed:g}/{task.total:g} {task.unit}"
         if task.status:
             text += f" ({task.status})"
         text += f", {duration(elapsed)} elapsed"
@@ -124,7 +150,9 @@ class LineProgress:
         if task.done:
             return
         task.done = True
-        say_line(f"{task.description}: done, {task.completed:g} steps in {duration(time.monotonic() - task.started)}")
+        if self.ends:
+            took = duration(time.monotonic() - task.started)
+            self._say(f"{task.description}: done, {task.completed:g} {task.unit} in {took}")
 
 
 def new_progress() -> Union[Progress, LineProgress]:
@@ -170,57 +198,116 @@ class _DeferredLine:
         return said
 
 
+class Stage:
+    """A stage without optimizer steps, as :func:`stage_lines` yields it. Set ``figures`` to what its end line says
+    (its key results: a perplexity, a spread, an agreement); its counted loops (:func:`counted`) show in its bar on
+    a terminal or its cadence lines in a log."""
+
+    def __init__(self, name: str, start: Optional[_DeferredLine]):
+        self.name = name
+        self.figures = ""
+        self._start = start
+        self._started = time.monotonic()
+        self._progress = None
+
+    @property
+    def progress(self) -> Union[Progress, LineProgress]:
+        """The stage's bars (terminal) or lines (log), made at its first counted loop."""
+        if self._progress is None:
+            self._progress = self._open()
+        return self._progress
+
+    def _open(self) -> Union[Progress, LineProgress]:
+        if self._start is None:
+            bars = new_progress()
+            bars.start()
+            return bars
+        return LineProgress(ends=False, before_line=self._start.say, since=self._started)
+
+    def close(self) -> None:
+        """Take the bars off the terminal (nothing to do for lines)."""
+        if self._progress is not None:
+            self._progress.stop()
+
+
+_STAGE: ContextVar[Optional[Stage]] = ContextVar("slm_align_stage", default=None)
+"""The stage without steps that is running (None outside one)."""
+
+
 @contextmanager
-def stage_lines(name: str, start: str) -> Iterator[None]:
-    """Start and end lines around a stage without steps (the gate, an evaluation, an export) when stderr is a log;
-    on a terminal the stage's own output says enough. The start line waits one cadence (see
-    :class:`_DeferredLine`); a stage shorter than that says one line at its end, with what it did."""
+def stage_lines(name: str, start: str) -> Iterator[Stage]:
+    """Start and end lines around a stage without steps (the gate, an evaluation, an export) when stderr is a log,
+    and the progress of the loops it counts (:func:`counted`) between them; on a terminal those loops' bars.
+
+    The start line waits one cadence (see :class:`_DeferredLine`); a stage shorter than that says one line at its
+    end, with what it did. The end line carries the :class:`Stage`'s ``figures``."""
     if stderr.is_terminal:
-        yield
+        stage = Stage(name, None)
+        try:
+            with _running(stage):
+                yield stage
+        finally:
+            stage.close()
         return
     started = time.monotonic()
     line = _DeferredLine(f"{name}: start, {start}")
+    stage = Stage(name, line)
     line.arm()
+    try:
+        with _running(stage):
+            yield stage
+    finally:
+        said = line.cancel()
+    text = f"{name}: done in {duration(time.monotonic() - started)}"
+    if not said:
+        text += f" ({start})"
+    if stage.figures:
+        text += f": {stage.figures}"
+    say_line(text)
+
+
+@contextmanager
+def _running(stage: Stage) -> Iterator[None]:
+    token = _STAGE.set(stage)
     try:
         yield
     finally:
-        said = line.cancel()
-    took = duration(time.monotonic() - started)
-    if said:
-        say_line(f"{name}: done in {took}")
-        return
-    say_line(f"{name}: done in {took} ({start})")
+        _STAGE.reset(token)
 
 
-class TrainerProgress(TrainerCallback):
-    """A Trainer callback that drives the stage's progress (bar or lines) and appends each log to a JSONL file (none
-    when ``log_path`` is None: the other ranks of a data-parallel run, whose rank 0 writes it)."""
+@dataclass
+class Count:
+    """One counted loop's progress (see :func:`counted`); inactive outside a stage."""
 
-    def __init__(self, name: str, log_path: Optional[Path]):
-        self.name = name
-        self.log_path = log_path
-        self.eval_losses: list[float] = []
-        self._progress = new_progress()
-        self._task = None
+    progress: Optional[Union[Progress, LineProgress]]
+    task: Optional[int]
+    done: float = 0
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._progress.start()
-        self._task = self._progress.add_task(self.name, total=state.max_steps, completed=state.global_step,
-                                             status="")
+    @property
+    def active(self) -> bool:
+        """Whether anything shows the count (the loop may then do a little extra work to report it)."""
+        return self.progress is not None
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self._progress.update(self._task, completed=state.global_step)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        logs = dict(logs or {}, step=state.global_step)
-        if "eval_loss" in logs:
-            self.eval_losses.append(logs["eval_loss"])
-        if "loss" in logs:
-            self._progress.update(self._task, status=f"loss {logs['loss']:.3f}")
-        if self.log_path is None:
+    def advance(self, items: float = 1) -> None:
+        """``items`` more are done."""
+        if self.progress is None:
             return
-        with open(self.log_path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(logs) + "\n")
+        self.done += items
+        self.progress.update(self.task, completed=self.done)
 
-    def on_train_end(self, args, state, control, **kwargs):
-        self._progress.stop()
+
+@contextmanager
+def counted(what: str, total: float, unit: str) -> Iterator[Count]:
+    """A loop of the running stage that does ``total`` ``unit`` (documents, tokens, prompts): ``what`` it does and
+    ``k/total`` shown in the stage's bar, or in its line every cadence with elapsed and remaining time. Outside a
+    stage (an RL iteration's rollouts, the reward stage's own accuracy) the count is inactive and shows nothing."""
+    stage = _STAGE.get()
+    if stage is None or total <= 0:
+        yield Count(None, None)
+        return
+    progress = stage.progress
+    task = progress.add_task(f"{stage.name}: {what}", total=total, completed=0, status="", unit=unit)
+    try:
+        yield Count(progress, task)
+    finally:
+        progress.remove_task(task)

@@ -15,10 +15,10 @@ from slm_align.atomic import publish_directory, write_json_atomic
 from slm_align.config import LoraSettings, TrainSettings
 from slm_align.errors import UserError
 from slm_align.modeling import lora_targets
-from slm_align.progress import TrainerProgress
 from slm_align.rl.distributed import World, rank_device, replica_digest, world_from_env
 from slm_align.runs import digest, partial_dir
 from slm_align.tracking import Tracker, trainer_tracker
+from slm_align.trainer_progress import TrainerProgress
 
 
 def trainer_world(compute: Compute) -> World:

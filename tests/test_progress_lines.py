@@ -1,18 +1,29 @@
 """Long work that speaks in a log: with stderr not a terminal, stages write start, progress and end lines;
 --json keeps stdout to the JSON; --quiet prints nothing but errors."""
 
+import io
 import json
+import re
 import time
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from slm_align.progress import LineProgress, duration, stage_lines
+from slm_align import progress as progress_module
+from slm_align.export.parity import perplexity_change
+from slm_align.progress import CADENCE_ENV, LineProgress, counted, duration, stage_lines
+from slm_align.runs import artifact_manifest
 from tests.helpers import run_cli
+
+TRAIN = ("train", "--algo", "grpo", "--set", "sft.max_steps=2", "--reward-steps", "2", "--steps", "2",
+         "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--report-prompts", "2", "--force")
 
 
 @pytest.fixture
 def every_step(monkeypatch):
-    monkeypatch.setenv("SLM_ALIGN_PROGRESS_SECONDS", "0")  # a line per update: a short run still shows progress
+    monkeypatch.setenv(CADENCE_ENV, "0")  # a line per update: a short run still shows progress
 
 
 def progress_lines(stderr: str) -> list[str]:
@@ -33,17 +44,53 @@ def test_line_progress_says_start_progress_and_end_at_its_cadence(capsys, monkey
 
 def test_a_short_stage_says_one_line_and_a_refused_one_none(capsys, monkeypatch):
     """The start line of a stage without steps waits one cadence: bad input refused before then leaves only the
-    error line; a stage done before then says its end with what it did."""
-    monkeypatch.setenv("SLM_ALIGN_PROGRESS_SECONDS", "3600")
+    error line; a stage done before then says its end with what it did and its figures; a loop it counts within
+    the cadence says nothing."""
+    monkeypatch.setenv(CADENCE_ENV, "3600")
     with pytest.raises(ValueError):
         with stage_lines("headroom gate", "the prior and the reward"):
             raise ValueError("bad input")
     assert progress_lines(capsys.readouterr().err) == []
-    with stage_lines("headroom gate", "the prior and the reward"):
-        pass
+    with stage_lines("headroom gate", "the prior and the reward") as stage:
+        with counted("perplexity", 8, "documents") as count:
+            for _ in range(8):
+                count.advance()
+        stage.figures = "PASS, held-out perplexity 3.210 (< 30)"
     lines = progress_lines(capsys.readouterr().err)
     assert len(lines) == 1 and lines[0].startswith("headroom gate: done in ")
-    assert lines[0].endswith(" (the prior and the reward)")
+    assert lines[0].endswith(" (the prior and the reward): PASS, held-out perplexity 3.210 (< 30)")
+
+
+def test_a_counted_loop_speaks_every_cadence_after_the_stage_start(capsys, monkeypatch):
+    """k/N, elapsed and remaining time once per cadence, never before the stage's start line (said by a timer
+    thread at the same moment); outside a stage the count shows nothing."""
+    monkeypatch.setenv(CADENCE_ENV, "0.05")
+    with stage_lines("evaluation", "sft on 2 prompts and 4 documents"):
+        with counted("perplexity", 4, "documents") as count:
+            for _ in range(4):
+                time.sleep(0.07)
+                count.advance()
+    with counted("sampling", 4, "tokens") as outside:
+        outside.advance()
+    lines = progress_lines(capsys.readouterr().err)
+    assert lines[0] == "evaluation: start, sft on 2 prompts and 4 documents"
+    progress = lines[1:-1]
+    assert [line.split(",")[0] for line in progress] == [f"evaluation: perplexity {k}/4 documents" for k in range(1, 5)]
+    assert "s elapsed, about " in progress[0] and progress[0].endswith(" left")
+    assert lines[-1].startswith("evaluation: done in ") and not outside.active
+
+
+def test_on_a_terminal_a_counted_loop_is_a_bar_not_lines(monkeypatch):
+    screen = io.StringIO()
+    monkeypatch.setattr(progress_module, "stderr", Console(file=screen, force_terminal=True, width=100))
+    monkeypatch.setenv(CADENCE_ENV, "0")
+    with stage_lines("headroom gate", "the prior's perplexity on 2 documents") as stage:
+        with counted("perplexity", 2, "documents") as count:
+            time.sleep(0.3)  # the bar refreshes 10 times a second
+            count.advance(2)
+        stage.figures = "PASS"
+    drawn = screen.getvalue()
+    assert "headroom gate: perplexity" in drawn and "[slm-align" not in drawn
 
 
 def test_a_long_stage_says_its_start_after_one_cadence(capsys, monkeypatch):
@@ -53,6 +100,27 @@ def test_a_long_stage_says_its_start_after_one_cadence(capsys, monkeypatch):
     lines = progress_lines(capsys.readouterr().err)
     assert lines[0] == "evaluation: start, 2 prompts"
     assert lines[1].startswith("evaluation: done in ") and len(lines) == 2
+
+
+def test_counting_sampled_tokens_changes_no_sample(capsys, every_step):
+    """Inside a stage, sampling counts its tokens (a stopping criterion that stops nothing): the same seed draws the
+    same completions as outside one, where nothing is counted (RL rollouts)."""
+    import torch
+
+    from slm_align.generation import sample
+    from slm_align.modeling import DEFAULT_MODEL_DIR, load_model, load_tokenizer, resolve_source
+
+    source = resolve_source(str(DEFAULT_MODEL_DIR))
+    model = load_model(source)
+    tokenizer = load_tokenizer(source)
+    prompts = ["Once upon a time", "The cat sat", "A little girl"]
+    outside = sample(model, tokenizer, prompts, 6, temperature=1.0, seed=3)
+    assert progress_lines(capsys.readouterr().err) == []
+    with stage_lines("evaluation", "3 prompts"):
+        inside = sample(model, tokenizer, prompts, 6, temperature=1.0, seed=3)
+    lines = progress_lines(capsys.readouterr().err)
+    assert lines[1].startswith("evaluation: sampling 1/6 tokens of 3 completions, ")
+    assert torch.equal(inside.completion_ids, outside.completion_ids) and inside.completions == outside.completions
 
 
 def test_durations_read_like_a_clock():
@@ -84,19 +152,124 @@ def test_json_keeps_stdout_to_the_json_and_quiet_prints_nothing(tmp_path, storie
     assert code == 2 and stderr.startswith("error: ")  # errors still speak
 
 
-def test_train_and_export_in_a_log_say_each_stage(tmp_path, stories, capsys, every_step):
-    out = tmp_path / "run"
-    code, _, stderr = run_cli(capsys, "train", "--algo", "grpo", "--data", stories, "--set", "sft.max_steps=2",
-                              "--reward-steps", "2", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
-                              "--max-new-tokens", "8", "--report-prompts", "2", "--force", "--out", out)
+def cli(*args) -> tuple[int, str, str]:
+    """:func:`run_cli` for module-scoped runs (no capsys there): exit code, stdout, stderr."""
+    from slm_align.cli import main
+
+    out = io.StringIO()
+    err = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    return exit_info.value.code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory, stories):
+    """A short GRPO run, then its F32 GGUF export, both with --json and stderr a log at cadence 0: the run
+    directory and each command's (exit code, stdout, stderr)."""
+    out = tmp_path_factory.mktemp("logged") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CADENCE_ENV, "0")
+        train = cli(*TRAIN, "--data", stories, "--out", out, "--json")
+        export = cli("export", out, "--target", "gguf", "--quant", "F32", "--json")
+    return out, {"train": train, "export": export}
+
+
+def stage_lines_of(stderr: str, stage: str) -> list[str]:
+    return [line for line in progress_lines(stderr) if line.startswith(f"{stage}: ")]
+
+
+def test_train_with_json_keeps_stdout_to_the_json_and_says_each_stage(logged):
+    out, runs = logged
+    code, stdout, stderr = runs["train"]
     assert code == 0, stderr
+    assert json.loads(stdout)["dir"] == str(out / "rl")  # stdout is the JSON and nothing else
     lines = progress_lines(stderr)
     for stage in ("sft", "reward model", "headroom gate", "RL (grpo)", "held-out reward", "evaluation"):
         assert any(line.startswith(f"{stage}: start") for line in lines), stage
         assert any(line.startswith(f"{stage}: done") for line in lines), stage
     assert any(line.startswith("RL (grpo): step 1/2") for line in lines)
-    code, _, stderr = run_cli(capsys, "export", out, "--target", "gguf", "--quant", "F32")
+
+
+def test_the_gate_counts_documents_and_samples_and_ends_with_its_figures(logged):
+    out, runs = logged
+    gate = json.loads((out / "headroom.json").read_text())
+    lines = stage_lines_of(runs["train"][2], "headroom gate")
+    documents = gate["info"]["eval_documents"]
+    samples = gate["info"]["spread_samples"]
+    assert lines[0].startswith(f"headroom gate: start, the prior's perplexity on {documents} documents, ")
+    assert f"headroom gate: perplexity {documents}/{documents} documents" in [line.split(",")[0] for line in lines]
+    assert any(re.match(rf"headroom gate: sampling 1/\d+ tokens of {samples} completions, ", line) for line in lines)
+    assert any(re.match(r"headroom gate: reward accuracy, chosen \d+/\d+ texts, ", line) for line in lines)
+    assert any(re.match(r"headroom gate: reward model \d+/\d+ texts, ", line) for line in lines)
+    figures = "; ".join(f"{f['name']} {f['value']:.3f} ({f['comparison']} {f['threshold']:g})"
+                        for f in gate["figures"])
+    assert lines[-1].startswith("headroom gate: done in ")
+    assert lines[-1].endswith(f": {gate['verdict']}, {figures}")
+
+
+def test_evaluation_and_heldout_reward_count_and_end_with_their_figures(logged):
+    out, runs = logged
+    stderr = runs["train"][2]
+    report = json.loads((out / "eval" / "report.json").read_text())
+    lines = stage_lines_of(stderr, "evaluation")
+    assert any(line.startswith("evaluation: sampling 1/8 tokens of 2 completions, ") for line in lines)
+    assert any(re.match(r"evaluation: perplexity \d+/\d+ documents, ", line) for line in lines)
+    ends = [line.split(": ", 2)[2] for line in lines if line.startswith("evaluation: done in ")]
+    assert ends == [f"{p['name']}: reward mean {p['reward_mean']:.3f} (std {p['reward_std']:.3f}), perplexity "
+                    f"{p['ppl']:.3f}" for p in report["policies"]]
+    rl = json.loads((out / "rl" / "manifest.json").read_text())["metrics"]
+    lines = stage_lines_of(stderr, "held-out reward")
+    assert any(line.startswith("held-out reward: sampling 1/8 tokens of ") for line in lines)
+    ends = [line.split(": ", 2)[2] for line in lines if line.startswith("held-out reward: done in ")]
+    assert ends[0] == f"mean reward {rl['heldout_reward_sft']:.3f}"
+    assert ends[-1] == f"mean reward {rl['heldout_reward_rl']:.3f}"
+
+
+def test_export_with_json_counts_its_verification_and_ends_with_the_agreement(logged):
+    code, stdout, stderr = logged[1]["export"]
     assert code == 0, stderr
+    verification = json.loads(stdout)["metrics"]["verification"]  # stdout is the JSON and nothing else
     lines = progress_lines(stderr)
     assert [line.split(":")[0] for line in lines if ": start" in line] == ["export", "export verification"]
+    prompts = verification["prompts"]
+    assert [line.split(",")[0] for line in lines if re.match(r"export verification: greedy decoding \d", line)] == \
+        [f"export verification: greedy decoding {k}/{prompts} prompts" for k in range(1, prompts + 1)]
     assert lines[-1].startswith("export verification: done in ")
+    assert lines[-1].endswith(f": passed, tokenizer identical, greedy {prompts}/{prompts} prompts identical for 32 "
+                              f"tokens, top-1 agreement {verification['agreement']:.3f} over "
+                              f"{verification['agreement_positions']} tokens, held-out "
+                              f"{perplexity_change(verification)}")
+
+
+def test_bench_in_a_log_says_its_runs_and_ends_with_its_figures(logged, capsys, every_step):
+    artifact = json.loads(logged[1]["export"][1])["dir"]
+    code, stdout, stderr = run_cli(capsys, "bench", artifact, "--threads", "1", "--prompt-tokens", "8",
+                                   "--decode-tokens", "4", "--repeats", "2", "--json")
+    assert code == 0, stderr
+    bench = json.loads(stdout)["bench"]
+    lines = progress_lines(stderr)
+    assert lines[0].startswith("bench: start, model-F32.gguf: load, a warm-up and 2 runs of a 8-token prompt")
+    assert [line.split(",")[0] for line in lines[1:-1]] == ["bench: measured 1/2 runs", "bench: measured 2/2 runs"]
+    assert lines[-1].startswith("bench: done in ")
+    assert f", decode {bench['decode_tokens_per_second']:.1f} tokens/s, " in lines[-1]
+
+
+def test_quiet_train_and_export_print_nothing_but_errors(logged, capsys, every_step):
+    """Rerun on the finished run, the gate and the evaluation measure again (their files are rewritten) and an
+    export is replaced, all without a word; bad input still says its one error line."""
+    out, runs = logged
+    written = (out / "headroom.json").stat().st_mtime_ns
+    code, stdout, stderr = run_cli(capsys, *TRAIN, "--out", out, "--quiet")
+    assert (code, stdout, stderr) == (0, "", "")
+    assert (out / "headroom.json").stat().st_mtime_ns > written
+    manifest = artifact_manifest(Path(json.loads(runs["export"][1])["dir"]))
+    exported = manifest.stat().st_mtime_ns
+    code, stdout, stderr = run_cli(capsys, "export", out, "--target", "gguf", "--quant", "F32", "--overwrite",
+                                   "--quiet")
+    assert (code, stdout, stderr) == (0, "", "")
+    assert manifest.stat().st_mtime_ns > exported
+    code, stdout, stderr = run_cli(capsys, "export", out / "missing", "--target", "gguf", "--quiet")
+    assert code == 2 and stdout == "" and stderr.startswith("error: ") and stderr.count("\n") == 1
+    code, stdout, stderr = run_cli(capsys, *TRAIN, "--data", out / "missing.txt", "--out", out / "other", "--quiet")
+    assert code == 2 and stdout == "" and stderr.startswith("error: ") and stderr.count("\n") == 1

@@ -52,7 +52,7 @@ def test_same_inputs_are_skipped_and_other_inputs_refused(tmp_path, tiny_models,
 
 
 def test_interrupted_sft_resumes_from_its_checkpoint(tmp_path, tiny_models, stories, monkeypatch):
-    from slm_align import progress
+    from slm_align import trainer_progress as progress
 
     recipe = recipe_for(tiny_models["llama"], stories)
     original = progress.TrainerProgress.on_step_end

@@ -144,7 +144,7 @@ def print_merge(summary: dict) -> None:
 
 def print_export(summary: dict) -> None:
     """The artifact's size and time, then the verification against PyTorch."""
-    from slm_align.export.parity import perplexity_change
+    from slm_align.export.parity import verification_summary
 
     m = summary["metrics"]
     stdout.print(f"[bold]export[/] -> {summary['dir']}: {m['target']} {m['quant']}, {m['bytes'] / 1e6:.1f} MB, "
@@ -158,15 +158,8 @@ def print_export(summary: dict) -> None:
     if v.get("skipped"):
         stdout.print("verification: [yellow]skipped (--no-verify)[/]")
         return
-    greedy = ""
-    if v["prompts"]:
-        ties = f" ({len(v['ties'])} near-tie)" if v["ties"] else ""
-        greedy = f"greedy {v['greedy_exact']}/{v['prompts']} prompts identical for 32 tokens{ties}, "
     verdict = "[green]passed[/]" if v["passed"] else "[red]FAILED (published with --force)[/]"
-    perplexity = perplexity_change(v)
-    stdout.print(f"verification {verdict}: tokenizer {'identical' if v['tokenizer_match'] else 'DIFFERENT'}, "
-                 f"{greedy}top-1 agreement {v['agreement']:.3f} over {v['agreement_positions']} tokens"
-                 + (f", held-out {perplexity}" if perplexity else ""))
+    stdout.print(f"verification {verdict}: {verification_summary(v)}")
 
 
 def print_feedback_export(result: dict, scrubbed: bool) -> None:

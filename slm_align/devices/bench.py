@@ -29,12 +29,13 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from slm_align.atomic import write_text_atomic
 from slm_align.errors import EXIT_USER_ERROR, UserError
+from slm_align.progress import Count, counted, stage_lines
 
 APP_MEMORY_SHARE = 0.7        # share of RAM a saved host profile lets one app use
 BANDWIDTH_MB = 256            # size of the array the bandwidth probe copies
@@ -47,6 +48,7 @@ X86_FLAGS = {"sse4_2": "sse4", "avx": "avx", "avx2": "avx2", "avx512f": "avx512"
 ARM_FLAGS = {"asimd": "neon", "asimddp": "dotprod", "i8mm": "i8mm", "asimdhp": "fp16", "bf16": "bf16",
              "sve": "sve", "sve2": "sve2", "sme": "sme"}
 PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+RUN_DONE = "run done"  # what the measuring process writes on stdout after each measured run (its progress)
 
 
 @dataclass(frozen=True)
@@ -278,9 +280,14 @@ def _one_run(backend, prompt: list[int], decode_tokens: int) -> tuple[float, flo
     return fed - start, first - start, time.perf_counter() - first, len(generated)
 
 
+def _nothing() -> None:
+    pass
+
+
 def measure(artifact, threads: int, prompt_tokens: int, decode_tokens: int, repeats: int,
-            n_ctx: Optional[int] = None) -> BenchResult:
-    """Load ``artifact`` in this process and time it; the peak RSS is this process's (see :func:`bench`)."""
+            n_ctx: Optional[int] = None, on_run: Callable[[], None] = _nothing) -> BenchResult:
+    """Load ``artifact`` in this process and time it; the peak RSS is this process's (see :func:`bench`).
+    ``on_run`` is called after each measured run (outside its timing)."""
     from slm_align.agent.backend import artifact_kind, open_backend
 
     artifact = Path(artifact)
@@ -295,7 +302,10 @@ def measure(artifact, threads: int, prompt_tokens: int, decode_tokens: int, repe
                         f"window of {backend.n_ctx} tokens; lower them or raise --ctx")
     prompt = prompt_ids(backend, prompt_tokens)
     _one_run(backend, prompt, min(decode_tokens, 8))  # warm-up (caches, thread pools), not counted
-    runs = [_one_run(backend, prompt, decode_tokens) for _ in range(repeats)]
+    runs = []
+    for _ in range(repeats):
+        runs.append(_one_run(backend, prompt, decode_tokens))
+        on_run()
     decode_runs = [decode_tokens / max(run[2], 1e-9) for run in runs]
     return BenchResult(
         artifact=str(artifact), kind=kind, model=_model_name(backend, artifact), runtime=runtime, threads=threads,
@@ -323,20 +333,45 @@ def bench(artifact, threads: Optional[int] = None, prompt_tokens: int = 128, dec
     _check_counts(threads=threads, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
                   ctx=n_ctx)
     threads = threads or default_threads()
+    plan = (f"{artifact.name}: load, a warm-up and {repeats} runs of a {prompt_tokens}-token prompt and "
+            f"{decode_tokens} decode tokens, {threads} threads")
+    with stage_lines("bench", plan) as stage, counted("measured", repeats, "runs") as count:
+        result = _measure_in_child(artifact, threads, prompt_tokens, decode_tokens, repeats, n_ctx, count)
+        stage.figures = _figures(result)
+    return result
+
+
+def _figures(result: BenchResult) -> str:
+    """The measurement on one line (bench's end line in a log)."""
+    return (f"load {result.load_seconds * 1000:.0f} ms, first token {result.time_to_first_token_seconds * 1000:.0f} "
+            f"ms, prompt {result.prompt_tokens_per_second:.1f} tokens/s, decode "
+            f"{result.decode_tokens_per_second:.1f} tokens/s, peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB")
+
+
+def _measure_in_child(artifact: Path, threads: int, prompt_tokens: int, decode_tokens: int, repeats: int,
+                      n_ctx: Optional[int], count: Count) -> BenchResult:
+    """Run ``python -m slm_align.devices.bench`` and read its result; each run it reports on stdout advances
+    ``count``. Its stderr goes to a file (read for its error line), so that a chatty runtime cannot block it."""
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
     with tempfile.TemporaryDirectory(prefix="slm-align-bench-") as tmp:
         out = Path(tmp) / "bench.json"
         command = [sys.executable, "-m", "slm_align.devices.bench", str(artifact), "--threads", str(threads),
-                   "--prompt-tokens", str(prompt_tokens), "--decode-tokens", str(decode_tokens),
-                   "--repeats", str(repeats), "--out", str(out)] + (["--ctx", str(n_ctx)] if n_ctx else [])
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-        if done.returncode == EXIT_USER_ERROR:
-            lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-            raise UserError(lines[-1].removeprefix("error: ") if lines else done.stderr.strip()[-500:])
-        if done.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"the measuring process failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+                   "--prompt-tokens", str(prompt_tokens), "--decode-tokens", str(decode_tokens), "--repeats",
+                   str(repeats), "--out", str(out), "--report-runs"] + (["--ctx", str(n_ctx)] if n_ctx else [])
+        with open(Path(tmp) / "stderr.txt", "w+", encoding="utf-8") as errors:
+            with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True, env=env) as child:
+                for line in child.stdout:
+                    if line.strip() == RUN_DONE:
+                        count.advance()
+            errors.seek(0)
+            stderr = errors.read()
+        if child.returncode == EXIT_USER_ERROR:
+            lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+            raise UserError(lines[-1].removeprefix("error: ") if lines else stderr.strip()[-500:])
+        if child.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"the measuring process failed (exit {child.returncode}):\n{stderr[-3000:]}")
         return BenchResult.from_dict(json.loads(out.read_text(encoding="utf-8")))
 
 
@@ -486,6 +521,12 @@ def run_bench(artifact, threads: Optional[int] = None, prompt_tokens: int = 128,
     return summary
 
 
+def _report_run() -> None:
+    """Tell the calling process that a measured run is done (see :func:`bench`)."""
+    sys.stdout.write(RUN_DONE + "\n")
+    sys.stdout.flush()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """The measuring process: ``python -m slm_align.devices.bench ARTIFACT [--out FILE]``; JSON result."""
     parser = argparse.ArgumentParser(prog="python -m slm_align.devices.bench",
@@ -497,12 +538,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ctx", type=int, default=None)
     parser.add_argument("--out", default=None, help="Write the JSON result here (default: stdout).")
+    parser.add_argument("--report-runs", action="store_true",
+                        help=f"Write '{RUN_DONE}' on stdout after each measured run (slm-align bench's progress).")
     args = parser.parse_args(argv)
     try:
         _check_counts(threads=args.threads, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                       repeats=args.repeats, ctx=args.ctx)
         result = measure(args.artifact, args.threads or default_threads(), args.prompt_tokens, args.decode_tokens,
-                         args.repeats, args.ctx)
+                         args.repeats, args.ctx, _report_run if args.report_runs else _nothing)
     except UserError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return EXIT_USER_ERROR

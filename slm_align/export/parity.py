@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from slm_align.agent.backend import Backend, greedy
+from slm_align.progress import counted
 
 # The runtime's context while verifying: every check fits in it (the held-out text and the prompts with their
 # greedy steps are a few hundred tokens), and llama.cpp keeps the logits of every position, context x vocabulary
@@ -149,6 +150,21 @@ def perplexity_change(verification: dict) -> str:
     return f"perplexity {before:.2f} -> {after:.2f}, {100 * (after - before) / before:+.1f}%"
 
 
+def verification_summary(verification: dict) -> str:
+    """What verification found, on one line: tokenizer, greedy decoding (when run), top-1 agreement and the held-out
+    perplexity change, e.g. 'tokenizer identical, greedy 4/4 prompts identical for 32 tokens, top-1 agreement 0.998
+    over 120 tokens, held-out perplexity 28.38 -> 28.40, +0.1%'."""
+    v = verification
+    greedy_text = ""
+    if v["prompts"]:
+        ties = f" ({len(v['ties'])} near-tie)" if v["ties"] else ""
+        greedy_text = f"greedy {v['greedy_exact']}/{v['prompts']} prompts identical for 32 tokens{ties}, "
+    perplexity = perplexity_change(v)
+    return (f"tokenizer {'identical' if v['tokenizer_match'] else 'DIFFERENT'}, {greedy_text}top-1 agreement "
+            f"{v['agreement']:.3f} over {v['agreement_positions']} tokens"
+            + (f", held-out {perplexity}" if perplexity else ""))
+
+
 def verify(model, tokenizer, backend: Backend, exact: bool, steps: int = 32, min_agreement: float = 0.9,
            tie_tolerance: float = 0.05, greedy: bool = False) -> ParityReport:
     """Run the checks; ``exact`` asks for greedy equality (F32/F16, fp32 ONNX), else top-1 agreement decides.
@@ -159,10 +175,12 @@ def verify(model, tokenizer, backend: Backend, exact: bool, steps: int = 32, min
     texts = list(RAW_TEXTS) + [HELDOUT_TEXT]
     report = ParityReport(tokenizer_match=all(backend.tokenize(t) == tokenizer(t)["input_ids"] for t in texts),
                           min_agreement=min_agreement)
-    if exact or greedy:
-        for prompt in verification_prompts(tokenizer):
+    prompts = verification_prompts(tokenizer) if exact or greedy else []
+    with counted("greedy decoding", len(prompts), "prompts") as count:
+        for prompt in prompts:
             report.prompts += 1
             _compare_greedy(model, backend, prompt, steps, tie_tolerance, report)
+            count.advance()
     heldout = tokenizer(HELDOUT_TEXT)["input_ids"][: backend.n_ctx]
     compared = compare_logits(_torch_logits(model, heldout), artifact_logits(backend, heldout), heldout)
     report.agreement = compared["agreement"]

@@ -28,7 +28,7 @@ from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_config, check_gguf
 from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
 from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
-from slm_align.export.parity import perplexity_change
+from slm_align.export.parity import perplexity_change, verification_summary
 from slm_align.modeling import chosen_chat_template, default_chat_template
 from slm_align.progress import stage_lines
 from slm_align.runs import (
@@ -422,16 +422,20 @@ def run_export(request: ExportRequest) -> StageResult:
 
         checkpoint_tokenizer = load_tokenizer(resolve_source(str(checkpoint)))
         template, template_origin = _chat_template(request.chat_template, checkpoint_tokenizer)
-        with stage_lines("export", f"{request.target} {quant} of {request.source}"):
+        with stage_lines("export", f"{request.target} {quant} of {request.source}") as stage:
             importance = _importance(request, origin, quant, checkpoint)
             built = _build(request.target, quant, preset, threads, checkpoint, scratch, template, request.ort_format,
                            importance["matrix"])
+            stage.figures = f"{_size(built) / 1e6:.1f} MB"
         export_seconds = round(time.time() - started, 2)
         verification = {"skipped": True}
         if request.verify:
-            with stage_lines("export verification", "tokenizer, greedy decoding and top-1 agreement against PyTorch"):
+            checks = "tokenizer, greedy decoding and top-1 agreement against PyTorch"
+            with stage_lines("export verification", checks) as checking:
                 verification = _verify(checkpoint, built, quant, threads, request.min_agreement,
                                        request.torch_device, request.target)
+                verdict = "passed" if verification["passed"] else "FAILED"
+                checking.figures = f"{verdict}, {verification_summary(verification)}"
         if request.verify and not verification["passed"] and not request.force:
             advice = _probe_advice(request, quant, preset, threads, checkpoint, scratch, template)
             raise VerificationFailed(f"export not published: {_failure(verification)}; nothing was written to "

@@ -14,6 +14,7 @@ from typing import Optional
 from slm_align.data.encoding import encode, pad_batch
 from slm_align.data.examples import Example
 from slm_align.errors import UserError
+from slm_align.progress import counted
 from slm_align.stats import win_score
 
 
@@ -95,8 +96,10 @@ def collate_pairs(rows: list[dict], pad_id: int) -> dict:
 
 
 def score_texts(model, tokenizer, prompts: list[str], completions: list[str], max_length: int = 256,
-                batch_size: int = 16, truncated: Optional[list[bool]] = None) -> list[float]:
-    """Rewards of ``prompt + completion`` texts, in batches, without gradients; ``truncated`` ones get no EOS."""
+                batch_size: int = 16, truncated: Optional[list[bool]] = None,
+                what: str = "reward model") -> list[float]:
+    """Rewards of ``prompt + completion`` texts, in batches, without gradients; ``truncated`` ones get no EOS.
+    ``what`` names the texts counted in the running stage's progress (:func:`slm_align.progress.counted`)."""
     import torch
 
     from slm_align.accelerator import device_of
@@ -104,7 +107,7 @@ def score_texts(model, tokenizer, prompts: list[str], completions: list[str], ma
     device = device_of(model)
     ended = [not t for t in truncated] if truncated is not None else [True] * len(prompts)
     scores: list[float] = []
-    with torch.no_grad():
+    with torch.no_grad(), counted(what, len(prompts), "texts") as count:
         for start in range(0, len(prompts), batch_size):
             end = start + batch_size
             rows = [{"input_ids": ids, "labels": ids} for ids in (
@@ -113,6 +116,7 @@ def score_texts(model, tokenizer, prompts: list[str], completions: list[str], ma
             batch = pad_batch(rows, tokenizer.pad_token_id)
             scores += sequence_rewards(model, batch["input_ids"].to(device),
                                        batch["attention_mask"].to(device)).tolist()
+            count.advance(len(rows))
     return scores
 
 
@@ -141,8 +145,10 @@ def pairwise_metrics(model, tokenizer, pairs, max_length: int, batch_size: int =
     import statistics
 
     prompts = [p.prompt for p in pairs]
-    chosen = score_texts(model, tokenizer, prompts, [p.chosen for p in pairs], max_length, batch_size)
-    rejected = score_texts(model, tokenizer, prompts, [p.rejected for p in pairs], max_length, batch_size)
+    chosen = score_texts(model, tokenizer, prompts, [p.chosen for p in pairs], max_length, batch_size,
+                         what="reward accuracy, chosen")
+    rejected = score_texts(model, tokenizer, prompts, [p.rejected for p in pairs], max_length, batch_size,
+                           what="reward accuracy, rejected")
     wins = [win_score(c, r) for c, r in zip(chosen, rejected)]
     by_kind: dict[str, list[float]] = {}
     for pair, win in zip(pairs, wins):

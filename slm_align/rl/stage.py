@@ -54,9 +54,10 @@ class GateRefused(UserError):
 def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Recipe, adapter: bool) -> float:
     """Mean reward of one sampled completion per held-out prompt, with the RL adapter on (RL) or off (SFT)."""
     policy_name = "RL" if adapter else "SFT"
-    with stage_lines("held-out reward", f"the {policy_name} policy on {len(prompts)} prompts"):
-        rewards = policy_rewards(policy, tokenizer, reward_fn, prompts, recipe.rl, recipe.seed, adapter)
-    return statistics.fmean(rewards)
+    with stage_lines("held-out reward", f"the {policy_name} policy on {len(prompts)} prompts") as stage:
+        mean = statistics.fmean(policy_rewards(policy, tokenizer, reward_fn, prompts, recipe.rl, recipe.seed, adapter))
+        stage.figures = f"mean reward {mean:.3f}"
+    return mean
 
 
 def _prerequisites(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_model: Optional[Path],
@@ -134,8 +135,7 @@ def _prepare(recipe, out, resume, force, sft_from, reward_model, rewards, say, w
     sft_recipe, adapter, reward_model = _prerequisites(recipe, out, sft_from, reward_model, rewards, resume, say,
                                                        world)
     recipe = sft_recipe.model_copy(update={"rl": recipe.rl})
-    with stage_lines("headroom gate", "the SFT prior's perplexity and the reward's accuracy and spread"):
-        gate = check_headroom(recipe, run=out, adapter=adapter, reward_model=reward_model, rewards=rewards).to_dict()
+    gate = check_headroom(recipe, run=out, adapter=adapter, reward_model=reward_model, rewards=rewards).to_dict()
     if not gate["passed"] and not force:
         raise GateRefused(f"headroom gate FAIL ({'; '.join(gate['reasons'])}): {' '.join(gate['remedies'])} "
                           "Pass --force to train anyway (recorded in the manifest).")
