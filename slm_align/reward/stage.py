@@ -83,6 +83,17 @@ def _write_jsonl(path: Path, pairs: list[Pair]) -> None:
     path.write_text("".join(json.dumps(p.to_row()) + "\n" for p in pairs), encoding="utf-8")
 
 
+def _classifier(recipe: Recipe, source, adapter, pad_token_id: int):
+    """The classifier to train (LoRA attached), on the merged SFT policy's own tensors (see
+    :func:`classifier_from_policy`). The policy is dropped as soon as the classifier holds what it needs, so what
+    it does not take (an untied output projection: vocabulary x hidden floats) is freed before training rather than
+    kept alive until the stage returns; tied embeddings stay, shared with the classifier."""
+    policy = merged_policy(source, adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
+    classifier = classifier_from_policy(policy, pad_token_id)
+    del policy
+    return attach_lora(classifier, recipe.reward.lora, recipe.seed, task_type="SEQ_CLS")
+
+
 def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     """Train the reward model of run ``out`` (whose SFT stage must be finished)."""
     started = time.time()
@@ -99,9 +110,7 @@ def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     done = completed(stage_dir, inputs)
     if done is not None:
         return StageResult(stage_dir, skipped=True, metrics=done["metrics"])
-    policy = merged_policy(source, adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
-    model = attach_lora(classifier_from_policy(policy, tokenizer.pad_token_id), recipe.reward.lora, recipe.seed,
-                        task_type="SEQ_CLS")
+    model = _classifier(recipe, source, adapter, tokenizer.pad_token_id)
     max_length = recipe.data.max_length
     rows = [{"chosen_ids": encode_scored(tokenizer, p.prompt, p.chosen, max_length),
              "rejected_ids": encode_scored(tokenizer, p.prompt, p.rejected, max_length)} for p in train]
