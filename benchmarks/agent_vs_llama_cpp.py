@@ -2,12 +2,14 @@
 
     python benchmarks/agent_vs_llama_cpp.py                 # bundled model and a SmolLM2-135M-shaped one
     python benchmarks/agent_vs_llama_cpp.py --gguf model.gguf --tokens 128 --threads 4
+    python benchmarks/agent_vs_llama_cpp.py --gguf gemma-3-270m-base.gguf --chat-template chatml   # no template
 
 Both sides answer the same chat message through the same chat template, greedy, for exactly --tokens tokens
 (EOS is not sampled: random-weight models rarely pick it, and the bundled model's answers are checked to reach
 the budget), with the same thread count and context. Bare is `Llama.create_chat_completion`, the call an app
 would make without us; ours is `Agent.chat`. Median of --repeats alternating runs; the ratio is ours / bare
-tokens per second (target >= 0.95).
+tokens per second (target >= 0.95). A GGUF without a chat template (a base model) needs --chat-template chatml|FILE:
+our side gets it through ``Agent.load``, the bare side the same Jinja text as a llama-cpp-python chat handler.
 """
 
 from __future__ import annotations
@@ -17,14 +19,38 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 MESSAGE = "Tell me a long story about a fox and a crow."
 
 
-def bare_runner(gguf: Path, tokens: int, threads: int, n_ctx: int):
+def template_handler(llm, option: str):
+    """llama-cpp-python's chat handler for ``--chat-template`` (chatml or a Jinja file): the Jinja text our side
+    renders, with the model's BOS and EOS, as llama-cpp-python builds one from a GGUF's own template."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from slm_align.modeling import chosen_chat_template
+
+    eos = llm.token_eos()
+    bos = llm.token_bos()
+    formatter = Jinja2ChatFormatter(template=chosen_chat_template(option).source,
+                                    eos_token=_token_text(llm, eos), bos_token=_token_text(llm, bos),
+                                    stop_token_ids=[eos])
+    return formatter.to_chat_handler()
+
+
+def _token_text(llm, token: int) -> str:
+    if token == -1:
+        return ""
+    return llm.detokenize([token], special=True).decode("utf-8", errors="replace")
+
+
+def bare_runner(gguf: Path, tokens: int, threads: int, n_ctx: int, chat_template: Optional[str] = None):
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+    if chat_template is not None:
+        llm.chat_handler = template_handler(llm, chat_template)
 
     def run() -> int:
         out = llm.create_chat_completion([{"role": "user", "content": MESSAGE}], max_tokens=tokens, temperature=0.0)
@@ -32,11 +58,12 @@ def bare_runner(gguf: Path, tokens: int, threads: int, n_ctx: int):
     return run
 
 
-def ours_runner(gguf: Path, tokens: int, threads: int, n_ctx: int):
+def ours_runner(gguf: Path, tokens: int, threads: int, n_ctx: int, chat_template: Optional[str] = None):
     from slm_align.agent.runtime import Agent
     from slm_align.agent.sampling import SamplingParams
 
-    agent = Agent.load(gguf, threads=threads, n_ctx=n_ctx, sampling=SamplingParams(temperature=0.0, max_tokens=tokens))
+    agent = Agent.load(gguf, threads=threads, n_ctx=n_ctx, chat_template=chat_template,
+                       sampling=SamplingParams(temperature=0.0, max_tokens=tokens))
 
     def run() -> int:
         agent.reset()
@@ -79,13 +106,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chat-template", default=None, metavar="chatml|FILE",
+                        help="chat template for GGUFs without one (base models): chatml or a Jinja file, given to "
+                             "both sides")
     args = parser.parse_args()
     models = [Path(g) for g in args.gguf] if args.gguf else default_models(Path(tempfile.mkdtemp(prefix="slm-agent-")))
     print(f"\n{args.tokens} greedy tokens, {args.threads} threads, context {args.ctx}, median of {args.repeats}")
     print(f"{'model':<40}{'bare tok/s':>12}{'ours tok/s':>12}{'ours/bare':>11}")
     for gguf in models:
-        speeds = measure({"bare": bare_runner(gguf, args.tokens, args.threads, args.ctx),
-                          "ours": ours_runner(gguf, args.tokens, args.threads, args.ctx)}, args.repeats)
+        speeds = measure({"bare": bare_runner(gguf, args.tokens, args.threads, args.ctx, args.chat_template),
+                          "ours": ours_runner(gguf, args.tokens, args.threads, args.ctx, args.chat_template)},
+                         args.repeats)
         print(f"{gguf.parent.name + '/' + gguf.name:<40}{speeds['bare']:>12.1f}{speeds['ours']:>12.1f}"
               f"{speeds['ours'] / speeds['bare']:>11.3f}")
 
