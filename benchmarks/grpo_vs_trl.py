@@ -5,7 +5,9 @@ prompts, G completions per prompt, the same completion length, temperature 1, be
 reference), clip 0.2/0.28, loss "grpo", group scaling, and the same Python reward. One *iteration* is: sample
 prompts_per_step x G completions, then `epochs` passes in minibatches (TRL: steps_per_generation and
 num_iterations set to the same number of optimizer steps). Each side runs in its own subprocess so peak RSS is its
-own; the first iteration is a warm-up and is not timed.
+own; the first iteration is a warm-up and is not timed. CPU seconds (the process's, all its threads) are printed
+beside wall-clock seconds: on a busy host they move far less between runs, since a side that waits for a core
+spends wall time but no CPU time.
 
 Besides the totals it prints where an iteration's time goes: our loop's phases as it logs them (``time/*`` in
 ``rl/metrics.jsonl``: sampling, reward, old and reference scoring, update forward and backward) and what can be
@@ -15,6 +17,7 @@ timed; the rest of the iteration is its update).
     python benchmarks/grpo_vs_trl.py                 # needs `pip install trl` (or TRL on PYTHONPATH)
     python benchmarks/grpo_vs_trl.py --iterations 5 --group-size 8 --max-new-tokens 64
     python benchmarks/grpo_vs_trl.py --device cuda --precision bf16   # both sides on the GPU, bf16 forward passes
+    python benchmarks/grpo_vs_trl.py --algo ppo      # our PPO's phases alone (TRL 1.x ships no PPO trainer)
 """
 
 from __future__ import annotations
@@ -63,26 +66,36 @@ def run_ours(args) -> dict:
     from slm_align.config import GRPOSettings, LoraSettings, RLSettings
     from slm_align.modeling import load_tokenizer, resolve_source
     from slm_align.rl.grpo import GRPO
-    from slm_align.rl.policy import build_policy
+    from slm_align.rl.policy import ValueHead, build_policy
+    from slm_align.rl.ppo import PPO
 
     torch.set_num_threads(args.threads)
     source = resolve_source(args.model)
     tokenizer = load_tokenizer(source)
-    settings = RLSettings(algo="grpo", prompts_per_step=args.prompts, group_size=args.group_size,
+    settings = RLSettings(algo=args.algo, prompts_per_step=args.prompts, group_size=args.group_size,
                           max_new_tokens=args.max_new_tokens, epochs=args.epochs, minibatch_size=args.minibatch,
                           grpo=GRPOSettings(beta=args.beta, loss_type="grpo"), learning_rate=1e-5,
                           lora=LoraSettings(r=LORA["r"], alpha=LORA["lora_alpha"], dropout=0.0,
                                             target_modules=LORA["target_modules"]))
     policy = build_policy(source, None, settings, seed=0, device=resolve_device(args.device))
-    loop = GRPO(policy, tokenizer, reward, prompts_for(args.prompts * (args.iterations + 1)), settings, seed=0,
-                precision=args.precision)
+    prompts = prompts_for(args.prompts * (args.iterations + 1))
+    if args.algo == "ppo":  # the same number of samples: prompts x G prompt draws, one completion each
+        value_head = ValueHead(policy.config.hidden_size).to(resolve_device(args.device))
+        loop = PPO(policy, tokenizer, reward, prompts, settings, seed=0, value_head=value_head,
+                   precision=args.precision)
+    else:
+        loop = GRPO(policy, tokenizer, reward, prompts, settings, seed=0, precision=args.precision)
     times = []
+    cpu = []
     logged = []
     for step in range(args.iterations + 1):
         started = time.perf_counter()
+        cpu_started = time.process_time()
         logged.append(loop.run_step(step))
         times.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_started)
     result = {"seconds_per_iteration": sum(times[1:]) / args.iterations,
+              "cpu_seconds_per_iteration": sum(cpu[1:]) / args.iterations,
               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     for name in OUR_PHASES:
         result[f"phase/{name}"] = sum(metrics[f"time/{name}"] for metrics in logged[1:]) / args.iterations
@@ -133,6 +146,14 @@ def trl_phases(calls: CallTimer, seconds_per_iteration: float) -> dict:
             "completion_tokens": sum(lengths) / len(lengths) if lengths else 0.0}
 
 
+def reachable_backbone(model) -> None:
+    """Let TRL find the decoder: TRL 1.x's fused LM head reads it as ``model.base_model`` (the attribute named by
+    ``base_model_prefix``), which transformers 4.57's Gemma3ForCausalLM names ``language_model`` although its decoder is
+    ``model``; without this TRL gets the causal LM itself back and fails on ``last_hidden_state``."""
+    if not hasattr(model, model.base_model_prefix) and hasattr(model, "model"):
+        model.base_model_prefix = "model"
+
+
 def begins_with_bos(tokenizer) -> bool:
     """Whether the tokenizer puts a BOS before a text when it adds special tokens (as our sampler tokenizes)."""
     ids = tokenizer("Once upon a time", add_special_tokens=True)["input_ids"]
@@ -155,12 +176,15 @@ def run_trl(args) -> dict:
     # no token_type_ids: TRL hands the tokenizer's output to generate, which Gemma 3's causal LM refuses them in
     tokenizer.model_input_names = [name for name in tokenizer.model_input_names if name != "token_type_ids"]
     model = load_model(source)
+    reachable_backbone(model)
     updates = args.prompts * args.group_size * args.epochs // args.minibatch  # optimizer steps per iteration
     stamps: list[float] = []
+    cpu_stamps: list[float] = []
 
     class Stamp(TrainerCallback):
         def on_step_end(self, *a, **k):
             stamps.append(time.perf_counter())
+            cpu_stamps.append(time.process_time())
 
     config = GRPOConfig(
         output_dir="/tmp/slm-align-bench-trl", use_cpu=args.device == "cpu", bf16=args.precision == "bf16",
@@ -182,12 +206,18 @@ def run_trl(args) -> dict:
                           callbacks=[Stamp()])
     calls = CallTimer(trainer, ("_generate", "_calculate_rewards", "_generate_and_score_completions"))
     started = time.perf_counter()
+    cpu_started = time.process_time()
     trainer.train()
-    boundaries = [started] + stamps[updates - 1::updates]
-    per_iteration = [b - a for a, b in zip(boundaries, boundaries[1:])]
-    seconds = sum(per_iteration[1:]) / max(1, len(per_iteration) - 1)
-    return dict(trl_phases(calls, seconds), seconds_per_iteration=seconds,
+    seconds = timed_mean([started] + stamps[updates - 1::updates])
+    cpu_seconds = timed_mean([cpu_started] + cpu_stamps[updates - 1::updates])
+    return dict(trl_phases(calls, seconds), seconds_per_iteration=seconds, cpu_seconds_per_iteration=cpu_seconds,
                 peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, optimizer_steps=len(stamps))
+
+
+def timed_mean(boundaries: list[float]) -> float:
+    """Mean length of the intervals between iteration boundaries, the first (warm-up) interval left out."""
+    per_iteration = [b - a for a, b in zip(boundaries, boundaries[1:])]
+    return sum(per_iteration[1:]) / max(1, len(per_iteration) - 1)
 
 
 def print_phases(runs: dict[str, list[dict]]) -> None:
@@ -199,6 +229,21 @@ def print_phases(runs: dict[str, list[dict]]) -> None:
             values = [run[f"phase/{key}"] for run in runs[side] if f"phase/{key}" in run]
             cells.append(f"{statistics.median(values):12.2f}" if values else f"{'-':>12}")
         print(f"{label:30}{cells[0]}{cells[1]}")
+
+
+def print_ours_alone(runs: dict[str, list[dict]], args) -> None:
+    """Our side's medians and phases, with no anchor beside it (PPO: TRL 1.x ships no PPO trainer)."""
+    keys = ("seconds_per_iteration", "cpu_seconds_per_iteration", "peak_rss_mb", "completion_tokens")
+    table = medians(runs, keys)["ours"]
+    print(f"PPO (value head), {args.prompts * args.group_size} prompts x 1 completion, {args.max_new_tokens} new "
+          f"tokens, {args.precision}, {args.device} ({args.threads} threads); median of {args.repeats} runs; no TRL "
+          "side: TRL 1.x has no PPO trainer")
+    for key in keys:
+        print(f"{key.replace('_', ' '):30}{table[key]:12.2f}")
+    for key, label in PHASE_ROWS:
+        values = [run[f"phase/{key}"] for run in runs["ours"] if f"phase/{key}" in run]
+        if values:
+            print(f"{label:30}{statistics.median(values):12.2f}")
 
 
 def main() -> None:
@@ -214,16 +259,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (both sides)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="forward passes (both sides)")
+    parser.add_argument("--algo", choices=["grpo", "ppo"], default="grpo",
+                        help="ppo: our PPO (value head) alone, its phases per iteration; TRL 1.x has no PPO trainer")
     add_side_arguments(parser)
     args = parser.parse_args()
     if ran_as_side(args, run_ours, run_trl):
         return
+    if args.algo == "ppo":
+        print_ours_alone(alternate_sides(__file__, sys.argv[1:], args.repeats, sides=("ours",)), args)
+        return
     runs = alternate_sides(__file__, sys.argv[1:], args.repeats)
-    table = medians(runs, ("seconds_per_iteration", "peak_rss_mb", "completion_tokens"))
+    table = medians(runs, ("seconds_per_iteration", "cpu_seconds_per_iteration", "peak_rss_mb", "completion_tokens"))
     print(f"GRPO, {args.prompts} prompts x G={args.group_size}, {args.max_new_tokens} new tokens, LoRA r={LORA['r']}, "
           f"{args.precision}, {args.device} ({args.threads} threads), {args.iterations} timed iterations; "
           f"median of {args.repeats} runs per side")
     print_rows(table, (("seconds_per_iteration", "seconds per iteration", ".2f"),
+                       ("cpu_seconds_per_iteration", "CPU seconds per iteration", ".2f"),
                        ("peak_rss_mb", "peak RSS (MB)", ".0f"),
                        ("completion_tokens", "completion tokens (mean)", ".1f")))
     print_phases(runs)
