@@ -407,8 +407,9 @@ def _resume(sft_run, out: Path, reward: str) -> Path:
     return out / "rl"
 
 
-INFLATION = dict(window=2, max_kl=0.0, truncated_rise=0.2, length_ratio=1.2, max_new_tokens=32, steps=8)
-"""A reward that pays for length on the bundled model: completions grow toward the 32-token budget."""
+INFLATION = dict(window=2, max_kl=0.0, truncated_rise=0.2, length_ratio=1.2, max_new_tokens=48, steps=8)
+"""A reward that pays for length on the bundled model: completions grow toward the 48-token budget (half of the first
+two iterations' ran into it, every one from the fourth on)."""
 
 
 def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp_path, snapshots):
@@ -438,10 +439,10 @@ def token_reward(prompts, completions, **_):
     return [float(completion.split().count("the")) for completion in completions]
 
 
-COLLAPSE = dict(lr=1e-2, steps=24, window=3, eval_every=8, max_kl=0.0, length_ratio=0.0, truncated_rise=0.0,
+COLLAPSE = dict(lr=1.5e-2, steps=30, window=3, eval_every=8, max_kl=0.0, length_ratio=0.0, truncated_rise=0.0,
                 zero_std_rise=0.0)
-"""GRPO on the bundled model at 10x its default learning rate, paid for "the": by iteration ~16 nearly every
-token is "the" (entropy 2.1 -> ~0.5 nats, default floor 0.3 of the start). Only entropy and the reward are watched."""
+"""GRPO on the bundled model at 15x its default learning rate, paid for "the": by iteration ~13 nearly every
+token is "the" (entropy ~2.5 -> ~0.5 nats, default floor 0.3 of the start). Only entropy and the reward are watched."""
 
 
 @pytest.mark.slow
@@ -453,12 +454,12 @@ def test_a_reward_for_one_repeated_token_collapses_entropy_rolled_back_to_the_be
                                                              ("entropy_collapse", "stop")]
     rollback, stop = events
     best = rollback["best_step"]
-    assert rollback["value"] < rollback["threshold"] and 0 < best < rollback["step"] < stop["step"] < 24
+    assert rollback["value"] < rollback["threshold"] and 0 < best < rollback["step"] < stop["step"] < COLLAPSE["steps"]
     # the iteration after the event began from the best iteration's weights and AdamW state, exactly, at half the rate
     assert same_state(snapshots["entering"][rollback["step"]], snapshots["after"][best])
     assert not same_state(snapshots["after"][rollback["step"]], snapshots["after"][best])
-    assert snapshots["lr"][rollback["step"] - 1] == pytest.approx(1e-2)
-    assert snapshots["lr"][rollback["step"]] == pytest.approx(5e-3) == rollback["learning_rate"]
+    assert snapshots["lr"][rollback["step"] - 1] == pytest.approx(COLLAPSE["lr"])
+    assert snapshots["lr"][rollback["step"]] == pytest.approx(COLLAPSE["lr"] / 2) == rollback["learning_rate"]
     record = manifest_of(stage)["metrics"]["watchdog"]
     assert record["stopped_early"].startswith("entropy_collapse") and record["recoveries"] == 1
     assert manifest_of(stage)["metrics"]["steps"] == stop["step"]
@@ -474,7 +475,9 @@ def test_a_reward_for_one_repeated_token_collapses_entropy_rolled_back_to_the_be
 def test_the_repeated_token_run_with_the_watchdog_off_publishes_the_last_adapter(bundled_run, tmp_path, snapshots):
     stage = watched_run(bundled_run, tmp_path / "off", "tests.test_watchdog:token_reward", enabled=False,
                         **COLLAPSE)
-    assert_watchdog_off(stage, 24, snapshots["adapters"] / "24")
+    steps = COLLAPSE["steps"]
+    assert_watchdog_off(stage, steps, snapshots["adapters"] / str(steps))
     entropies = metric_of(stage, "entropy")
-    assert statistics.fmean(entropies[-3:]) < 0.3 * statistics.fmean(entropies[:3])  # collapsed, nothing said so
+    windows = [statistics.fmean(entropies[i:i + 3]) for i in range(len(entropies) - 2)]
+    assert min(windows) < 0.3 * windows[0]  # the detector's window fell through the floor, and nothing said so
 

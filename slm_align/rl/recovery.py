@@ -102,11 +102,13 @@ class WatchedRun:
     def _watch(self, loop, metrics: dict) -> None:
         watchdog = self.watchdog
         watchdog.observe(metrics)
+        flagged = self.world.share(watchdog.windowed())  # rank 0's windows decide for every replica
         if watchdog.probe_due(loop.step, loop.settings.steps):
             rewards = self.probe()
-            watchdog.record_probe(loop.step, rewards, lambda: capture(loop))
+            if flagged is None:  # an iteration a window flags is never the one published or returned to
+                watchdog.record_probe(loop.step, rewards, lambda: capture(loop))
             metrics["watchdog/probe_reward"] = sum(rewards) / len(rewards)
-        trigger = self.world.share(watchdog.check())  # rank 0's windows decide for every replica
+        trigger = self.world.share(watchdog.check())
         if trigger is None:
             return
         event = self._act(loop, trigger)

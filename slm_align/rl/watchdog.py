@@ -171,6 +171,11 @@ class Watchdog:
             return Trigger("reward_drop", float(self.below), float(s.reward_patience),
                            f"held-out reward below the peak (iteration {self.peak_step}, {self.best_reward:.3f}) "
                            f"for {self.below} probes in a row")
+        return self.windowed()
+
+    def windowed(self) -> Optional[Trigger]:
+        """The first windowed detector that fires (entropy, length, truncation, KL, starving groups), or None."""
+        s = self.settings
         start = self.start
         recent = self.recent
         checks = (
