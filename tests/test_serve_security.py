@@ -187,22 +187,11 @@ def test_user_errors_reach_clients_without_the_servers_paths(server, monkeypatch
 
 
 def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(onnx_model):
-    import socket
-    import threading
-
-    import uvicorn
-
     from slm_align.agent.server.connections import server_config
     from tests.test_serve import wait_until
 
     config = server_config(create_app(onnx_model), "warning", max_connections=4, header_timeout=0.5)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: server.started, "the server starts")
+    with limited_server(config) as (server, port):
         slow = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
         for client in slow:
             client.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # headers never finished
@@ -221,41 +210,45 @@ def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(on
         for client in beyond:
             client.sendall(request)
         assert [client.recv(12) for client in beyond] == [b"HTTP/1.1 503"] * 4  # refused, not queued forever
+
+
+@contextmanager
+def limited_server(config):
+    """A real uvicorn server with ``config`` on a free loopback port: ``(server, port)``, stopped on exit."""
+    import uvicorn
+
+    from tests.test_serve import wait_until
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, "the server starts")
+        yield server, listener.getsockname()[1]
     finally:
         server.should_exit = True
         thread.join()
 
 
 def test_a_connection_that_trickles_its_body_is_closed(onnx_model, caplog):
-    import socket
-    import threading
-
-    import uvicorn
-
     from slm_align.agent.server.connections import server_config
 
     config = server_config(create_app(onnx_model), "warning", header_timeout=30, body_timeout=0.5)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
+    logging.getLogger("uvicorn.error").addHandler(caplog.handler)  # uvicorn's loggers do not propagate
     try:
-        wait_until(lambda: server.started, "the server starts")
-        logging.getLogger("uvicorn.error").addHandler(caplog.handler)  # uvicorn's loggers do not propagate
-        client = socket.create_connection(("127.0.0.1", port), timeout=30)
-        client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                       "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())
-        assert client.recv(100) == b""  # closed by the server (the header clock alone would wait 30 s)
-        wait_until(lambda: len(server.server_state.connections) == 0, "the server forgets the connection")
-        request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
-        healthy = socket.create_connection(("127.0.0.1", port), timeout=30)
-        healthy.sendall(request)
-        assert healthy.recv(12) == b"HTTP/1.1 200"  # serving goes on
+        with limited_server(config) as (server, port):
+            client = socket.create_connection(("127.0.0.1", port), timeout=30)
+            client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                           "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())
+            assert client.recv(100) == b""  # closed by the server (the header clock alone would wait 30 s)
+            wait_until(lambda: len(server.server_state.connections) == 0, "the server forgets the connection")
+            request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+            healthy = socket.create_connection(("127.0.0.1", port), timeout=30)
+            healthy.sendall(request)
+            assert healthy.recv(12) == b"HTTP/1.1 200"  # serving goes on
     finally:
         logging.getLogger("uvicorn.error").removeHandler(caplog.handler)
-        server.should_exit = True
-        thread.join()
     assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []  # no traceback
 
 
