@@ -70,21 +70,39 @@ def main(argv: Optional[list[str]] = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = quiet_first(current_spellings(sys.argv[1:] if argv is None else argv, sys.stderr.write))
     try:
-        code = typer.main.get_command(app).main(args=args, prog_name="slm-align", standalone_mode=False)
+        code = _run(args)
+    finally:
+        _speak_again()
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _run(args: list[str]):
+    """Run the command line ``args``; its exit code (user errors, full disks and usage errors as one line)."""
+    try:
+        return typer.main.get_command(app).main(args=args, prog_name="slm-align", standalone_mode=False)
     except UserError as exc:
         sys.stderr.write(f"error: {exc}\n")
-        code = exc.exit_code
+        return exc.exit_code
     except OSError as exc:  # a full disk or a permission: one line, not a traceback
         error = storage_error(exc)
         if error is None:
             raise
         sys.stderr.write(f"error: {error}\n")
-        code = error.exit_code
+        return error.exit_code
     except TyperException as exc:  # usage errors of the parser (unknown option, bad value, missing argument)
-        code = _usage_error(exc)
+        return _usage_error(exc)
     except typer.Abort:
         sys.stderr.write("aborted\n")
-        code = 130
+        return 130
     except typer.Exit as exc:
-        code = exc.exit_code
-    sys.exit(code if isinstance(code, int) else 0)
+        return exc.exit_code
+
+
+def _speak_again() -> None:
+    """Undo ``--quiet`` once the command is over: the consoles are module-wide, and an embedding program or a test
+    that calls :func:`main` again, or prints through them directly, would stay silenced."""
+    from slm_align.cli.render import stdout
+    from slm_align.progress import set_quiet
+
+    set_quiet(False)
+    stdout.quiet = False
