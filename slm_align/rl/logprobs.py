@@ -91,12 +91,18 @@ def _scaled_logp(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def _chunk_logprobs(rows, head: nn.Linear, ys, temperature: float, with_entropy: bool):
-    """One chunk through autograd: (n,) log-probabilities of ``ys`` and (n,) entropies (None unless asked)."""
-    logp = _scaled_logp(head(rows), temperature)
+def _picked(logp: torch.Tensor, ys: torch.Tensor, with_entropy: bool):
+    """From a chunk's (n, V) log-softmax: (n,) log-probabilities of ``ys`` and (n,) entropies (None unless asked;
+    without gradient). The caller makes ``logp`` from the logits, so that they are freed before the entropy's
+    temporary exists."""
     logprob = logp.gather(-1, ys.unsqueeze(-1)).squeeze(-1)
     entropy = _entropy(logp.detach()) if with_entropy else None
     return logprob, entropy
+
+
+def _chunk_logprobs(rows, head: nn.Linear, ys, temperature: float, with_entropy: bool):
+    """One chunk through autograd: (n,) log-probabilities of ``ys`` and (n,) entropies (None unless asked)."""
+    return _picked(_scaled_logp(head(rows), temperature), ys, with_entropy)
 
 
 class FusedLogprob(torch.autograd.Function):
@@ -119,8 +125,9 @@ class FusedLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weight, targets, temperature, with_entropy):
         logp = _scaled_logp(nn.functional.linear(rows, weight), temperature)
-        logprob = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        entropy = _entropy(logp) if with_entropy else logprob.new_zeros(0)
+        logprob, entropy = _picked(logp, targets, with_entropy)
+        if entropy is None:
+            entropy = logprob.new_zeros(0)  # an autograd Function returns tensors only
         residual = logp.exp_().neg_()  # the log-softmax is not needed any more: -p, in its place
         residual.scatter_add_(-1, targets.unsqueeze(-1), torch.ones_like(logprob).unsqueeze(-1))  # onehot(y) - p
         gradient = (residual.to(weight.dtype) @ weight).float()  # (n, H): W[y] - p W, as autograd orders it
