@@ -73,9 +73,9 @@ def data_and_model(args):
     import torch
 
     from slm_align.config import LoraSettings, PreferenceSettings, RLSettings
+    from slm_align.envelope.policy import build_policy
     from slm_align.modeling import load_tokenizer, resolve_source
     from slm_align.preference.data import load_preference_data
-    from slm_align.rl.policy import build_policy
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

@@ -63,7 +63,7 @@ def torch_decode(model_dir: Path, tokens: int, threads: int):
 
 
 def onnx_decode(artifact: Path, tokens: int, threads: int):
-    from slm_align.agent.backend import greedy
+    from slm_align.agent.decode import greedy
     from slm_align.agent.onnx_backend import OnnxBackend
 
     backend = OnnxBackend(artifact, threads=threads)

@@ -56,7 +56,7 @@ def compare(first: Path, second: Path) -> tuple[bool, float]:
     import numpy as np
     from gguf import GGUFReader
 
-    from slm_align.agent.backend import open_backend
+    from slm_align.agent.open_artifact import open_backend
 
     tensors = [{t.name: np.array(t.data) for t in GGUFReader(str(path)).tensors} for path in (first, second)]
     identical = tensors[0].keys() == tensors[1].keys() and all(

@@ -44,7 +44,7 @@ PHASE_ROWS = (("sampling", "sampling"), ("reward", "reward"), ("scoring_old", "s
 
 def reward(prompts, completions, **_):
     """Same reward on both sides: 1 inside a 20-40 word window (a verifiable, cheap reward)."""
-    from slm_align.reward.functions import length_window
+    from slm_align.rewards.builtin import length_window
 
     return length_window(prompts, completions, min_words=20, max_words=40)
 
@@ -64,9 +64,10 @@ def run_ours(args) -> dict:
 
     from slm_align.accelerator import resolve_device
     from slm_align.config import GRPOSettings, LoraSettings, RLSettings
+    from slm_align.envelope.policy import build_policy
+    from slm_align.envelope.value_head import ValueHead
     from slm_align.modeling import load_tokenizer, resolve_source
     from slm_align.rl.grpo import GRPO
-    from slm_align.rl.policy import ValueHead, build_policy
     from slm_align.rl.ppo import PPO
 
     torch.set_num_threads(args.threads)

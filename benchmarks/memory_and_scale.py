@@ -136,7 +136,7 @@ def instrument_rl(probe: Probe) -> None:
 
 
 def instrument_trainer(probe: Probe) -> None:
-    from slm_align.trainer_progress import TrainerProgress
+    from slm_align.training import TrainerProgress
 
     wrap(TrainerProgress, "on_train_begin", before=lambda *_: probe.begin())
     wrap(TrainerProgress, "on_step_end", after=lambda _: probe.step_done())

@@ -85,7 +85,7 @@ def _size_mb(path: Path) -> float:
 
 
 def _decode_speed(backend, prompt: list[int], steps: int) -> float:
-    from slm_align.agent.backend import greedy
+    from slm_align.agent.decode import greedy
 
     started = time.perf_counter()
     greedy(backend, prompt, steps, stop_at_eos=False)
@@ -94,7 +94,7 @@ def _decode_speed(backend, prompt: list[int], steps: int) -> float:
 
 def measure(artifact: Path, ids: list, references: list, threads: int, decode: int) -> dict:
     """Size, pooled top-1 agreement and perplexity over the held-out texts, greedy tokens per second."""
-    from slm_align.agent.backend import open_backend
+    from slm_align.agent.open_artifact import open_backend
     from slm_align.export.parity import VERIFY_CONTEXT, artifact_logits, compare_logits
 
     backend = open_backend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True)

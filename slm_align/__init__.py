@@ -40,7 +40,7 @@ _EXPORTS = {
     "run_export": "slm_align.export.stage",
     "run_quickstart": "slm_align.quickstart",
     "Agent": "slm_align.agent.runtime",
-    "default_tools": "slm_align.agent.builtin_tools",
+    "default_tools": "slm_align.tools.builtin",
 }
 
 __all__ = [
@@ -64,7 +64,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from slm_align.agent.builtin_tools import default_tools
     from slm_align.agent.runtime import Agent
     from slm_align.config import Recipe, load_recipe
     from slm_align.errors import UserError
@@ -78,6 +77,7 @@ if TYPE_CHECKING:
     from slm_align.rl.stage import run_rl
     from slm_align.runs import StageResult
     from slm_align.sft import run_sft
+    from slm_align.tools.builtin import default_tools
 
 
 def __getattr__(name: str):

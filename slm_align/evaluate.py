@@ -32,6 +32,7 @@ from slm_align.modeling import (
 from slm_align.perplexity import perplexity
 from slm_align.plots import plot_curves
 from slm_align.progress import stage_lines
+from slm_align.reward.learned import learned_reward
 from slm_align.rl.watchdog import read_events, report_section
 from slm_align.runs import ALIGNED_STAGES, read_manifest
 from slm_align.sft import recipe_from_sft
@@ -149,7 +150,7 @@ def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_mo
     splits = corpus.splits
     tokenizer = load_tokenizer(resolve_source(recipe.model.source), recipe.model.trust_remote_code)
     source = prompt_source(recipe, tokenizer, corpus)
-    reward = source.reward(rewards, learned=reward_model, device=device)
+    reward = source.reward(rewards, learned=learned_reward(reward_model, device))
     held = source.heldout[:prompts]
     if len(held) < 2:
         raise UserError("fewer than two held-out prompts to evaluate on; give a larger corpus")

@@ -22,6 +22,7 @@ from slm_align.errors import UserError
 from slm_align.modeling import load_adapter, load_model, load_tokenizer, require_adapter, resolve_source
 from slm_align.perplexity import perplexity
 from slm_align.progress import stage_lines
+from slm_align.reward.learned import learned_reward
 from slm_align.sft import recipe_from_sft
 
 REMEDY_PPL = ("the SFT prior is not fluent enough for RL to help: train SFT longer or on more or cleaner data, "
@@ -31,6 +32,12 @@ REMEDY_ACCURACY = ("the reward model cannot tell better from worse: give it more
 REMEDY_SPREAD = ("the reward barely varies over the policy's samples, so RL has nothing to follow: use a more "
                  "discriminative reward (another reward model or --reward functions)")
 
+
+
+class GateRefused(UserError):
+    """The headroom gate said FAIL and --force was not given."""
+
+    exit_code = 1
 
 @dataclass
 class Figure:
@@ -79,7 +86,7 @@ class HeadroomReport:
 
 def _heldout_pairs(recipe: Recipe, corpus, run: Optional[Path]) -> list:
     """The reward stage's own held-out pairs when the run has them, else pairs made from the eval split."""
-    from slm_align.reward.pairs import Pair, synthetic_pairs
+    from slm_align.data.pairs import Pair, synthetic_pairs
 
     saved = Path(run) / "reward" / "eval_pairs.jsonl" if run is not None else None
     if saved is not None and saved.is_file():
@@ -93,7 +100,7 @@ def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Opt
     from slm_align.reward.model import pairwise_metrics
 
     settings = recipe.headroom
-    reward = source.reward(rewards, learned=reward_model, device=device_of(policy))
+    reward = source.reward(rewards, learned=learned_reward(reward_model, device_of(policy)))
     figures = []
     if reward_model is not None:
         pairs = _heldout_pairs(recipe, corpus, run)
@@ -115,7 +122,7 @@ def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Opt
 def _spread_figure(recipe: Recipe, policy, tokenizer, reward, prompts: list[str], info: dict) -> Figure:
     """Sample k completions per prompt, gate on the within-prompt spread, and advise PPO or GRPO."""
     from slm_align.generation import sample, score
-    from slm_align.reward_spread import measure_spread, recommend
+    from slm_align.rewards.spread import measure_spread, recommend
 
     settings = recipe.headroom
     k = settings.samples_per_prompt

@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from slm_align.config import LoraSettings
 from slm_align.errors import UserError
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default-model"
@@ -434,3 +436,25 @@ def merged_policy(source: ModelSource, adapter: Optional[Path], trust_remote_cod
     """The policy's weights with the SFT adapter folded in (a plain model, no peft wrapper)."""
     model = load_model(source, trust_remote_code, allow_pickle)
     return load_adapter(model, adapter, allow_pickle).merge_and_unload() if adapter is not None else model
+
+
+def attach_lora(model, lora: LoraSettings, seed: int, task_type: str = "CAUSAL_LM"):
+    """Wrap ``model`` with a fresh LoRA adapter (for SEQ_CLS, peft also trains the score head)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import set_seed
+
+    set_seed(seed)
+    targets = lora_targets(model.config.model_type, lora.target_modules)
+    try:
+        return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                target_modules=targets, task_type=task_type))
+    except ValueError as exc:
+        raise UserError(f"LoRA target modules {targets} do not match this model ({exc}); "
+                        "name existing modules with --lora-targets") from None
+
+
+def save_adapter(model, path: Path) -> None:
+    """Save a peft adapter as safetensors (the base model is not saved)."""
+    with warnings.catch_warnings():  # peft warns when the base came from a .gguf or the bundled dir: harmless
+        warnings.filterwarnings("ignore", message="Could not find a config file")
+        model.save_pretrained(path, safe_serialization=True)

@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
-from slm_align.atomic import publish_directory, write_json_atomic
+from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
 from slm_align.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -184,3 +184,54 @@ def publish(partial: Path, stage_dir: Path, manifest: dict, keep: tuple[str, ...
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
     write_json_atomic(Path(partial) / MANIFEST, dict(manifest, files=file_checksums(Path(partial))))
     return publish_directory(Path(partial), Path(stage_dir))
+
+
+def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
+    """Create a stage's work dir, or check a leftover one; returns the Trainer checkpoint to resume from.
+
+    The work dir appears with its inputs record already inside (built beside it and renamed), so a process
+    killed at any moment leaves either no work dir or one that ``--resume`` can check.
+    """
+    marker = partial / "inputs.json"
+    if partial.exists():
+        if not resume:
+            raise UserError(f"an interrupted run is in {partial}; pass --resume to continue it, "
+                            "or remove that directory to start over")
+        if not marker.is_file() or json.loads(marker.read_text())["inputs_hash"] != digest(inputs):
+            raise UserError(f"{partial} was started with other inputs or settings; cannot resume it with these")
+        return last_complete_checkpoint(partial / "checkpoints")
+    staging = partial.with_name(partial.name + ".new")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    write_json_atomic(staging / "inputs.json", {"inputs_hash": digest(inputs), "inputs": inputs})
+    publish_directory(staging, partial)
+    return None
+
+
+def last_complete_checkpoint(checkpoints: Path) -> Optional[str]:
+    """The newest Trainer checkpoint that was written to the end; half-written ones (a kill mid-save) are removed.
+
+    The Trainer writes ``trainer_state.json`` last, and not atomically, so a checkpoint is complete exactly when
+    that file parses.
+    """
+    if not checkpoints.is_dir():
+        return None
+    found = sorted((d for d in checkpoints.iterdir() if d.is_dir() and d.name.startswith("checkpoint-")
+                    and d.name.split("-")[-1].isdigit()), key=lambda d: int(d.name.split("-")[-1]))
+    while found:
+        newest = found.pop()
+        try:
+            json.loads((newest / "trainer_state.json").read_text(encoding="utf-8"))
+            return str(newest)
+        except (OSError, ValueError):
+            shutil.rmtree(newest)
+    return None
+
+
+def keep_first_lines(path: Path, count: int) -> None:
+    """Cut a JSONL log back to its first ``count`` complete lines (a killed run may have logged past its
+    checkpoint, or half a line)."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n")]
+    write_text_atomic(path, "".join(lines[:count]))

@@ -16,17 +16,18 @@ from slm_align.config import DataSettings, Recipe
 from slm_align.data.corpus import Corpus, load_corpus
 from slm_align.data.encoding import encode_all, pad_batch
 from slm_align.errors import UserError
-from slm_align.modeling import ModelSource, load_model, load_tokenizer, resolve_source, save_tokenizer
+from slm_align.modeling import (
+    ModelSource,
+    attach_lora,
+    load_model,
+    load_tokenizer,
+    resolve_source,
+    save_adapter,
+    save_tokenizer,
+)
 from slm_align.runs import StageResult, completed, make_manifest, publish, read_manifest
 from slm_align.tracking import finish_trainer_tracking, require_library
-from slm_align.training import (
-    attach_lora,
-    make_trainer,
-    save_adapter,
-    start_trainer_run,
-    trainable_base,
-    training_arguments,
-)
+from slm_align.training import make_trainer, start_trainer_run, trainable_base, training_arguments
 
 STAGE = "sft"
 

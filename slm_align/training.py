@@ -1,24 +1,22 @@
-"""Plumbing shared by the stages that train on transformers' Trainer (SFT, reward model)."""
+"""Plumbing shared by the stages that train on transformers' Trainer (SFT, reward model): the world, the work dir,
+the arguments, the trainer, and the callback behind their progress and JSONL logs."""
 
 from __future__ import annotations
 
 import functools
 import json
-import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from transformers import TrainerCallback
+
 from slm_align.accelerator import Compute
-from slm_align.atomic import publish_directory, write_json_atomic
-from slm_align.config import LoraSettings, TrainSettings
-from slm_align.errors import UserError
-from slm_align.modeling import lora_targets
-from slm_align.rl.distributed import World, rank_device, replica_digest, world_from_env
-from slm_align.runs import digest, partial_dir
+from slm_align.config import TrainSettings
+from slm_align.envelope.world import World, rank_device, replica_digest, world_from_env
+from slm_align.progress import new_progress
+from slm_align.runs import partial_dir, prepare_partial
 from slm_align.tracking import Tracker, trainer_tracker
-from slm_align.trainer_progress import TrainerProgress
 
 
 def trainer_world(compute: Compute) -> World:
@@ -58,48 +56,6 @@ def start_trainer_run(recipe, out: Path, stage: str, stage_dir: Path, inputs: di
     return TrainerRun(world, partial, checkpoint, TrainerProgress(name, partial / "log.jsonl"), tracker)
 
 
-def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
-    """Create a stage's work dir, or check a leftover one; returns the Trainer checkpoint to resume from.
-
-    The work dir appears with its inputs record already inside (built beside it and renamed), so a process
-    killed at any moment leaves either no work dir or one that ``--resume`` can check.
-    """
-    marker = partial / "inputs.json"
-    if partial.exists():
-        if not resume:
-            raise UserError(f"an interrupted run is in {partial}; pass --resume to continue it, "
-                            "or remove that directory to start over")
-        if not marker.is_file() or json.loads(marker.read_text())["inputs_hash"] != digest(inputs):
-            raise UserError(f"{partial} was started with other inputs or settings; cannot resume it with these")
-        return last_complete_checkpoint(partial / "checkpoints")
-    staging = partial.with_name(partial.name + ".new")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    write_json_atomic(staging / "inputs.json", {"inputs_hash": digest(inputs), "inputs": inputs})
-    publish_directory(staging, partial)
-    return None
-
-
-def last_complete_checkpoint(checkpoints: Path) -> Optional[str]:
-    """The newest Trainer checkpoint that was written to the end; half-written ones (a kill mid-save) are removed.
-
-    The Trainer writes ``trainer_state.json`` last, and not atomically, so a checkpoint is complete exactly when
-    that file parses.
-    """
-    if not checkpoints.is_dir():
-        return None
-    found = sorted((d for d in checkpoints.iterdir() if d.is_dir() and d.name.startswith("checkpoint-")
-                    and d.name.split("-")[-1].isdigit()), key=lambda d: int(d.name.split("-")[-1]))
-    while found:
-        newest = found.pop()
-        try:
-            json.loads((newest / "trainer_state.json").read_text(encoding="utf-8"))
-            return str(newest)
-        except (OSError, ValueError):
-            shutil.rmtree(newest)
-    return None
-
-
 def training_arguments(settings: TrainSettings, seed: int, partial: Path, compute: Compute,
                        tracker: Optional[Tracker] = None, **extra):
     """TrainingArguments with a cosine schedule, checkpoints and our own progress bar, on the stage's device (the CPU
@@ -132,21 +88,6 @@ def trainable_base(model, compute: Compute):
                                            gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def attach_lora(model, lora: LoraSettings, seed: int, task_type: str = "CAUSAL_LM"):
-    """Wrap ``model`` with a fresh LoRA adapter (for SEQ_CLS, peft also trains the score head)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import set_seed
-
-    set_seed(seed)
-    targets = lora_targets(model.config.model_type, lora.target_modules)
-    try:
-        return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                target_modules=targets, task_type=task_type))
-    except ValueError as exc:
-        raise UserError(f"LoRA target modules {targets} do not match this model ({exc}); "
-                        "name existing modules with --lora-targets") from None
-
-
 def make_trainer(trainer_class, model, args, train_rows, collate, progress, **kwargs):
     """A Trainer with our progress callback in place of its stdout printer."""
     from transformers import PrinterCallback
@@ -157,7 +98,35 @@ def make_trainer(trainer_class, model, args, train_rows, collate, progress, **kw
     return trainer
 
 
-def save_adapter(model, path: Path) -> None:
-    with warnings.catch_warnings():  # peft warns when the base came from a .gguf or the bundled dir: harmless
-        warnings.filterwarnings("ignore", message="Could not find a config file")
-        model.save_pretrained(path, safe_serialization=True)
+class TrainerProgress(TrainerCallback):
+    """A Trainer callback that drives the stage's progress (bar or lines) and appends each log to a JSONL file (none
+    when ``log_path`` is None: the other ranks of a data-parallel run, whose rank 0 writes it)."""
+
+    def __init__(self, name: str, log_path: Optional[Path]):
+        self.name = name
+        self.log_path = log_path
+        self.eval_losses: list[float] = []
+        self._progress = new_progress()
+        self._task = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._progress.start()
+        self._task = self._progress.add_task(self.name, total=state.max_steps, completed=state.global_step,
+                                             status="")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._progress.update(self._task, completed=state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = dict(logs or {}, step=state.global_step)
+        if "eval_loss" in logs:
+            self.eval_losses.append(logs["eval_loss"])
+        if "loss" in logs:
+            self._progress.update(self._task, status=f"loss {logs['loss']:.3f}")
+        if self.log_path is None:
+            return
+        with open(self.log_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(logs) + "\n")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._progress.stop()

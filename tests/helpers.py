@@ -70,8 +70,8 @@ def policy_with_moved_lora(path, rl, scale: float, seed: int):
     updates: the adapter then changes the log-probabilities (and LoRA dropout would matter)."""
     import torch
 
+    from slm_align.envelope.policy import build_policy
     from slm_align.modeling import resolve_source
-    from slm_align.rl.policy import build_policy
 
     policy = build_policy(resolve_source(str(path)), None, rl, seed=0)
     generator = torch.Generator().manual_seed(seed)

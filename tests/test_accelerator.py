@@ -7,9 +7,9 @@ import torch
 
 from slm_align.accelerator import Compute, forward_autocast, resolve_device
 from slm_align.config import ComputeSettings
+from slm_align.envelope.value_head import ValueHead
+from slm_align.envelope.world import rank_device
 from slm_align.errors import UserError
-from slm_align.rl.distributed import rank_device
-from slm_align.rl.policy import ValueHead
 from tests.helpers import run_cli
 from tests.test_rl import make_loop, prepared, sft_run  # noqa: F401  (the module fixture)
 
@@ -292,7 +292,7 @@ def test_rl_gradient_checkpointing_recomputes_the_layers_and_changes_no_bit(sft_
     plain = make_loop(sft_run)
     checkpointed = make_loop(sft_run)
     checkpointed.checkpointing = True
-    from slm_align.rl.policy import enable_checkpointing
+    from slm_align.envelope.policy import enable_checkpointing
 
     enable_checkpointing(checkpointed.policy)
     counts = []

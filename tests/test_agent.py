@@ -8,11 +8,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from slm_align.agent.builtin_tools import default_tools
 from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams, apply_penalties, candidates, sample_token
 from slm_align.agent.store import PreferenceStore
 from slm_align.errors import UserError
+from slm_align.tools.builtin import default_tools
 from tests.helpers import export_bundled, finished_sft_run, run_cli
 
 pytest.importorskip("llama_cpp")
@@ -204,7 +204,7 @@ def test_agent_runs_without_torch_or_transformers(artifacts):
         "import sys\n"
         "from slm_align.agent.runtime import Agent\n"
         "from slm_align.agent.sampling import SamplingParams\n"
-        "from slm_align.agent.builtin_tools import default_tools\n"
+        "from slm_align.tools.builtin import default_tools\n"
         f"for path in ({str(artifacts['gguf'])!r}, {str(artifacts['onnx'])!r}):\n"
         "    agent = Agent.load(path, tools=default_tools(), sampling=SamplingParams(temperature=0, max_tokens=8))\n"
         "    assert agent.chat('Hi there.').text is not None\n"

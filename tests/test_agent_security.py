@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from slm_align.agent import builtin_tools
-from slm_align.agent.builtin_tools import calculator
+from slm_align.tools import builtin as builtin_tools
+from slm_align.tools.builtin import calculator
 
 # --- 3. calculator stall ------------------------------------------------------------------------------------------
 
@@ -167,7 +167,7 @@ INSPECTING = TOOLS_TEMPLATE.replace("{{ m.content }}", "{{ m.content.split('</th
 
 
 def injected_tools():
-    from slm_align.agent.tools import ToolRegistry
+    from slm_align.tools.registry import ToolRegistry
 
     registry = ToolRegistry()
 

@@ -8,12 +8,12 @@ from fractions import Fraction
 
 import pytest
 
-from slm_align.agent.builtin_tools import calculator, default_tools
 from slm_align.agent.task_eval import answers_match, classify, compare, open_agent, run_task, summarize
 from slm_align.agent.template import render
 from slm_align.data.agent_tasks import leaks, make_tasks, sft_rows, split_tasks, tool_call_text, write_agent_tasks
 from slm_align.data.encoding import render as render_example
 from slm_align.data.readers import row_to_example
+from slm_align.tools.builtin import calculator, default_tools
 from tests.helpers import export_bundled, run_cli
 
 OPERATIONS = {"+": Fraction.__add__, "-": Fraction.__sub__, "*": Fraction.__mul__, "/": Fraction.__truediv__}

@@ -40,7 +40,7 @@ def _torch_logits(model, ids) -> np.ndarray:
 
 
 def _llama_cpp_logits(path, ids) -> np.ndarray:
-    from slm_align.agent.backend import open_backend
+    from slm_align.agent.open_artifact import open_backend
 
     return open_backend(path, all_logits=True).feed_all(ids)
 
@@ -242,7 +242,7 @@ def test_a_trained_run_merges_exports_and_chats_on_both_runtimes(capsys, trained
 def test_the_real_gemma_3_270m_gguf_loads_into_pytorch_as_llama_cpp_runs_it(real_gemma_gguf):
     """llama.cpp's own Q4_K_M file: transformers dequantizes it (norms minus one, head_dim 256, window 512);
     PyTorch and llama.cpp then pick the same next token almost everywhere (llama.cpp also rounds activations)."""
-    from slm_align.agent.backend import open_backend
+    from slm_align.agent.open_artifact import open_backend
 
     backend = open_backend(real_gemma_gguf, all_logits=True, n_ctx=1024)
     ids = backend.tokenize(HELDOUT_TEXT)

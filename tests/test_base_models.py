@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from slm_align.agent.backend import greedy, open_backend
+from slm_align.agent.decode import greedy
+from slm_align.agent.open_artifact import open_backend
 from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams
 from slm_align.errors import UserError

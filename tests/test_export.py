@@ -6,7 +6,8 @@ import shutil
 import numpy as np
 import pytest
 
-from slm_align.agent.backend import greedy, open_backend
+from slm_align.agent.decode import greedy
+from slm_align.agent.open_artifact import open_backend
 from slm_align.export.gguf import _unfuse_neox_qkv
 from slm_align.export.parity import torch_greedy, verification_prompts
 from slm_align.export.stage import ExportRequest, VerificationFailed, run_export

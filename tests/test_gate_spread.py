@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from slm_align.reward_spread import group_size_for, measure_spread, projected_share, recommend
+from slm_align.rewards.spread import group_size_for, measure_spread, projected_share, recommend
 
 
 def prompt_only(prompts, completions, **_):

@@ -92,8 +92,8 @@ def test_the_trainer_stages_train_data_parallel_and_rank_0_alone_writes(tmp_path
 
 def test_a_data_parallel_rl_launch_refuses_to_train_its_prerequisites_on_rank_0_alone(tmp_path):
     from slm_align.config import load_recipe
+    from slm_align.envelope.world import World
     from slm_align.errors import UserError
-    from slm_align.rl.distributed import World
     from slm_align.rl.stage import _prerequisites
 
     recipe = load_recipe(overrides={"data.path": "demo", "rl.algo": "grpo"})

@@ -5,8 +5,8 @@ import pytest
 from slm_align.config import DataSettings, PairSettings
 from slm_align.data.corpus import load_corpus
 from slm_align.data.examples import Example
+from slm_align.data.pairs import drop_words, shuffle, synthetic_pairs, truncate
 from slm_align.errors import UserError
-from slm_align.reward.pairs import drop_words, shuffle, synthetic_pairs, truncate
 
 STORY = ("Once upon a time, there was a cat named Tom. He lived in a small house. One day, Tom found a red ball. "
          "Tom was very happy and smiled. He played with it all day. In the end, Tom learned that sharing is good.")

@@ -184,8 +184,8 @@ def test_evaluate_reports_dpo_and_kto_beside_sft_with_held_out_accuracy_and_its_
 
 def make_learner(sft_run, prefs, algo: str) -> PreferenceLearner:
     """A DPO or KTO learner on ``prefs`` from the module's SFT prior (merged, a fresh LoRA), as the stage builds it."""
+    from slm_align.envelope.policy import build_policy
     from slm_align.modeling import load_tokenizer, resolve_source
-    from slm_align.rl.policy import build_policy
 
     base, recipe = sft_run
     recipe = preference_recipe(recipe, algo, prefs)

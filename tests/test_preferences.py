@@ -2,8 +2,8 @@ import json
 
 import pytest
 
+from slm_align.data.preferences import read_preferences
 from slm_align.errors import UserError
-from slm_align.reward.preferences import read_preferences
 
 
 def write_jsonl(path, rows):

@@ -3,10 +3,9 @@
 import pytest
 
 from slm_align.config import load_recipe
-from slm_align.modeling import build_tiny_model
-from slm_align.rl.learning_rate import base_parameters, default_learning_rate
+from slm_align.envelope.learning_rate import base_parameters, default_learning_rate
+from slm_align.modeling import attach_lora, build_tiny_model
 from slm_align.rl.ppo import PPO
-from slm_align.training import attach_lora
 
 
 def test_rate_by_size():

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from slm_align.config import LoraSettings, RLSettings
-from slm_align.rl.logprobs import plain_head, token_logprobs
-from slm_align.rl.policy import ValueHead, _model_logprobs, forward_logprobs
+from slm_align.envelope.logprobs import _model_logprobs, forward_logprobs, plain_head, token_logprobs
+from slm_align.envelope.value_head import ValueHead
 from tests.helpers import ARCHITECTURES, policy_with_moved_lora
 
 PROMPTS = ["Once upon a time, there was a cat.", "Tom found a red ball and", "One day,"]

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from slm_align.config import EnvelopeSettings, GRPOSettings, PPOSettings, RLSettings
+from slm_align.envelope.ratio import ratio_of
+from slm_align.envelope.seeds import SEED_STREAMS, derive_seed
 from slm_align.rl.advantages import (
     all_equal_groups,
     gae,
@@ -20,17 +22,9 @@ from slm_align.rl.advantages import (
     whiten_scores,
 )
 from slm_align.rl.grpo import GRPO
-from slm_align.rl.losses import (
-    adaptive_kl_coef,
-    aggregate,
-    clipped_policy_loss,
-    clipped_value_loss,
-    kl_k1,
-    kl_k3,
-    ratio_of,
-)
+from slm_align.rl.losses import adaptive_kl_coef, aggregate, clipped_policy_loss, clipped_value_loss, kl_k1, kl_k3
 from slm_align.rl.ppo import PPO, explained_variance
-from slm_align.rl.schedule import SEED_STREAMS, derive_seed, iteration_size
+from slm_align.rl.schedule import iteration_size
 
 
 def test_gae_matches_the_recursion_by_hand():

@@ -103,8 +103,8 @@ def test_check_headroom_loads_a_pickle_only_adapter_with_allow_pickle(capsys, pi
 
 def test_rl_from_an_sft_adapter_kept_as_it_is_refuses_a_pickle_only_one(pickled_run, tiny_models):
     from slm_align.config import Recipe
+    from slm_align.envelope.policy import build_policy
     from slm_align.modeling import resolve_source
-    from slm_align.rl.policy import build_policy
 
     rl = Recipe().rl
     settings = rl.model_copy(update={"envelope": rl.envelope.model_copy(update={"reinit_lora": False})})

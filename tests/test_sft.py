@@ -52,17 +52,17 @@ def test_same_inputs_are_skipped_and_other_inputs_refused(tmp_path, tiny_models,
 
 
 def test_interrupted_sft_resumes_from_its_checkpoint(tmp_path, tiny_models, stories, monkeypatch):
-    from slm_align import trainer_progress as progress
+    from slm_align import training
 
     recipe = recipe_for(tiny_models["llama"], stories)
-    original = progress.TrainerProgress.on_step_end
+    original = training.TrainerProgress.on_step_end
 
     def crash_at_three(self, args, state, control, **kwargs):
         original(self, args, state, control, **kwargs)
         if state.global_step == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(progress.TrainerProgress, "on_step_end", crash_at_three)
+    monkeypatch.setattr(training.TrainerProgress, "on_step_end", crash_at_three)
     with pytest.raises(KeyboardInterrupt):
         run_sft(recipe, tmp_path)
     monkeypatch.undo()

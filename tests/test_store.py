@@ -278,7 +278,7 @@ def test_export_writes_pairs_and_unpaired_rows_the_right_way_round(filled, tmp_p
 
 
 def test_exported_pairs_load_through_the_preference_importer(filled, tmp_path, tokenizer):
-    from slm_align.reward.preferences import read_preferences
+    from slm_align.data.preferences import read_preferences
 
     out = tmp_path / "prefs.jsonl"
     export_preferences(filled, out)

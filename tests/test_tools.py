@@ -15,14 +15,10 @@ from typing import Literal, Optional
 
 import pytest
 
-from slm_align.agent.builtin_tools import (
-    NoteStore,
-    calculator,
-    current_time,
-    default_tools,
-)
-from slm_align.agent.tools import Observation, ToolCall, ToolRegistry
 from slm_align.errors import UserError
+from slm_align.tools.builtin import NoteStore, calculator, current_time, default_tools
+from slm_align.tools.calls import Observation, ToolCall
+from slm_align.tools.registry import ToolRegistry
 
 
 class Unit(enum.Enum):
@@ -522,7 +518,7 @@ def test_required_and_named_grammars_admit_calls_only(registry, llama_vocab):
 
 def test_tools_import_neither_torch_nor_transformers():
     code = (
-        "import sys; import slm_align.agent.tools, slm_align.agent.builtin_tools; "
+        "import sys; import slm_align.tools.registry, slm_align.tools.builtin; "
         "print([m for m in ('torch', 'transformers') if m in sys.modules])"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

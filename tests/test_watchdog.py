@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from slm_align.config import WatchdogSettings
+from slm_align.modeling import save_adapter
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.stage import run_rl
 from slm_align.rl.watchdog import (
@@ -27,7 +28,6 @@ from slm_align.rl.watchdog import (
     report_section,
     reward_dropped,
 )
-from slm_align.training import save_adapter
 from tests.helpers import finished_sft_run, run_cli
 
 

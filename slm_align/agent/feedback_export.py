@@ -1,7 +1,7 @@
 """Export consented on-device feedback as preference data for the next round (TRL's conversational format).
 
 Two JSONL files, because the two kinds of rows feed different trainers and the repo's importer
-(:func:`slm_align.reward.preferences.read_preferences`) reads unpaired rows as text only:
+(:func:`slm_align.data.preferences.read_preferences`) reads unpaired rows as text only:
 
 - ``OUT`` (e.g. ``prefs.jsonl``): paired rows ``{"prompt": [messages], "chosen": [{"role": "assistant", ...}],
   "rejected": [{"role": "assistant", ...}]}`` from 'choice' feedback (the winner is chosen) and 'edit' feedback

@@ -13,6 +13,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from slm_align.agent.decode import numpy_generate
 from slm_align.errors import UserError
 
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -118,8 +119,6 @@ class OnnxBackend:
 
     def generate(self, prompt: Sequence[int], params, grammar: Optional[str] = None) -> Iterator[int]:
         """Sampled continuation of ``prompt``, reusing the cache of a shared prefix (``grammar`` is llama.cpp's)."""
-        from slm_align.agent.backend import numpy_generate
-
         return numpy_generate(self, prompt, params)
 
     def feed_all(self, ids: Sequence[int]) -> np.ndarray:

@@ -11,7 +11,8 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from slm_align.agent.backend import Backend, open_backend
+from slm_align.agent.backend import Backend
+from slm_align.agent.open_artifact import open_backend
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -16,14 +16,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-from slm_align.agent.backend import Backend, artifact_kind, open_backend
+from slm_align.agent.backend import Backend, artifact_kind
 from slm_align.agent.logprobs import token_logprobs
+from slm_align.agent.open_artifact import open_backend
 from slm_align.agent.prompt import PromptFitter
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.store import new_token
 from slm_align.agent.template import use_chat_template
-from slm_align.agent.tools import ToolRegistry
 from slm_align.errors import UserError
+from slm_align.tools.registry import ToolRegistry
 
 CONVERSATION_FORMAT = 1
 SEED_SPAN = 2 ** 32

@@ -16,12 +16,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from slm_align.agent.builtin_tools import default_tools
 from slm_align.agent.runtime import Agent, load_model
 from slm_align.agent.sampling import SamplingParams
 from slm_align.errors import UserError
-from slm_align.reward.functions import exact_answer
+from slm_align.rewards.answers import exact_answer
 from slm_align.stats import bootstrap_ci, mean_delta
+from slm_align.tools.builtin import default_tools
 
 CATEGORIES = ("success", "no_call", "malformed_call", "wrong_tool", "wrong_answer")
 FAILURES = CATEGORIES[1:]

@@ -53,11 +53,11 @@ def chat(
     as_json: bool = JsonFlag,
 ) -> None:
     """Chat with an exported model in the terminal; give feedback that lands in the preference store."""
-    from slm_align.agent.builtin_tools import default_tools
     from slm_align.agent.runtime import Agent
     from slm_align.agent.sampling import SamplingParams
     from slm_align.agent.template import require_template
     from slm_align.agent.terminal import chat_loop, raw_loop
+    from slm_align.tools.builtin import default_tools
 
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                               repeat_penalty=repeat_penalty, max_tokens=max_new_tokens, seed=seed)

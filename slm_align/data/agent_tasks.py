@@ -22,9 +22,9 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Callable, Optional
 
-from slm_align.agent.builtin_tools import calculator, default_tools
 from slm_align.atomic import jsonl_text, write_text_atomic
 from slm_align.errors import UserError
+from slm_align.tools.builtin import calculator, default_tools
 
 TOOL = "calculator"
 FILES = ("sft", "train", "heldout")

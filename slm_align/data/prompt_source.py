@@ -16,6 +16,8 @@ from typing import Callable, Optional, Sequence
 from slm_align.config import Recipe
 from slm_align.data.prompts import prompts_of
 from slm_align.errors import UserError
+from slm_align.rewards.builtin import combine
+from slm_align.rewards.columns import check_columns, with_columns
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,6 @@ class PromptSource:
     def reward(self, specs: Sequence[str] = (), learned: Optional[Path] = None, device: str = "cpu"):
         """The combined reward (learned model and/or specs, the model on ``device``), given the rows' columns;
         refused in one line before any sampling when a reward needs a column the data does not have."""
-        from slm_align.reward.functions import check_columns, combine, with_columns
 
         reward = combine(specs, learned=learned, device=device)
         check_columns(reward, self.columns())

@@ -7,14 +7,13 @@ rendered with the tokenizer's chat template (the default one when it has none), 
 assistant's generation prompt, so the prompt is exactly the text the model continues.
 
 Every column other than the prompt stays with its row: reward functions receive them as keyword lists
-(``fn(prompts, completions, answer=[...], tools=[...])``, see :func:`slm_align.reward.functions.with_columns`),
+(``fn(prompts, completions, answer=[...], tools=[...])``, see :func:`slm_align.rewards.columns.with_columns`),
 which look a completion's row up by its prompt. So two rows with the same rendered prompt must agree on their
 columns (identical rows collapse to one), and :func:`split_tasks` keeps identical prompts on the same side.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any, Iterable, Optional
 from slm_align.data.readers import iter_rows
 from slm_align.data.splits import seeded_rank
 from slm_align.errors import UserError
+from slm_align.tools.specs import normalise_tools
 
 RESERVED_COLUMNS = frozenset({"prompts", "completions"})
 
@@ -179,57 +179,6 @@ def _check_message(where: str, field: str, message: Any) -> None:
     if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
         raise UserError(f"{where}: a {message['role']} message in '{field}' has no text 'content' "
                         f"(got {type(content).__name__})")
-
-
-def normalise_tools(where: str, tools: Any) -> Optional[list[dict]]:
-    """A row's ``tools`` as a list of tool dicts: decoded when stored as JSON text, None-valued keys (which
-    parquet adds when it merges different schemas into one struct) removed; each tool must have a name and, when
-    it has parameters, a valid JSON schema for them."""
-    if tools is None:
-        return None
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where}: 'tools' is text but not JSON ({exc.msg})") from None
-    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        raise UserError(f"{where}: 'tools' must be a list of tool objects "
-                        '({"type": "function", "function": {"name", "description", "parameters"}})')
-    cleaned = [_without_nones(tool) for tool in tools]
-    for tool in cleaned:
-        _check_tool(where, tool)
-    return cleaned
-
-
-def _without_nones(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _without_nones(item) for key, item in value.items() if item is not None}
-    if isinstance(value, list):
-        return [_without_nones(item) for item in value]
-    return value
-
-
-def tool_function(tool: dict) -> dict:
-    """The ``{"name", "description", "parameters"}`` part of an OpenAI tool (or the tool itself when bare)."""
-    inner = tool.get("function")
-    return inner if isinstance(inner, dict) else tool
-
-
-def _check_tool(where: str, tool: dict) -> None:
-    import jsonschema
-
-    function = tool_function(tool)
-    name = function.get("name")
-    if not isinstance(name, str) or not name:
-        raise UserError(f"{where}: a tool in 'tools' has no name; use "
-                        '{"type": "function", "function": {"name", "description", "parameters"}}')
-    parameters = function.get("parameters", {"type": "object"})
-    if not isinstance(parameters, dict):
-        raise UserError(f"{where}: tool {name!r}: 'parameters' must be a JSON schema object")
-    try:
-        jsonschema.validators.validator_for(parameters).check_schema(parameters)
-    except jsonschema.exceptions.SchemaError as exc:
-        raise UserError(f"{where}: tool {name!r}: invalid JSON schema for its parameters ({exc.message})") from None
 
 
 def render_conversation(where: str, messages: list[dict], tools: Optional[list[dict]], tokenizer) -> str:

@@ -288,7 +288,8 @@ def measure(artifact, threads: int, prompt_tokens: int, decode_tokens: int, repe
             n_ctx: Optional[int] = None, on_run: Callable[[], None] = _nothing) -> BenchResult:
     """Load ``artifact`` in this process and time it; the peak RSS is this process's (see :func:`bench`).
     ``on_run`` is called after each measured run (outside its timing)."""
-    from slm_align.agent.backend import artifact_kind, open_backend
+    from slm_align.agent.backend import artifact_kind
+    from slm_align.agent.open_artifact import open_backend
 
     artifact = Path(artifact)
     kind = artifact_kind(artifact)

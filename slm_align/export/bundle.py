@@ -138,7 +138,7 @@ def _sampling_defaults() -> dict:
 
 
 def _tool_schemas() -> list[dict]:
-    from slm_align.agent.builtin_tools import default_tools
+    from slm_align.tools.builtin import default_tools
 
     return default_tools().specs()
 

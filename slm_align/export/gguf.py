@@ -21,11 +21,17 @@ import numpy as np
 
 from slm_align.atomic import atomic_path
 from slm_align.errors import UserError
+from slm_align.export.gguf_arch import (
+    ARCHITECTURES,
+    attention_head_dim,
+    check_gguf_config,
+    head_counts,
+    normalized_config,
+)
 from slm_align.export.gguf_vocab import add_vocab
 from slm_align.export.gguf_vocab import pre_tokenizer_name as pre_tokenizer_name  # re-exported
+from slm_align.export.imatrix import imatrix_array
 
-ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma3_text": "GEMMA3",
-                 "gpt_neox": "GPTNEOX", "gpt2": "GPT2"}
 WRITTEN_TYPES = ("F32", "F16", "Q8_0")
 # llama.cpp's quantizer types we expose (names as llama.cpp's `llama-quantize` prints them).
 QUANTIZER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
@@ -36,9 +42,6 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_
                      ".attn.masked_bias")
 # GPT-2 stores these as Conv1D (in_features, out_features); llama.cpp reads Linear's (out, in).
 _CONV1D_WEIGHTS = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
-# llama.cpp's Gemma 3 makes every sixth layer global and the rest sliding (it reads no per-layer list from files
-# its converter writes).
-GEMMA3_GLOBAL_EVERY = 6
 
 
 def check_gguf_type(name: str) -> str:
@@ -60,88 +63,9 @@ def _unfuse_neox_qkv(weight: np.ndarray, n_head: int) -> np.ndarray:
     return np.concatenate([per_head[:, part].reshape(-1, *weight.shape[1:]) for part in range(3)], axis=0)
 
 
-def _gpt2_names(config: dict) -> dict:
-    """GPT-2's config under the names the other architectures use (so one set of hparam writers serves all)."""
-    hidden = config["n_embd"]
-    return dict(config, hidden_size=hidden, num_hidden_layers=config["n_layer"],
-                num_attention_heads=config["n_head"], max_position_embeddings=config["n_positions"],
-                intermediate_size=config.get("n_inner") or 4 * hidden,
-                layer_norm_eps=config.get("layer_norm_epsilon", 1e-5))
-
-
-def _normalized(config: dict) -> dict:
-    return _gpt2_names(config) if config.get("model_type") == "gpt2" else config
-
-
-def _head_counts(config: dict) -> tuple[int, int]:
-    heads = config["num_attention_heads"]
-    return heads, config.get("num_key_value_heads") or heads
-
-
-def _head_dim(config: dict) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
-def gemma3_layer_types(layers: int) -> list[str]:
-    """The layer pattern llama.cpp's Gemma 3 graph assumes (it reads no per-layer list from our files)."""
-    global_layer = GEMMA3_GLOBAL_EVERY - 1
-    return ["full_attention" if i % GEMMA3_GLOBAL_EVERY == global_layer else "sliding_attention"
-            for i in range(layers)]
-
-
-def _gemma3_difference(config: dict) -> Optional[str]:
-    """What llama.cpp's Gemma 3 graph would do differently from transformers with this config, if anything."""
-    layer_types = config.get("layer_types") or gemma3_layer_types(config["num_hidden_layers"])
-    if layer_types != gemma3_layer_types(config["num_hidden_layers"]):
-        return f"its layer_types are not llama.cpp's pattern (every {GEMMA3_GLOBAL_EVERY}th layer global)"
-    if config.get("query_pre_attn_scalar", _head_dim(config)) != _head_dim(config):
-        return "query_pre_attn_scalar differs from head_dim (llama.cpp scales attention by 1/sqrt(head_dim))"
-    if config.get("attn_logit_softcapping") is not None:
-        return "it caps attention logits (attn_logit_softcapping), which llama.cpp's Gemma 3 does not"
-    if config.get("use_bidirectional_attention"):
-        return "its attention is bidirectional"
-    if (config.get("rope_scaling") or {}).get("rope_type", "linear") != "linear":
-        return f"its rope scaling '{config['rope_scaling'].get('rope_type')}' is not linear"
-    return None
-
-
-def _gpt2_difference(config: dict) -> Optional[str]:
-    if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-        return f"its activation '{config['activation_function']}' is not the tanh GELU llama.cpp uses"
-    if config.get("scale_attn_by_inverse_layer_idx") or not config.get("scale_attn_weights", True):
-        return "its attention scaling is not 1/sqrt(head_dim)"
-    return None
-
-
-def _qwen_difference(config: dict) -> Optional[str]:
-    if config.get("use_sliding_window") and config.get("sliding_window"):
-        return "it uses sliding-window attention, which llama.cpp's Qwen graph does not"
-    return None
-
-
-def _no_difference(config: dict) -> None:
-    return None
-
-
-_DIFFERENCES = {"gemma3_text": _gemma3_difference, "gpt2": _gpt2_difference, "qwen2": _qwen_difference,
-                "qwen3": _qwen_difference}
-
-
-def check_gguf_config(config: dict) -> None:
-    """Refuse, in one line, an architecture we cannot write or a config llama.cpp would run differently."""
-    model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise UserError(f"GGUF export does not support architecture '{model_type}' yet; supported: "
-                        f"{', '.join(ARCHITECTURES)} (--target onnx takes more)")
-    difference = _DIFFERENCES.get(model_type, _no_difference)(_normalized(config))
-    if difference is not None:
-        raise UserError(f"GGUF export: llama.cpp would run this {model_type} model differently from transformers: "
-                        f"{difference}; export to ONNX instead")
-
-
 def _transform(model_type: str, config: dict) -> Callable[[str, np.ndarray], np.ndarray]:
     """The per-tensor rewrite an architecture needs before llama.cpp can read its weights."""
-    heads, kv_heads = _head_counts(config)
+    heads, kv_heads = head_counts(config)
 
     def transform(name: str, data: np.ndarray) -> np.ndarray:
         if model_type == "llama" and name.endswith("q_proj.weight"):
@@ -161,8 +85,8 @@ def _transform(model_type: str, config: dict) -> Callable[[str, np.ndarray], np.
 
 def _add_rms_hparams(writer, model_type: str, config: dict) -> None:
     """Llama, Qwen and Gemma: grouped-query attention, rope over the whole head, RMSNorm."""
-    head_dim = _head_dim(config)
-    writer.add_head_count_kv(_head_counts(config)[1])
+    head_dim = attention_head_dim(config)
+    writer.add_head_count_kv(head_counts(config)[1])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
@@ -188,7 +112,7 @@ def _add_gemma3_hparams(writer, config: dict) -> None:
 
 def _add_gpt_neox_hparams(writer, config: dict) -> None:
     rotary = config.get("partial_rotary_factor") or config.get("rotary_pct") or 1.0
-    writer.add_rope_dimension_count(int(rotary * _head_dim(config)))
+    writer.add_rope_dimension_count(int(rotary * attention_head_dim(config)))
     writer.add_parallel_residual(bool(config.get("use_parallel_residual", True)))
     writer.add_layer_norm_eps(float(config.get("layer_norm_eps", 1e-5)))
 
@@ -248,7 +172,7 @@ def write_gguf(model_dir: Path, out_path: Path, file_type: str = "F32",
     out_path = Path(out_path)
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     check_gguf_config(config)
-    config = _normalized(config)
+    config = normalized_config(config)
     model_type = config["model_type"]
     if file_type not in WRITTEN_TYPES:
         raise UserError(f"write_gguf writes {', '.join(WRITTEN_TYPES)}; {file_type} goes through quantize_gguf")
@@ -296,8 +220,6 @@ def quantize_gguf(source: Path, out_path: Path, quant: str, threads: int = 0,
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
     params.nthread = threads
-    from slm_align.export.imatrix import imatrix_array
-
     entries, _buffers = imatrix_array(importance)  # the buffers stay referenced until the quantizer returns
     if entries is not None:
         params.imatrix = entries

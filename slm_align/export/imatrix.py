@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from slm_align.export.gguf_arch import ARCHITECTURES, normalized_config
+
 
 def activation_importance(model, texts_ids: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
     """Mean squared input activation per input column of every ``nn.Linear``, by module name, over ``texts_ids``."""
@@ -52,9 +54,8 @@ def gguf_importance(model_dir: Path, importance: dict[str, np.ndarray]) -> dict[
     projection is llama.cpp's ``token_embd.weight`` (the matrix its output matmul reads)."""
     import gguf
 
-    from slm_align.export.gguf import ARCHITECTURES, _normalized
 
-    config = _normalized(json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")))
+    config = normalized_config(json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")))
     arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[config["model_type"]])
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     tied = config.get("tie_word_embeddings", True)

@@ -24,7 +24,8 @@ from slm_align.atomic import publish_directory, write_json_atomic, write_text_at
 from slm_align.errors import UserError
 from slm_align.export.executorch import check_executorch_architecture, check_executorch_quant, write_executorch
 from slm_align.export.genai import check_genai_architecture, genai_tokenizer_report, write_genai_config
-from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_config, check_gguf_type, quantize_gguf, write_gguf
+from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
+from slm_align.export.gguf_arch import check_gguf_config
 from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
 from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
@@ -292,7 +293,7 @@ def _open_artifact(target: str, artifact: Path, threads: int):
         from slm_align.agent.genai_backend import GenaiBackend
 
         return GenaiBackend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT)
-    from slm_align.agent.backend import open_backend
+    from slm_align.agent.open_artifact import open_backend
 
     return open_backend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True)
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
+from slm_align.data.pairs import Pair
+from slm_align.data.preferences import Labelled, read_preference_rows
 from slm_align.data.splits import seeded_rank
 from slm_align.errors import UserError
-from slm_align.reward.pairs import Pair
-from slm_align.reward.preferences import Labelled, read_preference_rows
 
 
 @dataclass

@@ -17,13 +17,13 @@ import torch
 from slm_align.config import EnvelopeSettings, PreferenceSettings
 from slm_align.data.encoding import IGNORE_INDEX, encode, pad_batch
 from slm_align.data.examples import Example
+from slm_align.data.pairs import Pair
+from slm_align.envelope.run import TrainableRun
+from slm_align.envelope.seeds import derive_seed
+from slm_align.envelope.world import World
 from slm_align.perplexity import labelled_logprobs
 from slm_align.preference.data import PreferenceData
 from slm_align.preference.losses import dpo_loss, implicit_rewards, kto_loss, kto_reference_point
-from slm_align.reward.pairs import Pair
-from slm_align.rl.distributed import World
-from slm_align.rl.schedule import derive_seed
-from slm_align.rl.trainable import TrainableRun
 
 
 @dataclass

@@ -20,20 +20,27 @@ from slm_align.accelerator import resolve_compute, training_inputs
 from slm_align.atomic import atomic_path, write_json_atomic
 from slm_align.config import Recipe
 from slm_align.data.readers import fingerprint
+from slm_align.envelope.policy import build_policy
+from slm_align.envelope.world import launched
 from slm_align.errors import UserError
-from slm_align.headroom import Figure, HeadroomReport
-from slm_align.modeling import load_tokenizer, resolve_source
+from slm_align.headroom import Figure, GateRefused, HeadroomReport
+from slm_align.modeling import load_tokenizer, resolve_source, save_adapter
 from slm_align.plots import plot_curves
 from slm_align.preference.data import PreferenceData, check_feedback_models, load_preference_data
 from slm_align.preference.learner import PreferenceLearner
 from slm_align.progress import new_progress, stage_lines
-from slm_align.rl.distributed import launched
-from slm_align.rl.policy import build_policy
-from slm_align.rl.stage import GateRefused, keep_first_lines
-from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
+from slm_align.runs import (
+    StageResult,
+    completed,
+    keep_first_lines,
+    make_manifest,
+    partial_dir,
+    prepare_partial,
+    publish,
+    read_manifest,
+)
 from slm_align.sft import sft_prior
 from slm_align.tracking import Tracker, open_tracker, require_library
-from slm_align.training import prepare_partial, save_adapter
 
 ALGORITHMS = ("dpo", "kto")
 CHECKPOINT = "checkpoint.pt"

@@ -14,8 +14,10 @@ from pathlib import Path
 from slm_align.accelerator import check_trainer_device, resolve_compute, training_inputs
 from slm_align.config import Recipe
 from slm_align.data.corpus import load_corpus
+from slm_align.data.pairs import Pair, synthetic_pairs
+from slm_align.data.preferences import read_preferences
 from slm_align.errors import UserError
-from slm_align.modeling import load_tokenizer, merged_policy, resolve_source, save_tokenizer
+from slm_align.modeling import attach_lora, load_tokenizer, merged_policy, resolve_source, save_tokenizer
 from slm_align.reward.model import (
     bradley_terry_loss,
     classifier_from_policy,
@@ -24,12 +26,10 @@ from slm_align.reward.model import (
     pairwise_metrics,
     sequence_rewards,
 )
-from slm_align.reward.pairs import Pair, synthetic_pairs
-from slm_align.reward.preferences import read_preferences
 from slm_align.runs import StageResult, completed, digest, make_manifest, publish, read_manifest
 from slm_align.sft import recipe_from_sft
 from slm_align.tracking import finish_trainer_tracking
-from slm_align.training import attach_lora, make_trainer, start_trainer_run, training_arguments
+from slm_align.training import make_trainer, start_trainer_run, training_arguments
 
 STAGE = "reward"
 

@@ -21,11 +21,12 @@ import time
 
 import torch
 
+from slm_align.envelope.seeds import derive_seed
 from slm_align.rl.advantages import all_equal_groups, grpo_advantages
 from slm_align.rl.losses import aggregate, clipped_policy_loss, kl_k3
 from slm_align.rl.phases import PhaseClock
 from slm_align.rl.rollout import Rollout, replace_rows
-from slm_align.rl.schedule import derive_seed, iteration_size
+from slm_align.rl.schedule import iteration_size
 from slm_align.rl.step import Learner, LossFn, rollout_kl, rollout_metrics
 
 

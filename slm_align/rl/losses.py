@@ -34,20 +34,6 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_t
     raise ValueError(f"unknown loss type {loss_type}")
 
 
-def ratio_of(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, clamp: float) -> torch.Tensor:
-    """Importance ratio rho_t = pi(y_t) / pi_old(y_t) per token.
-
-    Args:
-        new_logprobs, old_logprobs: (B, T) log-probabilities of the sampled tokens now and at rollout time.
-        clamp: bound of |log-ratio| (the envelope's ``log_ratio_clamp``).
-
-    Returns:
-        (B, T) float32 ``exp(clamp(log pi - log pi_old, -clamp, clamp))``: the log-ratio taken in float32 and clamped
-        before exp so that it cannot overflow (the envelope's float32 rule; bf16 log-probabilities are cast first).
-    """
-    return torch.exp((new_logprobs.float() - old_logprobs.float()).clamp(-clamp, clamp))
-
-
 def clipped_policy_loss(ratio, advantages, mask, eps_low: float, eps_high: float, loss_type: str,
                         max_tokens: int):
     """PPO's pessimistic clipped surrogate.

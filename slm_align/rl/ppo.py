@@ -17,11 +17,12 @@ import time
 
 import torch
 
+from slm_align.envelope.seeds import derive_seed
 from slm_align.rl.advantages import gae, masked_mean, masked_whiten, per_token_rewards, sigma_clip, whiten_scores
 from slm_align.rl.losses import adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, kl_k3
 from slm_align.rl.phases import PhaseClock
 from slm_align.rl.rollout import Rollout
-from slm_align.rl.schedule import derive_seed, iteration_size
+from slm_align.rl.schedule import iteration_size
 from slm_align.rl.step import Learner, LossFn, rollout_kl, rollout_metrics
 
 

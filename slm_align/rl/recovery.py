@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 
 from slm_align.atomic import write_text_atomic
-from slm_align.rl.distributed import World
-from slm_align.rl.policy import policy_rewards
+from slm_align.envelope.policy import policy_rewards
+from slm_align.envelope.world import World
 from slm_align.rl.watchdog import Watchdog, event_line
 from slm_align.tracking import Tracker
 

@@ -8,9 +8,11 @@ from typing import Optional
 import torch
 
 from slm_align.config import RLSettings
+from slm_align.envelope.logprobs import forward_logprobs
+from slm_align.envelope.policy import merged_for_sampling
+from slm_align.envelope.value_head import ValueHead
 from slm_align.generation import sample, score
 from slm_align.rl.phases import PhaseClock
-from slm_align.rl.policy import ValueHead, forward_logprobs, merged_for_sampling
 
 
 @dataclass

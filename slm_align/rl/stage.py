@@ -19,36 +19,40 @@ from typing import Optional, Sequence
 import torch
 
 from slm_align.accelerator import resolve_compute, training_inputs
-from slm_align.atomic import atomic_path, write_text_atomic
+from slm_align.atomic import atomic_path
 from slm_align.config import Recipe
 from slm_align.data.prompt_source import prompt_source
 from slm_align.data.readers import fingerprint
+from slm_align.envelope.policy import build_policy, policy_rewards
+from slm_align.envelope.value_head import ValueHead
+from slm_align.envelope.world import World, rank_device, replica_digest, world_from_env
 from slm_align.errors import UserError
-from slm_align.headroom import check_headroom
-from slm_align.modeling import load_tokenizer, resolve_source
+from slm_align.headroom import GateRefused, check_headroom
+from slm_align.modeling import load_tokenizer, resolve_source, save_adapter
 from slm_align.plots import plot_curves
 from slm_align.progress import new_progress, stage_lines
+from slm_align.reward.learned import learned_reward
 from slm_align.reward.stage import run_reward
-from slm_align.rl.distributed import World, rank_device, replica_digest, world_from_env
 from slm_align.rl.grpo import GRPO
-from slm_align.rl.policy import ValueHead, build_policy, policy_rewards
 from slm_align.rl.ppo import PPO
 from slm_align.rl.recovery import EVENTS, WatchedRun, probe_rewards, restore
 from slm_align.rl.schedule import iteration_size
 from slm_align.rl.watchdog import Watchdog, read_events
-from slm_align.runs import StageResult, completed, make_manifest, partial_dir, publish, read_manifest
+from slm_align.runs import (
+    StageResult,
+    completed,
+    keep_first_lines,
+    make_manifest,
+    partial_dir,
+    prepare_partial,
+    publish,
+    read_manifest,
+)
 from slm_align.sft import sft_prior
 from slm_align.tracking import Tracker, open_tracker, require_library
-from slm_align.training import prepare_partial, save_adapter
 
 STAGE = "rl"
 CHECKPOINT = "checkpoint.pt"
-
-
-class GateRefused(UserError):
-    """The headroom gate said FAIL and --force was not given."""
-
-    exit_code = 1
 
 
 def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Recipe, adapter: bool) -> float:
@@ -167,15 +171,6 @@ def _resolve_algorithm(recipe: Recipe, gate: dict, say) -> Recipe:
     return recipe.model_copy(update={"rl": rl})
 
 
-def keep_first_lines(path: Path, count: int) -> None:
-    """Cut a JSONL log back to its first ``count`` complete lines (a killed run may have logged past its
-    checkpoint, or half a line)."""
-    if not path.is_file():
-        return
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n")]
-    write_text_atomic(path, "".join(lines[:count]))
-
-
 def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resume, started, world, compute,
            say=lambda _: None) -> StageResult:
     """Build the learner, iterate (resuming from the checkpoint) under the watchdog, measure held-out reward,
@@ -188,7 +183,7 @@ def _train(recipe, adapter, reward_model, rewards, inputs, gate, stage_dir, resu
     eval_prompts = prompts.heldout[: settings.eval_prompts]
     if not train_prompts or not eval_prompts:
         raise UserError("no prompts for RL: the corpus has no documents long enough to split into prompt and rest")
-    reward_fn = prompts.reward(rewards, learned=reward_model, device=compute.device)
+    reward_fn = prompts.reward(rewards, learned=learned_reward(reward_model, compute.device))
     policy = build_policy(source, adapter, settings, recipe.seed, recipe.model.trust_remote_code,
                           recipe.model.allow_pickle, compute.device)
     value_head = None

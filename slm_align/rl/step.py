@@ -15,15 +15,16 @@ from typing import Callable, Optional
 import torch
 
 from slm_align.config import RLSettings
+from slm_align.envelope.logprobs import forward_logprobs
+from slm_align.envelope.ratio import ratio_of
+from slm_align.envelope.run import TrainableRun
+from slm_align.envelope.seeds import derive_seed
+from slm_align.envelope.value_head import ValueHead
+from slm_align.envelope.world import World
 from slm_align.errors import UserError
 from slm_align.rl.advantages import masked_mean
-from slm_align.rl.distributed import World
-from slm_align.rl.losses import ratio_of
 from slm_align.rl.phases import PhaseClock
-from slm_align.rl.policy import ValueHead, forward_logprobs
 from slm_align.rl.rollout import Rollout, collect
-from slm_align.rl.schedule import derive_seed
-from slm_align.rl.trainable import TrainableRun
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor],
                   tuple[torch.Tensor, dict]]

@@ -49,7 +49,7 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
             chat requests are refused and /v1/completions still continues plain text).
         limits: Any :class:`Limits` field (max_body_bytes, max_queue, max_messages, ...).
     """
-    from slm_align.agent.builtin_tools import default_tools
+    from slm_align.tools.builtin import default_tools
 
     settings = Limits(**limits)
     model = load_model(artifact, device, threads, n_ctx, chat_template)

@@ -41,8 +41,8 @@ from slm_align.agent.runtime import fold_seed
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.server.errors import ApiError, bad
 from slm_align.agent.store import FEEDBACK_KINDS, MAX_TURN_ID, PREFERRED
-from slm_align.agent.tools import ToolRegistry
 from slm_align.errors import UserError
+from slm_align.tools.registry import ToolRegistry
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_ARGUMENT_DEPTH = 64

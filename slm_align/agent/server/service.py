@@ -14,7 +14,7 @@ from slm_align.agent.server.errors import ApiError, bad
 from slm_align.agent.server.requests import ChatRequest, FeedbackBody, Limits
 from slm_align.agent.server.worker import ModelWorker
 from slm_align.agent.store import PreferenceStore, Turn
-from slm_align.agent.tools import ToolRegistry
+from slm_align.tools.registry import ToolRegistry
 
 
 @dataclass

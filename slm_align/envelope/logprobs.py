@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from slm_align.envelope.value_head import ValueHead
+
 CHUNK_POSITIONS = 128
 """Positions per chunk: (128, V) fp32 logits are 134 MB at V = 262k, 25 MB at 49k. On the real Gemma 3 270M (a
 forward and backward of 8 x 46 tokens, 32 of them completion, 2 threads, each in its own process) the peak over the
@@ -152,3 +154,52 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
         product = logp.exp()
         product.mul_(logp)
         return -product.sum(-1)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as ``generate`` computes them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def forward_logprobs(model, input_ids, attention_mask, prompt_width: int, temperature: float,
+                     value_head: Optional[ValueHead] = None, with_entropy: bool = True, chunk: int = CHUNK_POSITIONS):
+    """Per-token log-probabilities (fp32, at the sampling temperature), entropies (None unless ``with_entropy``;
+    without gradient) and values of the completion.
+
+    The vocabulary projection and log-softmax go ``chunk`` positions at a time (rl/logprobs.py) when the model's
+    logits are a plain projection of its last hidden state; otherwise from the model's own logits."""
+    head = plain_head(model)
+    if head is None:
+        return _model_logprobs(model, input_ids, attention_mask, prompt_width, temperature, value_head, with_entropy)
+    last = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
+    hidden = last[:, prompt_width - 1:-1]  # (B, T, H): the state before each completion token
+    targets = input_ids[:, prompt_width:]
+    logprobs, entropy = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), head, targets.reshape(-1), temperature,
+                                       with_entropy, chunk)
+    if entropy is not None:
+        entropy = entropy.view(targets.shape)
+    values = value_head(hidden) if value_head is not None else None
+    return logprobs.view(targets.shape), entropy, values
+
+
+def _model_logprobs(model, input_ids, attention_mask, prompt_width: int, temperature: float,
+                    value_head: Optional[ValueHead], with_entropy: bool):
+    """:func:`forward_logprobs` from the model's own logits, all positions at once (a head that is more than a
+    projection: soft-capping, scaling, bias)."""
+    completion = input_ids.shape[1] - prompt_width
+    outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                    output_hidden_states=value_head is not None, use_cache=False,
+                    logits_to_keep=completion + 1)  # no vocabulary projection over the prompt
+    logits = outputs.logits[:, :-1].float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    targets = input_ids[:, prompt_width:]
+    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():  # a statistic, not part of any loss: no graph over two more (B, T, V) tensors
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    values = None
+    if value_head is not None:
+        values = value_head(outputs.hidden_states[-1][:, prompt_width - 1:-1])
+    return logprobs, entropy, values

@@ -1,4 +1,5 @@
-"""The trainable policy: merged SFT weights + a fresh LoRA, a value head, and fp32 log-probabilities.
+"""The trainable policy: merged SFT weights + a fresh LoRA (the trainable check refuses a frozen one), gradient
+checkpointing in eval mode, and sampling from it with the adapter folded in or off.
 
 The reference policy is the same model with the adapter disabled: no second copy of the weights.
 """
@@ -10,26 +11,11 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch import nn
 
 from slm_align.config import RLSettings
 from slm_align.errors import UserError
-from slm_align.rl.logprobs import CHUNK_POSITIONS, decoder_of, plain_head, token_logprobs
-
-
-class ValueHead(nn.Module):
-    """PPO's critic: a linear map from the policy's last hidden state to a scalar value, in fp32."""
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, T, H) hidden states in, (B, T) float32 values out (autocast off: values feed GAE in fp32)."""
-        with torch.autocast(device_type=hidden.device.type, enabled=False):
-            return self.linear(hidden.float()).squeeze(-1)
+from slm_align.generation import sample, score
+from slm_align.modeling import attach_lora, load_adapter, load_model, merged_policy
 
 
 def require_trainable(model) -> int:
@@ -48,9 +34,6 @@ def build_policy(source, sft_adapter: Optional[Path], settings: RLSettings, seed
 
     With ``reinit_lora`` off, the SFT adapter is loaded as it is, the way PEFT loads it by default: frozen.
     """
-    from slm_align.modeling import load_adapter, load_model, merged_policy
-    from slm_align.training import attach_lora
-
     if settings.envelope.reinit_lora or sft_adapter is None:
         merged = merged_policy(source, sft_adapter, trust_remote_code, allow_pickle)
         policy = attach_lora(merged, settings.lora, seed)
@@ -76,55 +59,6 @@ def checkpoint_in_eval(model) -> int:
     for layer in layers:
         layer.training = True
     return len(layers)
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, as ``generate`` computes them."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def forward_logprobs(model, input_ids, attention_mask, prompt_width: int, temperature: float,
-                     value_head: Optional[ValueHead] = None, with_entropy: bool = True, chunk: int = CHUNK_POSITIONS):
-    """Per-token log-probabilities (fp32, at the sampling temperature), entropies (None unless ``with_entropy``;
-    without gradient) and values of the completion.
-
-    The vocabulary projection and log-softmax go ``chunk`` positions at a time (rl/logprobs.py) when the model's
-    logits are a plain projection of its last hidden state; otherwise from the model's own logits."""
-    head = plain_head(model)
-    if head is None:
-        return _model_logprobs(model, input_ids, attention_mask, prompt_width, temperature, value_head, with_entropy)
-    last = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask,
-                             position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
-    hidden = last[:, prompt_width - 1:-1]  # (B, T, H): the state before each completion token
-    targets = input_ids[:, prompt_width:]
-    logprobs, entropy = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), head, targets.reshape(-1), temperature,
-                                       with_entropy, chunk)
-    if entropy is not None:
-        entropy = entropy.view(targets.shape)
-    values = value_head(hidden) if value_head is not None else None
-    return logprobs.view(targets.shape), entropy, values
-
-
-def _model_logprobs(model, input_ids, attention_mask, prompt_width: int, temperature: float,
-                    value_head: Optional[ValueHead], with_entropy: bool):
-    """:func:`forward_logprobs` from the model's own logits, all positions at once (a head that is more than a
-    projection: soft-capping, scaling, bias)."""
-    completion = input_ids.shape[1] - prompt_width
-    outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                    output_hidden_states=value_head is not None, use_cache=False,
-                    logits_to_keep=completion + 1)  # no vocabulary projection over the prompt
-    logits = outputs.logits[:, :-1].float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    targets = input_ids[:, prompt_width:]
-    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():  # a statistic, not part of any loss: no graph over two more (B, T, V) tensors
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-    values = None
-    if value_head is not None:
-        values = value_head(outputs.hidden_states[-1][:, prompt_width - 1:-1])
-    return logprobs, entropy, values
 
 
 @contextmanager
@@ -158,8 +92,6 @@ def policy_rewards(policy, tokenizer, reward_fn, prompts: list[str], settings: R
                    adapter: bool = True) -> list[float]:
     """Per-prompt reward of one completion sampled for each prompt with ``seed`` (the RL adapter on, merged for
     speed, or off: the prior), at the recipe's temperature and token budget."""
-    from slm_align.generation import sample, score
-
     context = merged_for_sampling(policy) if adapter else policy.disable_adapter()
     with context:
         samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=seed)

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from slm_align.data.pairs import Pair
 from slm_align.data.prompts import chat_turn
 from slm_align.data.readers import iter_rows
 from slm_align.errors import UserError
-from slm_align.reward.pairs import Pair
 
 MAX_PAIRS_PER_PROMPT = 8
 

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Optional, Union
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from slm_align.agent.tools import ToolRegistry
 from slm_align.atomic import write_text_atomic  # temporary file (created 0o600), then rename
 from slm_align.errors import UserError
+from slm_align.tools.registry import ToolRegistry
 
 # --- calculator ---------------------------------------------------------------------------------
 

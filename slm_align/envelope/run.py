@@ -15,10 +15,10 @@ import torch
 
 from slm_align.accelerator import device_of, forward_autocast
 from slm_align.config import EnvelopeSettings
-from slm_align.rl.distributed import World
-from slm_align.rl.learning_rate import base_parameters, default_learning_rate
-from slm_align.rl.policy import checkpoint_in_eval, enable_checkpointing
-from slm_align.rl.safeguards import GuardCounters, GuardedOptimizer, load_trainable_state, trainable_state
+from slm_align.envelope.guard import GuardCounters, GuardedOptimizer, load_trainable_state, trainable_state
+from slm_align.envelope.learning_rate import base_parameters, default_learning_rate
+from slm_align.envelope.policy import checkpoint_in_eval, enable_checkpointing
+from slm_align.envelope.world import World
 
 
 class TrainableRun:

@@ -1,0 +1,19 @@
+"""Open an exported artifact with the backend that runs it: llama.cpp for a GGUF file, onnxruntime for an ONNX
+folder (each imports its runtime only when it opens a model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from slm_align.agent.backend import Backend, artifact_kind
+from slm_align.agent.llama_backend import LlamaCppBackend
+from slm_align.agent.onnx_backend import OnnxBackend
+
+
+def open_backend(artifact: Path, threads: Optional[int] = None, n_ctx: Optional[int] = None,
+                 all_logits: bool = False) -> Backend:
+    """The backend for ``artifact``: llama.cpp for GGUF, onnxruntime for ONNX."""
+    if artifact_kind(artifact) == "gguf":
+        return LlamaCppBackend(artifact, threads=threads, n_ctx=n_ctx, all_logits=all_logits)
+    return OnnxBackend(artifact, threads=threads, n_ctx=n_ctx)

@@ -1,0 +1,98 @@
+"""Tool calls read from a model's reply, in the Hermes / Qwen2.5 text format::
+
+    <tool_call>
+    {"name": "calculator", "arguments": {"expression": "2*(3+4)"}}
+    </tool_call>
+
+(one or several blocks), SmolLM2's list form ``<tool_call>[{"name": ...}, {"name": ...}]</tool_call>`` (several calls
+in one block, as are several objects one after another), or a bare ``{"name": ..., "arguments": {...}}`` object (or a
+list of them) as the whole reply. Reading never raises: JSON that does not parse becomes a failed
+:class:`~slm_align.tools.calls.Observation` the model can read.
+
+Stdlib only: this module runs on phones and boards.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional, Union
+
+from slm_align.tools.calls import Observation
+
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+_FENCED = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+FORMAT_HINT = 'write <tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>'
+
+
+def _unfence(text: str) -> str:
+    match = _FENCED.match(text)
+    return match.group(1) if match else text
+
+
+def decode_json(text: str) -> Union[Any, Observation]:
+    """The JSON value in ``text``, or a failed observation saying why it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        return Observation.failure("", f"malformed JSON in tool call ({exc.msg} at character {exc.pos}); "
+                                   f"{FORMAT_HINT}")
+
+
+def _decode_calls(text: str) -> list:
+    """The calls of one block: a call object, a list of them (SmolLM2's form), or several objects one after another
+    (each still to be checked); a failed observation when the block is not JSON."""
+    decoder = json.JSONDecoder()
+    values = []
+    position = 0
+    while position < len(text):
+        try:
+            value, end = decoder.rawdecode_json(text, position)
+        except json.JSONDecodeError:
+            return [decode_json(text)]
+        values.extend(value if isinstance(value, list) and value else [value])
+        position = len(text) - len(text[end:].lstrip())
+    return values or [decode_json(text)]
+
+
+def _is_call(obj: Any) -> bool:
+    return isinstance(obj, dict) and ("arguments" in obj or "parameters" in obj)
+
+
+def _looks_like_calls(obj: Any) -> bool:
+    """A call object, or a non-empty list of them."""
+    if isinstance(obj, list):
+        return bool(obj) and all(_is_call(item) for item in obj)
+    return _is_call(obj)
+
+
+def _bare_calls(text: str) -> Optional[list]:
+    """A whole reply that is a ``{"name": ..., "arguments": ...}`` object or a list of them; None for ordinary
+    text."""
+    candidate = _unfence(text.strip())
+    bracketed = candidate[:1] + candidate[-1:] in ("{}", "[]")
+    if not (bracketed and '"name"' in candidate):
+        return None
+    decoded = decode_json(candidate)
+    if isinstance(decoded, Observation):  # looks like a call ("name" and "arguments") but is broken
+        return [decoded] if '"arguments"' in candidate else None
+    if not _looks_like_calls(decoded):
+        return None
+    return decoded if isinstance(decoded, list) else [decoded]
+
+
+def read_calls(text: str) -> tuple[str, list]:
+    """A reply split into the text outside its calls and the calls' decoded JSON values, in order (each still to be
+    checked against the tools), a failed :class:`Observation` standing in for a call that is not JSON.
+
+    With ``<tool_call>`` blocks, the text is what lies between them (a last block whose closing tag was cut off
+    still counts); a reply that is a bare call object (or a list of them) has no text; any other reply is all text.
+    """
+    if "<tool_call>" in text:
+        parts = _TOOL_CALL_BLOCK.split(text)  # text, call body, text, call body, ..., text
+        outside = "\n".join(part.strip() for part in parts[0::2] if part.strip())
+        return outside, [decoded for body in parts[1::2] for decoded in _decode_calls(_unfence(body.strip()))]
+    bare = _bare_calls(text)
+    if bare is None:
+        return text.strip(), []
+    return "", bare
