@@ -92,3 +92,5 @@ def exact_answer(prompts, completions, answer: Optional[Sequence[Any]] = None,
     return [float(ref is not None and final_answer_matches(c, ref)) for c, ref in zip(completions, wanted)]
 
 
+
+exact_answer.columns = frozenset({"answer"})

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 
+@dataclass
 class Tool:
     """A callable tool: its name, one-line description, JSON schema of its arguments, and the function."""
 

@@ -47,7 +47,7 @@ def _decode_calls(text: str) -> list:
     position = 0
     while position < len(text):
         try:
-            value, end = decoder.rawdecode_json(text, position)
+            value, end = decoder.raw_decode(text, position)
         except json.JSONDecodeError:
             return [decode_json(text)]
         values.extend(value if isinstance(value, list) and value else [value])
