@@ -29,7 +29,7 @@ def template_handler(llm, option: str):
     renders, with the model's BOS and EOS, as llama-cpp-python builds one from a GGUF's own template."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from slm_align.modeling import chosen_chat_template
+    from slm_align.chat_templates import chosen_chat_template
 
     eos = llm.token_eos()
     bos = llm.token_bos()

@@ -24,7 +24,8 @@ def smollm2_shaped(path: Path) -> Path:
     """A Llama with SmolLM2-135M's shape (30 layers, d=576, GQA 9/3, 49k vocab), random weights, our tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from slm_align.modeling import CHATML_TEMPLATE, DEFAULT_MODEL_DIR
+    from slm_align.chat_templates import CHATML_TEMPLATE
+    from slm_align.modeling import DEFAULT_MODEL_DIR
 
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,

@@ -69,7 +69,7 @@ def export_run(run: Path, out: Path) -> Path:
 
 def train_round(recipe, run: Path, algo: str, files: list[Path], steps: int, learning_rate: float) -> dict:
     """One DPO or KTO round on the exported feedback, from the run's SFT prior (the gate forced: a short demo)."""
-    from slm_align.preference.stage import run_preference
+    from slm_align.pipeline import run_preference
 
     preference = recipe.preference.model_copy(update={"steps": steps, "learning_rate": learning_rate})
     recipe = recipe.model_copy(update={"rl": recipe.rl.model_copy(update={"algo": algo}), "preference": preference,

@@ -197,7 +197,7 @@ def child(spec: dict) -> dict:
         instrument_trainer(probe)
         run_reward(recipe, base)
     elif kind in ("grpo", "ppo"):
-        from slm_align.rl.stage import run_rl
+        from slm_align.pipeline import run_rl
 
         instrument_rl(probe)
         result = run_rl(recipe, base / kind, force=True, sft_from=base, reward_model=base / "reward" / "model")

@@ -40,8 +40,8 @@ SIDES = ("llama.cpp", "genai", "executorch", "ours gguf", "ours onnx", "ours gen
 
 
 def prompt_ids(tokenize, count: int) -> list[int]:
-    """Exactly ``count`` prompt tokens of a story text (the same text :mod:`slm_align.devices.bench` uses)."""
-    from slm_align.devices.bench import PROMPT_TEXT
+    """Exactly ``count`` prompt tokens of a story text (the same text :mod:`slm_align.agent.bench` uses)."""
+    from slm_align.agent.bench import PROMPT_TEXT
 
     ids = list(tokenize(PROMPT_TEXT))
     while len(ids) < count:
@@ -168,7 +168,7 @@ def open_side(args):
 
 def run_side(args) -> dict:
     """In the child: load, one warm-up, one timed run; the process's peak RSS."""
-    from slm_align.devices.bench import peak_rss_bytes
+    from slm_align.devices.host import peak_rss_bytes
 
     start = time.perf_counter()
     starter = open_side(args)

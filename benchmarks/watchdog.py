@@ -89,7 +89,7 @@ def wasted(trained: int, flip_after: int) -> int:
 
 def collapsing(work: Path, sft, steps: int, flip_after: int, prompts: int) -> list[dict]:
     """The injected collapse with the watchdog off and on; one row each."""
-    from slm_align.rl.stage import run_rl
+    from slm_align.pipeline import run_rl
 
     base, recipe = sft
     rows = []
@@ -115,8 +115,8 @@ def collapsing(work: Path, sft, steps: int, flip_after: int, prompts: int) -> li
 def healthy(work: Path) -> list[dict]:
     """The quickstart's RL stage with the watchdog off and on, from the same SFT and reward model."""
     from slm_align.config import load_recipe
+    from slm_align.pipeline import run_rl
     from slm_align.reward.stage import run_reward
-    from slm_align.rl.stage import run_rl
     from slm_align.sft import run_sft
 
     recipe = load_recipe(overrides={"sft.max_steps": 150, "sft.batch_size": 16, "reward.max_steps": 100,

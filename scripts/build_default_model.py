@@ -19,8 +19,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from slm_align.chat_templates import CHATML_TEMPLATE
 from slm_align.data.demo_corpus import generate_stories
-from slm_align.modeling import CHATML_TEMPLATE
 
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 

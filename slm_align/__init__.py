@@ -32,8 +32,8 @@ _EXPORTS = {
     "run_sft": "slm_align.sft",
     "run_reward": "slm_align.reward.stage",
     "check_headroom": "slm_align.headroom",
-    "run_rl": "slm_align.rl.stage",
-    "run_preference": "slm_align.preference.stage",
+    "run_rl": "slm_align.pipeline",
+    "run_preference": "slm_align.pipeline",
     "run_evaluation": "slm_align.evaluate:evaluate",
     "merge_run": "slm_align.export.merge",
     "ExportRequest": "slm_align.export.stage",
@@ -71,10 +71,9 @@ if TYPE_CHECKING:
     from slm_align.export.merge import merge_run
     from slm_align.export.stage import ExportRequest, run_export
     from slm_align.headroom import check_headroom
-    from slm_align.preference.stage import run_preference
+    from slm_align.pipeline import run_preference, run_rl
     from slm_align.quickstart import run_quickstart
     from slm_align.reward.stage import run_reward
-    from slm_align.rl.stage import run_rl
     from slm_align.runs import StageResult
     from slm_align.sft import run_sft
     from slm_align.tools.builtin import default_tools

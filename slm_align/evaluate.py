@@ -33,7 +33,8 @@ from slm_align.perplexity import perplexity
 from slm_align.plots import plot_curves
 from slm_align.progress import stage_lines
 from slm_align.reward.learned import learned_reward
-from slm_align.rl.watchdog import read_events, report_section
+from slm_align.rl.recovery import read_events
+from slm_align.rl.watchdog_text import report_section
 from slm_align.runs import ALIGNED_STAGES, read_manifest
 from slm_align.sft import recipe_from_sft
 from slm_align.stats import (

@@ -15,16 +15,20 @@ from typing import Optional, Sequence
 from slm_align.accelerator import device_of, resolve_device
 from slm_align.atomic import write_json_atomic
 from slm_align.config import Recipe
-from slm_align.data.corpus import load_corpus
+from slm_align.data.corpus import load_corpus, source_fingerprint
 from slm_align.data.encoding import encode_all
 from slm_align.data.prompt_source import prompt_source
+from slm_align.data.readers import fingerprint
 from slm_align.errors import UserError
 from slm_align.modeling import load_adapter, load_model, load_tokenizer, require_adapter, resolve_source
 from slm_align.perplexity import perplexity
 from slm_align.progress import stage_lines
 from slm_align.reward.learned import learned_reward
+from slm_align.runs import artifact_digest, digest, stage_identity
 from slm_align.sft import recipe_from_sft
 
+REPORT = "headroom.json"
+"""The gate's report in a run directory."""
 REMEDY_PPL = ("the SFT prior is not fluent enough for RL to help: train SFT longer or on more or cleaner data, "
               "raise the LoRA rank (--lora-r), or start from a larger base model")
 REMEDY_ACCURACY = ("the reward model cannot tell better from worse: give it more or better preference data "
@@ -33,11 +37,11 @@ REMEDY_SPREAD = ("the reward barely varies over the policy's samples, so RL has 
                  "discriminative reward (another reward model or --reward functions)")
 
 
-
 class GateRefused(UserError):
     """The headroom gate said FAIL and --force was not given."""
 
     exit_code = 1
+
 
 @dataclass
 class Figure:
@@ -172,21 +176,62 @@ def _prior(recipe: Recipe, model_source, device: str, adapter: Optional[Path], e
     return model
 
 
+def gate_subject(recipe: Recipe, run: Optional[Path], adapter: Optional[Path],
+                 reward_model: Optional[Path]) -> tuple[Recipe, Optional[Path], Optional[Path]]:
+    """What the gate measures: the run's SFT prior when no adapter is given (its recipe's model, seed and data),
+    and the run's reward model when none is given and the run has one."""
+    if run is not None and adapter is None and recipe.rl.from_sft:
+        recipe, adapter = recipe_from_sft(run, recipe)
+    if reward_model is None and run is not None and (Path(run) / "reward" / "model").is_dir():
+        reward_model = Path(run) / "reward" / "model"
+    return recipe, adapter, reward_model
+
+
+def gate_inputs(recipe: Recipe, run: Optional[Path], adapter: Optional[Path], reward_model: Optional[Path],
+                rewards: Sequence[str]) -> dict:
+    """Everything the gate's figures depend on, earlier stages named by their content (not their paths): a report
+    measured with the same inputs is reused (:func:`reusable_report`)."""
+    data = recipe.data
+    prior = {"model": resolve_source(recipe.model.source).ref}
+    if adapter is not None:
+        prior = {"sft": stage_identity(adapter.parent)}
+    tasks = None
+    if data.tasks is not None:
+        tasks = fingerprint(Path(data.tasks))
+    reward_stage = None
+    if run is not None:
+        reward_stage = stage_identity(Path(run) / "reward")  # its held-out pairs measure the reward model
+    return {"prior": prior, "reward_model": artifact_digest(reward_model) if reward_model is not None else None,
+            "reward_stage": reward_stage, "rewards": list(rewards), "source": source_fingerprint(data),
+            "data": data.model_dump(exclude={"path", "tasks"}), "tasks": tasks, "seed": recipe.seed,
+            "headroom": recipe.headroom.model_dump(), "group_size": recipe.rl.group_size}
+
+
+def reusable_report(recipe: Recipe, run: Path, adapter: Optional[Path] = None, reward_model: Optional[Path] = None,
+                    rewards: Sequence[str] = ()) -> Optional[dict]:
+    """The run's ``headroom.json`` when it was measured with exactly these inputs, else None."""
+    path = Path(run) / REPORT
+    if not path.is_file():
+        return None
+    recorded = json.loads(path.read_text(encoding="utf-8"))
+    recipe, adapter, reward_model = gate_subject(recipe, run, adapter, reward_model)
+    if recorded.get("inputs_hash") != digest(gate_inputs(recipe, run, adapter, reward_model, rewards)):
+        return None
+    return recorded
+
+
 def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional[Path] = None,
                    reward_model: Optional[Path] = None, rewards: Sequence[str] = ()) -> HeadroomReport:
-    """Measure the gate's figures and write ``run/headroom.json`` when a run is given.
+    """Measure the gate's figures and write ``run/headroom.json`` (with the hash of its inputs) when a run is given.
 
     Perplexity always; reward accuracy when a reward model is known (``reward_model`` or the run's
     ``reward/model``); reward spread when any reward is known (the model and/or ``rewards`` specs).
     """
     started = time.time()
     device = resolve_device(recipe.compute.device)
-    if run is not None and adapter is None and recipe.rl.from_sft:
-        recipe, adapter = recipe_from_sft(run, recipe)
+    recipe, adapter, reward_model = gate_subject(recipe, run, adapter, reward_model)
     if adapter is not None:
         require_adapter(adapter, recipe.model.allow_pickle)  # before anything loads
-    if reward_model is None and run is not None and (Path(run) / "reward" / "model").is_dir():
-        reward_model = Path(run) / "reward" / "model"
     model_source = resolve_source(recipe.model.source)
     tokenizer = load_tokenizer(model_source, recipe.model.trust_remote_code)
     corpus = load_corpus(recipe.data, recipe.seed)
@@ -209,5 +254,6 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
         report = HeadroomReport(figures, info)
         stage.figures = report.summary()
     if run is not None:
-        write_json_atomic(Path(run) / "headroom.json", report.to_dict())
+        inputs = gate_inputs(recipe, run, adapter, reward_model, rewards)
+        write_json_atomic(Path(run) / REPORT, dict(report.to_dict(), inputs_hash=digest(inputs)))
     return report

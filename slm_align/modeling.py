@@ -7,7 +7,6 @@ transformers' GGUF support, tokenizer rebuilt from the file's own metadata by :m
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import warnings
@@ -31,72 +30,6 @@ LORA_TARGETS: dict[str, list[str]] = {
 }
 SUPPORTED_ARCHITECTURES = tuple(LORA_TARGETS)
 
-# ChatML, used when a model has no chat template of its own (and by the bundled model).
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-# Gemma's turn format, used when a model whose vocabulary has Gemma's turn tokens has no template (Gemma 3 base
-# GGUFs have none): those tokens are single pieces it knows, where ChatML's markers would be split into text.
-# Gemma knows two roles; the assistant is "model" and every other role speaks as the user.
-GEMMA_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
-    "{% else %}{% set role = 'user' %}{% endif %}"
-    "{{ '<start_of_turn>' + role + '\n' + message['content'] + '<end_of_turn>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
-)
-
-
-def default_chat_template(tokenizer) -> str:
-    """The template for a tokenizer without one: Gemma's turns when its vocabulary has them, else ChatML."""
-    vocabulary = tokenizer.get_vocab()
-    if "<start_of_turn>" in vocabulary and "<end_of_turn>" in vocabulary:
-        return GEMMA_TEMPLATE
-    return CHATML_TEMPLATE
-
-
-CHATML = "chatml"
-"""``--chat-template chatml``: the built-in :data:`CHATML_TEMPLATE`."""
-
-
-@dataclass(frozen=True)
-class ChatTemplate:
-    """A template given with ``--chat-template``: its Jinja text, and what is recorded about where it came from."""
-
-    source: str
-    """The Jinja text."""
-    origin: str
-    """"chatml", or the file's name and the start of its text's sha256."""
-
-
-def chosen_chat_template(option: str) -> ChatTemplate:
-    """``--chat-template``'s value: "chatml" (the built-in ChatML) or a Jinja file; a UserError for anything else."""
-    if option == CHATML:
-        return ChatTemplate(CHATML_TEMPLATE, CHATML)
-    path = Path(option).expanduser()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        raise UserError(f"--chat-template {option}: neither chatml nor a readable template file; pass chatml or a "
-                        "Jinja chat template file") from None
-    _check_template_syntax(text, option)
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
-    return ChatTemplate(text, f"{path.name} (sha256 {digest})")
-
-
-def _check_template_syntax(text: str, option: str) -> None:
-    from jinja2 import Environment, TemplateSyntaxError
-
-    if not text.strip():
-        raise UserError(f"--chat-template {option} is empty; pass chatml or a Jinja chat template file")
-    try:
-        Environment().parse(text)
-    except TemplateSyntaxError as exc:
-        raise UserError(f"--chat-template {option} is not a valid Jinja template (line {exc.lineno}: {exc.message}); "
-                        "fix it or pass chatml") from None
-
-
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -117,6 +50,15 @@ class ModelSource:
             path = Path(self.ref)
             return str(path.parent), {"gguf_file": path.name}
         return self.ref, {}
+
+
+def model_record(source: ModelSource) -> dict:
+    """The model as a stage's manifest records it: the bundled model without its path (so that a run copied to
+    another machine, where the package lies elsewhere, is still recognised), any other by kind and path or hub id.
+    ``resolve_source(record["ref"])`` gives the source back."""
+    if source.kind == "dir" and Path(source.ref) == DEFAULT_MODEL_DIR:
+        return {"kind": "bundled", "ref": None}
+    return {"kind": source.kind, "ref": source.ref}
 
 
 def looks_like_hub_id(spec: str) -> bool:

@@ -29,6 +29,10 @@ CADENCE_ENV = "SLM_ALIGN_PROGRESS_SECONDS"
 """Seconds between two progress lines in a log (default 30)."""
 
 
+def quiet(_: str) -> None:
+    """A ``say`` that says nothing (library callers that want no stage lines)."""
+
+
 def set_quiet(quiet: bool) -> None:
     """Silence (or restore) every progress bar and line of this process (the CLI's ``--quiet``)."""
     stderr.quiet = quiet

@@ -8,24 +8,18 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from slm_align.config import Recipe, load_recipe
-from slm_align.evaluate import evaluate, summary_line
-from slm_align.headroom import check_headroom
-from slm_align.reward.stage import run_reward
+from slm_align.evaluate import summary_line
+from slm_align.pipeline import evaluate, export_once, gate, run_reward, run_rl, run_sft
+from slm_align.progress import quiet
 from slm_align.rl.schedule import iteration_size
-from slm_align.rl.stage import run_rl
 from slm_align.runs import check_out_dir
-from slm_align.sft import run_sft
-
-
-def _quiet(_: str) -> None:
-    pass
 
 
 def run_quickstart(out: Path, sft_steps: int = 150, reward_steps: int = 100, rl_steps: int = 20,
                    say: Optional[Callable[[str], None]] = None, device: str = "auto") -> dict:
     """SFT, the reward model, the headroom gate, then PPO, evaluation, export and one agent turn; each stage is
     reused when already done with the same inputs."""
-    say = say or _quiet
+    say = say or quiet
     started = time.time()
     check_out_dir(out)  # before the first progress line
     recipe = load_recipe(overrides={"sft.max_steps": sft_steps, "sft.batch_size": 16, "sft.save_steps": 50,
@@ -69,7 +63,7 @@ def _reward_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> dict:
 
 def _gate_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> dict:
     say("[bold]3/7 headroom gate[/] SFT perplexity, reward accuracy, reward spread within prompts")
-    report = check_headroom(recipe, run=out).to_dict()
+    report = gate(recipe, out, adapter=None, reward_model=None, rewards=(), force=True)
     say(f"    base perplexity {report['info']['base_ppl']:.2f} -> SFT {report['figures'][0]['value']:.2f}")
     for figure in report["figures"]:
         verdict = "pass" if figure["passed"] else "FAIL"
@@ -106,25 +100,13 @@ def _evaluation_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> l
     return report["comparisons"]
 
 
-def _export_once(out: Path, target: str, quant: str) -> dict:
-    """Export the run (reusing an artifact the quickstart already made)."""
-    from slm_align.export.stage import ExportRequest, artifact_name, run_export
-    from slm_align.runs import artifact_manifest
-
-    final = Path(out) / "export" / artifact_name(target, quant)
-    manifest = artifact_manifest(final)
-    if manifest.is_file():
-        return {"dir": str(final), "skipped": True, "metrics": json.loads(manifest.read_text())["metrics"]}
-    return run_export(ExportRequest(str(out), target, quant)).summary()
-
-
 def _export_step(out: Path, say: Callable[[str], None]) -> dict:
     say("[bold]6/7 export[/] merged model to GGUF Q8_0 (llama.cpp) and ONNX fp32 (onnxruntime), parity-checked")
     done = {}
     # ONNX dynamic int8 loses too much on a 2.5M-parameter model (top-1 agreement ~0.82, which verification
     # refuses); fp32 shows the exact path.
     for target, quant in (("gguf", "Q8_0"), ("onnx", "fp32")):
-        summary = _export_once(out, target, quant)
+        summary = export_once(out, target, quant)
         done[target] = summary
         m = summary["metrics"]
         v = m["verification"]

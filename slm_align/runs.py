@@ -1,7 +1,10 @@
-"""Run directories: atomic files, stage manifests, and the "already done with these inputs" check."""
+"""Run directories: atomic files, stage manifests, the "already done with these inputs" check, and
+:func:`run_stage`, the one skeleton every training stage runs in (done? work dir, resume, barrier, publish,
+manifest)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -10,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
 from slm_align.errors import UserError
@@ -235,3 +238,74 @@ def keep_first_lines(path: Path, count: int) -> None:
         return
     lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n")]
     write_text_atomic(path, "".join(lines[:count]))
+
+
+def stage_identity(stage_dir: Path) -> Optional[str]:
+    """What a later stage records of a finished stage it builds on: one digest of its manifest's inputs and of its
+    files' checksums, so that the record names the content, not where the run lies (a run moved, copied or reached
+    by another path is still recognised); None when the stage has not finished."""
+    manifest = read_manifest(stage_dir)
+    if manifest is None:
+        return None
+    return digest({"inputs_hash": manifest["inputs_hash"], "files": manifest.get("files")})
+
+
+class StageWorld(Protocol):
+    """The processes a stage runs on (``slm_align.envelope.world.World``): one, or the ranks of a launch."""
+
+    main: bool
+
+    def on_main(self, work: Callable[[], Any]) -> Any:
+        """``work()`` on rank 0, its result shared with every rank."""
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+
+class Stage(Protocol):
+    """One stage of a run, in the shape of a torchtune recipe; :func:`run_stage` runs it.
+
+    ``inputs()`` is everything that decides the result (equal inputs: the stage need not run again);
+    ``setup()`` loads the models and data and may refuse (before any work dir exists); ``train(partial,
+    checkpoint)`` trains in the work dir, continuing from its checkpoint when there is one (a Trainer checkpoint
+    path for Trainer stages; others keep their own in ``partial``); ``save(partial)`` writes the artifacts on rank
+    0 and returns the metrics (None on the other ranks).
+    """
+
+    name: str
+    """The stage's folder under the run (sft, reward, rl, dpo, kto)."""
+    keep: tuple[str, ...]
+    """What the published folder holds besides the manifest (scratch files are dropped)."""
+    world: StageWorld
+
+    def inputs(self) -> dict: ...
+
+    def setup(self) -> None: ...
+
+    def train(self, partial: Path, checkpoint: Optional[str]) -> None: ...
+
+    def save(self, partial: Path) -> Optional[dict]: ...
+
+
+def run_stage(stage: Stage, run: Path, resume: bool = False) -> StageResult:
+    """Run ``stage`` into ``run/NAME``: reuse it when it completed with the same inputs, else set it up, prepare
+    (or, with ``resume``, check) its work dir ``NAME.partial``, train, save, and publish the work dir with its
+    manifest. Rank 0 alone decides and writes; the other ranks train and wait."""
+    started = time.time()
+    stage_dir = Path(run) / stage.name
+    world = stage.world
+    inputs = stage.inputs()
+    done = world.on_main(functools.partial(completed, stage_dir, inputs))
+    if done is not None:
+        return StageResult(stage_dir, skipped=True, metrics=done["metrics"])
+    stage.setup()
+    partial = partial_dir(stage_dir)
+    checkpoint = world.on_main(functools.partial(prepare_partial, partial, inputs, resume))
+    stage.train(partial, checkpoint)
+    metrics = stage.save(partial)
+    if not world.main:  # the other ranks of a data-parallel run: rank 0 publishes
+        world.barrier()
+        return StageResult(stage_dir, skipped=False, metrics={}, primary=False)
+    publish(partial, stage_dir, make_manifest(stage.name, inputs, metrics, started), keep=stage.keep)
+    world.barrier()
+    return StageResult(stage_dir, skipped=False, metrics=metrics)

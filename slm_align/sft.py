@@ -7,7 +7,7 @@ complete, so a crash never leaves an ``sft/`` that looks whole.
 
 from __future__ import annotations
 
-import time
+import functools
 from pathlib import Path
 from typing import Optional
 
@@ -21,20 +21,28 @@ from slm_align.modeling import (
     attach_lora,
     load_model,
     load_tokenizer,
+    model_record,
     resolve_source,
     save_adapter,
     save_tokenizer,
 )
-from slm_align.runs import StageResult, completed, make_manifest, publish, read_manifest
+from slm_align.runs import StageResult, read_manifest, run_stage
 from slm_align.tracking import finish_trainer_tracking, require_library
-from slm_align.training import make_trainer, start_trainer_run, trainable_base, training_arguments
+from slm_align.training import (
+    make_trainer,
+    replica_record,
+    trainable_base,
+    trainer_logging,
+    trainer_world,
+    training_arguments,
+)
 
 STAGE = "sft"
 
 
 def sft_inputs(recipe: Recipe, source: ModelSource, corpus: Corpus) -> dict:
     """Everything that decides the SFT result; equal inputs mean the stage need not run again."""
-    return {"model": {"kind": source.kind, "ref": source.ref}, "data": corpus.fingerprint,
+    return {"model": model_record(source), "data": corpus.fingerprint,
             "data_settings": recorded_data(recipe.data), "seed": recipe.seed, "sft": recipe.sft.model_dump(),
             **training_inputs(recipe.compute)}
 
@@ -48,58 +56,74 @@ def recorded_data(settings: DataSettings) -> dict:
     return recorded
 
 
+class SFTStage:
+    """Supervised fine-tuning as a :class:`~slm_align.runs.Stage`: LoRA (+ NEFTune) on transformers' Trainer."""
+
+    name = STAGE
+    keep = ("adapter", "tokenizer", "inputs.json", "log.jsonl")
+
+    def __init__(self, recipe: Recipe, out: Path):
+        require_library(recipe.tracking.report_to)
+        self.recipe = recipe
+        self.out = Path(out)
+        self.compute = resolve_compute(recipe.compute, quantizable=True)
+        check_trainer_device(self.compute)
+        self.source = resolve_source(recipe.model.source)
+        self.tokenizer = load_tokenizer(self.source, recipe.model.trust_remote_code)
+        self.corpus = load_corpus(recipe.data, recipe.seed)
+        self.world = trainer_world(self.compute)
+
+    def inputs(self) -> dict:
+        return sft_inputs(self.recipe, self.source, self.corpus)
+
+    def setup(self) -> None:
+        """The encoded documents and the model with a fresh LoRA."""
+        recipe = self.recipe
+        self.train_rows = encode_all(self.corpus.splits.train, self.tokenizer, recipe.data.max_length)
+        self.eval_rows = encode_all(self.corpus.splits.eval, self.tokenizer, recipe.data.max_length)
+        if not self.train_rows or not self.eval_rows:
+            raise UserError(f"data {self.corpus.description}: no document has text left to train on after "
+                            "tokenizing")
+        model = load_model(self.source, recipe.model.trust_remote_code, recipe.model.allow_pickle,
+                           self.compute.quantization_config())
+        self.model = attach_lora(trainable_base(model, self.compute), recipe.sft.lora, recipe.seed)
+
+    def train(self, partial: Path, checkpoint: Optional[str]) -> None:
+        from transformers import Trainer
+
+        recipe = self.recipe
+        self.checkpoint = checkpoint
+        self.progress, tracker = trainer_logging(recipe, self.out, STAGE, partial, checkpoint, self.world, "sft")
+        args = training_arguments(recipe.sft, recipe.seed, partial, self.compute, tracker, eval_strategy="epoch",
+                                  neftune_noise_alpha=recipe.sft.neftune_alpha or None)
+        pad_id = self.tokenizer.pad_token_id
+        trainer = make_trainer(Trainer, self.model, args, self.train_rows, functools.partial(pad_batch, pad_id=pad_id),
+                               self.progress, eval_dataset=self.eval_rows)
+        try:
+            self.output = trainer.train(resume_from_checkpoint=checkpoint)
+            self.final_eval = trainer.evaluate()
+        finally:
+            finish_trainer_tracking(trainer, tracker)
+
+    def save(self, partial: Path) -> Optional[dict]:
+        """The adapter and tokenizer (rank 0), and the metrics; every rank reports its weights' digest first."""
+        replicas = replica_record(self.world, self.model)
+        if not self.world.main:
+            return None
+        save_adapter(self.model, partial / "adapter")
+        save_tokenizer(self.tokenizer, self.source, partial / "tokenizer")
+        splits = self.corpus.splits
+        return {"train_loss": self.output.training_loss, "eval_loss": self.final_eval["eval_loss"],
+                "eval_loss_per_epoch": self.progress.eval_losses, "steps": self.output.global_step,
+                "train_documents": len(self.train_rows), "eval_documents": len(self.eval_rows),
+                "heldout_prompts": len(splits.heldout), "resumed_from": self.checkpoint,
+                "trainable_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+                "compute": self.compute.record(), **replicas}
+
+
 def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     """Train the SFT adapter into ``out/sft`` (or return the existing one made from the same inputs)."""
-    from transformers import Trainer
-
-    started = time.time()
-    require_library(recipe.tracking.report_to)
-    compute = resolve_compute(recipe.compute, quantizable=True)
-    check_trainer_device(compute)
-    source = resolve_source(recipe.model.source)
-    tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
-    corpus = load_corpus(recipe.data, recipe.seed)
-    stage_dir = Path(out) / STAGE
-    inputs = sft_inputs(recipe, source, corpus)
-    done = completed(stage_dir, inputs)
-    if done is not None:
-        return StageResult(stage_dir, skipped=True, metrics=done["metrics"])
-    train_rows = encode_all(corpus.splits.train, tokenizer, recipe.data.max_length)
-    eval_rows = encode_all(corpus.splits.eval, tokenizer, recipe.data.max_length)
-    if not train_rows or not eval_rows:
-        raise UserError(f"data {corpus.description}: no document has text left to train on after tokenizing")
-    model = load_model(source, recipe.model.trust_remote_code, recipe.model.allow_pickle,
-                       compute.quantization_config())
-    model = attach_lora(trainable_base(model, compute), recipe.sft.lora, recipe.seed)
-    run = start_trainer_run(recipe, out, STAGE, stage_dir, inputs, resume, compute, "sft")
-    partial = run.partial
-    checkpoint = run.checkpoint
-    progress = run.progress
-    args = training_arguments(recipe.sft, recipe.seed, partial, compute, run.tracker, eval_strategy="epoch",
-                              neftune_noise_alpha=recipe.sft.neftune_alpha or None)
-    trainer = make_trainer(Trainer, model, args, train_rows, lambda rows: pad_batch(rows, tokenizer.pad_token_id),
-                           progress, eval_dataset=eval_rows)
-    try:
-        train_output = trainer.train(resume_from_checkpoint=checkpoint)
-        final_eval = trainer.evaluate()
-    finally:
-        finish_trainer_tracking(trainer, run.tracker)
-    replicas = run.replicas(model)
-    if not run.world.main:  # the other ranks of a data-parallel run: rank 0 publishes
-        run.world.barrier()
-        return StageResult(stage_dir, skipped=False, metrics={}, primary=False)
-    save_adapter(model, partial / "adapter")
-    save_tokenizer(tokenizer, source, partial / "tokenizer")
-    metrics = {"train_loss": train_output.training_loss, "eval_loss": final_eval["eval_loss"],
-               "eval_loss_per_epoch": progress.eval_losses, "steps": train_output.global_step,
-               "train_documents": len(train_rows), "eval_documents": len(eval_rows),
-               "heldout_prompts": len(corpus.splits.heldout), "resumed_from": checkpoint,
-               "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-               "compute": compute.record(), **replicas}
-    publish(partial, stage_dir, make_manifest(STAGE, inputs, metrics, started),
-            keep=("adapter", "tokenizer", "inputs.json", "log.jsonl"))
-    run.world.barrier()
-    return StageResult(stage_dir, skipped=False, metrics=metrics)
+    return run_stage(SFTStage(recipe, out), out, resume)
 
 
 def recipe_from_sft(run: Path, recipe: Recipe) -> tuple[Recipe, Path]:
@@ -115,15 +139,3 @@ def recipe_from_sft(run: Path, recipe: Recipe) -> tuple[Recipe, Path]:
         updated.data = type(recipe.data).model_validate(inputs["data_settings"])
         updated.data.tasks = recipe.data.tasks  # RL's task file is not SFT's: the user's choice stands
     return updated, Path(run) / STAGE / "adapter"
-
-
-def sft_prior(recipe: Recipe, out: Path, sft_from: Optional[Path], resume: bool, say) -> tuple[Recipe, Path]:
-    """The SFT prior a later stage starts from: ``sft_from``'s finished SFT, or this run's (trained first when it
-    is missing); returns the SFT recipe and adapter."""
-    sft_run = Path(sft_from) if sft_from is not None else Path(out)
-    if read_manifest(sft_run / STAGE) is None:
-        if sft_from is not None:
-            raise UserError(f"--sft {sft_from} has no finished SFT stage (no sft/manifest.json)")
-        say("running SFT first (no sft/ in the run)")
-        run_sft(recipe, out, resume=resume)
-    return recipe_from_sft(sft_run, recipe)

@@ -3,9 +3,7 @@ the arguments, the trainer, and the callback behind their progress and JSONL log
 
 from __future__ import annotations
 
-import functools
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +13,6 @@ from slm_align.accelerator import Compute
 from slm_align.config import TrainSettings
 from slm_align.envelope.world import World, rank_device, replica_digest, world_from_env
 from slm_align.progress import new_progress
-from slm_align.runs import partial_dir, prepare_partial
 from slm_align.tracking import Tracker, trainer_tracker
 
 
@@ -26,34 +23,20 @@ def trainer_world(compute: Compute) -> World:
     return world_from_env(rank_device(compute.device))
 
 
-@dataclass
-class TrainerRun:
-    """Where a Trainer stage's rank works: its world, the work dir, the checkpoint it resumes from, its progress
-    callback and tracker (rank 0 writes the log and reports; the other ranks train only)."""
-
-    world: World
-    partial: Path
-    checkpoint: Optional[str]
-    progress: TrainerProgress
-    tracker: Tracker
-
-    def replicas(self, model) -> dict:
-        """What the manifest records of the ranks (on every rank, before rank 0 publishes): their number and each
-        one's digest of the trained weights, equal when gradients were averaged across them."""
-        digests = self.world.gather(replica_digest(p for p in model.parameters() if p.requires_grad))
-        return {"world_size": self.world.size, "replica_digests": digests, "replicas_identical": len(set(digests)) == 1}
+def replica_record(world: World, model) -> dict:
+    """What the manifest records of the ranks (called on every rank, before rank 0 publishes): their number and
+    each one's digest of the trained weights, equal when gradients were averaged across them."""
+    digests = world.gather(replica_digest(p for p in model.parameters() if p.requires_grad))
+    return {"world_size": world.size, "replica_digests": digests, "replicas_identical": len(set(digests)) == 1}
 
 
-def start_trainer_run(recipe, out: Path, stage: str, stage_dir: Path, inputs: dict, resume: bool, compute: Compute,
-                      name: str) -> TrainerRun:
-    """The work dir prepared on rank 0 (its checkpoint shared with every rank), rank 0's log and tracker."""
-    world = trainer_world(compute)
-    partial = partial_dir(stage_dir)
-    checkpoint = world.on_main(functools.partial(prepare_partial, partial, inputs, resume))
+def trainer_logging(recipe, out: Path, stage: str, partial: Path, checkpoint: Optional[str], world: World,
+                    name: str) -> tuple["TrainerProgress", Tracker]:
+    """The progress callback and tracker of a Trainer stage's rank: rank 0 writes ``partial/log.jsonl`` and
+    reports (continuing the run of the checkpoint it resumes); the other ranks train only."""
     if not world.main:
-        return TrainerRun(world, partial, checkpoint, TrainerProgress(name, None), Tracker())
-    tracker = trainer_tracker(recipe, out, stage, checkpoint)
-    return TrainerRun(world, partial, checkpoint, TrainerProgress(name, partial / "log.jsonl"), tracker)
+        return TrainerProgress(name, None), Tracker()
+    return TrainerProgress(name, partial / "log.jsonl"), trainer_tracker(recipe, out, stage, checkpoint)
 
 
 def training_arguments(settings: TrainSettings, seed: int, partial: Path, compute: Compute,

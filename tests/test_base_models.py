@@ -12,9 +12,10 @@ from slm_align.agent.decode import greedy
 from slm_align.agent.open_artifact import open_backend
 from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams
+from slm_align.chat_templates import CHATML_TEMPLATE
 from slm_align.errors import UserError
 from slm_align.export.gguf import write_gguf
-from slm_align.modeling import CHATML_TEMPLATE, DEFAULT_MODEL_DIR
+from slm_align.modeling import DEFAULT_MODEL_DIR
 from slm_align.runs import artifact_manifest
 from tests.helpers import run_cli
 

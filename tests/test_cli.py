@@ -172,7 +172,7 @@ def test_recipe_flags_take_help_and_default_from_the_recipe_field():
 
 
 def test_train_flags_become_recipe_overrides_and_absent_ones_leave_the_toml(tmp_path, monkeypatch):
-    import slm_align.sft
+    import slm_align.pipeline
     from slm_align.cli import main
 
     class Stop(Exception):
@@ -184,7 +184,7 @@ def test_train_flags_become_recipe_overrides_and_absent_ones_leave_the_toml(tmp_
         seen["recipe"] = recipe
         raise Stop
 
-    monkeypatch.setattr(slm_align.sft, "run_sft", fake_run_sft)
+    monkeypatch.setattr(slm_align.pipeline, "run_sft", fake_run_sft)
     config = tmp_path / "recipe.toml"
     config.write_text('[data]\npath = "demo"\n[sft]\nlearning_rate = 0.0001\nbatch_size = 3\n')
     with pytest.raises(Stop):
@@ -244,11 +244,10 @@ def test_data_demo_on_the_command_line_asks_for_the_demo_stories(tmp_path, monke
 
 def test_data_taken_from_a_finished_sft_stage_or_tasks_needs_no_data_flag(capsys, tmp_path, monkeypatch):
     import slm_align.headroom
-    import slm_align.reward.stage
-    import slm_align.rl.stage
+    import slm_align.pipeline
 
-    monkeypatch.setattr(slm_align.rl.stage, "run_rl", _stop)
-    monkeypatch.setattr(slm_align.reward.stage, "run_reward", _stop)
+    monkeypatch.setattr(slm_align.pipeline, "run_rl", _stop)
+    monkeypatch.setattr(slm_align.pipeline, "run_reward", _stop)
     monkeypatch.setattr(slm_align.headroom, "check_headroom", _stop)
     run = tmp_path / "run"
     (run / "sft").mkdir(parents=True)

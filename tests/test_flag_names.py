@@ -68,7 +68,7 @@ def test_an_old_spelling_works_on_the_command_line_with_a_note(capsys, tmp_path)
 
 
 def test_trl_spellings_set_the_same_recipe_settings_without_a_note(capsys, tmp_path, monkeypatch):
-    import slm_align.rl.stage
+    import slm_align.pipeline
     import slm_align.sft
 
     seen = {}
@@ -78,7 +78,7 @@ def test_trl_spellings_set_the_same_recipe_settings_without_a_note(capsys, tmp_p
         seen["out"] = out
         raise Reached
 
-    monkeypatch.setattr(slm_align.rl.stage, "run_rl", fake_run)
+    monkeypatch.setattr(slm_align.pipeline, "run_rl", fake_run)
     monkeypatch.setattr(slm_align.sft, "run_sft", fake_run)
     with pytest.raises(Reached):
         run_cli(capsys, "train", "--data", "demo", "--algo", "grpo", "--num-generations", "4",

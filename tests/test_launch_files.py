@@ -94,13 +94,13 @@ def test_a_data_parallel_rl_launch_refuses_to_train_its_prerequisites_on_rank_0_
     from slm_align.config import load_recipe
     from slm_align.envelope.world import World
     from slm_align.errors import UserError
-    from slm_align.rl.stage import _prerequisites
+    from slm_align.pipeline import RLRequest, rl_prior
 
     recipe = load_recipe(overrides={"data.path": "demo", "rl.algo": "grpo"})
     world = World(rank=0, size=2)
     with pytest.raises(UserError, match="a data-parallel RL launch needs the sft and reward stage of .* finished "
                                         "first: run `slm-align train --stage sft"):
-        _prerequisites(recipe, tmp_path / "run", None, None, [], False, print, world)
+        rl_prior(recipe, tmp_path / "run", RLRequest(), world, print)
     with pytest.raises(UserError, match="needs the sft stage .* finished first"):
-        _prerequisites(recipe, tmp_path / "run", None, None, ["length_window"], False, print, world)
+        rl_prior(recipe, tmp_path / "run", RLRequest(rewards=("length_window",)), world, print)
     assert not (tmp_path / "run").exists()

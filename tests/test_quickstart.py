@@ -8,7 +8,7 @@ import pytest
 
 from slm_align.cli import main
 from slm_align.config import load_recipe
-from slm_align.rl.stage import run_rl
+from slm_align.pipeline import run_rl
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,25 @@ def test_quickstart_trains_the_bundled_model_and_passes_the_gate(capsys, quickst
         main(["quickstart", "--out", str(out), "--json"])
     again = json.loads(capsys.readouterr().out)
     assert again["sft"]["skipped"] and again["reward"]["skipped"] and again["rl"]["skipped"]
+
+
+def test_a_run_copied_elsewhere_and_reached_by_another_path_is_reused_as_it_is(capsys, quickstart, tmp_path,
+                                                                              monkeypatch):
+    import slm_align.pipeline
+
+    def measured(*args, **kwargs):
+        raise AssertionError("the gate was measured again")
+
+    shutil.copytree(quickstart, tmp_path / "elsewhere" / "q")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.setattr(slm_align.pipeline, "check_headroom", measured)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["quickstart", "--out", "q", "--json"])  # a relative path, from another working directory
+    assert done.value.code == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["sft"]["skipped"] and again["reward"]["skipped"] and again["rl"]["skipped"]
+    assert again["headroom"]["verdict"] == "PASS"
 
 
 def test_quickstart_report_states_the_delta_with_its_interval(quickstart):

@@ -14,9 +14,9 @@ from slm_align.envelope.value_head import ValueHead
 from slm_align.errors import UserError
 from slm_align.headroom import GateRefused
 from slm_align.modeling import resolve_source
+from slm_align.pipeline import run_rl
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.ppo import PPO
-from slm_align.rl.stage import run_rl
 from tests.helpers import finished_sft_run
 
 

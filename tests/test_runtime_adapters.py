@@ -46,7 +46,7 @@ def pickle_only_stage(stage):
 @pytest.fixture(scope="module")
 def pickled_run(tmp_path_factory, tiny_models, stories):
     """A run with a finished SFT stage and an RL stage (two GRPO steps) whose adapter is saved only as pickle."""
-    from slm_align.rl.stage import run_rl
+    from slm_align.pipeline import run_rl
 
     out, recipe = finished_sft_run(tmp_path_factory.mktemp("pickled") / "run", tiny_models["llama"], stories, steps=2)
     small = dict(steps=2, prompts_per_step=2, group_size=2, max_new_tokens=8, eval_prompts=2, algo="grpo")

@@ -11,7 +11,7 @@ from collections import defaultdict
 import pytest
 
 from slm_align.config import load_recipe
-from slm_align.preference.stage import run_preference
+from slm_align.pipeline import run_preference
 from slm_align.sft import run_sft
 from slm_align.tracking import TensorBoardTracker, open_tracker, scalars
 from tests.helpers import finished_sft_run, run_cli
@@ -134,7 +134,7 @@ def tensorboard_texts(directory, tag: str) -> list[tuple[int, str]]:
 def test_a_grpo_run_reads_back_equal_to_its_jsonl_and_its_watchdog_events_reach_tensorboard(sft_run, tmp_path):
     import shutil
 
-    from slm_align.rl.stage import run_rl
+    from slm_align.pipeline import run_rl
 
     base, recipe = sft_run
     out = tmp_path / "run"

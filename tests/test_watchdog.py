@@ -16,18 +16,10 @@ import torch
 
 from slm_align.config import WatchdogSettings
 from slm_align.modeling import save_adapter
+from slm_align.pipeline import run_rl
 from slm_align.rl.grpo import GRPO
-from slm_align.rl.stage import run_rl
-from slm_align.rl.watchdog import (
-    Watchdog,
-    entropy_collapse,
-    event_line,
-    kl_runaway,
-    paired_drop,
-    published_line,
-    report_section,
-    reward_dropped,
-)
+from slm_align.rl.watchdog import Watchdog, entropy_collapse, kl_runaway, paired_drop, reward_dropped
+from slm_align.rl.watchdog_text import event_line, published_line, report_section
 from tests.helpers import finished_sft_run, run_cli
 
 

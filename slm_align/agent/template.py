@@ -13,6 +13,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Optional
 
+from slm_align.chat_templates import chosen_chat_template
 from slm_align.errors import UserError
 
 
@@ -58,8 +59,6 @@ def require_template(template: Optional[str]) -> None:
 def use_chat_template(backend, option: Optional[str]) -> None:
     """Give ``backend`` the ``--chat-template`` ``option`` ("chatml" or a Jinja file) in place of its own, and record
     where it came from in ``backend.chat_template_origin``; None keeps the model's own."""
-    from slm_align.modeling import chosen_chat_template
-
     if option is None:
         return
     chosen = chosen_chat_template(option)

@@ -82,7 +82,7 @@ def bench(
     as_json: bool = JsonFlag,
 ) -> None:
     """Measure an exported model on this host: load time, time to first token, prompt and decode tokens/s, peak RAM."""
-    from slm_align.devices.bench import run_bench
+    from slm_align.agent.bench import run_bench
 
     summary = run_bench(artifact, threads, prompt_tokens, decode_tokens, repeats, n_ctx, device=device,
                         save_as=save_profile, overwrite=overwrite)

@@ -80,7 +80,7 @@ def print_headroom(report: dict) -> None:
 def print_rl(summary: dict) -> None:
     """One line: the RL iterations, held-out reward before and after, guard skips and rollbacks; a second one
     saying which iteration's adapter was published."""
-    from slm_align.rl.watchdog import published_line
+    from slm_align.rl.watchdog_text import published_line
 
     m = summary["metrics"]
     state = SKIPPED if summary["skipped"] else f"{m['steps']} iterations"

@@ -30,6 +30,7 @@ from slm_align.cli.render import (
 )
 from slm_align.data.corpus import require_data
 from slm_align.errors import UserError
+from slm_align.progress import quiet
 
 commands = typer.Typer()
 
@@ -159,7 +160,6 @@ PREFERENCE = (
     Flag("--any-model", "preference.any_model", sets=True),
 )
 
-STAGES = ("sft", "reward", "rl")
 RUN_DIR_HELP = "Run directory."
 
 
@@ -181,7 +181,10 @@ def sft(
 
     recipe = recipe_from(config, settings)
     require_data(recipe.data)
-    train_stage(run_sft, print_sft, recipe, out, resume=resume, as_json=as_json)
+    result = run_sft(recipe, out, resume=resume)
+    if result.primary:  # rank 0 of a data-parallel run reports
+        summary = result.summary()
+        emit(as_json, summary, lambda: print_sft(summary))
 
 
 @commands.command("check-headroom",
@@ -269,71 +272,32 @@ def train(
 ) -> None:
     """Train: SFT, the Bradley-Terry reward model, the headroom gate, then PPO or GRPO in the safety envelope; or
     DPO/KTO (--algo dpo|kto) on --preferences files from the SFT prior."""
-    if stage not in STAGES:
-        raise UserError(f"--stage {stage}: choose sft, reward or rl")
+    from slm_align.pipeline import RLRequest, check_stage, data_from_run
+    from slm_align.pipeline import train as run_pipeline
+
+    check_stage(stage)
     recipe = recipe_from(config, settings)
-    require_data(recipe.data, from_run=_data_from_run(recipe, stage, out, sft_from),
+    require_data(recipe.data, from_run=data_from_run(recipe, stage, out, sft_from),
                  tasks_stand_in=stage == "rl" and not recipe.rl.from_sft)
-    if stage == "sft":
-        from slm_align.sft import run_sft
-
-        train_stage(run_sft, print_sft, recipe, out, resume=resume, as_json=as_json)
-    elif stage == "reward":
-        from slm_align.reward.stage import run_reward
-
-        train_stage(run_reward, print_reward, recipe, out, resume=resume, as_json=as_json)
-    elif recipe.rl.algo in ("dpo", "kto"):
-        train_preference(recipe, out, resume=resume, force=force, sft_from=sft_from, as_json=as_json)
-    else:
-        train_rl(recipe, out, resume=resume, force=force, sft_from=sft_from, reward_model=reward_model,
-                 rewards=reward, as_json=as_json)
-
-
-def train_stage(run_stage, print_summary, recipe, out: Path, *, resume: bool, as_json: bool) -> None:
-    """A Trainer stage (SFT or the reward model), then its summary (rank 0 of a data-parallel run reports)."""
-    result = run_stage(recipe, out, resume=resume)
-    if result.primary:
-        summary = result.summary()
-        emit(as_json, summary, lambda: print_summary(summary))
-
-
-def _data_from_run(recipe, stage: str, out: Path, sft_from: Optional[Path]) -> bool:
-    """Whether the stage takes its corpus from a finished SFT stage (the run's, or --sft's) rather than --data."""
-    if stage == "reward" or sft_from is not None:
-        return True
-    return stage == "rl" and recipe.rl.from_sft and (Path(out) / "sft" / "manifest.json").is_file()
-
-
-def train_preference(recipe, out: Path, *, resume: bool, force: bool, sft_from: Optional[Path],
-                     as_json: bool) -> None:
-    """DPO or KTO on the --preferences files (and the SFT stage it needs), then its one-line summary."""
-    from slm_align.preference.stage import run_preference
-
-    result = run_preference(recipe, out, resume=resume, force=force, sft_from=sft_from,
-                            say=lambda text: None if as_json else stdout.print(text))
+    request = RLRequest(sft_from, reward_model, tuple(reward), force, resume)
+    say = quiet if as_json else stdout.print
+    trained = run_pipeline(recipe, out, stage, request, say)
+    result = trained.result
+    if not result.primary:  # the other ranks of a data-parallel run: rank 0 reports
+        return
     summary = result.summary()
-    emit(as_json, summary, lambda: print_preference(summary))
-
-
-def train_rl(recipe, out: Path, *, resume: bool, force: bool, sft_from: Optional[Path],
-             reward_model: Optional[Path], rewards: list[str], as_json: bool) -> None:
-    """The RL stage (and the stages and gate it needs), then the closing evaluation report unless it is off."""
-    from slm_align.rl.stage import run_rl
-
-    result = run_rl(recipe, out, resume=resume, force=force, sft_from=sft_from, reward_model=reward_model,
-                    rewards=rewards, say=lambda text: None if as_json else stdout.print(text))
-    if not result.primary:  # other ranks of a data-parallel run: rank 0 reports
+    printer = SUMMARY_PRINTERS[stage]
+    if stage == "rl" and recipe.rl.algo in ("dpo", "kto"):
+        printer = print_preference
+    if trained.evaluation is None:
+        emit(as_json, summary, lambda: printer(summary))
         return
-    if recipe.rl.report_prompts == 0:
-        summary = result.summary()
-        emit(as_json, summary, lambda: print_rl(summary))
-        return
-    from slm_align.evaluate import evaluate as run_evaluation
-
-    report = run_evaluation(recipe, out, sft_run=sft_from, reward_model=reward_model, rewards=rewards,
-                            prompts=recipe.rl.report_prompts)
-    summary = dict(result.summary(), evaluation=report["comparisons"])
+    report = trained.evaluation
+    summary = dict(summary, evaluation=report["comparisons"])
     emit(as_json, summary, lambda: (print_rl(summary), print_evaluation(report, out / "eval" / "report.md")))
+
+
+SUMMARY_PRINTERS = {"sft": print_sft, "reward": print_reward, "rl": print_rl}
 
 
 @commands.command(epilog="Examples:\n\n  slm-align evaluate --run runs/demo\n\n"

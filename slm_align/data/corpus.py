@@ -30,15 +30,20 @@ def load_corpus(settings: DataSettings, seed: int) -> Corpus:
     if settings.uses_demo:
         examples = [Example(text=t) for t in generate_stories(settings.demo_documents, seed=DEMO_SEED)]
         description = f"demo stories ({settings.demo_documents} documents)"
-        source_hash = f"demo:{settings.demo_documents}:{DEMO_SEED}"
     else:
         path = Path(settings.path)
         examples = read_examples(path, settings.text_field)
         description = str(path)
-        source_hash = fingerprint(path)
     splits = split_examples(examples, seed=seed, eval_fraction=settings.eval_fraction,
                             heldout_prompts=settings.heldout_prompts)
-    return Corpus(splits=splits, description=description, fingerprint=source_hash)
+    return Corpus(splits=splits, description=description, fingerprint=source_fingerprint(settings))
+
+
+def source_fingerprint(settings: DataSettings) -> str:
+    """What identifies the corpus's source: the demo's size and seed, or a fingerprint of the data's bytes."""
+    if settings.uses_demo:
+        return f"demo:{settings.demo_documents}:{DEMO_SEED}"
+    return fingerprint(Path(settings.path))
 
 
 NO_DATA = ("no training data: pass --data FILE (txt, jsonl, parquet, csv, a datasets directory or a hub dataset id) "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from slm_align.chat_templates import default_chat_template
 from slm_align.data.examples import Example
 
 
@@ -39,9 +40,7 @@ def split_opening(text: str, opening_sentences: int = 2) -> Optional[tuple[str, 
 
 def render_chat(messages, tokenizer, add_generation_prompt: bool = False) -> str:
     """``(role, content)`` messages through the tokenizer's chat template (the default one when it has none: see
-    :func:`slm_align.modeling.default_chat_template`)."""
-    from slm_align.modeling import default_chat_template
-
+    :func:`slm_align.chat_templates.default_chat_template`)."""
     rows = [{"role": role, "content": content} for role, content in messages]
     template = tokenizer.chat_template or default_chat_template(tokenizer)
     return tokenizer.apply_chat_template(rows, tokenize=False, add_generation_prompt=add_generation_prompt,

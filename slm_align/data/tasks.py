@@ -19,6 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from slm_align.chat_templates import default_chat_template
 from slm_align.data.readers import iter_rows
 from slm_align.data.splits import seeded_rank
 from slm_align.errors import UserError
@@ -183,8 +184,6 @@ def _check_message(where: str, field: str, message: Any) -> None:
 
 def render_conversation(where: str, messages: list[dict], tools: Optional[list[dict]], tokenizer) -> str:
     """The messages (and tools) through the tokenizer's chat template, ending with the generation prompt."""
-    from slm_align.modeling import default_chat_template
-
     if tokenizer is None:
         raise UserError(f"{where}: a conversational prompt needs a tokenizer to render it with its chat template")
     template = tokenizer.chat_template or default_chat_template(tokenizer)

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Optional
 
 from slm_align.accelerator import resolve_device
+from slm_align.chat_templates import default_chat_template
 from slm_align.config import Recipe
 from slm_align.errors import UserError
 from slm_align.export.model_card import CARD, merged_card
 from slm_align.modeling import (
-    default_chat_template,
     load_adapter,
     load_tokenizer,
     merged_policy,

@@ -99,7 +99,7 @@ def base_model(model: dict) -> dict[str, Optional[str]]:
     ref = model["ref"]
     if kind == "hub":
         return {"name": ref, "hub_id": ref, "license": None}
-    if kind == "dir" and Path(ref) == DEFAULT_MODEL_DIR:
+    if kind == "bundled" or kind == "dir" and Path(ref) == DEFAULT_MODEL_DIR:
         return {"name": "slm-align's bundled 2.5M Llama", "hub_id": None, "license": BUNDLED_LICENSE}
     if kind == "dir":
         return _directory_base(Path(ref))

@@ -21,6 +21,7 @@ from typing import Optional
 
 from slm_align.accelerator import resolve_device
 from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
+from slm_align.chat_templates import chosen_chat_template, default_chat_template
 from slm_align.errors import UserError
 from slm_align.export.executorch import check_executorch_architecture, check_executorch_quant, write_executorch
 from slm_align.export.genai import check_genai_architecture, genai_tokenizer_report, write_genai_config
@@ -30,7 +31,7 @@ from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
 from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
 from slm_align.export.parity import perplexity_change, verification_summary
-from slm_align.modeling import chosen_chat_template, default_chat_template
+from slm_align.modeling import DEFAULT_MODEL_DIR
 from slm_align.progress import stage_lines
 from slm_align.runs import (
     MANIFEST,
@@ -219,8 +220,8 @@ def _model_type(origin: dict) -> Optional[str]:
     """The architecture (config.json's model_type) of what ``origin`` exports, read without loading weights."""
     if origin["kind"] == "run":
         return _model_type(read_manifest(Path(origin["run"]) / "sft")["inputs"]["model"])
-    if origin["kind"] == "dir":
-        path = Path(origin.get("path") or origin["ref"]) / "config.json"
+    if origin["kind"] in ("dir", "bundled"):
+        path = Path(origin.get("path") or origin["ref"] or DEFAULT_MODEL_DIR) / "config.json"
         return json.loads(path.read_text(encoding="utf-8")).get("model_type")
     if origin["kind"] == "gguf":
         from slm_align.modeling import gguf_config

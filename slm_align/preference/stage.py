@@ -10,99 +10,112 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
-from typing import Optional
-
-import torch
+from typing import Callable, Optional
 
 from slm_align.accelerator import resolve_compute, training_inputs
-from slm_align.atomic import atomic_path, write_json_atomic
+from slm_align.atomic import write_json_atomic
 from slm_align.config import Recipe
 from slm_align.data.readers import fingerprint
+from slm_align.envelope.loop import load_checkpoint, train_steps
 from slm_align.envelope.policy import build_policy
-from slm_align.envelope.world import launched
+from slm_align.envelope.world import World, launched
 from slm_align.errors import UserError
 from slm_align.headroom import Figure, GateRefused, HeadroomReport
 from slm_align.modeling import load_tokenizer, resolve_source, save_adapter
 from slm_align.plots import plot_curves
 from slm_align.preference.data import PreferenceData, check_feedback_models, load_preference_data
 from slm_align.preference.learner import PreferenceLearner
-from slm_align.progress import new_progress, stage_lines
-from slm_align.runs import (
-    StageResult,
-    completed,
-    keep_first_lines,
-    make_manifest,
-    partial_dir,
-    prepare_partial,
-    publish,
-    read_manifest,
-)
-from slm_align.sft import sft_prior
+from slm_align.progress import quiet, stage_lines
+from slm_align.runs import stage_identity
 from slm_align.tracking import Tracker, open_tracker, require_library
 
 ALGORITHMS = ("dpo", "kto")
-CHECKPOINT = "checkpoint.pt"
 HELDOUT_START = "heldout_start.json"
 """The held-out figures before the first step, kept for a resumed run's manifest."""
 CURVES = ("loss", "accuracy", "margin", "kl", "reward/desirable", "reward/undesirable", "pair_accuracy",
           "label_accuracy", "grad_norm")
 
 
-def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
-                   sft_from: Optional[Path] = None, say=lambda _: None) -> StageResult:
-    """DPO or KTO (``recipe.rl.algo``) on ``recipe.reward.preferences`` from the run's SFT prior."""
-    started = time.time()
-    refuse_data_parallel(recipe.rl.algo)
-    require_library(recipe.tracking.report_to)
-    compute = resolve_compute(recipe.compute, trainer=False)
-    out = Path(out)
-    algo = recipe.rl.algo
-    stage_dir = out / algo
-    sft_recipe, adapter = sft_prior(recipe, out, sft_from, resume, say)
-    recipe = sft_recipe.model_copy(update={"rl": recipe.rl, "preference": recipe.preference,
-                                           "reward": recipe.reward})
-    source = resolve_source(recipe.model.source)
-    tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
-    paths = [Path(p) for p in recipe.reward.preferences]
-    data = load_preference_data(paths, tokenizer, algo, recipe.seed, recipe.preference.heldout_fraction)
-    feedback = check_feedback_models(data.model_ids, out, recipe.preference.any_model)
-    inputs = _inputs(recipe, algo, adapter, paths)
-    done = completed(stage_dir, inputs)
-    if done is not None:
-        return StageResult(stage_dir, skipped=True, metrics=done["metrics"])
-    policy = build_policy(source, adapter, recipe.rl.model_copy(update={"lora": recipe.preference.lora}), recipe.seed,
-                          recipe.model.trust_remote_code, recipe.model.allow_pickle, compute.device)
-    heldout = len(data.heldout_pairs)
-    with stage_lines(f"{algo} set-up", f"the reference's log-probabilities of {heldout} held-out pairs"):
-        learner = PreferenceLearner(policy, tokenizer, data, recipe.preference, algo, recipe.rl.envelope,
-                                    recipe.seed, recipe.data.max_length, compute.precision,
-                                    compute.gradient_checkpointing)
-    gate = preference_gate(recipe, algo, data, learner).to_dict()
-    say(f"{algo} gate: {gate['verdict']}" + (f" ({'; '.join(gate['reasons'])})" if gate["reasons"] else ""))
-    if not gate["passed"] and not force:
-        raise GateRefused(f"{algo} gate FAIL ({'; '.join(gate['reasons'])}): {' '.join(gate['remedies'])} "
-                          "Pass --force to train anyway (recorded in the manifest).")
-    partial = partial_dir(stage_dir)
-    prepare_partial(partial, inputs, resume)
-    resume_step = None
-    if (partial / CHECKPOINT).is_file():
-        learner.load_state_dict(torch.load(partial / CHECKPOINT, weights_only=True))
-        resume_step = learner.step
-    before = learner.heldout() if learner.step == 0 else _first_heldout(partial)
-    tracker = open_tracker(recipe, out, algo, resume_step)
-    try:
-        _iterate(learner, partial, tracker)
-    finally:
-        tracker.close()
-    after = learner.heldout()
-    save_adapter(policy, partial / "adapter")
-    plot_curves(partial / "metrics.jsonl", partial / "plots" / "training_curves.png", keys=CURVES)
-    metrics = dict(_figures(learner, data, gate, before, after, feedback, adapter, force), compute=compute.record())
-    publish(partial, stage_dir, make_manifest(algo, inputs, metrics, started),
-            keep=("adapter", "metrics.jsonl", "plots", "inputs.json", HELDOUT_START))
-    return StageResult(stage_dir, skipped=False, metrics=metrics)
+class PreferenceStage:
+    """DPO or KTO (``recipe.rl.algo``) as a :class:`~slm_align.runs.Stage`: the preference files split by prompt,
+    the reference's log-probabilities, the gate, guarded steps; held-out figures before and after."""
+
+    keep = ("adapter", "metrics.jsonl", "plots", "inputs.json", HELDOUT_START)
+
+    def __init__(self, recipe: Recipe, out: Path, adapter: Path, force: bool = False,
+                 say: Callable[[str], None] = quiet):
+        """``recipe`` is the SFT stage's (model, seed, data) with the preference settings; ``adapter`` its SFT
+        adapter, the prior."""
+        refuse_data_parallel(recipe.rl.algo)
+        require_library(recipe.tracking.report_to)
+        self.recipe = recipe
+        self.algo = recipe.rl.algo
+        self.name = self.algo
+        self.out = Path(out)
+        self.adapter = Path(adapter)
+        self.force = force
+        self.say = say
+        self.world = World()
+        self.compute = resolve_compute(recipe.compute, trainer=False)
+        self.source = resolve_source(recipe.model.source)
+        self.tokenizer = load_tokenizer(self.source, recipe.model.trust_remote_code)
+        self.paths = [Path(p) for p in recipe.reward.preferences]
+        self.data = load_preference_data(self.paths, self.tokenizer, self.algo, recipe.seed,
+                                         recipe.preference.heldout_fraction)
+        self.feedback = check_feedback_models(self.data.model_ids, self.out, recipe.preference.any_model)
+
+    def inputs(self) -> dict:
+        """What the stage's artifacts depend on (the SFT prior named by its content, not its path)."""
+        recipe = self.recipe
+        return {"algo": self.algo, "sft": stage_identity(self.adapter.parent),
+                "preferences": [fingerprint(path) for path in self.paths], "seed": recipe.seed,
+                "preference": recipe.preference.model_dump(), "envelope": recipe.rl.envelope.model_dump(),
+                "max_length": recipe.data.max_length, **training_inputs(recipe.compute)}
+
+    def setup(self) -> None:
+        """The policy (merged prior + fresh LoRA), the learner with the reference's held-out log-probabilities,
+        and the gate, which refuses before any work dir exists unless ``force``."""
+        recipe = self.recipe
+        settings = recipe.rl.model_copy(update={"lora": recipe.preference.lora})
+        self.policy = build_policy(self.source, self.adapter, settings, recipe.seed, recipe.model.trust_remote_code,
+                                   recipe.model.allow_pickle, self.compute.device)
+        heldout = len(self.data.heldout_pairs)
+        with stage_lines(f"{self.algo} set-up", f"the reference's log-probabilities of {heldout} held-out pairs"):
+            self.learner = PreferenceLearner(self.policy, self.tokenizer, self.data, recipe.preference, self.algo,
+                                             recipe.rl.envelope, recipe.seed, recipe.data.max_length,
+                                             self.compute.precision, self.compute.gradient_checkpointing)
+        self.gate = preference_gate(recipe, self.algo, self.data, self.learner).to_dict()
+        gate = self.gate
+        self.say(f"{self.algo} gate: {gate['verdict']}" + (f" ({'; '.join(gate['reasons'])})" if gate["reasons"]
+                                                            else ""))
+        if not gate["passed"] and not self.force:
+            raise GateRefused(f"{self.algo} gate FAIL ({'; '.join(gate['reasons'])}): {' '.join(gate['remedies'])} "
+                              "Pass --force to train anyway (recorded in the manifest).")
+
+    def train(self, partial: Path, checkpoint: Optional[str]) -> None:
+        """The remaining steps from the work dir's checkpoint (if any); held-out figures before and after."""
+        learner = self.learner
+        state = load_checkpoint(partial)
+        resume_step = None
+        if state is not None:
+            learner.load_state_dict(state)
+            resume_step = learner.step
+        self.before = learner.heldout() if learner.step == 0 else _first_heldout(partial)
+        tracker = open_tracker(self.recipe, self.out, self.algo, resume_step)
+        try:
+            _iterate(learner, partial, tracker)
+        finally:
+            tracker.close()
+        self.after = learner.heldout()
+
+    def save(self, partial: Path) -> dict:
+        """The adapter and the training curves; the metrics."""
+        save_adapter(self.policy, partial / "adapter")
+        plot_curves(partial / "metrics.jsonl", partial / "plots" / "training_curves.png", keys=CURVES)
+        figures = _figures(self.learner, self.data, self.gate, self.before, self.after, self.feedback, self.adapter,
+                           self.force)
+        return dict(figures, compute=self.compute.record())
 
 
 def refuse_data_parallel(algo: str) -> None:
@@ -112,14 +125,6 @@ def refuse_data_parallel(algo: str) -> None:
         raise UserError(f"--algo {algo} trains in one process, and this one was launched as 1 of "
                         f"{os.environ['WORLD_SIZE']} (WORLD_SIZE); run it without accelerate launch or torchrun "
                         "(SFT, the reward model and PPO/GRPO take data parallel)")
-
-
-def _inputs(recipe: Recipe, algo: str, adapter: Path, paths: list[Path]) -> dict:
-    """What the stage's artifacts depend on (a completed stage with other inputs is never overwritten)."""
-    return {"algo": algo, "sft": {"adapter": str(adapter), "inputs_hash": read_manifest(adapter.parent)["inputs_hash"]},
-            "preferences": [fingerprint(path) for path in paths], "seed": recipe.seed,
-            "preference": recipe.preference.model_dump(), "envelope": recipe.rl.envelope.model_dump(),
-            "max_length": recipe.data.max_length, **training_inputs(recipe.compute)}
 
 
 def preference_gate(recipe: Recipe, algo: str, data: PreferenceData, learner: PreferenceLearner) -> HeadroomReport:
@@ -153,26 +158,24 @@ def _first_heldout(partial: Path) -> dict:
 
 
 def _iterate(learner: PreferenceLearner, partial: Path, tracker: Tracker) -> None:
-    """The remaining steps: metrics appended per step (held-out figures every ``eval_every``) and reported to the
-    tracker, checkpoints every ``save_steps`` and at the end."""
+    """The remaining steps: held-out figures join a step's metrics every ``eval_every`` steps."""
     settings = learner.settings
-    metrics_path = partial / "metrics.jsonl"
-    keep_first_lines(metrics_path, learner.step)  # steps after the checkpoint are trained again
     if learner.step == 0:
         write_json_atomic(partial / HELDOUT_START, learner.heldout())
-    with new_progress() as progress:
-        task = progress.add_task(learner.algo.upper(), total=settings.steps, completed=learner.step, status="")
-        while learner.step < settings.steps:
-            metrics = learner.train_step()
-            if learner.step % settings.eval_every == 0 or learner.step == settings.steps:
-                metrics.update({f"heldout/{k}": v for k, v in learner.heldout().items() if not k.endswith("_ci")})
-            progress.update(task, completed=learner.step, status=f"loss {metrics.get('loss', float('nan')):.3f}")
-            with open(metrics_path, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(metrics) + "\n")
-            tracker.log(learner.step, metrics)
-            if learner.step % settings.save_steps == 0 or learner.step == settings.steps:
-                with atomic_path(partial / CHECKPOINT) as tmp:
-                    torch.save(learner.state_dict(), tmp)
+
+    def step() -> dict:
+        """One guarded DPO/KTO step (and the held-out figures when due)."""
+        metrics = learner.train_step()
+        if learner.step % settings.eval_every == 0 or learner.step == settings.steps:
+            metrics.update({f"heldout/{k}": v for k, v in learner.heldout().items() if not k.endswith("_ci")})
+        return metrics
+
+    train_steps(learner, step, settings.steps, partial, title=learner.algo.upper(), status=_loss_status,
+                save_every=settings.save_steps, state=learner.state_dict, world=World(), tracker=tracker)
+
+
+def _loss_status(metrics: dict) -> str:
+    return f"loss {metrics.get('loss', float('nan')):.3f}"
 
 
 def _figures(learner: PreferenceLearner, data: PreferenceData, gate: dict, before: dict, after: dict, feedback: dict,

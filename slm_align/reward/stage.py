@@ -6,10 +6,11 @@ Artifacts: ``model/`` (merged classifier + tokenizer, loads alone), ``pairs.json
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import time
 from pathlib import Path
+from typing import Optional
 
 from slm_align.accelerator import check_trainer_device, resolve_compute, training_inputs
 from slm_align.config import Recipe
@@ -26,10 +27,10 @@ from slm_align.reward.model import (
     pairwise_metrics,
     sequence_rewards,
 )
-from slm_align.runs import StageResult, completed, digest, make_manifest, publish, read_manifest
+from slm_align.runs import StageResult, digest, read_manifest, run_stage
 from slm_align.sft import recipe_from_sft
 from slm_align.tracking import finish_trainer_tracking
-from slm_align.training import make_trainer, start_trainer_run, training_arguments
+from slm_align.training import make_trainer, replica_record, trainer_logging, trainer_world, training_arguments
 
 STAGE = "reward"
 
@@ -94,49 +95,70 @@ def _classifier(recipe: Recipe, source, adapter, pad_token_id: int):
     return attach_lora(classifier, recipe.reward.lora, recipe.seed, task_type="SEQ_CLS")
 
 
+class RewardStage:
+    """The Bradley-Terry reward model as a :class:`~slm_align.runs.Stage`, trained on the run's SFT prior."""
+
+    name = STAGE
+    keep = ("model", "pairs.jsonl", "eval_pairs.jsonl", "inputs.json", "log.jsonl")
+
+    def __init__(self, recipe: Recipe, out: Path):
+        """The run's SFT recipe and adapter (its SFT stage must be finished) and the pairs to train on."""
+        self.out = Path(out)
+        self.compute = resolve_compute(recipe.compute)
+        check_trainer_device(self.compute)
+        self.recipe, self.adapter = recipe_from_sft(self.out, recipe)
+        self.source = resolve_source(self.recipe.model.source)
+        self.tokenizer = load_tokenizer(self.source, self.recipe.model.trust_remote_code)
+        self.train_pairs, self.held_pairs, self.pair_stats = build_pairs(self.recipe, self.tokenizer)
+        self.world = trainer_world(self.compute)
+
+    def inputs(self) -> dict:
+        recipe = self.recipe
+        pairs = self.train_pairs + self.held_pairs
+        return {"sft": read_manifest(self.out / "sft")["inputs_hash"], "seed": recipe.seed,
+                "reward": recipe.reward.model_dump(), "pairs": digest([p.to_row() for p in pairs]),
+                **training_inputs(recipe.compute)}
+
+    def setup(self) -> None:
+        """The classifier (LoRA attached) and the encoded training pairs."""
+        recipe = self.recipe
+        self.model = _classifier(recipe, self.source, self.adapter, self.tokenizer.pad_token_id)
+        max_length = recipe.data.max_length
+        self.rows = [{"chosen_ids": encode_scored(self.tokenizer, p.prompt, p.chosen, max_length),
+                      "rejected_ids": encode_scored(self.tokenizer, p.prompt, p.rejected, max_length)}
+                     for p in self.train_pairs]
+
+    def train(self, partial: Path, checkpoint: Optional[str]) -> None:
+        recipe = self.recipe
+        self.checkpoint = checkpoint
+        progress, tracker = trainer_logging(recipe, self.out, STAGE, partial, checkpoint, self.world,
+                                            "reward model")
+        trainer_class = _bt_trainer_class(recipe.reward.margin, recipe.reward.center_coefficient)
+        args = training_arguments(recipe.reward, recipe.seed, partial, self.compute, tracker)
+        collate = functools.partial(collate_pairs, pad_id=self.tokenizer.pad_token_id)
+        trainer = make_trainer(trainer_class, self.model, args, self.rows, collate, progress)
+        try:
+            self.output = trainer.train(resume_from_checkpoint=checkpoint)
+        finally:
+            finish_trainer_tracking(trainer, tracker)
+
+    def save(self, partial: Path) -> Optional[dict]:
+        """The merged classifier with its tokenizer, the pairs, and held-out accuracy (rank 0)."""
+        replicas = replica_record(self.world, self.model)
+        if not self.world.main:
+            return None
+        merged = self.model.merge_and_unload().eval()
+        merged.save_pretrained(partial / "model", safe_serialization=True)
+        save_tokenizer(self.tokenizer, self.source, partial / "model")
+        _write_jsonl(partial / "pairs.jsonl", self.train_pairs)
+        _write_jsonl(partial / "eval_pairs.jsonl", self.held_pairs)
+        metrics = pairwise_metrics(merged, self.tokenizer, self.held_pairs, self.recipe.data.max_length)
+        metrics.update(train_loss=self.output.training_loss, steps=self.output.global_step,
+                       train_pairs=len(self.train_pairs), pair_stats=self.pair_stats, resumed_from=self.checkpoint,
+                       compute=self.compute.record(), **replicas)
+        return metrics
+
+
 def run_reward(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     """Train the reward model of run ``out`` (whose SFT stage must be finished)."""
-    started = time.time()
-    compute = resolve_compute(recipe.compute)
-    check_trainer_device(compute)
-    recipe, adapter = recipe_from_sft(out, recipe)
-    source = resolve_source(recipe.model.source)
-    tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
-    train, held, pair_stats = build_pairs(recipe, tokenizer)
-    stage_dir = Path(out) / STAGE
-    inputs = {"sft": read_manifest(Path(out) / "sft")["inputs_hash"], "seed": recipe.seed,
-              "reward": recipe.reward.model_dump(), "pairs": digest([p.to_row() for p in train + held]),
-              **training_inputs(recipe.compute)}
-    done = completed(stage_dir, inputs)
-    if done is not None:
-        return StageResult(stage_dir, skipped=True, metrics=done["metrics"])
-    model = _classifier(recipe, source, adapter, tokenizer.pad_token_id)
-    max_length = recipe.data.max_length
-    rows = [{"chosen_ids": encode_scored(tokenizer, p.prompt, p.chosen, max_length),
-             "rejected_ids": encode_scored(tokenizer, p.prompt, p.rejected, max_length)} for p in train]
-    run = start_trainer_run(recipe, out, STAGE, stage_dir, inputs, resume, compute, "reward model")
-    partial = run.partial
-    checkpoint = run.checkpoint
-    trainer = make_trainer(_bt_trainer_class(recipe.reward.margin, recipe.reward.center_coefficient), model,
-                           training_arguments(recipe.reward, recipe.seed, partial, compute, run.tracker), rows,
-                           lambda batch: collate_pairs(batch, tokenizer.pad_token_id), run.progress)
-    try:
-        output = trainer.train(resume_from_checkpoint=checkpoint)
-    finally:
-        finish_trainer_tracking(trainer, run.tracker)
-    replicas = run.replicas(model)
-    if not run.world.main:  # the other ranks of a data-parallel run: rank 0 publishes
-        run.world.barrier()
-        return StageResult(stage_dir, skipped=False, metrics={}, primary=False)
-    merged = model.merge_and_unload().eval()
-    merged.save_pretrained(partial / "model", safe_serialization=True)
-    save_tokenizer(tokenizer, source, partial / "model")
-    _write_jsonl(partial / "pairs.jsonl", train)
-    _write_jsonl(partial / "eval_pairs.jsonl", held)
-    metrics = pairwise_metrics(merged, tokenizer, held, max_length)
-    metrics.update(train_loss=output.training_loss, steps=output.global_step, train_pairs=len(train),
-                   pair_stats=pair_stats, resumed_from=checkpoint, compute=compute.record(), **replicas)
-    publish(partial, stage_dir, make_manifest(STAGE, inputs, metrics, started),
-            keep=("model", "pairs.jsonl", "eval_pairs.jsonl", "inputs.json", "log.jsonl"))
-    run.world.barrier()
-    return StageResult(stage_dir, skipped=False, metrics=metrics)
+    return run_stage(RewardStage(recipe, out), out, resume)

@@ -18,7 +18,8 @@ import torch
 from slm_align.atomic import write_text_atomic
 from slm_align.envelope.policy import policy_rewards
 from slm_align.envelope.world import World
-from slm_align.rl.watchdog import Watchdog, event_line
+from slm_align.rl.watchdog import Watchdog
+from slm_align.rl.watchdog_text import event_line
 from slm_align.tracking import Tracker
 
 EVENTS = "events.jsonl"
@@ -135,3 +136,10 @@ class WatchedRun:
     def stopped(self) -> Optional[str]:
         """Why the run stopped early, or None."""
         return self.watchdog.stopped
+
+
+def read_events(path: Path) -> list[dict]:
+    """The events of a run's ``rl/events.jsonl`` (none when the file is missing)."""
+    if not Path(path).is_file():
+        return []
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line]

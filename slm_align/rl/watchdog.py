@@ -13,11 +13,9 @@ The detectors compare windows of ``W = window`` iterations: the first window of 
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 from slm_align.config import WatchdogSettings
@@ -234,58 +232,3 @@ class Watchdog:
         """Continue from a :meth:`state_dict`."""
         for name, value in state.items():
             setattr(self, name, value)
-
-
-def event_line(event: dict) -> str:
-    """The console line of an event."""
-    if event["action"] == "stop":
-        tail = f"recoveries spent: stopping early; publishing iteration {event['best_step']}'s adapter"
-    else:
-        tail = (f"rolled back to iteration {event['best_step']}, learning rate x{event['lr_scale']:g} "
-                f"(recovery {event['recoveries']})")
-    return f"watchdog: {event['detector']} at iteration {event['step']} ({event['why']}); {tail}"
-
-
-def published_line(record: Optional[dict]) -> Optional[str]:
-    """The console line at the end of RL: which iteration's adapter was published (None without a record)."""
-    if record is None:
-        return None
-    if not record["enabled"]:
-        return f"published: the last adapter, iteration {record['published_step']} (watchdog off)"
-    line = f"published: the adapter of iteration {record['published_step']} (the watchdog's best held-out probe)"
-    last = record.get("last")
-    if last is not None and not last["is_published"]:
-        line += f"; the last, iteration {last['step']}, kept as rl/adapter-last"
-    if record.get("stopped_early"):
-        line += f"; stopped early on {record['stopped_early']}"
-    return line
-
-
-def read_events(path: Path) -> list[dict]:
-    """The events of a run's ``rl/events.jsonl`` (none when the file is missing)."""
-    if not Path(path).is_file():
-        return []
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line]
-
-
-def report_section(record: Optional[dict], events: list[dict]) -> list[str]:
-    """The Markdown lines of ``eval/report.md``'s watchdog section: off, or what was published and each event."""
-    if record is None:
-        return []
-    lines = ["## Watchdog", ""]
-    if not record.get("enabled"):
-        return lines + [f"The collapse watchdog was off (`--watchdog off`): the last adapter (iteration "
-                        f"{record['published_step']}) is published.", ""]
-    lines.append(f"Published: the adapter of iteration {record['published_step']} (the latest held-out probe not "
-                 f"significantly below the peak, iteration {record['peak_step']} at mean reward "
-                 f"{record['best_reward']:.3f}); the last iteration's adapter is kept as `rl/adapter-last`.")
-    if record.get("stopped_early"):
-        lines.append(f"Stopped early: {record['stopped_early']}.")
-    lines.append("")
-    if not events:
-        return lines + ["No detector fired.", ""]
-    lines += ["| iteration | detector | value | threshold | action | learning rate |", "|---|---|---|---|---|---|"]
-    for e in events:
-        lines.append(f"| {e['step']} | {e['detector']} | {e['value']:.3g} | {e['threshold']:.3g} | {e['action']} | "
-                     f"{e['learning_rate']:.3g} |")
-    return lines + [""]
