@@ -18,6 +18,7 @@ from slm_align.data.prompts import prompts_of
 from slm_align.errors import UserError
 from slm_align.rewards.builtin import combine
 from slm_align.rewards.columns import check_columns, with_columns
+from slm_align.rewards.protocol import RewardFn
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,10 @@ class PromptSource:
             return set()
         return self.tasks.column_names()
 
-    def reward(self, specs: Sequence[str] = (), learned: Optional[Path] = None, device: str = "cpu"):
-        """The combined reward (learned model and/or specs, the model on ``device``), given the rows' columns;
+    def reward(self, specs: Sequence[str] = (), learned: Optional[RewardFn] = None):
+        """The combined reward (the learned reward model, already loaded, and/or specs), given the rows' columns;
         refused in one line before any sampling when a reward needs a column the data does not have."""
-
-        reward = combine(specs, learned=learned, device=device)
+        reward = combine(specs, learned=learned)
         check_columns(reward, self.columns())
         if self.tasks is None:
             return reward
