@@ -11,9 +11,10 @@ import torch
 
 from slm_align.errors import UserError
 from slm_align.preference.data import check_feedback_models, heldout_prompts, load_preference_data
-from slm_align.preference.learner import PreferenceLearner, sequence_logprobs, wilson_interval
+from slm_align.preference.learner import PreferenceLearner, sequence_logprobs
 from slm_align.preference.losses import dpo_loss, kto_loss, kto_reference_point
 from slm_align.preference.stage import run_preference
+from slm_align.stats import wilson_interval
 from tests.helpers import finished_sft_run, run_cli
 
 

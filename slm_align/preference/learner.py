@@ -24,6 +24,7 @@ from slm_align.envelope.world import World
 from slm_align.perplexity import labelled_logprobs
 from slm_align.preference.data import PreferenceData
 from slm_align.preference.losses import dpo_loss, implicit_rewards, kto_loss, kto_reference_point
+from slm_align.stats import wilson_interval
 
 
 @dataclass
@@ -72,18 +73,6 @@ def scored_by_length(model, rows: list[dict], pad_id: int, batch_size: int) -> t
     result = torch.empty_like(scored)
     result[torch.tensor(order, device=scored.device)] = scored
     return result
-
-
-def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion (Wilson 1927): centre (p + z^2/2n) / (1 + z^2/n), half-width
-    z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n)."""
-    if total == 0:
-        return (0.0, 1.0)
-    p = successes / total
-    denominator = 1 + z * z / total
-    centre = (p + z * z / (2 * total)) / denominator
-    half = z * (p * (1 - p) / total + z * z / (4 * total * total)) ** 0.5 / denominator
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 class PreferenceLearner(TrainableRun):
