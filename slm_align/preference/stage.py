@@ -26,6 +26,7 @@ from slm_align.errors import UserError
 from slm_align.headroom import Figure, GateRefused, HeadroomReport
 from slm_align.modeling import load_tokenizer, resolve_source, save_adapter
 from slm_align.plots import plot_curves
+from slm_align.preference.algorithms import preference_learner
 from slm_align.preference.data import PreferenceData, check_feedback_models, load_preference_data
 from slm_align.preference.learner import PreferenceLearner
 from slm_align.progress import new_progress, stage_lines
@@ -76,9 +77,9 @@ def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool 
                           recipe.model.trust_remote_code, recipe.model.allow_pickle, compute.device)
     heldout = len(data.heldout_pairs)
     with stage_lines(f"{algo} set-up", f"the reference's log-probabilities of {heldout} held-out pairs"):
-        learner = PreferenceLearner(policy, tokenizer, data, recipe.preference, algo, recipe.rl.envelope,
-                                    recipe.seed, recipe.data.max_length, compute.precision,
-                                    compute.gradient_checkpointing)
+        learner = preference_learner(policy, tokenizer, data, recipe.preference, algo, recipe.rl.envelope,
+                                     recipe.seed, recipe.data.max_length, compute.precision,
+                                     compute.gradient_checkpointing)
     gate = preference_gate(recipe, algo, data, learner).to_dict()
     say(f"{algo} gate: {gate['verdict']}" + (f" ({'; '.join(gate['reasons'])})" if gate["reasons"] else ""))
     if not gate["passed"] and not force:
