@@ -94,12 +94,12 @@ def data_and_model(args):
 
 def run_ours(args) -> dict:
     from slm_align.config import EnvelopeSettings
-    from slm_align.preference.learner import PreferenceLearner
+    from slm_align.preference.algorithms import preference_learner
 
     data, tokenizer, policy, settings = data_and_model(args)
     started = time.perf_counter()
-    learner = PreferenceLearner(policy, tokenizer, data, settings, args.algo, EnvelopeSettings(), 0,
-                                args.max_length)
+    learner = preference_learner(policy, tokenizer, data, settings, args.algo, EnvelopeSettings(), 0,
+                                 args.max_length)
     setup = time.perf_counter() - started
     times = []
     for _ in range(args.steps):
@@ -140,7 +140,7 @@ def run_trl(args) -> dict:
     from transformers import TrainerCallback
 
     from slm_align.config import EnvelopeSettings
-    from slm_align.preference.learner import PreferenceLearner
+    from slm_align.preference.algorithms import preference_learner
 
     data, tokenizer, policy, settings = data_and_model(args)
     stamps: list[float] = []
@@ -156,7 +156,7 @@ def run_trl(args) -> dict:
     trainer.train()
     steps = [started] + stamps
     times = [b - a for a, b in zip(steps, steps[1:])]
-    measure = PreferenceLearner(policy, tokenizer, data, settings, args.algo, EnvelopeSettings(), 0, args.max_length)
+    measure = preference_learner(policy, tokenizer, data, settings, args.algo, EnvelopeSettings(), 0, args.max_length)
     figures = measure.heldout()  # same metric function as ours; the reference is TRL's, the adapter disabled
     return {"seconds_per_step": statistics.fmean(times[1:]), "setup_seconds": setup,
             "total_seconds": setup + sum(times), "peak_rss_mb": peak_rss_mb(),

@@ -95,7 +95,7 @@ def close_the_loop(work: Path, turns: int, steps: int, learning_rate: float, sft
     from slm_align.agent.preference_probe import preferred_count
     from slm_align.data.demo_corpus import write_demo_corpus
     from slm_align.modeling import DEFAULT_MODEL_DIR
-    from slm_align.preference.learner import wilson_interval
+    from slm_align.stats import wilson_interval
     from tests.helpers import finished_sft_run
 
     corpus = write_demo_corpus(work / "stories.txt", n=200, seed=3)

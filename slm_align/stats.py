@@ -1,4 +1,4 @@
-"""Statistics for comparing two policies on the same prompts."""
+"""Statistics for comparing two policies on the same prompts, and the interval of a proportion."""
 
 from __future__ import annotations
 
@@ -50,6 +50,18 @@ def bootstrap_ci(a: Sequence[float], b: Sequence[float], statistic: Callable, re
     values.sort()
     tail = min(resamples - 1, int((1 - level) / 2 * resamples + 1e-9))  # + 1e-9: 0.05 / 2 * 1000 is 24.999...
     return values[tail], values[resamples - 1 - tail]
+
+
+def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion (Wilson 1927): centre (p + z^2/2n) / (1 + z^2/n),
+    half-width z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n); (0, 1) when ``total`` is 0."""
+    if total == 0:
+        return (0.0, 1.0)
+    p = successes / total
+    denominator = 1 + z * z / total
+    centre = (p + z * z / (2 * total)) / denominator
+    half = z * (p * (1 - p) / total + z * z / (4 * total * total)) ** 0.5 / denominator
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def sign_flip_p_value(a: Sequence[float], b: Sequence[float], resamples: int = 5000, seed: int = 0) -> float:

@@ -216,18 +216,19 @@ def test_the_value_head_stays_fp32_under_bf16_autocast():
 
 
 def recording_ratio(monkeypatch):
-    """Patch the shared step's ratio_of to record the dtype of every tensor entering it and of the ratio."""
-    import slm_align.rl.step as step
+    """Patch the shared minibatch forward's ratio_of to record the dtype of every tensor entering it and of the
+    ratio."""
+    import slm_align.rl.learner as learner
 
     seen = []
-    original = step.ratio_of
+    original = learner.ratio_of
 
     def ratio_of(new, old, clamp):
         ratio = original(new, old, clamp)
         seen.append((new.dtype, old.dtype, ratio.dtype))
         return ratio
 
-    monkeypatch.setattr(step, "ratio_of", ratio_of)
+    monkeypatch.setattr(learner, "ratio_of", ratio_of)
     return seen
 
 
@@ -249,14 +250,11 @@ def test_bf16_autocast_keeps_the_envelope_math_fp32_and_the_first_ratio_exactly_
     seen = recording_ratio(monkeypatch)
     logits = logits_dtypes(loop)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        batch = loop.rollout(0)[0] if algo == "grpo" else loop.rollout(0)
-        if algo == "grpo":
-            loss_fn = loop.loss(batch, loop.advantages(batch))
-        else:
-            advantages, returns = loop.advantages(batch)
-            assert advantages.dtype == returns.dtype == torch.float32
-            loss_fn = loop.loss(batch, advantages, returns)
-        result = loop.minibatch(batch, torch.arange(8), loss_fn)
+        batch = loop.rollout(0)
+        adv = loop.advantages(batch)
+        if algo == "ppo":
+            assert adv.tokens.dtype == adv.returns.dtype == torch.float32
+        result = loop.minibatch(batch, torch.arange(8), adv)
     assert torch.bfloat16 in logits  # the forward passes did run in bf16
     assert batch.old_logprobs.dtype == batch.ref_logprobs.dtype == batch.scores.dtype == torch.float32
     assert seen == [(torch.float32, torch.float32, torch.float32)]
@@ -268,8 +266,8 @@ def test_a_bf16_learner_autocasts_its_own_forward_passes(sft_run, monkeypatch): 
     loop.precision = "bf16"
     seen = recording_ratio(monkeypatch)
     logits = logits_dtypes(loop)
-    batch, loss_fn, rows = prepared(loop)
-    result = loop.minibatch(batch, rows, loss_fn)
+    batch, adv, rows = prepared(loop)
+    result = loop.minibatch(batch, rows, adv)
     assert set(logits) == {torch.bfloat16}
     assert seen == [(torch.float32, torch.float32, torch.float32)] and result["ratio/mean"] == 1.0
 
@@ -297,10 +295,10 @@ def test_rl_gradient_checkpointing_recomputes_the_layers_and_changes_no_bit(sft_
     enable_checkpointing(checkpointed.policy)
     counts = []
     for loop in (plain, checkpointed):
-        batch, loss_fn, rows = prepared(loop)
+        batch, adv, rows = prepared(loop)
         with monkeypatch.context() as patch:
             calls = layer_calls(loop, patch)
-            loop.minibatch(batch, rows, loss_fn)
+            loop.minibatch(batch, rows, adv)
         counts.append(len(calls))
     layers = plain.policy.config.num_hidden_layers
     assert counts == [layers, 2 * layers]  # each checkpointed layer ran again in the backward pass

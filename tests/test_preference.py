@@ -2,6 +2,7 @@
 rollback, a bit-identical resume, learning a learnable preference on a tiny model, and the CLI's refusals."""
 
 import copy
+import dataclasses
 import json
 import math
 import shutil
@@ -11,9 +12,12 @@ import torch
 
 from slm_align.errors import UserError
 from slm_align.pipeline import run_preference
+from slm_align.preference import dpo
+from slm_align.preference.algorithms import preference_learner
 from slm_align.preference.data import check_feedback_models, heldout_prompts, load_preference_data
-from slm_align.preference.learner import PreferenceLearner, sequence_logprobs, wilson_interval
+from slm_align.preference.learner import PreferenceLearner, sequence_logprobs
 from slm_align.preference.losses import dpo_loss, kto_loss, kto_reference_point
+from slm_align.stats import wilson_interval
 from tests.helpers import finished_sft_run, run_cli
 
 
@@ -193,8 +197,8 @@ def make_learner(sft_run, prefs, algo: str) -> PreferenceLearner:
     tokenizer = load_tokenizer(source)
     data = load_preference_data([prefs], tokenizer, algo, recipe.seed, 0.2)
     policy = build_policy(source, base / "sft" / "adapter", recipe.rl, recipe.seed)
-    return PreferenceLearner(policy, tokenizer, data, recipe.preference, algo, recipe.rl.envelope, recipe.seed,
-                             recipe.data.max_length)
+    return preference_learner(policy, tokenizer, data, recipe.preference, algo, recipe.rl.envelope, recipe.seed,
+                              recipe.data.max_length)
 
 
 def test_the_reference_is_the_merged_sft_prior_and_the_first_step_starts_from_it(sft_run, prefs):
@@ -217,13 +221,13 @@ def test_the_reference_is_the_merged_sft_prior_and_the_first_step_starts_from_it
 
 def nan_loss(learner, monkeypatch) -> list:
     """A NaN loss: caught before backward, so nothing has moved yet when the snapshot is restored."""
-    original = learner.loss
+    original = dpo.dpo_loss
 
-    def poisoned(indices):
-        loss, stats = original(indices)
-        return loss * float("nan"), stats
+    def poisoned(*args, **kwargs):
+        terms = original(*args, **kwargs)
+        return dataclasses.replace(terms, loss=terms.loss * float("nan"))
 
-    monkeypatch.setattr(learner, "loss", poisoned)
+    monkeypatch.setattr(dpo, "dpo_loss", poisoned)
     return []
 
 
@@ -301,17 +305,17 @@ def test_a_killed_run_resumes_bit_identical(sft_run, prefs, tmp_path, monkeypatc
     recipe = preference_recipe(fresh_run(sft_run, tmp_path / "whole"), "dpo", prefs, steps=12, save_steps=4)
     run_preference(recipe, tmp_path / "whole", force=True)
     fresh_run(sft_run, tmp_path / "killed")
-    original = PreferenceLearner.train_step
+    original = dpo.DPO.train_step
 
     def killed_at_seven(self):
         if self.step == 6:  # after the checkpoint at step 4: steps 5 and 6 are trained again
             raise KeyboardInterrupt
         return original(self)
 
-    monkeypatch.setattr(PreferenceLearner, "train_step", killed_at_seven)
+    monkeypatch.setattr(dpo.DPO, "train_step", killed_at_seven)
     with pytest.raises(KeyboardInterrupt):
         run_preference(recipe, tmp_path / "killed", force=True)
-    monkeypatch.setattr(PreferenceLearner, "train_step", original)
+    monkeypatch.setattr(dpo.DPO, "train_step", original)
     with pytest.raises(UserError, match="--resume"):
         run_preference(recipe, tmp_path / "killed", force=True)
     resumed = run_preference(recipe, tmp_path / "killed", force=True, resume=True)

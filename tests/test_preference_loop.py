@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slm_align.preference.learner import wilson_interval
+from slm_align.stats import wilson_interval
 
 LOOP = Path(__file__).resolve().parents[1] / "benchmarks" / "feedback_loop.py"
 

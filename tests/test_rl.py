@@ -62,9 +62,9 @@ def same_state(a, b):
 
 
 def prepared(loop):
-    """A GRPO rollout, the loss of its minibatches, and the rows of one minibatch."""
-    batch, _ = loop.rollout(0)
-    return batch, loop.loss(batch, loop.advantages(batch)), torch.arange(8)
+    """A GRPO rollout, its advantages, and the rows of one minibatch."""
+    batch = loop.rollout(0)
+    return batch, loop.advantages(batch), torch.arange(8)
 
 
 def test_step_zero_policy_equals_reference_and_first_ratio_is_one(sft_run):
@@ -108,44 +108,44 @@ class NaNGradientLoop(GRPO):
 
 def test_nan_gradient_restores_parameters_and_optimizer_state_bit_for_bit(sft_run):
     loop = make_loop(sft_run, loop_class=NaNGradientLoop)
-    batch, loss_fn, rows = prepared(loop)
-    loop.minibatch(batch, rows, loss_fn)  # a normal step first, so the optimizer has state
+    batch, adv, rows = prepared(loop)
+    loop.minibatch(batch, rows, adv)  # a normal step first, so the optimizer has state
     params, state = lora_state(loop), optimizer_state(loop)
     loop.fault = True
-    result = loop.minibatch(batch, rows, loss_fn)
+    result = loop.minibatch(batch, rows, adv)
     assert result["rolled_back"] == 1 and loop.counters.rollbacks == 1
     assert same_state(lora_state(loop), params) and same_state(optimizer_state(loop), state)
     loop.fault = False
-    loop.minibatch(batch, rows, loss_fn)  # training continues
+    loop.minibatch(batch, rows, adv)  # training continues
     assert not same_state(lora_state(loop), params) and loop.counters.consecutive_rollbacks == 0
 
 
 def test_without_rollback_the_same_nan_corrupts_the_weights(sft_run):
     loop = make_loop(sft_run, loop_class=NaNGradientLoop, envelope={"rollback": False})
-    batch, loss_fn, rows = prepared(loop)
+    batch, adv, rows = prepared(loop)
     loop.fault = True
-    loop.minibatch(batch, rows, loss_fn)
+    loop.minibatch(batch, rows, adv)
     assert any(not torch.isfinite(p).all() for p in loop.params)
 
 
 def test_consecutive_rollbacks_stop_the_run_with_a_clear_message(sft_run):
     loop = make_loop(sft_run, loop_class=NaNGradientLoop, envelope={"max_consecutive_rollbacks": 3})
-    batch, loss_fn, rows = prepared(loop)
+    batch, adv, rows = prepared(loop)
     loop.fault = True
-    loop.minibatch(batch, rows, loss_fn)
-    loop.minibatch(batch, rows, loss_fn)
+    loop.minibatch(batch, rows, adv)
+    loop.minibatch(batch, rows, adv)
     with pytest.raises(TrainingDiverged, match="3 consecutive rollbacks .*non-finite gradient"):
-        loop.minibatch(batch, rows, loss_fn)
+        loop.minibatch(batch, rows, adv)
 
 
 @pytest.mark.parametrize("guard_on", [True, False])
 def test_ratio_guard_skips_the_minibatch_entirely(sft_run, guard_on):
     loop = make_loop(sft_run, envelope={} if guard_on else {"ratio_guard": 0.0})
-    batch, loss_fn, rows = prepared(loop)
-    loop.minibatch(batch, rows, loss_fn)
+    batch, adv, rows = prepared(loop)
+    loop.minibatch(batch, rows, adv)
     params, state = lora_state(loop), optimizer_state(loop)
     batch.old_logprobs = batch.old_logprobs - 3.0  # forces the ratio to e^3 ~ 20 > 5
-    result = loop.minibatch(batch, rows, loss_fn)
+    result = loop.minibatch(batch, rows, adv)
     assert result["ratio/mean"] > 5
     if guard_on:
         assert result["skipped"] == 1 and loop.counters.skipped == 1
@@ -245,8 +245,9 @@ def test_zero_variance_groups_are_counted_and_resampled(sft_run):
     loop.train_prompts = ["Once upon a time, there was a cat.", "Tom found a red ball."]
     plain = make_loop(sft_run)
     plain.reward_fn, plain.train_prompts = first_prompt_is_constant, loop.train_prompts
-    first, zero = plain.rollout(0)
-    resampled, zero_again = loop.rollout(0)
+    first = plain.rollout(0)
+    resampled = loop.rollout(0)
+    zero, zero_again = first.all_equal, resampled.all_equal
     assert zero == zero_again >= 1
     g = loop.settings.group_size
     constant = [i for i in range(len(first.prompts)) if first.scores.view(-1, g)[i // g].std() == 0]

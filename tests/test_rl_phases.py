@@ -81,7 +81,7 @@ def test_no_reference_pass_at_beta_zero_unless_the_watchdog_reads_the_kl(sft_run
     watched = make_loop(sft_run, grpo={"beta": 0.0})
     WatchedRun(Watchdog(WatchdogSettings()), flat_probe, tmp_path, watched.world, print, 0.0).begin(watched)
     assert watched.kl_watched
-    batch, _ = watched.rollout(0)
+    batch = watched.rollout(0)
     assert batch.ref_logprobs is not None  # the KL-runaway detector gets its metric
 
 
@@ -89,14 +89,14 @@ def test_one_minibatch_per_epoch_takes_its_old_logprobs_from_the_first_forward_a
         sft_run):  # noqa: F811
     one_minibatch = dict(epochs=2, minibatch_size=16)  # 4 prompts x G=4: all 16 samples in each epoch's one step
     skipping = make_loop(sft_run, **one_minibatch)
-    batch, _ = skipping.rollout(0)
+    batch = skipping.rollout(0)
     assert batch.old_logprobs is None and skipping.clock.metrics()["time/scoring_old"] == 0.0
-    loss_fn = skipping.loss(batch, skipping.advantages(batch))
-    first = skipping.minibatch(batch, torch.randperm(16), loss_fn)
+    adv = skipping.advantages(batch)
+    first = skipping.minibatch(batch, torch.randperm(16), adv)
     assert first["ratio/mean"] == 1.0 and first["ratio/max"] == 1.0 and first["skipped"] == 0
     assert batch.old_logprobs is not None and batch.old_logprobs.shape == batch.mask.shape  # kept for epoch 2
     kept = batch.old_logprobs.clone()
-    second = skipping.minibatch(batch, torch.randperm(16), loss_fn)
+    second = skipping.minibatch(batch, torch.randperm(16), adv)
     assert torch.equal(batch.old_logprobs, kept)  # epoch 2 compares with the rollout policy, not with epoch 1's
     assert second["ratio/mean"] != 1.0  # the first step moved the policy away from it
     forced = make_loop(sft_run, loop_class=ForcedPasses, **one_minibatch)
@@ -108,24 +108,24 @@ def test_one_minibatch_per_epoch_takes_its_old_logprobs_from_the_first_forward_a
     for name, value in lora_state(forced).items():
         assert torch.allclose(ours[name], value, rtol=0, atol=1e-7)  # the same two steps as with a pass of its own
     assert abs(again_metrics["kl"] - forced_metrics["kl"]) < 1e-5  # the KL metric reads the same old log-probs
-    assert make_loop(sft_run).rollout(0)[0].old_logprobs is not None  # two minibatches per epoch: the pass runs
+    assert make_loop(sft_run).rollout(0).old_logprobs is not None  # two minibatches per epoch: the pass runs
 
 
 def test_a_rolled_back_first_epoch_without_an_old_pass_leaves_the_rollout_policy_s_log_probs(sft_run):  # noqa: F811
     loop = make_loop(sft_run, loop_class=NaNGradientLoop, epochs=2, minibatch_size=16)
     forced = make_loop(sft_run, loop_class=ForcedPasses, epochs=2, minibatch_size=16)
-    batch, _ = loop.rollout(0)
-    reference, _ = forced.rollout(0)
+    batch = loop.rollout(0)
+    reference = forced.rollout(0)
     assert batch.old_logprobs is None  # the pass was skipped
-    loss_fn = loop.loss(batch, loop.advantages(batch))
+    adv = loop.advantages(batch)
     params = lora_state(loop)
     state = optimizer_state(loop)
     loop.fault = True
-    result = loop.minibatch(batch, torch.arange(16), loss_fn)  # epoch 1: NaN gradient, rolled back
+    result = loop.minibatch(batch, torch.arange(16), adv)  # epoch 1: NaN gradient, rolled back
     assert result["rolled_back"] == 1
     assert same_state(lora_state(loop), params) and same_state(optimizer_state(loop), state)
     mask = batch.mask > 0
     assert torch.allclose(batch.old_logprobs[mask], reference.old_logprobs[mask], rtol=0, atol=1e-6)
     loop.fault = False
-    second = loop.minibatch(batch, torch.arange(16), loss_fn)  # epoch 2 starts from the unchanged policy
+    second = loop.minibatch(batch, torch.arange(16), adv)  # epoch 2 starts from the unchanged policy
     assert second["ratio/mean"] == 1.0 and second["ratio/max"] == 1.0

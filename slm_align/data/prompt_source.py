@@ -52,8 +52,8 @@ class PromptSource:
         return self.tasks.column_names()
 
     def reward(self, specs: Sequence[str] = (), learned: Optional[RewardFn] = None):
-        """The combined reward (the learned model and/or specs), given the rows' columns; refused in one line before
-        any sampling when a reward needs a column the data does not have."""
+        """The combined reward (the learned reward model, already loaded, and/or specs), given the rows' columns;
+        refused in one line before any sampling when a reward needs a column the data does not have."""
         reward = combine(specs, learned=learned)
         check_columns(reward, self.columns())
         if self.tasks is None:

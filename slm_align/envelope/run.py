@@ -1,4 +1,4 @@
-"""What every run that trains the policy's fresh adapter inside the envelope holds: PPO/GRPO (rl/step.py Learner) and
+"""What every run that trains the policy's fresh adapter inside the envelope holds: PPO/GRPO (rl/learner.py Learner) and
 DPO/KTO (preference/learner.py PreferenceLearner) both build on it.
 
 The policy on its device, the precision of its forward passes, gradient checkpointing, the trainable parameters,

@@ -1,9 +1,11 @@
-"""DPO and KTO steps inside the envelope: fp32 sequence log-probabilities, the reference as the adapter disabled
-(no second model copy), one guarded optimizer step per batch (NaN rollback), state for a bit-identical resume.
+"""What DPO (preference/dpo.py) and KTO (preference/kto.py) share, inside the envelope: fp32
+sequence log-probabilities, the reference as the adapter disabled (no second model copy), the
+encoded answers, the batch order, the held-out figures and the checkpoint.
 
-The reference never changes, so each answer's reference log-probability is computed once: the held-out answers
-before the first step (the gate and the figures before training need them), each training answer when a batch
-first uses it (kept in checkpoints). Later epochs run the policy only.
+The reference never changes, so each answer's reference log-probability is computed once: the
+held-out answers before the first step (the gate and the figures before training need them), each
+training answer when a batch first uses it (kept in checkpoints). Later epochs run the policy only.
+Each algorithm is its own class with its own ``train_step``; nothing here calls an algorithm back.
 """
 
 from __future__ import annotations
@@ -18,18 +20,20 @@ from slm_align.config import EnvelopeSettings, PreferenceSettings
 from slm_align.data.encoding import IGNORE_INDEX, encode, pad_batch
 from slm_align.data.examples import Example
 from slm_align.data.pairs import Pair
+from slm_align.data.preferences import Labelled
 from slm_align.envelope.run import TrainableRun
 from slm_align.envelope.seeds import derive_seed
 from slm_align.envelope.world import World
 from slm_align.perplexity import labelled_logprobs
 from slm_align.preference.data import PreferenceData
-from slm_align.preference.losses import dpo_loss, implicit_rewards, kto_loss, kto_reference_point
+from slm_align.preference.losses import implicit_rewards
+from slm_align.stats import wilson_interval
 
 
 @dataclass
 class Completions:
-    """Encoded (prompt, completion) rows and the reference's summed log-probability of each, shape (N,); NaN where
-    not computed yet (training answers are scored on first use)."""
+    """Encoded (prompt, completion) rows and the reference's summed log-probability of each, (N,);
+    NaN where not computed yet (training answers are scored on first use)."""
 
     rows: list[dict]
     ref: torch.Tensor
@@ -41,15 +45,17 @@ class Completions:
 
 
 def encode_completion(prompt: str, completion: str, tokenizer, max_length: int) -> Optional[dict]:
-    """Token ids and labels (prompt masked) of one completion; None when truncation leaves it no token."""
+    """Token ids and labels (prompt masked) of one completion; None when truncation leaves it no
+    token."""
     row = encode(Example(prompt=prompt, completion=completion), tokenizer, max_length)
     if all(label == IGNORE_INDEX for label in row["labels"][1:]):
         return None
     return row
 
 
-def sequence_logprobs(model, rows: list[dict], pad_id: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed fp32 log-probability of each row's completion, and its token count: two (N,) tensors."""
+def sequence_logprobs(model, rows: list[dict], pad_id: int,
+                      batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed fp32 log-probability of each row's completion, and its token count: two (N,)."""
     sums = []
     counts = []
     for start in range(0, len(rows), batch_size):
@@ -59,14 +65,10 @@ def sequence_logprobs(model, rows: list[dict], pad_id: int, batch_size: int) -> 
     return torch.cat(sums), torch.cat(counts)
 
 
-def _length(row: dict) -> int:
-    return len(row["input_ids"])
-
-
 def scored_by_length(model, rows: list[dict], pad_id: int, batch_size: int) -> torch.Tensor:
-    """:func:`sequence_logprobs` of ``rows`` (no gradient needed) in batches of similar length, so that little of
-    each batch is padding; returned in the order given, shape (N,)."""
-    lengths = [_length(row) for row in rows]
+    """:func:`sequence_logprobs` of ``rows`` (no gradient needed) in batches of similar length, so
+    that little of each batch is padding; returned in the order given, (N,)."""
+    lengths = [len(row["input_ids"]) for row in rows]
     order = sorted(range(len(rows)), key=lengths.__getitem__)
     scored, _ = sequence_logprobs(model, [rows[index] for index in order], pad_id, batch_size)
     result = torch.empty_like(scored)
@@ -74,240 +76,13 @@ def scored_by_length(model, rows: list[dict], pad_id: int, batch_size: int) -> t
     return result
 
 
-def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion (Wilson 1927): centre (p + z^2/2n) / (1 + z^2/n), half-width
-    z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n)."""
-    if total == 0:
-        return (0.0, 1.0)
-    p = successes / total
-    denominator = 1 + z * z / total
-    centre = (p + z * z / (2 * total)) / denominator
-    half = z * (p * (1 - p) / total + z * z / (4 * total * total)) ** 0.5 / denominator
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-class PreferenceLearner(TrainableRun):
-    """One DPO or KTO run's state: the shared trainable run (policy = merged prior + fresh LoRA, AdamW, the guard,
-    the step; rl/trainable.py), the encoded answers and the reference's log-probabilities."""
-
-    def __init__(self, policy, tokenizer, data: PreferenceData, settings: PreferenceSettings, algo: str,
-                 envelope: EnvelopeSettings, seed: int, max_length: int, precision: str = "fp32",
-                 checkpointing: bool = False):
-        named_params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
-        super().__init__(policy, named_params, settings.learning_rate, envelope, World(), precision, checkpointing)
-        self.settings = settings
-        self.algo = algo
-        self.seed = seed
-        self.pad_id = tokenizer.pad_token_id
-        self.scoring_batch = 2 * settings.batch_size  # no-gradient passes: as many rows as a training step's forward
-        encoder = _Encoder(tokenizer, max_length)
-        self.train_items = encoder.train_items(data.train, algo)
-        self._prepare_training(encoder)
-        self.chosen, self.rejected = self._reference_pair(encoder.pairs(data.heldout_pairs))
-        heldout_labelled = []  # DPO measures pairs only; KTO also the sign of each labelled answer's reward
-        if algo == "kto":
-            heldout_labelled = encoder.train_items(data.heldout_labelled, "kto")
-        self.heldout_labels = [label for _, label in heldout_labelled]
-        self.labelled = self._reference([row for row, _ in heldout_labelled])
-        self.dropped = encoder.dropped
-        self.desirable_weight = settings.desirable_weight
-        if self.desirable_weight is None:
-            self.desirable_weight = _balancing_weight(self.labels)
-
-    # ---- the reference ---------------------------------------------------------------------------------------
-    def _reference_of(self, rows: list[dict]) -> torch.Tensor:
-        """The reference's log-probabilities of ``rows`` (the adapter disabled, no gradient), shape (N,)."""
-        with torch.no_grad(), self.policy.disable_adapter(), self.forward_context():
-            return scored_by_length(self.policy.eval(), rows, self.pad_id, self.scoring_batch)
-
-    def _reference(self, rows: list[Optional[dict]], now: bool = True) -> Completions:
-        """The rows (those that kept a token) with the reference's log-probabilities: computed ``now`` (held-out
-        answers), or on first use (training answers: :meth:`_ensure_reference`)."""
-        kept = [row for row in rows if row is not None]
-        if not kept:
-            return Completions([], torch.zeros(0, device=self.device))
-        if now:
-            return Completions(kept, self._reference_of(kept))
-        return Completions(kept, torch.full((len(kept),), float("nan"), device=self.device))
-
-    def _reference_pair(self, pairs: list[tuple[dict, dict]], now: bool = True) -> tuple[Completions, Completions]:
-        return self._reference([c for c, _ in pairs], now), self._reference([r for _, r in pairs], now)
-
-    def _ensure_reference(self, completions: Completions, indices: list[int]) -> None:
-        """Score the batch's answers the reference has not scored yet (each training answer is scored once, and
-        only if it is used: TRL's precomputation without its pass over answers a short run never reaches)."""
-        missing = completions.missing(indices)
-        if missing:
-            completions.ref[missing] = self._reference_of([completions.rows[i] for i in missing])
-
-    def _cached_references(self) -> dict[str, torch.Tensor]:
-        """The training answers' reference log-probabilities computed so far (NaN: not yet), for checkpoints."""
-        if self.algo == "dpo":
-            return {"chosen": self.train_chosen.ref, "rejected": self.train_rejected.ref}
-        return {"completions": self.train_completions.ref, "mismatched": self.mismatched.ref}
-
-    def _prepare_training(self, encoder: "_Encoder") -> None:
-        """Reference log-probabilities of the training completions (and, for KTO, of the mismatched pairs that
-        estimate z_ref: item i's prompt with item i+1's completion)."""
-        if self.algo == "dpo":
-            self.train_chosen, self.train_rejected = self._reference_pair(self.train_items, now=False)
-            self.labels = []
-            return
-        self.labels = [label for _, label in self.train_items]
-        self.train_completions = self._reference([row for row, _ in self.train_items], now=False)
-        texts = list(encoder.kept_texts)
-        mismatched = [encoder.row(texts[i][0], texts[(i + 1) % len(texts)][1]) for i in range(len(texts))]
-        self.mismatched = self._reference([row if row is not None else encoder.row(*texts[i])
-                                           for i, row in enumerate(mismatched)], now=False)
-
-    # ---- training --------------------------------------------------------------------------------------------
-    def size(self) -> int:
-        """Training items: pairs (DPO) or labelled completions (KTO)."""
-        return len(self.train_items)
-
-    def batch_indices(self, step: int) -> list[int]:
-        """The items of ``step``: consecutive slots of per-epoch seeded shuffles (a resumed run draws the same)."""
-        size = self.size()
-        indices = []
-        for slot in range(step * self.settings.batch_size, (step + 1) * self.settings.batch_size):
-            epoch = slot // size
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, "preference_order", 0, epoch=epoch))
-            indices.append(int(torch.randperm(size, generator=generator)[slot % size]))
-        return indices
-
-    def loss(self, indices: list[int]) -> tuple[torch.Tensor, dict]:
-        """The batch's DPO or KTO loss (with gradient) and its statistics."""
-        if self.algo == "dpo":
-            return self._dpo(indices)
-        return self._kto(indices)
-
-    def _dpo(self, indices: list[int]) -> tuple[torch.Tensor, dict]:
-        self._ensure_reference(self.train_chosen, indices)
-        self._ensure_reference(self.train_rejected, indices)
-        rows = [self.train_chosen.rows[i] for i in indices] + [self.train_rejected.rows[i] for i in indices]
-        logp, _ = sequence_logprobs(self.policy, rows, self.pad_id, len(rows))
-        chosen = logp[: len(indices)]
-        rejected = logp[len(indices):]
-        terms = dpo_loss(chosen, rejected, self.train_chosen.ref[indices], self.train_rejected.ref[indices],
-                         self.settings.beta)
-        margins = terms.rewards.detach()
-        return terms.loss, {"accuracy": float((margins > 0).float().mean()), "margin": float(margins.mean()),
-                            "logp/chosen": float(chosen.detach().mean()),
-                            "logp/rejected": float(rejected.detach().mean())}
-
-    def _kto(self, indices: list[int]) -> tuple[torch.Tensor, dict]:
-        self._ensure_reference(self.train_completions, indices)
-        self._ensure_reference(self.mismatched, indices)
-        rows = [self.train_completions.rows[i] for i in indices]
-        logp, _ = sequence_logprobs(self.policy, rows, self.pad_id, len(rows))
-        with torch.no_grad():
-            kl_rows = [self.mismatched.rows[i] for i in indices]
-            kl_logp, _ = sequence_logprobs(self.policy, kl_rows, self.pad_id, len(kl_rows))
-        z_ref = kto_reference_point(kl_logp, self.mismatched.ref[indices])
-        desirable = torch.tensor([self.labels[i] for i in indices], device=self.device)
-        terms = kto_loss(logp, self.train_completions.ref[indices], desirable, z_ref, self.settings.beta,
-                         self.desirable_weight, self.settings.undesirable_weight)
-        rewards = terms.rewards.detach()
-        stats = {"kl": float(z_ref)}
-        if bool(desirable.any()):
-            stats["reward/desirable"] = float(rewards[desirable].mean())
-        if bool((~desirable).any()):
-            stats["reward/undesirable"] = float(rewards[~desirable].mean())
-        return terms.loss, stats
-
-    def train_step(self) -> dict:
-        """One guarded step on the next batch; its statistics (``rolled_back`` when the envelope undid it)."""
-        indices = self.batch_indices(self.step)
-        snapshot = self.guard.snapshot()
-        self.prepare_forward()
-        with self.forward_context():
-            loss, stats = self.loss(indices)
-        result = self.guard.step(loss, snapshot, self.after_backward)
-        self.step += 1
-        return dict(stats, **result, step=self.step, **{"guard/rollbacks": self.counters.rollbacks})
-
-    # ---- held-out figures -------------------------------------------------------------------------------------
-    def heldout(self) -> dict:
-        """Held-out preference figures of the current policy (see :func:`heldout_figures`)."""
-        with torch.no_grad(), self.forward_context():
-            self.policy.eval()
-            chosen = self._policy_logprobs(self.chosen)
-            rejected = self._policy_logprobs(self.rejected)
-            labelled = self._policy_logprobs(self.labelled)
-        return heldout_figures(chosen, rejected, self.chosen.ref, self.rejected.ref, labelled, self.labelled.ref,
-                               self.heldout_labels, self.settings.beta)
-
-    def _policy_logprobs(self, completions: Completions) -> torch.Tensor:
-        if not completions.rows:
-            return torch.zeros(0, device=self.device)
-        return scored_by_length(self.policy, completions.rows, self.pad_id, self.scoring_batch)
-
-    def prior_perplexity(self) -> Optional[float]:
-        """Perplexity of the reference (the SFT prior) on the held-out chosen completions: exp(-sum logp / tokens)."""
-        if not self.chosen.rows:
-            return None
-        tokens = sum(sum(label != IGNORE_INDEX for label in row["labels"][1:]) for row in self.chosen.rows)
-        return float(torch.exp(-self.chosen.ref.double().sum() / tokens))
-
-    # ---- checkpoints -----------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Everything a resumed run needs to continue bit for bit."""
-        references = {name: ref.clone() for name, ref in self._cached_references().items()}
-        return dict(self.run_state(), references=references)
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from a :meth:`state_dict`."""
-        self.load_run_state(state)
-        for name, ref in self._cached_references().items():
-            ref.copy_(state["references"][name])
-
-
-def heldout_figures(chosen, rejected, chosen_ref, rejected_ref, labelled, labelled_ref, labels: list[bool],
-                    beta: float) -> dict:
-    """Held-out figures; tensors (P,) for P pairs and (L,) for L labelled completions.
-
-    pair accuracy: share of pairs with implicit-reward margin r_c - r_r > 0 (TRL's rewards/accuracies), with a 95%
-    Wilson interval; margin: its mean; logp accuracy: share with log pi(chosen) > log pi(rejected) (what a sampler
-    of the policy prefers); label accuracy (KTO): share of labelled completions whose implicit reward has the
-    label's sign; kl: mean log-ratio log pi - log pi_ref over the held-out completions (a KL estimate, exact only for
-    completions sampled from the policy).
-    """
-    figures: dict = {}
-    if len(chosen):
-        margins = implicit_rewards(chosen, chosen_ref, beta) - implicit_rewards(rejected, rejected_ref, beta)
-        wins = int((margins > 0).sum())
-        figures.update(pair_accuracy=wins / len(margins), pair_accuracy_ci=wilson_interval(wins, len(margins)),
-                       margin=float(margins.mean()), pairs=len(margins),
-                       logp_accuracy=float((chosen > rejected).float().mean()),
-                       prior_logp_accuracy=float((chosen_ref > rejected_ref).float().mean()),
-                       **{"logp/chosen": float(chosen.mean()), "logp/rejected": float(rejected.mean())})
-    if len(labelled):
-        rewards = implicit_rewards(labelled, labelled_ref, beta)
-        right = sum(bool(r > 0) if label else bool(r < 0) for r, label in zip(rewards, labels))
-        figures.update(label_accuracy=right / len(labels), label_accuracy_ci=wilson_interval(right, len(labels)))
-    ratios = [float(x) for x in (chosen - chosen_ref)] + [float(x) for x in (rejected - rejected_ref)]
-    if ratios:
-        figures["kl"] = statistics.fmean(ratios)
-    return figures
-
-
-def _balancing_weight(labels: list[bool]) -> float:
-    """KTO's default desirable weight n_undesirable / n_desirable (1 when either side is missing)."""
-    good = sum(labels)
-    bad = len(labels) - good
-    if good == 0 or bad == 0:
-        return 1.0
-    return bad / good
-
-
-class _Encoder:
-    """Encodes training and held-out completions, counting those truncation leaves without a token."""
+class Encoder:
+    """Encodes training and held-out completions, counting those truncation leaves no token."""
 
     def __init__(self, tokenizer, max_length: int):
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.dropped = 0
-        self.kept_texts: list[tuple[str, str]] = []
 
     def row(self, prompt: str, completion: str) -> Optional[dict]:
         return encode_completion(prompt, completion, self.tokenizer, self.max_length)
@@ -324,16 +99,183 @@ class _Encoder:
             encoded.append((chosen, rejected))
         return encoded
 
-    def train_items(self, items: list, algo: str) -> list[tuple]:
-        """DPO: (chosen row, rejected row) per pair; KTO: (row, label) per labelled completion."""
-        if algo == "dpo":
-            return self.pairs(items)
+    def labelled(self, items: list[Labelled]) -> list[tuple[dict, Labelled]]:
+        """(encoded row, item) of each labelled completion that keeps a token."""
         encoded = []
         for item in items:
             row = self.row(item.prompt, item.completion)
             if row is None:
                 self.dropped += 1
                 continue
-            encoded.append((row, item.label))
-            self.kept_texts.append((item.prompt, item.completion))
+            encoded.append((row, item))
         return encoded
+
+
+class PreferenceLearner(TrainableRun):
+    """What a DPO or KTO run holds besides its algorithm: the envelope's trainable run (policy =
+    merged prior + fresh LoRA, AdamW, the guard, the step; envelope/run.py), the encoder, the
+    reference's log-probabilities, the held-out answers. Subclasses (:class:`~.dpo.DPO`,
+    :class:`~.kto.KTO`) own ``train_step``, and ``prepare`` their data: encode the training items,
+    name the answers whose reference scores a checkpoint keeps (:attr:`answers`), and keep the
+    held-out answers they measure (:meth:`keep_heldout`)."""
+
+    algo = ""
+    """"dpo" or "kto" (the stage's name for the run)."""
+
+    def __init__(self, policy, tokenizer, data: PreferenceData, settings: PreferenceSettings,
+                 envelope: EnvelopeSettings, seed: int, max_length: int, precision: str = "fp32",
+                 checkpointing: bool = False):
+        named_params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+        super().__init__(policy, named_params, settings.learning_rate, envelope, World(), precision,
+                         checkpointing)
+        self.settings = settings
+        self.seed = seed
+        self.pad_id = tokenizer.pad_token_id
+        self.scoring_batch = 2 * settings.batch_size  # no-gradient passes: a training step's rows
+        self.encoder = Encoder(tokenizer, max_length)
+        self.train_items: list[tuple] = []
+        """Pairs (DPO) or labelled completions (KTO), encoded."""
+        self.answers: dict[str, Completions] = {}
+        """The training answers by name, whose reference scores so far a checkpoint keeps."""
+        self.desirable_weight = settings.desirable_weight
+        """KTO's lambda_D (None in the settings: balanced by KTO's ``prepare``; 1 under DPO)."""
+        self.prepare(data)
+
+    def prepare(self, data: PreferenceData) -> None:
+        """The algorithm's training items and held-out answers (each subclass has its own)."""
+        raise NotImplementedError
+
+    # ---- the reference -----------------------------------------------------------------------
+    def reference_of(self, rows: list[dict]) -> torch.Tensor:
+        """The reference's log-probabilities of ``rows`` (adapter disabled, no gradient), (N,)."""
+        with torch.no_grad(), self.policy.disable_adapter(), self.forward_context():
+            return scored_by_length(self.policy.eval(), rows, self.pad_id, self.scoring_batch)
+
+    def reference(self, rows: list[Optional[dict]], now: bool = True) -> Completions:
+        """The rows (those that kept a token) with the reference's log-probabilities: computed
+        ``now`` (held-out answers), or on first use (training answers: :meth:`ensure_reference`)."""
+        kept = [row for row in rows if row is not None]
+        if not kept:
+            return Completions([], torch.zeros(0, device=self.device))
+        if now:
+            return Completions(kept, self.reference_of(kept))
+        return Completions(kept, torch.full((len(kept),), float("nan"), device=self.device))
+
+    def reference_pair(self, pairs: list[tuple[dict, dict]],
+                       now: bool = True) -> tuple[Completions, Completions]:
+        """:meth:`reference` of the chosen and of the rejected answers of ``pairs``."""
+        chosen = self.reference([c for c, _ in pairs], now)
+        return chosen, self.reference([r for _, r in pairs], now)
+
+    def ensure_reference(self, indices: list[int], *answers: Completions) -> None:
+        """Score the batch's ``answers`` the reference has not scored yet: each training answer
+        once, and only if a batch uses it (TRL's precomputation without its pass over answers a
+        short run never reaches)."""
+        for completions in answers:
+            missing = completions.missing(indices)
+            if missing:
+                completions.ref[missing] = self.reference_of([completions.rows[i] for i in missing])
+
+    def keep_heldout(self, pairs: list[Pair], labelled: list[Labelled]) -> None:
+        """Encode the held-out pairs and labelled completions and score them under the reference
+        now; :attr:`dropped` counts every answer truncation left no token, training ones too."""
+        self.chosen, self.rejected = self.reference_pair(self.encoder.pairs(pairs))
+        encoded = self.encoder.labelled(labelled)
+        self.heldout_labels = [item.label for _, item in encoded]
+        self.labelled = self.reference([row for row, _ in encoded])
+        self.dropped = self.encoder.dropped
+
+    # ---- training ----------------------------------------------------------------------------
+    def size(self) -> int:
+        """Training items: pairs (DPO) or labelled completions (KTO)."""
+        return len(self.train_items)
+
+    def batch_indices(self, step: int) -> list[int]:
+        """The items of ``step``: consecutive slots of per-epoch seeded shuffles (a resumed run
+        draws the same)."""
+        size = self.size()
+        indices = []
+        for slot in range(step * self.settings.batch_size, (step + 1) * self.settings.batch_size):
+            epoch = slot // size
+            seed = derive_seed(self.seed, "preference_order", 0, epoch=epoch)
+            generator = torch.Generator().manual_seed(seed)
+            indices.append(int(torch.randperm(size, generator=generator)[slot % size]))
+        return indices
+
+    def finish_step(self, stats: dict, result: dict) -> dict:
+        """Count the step; its statistics with the guarded step's ``result`` (``loss`` and
+        ``grad_norm``, or ``rolled_back``) and the run's rollbacks so far."""
+        self.step += 1
+        return dict(stats, **result, step=self.step, **{"guard/rollbacks": self.counters.rollbacks})
+
+    # ---- held-out figures --------------------------------------------------------------------
+    def heldout(self) -> dict:
+        """Held-out preference figures of the current policy (see :func:`heldout_figures`)."""
+        with torch.no_grad(), self.forward_context():
+            self.policy.eval()
+            chosen = self._policy_logprobs(self.chosen)
+            rejected = self._policy_logprobs(self.rejected)
+            labelled = self._policy_logprobs(self.labelled)
+        return heldout_figures(chosen, rejected, self.chosen.ref, self.rejected.ref, labelled,
+                               self.labelled.ref, self.heldout_labels, self.settings.beta)
+
+    def _policy_logprobs(self, completions: Completions) -> torch.Tensor:
+        if not completions.rows:
+            return torch.zeros(0, device=self.device)
+        return scored_by_length(self.policy, completions.rows, self.pad_id, self.scoring_batch)
+
+    def prior_perplexity(self) -> Optional[float]:
+        """Perplexity of the reference (the SFT prior) on the held-out chosen completions:
+        exp(-sum logp / tokens)."""
+        if not self.chosen.rows:
+            return None
+        tokens = sum(sum(label != IGNORE_INDEX for label in row["labels"][1:])
+                     for row in self.chosen.rows)
+        return float(torch.exp(-self.chosen.ref.double().sum() / tokens))
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue bit for bit (the reference scores so far)."""
+        references = {name: answers.ref.clone() for name, answers in self.answers.items()}
+        return dict(self.run_state(), references=references)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict`."""
+        self.load_run_state(state)
+        for name, answers in self.answers.items():
+            answers.ref.copy_(state["references"][name])
+
+
+def heldout_figures(chosen, rejected, chosen_ref, rejected_ref, labelled, labelled_ref,
+                    labels: list[bool], beta: float) -> dict:
+    """Held-out figures; tensors (P,) for P pairs and (L,) for L labelled completions.
+
+    pair accuracy: share of pairs with implicit-reward margin r_c - r_r > 0 (TRL's
+    rewards/accuracies), with a 95% Wilson interval; margin: its mean; logp accuracy: share with
+    log pi(chosen) > log pi(rejected) (what a sampler of the policy prefers); label accuracy (KTO):
+    share of labelled completions whose implicit reward has the label's sign; kl: mean log-ratio
+    log pi - log pi_ref over the held-out pairs' answers (a KL estimate, exact only for completions
+    sampled from the policy).
+    """
+    figures: dict = {}
+    if len(chosen):
+        margins = (implicit_rewards(chosen, chosen_ref, beta)
+                   - implicit_rewards(rejected, rejected_ref, beta))
+        wins = int((margins > 0).sum())
+        figures.update(pair_accuracy=wins / len(margins),
+                       pair_accuracy_ci=wilson_interval(wins, len(margins)),
+                       margin=float(margins.mean()), pairs=len(margins),
+                       logp_accuracy=float((chosen > rejected).float().mean()),
+                       prior_logp_accuracy=float((chosen_ref > rejected_ref).float().mean()),
+                       **{"logp/chosen": float(chosen.mean()),
+                          "logp/rejected": float(rejected.mean())})
+    if len(labelled):
+        rewards = implicit_rewards(labelled, labelled_ref, beta)
+        right = sum(bool(r > 0) if label else bool(r < 0) for r, label in zip(rewards, labels))
+        figures.update(label_accuracy=right / len(labels),
+                       label_accuracy_ci=wilson_interval(right, len(labels)))
+    ratios = [float(x) for x in (chosen - chosen_ref)]
+    ratios += [float(x) for x in (rejected - rejected_ref)]
+    if ratios:
+        figures["kl"] = statistics.fmean(ratios)
+    return figures

@@ -24,6 +24,7 @@ from slm_align.errors import UserError
 from slm_align.headroom import Figure, GateRefused, HeadroomReport
 from slm_align.modeling import load_tokenizer, resolve_source, save_adapter
 from slm_align.plots import plot_curves
+from slm_align.preference.algorithms import preference_learner
 from slm_align.preference.data import PreferenceData, check_feedback_models, load_preference_data
 from slm_align.preference.learner import PreferenceLearner
 from slm_align.progress import quiet, stage_lines
@@ -82,9 +83,9 @@ class PreferenceStage:
                                    recipe.model.allow_pickle, self.compute.device)
         heldout = len(self.data.heldout_pairs)
         with stage_lines(f"{self.algo} set-up", f"the reference's log-probabilities of {heldout} held-out pairs"):
-            self.learner = PreferenceLearner(self.policy, self.tokenizer, self.data, recipe.preference, self.algo,
-                                             recipe.rl.envelope, recipe.seed, recipe.data.max_length,
-                                             self.compute.precision, self.compute.gradient_checkpointing)
+            self.learner = preference_learner(self.policy, self.tokenizer, self.data, recipe.preference, self.algo,
+                                               recipe.rl.envelope, recipe.seed, recipe.data.max_length,
+                                               self.compute.precision, self.compute.gradient_checkpointing)
         self.gate = preference_gate(recipe, self.algo, self.data, self.learner).to_dict()
         gate = self.gate
         self.say(f"{self.algo} gate: {gate['verdict']}" + (f" ({'; '.join(gate['reasons'])})" if gate["reasons"]

@@ -6,7 +6,18 @@ tokens that train and 0 on padding (and on truncated completions under ``mask_tr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
+
+
+@dataclass
+class Advantages:
+    """An iteration's advantages, what its minibatches' losses read."""
+
+    tokens: torch.Tensor  # (B, T) per-token advantages A_t, zero outside the mask
+    returns: Optional[torch.Tensor] = None  # (B, T) PPO: GAE's A_t + V_t, A before whitening
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,18 @@
-"""PPO for a language model with a value head, inside the safety envelope. One iteration, top to bottom:
+"""PPO for a language model with a value head, inside the safety envelope.
+
+One iteration, top to bottom:
 
 1. prompts: ``prompts_per_step * group_size`` distinct training prompts, one completion each;
 2. rollout: sample, score, and recompute old/reference log-probabilities and values in fp32;
-3. advantages: whiten the scores, sigma-clip them, spread them into per-token rewards with a KL penalty, GAE,
-   whiten and sigma-clip the advantages;
-4. loss, per minibatch (through the shared guarded step): the clipped policy loss (token mean), the clipped value
-   loss, and optionally the k3 KL in the loss instead of the reward;
-5. the adaptive KL controller, then the metrics (explained variance of the value head among them).
+3. advantages: whiten the scores, sigma-clip them, spread them into per-token rewards with a KL
+   penalty, GAE, whiten and sigma-clip the advantages;
+4. update: ``epochs`` passes in shuffled minibatches, each: the ratio, the ratio guard, the loss
+   (the clipped policy loss, token mean; the clipped value loss; optionally the k3 KL in the loss
+   instead of the reward), the guarded optimizer step;
+5. the adaptive KL controller, then the metrics (the value head's explained variance among them).
 
-After Schulman et al. 2017 (PPO) and Ziegler et al. 2019 (PPO for language models), as TRL's PPOTrainer.
+After Schulman et al. 2017 (PPO) and Ziegler et al. 2019 (PPO for language models), as TRL's
+PPOTrainer; laid out as CleanRL's ``ppo.py``.
 """
 
 from __future__ import annotations
@@ -18,90 +22,117 @@ import time
 import torch
 
 from slm_align.envelope.seeds import derive_seed
-from slm_align.rl.advantages import gae, masked_mean, masked_whiten, per_token_rewards, sigma_clip, whiten_scores
+from slm_align.rl.advantages import (
+    Advantages,
+    gae,
+    masked_mean,
+    masked_whiten,
+    per_token_rewards,
+    sigma_clip,
+    whiten_scores,
+)
+from slm_align.rl.learner import Learner, rollout_kl, rollout_metrics
 from slm_align.rl.losses import adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, kl_k3
 from slm_align.rl.phases import PhaseClock
-from slm_align.rl.rollout import Rollout
-from slm_align.rl.schedule import iteration_size
-from slm_align.rl.step import Learner, LossFn, rollout_kl, rollout_metrics
+from slm_align.rl.rollout import Rollout, collect
 
 
 class PPO(Learner):
-    """PPO's iteration on the shared run state (:class:`slm_align.rl.step.Learner`); needs a value head."""
-
-    def prompts_for(self, step: int) -> list[str]:
-        """This rank's training prompts of an iteration, chosen by (seed, step): a resumed run sees the same ones."""
-        generator = torch.Generator().manual_seed(derive_seed(self.seed, "prompts", step))
-        draws = iteration_size(self.settings).prompts
-        picks = torch.randint(len(self.train_prompts), (draws,), generator=generator).tolist()
-        picks = picks[self.world.rank::self.world.size]
-        return [self.train_prompts[i] for i in picks]
+    """PPO's iteration on the shared run state (:class:`slm_align.rl.learner.Learner`); needs a
+    value head."""
 
     def rollout(self, step: int) -> Rollout:
-        """One completion per prompt, scored, with old and reference log-probabilities and values."""
+        """B completions of B distinct prompts, scored, with old and reference log-probabilities
+        and values."""
         seed = derive_seed(self.seed, "rollout", step, self.world.rank)
-        return self.sample_rollout(self.prompts_for(step), seed)
+        with self.forward_context():
+            return collect(self.policy, self.value_head, self.tokenizer, self.reward_fn,
+                           self.prompts_for(step), self.settings, seed, self.clock)
 
-    def advantages(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token advantages and returns, (B, T) each, whitened and sigma-clipped as the envelope says."""
+    def advantages(self, batch: Rollout) -> Advantages:
+        """Per-token advantages and returns, (B, T) each, whitened and sigma-clipped.
+
+        s = clip3sigma(whiten(scores)) over the batch; r_t = -kl_coef * (log pi_old - log pi_ref)
+        on every token plus s on the last (:func:`per_token_rewards`; kl_coef 0 when the KL goes
+        into the loss); A, R = GAE(r, V, gamma, lambda) (:func:`gae`); A = clip3sigma(whiten(A))
+        over the mask. The clips are counted (``guard/score_clipped``, ``guard/advantage_clipped``).
+        """
         ppo = self.settings.ppo
         n_sigma = self.envelope.sigma_clip
-        scores = batch.scores
-        if ppo.whiten_rewards:
-            scores = whiten_scores(scores)
+        scores = whiten_scores(batch.scores) if ppo.whiten_rewards else batch.scores
         scores, clipped = sigma_clip(scores, n_sigma)
         self.counters.score_clipped += clipped
-        kl_coef = self.kl_coef if ppo.kl_mode == "reward" else 0.0  # k1 in the reward, or k3 in the loss
-        rewards = per_token_rewards(scores, batch.old_logprobs, batch.ref_logprobs, batch.mask, kl_coef)
+        kl_coef = self.kl_coef if ppo.kl_mode == "reward" else 0.0  # k1 here, or k3 in the loss
+        rewards = per_token_rewards(scores, batch.old_logprobs, batch.ref_logprobs, batch.mask,
+                                    kl_coef)
         advantages, returns = gae(rewards, batch.values, batch.mask, ppo.gamma, ppo.lam)
         advantages, clipped = sigma_clip(masked_whiten(advantages, batch.mask), n_sigma, batch.mask)
         self.counters.advantage_clipped += clipped
-        return advantages, returns
+        return Advantages(advantages, returns)
 
-    def loss(self, batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor) -> LossFn:
-        """PPO's loss on a minibatch: clipped policy loss + value_coef * clipped value loss (+ kl_coef * k3)."""
-        s = self.settings
+    def minibatch(self, batch: Rollout, rows: torch.Tensor, adv: Advantages) -> dict:
+        """One guarded optimizer step on ``rows`` (b,) of the rollout; its statistics.
 
-        def loss_fn(rows, new_logprobs, values, ratio, mask):
-            """PPO's loss on ``rows`` (see :data:`slm_align.rl.step.LossFn`) and its statistics."""
-            loss, clip_frac = clipped_policy_loss(ratio, advantages[rows], mask, s.clip_eps, s.clip_eps,
-                                                  "token_mean", s.max_new_tokens)
-            stats = {"loss/policy": float(loss.detach()), "clip_frac": float(clip_frac)}
-            value_loss = clipped_value_loss(values, batch.values[rows], returns[rows], mask, s.ppo.value_clip)
-            loss = loss + s.ppo.value_coef * value_loss
-            stats["loss/value"] = float(value_loss.detach())
-            if s.ppo.kl_mode == "loss":
-                kl = kl_k3(new_logprobs, batch.ref_logprobs[rows], self.envelope.log_ratio_clamp)
-                loss = loss + self.kl_coef * masked_mean(kl, mask)
-            return loss, stats
-
-        return loss_fn
+        loss = L_clip(rho, A) + value_coef * L_V(V, V_old, R) (+ kl_coef * mean_t k3_t when
+        kl_mode is "loss"), over the (b, T) completion tokens: L_clip the clipped surrogate, token
+        mean, clip range [1 - eps, 1 + eps] (:func:`clipped_policy_loss`); L_V the clipped value
+        loss (:func:`clipped_value_loss`). Schulman et al. 2017, eq. 9 without the entropy bonus.
+        """
+        s, ppo = self.settings, self.settings.ppo
+        # --- ratio: snapshot, forward with dropout off, rho_t = pi / pi_old in fp32 (log clamped)
+        fwd = self.policy_forward(batch, rows)
+        # --- guard: a mean ratio over the bound skips the minibatch (counted): no backward, no step
+        if self.ratio_guard_skips(fwd):
+            return dict(fwd.stats, skipped=1)
+        # --- loss
+        with self.clock.phase("update_forward"):
+            policy_loss, clip_frac = clipped_policy_loss(fwd.ratio, adv.tokens[rows], fwd.mask,
+                                                         s.clip_eps, s.clip_eps, "token_mean",
+                                                         s.max_new_tokens)
+            value_loss = clipped_value_loss(fwd.values, batch.values[rows], adv.returns[rows],
+                                            fwd.mask, ppo.value_clip)
+            loss = policy_loss + ppo.value_coef * value_loss
+            if ppo.kl_mode == "loss":
+                kl = kl_k3(fwd.logprobs, batch.ref_logprobs[rows], self.envelope.log_ratio_clamp)
+                loss = loss + self.kl_coef * masked_mean(kl, fwd.mask)
+            stats = {"loss/policy": float(policy_loss.detach()), "clip_frac": float(clip_frac),
+                     "loss/value": float(value_loss.detach())}
+        # --- guarded step: backward, finite loss, gradient and parameters, else the snapshot back
+        with self.clock.phase("update_backward"):
+            result = self.guard.step(loss, fwd.snapshot, self.after_backward)
+        return dict(fwd.stats, **stats, skipped=0, **result)
 
     def run_step(self, step: int) -> dict:
-        """One PPO iteration: rollout, advantages, guarded updates, the KL controller; the iteration's metrics."""
+        """One PPO iteration: rollout, advantages, guarded updates, the KL controller; metrics."""
+        ppo = self.settings.ppo
         started = time.perf_counter()
         self.clock = PhaseClock()
+        # --- rollout
         batch = self.rollout(step)
         self.require_training_tokens(batch, step)
-        advantages, returns = self.advantages(batch)
-        results = self.update(batch, self.loss(batch, advantages, returns), step)
+        # --- advantages
+        adv = self.advantages(batch)
+        # --- update: ``epochs`` seeded shuffles of the rollout, a guarded step per minibatch
+        results = [self.minibatch(batch, rows, adv) for rows in self.minibatches(batch, step)]
         self.step = step + 1
+        # --- KL controller: beta * (1 + 0.1 * clip(KL / target - 1, -0.2, 0.2)), Ziegler et al.
         kl = rollout_kl(batch)
-        if self.settings.ppo.adaptive_kl:
-            self.kl_coef = adaptive_kl_coef(self.kl_coef, kl, self.settings.ppo.target_kl)
+        if ppo.adaptive_kl:
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, kl, ppo.target_kl)
         metrics = rollout_metrics(batch, results, kl, time.perf_counter() - started)
-        metrics["value/explained_variance"] = explained_variance(returns, batch.values, batch.mask)
-        metrics.update(self.guard_metrics())
-        metrics.update(self.clock.metrics())
+        metrics["value/explained_variance"] = explained_variance(adv.returns, batch.values,
+                                                                 batch.mask)
+        metrics.update(self.run_metrics())
         return metrics
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
-    """How much of the returns' variance the value head explains: 1 - Var[R - V] / Var[R], over ``mask``.
+    """How much of the returns' variance the value head explains: 1 - Var[R - V] / Var[R].
 
-    returns, values, mask: (B, T). Here Var[R - V] is the mean squared error E[(R - V)^2] (not centred) and
-    Var[R] the population variance of R; 1 is a perfect critic, 0 one no better than the mean return, negative
-    worse. 0.0 when R is constant. As CleanRL's ``ppo.py`` and TRL's PPOTrainer log it.
+    returns, values, mask: (B, T), over ``mask``. Here Var[R - V] is the mean squared error
+    E[(R - V)^2] (not centred) and Var[R] the population variance of R; 1 is a perfect critic, 0
+    one no better than the mean return, negative worse. 0.0 when R is constant. As CleanRL's
+    ``ppo.py`` and TRL's PPOTrainer log it.
     """
     residual = masked_mean((returns - values) ** 2, mask)
     variance = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)

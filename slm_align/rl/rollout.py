@@ -30,6 +30,12 @@ class Rollout:
     values: Optional[torch.Tensor]  # (B, T), PPO only
     scores: torch.Tensor  # (B,) reward of each completion (after any length penalty)
     truncated: torch.Tensor  # (B,) bool
+    all_equal: int = 0  # GRPO: groups whose first draw's rewards were all equal (no signal)
+
+    @property
+    def size(self) -> int:
+        """B, the rollout's rows (completions)."""
+        return self.scores.shape[0]
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -1,0 +1,199 @@
+"""What PPO (rl/ppo.py) and GRPO (rl/grpo.py) share: the run state, and the pieces of a minibatch
+that both call.
+
+The run state (:class:`Learner`): the envelope's trainable run (policy, AdamW, the guard, the
+step), the value head, the prompts, the reward, the KL coefficient, the phase clock, the metrics
+and the checkpoint. The algorithms own their iteration and their epoch and minibatch loop: each
+minibatch calls :meth:`Learner.policy_forward` (snapshot, forward with dropout off, the fp32
+importance ratio) and :meth:`Learner.ratio_guard_skips` (the ratio guard), computes its own loss,
+and steps through the guarded optimizer (``self.guard.step``). Nothing here calls an algorithm back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from slm_align.config import RLSettings
+from slm_align.envelope.guard import Snapshot
+from slm_align.envelope.logprobs import forward_logprobs
+from slm_align.envelope.ratio import ratio_guard_trips, ratio_of
+from slm_align.envelope.run import TrainableRun
+from slm_align.envelope.seeds import derive_seed
+from slm_align.envelope.value_head import ValueHead
+from slm_align.envelope.world import World
+from slm_align.errors import UserError
+from slm_align.rl.advantages import masked_mean
+from slm_align.rl.phases import PhaseClock
+from slm_align.rl.rollout import Rollout
+from slm_align.rl.schedule import iteration_size
+
+
+@dataclass
+class PolicyForward:
+    """b rollout rows (T completion tokens) under the current policy, and the snapshot taken before
+    the forward pass (what a rollback restores; None with rollback off)."""
+
+    rows: torch.Tensor  # (b,) indices into the rollout
+    logprobs: torch.Tensor  # (b, T) log pi(y_t), with gradient
+    values: Optional[torch.Tensor]  # (b, T) the value head's V_t, with gradient; None without one
+    ratio: torch.Tensor  # (b, T) fp32 importance ratio rho_t
+    mask: torch.Tensor  # (b, T) completion tokens that train
+    stats: dict  # "ratio/mean", "ratio/max", "entropy"
+    snapshot: Optional[Snapshot]
+
+
+class Learner(TrainableRun):
+    """One RL run's state: the envelope's trainable run (envelope/run.py), the optional value head,
+    the prompts, the reward and the KL coefficient. PPO and GRPO subclass it with their iteration
+    (``run_step``)."""
+
+    def __init__(self, policy, tokenizer, reward_fn, train_prompts: list[str], settings: RLSettings,
+                 seed: int, value_head: Optional[ValueHead] = None, world: World = World(),
+                 precision: str = "fp32", checkpointing: bool = False):
+        named_params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+        if value_head is not None:
+            named_params += [(f"value_head.{n}", p) for n, p in value_head.named_parameters()]
+        super().__init__(policy, named_params, settings.learning_rate, settings.envelope, world,
+                         precision, checkpointing)
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.train_prompts = train_prompts
+        self.settings = settings
+        self.seed = seed
+        self.value_head = value_head
+        # PPO's (adaptive) KL coefficient. GRPO weighs its KL by grpo.beta and carries this value
+        # unchanged, so that both write the same checkpoint and the same "kl_coef" metric.
+        self.kl_coef = settings.ppo.kl_coef
+        self.clock = PhaseClock()
+        """The current iteration's phase timings (a fresh clock each iteration)."""
+        self.kl_watched = False
+        """Whether something reads the "kl" metric besides the loss (the watchdog's KL detector)."""
+
+    def prompts_for(self, step: int) -> list[str]:
+        """This rank's training prompts of an iteration, chosen by (seed, step) so that a resumed
+        run sees the same ones: this rank's share of the iteration's draws (whole GRPO groups),
+        each repeated ``completions_per_prompt`` times in a row (GRPO: a group; PPO: once)."""
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, "prompts", step))
+        size = iteration_size(self.settings)
+        draws = torch.randint(len(self.train_prompts), (size.prompts,), generator=generator)
+        picks = draws.tolist()[self.world.rank::self.world.size]
+        return [self.train_prompts[i] for i in picks for _ in range(size.completions_per_prompt)]
+
+    def require_training_tokens(self, batch: Rollout, step: int) -> None:
+        """Stop when no completion token of the rollout trains (on every rank): an update would
+        only replay AdamW's stale momentum on a zero gradient."""
+        if not self.world.all(float(batch.mask.sum()) == 0):
+            return
+        raise UserError(f"RL iteration {step + 1}: every completion ran to max_new_tokens="
+                        f"{self.settings.max_new_tokens} without EOS and --mask-truncated gives "
+                        "truncated completions no gradient, so nothing would train; raise "
+                        "--max-new-tokens or drop --mask-truncated")
+
+    # ---- the pieces of a minibatch -----------------------------------------------------------
+    def minibatches(self, batch: Rollout, step: int) -> Iterator[torch.Tensor]:
+        """The (b,) rows of each minibatch of an iteration: ``epochs`` passes over the rollout,
+        each a seeded shuffle ("minibatch_order" at step and epoch) cut into ``minibatch_size``."""
+        size = self.settings.minibatch_size
+        for epoch in range(self.settings.epochs):
+            seed = derive_seed(self.seed, "minibatch_order", step, epoch=epoch)
+            order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
+            for start in range(0, batch.size, size):
+                yield order[start:start + size]
+
+    def policy_forward(self, batch: Rollout, rows: torch.Tensor) -> PolicyForward:
+        """``rows`` of the rollout under the current policy, timed as "update_forward": first the
+        snapshot (nothing has moved yet), then the forward with dropout off (autocast at the run's
+        precision), then in fp32 the importance ratio, (b, T),
+
+            rho_t = exp(clamp(log pi(y_t) - log pi_old(y_t), -c, c)),  c = log_ratio_clamp
+
+        (:func:`~slm_align.envelope.ratio.ratio_of`), its masked mean and max, the mean entropy."""
+        with self.clock.phase("update_forward"):
+            snapshot = self.guard.snapshot()
+            self.prepare_forward()
+            with self.forward_context():
+                new, entropy, values = forward_logprobs(
+                    self.policy, batch.input_ids[rows], batch.attention_mask[rows],
+                    batch.prompt_width, self.settings.temperature, self.value_head)
+            mask = batch.mask[rows]
+            ratio = ratio_of(new, old_logprobs(batch, rows, new), self.envelope.log_ratio_clamp)
+            stats = {"ratio/mean": float(masked_mean(ratio.detach(), mask)),
+                     "ratio/max": float((ratio.detach() * mask).max()),
+                     "entropy": float(masked_mean(entropy, mask))}
+        return PolicyForward(rows, new, values, ratio, mask, stats, snapshot)
+
+    def ratio_guard_skips(self, forward: PolicyForward) -> bool:
+        """The ratio guard (envelope rule 5): whether the minibatch's mean ratio, averaged over
+        ranks, exceeds ``envelope.ratio_guard`` (0: off). A trip is counted; the caller skips the
+        minibatch: no backward, no optimizer step, parameters and optimizer state as they are."""
+        bound = self.envelope.ratio_guard
+        if not bound or not ratio_guard_trips(self.world.mean(forward.stats["ratio/mean"]), bound):
+            return False
+        self.counters.skipped += 1
+        return True
+
+    # ---- metrics and checkpoints -------------------------------------------------------------
+    def run_metrics(self) -> dict:
+        """The iteration count, the KL coefficient, what the guards did so far (totals of the run)
+        and the iteration's phase timings."""
+        counters = self.counters
+        return {"step": self.step, "kl_coef": self.kl_coef, "guard/skipped": counters.skipped,
+                "guard/rollbacks": counters.rollbacks,
+                "guard/score_clipped": counters.score_clipped,
+                "guard/advantage_clipped": counters.advantage_clipped, **self.clock.metrics()}
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue bit for bit (trainable weights, AdamW, RNG,
+        counters, the KL coefficient)."""
+        return dict(self.run_state(), kl_coef=self.kl_coef)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict`."""
+        self.load_run_state(state)
+        self.kl_coef = state["kl_coef"]
+
+
+def old_logprobs(batch: Rollout, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """(b, T) log-probabilities of ``rows`` under the rollout policy: the old pass's, or, when the
+    rollout skipped that pass (one minibatch per epoch), the first epoch's forward's own ``new``
+    detached, kept in the batch for the later epochs and the KL metric. Those are the rollout
+    policy's exactly (no step has been taken yet), so the first epoch's ratio is exactly 1."""
+    if batch.old_logprobs is not None:
+        return batch.old_logprobs[rows]
+    if rows.numel() != batch.mask.shape[0]:
+        raise ValueError("a rollout without old log-probabilities trains in one minibatch of all "
+                         "its rows")
+    old = torch.zeros_like(batch.mask)
+    old[rows] = new.detach().float()
+    batch.old_logprobs = old
+    return old[rows]
+
+
+def rollout_kl(batch: Rollout) -> Optional[float]:
+    """Mean over sequences of the summed k1 KL, sum_t (log pi_old - log pi_ref) * m_t: the run's
+    "kl" metric and the adaptive controller's input; None without reference log-probabilities."""
+    if batch.ref_logprobs is None:
+        return None
+    return float(((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum(-1).mean())
+
+
+def _mean(results: list[dict], key: str) -> Optional[float]:
+    values = [r[key] for r in results if key in r]
+    return sum(values) / len(values) if values else None
+
+
+def rollout_metrics(batch: Rollout, results: list[dict], kl: Optional[float],
+                    seconds: float) -> dict:
+    """The metrics both algorithms log: reward, KL, lengths, the minibatch statistics averaged."""
+    lengths = batch.lengths.float()
+    metrics = {"reward/mean": float(batch.scores.mean()), "reward/std": float(batch.scores.std()),
+               "kl": kl, "completion/length": float(lengths.mean()),
+               "completion/truncated_frac": float(batch.truncated.float().mean()),
+               "ratio/max": max(r["ratio/max"] for r in results), "step_time": seconds,
+               "tokens_per_s": float(lengths.sum()) / seconds if seconds else 0.0}
+    for key in ("ratio/mean", "entropy", "clip_frac", "loss/policy", "loss/value", "grad_norm"):
+        metrics[key] = _mean(results, key)
+    return metrics
