@@ -20,19 +20,19 @@ from starlette.routing import Route
 
 from slm_align.agent.runtime import Agent, Model, Reply
 from slm_align.agent.sampling import SamplingParams
-from slm_align.agent.server.requests import (
+from slm_align.agent.server.body import (
     DEFAULTS,
     Body,
     NonEmpty,
     Number,
     Tokens,
-    _count_at_most,
+    count_at_most,
     read_json,
     refuse_unsupported,
     request_seed,
     stop_list,
-    validate,
 )
+from slm_align.agent.server.refusals import validate
 from slm_align.agent.server.responses import Meta, last_item, sse, stream_error
 from slm_align.agent.server.routes import SSE_HEADERS, client_left
 
@@ -57,7 +57,7 @@ class CompletionBody(Body):
     """Softmax temperature; 0 is greedy."""
     top_p: Annotated[Number, Field(ge=0, le=1)] = DEFAULTS.top_p
     """Nucleus sampling threshold."""
-    stop: Annotated[Union[NonEmpty, list[NonEmpty]], _count_at_most("max_stop")] = Field(default_factory=list)
+    stop: Annotated[Union[NonEmpty, list[NonEmpty]], count_at_most("max_stop")] = Field(default_factory=list)
     """Strings that end the continuation (not included in it)."""
     seed: Optional[StrictInt] = None
     """Sampling seed (default: drawn at random)."""
