@@ -12,24 +12,13 @@ import secrets
 from dataclasses import dataclass
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    ValidationInfo,
-    model_validator,
-)
-from pydantic_core import PydanticCustomError, PydanticKnownError
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationInfo, model_validator
+from pydantic_core import PydanticKnownError, core_schema
 from starlette.requests import ClientDisconnect, Request
 
 from slm_align.agent.runtime import fold_seed
-from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.server.errors import ApiError, bad
+from slm_align.agent.settings import MaxTokens
 
 MAX_ARGUMENT_DEPTH = 64
 """Deepest nesting of a past tool call's arguments and of a tool's parameter schema: past it, rendering, checking
@@ -37,7 +26,6 @@ the schema and storing would exhaust the stack (jsonschema's own check fails at 
 MAX_BODY_DEPTH = MAX_ARGUMENT_DEPTH + 8
 """Deepest nesting of a whole body: room for the arguments and schemas, and the messages and tools around them, so
 that no other field (a tool's description, a message's name) nests deeper."""
-DEFAULTS = SamplingParams()
 
 
 @dataclass
@@ -110,7 +98,6 @@ def depth(value: Any) -> int:
     return deepest
 
 
-
 # --- validators that need the limits ----------------------------------------------------------------------------
 
 
@@ -118,29 +105,46 @@ def _limits(info: ValidationInfo) -> Limits:
     return info.context["limits"]
 
 
-def _at_most_max_tokens(value: int, info: ValidationInfo) -> int:
-    if value > _limits(info).max_tokens:
-        raise PydanticKnownError("less_than_equal", {"le": _limits(info).max_tokens})
-    return value
+@dataclass(frozen=True)
+class AtMost:
+    """``Annotated`` metadata: a value at most the server's :class:`Limits` field ``limit`` (``le`` there)."""
+
+    limit: str
+
+    def bounds(self, limits: Limits) -> dict:
+        """The constraint as :mod:`slm_align.agent.bounds` names it."""
+        return {"le": getattr(limits, self.limit)}
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.with_info_after_validator_function(self._check, handler(source))
+
+    def _check(self, value: Any, info: ValidationInfo) -> Any:
+        limit = getattr(_limits(info), self.limit)
+        if value > limit:
+            raise PydanticKnownError("less_than_equal", {"le": limit})
+        return value
 
 
-def count_at_most(limit_name: str):
-    """A before-validator refusing a list longer than the named limit (before its items are looked at)."""
-    def check(value: Any, info: ValidationInfo) -> Any:
-        limit = getattr(_limits(info), limit_name)
+@dataclass(frozen=True)
+class CountAtMost:
+    """``Annotated`` metadata: a list of at most the server's :class:`Limits` field ``limit`` items, refused before
+    its items are looked at (``max_length`` there)."""
+
+    limit: str
+
+    def bounds(self, limits: Limits) -> dict:
+        """The constraint as :mod:`slm_align.agent.bounds` names it."""
+        return {"max_length": getattr(limits, self.limit)}
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.with_info_before_validator_function(self._check, handler(source))
+
+    def _check(self, value: Any, info: ValidationInfo) -> Any:
+        limit = getattr(_limits(info), self.limit)
         if isinstance(value, list) and len(value) > limit:
             raise PydanticKnownError("too_long", {"field_type": "List", "max_length": limit,
                                                   "actual_length": len(value)})
         return value
-    return BeforeValidator(check)
-
-
-def one_of(choices: tuple):
-    def check(value: str) -> str:
-        if value not in choices:
-            raise PydanticCustomError("not_one_of", "must be one of {choices}", {"choices": ", ".join(choices)})
-        return value
-    return AfterValidator(check)
 
 
 def message_sized(text: Optional[str], info: ValidationInfo) -> Optional[str]:
@@ -150,9 +154,11 @@ def message_sized(text: Optional[str], info: ValidationInfo) -> Optional[str]:
     return text
 
 
-Number = Union[StrictInt, StrictFloat]
-Tokens = Annotated[StrictInt, Field(ge=1), AfterValidator(_at_most_max_tokens)]
+Tokens = Annotated[MaxTokens, AtMost("max_tokens")]
+"""``max_tokens``: as many as ``chat --max-new-tokens`` takes, within the server's limit."""
 NonEmpty = Annotated[StrictStr, Field(min_length=1)]
+Stop = Union[NonEmpty, Annotated[list[NonEmpty], CountAtMost("max_stop")]]
+"""``stop``: one string, or a list of at most the server's limit."""
 
 
 class Strict(BaseModel):

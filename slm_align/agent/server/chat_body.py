@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
     AfterValidator,
+    ConfigDict,
     Field,
     StrictBool,
     StrictInt,
@@ -20,19 +21,16 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError, PydanticKnownError
+from pydantic_core import PydanticCustomError
 
 from slm_align.agent.logprobs import MAX_TOP_LOGPROBS
-from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.server.body import (
-    DEFAULTS,
     MAX_ARGUMENT_DEPTH,
     Body,
-    NonEmpty,
-    Number,
+    CountAtMost,
+    Stop,
     Strict,
     Tokens,
-    count_at_most,
     depth,
     message_sized,
     refuse_unsupported,
@@ -40,11 +38,25 @@ from slm_align.agent.server.body import (
     stop_list,
 )
 from slm_align.agent.server.errors import ApiError, bad
+from slm_align.agent.settings import (
+    DEFAULTS,
+    FrequencyPenalty,
+    MinP,
+    PresencePenalty,
+    RepeatPenalty,
+    SamplingParams,
+    Seed,
+    Temperature,
+    TopK,
+    TopP,
+)
 from slm_align.tools.registry import ToolRegistry
 
 
 class TextPart(Strict):
     """``{"type": "text", "text"}``: the only content part this model reads."""
+
+    model_config = ConfigDict(title="text part")
 
     type: Literal["text"]
     text: StrictStr
@@ -60,12 +72,16 @@ class CalledFunction(Strict):
 class ToolCall(Strict):
     """One of an assistant's past tool calls (``type`` is not checked)."""
 
+    model_config = ConfigDict(title="function call")
+
     id: Any = None
     function: CalledFunction
 
 
 class Message(Strict):
     """One chat message; ``developer`` is read as ``system``, tool calls count on assistant messages only."""
+
+    model_config = ConfigDict(title="message")
 
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(None, validate_default=True)
     content: Union[None, StrictStr, list[TextPart]] = Field(None, validate_default=True)
@@ -92,7 +108,8 @@ class Message(Strict):
 
 def _schema_depth(schema: Any) -> Any:
     if depth(schema) > MAX_ARGUMENT_DEPTH:
-        raise PydanticCustomError("too_deep", "nests too deeply")
+        raise PydanticCustomError("too_deep", "must be a JSON schema that nests at most {levels} levels deep",
+                                  {"levels": MAX_ARGUMENT_DEPTH})
     return schema
 
 
@@ -107,6 +124,8 @@ class FunctionSpec(Strict):
 
 class ToolSpec(Strict):
     """A client-side function tool, as OpenAI's ``tools`` list has them."""
+
+    model_config = ConfigDict(title="function tool")
 
     type: Literal["function"] = "function"
     function: FunctionSpec
@@ -152,7 +171,8 @@ class ResponseFormat(Strict):
     @model_validator(mode="after")
     def _schema_given(self) -> "ResponseFormat":
         if self.type == "json_schema" and self.json_schema is None:
-            raise PydanticKnownError("missing")
+            raise PydanticCustomError("schema_missing", 'with "type": "json_schema" needs "json_schema": '
+                                      '{"name", "schema"}')
         return self
 
 
@@ -169,24 +189,20 @@ class ChatBody(Body):
     """Answers per request: only 1."""
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice] = "auto"
     """none (no tools), auto (the model decides), required (calls only) or a named function (that call only)."""
-    tools: Annotated[Optional[list[ToolSpec]], count_at_most("max_tools")] = None
+    tools: Annotated[Optional[list[ToolSpec]], CountAtMost("max_tools")] = None
     stream_options: Optional[dict] = None
-    messages: Annotated[list[Message], Field(min_length=1), count_at_most("max_messages")]
+    messages: Annotated[list[Message], Field(min_length=1), CountAtMost("max_messages")]
     max_completion_tokens: Optional[Tokens] = None
-    temperature: Annotated[Number, Field(ge=0, le=2)] = DEFAULTS.temperature
-    top_p: Annotated[Number, Field(ge=0, le=1)] = DEFAULTS.top_p
-    top_k: Annotated[StrictInt, Field(ge=0)] = DEFAULTS.top_k
-    min_p: Annotated[Number, Field(ge=0, le=1)] = DEFAULTS.min_p
-    """Drop tokens less likely than this fraction of the likeliest one's probability."""
-    repeat_penalty: Annotated[Number, Field(ge=1, le=2)] = DEFAULTS.repeat_penalty
-    """llama.cpp's repetition penalty over the last 64 generated tokens (1: off)."""
-    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] = DEFAULTS.frequency_penalty
-    """OpenAI's: minus this times a token's count among the last 64 generated tokens."""
-    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] = DEFAULTS.presence_penalty
-    """OpenAI's: minus this for each token among the last 64 generated tokens."""
+    temperature: Temperature = DEFAULTS.temperature
+    top_p: TopP = DEFAULTS.top_p
+    top_k: TopK = DEFAULTS.top_k
+    min_p: MinP = DEFAULTS.min_p
+    repeat_penalty: RepeatPenalty = DEFAULTS.repeat_penalty
+    frequency_penalty: FrequencyPenalty = DEFAULTS.frequency_penalty
+    presence_penalty: PresencePenalty = DEFAULTS.presence_penalty
     max_tokens: Optional[Tokens] = None
-    stop: Annotated[Union[NonEmpty, list[NonEmpty]], count_at_most("max_stop")] = Field(default_factory=list)
-    seed: Optional[StrictInt] = None
+    stop: Stop = Field(default_factory=list)
+    seed: Optional[Seed] = None
     stream: StrictBool = False
     include_usage: StrictBool = False
     """``stream_options.include_usage``, lifted here so that it is checked after ``stream``."""
