@@ -16,7 +16,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 from types import NoneType, UnionType
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -40,7 +40,7 @@ class Typed:
     description: Optional[str] = None
 
 
-def typed(annotation: Any, metadata: tuple = (), description: Optional[str] = None) -> Typed:
+def typed(annotation: Any, metadata: Sequence = (), description: Optional[str] = None) -> Typed:
     """``annotation`` without its ``Annotated`` layers; their metadata (``Field``'s constraints flattened) kept."""
     items = list(metadata)
     while typing.get_origin(annotation) is Annotated:
@@ -58,7 +58,7 @@ def typed(annotation: Any, metadata: tuple = (), description: Optional[str] = No
 
 def of_field(info: FieldInfo) -> Typed:
     """A model field's type, constraints and description."""
-    return typed(info.annotation, tuple(info.metadata), info.description)
+    return typed(info.annotation, info.metadata, info.description)
 
 
 def bounds(metadata: list, context: Any = None) -> dict:
@@ -97,7 +97,7 @@ def _numeric(annotation: Any) -> bool:
     return typed(annotation).annotation in (int, float)
 
 
-def shown(value: Any) -> str:
+def _shown(value: Any) -> str:
     """A bound as people read it: 2**63-1 for SQLite's largest integer, 0.5 for a half."""
     if isinstance(value, int) and value >= 1 << 32:
         for bits in range(32, 129):
@@ -106,11 +106,11 @@ def shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def ranged(noun: str, limits: dict) -> str:
+def _ranged(noun: str, limits: dict) -> str:
     """``noun`` with its numeric bounds: ``from 0 to 2`` when both ends are closed, else ``>= 1``, ``< 0.5``."""
     if "ge" in limits and "le" in limits:
-        return f"{noun} from {shown(limits['ge'])} to {shown(limits['le'])}"
-    parts = [f"{sign} {shown(limits[key])}" for key, sign in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+        return f"{noun} from {_shown(limits['ge'])} to {_shown(limits['le'])}"
+    parts = [f"{sign} {_shown(limits[key])}" for key, sign in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
              if key in limits]
     return " ".join([noun, " and ".join(parts)]) if parts else noun
 
@@ -122,7 +122,7 @@ def _text(limits: dict) -> str:
     return noun
 
 
-def either(phrases: list[str]) -> str:
+def _either(phrases: list[str]) -> str:
     """``a``, ``a or b``, ``a, b or c``."""
     return phrases[0] if len(phrases) == 1 else f"{', '.join(phrases[:-1])} or {phrases[-1]}"
 
@@ -132,7 +132,7 @@ def _choices(values: tuple) -> str:
     return quoted[0] if len(quoted) == 1 else f"one of {', '.join(quoted)}"
 
 
-def shape(model: type[BaseModel]) -> str:
+def _shape(model: type[BaseModel]) -> str:
     """A model as the JSON object it reads: ``{"type": "function", "function": {"name", "arguments"}}``."""
     parts = []
     for name, info in model.model_fields.items():
@@ -141,15 +141,15 @@ def shape(model: type[BaseModel]) -> str:
         if typing.get_origin(inner) is Literal and len(typing.get_args(inner)) == 1:
             parts.append(f"{key}: {json.dumps(typing.get_args(inner)[0])}")
         elif is_model(inner):
-            parts.append(f"{key}: {shape(inner)}")
+            parts.append(f"{key}: {_shape(inner)}")
         else:
             parts.append(key)
     return "{" + ", ".join(parts) + "}"
 
 
-def plural(annotation: Any, metadata: tuple = ()) -> str:
+def _plural(annotation: Any) -> str:
     """What a list of ``annotation`` holds, in the plural: ``messages`` (a model's title), ``non-empty strings``."""
-    kind = typed(annotation, metadata)
+    kind = typed(annotation)
     if is_model(kind.annotation):
         title = kind.annotation.model_config.get("title")
         return f"{title}s" if title else "objects"
@@ -160,10 +160,10 @@ def plural(annotation: Any, metadata: tuple = ()) -> str:
 def _listed(item: Any, limits: dict) -> str:
     head = "a non-empty list" if limits.get("min_length") == 1 else "a list"
     size = f"at most {limits['max_length']} " if "max_length" in limits else ""
-    return f"{head} of {size}{plural(item)}"
+    return f"{head} of {size}{_plural(item)}"
 
 
-def accepted(annotation: Any, metadata: tuple = (), context: Any = None) -> str:
+def accepted(annotation: Any, metadata: Sequence = (), context: Any = None) -> str:
     """What a value of ``annotation`` under ``metadata``'s constraints must be, as a phrase; ``context`` fills in
     the bounds that depend on it."""
     kind = typed(annotation, metadata)
@@ -172,19 +172,19 @@ def accepted(annotation: Any, metadata: tuple = (), context: Any = None) -> str:
     inner = members(bare)
     if inner != [bare]:
         if len(inner) == 1:
-            return accepted(inner[0], tuple(kind.metadata), context)
+            return accepted(inner[0], kind.metadata, context)
         if all(_numeric(member) for member in inner):
-            return ranged("a number", limits)
-        return either([accepted(member, (), context) for member in inner])
+            return _ranged("a number", limits)
+        return _either([accepted(member, (), context) for member in inner])
     if typing.get_origin(bare) is Literal:
         return _choices(typing.get_args(bare))
     if typing.get_origin(bare) is list:
         return _listed(typing.get_args(bare)[0], limits)
     if is_model(bare):
-        return shape(bare)
+        return _shape(bare)
     if bare is str:
         return _text(limits)
-    return ranged(NOUNS.get(bare, ("a value", ""))[0], limits)
+    return _ranged(NOUNS.get(bare, ("a value", ""))[0], limits)
 
 
 def _got(error: dict) -> str:
@@ -197,7 +197,7 @@ def _got(error: dict) -> str:
 def refusal(where: str, kind: Typed, error: dict, context: Any = None, deeper: bool = False) -> str:
     """The one line refusing a value of the field ``kind`` at ``where`` (``'temperature'``, ``--temperature``) for
     pydantic's ``error``; ``deeper``: the error lies inside the value (a union's member), so the whole is described."""
-    phrase = accepted(kind.annotation, tuple(kind.metadata), context)
+    phrase = accepted(kind.annotation, kind.metadata, context)
     name, details = error["type"], error.get("ctx") or {}
     if deeper:
         return f"{where} must be {phrase}"
@@ -207,7 +207,7 @@ def refusal(where: str, kind: Typed, error: dict, context: Any = None, deeper: b
         return f"{where} is required: {kind.description or phrase}"
     if name == "too_long" and "actual_length" in details:
         held = optional_peeled(kind).annotation
-        items = plural(typing.get_args(held)[0]) if typing.get_origin(held) is list else "items"
+        items = _plural(typing.get_args(held)[0]) if typing.get_origin(held) is list else "items"
         return f"{where} has {details['actual_length']} {items}; at most {details['max_length']} are accepted"
     if name == "string_too_long":
         return f"{where} is longer than {details['max_length']} characters"

@@ -266,7 +266,7 @@ def _flag_name(field: str, renamed: dict[str, str]) -> str:
 def typed_option(info: FieldInfo, name: str) -> Any:
     """The ``typer.Option`` of a typed field: default the field's, help its description and what it accepts."""
     kind = of_field(info)
-    bound = accepted(kind.annotation, tuple(kind.metadata))
+    bound = accepted(kind.annotation, kind.metadata)
     return typer.Option(info.default, name, help=f"{info.description} {bound[0].upper()}{bound[1:]}.")
 
 
