@@ -42,6 +42,28 @@ SetOpt = typer.Option([], "--set", help="Any recipe setting as KEY=VALUE, typed 
                       "(--set sft.lora.r=32 --set rl.grpo.loss_type=dr_grpo); repeatable; a named flag wins. "
                       "`slm-align config show` lists every setting.")
 
+PANELS = {
+    "model": "Source", "data": "Data", "seed": "Data", "sft": "SFT", "reward": "Reward model",
+    "headroom": "Headroom gate", "rl": "RL (common)", "rl.ppo": "PPO", "rl.grpo": "GRPO",
+    "rl.envelope": "Safety envelope", "rl.watchdog": "Watchdog", "preference": "DPO / KTO",
+    "preference.desirable_weight": "KTO", "preference.undesirable_weight": "KTO", "compute": "Compute",
+    "tracking": "Tracking",
+}
+"""The ``--help`` panel of a recipe flag, by the most specific section of its key that is listed."""
+PANEL_ORDER = list(dict.fromkeys(PANELS.values()))
+"""Panels as the loop runs: where the model and data come from, SFT, the reward model, the gate, RL, DPO/KTO."""
+
+
+def panel_of(key: str) -> str:
+    """The ``--help`` panel of the recipe setting ``key``: ``rl.grpo.beta`` -> GRPO, ``rl.steps`` -> RL (common)."""
+    parts = key.split(".")
+    for end in range(len(parts), 0, -1):
+        section = ".".join(parts[:end])
+        if section in PANELS:
+            return PANELS[section]
+    raise KeyError(f"no --help panel for the recipe setting {key}")
+
+
 @dataclass(frozen=True)
 class RecipeField:
     """One recipe setting: its dotted key, pydantic field and default (as in ``Recipe()``)."""
@@ -136,6 +158,7 @@ class Flag:
     ``repeat``: given several times, collected into a list. ``parse``: turns the flag's text into the value.
     ``help``: own help, only for a flag whose meaning is not the field's (a switch that turns a guard off).
     ``aliases``: other names users know (TRL's ``--num-generations``), accepted as they are, no note.
+    Its ``--help`` panel is its key's section's (:func:`panel_of`).
     """
 
     name: str
@@ -153,6 +176,11 @@ class Flag:
         """The Python parameter name Typer passes the value as ("--max-steps" -> "max_steps")."""
         return self.name.lstrip("-").replace("-", "_")
 
+    @property
+    def help_panel(self) -> str:
+        """The ``--help`` panel the flag is listed in."""
+        return panel_of(self.key)
+
     def annotation(self) -> Any:
         """The parameter's type as Typer reads it."""
         if self.sets is not None:
@@ -166,11 +194,13 @@ class Flag:
     def option(self) -> Any:
         """The ``typer.Option`` that parses this flag."""
         names = [self.name, *self.aliases] + ([self.short] if self.short else [])
+        panel = self.help_panel
         if self.sets is not None:
-            return typer.Option(False, *names, help=self.help or recipe_help(self.key, self.note))
+            return typer.Option(False, *names, help=self.help or recipe_help(self.key, self.note),
+                                rich_help_panel=panel)
         if self.repeat:
-            return typer.Option([], *names, help=self.help or recipe_help(self.key, self.note))
-        return recipe_option(self.key, *names, note=self.note)
+            return typer.Option([], *names, help=self.help or recipe_help(self.key, self.note), rich_help_panel=panel)
+        return recipe_option(self.key, *names, note=self.note, rich_help_panel=panel)
 
     def override(self, given: Any) -> Any:
         """The ``load_recipe`` override for the flag's parsed value; None when it was not given."""
@@ -241,7 +271,8 @@ def recipe_flags(*tables: Sequence[Flag]) -> Callable[[Callable], Callable]:
 
         set_values = inspect.Parameter("set_values", inspect.Parameter.KEYWORD_ONLY, default=SetOpt,
                                        annotation=list[str])
-        parameters = [flag.parameter() for flag in flags] + [set_values]
+        listed = sorted(flags, key=lambda flag: PANEL_ORDER.index(flag.help_panel))  # panels in the loop's order
+        parameters = [flag.parameter() for flag in listed] + [set_values]
         return _shown_to_typer(with_settings, _signature_replacing(command, "settings", parameters))
 
     return decorate
