@@ -1,6 +1,7 @@
 """The command line: every command has help, bad input is one line and exit 2, and nothing is overwritten."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -169,6 +170,48 @@ def test_recipe_flags_take_help_and_default_from_the_recipe_field():
     assert option.default is None and option.help == recipe_field("sft.learning_rate").info.description
     assert option.show_default == f"{Recipe().sft.learning_rate:g}"
     assert recipe_help("rl.algo").endswith("One of: ppo, grpo, auto, dpo, kto.")
+
+
+def help_panels(text: str) -> dict[str, list[str]]:
+    """The options of a rendered ``--help``, by the panel they are listed in (in the order shown)."""
+    panels, current = {}, None
+    for line in text.splitlines():
+        title = re.match(r"╭─ (.+?) ─", line)
+        if title:
+            current = panels.setdefault(title.group(1), [])
+        elif current is not None and (option := re.match(r"│ (--[\w-]+)", line)):
+            current.append(option.group(1))
+    return panels
+
+
+def test_train_help_lists_each_algorithm_and_guard_in_its_own_panel(capsys, monkeypatch):
+    import typer
+
+    from slm_align.cli import app
+
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("TERMINAL_WIDTH", raising=False)
+    code, out, _ = run_cli(capsys, "train", "--help")
+    panels = help_panels(out)
+    assert code == 0 and list(panels) == ["Options", "Source", "Data", "Reward model", "Headroom gate", "RL (common)",
+                                          "PPO", "GRPO", "Safety envelope", "Watchdog", "DPO / KTO", "KTO",
+                                          "Compute", "Tracking"]
+    expected = {"Options": ["--out", "--stage", "--set", "--force", "--resume"],
+                "Source": ["--model", "--allow-pickle"], "Data": ["--data", "--tasks", "--seed"],
+                "Reward model": ["--preferences", "--pair-mix"],
+                "Headroom gate": ["--max-ppl", "--gate-samples"],
+                "RL (common)": ["--algo", "--steps", "--group-size", "--max-new-tokens", "--no-sft"],
+                "PPO": ["--kl-coef", "--kl-mode", "--adaptive-kl"],
+                "GRPO": ["--beta", "--loss-type", "--scale-rewards", "--resample-zero-std"],
+                "Safety envelope": ["--no-reinit-lora", "--no-ratio-guard", "--no-rollback", "--sigma-clip"],
+                "Watchdog": ["--watchdog", "--watchdog-every"], "DPO / KTO": ["--pref-beta", "--pref-steps"],
+                "KTO": ["--desirable-weight", "--undesirable-weight"], "Compute": ["--device", "--precision"],
+                "Tracking": ["--report-to"]}
+    for panel, options in expected.items():
+        assert set(options) <= set(panels[panel]), (panel, panels[panel])
+    listed = [option for options in panels.values() for option in options if option != "--help"]
+    train = typer.main.get_command(app).commands["train"]
+    assert sorted(listed) == sorted(param.opts[0] for param in train.params)  # each option once, none left out
 
 
 def test_train_flags_become_recipe_overrides_and_absent_ones_leave_the_toml(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""Sampling parameters and the numpy sampler used by the onnxruntime backend (llama.cpp samples natively).
+"""The numpy sampler used by the onnxruntime backend (llama.cpp samples natively); its parameters,
+:class:`SamplingParams`, live with their typed bounds in :mod:`slm_align.agent.settings`.
 
 The numpy sampler follows llama.cpp's chain (as llama-cpp-python builds it), so a setting means the same on both
 backends: repetition penalties over the last :data:`PENALTY_WINDOW` generated tokens, then top-k, top-p and min-p on
@@ -8,48 +9,13 @@ penalties, as llama.cpp's greedy sampler does.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-PENALTY_WINDOW = 64
-"""Generated tokens the repetition penalties look back over (llama-cpp-python's ``last_n_tokens_size``)."""
+from slm_align.agent.settings import PENALTY_WINDOW, SamplingParams
 
-
-@dataclass
-class SamplingParams:
-    """How the next token is chosen. ``temperature`` 0 is greedy and identical on both backends."""
-
-    temperature: float = 0.7
-    """Softmax temperature; 0 picks the most likely token."""
-    top_p: float = 0.95
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches this."""
-    top_k: int = 40
-    """Keep only the k most likely tokens (0: all)."""
-    min_p: float = 0.0
-    """Drop tokens less likely than this fraction of the most likely one's probability (0: off)."""
-    repeat_penalty: float = 1.0
-    """Divide the (positive) logits of recently generated tokens by this (1: off; 1.1-1.3 stops tiny models
-    looping)."""
-    frequency_penalty: float = 0.0
-    """Subtract this times a token's count among recent tokens from its logit (OpenAI's frequency_penalty)."""
-    presence_penalty: float = 0.0
-    """Subtract this from the logit of every token among recent tokens (OpenAI's presence_penalty)."""
-    max_tokens: int = 256
-    """Most tokens one reply may have."""
-    stop: list = field(default_factory=list)
-    """Strings that end the reply (not included in it)."""
-    seed: int = 0
-    """Seed of the sampler, so a reply can be reproduced."""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @property
-    def penalized(self) -> bool:
-        """Any repetition penalty is on."""
-        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+__all__ = ["PENALTY_WINDOW", "SamplingParams", "apply_penalties", "candidates", "sample_token"]
 
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:

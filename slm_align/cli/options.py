@@ -1,7 +1,11 @@
-"""Options shared by several commands, and recipe flags documented once: by the recipe field they set.
+"""Options shared by several commands, and flags documented once: by the typed field they set.
 
 A recipe flag's help is its field's ``description`` in ``slm_align.config`` and its shown default is the field's
 default, so the two cannot drift apart. Its value stays None when the flag is not given, so a TOML recipe wins.
+
+A runtime flag (`chat`'s sampling flags) is made from a field of a typed settings model of the agent runtime
+(:class:`slm_align.agent.settings.Sampling`): help, default and bounds are the field's, and a value out of bounds is
+refused in the words the server's 400 uses for the same field (:mod:`slm_align.agent.bounds`).
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from types import UnionType
 from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import typer
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
+from slm_align.agent.bounds import Typed, accepted, members, of_field, refusal, typed
 from slm_align.config import Recipe, load_recipe
+from slm_align.errors import UserError
 from slm_align.recipe_overrides import merged_overrides, refuse_other_algorithm
 
 JsonFlag = typer.Option(False, "--json", help="Print a machine-readable JSON result on stdout.")
@@ -30,9 +36,33 @@ ConfigOpt = typer.Option(None, "--config", help="TOML recipe; flags override it.
 ChatTemplateOpt = typer.Option(None, "--chat-template", metavar="chatml|FILE",
                                help="Chat template in place of the model's own (base models have none): chatml (the "
                                     "built-in ChatML) or a Jinja template file.")
+ThreadsOpt = typer.Option(None, "--threads", min=1, help="Threads (default: the device's, else all cores).")
+CtxOpt = typer.Option(None, *CTX_NAMES, min=16, help="Context window in tokens.")
 SetOpt = typer.Option([], "--set", help="Any recipe setting as KEY=VALUE, typed and checked like the TOML "
                       "(--set sft.lora.r=32 --set rl.grpo.loss_type=dr_grpo); repeatable; a named flag wins. "
                       "`slm-align config show` lists every setting.")
+
+PANELS = {
+    "model": "Source", "data": "Data", "seed": "Data", "sft": "SFT", "reward": "Reward model",
+    "headroom": "Headroom gate", "rl": "RL (common)", "rl.ppo": "PPO", "rl.grpo": "GRPO",
+    "rl.envelope": "Safety envelope", "rl.watchdog": "Watchdog", "preference": "DPO / KTO",
+    "preference.desirable_weight": "KTO", "preference.undesirable_weight": "KTO", "compute": "Compute",
+    "tracking": "Tracking",
+}
+"""The ``--help`` panel of a recipe flag, by the most specific section of its key that is listed."""
+PANEL_ORDER = list(dict.fromkeys(PANELS.values()))
+"""Panels as the loop runs: where the model and data come from, SFT, the reward model, the gate, RL, DPO/KTO."""
+
+
+def panel_of(key: str) -> str:
+    """The ``--help`` panel of the recipe setting ``key``: ``rl.grpo.beta`` -> GRPO, ``rl.steps`` -> RL (common)."""
+    parts = key.split(".")
+    for end in range(len(parts), 0, -1):
+        section = ".".join(parts[:end])
+        if section in PANELS:
+            return PANELS[section]
+    raise KeyError(f"no --help panel for the recipe setting {key}")
+
 
 @dataclass(frozen=True)
 class RecipeField:
@@ -128,6 +158,7 @@ class Flag:
     ``repeat``: given several times, collected into a list. ``parse``: turns the flag's text into the value.
     ``help``: own help, only for a flag whose meaning is not the field's (a switch that turns a guard off).
     ``aliases``: other names users know (TRL's ``--num-generations``), accepted as they are, no note.
+    Its ``--help`` panel is its key's section's (:func:`panel_of`).
     """
 
     name: str
@@ -145,6 +176,11 @@ class Flag:
         """The Python parameter name Typer passes the value as ("--max-steps" -> "max_steps")."""
         return self.name.lstrip("-").replace("-", "_")
 
+    @property
+    def help_panel(self) -> str:
+        """The ``--help`` panel the flag is listed in."""
+        return panel_of(self.key)
+
     def annotation(self) -> Any:
         """The parameter's type as Typer reads it."""
         if self.sets is not None:
@@ -158,11 +194,13 @@ class Flag:
     def option(self) -> Any:
         """The ``typer.Option`` that parses this flag."""
         names = [self.name, *self.aliases] + ([self.short] if self.short else [])
+        panel = self.help_panel
         if self.sets is not None:
-            return typer.Option(False, *names, help=self.help or recipe_help(self.key, self.note))
+            return typer.Option(False, *names, help=self.help or recipe_help(self.key, self.note),
+                                rich_help_panel=panel)
         if self.repeat:
-            return typer.Option([], *names, help=self.help or recipe_help(self.key, self.note))
-        return recipe_option(self.key, *names, note=self.note)
+            return typer.Option([], *names, help=self.help or recipe_help(self.key, self.note), rich_help_panel=panel)
+        return recipe_option(self.key, *names, note=self.note, rich_help_panel=panel)
 
     def override(self, given: Any) -> Any:
         """The ``load_recipe`` override for the flag's parsed value; None when it was not given."""
@@ -187,17 +225,23 @@ DEVICE = Flag("--device", "compute.device")
 """Where a command computes; every command that loads a model for torch takes it."""
 
 
-def _signature_with(command: Callable, flags: Sequence[Flag]) -> inspect.Signature:
+def _signature_replacing(command: Callable, name: str, replacement: list[inspect.Parameter]) -> inspect.Signature:
+    """``command``'s signature, keyword-only, with its parameter ``name`` replaced by ``replacement``."""
     signature = inspect.signature(command, eval_str=True)
     parameters = []
     for parameter in signature.parameters.values():
-        if parameter.name == "settings":
-            parameters.extend(flag.parameter() for flag in flags)
-            parameters.append(inspect.Parameter("set_values", inspect.Parameter.KEYWORD_ONLY, default=SetOpt,
-                                                annotation=list[str]))
+        if parameter.name == name:
+            parameters.extend(replacement)
         else:
             parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
     return signature.replace(parameters=parameters)
+
+
+def _shown_to_typer(wrapper: Callable, signature: inspect.Signature) -> Callable:
+    """``wrapper`` with ``signature`` as the one Typer reads."""
+    wrapper.__signature__ = signature
+    wrapper.__annotations__ = {name: p.annotation for name, p in signature.parameters.items()}
+    return wrapper
 
 
 def recipe_flags(*tables: Sequence[Flag]) -> Callable[[Callable], Callable]:
@@ -225,10 +269,11 @@ def recipe_flags(*tables: Sequence[Flag]) -> Callable[[Callable], Callable]:
                 refuse_other_algorithm(algo, settings, given_flags)
             return command(settings=settings, **given)
 
-        signature = _signature_with(command, flags)
-        with_settings.__signature__ = signature
-        with_settings.__annotations__ = {name: p.annotation for name, p in signature.parameters.items()}
-        return with_settings
+        set_values = inspect.Parameter("set_values", inspect.Parameter.KEYWORD_ONLY, default=SetOpt,
+                                       annotation=list[str])
+        listed = sorted(flags, key=lambda flag: PANEL_ORDER.index(flag.help_panel))  # panels in the loop's order
+        parameters = [flag.parameter() for flag in listed] + [set_values]
+        return _shown_to_typer(with_settings, _signature_replacing(command, "settings", parameters))
 
     return decorate
 
@@ -236,3 +281,51 @@ def recipe_flags(*tables: Sequence[Flag]) -> Callable[[Callable], Callable]:
 def recipe_from(config: Optional[Path], overrides: Optional[dict[str, Any]] = None) -> Recipe:
     """The recipe: the TOML file (optional) with the given flags' overrides (None values skipped)."""
     return load_recipe(config, overrides)
+
+
+def _scalar(kind: Typed) -> type:
+    """The command-line type of a typed field: float for a number, else its one type (int, str)."""
+    found = {typed(member).annotation for member in members(kind.annotation)}
+    return float if float in found else found.pop()
+
+
+def _flag_name(field: str, renamed: dict[str, str]) -> str:
+    """A field's flag: ``--top-p`` for ``top_p``, unless ``renamed`` spells it otherwise."""
+    return renamed.get(field) or "--" + field.replace("_", "-")
+
+
+def typed_option(info: FieldInfo, name: str) -> Any:
+    """The ``typer.Option`` of a typed field: default the field's, help its description and what it accepts."""
+    kind = of_field(info)
+    bound = accepted(kind.annotation, kind.metadata)
+    return typer.Option(info.default, name, help=f"{info.description} {bound[0].upper()}{bound[1:]}.")
+
+
+def typed_flags(model: type[BaseModel], param: str, renamed: Optional[dict[str, str]] = None) -> Callable:
+    """Give a command one flag per field of ``model`` in place of its parameter ``param``, which the command then
+    receives as a validated ``model``. A value the field refuses is a one-line UserError naming the flag and what it
+    accepts, before the command runs (``--temperature must be a number from 0 to 2, got 3.0``)."""
+    renamed = renamed or {}
+    names = {field: _flag_name(field, renamed) for field in model.model_fields}
+
+    def decorate(command: Callable) -> Callable:
+        """Wrap ``command``; Typer sees one option per field, the command sees ``param``."""
+
+        @functools.wraps(command)
+        def with_model(**given: Any) -> Any:
+            """Call the command with the fields' flags gathered into one validated ``model``."""
+            values = {field: given.pop(field) for field in names}
+            try:
+                given[param] = model.model_validate(values)
+            except ValidationError as exc:
+                error = exc.errors(include_url=False)[0]
+                field = error["loc"][0]
+                raise UserError(refusal(names[field], of_field(model.model_fields[field]), error)) from None
+            return command(**given)
+
+        parameters = [inspect.Parameter(field, inspect.Parameter.KEYWORD_ONLY, annotation=_scalar(of_field(info)),
+                                        default=typed_option(info, names[field]))
+                      for field, info in model.model_fields.items()]
+        return _shown_to_typer(with_model, _signature_replacing(command, param, parameters))
+
+    return decorate

@@ -10,7 +10,8 @@ from typing import Iterator, Optional
 import typer
 from rich.console import Console
 
-from slm_align.cli.options import CTX_NAMES, ChatTemplateOpt, JsonFlag
+from slm_align.agent.settings import Sampling
+from slm_align.cli.options import ChatTemplateOpt, CtxOpt, JsonFlag, ThreadsOpt, typed_flags
 from slm_align.cli.render import emit, print_feedback_export, print_serving
 from slm_align.errors import UserError
 
@@ -27,6 +28,7 @@ feedback_app = typer.Typer(help="On-device preferences: export them for the next
                          "template\n\n"
                          "  slm-align chat gemma-3-270m.gguf --raw   # or continue each line as plain text\n\n"
                          "In the chat: /good /bad /compare /pick 1|2 /edit TEXT /tools /reset /save FILE /quit")
+@typed_flags(Sampling, "sampling", renamed={"max_tokens": "--max-new-tokens"})
 def chat(
     artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export directory."),
     store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) to record turns in."),
@@ -35,18 +37,9 @@ def chat(
     tools: bool = typer.Option(False, "--tools", help="Offer the built-in tools (calculator, clock, notes)."),
     notes: Optional[Path] = typer.Option(None, "--notes", help="Folder the notes tool may use (with --tools)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and context."),
-    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
-    n_ctx: Optional[int] = typer.Option(None, *CTX_NAMES, min=16, help="Context window in tokens."),
-    temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature (0: greedy)."),
-    top_p: float = typer.Option(0.95, min=0.0, max=1.0, help="Nucleus sampling threshold."),
-    top_k: int = typer.Option(40, "--top-k", min=0, help="Sample from the k most likely tokens only (0: all)."),
-    min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0,
-                                help="Drop tokens less likely than this fraction of the likeliest (0: off; try 0.05)."),
-    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=1.0,
-                                         help="Penalise the last 64 generated tokens (1: off; 1.1-1.5 stops tiny "
-                                              "models looping)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Most tokens per answer."),
-    seed: int = typer.Option(0, help="Sampling seed."),
+    threads: Optional[int] = ThreadsOpt,
+    n_ctx: Optional[int] = CtxOpt,
+    sampling: Optional[Sampling] = None,
     chat_template: Optional[str] = ChatTemplateOpt,
     raw: bool = typer.Option(False, "--raw", help="Plain completion (base models): each line is continued as text, "
                              "no template, no tools, nothing recorded."),
@@ -54,17 +47,14 @@ def chat(
 ) -> None:
     """Chat with an exported model in the terminal; give feedback that lands in the preference store."""
     from slm_align.agent.runtime import Agent
-    from slm_align.agent.sampling import SamplingParams
     from slm_align.agent.template import require_template
     from slm_align.agent.terminal import chat_loop, raw_loop
     from slm_align.tools.builtin import default_tools
 
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                              repeat_penalty=repeat_penalty, max_tokens=max_new_tokens, seed=seed)
     if raw:
         refuse_with_raw(chat_template=chat_template, store=store, system=system, tools=tools)
     agent = Agent.load(artifact, device=device, threads=threads, n_ctx=n_ctx, store=store, consent=consent,
-                       system=system, tools=default_tools(notes) if tools else None, sampling=sampling,
+                       system=system, tools=default_tools(notes) if tools else None, sampling=sampling.params(),
                        chat_template=chat_template)
     if not raw:
         require_template(agent.backend.chat_template)
@@ -131,8 +121,8 @@ def serve(
                                           help="Require 'Authorization: Bearer KEY' on /v1 (env SLM_ALIGN_API_KEY)."),
     tools: bool = typer.Option(False, "--tools", help="Run the built-in tools (calculator, clock) on the server."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and context."),
-    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else all cores)."),
-    n_ctx: Optional[int] = typer.Option(None, *CTX_NAMES, min=16, help="Context window in tokens."),
+    threads: Optional[int] = ThreadsOpt,
+    n_ctx: Optional[int] = CtxOpt,
     insecure: bool = typer.Option(False, "--insecure", help="Allow listening beyond loopback without an API key."),
     allow_host: list[str] = typer.Option([], "--allow-host", help="Without --api-key, also answer requests addressed "
                                          "to this host name (repeatable; '*': any). Loopback names always work."),

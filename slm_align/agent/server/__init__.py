@@ -15,15 +15,18 @@ One model, one thread: every generation runs on a single worker thread, in arriv
 
 Torch-free like the rest of ``slm_align.agent``: Starlette here, uvicorn only inside :func:`serve`.
 
-Modules: ``requests`` (request bodies as pydantic models, their errors as 400s), ``worker`` (the model thread),
+Modules: ``body`` (reading a body as JSON within the limits, the models' ground), ``chat_body``, ``feedback_body``
+and ``completions`` (the request bodies as pydantic models), ``refusals`` (their validation errors as 400s),
+``chat_request`` (the validated chat request the service answers), ``worker`` (the model thread),
 ``service`` (what the routes share, answering on the model thread), ``responses`` (OpenAI's response shapes),
 ``routes`` (the routes and the API-key guard), ``guard`` (the Host/Origin check against DNS rebinding), ``app``
 (``create_app`` and ``serve``), ``errors``.
 """
 
 from slm_align.agent.server.app import bind, check_exposure, create_app, is_loopback, serve
+from slm_align.agent.server.body import Limits
+from slm_align.agent.server.chat_request import ChatRequest, parse_chat
 from slm_align.agent.server.errors import ApiError
-from slm_align.agent.server.requests import ChatRequest, Limits, parse_chat
 from slm_align.agent.server.service import Outcome, Service
 from slm_align.agent.server.worker import ModelWorker
 

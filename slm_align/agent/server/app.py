@@ -12,10 +12,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 from starlette.applications import Starlette
 
 from slm_align.agent.runtime import load_model
+from slm_align.agent.server.body import Limits
 from slm_align.agent.server.completions import COMPLETION_ROUTES
 from slm_align.agent.server.errors import HANDLERS
 from slm_align.agent.server.guard import HostGuard, is_loopback
-from slm_align.agent.server.requests import Limits
 from slm_align.agent.server.routes import ROUTES, BearerAuth
 from slm_align.agent.server.service import Service
 from slm_align.agent.store import PreferenceStore

@@ -19,22 +19,20 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from slm_align.agent.runtime import Agent, Model, Reply
-from slm_align.agent.sampling import SamplingParams
-from slm_align.agent.server.requests import (
-    DEFAULTS,
+from slm_align.agent.server.body import (
     Body,
     NonEmpty,
-    Number,
+    Stop,
     Tokens,
-    _count_at_most,
     read_json,
     refuse_unsupported,
     request_seed,
     stop_list,
-    validate,
 )
+from slm_align.agent.server.refusals import validate
 from slm_align.agent.server.responses import Meta, last_item, sse, stream_error
 from slm_align.agent.server.routes import SSE_HEADERS, client_left
+from slm_align.agent.settings import DEFAULTS, SamplingParams, Seed, Temperature, TopP
 
 LEGACY_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for completions."""
@@ -49,18 +47,16 @@ class CompletionBody(Body):
 
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     """Completions per request: only 1."""
-    prompt: NonEmpty
-    """The text to continue, as it is (no template)."""
+    prompt: Annotated[NonEmpty, Field(description="the text to continue")]
+    """As it is (no template)."""
     max_tokens: Tokens = LEGACY_MAX_TOKENS
     """Most tokens of the continuation (OpenAI's default: 16)."""
-    temperature: Annotated[Number, Field(ge=0, le=2)] = DEFAULTS.temperature
-    """Softmax temperature; 0 is greedy."""
-    top_p: Annotated[Number, Field(ge=0, le=1)] = DEFAULTS.top_p
-    """Nucleus sampling threshold."""
-    stop: Annotated[Union[NonEmpty, list[NonEmpty]], _count_at_most("max_stop")] = Field(default_factory=list)
+    temperature: Temperature = DEFAULTS.temperature
+    top_p: TopP = DEFAULTS.top_p
+    stop: Stop = Field(default_factory=list)
     """Strings that end the continuation (not included in it)."""
-    seed: Optional[StrictInt] = None
-    """Sampling seed (default: drawn at random)."""
+    seed: Optional[Seed] = None
+    """Default: drawn at random."""
     stream: StrictBool = False
     """Send the continuation as server-sent events."""
 

@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Union
 
+from slm_align.agent.server.chat_request import ChatRequest
 from slm_align.agent.server.errors import ApiError, client_text
-from slm_align.agent.server.requests import ChatRequest
 from slm_align.agent.server.service import Outcome
 from slm_align.errors import UserError
 

@@ -10,8 +10,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from slm_align.agent.server.body import read_json
+from slm_align.agent.server.chat_request import parse_chat
 from slm_align.agent.server.errors import error_response
-from slm_align.agent.server.requests import AlternativeBody, FeedbackBody, parse_chat, read_json, validate
+from slm_align.agent.server.feedback_body import AlternativeBody, FeedbackBody
+from slm_align.agent.server.refusals import validate
 from slm_align.agent.server.responses import Meta, completion_body, last_item, sse_stream
 from slm_align.agent.server.service import Outcome, Service
 

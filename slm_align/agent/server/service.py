@@ -10,8 +10,10 @@ from typing import Iterator, Optional, Union
 
 from slm_align.agent.runtime import Agent, Model, record_feedback
 from slm_align.agent.sampling import SamplingParams
+from slm_align.agent.server.body import Limits
+from slm_align.agent.server.chat_request import ChatRequest
 from slm_align.agent.server.errors import ApiError, bad
-from slm_align.agent.server.requests import ChatRequest, FeedbackBody, Limits
+from slm_align.agent.server.feedback_body import FeedbackBody
 from slm_align.agent.server.worker import ModelWorker
 from slm_align.agent.store import PreferenceStore, Turn
 from slm_align.tools.registry import ToolRegistry
