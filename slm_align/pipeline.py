@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from slm_align.accelerator import resolve_compute
 from slm_align.config import Recipe
 from slm_align.envelope.world import World
 from slm_align.errors import UserError
@@ -162,6 +163,7 @@ def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool 
     when it is missing)."""
     refuse_data_parallel(recipe.rl.algo)
     require_library(recipe.tracking.report_to)
+    resolve_compute(recipe.compute, trainer=False)  # settings DPO and KTO refuse, before SFT runs
     sft_recipe, adapter = sft_prior(recipe, out, sft_from, resume, say)
     recipe = sft_recipe.model_copy(update={"rl": recipe.rl, "preference": recipe.preference,
                                            "reward": recipe.reward})
