@@ -229,7 +229,7 @@ class RLSettings(_Strict):
     max_new_tokens: int = Field(48, ge=1, description="Most tokens per completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (logprobs use the same).")
     learning_rate: Optional[float] = Field(None, gt=0, lt=1, description="AdamW learning rate of LoRA (and value "
-                                           "head); None: scaled to the model's size (slm_align/rl/learning_rate.py).")
+                                           "head); None: scaled to the model's size (slm_align/envelope/learning_rate.py).")
     epochs: int = Field(2, ge=1, description="Passes over each rollout.")
     minibatch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="Ratio clip (PPO, and GRPO's lower bound).")

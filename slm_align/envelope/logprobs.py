@@ -166,7 +166,7 @@ def forward_logprobs(model, input_ids, attention_mask, prompt_width: int, temper
     """Per-token log-probabilities (fp32, at the sampling temperature), entropies (None unless ``with_entropy``;
     without gradient) and values of the completion.
 
-    The vocabulary projection and log-softmax go ``chunk`` positions at a time (rl/logprobs.py) when the model's
+    The vocabulary projection and log-softmax go ``chunk`` positions at a time (:func:`token_logprobs`) when the model's
     logits are a plain projection of its last hidden state; otherwise from the model's own logits."""
     head = plain_head(model)
     if head is None:
