@@ -10,7 +10,7 @@ import pytest
 
 from slm_align.stats import wilson_interval
 
-LOOP = Path(__file__).resolve().parents[1] / "benchmarks" / "feedback_loop.py"
+LOOP = Path(__file__).resolve().parents[2] / "benchmarks" / "feedback_loop.py"
 
 
 def loop_module():

@@ -174,7 +174,7 @@ def test_killed_run_resumes_to_the_same_result(sft_run, tmp_path, monkeypatch):
     recipe = rl_recipe(recipe, algo="ppo")
     for name in ("a", "b"):
         shutil.copytree(out / "sft", tmp_path / name / "sft")
-    run_rl(recipe, tmp_path / "a", rewards=["tests.test_rl:varied_reward"], force=True)
+    run_rl(recipe, tmp_path / "a", rewards=["tests.rl.test_guards:varied_reward"], force=True)
     original = PPO.run_step
 
     def killed_at_third(self, step):
@@ -184,10 +184,10 @@ def test_killed_run_resumes_to_the_same_result(sft_run, tmp_path, monkeypatch):
 
     monkeypatch.setattr(PPO, "run_step", killed_at_third)
     with pytest.raises(KeyboardInterrupt):
-        run_rl(recipe, tmp_path / "b", rewards=["tests.test_rl:varied_reward"], force=True)
+        run_rl(recipe, tmp_path / "b", rewards=["tests.rl.test_guards:varied_reward"], force=True)
     monkeypatch.undo()
     assert not (tmp_path / "b" / "rl").exists() and (tmp_path / "b" / "rl.partial" / "checkpoint.pt").is_file()
-    resumed = run_rl(recipe, tmp_path / "b", rewards=["tests.test_rl:varied_reward"], force=True, resume=True)
+    resumed = run_rl(recipe, tmp_path / "b", rewards=["tests.rl.test_guards:varied_reward"], force=True, resume=True)
     assert resumed.metrics["steps"] == 4
     lines = [json.loads(x) for x in (tmp_path / "b" / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
@@ -223,10 +223,10 @@ def test_two_process_data_parallel_run_ends_with_identical_replicas(sft_run, tmp
 
     out, _ = sft_run
     shutil.copytree(out / "sft", tmp_path / "run" / "sft")
-    repo = Path(__file__).resolve().parent.parent  # so that the ranks can import tests.test_rl:varied_reward
+    repo = Path(__file__).resolve().parents[2]  # so that the ranks can import tests.rl.test_guards:varied_reward
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "slm_align", "train",
-               "--algo", "grpo", "--out", str(tmp_path / "run"), "--reward", "tests.test_rl:varied_reward",
+               "--algo", "grpo", "--out", str(tmp_path / "run"), "--reward", "tests.rl.test_guards:varied_reward",
                "--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--force"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env=dict(os.environ, PYTHONPATH=str(repo)))

@@ -18,7 +18,7 @@ from slm_align.agent.store import SCHEMA_VERSION, PreferenceStore
 from tests import native_writer
 from tests.helpers import finished_sft_run, run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROWS_SCHEMA = ROOT / "docs" / "feedback-rows.schema.json"
 YES = " Yes, indeed."
 

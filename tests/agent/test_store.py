@@ -17,7 +17,7 @@ from slm_align.agent.scrub import luhn_ok, scrub
 from slm_align.agent.store import SCHEMA_VERSION, PreferenceStore
 from slm_align.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "ab" * 32
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 64}
 HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]

@@ -13,7 +13,7 @@ from slm_align.export.stage import ExportRequest, run_export
 
 pytest.importorskip("onnxruntime_genai")
 pytest.importorskip("llama_cpp")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "mobile_runtimes.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mobile_runtimes.py"
 
 
 def test_every_runtime_side_reports_speed_and_memory(tiny_models, tmp_path):

@@ -15,7 +15,7 @@ from slm_align.agent.bounds import bounds, of_field, optional_peeled  # noqa: E4
 from slm_align.agent.server.chat_body import ChatBody  # noqa: E402
 from slm_align.agent.server.completions import CompletionBody  # noqa: E402
 from slm_align.agent.settings import Sampling  # noqa: E402
-from tests import test_serve as base  # noqa: E402
+from tests.agent.server import test_serve as base  # noqa: E402
 from tests.helpers import run_cli  # noqa: E402
 
 onnx_model = base.onnx_model

@@ -14,8 +14,8 @@ pytest.importorskip("uvicorn")
 
 from slm_align.agent.server import create_app  # noqa: E402
 from slm_align.errors import UserError  # noqa: E402
-from tests import test_serve as base  # noqa: E402
-from tests.test_serve import Running, wait_until  # noqa: E402
+from tests.agent.server import test_serve as base  # noqa: E402
+from tests.agent.server.test_serve import Running, wait_until  # noqa: E402
 
 onnx_model = base.onnx_model
 """The exported model and the shared server of test_serve (module fixtures, found by these names)."""
@@ -188,7 +188,7 @@ def test_user_errors_reach_clients_without_the_servers_paths(server, monkeypatch
 
 def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(onnx_model):
     from slm_align.agent.server.connections import server_config
-    from tests.test_serve import wait_until
+    from tests.agent.server.test_serve import wait_until
 
     config = server_config(create_app(onnx_model), "warning", max_connections=4, header_timeout=0.5)
     with limited_server(config) as (server, port):
@@ -217,7 +217,7 @@ def limited_server(config):
     """A real uvicorn server with ``config`` on a free loopback port: ``(server, port)``, stopped on exit."""
     import uvicorn
 
-    from tests.test_serve import wait_until
+    from tests.agent.server.test_serve import wait_until
 
     listener = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(config)

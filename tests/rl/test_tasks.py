@@ -52,7 +52,7 @@ def test_columns_reach_rewards_in_the_gate_rollouts_and_evaluation_without_sft(t
     monkeypatch.setenv(SEEN_ENV, str(seen))
     run = tmp_path / "run"
     code, out, err = run_cli(capsys, "train", "--no-sft", "--tasks", tasks, "--reward",
-                             "tests.test_task_rl:answer_in_prompt_length", "--algo", "auto", "--out", run, "--force",
+                             "tests.rl.test_tasks:answer_in_prompt_length", "--algo", "auto", "--out", run, "--force",
                              "--gate-samples", "2", "--config", _quick_config(tmp_path), "--watchdog", "off",
                              *SMALL)  # the watchdog's probes would add calls; its own tests cover them
     assert code == 0, err

@@ -69,7 +69,7 @@ def _gate(stories, reward: str):
 
 
 def test_the_gate_sees_no_signal_in_a_reward_of_the_prompt_alone(stories):
-    report = _gate(stories, "tests.test_gate_spread:prompt_only")
+    report = _gate(stories, "tests.rewards.test_spread:prompt_only")
     spread = report["info"]["reward_spread"]
     figure = report["figures"][-1]
     assert figure["name"].startswith("reward spread within prompts") and figure["value"] == 0.0
@@ -79,7 +79,7 @@ def test_the_gate_sees_no_signal_in_a_reward_of_the_prompt_alone(stories):
 
 
 def test_the_gate_passes_a_reward_that_varies_within_prompts(stories):
-    report = _gate(stories, "tests.test_gate_spread:completion_length")
+    report = _gate(stories, "tests.rewards.test_spread:completion_length")
     figure = report["figures"][-1]
     assert figure["value"] > 0.1 and figure["passed"]
     assert report["info"]["reward_spread"]["all_equal_share"] < 0.5

@@ -166,9 +166,9 @@ FLIP = {"after": 10 ** 9, "step": 0}
 
 
 def shared_flip() -> dict:
-    """``FLIP`` of this module as the run imports it (``tests.test_watchdog``), which pytest may have imported
+    """``FLIP`` of this module as the run imports it (``tests.rl.test_watchdog``), which pytest may have imported
     under another name: the fixture and the reward must share one dict."""
-    return importlib.import_module("tests.test_watchdog").FLIP
+    return importlib.import_module("tests.rl.test_watchdog").FLIP
 
 
 def flipping_reward(prompts, completions, **_):
@@ -293,7 +293,7 @@ def assert_watchdog_off(stage: Path, steps: int, last_adapter: Path) -> None:
 
 def test_reward_that_flips_sign_is_a_reward_drop_rolled_back_and_the_best_is_published(sft_run, tmp_path,
                                                                                        flip_after, snapshots):
-    flip = "tests.test_watchdog:flipping_reward"
+    flip = "tests.rl.test_watchdog:flipping_reward"
     flip_after(3)  # iterations 4.. pay for brevity instead of length
     stage = watched_run(sft_run, tmp_path / "on", flip, eval_every=1, window=2, max_recoveries=1)
     events = events_of(stage)
@@ -323,7 +323,7 @@ def test_train_from_the_cli_says_each_event_and_the_published_iteration_and_repo
                       "max_length = 96\n[sft]\nmax_steps = 2\nbatch_size = 4\n[rl]\nsave_steps = 2\n"
                       "eval_prompts = 2\n[rl.watchdog]\nwindow = 2\nmax_recoveries = 1\n")
     args = ["train", "--config", config, "--out", out, "--algo", "grpo", "--reward",
-            "tests.test_watchdog:flipping_reward", "--steps", "8", "--prompts-per-step", "2", "--group-size", "4",
+            "tests.rl.test_watchdog:flipping_reward", "--steps", "8", "--prompts-per-step", "2", "--group-size", "4",
             "--max-new-tokens", "8", "--rl-lr", "0.01", "--watchdog-every", "1", "--report-prompts", "4", "--force"]
     flip_after(3)  # the sign-flip run of the test above, through the CLI
     code, stdout, err = run_cli(capsys, *args)
@@ -361,7 +361,7 @@ def test_published_line_names_the_iteration_with_the_watchdog_on_and_off():
 
 
 def test_a_killed_run_resumes_the_watchdog_state_bit_for_bit(sft_run, tmp_path, flip_after, monkeypatch):
-    flip = "tests.test_watchdog:flipping_reward"
+    flip = "tests.rl.test_watchdog:flipping_reward"
     flip_after(3)
     whole = watched_run(sft_run, tmp_path / "whole", flip, eval_every=1, window=2, max_recoveries=1)
     flip_after(3)
@@ -405,7 +405,7 @@ two iterations' ran into it, every one from the fourth on)."""
 
 
 def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp_path, snapshots):
-    stage = watched_run(bundled_run, tmp_path / "on", "tests.test_watchdog:length_reward", max_recoveries=0,
+    stage = watched_run(bundled_run, tmp_path / "on", "tests.rl.test_watchdog:length_reward", max_recoveries=0,
                         eval_every=3, **INFLATION)
     events = events_of(stage)
     assert [e["detector"] for e in events] == ["length_inflation"] and events[0]["action"] == "stop"
@@ -419,7 +419,7 @@ def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp
 
 
 def test_the_length_run_with_the_watchdog_off_publishes_the_last_adapter(bundled_run, tmp_path, snapshots):
-    stage = watched_run(bundled_run, tmp_path / "off", "tests.test_watchdog:length_reward", enabled=False,
+    stage = watched_run(bundled_run, tmp_path / "off", "tests.rl.test_watchdog:length_reward", enabled=False,
                         **INFLATION)
     assert_watchdog_off(stage, 8, snapshots["adapters"] / "8")
     truncated = metric_of(stage, "completion/truncated_frac")  # completions ran into the 32-token budget
@@ -439,7 +439,7 @@ token is "the" (entropy ~2.5 -> ~0.5 nats, default floor 0.3 of the start). Only
 
 @pytest.mark.slow
 def test_a_reward_for_one_repeated_token_collapses_entropy_rolled_back_to_the_best(bundled_run, tmp_path, snapshots):
-    stage = watched_run(bundled_run, tmp_path / "on", "tests.test_watchdog:token_reward", max_recoveries=1,
+    stage = watched_run(bundled_run, tmp_path / "on", "tests.rl.test_watchdog:token_reward", max_recoveries=1,
                         **COLLAPSE)
     events = events_of(stage)
     assert [(e["detector"], e["action"]) for e in events] == [("entropy_collapse", "rollback"),
@@ -465,7 +465,7 @@ def test_a_reward_for_one_repeated_token_collapses_entropy_rolled_back_to_the_be
 
 @pytest.mark.slow
 def test_the_repeated_token_run_with_the_watchdog_off_publishes_the_last_adapter(bundled_run, tmp_path, snapshots):
-    stage = watched_run(bundled_run, tmp_path / "off", "tests.test_watchdog:token_reward", enabled=False,
+    stage = watched_run(bundled_run, tmp_path / "off", "tests.rl.test_watchdog:token_reward", enabled=False,
                         **COLLAPSE)
     steps = COLLAPSE["steps"]
     assert_watchdog_off(stage, steps, snapshots["adapters"] / str(steps))

@@ -455,7 +455,7 @@ def test_gguf_artifact_serves_the_same_answers(tmp_path_factory):
 # --- the OpenAI surface apps use ----------------------------------------------------------------------------------
 
 LOOP = "But then it home."
-"""What the bundled model repeats, greedily, about a cat (see tests/test_agent.py)."""
+"""What the bundled model repeats, greedily, about a cat (see tests/agent/test_runtime.py)."""
 CAT = [{"role": "user", "content": PROMPT}]
 
 

@@ -10,7 +10,7 @@ from slm_align.rl.grpo import GRPO
 from slm_align.rl.phases import PHASES, PhaseClock
 from slm_align.rl.recovery import WatchedRun
 from slm_align.rl.watchdog import Watchdog
-from tests.test_rl import (
+from tests.rl.test_guards import (
     NaNGradientLoop,
     lora_state,
     make_loop,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import slm_align
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_all_lists_exactly_the_exported_names():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "slm_align"
+PACKAGE = Path(__file__).resolve().parents[2] / "slm_align"
 
 LAYERS = {
     "interface": {"cli", "__main__", "__init__", "environment"},

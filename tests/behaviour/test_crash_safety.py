@@ -14,7 +14,7 @@ import torch
 from slm_align.errors import UserError
 from slm_align.runs import read_manifest
 from tests.helpers import finished_sft_run
-from tests.test_preference import learnable_rows, write_rows
+from tests.preference.test_dpo_kto import learnable_rows, write_rows
 
 TIMEOUT = 600
 

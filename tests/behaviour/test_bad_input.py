@@ -2,17 +2,18 @@
 nothing on stdout, and every output that existed before left byte-identical (no partial file, no new entry).
 
 The matrix adds to the cases that live beside their feature; those are not repeated here:
-tests/test_cli.py (21 `sft` data/model/flag/recipe cases; `train` --algo, --group-size, --loss-type, --stage;
-`check-headroom --run` without SFT), tests/test_export.py (gpt2 for GGUF, unknown GGUF/ONNX quantization, target
-and preset, --min-agreement 1.5, no tokenizer, a missing source, an existing artifact), tests/test_merge.py (an
-existing --out), tests/test_agent.py (`chat` on a missing artifact, `feedback export` of a missing DB),
-tests/test_store.py (not-SQLite and newer-schema stores, no consented feedback, existing or non-.jsonl outputs,
-through the Python API), tests/test_devices.py (`devices fit` with an unknown device or quantization, --ctx 0,
-a missing model; `devices show` of an unknown name; malformed profiles and corrupt GGUF/safetensors headers through
-the API), tests/test_bench.py (a missing artifact, an unknown device, prompt + decode beyond the context, an
-existing --save-profile; bad profile names and --repeats 0 through the API), tests/test_serve.py (the network
-without a key, a taken port), tests/test_reward_model.py (a bad --preferences file), and the module tests
-tests/test_data.py, tests/test_modeling.py, tests/test_preferences.py, tests/test_reward_functions.py.
+tests/cli/test_commands.py (21 `sft` data/model/flag/recipe cases; `train` --algo, --group-size, --loss-type,
+--stage; `check-headroom --run` without SFT), tests/export/test_gguf_and_onnx.py (gpt2 for GGUF, unknown GGUF/ONNX
+quantization, target and preset, --min-agreement 1.5, no tokenizer, a missing source, an existing artifact),
+tests/export/test_merge.py (an existing --out), tests/agent/test_runtime.py (`chat` on a missing artifact,
+`feedback export` of a missing DB), tests/agent/test_store.py (not-SQLite and newer-schema stores, no consented
+feedback, existing or non-.jsonl outputs, through the Python API), tests/devices/test_profiles_and_estimates.py
+(`devices fit` with an unknown device or quantization, --ctx 0, a missing model; `devices show` of an unknown name;
+malformed profiles and corrupt GGUF/safetensors headers through the API), tests/agent/test_bench.py (a missing
+artifact, an unknown device, prompt + decode beyond the context, an existing --save-profile; bad profile names and
+--repeats 0 through the API), tests/agent/server/test_serve.py (the network without a key, a taken port),
+tests/reward/test_reward_model.py (a bad --preferences file), and the module tests tests/data/test_corpus.py,
+tests/test_modeling.py, tests/data/test_preferences.py, tests/rewards/test_reward_functions.py.
 
 A full disk is simulated by making one write (os.fsync, gguf's tensor writer) raise ENOSPC.
 """
