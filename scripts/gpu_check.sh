@@ -4,7 +4,7 @@
 #   2. the tests marked gpu (tests/test_accelerator.py: a bf16 GRPO iteration on CUDA, SFT on CUDA, ...);
 #   3. benchmarks/grpo_vs_trl.py on the GPU, both sides bf16 (skipped when trl is not installed).
 # Without a GPU (or with --cpu) it runs the CPU fallback in well under a minute, which CI runs through
-# tests/test_gpu_check.py so that the script cannot rot: --device cuda must be refused in one line with exit
+# tests/project/test_gpu_check.py so that the script cannot rot: --device cuda must be refused in one line with exit
 # code 2, the gpu tests must collect (and skip), and the benchmark must parse its GPU flags.
 #
 #   bash scripts/gpu_check.sh            # on a GPU machine: prints each step's figures, exit 0 when all pass

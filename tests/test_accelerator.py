@@ -11,7 +11,7 @@ from slm_align.envelope.value_head import ValueHead
 from slm_align.envelope.world import rank_device
 from slm_align.errors import UserError
 from tests.helpers import run_cli
-from tests.test_rl import make_loop, prepared, sft_run  # noqa: F401  (the module fixture)
+from tests.rl.test_guards import make_loop, prepared, sft_run  # noqa: F401  (the module fixture)
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

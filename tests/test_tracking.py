@@ -15,7 +15,7 @@ from slm_align.pipeline import run_preference
 from slm_align.sft import run_sft
 from slm_align.tracking import TensorBoardTracker, open_tracker, scalars
 from tests.helpers import finished_sft_run, run_cli
-from tests.test_preference import fresh_run, learnable_rows, preference_recipe, write_rows
+from tests.preference.test_dpo_kto import fresh_run, learnable_rows, preference_recipe, write_rows
 
 pytest.importorskip("tensorboard")
 

@@ -1,0 +1,359 @@
+"""Bad input over every command (issue #10): one line on stderr naming the problem and the fix, exit code 2,
+nothing on stdout, and every output that existed before left byte-identical (no partial file, no new entry).
+
+The matrix adds to the cases that live beside their feature; those are not repeated here:
+tests/cli/test_commands.py (21 `sft` data/model/flag/recipe cases; `train` --algo, --group-size, --loss-type,
+--stage; `check-headroom --run` without SFT), tests/export/test_gguf_and_onnx.py (gpt2 for GGUF, unknown GGUF/ONNX
+quantization, target and preset, --min-agreement 1.5, no tokenizer, a missing source, an existing artifact),
+tests/export/test_merge.py (an existing --out), tests/agent/test_runtime.py (`chat` on a missing artifact,
+`feedback export` of a missing DB), tests/agent/test_store.py (not-SQLite and newer-schema stores, no consented
+feedback, existing or non-.jsonl outputs, through the Python API), tests/devices/test_profiles_and_estimates.py
+(`devices fit` with an unknown device or quantization, --ctx 0, a missing model; `devices show` of an unknown name;
+malformed profiles and corrupt GGUF/safetensors headers through the API), tests/agent/test_bench.py (a missing
+artifact, an unknown device, prompt + decode beyond the context, an existing --save-profile; bad profile names and
+--repeats 0 through the API), tests/agent/server/test_serve.py (the network without a key, a taken port),
+tests/reward/test_reward_model.py (a bad --preferences file), and the module tests tests/data/test_corpus.py,
+tests/test_modeling.py, tests/data/test_preferences.py, tests/rewards/test_reward_functions.py.
+
+A full disk is simulated by making one write (os.fsync, gguf's tensor writer) raise ENOSPC.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.helpers import finished_sft_run, run_cli, tree_digest
+
+
+def tree_listing(path: Path) -> list[str]:
+    """Every entry under ``path`` (empty directories and temporary files too)."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def snapshot(paths) -> dict:
+    return {str(p): (tree_digest(p), tree_listing(p)) if p.is_dir() else (p.read_bytes() if p.exists() else None)
+            for p in paths}
+
+
+def _corrupt_copy(source: Path, target: Path, keep_bytes: int) -> Path:
+    """A copy of an HF directory whose model.safetensors is cut after ``keep_bytes`` bytes."""
+    shutil.copytree(source, target)
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:keep_bytes])
+    return target
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_models, tokenizer, stories):
+    """Inputs shared by the cases: bad files, odd model directories, a finished SFT run and a GGUF artifact."""
+    from slm_align.agent.store import PreferenceStore
+    from slm_align.export.gguf import write_gguf
+    from slm_align.modeling import build_tiny_model
+
+    root = tmp_path_factory.mktemp("bad-input")
+    (root / "utf16.txt").write_bytes("Once upon a time there was a cat.\n\nThe end.\n".encode("utf-16"))
+    (root / "numbers.jsonl").write_text("".join(json.dumps({"text": 7 + i}) + "\n" for i in range(40)))
+    (root / "blank.jsonl").write_text("\n\n  \n")
+    (root / "header.csv").write_text("text\n")
+    (root / "junk.parquet").write_bytes(os.urandom(256))
+    locked = tmp_path_factory.mktemp("locked") / "locked.txt"  # outside root: snapshots cannot read it
+    locked.write_text("Once upon a time.\n")
+    locked.chmod(0)
+    (root / "random.gguf").write_bytes(os.urandom(4096))
+    (root / "a-file").write_text("not a directory\n")
+    (root / "notes.db").write_text("these are my notes, not a database\n" * 10)
+    (root / "prefs.jsonl").write_text('{"prompt": "Hi", "chosen": " Hello.", "rejected": " Go."}\n')
+    (root / "folder.jsonl").mkdir()
+    (root / "empty-onnx").mkdir()
+    (root / "empty-onnx" / "config.json").write_text("{}")
+    (root / "bad-profiles").mkdir()
+    (root / "bad-profiles" / "board.toml").write_text("name = 'board'\nram_gb = [\n")
+
+    models = root / "models"
+    mamba = models / "mamba"
+    shutil.copytree(tiny_models["llama"], mamba)
+    config = json.loads((mamba / "config.json").read_text())
+    (mamba / "config.json").write_text(json.dumps(dict(config, model_type="mamba")))
+    badjson = models / "badjson"
+    shutil.copytree(tiny_models["llama"], badjson)
+    (badjson / "config.json").write_text('{"model_type": "llama",')
+    small_vocab = models / "small-vocab"  # a tokenizer whose ids run past the model's embedding rows
+    build_tiny_model("llama", vocab_size=len(tokenizer) // 2).save_pretrained(small_vocab, safe_serialization=True)
+    tokenizer.save_pretrained(small_vocab)
+    truncated = _corrupt_copy(tiny_models["llama"], models / "truncated",
+                              (tiny_models["llama"] / "model.safetensors").stat().st_size // 2)
+
+    base = shutil.copytree(tiny_models["llama"], models / "run-base")
+    run, _ = finished_sft_run(root / "run", base, stories, steps=1)
+    broken_base = shutil.copytree(tiny_models["llama"], models / "broken-base")
+    broken_run, _ = finished_sft_run(root / "broken-run", broken_base, stories, steps=1)
+    weights = broken_base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+    gguf = write_gguf(tiny_models["llama"], root / "tiny-F16.gguf", "F16")
+    with PreferenceStore(root / "private.db") as store:
+        turn = store.record_turn("c1", [{"role": "user", "content": "Tell me a story."}], "Once upon a time.",
+                                 "ab" * 32, {"temperature": 0.7}, False)
+        store.thumbs(turn, up=True)
+    with PreferenceStore(root / "consented.db") as store:
+        turn = store.record_turn("c1", [{"role": "user", "content": "Tell me a story."}], "Once upon a time.",
+                                 "ab" * 32, {"temperature": 0.7}, True)
+        store.thumbs(turn, up=True)
+        store.edit(turn, "Once upon a time, a cat.")
+    return SimpleNamespace(root=root, locked=locked, run=run, broken_run=broken_run, gguf=gguf, stories=stories,
+                           llama=tiny_models["llama"], mamba=mamba, badjson=badjson,
+                           small_vocab=small_vocab, truncated=truncated)
+
+
+@pytest.fixture(autouse=True)
+def no_user_profiles(monkeypatch, tmp_path):
+    """Device profiles come from the package only; nothing is written to the real home directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SLM_ALIGN_DEVICES", raising=False)
+
+
+def readable_as_locked(path: Path) -> Path:
+    if os.access(path, os.R_OK):
+        pytest.skip("chmod 000 does not stop this user (root) from reading; nothing to test here")
+    return path
+
+
+def fail_nth(monkeypatch, module, name: str, n: int) -> None:
+    """``module.name`` raises ENOSPC (a full disk) on its ``n``-th call and works otherwise."""
+    real, calls = getattr(module, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, failing)
+
+
+def full_disk_on_fsync(n: int):
+    def arrange(e, monkeypatch):
+        fail_nth(monkeypatch, os, "fsync", n)
+    return arrange
+
+
+def full_disk_writing_gguf(e, monkeypatch):
+    import gguf
+
+    fail_nth(monkeypatch, gguf.GGUFWriter, "write_tensors_to_file", 1)
+
+
+def devices_dir(e, monkeypatch):
+    monkeypatch.setenv("SLM_ALIGN_DEVICES", str(e.root / "bad-profiles"))
+
+
+SFT = ["--max-steps", "1", "--batch-size", "4", "--max-length", "64"]
+
+
+def sft(*args, model="{llama}", data="{stories}"):
+    return ["sft", "--out", "{out}", "--model", model, "--data", data, *SFT, *args]
+
+
+def train(stage, *args):
+    return ["train", "--stage", stage, *args]
+
+
+def case(command, args, keyword, arrange=None, marks=(), id=None):
+    return pytest.param(args, keyword, arrange, marks=marks, id=f"{command}: {id or ' '.join(args)}"[:90])
+
+
+CASES = [
+    # sft: data
+    case("sft", sft(data="{root}/utf16.txt"), "UTF-8", id="UTF-16 corpus"),
+    case("sft", sft(data="{root}/numbers.jsonl"), "text", id="jsonl with numbers in the text column"),
+    case("sft", sft(data="{root}/blank.jsonl"), "no documents", id="jsonl of blank lines"),
+    case("sft", sft(data="{root}/header.csv"), "no documents", id="csv with a header only"),
+    case("sft", sft(data="{root}/junk.parquet"), "parquet", id="parquet of random bytes"),
+    case("sft", sft(data="{locked}"), "permission", id="unreadable corpus (chmod 000)"),
+    case("sft", sft(data="{root}"), "directory", id="a directory that is no dataset"),
+    # sft: model
+    case("sft", sft(model="{mamba}"), "unsupported architecture 'mamba'", id="model_type mamba"),
+    case("sft", sft(model="{badjson}"), "config.json", id="config.json cut short"),
+    case("sft", sft(model="{small_vocab}"), "vocab", id="tokenizer ids beyond the embedding rows"),
+    case("sft", sft(model="{truncated}"), "cannot be loaded", id="truncated safetensors"),
+    case("sft", sft(model="{root}/random.gguf"), "not a GGUF model", id="random bytes named .gguf"),
+    # sft: flags and the run directory
+    case("sft", sft("--batch-size", "0"), "batch_size", id="--batch-size 0"),
+    case("sft", sft("--lora-dropout", "1.5"), "dropout", id="--lora-dropout 1.5"),
+    case("sft", sft("--max-length", "0"), "max_length", id="--max-length 0"),
+    case("sft", sft("--warmup-ratio", "2"), "warmup_ratio", id="--warmup-ratio 2"),
+    case("sft", sft("--epochs", "-1"), "epochs", id="--epochs -1"),
+    case("sft", ["sft", "--out", "{run}", "--model", "{run_base}", "--data", "{stories}", "--max-steps", "1",
+                 "--batch-size", "4", "--max-length", "96", "--lr", "1e-4"], "other inputs",
+         id="finished run, another --lr"),
+    case("sft", sft("--lora-alpha", "0"), "alpha", id="--lora-alpha 0"),
+    case("sft", ["sft", "--out", "{root}/a-file", "--model", "{llama}", "--data", "{stories}", *SFT], "a-file",
+         id="--out is a file"),
+    # check-headroom (exit 1 is its FAIL verdict; bad input is 2)
+    case("check-headroom", ["check-headroom", "--run", "{run}", "--model", "{llama}"], "not both",
+         id="--run and --model"),
+    case("check-headroom", ["check-headroom", "--run", "{run}", "--max-ppl", "-1"], "max_ppl", id="--max-ppl -1"),
+    case("check-headroom", ["check-headroom", "--run", "{run}", "--min-reward-acc", "2"], "reward_acc",
+         id="--min-reward-acc 2"),
+    case("check-headroom", ["check-headroom", "--model", "{mamba}", "--data", "{stories}"], "mamba",
+         id="--model of architecture mamba"),
+    case("check-headroom", ["check-headroom", "--model", "{llama}", "--adapter", "{root}/no-adapter",
+                            "--data", "{stories}"], "adapter", id="--adapter missing"),
+    case("check-headroom", ["check-headroom", "--run", "{run}", "--reward-model", "{root}/no-rm"], "no-rm",
+         id="--reward-model missing"),
+    case("check-headroom", ["check-headroom", "--run", "{root}/no-run"], "no-run", id="--run missing"),
+    # train --stage sft / reward / rl
+    case("train", train("sft", "--out", "{out}", "--model", "{llama}", "--data", "{root}/utf16.txt"), "UTF-8",
+         id="--stage sft on a UTF-16 corpus"),
+    case("train", train("reward", "--out", "{out}"), "SFT", id="--stage reward without an SFT stage"),
+    case("train", train("reward", "--out", "{run}", "--pair-mix", "warp=1"), "warp",
+         id="--stage reward --pair-mix of an unknown kind"),
+    case("train", train("reward", "--out", "{run}", "--preferences", "{root}/missing.jsonl"), "missing.jsonl",
+         id="--stage reward --preferences missing"),
+    case("train", train("reward", "--out", "{run}", "--no-synthetic-pairs"), "--no-synthetic-pairs is set",
+         id="--stage reward --no-synthetic-pairs without --preferences"),
+    case("train", train("reward", "--out", "{run}", "--reward-lr", "-1"), "learning_rate",
+         id="--stage reward --reward-lr -1"),
+    case("train", train("rl", "--out", "{out}", "--sft", "{root}"), "SFT", id="--sft of a dir without SFT"),
+    case("train", train("rl", "--out", "{out}", "--kl-mode", "both"), "kl_mode", id="--kl-mode both"),
+    case("train", train("rl", "--out", "{out}", "--scale-rewards", "max"), "scale_rewards",
+         id="--scale-rewards max"),
+    case("train", train("rl", "--out", "{out}", "--steps", "0"), "steps", id="--steps 0"),
+    case("train", train("rl", "--out", "{out}", "--report-prompts", "1"), "report_prompts",
+         id="--report-prompts 1"),
+    case("train", train("rl", "--out", "{out}", "--beta", "-1"), "beta", id="--beta -1"),
+    case("train", train("rl", "--out", "{out}", "--prompts-per-step", "0"), "prompts_per_step",
+         id="--prompts-per-step 0"),
+    case("train", train("rl", "--out", "{out}", "--sft", "{run}", "--reward", "no_such_builtin"), "no_such_builtin",
+         id="--reward unknown"),
+    case("train", train("rl", "--out", "{out}", "--sft", "{run}", "--reward-model", "{root}/no-rm"), "no-rm",
+         id="--reward-model missing"),
+    # evaluate
+    case("evaluate", ["evaluate", "--run", "{root}"], "SFT", id="--run without SFT"),
+    case("evaluate", ["evaluate", "--run", "{run}", "--prompts", "1"], "--prompts", id="--prompts 1"),
+    case("evaluate", ["evaluate", "--run", "{run}", "--reward", "length_window", "--temperature", "-1"], "temperature",
+         id="--temperature -1"),
+    case("evaluate", ["evaluate", "--run", "{run}", "--reward", "length_window", "--max-new-tokens", "0"],
+         "max_new_tokens", id="--max-new-tokens 0"),
+    case("evaluate", ["evaluate", "--run", "{run}", "--reward", "length_window", "--baseline", "{root}/no-model"],
+         "no-model", id="--baseline missing"),
+    case("evaluate", ["evaluate", "--run", "{run}", "--reward-model", "{llama}", "--prompts", "2"], "one",
+         id="--reward-model is a language model"),
+    case("evaluate", ["evaluate", "--run", "{broken_run}", "--reward", "length_window", "--prompts", "4"],
+         "cannot be loaded", id="run whose base weights are truncated"),
+    # merge
+    case("merge", ["merge", "--run", "{root}", "--out", "{out}/merged"], "SFT", id="--run without SFT"),
+    case("merge", ["merge", "--run", "{run}", "--out", "{root}/a-file"], "a-file", id="--out is a file"),
+    case("merge", ["merge", "--run", "{run}", "--out", "{root}/a-file", "--overwrite"], "not a directory",
+         id="--out is a file, --overwrite"),
+    case("merge", ["merge", "--run", "{broken_run}", "--out", "{out}/merged"], "cannot be loaded",
+         id="run whose base weights are truncated"),
+    # export
+    case("export", ["export", "{llama}", "--device", "toaster", "--out", "{out}"], "unknown device 'toaster'",
+         id="--device unknown"),
+    case("export", ["export", "{truncated}", "--target", "gguf", "--out", "{out}"], "model.safetensors",
+         id="truncated safetensors"),
+    case("export", ["export", "{mamba}", "--target", "onnx", "--out", "{out}"], "mamba",
+         id="ONNX of architecture mamba"),
+    case("export", ["export", "{small_vocab}", "--target", "gguf", "--out", "{out}"], "vocab",
+         id="tokenizer ids beyond the embedding rows"),
+    case("export", ["export", "{llama}", "--out", "{root}/a-file"], "a-file", id="--out is a file"),
+    case("export", ["export", "{llama}", "--threads", "0", "--out", "{out}"], "--threads", id="--threads 0"),
+    case("export", ["export", "{llama}", "--min-agreement", "-0.1", "--out", "{out}"], "--min-agreement",
+         id="--min-agreement -0.1"),
+    case("export", ["export", "{root}/random.gguf", "--out", "{out}"], "GGUF", id="random bytes named .gguf"),
+    case("export", ["export", "{llama}", "--target", "gguf", "--quant", "F16", "--no-verify", "--out", "{out}"],
+         "space", arrange=full_disk_writing_gguf, id="full disk while writing the GGUF"),
+    # chat
+    case("chat", ["chat", "{root}/random.gguf"], "GGUF", id="random bytes named .gguf"),
+    case("chat", ["chat", "{root}/empty-onnx"], "not an exported model", id="ONNX dir without model.onnx"),
+    case("chat", ["chat", "{gguf}", "--temperature", "-1"], "--temperature", id="--temperature -1"),
+    case("chat", ["chat", "{gguf}", "--top-p", "1.5"], "--top-p", id="--top-p 1.5"),
+    case("chat", ["chat", "{gguf}", "--threads", "0"], "--threads", id="--threads 0"),
+    case("chat", ["chat", "{gguf}", "--max-new-tokens", "0"], "--max-new-tokens", id="--max-new-tokens 0"),
+    case("chat", ["chat", "{gguf}", "--device", "toaster"], "unknown device 'toaster'", id="--device unknown"),
+    case("chat", ["chat", "{gguf}", "--store", "{root}/no-folder/prefs.db"], "does not exist",
+         id="--store in a missing folder"),
+    case("chat", ["chat", "{gguf}", "--tools", "--notes", "{root}/a-file"], "not a directory",
+         id="--notes is a file"),
+    case("chat", ["chat", "{gguf}", "--store", "{root}/notes.db"], "not a SQLite database",
+         id="--store that is not SQLite"),
+    # feedback export
+    case("feedback export", ["feedback", "export", "{root}/private.db", "--out", "{out}/round2.jsonl"],
+         "no consented feedback", id="only turns without consent"),
+    case("feedback export", ["feedback", "export", "{root}/notes.db", "--out", "{out}/round2.jsonl"],
+         "not a SQLite database", id="DB that is not SQLite"),
+    case("feedback export", ["feedback", "export", "{root}", "--out", "{out}/round2.jsonl"], "directory",
+         id="DB is a directory"),
+    case("feedback export", ["feedback", "export", "{root}/consented.db", "--out", "{root}/folder.jsonl"],
+         "is a directory", id="--out is an existing directory"),
+    case("feedback export", ["feedback", "export", "{root}/consented.db", "--out", "{root}/a-file/round2.jsonl"],
+         "a-file is a file", id="--out inside a file"),
+    case("feedback export", ["feedback", "export", "{root}/consented.db", "--out", "{out}/round2.jsonl"], "space",
+         arrange=full_disk_on_fsync(1), id="full disk on the pairs file"),
+    case("feedback export", ["feedback", "export", "{root}/consented.db", "--out", "{out}/round2.jsonl"], "space",
+         arrange=full_disk_on_fsync(2), id="full disk on the unpaired file"),
+    # devices
+    case("devices list", ["devices", "list"], "board.toml", arrange=devices_dir, id="a malformed user profile"),
+    case("devices show", ["devices", "show", "../rpi5"], "../rpi5", id="a path as the name"),
+    case("devices fit", ["devices", "fit", "{root}/random.gguf", "--device", "rpi5"], "GGUF",
+         id="random bytes named .gguf"),
+    case("devices fit", ["devices", "fit", "{truncated}", "--device", "rpi5"], "safetensors",
+         id="truncated safetensors"),
+    case("devices fit", ["devices", "fit", "{llama}", "--device", "rpi5", "--ctx", "-5"], "--ctx -5",
+         id="--ctx -5"),
+    case("devices fit", ["devices", "fit", "{root}/empty-onnx", "--device", "rpi5"], "empty-onnx",
+         id="ONNX dir without model.onnx"),
+    # bench
+    case("bench", ["bench", "{root}/random.gguf", "--repeats", "1"], "GGUF", id="random bytes named .gguf"),
+    case("bench", ["bench", "{gguf}", "--threads", "0"], "--threads", id="--threads 0"),
+    case("bench", ["bench", "{gguf}", "--repeats", "0"], "--repeats", id="--repeats 0"),
+    case("bench", ["bench", "{gguf}", "--ctx", "8"], "--ctx", id="--ctx 8"),
+    case("bench", ["bench", "{gguf}", "--save-profile", "../x"], "--save-profile", id="--save-profile ../x"),
+    # serve (refused before it listens)
+    case("serve", ["serve", "{root}/random.gguf", "--port", "0"], "GGUF", id="random bytes named .gguf"),
+    case("serve", ["serve", "{gguf}", "--port", "70000"], "--port", id="--port 70000"),
+    case("serve", ["serve", "{gguf}", "--port", "0", "--store", "{root}/notes.db"], "not a SQLite database",
+         id="--store that is not SQLite"),
+    case("serve", ["serve", "{gguf}", "--port", "0", "--device", "toaster"], "unknown device 'toaster'",
+         id="--device unknown"),
+    # quickstart
+    case("quickstart", ["quickstart", "--out", "{root}/a-file"], "a-file", id="--out is a file"),
+    case("quickstart", ["quickstart", "--out", "{out}", "--sft-steps", "0"], "--sft-steps", id="--sft-steps 0"),
+    case("quickstart", ["quickstart", "--out", "{out}", "--rl-steps", "-1"], "--rl-steps", id="--rl-steps -1"),
+]
+
+
+@pytest.mark.parametrize("args, keyword, arrange", CASES)
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(capsys, monkeypatch, env, tmp_path, args, keyword,
+                                                          arrange):
+    out = tmp_path / "out"
+    (out / "notes").mkdir(parents=True)
+    (out / "keep.txt").write_text("earlier result")
+    paths = {"{out}": out, "{root}": env.root, "{run}": env.run, "{broken_run}": env.broken_run, "{gguf}": env.gguf,
+             "{stories}": env.stories, "{llama}": env.llama, "{mamba}": env.mamba,
+             "{badjson}": env.badjson, "{small_vocab}": env.small_vocab, "{truncated}": env.truncated,
+             "{run_base}": env.root / "models" / "run-base"}
+    if "{locked}" in args:
+        paths["{locked}"] = readable_as_locked(env.locked)
+    args = [paths[a] if a in paths else a.format(root=env.root, out=out) for a in args]
+    if arrange is not None:
+        arrange(env, monkeypatch)
+    if args[0] == "serve":  # bad input must be refused before serving; never block the test run by listening
+        uvicorn = pytest.importorskip("uvicorn")
+        monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **k: pytest.fail("serve started on bad input"))
+    watched = [out, env.root, env.llama]  # root holds the runs, the stores and the model directories
+    before = snapshot(watched)
+    code, stdout, stderr = run_cli(capsys, *args)
+    monkeypatch.undo()
+    assert (code, stdout) == (2, ""), stderr
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1 and stderr.endswith("\n"), stderr
+    assert keyword.lower() in stderr.lower(), stderr
+    assert snapshot(watched) == before

@@ -1,0 +1,14 @@
+"""The seed streams every random draw is seeded from: the formulas of the first release."""
+
+from slm_align.envelope.seeds import SEED_STREAMS, derive_seed
+
+
+def test_seed_streams_are_the_formulas_of_the_first_release():
+    """The quickstart's figures for a fixed seed depend on these integers: they must never move."""
+    seed, step, rank, epoch = 42, 7, 1, 1
+    assert derive_seed(seed, "prompts", step) == seed * 1_000_003 + step
+    assert derive_seed(seed, "rollout", step, rank) == seed * 7919 + step + 100_003 * rank
+    assert derive_seed(seed, "resample", step, rank) == seed * 7919 + step + 100_003 * rank + 104729
+    assert derive_seed(seed, "minibatch_order", step, epoch=epoch) == seed * 31 + step * 1009 + epoch
+    assert derive_seed(seed, "preference_order", 0, epoch=epoch) == seed * 37 + epoch * 1013  # DPO/KTO, added later
+    assert set(SEED_STREAMS) == {"prompts", "rollout", "resample", "minibatch_order", "preference_order"}

@@ -1,0 +1,475 @@
+"""The collapse watchdog: each detector on hand-written metric sequences (fires on the failure, not on noise), its
+state surviving a checkpoint bit for bit, and fault-injection runs on tiny models (a reward that flips sign, a
+reward that pays for length, a reward that pays for one repeated token at a high learning rate) with the watchdog on
+and off, the CLI's console lines and evaluation report included."""
+
+import copy
+import importlib
+import json
+import random
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from slm_align.config import WatchdogSettings
+from slm_align.modeling import save_adapter
+from slm_align.pipeline import run_rl
+from slm_align.rl.grpo import GRPO
+from slm_align.rl.watchdog import Watchdog, entropy_collapse, kl_runaway, paired_drop, reward_dropped
+from slm_align.rl.watchdog_text import event_line, published_line, report_section
+from tests.helpers import finished_sft_run, run_cli
+
+
+def noisy(center: float, spread: float, count: int, seed: int = 0) -> list[float]:
+    """``count`` values uniform in center +- spread."""
+    generator = random.Random(seed)
+    return [center + generator.uniform(-spread, spread) for _ in range(count)]
+
+
+def feed(watchdog: Watchdog, key: str, values: list[float]):
+    """Observe one metric's values, one iteration each; the first trigger and the iteration it came at."""
+    for i, value in enumerate(values):
+        watchdog.observe({key: value})
+        trigger = watchdog.check()
+        if trigger is not None:
+            return trigger, i + 1
+    return None, None
+
+
+# ---- detectors on hand-written sequences ------------------------------------------------------------------------
+@pytest.mark.parametrize("key, healthy, failing, detector", [
+    ("entropy", noisy(2.0, 0.3, 30), noisy(2.0, 0.3, 6) + [1.0, 0.6, 0.4, 0.3, 0.2, 0.2, 0.1, 0.1], "entropy_collapse"),
+    ("completion/length", noisy(20, 4, 30), noisy(20, 4, 6) + [26, 30, 34, 40, 44, 46, 48, 48], "length_inflation"),
+    ("completion/truncated_frac", noisy(0.2, 0.1, 30), noisy(0.2, 0.1, 6) + [0.4, 0.6, 0.8, 0.9, 1.0, 1.0, 1.0],
+     "length_inflation"),
+    ("kl", noisy(2.0, 1.5, 30), noisy(2.0, 1.0, 6) + [6, 9, 14, 20, 30, 40], "kl_runaway"),
+    ("grpo/zero_std_frac", noisy(0.25, 0.25, 30), noisy(0.2, 0.2, 6) + [0.5, 0.75, 1.0, 1.0, 1.0, 1.0],
+     "starving_groups"),
+])
+def test_each_windowed_detector_fires_on_its_failure_and_not_on_noise(key, healthy, failing, detector):
+    settings = WatchdogSettings(window=3)
+    trigger, _ = feed(Watchdog(settings), key, healthy)
+    assert trigger is None  # 30 noisy healthy iterations: nothing
+    trigger, at = feed(Watchdog(settings), key, failing)
+    assert trigger is not None and trigger.detector == detector and at > 6
+
+
+def test_a_single_outlier_does_not_fire_a_windowed_detector():
+    values = [2.0] * 6 + [0.1] + [2.0] * 6  # one iteration with near-zero entropy
+    trigger, _ = feed(Watchdog(WatchdogSettings(window=3)), "entropy", values)
+    assert trigger is None
+
+
+def test_detector_thresholds_and_off_switches():
+    assert entropy_collapse([2.0, 2.0], [0.5, 0.7], floor=0.3) is None  # 0.6 >= 0.3 x 2.0
+    assert entropy_collapse([2.0, 2.0], [0.5, 0.5], floor=0.3).threshold == pytest.approx(0.6)
+    assert entropy_collapse([2.0, 2.0], [0.0, 0.0], floor=0.0) is None  # 0: off
+    assert kl_runaway([11.0, 12.0], max_kl=10.0).value == 11.5
+    assert kl_runaway([11.0, 12.0], max_kl=0.0) is None
+
+
+def test_paired_drop_is_mean_and_standard_error_of_the_differences():
+    mean, se = paired_drop([1.0, 2.0, 3.0], [0.0, 2.0, 1.0])  # d = 1, 0, 2
+    assert mean == pytest.approx(1.0) and se == pytest.approx(1.0 / 3 ** 0.5)
+    assert reward_dropped([1.0, 2.0, 3.0], [0.0, 2.0, 1.0], margin=0.0, z=1.5)  # 1.0 > 1.5 x 0.577
+    assert not reward_dropped([1.0, 2.0, 3.0], [0.0, 2.0, 1.0], margin=0.0, z=2.0)  # 1.0 < 2 x 0.577
+    assert not reward_dropped([1.0, 2.0, 3.0], [0.0, 2.0, 1.0], margin=1.5, z=0.5)
+
+
+def test_reward_drop_needs_patience_probes_in_a_row_and_tracks_the_best():
+    watchdog = Watchdog(WatchdogSettings(reward_patience=2))
+    best = noisy(1.0, 0.2, 16, seed=1)
+    assert watchdog.record_probe(0, [0.0] * 16, lambda: "start")
+    assert watchdog.record_probe(5, best, lambda: "best")
+    watchdog.record_probe(10, [b - 0.5 for b in best], lambda: "never")
+    assert watchdog.check() is None  # one probe below: not yet
+    within_noise = [b - 0.3 if i % 2 else b + 0.25 for i, b in enumerate(best)]  # mean drop 0.025, se 0.07
+    # not a drop: the count starts over, and this later, as-good adapter is the one to publish
+    assert watchdog.record_probe(15, within_noise, lambda: "later")
+    watchdog.record_probe(20, [b - 0.5 for b in best], lambda: "never")
+    assert watchdog.check() is None
+    watchdog.record_probe(25, [b - 0.6 for b in best], lambda: "never")
+    trigger = watchdog.check()
+    assert trigger.detector == "reward_drop" and "peak (iteration 5" in trigger.why
+    assert watchdog.peak_step == 5 and watchdog.best_step == 15 and watchdog.best_state == "later"
+
+
+def test_a_trained_adapter_as_good_as_the_start_is_published_not_the_untrained_one():
+    watchdog = Watchdog(WatchdogSettings())
+    start = noisy(0.5, 0.2, 16, seed=2)
+    assert watchdog.record_probe(0, start, lambda: "untrained")
+    slightly_lower = [value - 0.06 if i % 2 else value + 0.05 for i, value in enumerate(start)]  # within noise
+    assert watchdog.record_probe(5, slightly_lower, lambda: "trained")
+    assert watchdog.best_step == 5 and watchdog.peak_step == 0 and watchdog.best_state == "trained"
+
+
+def test_respond_rolls_back_until_recoveries_are_spent_then_stops():
+    watchdog = Watchdog(WatchdogSettings(window=2, max_recoveries=2, lr_factor=0.5, kl_factor=2.0))
+    watchdog.record_probe(0, [1.0], lambda: "best")
+    for value in (1.0, 1.0, 20.0, 20.0):
+        watchdog.observe({"kl": value})
+    trigger = watchdog.check()
+    assert trigger.detector == "kl_runaway"
+    first = watchdog.respond(4, trigger)
+    assert first["action"] == "rollback" and first["lr_scale"] == 0.5 and first["kl_scale"] == 2.0
+    assert watchdog.check() is None  # the recent window starts over after a rollback
+    second = watchdog.respond(6, trigger)
+    third = watchdog.respond(8, trigger)
+    assert second["action"] == "rollback" and second["lr_scale"] == 0.25 and second["recoveries"] == 2
+    assert third["action"] == "stop" and watchdog.stopped.startswith("kl_runaway")
+
+
+def test_state_survives_a_checkpoint_bit_for_bit(tmp_path):
+    settings = WatchdogSettings(window=3)
+    watchdog = Watchdog(settings)
+    watchdog.record_probe(0, noisy(0.5, 0.5, 8), lambda: {"w": torch.randn(3, 3)})
+    for value in noisy(2.0, 0.3, 7):
+        watchdog.observe({"entropy": value, "kl": value / 3, "completion/length": value * 10})
+    torch.save({"watchdog": watchdog.state_dict()}, tmp_path / "c.pt")
+    again = Watchdog(settings)
+    again.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True)["watchdog"])
+    state = again.state_dict()
+    for name, value in watchdog.state_dict().items():
+        if name == "best_state":
+            assert torch.equal(state[name]["w"], value["w"])
+        else:
+            assert state[name] == value, name
+
+
+def test_events_reach_the_report_and_the_curves(tmp_path):
+    from slm_align.plots import plot_curves
+
+    event = {"step": 3, "detector": "kl_runaway", "value": 12.5, "threshold": 10.0, "why": "KL 12.5 > 10",
+             "action": "rollback", "best_step": 2, "best_reward": 0.5, "recoveries": 1, "lr_scale": 0.5,
+             "kl_scale": 2.0, "learning_rate": 5e-4, "kl_coef": 0.1}
+    record = {"enabled": True, "published_step": 2, "peak_step": 1, "best_reward": 0.5, "stopped_early": None}
+    section = "\n".join(report_section(record, [event]))
+    assert "## Watchdog" in section and "| 3 | kl_runaway | 12.5 | 10 | rollback | 0.0005 |" in section
+    assert "adapter of iteration 2" in section and "iteration 1 at mean reward 0.500" in section
+    assert "adapter-last" in section
+    off = "\n".join(report_section({"enabled": False, "published_step": 8}, []))
+    assert "was off" in off and "the last adapter (iteration 8)" in off
+    assert report_section(None, []) == []
+    line = event_line(event)
+    assert line.startswith("watchdog: kl_runaway at iteration 3 (KL 12.5 > 10); rolled back to iteration 2")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "kl": float(i)}) + "\n" for i in range(1, 6)))
+    assert plot_curves(metrics, tmp_path / "curves.png", events=[event]).stat().st_size > 1000
+
+
+# ---- fault injection on a tiny model ------------------------------------------------------------------------------
+FLIP = {"after": 10 ** 9, "step": 0}
+"""The sign-flip fault: iterations from ``after`` on (and the probes after them) pay minus what they paid before."""
+
+
+def shared_flip() -> dict:
+    """``FLIP`` of this module as the run imports it (``tests.rl.test_watchdog``), which pytest may have imported
+    under another name: the fixture and the reward must share one dict."""
+    return importlib.import_module("tests.rl.test_watchdog").FLIP
+
+
+def flipping_reward(prompts, completions, **_):
+    """Words per completion / 10, negated once the run has passed iteration ``FLIP["after"]``."""
+    flip = shared_flip()
+    sign = -1.0 if flip["step"] >= flip["after"] else 1.0
+    return [sign * len(c.split()) / 10 for c in completions]
+
+
+def length_reward(prompts, completions, **_):
+    """Pays for length: characters / 10."""
+    return [len(c) / 10 for c in completions]
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, tiny_models, stories):
+    return finished_sft_run(tmp_path_factory.mktemp("wd") / "run", tiny_models["llama"], stories, steps=2)
+
+
+@pytest.fixture
+def flip_after(monkeypatch):
+    """Set the iteration after which ``flipping_reward`` flips; the run's iterations tell it where it is."""
+    original = GRPO.run_step
+    flip = shared_flip()
+
+    def counted(self, step):
+        flip["step"] = step
+        return original(self, step)
+
+    monkeypatch.setattr(GRPO, "run_step", counted)
+
+    def arm(after: int) -> None:
+        flip["after"] = after
+        flip["step"] = 0
+
+    yield arm
+    flip["after"] = 10 ** 9
+
+
+def watched_run(sft_run, out, reward, **watchdog):
+    """A tiny GRPO run (2 prompts x 4, 8 tokens) under the given watchdog settings; its rl/ directory."""
+    base, recipe = sft_run
+    shutil.copytree(base / "sft", out / "sft")
+    rl = dict(algo="grpo", steps=watchdog.pop("steps", 8), save_steps=2, prompts_per_step=2, group_size=4,
+              max_new_tokens=watchdog.pop("max_new_tokens", 8), eval_prompts=2, learning_rate=watchdog.pop("lr", 1e-2),
+              report_prompts=0, watchdog=recipe.rl.watchdog.model_copy(update=watchdog))
+    recipe = recipe.model_copy(update={"rl": recipe.rl.model_copy(update=rl)})
+    run_rl(recipe, out, rewards=[reward], force=True)
+    return out / "rl"
+
+
+def manifest_of(stage: Path) -> dict:
+    return json.loads((stage / "manifest.json").read_text())
+
+
+def events_of(stage: Path) -> list[dict]:
+    return [json.loads(line) for line in (stage / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def bundled_run(tmp_path_factory, stories):
+    """The bundled 2.5M model after one SFT step: it ends completions with EOS, so lengths can grow."""
+    from slm_align.modeling import DEFAULT_MODEL_DIR
+
+    return finished_sft_run(tmp_path_factory.mktemp("wdb") / "run", DEFAULT_MODEL_DIR, stories, steps=1)
+
+
+def adapter_bytes(directory: Path) -> bytes:
+    return (directory / "adapter_model.safetensors").read_bytes()
+
+
+def learner_state(loop) -> dict:
+    """The learner's trainable weights and AdamW state, cloned by the test itself (not the watchdog's capture)."""
+    return {"params": {name: param.detach().clone() for name, param in loop.named_params},
+            "adamw": copy.deepcopy(loop.optimizer.state_dict()["state"])}
+
+
+def same_state(first: dict, second: dict) -> bool:
+    """Whether two :func:`learner_state` are equal tensor for tensor."""
+    if first["params"].keys() != second["params"].keys() or first["adamw"].keys() != second["adamw"].keys():
+        return False
+    params = all(torch.equal(first["params"][name], second["params"][name]) for name in first["params"])
+    adamw = all(torch.equal(value, second["adamw"][index][key])
+                for index, moments in first["adamw"].items() for key, value in moments.items())
+    return params and adamw
+
+
+@pytest.fixture
+def snapshots(monkeypatch, tmp_path):
+    """What each GRPO iteration began with (``entering[step]``: state and learning rate) and ended with
+    (``after[iterations done]``, and its adapter saved under ``adapters/<iterations done>``)."""
+    original = GRPO.run_step
+    kept = {"entering": {}, "lr": {}, "after": {}, "adapters": tmp_path / "snapshots"}
+
+    def recorded(self, step):
+        kept["entering"][step] = learner_state(self)
+        kept["lr"][step] = self.optimizer.param_groups[0]["lr"]
+        metrics = original(self, step)
+        kept["after"][self.step] = learner_state(self)
+        save_adapter(self.policy, kept["adapters"] / str(self.step))
+        return metrics
+
+    monkeypatch.setattr(GRPO, "run_step", recorded)
+    return kept
+
+
+def metric_of(stage: Path, key: str) -> list[float]:
+    """One metric of every iteration in ``metrics.jsonl``."""
+    return [json.loads(line)[key] for line in (stage / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_watchdog_off(stage: Path, steps: int, last_adapter: Path) -> None:
+    """A ``--watchdog off`` run: recorded off in inputs and results, trained every iteration, no events and no
+    ``adapter-last``, and the adapter published is the last iteration's, byte for byte."""
+    manifest = manifest_of(stage)
+    assert manifest["metrics"]["watchdog"] == {"enabled": False, "published_step": steps}
+    assert manifest["inputs"]["rl"]["watchdog"]["enabled"] is False
+    assert manifest["metrics"]["steps"] == steps
+    assert not (stage / "events.jsonl").exists() and not (stage / "adapter-last").exists()
+    assert adapter_bytes(stage / "adapter") == adapter_bytes(last_adapter)
+
+
+def test_reward_that_flips_sign_is_a_reward_drop_rolled_back_and_the_best_is_published(sft_run, tmp_path,
+                                                                                       flip_after, snapshots):
+    flip = "tests.rl.test_watchdog:flipping_reward"
+    flip_after(3)  # iterations 4.. pay for brevity instead of length
+    stage = watched_run(sft_run, tmp_path / "on", flip, eval_every=1, window=2, max_recoveries=1)
+    events = events_of(stage)
+    assert [(e["detector"], e["action"]) for e in events] == [("reward_drop", "rollback"), ("reward_drop", "stop")]
+    assert events[0]["learning_rate"] == pytest.approx(5e-3)  # halved after the rollback
+    record = manifest_of(stage)["metrics"]["watchdog"]
+    best = record["published_step"]
+    assert 1 <= best <= 3 and record["stopped_early"].startswith("reward_drop")
+    assert manifest_of(stage)["metrics"]["steps"] == events[-1]["step"] < 8  # stopped early
+    flip_after(3)
+    reference = watched_run(sft_run, tmp_path / "until-best", flip, enabled=False, steps=best)
+    assert adapter_bytes(stage / "adapter") == adapter_bytes(reference / "adapter")  # the best, byte for byte
+    assert adapter_bytes(stage / "adapter-last") != adapter_bytes(stage / "adapter")
+    flip_after(3)
+    off = watched_run(sft_run, tmp_path / "off", flip, enabled=False)
+    assert_watchdog_off(off, 8, snapshots["adapters"] / "8")
+    assert metric_of(off, "reward/mean")[-1] < 0  # published after the collapse: the last adapter
+
+
+def test_train_from_the_cli_says_each_event_and_the_published_iteration_and_reports_them(sft_run, tmp_path,
+                                                                                         flip_after, capsys):
+    base, recipe = sft_run
+    out = tmp_path / "run"
+    shutil.copytree(base / "sft", out / "sft")
+    config = tmp_path / "recipe.toml"
+    config.write_text(f'[model]\nsource = "{recipe.model.source}"\n[data]\npath = "{recipe.data.path}"\n'
+                      "max_length = 96\n[sft]\nmax_steps = 2\nbatch_size = 4\n[rl]\nsave_steps = 2\n"
+                      "eval_prompts = 2\n[rl.watchdog]\nwindow = 2\nmax_recoveries = 1\n")
+    args = ["train", "--config", config, "--out", out, "--algo", "grpo", "--reward",
+            "tests.rl.test_watchdog:flipping_reward", "--steps", "8", "--prompts-per-step", "2", "--group-size", "4",
+            "--max-new-tokens", "8", "--rl-lr", "0.01", "--watchdog-every", "1", "--report-prompts", "4", "--force"]
+    flip_after(3)  # the sign-flip run of the test above, through the CLI
+    code, stdout, err = run_cli(capsys, *args)
+    assert code == 0, err
+    console = " ".join(stdout.split())  # rich wraps long lines at the terminal's width
+    events = events_of(out / "rl")
+    assert [(e["detector"], e["action"]) for e in events] == [("reward_drop", "rollback"), ("reward_drop", "stop")]
+    for event in events:
+        assert event_line(event) in console
+    record = manifest_of(out / "rl")["metrics"]["watchdog"]
+    best = record["published_step"]
+    assert f"published: the adapter of iteration {best} (the watchdog's best held-out probe); the last, iteration " \
+           f"{events[-1]['step']}, kept as rl/adapter-last; stopped early on reward_drop" in console
+    report = (out / "eval" / "report.md").read_text()
+    section = report[report.index("## Watchdog"):]
+    assert f"Published: the adapter of iteration {best} " in section and "Stopped early: reward_drop" in section
+    for event in events:
+        assert f"| {event['step']} | reward_drop | " in section and f" | {event['action']} | " in section
+    # --json says it too (the stage is done: its manifest's figures)
+    code, stdout, err = run_cli(capsys, *args, "--report-prompts", "0", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["metrics"]["watchdog"]["published_step"] == best
+
+
+def test_published_line_names_the_iteration_with_the_watchdog_on_and_off():
+    record = {"enabled": True, "published_step": 5, "stopped_early": None,
+              "last": {"step": 9, "heldout_reward": 0.1, "is_published": False}}
+    assert published_line(record) == ("published: the adapter of iteration 5 (the watchdog's best held-out probe); "
+                                      "the last, iteration 9, kept as rl/adapter-last")
+    record["last"]["is_published"] = True
+    assert published_line(record) == "published: the adapter of iteration 5 (the watchdog's best held-out probe)"
+    assert published_line({"enabled": False, "published_step": 8}) == ("published: the last adapter, iteration 8 "
+                                                                        "(watchdog off)")
+    assert published_line(None) is None
+
+
+def test_a_killed_run_resumes_the_watchdog_state_bit_for_bit(sft_run, tmp_path, flip_after, monkeypatch):
+    flip = "tests.rl.test_watchdog:flipping_reward"
+    flip_after(3)
+    whole = watched_run(sft_run, tmp_path / "whole", flip, eval_every=1, window=2, max_recoveries=1)
+    flip_after(3)
+    patched = GRPO.run_step
+
+    def killed_at_seventh(self, step):
+        if step == 6:  # after the rollback at iteration 5 and the checkpoint at 6
+            raise KeyboardInterrupt
+        return patched(self, step)
+
+    monkeypatch.setattr(GRPO, "run_step", killed_at_seventh)
+    with pytest.raises(KeyboardInterrupt):
+        watched_run(sft_run, tmp_path / "killed", flip, eval_every=1, window=2, max_recoveries=1)
+    monkeypatch.setattr(GRPO, "run_step", patched)
+    assert (tmp_path / "killed" / "rl.partial" / "checkpoint.pt").is_file()
+    resumed = _resume(sft_run, tmp_path / "killed", flip)
+    assert adapter_bytes(resumed / "adapter") == adapter_bytes(whole / "adapter")
+    assert adapter_bytes(resumed / "adapter-last") == adapter_bytes(whole / "adapter-last")
+    assert events_of(resumed) == events_of(whole)
+    watch = manifest_of(whole)["metrics"]["watchdog"]
+    resumed_watch = manifest_of(resumed)["metrics"]["watchdog"]
+    assert resumed_watch["seconds"] > 0 and watch["seconds"] > 0  # its own time, measured per process
+    del resumed_watch["seconds"], watch["seconds"]
+    assert resumed_watch == watch
+
+
+def _resume(sft_run, out: Path, reward: str) -> Path:
+    """Resume the killed run of the test above with the same settings."""
+    _, recipe = sft_run
+    rl = dict(algo="grpo", steps=8, save_steps=2, prompts_per_step=2, group_size=4, max_new_tokens=8, eval_prompts=2,
+              learning_rate=1e-2, report_prompts=0,
+              watchdog=recipe.rl.watchdog.model_copy(update=dict(eval_every=1, window=2, max_recoveries=1)))
+    recipe = recipe.model_copy(update={"rl": recipe.rl.model_copy(update=rl)})
+    run_rl(recipe, out, rewards=[reward], force=True, resume=True)
+    return out / "rl"
+
+
+INFLATION = dict(window=2, max_kl=0.0, truncated_rise=0.2, length_ratio=1.2, max_new_tokens=48, steps=8)
+"""A reward that pays for length on the bundled model: completions grow toward the 48-token budget (half of the first
+two iterations' ran into it, every one from the fourth on)."""
+
+
+def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp_path, snapshots):
+    stage = watched_run(bundled_run, tmp_path / "on", "tests.rl.test_watchdog:length_reward", max_recoveries=0,
+                        eval_every=3, **INFLATION)
+    events = events_of(stage)
+    assert [e["detector"] for e in events] == ["length_inflation"] and events[0]["action"] == "stop"
+    record = manifest_of(stage)["metrics"]["watchdog"]
+    assert record["detectors"] == ["length_inflation"] and record["stopped_early"].startswith("length_inflation")
+    assert manifest_of(stage)["metrics"]["steps"] == events[0]["step"] < 8  # stopped early
+    published = record["published_step"]
+    assert 1 <= published < events[0]["step"]
+    assert adapter_bytes(stage / "adapter") == adapter_bytes(snapshots["adapters"] / str(published))
+    assert adapter_bytes(stage / "adapter-last") == adapter_bytes(snapshots["adapters"] / str(events[0]["step"]))
+
+
+def test_the_length_run_with_the_watchdog_off_publishes_the_last_adapter(bundled_run, tmp_path, snapshots):
+    stage = watched_run(bundled_run, tmp_path / "off", "tests.rl.test_watchdog:length_reward", enabled=False,
+                        **INFLATION)
+    assert_watchdog_off(stage, 8, snapshots["adapters"] / "8")
+    truncated = metric_of(stage, "completion/truncated_frac")  # completions ran into the 32-token budget
+    assert statistics.fmean(truncated[-2:]) > statistics.fmean(truncated[:2]) + 0.2  # and nothing said so
+
+
+def token_reward(prompts, completions, **_):
+    """Pays for one repeated token: how many times the word "the" occurs in the completion."""
+    return [float(completion.split().count("the")) for completion in completions]
+
+
+COLLAPSE = dict(lr=1.5e-2, steps=30, window=3, eval_every=8, max_kl=0.0, length_ratio=0.0, truncated_rise=0.0,
+                zero_std_rise=0.0)
+"""GRPO on the bundled model at 15x its default learning rate, paid for "the": by iteration ~13 nearly every
+token is "the" (entropy ~2.5 -> ~0.5 nats, default floor 0.3 of the start). Only entropy and the reward are watched."""
+
+
+@pytest.mark.slow
+def test_a_reward_for_one_repeated_token_collapses_entropy_rolled_back_to_the_best(bundled_run, tmp_path, snapshots):
+    stage = watched_run(bundled_run, tmp_path / "on", "tests.rl.test_watchdog:token_reward", max_recoveries=1,
+                        **COLLAPSE)
+    events = events_of(stage)
+    assert [(e["detector"], e["action"]) for e in events] == [("entropy_collapse", "rollback"),
+                                                             ("entropy_collapse", "stop")]
+    rollback, stop = events
+    best = rollback["best_step"]
+    assert rollback["value"] < rollback["threshold"] and 0 < best < rollback["step"] < stop["step"] < COLLAPSE["steps"]
+    # the iteration after the event began from the best iteration's weights and AdamW state, exactly, at half the rate
+    assert same_state(snapshots["entering"][rollback["step"]], snapshots["after"][best])
+    assert not same_state(snapshots["after"][rollback["step"]], snapshots["after"][best])
+    assert snapshots["lr"][rollback["step"] - 1] == pytest.approx(COLLAPSE["lr"])
+    assert snapshots["lr"][rollback["step"]] == pytest.approx(COLLAPSE["lr"] / 2) == rollback["learning_rate"]
+    record = manifest_of(stage)["metrics"]["watchdog"]
+    assert record["stopped_early"].startswith("entropy_collapse") and record["recoveries"] == 1
+    assert manifest_of(stage)["metrics"]["steps"] == stop["step"]
+    published = record["published_step"]
+    assert published < stop["step"] and record["last"]["step"] == stop["step"]
+    assert adapter_bytes(stage / "adapter") == adapter_bytes(snapshots["adapters"] / str(published))
+    assert adapter_bytes(stage / "adapter-last") == adapter_bytes(snapshots["adapters"] / str(stop["step"]))
+    rewards = metric_of(stage, "reward/mean")
+    assert rewards[-1] > 5 > rewards[0]  # the reward alone did it: most of the 8 tokens became "the"
+
+
+@pytest.mark.slow
+def test_the_repeated_token_run_with_the_watchdog_off_publishes_the_last_adapter(bundled_run, tmp_path, snapshots):
+    stage = watched_run(bundled_run, tmp_path / "off", "tests.rl.test_watchdog:token_reward", enabled=False,
+                        **COLLAPSE)
+    steps = COLLAPSE["steps"]
+    assert_watchdog_off(stage, steps, snapshots["adapters"] / str(steps))
+    entropies = metric_of(stage, "entropy")
+    windows = [statistics.fmean(entropies[i:i + 3]) for i in range(len(entropies) - 2)]
+    assert min(windows) < 0.3 * windows[0]  # the detector's window fell through the floor, and nothing said so
+
