@@ -1,4 +1,5 @@
-"""Agent task success before and after RL, measured in the torch-free runtime with real tool execution.
+"""Agent task success before and after RL, measured in the torch-free runtime
+with real tool execution.
 
     python benchmarks/agent_tasks.py [--sft-steps 600] [--rl-steps 30] [--algo grpo] [--work DIR]
 
@@ -9,11 +10,11 @@
 3. RL (GRPO by default) on the task rows with the ``tool_task`` reward (right tool, valid arguments, the tool's
    result equals the answer), the gate's figures and advice printed, exported the same way.
 4. Both artifacts answer every held-out task in ``Agent`` (greedy, the built-in tools executed for real); the
-   table shows task success, valid calls, rounds, tokens and failure kinds, and SFT -> RL with its paired
-   bootstrap interval. A gain whose interval includes zero is not a gain.
+   table shows task success, valid calls, rounds, tokens and failure kinds, and SFT -> RL with its
+   paired bootstrap interval. A gain whose interval includes zero is not a gain.
 
-The model is the bundled 2.5M Llama unless ``--model`` names another source (a real checkpoint takes hours
-on two CPU cores).
+The model is the bundled 2.5M Llama unless ``--model`` names another source (a real checkpoint
+takes hours on two CPU cores).
 """
 
 from __future__ import annotations
@@ -35,20 +36,25 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="Model source (default: the bundled model).")
     parser.add_argument("--train", type=int, default=400, help="Training tasks.")
-    parser.add_argument("--heldout", type=int, default=100, help="Held-out tasks for the runtime evaluation.")
+    parser.add_argument("--heldout", type=int, default=100, help="Held-out tasks for the runtime "
+                        "evaluation.")
     parser.add_argument("--sft-steps", type=int, default=600)
-    parser.add_argument("--sft-lr", type=float, default=None, help="SFT learning rate (default: the recipe's).")
-    parser.add_argument("--lora-r", type=int, default=None, help="SFT LoRA rank (default: the recipe's).")
-    parser.add_argument("--lora-targets", default=None, help="SFT LoRA modules, comma-separated (default: "
-                        "the architecture's).")
+    parser.add_argument("--sft-lr", type=float, default=None, help="SFT learning rate (default: "
+                        "the recipe's).")
+    parser.add_argument("--lora-r", type=int, default=None, help="SFT LoRA rank (default: the "
+                        "recipe's).")
+    parser.add_argument("--lora-targets", default=None, help="SFT LoRA modules, comma-separated "
+                        "(default: the architecture's).")
     parser.add_argument("--rl-steps", type=int, default=30)
     parser.add_argument("--algo", default="grpo", choices=("ppo", "grpo", "auto"))
-    parser.add_argument("--work", type=Path, default=None, help="Working directory (default: a new temporary one).")
+    parser.add_argument("--work", type=Path, default=None, help="Working directory (default: a new "
+                        "temporary one).")
     return parser.parse_args()
 
 
 def export(run: Path, out: Path) -> Path:
-    """The run's latest policy (RL when present, else SFT) merged and written as an F32 GGUF (kept on a rerun)."""
+    """The run's latest policy (RL when present, else SFT) merged and written as an F32
+    GGUF (kept on a rerun)."""
     from slm_align.export.stage import artifact_name
 
     final = out / artifact_name("gguf", "F32")
@@ -58,7 +64,8 @@ def export(run: Path, out: Path) -> Path:
 
 
 def train(args: argparse.Namespace, files: dict, run: Path) -> dict:
-    """SFT, its export, RL with the tool_task reward, its export; the seconds of each and the gate's verdict."""
+    """SFT, its export, RL with the tool_task reward, its export; the seconds of each
+    and the gate's verdict."""
     targets = None
     if args.lora_targets:
         targets = args.lora_targets.split(",")
@@ -82,12 +89,14 @@ def train(args: argparse.Namespace, files: dict, run: Path) -> dict:
 
 def print_report(report: dict, trained: dict) -> None:
     gate = trained["gate"]
-    print(f"gate: {gate['verdict']}; " + "; ".join(f"{f['name']} {f['value']:.3g}" for f in gate["figures"]))
+    print(f"gate: {gate['verdict']}; " + "; ".join(f"{f['name']} "
+                                                   f"{f['value']:.3g}" for f in gate["figures"]))
     if "recommendation" in gate["info"]:
         print(f"gate advice: {gate['info']['recommendation']['why']}")
     m = trained["rl_metrics"]
-    print(f"RL ({m['algo']}, {m['steps']} iterations): held-out tool_task reward {m['heldout_reward_sft']:.3f} -> "
-          f"{m['heldout_reward_rl']:.3f}; SFT {trained['seconds']['sft']:.0f} s, RL {trained['seconds']['rl']:.0f} s")
+    print(f"RL ({m['algo']}, {m['steps']} iterations): held-out tool_task reward "
+          f"{m['heldout_reward_sft']:.3f} -> {m['heldout_reward_rl']:.3f}; SFT "
+          f"{trained['seconds']['sft']:.0f} s, RL {trained['seconds']['rl']:.0f} s")
     print(f"\n{'artifact':<8} " + " ".join(f"{name:>16}" for name in COLUMNS) + "  failures")
     for name, row in zip(("SFT", "RL"), report["artifacts"]):
         cells = []
@@ -97,8 +106,9 @@ def print_report(report: dict, trained: dict) -> None:
         print(f"{name:<8} " + " ".join(cells) + f"  {row['failures']}")
     comparison = report["comparisons"][0]
     low, high = comparison["ci95"]
-    print(f"\nRL - SFT task success on {report['n_tasks']} held-out tasks: {comparison['success_delta']:+.3f} "
-          f"(95% CI {low:+.3f} .. {high:+.3f}): {comparison['verdict']}")
+    print(f"\nRL - SFT task success on {report['n_tasks']} held-out tasks: "
+          f"{comparison['success_delta']:+.3f} (95% CI {low:+.3f} .. {high:+.3f}): "
+          f"{comparison['verdict']}")
 
 
 def main() -> None:

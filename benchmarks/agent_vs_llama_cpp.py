@@ -1,15 +1,18 @@
-"""Decode speed of our agent runtime vs bare llama-cpp-python, same GGUF, same settings, one process.
+"""Decode speed of our agent runtime vs bare llama-cpp-python, same GGUF,
+same settings, one process.
 
-    python benchmarks/agent_vs_llama_cpp.py                 # bundled model and a SmolLM2-135M-shaped one
-    python benchmarks/agent_vs_llama_cpp.py --gguf model.gguf --tokens 128 --threads 4
-    python benchmarks/agent_vs_llama_cpp.py --gguf gemma-3-270m-base.gguf --chat-template chatml   # no template
+    python benchmarks/agent_vs_llama_cpp.py                 # bundled model and a
+    SmolLM2-135M-shaped one python benchmarks/agent_vs_llama_cpp.py --gguf model.gguf --tokens 128
+    --threads 4 python benchmarks/agent_vs_llama_cpp.py --gguf gemma-3-270m-base.gguf
+    --chat-template chatml   # no template
 
-Both sides answer the same chat message through the same chat template, greedy, for exactly --tokens tokens
-(EOS is not sampled: random-weight models rarely pick it, and the bundled model's answers are checked to reach
-the budget), with the same thread count and context. Bare is `Llama.create_chat_completion`, the call an app
-would make without us; ours is `Agent.chat`. Median of --repeats alternating runs; the ratio is ours / bare
-tokens per second (target >= 0.95). A GGUF without a chat template (a base model) needs --chat-template chatml|FILE:
-our side gets it through ``Agent.load``, the bare side the same Jinja text as a llama-cpp-python chat handler.
+Both sides answer the same chat message through the same chat template, greedy, for exactly --tokens
+tokens (EOS is not sampled: random-weight models rarely pick it, and the bundled model's answers are
+checked to reach the budget), with the same thread count and context. Bare is
+`Llama.create_chat_completion`, the call an app would make without us; ours is `Agent.chat`. Median
+of --repeats alternating runs; the ratio is ours / bare tokens per second (target >= 0.95). A GGUF
+without a chat template (a base model) needs --chat-template chatml|FILE: our side gets it through
+``Agent.load``, the bare side the same Jinja text as a llama-cpp-python chat handler.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ MESSAGE = "Tell me a long story about a fox and a crow."
 
 
 def template_handler(llm, option: str):
-    """llama-cpp-python's chat handler for ``--chat-template`` (chatml or a Jinja file): the Jinja text our side
-    renders, with the model's BOS and EOS, as llama-cpp-python builds one from a GGUF's own template."""
+    """llama-cpp-python's chat handler for ``--chat-template`` (chatml or a Jinja file): the
+    Jinja text our side renders, with the model's BOS and EOS, as llama-cpp-python builds one
+    from a GGUF's own template."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     from slm_align.chat_templates import chosen_chat_template
@@ -101,17 +105,19 @@ def default_models(work: Path) -> list[Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", action="append", help="GGUF file (repeatable; default: two built here)")
+    parser.add_argument("--gguf", action="append", help="GGUF file (repeatable; default: two built "
+                        "here)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chat-template", default=None, metavar="chatml|FILE",
-                        help="chat template for GGUFs without one (base models): chatml or a Jinja file, given to "
-                             "both sides")
+                        help="chat template for GGUFs without one (base models): chatml or a Jinja "
+                             "file, given to both sides")
     args = parser.parse_args()
     models = [Path(g) for g in args.gguf] if args.gguf else default_models(Path(tempfile.mkdtemp(prefix="slm-agent-")))
-    print(f"\n{args.tokens} greedy tokens, {args.threads} threads, context {args.ctx}, median of {args.repeats}")
+    print(f"\n{args.tokens} greedy tokens, {args.threads} threads, context {args.ctx}, median of "
+          f"{args.repeats}")
     print(f"{'model':<40}{'bare tok/s':>12}{'ours tok/s':>12}{'ours/bare':>11}")
     for gguf in models:
         speeds = measure({"bare": bare_runner(gguf, args.tokens, args.threads, args.ctx, args.chat_template),

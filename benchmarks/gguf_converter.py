@@ -1,13 +1,14 @@
-"""Our GGUF converter vs llama.cpp's convert_hf_to_gguf.py: speed, breadth and what llama.cpp computes from each.
+"""Our GGUF converter vs llama.cpp's convert_hf_to_gguf.py: speed, breadth and what
+llama.cpp computes from each.
 
-    python benchmarks/gguf_converter.py                  # the six tiny architectures and a SmolLM2-135M-shaped Llama
-    python benchmarks/gguf_converter.py --no-large
+    python benchmarks/gguf_converter.py                  # the six tiny architectures and a
+    SmolLM2-135M-shaped Llama python benchmarks/gguf_converter.py --no-large
 
-Each conversion runs in a fresh process (imports included, as a user's `slm-align export` or
-`python convert_hf_to_gguf.py` would), writing F32. llama.cpp's converter comes from the sdist of the installed
-llama-cpp-python (tests/llama_cpp_reference.py, cached under ~/.cache/slm-align-tests). The table gives seconds
-for each, whether the two files hold bit-identical tensors, and the largest difference between the logits
-llama.cpp computes from them on a 64-token probe.
+Each conversion runs in a fresh process (imports included, as a user's `slm-align export` or `python
+convert_hf_to_gguf.py` would), writing F32. llama.cpp's converter comes from the sdist of the
+installed llama-cpp-python (tests/llama_cpp_reference.py, cached under ~/.cache/slm-align-tests).
+The table gives seconds for each, whether the two files hold bit-identical tensors, and the largest
+difference between the logits llama.cpp computes from them on a 64-token probe.
 """
 
 from __future__ import annotations
@@ -82,11 +83,13 @@ def row(label: str, model_dir: Path, scratch: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-large", action="store_true", help="skip the SmolLM2-135M-shaped model")
+    parser.add_argument("--no-large", action="store_true", help="skip the SmolLM2-135M-shaped "
+                        "model")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        print(f"{'model':<24} {'ours s':>8} {'llama.cpp s':>10} {'identical':>10} {'logit diff':>12}")
+        print(f"{'model':<24} {'ours s':>8} {'llama.cpp s':>10} {'identical':>10} "
+              f"{'logit diff':>12}")
         for arch in ARCHITECTURES:
             print(row(arch, save_model(arch, scratch / arch), scratch), flush=True)
         if not args.no_large:

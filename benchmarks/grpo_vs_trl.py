@@ -1,23 +1,25 @@
 """GRPO: slm-align's loop vs TRL's GRPOTrainer, same model and settings, side by side in one run.
 
-Both sides: the bundled Llama (or --model), a fresh LoRA (same rank, alpha, targets), fp32 on CPU, the same
-prompts, G completions per prompt, the same completion length, temperature 1, beta (k3 KL to the adapter-disabled
-reference), clip 0.2/0.28, loss "grpo", group scaling, and the same Python reward. One *iteration* is: sample
-prompts_per_step x G completions, then `epochs` passes in minibatches (TRL: steps_per_generation and
-num_iterations set to the same number of optimizer steps). Each side runs in its own subprocess so peak RSS is its
-own; the first iteration is a warm-up and is not timed. CPU seconds (the process's, all its threads) are printed
-beside wall-clock seconds: on a busy host they move far less between runs, since a side that waits for a core
-spends wall time but no CPU time.
+Both sides: the bundled Llama (or --model), a fresh LoRA (same rank, alpha, targets), fp32 on CPU,
+the same prompts, G completions per prompt, the same completion length, temperature 1, beta (k3 KL
+to the adapter-disabled reference), clip 0.2/0.28, loss "grpo", group scaling, and the same Python
+reward. One *iteration* is: sample prompts_per_step x G completions, then `epochs` passes in
+minibatches (TRL: steps_per_generation and num_iterations set to the same number of optimizer
+steps). Each side runs in its own subprocess so peak RSS is its own; the first iteration is a
+warm-up and is not timed. CPU seconds (the process's, all its threads) are printed beside wall-clock
+seconds: on a busy host they move far less between runs, since a side that waits for a core spends
+wall time but no CPU time.
 
-Besides the totals it prints where an iteration's time goes: our loop's phases as it logs them (``time/*`` in
-``rl/metrics.jsonl``: sampling, reward, old and reference scoring, update forward and backward) and what can be
-seen of TRL's from outside (its ``_generate``, ``_calculate_rewards`` and ``_generate_and_score_completions``
-timed; the rest of the iteration is its update).
+Besides the totals it prints where an iteration's time goes: our loop's phases as it logs them
+(``time/*`` in ``rl/metrics.jsonl``: sampling, reward, old and reference scoring, update forward and
+backward) and what can be seen of TRL's from outside (its ``_generate``, ``_calculate_rewards`` and
+``_generate_and_score_completions`` timed; the rest of the iteration is its update).
 
-    python benchmarks/grpo_vs_trl.py                 # needs `pip install trl` (or TRL on PYTHONPATH)
-    python benchmarks/grpo_vs_trl.py --iterations 5 --group-size 8 --max-new-tokens 64
-    python benchmarks/grpo_vs_trl.py --device cuda --precision bf16   # both sides on the GPU, bf16 forward passes
-    python benchmarks/grpo_vs_trl.py --algo ppo      # our PPO's phases alone (TRL 1.x ships no PPO trainer)
+    python benchmarks/grpo_vs_trl.py                 # needs `pip install trl` (or TRL on
+    PYTHONPATH) python benchmarks/grpo_vs_trl.py --iterations 5 --group-size 8 --max-new-tokens 64
+    python benchmarks/grpo_vs_trl.py --device cuda --precision bf16   # both sides on the GPU, bf16
+    forward passes python benchmarks/grpo_vs_trl.py --algo ppo      # our PPO's phases alone (TRL
+    1.x ships no PPO trainer)
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ from sides import add_side_arguments, alternate_sides, medians, print_rows, ran_
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 OUR_PHASES = ("sampling", "reward", "scoring_old", "scoring_ref", "update_forward", "update_backward")
 TRL_PHASES = ("sampling", "reward", "scoring")
-PHASE_ROWS = (("sampling", "sampling"), ("reward", "reward"), ("scoring_old", "scoring: old log-probs"),
+PHASE_ROWS = (("sampling", "sampling"), ("reward", "reward"), ("scoring_old", "scoring: old "
+                                                               "log-probs"),
               ("scoring_ref", "scoring: reference log-probs"), ("scoring", "scoring: all"),
-              ("update_forward", "update: forward"), ("update_backward", "update: backward + optimizer"),
+              ("update_forward", "update: "
+               "forward"), ("update_backward", "update: backward + optimizer"),
               ("update", "update: all"), ("other", "other"))
 """The phase table's rows: (key, label); a side shows a dash for a phase it does not report."""
 
@@ -109,7 +113,8 @@ def run_ours(args) -> dict:
 
 
 class CallTimer:
-    """Wall-clock seconds of every call of some methods of an object (TRL's trainer), per method name."""
+    """Wall-clock seconds of every call of some methods of an object (TRL's
+    trainer), per method name."""
 
     def __init__(self, target, names: tuple[str, ...]):
         self.seconds: dict[str, list[float]] = {name: [] for name in names}
@@ -136,8 +141,9 @@ class CallTimer:
 
 
 def trl_phases(calls: CallTimer, seconds_per_iteration: float) -> dict:
-    """What can be seen of TRL's iteration: sampling (``_generate``), reward (``_calculate_rewards``), scoring (the
-    rest of ``_generate_and_score_completions``: old and reference log-probs, decoding), and the update (the rest)."""
+    """What can be seen of TRL's iteration: sampling (``_generate``), reward
+    (``_calculate_rewards``), scoring (the rest of ``_generate_and_score_completions``: old and
+    reference log-probs, decoding), and the update (the rest)."""
     sampling = calls.mean("_generate")
     reward = calls.mean("_calculate_rewards")
     prepared = calls.mean("_generate_and_score_completions")
@@ -148,15 +154,17 @@ def trl_phases(calls: CallTimer, seconds_per_iteration: float) -> dict:
 
 
 def reachable_backbone(model) -> None:
-    """Let TRL find the decoder: TRL 1.x's fused LM head reads it as ``model.base_model`` (the attribute named by
-    ``base_model_prefix``), which transformers 4.57's Gemma3ForCausalLM names ``language_model`` although its decoder is
-    ``model``; without this TRL gets the causal LM itself back and fails on ``last_hidden_state``."""
+    """Let TRL find the decoder: TRL 1.x's fused LM head reads it as ``model.base_model`` (the
+    attribute named by ``base_model_prefix``), which transformers 4.57's Gemma3ForCausalLM names
+    ``language_model`` although its decoder is ``model``; without this TRL gets the causal LM itself
+    back and fails on ``last_hidden_state``."""
     if not hasattr(model, model.base_model_prefix) and hasattr(model, "model"):
         model.base_model_prefix = "model"
 
 
 def begins_with_bos(tokenizer) -> bool:
-    """Whether the tokenizer puts a BOS before a text when it adds special tokens (as our sampler tokenizes)."""
+    """Whether the tokenizer puts a BOS before a text when it adds special tokens (as
+    our sampler tokenizes)."""
     ids = tokenizer("Once upon a time", add_special_tokens=True)["input_ids"]
     return tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
 
@@ -174,7 +182,8 @@ def run_trl(args) -> dict:
     source = resolve_source(args.model)
     tokenizer = load_tokenizer(source)
     tokenizer.padding_side = "left"
-    # no token_type_ids: TRL hands the tokenizer's output to generate, which Gemma 3's causal LM refuses them in
+    # no token_type_ids: TRL hands the tokenizer's output to generate, which Gemma 3's
+    # causal LM refuses them in
     tokenizer.model_input_names = [name for name in tokenizer.model_input_names if name != "token_type_ids"]
     model = load_model(source)
     reachable_backbone(model)
@@ -198,7 +207,8 @@ def run_trl(args) -> dict:
         learning_rate=1e-5, max_steps=updates * (args.iterations + 1), seed=0, dataloader_num_workers=0,
         remove_unused_columns=False,
     )
-    # TRL tokenizes prompts without special tokens: the BOS our sampler's tokenizer adds (Gemma's) is written in
+    # TRL tokenizes prompts without special tokens: the BOS our sampler's tokenizer adds
+    # (Gemma's) is written in
     bos = tokenizer.bos_token if begins_with_bos(tokenizer) else ""
     prompts = [bos + prompt for prompt in prompts_for(args.prompts * (args.iterations + 1) * 4)]
     dataset = datasets.Dataset.from_dict({"prompt": prompts})
@@ -216,13 +226,15 @@ def run_trl(args) -> dict:
 
 
 def timed_mean(boundaries: list[float]) -> float:
-    """Mean length of the intervals between iteration boundaries, the first (warm-up) interval left out."""
+    """Mean length of the intervals between iteration boundaries, the first
+    (warm-up) interval left out."""
     per_iteration = [b - a for a, b in zip(boundaries, boundaries[1:])]
     return sum(per_iteration[1:]) / max(1, len(per_iteration) - 1)
 
 
 def print_phases(runs: dict[str, list[dict]]) -> None:
-    """Seconds per iteration in each phase, median over each side's runs; a dash where a side does not see it."""
+    """Seconds per iteration in each phase, median over each side's runs; a dash where
+    a side does not see it."""
     print(f"{'phase (s per iteration)':30}{'slm-align':>12}{'TRL':>12}")
     for key, label in PHASE_ROWS:
         cells = []
@@ -233,7 +245,8 @@ def print_phases(runs: dict[str, list[dict]]) -> None:
 
 
 def print_ours_alone(runs: dict[str, list[dict]], args) -> None:
-    """Our side's medians and phases, with no anchor beside it (PPO: TRL 1.x ships no PPO trainer)."""
+    """Our side's medians and phases, with no anchor beside it (PPO: TRL 1.x
+    ships no PPO trainer)."""
     keys = ("seconds_per_iteration", "cpu_seconds_per_iteration", "peak_rss_mb", "completion_tokens")
     table = medians(runs, keys)["ours"]
     print(f"PPO (value head), {args.prompts * args.group_size} prompts x 1 completion, {args.max_new_tokens} new "
@@ -258,10 +271,13 @@ def main() -> None:
     parser.add_argument("--minibatch", type=int, default=8)
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (both sides)")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="forward passes (both sides)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (both "
+                        "sides)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="forward "
+                        "passes (both sides)")
     parser.add_argument("--algo", choices=["grpo", "ppo"], default="grpo",
-                        help="ppo: our PPO (value head) alone, its phases per iteration; TRL 1.x has no PPO trainer")
+                        help="ppo: our PPO (value head) alone, its phases per iteration; TRL 1.x "
+                        "has no PPO trainer")
     add_side_arguments(parser)
     args = parser.parse_args()
     if ran_as_side(args, run_ours, run_trl):
@@ -271,9 +287,9 @@ def main() -> None:
         return
     runs = alternate_sides(__file__, sys.argv[1:], args.repeats)
     table = medians(runs, ("seconds_per_iteration", "cpu_seconds_per_iteration", "peak_rss_mb", "completion_tokens"))
-    print(f"GRPO, {args.prompts} prompts x G={args.group_size}, {args.max_new_tokens} new tokens, LoRA r={LORA['r']}, "
-          f"{args.precision}, {args.device} ({args.threads} threads), {args.iterations} timed iterations; "
-          f"median of {args.repeats} runs per side")
+    print(f"GRPO, {args.prompts} prompts x G={args.group_size}, {args.max_new_tokens} new tokens, "
+          f"LoRA r={LORA['r']}, {args.precision}, {args.device} ({args.threads} threads), "
+          f"{args.iterations} timed iterations; median of {args.repeats} runs per side")
     print_rows(table, (("seconds_per_iteration", "seconds per iteration", ".2f"),
                        ("cpu_seconds_per_iteration", "CPU seconds per iteration", ".2f"),
                        ("peak_rss_mb", "peak RSS (MB)", ".0f"),

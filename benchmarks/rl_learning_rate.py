@@ -1,14 +1,17 @@
-"""Which RL learning rate a real checkpoint tolerates: GRPO at several rates from one SFT run, side by side.
+"""Which RL learning rate a real checkpoint tolerates: GRPO at several rates from
+one SFT run, side by side.
 
-    python benchmarks/rl_learning_rate.py --sft runs/gemma          # a finished SFT run (e.g. from real_models.py)
-    python benchmarks/rl_learning_rate.py --sft runs/gemma --rates 1e-3 auto 1e-5 --steps 4
+    python benchmarks/rl_learning_rate.py --sft runs/gemma          # a finished SFT run
+    (e.g. from real_models.py) python benchmarks/rl_learning_rate.py --sft runs/gemma
+    --rates 1e-3 auto 1e-5 --steps 4
 
-Each rate trains GRPO from the same SFT prior with the same seed, prompts and reward (benchmarks/rewards.py
-brevity: shorter answers score higher, so every rate has something to climb). Per iteration it prints the
-training reward, the KL to the reference, the policy's entropy, the mean importance ratio and the clip fraction;
-at the end, the held-out reward before and after. A rate is too high when KL and the clip fraction jump in the
-first iterations while entropy falls (the policy leaves its prior faster than the reward can justify); too low
-when nothing moves. ``auto`` is the size-scaled default (slm_align/rl/learning_rate.py).
+Each rate trains GRPO from the same SFT prior with the same seed, prompts and reward
+(benchmarks/rewards.py brevity: shorter answers score higher, so every rate has something to climb).
+Per iteration it prints the training reward, the KL to the reference, the policy's entropy, the mean
+importance ratio and the clip fraction; at the end, the held-out reward before and after. A rate is
+too high when KL and the clip fraction jump in the first iterations while entropy falls (the policy
+leaves its prior faster than the reward can justify); too low when nothing moves. ``auto`` is the
+size-scaled default (slm_align/rl/learning_rate.py).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def train(sft: Path, out: Path, rate: str, steps: int, config: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sft", type=Path, required=True, help="Run directory with a finished SFT stage.")
+    parser.add_argument("--sft", type=Path, required=True, help="Run directory with a finished SFT "
+                        "stage.")
     parser.add_argument("--rates", nargs="+", default=["1e-3", "auto"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--eval-prompts", type=int, default=8)
@@ -69,8 +73,9 @@ def main() -> None:
             print(f"{label:>8} {index:>4} " + " ".join(f"{row.get(name, float('nan')):>12.4f}" for name in COLUMNS))
     for rate, result in results.items():
         metrics = result["metrics"]
-        print(f"rate {rate} ({metrics.get('learning_rate'):.1e}): held-out reward {metrics['heldout_reward_sft']:.3f}"
-              f" -> {metrics['heldout_reward_rl']:.3f} ({metrics['heldout_reward_delta']:+.3f}); guard skips "
+        print(f"rate {rate} ({metrics.get('learning_rate'):.1e}): held-out reward "
+              f"{metrics['heldout_reward_sft']:.3f} -> {metrics['heldout_reward_rl']:.3f} "
+              f"({metrics['heldout_reward_delta']:+.3f}); guard skips "
               f"{metrics['guard']['skipped']}, rollbacks {metrics['guard']['rollbacks']}")
 
 

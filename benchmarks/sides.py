@@ -1,5 +1,6 @@
-"""Ours against another tool, side by side: each side in its own subprocess (so peak memory is its own), runs
-alternating (so a noisy neighbour slows both alike), medians reported. Used by the *_vs_trl benchmarks."""
+"""Ours against another tool, side by side: each side in its own subprocess (so peak memory is
+its own), runs alternating (so a noisy neighbour slows both alike), medians reported. Used by
+the *_vs_trl benchmarks."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ SIDES = ("ours", "trl")
 
 def alternate_sides(script: str, argv: list[str], repeats: int,
                     sides: tuple[str, ...] = SIDES) -> dict[str, list[dict]]:
-    """Run ``script --side S argv`` ``repeats`` times for each of ``sides``, alternating; each run's last stdout line
-    is its JSON result. A failing side stops the benchmark with its last error line."""
+    """Run ``script --side S argv`` ``repeats`` times for each of ``sides``, alternating;
+    each run's last stdout line is its JSON result. A failing side stops the benchmark
+    with its last error line."""
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for _ in range(repeats):
         for side in sides:
@@ -33,7 +35,8 @@ def medians(runs: dict[str, list[dict]], keys: tuple[str, ...]) -> dict[str, dic
 
 
 def print_rows(medians_by_side: dict[str, dict[str, float]], rows: tuple[tuple[str, str, str], ...]) -> None:
-    """One line per ``(key, label, format)``: ours, TRL's, and their ratio (a dash when TRL's is zero)."""
+    """One line per ``(key, label, format)``: ours, TRL's, and their ratio (a
+    dash when TRL's is zero)."""
     print(f"{'':30}{'slm-align':>12}{'TRL':>12}{'ratio':>10}")
     for key, label, form in rows:
         ours = medians_by_side["ours"][key]
@@ -44,7 +47,8 @@ def print_rows(medians_by_side: dict[str, dict[str, float]], rows: tuple[tuple[s
 
 def add_side_arguments(parser: argparse.ArgumentParser) -> None:
     """``--repeats`` (runs per side) and the hidden ``--side`` a child process runs as."""
-    parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; medians are reported")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; "
+                        "medians are reported")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
 
 

@@ -1,19 +1,22 @@
-"""The collapse watchdog side by side: a run that collapses, with and without it; and a healthy run's overhead.
+"""The collapse watchdog side by side: a run that collapses, with and without it; and
+a healthy run's overhead.
 
-    python benchmarks/watchdog.py --work /tmp/wd               # defaults: bundled model, 16 GRPO iterations
-    python benchmarks/watchdog.py --work /tmp/wd --steps 24 --flip-after 6 --skip-healthy
+    python benchmarks/watchdog.py --work /tmp/wd               # defaults: bundled model, 16 GRPO
+    iterations python benchmarks/watchdog.py --work /tmp/wd --steps 24 --flip-after 6 --skip-healthy
 
-The collapse is injected: GRPO trains the bundled model on words per completion / 10 (the objective); the first
-``--flip-after`` iterations pay it and every later one pays the opposite (a reward pipeline gone wrong: the policy
-unlearns what it learned while every envelope guard stays green). Both runs start from the same SFT prior with the
-same seed. Each published adapter is then scored on held-out prompts by the objective: mean reward with a 95%
-interval (mean +- 1.96 sd / sqrt(n)); iterations wasted, the same count on both sides: those trained after the flip
-(``trained - flip_after``), which only unlearn; events fired.
+The collapse is injected: GRPO trains the bundled model on words per completion / 10 (the
+objective); the first ``--flip-after`` iterations pay it and every later one pays the opposite (a
+reward pipeline gone wrong: the policy unlearns what it learned while every envelope guard stays
+green). Both runs start from the same SFT prior with the same seed. Each published adapter is then
+scored on held-out prompts by the objective: mean reward with a 95% interval (mean +- 1.96 sd /
+sqrt(n)); iterations wasted, the same count on both sides: those trained after the flip (``trained -
+flip_after``), which only unlearn; events fired.
 
-The healthy run is the quickstart's RL stage (PPO, 20 iterations, the learned reward model, the same SFT and
-reward model for both): events fired (none expected), wall-clock time with the watchdog on and off, and the
-watchdog's own time (probes, weights kept and put back; the manifest's ``watchdog.seconds``) over the rest of the
-stage in the same run, which noise on a shared machine does not move.
+The healthy run is the quickstart's RL stage (PPO, 20 iterations, the learned reward model, the
+same SFT and reward model for both): events fired (none expected), wall-clock time with the
+watchdog on and off, and the watchdog's own time (probes, weights kept and put back; the
+manifest's ``watchdog.seconds``) over the rest of the stage in the same run, which noise on a
+shared machine does not move.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ import time
 from pathlib import Path
 
 STATE = {"after": 10 ** 9, "step": 0}
-"""Where the flipped signal starts, and the iteration the run is at (set by the patched ``run_step``)."""
+"""Where the flipped signal starts, and the iteration the run is at (set by the
+patched ``run_step``)."""
 
 
 def shared_state() -> dict:
-    """``STATE`` of this file imported as the module ``watchdog`` (how the reward spec loads it), shared with the
-    script that runs as ``__main__``."""
+    """``STATE`` of this file imported as the module ``watchdog`` (how the reward spec loads it),
+    shared with the script that runs as ``__main__``."""
     return importlib.import_module("watchdog").STATE
 
 
@@ -74,7 +78,8 @@ def rl_recipe(recipe, steps: int, enabled: bool, **rl):
 
 
 def held_out(recipe, run: Path, prompts: int) -> tuple[float, float]:
-    """Mean objective of the run's published adapter on held-out prompts, and the half-width of its 95% interval."""
+    """Mean objective of the run's published adapter on held-out prompts, and the
+    half-width of its 95% interval."""
     from slm_align.evaluate import evaluate
 
     report = evaluate(recipe, run, rewards=["watchdog:objective"], prompts=prompts)
@@ -83,7 +88,8 @@ def held_out(recipe, run: Path, prompts: int) -> tuple[float, float]:
 
 
 def wasted(trained: int, flip_after: int) -> int:
-    """Iterations trained after the flip: the training signal pays the opposite of the objective in every one."""
+    """Iterations trained after the flip: the training signal pays the opposite of the
+    objective in every one."""
     return max(0, trained - flip_after)
 
 
@@ -106,14 +112,16 @@ def collapsing(work: Path, sft, steps: int, flip_after: int, prompts: int) -> li
         watch = result.metrics["watchdog"]
         published = watch["published_step"]  # watchdog off: the last iteration
         mean, half = held_out(run, out, prompts)
-        rows.append({"run": f"collapse, watchdog {'on' if enabled else 'off'}", "published": published,
+        rows.append({"run": f"collapse, watchdog "
+                     f"{'on' if enabled else 'off'}", "published": published,
                      "trained": result.metrics["steps"], "wasted": wasted(result.metrics["steps"], flip_after),
                      "events": watch.get("events", 0), "reward": mean, "ci": half, "seconds": seconds})
     return rows
 
 
 def healthy(work: Path) -> list[dict]:
-    """The quickstart's RL stage with the watchdog off and on, from the same SFT and reward model."""
+    """The quickstart's RL stage with the watchdog off and on, from the
+    same SFT and reward model."""
     from slm_align.config import load_recipe
     from slm_align.pipeline import run_rl
     from slm_align.reward.stage import run_reward
@@ -135,7 +143,8 @@ def healthy(work: Path) -> list[dict]:
         result = run_rl(run, out, force=True)
         watch = result.metrics["watchdog"]
         manifest = json.loads((out / "rl" / "manifest.json").read_text())
-        rows.append({"run": f"quickstart PPO, watchdog {'on' if enabled else 'off'}", "events": watch.get("events", 0),
+        rows.append({"run": f"quickstart PPO, watchdog "
+                     f"{'on' if enabled else 'off'}", "events": watch.get("events", 0),
                      "published": watch["published_step"],
                      "reward": result.metrics["heldout_reward_rl"], "seconds": time.time() - started,
                      "stage_seconds": manifest["seconds"], "watchdog_seconds": watch.get("seconds", 0.0)})
@@ -144,11 +153,15 @@ def healthy(work: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, required=True, help="Scratch directory (runs are written here).")
-    parser.add_argument("--steps", type=int, default=16, help="GRPO iterations of the collapsing run.")
-    parser.add_argument("--flip-after", type=int, default=6, help="Iterations paying the objective; every later one "
-                        "pays the opposite (6: iterations 1-6 pay it, 7 on are flipped).")
-    parser.add_argument("--prompts", type=int, default=64, help="Held-out prompts scoring each published adapter.")
+    parser.add_argument("--work", type=Path, required=True, help="Scratch directory (runs are "
+                        "written here).")
+    parser.add_argument("--steps", type=int, default=16, help="GRPO iterations of the collapsing "
+                        "run.")
+    parser.add_argument("--flip-after", type=int, default=6, help="Iterations paying the "
+                        "objective; every later one pays the opposite (6: iterations 1-6 pay it, 7 "
+                        "on are flipped).")
+    parser.add_argument("--prompts", type=int, default=64, help="Held-out prompts scoring each "
+                        "published adapter.")
     parser.add_argument("--skip-healthy", action="store_true", help="Only the collapsing run.")
     args = parser.parse_args()
     from slm_align.modeling import DEFAULT_MODEL_DIR
@@ -159,24 +172,29 @@ def main() -> None:
     stories = args.work / "stories.txt"
     sft = finished_sft_run(args.work / "sft-run", DEFAULT_MODEL_DIR, _demo_corpus(stories), steps=20)
     rows = collapsing(args.work, sft, args.steps, args.flip_after, args.prompts)
-    print(f"signal flipped after iteration {args.flip_after}; wasted = iterations trained after the flip")
-    print("| run | published iteration | trained | wasted | events | held-out objective [95% CI] | seconds |")
+    print(f"signal flipped after iteration {args.flip_after}; wasted = iterations trained after "
+          f"the flip")
+    print("| run | published iteration | trained | wasted | events | held-out objective [95% CI] | "
+          "seconds |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['run']} | {r['published']} | {r['trained']} | {r['wasted']} | {r['events']} | "
-              f"{r['reward']:.3f} [{r['reward'] - r['ci']:.3f}, {r['reward'] + r['ci']:.3f}] | {r['seconds']:.0f} |")
+              f"{r['reward']:.3f} [{r['reward'] - r['ci']:.3f}, {r['reward'] + r['ci']:.3f}] | "
+              f"{r['seconds']:.0f} |")
     if args.skip_healthy:
         return
     rows = healthy(args.work)
     print("\n| run | events | published iteration | held-out reward | seconds |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['run']} | {r['events']} | {r['published']} | {r['reward']:.3f} | {r['seconds']:.1f} |")
+        print(f"| {r['run']} | {r['events']} | {r['published']} | {r['reward']:.3f} | "
+              f"{r['seconds']:.1f} |")
     overhead = rows[1]["seconds"] / rows[0]["seconds"] - 1
     share = rows[1]["watchdog_seconds"] / (rows[1]["stage_seconds"] - rows[1]["watchdog_seconds"])
-    print(f"\nwatchdog time overhead on the healthy run: {overhead:+.1%} wall clock (two runs, noisy on a shared "
-          f"machine); {share:.1%} measured inside the watchdog run ({rows[1]['watchdog_seconds']:.1f} s of probes and "
-          f"kept weights in a {rows[1]['stage_seconds']:.1f} s stage)")
+    print(f"\nwatchdog time overhead on the healthy run: {overhead:+.1%} wall clock (two runs, "
+          f"noisy on a shared machine); {share:.1%} measured inside the watchdog run "
+          f"({rows[1]['watchdog_seconds']:.1f} s of probes and kept weights in a "
+          f"{rows[1]['stage_seconds']:.1f} s stage)")
     print(json.dumps({"overhead": overhead, "in_run_share": share}))
 
 

@@ -1,11 +1,13 @@
-"""Build the bundled default model: a ~2.5M-parameter Llama and its BPE tokenizer, pretrained on demo stories.
+"""Build the bundled default model: a ~2.5M-parameter Llama and its BPE tokenizer,
+pretrained on demo stories.
 
-Reproducible: the same arguments give the same files (fixed seeds, one thread order). Run from the repo root:
+Reproducible: the same arguments give the same files (fixed seeds, one thread
+order). Run from the repo root:
 
     python scripts/build_default_model.py            # writes slm_align/assets/default-model/
 
-It pretrains only briefly on stories from a generator seed that the quickstart's SFT data does not use, so the
-base is fluent-ish and SFT still has something to teach.
+It pretrains only briefly on stories from a generator seed that the quickstart's SFT data does not
+use, so the base is fluent-ish and SFT still has something to teach.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ def main() -> None:
         schedule.step()
         optimizer.zero_grad()
         if step % 25 == 0 or step == args.steps - 1:
-            print(f"step {step:4d} loss {loss.item():.3f} ppl {math.exp(loss.item()):.2f} {time.time() - start:.0f}s",
+            print(f"step {step:4d} loss {loss.item():.3f} ppl {math.exp(loss.item()):.2f} "
+                  f"{time.time() - start:.0f}s",
                   flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)

@@ -5,8 +5,8 @@ The public API, importable from the package itself::
     from slm_align import load_recipe, run_sft, run_reward, check_headroom, run_rl, run_preference, run_evaluation
     from slm_align import merge_run, ExportRequest, run_export, Agent, default_tools
 
-Names resolve on first use (PEP 562), so ``import slm_align`` stays light: the agent runtime on a board
-imports neither torch nor transformers unless a training stage is asked for.
+Names resolve on first use (PEP 562), so ``import slm_align`` stays light: the agent runtime on a
+board imports neither torch nor transformers unless a training stage is asked for.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-# torchao (which the executorch extra installs) logs at import, and transformers imports it on every model load, that
-# its CUDA kernels do not load on a CPU-only torch; torch's pytree then logs that torchao's enums need no
-# registration. Neither concerns slm-align, and both would reach stderr (a CLI error is one line there).
+# torchao (which the executorch extra installs) logs at import, and transformers imports it on every
+# model load, that its CUDA kernels do not load on a CPU-only torch; torch's pytree then logs that
+# torchao's enums need no registration. Neither concerns slm-align, and both would reach stderr (a
+# CLI error is one line there).
 logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 

@@ -1,11 +1,12 @@
-"""Where and how the training stages compute: the device, the forward precision, gradient checkpointing and 4-bit
-base weights, from the recipe's ``[compute]`` section.
+"""Where and how the training stages compute: the device, the forward precision, gradient
+checkpointing and 4-bit base weights, from the recipe's ``[compute]`` section.
 
-One resolver turns ``compute.device`` (auto, cpu, cuda, cuda:N, mps) into a torch device: auto is the CUDA GPU when
-there is one, else Apple's GPU (MPS), else the CPU; a device that is not there is one line and exit code 2.
-Precision only changes the forward passes (autocast); the envelope's own math stays float32 whatever it is. The
-Trainer stages (SFT, reward model) can also take a DeepSpeed config (``compute.deepspeed``: the bundled ZeRO-2 or a
-file); the launch files shipped with the package are in ``LAUNCH_DIR``.
+One resolver turns ``compute.device`` (auto, cpu, cuda, cuda:N, mps) into a torch device: auto is
+the CUDA GPU when there is one, else Apple's GPU (MPS), else the CPU; a device that is not there is
+one line and exit code 2. Precision only changes the forward passes (autocast); the envelope's own
+math stays float32 whatever it is. The Trainer stages (SFT, reward model) can also take a DeepSpeed
+config (``compute.deepspeed``: the bundled ZeRO-2 or a file); the launch files shipped with the
+package are in ``LAUNCH_DIR``.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from slm_align.errors import UserError
 AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 """The torch dtype name of each reduced precision (fp32 runs without autocast)."""
 LAUNCH_DIR = Path(__file__).parent / "assets" / "launch"
-"""The launch files shipped with the package: accelerate configs (one machine, several) and DeepSpeed's ZeRO-2."""
+"""The launch files shipped with the package: accelerate configs (one machine, several)
+and DeepSpeed's ZeRO-2."""
 DEEPSPEED_PRESETS = {"zero2": LAUNCH_DIR / "deepspeed_zero2.json"}
-"""``--deepspeed NAME``: the bundled DeepSpeed configs (batch sizes, clipping and precision "auto": the Trainer fills
-them in from the recipe; no optimizer or scheduler: the Trainer's AdamW and cosine schedule)."""
+"""``--deepspeed NAME``: the bundled DeepSpeed configs (batch sizes, clipping and precision
+"auto": the Trainer fills them in from the recipe; no optimizer or scheduler: the Trainer's
+AdamW and cosine schedule)."""
 
 
 def mps_available() -> bool:
@@ -48,12 +51,13 @@ def auto_device() -> str:
 
 
 def _cuda_device(spec: str) -> str:
-    """``cuda`` or ``cuda:N`` as an existing CUDA device, or one line naming what this machine has."""
+    """``cuda`` or ``cuda:N`` as an existing CUDA device, or one line naming
+    what this machine has."""
     import torch
 
     if not torch.cuda.is_available():
-        raise UserError(f"--device {spec}: no CUDA GPU here (torch {torch.__version__}, "
-                        f"CUDA build: {torch.version.cuda or 'no'}); pass --device cpu or --device auto")
+        raise UserError(f"--device {spec}: no CUDA GPU here (torch {torch.__version__}, CUDA "
+                        f"build: {torch.version.cuda or 'no'}); pass --device cpu or --device auto")
     index = int(spec.partition(":")[2] or 0)
     count = torch.cuda.device_count()
     if index >= count:
@@ -70,7 +74,8 @@ def resolve_device(spec: str = "auto") -> str:
         return "cpu"
     if spec == "mps":
         if not mps_available():
-            raise UserError("--device mps: no Apple GPU (MPS) here; pass --device cpu or --device auto")
+            raise UserError("--device mps: no Apple GPU (MPS) here; pass --device cpu or --device "
+                            "auto")
         return "mps"
     return _cuda_device(spec)
 
@@ -94,13 +99,16 @@ def _check_precision(device: str, precision: str) -> None:
     import torch
 
     if precision == "fp16" and not device.startswith("cuda"):
-        raise UserError(f"--precision fp16 needs a CUDA GPU (loss scaling); on {device} use bf16 or fp32")
+        raise UserError(f"--precision fp16 needs a CUDA GPU (loss scaling); on {device} use bf16 "
+                        f"or fp32")
     if precision == "bf16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
-        raise UserError(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bfloat16; use fp16")
+        raise UserError(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bfloat16; "
+                        f"use fp16")
 
 
 def deepspeed_file(spec: str) -> Path:
-    """The DeepSpeed config ``spec`` names: a bundled one (zero2) or a JSON file holding an object."""
+    """The DeepSpeed config ``spec`` names: a bundled one (zero2) or a JSON
+    file holding an object."""
     if spec in DEEPSPEED_PRESETS:
         return DEEPSPEED_PRESETS[spec]
     path = Path(spec)
@@ -110,18 +118,21 @@ def deepspeed_file(spec: str) -> Path:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"--deepspeed {spec}: not a JSON file ({exc}); pass a DeepSpeed JSON config") from None
+        raise UserError(f"--deepspeed {spec}: not a JSON file ({exc}); pass a DeepSpeed JSON "
+                        f"config") from None
     if not isinstance(config, dict):
-        raise UserError(f"--deepspeed {spec}: a DeepSpeed config is a JSON object, not a {type(config).__name__}")
+        raise UserError(f"--deepspeed {spec}: a DeepSpeed config is a JSON object, not a "
+                        f"{type(config).__name__}")
     return path
 
 
 def _deepspeed_config(spec: str, device: str, trainer: bool) -> str:
-    """The DeepSpeed config file of a Trainer stage; refused by the envelope's own loops (RL, DPO, KTO), without the
-    deepspeed package and off CUDA."""
+    """The DeepSpeed config file of a Trainer stage; refused by the envelope's own loops (RL, DPO,
+    KTO), without the deepspeed package and off CUDA."""
     if not trainer:
-        raise UserError("--deepspeed applies to the Trainer stages (sft, train --stage sft|reward); RL, DPO and KTO "
-                        "run the envelope's own guarded loop: drop it for this stage")
+        raise UserError("--deepspeed applies to the Trainer stages (sft, train --stage "
+                        "sft|reward); RL, DPO and KTO run the envelope's own guarded loop: drop it "
+                        "for this stage")
     path = deepspeed_file(spec)
     try:
         import deepspeed  # noqa: F401
@@ -153,14 +164,16 @@ class Compute:
     gradient_checkpointing: bool = False
     load_in_4bit: bool = False
     deepspeed: Optional[str] = None
-    """The DeepSpeed config file the Trainer stages pass to TrainingArguments (None: no DeepSpeed)."""
+    """The DeepSpeed config file the Trainer stages pass to
+    TrainingArguments (None: no DeepSpeed)."""
 
     def autocast(self):
         """The context of this stage's forward passes (see :func:`forward_autocast`)."""
         return forward_autocast(self.device, self.precision)
 
     def trainer_arguments(self) -> dict:
-        """TrainingArguments for this device: the CPU only when asked, mixed precision, checkpointing, DeepSpeed."""
+        """TrainingArguments for this device: the CPU only when asked, mixed precision,
+        checkpointing, DeepSpeed."""
         arguments = {"use_cpu": self.device == "cpu", "bf16": self.precision == "bf16",
                      "fp16": self.precision == "fp16", "gradient_checkpointing": self.gradient_checkpointing}
         if self.gradient_checkpointing:
@@ -170,7 +183,8 @@ class Compute:
         return arguments
 
     def quantization_config(self):
-        """bitsandbytes' NF4 config of 4-bit base weights (bf16 compute), or None when they are off."""
+        """bitsandbytes' NF4 config of 4-bit base weights (bf16 compute), or
+        None when they are off."""
         if not self.load_in_4bit:
             return None
         import torch
@@ -180,27 +194,30 @@ class Compute:
                                   bnb_4bit_compute_dtype=torch.bfloat16)
 
     def record(self) -> dict:
-        """What the manifest records: the device, the precision, the memory savers and the DeepSpeed config."""
+        """What the manifest records: the device, the precision, the memory savers
+        and the DeepSpeed config."""
         return {"device": self.device, "precision": self.precision,
                 "gradient_checkpointing": self.gradient_checkpointing, "load_in_4bit": self.load_in_4bit,
                 "deepspeed": self.deepspeed}
 
 
 def resolve_compute(settings: ComputeSettings, quantizable: bool = False, trainer: bool = True) -> Compute:
-    """The stage's :class:`Compute`: the device resolved, the precision, 4-bit weights and DeepSpeed checked against
-    it. ``quantizable``: the stage can train on 4-bit base weights (SFT); elsewhere they are refused. ``trainer``: the
-    stage trains on transformers' Trainer (SFT, reward), which scales fp16 losses and takes DeepSpeed; the envelope's
-    guarded step (RL, DPO, KTO) has neither, so those refuse fp16 and --deepspeed."""
+    """The stage's :class:`Compute`: the device resolved, the precision, 4-bit weights and DeepSpeed
+    checked against it. ``quantizable``: the stage can train on 4-bit base weights (SFT); elsewhere
+    they are refused. ``trainer``: the stage trains on transformers' Trainer (SFT, reward), which
+    scales fp16 losses and takes DeepSpeed; the envelope's guarded step (RL, DPO, KTO) has neither,
+    so those refuse fp16 and --deepspeed."""
     device = resolve_device(settings.device)
     _check_precision(device, settings.precision)
     if settings.precision == "fp16" and not trainer:
-        raise UserError("--precision fp16: RL, DPO and KTO take the envelope's guarded step without loss scaling; "
-                        "use bf16 or fp32")
+        raise UserError("--precision fp16: RL, DPO and KTO take the envelope's guarded step "
+                        "without loss scaling; use bf16 or fp32")
     if settings.load_in_4bit:
         if not quantizable:
-            raise UserError("--load-in-4bit applies to SFT only (QLoRA): the reward model is published as a merged "
-                            "full-precision classifier, and RL, DPO and KTO train on the merged full-precision SFT "
-                            "weights; drop it for this stage")
+            raise UserError("--load-in-4bit applies to SFT only (QLoRA): the reward model is "
+                            "published as a merged full-precision classifier, and RL, DPO and KTO "
+                            "train on the merged full-precision SFT weights; drop it for this "
+                            "stage")
         _check_4bit(device)
     deepspeed = None
     if settings.deepspeed is not None:
@@ -209,16 +226,18 @@ def resolve_compute(settings: ComputeSettings, quantizable: bool = False, traine
 
 
 def check_trainer_device(compute: Compute) -> None:
-    """Transformers' Trainer (SFT, reward) computes on the first visible GPU: refuse another index in one line."""
+    """Transformers' Trainer (SFT, reward) computes on the first visible GPU: refuse
+    another index in one line."""
     if compute.device.startswith("cuda:") and compute.device != "cuda:0":
         index = compute.device.partition(":")[2]
-        raise UserError(f"--device {compute.device}: SFT and the reward model train on the first visible GPU; run "
-                        f"with CUDA_VISIBLE_DEVICES={index} and --device cuda")
+        raise UserError(f"--device {compute.device}: SFT and the reward model train on the first "
+                        f"visible GPU; run with CUDA_VISIBLE_DEVICES={index} and --device cuda")
 
 
 def training_inputs(settings: ComputeSettings) -> dict:
-    """The compute settings that change what a stage trains, for its inputs record: the precision and 4-bit weights
-    when they are not the default (runs recorded before keep their hashes). The device does not change it."""
+    """The compute settings that change what a stage trains, for its inputs record: the precision
+    and 4-bit weights when they are not the default (runs recorded before keep their hashes). The
+    device does not change it."""
     given = {}
     if settings.precision != "fp32":
         given["precision"] = settings.precision

@@ -1,9 +1,10 @@
-"""Publishing files and directories atomically: a reader sees the old version or the whole new one, never half.
+"""Publishing files and directories atomically: a reader sees the old version or the
+whole new one, never half.
 
 Every writer of the package goes through here. The pattern is always the same: write under a hidden
-temporary name beside the target (same filesystem, so the rename is atomic), flush it to disk, rename it
-into place, then flush the parent directory so the rename itself survives a power cut. On any error the
-temporary is removed and the target is left as it was.
+temporary name beside the target (same filesystem, so the rename is atomic), flush it to disk,
+rename it into place, then flush the parent directory so the rename itself survives a power cut. On
+any error the temporary is removed and the target is left as it was.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def fsync_file(path: Path) -> None:
 
 
 def fsync_directory(path: Path) -> None:
-    """Flush a directory's entry list (a rename) to disk, where the platform and filesystem allow it.
+    """Flush a directory's entry list (a rename) to disk, where the
+    platform and filesystem allow it.
 
     Best effort: Windows cannot open a directory, and some filesystems refuse fsync on one (EINVAL).
     """
@@ -53,10 +55,12 @@ def _fsync_tree(root: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_paths(*targets: Path, mode: int = 0) -> Iterator[list[Path]]:
-    """Temporary paths beside ``targets`` for the caller (or a tool) to write; all renamed in place on success.
+    """Temporary paths beside ``targets`` for the caller (or a tool) to write; all
+    renamed in place on success.
 
-    Every temporary is written and flushed before the first rename, so a failure while writing (a full disk,
-    an exception) publishes none of them. ``mode`` (e.g. ``0o600``) sets the permissions of the published files.
+    Every temporary is written and flushed before the first rename, so a failure while writing (a
+    full disk, an exception) publishes none of them. ``mode`` (e.g. ``0o600``) sets the
+    permissions of the published files.
     """
     temps = []
     try:
@@ -111,8 +115,9 @@ def jsonl_text(rows: Iterable[dict[str, Any]]) -> str:
 def publish_directory(built: Path, final: Path, replace: bool = False) -> Path:
     """Flush every file of the finished directory ``built``, then rename it to ``final``.
 
-    With ``replace`` an existing ``final`` is removed first (the one moment a reader can find nothing;
-    callers that must never lose the old version leave ``replace`` off and refuse an existing target).
+    With ``replace`` an existing ``final`` is removed first (the one moment a reader can
+    find nothing; callers that must never lose the old version leave ``replace`` off and
+    refuse an existing target).
     """
     built = Path(built)
     final = Path(final)

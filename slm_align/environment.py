@@ -1,7 +1,8 @@
-"""What ``slm-align env`` reports for a bug report: versions, threads, CPU features, llama.cpp's build, accelerators.
+"""What ``slm-align env`` reports for a bug report: versions, threads, CPU features,
+llama.cpp's build, accelerators.
 
-Every probe is optional: a library that is not installed reads as None (not an error), so the report works on a
-board with the agent extra only as well as on a training machine.
+Every probe is optional: a library that is not installed reads as None (not an error), so the report
+works on a board with the agent extra only as well as on a training machine.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import sys
 from typing import Any, Optional
 
 DISTRIBUTION = "slm-align"
-# Libraries every report lists besides the declared requirements: the ones our stack pulls in underneath.
+# Libraries every report lists besides the declared requirements: the ones our
+# stack pulls in underneath.
 ALSO_REPORTED = ("huggingface-hub", "tokenizers", "optimum", "sentencepiece", "tomli", "tensorboard")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -39,7 +41,8 @@ def slm_align_version() -> str:
 
 
 def dependency_names() -> list[str]:
-    """The distributions slm-align requires (core and every extra, itself excluded) and ALSO_REPORTED, sorted."""
+    """The distributions slm-align requires (core and every extra, itself excluded) and
+    ALSO_REPORTED, sorted."""
     try:
         requirements = importlib.metadata.requires(DISTRIBUTION) or []
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
@@ -57,12 +60,14 @@ def _installed(module: str) -> bool:
 
 
 def torch_facts() -> Optional[dict[str, Any]]:
-    """torch's threads, the CPU kernel level it picked, and the accelerators it sees; None without torch."""
+    """torch's threads, the CPU kernel level it picked, and the accelerators it
+    sees; None without torch."""
     if not _installed("torch"):
         return None
     import torch
 
-    cuda = [f"cuda:{index} {torch.cuda.get_device_name(index)}" for index in range(torch.cuda.device_count())]
+    cuda = [f"cuda:{index} "
+            f"{torch.cuda.get_device_name(index)}" for index in range(torch.cuda.device_count())]
     mps = getattr(torch.backends, "mps", None)
     return {"version": torch.__version__, "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(),
@@ -71,7 +76,8 @@ def torch_facts() -> Optional[dict[str, Any]]:
 
 
 def llama_cpp_facts() -> Optional[dict[str, Any]]:
-    """llama-cpp-python's version and llama.cpp's system info (the CPU features it was built for); None without it."""
+    """llama-cpp-python's version and llama.cpp's system info (the CPU features it was built
+    for); None without it."""
     if not _installed("llama_cpp"):
         return None
     import llama_cpp

@@ -1,8 +1,10 @@
-"""Did alignment help? Compare policies on held-out prompts under one shared reward, with the statistics.
+"""Did alignment help? Compare policies on held-out prompts under one shared
+reward, with the statistics.
 
-Every policy samples the same prompts with the same settings and seed; the first policy (the SFT prior by
-default) is the baseline every other one is compared with. Output: ``eval/report.md``, ``eval/report.json``,
-``eval/reward_distributions.png`` and, when the run has RL metrics, ``eval/training_curves.png``.
+Every policy samples the same prompts with the same settings and seed; the first policy (the SFT
+prior by default) is the baseline every other one is compared with. Output: ``eval/report.md``,
+``eval/report.json``, ``eval/reward_distributions.png`` and, when the run has RL metrics,
+``eval/training_curves.png``.
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ class Policy:
 
 
 def run_policies(recipe: Recipe, run: Path, adapter: Optional[Path], baselines: Sequence[str]) -> list[Policy]:
-    """The run's SFT prior (the model as given when ``adapter`` is None), its RL, DPO and KTO policies when present,
-    then any baseline model sources. Every adapter is checked before any policy loads (a pickle-only one needs
-    ``model.allow_pickle``)."""
+    """The run's SFT prior (the model as given when ``adapter`` is None), its RL, DPO and KTO
+    policies when present, then any baseline model sources. Every adapter is checked before any
+    policy loads (a pickle-only one needs ``model.allow_pickle``)."""
     source = resolve_source(recipe.model.source)
     model = recipe.model
     stages = [stage for stage in ALIGNED_STAGES if (Path(run) / stage / "adapter").is_dir()]
@@ -95,7 +97,8 @@ def _load_source(source, recipe: Recipe):
 
 def _measure(policy: Policy, prompts: list[str], documents, reward, recipe: Recipe, max_new_tokens: int,
              temperature: float, device: str = "cpu") -> dict:
-    with stage_lines("evaluation", f"{policy.name} on {len(prompts)} prompts and {len(documents)} documents") as stage:
+    with stage_lines("evaluation", f"{policy.name} on {len(prompts)} prompts and {len(documents)} "
+                     f"documents") as stage:
         model, tokenizer = policy.load()
         model = model.to(device)
         samples = sample(model, tokenizer, prompts, max_new_tokens, temperature, seed=recipe.seed)
@@ -103,8 +106,8 @@ def _measure(policy: Policy, prompts: list[str], documents, reward, recipe: Reci
         encoded = encode_all(documents, tokenizer, recipe.data.max_length)
         ppl = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size).ppl
         row = _row(policy, samples, scores, ppl)
-        stage.figures = (f"{policy.name}: reward mean {row['reward_mean']:.3f} (std {row['reward_std']:.3f}), "
-                         f"perplexity {ppl:.3f}")
+        stage.figures = (f"{policy.name}: reward mean {row['reward_mean']:.3f} (std "
+                         f"{row['reward_std']:.3f}), perplexity {ppl:.3f}")
     return row
 
 
@@ -119,7 +122,8 @@ def _row(policy: Policy, samples, scores: list[float], ppl: float) -> dict:
 
 
 def compare(a: dict, b: dict, seed: int) -> dict:
-    """b against a on the same prompts: delta and paired win rate with 95% bootstrap intervals, and a test."""
+    """b against a on the same prompts: delta and paired win rate with 95% bootstrap
+    intervals, and a test."""
     ra = a["rewards"]
     rb = b["rewards"]
     delta = mean_delta(ra, rb)
@@ -138,7 +142,8 @@ def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_mo
              temperature: Optional[float] = None, sft_run: Optional[Path] = None) -> dict:
     """Measure every policy, compare each with the first, and write the report into ``run/eval/``.
 
-    ``sft_run`` names the run whose SFT stage is the prior when it is not ``run`` itself (``train --sft``).
+    ``sft_run`` names the run whose SFT stage is the prior when it is not ``run``
+    itself (``train --sft``).
     """
     run = Path(run)
     device = resolve_device(recipe.compute.device)
@@ -180,7 +185,8 @@ def _watchdog_of(stage: Path) -> Optional[dict]:
 
 
 def preference_records(run: Path) -> list[dict]:
-    """The held-out preference accuracy (with its 95% interval) of each finished DPO/KTO stage, before and after."""
+    """The held-out preference accuracy (with its 95% interval) of each finished DPO/KTO
+    stage, before and after."""
     records = []
     for stage in ("dpo", "kto"):
         manifest = read_manifest(Path(run) / stage)
@@ -204,16 +210,18 @@ def preference_section(records: list[dict]) -> list[str]:
     for r in records:
         low = r["ci95"][0]
         high = r["ci95"][1]
-        lines.append(f"| {r['stage']} ({r['kind'].replace('_', ' ')}) | {r['before']:.3f} | {r['after']:.3f} | "
-                     f"[{low:.3f}, {high:.3f}] | {r['heldout_pairs']} | {r['steps']} |")
-    lines += ["", "Pair accuracy: share of held-out pairs whose implicit reward beta * log(pi / pi_ref) is higher for "
-              "the chosen answer (0 before training: the policy equals the reference); interval: Wilson.", ""]
+        lines.append(f"| {r['stage']} ({r['kind'].replace('_', ' ')}) | {r['before']:.3f} | "
+                     f"{r['after']:.3f} | [{low:.3f}, {high:.3f}] | {r['heldout_pairs']} | "
+                     f"{r['steps']} |")
+    lines += ["", "Pair accuracy: share of held-out pairs whose implicit reward beta * log(pi / "
+              "pi_ref) is higher for the chosen answer (0 before training: the policy equals the "
+              "reference); interval: Wilson.", ""]
     return lines
 
 
 def _starts_from_sft(recipe: Recipe, run: Path, sft_run: Optional[Path]) -> bool:
-    """Whether the run's prior is an SFT adapter: not when RL was asked to start from the model as given, or when
-    the run has no SFT stage and its RL stage recorded none."""
+    """Whether the run's prior is an SFT adapter: not when RL was asked to start from the model as
+    given, or when the run has no SFT stage and its RL stage recorded none."""
     if sft_run is not None:
         return True
     if not recipe.rl.from_sft:
@@ -240,7 +248,8 @@ def _plot_rewards(report: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for row in report["policies"]:
-        ax.hist(row["rewards"], bins=20, alpha=0.5, label=f"{row['name']} (mean {row['reward_mean']:.2f})")
+        ax.hist(row["rewards"], bins=20, alpha=0.5, label=f"{row['name']} (mean "
+                f"{row['reward_mean']:.2f})")
     ax.set_xlabel("reward")
     ax.set_ylabel("prompts")
     ax.legend()
@@ -253,29 +262,33 @@ def summary_line(comparison: dict) -> str:
     c = comparison
     low, high = c["delta_ci95"]
     wl, wh = c["win_rate_ci95"]
-    return (f"{c['policy']} vs {c['baseline']}: reward delta {c['delta']:+.3f} [95% CI {low:+.3f}, {high:+.3f}], "
-            f"win rate {c['win_rate']:.1%} [{wl:.1%}, {wh:.1%}] (analytical {c['analytical_win_rate']:.1%}), "
-            f"p = {c['p_value']:.3g}: {c['verdict']}")
+    return (f"{c['policy']} vs {c['baseline']}: reward delta {c['delta']:+.3f} [95% CI {low:+.3f}, "
+            f"{high:+.3f}], win rate {c['win_rate']:.1%} [{wl:.1%}, {wh:.1%}] (analytical "
+            f"{c['analytical_win_rate']:.1%}), p = {c['p_value']:.3g}: {c['verdict']}")
 
 
 def render_markdown(report: dict, has_curves: bool) -> str:
     lines = ["# Evaluation report", "",
-             f"{report['prompts']} held-out prompts, one sample each, temperature {report['temperature']}, "
-             f"{report['max_new_tokens']} new tokens, seed {report['seed']}; reward: "
-             f"{' + '.join(report['reward_terms'])}.", "",
-             "| policy | held-out PPL | reward mean | reward std | distinct-1 | distinct-2 | length | truncated |",
+             f"{report['prompts']} held-out prompts, one sample each, temperature "
+             f"{report['temperature']}, {report['max_new_tokens']} new tokens, seed "
+             f"{report['seed']}; reward: {' + '.join(report['reward_terms'])}.", "",
+             "| policy | held-out PPL | reward mean | reward std | distinct-1 | distinct-2 | "
+             "length | truncated |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["policies"]:
-        lines.append(f"| {r['name']} | {r['ppl']:.3f} | {r['reward_mean']:.3f} | {r['reward_std']:.3f} | "
-                     f"{r['distinct_1']:.3f} | {r['distinct_2']:.3f} | {r['length']:.1f} | {r['truncated_frac']:.1%} |")
+        lines.append(f"| {r['name']} | {r['ppl']:.3f} | {r['reward_mean']:.3f} | "
+                     f"{r['reward_std']:.3f} | {r['distinct_1']:.3f} | {r['distinct_2']:.3f} | "
+                     f"{r['length']:.1f} | {r['truncated_frac']:.1%} |")
     lines += ["", "## Comparisons", ""] + [f"- {summary_line(c)}" for c in report["comparisons"]]
-    lines += ["", "A delta whose 95% interval includes zero is reported as no significant change. Win rate: share "
-              "of prompts where the policy's reward beats the baseline's (ties half); analytical: "
-              "Phi(delta / sqrt(std_a^2 + std_b^2)) as in published tables; p: paired sign-flip test.", "",
+    lines += ["", "A delta whose 95% interval includes zero is reported as no significant change. "
+              "Win rate: share of prompts where the policy's reward beats the baseline's (ties "
+              "half); analytical: Phi(delta / sqrt(std_a^2 + std_b^2)) as in published tables; p: "
+              "paired sign-flip test.", "",
               "## Samples", ""]
     for s in report["samples"]:
         lines.append(f"**Prompt:** {s['prompt']}")
-        lines += [f"- *{name}*: {text.strip()[:300]}" for name, text in s.items() if name != "prompt"]
+        lines += [f"- *{name}*: "
+                  f"{text.strip()[:300]}" for name, text in s.items() if name != "prompt"]
         lines.append("")
     watchdog = report.get("watchdog")
     lines += report_section(watchdog, (watchdog or {}).get("event_list", []))

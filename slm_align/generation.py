@@ -1,14 +1,16 @@
 """Batched sampling from a causal LM with the KV cache: left-padded prompts, stop at EOS.
 
-One function serves the headroom gate's reward spread, RL rollouts and evaluation, so that every stage
-samples the same way. The caller's settings alone decide how: a checkpoint's ``generation_config.json``
-(``repetition_penalty``, ``no_repeat_ngram_size``, ``top_k``, bad words, ...) is never read, so RL
-samples from exactly the distribution whose log-probabilities it recomputes and scores.
+One function serves the headroom gate's reward spread, RL rollouts and evaluation, so that every
+stage samples the same way. The caller's settings alone decide how: a checkpoint's
+``generation_config.json`` (``repetition_penalty``, ``no_repeat_ngram_size``, ``top_k``, bad
+words, ...) is never read, so RL samples from exactly the distribution whose log-probabilities
+it recomputes and scores.
 
-The decoding loop is ours, on the model's own ``prepare_inputs_for_generation`` and cache: ``generate`` draws each
-token with ``torch.multinomial``, an exponential draw over every vocabulary entry; :func:`draw_tokens` inverts the
-cumulative distribution instead, one uniform number per row. Over Gemma 3's 262k vocabulary (8 rows, 1 thread) the
-softmax and multinomial took 54 ms of CPU per token, :func:`draw_tokens` 21 ms; the model's forward is the rest.
+The decoding loop is ours, on the model's own ``prepare_inputs_for_generation`` and cache:
+``generate`` draws each token with ``torch.multinomial``, an exponential draw over every vocabulary
+entry; :func:`draw_tokens` inverts the cumulative distribution instead, one uniform number per row.
+Over Gemma 3's 262k vocabulary (8 rows, 1 thread) the softmax and multinomial took 54 ms of CPU per
+token, :func:`draw_tokens` 21 ms; the model's forward is the rest.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ class Samples:
 
 def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
            top_p: float = 1.0, seed: Optional[int] = None, with_logprobs: bool = False) -> Samples:
-    """Sample one completion per prompt (pure temperature sampling unless ``top_p`` < 1; greedy at 0).
+    """Sample one completion per prompt (pure temperature sampling unless
+    ``top_p`` < 1; greedy at 0).
 
-    ``with_logprobs`` also returns the sampler's own log-probabilities of the tokens it drew (the log-softmax of the
-    temperature-scaled, nucleus-filtered logits each token was drawn from; of the raw logits when greedy).
+    ``with_logprobs`` also returns the sampler's own log-probabilities of the tokens it drew (the
+    log-softmax of the temperature-scaled, nucleus-filtered logits each token was drawn from; of
+    the raw logits when greedy).
     """
     import torch
 
@@ -74,11 +78,13 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
 
 def _decode(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, top_p: float, eos: int,
             pad: int, count: Optional[Count] = None):
-    """Decode up to ``max_new_tokens`` tokens for a left-padded batch with the KV cache, as ``generate`` does (the
-    model's own ``prepare_inputs_for_generation``; positions that skip the padding), until every row has an EOS.
-    ``count`` advances by one per token position (a stage's progress; inactive in RL rollouts).
+    """Decode up to ``max_new_tokens`` tokens for a left-padded batch with the KV cache, as
+    ``generate`` does (the model's own ``prepare_inputs_for_generation``; positions that skip the
+    padding), until every row has an EOS. ``count`` advances by one per token position (a stage's
+    progress; inactive in RL rollouts).
 
-    Returns (B, T) token ids (``pad`` after a row's EOS) and (B, T) fp32 log-probabilities of the drawn tokens.
+    Returns (B, T) token ids (``pad`` after a row's EOS) and (B, T) fp32
+    log-probabilities of the drawn tokens.
     """
     import torch
 
@@ -114,8 +120,8 @@ def _decode(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: fl
 
 
 def _keeps_last_logits(lm) -> dict:
-    """``logits_to_keep=1`` when the model's forward takes it (no vocabulary projection over the prompt), as
-    ``generate`` passes it; nothing otherwise."""
+    """``logits_to_keep=1`` when the model's forward takes it (no vocabulary projection over the
+    prompt), as ``generate`` passes it; nothing otherwise."""
     import inspect
 
     if "logits_to_keep" in inspect.signature(lm.forward).parameters:
@@ -124,13 +130,15 @@ def _keeps_last_logits(lm) -> dict:
 
 
 def draw_tokens(logits, temperature: float, top_p: float = 1.0):
-    """One token per row of ``logits`` (B, V) fp32, and its log-probability under the distribution it was drawn from.
+    """One token per row of ``logits`` (B, V) fp32, and its log-probability under the
+    distribution it was drawn from.
 
-    Greedy at ``temperature`` 0 (argmax; log-softmax of the raw logits). Otherwise p = softmax(nucleus_top_p(z / T))
-    (transformers' ``TopPLogitsWarper`` when ``top_p`` < 1), drawn by inverting its cumulative distribution: with
-    w_v = exp(z_v / T - max) (fp32) and their running sums c_v (float64), u ~ U[0, 1) per row, the token is the first
-    v with c_v > u c_V, so that P(v) = w_v / c_V = p_v, and a token of weight 0 is never drawn. Its log-probability is
-    z_v / T - max - log c_V. Returns (B,) token ids and (B,) fp32 log p_token.
+    Greedy at ``temperature`` 0 (argmax; log-softmax of the raw logits). Otherwise p =
+    softmax(nucleus_top_p(z / T)) (transformers' ``TopPLogitsWarper`` when ``top_p`` < 1), drawn by
+    inverting its cumulative distribution: with w_v = exp(z_v / T - max) (fp32) and their running
+    sums c_v (float64), u ~ U[0, 1) per row, the token is the first v with c_v > u c_V, so that P(v)
+    = w_v / c_V = p_v, and a token of weight 0 is never drawn. Its log-probability is z_v / T - max
+    - log c_V. Returns (B,) token ids and (B,) fp32 log p_token.
     """
     import torch
 
@@ -147,7 +155,8 @@ def draw_tokens(logits, temperature: float, top_p: float = 1.0):
     cumulative = torch.cumsum(weights, -1, dtype=torch.float64)
     total = cumulative[:, -1:]
     if not bool(torch.isfinite(total).all()):  # torch.multinomial refuses these too
-        raise RuntimeError("non-finite logits while sampling: the model's weights or inputs hold NaN or inf")
+        raise RuntimeError("non-finite logits while sampling: the model's weights or inputs hold "
+                           "NaN or inf")
     target = torch.rand(logits.shape[0], 1, dtype=torch.float64, device=logits.device) * total
     token = torch.searchsorted(cumulative, target, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     impossible = weights.gather(-1, token.unsqueeze(-1)).squeeze(-1) == 0  # u rounded up to the total
@@ -158,20 +167,23 @@ def draw_tokens(logits, temperature: float, top_p: float = 1.0):
 
 
 def score(reward_fn, samples: Samples) -> list[float]:
-    """``reward_fn``'s score of each completion as written: the reward learns which ones were cut at the token
-    budget (``truncated``), so that no EOS is put on them; a NaN or inf stops with the term and the prompt."""
+    """``reward_fn``'s score of each completion as written: the reward learns which ones were cut
+    at the token budget (``truncated``), so that no EOS is put on them; a NaN or inf stops with
+    the term and the prompt."""
     scores = [float(s) for s in reward_fn(samples.prompts, samples.completions, truncated=samples.truncated)]
     bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
     if bad:
         i = bad[0]
-        raise UserError(f"reward {_failing_term(reward_fn, samples, i)} gave {scores[i]} for prompt "
-                        f"{samples.prompts[i][:60]!r} (completion {samples.completions[i][:40]!r}; {len(bad)} of "
-                        f"{len(scores)} non-finite); make the reward return finite numbers for every completion")
+        raise UserError(f"reward {_failing_term(reward_fn, samples, i)} gave {scores[i]} for "
+                        f"prompt {samples.prompts[i][:60]!r} (completion "
+                        f"{samples.completions[i][:40]!r}; {len(bad)} of {len(scores)} "
+                        f"non-finite); make the reward return finite numbers for every completion")
     return scores
 
 
 def _failing_term(reward_fn, samples: Samples, i: int) -> str:
-    """The name of the first term of a combined reward whose score ``i`` is not finite (else the function's)."""
+    """The name of the first term of a combined reward whose score ``i`` is not finite
+    (else the function's)."""
     if hasattr(reward_fn, "breakdown"):
         parts = reward_fn.breakdown(samples.prompts, samples.completions, truncated=samples.truncated)
         for name, values in parts.items():

@@ -1,12 +1,14 @@
-"""A .gguf model source, dequantized once into a cached HF directory that every later load reads in seconds.
+"""A .gguf model source, dequantized once into a cached HF directory that every
+later load reads in seconds.
 
-Loading a llama.cpp file through transformers parses its metadata several times and dequantizes every tensor:
-on the real Gemma 3 270M (262k-token vocabulary) that is about 150 s of two CPU cores, in every stage (SFT, the
-gate, reward, RL, merge, export's reference model). The first load writes the fp32 model, its verified tokenizer
-and the file's ``tokenizer.*`` fields (``tokenizer.gguf``) to ``$SLM_ALIGN_CACHE/gguf/<sha256>/`` (default
-``~/.cache/slm-align``); later loads of the same bytes read that directory. The key is the file's content hash,
-so an edited or replaced file is never served stale, and the entry appears atomically (built beside its final
-name, then renamed), so an interrupted first load leaves nothing that looks whole.
+Loading a llama.cpp file through transformers parses its metadata several times and dequantizes
+every tensor: on the real Gemma 3 270M (262k-token vocabulary) that is about 150 s of two CPU cores,
+in every stage (SFT, the gate, reward, RL, merge, export's reference model). The first load writes
+the fp32 model, its verified tokenizer and the file's ``tokenizer.*`` fields (``tokenizer.gguf``) to
+``$SLM_ALIGN_CACHE/gguf/<sha256>/`` (default ``~/.cache/slm-align``); later loads of the same bytes
+read that directory. The key is the file's content hash, so an edited or replaced file is never
+served stale, and the entry appears atomically (built beside its final name, then renamed), so an
+interrupted first load leaves nothing that looks whole.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ def materialize(path: Path, load_model: Callable[[], object], load_tokenizer: Ca
                 save_tokenizer: Callable[[object, Path], None]) -> Path:
     """The cached HF directory of the .gguf ``path``, built with the given loaders on first use.
 
-    ``load_model()`` and ``load_tokenizer()`` read the file itself; ``save_tokenizer(tokenizer, directory)``
-    saves the tokenizer with the file's ``tokenizer.*`` fields beside it.
+    ``load_model()`` and ``load_tokenizer()`` read the file itself; ``save_tokenizer(tokenizer,
+    directory)`` saves the tokenizer with the file's ``tokenizer.*`` fields beside it.
     """
     final = cached_dir(path)
     if is_complete(final):
@@ -80,7 +82,8 @@ def materialize(path: Path, load_model: Callable[[], object], load_tokenizer: Ca
 
 
 def _publish(partial: Path, final: Path) -> None:
-    """Rename ``partial`` into place; when another process got there first, keep theirs (same bytes, same key)."""
+    """Rename ``partial`` into place; when another process got there first, keep theirs
+    (same bytes, same key)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     try:
         publish_directory(partial, final)

@@ -1,26 +1,30 @@
-"""The tokenizer of a GGUF file, rebuilt as llama.cpp runs it, and carried beside models saved from it.
+"""The tokenizer of a GGUF file, rebuilt as llama.cpp runs it, and carried
+beside models saved from it.
 
-A ``.gguf`` file keeps its tokenizer as ``tokenizer.*`` metadata, and that metadata is the ground truth: llama.cpp
-tokenises with it at inference. transformers' own GGUF conversion is lossy (on Gemma 3 270M it splits
-"The capital of France is" into 11 pieces where llama.cpp gives 6), so we build the fast tokenizer ourselves:
+A ``.gguf`` file keeps its tokenizer as ``tokenizer.*`` metadata, and that metadata is the ground
+truth: llama.cpp tokenises with it at inference. transformers' own GGUF conversion is lossy (on
+Gemma 3 270M it splits "The capital of France is" into 11 pieces where llama.cpp gives 6), so we
+build the fast tokenizer ourselves:
 
-- ``llama`` (SentencePiece BPE). llama.cpp repeatedly merges the adjacent pair whose concatenation is the
-  best-scored vocabulary piece; a BPE whose merges are every (left, right) split of every piece, ranked by the
-  piece's score, does the same. Spaces become "▁", a "▁" is prepended to each text fragment when
-  ``add_space_prefix`` is set, and characters outside the vocabulary fall back to ``<0xXX>`` byte tokens;
+- ``llama`` (SentencePiece BPE). llama.cpp repeatedly merges the adjacent pair whose concatenation
+  is the best-scored vocabulary piece; a BPE whose merges are every (left, right) split of every
+  piece, ranked by the piece's score, does the same. Spaces become "▁", a "▁" is prepended to each
+  text fragment when ``add_space_prefix`` is set, and characters outside the vocabulary fall back
+  to ``<0xXX>`` byte tokens;
 - ``gpt2`` (byte-level BPE): the file's merges, and the pre-tokenizer regexes llama.cpp uses for
   ``tokenizer.ggml.pre`` (the names in :data:`PRE_TOKENIZER_REGEXES`).
 
-In both, CONTROL, USER_DEFINED and UNKNOWN tokens are added tokens matched on the raw text, as llama.cpp's
-special-token partition does. BOS/EOS/unk/pad ids, the add-BOS/EOS flags and the chat template come from the file.
+In both, CONTROL, USER_DEFINED and UNKNOWN tokens are added tokens matched on the raw text, as
+llama.cpp's special-token partition does. BOS/EOS/unk/pad ids, the add-BOS/EOS flags and the chat
+template come from the file.
 
 :func:`load_gguf_tokenizer` checks the result against llama.cpp itself (vocab only) on :data:`PROBE_TEXTS` and every
-special token string, with and without special tokens added; any difference is a one-line UserError at load time,
-before any training. When llama-cpp-python is not installed the check is skipped.
+special token string, with and without special tokens added; any difference is a one-line UserError
+at load time, before any training. When llama-cpp-python is not installed the check is skipped.
 
 :func:`write_sidecar` copies the file's ``tokenizer.*`` key/values, byte for byte, into a vocab-only
-``tokenizer.gguf`` beside a saved model, so that GGUF export can write the source's exact tokenizer back
-(:func:`add_tokenizer_fields`).
+``tokenizer.gguf`` beside a saved model, so that GGUF export can write the source's exact tokenizer
+back (:func:`add_tokenizer_fields`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from slm_align.errors import UserError
 
 SIDECAR = "tokenizer.gguf"
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
-# gguf.TokenType values (llama.cpp's llama_token_type), spelled out so that reading needs no gguf import.
+# gguf.TokenType values (llama.cpp's llama_token_type), spelled out so that
+# reading needs no gguf import.
 NORMAL = 1
 UNKNOWN = 2
 CONTROL = 3
@@ -47,14 +52,16 @@ UNUSED = 5
 BYTE = 6
 _SPECIAL_TYPES = (UNKNOWN, CONTROL, USER_DEFINED)
 
-# The pre-tokenizer regexes of llama.cpp's llama-vocab.cpp for the tokenizer.ggml.pre names we reproduce.
+# The pre-tokenizer regexes of llama.cpp's llama-vocab.cpp for the
+# tokenizer.ggml.pre names we reproduce.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
 PRE_TOKENIZER_REGEXES = {"gpt-2": (_GPT2,), "llama-bpe": (_LLAMA3,), "llama3": (_LLAMA3,), "llama-v3": (_LLAMA3,),
                          "qwen2": (_QWEN2,), "smollm": (r"\p{N}", _GPT2)}
-# llama.cpp emits a whole pre-tokenized word when it is a token (ignore_merges) and adds BOS by default for these.
+# llama.cpp emits a whole pre-tokenized word when it is a token (ignore_merges) and adds
+# BOS by default for these.
 _LLAMA3_NAMES = ("llama-bpe", "llama3", "llama-v3")
 
 PROBE_TEXTS = (
@@ -77,8 +84,8 @@ PROBE_TEXTS = (
 
 @dataclass(frozen=True)
 class Field:
-    """One metadata key/value: its GGUF value type (and item type for arrays), the decoded value, and the entry's
-    bytes as stored (key, type, value), so that it can be copied verbatim."""
+    """One metadata key/value: its GGUF value type (and item type for arrays), the decoded value,
+    and the entry's bytes as stored (key, type, value), so that it can be copied verbatim."""
 
     type: int
     item_type: int | None
@@ -153,20 +160,24 @@ def _parse_fields(data, prefix: str) -> dict[str, Field]:
 
 
 def read_fields(path: Path, prefix: str = "tokenizer.") -> dict[str, Field]:
-    """The key/values of a .gguf whose key starts with ``prefix``, in file order (reads the header only).
+    """The key/values of a .gguf whose key starts with ``prefix``, in file
+    order (reads the header only).
 
-    gguf-py's GGUFReader parses every tensor too and takes about 30 s on Gemma 3 270M; this takes well under one.
+    gguf-py's GGUFReader parses every tensor too and takes about 30 s on Gemma 3 270M;
+    this takes well under one.
     """
     try:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return _parse_fields(data, prefix)
     except (ValueError, KeyError, struct.error, OverflowError, MemoryError) as exc:
-        raise UserError(f"{path} is not a GGUF model ({exc}); export or download it again") from None
+        raise UserError(f"{path} is not a GGUF model ({exc}); export or download it "
+                        f"again") from None
 
 
 @dataclass(frozen=True)
 class GgufVocab:
-    """What llama.cpp reads from ``tokenizer.*``: the model, the pieces and the special-token settings."""
+    """What llama.cpp reads from ``tokenizer.*``: the model, the pieces and the
+    special-token settings."""
 
     model: str
     pre: str | None
@@ -193,18 +204,20 @@ def _value(fields: dict, name: str, default=None):
 
 
 def _token_id(fields: dict, name: str, default: int | None, n_tokens: int) -> int | None:
-    """A special token id as llama.cpp resolves it: the file's id, else the model's default, if in range."""
+    """A special token id as llama.cpp resolves it: the file's id, else the
+    model's default, if in range."""
     token_id = _value(fields, name, default)
     return token_id if token_id is not None and 0 <= token_id < n_tokens else None
 
 
 def vocab_from_fields(fields: dict[str, Field]) -> GgufVocab:
-    """The tokenizer settings, with llama.cpp's defaults (llama-vocab.cpp) for the keys a file leaves out."""
+    """The tokenizer settings, with llama.cpp's defaults (llama-vocab.cpp) for the
+    keys a file leaves out."""
     model = _value(fields, "model")
     tokens = _value(fields, "tokens")
     if model is None or not tokens:
-        raise UserError("the GGUF file has no tokenizer (tokenizer.ggml.model and tokens); it cannot be trained "
-                        "or exported with its own tokenizer")
+        raise UserError("the GGUF file has no tokenizer (tokenizer.ggml.model and tokens); it "
+                        "cannot be trained or exported with its own tokenizer")
     pre = _value(fields, "pre")
     spm = model == "llama"
     n_tokens = len(tokens)
@@ -230,8 +243,9 @@ def _cannot(vocab: GgufVocab, why: str) -> UserError:
 def _spm_merges(vocab: GgufVocab) -> list[tuple[str, str]]:
     """Every (left, right) split of every piece whose halves are pieces, best-scored piece first.
 
-    This is llama.cpp's SentencePiece rule (merge the adjacent pair whose concatenation is the highest-scoring
-    piece) as a BPE merge list, the way transformers' SentencePieceExtractor derives merges from scores.
+    This is llama.cpp's SentencePiece rule (merge the adjacent pair whose concatenation is the
+    highest-scoring piece) as a BPE merge list, the way transformers' SentencePieceExtractor
+    derives merges from scores.
     """
     ids = {token: index for index, token in enumerate(vocab.tokens)}
     scores = vocab.scores or [0.0] * len(vocab.tokens)
@@ -254,7 +268,8 @@ def _vocab_ids(vocab: GgufVocab) -> dict[str, int]:
 
 
 def _spm_backend(vocab: GgufVocab):
-    """SentencePiece BPE with byte fallback; spaces as "▁", prefixed per text fragment when the file says so."""
+    """SentencePiece BPE with byte fallback; spaces as "▁", prefixed per text fragment
+    when the file says so."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
@@ -270,7 +285,8 @@ def _spm_backend(vocab: GgufVocab):
 
 
 def _bpe_merges(vocab: GgufVocab) -> list[tuple[str, str]]:
-    """The file's merges, split at the first space after the first character (as llama.cpp splits them)."""
+    """The file's merges, split at the first space after the first character (as
+    llama.cpp splits them)."""
     merges = []
     for merge in vocab.merges or []:
         cut = merge.find(" ", 1)
@@ -299,7 +315,8 @@ def _bpe_backend(vocab: GgufVocab):
 
 
 def _add_special_tokens(backend, vocab: GgufVocab) -> None:
-    """CONTROL/UNKNOWN tokens as special added tokens, USER_DEFINED as plain ones: all matched on the raw text."""
+    """CONTROL/UNKNOWN tokens as special added tokens, USER_DEFINED as plain ones: all
+    matched on the raw text."""
     from tokenizers import AddedToken
 
     special = []
@@ -334,7 +351,8 @@ def _role_token(vocab: GgufVocab, token_id: int | None) -> str | None:
 
 
 def build_tokenizer(vocab: GgufVocab):
-    """A transformers fast tokenizer equal to llama.cpp's for ``vocab`` (unchecked; see load_gguf_tokenizer)."""
+    """A transformers fast tokenizer equal to llama.cpp's for ``vocab`` (unchecked;
+    see load_gguf_tokenizer)."""
     from transformers import PreTrainedTokenizerFast
 
     if vocab.model == "llama":
@@ -342,7 +360,8 @@ def build_tokenizer(vocab: GgufVocab):
     elif vocab.model == "gpt2":
         backend = _bpe_backend(vocab)
     else:
-        raise _cannot(vocab, f"tokenizer model '{vocab.model}' is not SentencePiece (llama) or byte-level BPE (gpt2)")
+        raise _cannot(vocab, f"tokenizer model '{vocab.model}' is not SentencePiece (llama) or "
+                      f"byte-level BPE (gpt2)")
     _add_special_tokens(backend, vocab)
     backend.post_processor = _post_processor(vocab)
     return PreTrainedTokenizerFast(
@@ -353,7 +372,8 @@ def build_tokenizer(vocab: GgufVocab):
 
 
 def probe_texts(vocab: GgufVocab, per_text: int = 64) -> list[str]:
-    """:data:`PROBE_TEXTS`, then every special token string (``per_text`` to a text) between plain words."""
+    """:data:`PROBE_TEXTS`, then every special token string (``per_text`` to a
+    text) between plain words."""
     specials = [vocab.tokens[i] for i, kind in enumerate(vocab.types) if kind in _SPECIAL_TYPES and vocab.tokens[i]]
     chunks = [specials[start:start + per_text] for start in range(0, len(specials), per_text)]
     return list(PROBE_TEXTS) + [f"Hi {' x '.join(chunk)} end" for chunk in chunks]
@@ -364,7 +384,8 @@ def _first_difference(expected: list[int], got: list[int]) -> int:
 
 
 class _LlamaVocab:
-    """llama.cpp's tokenizer for a file, its vocabulary loaded without weights or a context, quietly."""
+    """llama.cpp's tokenizer for a file, its vocabulary loaded without weights
+    or a context, quietly."""
 
     def __init__(self, llama_cpp, path: Path):
         self.llama_cpp = llama_cpp
@@ -386,7 +407,8 @@ class _LlamaVocab:
 
 
 def _open_llama_cpp(path: Path) -> _LlamaVocab | None:
-    """llama.cpp with the file's vocabulary only, or None without llama-cpp-python; its load log silenced."""
+    """llama.cpp with the file's vocabulary only, or None without llama-cpp-python;
+    its load log silenced."""
     import logging
 
     try:
@@ -403,10 +425,11 @@ def _open_llama_cpp(path: Path) -> _LlamaVocab | None:
 
 
 def check_against_llama_cpp(tokenizer, path: Path, vocab: GgufVocab) -> int:
-    """Refuse ``tokenizer`` unless it gives llama.cpp's ids on every probe text; returns the texts compared.
+    """Refuse ``tokenizer`` unless it gives llama.cpp's ids on every probe text;
+    returns the texts compared.
 
-    Compared with and without special tokens added (BOS/EOS), special token text parsed as in chat prompts.
-    Returns 0 when llama-cpp-python is not installed (nothing to compare against).
+    Compared with and without special tokens added (BOS/EOS), special token text parsed as in chat
+    prompts. Returns 0 when llama-cpp-python is not installed (nothing to compare against).
     """
     llm = _open_llama_cpp(path)
     if llm is None:
@@ -425,12 +448,13 @@ def check_against_llama_cpp(tokenizer, path: Path, vocab: GgufVocab) -> int:
 def _compare(vocab: GgufVocab, text: str, expected: list[int], got: list[int]) -> None:
     if got != expected:
         at = _first_difference(expected, got)
-        raise _cannot(vocab, f"on {text[:40]!r} llama.cpp gives {expected[at:at + 4]} at token {at}, "
-                             f"we would give {got[at:at + 4]}")
+        raise _cannot(vocab, f"on {text[:40]!r} llama.cpp gives {expected[at:at + 4]} at token "
+                             f"{at}, we would give {got[at:at + 4]}")
 
 
 def load_gguf_tokenizer(path: Path):
-    """The fast tokenizer of the .gguf at ``path``, proven equal to llama.cpp's (one-line UserError if not)."""
+    """The fast tokenizer of the .gguf at ``path``, proven equal to llama.cpp's
+    (one-line UserError if not)."""
     path = Path(path)
     vocab = vocab_from_fields(read_fields(path))
     tokenizer = build_tokenizer(vocab)
@@ -439,8 +463,9 @@ def load_gguf_tokenizer(path: Path):
 
 
 def write_sidecar(source: Path, directory: Path) -> Path:
-    """Copy the ``tokenizer.*`` key/values of ``source`` (a .gguf, or a sidecar) verbatim into
-    ``directory/tokenizer.gguf``: a GGUF v3 file with no tensors, readable by gguf-py and by :func:`read_fields`."""
+    """Copy the ``tokenizer.*`` key/values of ``source`` (a .gguf, or a sidecar) verbatim
+    into ``directory/tokenizer.gguf``: a GGUF v3 file with no tensors, readable by gguf-py
+    and by :func:`read_fields`."""
     fields = read_fields(Path(source))
     header = b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields))
     body = header + b"".join(field.raw for field in fields.values())
@@ -451,7 +476,8 @@ def write_sidecar(source: Path, directory: Path) -> Path:
 
 
 def _typed_value(field: Field):
-    """``field``'s value as gguf-py's writer packs it back to the same bytes (strings as their raw bytes)."""
+    """``field``'s value as gguf-py's writer packs it back to the same bytes
+    (strings as their raw bytes)."""
     if field.type == _STRING:
         return field.value.encode("utf-8", "surrogateescape")
     if field.item_type == _STRING:
@@ -460,8 +486,8 @@ def _typed_value(field: Field):
 
 
 def add_tokenizer_fields(writer, sidecar: Path, vocab_size: int, chat_template: str | None) -> None:
-    """Write the sidecar's ``tokenizer.*`` fields into a gguf-py writer, byte for byte, then ``chat_template``
-    (when not None) in place of the file's own."""
+    """Write the sidecar's ``tokenizer.*`` fields into a gguf-py writer, byte for byte, then
+    ``chat_template`` (when not None) in place of the file's own."""
     import gguf
 
     fields = read_fields(Path(sidecar))

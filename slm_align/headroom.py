@@ -1,7 +1,8 @@
-"""The headroom gate: is the SFT prior fluent enough (and, later, the reward discriminative enough) for RL?
+"""The headroom gate: is the SFT prior fluent enough (and, later, the reward
+discriminative enough) for RL?
 
-The report is a list of figures, each with its threshold, verdict and remedy, so that later checks (reward
-accuracy, reward spread) join the same table.
+The report is a list of figures, each with its threshold, verdict and remedy, so that later checks
+(reward accuracy, reward spread) join the same table.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from slm_align.sft import recipe_from_sft
 
 REPORT = "headroom.json"
 """The gate's report in a run directory."""
-REMEDY_PPL = ("the SFT prior is not fluent enough for RL to help: train SFT longer or on more or cleaner data, "
-              "raise the LoRA rank (--lora-r), or start from a larger base model")
-REMEDY_ACCURACY = ("the reward model cannot tell better from worse: give it more or better preference data "
-                   "(--preferences, another pair mix) or train it longer")
-REMEDY_SPREAD = ("the reward barely varies over the policy's samples, so RL has nothing to follow: use a more "
-                 "discriminative reward (another reward model or --reward functions)")
+REMEDY_PPL = ("the SFT prior is not fluent enough for RL to help: train SFT longer or on more or "
+              "cleaner data, raise the LoRA rank (--lora-r), or start from a larger base model")
+REMEDY_ACCURACY = ("the reward model cannot tell better from worse: give it more or better "
+                   "preference data (--preferences, another pair mix) or train it longer")
+REMEDY_SPREAD = ("the reward barely varies over the policy's samples, so RL has nothing to follow: "
+                 "use a more discriminative reward (another reward model or --reward functions)")
 
 
 class GateRefused(UserError):
@@ -45,7 +46,8 @@ class GateRefused(UserError):
 
 @dataclass
 class Figure:
-    """One gated measurement: ``value`` must be below (``"<"``) or at least (``">="``) ``threshold``."""
+    """One gated measurement: ``value`` must be below (``"<"``) or at least
+    (``">="``) ``threshold``."""
 
     name: str
     value: float
@@ -77,19 +79,23 @@ class HeadroomReport:
         return [f for f in self.figures if not f.passed]
 
     def summary(self) -> str:
-        """The verdict and every figure against its threshold, on one line (the gate's end line in a log)."""
-        figures = "; ".join(f"{f.name} {f.value:.3f} ({f.comparison} {f.threshold:g})" for f in self.figures)
+        """The verdict and every figure against its threshold, on one line (the
+        gate's end line in a log)."""
+        figures = "; ".join(f"{f.name} {f.value:.3f} ({f.comparison} "
+                            f"{f.threshold:g})" for f in self.figures)
         return f"{self.verdict}, {figures}"
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "passed": self.passed, "info": self.info,
                 "figures": [dict(asdict(f), passed=f.passed) for f in self.figures],
-                "reasons": [f"{f.name} {f.value:.4g} is not {f.comparison} {f.threshold:g}" for f in self.failures()],
+                "reasons": [f"{f.name} {f.value:.4g} is not {f.comparison} "
+                            f"{f.threshold:g}" for f in self.failures()],
                 "remedies": [f.remedy for f in self.failures()]}
 
 
 def _heldout_pairs(recipe: Recipe, corpus, run: Optional[Path]) -> list:
-    """The reward stage's own held-out pairs when the run has them, else pairs made from the eval split."""
+    """The reward stage's own held-out pairs when the run has them, else pairs
+    made from the eval split."""
     from slm_align.data.pairs import Pair, synthetic_pairs
 
     saved = Path(run) / "reward" / "eval_pairs.jsonl" if run is not None else None
@@ -100,7 +106,8 @@ def _heldout_pairs(recipe: Recipe, corpus, run: Optional[Path]) -> list:
 
 def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Optional[Path],
                     rewards: Sequence[str], run: Optional[Path], info: dict, source) -> list[Figure]:
-    """Held-out pairwise accuracy of the reward model and the spread of rewards over policy samples."""
+    """Held-out pairwise accuracy of the reward model and the spread of
+    rewards over policy samples."""
     from slm_align.reward.model import pairwise_metrics
 
     settings = recipe.headroom
@@ -137,13 +144,14 @@ def _spread_figure(recipe: Recipe, policy, tokenizer, reward, prompts: list[str]
     info["reward_terms"] = [name for name, _, _ in reward.terms]
     info["reward_spread"] = spread.to_dict()
     info["recommendation"] = recommend(spread, settings.max_all_equal_share, recipe.rl.group_size)
-    return Figure(f"reward spread within prompts (mean std of {k} samples)", spread.within, settings.min_reward_std,
+    return Figure(f"reward spread within prompts (mean std of {k} "
+                  f"samples)", spread.within, settings.min_reward_std,
                   ">=", REMEDY_SPREAD)
 
 
 def _perplexity_documents(recipe: Recipe, corpus, source) -> list:
-    """The SFT prior is scored on the corpus's eval split; with a task file and no corpus, on the held-out tasks
-    (prompt and answer), the text the model must be fluent in."""
+    """The SFT prior is scored on the corpus's eval split; with a task file and no corpus, on the
+    held-out tasks (prompt and answer), the text the model must be fluent in."""
     from slm_align.data.examples import Example
 
     if recipe.data.tasks is None or recipe.data.path is not None:
@@ -164,22 +172,23 @@ def _gate_plan(recipe: Recipe, documents: int, source, reward_known: bool) -> st
 
 def _prior(recipe: Recipe, model_source, device: str, adapter: Optional[Path], encoded: list, pad_id: int,
            info: dict):
-    """The prior the gate measures: the model, with the SFT adapter when there is one (the base model's perplexity
-    recorded in ``info`` as context)."""
+    """The prior the gate measures: the model, with the SFT adapter when there is one (the base
+    model's perplexity recorded in ``info`` as context)."""
     model = load_model(model_source, recipe.model.trust_remote_code, recipe.model.allow_pickle).to(device)
     if adapter is None:
         return model
     model = load_adapter(model, adapter, recipe.model.allow_pickle)
     with model.disable_adapter():
-        info["base_ppl"] = perplexity(model, encoded, pad_id, recipe.headroom.batch_size, "base perplexity").ppl
+        info["base_ppl"] = perplexity(model, encoded, pad_id, recipe.headroom.batch_size, "base "
+                                      "perplexity").ppl
     info["adapter"] = str(adapter)
     return model
 
 
 def gate_subject(recipe: Recipe, run: Optional[Path], adapter: Optional[Path],
                  reward_model: Optional[Path]) -> tuple[Recipe, Optional[Path], Optional[Path]]:
-    """What the gate measures: the run's SFT prior when no adapter is given (its recipe's model, seed and data),
-    and the run's reward model when none is given and the run has one."""
+    """What the gate measures: the run's SFT prior when no adapter is given (its recipe's model,
+    seed and data), and the run's reward model when none is given and the run has one."""
     if run is not None and adapter is None and recipe.rl.from_sft:
         recipe, adapter = recipe_from_sft(run, recipe)
     if reward_model is None and run is not None and (Path(run) / "reward" / "model").is_dir():
@@ -189,8 +198,8 @@ def gate_subject(recipe: Recipe, run: Optional[Path], adapter: Optional[Path],
 
 def gate_inputs(recipe: Recipe, run: Optional[Path], adapter: Optional[Path], reward_model: Optional[Path],
                 rewards: Sequence[str]) -> dict:
-    """Everything the gate's figures depend on, earlier stages named by their content (not their paths): a report
-    measured with the same inputs is reused (:func:`reusable_report`)."""
+    """Everything the gate's figures depend on, earlier stages named by their content (not their
+    paths): a report measured with the same inputs is reused (:func:`reusable_report`)."""
     data = recipe.data
     prior = {"model": resolve_source(recipe.model.source).ref}
     if adapter is not None:
@@ -222,7 +231,8 @@ def reusable_report(recipe: Recipe, run: Path, adapter: Optional[Path] = None, r
 
 def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional[Path] = None,
                    reward_model: Optional[Path] = None, rewards: Sequence[str] = ()) -> HeadroomReport:
-    """Measure the gate's figures and write ``run/headroom.json`` (with the hash of its inputs) when a run is given.
+    """Measure the gate's figures and write ``run/headroom.json`` (with the hash of its
+    inputs) when a run is given.
 
     Perplexity always; reward accuracy when a reward model is known (``reward_model`` or the run's
     ``reward/model``); reward spread when any reward is known (the model and/or ``rewards`` specs).
@@ -240,12 +250,14 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
     if not encoded:
         raise UserError(f"data {corpus.description}: no eval document has tokens to score")
     reward_known = reward_model is not None or bool(rewards)
-    with stage_lines("headroom gate", _gate_plan(recipe, len(encoded), source, reward_known)) as stage:
+    with stage_lines("headroom "
+                     "gate", _gate_plan(recipe, len(encoded), source, reward_known)) as stage:
         info = {"model": model_source.label, "data": corpus.description, "prompts": source.description,
                 "eval_documents": len(encoded)}
         model = _prior(recipe, model_source, device, adapter, encoded, tokenizer.pad_token_id, info)
         measured = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size)
-        figures = [Figure("held-out perplexity", measured.ppl, recipe.headroom.max_ppl, "<", REMEDY_PPL)]
+        figures = [Figure("held-out "
+                          "perplexity", measured.ppl, recipe.headroom.max_ppl, "<", REMEDY_PPL)]
         if reward_known:
             figures += _reward_figures(recipe, corpus, model, tokenizer, reward_model, rewards, run, info, source)
         else:

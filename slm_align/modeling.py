@@ -1,8 +1,8 @@
 """Load the policy and its tokenizer from any source; the tiny-model factory used by tests.
 
-Sources: a local HF directory (safetensors), a hub id, or a local ``.gguf`` file (weights dequantized by
-transformers' GGUF support, tokenizer rebuilt from the file's own metadata by :mod:`slm_align.gguf_tokenizer`).
-``None`` means the bundled default model.
+Sources: a local HF directory (safetensors), a hub id, or a local ``.gguf`` file (weights
+dequantized by transformers' GGUF support, tokenizer rebuilt from the file's own metadata by
+:mod:`slm_align.gguf_tokenizer`). ``None`` means the bundled default model.
 """
 
 from __future__ import annotations
@@ -53,16 +53,17 @@ class ModelSource:
 
 
 def model_record(source: ModelSource) -> dict:
-    """The model as a stage's manifest records it: the bundled model without its path (so that a run copied to
-    another machine, where the package lies elsewhere, is still recognised), any other by kind and path or hub id.
-    ``resolve_source(record["ref"])`` gives the source back."""
+    """The model as a stage's manifest records it: the bundled model without its path (so that a run
+    copied to another machine, where the package lies elsewhere, is still recognised), any other by
+    kind and path or hub id. ``resolve_source(record["ref"])`` gives the source back."""
     if source.kind == "dir" and Path(source.ref) == DEFAULT_MODEL_DIR:
         return {"kind": "bundled", "ref": None}
     return {"kind": source.kind, "ref": source.ref}
 
 
 def looks_like_hub_id(spec: str) -> bool:
-    """Whether ``spec`` (not an existing path) reads as a hub id ``org/name`` or ``name``, not a path."""
+    """Whether ``spec`` (not an existing path) reads as a hub id ``org/name``
+    or ``name``, not a path."""
     looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1
     return not looks_like_path and _HUB_ID.match(spec) is not None
 
@@ -80,14 +81,16 @@ def resolve_source(spec: Optional[str]) -> ModelSource:
                             "pass an HF model directory, a .gguf file or a hub id")
         return ModelSource("gguf", str(path.resolve()))
     if not looks_like_hub_id(spec) or spec.endswith(".gguf"):
-        raise UserError(f"model {spec} not found; pass an HF model directory, a .gguf file or a hub id (org/name)")
+        raise UserError(f"model {spec} not found; pass an HF model directory, a .gguf file or a "
+                        f"hub id (org/name)")
     return ModelSource("hub", spec)
 
 
 def _check_directory(path: Path, allow_pickle: bool) -> None:
     config = path / "config.json"
     if not config.is_file():
-        raise UserError(f"model directory {path} has no config.json; pass a directory saved by save_pretrained")
+        raise UserError(f"model directory {path} has no config.json; pass a directory saved by "
+                        f"save_pretrained")
     try:
         model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -99,13 +102,15 @@ def _check_directory(path: Path, allow_pickle: bool) -> None:
         raise UserError(f"model {path} has only pickle (.bin) weights, which can run code when loaded; "
                         "convert it to safetensors or pass --allow-pickle if you trust it")
     if not has_safetensors and not has_pickle:
-        raise UserError(f"model directory {path} has no weights (*.safetensors); pass a complete checkpoint")
+        raise UserError(f"model directory {path} has no weights (*.safetensors); pass a complete "
+                        f"checkpoint")
     for weights in sorted(path.glob("*.safetensors")):
         _check_not_truncated(weights)
 
 
 def _check_not_truncated(weights: Path) -> None:
-    """A safetensors file shorter than its own header says is cut off (an interrupted copy or download)."""
+    """A safetensors file shorter than its own header says is cut off (an
+    interrupted copy or download)."""
     import struct
 
     try:
@@ -137,9 +142,9 @@ def _hub_error(source: ModelSource, exc: Exception) -> UserError:
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     """The source's tokenizer, with a pad token guaranteed (see :func:`ensure_pad_token`).
 
-    A .gguf file's tokenizer is rebuilt from its own ``tokenizer.*`` metadata and checked against llama.cpp
-    (:mod:`slm_align.gguf_tokenizer`; transformers' GGUF tokenizer conversion is lossy) on first use, then read
-    from the file's cached HF directory (:func:`gguf_directory`).
+    A .gguf file's tokenizer is rebuilt from its own ``tokenizer.*`` metadata and checked against
+    llama.cpp (:mod:`slm_align.gguf_tokenizer`; transformers' GGUF tokenizer conversion is lossy) on
+    first use, then read from the file's cached HF directory (:func:`gguf_directory`).
     """
     from transformers import AutoTokenizer
 
@@ -153,14 +158,16 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
         if source.kind == "hub":
             raise _hub_error(source, exc) from None
         raise UserError(f"model {source.label}: cannot load its tokenizer ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:200]}); the directory needs tokenizer files") from None
+                        f"{str(exc).splitlines()[0][:200]}); the directory needs tokenizer "
+                        f"files") from None
     if source.kind == "dir":
         _check_vocabulary(tokenizer, Path(source.ref))
     return ensure_pad_token(tokenizer)
 
 
 def tokenizer_sidecar(source: ModelSource) -> Path | None:
-    """Where the source's GGUF tokenizer fields are: the .gguf itself, a saved model's ``tokenizer.gguf``, or None."""
+    """Where the source's GGUF tokenizer fields are: the .gguf itself, a saved model's
+    ``tokenizer.gguf``, or None."""
     from slm_align.gguf_tokenizer import SIDECAR
 
     if source.kind == "gguf":
@@ -170,8 +177,9 @@ def tokenizer_sidecar(source: ModelSource) -> Path | None:
 
 
 def save_tokenizer(tokenizer, source: ModelSource, directory: Path) -> None:
-    """Save ``tokenizer`` into a model directory; when the model came from a GGUF file, its ``tokenizer.*`` fields
-    go too (``tokenizer.gguf``), so that GGUF export writes the source's exact tokenizer back."""
+    """Save ``tokenizer`` into a model directory; when the model came from a GGUF file, its
+    ``tokenizer.*`` fields go too (``tokenizer.gguf``), so that GGUF export writes the
+    source's exact tokenizer back."""
     from slm_align.gguf_tokenizer import write_sidecar
 
     tokenizer.save_pretrained(directory)
@@ -181,29 +189,34 @@ def save_tokenizer(tokenizer, source: ModelSource, directory: Path) -> None:
 
 
 def _check_vocabulary(tokenizer, path: Path) -> None:
-    """Token ids past the model's embedding rows would crash the first forward pass; refuse the pair up front."""
+    """Token ids past the model's embedding rows would crash the first forward pass;
+    refuse the pair up front."""
     rows = json.loads((path / "config.json").read_text(encoding="utf-8")).get("vocab_size")
     if isinstance(rows, int) and len(tokenizer) > rows:
-        raise UserError(f"model {path}: its tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                        f"{rows} (embedding rows); save the tokenizer the model was trained with beside its weights")
+        raise UserError(f"model {path}: its tokenizer has {len(tokenizer)} tokens but the model's "
+                        f"vocab_size is {rows} (embedding rows); save the tokenizer the model was "
+                        f"trained with beside its weights")
 
 
 def ensure_pad_token(tokenizer):
     """Give a tokenizer without a pad token one, without changing the vocabulary.
 
-    The EOS token doubles as padding; losses mask by attention, never by pad id, so a real EOS still trains.
+    The EOS token doubles as padding; losses mask by attention, never by pad id,
+    so a real EOS still trains.
     """
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise UserError("the tokenizer has neither a pad nor an EOS token; add one to tokenizer_config.json")
+            raise UserError("the tokenizer has neither a pad nor an EOS token; add one to "
+                            "tokenizer_config.json")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
     return tokenizer
 
 
-# Config fields that transformers' GGUF loader (4.57) leaves at their defaults although the file has them, as
-# {model_type: {GGUF key after "<arch>.": config field}}. Gemma 3: llama.cpp scales attention by 1/sqrt(head_dim),
-# so query_pre_attn_scalar is the key length (transformers' default, 256, fits only head_dim 256).
+# Config fields that transformers' GGUF loader (4.57) leaves at their defaults although the file has
+# them, as {model_type: {GGUF key after "<arch>.": config field}}. Gemma 3: llama.cpp scales
+# attention by 1/sqrt(head_dim), so query_pre_attn_scalar is the key length (transformers' default,
+# 256, fits only head_dim 256).
 _GGUF_CONFIG_GAPS = {
     "qwen3": {"attention.key_length": "head_dim"},
     "gemma3_text": {"attention.key_length": "query_pre_attn_scalar", "rope.freq_base_swa": "rope_local_base_freq",
@@ -213,7 +226,8 @@ _GGUF_CONFIG_GAPS = {
 
 
 def gguf_config(path: Path):
-    """transformers' config of a .gguf file, with the fields its GGUF loader misses read from the file."""
+    """transformers' config of a .gguf file, with the fields its GGUF loader
+    misses read from the file."""
     from transformers import AutoConfig
 
     from slm_align.gguf_tokenizer import read_fields
@@ -231,15 +245,17 @@ def gguf_config(path: Path):
 
 def load_model(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
                quantization=None):
-    """The causal LM of a source, in float32, in eval mode (a .gguf file through its cached HF directory);
-    ``quantization``: a transformers quantization config (4-bit base weights for QLoRA), None for float32."""
+    """The causal LM of a source, in float32, in eval mode (a .gguf file through its cached HF
+    directory); ``quantization``: a transformers quantization config (4-bit base weights for
+    QLoRA), None for float32."""
     if source.kind == "gguf":
         return _load_pretrained(gguf_directory(source), quantization=quantization)
     return _load_pretrained(source, trust_remote_code, allow_pickle, quantization)
 
 
 def gguf_directory(source: ModelSource) -> ModelSource:
-    """The HF directory of a .gguf source, dequantized and saved on first use (:mod:`slm_align.gguf_cache`)."""
+    """The HF directory of a .gguf source, dequantized and saved on first use
+    (:mod:`slm_align.gguf_cache`)."""
     from slm_align import gguf_cache
 
     path = Path(source.ref)
@@ -295,7 +311,8 @@ def _load_pretrained(source: ModelSource, trust_remote_code: bool = False, allow
 
 
 def lora_targets(model_type: str, override: Optional[list[str]] = None) -> list[str]:
-    """Module names LoRA adapts: the override when given, else the architecture's attention projections."""
+    """Module names LoRA adapts: the override when given, else the architecture's
+    attention projections."""
     return list(override) if override else list(LORA_TARGETS[check_architecture(model_type, model_type)])
 
 
@@ -311,7 +328,8 @@ def _qwen3(hidden: int, layers: int) -> dict:
 
 
 def _gemma3_text(hidden: int, layers: int) -> dict:
-    """Gemma 3 (text): at least six layers, because llama.cpp makes every sixth layer global (the first at index
+    """Gemma 3 (text): at least six layers, because llama.cpp makes every sixth layer
+    global (the first at index
     5) and the rest sliding; a sliding window of 8 tokens, so that it matters on any longer probe."""
     head_dim = hidden // 2
     return {"hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": max(layers, 6),
@@ -328,13 +346,15 @@ def _gpt2(hidden: int, layers: int) -> dict:
     return {"n_embd": hidden, "n_layer": layers, "n_head": 4, "n_positions": 512}
 
 
-# config.json fields of each architecture's tiny model (besides vocab_size), from hidden width and layer count.
+# config.json fields of each architecture's tiny model (besides vocab_size), from
+# hidden width and layer count.
 _TINY_CONFIGS = {"llama": _llama_like, "qwen2": _llama_like, "qwen3": _qwen3, "gemma3_text": _gemma3_text,
                  "gpt_neox": _gpt_neox, "gpt2": _gpt2}
 
 
 def build_tiny_model(architecture: str, vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2):
-    """A randomly initialised model of ``architecture`` with a few layers, for tests and benchmarks."""
+    """A randomly initialised model of ``architecture`` with a few layers,
+    for tests and benchmarks."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -345,9 +365,9 @@ def build_tiny_model(architecture: str, vocab_size: int, seed: int = 0, hidden: 
 
 
 def load_adapter(model, adapter_dir: Path, allow_pickle: bool = False):
-    """Attach a saved peft adapter to ``model`` (the adapter stays switchable; frozen, in float32, eval mode). Every
-    adapter the package loads comes through here: one saved only as pickle needs ``allow_pickle``
-    (:func:`require_adapter`)."""
+    """Attach a saved peft adapter to ``model`` (the adapter stays switchable; frozen, in float32,
+    eval mode). Every adapter the package loads comes through here: one saved only as pickle needs
+    ``allow_pickle`` (:func:`require_adapter`)."""
     from peft import PeftModel
 
     adapter_dir = Path(adapter_dir)
@@ -360,8 +380,9 @@ def load_adapter(model, adapter_dir: Path, allow_pickle: bool = False):
 
 
 def require_adapter(adapter_dir: Path, allow_pickle: bool) -> None:
-    """Refuse, before any loading, an adapter directory without ``adapter_config.json`` or one saved only as pickle
-    (``adapter_model.bin``, which peft reads with ``torch.load`` and which can run code) unless ``allow_pickle``."""
+    """Refuse, before any loading, an adapter directory without ``adapter_config.json`` or one saved
+    only as pickle (``adapter_model.bin``, which peft reads with ``torch.load`` and which can run
+    code) unless ``allow_pickle``."""
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter_config.json").is_file():
         raise UserError(f"adapter {adapter_dir} not found (no adapter_config.json); pass the sft/adapter directory "

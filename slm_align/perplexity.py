@@ -1,4 +1,5 @@
-"""Token-weighted perplexity: exp(total NLL / total scored tokens), unchanged by batch size or padding."""
+"""Token-weighted perplexity: exp(total NLL / total scored tokens), unchanged by
+batch size or padding."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ class Perplexity:
 def labelled_logprobs(model, batch: dict):
     """Log-probability of every labelled token under ``model``, in float32, and the label mask.
 
-    batch: ``input_ids``, ``attention_mask``, ``labels`` (B, T) from :func:`slm_align.data.encoding.pad_batch`, right
-    padded, -100 where no label. Returns (B, T-1) log p(x_t | x_<t) at the labelled targets (0 elsewhere) and the
-    (B, T-1) bool mask: position t of the outputs predicts token t+1 of the input.
+    batch: ``input_ids``, ``attention_mask``, ``labels`` (B, T) from
+    :func:`slm_align.data.encoding.pad_batch`, right padded, -100 where no label. Returns (B, T-1)
+    log p(x_t | x_<t) at the labelled targets (0 elsewhere) and the (B, T-1) bool mask: position t
+    of the outputs predicts token t+1 of the input.
     """
     import torch
 
@@ -43,9 +45,10 @@ def perplexity(model, encoded: list[dict[str, list[int]]], pad_id: int, batch_si
                what: str = "perplexity") -> Perplexity:
     """Sum NLL over every scored token of every document in float32, then divide once.
 
-    Averaging per batch (or per sequence) would weight short documents differently depending on how they
-    were batched; summing first makes the figure independent of batching and padding. ``what`` names the
-    documents counted in the running stage's progress (:func:`slm_align.progress.counted`).
+    Averaging per batch (or per sequence) would weight short documents differently depending on how
+    they were batched; summing first makes the figure independent of batching and padding. ``what``
+    names the documents counted in the running stage's progress
+    (:func:`slm_align.progress.counted`).
     """
     import torch
 

@@ -1,8 +1,10 @@
-"""The pipeline: the only place that chains stages, sft -> reward -> gate -> ppo|grpo|dpo|kto -> evaluate.
+"""The pipeline: the only place that chains stages, sft -> reward -> gate ->
+ppo|grpo|dpo|kto -> evaluate.
 
-Each stage runs in :func:`slm_align.runs.run_stage`, which reuses it when it already completed with the same
-inputs, so a run interrupted anywhere continues where it stopped. The CLI's ``train`` and the quickstart call these
-functions; a library caller can too (``slm_align.run_rl`` is :func:`run_rl`).
+Each stage runs in :func:`slm_align.runs.run_stage`, which reuses it when it already completed
+with the same inputs, so a run interrupted anywhere continues where it stopped. The CLI's
+``train`` and the quickstart call these functions; a library caller can too
+(``slm_align.run_rl`` is :func:`run_rl`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ def check_stage(stage: str) -> None:
 
 
 def sft_prior(recipe: Recipe, out: Path, sft_from: Optional[Path], resume: bool, say: Say) -> tuple[Recipe, Path]:
-    """The SFT prior a later stage starts from: ``sft_from``'s finished SFT, or this run's (trained first when it
-    is missing); returns the SFT recipe and adapter."""
+    """The SFT prior a later stage starts from: ``sft_from``'s finished SFT, or this run's (trained
+    first when it is missing); returns the SFT recipe and adapter."""
     sft_run = Path(sft_from) if sft_from is not None else Path(out)
     if read_manifest(sft_run / SFT) is None:
         if sft_from is not None:
@@ -55,13 +57,14 @@ def sft_prior(recipe: Recipe, out: Path, sft_from: Optional[Path], resume: bool,
 
 def reward_model_of(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_model: Optional[Path],
                     rewards: Sequence[str], resume: bool, say: Say) -> Optional[Path]:
-    """The reward model RL follows: the one given, none when reward functions are given alone, else the run's
-    own (trained first when it is missing)."""
+    """The reward model RL follows: the one given, none when reward functions are given alone, else
+    the run's own (trained first when it is missing)."""
     if reward_model is not None or rewards:
         return reward_model
     if read_manifest(Path(out) / "reward") is None:
         if sft_from is not None:
-            raise UserError("no reward: pass --reward-model or --reward when --sft comes from another run")
+            raise UserError("no reward: pass --reward-model or --reward when --sft comes from "
+                            "another run")
         say("training the reward model first (no reward/ in the run)")
         run_reward(recipe, out, resume=resume)
     return Path(out) / "reward" / "model"
@@ -69,13 +72,15 @@ def reward_model_of(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_
 
 def gate(recipe: Recipe, out: Path, adapter: Optional[Path], reward_model: Optional[Path], rewards: Sequence[str],
          force: bool, say: Say = quiet) -> dict:
-    """The headroom gate's report (the run's ``headroom.json`` when it was measured with these inputs, else a new
-    measurement); a FAIL stops the pipeline (:class:`GateRefused`) unless ``force``."""
+    """The headroom gate's report (the run's ``headroom.json`` when it was measured with
+    these inputs, else a new measurement); a FAIL stops the pipeline
+    (:class:`GateRefused`) unless ``force``."""
     report = reusable_report(recipe, out, adapter, reward_model, rewards)
     if report is None:
         report = check_headroom(recipe, run=out, adapter=adapter, reward_model=reward_model, rewards=rewards).to_dict()
     else:
-        say(f"headroom gate: {report['verdict']} (reused {Path(out) / 'headroom.json'}, measured with these inputs)")
+        say(f"headroom gate: {report['verdict']} (reused {Path(out) / 'headroom.json'}, measured "
+            f"with these inputs)")
     if not report["passed"] and not force:
         raise GateRefused(f"headroom gate FAIL ({'; '.join(report['reasons'])}): {' '.join(report['remedies'])} "
                           "Pass --force to train anyway (recorded in the manifest).")
@@ -83,22 +88,25 @@ def gate(recipe: Recipe, out: Path, adapter: Optional[Path], reward_model: Optio
 
 
 def resolve_algorithm(recipe: Recipe, report: dict, say: Say) -> Recipe:
-    """``--algo auto`` becomes the gate's recommendation (PPO or GRPO), said and recorded; others stay."""
+    """``--algo auto`` becomes the gate's recommendation (PPO or GRPO), said and
+    recorded; others stay."""
     recommendation = report["info"].get("recommendation")
     if recommendation is not None:
         say(f"gate advice: {recommendation['why']}")
     if recipe.rl.algo != "auto":
         return recipe
     if recommendation is None:
-        raise UserError("--algo auto follows the gate's advice, which needs the reward spread; the gate could not "
-                        "measure it (fewer than two held-out prompts): choose --algo ppo or grpo")
+        raise UserError("--algo auto follows the gate's advice, which needs the reward spread; the "
+                        "gate could not measure it (fewer than two held-out prompts): choose "
+                        "--algo ppo or grpo")
     rl = recipe.rl.model_copy(update={"algo": recommendation["algo"]})
     return recipe.model_copy(update={"rl": rl})
 
 
 def check_finished_before_launch(out: Path, sft_from: Optional[Path], needs_reward_model: bool) -> None:
-    """A data-parallel RL launch finds the stages it needs finished: rank 0 alone would train them while the other
-    ranks wait, and the Trainer would ask those ranks to join in; refused in one line naming the stage to run first."""
+    """A data-parallel RL launch finds the stages it needs finished: rank 0 alone would train them
+    while the other ranks wait, and the Trainer would ask those ranks to join in; refused in one
+    line naming the stage to run first."""
     missing = []
     if sft_from is None and read_manifest(Path(out) / SFT) is None:
         missing.append("sft")
@@ -112,7 +120,8 @@ def check_finished_before_launch(out: Path, sft_from: Optional[Path], needs_rewa
 
 @dataclass(frozen=True)
 class RLRequest:
-    """What ``train`` asks of RL besides the recipe: the stages to take from elsewhere, the reward, the gate."""
+    """What ``train`` asks of RL besides the recipe: the stages to take from
+    elsewhere, the reward, the gate."""
 
     sft_from: Optional[Path] = None
     reward_model: Optional[Path] = None
@@ -122,13 +131,15 @@ class RLRequest:
 
 
 def rl_prior(recipe: Recipe, out: Path, request: RLRequest, world: World, say: Say) -> Prior:
-    """The stages RL needs (run or found) and the gate, on rank 0. With ``rl.from_sft`` off RL starts from the
-    model as given: no SFT, no adapter, and a reward must be given (the reward stage trains on the SFT prior)."""
+    """The stages RL needs (run or found) and the gate, on rank 0. With ``rl.from_sft`` off RL
+    starts from the model as given: no SFT, no adapter, and a reward must be given (the reward stage
+    trains on the SFT prior)."""
     reward_model = request.reward_model
     if not recipe.rl.from_sft:
         if reward_model is None and not request.rewards:
-            raise UserError("--no-sft starts RL from the model as given, without the SFT prior the reward stage "
-                            "trains on: pass --reward (e.g. exact_answer, tool_task) or --reward-model")
+            raise UserError("--no-sft starts RL from the model as given, without the SFT prior the "
+                            "reward stage trains on: pass --reward (e.g. exact_answer, tool_task) "
+                            "or --reward-model")
         sft_recipe, adapter = recipe, None
     else:
         if world.size > 1:
@@ -144,8 +155,8 @@ def rl_prior(recipe: Recipe, out: Path, request: RLRequest, world: World, say: S
 
 def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False, sft_from: Optional[Path] = None,
            reward_model: Optional[Path] = None, rewards: Sequence[str] = (), say: Say = quiet) -> StageResult:
-    """SFT and the reward model (run or found) and the gate, on rank 0; then PPO or GRPO on every rank of the
-    world (one process unless launched)."""
+    """SFT and the reward model (run or found) and the gate, on rank 0; then PPO or GRPO on every
+    rank of the world (one process unless launched)."""
     if recipe.rl.algo in PREFERENCE_ALGORITHMS:
         raise UserError(f"--algo {recipe.rl.algo} is preference optimisation, not RL: run it with "
                         "slm_align.pipeline.run_preference (the CLI's train does)")
@@ -159,8 +170,8 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
 
 def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
                    sft_from: Optional[Path] = None, say: Say = quiet) -> StageResult:
-    """DPO or KTO (``recipe.rl.algo``) on ``recipe.reward.preferences`` from the run's SFT prior (trained first
-    when it is missing)."""
+    """DPO or KTO (``recipe.rl.algo``) on ``recipe.reward.preferences`` from the run's SFT prior
+    (trained first when it is missing)."""
     refuse_data_parallel(recipe.rl.algo)
     require_library(recipe.tracking.report_to)
     resolve_compute(recipe.compute, trainer=False)  # settings DPO and KTO refuse, before SFT runs
@@ -171,7 +182,8 @@ def run_preference(recipe: Recipe, out: Path, resume: bool = False, force: bool 
 
 
 def data_from_run(recipe: Recipe, stage: str, out: Path, sft_from: Optional[Path]) -> bool:
-    """Whether the stage takes its corpus from a finished SFT stage (the run's, or --sft's) rather than --data."""
+    """Whether the stage takes its corpus from a finished SFT stage (the run's, or
+    --sft's) rather than --data."""
     if stage == "reward" or sft_from is not None:
         return True
     return stage == "rl" and recipe.rl.from_sft and read_manifest(Path(out) / SFT) is not None
@@ -179,16 +191,17 @@ def data_from_run(recipe: Recipe, stage: str, out: Path, sft_from: Optional[Path
 
 @dataclass
 class Trained:
-    """What ``train`` did: the stage's result and, after RL with ``rl.report_prompts``, the evaluation report."""
+    """What ``train`` did: the stage's result and, after RL with ``rl.report_prompts``,
+    the evaluation report."""
 
     result: StageResult
     evaluation: Optional[dict] = None
 
 
 def train(recipe: Recipe, out: Path, stage: str = "rl", request: RLRequest = RLRequest(), say: Say = quiet) -> Trained:
-    """What ``slm-align train`` runs: one Trainer stage (``sft``, ``reward``); or, for ``rl``, DPO/KTO
-    (``--algo dpo|kto``) or RL with every stage it needs, then the closing evaluation (unless
-    ``rl.report_prompts`` is 0)."""
+    """What ``slm-align train`` runs: one Trainer stage (``sft``, ``reward``); or, for ``rl``,
+    DPO/KTO (``--algo dpo|kto``) or RL with every stage it needs, then the closing evaluation
+    (unless ``rl.report_prompts`` is 0)."""
     check_stage(stage)
     if stage == "sft":
         return Trained(run_sft(recipe, out, resume=request.resume))
@@ -207,7 +220,8 @@ def train(recipe: Recipe, out: Path, stage: str = "rl", request: RLRequest = RLR
 
 
 def export_once(run: Path, target: str, quant: str) -> dict:
-    """Export the run to ``target`` at ``quant`` (parity-checked), or the artifact an earlier call made."""
+    """Export the run to ``target`` at ``quant`` (parity-checked), or the
+    artifact an earlier call made."""
     final = Path(run) / "export" / artifact_name(target, quant)
     manifest = artifact_manifest(final)
     if manifest.is_file():

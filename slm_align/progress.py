@@ -1,9 +1,11 @@
-"""Progress for long stages, on stderr: rich bars on a terminal, plain lines in a log (the Trainer callback that
-drives them for SFT and the reward model, and writes their JSONL logs, is :mod:`slm_align.training`).
+"""Progress for long stages, on stderr: rich bars on a terminal, plain lines in a log (the Trainer
+callback that drives them for SFT and the reward model, and writes their JSONL logs, is
+:mod:`slm_align.training`).
 
-When stderr is not a terminal (``nohup``, CI, a job scheduler, ``2> run.log``) every long stage writes plain lines
-instead of bars: its start (what it will do and how much), its progress every ``SLM_ALIGN_PROGRESS_SECONDS``
-seconds (30 by default; the last step always), and its end. ``--quiet`` silences both.
+When stderr is not a terminal (``nohup``, CI, a job scheduler, ``2> run.log``) every long stage
+writes plain lines instead of bars: its start (what it will do and how much), its progress every
+``SLM_ALIGN_PROGRESS_SECONDS`` seconds (30 by default; the last step always), and its end.
+``--quiet`` silences both.
 
 A stage without optimizer steps (the gate, an evaluation, an export's verification) runs inside
 :func:`stage_lines`; the loops it runs count their items with :func:`counted` (documents scored, tokens sampled,
@@ -55,7 +57,8 @@ def duration(seconds: float) -> str:
 
 def say_line(text: str) -> None:
     """One plain progress line on stderr (nothing under ``--quiet``)."""
-    stderr.print(f"[slm-align {time.strftime('%H:%M:%S')}] {text}", markup=False, highlight=False, soft_wrap=True)
+    stderr.print(f"[slm-align {time.strftime('%H:%M:%S')}] "
+                 f"{text}", markup=False, highlight=False, soft_wrap=True)
 
 
 @dataclass
@@ -72,12 +75,13 @@ class _Task:
 
 
 class LineProgress:
-    """The part of rich's Progress the stages use (``add_task``, ``update``, ``remove_task``, a context manager), as
-    plain lines: at most one line per cadence, whichever task it is about.
+    """The part of rich's Progress the stages use (``add_task``, ``update``, ``remove_task``, a
+    context manager), as plain lines: at most one line per cadence, whichever task it is about.
 
-    ``ends``: each task says its start, its last step and its end (a training stage); without, only its cadence
-    lines (the counted loops of a stage whose start and end :func:`stage_lines` says). ``before_line`` is called
-    before every line (the stage's start line, said first); ``since`` is when the cadence starts (default: now).
+    ``ends``: each task says its start, its last step and its end (a training stage); without, only
+    its cadence lines (the counted loops of a stage whose start and end :func:`stage_lines` says).
+    ``before_line`` is called before every line (the stage's start line, said first); ``since`` is
+    when the cadence starts (default: now).
     """
 
     def __init__(self, ends: bool = True, before_line: Optional[Callable[[], None]] = None,
@@ -107,7 +111,8 @@ class LineProgress:
         self.tasks.append(_Task(description, total, completed, status, time.monotonic(), unit))
         if self.ends:
             resumed = f", resuming at {completed:g}" if completed else ""
-            self._say(f"{description}: start, {total:g} {unit}{resumed}" if total else f"{description}: start")
+            self._say(f"{description}: start, {total:g} "
+                      f"{unit}{resumed}" if total else f"{description}: start")
         return len(self.tasks) - 1
 
     def remove_task(self, task_id: int) -> None:
@@ -168,8 +173,9 @@ def new_progress() -> Union[Progress, LineProgress]:
 
 
 class _DeferredLine:
-    """A stage's start line, said once: at once when the cadence is 0, else when the stage is still running after
-    one cadence (a timer thread). A stage refused within that time (bad input) thus leaves only its error line."""
+    """A stage's start line, said once: at once when the cadence is 0, else when the stage is still
+    running after one cadence (a timer thread). A stage refused within that time (bad input) thus
+    leaves only its error line."""
 
     def __init__(self, text: str):
         self.text = text
@@ -203,9 +209,9 @@ class _DeferredLine:
 
 
 class Stage:
-    """A stage without optimizer steps, as :func:`stage_lines` yields it. Set ``figures`` to what its end line says
-    (its key results: a perplexity, a spread, an agreement); its counted loops (:func:`counted`) show in its bar on
-    a terminal or its cadence lines in a log."""
+    """A stage without optimizer steps, as :func:`stage_lines` yields it. Set ``figures`` to what
+    its end line says (its key results: a perplexity, a spread, an agreement); its counted loops
+    (:func:`counted`) show in its bar on a terminal or its cadence lines in a log."""
 
     def __init__(self, name: str, start: Optional[_DeferredLine]):
         self.name = name
@@ -240,11 +246,12 @@ _STAGE: ContextVar[Optional[Stage]] = ContextVar("slm_align_stage", default=None
 
 @contextmanager
 def stage_lines(name: str, start: str) -> Iterator[Stage]:
-    """Start and end lines around a stage without steps (the gate, an evaluation, an export) when stderr is a log,
-    and the progress of the loops it counts (:func:`counted`) between them; on a terminal those loops' bars.
+    """Start and end lines around a stage without steps (the gate, an evaluation, an export) when
+    stderr is a log, and the progress of the loops it counts (:func:`counted`) between them; on a
+    terminal those loops' bars.
 
-    The start line waits one cadence (see :class:`_DeferredLine`); a stage shorter than that says one line at its
-    end, with what it did. The end line carries the :class:`Stage`'s ``figures``."""
+    The start line waits one cadence (see :class:`_DeferredLine`); a stage shorter than that says
+    one line at its end, with what it did. The end line carries the :class:`Stage`'s ``figures``."""
     if stderr.is_terminal:
         stage = Stage(name, None)
         try:
@@ -289,7 +296,8 @@ class Count:
 
     @property
     def active(self) -> bool:
-        """Whether anything shows the count (the loop may then do a little extra work to report it)."""
+        """Whether anything shows the count (the loop may then do a little
+        extra work to report it)."""
         return self.progress is not None
 
     def advance(self, items: float = 1) -> None:
@@ -302,15 +310,17 @@ class Count:
 
 @contextmanager
 def counted(what: str, total: float, unit: str) -> Iterator[Count]:
-    """A loop of the running stage that does ``total`` ``unit`` (documents, tokens, prompts): ``what`` it does and
-    ``k/total`` shown in the stage's bar, or in its line every cadence with elapsed and remaining time. Outside a
-    stage (an RL iteration's rollouts, the reward stage's own accuracy) the count is inactive and shows nothing."""
+    """A loop of the running stage that does ``total`` ``unit`` (documents, tokens, prompts):
+    ``what`` it does and ``k/total`` shown in the stage's bar, or in its line every cadence with
+    elapsed and remaining time. Outside a stage (an RL iteration's rollouts, the reward stage's own
+    accuracy) the count is inactive and shows nothing."""
     stage = _STAGE.get()
     if stage is None or total <= 0:
         yield Count(None, None)
         return
     progress = stage.progress
-    task = progress.add_task(f"{stage.name}: {what}", total=total, completed=0, status="", unit=unit)
+    task = progress.add_task(f"{stage.name}: "
+                             f"{what}", total=total, completed=0, status="", unit=unit)
     try:
         yield Count(progress, task)
     finally:

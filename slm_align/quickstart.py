@@ -17,8 +17,8 @@ from slm_align.runs import check_out_dir
 
 def run_quickstart(out: Path, sft_steps: int = 150, reward_steps: int = 100, rl_steps: int = 20,
                    say: Optional[Callable[[str], None]] = None, device: str = "auto") -> dict:
-    """SFT, the reward model, the headroom gate, then PPO, evaluation, export and one agent turn; each stage is
-    reused when already done with the same inputs."""
+    """SFT, the reward model, the headroom gate, then PPO, evaluation, export and one agent turn;
+    each stage is reused when already done with the same inputs."""
     say = say or quiet
     started = time.time()
     check_out_dir(out)  # before the first progress line
@@ -46,7 +46,8 @@ def _sft_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> dict:
         f"(LoRA r={sft.lora.r}, NEFTune alpha={sft.neftune_alpha}, {sft.max_steps} steps)")
     stage = run_sft(recipe, out, resume=True)
     m = stage.metrics
-    say(f"    {_done(stage)} {stage.stage_dir}: train loss {m['train_loss']:.3f}, eval loss {m['eval_loss']:.3f}")
+    say(f"    {_done(stage)} {stage.stage_dir}: train loss {m['train_loss']:.3f}, eval loss "
+        f"{m['eval_loss']:.3f}")
     return {"dir": str(stage.stage_dir), "skipped": stage.skipped, "metrics": m}
 
 
@@ -64,10 +65,12 @@ def _reward_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> dict:
 def _gate_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> dict:
     say("[bold]3/7 headroom gate[/] SFT perplexity, reward accuracy, reward spread within prompts")
     report = gate(recipe, out, adapter=None, reward_model=None, rewards=(), force=True)
-    say(f"    base perplexity {report['info']['base_ppl']:.2f} -> SFT {report['figures'][0]['value']:.2f}")
+    say(f"    base perplexity {report['info']['base_ppl']:.2f} -> SFT "
+        f"{report['figures'][0]['value']:.2f}")
     for figure in report["figures"]:
         verdict = "pass" if figure["passed"] else "FAIL"
-        say(f"    {figure['name']}: {figure['value']:.3f} ({figure['comparison']} {figure['threshold']:g}) {verdict}")
+        say(f"    {figure['name']}: {figure['value']:.3f} ({figure['comparison']} "
+            f"{figure['threshold']:g}) {verdict}")
     say(f"    verdict: {report['verdict']}")
     for reason, remedy in zip(report["reasons"], report["remedies"]):
         say(f"    {reason}: {remedy}")
@@ -101,10 +104,11 @@ def _evaluation_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> l
 
 
 def _export_step(out: Path, say: Callable[[str], None]) -> dict:
-    say("[bold]6/7 export[/] merged model to GGUF Q8_0 (llama.cpp) and ONNX fp32 (onnxruntime), parity-checked")
+    say("[bold]6/7 export[/] merged model to GGUF Q8_0 (llama.cpp) and ONNX fp32 (onnxruntime), "
+        "parity-checked")
     done = {}
-    # ONNX dynamic int8 loses too much on a 2.5M-parameter model (top-1 agreement ~0.82, which verification
-    # refuses); fp32 shows the exact path.
+    # ONNX dynamic int8 loses too much on a 2.5M-parameter model (top-1 agreement ~0.82, which
+    # verification refuses); fp32 shows the exact path.
     for target, quant in (("gguf", "Q8_0"), ("onnx", "fp32")):
         summary = export_once(out, target, quant)
         done[target] = summary
@@ -118,8 +122,8 @@ def _export_step(out: Path, say: Callable[[str], None]) -> dict:
 
 
 def _agent_step(artifact: Path, store: Path, say: Callable[[str], None]) -> dict:
-    """One turn of the torch-free agent on the exported model, and one stored preference (reused when the
-    quickstart's store already holds it)."""
+    """One turn of the torch-free agent on the exported model, and one stored preference (reused
+    when the quickstart's store already holds it)."""
     from slm_align.agent.runtime import Agent
     from slm_align.agent.sampling import SamplingParams
     from slm_align.agent.store import PreferenceStore

@@ -1,9 +1,9 @@
-"""Recipe settings from the command line: ``--set key=value`` parsed into ``load_recipe`` overrides, and the refusal of
-flags that belong to the other RL algorithm.
+"""Recipe settings from the command line: ``--set key=value`` parsed into ``load_recipe`` overrides,
+and the refusal of flags that belong to the other RL algorithm.
 
-A value is read as a TOML value (``32``, ``1e-3``, ``true``, ``["q_proj", "v_proj"]``, ``"text"``); one that is not
-TOML is taken as a bare string (``--set rl.algo=grpo``). ``load_recipe`` then types and validates it like the TOML
-recipe, so the same setting gives the same error from either place.
+A value is read as a TOML value (``32``, ``1e-3``, ``true``, ``["q_proj", "v_proj"]``, ``"text"``);
+one that is not TOML is taken as a bare string (``--set rl.algo=grpo``). ``load_recipe`` then types
+and validates it like the TOML recipe, so the same setting gives the same error from either place.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def _nested(model: type[BaseModel], name: str) -> Optional[type[BaseModel]]:
 
 
 def is_recipe_key(key: str) -> bool:
-    """Whether ``key`` names a recipe setting (``sft.lora.r``), flat RL keys included (``rl.beta``)."""
+    """Whether ``key`` names a recipe setting (``sft.lora.r``), flat RL keys
+    included (``rl.beta``)."""
     model: Optional[type[BaseModel]] = Recipe
     names = key.split(".")
     if names[:1] == ["rl"] and len(names) == 2 and _section_of(names[1]) is not None:
@@ -46,7 +47,8 @@ def parse_value(text: str) -> Any:
 
 
 def parse_sets(items: list[str]) -> dict[str, Any]:
-    """``["sft.lora.r=32", "rl.algo=grpo"]`` -> ``{"sft.lora.r": 32, "rl.algo": "grpo"}``; one line on a bad item."""
+    """``["sft.lora.r=32", "rl.algo=grpo"]`` -> ``{"sft.lora.r": 32, "rl.algo": "grpo"}``;
+    one line on a bad item."""
     overrides: dict[str, Any] = {}
     for item in items:
         key, equals, text = item.partition("=")
@@ -54,13 +56,15 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
         if not equals or not key:
             raise UserError(f"--set {item}: expected KEY=VALUE (e.g. --set sft.lora.r=32)")
         if not is_recipe_key(key):
-            raise UserError(f"--set {item}: no recipe setting {key}; `slm-align config show` lists every setting")
+            raise UserError(f"--set {item}: no recipe setting {key}; `slm-align config show` lists "
+                            f"every setting")
         overrides[key] = parse_value(text.strip())
     return overrides
 
 
 def merged_overrides(sets: list[str], flags: dict[str, Any]) -> dict[str, Any]:
-    """The ``--set`` overrides with the named flags on top (a flag given wins over ``--set`` of the same key)."""
+    """The ``--set`` overrides with the named flags on top (a flag given wins over
+    ``--set`` of the same key)."""
     overrides = parse_sets(sets)
     for key, value in flags.items():
         if value is not None or key not in overrides:
@@ -73,7 +77,8 @@ KTO_ONLY = ("desirable_weight", "undesirable_weight")
 
 
 def _algorithms_of(key: str) -> Optional[tuple[str, ...]]:
-    """The algorithms that read a setting (("ppo",), ("grpo",), ("dpo", "kto"), ("kto",)), or None for a shared one."""
+    """The algorithms that read a setting (("ppo",), ("grpo",), ("dpo", "kto"), ("kto",)), or
+    None for a shared one."""
     names = key.split(".")
     if names[0] == "preference":
         return ("kto",) if names[-1] in KTO_ONLY else ("dpo", "kto")
@@ -88,8 +93,9 @@ def _algorithms_of(key: str) -> Optional[tuple[str, ...]]:
 
 
 def refuse_other_algorithm(algo: str, overrides: dict[str, Any], flag_names: dict[str, str]) -> None:
-    """Refuse a setting given on the command line that only another algorithm reads (``--algo ppo --beta``,
-    ``--algo dpo --desirable-weight``); ``auto`` (PPO or GRPO, the gate decides) accepts both RL sections."""
+    """Refuse a setting given on the command line that only another algorithm reads (``--algo ppo
+    --beta``, ``--algo dpo --desirable-weight``); ``auto`` (PPO or GRPO, the gate decides)
+    accepts both RL sections."""
     for key, value in overrides.items():
         owners = _algorithms_of(key)
         if value is None or owners is None or algo in owners:
@@ -98,5 +104,5 @@ def refuse_other_algorithm(algo: str, overrides: dict[str, Any], flag_names: dic
             continue
         given = flag_names.get(key, f"--set {key}")
         owner = "/".join(owners)
-        raise UserError(f"{given} is a {owner.upper()} setting and --algo is {algo}: drop it or use --algo "
-                        f"{owners[0]}")
+        raise UserError(f"{given} is a {owner.upper()} setting and --algo is {algo}: drop it or "
+                        f"use --algo {owners[0]}")

@@ -70,7 +70,8 @@ def sha256_file(path: Path) -> str:
 
 
 def _files(path: Path) -> list[Path]:
-    """An artifact's files in a stable order: the file itself, or every file below a directory but its manifest."""
+    """An artifact's files in a stable order: the file itself, or every file below a
+    directory but its manifest."""
     path = Path(path)
     if not path.is_dir():
         return [path]
@@ -89,13 +90,13 @@ def file_checksums(directory: Path) -> dict[str, str]:
 
 
 MODEL_CARD = "README.md"
-"""The model card an export writes into an artifact directory: it describes the artifact (its sha256 included), so
-it is not part of what the digest identifies."""
+"""The model card an export writes into an artifact directory: it describes the artifact (its sha256
+included), so it is not part of what the digest identifies."""
 
 
 def artifact_digest(path: Path) -> str:
-    """One sha256 for a file, or for a directory's files (their digests in path order), manifest and model card
-    excluded."""
+    """One sha256 for a file, or for a directory's files (their digests in path order), manifest
+    and model card excluded."""
     files = [file for file in _files(path) if file != Path(path) / MODEL_CARD]
     if len(files) == 1 and files[0] == Path(path):
         return sha256_file(path)
@@ -104,7 +105,8 @@ def artifact_digest(path: Path) -> str:
 
 
 def verify_checksums(stage_dir: Path, manifest: dict) -> None:
-    """Every file the manifest lists is present with its recorded sha256, or one line saying which is not."""
+    """Every file the manifest lists is present with its recorded sha256, or one
+    line saying which is not."""
     for name, expected in (manifest.get("files") or {}).items():
         file = Path(stage_dir) / name
         if not file.is_file() or sha256_file(file) != expected:
@@ -121,7 +123,8 @@ def read_manifest(stage_dir: Path) -> Optional[dict]:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(f"{path} is corrupt; remove the stage directory {stage_dir} and run the stage again") from None
+        raise UserError(f"{path} is corrupt; remove the stage directory {stage_dir} and run the "
+                        f"stage again") from None
     verify_checksums(stage_dir, manifest)
     return manifest
 
@@ -131,7 +134,8 @@ ALIGNED_STAGES = ("rl", "dpo", "kto")
 
 
 def aligned_stages(run: Path) -> list[str]:
-    """The run's finished aligned stages that hold an adapter, oldest first (by their manifest's write time)."""
+    """The run's finished aligned stages that hold an adapter, oldest first (by their
+    manifest's write time)."""
     found = []
     for stage in ALIGNED_STAGES:
         if (Path(run) / stage / "adapter").is_dir() and read_manifest(Path(run) / stage) is not None:
@@ -140,26 +144,31 @@ def aligned_stages(run: Path) -> list[str]:
 
 
 def check_out_dir(out: Path) -> Path:
-    """``out`` can be a directory: it is one, or its nearest existing ancestor is (a file in the way is refused)."""
+    """``out`` can be a directory: it is one, or its nearest existing ancestor is (a file
+    in the way is refused)."""
     out = Path(out)
     for path in (out, *out.parents):
         if path.exists():
             if not path.is_dir():
-                raise UserError(f"--out {out}: {path} is a file, not a directory; pass a directory (new or existing)")
+                raise UserError(f"--out {out}: {path} is a file, not a directory; pass a directory "
+                                f"(new or existing)")
             break
     return out
 
 
 def completed(stage_dir: Path, inputs: dict) -> Optional[dict]:
-    """The stage's manifest when it already completed with exactly these inputs; None when it never ran.
+    """The stage's manifest when it already completed with exactly these
+    inputs; None when it never ran.
 
-    A completed stage with other inputs is a UserError: its artifacts are never overwritten silently.
+    A completed stage with other inputs is a UserError: its artifacts are
+    never overwritten silently.
     """
     check_out_dir(Path(stage_dir).parent)
     manifest = read_manifest(stage_dir)
     if manifest is None:
         if Path(stage_dir).exists():
-            raise UserError(f"{stage_dir} exists but holds no manifest; move it away or choose another --out")
+            raise UserError(f"{stage_dir} exists but holds no manifest; move it away or choose "
+                            f"another --out")
         return None
     if manifest.get("inputs_hash") != digest(inputs):
         raise UserError(f"{stage_dir} was made from other inputs or settings; choose another --out "
@@ -180,7 +189,8 @@ def partial_dir(stage_dir: Path) -> Path:
 
 
 def publish(partial: Path, stage_dir: Path, manifest: dict, keep: tuple[str, ...] = ()) -> Path:
-    """Write the manifest, drop scratch files not in ``keep``, and rename the partial dir into place."""
+    """Write the manifest, drop scratch files not in ``keep``, and rename the
+    partial dir into place."""
     if keep:
         for child in Path(partial).iterdir():
             if child.name not in keep and child.name != MANIFEST:
@@ -190,10 +200,11 @@ def publish(partial: Path, stage_dir: Path, manifest: dict, keep: tuple[str, ...
 
 
 def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
-    """Create a stage's work dir, or check a leftover one; returns the Trainer checkpoint to resume from.
+    """Create a stage's work dir, or check a leftover one; returns the Trainer
+    checkpoint to resume from.
 
-    The work dir appears with its inputs record already inside (built beside it and renamed), so a process
-    killed at any moment leaves either no work dir or one that ``--resume`` can check.
+    The work dir appears with its inputs record already inside (built beside it and renamed), so a
+    process killed at any moment leaves either no work dir or one that ``--resume`` can check.
     """
     marker = partial / "inputs.json"
     if partial.exists():
@@ -201,7 +212,8 @@ def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
             raise UserError(f"an interrupted run is in {partial}; pass --resume to continue it, "
                             "or remove that directory to start over")
         if not marker.is_file() or json.loads(marker.read_text())["inputs_hash"] != digest(inputs):
-            raise UserError(f"{partial} was started with other inputs or settings; cannot resume it with these")
+            raise UserError(f"{partial} was started with other inputs or settings; cannot resume "
+                            f"it with these")
         return last_complete_checkpoint(partial / "checkpoints")
     staging = partial.with_name(partial.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
@@ -212,10 +224,11 @@ def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
 
 
 def last_complete_checkpoint(checkpoints: Path) -> Optional[str]:
-    """The newest Trainer checkpoint that was written to the end; half-written ones (a kill mid-save) are removed.
+    """The newest Trainer checkpoint that was written to the end; half-written ones (a
+    kill mid-save) are removed.
 
-    The Trainer writes ``trainer_state.json`` last, and not atomically, so a checkpoint is complete exactly when
-    that file parses.
+    The Trainer writes ``trainer_state.json`` last, and not atomically, so a checkpoint is complete
+    exactly when that file parses.
     """
     if not checkpoints.is_dir():
         return None
@@ -232,8 +245,8 @@ def last_complete_checkpoint(checkpoints: Path) -> Optional[str]:
 
 
 def keep_first_lines(path: Path, count: int) -> None:
-    """Cut a JSONL log back to its first ``count`` complete lines (a killed run may have logged past its
-    checkpoint, or half a line)."""
+    """Cut a JSONL log back to its first ``count`` complete lines (a killed run may have logged past
+    its checkpoint, or half a line)."""
     if not path.is_file():
         return
     lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n")]
@@ -241,9 +254,10 @@ def keep_first_lines(path: Path, count: int) -> None:
 
 
 def stage_identity(stage_dir: Path) -> Optional[str]:
-    """What a later stage records of a finished stage it builds on: one digest of its manifest's inputs and of its
-    files' checksums, so that the record names the content, not where the run lies (a run moved, copied or reached
-    by another path is still recognised); None when the stage has not finished."""
+    """What a later stage records of a finished stage it builds on: one digest of its manifest's
+    inputs and of its files' checksums, so that the record names the content, not where the run
+    lies (a run moved, copied or reached by another path is still recognised); None when the
+    stage has not finished."""
     manifest = read_manifest(stage_dir)
     if manifest is None:
         return None
@@ -251,7 +265,8 @@ def stage_identity(stage_dir: Path) -> Optional[str]:
 
 
 class StageWorld(Protocol):
-    """The processes a stage runs on (``slm_align.envelope.world.World``): one, or the ranks of a launch."""
+    """The processes a stage runs on (``slm_align.envelope.world.World``): one, or
+    the ranks of a launch."""
 
     main: bool
 
@@ -265,11 +280,12 @@ class StageWorld(Protocol):
 class Stage(Protocol):
     """One stage of a run, in the shape of a torchtune recipe; :func:`run_stage` runs it.
 
-    ``inputs()`` is everything that decides the result (equal inputs: the stage need not run again);
-    ``setup()`` loads the models and data and may refuse (before any work dir exists); ``train(partial,
-    checkpoint)`` trains in the work dir, continuing from its checkpoint when there is one (a Trainer checkpoint
-    path for Trainer stages; others keep their own in ``partial``); ``save(partial)`` writes the artifacts on rank
-    0 and returns the metrics (None on the other ranks).
+    ``inputs()`` is everything that decides the result (equal inputs: the stage need not run
+    again); ``setup()`` loads the models and data and may refuse (before any work dir exists);
+    ``train(partial, checkpoint)`` trains in the work dir, continuing from its checkpoint when
+    there is one (a Trainer checkpoint path for Trainer stages; others keep their own in
+    ``partial``); ``save(partial)`` writes the artifacts on rank 0 and returns the metrics
+    (None on the other ranks).
     """
 
     name: str
@@ -288,9 +304,10 @@ class Stage(Protocol):
 
 
 def run_stage(stage: Stage, run: Path, resume: bool = False) -> StageResult:
-    """Run ``stage`` into ``run/NAME``: reuse it when it completed with the same inputs, else set it up, prepare
-    (or, with ``resume``, check) its work dir ``NAME.partial``, train, save, and publish the work dir with its
-    manifest. Rank 0 alone decides and writes; the other ranks train and wait."""
+    """Run ``stage`` into ``run/NAME``: reuse it when it completed with the same inputs, else
+    set it up, prepare (or, with ``resume``, check) its work dir ``NAME.partial``, train,
+    save, and publish the work dir with its manifest. Rank 0 alone decides and writes; the
+    other ranks train and wait."""
     started = time.time()
     stage_dir = Path(run) / stage.name
     world = stage.world

@@ -1,8 +1,10 @@
-"""Supervised fine-tuning: LoRA (peft) with NEFTune noise on transformers' Trainer, in float32 on CPU.
+"""Supervised fine-tuning: LoRA (peft) with NEFTune noise on transformers'
+Trainer, in float32 on CPU.
 
-Output, under ``OUT/sft/``: ``adapter/`` (peft), ``tokenizer/``, ``log.jsonl`` and ``manifest.json``. The stage
-works in ``OUT/sft.partial/`` (with Trainer checkpoints for ``--resume``) and is renamed into place only when
-complete, so a crash never leaves an ``sft/`` that looks whole.
+Output, under ``OUT/sft/``: ``adapter/`` (peft), ``tokenizer/``, ``log.jsonl`` and
+``manifest.json``. The stage works in ``OUT/sft.partial/`` (with Trainer checkpoints for
+``--resume``) and is renamed into place only when complete, so a crash never leaves an
+``sft/`` that looks whole.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def sft_inputs(recipe: Recipe, source: ModelSource, corpus: Corpus) -> dict:
 
 
 def recorded_data(settings: DataSettings) -> dict:
-    """The data settings as a manifest records them: the demo with one spelling (unset, as runs recorded it before
-    ``--data demo``), so ``--data demo`` and a library caller's unset path reuse the same SFT stage."""
+    """The data settings as a manifest records them: the demo with one spelling (unset, as runs
+    recorded it before ``--data demo``), so ``--data demo`` and a library caller's unset path
+    reuse the same SFT stage."""
     recorded = settings.model_dump()
     if settings.uses_demo:
         recorded["path"] = None
@@ -57,7 +60,8 @@ def recorded_data(settings: DataSettings) -> dict:
 
 
 class SFTStage:
-    """Supervised fine-tuning as a :class:`~slm_align.runs.Stage`: LoRA (+ NEFTune) on transformers' Trainer."""
+    """Supervised fine-tuning as a :class:`~slm_align.runs.Stage`: LoRA (+ NEFTune) on
+    transformers' Trainer."""
 
     name = STAGE
     keep = ("adapter", "tokenizer", "inputs.json", "log.jsonl")
@@ -106,7 +110,8 @@ class SFTStage:
             finish_trainer_tracking(trainer, tracker)
 
     def save(self, partial: Path) -> Optional[dict]:
-        """The adapter and tokenizer (rank 0), and the metrics; every rank reports its weights' digest first."""
+        """The adapter and tokenizer (rank 0), and the metrics; every rank reports its
+        weights' digest first."""
         replicas = replica_record(self.world, self.model)
         if not self.world.main:
             return None
@@ -122,15 +127,18 @@ class SFTStage:
 
 
 def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
-    """Train the SFT adapter into ``out/sft`` (or return the existing one made from the same inputs)."""
+    """Train the SFT adapter into ``out/sft`` (or return the existing one made
+    from the same inputs)."""
     return run_stage(SFTStage(recipe, out), out, resume)
 
 
 def recipe_from_sft(run: Path, recipe: Recipe) -> tuple[Recipe, Path]:
-    """The recipe (model, seed, data unless the user names other data) and adapter of a run's finished SFT."""
+    """The recipe (model, seed, data unless the user names other data) and adapter
+    of a run's finished SFT."""
     manifest = read_manifest(Path(run) / STAGE)
     if manifest is None:
-        raise UserError(f"run {run} has no finished SFT stage (no sft/manifest.json); run `slm-align sft --out {run}`")
+        raise UserError(f"run {run} has no finished SFT stage (no sft/manifest.json); run "
+                        f"`slm-align sft --out {run}`")
     inputs = manifest["inputs"]
     updated = recipe.model_copy(deep=True)
     updated.model.source = inputs["model"]["ref"]

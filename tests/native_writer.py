@@ -1,5 +1,6 @@
-"""A writer of the preference store that knows only docs/feedback-store.md: plain sqlite3 and the standard library,
-nothing from slm_align. It stands in for a Kotlin or Swift app that records conversations and feedback."""
+"""A writer of the preference store that knows only docs/feedback-store.md: plain sqlite3 and the
+standard library, nothing from slm_align. It stands in for a Kotlin or Swift app that records
+conversations and feedback."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ SPEC = Path(__file__).resolve().parents[1] / "docs" / "feedback-store.md"
 
 
 def spec_sql() -> str:
-    """The SQL block of the spec: the tables of the current schema version and its PRAGMA user_version."""
+    """The SQL block of the spec: the tables of the current schema version and
+    its PRAGMA user_version."""
     found = re.search(r"```sql\n(.*?)```", SPEC.read_text(encoding="utf-8"), re.S)
     return found.group(1)
 
@@ -44,8 +46,8 @@ def record_turn(conn: sqlite3.Connection, conversation: str, messages: list, com
     """One answer of the model; returns the turn id."""
     sampling = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 64, "seed": 1}
     cursor = conn.execute(
-        "INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, sampling, consent, token) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        "INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, sampling, "
+        "consent, token) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
         (conversation, now(), model_id, json.dumps(messages), completion, json.dumps(sampling), int(consent),
          secrets.token_urlsafe(24)))
     return cursor.lastrowid
@@ -55,6 +57,6 @@ def give_feedback(conn: sqlite3.Connection, turn_id: int, kind: str, other: str 
                   preferred: str | None = None, edited: str | None = None) -> int:
     """One verdict on a turn (rows are only ever inserted)."""
     cursor = conn.execute(
-        "INSERT INTO feedback (turn_id, kind, other_completion, preferred, edited_text, created_at) "
-        "VALUES (?, ?, ?, ?, ?, ?)", (turn_id, kind, other, preferred, edited, now()))
+        "INSERT INTO feedback (turn_id, kind, other_completion, preferred, edited_text, "
+        "created_at) VALUES (?, ?, ?, ?, ?, ?)", (turn_id, kind, other, preferred, edited, now()))
     return cursor.lastrowid

@@ -1,6 +1,6 @@
-"""Devices, precision and memory savers: what the CPU can prove (device resolution and refusals, bf16 autocast
-keeping the envelope's math in fp32, gradient checkpointing that recomputes without changing a bit); the tests
-marked ``gpu`` run the same paths on CUDA and skip without it."""
+"""Devices, precision and memory savers: what the CPU can prove (device resolution and refusals,
+bf16 autocast keeping the envelope's math in fp32, gradient checkpointing that recomputes without
+changing a bit); the tests marked ``gpu`` run the same paths on CUDA and skip without it."""
 
 import pytest
 import torch
@@ -73,7 +73,8 @@ def test_check_headroom_refuses_a_missing_device(capsys, tmp_path):
 
 @pytest.fixture
 def on_a_cuda_machine(monkeypatch):
-    """Resolve every device to cuda:0 (as on a machine with a GPU), so the checks after the device's are reached."""
+    """Resolve every device to cuda:0 (as on a machine with a GPU), so the checks after
+    the device's are reached."""
     import slm_align.accelerator as accelerator
 
     def first_gpu(spec="auto"):
@@ -87,7 +88,8 @@ def test_fp16_is_refused_by_the_envelopes_loops_and_taken_by_the_trainer_stages(
 
     settings = ComputeSettings(precision="fp16")
     assert resolve_compute(settings).trainer_arguments()["fp16"] is True  # SFT, reward: the Trainer scales losses
-    with pytest.raises(UserError, match="RL, DPO and KTO take the envelope's guarded step without loss scaling"):
+    with pytest.raises(UserError, match="RL, DPO and KTO take the envelope's guarded step without "
+                       "loss scaling"):
         resolve_compute(settings, trainer=False)
 
 
@@ -102,7 +104,8 @@ def test_4bit_weights_are_refused_by_the_reward_stage_in_one_line_on_the_cpu(cap
 
 @pytest.fixture
 def deepspeed_installed(monkeypatch):
-    """A stand-in deepspeed package: ``import deepspeed`` succeeds (nothing here trains under it)."""
+    """A stand-in deepspeed package: ``import deepspeed`` succeeds (nothing
+    here trains under it)."""
     import sys
     import types
 
@@ -216,8 +219,8 @@ def test_the_value_head_stays_fp32_under_bf16_autocast():
 
 
 def recording_ratio(monkeypatch):
-    """Patch the shared minibatch forward's ratio_of to record the dtype of every tensor entering it and of the
-    ratio."""
+    """Patch the shared minibatch forward's ratio_of to record the dtype of every tensor
+    entering it and of the ratio."""
     import slm_align.rl.learner as learner
 
     seen = []
@@ -273,7 +276,8 @@ def test_a_bf16_learner_autocasts_its_own_forward_passes(sft_run, monkeypatch): 
 
 
 def layer_calls(loop, monkeypatch) -> list:
-    """Count the forward calls of the decoder layers (forward hooks do not fire when checkpointing recomputes)."""
+    """Count the forward calls of the decoder layers (forward hooks do not fire when
+    checkpointing recomputes)."""
     layer_class = type(loop.policy.get_base_model().model.layers[0])
     forward = layer_class.forward
     calls = []

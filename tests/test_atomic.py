@@ -1,4 +1,5 @@
-"""The one atomic writer: a target is either its old self or the whole new version, and no temporary remains."""
+"""The one atomic writer: a target is either its old self or the whole new version,
+and no temporary remains."""
 
 from __future__ import annotations
 

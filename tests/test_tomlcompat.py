@@ -1,4 +1,5 @@
-"""Python 3.10's TOML reader: recipes and device profiles load through tomli, declared for 3.10 only."""
+"""Python 3.10's TOML reader: recipes and device profiles load through tomli,
+declared for 3.10 only."""
 
 import subprocess
 import sys
@@ -10,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_python_310_reads_recipes_with_tomli(tmp_path):
-    """Without the standard library's tomllib (Python 3.10), recipes and device profiles load through tomli."""
+    """Without the standard library's tomllib (Python 3.10), recipes and device
+    profiles load through tomli."""
     recipe = tmp_path / "recipe.toml"
     recipe.write_text("seed = 7\n[sft]\nlearning_rate = 0.001\n")
     broken = tmp_path / "broken.toml"

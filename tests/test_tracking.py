@@ -1,7 +1,8 @@
-"""Experiment tracking (--report-to): TensorBoard event files that read back equal to the JSONL metrics (SFT and the
-reward model through transformers' integration; GRPO, with its watchdog events, and DPO through our tracker, DPO
-across a kill and resume), a stored run's resume logging no step twice, and the refusals: an unknown tracker, a
-library that is not installed, and none writing nothing."""
+"""Experiment tracking (--report-to): TensorBoard event files that read back equal to the JSONL
+metrics (SFT and the reward model through transformers' integration; GRPO, with its watchdog
+events, and DPO through our tracker, DPO across a kill and resume), a stored run's resume
+logging no step twice, and the refusals: an unknown tracker, a library that is not installed,
+and none writing nothing."""
 
 import json
 import sys
@@ -21,7 +22,8 @@ pytest.importorskip("tensorboard")
 
 
 def tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in a run directory as tensorboard's own reader sees it: tag -> [(step, value)]."""
+    """Every scalar in a run directory as tensorboard's own reader sees it:
+    tag -> [(step, value)]."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0, "tensors": 0})
@@ -31,7 +33,8 @@ def tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
 
 
 def jsonl_scalars(lines: list[dict], tag_of) -> dict[str, list[tuple[int, float]]]:
-    """The numbers of JSONL metric lines in the same shape: tag -> [(step, value)], each line at its ``step``."""
+    """The numbers of JSONL metric lines in the same shape: tag -> [(step, value)],
+    each line at its ``step``."""
     found = defaultdict(list)
     for line in lines:
         step = line["step"]
@@ -55,7 +58,8 @@ def read_jsonl(path) -> list[dict]:
 
 
 def trainer_tag(key: str) -> str:
-    """transformers' names in TensorBoard (its rewrite_logs): eval_loss -> eval/loss, loss -> train/loss."""
+    """transformers' names in TensorBoard (its rewrite_logs): eval_loss ->
+    eval/loss, loss -> train/loss."""
     if key.startswith("eval_"):
         return "eval/" + key[len("eval_"):]
     return "train/" + key

@@ -1,1 +1,2 @@
-"""The on-device runtime: chat, tools and the preference store. Imports neither torch nor transformers."""
+"""The on-device runtime: chat, tools and the preference store. Imports neither
+torch nor transformers."""

@@ -11,7 +11,8 @@ from slm_align.errors import UserError
 
 
 class Backend(Protocol):
-    """What the runtime needs from a model: its tokenizer, its template, and logits with a KV cache."""
+    """What the runtime needs from a model: its tokenizer, its template, and
+    logits with a KV cache."""
 
     kind: str
     n_ctx: int
@@ -19,13 +20,15 @@ class Backend(Protocol):
     eos_ids: set
     chat_template: Optional[str]
     chat_template_origin: Optional[str]
-    """Recorded with each turn: "artifact" (the model's own), "chatml" or a template file (``--chat-template``)."""
+    """Recorded with each turn: "artifact" (the model's own), "chatml" or a template file
+    (``--chat-template``)."""
     bos_token: Optional[str]
     eos_token: Optional[str]
 
     def tokenize(self, text: str, add_special: bool = True, special: bool = True) -> list[int]:
-        """Token ids of ``text``: ``add_special`` adds BOS; ``special`` parses special-token text (``<|im_end|>``)
-        as the special token (False: as the characters it is, for message contents)."""
+        """Token ids of ``text``: ``add_special`` adds BOS; ``special`` parses
+        special-token text (``<|im_end|>``) as the special token (False: as the characters
+        it is, for message contents)."""
 
     def detokenize(self, ids: Sequence[int]) -> str: ...
     def reset(self) -> None: ...

@@ -1,16 +1,18 @@
-"""Measure an exported model on this host: load time, time to first token, prompt and decode speed, peak memory.
+"""Measure an exported model on this host: load time, time to first token, prompt and
+decode speed, peak memory.
 
-The measurement runs in a fresh Python process (``python -m slm_align.agent.bench ARTIFACT ...``), so the peak
-resident set size (VmHWM on Linux, else ``ru_maxrss``) is the artifact's and its runtime's, not the caller's; the
-child also reports the high-water mark before the model is loaded (interpreter, numpy and the runtime library) as
-the baseline.
+The measurement runs in a fresh Python process (``python -m slm_align.agent.bench ARTIFACT ...``),
+so the peak resident set size (VmHWM on Linux, else ``ru_maxrss``) is the artifact's and its
+runtime's, not the caller's; the child also reports the high-water mark before the model is loaded
+(interpreter, numpy and the runtime library) as the baseline.
 
-After one short warm-up run, per repeat: the prompt of exactly ``prompt_tokens`` tokens is fed to an empty cache
-(prompt processing), the first token is taken greedily from its logits (time to first token), then ``decode_tokens``
-more tokens are generated one forward pass each (decode speed; end-of-sequence is ignored, as llama-bench does).
-Figures are medians over the repeats. ``--save-profile`` turns the result into a user device profile (with a
-numpy-copy bandwidth figure and this measurement as its reference point) that ``slm-align devices fit`` can use.
-Imports neither torch nor transformers.
+After one short warm-up run, per repeat: the prompt of exactly ``prompt_tokens`` tokens is fed to
+an empty cache (prompt processing), the first token is taken greedily from its logits (time to
+first token), then ``decode_tokens`` more tokens are generated one forward pass each (decode speed;
+end-of-sequence is ignored, as llama-bench does). Figures are medians over the repeats.
+``--save-profile`` turns the result into a user device profile (with a numpy-copy bandwidth figure
+and this measurement as its reference point) that ``slm-align devices fit`` can use. Imports
+neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from slm_align.devices.profiles import load_profile
 from slm_align.errors import EXIT_USER_ERROR, UserError
 from slm_align.progress import Count, counted, stage_lines
 
-PROMPT_TEXT = ("Once upon a time, a small robot lived in a quiet town by the sea. Every morning it walked to the "
-               "harbour, counted the boats and told the children a new story about the stars. ")
+PROMPT_TEXT = ("Once upon a time, a small robot lived in a quiet town by the sea. Every morning it "
+               "walked to the harbour, counted the boats and told the children a new story about "
+               "the stars. ")
 RUN_DONE = "run done"  # what the measuring process writes on stdout after each measured run (its progress)
 
 
@@ -47,7 +50,8 @@ def _runtime(kind: str) -> str:
         try:
             import llama_cpp
         except ImportError:
-            raise UserError("GGUF artifacts need llama-cpp-python: pip install 'slm-align[agent]'") from None
+            raise UserError("GGUF artifacts need llama-cpp-python: pip install "
+                            "'slm-align[agent]'") from None
         return f"llama.cpp (llama-cpp-python {llama_cpp.__version__})"
     try:
         import onnxruntime
@@ -62,7 +66,8 @@ def _model_name(backend, artifact: Path) -> str:
 
 
 def prompt_ids(backend, count: int) -> list[int]:
-    """Exactly ``count`` prompt tokens: a story sentence repeated, tokenized by the artifact's own tokenizer."""
+    """Exactly ``count`` prompt tokens: a story sentence repeated, tokenized by the
+    artifact's own tokenizer."""
     first = backend.tokenize(PROMPT_TEXT)
     more = backend.tokenize(PROMPT_TEXT, add_special=False) or first
     ids = list(first)
@@ -92,8 +97,8 @@ def _nothing() -> None:
 
 def measure(artifact, threads: int, prompt_tokens: int, decode_tokens: int, repeats: int,
             n_ctx: Optional[int] = None, on_run: Callable[[], None] = _nothing) -> BenchResult:
-    """Load ``artifact`` in this process and time it; the peak RSS is this process's (see :func:`bench`).
-    ``on_run`` is called after each measured run (outside its timing)."""
+    """Load ``artifact`` in this process and time it; the peak RSS is this process's (see
+    :func:`bench`). ``on_run`` is called after each measured run (outside its timing)."""
     artifact = Path(artifact)
     kind = artifact_kind(artifact)
     runtime = _runtime(kind)
@@ -102,8 +107,8 @@ def measure(artifact, threads: int, prompt_tokens: int, decode_tokens: int, repe
     backend = open_backend(artifact, threads=threads, n_ctx=n_ctx)
     load_seconds = time.perf_counter() - start
     if prompt_tokens + decode_tokens > backend.n_ctx:
-        raise UserError(f"--prompt-tokens {prompt_tokens} + --decode-tokens {decode_tokens} exceed the context "
-                        f"window of {backend.n_ctx} tokens; lower them or raise --ctx")
+        raise UserError(f"--prompt-tokens {prompt_tokens} + --decode-tokens {decode_tokens} exceed "
+                        f"the context window of {backend.n_ctx} tokens; lower them or raise --ctx")
     prompt = prompt_ids(backend, prompt_tokens)
     _one_run(backend, prompt, min(decode_tokens, 8))  # warm-up (caches, thread pools), not counted
     runs = []
@@ -129,14 +134,15 @@ def _check_counts(**counts: Optional[int]) -> None:
 
 def bench(artifact, threads: Optional[int] = None, prompt_tokens: int = 128, decode_tokens: int = 64,
           repeats: int = 3, n_ctx: Optional[int] = None) -> BenchResult:
-    """Measure ``artifact`` (.gguf file or ONNX export directory) on this host, in a fresh subprocess."""
+    """Measure ``artifact`` (.gguf file or ONNX export directory) on this host,
+    in a fresh subprocess."""
     artifact = Path(artifact)
     artifact_kind(artifact)  # a one-line UserError for anything that is not an export, before spawning
     _check_counts(threads=threads, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
                   ctx=n_ctx)
     threads = threads or default_threads()
-    plan = (f"{artifact.name}: load, a warm-up and {repeats} runs of a {prompt_tokens}-token prompt and "
-            f"{decode_tokens} decode tokens, {threads} threads")
+    plan = (f"{artifact.name}: load, a warm-up and {repeats} runs of a {prompt_tokens}-token "
+            f"prompt and {decode_tokens} decode tokens, {threads} threads")
     with stage_lines("bench", plan) as stage, counted("measured", repeats, "runs") as count:
         result = _measure_in_child(artifact, threads, prompt_tokens, decode_tokens, repeats, n_ctx, count)
         stage.figures = _figures(result)
@@ -145,15 +151,18 @@ def bench(artifact, threads: Optional[int] = None, prompt_tokens: int = 128, dec
 
 def _figures(result: BenchResult) -> str:
     """The measurement on one line (bench's end line in a log)."""
-    return (f"load {result.load_seconds * 1000:.0f} ms, first token {result.time_to_first_token_seconds * 1000:.0f} "
-            f"ms, prompt {result.prompt_tokens_per_second:.1f} tokens/s, decode "
-            f"{result.decode_tokens_per_second:.1f} tokens/s, peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB")
+    return (f"load {result.load_seconds * 1000:.0f} ms, first token "
+            f"{result.time_to_first_token_seconds * 1000:.0f} ms, prompt "
+            f"{result.prompt_tokens_per_second:.1f} tokens/s, decode "
+            f"{result.decode_tokens_per_second:.1f} tokens/s, peak RSS "
+            f"{result.peak_rss_bytes / 2**20:.0f} MiB")
 
 
 def _measure_in_child(artifact: Path, threads: int, prompt_tokens: int, decode_tokens: int, repeats: int,
                       n_ctx: Optional[int], count: Count) -> BenchResult:
-    """Run ``python -m slm_align.agent.bench`` and read its result; each run it reports on stdout advances
-    ``count``. Its stderr goes to a file (read for its error line), so that a chatty runtime cannot block it."""
+    """Run ``python -m slm_align.agent.bench`` and read its result; each run it reports on stdout
+    advances ``count``. Its stderr goes to a file (read for its error line), so that a chatty
+    runtime cannot block it."""
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
@@ -173,16 +182,19 @@ def _measure_in_child(artifact: Path, threads: int, prompt_tokens: int, decode_t
             lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
             raise UserError(lines[-1].removeprefix("error: ") if lines else stderr.strip()[-500:])
         if child.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"the measuring process failed (exit {child.returncode}):\n{stderr[-3000:]}")
+            raise RuntimeError(f"the measuring process failed (exit "
+                               f"{child.returncode}):\n{stderr[-3000:]}")
         return BenchResult.from_dict(json.loads(out.read_text(encoding="utf-8")))
 
 
 def run_bench(artifact, threads: Optional[int] = None, prompt_tokens: int = 128, decode_tokens: int = 64,
               repeats: int = 3, n_ctx: Optional[int] = None, device: Optional[str] = None,
               save_as: Optional[str] = None, overwrite: bool = False) -> dict:
-    """Measure, optionally save the host profile and compare with a profile's prediction; a JSON-ready dict.
+    """Measure, optionally save the host profile and compare with a profile's
+    prediction; a JSON-ready dict.
 
-    Bad names (unknown device, existing profile without ``overwrite``) fail before anything is measured.
+    Bad names (unknown device, existing profile without ``overwrite``) fail
+    before anything is measured.
     """
     if save_as:
         profile_path(save_as, overwrite)
@@ -206,9 +218,11 @@ def _report_run() -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The measuring process: ``python -m slm_align.agent.bench ARTIFACT [--out FILE]``; JSON result."""
+    """The measuring process: ``python -m slm_align.agent.bench ARTIFACT
+    [--out FILE]``; JSON result."""
     parser = argparse.ArgumentParser(prog="python -m slm_align.agent.bench",
-                                     description="Measure one artifact in this process (slm-align bench uses it).")
+                                     description="Measure one artifact in this process (slm-align "
+                                     "bench uses it).")
     parser.add_argument("artifact")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -217,7 +231,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ctx", type=int, default=None)
     parser.add_argument("--out", default=None, help="Write the JSON result here (default: stdout).")
     parser.add_argument("--report-runs", action="store_true",
-                        help=f"Write '{RUN_DONE}' on stdout after each measured run (slm-align bench's progress).")
+                        help=f"Write '{RUN_DONE}' on stdout after each measured run (slm-align "
+                        f"bench's progress).")
     args = parser.parse_args(argv)
     try:
         _check_counts(threads=args.threads, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,

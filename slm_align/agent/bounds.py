@@ -1,13 +1,16 @@
-"""What a typed field accepts, in words: the one source of the phrases in the server's 400s and `chat`'s refusals.
+"""What a typed field accepts, in words: the one source of the phrases in the server's
+400s and `chat`'s refusals.
 
-A phrase is read off the field's type and constraints (pydantic's ``Field(ge=, le=, gt=, lt=, min_length=,
-max_length=)``, ``Literal`` choices, nested models), so the bound written on a type is the bound its refusal names:
-``a number from 0 to 2``, ``an integer >= 1``, ``one of "up", "down"``, ``a non-empty list of messages``. A bound
-that depends on where the value arrives (a server's limits) is metadata with a ``bounds(context)`` method returning
-the constraints it enforces there (``{"le": 4096}``).
+A phrase is read off the field's type and constraints (pydantic's ``Field(ge=, le=, gt=, lt=,
+min_length=, max_length=)``, ``Literal`` choices, nested models), so the bound written on a type is
+the bound its refusal names: ``a number from 0 to 2``, ``an integer >= 1``, ``one of "up",
+"down"``, ``a non-empty list of messages``. A bound that depends on where the value arrives (a
+server's limits) is metadata with a ``bounds(context)`` method returning the constraints it
+enforces there (``{"le": 4096}``).
 
-Refusals of errors that pydantic raises read ``<where> must be <phrase>, got <value>``; an error a validator raises
-with its own words (a rule across fields, which no type states) reads ``<where> <its words>``.
+Refusals of errors that pydantic raises read ``<where> must be <phrase>, got <value>``; an
+error a validator raises with its own words (a rule across fields, which no type states)
+reads ``<where> <its words>``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from pydantic_core import core_schema
 
 BOUND_KEYS = ("ge", "gt", "le", "lt", "min_length", "max_length")
 PYDANTIC_ERRORS = frozenset(typing.get_args(core_schema.ErrorType))
-"""Error types pydantic raises itself; any other was raised by one of our validators, in its own words."""
+"""Error types pydantic raises itself; any other was raised by one of our
+validators, in its own words."""
 RANGE_ERRORS = ("greater_than_equal", "greater_than", "less_than_equal", "less_than")
 """A value out of range is quoted as Python prints it; a value of the wrong type as JSON."""
 NOUNS = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("text", "strings"),
@@ -33,7 +37,8 @@ NOUNS = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: (
 
 @dataclass
 class Typed:
-    """A field's type with its ``Annotated`` layers peeled: the bare type, its metadata, its description."""
+    """A field's type with its ``Annotated`` layers peeled: the bare type, its
+    metadata, its description."""
 
     annotation: Any
     metadata: list = field(default_factory=list)
@@ -41,7 +46,8 @@ class Typed:
 
 
 def typed(annotation: Any, metadata: Sequence = (), description: Optional[str] = None) -> Typed:
-    """``annotation`` without its ``Annotated`` layers; their metadata (``Field``'s constraints flattened) kept."""
+    """``annotation`` without its ``Annotated`` layers; their metadata (``Field``'s
+    constraints flattened) kept."""
     items = list(metadata)
     while typing.get_origin(annotation) is Annotated:
         annotation, *more = typing.get_args(annotation)
@@ -62,7 +68,8 @@ def of_field(info: FieldInfo) -> Typed:
 
 
 def bounds(metadata: list, context: Any = None) -> dict:
-    """The constraints in ``metadata`` (ge, gt, le, lt, min_length, max_length), those of ``context`` included."""
+    """The constraints in ``metadata`` (ge, gt, le, lt, min_length, max_length), those
+    of ``context`` included."""
     found = {}
     for item in metadata:
         if callable(getattr(item, "bounds", None)):
@@ -107,7 +114,8 @@ def _shown(value: Any) -> str:
 
 
 def _ranged(noun: str, limits: dict) -> str:
-    """``noun`` with its numeric bounds: ``from 0 to 2`` when both ends are closed, else ``>= 1``, ``< 0.5``."""
+    """``noun`` with its numeric bounds: ``from 0 to 2`` when both ends are closed,
+    else ``>= 1``, ``< 0.5``."""
     if "ge" in limits and "le" in limits:
         return f"{noun} from {_shown(limits['ge'])} to {_shown(limits['le'])}"
     parts = [f"{sign} {_shown(limits[key])}" for key, sign in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
@@ -133,7 +141,8 @@ def _choices(values: tuple) -> str:
 
 
 def _shape(model: type[BaseModel]) -> str:
-    """A model as the JSON object it reads: ``{"type": "function", "function": {"name", "arguments"}}``."""
+    """A model as the JSON object it reads: ``{"type": "function", "function":
+    {"name", "arguments"}}``."""
     parts = []
     for name, info in model.model_fields.items():
         key = json.dumps(info.alias or name)
@@ -148,7 +157,8 @@ def _shape(model: type[BaseModel]) -> str:
 
 
 def _plural(annotation: Any) -> str:
-    """What a list of ``annotation`` holds, in the plural: ``messages`` (a model's title), ``non-empty strings``."""
+    """What a list of ``annotation`` holds, in the plural: ``messages`` (a model's title),
+    ``non-empty strings``."""
     kind = typed(annotation)
     if is_model(kind.annotation):
         title = kind.annotation.model_config.get("title")
@@ -164,8 +174,8 @@ def _listed(item: Any, limits: dict) -> str:
 
 
 def accepted(annotation: Any, metadata: Sequence = (), context: Any = None) -> str:
-    """What a value of ``annotation`` under ``metadata``'s constraints must be, as a phrase; ``context`` fills in
-    the bounds that depend on it."""
+    """What a value of ``annotation`` under ``metadata``'s constraints must be, as a phrase;
+    ``context`` fills in the bounds that depend on it."""
     kind = typed(annotation, metadata)
     limits = bounds(kind.metadata, context)
     bare = kind.annotation
@@ -195,8 +205,9 @@ def _got(error: dict) -> str:
 
 
 def refusal(where: str, kind: Typed, error: dict, context: Any = None, deeper: bool = False) -> str:
-    """The one line refusing a value of the field ``kind`` at ``where`` (``'temperature'``, ``--temperature``) for
-    pydantic's ``error``; ``deeper``: the error lies inside the value (a union's member), so the whole is described."""
+    """The one line refusing a value of the field ``kind`` at ``where`` (``'temperature'``,
+    ``--temperature``) for pydantic's ``error``; ``deeper``: the error lies inside the value (a
+    union's member), so the whole is described."""
     phrase = accepted(kind.annotation, kind.metadata, context)
     name, details = error["type"], error.get("ctx") or {}
     if deeper:

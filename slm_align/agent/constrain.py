@@ -1,7 +1,9 @@
-"""Constrained answers: llama.cpp grammars for structured output (a JSON schema, or any JSON object).
+"""Constrained answers: llama.cpp grammars for structured output (a JSON
+schema, or any JSON object).
 
-llama-cpp-python's own converter (``json_schema_to_gbnf``, the one behind ``LlamaGrammar.from_json_schema``) turns a
-schema into GBNF; only the GGUF backend samples under a grammar, so callers refuse the ONNX backend first.
+llama-cpp-python's own converter (``json_schema_to_gbnf``, the one behind
+``LlamaGrammar.from_json_schema``) turns a schema into GBNF; only the GGUF backend samples under a
+grammar, so callers refuse the ONNX backend first.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from typing import Optional
 from slm_align.errors import UserError
 
 ANY_OBJECT = {"type": "object"}
-"""``response_format`` ``json_object``: any JSON object (the converter's grammar bounds the whitespace)."""
+"""``response_format`` ``json_object``: any JSON object (the converter's grammar
+bounds the whitespace)."""
 
 
 def json_grammar(schema: Optional[dict] = None) -> str:
@@ -20,7 +23,8 @@ def json_grammar(schema: Optional[dict] = None) -> str:
     try:
         from llama_cpp.llama_grammar import json_schema_to_gbnf
     except ImportError:
-        raise UserError("structured output needs llama-cpp-python: pip install 'slm-align[agent]'") from None
+        raise UserError("structured output needs llama-cpp-python: pip install "
+                        "'slm-align[agent]'") from None
     try:
         return json_schema_to_gbnf(json.dumps(ANY_OBJECT if schema is None else schema))
     except Exception as exc:  # the converter asserts on what it cannot express (RecursionError included)

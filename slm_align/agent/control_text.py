@@ -1,17 +1,20 @@
-"""Text a user, a client or a model wrote never becomes a control token, wherever the chat template puts it.
+"""Text a user, a client or a model wrote never becomes a control token, wherever
+the chat template puts it.
 
-A control token is one the tokenizer makes of its text only when special tokens are parsed (``<|im_end|>``,
-``<|im_start|>``): the template writes them, nobody else may. Message contents are tokenised on their own without
-parsing (:mod:`slm_align.agent.prompt`); everything else a template renders from the conversation (a tool's name,
-description and schema, a past call's arguments, a tool result's name) and, when the template looks into the
-contents, the contents too, goes through :class:`ControlText`: before rendering, each control token's text inside
-those strings is replaced by a placeholder (a private-use character pair around its number), and after rendering the
-template's text is tokenised with special tokens parsed while each placeholder is tokenised as the characters it
-stands for. The model sees the same characters; only their tokens differ, exactly where a control token would have
-been. The private-use characters the placeholders and the content markers use are themselves replaced when typed.
+A control token is one the tokenizer makes of its text only when special tokens are parsed
+(``<|im_end|>``, ``<|im_start|>``): the template writes them, nobody else may. Message contents are
+tokenised on their own without parsing (:mod:`slm_align.agent.prompt`); everything else a template
+renders from the conversation (a tool's name, description and schema, a past call's arguments, a
+tool result's name) and, when the template looks into the contents, the contents too, goes through
+:class:`ControlText`: before rendering, each control token's text inside those strings is replaced
+by a placeholder (a private-use character pair around its number), and after rendering the
+template's text is tokenised with special tokens parsed while each placeholder is tokenised as the
+characters it stands for. The model sees the same characters; only their tokens differ, exactly
+where a control token would have been. The private-use characters the placeholders and the content
+markers use are themselves replaced when typed.
 
-Which tokens are control tokens is asked of the backend's own tokenizer (a string tokenised with and without parsing
-special tokens), so it holds for any vocabulary without a list.
+Which tokens are control tokens is asked of the backend's own tokenizer (a string tokenised with and
+without parsing special tokens), so it holds for any vocabulary without a list.
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ import re
 from typing import Any
 
 PLACEHOLDER = "\ue002{}\ue003"
-"""Stands for the number-th protected piece of text while the template renders (no template writes these)."""
+"""Stands for the number-th protected piece of text while the template renders (no
+template writes these)."""
 PLACEHOLDERS = re.compile("\ue002(\\d+)\ue003")
 RESERVED = ("\ue000", "\ue001", "\ue002", "\ue003")
-"""The private-use characters of the content markers and the placeholders: typed into text, they are protected too."""
+"""The private-use characters of the content markers and the placeholders: typed into text,
+they are protected too."""
 
 
 class ControlText:
-    """Protects the strings of one conversation from becoming control tokens; caches what it has looked at."""
+    """Protects the strings of one conversation from becoming control tokens; caches
+    what it has looked at."""
 
     def __init__(self, backend):
         self.backend = backend
@@ -38,8 +44,8 @@ class ControlText:
         self._control: dict[int, bool] = {}
 
     def neutral(self, value: Any) -> Any:
-        """``value`` (text, or lists and objects of text, keys included) with every control token's text and every
-        reserved character replaced by a placeholder; anything else as it is."""
+        """``value`` (text, or lists and objects of text, keys included) with every control token's
+        text and every reserved character replaced by a placeholder; anything else as it is."""
         if isinstance(value, str):
             return self._text(value)
         if isinstance(value, dict):
@@ -49,8 +55,8 @@ class ControlText:
         return value
 
     def tokenize(self, text: str) -> list[int]:
-        """Ids of rendered text: the template's own text with special tokens parsed, each placeholder as the plain
-        characters it stands for."""
+        """Ids of rendered text: the template's own text with special tokens parsed, each
+        placeholder as the plain characters it stands for."""
         ids: list[int] = []
         position = 0
         for found in PLACEHOLDERS.finditer(text):
@@ -72,7 +78,8 @@ class ControlText:
         return self._neutral[text]
 
     def _replace(self, text: str, pieces: set[str]) -> str:
-        """``text`` with each of ``pieces`` replaced by its placeholder, in one pass (longest piece first)."""
+        """``text`` with each of ``pieces`` replaced by its placeholder, in one pass
+        (longest piece first)."""
         pattern = re.compile("|".join(re.escape(piece) for piece in sorted(pieces, key=len, reverse=True)))
         return pattern.sub(self._placeholder, text)
 
@@ -84,7 +91,8 @@ class ControlText:
         return PLACEHOLDER.format(self._numbers[piece])
 
     def _controls(self, text: str) -> list[str]:
-        """The texts of the control tokens that ``text`` would hold if special tokens were parsed."""
+        """The texts of the control tokens that ``text`` would hold if
+        special tokens were parsed."""
         if not text:
             return []
         parsed = self.backend.tokenize(text, add_special=False)

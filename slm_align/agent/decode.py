@@ -1,4 +1,5 @@
-"""Decoding loops over a backend's ``feed``: greedy, and our sampler with the cache of a prompt's known prefix kept."""
+"""Decoding loops over a backend's ``feed``: greedy, and our sampler with the cache of a
+prompt's known prefix kept."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def greedy(backend: Backend, prompt: Sequence[int], max_new_tokens: int, stop_at
 
 
 def numpy_generate(backend, prompt: Sequence[int], params) -> Iterator[int]:
-    """Our sampling loop over ``feed``: the cache of the prompt's prefix seen before is kept, the rest fed."""
+    """Our sampling loop over ``feed``: the cache of the prompt's prefix seen before
+    is kept, the rest fed."""
     prompt = list(prompt)
     shared = 0
     for seen, new in zip(backend.tokens, prompt[:-1]):  # the last prompt token is fed again for its logits

@@ -1,10 +1,12 @@
-"""ExecuTorch backend: a ``model.pte`` (``slm-align export --target executorch``) run by ExecuTorch's Python runtime.
+"""ExecuTorch backend: a ``model.pte`` (``slm-align export --target executorch``) run by
+ExecuTorch's Python runtime.
 
-The program holds a static KV cache of ``get_max_seq_len`` positions as mutable buffers and takes one token and
-its position per call (``forward(input_ids (1, 1), cache_position (1,)) -> logits (1, 1, vocab)``); positions
-after the current one are masked, so a reset or a rewind only moves the position back. Text goes through
-``tokenizer.json`` with the ``tokenizers`` library like :class:`~slm_align.agent.onnx_backend.OnnxBackend`, and the
-same sampling loop, greedy check and teacher-forced comparison run on it as on the other backends.
+The program holds a static KV cache of ``get_max_seq_len`` positions as mutable buffers and takes
+one token and its position per call (``forward(input_ids (1, 1), cache_position (1,)) -> logits (1,
+1, vocab)``); positions after the current one are masked, so a reset or a rewind only moves the
+position back. Text goes through ``tokenizer.json`` with the ``tokenizers`` library like
+:class:`~slm_align.agent.onnx_backend.OnnxBackend`, and the same sampling loop, greedy check and
+teacher-forced comparison run on it as on the other backends.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ def _runtime():
     try:
         from executorch.runtime import Runtime
     except ImportError:
-        raise UserError(".pte programs need ExecuTorch: pip install 'slm-align[executorch]'") from None
+        raise UserError(".pte programs need ExecuTorch: pip install "
+                        "'slm-align[executorch]'") from None
     return Runtime.get()
 
 
@@ -53,22 +56,25 @@ class ExecutorchBackend(OnnxBackend):
         self.reset()
 
     def reset(self) -> None:
-        """Position 0: the next ``feed`` starts a new sequence (the stale cache beyond it is masked)."""
+        """Position 0: the next ``feed`` starts a new sequence (the stale
+        cache beyond it is masked)."""
         self.tokens: list[int] = []
 
     def rewind(self, keep: int) -> None:
-        """Keep the cache of the first ``keep`` tokens only (a new prompt that shares them reuses it)."""
+        """Keep the cache of the first ``keep`` tokens only (a new prompt that
+        shares them reuses it)."""
         self.tokens = self.tokens[:keep]
 
     def feed_all(self, ids: Sequence[int]) -> np.ndarray:
-        """Append ``ids`` to the sequence, one call per token; the logits at each of their positions,
-        shape (len(ids), vocab)."""
+        """Append ``ids`` to the sequence, one call per token; the logits at each of their
+        positions, shape (len(ids), vocab)."""
         import torch
 
         if not ids:
             raise ValueError("feed needs at least one token")
         if self.n_past + len(ids) > self.n_ctx:
-            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new conversation")
+            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new "
+                            f"conversation")
         rows = []
         for token in ids:
             inputs = [torch.tensor([[int(token)]], dtype=torch.long), torch.tensor([self.n_past], dtype=torch.long)]

@@ -1,22 +1,23 @@
-"""Export consented on-device feedback as preference data for the next round (TRL's conversational format).
+"""Export consented on-device feedback as preference data for the next round
+(TRL's conversational format).
 
 Two JSONL files, because the two kinds of rows feed different trainers and the repo's importer
 (:func:`slm_align.data.preferences.read_preferences`) reads unpaired rows as text only:
 
-- ``OUT`` (e.g. ``prefs.jsonl``): paired rows ``{"prompt": [messages], "chosen": [{"role": "assistant", ...}],
-  "rejected": [{"role": "assistant", ...}]}`` from 'choice' feedback (the winner is chosen) and 'edit' feedback
-  (the user's edit is chosen over the model's answer). The importer reads this file directly; so does TRL's
-  DPO/reward trainers.
+- ``OUT`` (e.g. ``prefs.jsonl``): paired rows ``{"prompt": [messages], "chosen": [{"role":
+  "assistant", ...}], "rejected": [{"role": "assistant", ...}]}`` from 'choice' feedback (the winner
+  is chosen) and 'edit' feedback (the user's edit is chosen over the model's answer). The importer
+  reads this file directly; so does TRL's DPO/reward trainers.
 - every row also carries ``model_id``: the sha256 of the artifact the feedback was given to, so that
   ``train --algo dpo|kto`` can refuse feedback about a model the run did not export.
 - ``OUT`` with ``.unpaired.jsonl`` for ``.jsonl`` (e.g. ``prefs.unpaired.jsonl``): unpaired rows
-  ``{"prompt": [messages], "completion": [{"role": "assistant", ...}], "label": true|false}`` from thumbs up/down
-  (TRL's KTO format).
+  ``{"prompt": [messages], "completion": [{"role": "assistant", ...}], "label": true|false}`` from
+  thumbs up/down (TRL's KTO format).
 
-Both files are always written (one may be empty, so no stale file from an earlier export is left beside them),
-atomically and owner-only (0o600). Only turns with consent are exported. Feedback rows are append-only, so
-the latest verdict per question counts: the last thumbs on a turn, its last edit, and the last verdict against
-each distinct other candidate.
+Both files are always written (one may be empty, so no stale file from an earlier export is left
+beside them), atomically and owner-only (0o600). Only turns with consent are exported. Feedback rows
+are append-only, so the latest verdict per question counts: the last thumbs on a turn, its last
+edit, and the last verdict against each distinct other candidate.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ UNPAIRED_SUFFIX = ".unpaired.jsonl"
 
 
 def unpaired_path(out_path: str | os.PathLike) -> Path:
-    """Where the unpaired (thumbs) rows go beside ``out_path``: ``prefs.jsonl`` -> ``prefs.unpaired.jsonl``."""
+    """Where the unpaired (thumbs) rows go beside ``out_path``: ``prefs.jsonl`` ->
+    ``prefs.unpaired.jsonl``."""
     out = Path(out_path)
     return out.with_name(out.name[: -len(".jsonl")] + UNPAIRED_SUFFIX)
 
@@ -78,7 +80,8 @@ def _row(turn: Turn, feedback: Feedback) -> dict[str, Any] | None:
 
 
 def _scrub_value(value: Any) -> tuple[Any, int]:
-    """``value`` with every string in it scrubbed, however deeply nested (tool-call arguments included)."""
+    """``value`` with every string in it scrubbed, however deeply nested
+    (tool-call arguments included)."""
     if isinstance(value, str):
         return scrub_text(value)
     if isinstance(value, dict):
@@ -91,8 +94,9 @@ def _scrub_value(value: Any) -> tuple[Any, int]:
 
 
 def scrub_row(row: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """The row with personal data replaced in every string of its message columns (contents, tool calls and
-    their arguments, names), and the number of replacements; the label and other metadata stay as they are."""
+    """The row with personal data replaced in every string of its message columns (contents, tool
+    calls and their arguments, names), and the number of replacements; the label and other
+    metadata stay as they are."""
     out = {}
     total = 0
     for column, value in row.items():
@@ -113,11 +117,13 @@ def _check_paths(store_path: Path, out: Path, overwrite: bool) -> None:
         if path.is_dir():
             raise UserError(f"output {path} is a directory; pass a file path ending in .jsonl")
         if path.exists() and not overwrite:
-            raise UserError(f"output {path} exists; pass --overwrite to replace it or choose another --out")
+            raise UserError(f"output {path} exists; pass --overwrite to replace it or choose "
+                            f"another --out")
 
 
 def _write_jsonl_pair(files: list[tuple[Path, list[dict[str, Any]]]]) -> None:
-    """Both files written in full first, then both renamed (owner-only): a failure publishes neither."""
+    """Both files written in full first, then both renamed (owner-only): a
+    failure publishes neither."""
     targets = [path for path, _ in files]
     with atomic_paths(*targets, mode=0o600) as temps:
         for tmp, (_, rows) in zip(temps, files):
@@ -147,10 +153,12 @@ def collect_rows(turns: Iterable[Turn], scrub: bool = True) -> tuple[list[dict],
 
 def export_preferences(store_path: str | os.PathLike, out_path: str | os.PathLike, scrub: bool = True,
                        overwrite: bool = False) -> dict[str, Any]:
-    """Write the consented feedback in ``store_path`` to ``out_path`` (pairs) and its ``.unpaired.jsonl`` sibling.
+    """Write the consented feedback in ``store_path`` to ``out_path`` (pairs) and its
+    ``.unpaired.jsonl`` sibling.
 
-    Returns ``pairs``, ``unpaired``, ``skipped_without_consent``, ``skipped_identical``, ``scrubbed_replacements``
-    and the two paths written (``out``, ``unpaired_out``). Bad input is a UserError and writes nothing.
+    Returns ``pairs``, ``unpaired``, ``skipped_without_consent``, ``skipped_identical``,
+    ``scrubbed_replacements`` and the two paths written (``out``, ``unpaired_out``). Bad input is a
+    UserError and writes nothing.
     """
     store_path = Path(store_path)
     out = Path(out_path)

@@ -1,10 +1,12 @@
-"""onnxruntime-genai backend: a genai model folder (``slm-align export --target genai``) run by genai's decoder.
+"""onnxruntime-genai backend: a genai model folder (``slm-align export --target
+genai``) run by genai's decoder.
 
-genai owns the session and the KV cache (``Generator.append_tokens`` runs the graph, ``rewind_to`` drops the tail);
-we read the logits of every appended position from its ``logits`` output, so the same sampling loop, greedy check
-and teacher-forced comparison run on it as on the other backends. Text goes through ``tokenizer.json`` with the
-``tokenizers`` library like :class:`~slm_align.agent.onnx_backend.OnnxBackend`; genai's own tokenizer is checked
-against it when the folder is exported (:func:`slm_align.export.genai.genai_tokenizer_report`).
+genai owns the session and the KV cache (``Generator.append_tokens`` runs the graph, ``rewind_to``
+drops the tail); we read the logits of every appended position from its ``logits`` output, so the
+same sampling loop, greedy check and teacher-forced comparison run on it as on the other backends.
+Text goes through ``tokenizer.json`` with the ``tokenizers`` library like
+:class:`~slm_align.agent.onnx_backend.OnnxBackend`; genai's own tokenizer is checked against it when
+the folder is exported (:func:`slm_align.export.genai.genai_tokenizer_report`).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ CONFIG = "genai_config.json"
 
 
 def genai_model(folder: Path, threads: Optional[int] = None):
-    """genai's ``Model`` of ``folder``, its decoder session limited to ``threads`` intra-op threads when given."""
+    """genai's ``Model`` of ``folder``, its decoder session limited to ``threads``
+    intra-op threads when given."""
     try:
         import onnxruntime_genai as og
     except ImportError:
-        raise UserError("genai folders need onnxruntime-genai: pip install 'slm-align[export]'") from None
+        raise UserError("genai folders need onnxruntime-genai: pip install "
+                        "'slm-align[export]'") from None
     config = og.Config(str(folder))
     if threads:
         options = {"intra_op_num_threads": int(threads), "inter_op_num_threads": 1}
@@ -35,7 +39,8 @@ def genai_model(folder: Path, threads: Optional[int] = None):
 
 
 class GenaiBackend(OnnxBackend):
-    """One genai generator (its KV cache) over a genai folder. Not thread-safe: one conversation at a time."""
+    """One genai generator (its KV cache) over a genai folder. Not thread-safe: one
+    conversation at a time."""
 
     kind = "genai"
 
@@ -63,7 +68,8 @@ class GenaiBackend(OnnxBackend):
         self.tokens: list[int] = []
 
     def rewind(self, keep: int) -> None:
-        """Keep the cache of the first ``keep`` tokens only (a new prompt that shares them reuses it)."""
+        """Keep the cache of the first ``keep`` tokens only (a new prompt that
+        shares them reuses it)."""
         if keep == 0:
             self.reset()
         elif keep < len(self.tokens):
@@ -71,11 +77,13 @@ class GenaiBackend(OnnxBackend):
             self.tokens = self.tokens[:keep]
 
     def feed_all(self, ids: Sequence[int]) -> np.ndarray:
-        """Append ``ids`` to the sequence; the logits at each of their positions, shape (len(ids), vocab)."""
+        """Append ``ids`` to the sequence; the logits at each of their positions,
+        shape (len(ids), vocab)."""
         if not ids:
             raise ValueError("feed needs at least one token")
         if self.n_past + len(ids) > self.n_ctx:
-            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new conversation")
+            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new "
+                            f"conversation")
         self.generator.append_tokens(np.asarray(ids, dtype=np.int32))
         self.tokens.extend(int(i) for i in ids)
         logits = np.asarray(self.generator.get_output("logits"))

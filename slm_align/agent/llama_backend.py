@@ -1,4 +1,5 @@
-"""llama.cpp backend (llama-cpp-python) for GGUF artifacts: llama.cpp's tokenizer, its KV cache, our loop on top."""
+"""llama.cpp backend (llama-cpp-python) for GGUF artifacts: llama.cpp's tokenizer, its KV
+cache, our loop on top."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from slm_align.errors import UserError
 
 
 class LlamaCppBackend:
-    """One llama.cpp context. ``all_logits`` keeps every position's logits (for teacher-forced comparisons)."""
+    """One llama.cpp context. ``all_logits`` keeps every position's logits (for
+    teacher-forced comparisons)."""
 
     kind = "gguf"
 
@@ -20,10 +22,12 @@ class LlamaCppBackend:
         try:
             from llama_cpp import Llama
         except ImportError:
-            raise UserError("GGUF artifacts need llama-cpp-python: pip install 'slm-align[agent]'") from None
+            raise UserError("GGUF artifacts need llama-cpp-python: pip install "
+                            "'slm-align[agent]'") from None
         artifact = Path(artifact)
         if not artifact.is_file():
-            raise UserError(f"GGUF file {artifact} not found; create one with `slm-align export --target gguf`")
+            raise UserError(f"GGUF file {artifact} not found; create one with `slm-align export "
+                            f"--target gguf`")
         try:
             self.llm = Llama(model_path=str(artifact), n_ctx=n_ctx or 0, n_threads=threads,
                              n_threads_batch=threads, n_batch=512,
@@ -47,7 +51,8 @@ class LlamaCppBackend:
         return None if token < 0 else self.detokenize([token])
 
     def tokenize(self, text: str, add_special: bool = True, special: bool = True) -> list[int]:
-        """llama.cpp's tokenizer; with ``special`` special-token text (``<|im_end|>``) becomes the special token."""
+        """llama.cpp's tokenizer; with ``special`` special-token text (``<|im_end|>``)
+        becomes the special token."""
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -76,7 +81,8 @@ class LlamaCppBackend:
         return self.last_logits()
 
     def last_logits(self) -> np.ndarray:
-        """The logits of the last position evaluated: inside ``generate``, those its last token was drawn from."""
+        """The logits of the last position evaluated: inside ``generate``, those its
+        last token was drawn from."""
         import llama_cpp
 
         row = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)  # only the last position has logits
@@ -85,7 +91,8 @@ class LlamaCppBackend:
     def generate(self, prompt: Sequence[int], params, grammar: Optional[str] = None) -> Iterator[int]:
         """llama.cpp's own sampler chain (and grammar); the cache of a shared prefix is reused."""
         if len(prompt) >= self.n_ctx:
-            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new conversation")
+            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new "
+                            f"conversation")
         from llama_cpp import LlamaGrammar
 
         self.llm.set_seed(params.seed)
@@ -98,5 +105,6 @@ class LlamaCppBackend:
         if not ids:
             raise ValueError("feed needs at least one token")
         if self.llm.n_tokens + len(ids) > self.n_ctx:
-            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new conversation")
+            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new "
+                            f"conversation")
         self.llm.eval(list(ids))

@@ -1,7 +1,8 @@
 """Log-probabilities of generated tokens, in OpenAI's ``logprobs.content`` shape.
 
-Each entry is the model's own distribution at that step (a log-softmax of the raw logits, before penalties,
-temperature or a grammar), as vLLM reports by default; ``top_logprobs`` lists the most likely tokens there.
+Each entry is the model's own distribution at that step (a log-softmax of the raw logits, before
+penalties, temperature or a grammar), as vLLM reports by default; ``top_logprobs`` lists the
+most likely tokens there.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def _entry(token: int, logprob: float, detokenize: Callable[[Sequence[int]], str
 
 
 def token_logprobs(logits: np.ndarray, token: int, top: int, detokenize: Callable[[Sequence[int]], str]) -> dict:
-    """``{"token", "logprob", "bytes", "top_logprobs"}`` for ``token`` drawn from ``logits``, with the ``top``
-    likeliest tokens at that step."""
+    """``{"token", "logprob", "bytes", "top_logprobs"}`` for ``token`` drawn from ``logits``, with
+    the ``top`` likeliest tokens at that step."""
     logprobs = log_softmax(logits)
     likeliest = np.argsort(logprobs, kind="stable")[::-1][:top]
     entry = _entry(token, float(logprobs[token]), detokenize)

@@ -1,8 +1,9 @@
 """onnxruntime backend: optimum's decoder graph with the KV cache, driven by our own numpy loop.
 
-The graph takes ``input_ids``, ``attention_mask``, (``position_ids``) and ``past_key_values.N.key/value`` and
-returns ``logits`` and ``present.N.key/value``; we keep the presents as the next step's past. Text goes through
-the ``tokenizers`` library with the artifact's ``tokenizer.json``, exactly as the trained model's fast tokenizer.
+The graph takes ``input_ids``, ``attention_mask``, (``position_ids``) and
+``past_key_values.N.key/value`` and returns ``logits`` and ``present.N.key/value``; we keep the
+presents as the next step's past. Text goes through the ``tokenizers`` library with the artifact's
+``tokenizer.json``, exactly as the trained model's fast tokenizer.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _token_text(value) -> Optional[str]:
 
 
 def _empty_cache_dim(dim):
-    """One axis of an empty past-key/value input: batch 1, every other named (dynamic) axis 0, fixed axes as given."""
+    """One axis of an empty past-key/value input: batch 1, every other named (dynamic) axis
+    0, fixed axes as given."""
     if dim == "batch_size":
         return 1
     if isinstance(dim, str):
@@ -87,7 +89,8 @@ class OnnxBackend:
 
     # text
     def tokenize(self, text: str, add_special: bool = True, special: bool = True) -> list[int]:
-        """The tokenizer's ids; without ``special``, special-token text is encoded as the characters it is."""
+        """The tokenizer's ids; without ``special``, special-token text is encoded
+        as the characters it is."""
         self.tokenizer.encode_special_tokens = not special
         try:
             return self.tokenizer.encode(text, add_special_tokens=add_special).ids
@@ -112,21 +115,25 @@ class OnnxBackend:
         return len(self.tokens)
 
     def rewind(self, keep: int) -> None:
-        """Keep the cache of the first ``keep`` tokens only (a new prompt that shares them reuses it)."""
+        """Keep the cache of the first ``keep`` tokens only (a new prompt that
+        shares them reuses it)."""
         if keep < len(self.tokens):
             self.tokens = self.tokens[:keep]
             self._past = {name: past[:, :, :keep] for name, past in self._past.items()}
 
     def generate(self, prompt: Sequence[int], params, grammar: Optional[str] = None) -> Iterator[int]:
-        """Sampled continuation of ``prompt``, reusing the cache of a shared prefix (``grammar`` is llama.cpp's)."""
+        """Sampled continuation of ``prompt``, reusing the cache of a shared prefix
+        (``grammar`` is llama.cpp's)."""
         return numpy_generate(self, prompt, params)
 
     def feed_all(self, ids: Sequence[int]) -> np.ndarray:
-        """Append ``ids`` to the sequence; the logits at each of their positions, shape (len(ids), vocab)."""
+        """Append ``ids`` to the sequence; the logits at each of their positions,
+        shape (len(ids), vocab)."""
         if not ids:
             raise ValueError("feed needs at least one token")
         if self.n_past + len(ids) > self.n_ctx:
-            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new conversation")
+            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new "
+                            f"conversation")
         length = self.n_past + len(ids)
         position = self.n_past
         feeds = {"input_ids": np.asarray([ids], dtype=np.int64),
@@ -145,5 +152,6 @@ class OnnxBackend:
         return self._last_logits
 
     def last_logits(self) -> np.ndarray:
-        """The logits of the last ``feed``: inside ``generate``, those its last token was drawn from."""
+        """The logits of the last ``feed``: inside ``generate``, those its
+        last token was drawn from."""
         return self._last_logits

@@ -1,5 +1,5 @@
-"""Open an exported artifact with the backend that runs it: llama.cpp for a GGUF file, onnxruntime for an ONNX
-folder (each imports its runtime only when it opens a model)."""
+"""Open an exported artifact with the backend that runs it: llama.cpp for a GGUF file, onnxruntime
+for an ONNX folder (each imports its runtime only when it opens a model)."""
 
 from __future__ import annotations
 

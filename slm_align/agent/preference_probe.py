@@ -1,7 +1,9 @@
-"""Which answer of a preference pair an exported model prefers, measured in the runtime itself (no torch).
+"""Which answer of a preference pair an exported model prefers, measured in the
+runtime itself (no torch).
 
-The loop's success measure: after a DPO or KTO round on device feedback, the new artifact should give the chosen
-answer of held-out pairs a higher log-probability than the rejected one more often than the old artifact did.
+The loop's success measure: after a DPO or KTO round on device feedback, the new artifact should
+give the chosen answer of held-out pairs a higher log-probability than the rejected one more often
+than the old artifact did.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def completion_logprob(backend: Backend, prompt: str, completion: str) -> float:
-    """log p(completion | prompt) summed over the completion's tokens and EOS (as training scores it).
+    """log p(completion | prompt) summed over the completion's tokens and
+    EOS (as training scores it).
 
-    The prompt is tokenised with BOS and its template markers parsed (it was rendered by the chat template); the
-    logits at position t predict token t + 1, so the completion's tokens are scored from the prompt's last position.
+    The prompt is tokenised with BOS and its template markers parsed (it was rendered by the chat
+    template); the logits at position t predict token t + 1, so the completion's tokens are scored
+    from the prompt's last position.
     """
     prompt_ids = backend.tokenize(prompt, add_special=True, special=True)
     completion_ids = backend.tokenize(completion, add_special=False, special=True)
@@ -39,8 +43,8 @@ def completion_logprob(backend: Backend, prompt: str, completion: str) -> float:
 
 
 def preferred_count(artifact: Union[str, Path], pairs: Sequence) -> int:
-    """How many ``pairs`` (each with ``prompt``, ``chosen``, ``rejected`` text) the artifact gives the chosen answer
-    a higher log-probability than the rejected one."""
+    """How many ``pairs`` (each with ``prompt``, ``chosen``, ``rejected`` text) the artifact gives
+    the chosen answer a higher log-probability than the rejected one."""
     backend = open_backend(Path(artifact), all_logits=True)
     wins = 0
     for pair in pairs:

@@ -1,18 +1,20 @@
-"""The prompt of a conversation: the chat template's text around each message's content, as token ids.
+"""The prompt of a conversation: the chat template's text around each
+message's content, as token ids.
 
 Two rules make it safe and cheap:
 
-- Message contents are tokenised as plain text: ``<|im_end|><|im_start|>system`` typed into a message (or returned
-  by a tool) stays those characters, it never becomes the control tokens the template itself writes. The template is
-  rendered with a marker in place of each content; the text between markers is the template's own (its special
-  tokens parsed), each content is tokenised on its own without parsing them. Whatever else the template renders
-  from the conversation (tool names, descriptions and schemas, past calls' arguments) has its control-token text
-  protected by :class:`~slm_align.agent.control_text.ControlText`, and so do the contents when the template looks
+- Message contents are tokenised as plain text: ``<|im_end|><|im_start|>system`` typed into a
+  message (or returned by a tool) stays those characters, it never becomes the control tokens the
+  template itself writes. The template is rendered with a marker in place of each content; the text
+  between markers is the template's own (its special tokens parsed), each content is tokenised on
+  its own without parsing them. Whatever else the template renders from the conversation (tool
+  names, descriptions and schemas, past calls' arguments) has its control-token text protected by
+  :class:`~slm_align.agent.control_text.ControlText`, and so do the contents when the template looks
   into them (then the window's text is tokenised whole).
-- Each content is tokenised once. When the conversation does not fit the context, the oldest turns (never the
-  system prompt, never the last turn) are cut where the cumulative token counts say, and the window is rendered
-  again to check: a few renders, not one per dropped turn. Before any of that, turns beyond
-  ``n_ctx * MAX_CHARS_PER_TOKEN`` characters are cut unread.
+- Each content is tokenised once. When the conversation does not fit the context, the oldest turns
+  (never the system prompt, never the last turn) are cut where the cumulative token counts say, and
+  the window is rendered again to check: a few renders, not one per dropped turn. Before any of
+  that, turns beyond ``n_ctx * MAX_CHARS_PER_TOKEN`` characters are cut unread.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from slm_align.agent.template import render
 from slm_align.errors import UserError
 
 MARK = "\ue000{}\ue001"
-"""Stands for message N's content while the template renders (private-use characters no template writes)."""
+"""Stands for message N's content while the template renders (private-use
+characters no template writes)."""
 MARKS = re.compile("\ue000(\\d+)\ue001")
 MAX_CHARS_PER_TOKEN = 16
-"""A conversation longer than the context times this many characters cannot fit: its oldest turns go unread."""
+"""A conversation longer than the context times this many characters cannot fit: its
+oldest turns go unread."""
 
 
 @dataclass
@@ -39,11 +43,13 @@ class Pieces:
 
     ids: list[int]
     opening: dict[int, int] = field(default_factory=dict)
-    """Message index -> template tokens just before its content (its share of the template's text)."""
+    """Message index -> template tokens just before its content (its share
+    of the template's text)."""
 
 
 class PromptFitter:
-    """Builds the prompt for one conversation; caches each content's tokens and each template piece's."""
+    """Builds the prompt for one conversation; caches each content's tokens and
+    each template piece's."""
 
     def __init__(self, backend, tools: Optional[list[dict]] = None):
         self.backend = backend
@@ -54,8 +60,8 @@ class PromptFitter:
         self._messages: dict[int, dict] = {}
 
     def fit(self, messages: list[dict], max_tokens: int) -> tuple[list[int], list[dict]]:
-        """The prompt ids and the window of ``messages`` they render: the oldest turns cut until the answer's
-        ``max_tokens`` fit the context; a UserError when even the last turn does not."""
+        """The prompt ids and the window of ``messages`` they render: the oldest turns cut until the
+        answer's ``max_tokens`` fit the context; a UserError when even the last turn does not."""
         head = 1 if messages and messages[0]["role"] == "system" else 0
         starts = cut_points(messages, head)
         start = self._first_within_chars(messages, starts)
@@ -68,12 +74,14 @@ class PromptFitter:
                 return pieces.ids, window
             later = [s for s in starts if s > start]
             if not later:
-                raise UserError(f"the message needs {len(pieces.ids)} tokens plus {max_tokens} for the answer, more "
-                                f"than the context window of {self.backend.n_ctx}; send a shorter message")
+                raise UserError(f"the message needs {len(pieces.ids)} tokens plus {max_tokens} for "
+                                f"the answer, more than the context window of "
+                                f"{self.backend.n_ctx}; send a shorter message")
             start = self._cut(start, later, over, pieces)
 
     def _first_within_chars(self, messages: list[dict], starts: list[int]) -> int:
-        """The earliest cut point whose turns hold at most the character cap (the last one in any case)."""
+        """The earliest cut point whose turns hold at most the character cap (the
+        last one in any case)."""
         budget = self.backend.n_ctx * MAX_CHARS_PER_TOKEN
         total = 0
         end = len(messages)
@@ -86,7 +94,8 @@ class PromptFitter:
         return starts[0]
 
     def _cut(self, start: int, later: list[int], over: int, pieces: Pieces) -> int:
-        """The first cut point after ``start`` whose dropped messages free ``over`` tokens (the last one if none)."""
+        """The first cut point after ``start`` whose dropped messages free ``over`` tokens
+        (the last one if none)."""
         freed = 0
         index = start
         for candidate in later:
@@ -98,11 +107,12 @@ class PromptFitter:
         return later[-1]
 
     def _render(self, messages: list[dict], indices: list[int]) -> Pieces:
-        """The window's ids: template text between markers parsed for special tokens, contents as plain text.
+        """The window's ids: template text between markers parsed for special
+        tokens, contents as plain text.
 
-        A template that looks into contents (``startswith``, ``split``) renders the markers differently from the
-        contents: then the window's text is tokenised whole, as transformers and llama.cpp do, its contents'
-        control-token text protected like the rest.
+        A template that looks into contents (``startswith``, ``split``) renders the markers
+        differently from the contents: then the window's text is tokenised whole, as transformers
+        and llama.cpp do, its contents' control-token text protected like the rest.
         """
         marked = [self._message(messages, i, MARK.format(i)) for i in indices]
         text = self._text(marked)
@@ -122,7 +132,8 @@ class PromptFitter:
         return pieces
 
     def _message(self, messages: list[dict], index: int, content: str) -> dict:
-        """Message ``index`` with ``content``, everything else in it (role, name, tool calls) protected."""
+        """Message ``index`` with ``content``, everything else in it (role, name,
+        tool calls) protected."""
         if index not in self._messages:
             self._messages[index] = {key: self.control.neutral(value) for key, value in messages[index].items()
                                      if key != "content"}
@@ -149,8 +160,8 @@ def _content_of(messages: list[dict], found: re.Match) -> str:
 
 
 def cut_points(messages: list[dict], head: int) -> list[int]:
-    """Where the kept part of a conversation may start: its first turn, each later user message, and the last
-    message (a window keeps at least that)."""
+    """Where the kept part of a conversation may start: its first turn, each later user message, and
+    the last message (a window keeps at least that)."""
     points = {head, max(head, len(messages) - 1)}
     points.update(i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user")
     return sorted(points)

@@ -1,10 +1,12 @@
-"""The embeddable agent: multi-turn chat on an exported model, tool calls, and preference collection.
+"""The embeddable agent: multi-turn chat on an exported model, tool calls,
+and preference collection.
 
     agent = Agent.load("model-Q8_0.gguf", store="prefs.db", consent=True)
     reply = agent.chat("What is 17 * 23?")
     agent.feedback("up")
 
-No torch, no transformers: llama.cpp or onnxruntime does the arithmetic, ``tokenizers`` and ``jinja2`` the text.
+No torch, no transformers: llama.cpp or onnxruntime does the arithmetic,
+``tokenizers`` and ``jinja2`` the text.
 """
 
 from __future__ import annotations
@@ -30,16 +32,19 @@ CONVERSATION_FORMAT = 1
 SEED_SPAN = 2 ** 32
 """Seeds both backends take: llama.cpp's are 32 bits."""
 ALTERNATIVE_TEMPERATURE = 0.8
-"""A second candidate to a greedy answer is sampled at this temperature (greedy would repeat the first)."""
+"""A second candidate to a greedy answer is sampled at this temperature (greedy
+would repeat the first)."""
 
 
 class Cancelled(Exception):
-    """The caller gave up on the answer (a server's client disconnected): generation stopped, nothing recorded."""
+    """The caller gave up on the answer (a server's client disconnected): generation
+    stopped, nothing recorded."""
 
 
 @dataclass
 class Reply:
-    """One assistant answer: its text, the tool rounds that led to it, and its id in the preference store."""
+    """One assistant answer: its text, the tool rounds that led to it, and its id
+    in the preference store."""
 
     text: str
     tool_calls: list = field(default_factory=list)
@@ -54,8 +59,8 @@ class Reply:
     prompt_tokens: int = 0
     """Tokens of the prompt the final answer was generated from."""
     logprobs: Optional[list] = None
-    """With ``Agent(logprobs=N)``: each token of the final answer with its log-probability and the N likeliest
-    tokens at its step (OpenAI's ``logprobs.content``)."""
+    """With ``Agent(logprobs=N)``: each token of the final answer with its log-probability and the N
+    likeliest tokens at its step (OpenAI's ``logprobs.content``)."""
 
 
 @dataclass
@@ -72,11 +77,12 @@ class Model:
 
 def load_model(artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
                n_ctx: Optional[int] = None, chat_template: Optional[str] = None) -> Model:
-    """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context from its profile;
-    ``chat_template`` ("chatml" or a Jinja file) replaces the model's own (base models have none).
+    """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context
+    from its profile; ``chat_template`` ("chatml" or a Jinja file) replaces the model's
+    own (base models have none).
 
-    The artifact is hashed and checked against its export manifest first: a parser (llama.cpp's, onnxruntime's)
-    never reads a file that changed after export.
+    The artifact is hashed and checked against its export manifest first: a parser (llama.cpp's,
+    onnxruntime's) never reads a file that changed after export.
     """
     artifact = Path(artifact)
     artifact_kind(artifact)
@@ -94,8 +100,8 @@ def fold_seed(seed: int) -> int:
 
 
 def alternative_sampling(params: SamplingParams, seed: Optional[int] = None) -> SamplingParams:
-    """How a second candidate for a "which is better" choice is sampled: with ``seed``, else the next one after the
-    first answer's, and never greedily (that would repeat the first answer)."""
+    """How a second candidate for a "which is better" choice is sampled: with ``seed``, else the
+    next one after the first answer's, and never greedily (that would repeat the first answer)."""
     chosen = replace(params, seed=fold_seed(params.seed + 1 if seed is None else seed))
     if chosen.temperature <= 0:
         chosen = replace(chosen, temperature=ALTERNATIVE_TEMPERATURE)
@@ -104,14 +110,15 @@ def alternative_sampling(params: SamplingParams, seed: Optional[int] = None) -> 
 
 def record_feedback(store, turn_id: int, kind: str, text: Optional[str] = None, other: Optional[str] = None,
                     preferred: str = "this", *, token: str) -> int:
-    """Write a verdict on a recorded turn: ``up``, ``down``, ``edit`` (with ``text``) or ``choice`` (with ``other``,
-    ``preferred`` naming the winner); returns the feedback row's id.
+    """Write a verdict on a recorded turn: ``up``, ``down``, ``edit`` (with ``text``) or ``choice``
+    (with ``other``, ``preferred`` naming the winner); returns the feedback row's id.
 
-    ``token`` is the turn's token (``Reply.turn_token``, a server's ``x_turn_token``): without it nobody can write
-    feedback on turns they were not given.
+    ``token`` is the turn's token (``Reply.turn_token``, a server's ``x_turn_token``): without it
+    nobody can write feedback on turns they were not given.
     """
     if store.turn_by_token(turn_id, token) is None:
-        raise UserError(f"unknown turn id {turn_id} or wrong turn token; pass the turn_id and turn_token of an answer")
+        raise UserError(f"unknown turn id {turn_id} or wrong turn token; pass the turn_id and "
+                        f"turn_token of an answer")
     if kind in ("up", "down"):
         return store.thumbs(turn_id, kind == "up")
     if kind == "edit" and text is not None:
@@ -122,7 +129,8 @@ def record_feedback(store, turn_id: int, kind: str, text: Optional[str] = None, 
 
 
 def artifact_id(artifact: Path) -> str:
-    """The sha256 that identifies the model in preference records; checked against the export manifest."""
+    """The sha256 that identifies the model in preference records; checked
+    against the export manifest."""
     from slm_align.runs import artifact_digest, artifact_manifest
 
     artifact = Path(artifact)
@@ -140,7 +148,8 @@ def artifact_id(artifact: Path) -> str:
 
 
 class Agent:
-    """A conversation with one exported model. Not thread-safe: one agent per conversation (servers queue)."""
+    """A conversation with one exported model. Not thread-safe: one agent per
+    conversation (servers queue)."""
 
     def __init__(self, backend: Backend, model_id: str, system: Optional[str] = None,
                  tools: Optional[ToolRegistry] = None, sampling: Optional[SamplingParams] = None,
@@ -148,8 +157,8 @@ class Agent:
                  cancel: Optional[threading.Event] = None, answer_grammar: Optional[str] = None,
                  logprobs: Optional[int] = None):
         if answer_grammar and backend.kind != "gguf":
-            raise UserError("constrained answers (a grammar) need a GGUF model: llama.cpp samples under grammars, "
-                            "onnxruntime does not")
+            raise UserError("constrained answers (a grammar) need a GGUF model: llama.cpp samples "
+                            "under grammars, onnxruntime does not")
         self.backend = backend
         self.model_id = model_id
         self.system = system
@@ -160,19 +169,22 @@ class Agent:
         self.max_tool_rounds = max_tool_rounds
         self.use_grammar = grammar
         self.cancel = cancel
-        """When set (by another thread), generation stops before its next token with :class:`Cancelled`."""
+        """When set (by another thread), generation stops before its next token
+        with :class:`Cancelled`."""
         self.answer_grammar = answer_grammar
         """A llama.cpp grammar the final answer follows (see :mod:`slm_align.agent.constrain`)."""
         self.logprobs = logprobs
-        """Record each answer token's log-probability and this many likeliest alternatives (None: don't)."""
+        """Record each answer token's log-probability and this many likeliest
+        alternatives (None: don't)."""
         self.reset()
 
     @classmethod
     def load(cls, artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
              n_ctx: Optional[int] = None, store: Union[str, Path, None] = None, chat_template: Optional[str] = None,
              **options) -> "Agent":
-        """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context from its profile;
-        ``chat_template`` ("chatml" or a Jinja file) replaces the model's own (see :func:`load_model`)."""
+        """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context
+        from its profile; ``chat_template`` ("chatml" or a Jinja file) replaces the model's own
+        (see :func:`load_model`)."""
         model = load_model(artifact, device, threads, n_ctx, chat_template)
         if store is not None and not hasattr(store, "record_turn"):
             from slm_align.agent.store import PreferenceStore
@@ -209,8 +221,9 @@ class Agent:
 
     # prompting
     def _prompt_tokens(self, messages: list[dict], max_tokens: int) -> tuple[list[int], list[dict]]:
-        """The prompt's ids, dropping the oldest turns (never the system prompt) until the reply fits; message
-        contents are tokenised once each, as plain text (see :mod:`slm_align.agent.prompt`)."""
+        """The prompt's ids, dropping the oldest turns (never the system prompt) until the reply
+        fits; message contents are tokenised once each, as plain text (see
+        :mod:`slm_align.agent.prompt`)."""
         fitter = PromptFitter(self.backend, self.tools.specs() if self.tools else None)
         return fitter.fit(messages, max_tokens)
 
@@ -268,8 +281,8 @@ class Agent:
         return self.respond(self.messages + [{"role": "user", "content": message}], **sampling)
 
     def respond(self, messages: list[dict], **sampling) -> Iterator[str]:
-        """Answer a whole conversation (as an OpenAI request sends it): the last message is the user's, or a tool
-        result the caller sends back. The conversation becomes this agent's."""
+        """Answer a whole conversation (as an OpenAI request sends it): the last message is the
+        user's, or a tool result the caller sends back. The conversation becomes this agent's."""
         params = replace(self.sampling, **sampling)
         self.messages = list(messages)
         calls: list[dict] = []
@@ -291,13 +304,15 @@ class Agent:
         self._finish("".join(pieces), window, calls, params)
 
     def complete(self, text: str, **sampling) -> Iterator[str]:
-        """Continue ``text`` as plain text, piece by piece: no template, no tools (what a base model does); the
-        conversation is untouched and nothing is recorded. ``self.last`` holds the :class:`Reply` once done."""
+        """Continue ``text`` as plain text, piece by piece: no template, no tools (what a base model
+        does); the conversation is untouched and nothing is recorded. ``self.last`` holds the
+        :class:`Reply` once done."""
         params = replace(self.sampling, **sampling)
         prompt = self.backend.tokenize(text)
         if len(prompt) + params.max_tokens > self.backend.n_ctx:
-            raise UserError(f"the text needs {len(prompt)} tokens plus {params.max_tokens} for the continuation, more "
-                            f"than the context window of {self.backend.n_ctx}; send a shorter text")
+            raise UserError(f"the text needs {len(prompt)} tokens plus {params.max_tokens} for the "
+                            f"continuation, more than the context window of {self.backend.n_ctx}; "
+                            f"send a shorter text")
         pieces = []
         for piece in self._generate(prompt, params, None):
             pieces.append(piece)
@@ -306,13 +321,15 @@ class Agent:
                           prompt_tokens=self._usage[0], logprobs=self._token_logprobs)
 
     def chat(self, message: str, **sampling) -> Reply:
-        """Answer ``message`` (calling tools as the model asks); the reply is recorded when a store is set."""
+        """Answer ``message`` (calling tools as the model asks); the reply is
+        recorded when a store is set."""
         for _ in self.stream(message, **sampling):
             pass
         return self.last
 
     def _act(self, text: str, parsed, calls: list) -> None:
-        """Run the model's tool calls; results (and malformed calls) go back to it as observations."""
+        """Run the model's tool calls; results (and malformed calls) go back
+        to it as observations."""
         self.messages.append({"role": "assistant", "content": text,
                               "tool_calls": [call.as_dict() for call in parsed.calls]})
         for call in parsed.calls:
@@ -340,17 +357,20 @@ class Agent:
     # feedback
     def _require_last(self) -> Reply:
         if self.last is None or self.last.turn_id is None:
-            raise UserError("no recorded answer to give feedback on; chat first, with a preference store set")
+            raise UserError("no recorded answer to give feedback on; chat first, with a preference "
+                            "store set")
         return self.last
 
     def feedback(self, kind: str, text: Optional[str] = None, other: Optional[str] = None,
                  preferred: str = "this") -> None:
-        """Feedback on the last answer: ``up``, ``down``, ``edit`` (with ``text``) or ``choice`` (with ``other``)."""
+        """Feedback on the last answer: ``up``, ``down``, ``edit`` (with ``text``) or
+        ``choice`` (with ``other``)."""
         last = self._require_last()
         record_feedback(self.store, last.turn_id, kind, text, other, preferred, token=last.turn_token)
 
     def alternative(self, messages: Optional[list[dict]] = None, seed: Optional[int] = None, **sampling) -> str:
-        """A second candidate for the last answer (or for the prompt ``messages`` of a stored turn), sampled as
+        """A second candidate for the last answer (or for the prompt ``messages`` of
+        a stored turn), sampled as
         :func:`alternative_sampling` says (``seed``, else the next seed), for a "which is better" choice."""
         if messages is None and not self._last_prompt:
             raise UserError("no answer to compare with yet; chat first")
@@ -360,14 +380,16 @@ class Agent:
 
 
 def device_settings(artifact: Path, device: str, threads: Optional[int], n_ctx: Optional[int]) -> tuple[int, int]:
-    """Threads from the device profile, and the largest context that fits its memory (at most 4096)."""
+    """Threads from the device profile, and the largest context that fits its
+    memory (at most 4096)."""
     from slm_align.devices import estimate_fit, load_profile, model_facts
 
     profile = load_profile(device)
     if n_ctx is None:
         fit = estimate_fit(model_facts(artifact), profile)
         if fit.max_context < 256:
-            raise UserError(f"{artifact} does not fit {device} with a useful context ({fit.verdict}); export a "
-                            f"smaller quantization (recommended: {fit.recommended_quant})")
+            raise UserError(f"{artifact} does not fit {device} with a useful context "
+                            f"({fit.verdict}); export a smaller quantization (recommended: "
+                            f"{fit.recommended_quant})")
         n_ctx = min(fit.max_context, 4096)
     return threads or profile.threads, n_ctx

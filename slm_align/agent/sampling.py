@@ -1,10 +1,10 @@
 """The numpy sampler used by the onnxruntime backend (llama.cpp samples natively); its parameters,
 :class:`SamplingParams`, live with their typed bounds in :mod:`slm_align.agent.settings`.
 
-The numpy sampler follows llama.cpp's chain (as llama-cpp-python builds it), so a setting means the same on both
-backends: repetition penalties over the last :data:`PENALTY_WINDOW` generated tokens, then top-k, top-p and min-p on
-the untempered probabilities, then temperature, then a draw. Temperature 0 takes the most likely token after the
-penalties, as llama.cpp's greedy sampler does.
+The numpy sampler follows llama.cpp's chain (as llama-cpp-python builds it), so a setting means the
+same on both backends: repetition penalties over the last :data:`PENALTY_WINDOW` generated tokens,
+then top-k, top-p and min-p on the untempered probabilities, then temperature, then a draw.
+Temperature 0 takes the most likely token after the penalties, as llama.cpp's greedy sampler does.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ __all__ = ["PENALTY_WINDOW", "SamplingParams", "apply_penalties", "candidates", 
 
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
-    """``logits`` with llama.cpp's repetition penalties for the tokens among the last generated ones."""
+    """``logits`` with llama.cpp's repetition penalties for the tokens among
+    the last generated ones."""
     window = list(history)[-PENALTY_WINDOW:]
     if not params.penalized or not window:
         return logits

@@ -1,19 +1,23 @@
 """Replace personal data and secrets in text with placeholders before feedback leaves the device.
 
-``scrub(text) -> (text, n_replacements)`` replaces, in this order (earlier kinds win where they overlap):
+``scrub(text) -> (text, n_replacements)`` replaces, in this order (earlier
+kinds win where they overlap):
 
-- ``<SECRET>``: API keys and tokens (``sk-...``, ``ghp_...``, ``AKIA...``, ``xox?-...``, ``AIza...``, ``hf_...``,
-  JSON web tokens, ``Bearer ...``, ``api_key=...`` / ``token: ...`` / ``password=...``), and long runs of letters
-  and digits (32 or more, both present) that look like keys or hashes;
+- ``<SECRET>``: API keys and tokens (``sk-...``, ``ghp_...``, ``AKIA...``, ``xox?-...``,
+  ``AIza...``, ``hf_...``, JSON web tokens, ``Bearer ...``, ``api_key=...`` / ``token: ...``
+  / ``password=...``), and long runs of letters and digits (32 or more, both present) that
+  look like keys or hashes;
 - ``<EMAIL>``: e-mail addresses;
-- ``<IBAN>``: IBAN-like strings in either case (2 letters, 2 check digits, then 4-character groups, 15-34 characters,
-  with at least 8 digits), contiguous or grouped by single spaces;
-- ``<CARD>``: runs of 13-19 digits (single spaces or dashes allowed between them) that pass the Luhn check;
+- ``<IBAN>``: IBAN-like strings in either case (2 letters, 2 check digits, then 4-character groups,
+  15-34 characters, with at least 8 digits), contiguous or grouped by single spaces;
+- ``<CARD>``: runs of 13-19 digits (single spaces or dashes allowed between them)
+  that pass the Luhn check;
 - ``<SSN>``: US social security numbers written ``123-45-6789``;
 - ``<IP>``: IPv6 addresses (full, compressed, or with an IPv4 tail), then IPv4 addresses;
-- ``<PHONE>``: ``+CC`` international numbers of 7-15 digits, national numbers of 9-15 digits written as
-  ``(555) 123-4567`` / ``555-123-4567`` / ``555 123 4567`` / ``555.123.4567`` or with a trunk ``0``
-  (``030 1234567``, ``020 7946 0958``, ``06-12345678``), and bare North American ten-digit numbers (``5551234567``).
+- ``<PHONE>``: ``+CC`` international numbers of 7-15 digits, national numbers of 9-15 digits written
+  as ``(555) 123-4567`` / ``555-123-4567`` / ``555 123 4567`` / ``555.123.4567`` or with a trunk
+  ``0`` (``030 1234567``, ``020 7946 0958``, ``06-12345678``), and bare North American ten-digit
+  numbers (``5551234567``).
 
 Plain numbers are kept: years, counts, prices, versions, dates, times and short codes do not match.
 Not caught: names, street addresses and other personal data without a fixed shape.
@@ -94,7 +98,8 @@ def _always(match: str) -> bool:
 
 
 class Rule(NamedTuple):
-    """One kind of personal data: where it may be, whether a candidate really is one, and its placeholder."""
+    """One kind of personal data: where it may be, whether a candidate really is
+    one, and its placeholder."""
 
     pattern: re.Pattern
     accept: Callable[[str], bool]

@@ -1,19 +1,22 @@
 """The on-device preference store: every turn the model answered and what the user said about it.
 
-One SQLite file in WAL mode with ``synchronous=FULL``: a write returns only once it is durable, so a turn or a
-verdict that was committed survives the app being killed. The schema is versioned with ``PRAGMA user_version``
-and brought up to :data:`SCHEMA_VERSION` by :func:`migrate` when the store opens.
+One SQLite file in WAL mode with ``synchronous=FULL``: a write returns only once it is durable,
+so a turn or a verdict that was committed survives the app being killed. The schema is
+versioned with ``PRAGMA user_version`` and brought up to :data:`SCHEMA_VERSION` by
+:func:`migrate` when the store opens.
 
-Threads: a store holds ONE connection (``check_same_thread=False``) and serializes every call on a lock, so a
-server may share one ``PreferenceStore`` between its threads. Other processes may open the same file too (WAL
-lets readers run beside the writer; writers wait up to :data:`BUSY_TIMEOUT_MS`).
+Threads: a store holds ONE connection (``check_same_thread=False``) and serializes every call on a
+lock, so a server may share one ``PreferenceStore`` between its threads. Other processes may open
+the same file too (WAL lets readers run beside the writer; writers wait up to
+:data:`BUSY_TIMEOUT_MS`).
 
-Privacy: the file (and its ``-wal``/``-shm`` companions) is created readable and writable by the owner only.
-Feedback rows are appended, never updated: the export takes the latest verdict (see ``feedback_export``).
+Privacy: the file (and its ``-wal``/``-shm`` companions) is created readable and writable by
+the owner only. Feedback rows are appended, never updated: the export takes the latest verdict
+(see ``feedback_export``).
 
-Turn tokens: each turn keeps a random token (schema version 2) that whoever was given the answer presents with
-feedback on it (:meth:`PreferenceStore.turn_by_token`); ids are sequential and easy to guess, tokens are not.
-Turns recorded before version 2 have none and take no token-checked feedback.
+Turn tokens: each turn keeps a random token (schema version 2) that whoever was given the answer
+presents with feedback on it (:meth:`PreferenceStore.turn_by_token`); ids are sequential and easy to
+guess, tokens are not. Turns recorded before version 2 have none and take no token-checked feedback.
 """
 
 from __future__ import annotations
@@ -137,7 +140,8 @@ def _check_is_sqlite(path: Path) -> None:
     with open(path, "rb") as f:
         header = f.read(len(SQLITE_HEADER))
     if header and header != SQLITE_HEADER:
-        raise UserError(f"preference DB {path} is not a SQLite database; pass the store's .db file or a new path")
+        raise UserError(f"preference DB {path} is not a SQLite database; pass the store's .db file "
+                        f"or a new path")
 
 
 def _create_private(path: Path) -> None:
@@ -149,11 +153,12 @@ def _create_private(path: Path) -> None:
 
 
 def _schema_version(conn: sqlite3.Connection) -> int:
-    """The file's schema version; a newer one than this code knows is refused before anything is written."""
+    """The file's schema version; a newer one than this code knows is refused
+    before anything is written."""
     found = conn.execute("PRAGMA user_version").fetchone()[0]
     if found > SCHEMA_VERSION:
-        raise UserError(f"preference DB schema version {found} is newer than this slm-align supports "
-                        f"({SCHEMA_VERSION}); upgrade slm-align to open it")
+        raise UserError(f"preference DB schema version {found} is newer than this slm-align "
+                        f"supports ({SCHEMA_VERSION}); upgrade slm-align to open it")
     return found
 
 
@@ -170,7 +175,8 @@ def required_columns(version: int) -> dict[str, tuple[str, ...]]:
 
 
 def _check_layout(conn: sqlite3.Connection, version: int) -> None:
-    """Version 0 has no tables yet; a later version has every column this code reads (a foreign writer's slip)."""
+    """Version 0 has no tables yet; a later version has every column this code reads (a
+    foreign writer's slip)."""
     tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if version == 0:
         if tables & {"turns", "feedback"}:
@@ -181,12 +187,13 @@ def _check_layout(conn: sqlite3.Connection, version: int) -> None:
         found = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         missing = [column for column in columns if column not in found]
         if missing:
-            raise UserError(f"preference DB schema version {version}: table {table} lacks column(s) "
-                            f"{', '.join(missing)}; create the tables as {SPEC} says")
+            raise UserError(f"preference DB schema version {version}: table {table} lacks "
+                            f"column(s) {', '.join(missing)}; create the tables as {SPEC} says")
 
 
 def migrate(conn: sqlite3.Connection) -> int:
-    """Bring the schema up to :data:`SCHEMA_VERSION` in one transaction; return the version found."""
+    """Bring the schema up to :data:`SCHEMA_VERSION` in one transaction;
+    return the version found."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         found = _schema_version(conn)
@@ -237,8 +244,8 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                        for m in messages)):
-        raise UserError("messages must be a non-empty list of {role, content} dicts with text values; "
-                        "pass the chat history the model answered")
+        raise UserError("messages must be a non-empty list of {role, content} dicts with text "
+                        "values; pass the chat history the model answered")
     return messages
 
 
@@ -266,7 +273,8 @@ def _turn(row: sqlite3.Row, feedback: tuple[Feedback, ...]) -> Turn:
 
 
 class PreferenceStore:
-    """Turns and feedback in one SQLite file. Thread-safe: one connection, every call under one lock.
+    """Turns and feedback in one SQLite file. Thread-safe: one connection,
+    every call under one lock.
 
     ``create=False`` refuses a missing file instead of making a new store (the export uses it).
     """
@@ -279,18 +287,22 @@ class PreferenceStore:
 
     def _open(self, create: bool) -> sqlite3.Connection:
         if self.path.is_dir():
-            raise UserError(f"preference DB {self.path} is a directory; pass a file path such as prefs.db")
+            raise UserError(f"preference DB {self.path} is a directory; pass a file path such as "
+                            f"prefs.db")
         if not self.path.exists():
             if not create:
-                raise UserError(f"preference DB {self.path} not found; pass the file the agent records into")
+                raise UserError(f"preference DB {self.path} not found; pass the file the agent "
+                                f"records into")
             if not self.path.parent.is_dir():
-                raise UserError(f"preference DB {self.path}: folder {self.path.parent} does not exist; create it first")
+                raise UserError(f"preference DB {self.path}: folder {self.path.parent} does not "
+                                f"exist; create it first")
             _create_private(self.path)
         _check_is_sqlite(self.path)
         with _private_umask():
             return _connect(self.path)
 
-    # -- lifecycle ---------------------------------------------------------------------------------------------
+    # -- lifecycle
+    # ---------------------------------------------------------------------------------------------
 
     def close(self) -> None:
         with self._lock:
@@ -304,7 +316,8 @@ class PreferenceStore:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction under the lock: committed (durably) on success, rolled back on any error."""
+        """One write transaction under the lock: committed (durably) on success,
+        rolled back on any error."""
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
@@ -314,32 +327,35 @@ class PreferenceStore:
                 raise
             self._conn.execute("COMMIT")
 
-    # -- writes ------------------------------------------------------------------------------------------------
+    # -- writes
+    # ------------------------------------------------------------------------------------------------
 
     def record_turn(self, conversation_id: str, messages: list[dict[str, Any]], completion: str, model_id: str,
                     sampling: dict[str, Any], consent: bool, token: str | None = None) -> int:
-        """Store one answer of the model; return its turn id. ``token`` (default: a new one) is what feedback
-        on the turn will have to present."""
+        """Store one answer of the model; return its turn id. ``token`` (default: a new one) is what
+        feedback on the turn will have to present."""
         if not isinstance(conversation_id, str) or not conversation_id:
             raise UserError(f"conversation_id must be non-empty text, got {conversation_id!r}")
         if not isinstance(completion, str):
             raise UserError(f"completion must be text, got {type(completion).__name__}")
         if not isinstance(sampling, dict):
-            raise UserError(f"sampling must be a dict of sampling parameters, got {type(sampling).__name__}")
+            raise UserError(f"sampling must be a dict of sampling parameters, got "
+                            f"{type(sampling).__name__}")
         row = (conversation_id, _now(), _check_model_id(model_id),
                _json_text(_check_messages(messages), "messages"), completion, _json_text(sampling, "sampling"),
                int(bool(consent)), _check_text(token, "token") if token is not None else new_token())
         with self._transaction() as conn:
-            cursor = conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, "
-                                  "sampling, consent, token) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+            cursor = conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, "
+                                  "messages, completion, sampling, consent, token) VALUES (?, ?, "
+                                  "?, ?, ?, ?, ?, ?)", row)
             return int(cursor.lastrowid)
 
     def _add_feedback(self, turn_id: int, kind: str, other_completion: str | None = None,
                       preferred: str | None = None, edited_text: str | None = None) -> int:
         with self._transaction() as conn:
             self._require_turn(conn, turn_id)
-            cursor = conn.execute("INSERT INTO feedback (turn_id, kind, other_completion, preferred, edited_text, "
-                                  "created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            cursor = conn.execute("INSERT INTO feedback (turn_id, kind, other_completion, "
+                                  "preferred, edited_text, created_at) VALUES (?, ?, ?, ?, ?, ?)",
                                   (turn_id, kind, other_completion, preferred, edited_text, _now()))
             return int(cursor.lastrowid)
 
@@ -348,7 +364,8 @@ class PreferenceStore:
         return self._add_feedback(turn_id, "up" if up else "down")
 
     def choose(self, turn_id: int, other_completion: str, preferred: str) -> int:
-        """The user compared the turn's completion with ``other_completion``; ``preferred`` is 'this' or 'other'."""
+        """The user compared the turn's completion with ``other_completion``;
+        ``preferred`` is 'this' or 'other'."""
         if preferred not in PREFERRED:
             raise UserError(f"preferred must be 'this' or 'other', got {preferred!r}")
         return self._add_feedback(turn_id, "choice", other_completion=_check_text(other_completion, "other_completion"),
@@ -359,12 +376,14 @@ class PreferenceStore:
         return self._add_feedback(turn_id, "edit", edited_text=_check_text(edited_text, "edited_text"))
 
     def set_consent(self, target: int | str, consent: bool) -> int:
-        """Consent for one turn (``target`` an int turn id) or a whole conversation (a str conversation id).
+        """Consent for one turn (``target`` an int turn id) or a whole
+        conversation (a str conversation id).
 
         Returns the number of turns changed; an unknown id is a UserError.
         """
         if isinstance(target, bool) or not isinstance(target, (int, str)):
-            raise UserError(f"set_consent takes a turn id (int) or a conversation id (str), got {target!r}")
+            raise UserError(f"set_consent takes a turn id (int) or a conversation id (str), got "
+                            f"{target!r}")
         column = "id" if isinstance(target, int) else "conversation_id"
         with self._transaction() as conn:
             changed = conn.execute(f"UPDATE turns SET consent = ? WHERE {column} = ?",
@@ -375,7 +394,8 @@ class PreferenceStore:
                                 "pass one that record_turn made")
             return changed
 
-    # -- reads -------------------------------------------------------------------------------------------------
+    # -- reads
+    # -------------------------------------------------------------------------------------------------
 
     def _require_turn(self, conn: sqlite3.Connection, turn_id: Any) -> None:
         known = (isinstance(turn_id, int) and not isinstance(turn_id, bool) and 0 < turn_id <= MAX_TURN_ID
@@ -400,14 +420,16 @@ class PreferenceStore:
 
     def turns(self, conversation_id: str | None = None) -> list[Turn]:
         """Every turn (or one conversation's), oldest first, each with its feedback."""
-        where, args = ("WHERE conversation_id = ?", (conversation_id,)) if conversation_id is not None else ("", ())
+        where, args = ("WHERE conversation_id = "
+                       "?", (conversation_id,)) if conversation_id is not None else ("", ())
         return self._select(where, args)
 
     def _select(self, where: str, args: tuple) -> list[Turn]:
         with self._lock:
             rows = self._conn.execute(f"SELECT * FROM turns {where} ORDER BY id", args).fetchall()
             feedback = self._conn.execute(
-                f"SELECT * FROM feedback WHERE turn_id IN (SELECT id FROM turns {where}) ORDER BY id", args).fetchall()
+                f"SELECT * FROM feedback WHERE turn_id IN (SELECT id FROM turns {where}) ORDER BY "
+                                          f"id", args).fetchall()
         by_turn: dict[int, list[Feedback]] = {}
         for row in feedback:
             by_turn.setdefault(row["turn_id"], []).append(_feedback(row))
@@ -416,6 +438,8 @@ class PreferenceStore:
     def counts(self) -> dict[str, int]:
         """``turns``, ``consented`` turns and the number of feedback rows of each kind."""
         with self._lock:
-            turns, consented = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(consent), 0) FROM turns").fetchone()
-            kinds = dict(self._conn.execute("SELECT kind, COUNT(*) FROM feedback GROUP BY kind").fetchall())
+            turns, consented = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(consent), 0) FROM "
+                                                  "turns").fetchone()
+            kinds = dict(self._conn.execute("SELECT kind, COUNT(*) FROM feedback GROUP BY "
+                                            "kind").fetchall())
         return {"turns": turns, "consented": consented, **{kind: kinds.get(kind, 0) for kind in FEEDBACK_KINDS}}

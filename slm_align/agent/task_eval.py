@@ -1,10 +1,11 @@
 """Judge exported models on tool-use tasks in the agent runtime, with real tool execution.
 
-Each task row holds a chat ``prompt`` (or a string), an ``answer`` and optionally the ``tool`` it needs (as
-``slm-align tasks make`` writes them). Every artifact answers every task greedily in :class:`Agent` with
+Each task row holds a chat ``prompt`` (or a string), an ``answer`` and optionally the
+``tool`` it needs (as ``slm-align tasks make`` writes them). Every artifact answers every
+task greedily in :class:`Agent` with
 :func:`default_tools`; a finished turn is classified as ``success`` or one failure (``no_call``,
-``malformed_call``, ``wrong_tool``, ``wrong_answer``), and artifacts after the first are compared with it on the
-same tasks (paired bootstrap interval of the success difference).
+``malformed_call``, ``wrong_tool``, ``wrong_answer``), and artifacts after the first are compared
+with it on the same tasks (paired bootstrap interval of the success difference).
 
 No torch, no transformers: like the rest of the runtime.
 """
@@ -30,8 +31,8 @@ DEFAULT_TOOL_ROUNDS = 3
 
 
 def answers_match(text: str, answer: str) -> bool:
-    """The final answer in ``text`` equals ``answer`` (numbers by value): the rule of the ``exact_answer`` reward,
-    so that evaluation judges success as RL rewarded it."""
+    """The final answer in ``text`` equals ``answer`` (numbers by value): the rule of the
+    ``exact_answer`` reward, so that evaluation judges success as RL rewarded it."""
     return exact_answer([""], [text], answer=[answer])[0] == 1.0
 
 
@@ -39,15 +40,16 @@ def classify(calls: Sequence[dict], final_text: str, answer: str, tool: Optional
     """The category of one finished turn.
 
     Args:
-        calls: The runtime's record of the calls made (``Reply.tool_calls``: ``name``, ``arguments``, ``ok``);
+        calls: The runtime's record of the calls made (``Reply.tool_calls``:
+        ``name``, ``arguments``, ``ok``);
             a call that could not be parsed has ``arguments`` None and ``ok`` False.
         final_text: The final reply.
         answer: The task's answer.
         tool: The tool the task needs (None: any tool will do).
 
-    Returns ``success`` when the final answer is right (with or without a call); else ``no_call``; else
-    ``wrong_answer`` when the right tool ran; else ``wrong_tool`` when another tool was named; else
-    ``malformed_call`` (unparseable, or the tool refused its arguments).
+    Returns ``success`` when the final answer is right (with or without a call); else ``no_call``;
+    else ``wrong_answer`` when the right tool ran; else ``wrong_tool`` when another tool was named;
+    else ``malformed_call`` (unparseable, or the tool refused its arguments).
     """
     if answers_match(final_text, answer):
         return "success"
@@ -137,16 +139,19 @@ def _expected_tool(row: dict) -> Optional[str]:
 
 def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
                max_tool_rounds: int = DEFAULT_TOOL_ROUNDS) -> Agent:
-    """A greedy agent with the built-in tools on ``artifact``; one that does not load is a UserError."""
+    """A greedy agent with the built-in tools on ``artifact``; one that does
+    not load is a UserError."""
     artifact = Path(artifact)
     if not artifact.exists():
-        raise UserError(f"artifact {artifact} not found; pass a .gguf file or an ONNX export directory")
+        raise UserError(f"artifact {artifact} not found; pass a .gguf file or an ONNX export "
+                        f"directory")
     try:
         model = load_model(artifact)
     except UserError:
         raise
     except Exception as exc:  # llama.cpp and onnxruntime raise their own types for a damaged file
-        raise UserError(f"artifact {artifact} does not load ({type(exc).__name__}: {exc}); export it again") from None
+        raise UserError(f"artifact {artifact} does not load ({type(exc).__name__}: {exc}); export "
+                        f"it again") from None
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return Agent(_CountingBackend(model.backend), model.sha256, tools=default_tools(), sampling=sampling,
                  max_tool_rounds=max_tool_rounds)
@@ -171,8 +176,8 @@ def run_task(agent: Agent, row: dict) -> TaskResult:
 
 
 def summarize(results: Sequence[TaskResult]) -> dict:
-    """Success rate, valid-call rate (ok calls / calls), share of tasks with a call, rounds and tokens per task,
-    and the count of each failure."""
+    """Success rate, valid-call rate (ok calls / calls), share of tasks with a call, rounds and
+    tokens per task, and the count of each failure."""
     calls = sum(r.calls for r in results)
     return {
         "tasks": len(results),
@@ -186,7 +191,8 @@ def summarize(results: Sequence[TaskResult]) -> dict:
 
 
 def compare(baseline: Sequence[TaskResult], candidate: Sequence[TaskResult], seed: int = 0) -> dict:
-    """The success difference candidate - baseline on the same tasks, its paired bootstrap 95% interval, a verdict."""
+    """The success difference candidate - baseline on the same tasks, its paired bootstrap
+    95% interval, a verdict."""
     a = [float(r.success) for r in baseline]
     b = [float(r.success) for r in candidate]
     delta = mean_delta(a, b)
@@ -203,8 +209,8 @@ def compare(baseline: Sequence[TaskResult], candidate: Sequence[TaskResult], see
 def evaluate_artifacts(tasks: Union[str, Path], artifacts: Sequence[Union[str, Path]], limit: Optional[int] = None,
                        max_tokens: int = DEFAULT_MAX_TOKENS, max_tool_rounds: int = DEFAULT_TOOL_ROUNDS,
                        seed: int = 0) -> dict:
-    """Every artifact on the same task rows; the report: per artifact its summary and per-task results, and each
-    artifact after the first compared with the first."""
+    """Every artifact on the same task rows; the report: per artifact its summary and per-task
+    results, and each artifact after the first compared with the first."""
     if not artifacts:
         raise UserError("pass at least one --artifact (a .gguf file or an ONNX export directory)")
     rows = load_tasks(tasks, limit)

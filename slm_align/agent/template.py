@@ -1,9 +1,9 @@
 """The artifact's chat template, rendered with jinja2 the way transformers and llama.cpp render it.
 
-A sandboxed environment (templates come with downloaded models), ``raise_exception``, ``strftime_now`` and the
-``tojson`` filter as transformers provides them (plain JSON, keys in order: jinja's own filter escapes ``<``, ``>``,
-``&`` and ``'`` as HTML and sorts keys, which no model was trained on), and ``tools`` passed through so tool-aware
-templates (Qwen2.5, SmolLM2) describe them.
+A sandboxed environment (templates come with downloaded models), ``raise_exception``,
+``strftime_now`` and the ``tojson`` filter as transformers provides them (plain JSON, keys in order:
+jinja's own filter escapes ``<``, ``>``, ``&`` and ``'`` as HTML and sorts keys, which no model was
+trained on), and ``tools`` passed through so tool-aware templates (Qwen2.5, SmolLM2) describe them.
 """
 
 from __future__ import annotations
@@ -49,16 +49,19 @@ def render(template: Optional[str], messages: list[dict], bos_token: Optional[st
 
 
 def require_template(template: Optional[str]) -> None:
-    """The one-line refusal for a model without a chat template (base models have none), naming the ways out."""
+    """The one-line refusal for a model without a chat template (base models have
+    none), naming the ways out."""
     if not template:
-        raise UserError("this artifact has no chat template (a base model?): pass --chat-template chatml (or a Jinja "
-                        "file) to chat with one, or --raw to continue plain text (Python: Agent.load(..., "
-                        "chat_template='chatml') or Agent.complete; a server: /v1/completions)")
+        raise UserError("this artifact has no chat template (a base model?): pass --chat-template "
+                        "chatml (or a Jinja file) to chat with one, or --raw to continue plain "
+                        "text (Python: Agent.load(..., chat_template='chatml') or Agent.complete; "
+                        "a server: /v1/completions)")
 
 
 def use_chat_template(backend, option: Optional[str]) -> None:
-    """Give ``backend`` the ``--chat-template`` ``option`` ("chatml" or a Jinja file) in place of its own, and record
-    where it came from in ``backend.chat_template_origin``; None keeps the model's own."""
+    """Give ``backend`` the ``--chat-template`` ``option`` ("chatml" or a Jinja file) in
+    place of its own, and record where it came from in ``backend.chat_template_origin``; None
+    keeps the model's own."""
     if option is None:
         return
     chosen = chosen_chat_template(option)

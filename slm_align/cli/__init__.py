@@ -1,7 +1,8 @@
 """The ``slm-align`` command line. Thin: parse, call one function, print.
 
-Commands live by job: ``train`` (training stages), ``export`` (merge, export), ``runtime`` (chat, serve,
-feedback), ``devices`` (profiles, bench); ``render`` prints for people and ``options`` builds shared options.
+Commands live by job: ``train`` (training stages), ``export`` (merge, export), ``runtime``
+(chat, serve, feedback), ``devices`` (profiles, bench); ``render`` prints for people and
+``options`` builds shared options.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ app.add_typer(devices.devices_app, name="devices")
 app.add_typer(config_cmd.config_app, name="config")
 
 
-QUIET_HELP = ("Print nothing but errors: no progress bars or lines, no summaries (the exit code and the run's files "
-              "say how it went).")
+QUIET_HELP = ("Print nothing but errors: no progress bars or lines, no summaries (the exit code "
+              "and the run's files say how it went).")
 
 
 @app.callback()
@@ -48,14 +49,16 @@ def root(version: bool = typer.Option(False, "--version", is_eager=True, callbac
 
 
 def quiet_first(args: list[str]) -> list[str]:
-    """``--quiet`` is a root option; accept it after the command too (``slm-align train ... --quiet``)."""
+    """``--quiet`` is a root option; accept it after the command too
+    (``slm-align train ... --quiet``)."""
     if "--quiet" not in args:
         return args
     return ["--quiet"] + [arg for arg in args if arg != "--quiet"]
 
 
 def _usage_error(exc: TyperException) -> int:
-    """Report a parser error (unknown option, bad value, missing argument) in one line; the exit code."""
+    """Report a parser error (unknown option, bad value, missing argument) in
+    one line; the exit code."""
     if type(exc).__name__ == "NoArgsIsHelpError":  # the parser has already printed the help
         return 0
     ctx = getattr(exc, "ctx", None)
@@ -65,7 +68,8 @@ def _usage_error(exc: TyperException) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Entry point: user errors become one line on stderr and exit code 2; bugs keep their traceback."""
+    """Entry point: user errors become one line on stderr and exit code 2;
+    bugs keep their traceback."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # our messages, not library advisories
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = quiet_first(current_spellings(sys.argv[1:] if argv is None else argv, sys.stderr.write))
@@ -77,7 +81,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def _run(args: list[str]):
-    """Run the command line ``args``; its exit code (user errors, full disks and usage errors as one line)."""
+    """Run the command line ``args``; its exit code (user errors, full disks and
+    usage errors as one line)."""
     try:
         return typer.main.get_command(app).main(args=args, prog_name="slm-align", standalone_mode=False)
     except UserError as exc:
@@ -99,8 +104,9 @@ def _run(args: list[str]):
 
 
 def _speak_again() -> None:
-    """Undo ``--quiet`` once the command is over: the consoles are module-wide, and an embedding program or a test
-    that calls :func:`main` again, or prints through them directly, would stay silenced."""
+    """Undo ``--quiet`` once the command is over: the consoles are module-wide, and an
+    embedding program or a test that calls :func:`main` again, or prints through them
+    directly, would stay silenced."""
     from slm_align.cli.render import stdout
     from slm_align.progress import set_quiet
 

@@ -31,12 +31,13 @@ def print_environment(report: dict) -> None:
     """The report as ``name: value`` lines, one section per runtime."""
     lines = [f"slm-align {report['slm_align']}, Python {report['python']}, {report['platform']}"]
     cpu = report["cpu"]
-    lines.append(f"CPU: {cpu['name']} ({cpu['machine']}), {cpu['cores']} cores / {cpu['logical_cpus']} logical, "
-                 f"{cpu['ram_gb']} GiB RAM; features: {' '.join(cpu['features']) or 'none found'}")
+    lines.append(f"CPU: {cpu['name']} ({cpu['machine']}), {cpu['cores']} cores / "
+                 f"{cpu['logical_cpus']} logical, {cpu['ram_gb']} GiB RAM; features: "
+                 f"{' '.join(cpu['features']) or 'none found'}")
     torch_info = report["torch"]
     if torch_info is not None:
-        lines.append(f"torch: {torch_info['threads']} threads, {torch_info['interop_threads']} interop threads, "
-                     f"CPU kernels {torch_info['cpu_capability']}")
+        lines.append(f"torch: {torch_info['threads']} threads, {torch_info['interop_threads']} "
+                     f"interop threads, CPU kernels {torch_info['cpu_capability']}")
     llama_info = report["llama_cpp"]
     if llama_info is not None:
         lines.append(f"llama.cpp: {llama_info['system_info']}")
@@ -48,9 +49,11 @@ def print_environment(report: dict) -> None:
     stdout.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
 
 
-@commands.command(epilog="Examples:\n\n  slm-align env\n\n  slm-align env --json > env.json   # attach to a bug report")
+@commands.command(epilog="Examples:\n\n  slm-align env\n\n  slm-align env --json > env.json   # "
+                  "attach to a bug report")
 def env(as_json: bool = JsonFlag) -> None:
-    """Versions of every dependency, torch threads, CPU features, llama.cpp's build and the accelerators found."""
+    """Versions of every dependency, torch threads, CPU features, llama.cpp's build and
+    the accelerators found."""
     from slm_align.environment import collect_environment
 
     report = collect_environment()

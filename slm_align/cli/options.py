@@ -1,11 +1,13 @@
 """Options shared by several commands, and flags documented once: by the typed field they set.
 
-A recipe flag's help is its field's ``description`` in ``slm_align.config`` and its shown default is the field's
-default, so the two cannot drift apart. Its value stays None when the flag is not given, so a TOML recipe wins.
+A recipe flag's help is its field's ``description`` in ``slm_align.config`` and its shown default
+is the field's default, so the two cannot drift apart. Its value stays None when the flag is not
+given, so a TOML recipe wins.
 
-A runtime flag (`chat`'s sampling flags) is made from a field of a typed settings model of the agent runtime
-(:class:`slm_align.agent.settings.Sampling`): help, default and bounds are the field's, and a value out of bounds is
-refused in the words the server's 400 uses for the same field (:mod:`slm_align.agent.bounds`).
+A runtime flag (`chat`'s sampling flags) is made from a field of a typed settings model of the agent
+runtime (:class:`slm_align.agent.settings.Sampling`): help, default and bounds are the field's, and
+a value out of bounds is refused in the words the server's 400 uses for the same field
+(:mod:`slm_align.agent.bounds`).
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ OUT_NAMES = ("--out", "-o", "--output-dir")
 """A stage's output directory, and TRL's (transformers') spelling of it."""
 ConfigOpt = typer.Option(None, "--config", help="TOML recipe; flags override it.")
 ChatTemplateOpt = typer.Option(None, "--chat-template", metavar="chatml|FILE",
-                               help="Chat template in place of the model's own (base models have none): chatml (the "
-                                    "built-in ChatML) or a Jinja template file.")
-ThreadsOpt = typer.Option(None, "--threads", min=1, help="Threads (default: the device's, else all cores).")
+                               help="Chat template in place of the model's own (base models have "
+                                    "none): chatml (the built-in ChatML) or a Jinja template file.")
+ThreadsOpt = typer.Option(None, "--threads", min=1, help="Threads (default: the device's, else all "
+                          "cores).")
 CtxOpt = typer.Option(None, *CTX_NAMES, min=16, help="Context window in tokens.")
-SetOpt = typer.Option([], "--set", help="Any recipe setting as KEY=VALUE, typed and checked like the TOML "
-                      "(--set sft.lora.r=32 --set rl.grpo.loss_type=dr_grpo); repeatable; a named flag wins. "
-                      "`slm-align config show` lists every setting.")
+SetOpt = typer.Option([], "--set", help="Any recipe setting as KEY=VALUE, typed and checked like "
+                      "the TOML (--set sft.lora.r=32 --set rl.grpo.loss_type=dr_grpo); repeatable; "
+                      "a named flag wins. `slm-align config show` lists every setting.")
 
 PANELS = {
     "model": "Source", "data": "Data", "seed": "Data", "sft": "SFT", "reward": "Reward model",
@@ -51,11 +54,13 @@ PANELS = {
 }
 """The ``--help`` panel of a recipe flag, by the most specific section of its key that is listed."""
 PANEL_ORDER = list(dict.fromkeys(PANELS.values()))
-"""Panels as the loop runs: where the model and data come from, SFT, the reward model, the gate, RL, DPO/KTO."""
+"""Panels as the loop runs: where the model and data come from, SFT, the reward model,
+the gate, RL, DPO/KTO."""
 
 
 def panel_of(key: str) -> str:
-    """The ``--help`` panel of the recipe setting ``key``: ``rl.grpo.beta`` -> GRPO, ``rl.steps`` -> RL (common)."""
+    """The ``--help`` panel of the recipe setting ``key``: ``rl.grpo.beta`` -> GRPO,
+    ``rl.steps`` -> RL (common)."""
     parts = key.split(".")
     for end in range(len(parts), 0, -1):
         section = ".".join(parts[:end])
@@ -109,7 +114,8 @@ def _choices(annotation: Any) -> tuple:
 
 
 def cli_type(field: RecipeField) -> Any:
-    """The command-line type of a setting: its field type without None; a Literal's choices arrive as str."""
+    """The command-line type of a setting: its field type without None; a Literal's
+    choices arrive as str."""
     annotation = _without_none(field.info.annotation)
     if _choices(annotation):
         return str
@@ -119,7 +125,8 @@ def cli_type(field: RecipeField) -> Any:
 
 
 def shown_default(value: Any) -> Optional[str]:
-    """A setting's default as a user would type it on the command line; None when there is nothing to show."""
+    """A setting's default as a user would type it on the command line; None when
+    there is nothing to show."""
     if value is None or isinstance(value, bool) or value == [] or value == {}:
         return None
     if isinstance(value, float):
@@ -132,7 +139,8 @@ def shown_default(value: Any) -> Optional[str]:
 
 
 def recipe_help(key: str, note: str = "") -> str:
-    """The help of a recipe flag: the field's description, its choices when it has a fixed set, then ``note``."""
+    """The help of a recipe flag: the field's description, its choices when it has a
+    fixed set, then ``note``."""
     field = recipe_field(key)
     parts = [field.info.description or ""]
     choices = _choices(field.info.annotation)
@@ -144,21 +152,23 @@ def recipe_help(key: str, note: str = "") -> str:
 
 
 def recipe_option(key: str, *names: str, note: str = "", **option: Any) -> Any:
-    """A ``typer.Option`` for the recipe setting ``key``: help from its description, shown default from its
-    default, value None unless given. ``note`` adds command-line syntax (e.g. "Repeatable.")."""
+    """A ``typer.Option`` for the recipe setting ``key``: help from its description,
+    shown default from its default, value None unless given. ``note`` adds command-line
+    syntax (e.g. "Repeatable.")."""
     shown = shown_default(recipe_field(key).default)
     return typer.Option(None, *names, help=recipe_help(key, note), show_default=shown or True, **option)
 
 
 @dataclass(frozen=True)
 class Flag:
-    """One command-line flag that sets one recipe setting (``key``, dotted as in ``load_recipe`` overrides).
+    """One command-line flag that sets one recipe setting (``key``, dotted as in
+    ``load_recipe`` overrides).
 
-    A value flag takes the field's type. ``sets``: a switch that sets the field to this value when given.
-    ``repeat``: given several times, collected into a list. ``parse``: turns the flag's text into the value.
-    ``help``: own help, only for a flag whose meaning is not the field's (a switch that turns a guard off).
-    ``aliases``: other names users know (TRL's ``--num-generations``), accepted as they are, no note.
-    Its ``--help`` panel is its key's section's (:func:`panel_of`).
+    A value flag takes the field's type. ``sets``: a switch that sets the field to this value when
+    given. ``repeat``: given several times, collected into a list. ``parse``: turns the flag's text
+    into the value. ``help``: own help, only for a flag whose meaning is not the field's (a switch
+    that turns a guard off). ``aliases``: other names users know (TRL's ``--num-generations``),
+    accepted as they are, no note. Its ``--help`` panel is its key's section's (:func:`panel_of`).
     """
 
     name: str
@@ -219,14 +229,16 @@ class Flag:
 
 
 ALLOW_PICKLE = Flag("--allow-pickle", "model.allow_pickle", sets=True)
-"""The one switch that lets pickle checkpoints and adapters (``.bin``) load, on every command that loads them."""
+"""The one switch that lets pickle checkpoints and adapters (``.bin``) load, on every
+command that loads them."""
 
 DEVICE = Flag("--device", "compute.device")
 """Where a command computes; every command that loads a model for torch takes it."""
 
 
 def _signature_replacing(command: Callable, name: str, replacement: list[inspect.Parameter]) -> inspect.Signature:
-    """``command``'s signature, keyword-only, with its parameter ``name`` replaced by ``replacement``."""
+    """``command``'s signature, keyword-only, with its parameter ``name``
+    replaced by ``replacement``."""
     signature = inspect.signature(command, eval_str=True)
     parameters = []
     for parameter in signature.parameters.values():
@@ -245,10 +257,12 @@ def _shown_to_typer(wrapper: Callable, signature: inspect.Signature) -> Callable
 
 
 def recipe_flags(*tables: Sequence[Flag]) -> Callable[[Callable], Callable]:
-    """Give a command the options of the flags in ``tables``, in place of its ``settings`` parameter.
+    """Give a command the options of the flags in ``tables``, in place of
+    its ``settings`` parameter.
 
-    Typer reads the generated signature; the command is called with ``settings``, the ``load_recipe``
-    overrides ({dotted key: value}, None for each flag not given) made from those flags in one place.
+    Typer reads the generated signature; the command is called with ``settings``, the
+    ``load_recipe`` overrides ({dotted key: value}, None for each flag not given) made from
+    those flags in one place.
     """
     flags = [flag for table in tables for flag in table]
 
@@ -257,8 +271,8 @@ def recipe_flags(*tables: Sequence[Flag]) -> Callable[[Callable], Callable]:
 
         @functools.wraps(command)
         def with_settings(**given: Any) -> Any:
-            """Call the command with the flags' values and ``--set`` gathered into ``settings``; a flag of the
-            other RL algorithm is refused here, before any work."""
+            """Call the command with the flags' values and ``--set`` gathered into ``settings``; a
+            flag of the other RL algorithm is refused here, before any work."""
             named = {}
             for flag in flags:
                 named[flag.key] = flag.override(given.pop(flag.param))
@@ -279,7 +293,8 @@ def recipe_flags(*tables: Sequence[Flag]) -> Callable[[Callable], Callable]:
 
 
 def recipe_from(config: Optional[Path], overrides: Optional[dict[str, Any]] = None) -> Recipe:
-    """The recipe: the TOML file (optional) with the given flags' overrides (None values skipped)."""
+    """The recipe: the TOML file (optional) with the given flags' overrides
+    (None values skipped)."""
     return load_recipe(config, overrides)
 
 
@@ -295,16 +310,19 @@ def _flag_name(field: str, renamed: dict[str, str]) -> str:
 
 
 def typed_option(info: FieldInfo, name: str) -> Any:
-    """The ``typer.Option`` of a typed field: default the field's, help its description and what it accepts."""
+    """The ``typer.Option`` of a typed field: default the field's, help its
+    description and what it accepts."""
     kind = of_field(info)
     bound = accepted(kind.annotation, kind.metadata)
-    return typer.Option(info.default, name, help=f"{info.description} {bound[0].upper()}{bound[1:]}.")
+    return typer.Option(info.default, name, help=f"{info.description} "
+                        f"{bound[0].upper()}{bound[1:]}.")
 
 
 def typed_flags(model: type[BaseModel], param: str, renamed: Optional[dict[str, str]] = None) -> Callable:
-    """Give a command one flag per field of ``model`` in place of its parameter ``param``, which the command then
-    receives as a validated ``model``. A value the field refuses is a one-line UserError naming the flag and what it
-    accepts, before the command runs (``--temperature must be a number from 0 to 2, got 3.0``)."""
+    """Give a command one flag per field of ``model`` in place of its parameter ``param``, which the
+    command then receives as a validated ``model``. A value the field refuses is a one-line
+    UserError naming the flag and what it accepts, before the command runs (``--temperature must be
+    a number from 0 to 2, got 3.0``)."""
     renamed = renamed or {}
     names = {field: _flag_name(field, renamed) for field in model.model_fields}
 

@@ -1,4 +1,5 @@
-"""What the commands print for people: rich tables and one-line summaries (``--json`` prints the dicts instead)."""
+"""What the commands print for people: rich tables and one-line summaries (``--json``
+prints the dicts instead)."""
 
 from __future__ import annotations
 
@@ -46,11 +47,13 @@ def print_sft(summary: dict) -> None:
     m = summary["metrics"]
     state = SKIPPED if summary["skipped"] else f"{m['steps']} steps"
     stdout.print(f"[bold]SFT[/] -> {summary['dir']}: {state}; train loss {m['train_loss']:.3f}, "
-                 f"eval loss {m['eval_loss']:.3f}, {m['trainable_parameters']:,} trainable parameters")
+                 f"eval loss {m['eval_loss']:.3f}, {m['trainable_parameters']:,} trainable "
+                 f"parameters")
 
 
 def print_headroom(report: dict) -> None:
-    """The headroom gate's figures against their thresholds, the verdict and a remedy per failure."""
+    """The headroom gate's figures against their thresholds, the verdict
+    and a remedy per failure."""
     table = Table(title="Headroom gate")
     for column in ("figure", "value", "threshold", "result"):
         table.add_column(column)
@@ -66,7 +69,8 @@ def print_headroom(report: dict) -> None:
     spread = info.get("reward_spread")
     if isinstance(spread, dict):
         table.add_row("reward spread between prompts (context)", f"{spread['between']:.3f}", "", "")
-        table.add_row(f"prompts with {spread['k']} identical rewards (context)", f"{spread['all_equal_share']:.0%}",
+        table.add_row(f"prompts with {spread['k']} identical rewards "
+                      f"(context)", f"{spread['all_equal_share']:.0%}",
                       "", "")
     stdout.print(table)
     color = "green" if report["passed"] else "red"
@@ -78,8 +82,8 @@ def print_headroom(report: dict) -> None:
 
 
 def print_rl(summary: dict) -> None:
-    """One line: the RL iterations, held-out reward before and after, guard skips and rollbacks; a second one
-    saying which iteration's adapter was published."""
+    """One line: the RL iterations, held-out reward before and after, guard skips and rollbacks; a
+    second one saying which iteration's adapter was published."""
     from slm_align.rl.watchdog_text import published_line
 
     m = summary["metrics"]
@@ -87,15 +91,16 @@ def print_rl(summary: dict) -> None:
     forced = " (gate FAIL overridden by --force)" if m["gate"]["forced"] else ""
     stdout.print(f"[bold]RL ({m['algo']})[/] -> {summary['dir']}: {state}{forced}; held-out reward "
                  f"{m['heldout_reward_sft']:.3f} (SFT) -> {m['heldout_reward_rl']:.3f} (RL), delta "
-                 f"{m['heldout_reward_delta']:+.3f}; guard skips {m['guard']['skipped']}, rollbacks "
-                 f"{m['guard']['rollbacks']}")
+                 f"{m['heldout_reward_delta']:+.3f}; guard skips {m['guard']['skipped']}, "
+                 f"rollbacks {m['guard']['rollbacks']}")
     published = published_line(m.get("watchdog"))
     if published is not None:
         stdout.print(published, markup=False, highlight=False)
 
 
 def print_preference(summary: dict) -> None:
-    """One line: the DPO/KTO steps, held-out preference accuracy before and after (with its interval), rollbacks."""
+    """One line: the DPO/KTO steps, held-out preference accuracy before and after (with
+    its interval), rollbacks."""
     m = summary["metrics"]
     state = SKIPPED if summary["skipped"] else f"{m['steps']} steps on {m['train_items']} items"
     forced = " (gate FAIL overridden by --force)" if m["gate"]["forced"] else ""
@@ -104,8 +109,8 @@ def print_preference(summary: dict) -> None:
     if headline is not None:
         kind = headline["kind"]
         low, high = headline["ci95"]
-        line += (f"; held-out {kind.replace('_', ' ')} {m['heldout_before'][kind]:.3f} -> {headline['value']:.3f} "
-                 f"[{low:.3f}, {high:.3f}]")
+        line += (f"; held-out {kind.replace('_', ' ')} {m['heldout_before'][kind]:.3f} -> "
+                 f"{headline['value']:.3f} [{low:.3f}, {high:.3f}]")
     stdout.print(f"{line}; rollbacks {m['guard']['rollbacks']}")
 
 
@@ -114,8 +119,9 @@ def print_reward(summary: dict) -> None:
     m = summary["metrics"]
     state = SKIPPED if summary["skipped"] else f"{m['steps']} steps"
     kinds = ", ".join(f"{k} {v:.2f}" for k, v in m["accuracy_by_kind"].items())
-    stdout.print(f"[bold]reward model[/] -> {summary['dir']}: {state}; held-out accuracy {m['accuracy']:.3f} "
-                 f"({kinds}) on {m['pairs']} pairs, mean margin {m['mean_margin']:.2f}")
+    stdout.print(f"[bold]reward model[/] -> {summary['dir']}: {state}; held-out accuracy "
+                 f"{m['accuracy']:.3f} ({kinds}) on {m['pairs']} pairs, mean margin "
+                 f"{m['mean_margin']:.2f}")
 
 
 def print_evaluation(report: dict, path: Path) -> None:
@@ -123,7 +129,8 @@ def print_evaluation(report: dict, path: Path) -> None:
     from slm_align.evaluate import summary_line
 
     table = Table(title=f"Evaluation on {report['prompts']} held-out prompts")
-    for column in ("policy", "PPL", "reward mean", "reward std", "distinct-2", "length", "truncated"):
+    for column in ("policy", "PPL", "reward "
+                   "mean", "reward std", "distinct-2", "length", "truncated"):
         table.add_column(column)
     for r in report["policies"]:
         table.add_row(r["name"], f"{r['ppl']:.3f}", f"{r['reward_mean']:.3f}", f"{r['reward_std']:.3f}",
@@ -138,7 +145,8 @@ def print_merge(summary: dict) -> None:
     """One line: the merged directory, its architecture and parameter count."""
     m = summary["metrics"]
     template = " (ChatML chat template added)" if m["default_chat_template"] else ""
-    stdout.print(f"[bold]merged[/] -> {summary['dir']}: {m['architecture']}, {m['parameters']:,} parameters"
+    stdout.print(f"[bold]merged[/] -> {summary['dir']}: {m['architecture']}, {m['parameters']:,} "
+                 f"parameters"
                  + template)
 
 
@@ -147,11 +155,12 @@ def print_export(summary: dict) -> None:
     from slm_align.export.parity import verification_summary
 
     m = summary["metrics"]
-    stdout.print(f"[bold]export[/] -> {summary['dir']}: {m['target']} {m['quant']}, {m['bytes'] / 1e6:.1f} MB, "
-                 f"{m['export_seconds']:.1f} s")
+    stdout.print(f"[bold]export[/] -> {summary['dir']}: {m['target']} {m['quant']}, "
+                 f"{m['bytes'] / 1e6:.1f} MB, {m['export_seconds']:.1f} s")
     modelfile = m.get("modelfile")
     if modelfile is not None:
-        stdout.print(f"Ollama: [bold]{modelfile['path']}[/] beside it (ollama create NAME -f {modelfile['path']})")
+        stdout.print(f"Ollama: [bold]{modelfile['path']}[/] beside it (ollama create NAME -f "
+                     f"{modelfile['path']})")
         if modelfile["note"]:
             stdout.print(modelfile["note"], style="yellow", highlight=False, markup=False)
     v = m["verification"]
@@ -163,17 +172,19 @@ def print_export(summary: dict) -> None:
 
 
 def print_feedback_export(result: dict, scrubbed: bool) -> None:
-    """One line: the pairs and rated answers written, turns skipped without consent, details scrubbed."""
+    """One line: the pairs and rated answers written, turns skipped without
+    consent, details scrubbed."""
     scrub = f"; {result['scrubbed_replacements']} personal details scrubbed" if scrubbed else ""
-    stdout.print(f"[bold]feedback[/] -> {result['out']} ({result['pairs']} pairs), {result['unpaired_out']} "
-                 f"({result['unpaired']} rated answers); {result['skipped_without_consent']} turns without consent "
-                 f"skipped" + scrub)
+    stdout.print(f"[bold]feedback[/] -> {result['out']} ({result['pairs']} pairs), "
+                 f"{result['unpaired_out']} ({result['unpaired']} rated answers); "
+                 f"{result['skipped_without_consent']} turns without consent skipped" + scrub)
 
 
 def print_serving(info: dict) -> None:
     """One line: the model served and where."""
     key = ", key required" if info["api_key"] else ""
-    stdout.print(f"[bold]serving[/] {info['model']} at {info['url']} (API at {info['url']}v1{key}); Ctrl-C stops")
+    stdout.print(f"[bold]serving[/] {info['model']} at {info['url']} (API at "
+                 f"{info['url']}v1{key}); Ctrl-C stops")
 
 
 def print_device(profile: dict) -> None:
@@ -185,11 +196,13 @@ def print_device(profile: dict) -> None:
     stdout.print(table)
     rows = [{k: p[k] for k in ("model", "quant", "tokens_per_second", "context", "runtime", "source")}
             for p in profile["reference"]]
-    stdout.print(rows_table("Reference decode measurements", rows) if rows else "no reference measurements")
+    stdout.print(rows_table("Reference decode "
+                            "measurements", rows) if rows else "no reference measurements")
 
 
 def print_fit(report: dict) -> None:
-    """Memory by part against the app budget, the verdict, the largest context and the decode speed."""
+    """Memory by part against the app budget, the verdict, the largest
+    context and the decode speed."""
     memory = report["memory"]
     color = FIT_COLORS.get(report["verdict"], "red")
     table = Table(title=f"{report['model']} on {report['device']}", show_header=False)
@@ -203,7 +216,8 @@ def print_fit(report: dict) -> None:
             ("largest context that fits", str(report["max_context"])),
             ("recommended quantization", report["recommended_quant"] or "none fits"),
             ("decode speed", f"~{report['tokens_per_second']:.1f} tokens/s (efficiency "
-                             f"{report['efficiency']['value']:.2f}, {report['efficiency']['basis']})")):
+                             f"{report['efficiency']['value']:.2f}, "
+                             f"{report['efficiency']['basis']})")):
         table.add_row(label, value)
     stdout.print(table)
     for note in report["notes"]:
@@ -217,17 +231,20 @@ def _bench_rows(b: dict) -> tuple[tuple[str, str], ...]:
                  f"{' '.join(host['isa']) or 'no SIMD flags found'}"),
         ("threads / context", f"{b['threads']} / {b['n_ctx']} tokens"),
         ("load", f"{b['load_seconds'] * 1000:.0f} ms"),
-        ("time to first token", f"{b['time_to_first_token_seconds'] * 1000:.0f} ms ({b['prompt_tokens']}-token "
+        ("time to first "
+         "token", f"{b['time_to_first_token_seconds'] * 1000:.0f} ms ({b['prompt_tokens']}-token "
                                 "prompt)"),
         ("prompt processing", f"{b['prompt_tokens_per_second']:.1f} tokens/s"),
         ("decode", f"{b['decode_tokens_per_second']:.1f} tokens/s (median of {b['repeats']}, "
                    f"{b['decode_tokens']} tokens each)"),
-        ("peak memory (RSS)", f"{size(b['peak_rss_bytes'])} ({size(b['rss_before_load_bytes'])} before "
+        ("peak memory "
+         "(RSS)", f"{size(b['peak_rss_bytes'])} ({size(b['rss_before_load_bytes'])} before "
                               f"loading, +{size(b['model_rss_bytes'])} for the model)"))
 
 
 def print_bench(summary: dict) -> None:
-    """The measurements on this host, the device prediction they compare with, and any profile saved."""
+    """The measurements on this host, the device prediction they compare with,
+    and any profile saved."""
     b = summary["bench"]
     table = Table(title=f"{b['model']} ({b['kind']}, {b['runtime']})", show_header=False)
     for label, value in _bench_rows(b):
@@ -236,7 +253,8 @@ def print_bench(summary: dict) -> None:
     p = summary["prediction"]
     if p:
         stdout.print(f"prediction for {p['device']} ({p['quant']}, {p['context']} tokens): "
-                     f"~{p['predicted_tokens_per_second']:.1f} tokens/s; measured / predicted = {p['ratio']:.2f}")
+                     f"~{p['predicted_tokens_per_second']:.1f} tokens/s; measured / predicted = "
+                     f"{p['ratio']:.2f}")
     if summary["saved_profile"]:
         saved = summary["saved_profile"]
         stdout.print(f"[bold]saved[/] device profile {saved['name']} -> {saved['path']} (bandwidth "

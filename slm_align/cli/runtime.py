@@ -1,4 +1,5 @@
-"""Commands around an exported model at run time: chat, serve, and exporting the feedback they collect."""
+"""Commands around an exported model at run time: chat, serve, and exporting the
+feedback they collect."""
 
 from __future__ import annotations
 
@@ -20,32 +21,39 @@ feedback_app = typer.Typer(help="On-device preferences: export them for the next
                            no_args_is_help=True)
 
 
-@commands.command(epilog="Examples:\n\n  slm-align chat runs/demo/export/model-Q8_0.gguf --store prefs.db --consent\n\n"
-                         "  slm-align chat runs/demo/export/onnx-int8 --system 'You are terse.' --tools "
-                         "--temperature 0\n\n"
-                         "  echo 'hello' | slm-align chat model.gguf --json   # one answer per input line, as JSON\n\n"
-                         "  slm-align chat gemma-3-270m.gguf --chat-template chatml   # a base model: give it a "
-                         "template\n\n"
-                         "  slm-align chat gemma-3-270m.gguf --raw   # or continue each line as plain text\n\n"
-                         "In the chat: /good /bad /compare /pick 1|2 /edit TEXT /tools /reset /save FILE /quit")
+@commands.command(epilog="Examples:\n\n  slm-align chat runs/demo/export/model-Q8_0.gguf --store "
+                         "prefs.db --consent\n\n  slm-align chat runs/demo/export/onnx-int8 "
+                         "--system 'You are terse.' --tools --temperature 0\n\n  echo 'hello' | "
+                         "slm-align chat model.gguf --json   # one answer per input line, as "
+                         "JSON\n\n  slm-align chat gemma-3-270m.gguf --chat-template chatml   # a "
+                         "base model: give it a template\n\n  slm-align chat gemma-3-270m.gguf "
+                         "--raw   # or continue each line as plain text\n\nIn the chat: /good /bad "
+                         "/compare /pick 1|2 /edit TEXT /tools /reset /save FILE /quit")
 @typed_flags(Sampling, "sampling", renamed={"max_tokens": "--max-new-tokens"})
 def chat(
-    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export directory."),
-    store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) to record turns in."),
-    consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as consented for training."),
+    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export "
+                                    "directory."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) to "
+                                         "record turns in."),
+    consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as consented for "
+                                 "training."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
-    tools: bool = typer.Option(False, "--tools", help="Offer the built-in tools (calculator, clock, notes)."),
-    notes: Optional[Path] = typer.Option(None, "--notes", help="Folder the notes tool may use (with --tools)."),
-    device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and context."),
+    tools: bool = typer.Option(False, "--tools", help="Offer the built-in tools (calculator, "
+                               "clock, notes)."),
+    notes: Optional[Path] = typer.Option(None, "--notes", help="Folder the notes tool may use "
+                                         "(with --tools)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and "
+                                         "context."),
     threads: Optional[int] = ThreadsOpt,
     n_ctx: Optional[int] = CtxOpt,
     sampling: Optional[Sampling] = None,
     chat_template: Optional[str] = ChatTemplateOpt,
-    raw: bool = typer.Option(False, "--raw", help="Plain completion (base models): each line is continued as text, "
-                             "no template, no tools, nothing recorded."),
+    raw: bool = typer.Option(False, "--raw", help="Plain completion (base models): each line is "
+                             "continued as text, no template, no tools, nothing recorded."),
     as_json: bool = JsonFlag,
 ) -> None:
-    """Chat with an exported model in the terminal; give feedback that lands in the preference store."""
+    """Chat with an exported model in the terminal; give feedback that lands
+    in the preference store."""
     from slm_align.agent.runtime import Agent
     from slm_align.agent.template import require_template
     from slm_align.agent.terminal import chat_loop, raw_loop
@@ -67,16 +75,18 @@ def chat(
 
 
 def refuse_with_raw(**given) -> None:
-    """--raw continues plain text: a flag that needs a chat (a template, a store, a system prompt, tools) is an
-    error, not silently ignored."""
+    """--raw continues plain text: a flag that needs a chat (a template, a store, a system prompt,
+    tools) is an error, not silently ignored."""
     for name, value in given.items():
         if value:
             flag = name.replace("_", "-")
-            raise UserError(f"--raw continues plain text without a chat; --{flag} needs a chat: drop one of them")
+            raise UserError(f"--raw continues plain text without a chat; --{flag} needs a chat: "
+                            f"drop one of them")
 
 
 def answer_lines(agent, raw: bool = False) -> None:
-    """One JSON answer on stdout per non-empty line of stdin (with ``raw``, its plain continuation)."""
+    """One JSON answer on stdout per non-empty line of stdin (with ``raw``,
+    its plain continuation)."""
     answer = agent.complete if raw else agent.stream
     for line in (line.strip() for line in sys.stdin):
         if line:
@@ -104,33 +114,44 @@ def write_now(text: str) -> None:
     sys.stdout.flush()
 
 
-@commands.command(epilog="Examples:\n\n  slm-align serve runs/demo/export/model-Q8_0.gguf --store prefs.db --consent   "
-                         "# open http://127.0.0.1:8080/\n\n"
-                         "  SLM_ALIGN_API_KEY=s3cret slm-align serve model.gguf --host 0.0.0.0 --port 9000\n\n"
-                         "  curl -s http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' "
-                         "-d '{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'\n\n"
-                         "Any OpenAI client works: base_url http://127.0.0.1:8080/v1, api_key the --api-key "
-                         "(or any text).")
+@commands.command(epilog="Examples:\n\n  slm-align serve runs/demo/export/model-Q8_0.gguf --store "
+                         "prefs.db --consent   # open http://127.0.0.1:8080/\n\n  "
+                         "SLM_ALIGN_API_KEY=s3cret slm-align serve model.gguf --host 0.0.0.0 "
+                         "--port 9000\n\n  curl -s http://127.0.0.1:8080/v1/chat/completions -H "
+                         "'Content-Type: application/json' -d '{\"model\": \"m\", \"messages\": "
+                         "[{\"role\": \"user\", \"content\": \"Hi\"}]}'\n\nAny OpenAI client "
+                         "works: base_url http://127.0.0.1:8080/v1, api_key the --api-key (or any "
+                         "text).")
 def serve(
-    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export directory."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; beyond loopback it needs --api-key."),
-    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on (0: any free one)."),
-    store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) for turns and feedback."),
-    consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as consented for training."),
+    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export "
+                                    "directory."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; beyond loopback it "
+                             "needs --api-key."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on (0: any "
+                             "free one)."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) for "
+                                         "turns and feedback."),
+    consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as consented for "
+                                 "training."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SLM_ALIGN_API_KEY",
-                                          help="Require 'Authorization: Bearer KEY' on /v1 (env SLM_ALIGN_API_KEY)."),
-    tools: bool = typer.Option(False, "--tools", help="Run the built-in tools (calculator, clock) on the server."),
-    device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and context."),
+                                          help="Require 'Authorization: Bearer KEY' on /v1 (env "
+                                          "SLM_ALIGN_API_KEY)."),
+    tools: bool = typer.Option(False, "--tools", help="Run the built-in tools (calculator, clock) "
+                               "on the server."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and "
+                                         "context."),
     threads: Optional[int] = ThreadsOpt,
     n_ctx: Optional[int] = CtxOpt,
-    insecure: bool = typer.Option(False, "--insecure", help="Allow listening beyond loopback without an API key."),
-    allow_host: list[str] = typer.Option([], "--allow-host", help="Without --api-key, also answer requests addressed "
-                                         "to this host name (repeatable; '*': any). Loopback names always work."),
+    insecure: bool = typer.Option(False, "--insecure", help="Allow listening beyond loopback "
+                                  "without an API key."),
+    allow_host: list[str] = typer.Option([], "--allow-host", help="Without --api-key, also answer "
+                                         "requests addressed to this host name (repeatable; '*': "
+                                         "any). Loopback names always work."),
     chat_template: Optional[str] = ChatTemplateOpt,
     as_json: bool = JsonFlag,
 ) -> None:
-    """Serve an exported model: an OpenAI-compatible API (/v1/chat/completions, and /v1/completions for plain text)
-    and a chat page with feedback."""
+    """Serve an exported model: an OpenAI-compatible API (/v1/chat/completions, and /v1/completions
+    for plain text) and a chat page with feedback."""
     from slm_align.agent.server import serve as run_server
 
     run_server(artifact, host=host, port=port, api_key=api_key, insecure=insecure, store_path=store, consent=consent,
@@ -139,17 +160,20 @@ def serve(
                announce=lambda info: emit(as_json, info, lambda: print_serving(info)))
 
 
-@feedback_app.command("export", epilog="Examples:\n\n"
-                                        "  slm-align feedback export prefs.db --out round2.jsonl\n\n"
-                                        "  slm-align train --stage reward --out runs/round2 --preferences round2.jsonl "
-                                        "--preferences round2.unpaired.jsonl")
+@feedback_app.command("export", epilog="Examples:\n\n  slm-align feedback export prefs.db --out "
+                                        "round2.jsonl\n\n  slm-align train --stage reward --out "
+                                        "runs/round2 --preferences round2.jsonl --preferences "
+                                        "round2.unpaired.jsonl")
 def feedback_export(
-    db: Path = typer.Argument(..., help="Preference database written by the agent (chat, serve, Python API)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Pairs file (.jsonl); thumbs go to OUT's .unpaired.jsonl."),
+    db: Path = typer.Argument(..., help="Preference database written by the agent (chat, serve, "
+                              "Python API)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Pairs file (.jsonl); thumbs go to OUT's "
+                             ".unpaired.jsonl."),
     scrub: bool = typer.Option(True, "--scrub/--no-scrub",
-                               help="Replace e-mails, phone numbers, cards, SSNs, IPs (v4 and v6), IBANs, API keys and "
-                                    "tokens in every string of every row (on by default). Not caught: names, street "
-                                    "addresses and other personal data without a fixed shape: read the rows before "
+                               help="Replace e-mails, phone numbers, cards, SSNs, IPs (v4 and v6), "
+                                    "IBANs, API keys and tokens in every string of every row (on "
+                                    "by default). Not caught: names, street addresses and other "
+                                    "personal data without a fixed shape: read the rows before "
                                     "sharing them."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing output files."),
     as_json: bool = JsonFlag,

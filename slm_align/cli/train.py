@@ -41,7 +41,8 @@ def comma_list(text: str) -> list[str]:
 
 
 def pair_mix(text: str) -> dict[str, float]:
-    """"truncate=1,shuffle=2" -> {"truncate": 1.0, "shuffle": 2.0}; a name without a weight weighs 1."""
+    """"truncate=1,shuffle=2" -> {"truncate": 1.0, "shuffle": 2.0}; a name
+    without a weight weighs 1."""
     mix = {}
     for item in text.split(","):
         name, _, weight = item.partition("=")
@@ -54,14 +55,16 @@ def pair_mix(text: str) -> dict[str, float]:
 
 
 def on_off(text: str) -> bool:
-    """"on" -> True, "off" -> False (a switch that is on by default and can be turned off by name)."""
+    """"on" -> True, "off" -> False (a switch that is on by default and can
+    be turned off by name)."""
     if text not in ("on", "off"):
         raise UserError(f"--watchdog {text}: choose on or off")
     return text == "on"
 
 
-# The recipe flags: (flag, dotted recipe key). Help and shown default come from the recipe field; the commands
-# that take a table receive its flags as load_recipe overrides (see options.recipe_flags).
+# The recipe flags: (flag, dotted recipe key). Help and shown default come from the
+# recipe field; the commands that take a table receive its flags as load_recipe overrides
+# (see options.recipe_flags).
 SOURCE = (
     Flag("--model", "model.source", short="-m"),
     Flag("--data", "data.path", short="-d"),
@@ -108,7 +111,8 @@ HEADROOM = (
 REWARD = (
     Flag("--preferences", "reward.preferences", repeat=True, note="Repeatable."),
     Flag("--pair-mix", "reward.pairs.mix", parse=pair_mix, note="As NAME=WEIGHT,..."),
-    Flag("--no-synthetic-pairs", "reward.pairs.synthetic", sets=False, help="Train on --preferences only."),
+    Flag("--no-synthetic-pairs", "reward.pairs.synthetic", sets=False, help="Train on "
+         "--preferences only."),
     Flag("--reward-steps", "reward.max_steps"),
     Flag("--reward-lr", "reward.learning_rate"),
     Flag("--margin", "reward.margin"),
@@ -117,8 +121,9 @@ REWARD = (
 MAX_NEW_TOKENS = Flag("--max-new-tokens", "rl.max_new_tokens", aliases=("--max-completion-length",))
 RL = (
     Flag("--algo", "rl.algo"),
-    Flag("--no-sft", "rl.from_sft", sets=False, help="Start RL from the model as given (already fluent): no SFT "
-         "stage; the gate measures the model itself. Needs --reward or --reward-model."),
+    Flag("--no-sft", "rl.from_sft", sets=False, help="Start RL from the model as given (already "
+         "fluent): no SFT stage; the gate measures the model itself. Needs --reward or "
+         "--reward-model."),
     Flag("--steps", "rl.steps"),
     Flag("--rl-lr", "rl.learning_rate"),
     Flag("--prompts-per-step", "rl.prompts_per_step"),
@@ -135,11 +140,14 @@ RL = (
     Flag("--length-penalty", "rl.length_penalty"),
     Flag("--no-reinit-lora", "rl.envelope.reinit_lora", sets=False,
          help="ENVELOPE OFF: keep the SFT adapter as loaded."),
-    Flag("--no-ratio-guard", "rl.envelope.ratio_guard", sets=0.0, help="ENVELOPE OFF: never skip on the ratio."),
-    Flag("--no-rollback", "rl.envelope.rollback", sets=False, help="ENVELOPE OFF: no snapshot/rollback on NaN."),
+    Flag("--no-ratio-guard", "rl.envelope.ratio_guard", sets=0.0, help="ENVELOPE OFF: never skip "
+         "on the ratio."),
+    Flag("--no-rollback", "rl.envelope.rollback", sets=False, help="ENVELOPE OFF: no "
+         "snapshot/rollback on NaN."),
     Flag("--sigma-clip", "rl.envelope.sigma_clip"),
     Flag("--grad-clip", "rl.envelope.grad_clip"),
-    Flag("--watchdog", "rl.watchdog.enabled", parse=on_off, note="on or off (default on); off is recorded."),
+    Flag("--watchdog", "rl.watchdog.enabled", parse=on_off, note="on or off (default on); off is "
+         "recorded."),
     Flag("--watchdog-every", "rl.watchdog.eval_every"),
     Flag("--report-prompts", "rl.report_prompts"),
 )
@@ -163,20 +171,22 @@ PREFERENCE = (
 RUN_DIR_HELP = "Run directory."
 
 
-@commands.command(epilog="Examples:\n\n  slm-align sft --data stories.txt --out runs/demo\n\n"
-                         "  slm-align sft --model ./SmolLM2-135M --data chat.jsonl --lora-r 32 --epochs 2 "
-                         "--out runs/chat\n\n"
-                         "  slm-align sft --data demo --out runs/demo   # the generated demo stories\n\n"
-                         "  slm-align sft --data stories.txt --out runs/demo --resume   # continue an interrupted run")
+@commands.command(epilog="Examples:\n\n  slm-align sft --data stories.txt --out runs/demo\n\n  "
+                         "slm-align sft --model ./SmolLM2-135M --data chat.jsonl --lora-r 32 "
+                         "--epochs 2 --out runs/chat\n\n  slm-align sft --data demo --out "
+                         "runs/demo   # the generated demo stories\n\n  slm-align sft --data "
+                         "stories.txt --out runs/demo --resume   # continue an interrupted run")
 @recipe_flags(SOURCE, SFT, SAFETY, COMPUTE, TRACKING)
 def sft(
-    out: Path = typer.Option(Path("runs/default"), *OUT_NAMES, help="Run directory; SFT writes OUT/sft/."),
+    out: Path = typer.Option(Path("runs/default"), *OUT_NAMES, help="Run directory; SFT writes "
+                             "OUT/sft/."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted SFT run in OUT."),
     as_json: bool = JsonFlag,
 ) -> None:
-    """Supervised fine-tuning with LoRA and NEFTune; writes the adapter, tokenizer and a manifest."""
+    """Supervised fine-tuning with LoRA and NEFTune; writes the adapter,
+    tokenizer and a manifest."""
     from slm_align.sft import run_sft
 
     recipe = recipe_from(config, settings)
@@ -188,24 +198,30 @@ def sft(
 
 
 @commands.command("check-headroom",
-                  epilog="Exit code 0 on PASS, 1 on FAIL, 2 on bad input.\n\nExamples:\n\n"
-                         "  slm-align check-headroom --run runs/demo\n\n"
-                         "  slm-align check-headroom --model ./base --adapter runs/demo/sft/adapter "
-                         "--data eval.jsonl\n\n"
-                         "  slm-align check-headroom --run runs/demo --max-ppl 15 --json\n\n"
-                         "  slm-align check-headroom --run runs/demo --reward mypkg.rewards:politeness@0.5")
+                  epilog="Exit code 0 on PASS, 1 on FAIL, 2 on bad input.\n\nExamples:\n\n  "
+                         "slm-align check-headroom --run runs/demo\n\n  slm-align check-headroom "
+                         "--model ./base --adapter runs/demo/sft/adapter --data eval.jsonl\n\n  "
+                         "slm-align check-headroom --run runs/demo --max-ppl 15 --json\n\n  "
+                         "slm-align check-headroom --run runs/demo --reward "
+                         "mypkg.rewards:politeness@0.5")
 @recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY, [DEVICE])
 def check_headroom(
-    run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
-    adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with --model)."),
+    run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished "
+                                       "SFT stage."),
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with "
+                                           "--model)."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
-    reward_model: Optional[Path] = typer.Option(None, help="Reward model dir (default: the run's reward/model)."),
-    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight] or a built-in "
-                                                          "(length_window, exact_answer, json_tool_call); repeatable."),
+    reward_model: Optional[Path] = typer.Option(None, help="Reward model dir (default: the run's "
+                                                "reward/model)."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function "
+                                                          "module:function[@weight] or a built-in "
+                                                          "(length_window, exact_answer, "
+                                                          "json_tool_call); repeatable."),
     as_json: bool = JsonFlag,
 ) -> None:
-    """Measure whether RL has headroom: SFT perplexity, reward accuracy and reward spread against thresholds."""
+    """Measure whether RL has headroom: SFT perplexity, reward accuracy and reward
+    spread against thresholds."""
     from slm_align.headroom import check_headroom as measure_headroom
 
     if run is not None and settings["model.source"] is not None:
@@ -217,7 +233,8 @@ def check_headroom(
     raise typer.Exit(0 if report["passed"] else 1)
 
 
-@commands.command(epilog="Examples:\n\n  slm-align quickstart\n\n  slm-align quickstart --out runs/qs --json")
+@commands.command(epilog="Examples:\n\n  slm-align quickstart\n\n  slm-align quickstart --out "
+                  "runs/qs --json")
 def quickstart(
     out: Path = typer.Option(Path("runs/quickstart"), *OUT_NAMES, help=RUN_DIR_HELP),
     sft_steps: int = typer.Option(150, min=1, help="SFT optimizer steps on the bundled model."),
@@ -236,42 +253,43 @@ def quickstart(
     raise typer.Exit(0 if result["headroom"]["passed"] else 1)
 
 
-@commands.command(epilog="Examples:\n\n"
-                         "  slm-align train --algo grpo --data stories.txt --out runs/demo   # SFT, reward model, "
-                         "gate, GRPO\n\n"
-                         "  slm-align train --data demo --out runs/demo          # the same on the generated demo "
-                         "stories\n\n"
-                         "  slm-align train --algo ppo --out runs/demo --steps 100 --kl-coef 0.1\n\n"
-                         "  slm-align train --algo grpo --sft runs/base --reward-model rm/ --reward my_rewards:fn@0.5 "
-                         "--out runs/g\n\n"
-                         "  slm-align train --stage reward --out runs/demo --preferences prefs.jsonl "
-                         "--pair-mix shuffle=2,truncate=1\n\n"
-                         "  slm-align train --data stories.txt --out runs/demo --resume   # continue a killed run\n\n"
-                         "  slm-align train --out runs/demo --force               # train although the gate says FAIL "
-                         "(recorded)\n\n"
-                         "  slm-align train --algo auto --data chat.jsonl --tasks tasks.jsonl --reward exact_answer "
-                         "--out runs/t  "
-                         "# the gate picks PPO or GRPO\n\n"
-                         "  slm-align train --algo dpo --out runs/demo --preferences prefs.jsonl "
-                         "--preferences prefs.unpaired.jsonl   # DPO on device feedback\n\n"
-                         "  slm-align train --algo kto --out runs/demo --preferences prefs.unpaired.jsonl "
-                         "--desirable-weight 1.5")
+@commands.command(epilog="Examples:\n\n  slm-align train --algo grpo --data stories.txt --out "
+                         "runs/demo   # SFT, reward model, gate, GRPO\n\n  slm-align train --data "
+                         "demo --out runs/demo          # the same on the generated demo "
+                         "stories\n\n  slm-align train --algo ppo --out runs/demo --steps 100 "
+                         "--kl-coef 0.1\n\n  slm-align train --algo grpo --sft runs/base "
+                         "--reward-model rm/ --reward my_rewards:fn@0.5 --out runs/g\n\n  "
+                         "slm-align train --stage reward --out runs/demo --preferences prefs.jsonl "
+                         "--pair-mix shuffle=2,truncate=1\n\n  slm-align train --data stories.txt "
+                         "--out runs/demo --resume   # continue a killed run\n\n  slm-align train "
+                         "--out runs/demo --force               # train although the gate says "
+                         "FAIL (recorded)\n\n  slm-align train --algo auto --data chat.jsonl "
+                         "--tasks tasks.jsonl --reward exact_answer --out runs/t  # the gate picks "
+                         "PPO or GRPO\n\n  slm-align train --algo dpo --out runs/demo "
+                         "--preferences prefs.jsonl --preferences prefs.unpaired.jsonl   # DPO on "
+                         "device feedback\n\n  slm-align train --algo kto --out runs/demo "
+                         "--preferences prefs.unpaired.jsonl --desirable-weight 1.5")
 @recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, PREFERENCE, SAFETY, COMPUTE, TRACKING)
 def train(
     out: Path = typer.Option(Path("runs/default"), *OUT_NAMES, help=RUN_DIR_HELP),
-    stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it needs, the gate, then RL)."),
+    stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it needs, the gate, "
+                              "then RL)."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
-    sft_from: Optional[Path] = typer.Option(None, "--sft", help="Take the finished SFT stage of this run instead."),
-    reward_model: Optional[Path] = typer.Option(None, help="Use this reward model dir instead of training one."),
-    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight] or a built-in; "
+    sft_from: Optional[Path] = typer.Option(None, "--sft", help="Take the finished SFT stage of "
+                                            "this run instead."),
+    reward_model: Optional[Path] = typer.Option(None, help="Use this reward model dir instead of "
+                                                "training one."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function "
+                                                          "module:function[@weight] or a built-in; "
                                                           "repeatable; added to the reward model."),
-    force: bool = typer.Option(False, "--force", help="Train even when the headroom gate says FAIL (recorded)."),
+    force: bool = typer.Option(False, "--force", help="Train even when the headroom gate says FAIL "
+                               "(recorded)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted stage in OUT."),
     as_json: bool = JsonFlag,
 ) -> None:
-    """Train: SFT, the Bradley-Terry reward model, the headroom gate, then PPO or GRPO in the safety envelope; or
-    DPO/KTO (--algo dpo|kto) on --preferences files from the SFT prior."""
+    """Train: SFT, the Bradley-Terry reward model, the headroom gate, then PPO or GRPO in the safety
+    envelope; or DPO/KTO (--algo dpo|kto) on --preferences files from the SFT prior."""
     from slm_align.pipeline import RLRequest, check_stage, data_from_run
     from slm_align.pipeline import train as run_pipeline
 
@@ -300,24 +318,29 @@ def train(
 SUMMARY_PRINTERS = {"sft": print_sft, "reward": print_reward, "rl": print_rl}
 
 
-@commands.command(epilog="Examples:\n\n  slm-align evaluate --run runs/demo\n\n"
-                         "  slm-align evaluate --run runs/demo --baseline ./SmolLM2-135M-Instruct --prompts 100\n\n"
-                         "  slm-align evaluate --run runs/demo --reward length_window@0.5 --json\n\n"
-                         "  slm-align evaluate --run runs/demo --set rl.temperature=0.7 "
+@commands.command(epilog="Examples:\n\n  slm-align evaluate --run runs/demo\n\n  slm-align "
+                         "evaluate --run runs/demo --baseline ./SmolLM2-135M-Instruct --prompts "
+                         "100\n\n  slm-align evaluate --run runs/demo --reward length_window@0.5 "
+                         "--json\n\n  slm-align evaluate --run runs/demo --set rl.temperature=0.7 "
                          "--set headroom.max_documents=50")
 @recipe_flags(SAMPLING, TASKS, [DEVICE, ALLOW_PICKLE])
 def evaluate(
-    run: Path = typer.Option(..., "--run", "-r", help="Run directory (SFT required; RL and reward used if present)."),
-    baseline: list[str] = typer.Option([], "--baseline", help="Add a baseline policy from any model source; "
-                                                              "repeatable (was --model)."),
-    reward_model: Optional[Path] = typer.Option(None, help="Shared reward model (default: the run's reward/model)."),
-    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight]; repeatable."),
+    run: Path = typer.Option(..., "--run", "-r", help="Run directory (SFT required; RL and reward "
+                             "used if present)."),
+    baseline: list[str] = typer.Option([], "--baseline", help="Add a baseline policy from any "
+                                                              "model source; repeatable (was "
+                                                              "--model)."),
+    reward_model: Optional[Path] = typer.Option(None, help="Shared reward model (default: the "
+                                                "run's reward/model)."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function "
+                                     "module:function[@weight]; repeatable."),
     prompts: int = typer.Option(200, min=2, help="Held-out prompts to sample."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
     as_json: bool = JsonFlag,
 ) -> None:
-    """Compare the SFT prior, the aligned policy and any baselines on held-out prompts; write eval/report.md."""
+    """Compare the SFT prior, the aligned policy and any baselines on held-out
+    prompts; write eval/report.md."""
     from slm_align.evaluate import evaluate as run_evaluation
 
     recipe = recipe_from(config, settings)  # sampling settings (--max-new-tokens, --temperature) are the recipe's

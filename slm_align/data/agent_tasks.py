@@ -1,17 +1,19 @@
-"""A bundled tool-use task, generated (no download): arithmetic and unit questions the calculator tool answers.
+"""A bundled tool-use task, generated (no download): arithmetic and unit questions
+the calculator tool answers.
 
 Every task row follows TRL's conventional columns::
 
     {"prompt": [{"role": "user", "content": "What is 17 * 23?"}], "tools": [<calculator's OpenAI schema>],
      "answer": "391", "tool": "calculator", "expression": "17 * 23"}
 
-``answer`` is exactly the text the runtime's calculator returns for ``expression``, so a model that calls the tool
-and copies its observation is right. SFT rows teach the format as chat ``messages``: the user's question, the
-assistant's tool call (the Hermes text :meth:`ToolRegistry.parse_calls` reads), the tool's observation, and the
-final answer; they render through a chat template to the same text the agent runtime renders for that conversation.
+``answer`` is exactly the text the runtime's calculator returns for ``expression``, so a model that
+calls the tool and copies its observation is right. SFT rows teach the format as chat ``messages``:
+the user's question, the assistant's tool call (the Hermes text :meth:`ToolRegistry.parse_calls`
+reads), the tool's observation, and the final answer; they render through a chat template to the
+same text the agent runtime renders for that conversation.
 
-Generation is seeded and deterministic; train and held-out tasks share no question and no expression (``a * b``
-and ``b * a`` count as one).
+Generation is seeded and deterministic; train and held-out tasks share no question and no expression
+(``a * b`` and ``b * a`` count as one).
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ TOOL = "calculator"
 FILES = ("sft", "train", "heldout")
 
 _ARITHMETIC = {
-    "+": ("What is {a} + {b}?", "What is {a} plus {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?",
+    "+": ("What is {a} + "
+          "{b}?", "What is {a} plus {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?",
           "Calculate {a} + {b}."),
-    "-": ("What is {a} - {b}?", "What is {a} minus {b}?", "Subtract {b} from {a}.", "Calculate {a} - {b}.",
+    "-": ("What is {a} - "
+          "{b}?", "What is {a} minus {b}?", "Subtract {b} from {a}.", "Calculate {a} - {b}.",
           "What do you get when you take {b} away from {a}?"),
     "*": ("What is {a} * {b}?", "What is {a} times {b}?", "Multiply {a} by {b}.",
           "What is the product of {a} and {b}?", "Calculate {a} * {b}."),
-    "/": ("What is {a} / {b}?", "What is {a} divided by {b}?", "Divide {a} by {b}.", "Calculate {a} / {b}."),
+    "/": ("What is {a} / "
+          "{b}?", "What is {a} divided by {b}?", "Divide {a} by {b}.", "Calculate {a} / {b}."),
 }
 _UNIT_TEMPLATES = ("How many {small} are in {q} {large}?", "Convert {q} {large} to {small}.",
                    "{q} {large} is how many {small}?", "What is {q} {large} in {small}?",
@@ -54,7 +59,8 @@ def calculator_schema() -> dict:
 
 
 def tool_call_text(expression: str) -> str:
-    """The assistant's call, in the Hermes format the runtime parses (and its GBNF grammar allows)."""
+    """The assistant's call, in the Hermes format the runtime parses (and
+    its GBNF grammar allows)."""
     call = {"name": TOOL, "arguments": {"expression": expression}}
     return f"<tool_call>{json.dumps(call)}</tool_call>"
 
@@ -65,7 +71,8 @@ def final_answer_text(answer: str) -> str:
 
 
 def _number_text(value: Decimal) -> str:
-    """A decimal as the calculator writes it: whole numbers without a point, others without trailing zeros."""
+    """A decimal as the calculator writes it: whole numbers without a point, others
+    without trailing zeros."""
     if value == value.to_integral_value():
         return str(int(value))
     return format(value.normalize(), "f")
@@ -108,7 +115,8 @@ def _unit(rng: random.Random) -> tuple[str, str, str]:
 
 
 def _key(first: str, op: str, second: str) -> str:
-    """The expression with commutative operands sorted: what may not appear on both sides of the split."""
+    """The expression with commutative operands sorted: what may not appear on
+    both sides of the split."""
     if op in "+*":
         low, high = sorted((Decimal(first), Decimal(second)))
         return f"{low} {op} {high}"
@@ -116,7 +124,8 @@ def _key(first: str, op: str, second: str) -> str:
 
 
 def expected_answer(expression: str) -> str:
-    """The exact value of ``a op b`` (decimal arithmetic, no floats), written as the calculator writes it."""
+    """The exact value of ``a op b`` (decimal arithmetic, no floats), written as
+    the calculator writes it."""
     first, op, second = expression.split()
     operations: dict[str, Callable[[Decimal, Decimal], Decimal]] = {
         "+": Decimal.__add__, "-": Decimal.__sub__, "*": Decimal.__mul__, "/": Decimal.__truediv__,
@@ -125,7 +134,8 @@ def expected_answer(expression: str) -> str:
 
 
 def task_row(question: str, expression: str) -> dict:
-    """One task row: the chat prompt, the calculator's schema, the verifiable answer, the tool and expression."""
+    """One task row: the chat prompt, the calculator's schema, the verifiable answer,
+    the tool and expression."""
     answer = expected_answer(expression)
     observed = calculator(expression)
     if observed != answer:  # the observation is what the model copies: they must agree
@@ -135,7 +145,8 @@ def task_row(question: str, expression: str) -> dict:
 
 
 def make_tasks(n: int, seed: int = 0) -> list[dict]:
-    """``n`` distinct task rows (no two share a question or an expression), the same for the same seed."""
+    """``n`` distinct task rows (no two share a question or an expression), the
+    same for the same seed."""
     rng = random.Random(seed)
     seen: set[str] = set()
     questions: set[str] = set()
@@ -144,7 +155,8 @@ def make_tasks(n: int, seed: int = 0) -> list[dict]:
     while len(rows) < n:
         attempts += 1
         if attempts > 50 * n + 1000:
-            raise UserError(f"cannot generate {n} distinct tasks; ask for fewer (a few thousand at most)")
+            raise UserError(f"cannot generate {n} distinct tasks; ask for fewer (a few thousand at "
+                            f"most)")
         if rng.random() < UNIT_SHARE:
             question, expression, key = _unit(rng)
         else:
@@ -158,19 +170,23 @@ def make_tasks(n: int, seed: int = 0) -> list[dict]:
 
 
 def split_tasks(n_train: int, n_heldout: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Train and held-out task rows; every task is distinct, so no question or expression is on both sides."""
+    """Train and held-out task rows; every task is distinct, so no question or
+    expression is on both sides."""
     if n_train < 1 or n_heldout < 0:
-        raise UserError(f"--train must be at least 1 and --heldout at least 0 (got {n_train} and {n_heldout})")
+        raise UserError(f"--train must be at least 1 and --heldout at least 0 (got {n_train} and "
+                        f"{n_heldout})")
     rows = make_tasks(n_train + n_heldout, seed)
     random.Random(seed + 1).shuffle(rows)
     return rows[:n_train], rows[n_train:]
 
 
 def sft_rows(task: dict) -> list[dict]:
-    """Two chat rows teaching one task: the question -> the tool call; and after the observation -> the answer.
+    """Two chat rows teaching one task: the question -> the tool call; and after the
+    observation -> the answer.
 
-    The tool message carries the name and content the runtime's :class:`Observation` puts there; the assistant's
-    call is its raw text (the corpus reader keeps role and content, which is all a ChatML template renders).
+    The tool message carries the name and content the runtime's :class:`Observation` puts there; the
+    assistant's call is its raw text (the corpus reader keeps role and content, which is all a
+    ChatML template renders).
     """
     question = task["prompt"]
     call = {"role": "assistant", "content": tool_call_text(task["expression"])}
@@ -181,13 +197,15 @@ def sft_rows(task: dict) -> list[dict]:
 
 def write_agent_tasks(out_dir, n_train: int = 400, n_heldout: int = 100, seed: int = 0,
                       overwrite: bool = False) -> dict[str, Path]:
-    """Write ``sft.jsonl`` (format-teaching chats), ``train.jsonl`` (RL task rows) and ``heldout.jsonl``
-    (evaluation task rows) into ``out_dir``; returns their paths keyed ``sft``, ``train``, ``heldout``."""
+    """Write ``sft.jsonl`` (format-teaching chats), ``train.jsonl`` (RL task rows) and
+    ``heldout.jsonl`` (evaluation task rows) into ``out_dir``; returns their paths keyed ``sft``,
+    ``train``, ``heldout``."""
     out = Path(out_dir)
     paths = {name: out / f"{name}.jsonl" for name in FILES}
     existing = [str(path) for path in paths.values() if path.exists()]
     if existing and not overwrite:
-        raise UserError(f"{', '.join(existing)} already exist; choose another --out or pass --overwrite")
+        raise UserError(f"{', '.join(existing)} already exist; choose another --out or pass "
+                        f"--overwrite")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a directory")
     train, heldout = split_tasks(n_train, n_heldout, seed)

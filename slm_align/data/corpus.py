@@ -12,7 +12,8 @@ from slm_align.data.readers import fingerprint, read_examples
 from slm_align.data.splits import Splits, split_examples
 from slm_align.errors import UserError
 
-# Generator seed of the demo corpus that SFT uses. The bundled base was pretrained on another seed (1234).
+# Generator seed of the demo corpus that SFT uses. The bundled base was pretrained
+# on another seed (1234).
 DEMO_SEED = 0
 
 
@@ -26,7 +27,8 @@ class Corpus:
 
 
 def load_corpus(settings: DataSettings, seed: int) -> Corpus:
-    """Read ``settings.path`` (or generate the demo stories: path ``demo`` or unset) and split it with ``seed``."""
+    """Read ``settings.path`` (or generate the demo stories: path ``demo`` or unset) and
+    split it with ``seed``."""
     if settings.uses_demo:
         examples = [Example(text=t) for t in generate_stories(settings.demo_documents, seed=DEMO_SEED)]
         description = f"demo stories ({settings.demo_documents} documents)"
@@ -40,20 +42,22 @@ def load_corpus(settings: DataSettings, seed: int) -> Corpus:
 
 
 def source_fingerprint(settings: DataSettings) -> str:
-    """What identifies the corpus's source: the demo's size and seed, or a fingerprint of the data's bytes."""
+    """What identifies the corpus's source: the demo's size and seed, or a
+    fingerprint of the data's bytes."""
     if settings.uses_demo:
         return f"demo:{settings.demo_documents}:{DEMO_SEED}"
     return fingerprint(Path(settings.path))
 
 
-NO_DATA = ("no training data: pass --data FILE (txt, jsonl, parquet, csv, a datasets directory or a hub dataset id) "
-           "or --data demo for the generated demo stories")
+NO_DATA = ("no training data: pass --data FILE (txt, jsonl, parquet, csv, a datasets directory or "
+           "a hub dataset id) or --data demo for the generated demo stories")
 
 
 def require_data(settings: DataSettings, from_run: bool = False, tasks_stand_in: bool = False) -> None:
-    """Refuse to fall back on the demo stories unasked (the command line's check; library callers that want the demo
-    leave ``path`` unset). Data is given when ``path`` is set (``demo`` included), when the stage takes it from a
-    finished SFT stage (``from_run``), or when a task file stands in for the corpus (``tasks_stand_in``)."""
+    """Refuse to fall back on the demo stories unasked (the command line's check; library callers
+    that want the demo leave ``path`` unset). Data is given when ``path`` is set (``demo``
+    included), when the stage takes it from a finished SFT stage (``from_run``), or when a task file
+    stands in for the corpus (``tasks_stand_in``)."""
     if settings.path is not None or from_run:
         return
     if tasks_stand_in and settings.tasks is not None:

@@ -1,7 +1,7 @@
 """The built-in corpus: short, simple stories generated from a seed.
 
-Small vocabulary, clear structure (setting, event, feeling, resolution, lesson) so that a model of a few
-million parameters becomes fluent on it in minutes on a CPU. Deterministic for a given seed.
+Small vocabulary, clear structure (setting, event, feeling, resolution, lesson) so that a model of a
+few million parameters becomes fluent on it in minutes on a CPU. Deterministic for a given seed.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ NAMES = ["Lily", "Tom", "Mia", "Ben", "Sara", "Max", "Anna", "Leo", "Zoe", "Sam"
 ANIMALS = ["cat", "dog", "bunny", "bird", "fox", "bear", "duck", "frog", "mouse", "owl"]
 KIDS = ["girl", "boy"]
 ADJECTIVES = ["little", "happy", "small", "kind", "brave", "curious", "shy", "funny"]
-PLACES = ["a small house", "a big forest", "a quiet town", "a sunny farm", "a green park", "a little village"]
+PLACES = ["a small house", "a big "
+          "forest", "a quiet town", "a sunny farm", "a green park", "a little village"]
 COLORS = ["red", "blue", "yellow", "green", "pink", "shiny"]
-OBJECTS = ["ball", "kite", "box", "hat", "book", "cup", "boat", "toy car", "flower", "key", "shell", "stone",
+OBJECTS = ["ball", "kite", "box", "hat", "book", "cup", "boat", "toy "
+           "car", "flower", "key", "shell", "stone",
            "drum", "map", "bell", "sock"]
 FRIENDS = ["mom", "dad", "a friend", "grandma", "a neighbor", "a teacher"]
 FIND_PLACES = ["under a tree", "near the river", "in the garden", "behind the door", "on the path"]
@@ -38,9 +40,11 @@ LESSONS = [
 ]
 PLAYS = ["played with it all day", "took it home", "showed it to everyone", "kept it safe",
          "put it in a bag", "sang a song about it"]
-WEATHER = ["The sun was warm.", "It was a rainy day.", "The sky was blue and clear.", "It was cold and windy.",
+WEATHER = ["The sun was "
+           "warm.", "It was a rainy day.", "The sky was blue and clear.", "It was cold and windy.",
            "Snow was falling softly."]
-SAYINGS = ["Look at this!", "What a nice day!", "I love it!", "Can you help me?", "This is the best day ever!"]
+SAYINGS = ["Look at this!", "What a nice "
+           "day!", "I love it!", "Can you help me?", "This is the best day ever!"]
 
 
 def _pronoun(kind: str, rng: random.Random) -> tuple[str, str]:

@@ -1,4 +1,5 @@
-"""Turn examples into token ids and loss masks, the same way for SFT, perplexity and later stages."""
+"""Turn examples into token ids and loss masks, the same way for SFT,
+perplexity and later stages."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ IGNORE_INDEX = -100
 
 
 def render(example: Example, tokenizer) -> tuple[str, str]:
-    """``(prompt, completion)`` text: the loss covers the completion only. Chats use the tokenizer's template."""
+    """``(prompt, completion)`` text: the loss covers the completion only. Chats use
+    the tokenizer's template."""
     if example.messages is not None:
         *history, last = example.messages
         if history and last[0] == "assistant":
@@ -21,7 +23,8 @@ def render(example: Example, tokenizer) -> tuple[str, str]:
 
 
 def encode(example: Example, tokenizer, max_length: int) -> dict[str, list[int]]:
-    """``input_ids`` and ``labels`` (prompt tokens masked with -100), EOS appended, truncated to ``max_length``."""
+    """``input_ids`` and ``labels`` (prompt tokens masked with -100), EOS appended,
+    truncated to ``max_length``."""
     prompt, completion = render(example, tokenizer)
     prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
     special = not prompt_ids  # BOS (when the tokenizer adds one) goes once, at the very start
@@ -40,7 +43,8 @@ def encode_all(examples: list[Example], tokenizer, max_length: int) -> list[dict
 
 
 def pad_batch(rows: list[dict[str, list[int]]], pad_id: int):
-    """Right-pad a batch: tensors ``input_ids``, ``attention_mask`` and ``labels`` (-100 on padding)."""
+    """Right-pad a batch: tensors ``input_ids``, ``attention_mask`` and
+    ``labels`` (-100 on padding)."""
     import torch
 
     width = max(len(row["input_ids"]) for row in rows)

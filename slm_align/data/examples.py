@@ -9,7 +9,8 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class Example:
-    """One training item. Exactly one shape: ``text``; ``prompt`` + ``completion``; or chat ``messages``."""
+    """One training item. Exactly one shape: ``text``; ``prompt`` +
+    ``completion``; or chat ``messages``."""
 
     text: Optional[str] = None
     prompt: Optional[str] = None
@@ -17,7 +18,8 @@ class Example:
     messages: Optional[tuple[tuple[str, str], ...]] = None
 
     def key(self) -> str:
-        """Canonical form: two examples with the same key are the same item (used to split without leaks)."""
+        """Canonical form: two examples with the same key are the same item (used
+        to split without leaks)."""
         if self.messages is not None:
             return json.dumps(self.messages)
         if self.prompt is not None:

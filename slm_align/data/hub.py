@@ -1,5 +1,5 @@
-"""Datasets by hub id (``--data org/name``): read through ``datasets.load_dataset`` when its cache or the network
-has them; one clear line when neither does (offline, or no such dataset)."""
+"""Datasets by hub id (``--data org/name``): read through ``datasets.load_dataset`` when its cache
+or the network has them; one clear line when neither does (offline, or no such dataset)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from slm_align.modeling import looks_like_hub_id
 
 
 def is_hub_dataset(path: Path, file_suffixes: tuple[str, ...]) -> bool:
-    """A data argument that is no local path and reads as a hub id (``org/name``): no file suffix of ours."""
+    """A data argument that is no local path and reads as a hub id (``org/name``):
+    no file suffix of ours."""
     if path.exists() or path.suffix.lower() in file_suffixes:
         return False
     return looks_like_hub_id(str(path))
@@ -20,7 +21,8 @@ def is_hub_dataset(path: Path, file_suffixes: tuple[str, ...]) -> bool:
 
 @functools.lru_cache(maxsize=4)
 def load_hub_dataset(name: str) -> Any:
-    """The dataset's train split (else its first), from the datasets cache or the hub; UserError when unreachable."""
+    """The dataset's train split (else its first), from the datasets cache or the hub;
+    UserError when unreachable."""
     import datasets
 
     try:
@@ -42,5 +44,6 @@ def hub_rows(name: str) -> Iterator[tuple[str, Any]]:
 
 
 def hub_fingerprint(name: str) -> str:
-    """The dataset's id and the fingerprint datasets computed for its loaded contents, for manifests."""
+    """The dataset's id and the fingerprint datasets computed for its loaded
+    contents, for manifests."""
     return f"hub:{name}:{load_hub_dataset(name)._fingerprint}"

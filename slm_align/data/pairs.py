@@ -1,8 +1,9 @@
-"""Synthetic preference pairs from a plain corpus, in TRL's columns (``prompt``, ``chosen``, ``rejected``).
+"""Synthetic preference pairs from a plain corpus, in TRL's columns (``prompt``,
+``chosen``, ``rejected``).
 
-The prompt is a document's opening, chosen its true continuation, and rejected a corrupted continuation:
-truncated, sentence-shuffled, another document's continuation (mismatch), or with words dropped. Callers pass
-only training items: eval and held-out items never become pairs.
+The prompt is a document's opening, chosen its true continuation, and rejected a corrupted
+continuation: truncated, sentence-shuffled, another document's continuation (mismatch), or with
+words dropped. Callers pass only training items: eval and held-out items never become pairs.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def synthetic_pairs(examples: list[Example], settings: PairSettings, seed: int) 
     """One pair per usable item, the corruption drawn by ``settings.mix`` weights."""
     unknown = set(settings.mix) - set(CORRUPTIONS)
     if unknown or not any(w > 0 for w in settings.mix.values()):
-        raise UserError(f"pair mix {settings.mix} is invalid; use positive weights for {', '.join(CORRUPTIONS)}")
+        raise UserError(f"pair mix {settings.mix} is invalid; use positive weights for "
+                        f"{', '.join(CORRUPTIONS)}")
     rng = random.Random(seed)
     stats = PairStats()
     sources = _sources(examples, settings.opening_sentences, stats)

@@ -2,13 +2,15 @@
 
 Accepted rows (any corpus format that :mod:`slm_align.data.readers` reads):
 
-- paired: ``{prompt, chosen, rejected}`` with text values, or TRL's conversational form where ``chosen`` and
-  ``rejected`` are message lists (``prompt`` a message list too, or left out when it is the shared prefix);
-- unpaired: ``{prompt, completion, label}`` with a boolean label (text, or TRL's conversational form with message
-  lists); within one prompt, every good completion is
-  paired with every bad one (at most :data:`MAX_PAIRS_PER_PROMPT`).
+- paired: ``{prompt, chosen, rejected}`` with text values, or TRL's conversational form where
+  ``chosen`` and ``rejected`` are message lists (``prompt`` a message list too, or left out when
+  it is the shared prefix);
+- unpaired: ``{prompt, completion, label}`` with a boolean label (text, or TRL's conversational form
+  with message lists); within one prompt, every good completion is paired with every bad one (at
+  most :data:`MAX_PAIRS_PER_PROMPT`).
 
-This is also the format ``slm-align feedback export`` writes for the next round. Extra columns are ignored.
+This is also the format ``slm-align feedback export`` writes for the next round.
+Extra columns are ignored.
 """
 
 from __future__ import annotations
@@ -29,17 +31,20 @@ MAX_PAIRS_PER_PROMPT = 8
 def _messages(where: str, value: Any, column: str) -> list[tuple[str, str]]:
     if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
                                               and "role" in m for m in value):
-        raise UserError(f"{where}: column '{column}' must be text or a list of {{role, content}} messages")
+        raise UserError(f"{where}: column '{column}' must be text or a list of {{role, content}} "
+                        f"messages")
     return [(str(m["role"]), m["content"]) for m in value]
 
 
 def _render_chat(where: str, row: dict, tokenizer) -> Pair:
-    """A conversational pair as text: the prompt through the chat template, each answer as its last turn."""
+    """A conversational pair as text: the prompt through the chat template, each
+    answer as its last turn."""
     chosen = _messages(where, row["chosen"], "chosen")
     rejected = _messages(where, row["rejected"], "rejected")
     prompt = _messages(where, row["prompt"], "prompt") if "prompt" in row else chosen[:-1]
     if "prompt" not in row and chosen[:-1] != rejected[:-1]:
-        raise UserError(f"{where}: without a 'prompt' column, chosen and rejected must share all but the last turn")
+        raise UserError(f"{where}: without a 'prompt' column, chosen and rejected must share all "
+                        f"but the last turn")
     prompt_text, chosen_text = chat_turn(prompt, chosen[-1], tokenizer)
     return Pair(prompt_text, chosen_text, chat_turn(prompt, rejected[-1], tokenizer)[1])
 
@@ -92,8 +97,9 @@ class Labelled:
 
 @dataclass
 class PreferenceRows:
-    """Every row of some preference files as read: pairs, unpaired verdicts, and the ``model_id`` column's values
-    (the sha256 of the artifact each piece of feedback was given to, written by ``feedback export``)."""
+    """Every row of some preference files as read: pairs, unpaired verdicts, and the
+    ``model_id`` column's values (the sha256 of the artifact each piece of feedback was given
+    to, written by ``feedback export``)."""
 
     pairs: list[Pair] = field(default_factory=list)
     labelled: list[Labelled] = field(default_factory=list)
@@ -112,14 +118,16 @@ class PreferenceRows:
         return [p for p in pairs if p.chosen.strip() != p.rejected.strip()]
 
     def unpaired(self) -> list[Labelled]:
-        """The unpaired verdicts, then each pair as a good and a bad completion (TRL's conversion for KTO)."""
+        """The unpaired verdicts, then each pair as a good and a bad completion
+        (TRL's conversion for KTO)."""
         split = [Labelled(p.prompt, p.chosen, True) for p in self.pairs]
         split += [Labelled(p.prompt, p.rejected, False) for p in self.pairs]
         return self.labelled + split
 
 
 def _read_row(where: str, row: Any, tokenizer, rows: PreferenceRows) -> None:
-    """Add one file row to ``rows`` (a pair or a verdict); a malformed row is a UserError naming file and line."""
+    """Add one file row to ``rows`` (a pair or a verdict); a malformed row is a
+    UserError naming file and line."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected an object, got {type(row).__name__}")
     if {"chosen", "rejected"} <= row.keys():
@@ -132,8 +140,8 @@ def _read_row(where: str, row: Any, tokenizer, rows: PreferenceRows) -> None:
         prompt, completion = _unpaired(where, row, tokenizer)
         rows.labelled.append(Labelled(prompt, completion, _label(where, row["label"])))
     else:
-        raise UserError(f"{where}: a preference row needs prompt/chosen/rejected or prompt/completion/label "
-                        f"(found: {', '.join(map(str, row)) or 'none'})")
+        raise UserError(f"{where}: a preference row needs prompt/chosen/rejected or "
+                        f"prompt/completion/label (found: {', '.join(map(str, row)) or 'none'})")
     if isinstance(row.get("model_id"), str):
         rows.model_ids.add(row["model_id"])
 
@@ -153,8 +161,8 @@ def read_preference_rows(path: Union[Path, list[Path]], tokenizer=None) -> Prefe
 
 
 def read_preferences(path: Union[Path, list[Path]], tokenizer=None) -> list[Pair]:
-    """Every preference pair in ``path`` (or in several files read as one, so that unpaired rows of one prompt
-    pair up across them); malformed rows are a UserError naming file and line."""
+    """Every preference pair in ``path`` (or in several files read as one, so that unpaired rows of
+    one prompt pair up across them); malformed rows are a UserError naming file and line."""
     pairs = read_preference_rows(path, tokenizer).paired()
     if not pairs:
         paths = _paths(path)

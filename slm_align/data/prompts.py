@@ -1,8 +1,8 @@
 """One prompt format for reward training, RL and evaluation.
 
-A plain document becomes ``opening`` (its first sentences) and ``continuation`` (the rest, with its leading
-space), so that ``prompt + completion`` is always the text a model would have produced after the prompt.
-Chat rows use the tokenizer's chat template with the generation prompt.
+A plain document becomes ``opening`` (its first sentences) and ``continuation`` (the rest, with its
+leading space), so that ``prompt + completion`` is always the text a model would have produced after
+the prompt. Chat rows use the tokenizer's chat template with the generation prompt.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def split_opening(text: str, opening_sentences: int = 2) -> Optional[tuple[str, 
 
 
 def render_chat(messages, tokenizer, add_generation_prompt: bool = False) -> str:
-    """``(role, content)`` messages through the tokenizer's chat template (the default one when it has none: see
+    """``(role, content)`` messages through the tokenizer's chat template (the default
+    one when it has none: see
     :func:`slm_align.chat_templates.default_chat_template`)."""
     rows = [{"role": role, "content": content} for role, content in messages]
     template = tokenizer.chat_template or default_chat_template(tokenizer)
@@ -53,7 +54,8 @@ def chat_prompt(messages, tokenizer) -> str:
 
 
 def chat_turn(history, answer: tuple[str, str], tokenizer) -> tuple[str, str]:
-    """``(prompt, completion)``: the completion is what the template adds for the final ``answer`` turn."""
+    """``(prompt, completion)``: the completion is what the template adds for the
+    final ``answer`` turn."""
     prompt = chat_prompt(history, tokenizer)
     full = render_chat(list(history) + [answer], tokenizer)
     return (prompt, full[len(prompt):]) if full.startswith(prompt) else ("", full)

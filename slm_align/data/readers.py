@@ -1,7 +1,8 @@
-"""Read a corpus from .txt, .jsonl, .json, .csv, .parquet, a directory saved by ``datasets`` or a hub dataset id.
+"""Read a corpus from .txt, .jsonl, .json, .csv, .parquet, a directory saved by
+``datasets`` or a hub dataset id.
 
-Every reader yields ``(where, row)`` pairs, ``where`` naming the file and line (or row) so that a bad
-row is reported precisely. :func:`read_examples` turns rows into :class:`Example` objects.
+Every reader yields ``(where, row)`` pairs, ``where`` naming the file and line (or row) so that a
+bad row is reported precisely. :func:`read_examples` turns rows into :class:`Example` objects.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text (bad byte at offset {exc.start}); re-save it as UTF-8") from None
+        raise UserError(f"{path}: not UTF-8 text (bad byte at offset {exc.start}); re-save it as "
+                        f"UTF-8") from None
     except OSError as exc:
-        raise UserError(f"{path}: cannot read it ({exc.strerror}); check the path and its permissions") from None
+        raise UserError(f"{path}: cannot read it ({exc.strerror}); check the path and its "
+                        f"permissions") from None
 
 
 def _txt_rows(path: Path) -> Iterator[Row]:
@@ -51,7 +54,8 @@ def _jsonl_rows(path: Path) -> Iterator[Row]:
         try:
             yield f"{path}:{number}", json.loads(line)
         except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{number}: not valid JSON ({exc.msg}); each line must be one JSON object") from None
+            raise UserError(f"{path}:{number}: not valid JSON ({exc.msg}); each line must be one "
+                            f"JSON object") from None
 
 
 def _json_rows(path: Path) -> Iterator[Row]:
@@ -62,7 +66,8 @@ def _json_rows(path: Path) -> Iterator[Row]:
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
-        raise UserError(f"{path}: expected a JSON list of objects (or {{'data': [...]}}), got {type(data).__name__}")
+        raise UserError(f"{path}: expected a JSON list of objects (or {{'data': [...]}}), got "
+                        f"{type(data).__name__}")
     for index, row in enumerate(data):
         yield f"{path}[{index}]", row
 
@@ -84,7 +89,8 @@ def _parquet_rows(path: Path) -> Iterator[Row]:
     try:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several unrelated types for a bad file
-        raise UserError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})") from None
+        raise UserError(f"{path}: not a readable parquet file ({type(exc).__name__}: "
+                        f"{exc})") from None
     yield from _table_rows(str(path), table.to_pylist())
 
 
@@ -107,14 +113,16 @@ def iter_rows(path: Path) -> Iterator[Row]:
     if is_hub_dataset(path, SUFFIXES):
         return hub_rows(str(path))
     if not path.exists():
-        raise UserError(f"data {path} not found; pass a corpus file ({', '.join(SUFFIXES)}) or a datasets directory")
+        raise UserError(f"data {path} not found; pass a corpus file ({', '.join(SUFFIXES)}) or a "
+                        f"datasets directory")
     if path.is_dir():
         return _datasets_rows(path)
     readers = {".txt": _txt_rows, ".jsonl": _jsonl_rows, ".json": _json_rows, ".csv": _csv_rows,
                ".parquet": _parquet_rows}
     reader = readers.get(path.suffix.lower())
     if reader is None:
-        raise UserError(f"data {path}: unsupported format {path.suffix or '(none)'}; use one of {', '.join(SUFFIXES)}")
+        raise UserError(f"data {path}: unsupported format {path.suffix or '(none)'}; use one of "
+                        f"{', '.join(SUFFIXES)}")
     return reader(path)
 
 
@@ -127,7 +135,8 @@ def _string(where: str, row: dict, field: str) -> str:
 
 def _messages(where: str, value: Any) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, list) or not value:
-        raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}} "
+                        f"objects")
     out = []
     for message in value:
         if not isinstance(message, dict) or not isinstance(message.get("content"), str) or "role" not in message:
@@ -137,12 +146,14 @@ def _messages(where: str, value: Any) -> tuple[tuple[str, str], ...]:
 
 
 def row_to_example(where: str, row: Any, text_field: Optional[str] = None) -> Optional[Example]:
-    """One row as an Example, or None for an empty row. Raises UserError naming ``where`` for a bad row."""
+    """One row as an Example, or None for an empty row. Raises UserError naming
+    ``where`` for a bad row."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected an object with a text column, got {type(row).__name__}")
     if text_field is not None:
         if text_field not in row:
-            raise UserError(f"{where}: no column '{text_field}' (found: {', '.join(map(str, row)) or 'none'})")
+            raise UserError(f"{where}: no column '{text_field}' (found: "
+                            f"{', '.join(map(str, row)) or 'none'})")
         text = _string(where, row, text_field)
         return Example(text=text.strip()) if text.strip() else None
     if "messages" in row:
@@ -165,7 +176,8 @@ def read_examples(path: Path, text_field: Optional[str] = None) -> list[Example]
     """Every non-empty item of a corpus. An empty corpus is a UserError."""
     examples = [ex for where, row in iter_rows(path) if (ex := row_to_example(where, row, text_field)) is not None]
     if not examples:
-        raise UserError(f"data {path} holds no documents; give a file with at least a few non-empty rows")
+        raise UserError(f"data {path} holds no documents; give a file with at least a few "
+                        f"non-empty rows")
     return examples
 
 

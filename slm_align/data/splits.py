@@ -1,7 +1,7 @@
 """Deterministic train / eval / held-out-prompt split that never leaks an item across parts.
 
-Identical items (same :meth:`Example.key`) collapse to one before splitting, and each item's place is
-decided by a seeded hash of its content, so a held-out item can never also be a training item.
+Identical items (same :meth:`Example.key`) collapse to one before splitting, and each item's place
+is decided by a seeded hash of its content, so a held-out item can never also be a training item.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class Splits:
 
 
 def seeded_rank(seed: int, key: str) -> str:
-    """The sort key that splits without leaks: a seeded hash of an item's canonical text (same text, same side)."""
+    """The sort key that splits without leaks: a seeded hash of an item's canonical text
+    (same text, same side)."""
     return hashlib.sha256(f"{seed}\x00{key}".encode()).hexdigest()
 
 
@@ -35,7 +36,8 @@ def _rank(seed: int, example: Example) -> str:
 
 
 def split_examples(examples: list[Example], seed: int, eval_fraction: float, heldout_prompts: int) -> Splits:
-    """Split by seeded content hash: held-out prompts first (at most 10%), then eval, the rest train."""
+    """Split by seeded content hash: held-out prompts first (at most 10%),
+    then eval, the rest train."""
     unique = list({ex.key(): ex for ex in examples}.values())
     if len(unique) < MIN_DOCUMENTS:
         raise UserError(f"the corpus has {len(unique)} distinct documents; need at least {MIN_DOCUMENTS} "

@@ -1,15 +1,18 @@
-"""Task datasets for RL and evaluation: prompts the policy continues, each with its row's other columns.
+"""Task datasets for RL and evaluation: prompts the policy continues, each
+with its row's other columns.
 
-A row is ``{"prompt": "text", ...}`` (prompt-only, or prompt + ``answer``, ``solution``, anything), a
-conversational prompt ``{"prompt": [{"role": "user", "content": ...}, ...], "tools": [...], ...}`` (TRL's
-convention) or ``{"messages": [...]}`` (a final assistant turn, as in SFT data, is dropped). Conversations are
-rendered with the tokenizer's chat template (the default one when it has none), with the row's ``tools`` and the
-assistant's generation prompt, so the prompt is exactly the text the model continues.
+A row is ``{"prompt": "text", ...}`` (prompt-only, or prompt + ``answer``, ``solution``, anything),
+a conversational prompt ``{"prompt": [{"role": "user", "content": ...}, ...], "tools": [...],
+...}`` (TRL's convention) or ``{"messages": [...]}`` (a final assistant turn, as in SFT data, is
+dropped). Conversations are rendered with the tokenizer's chat template (the default one when it
+has none), with the row's ``tools`` and the assistant's generation prompt, so the prompt is exactly
+the text the model continues.
 
-Every column other than the prompt stays with its row: reward functions receive them as keyword lists
-(``fn(prompts, completions, answer=[...], tools=[...])``, see :func:`slm_align.rewards.columns.with_columns`),
-which look a completion's row up by its prompt. So two rows with the same rendered prompt must agree on their
-columns (identical rows collapse to one), and :func:`split_tasks` keeps identical prompts on the same side.
+Every column other than the prompt stays with its row: reward functions receive them as keyword
+lists (``fn(prompts, completions, answer=[...], tools=[...])``, see
+:func:`slm_align.rewards.columns.with_columns`), which look a completion's row up by its prompt. So
+two rows with the same rendered prompt must agree on their columns (identical rows collapse to one),
+and :func:`split_tasks` keeps identical prompts on the same side.
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ RESERVED_COLUMNS = frozenset({"prompts", "completions"})
 
 @dataclass(frozen=True)
 class TaskSet:
-    """Prompts as the policy continues them (rendered text) and, aligned with them, each row's other columns."""
+    """Prompts as the policy continues them (rendered text) and, aligned with them,
+    each row's other columns."""
 
     prompts: list[str]
     columns: list[dict[str, Any]]
 
     def __post_init__(self):
         if len(self.prompts) != len(self.columns):
-            raise ValueError(f"TaskSet: {len(self.prompts)} prompts but {len(self.columns)} column rows")
+            raise ValueError(f"TaskSet: {len(self.prompts)} prompts but {len(self.columns)} column "
+                             f"rows")
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -68,8 +73,8 @@ class TaskSet:
         return {prompt: index for index, prompt in enumerate(self.prompts)}
 
     def columns_for(self, prompts: Iterable[str]) -> dict[str, list[Any]]:
-        """Each column as a list aligned with ``prompts`` (repeats and any order allowed; None where a row lacks
-        the column). A prompt that is not in the set is a UserError."""
+        """Each column as a list aligned with ``prompts`` (repeats and any order allowed; None where
+        a row lacks the column). A prompt that is not in the set is a UserError."""
         rows = []
         for prompt in prompts:
             index = self._row_of.get(prompt)
@@ -89,11 +94,12 @@ def _excerpt(text: str, limit: int = 60) -> str:
 
 
 def read_tasks(path, tokenizer=None, prompt_field: str = "prompt") -> TaskSet:
-    """Task rows from a .jsonl, .json, .parquet file or a ``datasets`` directory (see the module docstring).
+    """Task rows from a .jsonl, .json, .parquet file or a ``datasets`` directory
+    (see the module docstring).
 
-    Identical rows collapse to one; two rows with the same rendered prompt but different columns, a row without
-    a prompt, or a conversation the chat template cannot render is a one-line UserError naming the row.
-    ``tokenizer`` is needed only for conversational prompts.
+    Identical rows collapse to one; two rows with the same rendered prompt but different columns, a
+    row without a prompt, or a conversation the chat template cannot render is a one-line UserError
+    naming the row. ``tokenizer`` is needed only for conversational prompts.
     """
     prompts: list[str] = []
     columns: list[dict[str, Any]] = []
@@ -118,15 +124,17 @@ def _check_same_columns(where: str, first: tuple[int, str], columns: list[dict],
     differing = sorted(key for key in set(columns[index]) | set(other) if columns[index].get(key) != other.get(key))
     name = differing[0]
     raise UserError(
-        f"{where}: same prompt as {first_where} but a different '{name}' ({_excerpt(columns[index].get(name), 30)} "
-        f"vs {_excerpt(other.get(name), 30)}); rewards look a row's columns up by its prompt: keep one row per prompt"
+        f"{where}: same prompt as {first_where} but a different '{name}' "
+        f"({_excerpt(columns[index].get(name), 30)} vs {_excerpt(other.get(name), 30)}); rewards "
+        f"look a row's columns up by its prompt: keep one row per prompt"
     )
 
 
 def _task_row(where: str, row: Any, tokenizer, prompt_field: str) -> tuple[str, dict[str, Any]]:
     """``(rendered prompt, other columns)`` of one row."""
     if not isinstance(row, dict):
-        raise UserError(f"{where}: expected an object with a '{prompt_field}' column, got {type(row).__name__}")
+        raise UserError(f"{where}: expected an object with a '{prompt_field}' column, got "
+                        f"{type(row).__name__}")
     if prompt_field in row:
         field = prompt_field
     elif "messages" in row:
@@ -149,7 +157,8 @@ def _task_row(where: str, row: Any, tokenizer, prompt_field: str) -> tuple[str, 
 def _check_column_names(where: str, columns: dict) -> None:
     clash = sorted(RESERVED_COLUMNS & set(columns))
     if clash:
-        raise UserError(f"{where}: column '{clash[0]}' clashes with the reward functions' own argument; rename it")
+        raise UserError(f"{where}: column '{clash[0]}' clashes with the reward functions' own "
+                        f"argument; rename it")
 
 
 def _text_prompt(where: str, field: str, value: str) -> str:
@@ -161,7 +170,8 @@ def _text_prompt(where: str, field: str, value: str) -> str:
 def _conversation(where: str, field: str, value: Any) -> list[dict]:
     """The messages of a conversational prompt, checked; a final assistant turn is dropped."""
     if not isinstance(value, list) or not value:
-        raise UserError(f"{where}: '{field}' must be text or a non-empty list of {{role, content}} messages")
+        raise UserError(f"{where}: '{field}' must be text or a non-empty list of {{role, content}} "
+                        f"messages")
     messages = []
     for message in value:
         _check_message(where, field, message)
@@ -169,7 +179,8 @@ def _conversation(where: str, field: str, value: Any) -> list[dict]:
     if messages[-1]["role"] == "assistant":
         messages = messages[:-1]
     if not messages:
-        raise UserError(f"{where}: '{field}' holds only an assistant turn; a task needs the turns it answers")
+        raise UserError(f"{where}: '{field}' holds only an assistant turn; a task needs the turns "
+                        f"it answers")
     return messages
 
 
@@ -183,27 +194,31 @@ def _check_message(where: str, field: str, message: Any) -> None:
 
 
 def render_conversation(where: str, messages: list[dict], tools: Optional[list[dict]], tokenizer) -> str:
-    """The messages (and tools) through the tokenizer's chat template, ending with the generation prompt."""
+    """The messages (and tools) through the tokenizer's chat template, ending with
+    the generation prompt."""
     if tokenizer is None:
-        raise UserError(f"{where}: a conversational prompt needs a tokenizer to render it with its chat template")
+        raise UserError(f"{where}: a conversational prompt needs a tokenizer to render it with its "
+                        f"chat template")
     template = tokenizer.chat_template or default_chat_template(tokenizer)
     try:
         return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                              tokenize=False, chat_template=template)
     except Exception as exc:  # jinja2 and transformers raise several types for a conversation a template refuses
         reason = " ".join(str(exc).split())[:200]
-        raise UserError(f"{where}: the chat template cannot render this conversation ({type(exc).__name__}: "
-                        f"{reason})") from None
+        raise UserError(f"{where}: the chat template cannot render this conversation "
+                        f"({type(exc).__name__}: {reason})") from None
 
 
 # --- splitting ------------------------------------------------------------------------------------
 
 
 def split_tasks(tasks: TaskSet, seed: int, heldout_fraction: float, max_heldout: int) -> tuple[TaskSet, TaskSet]:
-    """``(train, heldout)`` by a seeded hash of each prompt, so identical prompts always land on the same side.
+    """``(train, heldout)`` by a seeded hash of each prompt, so identical prompts
+    always land on the same side.
 
-    The held-out part gets ``heldout_fraction`` of the distinct prompts (at least one when the fraction is
-    above 0), at most ``max_heldout``, and never all of them. Rows keep their order within each part.
+    The held-out part gets ``heldout_fraction`` of the distinct prompts (at least one when
+    the fraction is above 0), at most ``max_heldout``, and never all of them. Rows keep
+    their order within each part.
     """
     if not 0.0 <= heldout_fraction < 1.0:
         raise UserError(f"heldout fraction must be in [0, 1), got {heldout_fraction}")
@@ -212,8 +227,8 @@ def split_tasks(tasks: TaskSet, seed: int, heldout_fraction: float, max_heldout:
     if heldout_fraction > 0 and max_heldout > 0:
         wanted = max(1, wanted)
     if wanted >= len(distinct) and wanted > 0:
-        raise UserError(f"the task data has {len(distinct)} distinct prompt(s); need more than {wanted} to hold "
-                        f"{wanted} out and still train on some")
+        raise UserError(f"the task data has {len(distinct)} distinct prompt(s); need more than "
+                        f"{wanted} to hold {wanted} out and still train on some")
     ranked = sorted(distinct, key=lambda prompt: seeded_rank(seed, prompt))
     heldout = set(ranked[:wanted])
     train_rows = [i for i, prompt in enumerate(tasks.prompts) if prompt not in heldout]

@@ -1,6 +1,7 @@
 """Device profiles and fit / speed estimates: will this model run on my board, and how fast?
 
-Torch-free and transformers-free: the on-device runtime imports this. ``gguf`` is imported only to read a .gguf.
+Torch-free and transformers-free: the on-device runtime imports this. ``gguf`` is
+imported only to read a .gguf.
 """
 
 from slm_align.devices.estimate import FitReport, LooRow, MemoryEstimate, estimate_fit, leave_one_out, recommend_quant

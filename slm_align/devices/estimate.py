@@ -2,23 +2,26 @@
 
 Memory = weights + KV cache + runtime overhead:
 
-- weights: the artifact's own size when it already has the asked-for type, else parameters x bits per weight
-  (:data:`~slm_align.devices.quant.BITS_PER_WEIGHT`), with the output head at Q6_K as llama.cpp quantizes it;
-- KV cache (f16): 2 x layers x kv_heads x head_dim x context x 2 bytes, sliding-window layers (Gemma 3) included
-  at the full context: llama-cpp-python allocates a full-size SWA cache, and our ONNX loop keeps every past token;
-- overhead: a fixed :data:`FIXED_OVERHEAD_BYTES` (runtime library, interpreter, tokenizer) plus llama.cpp's
-  compute buffer, which is dominated by one prompt micro-batch's float32 logits and activations:
-  4 bytes x ubatch x (vocab + 8 x hidden).
+- weights: the artifact's own size when it already has the asked-for type, else parameters x
+  bits per weight (:data:`~slm_align.devices.quant.BITS_PER_WEIGHT`), with the output head at
+  Q6_K as llama.cpp quantizes it;
+- KV cache (f16): 2 x layers x kv_heads x head_dim x context x 2 bytes, sliding-window layers (Gemma
+  3) included at the full context: llama-cpp-python allocates a full-size SWA cache, and our ONNX
+  loop keeps every past token;
+- overhead: a fixed :data:`FIXED_OVERHEAD_BYTES` (runtime library, interpreter, tokenizer) plus
+  llama.cpp's compute buffer, which is dominated by one prompt micro-batch's float32 logits and
+  activations: 4 bytes x ubatch x (vocab + 8 x hidden).
 
-Decode time per token = streaming time + fixed cost. Every generated token reads all weights and the KV cache
-once: (weight bytes + KV bytes at the context) / (efficiency x bandwidth). On top, each layer costs a fixed
-time per token whatever its size (graph building, kernel dispatch, cache hand-over): :data:`LAYER_OVERHEAD_S`
-per runtime, measured with ``slm-align bench`` on the bundled 2.5M model, whose weights stream in a fraction
-of that time. The fixed cost dominates only for tiny models; at 100M+ parameters streaming does. The efficiency
-is calibrated on the profiles' published reference points: the geometric mean of measured / (bandwidth / bytes
-per token) over the device's own points when it has at least :data:`MIN_DEVICE_POINTS`, else over every
-device's points.
-The verdict compares memory with the app's budget (RAM x app share): "fits" up to 70 %, "tight" up to 100 %.
+Decode time per token = streaming time + fixed cost. Every generated token reads all weights and
+the KV cache once: (weight bytes + KV bytes at the context) / (efficiency x bandwidth). On top,
+each layer costs a fixed time per token whatever its size (graph building, kernel dispatch, cache
+hand-over): :data:`LAYER_OVERHEAD_S` per runtime, measured with ``slm-align bench`` on the
+bundled 2.5M model, whose weights stream in a fraction of that time. The fixed cost dominates
+only for tiny models; at 100M+ parameters streaming does. The efficiency is calibrated on the
+profiles' published reference points: the geometric mean of measured / (bandwidth / bytes per
+token) over the device's own points when it has at least :data:`MIN_DEVICE_POINTS`, else over
+every device's points. The verdict compares memory with the app's budget (RAM x app share):
+"fits" up to 70 %, "tight" up to 100 %.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ TIGHT_SHARE = 1.00
 MIN_DEVICE_POINTS = 2               # fewer own points than this: calibrate on every device's points
 DEFAULT_EFFICIENCY = 0.8            # used only when no profile has any reference point
 HEAD_BITS = BITS_PER_WEIGHT["Q6_K"]  # llama.cpp keeps the output head at Q6_K below that type
-# Fixed decode cost per layer and token, by runtime (x86 host, 2 threads, bundled 6-layer model: llama.cpp
-# ~0.45 ms/token of which ~0.15 ms streaming; our onnxruntime loop ~2.1 ms/token).
+# Fixed decode cost per layer and token, by runtime (x86 host, 2 threads, bundled 6-layer model:
+# llama.cpp ~0.45 ms/token of which ~0.15 ms streaming; our onnxruntime loop ~2.1 ms/token).
 LAYER_OVERHEAD_S = {"gguf": 0.05e-3, "onnx": 0.3e-3}
 
 Pool = list[tuple[DeviceProfile, ReferencePoint]]
@@ -111,10 +114,12 @@ class LooRow:
 
 
 def weight_bytes(facts: ModelFacts, quant: str) -> float:
-    """Weights at ``quant``: the artifact's measured bytes when it already has that type, else parameters x bits.
+    """Weights at ``quant``: the artifact's measured bytes when it already has that
+    type, else parameters x bits.
 
-    llama.cpp's quantizer keeps the output head (the tied embedding in tied models) at Q6_K when the rest goes
-    lower, which matters for small models with large vocabularies; that matrix is counted at Q6_K then.
+    llama.cpp's quantizer keeps the output head (the tied embedding in tied models) at Q6_K
+    when the rest goes lower, which matters for small models with large vocabularies; that
+    matrix is counted at Q6_K then.
     """
     if facts.weight_bytes is not None and facts.quant == quant:
         return float(facts.weight_bytes)
@@ -149,7 +154,8 @@ def verdict(share: float) -> str:
 
 
 def bandwidth_bound_tokens_per_second(facts: ModelFacts, profile: DeviceProfile, quant: str, context: int) -> float:
-    """Decode speed if every byte of weights and KV cache streamed at the profile's full bandwidth."""
+    """Decode speed if every byte of weights and KV cache streamed at the
+    profile's full bandwidth."""
     return profile.bandwidth_gbs * 1e9 / (weight_bytes(facts, quant) + kv_bytes(facts, context))
 
 
@@ -160,7 +166,8 @@ def runtime_of(facts: ModelFacts, profile: DeviceProfile) -> str:
 
 def decode_tokens_per_second(facts: ModelFacts, profile: DeviceProfile, quant: str, context: int,
                              efficiency: float) -> float:
-    """Tokens/s from streaming at ``efficiency`` x bandwidth plus the runtime's fixed cost per layer."""
+    """Tokens/s from streaming at ``efficiency`` x bandwidth plus the
+    runtime's fixed cost per layer."""
     streaming = 1.0 / (efficiency * bandwidth_bound_tokens_per_second(facts, profile, quant, context))
     return 1.0 / (streaming + (facts.layers or 0) * LAYER_OVERHEAD_S[runtime_of(facts, profile)])
 
@@ -176,15 +183,17 @@ def max_context(facts: ModelFacts, profile: DeviceProfile, quant: str) -> int:
 
 
 def preferred_quant(profile: DeviceProfile) -> str:
-    """The weight type the profile recommends: its GGUF type, else ONNX's w8 (the scheme that holds on real weights;
-    dynamic int8 is refused on the real Gemma 3 270M, benchmarks/quantization.py)."""
+    """The weight type the profile recommends: its GGUF type, else ONNX's w8 (the scheme that holds
+    on real weights; dynamic int8 is refused on the real Gemma 3 270M,
+    benchmarks/quantization.py)."""
     if profile.runtime == "gguf":
         return canonical_quant(profile.gguf_quant)
     return "w8"
 
 
 def recommend_quant(facts: ModelFacts, profile: DeviceProfile, context: int) -> Optional[str]:
-    """The profile's preferred type, downgraded until it fits (else until it is tight); None if nothing does."""
+    """The profile's preferred type, downgraded until it fits (else until it is
+    tight); None if nothing does."""
     shares = {q: memory_needed(facts, profile, q, context).total / profile.budget_bytes
               for q in smaller_types(preferred_quant(profile), profile.runtime)}
     for limit in (FITS_SHARE, TIGHT_SHARE):
@@ -195,7 +204,8 @@ def recommend_quant(facts: ModelFacts, profile: DeviceProfile, context: int) -> 
 
 
 def reference_facts(point: ReferencePoint) -> ModelFacts:
-    """A reference point's model as :class:`ModelFacts` (its published file size, when given, is the weights)."""
+    """A reference point's model as :class:`ModelFacts` (its published file size, when
+    given, is the weights)."""
     return ModelFacts(source=point.model, format="reference", parameters=point.parameters, layers=point.layers,
                       kv_heads=point.kv_heads, head_dim=point.head_dim, quant=canonical_quant(point.quant),
                       weight_bytes=None if point.size_gb is None else int(point.size_gb * 1e9))
@@ -219,12 +229,14 @@ def reference_pool(profiles: Optional[list[DeviceProfile]] = None) -> Pool:
 
 
 def efficiency_for(profile: DeviceProfile, pool: Pool) -> Efficiency:
-    """Calibrated efficiency: the device's own points when it has enough, else every device's points."""
+    """Calibrated efficiency: the device's own points when it has enough, else
+    every device's points."""
     if len(profile.reference) >= MIN_DEVICE_POINTS:
         ratios = [measured_over_bound(profile, point) for point in profile.reference]
         return Efficiency(geometric_mean(ratios), "device", len(ratios))
     if pool:
-        return Efficiency(geometric_mean(measured_over_bound(p, point) for p, point in pool), "all devices",
+        return Efficiency(geometric_mean(measured_over_bound(p, point) for p, point in pool), "all "
+                          "devices",
                           len(pool))
     return Efficiency(DEFAULT_EFFICIENCY, "default", 0)
 
@@ -234,7 +246,8 @@ def _notes(facts: ModelFacts, context: int, efficiency: Efficiency) -> list[str]
     if facts.kv_bytes_per_token is None:
         notes.append("KV cache not counted: the model's layer and head sizes are unknown")
     if facts.context_length and context > facts.context_length:
-        notes.append(f"context {context} exceeds the model's trained context {facts.context_length}")
+        notes.append(f"context {context} exceeds the model's trained context "
+                     f"{facts.context_length}")
     if not facts.parameters_exact:
         notes.append("parameter count derived from config.json")
     if efficiency.basis != "device":
@@ -245,7 +258,8 @@ def _notes(facts: ModelFacts, context: int, efficiency: Efficiency) -> list[str]
 
 def estimate_fit(facts: ModelFacts, profile: DeviceProfile, quant: Optional[str] = None,
                  context: Optional[int] = None, pool: Optional[Pool] = None) -> FitReport:
-    """Memory, verdict, largest context, recommended type and decode speed of ``facts`` on ``profile``."""
+    """Memory, verdict, largest context, recommended type and decode speed of
+    ``facts`` on ``profile``."""
     if context is not None and context < 1:
         raise UserError(f"--ctx {context}: must be at least 1 token")
     context = context or min(DEFAULT_CONTEXT, facts.context_length or DEFAULT_CONTEXT)

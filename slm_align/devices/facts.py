@@ -1,9 +1,10 @@
 """What the estimator needs to know about a model, read from its files without loading it.
 
-Three inputs: an HF directory (config.json + *.safetensors; parameters counted from the safetensors headers,
-which are an 8-byte little-endian length followed by JSON), a ``.gguf`` file (metadata and tensor table through
-``gguf.GGUFReader``, imported lazily) and an ONNX export directory (config.json next to model.onnx; the
-parameter count is derived from config.json because counting initializers would need the onnx package).
+Three inputs: an HF directory (config.json + *.safetensors; parameters counted from the safetensors
+headers, which are an 8-byte little-endian length followed by JSON), a ``.gguf`` file (metadata and
+tensor table through ``gguf.GGUFReader``, imported lazily) and an ONNX export directory (config.json
+next to model.onnx; the parameter count is derived from config.json because counting initializers
+would need the onnx package).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class ModelFacts:
 
     @property
     def kv_bytes_per_token(self) -> Optional[int]:
-        """f16 KV-cache bytes per token of context: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes."""
+        """f16 KV-cache bytes per token of context: 2 (K and V) x layers x
+        kv_heads x head_dim x 2 bytes."""
         if None in (self.layers, self.kv_heads, self.head_dim):
             return None
         return 2 * self.layers * self.kv_heads * self.head_dim * 2
@@ -69,7 +71,8 @@ def _read_config(directory: Path) -> dict:
         raise UserError(f"{directory}: no config.json; pass an HF model directory, an ONNX export directory "
                         "or a .gguf file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not valid JSON ({exc}); re-save the model with save_pretrained") from None
+        raise UserError(f"{path}: not valid JSON ({exc}); re-save the model with "
+                        f"save_pretrained") from None
 
 
 def _dims_from_config(config: dict) -> dict:
@@ -93,7 +96,8 @@ def safetensors_header(path: Path) -> dict:
                 raise ValueError("header length out of range")
             header = json.loads(handle.read(length))
     except (struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not a safetensors file ({exc}); re-save the model with save_pretrained") from None
+        raise UserError(f"{path}: not a safetensors file ({exc}); re-save the model with "
+                        f"save_pretrained") from None
     header.pop("__metadata__", None)
     expected = 8 + length + max((t.get("data_offsets", (0, 0))[1] for t in header.values()), default=0)
     if path.stat().st_size < expected:
@@ -107,7 +111,8 @@ def _dominant(bytes_by_type: dict[str, int]) -> Optional[str]:
 
 
 def hf_facts(directory: Path) -> ModelFacts:
-    """Facts of an HF directory: parameters and bytes from the safetensors headers, dimensions from config.json."""
+    """Facts of an HF directory: parameters and bytes from the safetensors headers,
+    dimensions from config.json."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise UserError(f"{directory}: no *.safetensors weights; save the model with save_pretrained "
@@ -154,7 +159,8 @@ def _gguf_quant(reader, bytes_by_type: dict[str, int]) -> Optional[str]:
 
 
 def gguf_facts(path: Path) -> ModelFacts:
-    """Facts of a .gguf file: ``{arch}.*`` metadata and the tensor table (actual bytes per tensor)."""
+    """Facts of a .gguf file: ``{arch}.*`` metadata and the tensor table
+    (actual bytes per tensor)."""
     try:
         import gguf
     except ImportError:
@@ -162,7 +168,8 @@ def gguf_facts(path: Path) -> ModelFacts:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError, struct errors, ... on a damaged file
-        raise UserError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); re-export it") from None
+        raise UserError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                        f"re-export it") from None
     arch = _gguf_value(reader, "general.architecture")
     meta = {key: _gguf_value(reader, f"{arch}.{key}") for key in
             ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
@@ -208,14 +215,15 @@ def _layer_extras(model_type: Optional[str], hidden: int, intermediate: int, q_w
 
 
 def params_from_config(config: dict) -> int:
-    """Parameter count of a decoder-only transformer from its config (embeddings, attention, MLP, norms, biases);
-    exact for the architectures slm-align trains."""
+    """Parameter count of a decoder-only transformer from its config (embeddings, attention, MLP,
+    norms, biases); exact for the architectures slm-align trains."""
     dims = _dims_from_config(config)
     hidden = dims["hidden_size"]
     layers = dims["layers"]
     vocab = dims["vocab_size"]
     if not (hidden and layers and vocab):
-        raise UserError("config.json lacks hidden_size, num_hidden_layers or vocab_size; cannot size the model")
+        raise UserError("config.json lacks hidden_size, num_hidden_layers or vocab_size; cannot "
+                        "size the model")
     model_type = config.get("model_type")
     q_width = dims["attention_heads"] * dims["head_dim"]
     kv_width = dims["kv_heads"] * dims["head_dim"]
@@ -236,7 +244,8 @@ def _onnx_quant(bits: float) -> str:
 
 
 def onnx_facts(directory: Path) -> ModelFacts:
-    """Facts of an ONNX export directory: bytes of *.onnx plus external data; parameters from config.json."""
+    """Facts of an ONNX export directory: bytes of *.onnx plus external data;
+    parameters from config.json."""
     files = [p for p in directory.iterdir() if p.is_file() and
              (p.suffix == ".onnx" or p.name.endswith((".onnx_data", ".onnx.data")))]
     config = _read_config(directory)
@@ -248,7 +257,8 @@ def onnx_facts(directory: Path) -> ModelFacts:
 
 
 def model_facts(path) -> ModelFacts:
-    """Facts of an HF directory, a .gguf file (or a directory holding exactly one) or an ONNX export directory."""
+    """Facts of an HF directory, a .gguf file (or a directory holding exactly one) or an
+    ONNX export directory."""
     path = Path(path)
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if len(ggufs) == 1 and not any(path.glob("*.safetensors")):  # an export directory holding one .gguf
@@ -260,6 +270,7 @@ def model_facts(path) -> ModelFacts:
     if path.is_dir() and any(path.glob("*.safetensors")):
         return hf_facts(path)
     if not path.exists():
-        raise UserError(f"model {path} not found; pass an HF directory, a .gguf file or an ONNX export directory")
+        raise UserError(f"model {path} not found; pass an HF directory, a .gguf file or an ONNX "
+                        f"export directory")
     raise UserError(f"{path}: not a model this can size; pass an HF directory with *.safetensors, a .gguf file "
                     "or an ONNX export directory with model.onnx")

@@ -1,5 +1,6 @@
-"""Facts about this host for device profiles and measurements: CPU model and ISA flags, cores, RAM, a memory
-bandwidth probe, and the process's peak resident memory. Imports neither torch nor transformers.
+"""Facts about this host for device profiles and measurements: CPU model and ISA flags,
+cores, RAM, a memory bandwidth probe, and the process's peak resident memory. Imports
+neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ def _sysctl(name: str) -> str:
 
 
 def cpu_name(cpuinfo: str) -> str:
-    """CPU (or board) model name: x86 'model name', the device tree's model on ARM boards, sysctl on macOS."""
+    """CPU (or board) model name: x86 'model name', the device tree's model on ARM
+    boards, sysctl on macOS."""
     fields = _cpuinfo_fields(cpuinfo)
     board = _read("/proc/device-tree/model").strip("\x00 \n")
-    name = fields.get("model name") or board or fields.get("hardware") or fields.get("processor", "")
+    name = fields.get("model "
+                      "name") or board or fields.get("hardware") or fields.get("processor", "")
     if sys.platform == "darwin":
         name = _sysctl("machdep.cpu.brand_string") or name
     if not name or name.isdigit():  # ARM cpuinfo's 'processor' is just the CPU index
@@ -133,13 +136,15 @@ def host_facts() -> HostFacts:
 
 
 def default_threads() -> int:
-    """Physical cores this process may use (llama.cpp's advice: hyperthreads do not speed up decode)."""
+    """Physical cores this process may use (llama.cpp's advice: hyperthreads
+    do not speed up decode)."""
     return max(1, min(physical_cores(_read("/proc/cpuinfo")), logical_cpus()))
 
 
 def measure_bandwidth(megabytes: int = BANDWIDTH_MB, repeats: int = BANDWIDTH_REPEATS) -> float:
-    """Memory bandwidth in GB/s from the best of a few numpy copies of a large array (bytes read plus written,
-    as STREAM's copy counts them; one thread, so a lower bound on what all cores reach)."""
+    """Memory bandwidth in GB/s from the best of a few numpy copies of a large array
+    (bytes read plus written, as STREAM's copy counts them; one thread, so a lower bound
+    on what all cores reach)."""
     source = np.ones(megabytes * 2**20 // 8)
     target = np.empty_like(source)
     best = float("inf")
@@ -150,14 +155,16 @@ def measure_bandwidth(megabytes: int = BANDWIDTH_MB, repeats: int = BANDWIDTH_RE
     return 2 * source.nbytes / best / 1e9
 
 
-# --- the measurement (runs in the child process) ------------------------------------------------------------
+# --- the measurement (runs in the child process)
+# ------------------------------------------------------------
 
 def peak_rss_bytes() -> int:
     """This process's RSS high-water mark.
 
-    Linux: VmHWM of /proc/self/status, the high-water mark of this process's own address space. ``ru_maxrss``
-    is not used there because exec carries the parent's high-water mark over into it: a child started by a
-    2 GB training process would report at least 2 GB. Elsewhere ``ru_maxrss`` (bytes on macOS, KiB otherwise).
+    Linux: VmHWM of /proc/self/status, the high-water mark of this process's own address space.
+    ``ru_maxrss`` is not used there because exec carries the parent's high-water mark over into it:
+    a child started by a 2 GB training process would report at least 2 GB. Elsewhere ``ru_maxrss``
+    (bytes on macOS, KiB otherwise).
     """
     match = re.search(r"^VmHWM:\s+(\d+)\s*kB", _read("/proc/self/status"), re.MULTILINE)
     if match:

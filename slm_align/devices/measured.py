@@ -1,5 +1,6 @@
-"""One artifact measured on this host (:class:`BenchResult`, written by ``slm-align bench``), compared with a device
-profile's prediction, and saved as a user device profile with this measurement as its reference point.
+"""One artifact measured on this host (:class:`BenchResult`, written by ``slm-align bench``),
+compared with a device profile's prediction, and saved as a user device profile with this
+measurement as its reference point.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class BenchResult:
 
     @property
     def kv_context(self) -> int:
-        """Tokens in the KV cache during decode, on average (the context a reference point records)."""
+        """Tokens in the KV cache during decode, on average (the context a
+        reference point records)."""
         return self.prompt_tokens + self.decode_tokens // 2
 
     def to_dict(self) -> dict:
@@ -69,7 +71,8 @@ class BenchResult:
 
 
 def predict(result: BenchResult, profile) -> dict:
-    """``estimate_fit``'s decode speed for the measured artifact on ``profile``, beside the measurement."""
+    """``estimate_fit``'s decode speed for the measured artifact on ``profile``,
+    beside the measurement."""
     facts = model_facts(result.artifact)
     report = estimate_fit(facts, profile, quant=facts.quant, context=result.kv_context)
     return {"device": profile.name, "quant": report.quant, "context": report.context,
@@ -87,12 +90,15 @@ def user_profile_dir() -> Path:
 
 
 def profile_path(name: str, overwrite: bool = False) -> Path:
-    """The file a profile called ``name`` is saved to; refuses a bad name or an existing file (unless overwrite)."""
+    """The file a profile called ``name`` is saved to; refuses a bad name or an existing
+    file (unless overwrite)."""
     if not PROFILE_NAME.match(name):
-        raise UserError(f"--save-profile '{name}': use letters, digits, '.', '_' and '-' only (e.g. my-laptop)")
+        raise UserError(f"--save-profile '{name}': use letters, digits, '.', '_' and '-' only "
+                        f"(e.g. my-laptop)")
     path = user_profile_dir() / f"{name}.toml"
     if path.exists() and not overwrite:
-        raise UserError(f"device profile {path} already exists; pass --overwrite to replace it or choose another name")
+        raise UserError(f"device profile {path} already exists; pass --overwrite to replace it or "
+                        f"choose another name")
     return path
 
 
@@ -144,21 +150,23 @@ def profile_data(result: BenchResult, bandwidth_gbs: float, facts, today: Option
         "threads": result.threads,
         "isa": host.isa,
         "bandwidth_gbs": round(bandwidth_gbs, 2),
-        "bandwidth_source": f"measured by slm-align bench with a numpy copy ({BANDWIDTH_MB} MB, best of "
-                            f"{BANDWIDTH_REPEATS}, one thread), {today}",
+        "bandwidth_source": f"measured by slm-align bench with a numpy copy ({BANDWIDTH_MB} MB, "
+                            f"best of {BANDWIDTH_REPEATS}, one thread), {today}",
         "runtime": result.kind,
         "gguf_quant": facts.quant if result.kind == "gguf" and facts.quant in GGUF_TYPES else "Q4_K_M",
         "onnx_preset": _onnx_preset(host.isa, host.machine),
         "notes": f"Written by `slm-align bench {result.artifact}` ({result.threads} threads, "
                  f"{result.prompt_tokens}-token prompt, {result.decode_tokens} decode tokens)."
-                 + ("" if reference else " No reference point: the artifact's weight type is unknown."),
+                 + ("" if reference else " No reference point: the artifact's weight type is "
+                    "unknown."),
         "reference": [reference] if reference else [],
     }
 
 
 def save_profile(result: BenchResult, name: str, overwrite: bool = False,
                  bandwidth_gbs: Optional[float] = None) -> Path:
-    """Write ``result`` as the user device profile ``name`` (validated, atomically); the file's path."""
+    """Write ``result`` as the user device profile ``name`` (validated,
+    atomically); the file's path."""
     path = profile_path(name, overwrite)
     data = profile_data(result, measure_bandwidth() if bandwidth_gbs is None else bandwidth_gbs,
                         model_facts(result.artifact))
@@ -168,5 +176,6 @@ def save_profile(result: BenchResult, name: str, overwrite: bool = False,
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(map(str, error["loc"]))
-        raise UserError(f"cannot save profile '{name}': {where + ': ' if where else ''}{error['msg']}") from None
+        raise UserError(f"cannot save profile '{name}': "
+                        f"{where + ': ' if where else ''}{error['msg']}") from None
     return write_text_atomic(path, text)

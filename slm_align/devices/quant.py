@@ -1,4 +1,5 @@
-"""Weight types: bits per weight, the order in which a quantization is downgraded, and name normalisation.
+"""Weight types: bits per weight, the order in which a quantization is
+downgraded, and name normalisation.
 
 Bits per weight include the per-block scales (llama.cpp's published averages for the K-quant mixes).
 """
@@ -29,10 +30,12 @@ def find_quant(name: str) -> Optional[str]:
 
 
 def canonical_quant(name: str) -> str:
-    """The canonical spelling of a weight type; an unknown one is a :class:`UserError` listing the known ones."""
+    """The canonical spelling of a weight type; an unknown one is a :class:`UserError`
+    listing the known ones."""
     found = find_quant(name)
     if found is None:
-        raise UserError(f"unknown quantization '{name}'; choose one of {', '.join(BITS_PER_WEIGHT)}")
+        raise UserError(f"unknown quantization '{name}'; choose one of "
+                        f"{', '.join(BITS_PER_WEIGHT)}")
     return found
 
 

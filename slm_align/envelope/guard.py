@@ -12,13 +12,16 @@ from slm_align.errors import UserError
 
 
 class TrainingDiverged(UserError):
-    """Too many consecutive rollbacks: the run stops with the reason instead of training on garbage."""
+    """Too many consecutive rollbacks: the run stops with the reason instead
+    of training on garbage."""
 
 
 class Snapshot:
-    """Trainable parameters and optimizer state, copied so that :meth:`restore` puts them back bit for bit.
+    """Trainable parameters and optimizer state, copied so that :meth:`restore`
+    puts them back bit for bit.
 
-    Plain tensor clones (no deepcopy machinery): the snapshot is taken before every minibatch, so it must be cheap.
+    Plain tensor clones (no deepcopy machinery): the snapshot is taken before every
+    minibatch, so it must be cheap.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer):
@@ -29,7 +32,8 @@ class Snapshot:
                       for p, st in optimizer.state.items()}
 
     def restore(self) -> None:
-        """Put parameters and optimizer state back as they were; drop gradients and any state created since."""
+        """Put parameters and optimizer state back as they were; drop gradients and
+        any state created since."""
         with torch.no_grad():
             for param, value in zip(self.params, self.values):
                 param.copy_(value)
@@ -47,7 +51,8 @@ class Snapshot:
 
 
 def trainable_state(named_params: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer) -> dict:
-    """What a resumed run needs to continue bit for bit: trainable weights, optimizer state, torch's RNG."""
+    """What a resumed run needs to continue bit for bit: trainable weights,
+    optimizer state, torch's RNG."""
     return {"params": {name: param.detach().clone() for name, param in named_params},
             "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
 
@@ -92,9 +97,10 @@ class GuardedOptimizer:
     """The envelope around one optimizer step, shared by RL and preference optimisation.
 
     :meth:`step` takes a loss already computed: a finite loss, backward, the ``after_backward`` hook, gradient
-    averaging across data-parallel ranks, a finite gradient, the gradient-norm clip, the optimizer step, finite
-    parameters. Any non-finite value restores the :meth:`snapshot` taken before the forward pass bit for bit and is
-    counted; ``max_consecutive_rollbacks`` in a row stop the run (:class:`TrainingDiverged`).
+    averaging across data-parallel ranks, a finite gradient, the gradient-norm clip, the optimizer
+    step, finite parameters. Any non-finite value restores the :meth:`snapshot` taken before the
+    forward pass bit for bit and is counted; ``max_consecutive_rollbacks`` in a row stop the run
+    (:class:`TrainingDiverged`).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, envelope, world,
@@ -112,7 +118,8 @@ class GuardedOptimizer:
         return Snapshot(self.params, self.optimizer)
 
     def step(self, loss: torch.Tensor, snapshot: Optional[Snapshot], after_backward=None) -> dict:
-        """Backward and one optimizer step on ``loss``: ``{"loss", "grad_norm"}``, or ``{"rolled_back": 1}``."""
+        """Backward and one optimizer step on ``loss``: ``{"loss", "grad_norm"}``, or
+        ``{"rolled_back": 1}``."""
         guarded = self.envelope.rollback
         self.optimizer.zero_grad(set_to_none=True)
         if guarded and self.world.any(not all_finite([loss])):

@@ -1,8 +1,9 @@
-"""The step loop both envelope runs share (PPO/GRPO and DPO/KTO): each step's metrics appended to
-``metrics.jsonl`` and reported to the tracker, a progress bar, and checkpoints for a bit-identical resume.
+"""The step loop both envelope runs share (PPO/GRPO and DPO/KTO): each step's metrics
+appended to ``metrics.jsonl`` and reported to the tracker, a progress bar, and checkpoints
+for a bit-identical resume.
 
-A run resumed from its checkpoint first cuts ``metrics.jsonl`` back to the checkpoint's step (a killed run may
-have logged past it), so every step is logged exactly once.
+A run resumed from its checkpoint first cuts ``metrics.jsonl`` back to the checkpoint's step (a
+killed run may have logged past it), so every step is logged exactly once.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def load_checkpoint(partial: Path) -> Optional[dict]:
 
 
 def save_checkpoint(partial: Path, state: dict) -> None:
-    """Write a run's state into its work dir atomically (a kill mid-write leaves the previous checkpoint)."""
+    """Write a run's state into its work dir atomically (a kill mid-write leaves
+    the previous checkpoint)."""
     with atomic_path(Path(partial) / CHECKPOINT) as tmp:
         torch.save(state, tmp)
 
@@ -57,9 +59,10 @@ def append_metrics(path: Path, metrics: dict) -> None:
 def train_steps(run: Stepped, next_step: Callable[[], dict], total: int, partial: Path, *, title: str,
                 status: Callable[[dict], str], save_every: int, state: Callable[[], dict], world: World,
                 tracker: Tracker, stopped: Callable[[], bool] = never) -> None:
-    """Take the remaining steps of ``run`` up to ``total`` (``next_step()`` takes one and returns its metrics),
-    until ``stopped()``. Rank 0 appends each step's metrics and reports them to ``tracker``, and saves ``state()``
-    every ``save_every`` steps, at the last step and when the run stops early."""
+    """Take the remaining steps of ``run`` up to ``total`` (``next_step()`` takes one and
+    returns its metrics), until ``stopped()``. Rank 0 appends each step's metrics and reports
+    them to ``tracker``, and saves ``state()`` every ``save_every`` steps, at the last step and
+    when the run stops early."""
     metrics_path = Path(partial) / METRICS
     if world.main:
         keep_first_lines(metrics_path, run.step)  # steps after the checkpoint are taken again

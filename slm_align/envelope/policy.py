@@ -1,5 +1,5 @@
-"""The trainable policy: merged SFT weights + a fresh LoRA (the trainable check refuses a frozen one), gradient
-checkpointing in eval mode, and sampling from it with the adapter folded in or off.
+"""The trainable policy: merged SFT weights + a fresh LoRA (the trainable check refuses a frozen
+one), gradient checkpointing in eval mode, and sampling from it with the adapter folded in or off.
 
 The reference policy is the same model with the adapter disabled: no second copy of the weights.
 """
@@ -19,20 +19,23 @@ from slm_align.modeling import attach_lora, load_adapter, load_model, merged_pol
 
 
 def require_trainable(model) -> int:
-    """The envelope's hard check: refuse to train when no parameter requires grad (the silent freeze)."""
+    """The envelope's hard check: refuse to train when no parameter requires
+    grad (the silent freeze)."""
     count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if count == 0:
-        raise UserError("no policy parameter requires grad: the LoRA adapter is frozen, so RL would silently "
-                        "change nothing; keep merge-and-reinitialise on (do not pass --no-reinit-lora)")
+        raise UserError("no policy parameter requires grad: the LoRA adapter is frozen, so RL "
+                        "would silently change nothing; keep merge-and-reinitialise on (do not "
+                        "pass --no-reinit-lora)")
     return count
 
 
 def build_policy(source, sft_adapter: Optional[Path], settings: RLSettings, seed: int,
                  trust_remote_code: bool = False, allow_pickle: bool = False, device: str = "cpu"):
-    """Merge the SFT adapter into the base and attach a fresh zero-initialised LoRA (the envelope's first part),
-    in float32 on ``device``.
+    """Merge the SFT adapter into the base and attach a fresh zero-initialised LoRA (the envelope's
+    first part), in float32 on ``device``.
 
-    With ``reinit_lora`` off, the SFT adapter is loaded as it is, the way PEFT loads it by default: frozen.
+    With ``reinit_lora`` off, the SFT adapter is loaded as it is, the way PEFT
+    loads it by default: frozen.
     """
     if settings.envelope.reinit_lora or sft_adapter is None:
         merged = merged_policy(source, sft_adapter, trust_remote_code, allow_pickle)
@@ -50,9 +53,10 @@ def enable_checkpointing(model) -> None:
 
 
 def checkpoint_in_eval(model) -> int:
-    """Let the decoder layers checkpoint while RL stays in eval mode: transformers checkpoints a layer only when it is
-    training, so the layers alone are marked as training; every module inside them (attention, dropout, LoRA
-    dropout) stays in eval mode, so no dropout runs. Returns how many layers checkpoint."""
+    """Let the decoder layers checkpoint while RL stays in eval mode: transformers checkpoints a
+    layer only when it is training, so the layers alone are marked as training; every module inside
+    them (attention, dropout, LoRA dropout) stays in eval mode, so no dropout runs. Returns how
+    many layers checkpoint."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
@@ -63,11 +67,13 @@ def checkpoint_in_eval(model) -> int:
 
 @contextmanager
 def merged_for_sampling(model):
-    """Sample through plain linear layers: fold each LoRA delta into its base weight, restore exactly after.
+    """Sample through plain linear layers: fold each LoRA delta into its base
+    weight, restore exactly after.
 
-    Sampling through peft's LoRA path costs about a quarter more time on small models; the original weights are
-    cloned and copied back (not un-merged by subtraction, which would drift), so the reference is untouched.
-    Log-probabilities for the update are always recomputed through the LoRA path.
+    Sampling through peft's LoRA path costs about a quarter more time on small models; the
+    original weights are cloned and copied back (not un-merged by subtraction, which would
+    drift), so the reference is untouched. Log-probabilities for the update are always
+    recomputed through the LoRA path.
     """
     from peft.tuners.lora import LoraLayer
 
@@ -90,8 +96,8 @@ def merged_for_sampling(model):
 
 def policy_rewards(policy, tokenizer, reward_fn, prompts: list[str], settings: RLSettings, seed: int,
                    adapter: bool = True) -> list[float]:
-    """Per-prompt reward of one completion sampled for each prompt with ``seed`` (the RL adapter on, merged for
-    speed, or off: the prior), at the recipe's temperature and token budget."""
+    """Per-prompt reward of one completion sampled for each prompt with ``seed`` (the RL adapter on,
+    merged for speed, or off: the prior), at the recipe's temperature and token budget."""
     context = merged_for_sampling(policy) if adapter else policy.disable_adapter()
     with context:
         samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=seed)

@@ -1,9 +1,9 @@
-"""What every run that trains the policy's fresh adapter inside the envelope holds: PPO/GRPO (rl/learner.py Learner) and
-DPO/KTO (preference/learner.py PreferenceLearner) both build on it.
+"""What every run that trains the policy's fresh adapter inside the envelope holds: PPO/GRPO
+(rl/learner.py Learner) and DPO/KTO (preference/learner.py PreferenceLearner) both build on it.
 
-The policy on its device, the precision of its forward passes, gradient checkpointing, the trainable parameters,
-AdamW (learning rate scaled to the model's size when unset), the guarded optimizer step, the step count, and the
-part of a checkpoint they all write.
+The policy on its device, the precision of its forward passes, gradient checkpointing, the trainable
+parameters, AdamW (learning rate scaled to the model's size when unset), the guarded optimizer step,
+the step count, and the part of a checkpoint they all write.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from slm_align.envelope.world import World
 
 
 class TrainableRun:
-    """The policy, its trainable parameters, AdamW and the guarded optimizer step; subclasses add their algorithm."""
+    """The policy, its trainable parameters, AdamW and the guarded optimizer step;
+    subclasses add their algorithm."""
 
     def __init__(self, policy, named_params: list[tuple[str, torch.nn.Parameter]], learning_rate: Optional[float],
                  envelope: EnvelopeSettings, world: World, precision: str, checkpointing: bool):
@@ -53,12 +54,14 @@ class TrainableRun:
         self.guard.counters = value
 
     def forward_context(self):
-        """Autocast of this run's forward passes on the policy's device (none at fp32); the loss math is fp32."""
+        """Autocast of this run's forward passes on the policy's device (none at fp32);
+        the loss math is fp32."""
         return forward_autocast(self.device, self.precision)
 
     def prepare_forward(self) -> None:
-        """Dropout off in every training forward (the first ratio is exactly 1, and a DPO policy at step 0 equals its
-        reference), with the layers still recomputed under gradient checkpointing."""
+        """Dropout off in every training forward (the first ratio is exactly 1, and a DPO
+        policy at step 0 equals its reference), with the layers still recomputed under
+        gradient checkpointing."""
         self.policy.eval()
         if self.checkpointing:
             checkpoint_in_eval(self.policy)
@@ -67,7 +70,8 @@ class TrainableRun:
         """Hook between backward and the optimizer step (fault-injection tests override it)."""
 
     def run_state(self) -> dict:
-        """The checkpoint's shared part: trainable weights, AdamW, torch's RNG, the step and the guards' counters."""
+        """The checkpoint's shared part: trainable weights, AdamW, torch's RNG, the step
+        and the guards' counters."""
         state = trainable_state(self.named_params, self.optimizer)
         return dict(state, step=self.step, counters=asdict(self.counters))
 

@@ -1,7 +1,7 @@
 """The seed of each random draw of a run (RL and preference optimisation).
 
-Every draw is seeded from (recipe seed, step, ...) alone, never from a running generator, so a run resumed from a
-checkpoint draws exactly what the uninterrupted run drew. No torch here.
+Every draw is seeded from (recipe seed, step, ...) alone, never from a running generator, so a run
+resumed from a checkpoint draws exactly what the uninterrupted run drew. No torch here.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SeedStream:
-    """Multipliers of one stream: seed = seed_x * seed + step_x * step + rank_x * rank + epoch_x * epoch + offset."""
+    """Multipliers of one stream: seed = seed_x * seed + step_x * step + rank_x * rank +
+    epoch_x * epoch + offset."""
 
     seed_x: int
     step_x: int = 1
@@ -28,12 +29,14 @@ SEED_STREAMS = {
     "minibatch_order": SeedStream(31, 1009, 0, 1, 0),  # the shuffle of the rollout before each epoch
     "preference_order": SeedStream(37, 0, 0, 1013, 0),  # DPO/KTO: the shuffle of the training items per epoch
 }
-"""The random draws of a run and their multipliers (primes, so that streams rarely collide). Changing
-one changes every figure of a seeded run (the quickstart's included): add a stream, never edit one."""
+"""The random draws of a run and their multipliers (primes, so that streams rarely
+collide). Changing one changes every figure of a seeded run (the quickstart's included):
+add a stream, never edit one."""
 
 
 def derive_seed(seed: int, stream: str, step: int, rank: int = 0, epoch: int = 0) -> int:
-    """The seed of one random draw: ``stream`` of :data:`SEED_STREAMS` at (``seed``, ``step``, ``rank``, ``epoch``).
+    """The seed of one random draw: ``stream`` of :data:`SEED_STREAMS` at (``seed``,
+    ``step``, ``rank``, ``epoch``).
 
     For example ``derive_seed(seed, "prompts", step=3)`` is ``seed * 1_000_003 + 3``.
     """

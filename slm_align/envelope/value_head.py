@@ -1,4 +1,5 @@
-"""PPO's critic in fp32 (envelope rule 3: the value head computes in float32 whatever the policy's dtype)."""
+"""PPO's critic in fp32 (envelope rule 3: the value head computes in float32
+whatever the policy's dtype)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, T, H) hidden states in, (B, T) float32 values out (autocast off: values feed GAE in fp32)."""
+        """(B, T, H) hidden states in, (B, T) float32 values out (autocast off:
+        values feed GAE in fp32)."""
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             return self.linear(hidden.float()).squeeze(-1)

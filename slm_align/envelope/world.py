@@ -1,9 +1,11 @@
-"""Data parallel over processes started by ``accelerate launch`` or ``torchrun``: NCCL between GPUs (one per process,
-by LOCAL_RANK), gloo between CPU processes. RL's own loop uses it directly; the Trainer stages set the process group
-up through it (the Trainer takes it over) so that rank 0 alone prepares and publishes their folders.
+"""Data parallel over processes started by ``accelerate launch`` or ``torchrun``: NCCL between GPUs
+(one per process, by LOCAL_RANK), gloo between CPU processes. RL's own loop uses it directly; the
+Trainer stages set the process group up through it (the Trainer takes it over) so that rank 0 alone
+prepares and publishes their folders.
 
-Each rank samples its own share of the prompts; gradients are averaged across ranks before every optimizer step,
-and every guard decision (skip, rollback) is taken on world-wide figures, so all replicas stay identical.
+Each rank samples its own share of the prompts; gradients are averaged across ranks before
+every optimizer step, and every guard decision (skip, rollback) is taken on world-wide figures,
+so all replicas stay identical.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class World:
             offset += t.numel()
 
     def mean(self, value: float) -> float:
-        """The mean of ``value`` over ranks (float64 all-reduce); ``value`` itself in one process."""
+        """The mean of ``value`` over ranks (float64 all-reduce); ``value``
+        itself in one process."""
         if self.size == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -80,7 +83,8 @@ class World:
         return box[0]
 
     def on_main(self, work: Callable[[], Any]) -> Any:
-        """``work()`` on rank 0 alone (preparing a stage's folder, the gate), its result shared with every rank; a
+        """``work()`` on rank 0 alone (preparing a stage's folder, the gate), its result
+        shared with every rank; a
         :class:`UserError` it raises is raised on every rank, so all of them stop with the same one line."""
         outcome = None
         if self.main:
@@ -103,20 +107,22 @@ class World:
 
 
 def launched() -> bool:
-    """Whether ``accelerate launch``/``torchrun`` started this process as one of several (WORLD_SIZE > 1)."""
+    """Whether ``accelerate launch``/``torchrun`` started this process as one of
+    several (WORLD_SIZE > 1)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def rank_device(device: str) -> str:
-    """The device this process computes on: under a launcher with CUDA, the GPU of its LOCAL_RANK; else ``device``."""
+    """The device this process computes on: under a launcher with CUDA, the GPU of its
+    LOCAL_RANK; else ``device``."""
     if launched() and device.startswith("cuda"):
         return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     return device
 
 
 def world_from_env(device: str = "cpu") -> World:
-    """The world that ``accelerate launch``/``torchrun`` set up through WORLD_SIZE and RANK: NCCL when this rank
-    computes on a GPU (``device`` from :func:`rank_device`), gloo otherwise."""
+    """The world that ``accelerate launch``/``torchrun`` set up through WORLD_SIZE and RANK: NCCL
+    when this rank computes on a GPU (``device`` from :func:`rank_device`), gloo otherwise."""
     if not launched():
         return World()
     import torch.distributed as dist

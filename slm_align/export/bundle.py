@@ -1,10 +1,11 @@
 """``slm-align bundle``: one directory (and a zip of it) an app developer drops into a phone app.
 
-A bundle holds the exported artifact under ``model/``, the tokenizer, the chat template, the sampling defaults, the
-tool schemas, the export manifest with its verification figures, ``bundle.json`` (what is where, the artifact digest
-the app records as ``model_id`` in the preference store, every file's sha256) and a README naming the runtime and
-the calls to make. ``--device NAME`` picks target and quantization from the device profile; a run without the
-artifact the device wants is exported first.
+A bundle holds the exported artifact under ``model/``, the tokenizer, the chat template, the
+sampling defaults, the tool schemas, the export manifest with its verification figures,
+``bundle.json`` (what is where, the artifact digest the app records as ``model_id`` in the
+preference store, every file's sha256) and a README naming the runtime and the calls to make.
+``--device NAME`` picks target and quantization from the device profile; a run without the artifact
+the device wants is exported first.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class BundleRequest:
     """What to bundle; one field per ``slm-align bundle`` option."""
 
     source: str
-    """A run directory, or an exported artifact (.gguf file, ONNX or genai folder) with its manifest."""
+    """A run directory, or an exported artifact (.gguf file, ONNX or genai
+    folder) with its manifest."""
     device: Optional[str] = None
     """Device profile: picks target and quantization (needed for a run)."""
     out: Optional[Path] = None
@@ -65,7 +67,8 @@ def _run_artifact(run: Path, device: Optional[str]) -> Path:
 def _export_manifest(artifact: Path) -> dict:
     manifest = artifact_manifest(artifact)
     if not manifest.is_file():
-        raise UserError(f"{artifact} has no export manifest ({manifest.name}); bundle what `slm-align export` wrote")
+        raise UserError(f"{artifact} has no export manifest ({manifest.name}); bundle what "
+                        f"`slm-align export` wrote")
     try:
         return json.loads(manifest.read_text(encoding="utf-8"))
     except ValueError:
@@ -119,7 +122,8 @@ def _source_folder(manifest: dict) -> Optional[Path]:
 
 
 def tokenizer_file(artifact: Path, manifest: dict) -> Optional[Path]:
-    """tokenizer.json of the artifact folder, else of the checkpoint it came from (a GGUF embeds its own)."""
+    """tokenizer.json of the artifact folder, else of the checkpoint it came from
+    (a GGUF embeds its own)."""
     candidates = [artifact / "tokenizer.json"] if artifact.is_dir() else []
     source = _source_folder(manifest)
     if source is not None:
@@ -198,7 +202,8 @@ def _default_out(artifact: Path, device: Optional[str]) -> Path:
 
 
 def make_bundle(request: BundleRequest) -> dict:
-    """Write the bundle directory and its zip; returns bundle.json's content with ``path`` and ``zip``."""
+    """Write the bundle directory and its zip; returns bundle.json's content
+    with ``path`` and ``zip``."""
     if request.device is not None:
         device_choice(request.device)  # an unknown profile: refused before any work
     artifact = locate_artifact(request)

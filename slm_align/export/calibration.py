@@ -1,9 +1,11 @@
-"""Calibration text for quantization: the run's own held-out texts, never a training or evaluation item.
+"""Calibration text for quantization: the run's own held-out texts, never a
+training or evaluation item.
 
-The run's corpus is split by seeded content hash into train, eval and held-out prompts (data/splits.py). Training
-items would flatter the quantized model on what it memorised, and evaluation items are what ``evaluate`` and the
-headroom gate score it on; calibrating on either would leak. So calibration reads the held-out part only, and drops
-any item whose canonical key also appears among the train or eval items.
+The run's corpus is split by seeded content hash into train, eval and held-out prompts
+(data/splits.py). Training items would flatter the quantized model on what it memorised, and
+evaluation items are what ``evaluate`` and the headroom gate score it on; calibrating on either
+would leak. So calibration reads the held-out part only, and drops any item whose canonical key also
+appears among the train or eval items.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def plain_text(example: Example) -> str:
 
 
 def calibration_texts(run: Path, limit: int = MAX_TEXTS) -> list[str]:
-    """Up to ``limit`` held-out texts of ``run``'s corpus, none of them a training or evaluation item."""
+    """Up to ``limit`` held-out texts of ``run``'s corpus, none of them a
+    training or evaluation item."""
     from slm_align.config import load_recipe
     from slm_align.data.corpus import load_corpus
     from slm_align.sft import recipe_from_sft
@@ -38,13 +41,14 @@ def calibration_texts(run: Path, limit: int = MAX_TEXTS) -> list[str]:
     texts = [plain_text(example) for example in splits.heldout if example.key() not in seen]
     texts = [text for text in texts if text.strip()][:limit]
     if not texts:
-        raise UserError(f"run {run} has no held-out texts to calibrate on; export without --calibrate")
+        raise UserError(f"run {run} has no held-out texts to calibrate on; export without "
+                        f"--calibrate")
     return texts
 
 
 def run_importance(run: Path, checkpoint: Path) -> tuple[dict, int]:
-    """llama.cpp's importance matrix of ``checkpoint`` over ``run``'s calibration texts (by GGUF tensor name),
-    and how many texts it saw."""
+    """llama.cpp's importance matrix of ``checkpoint`` over ``run``'s calibration texts (by GGUF
+    tensor name), and how many texts it saw."""
     from slm_align.export.imatrix import activation_importance, gguf_importance
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 

@@ -1,12 +1,14 @@
-"""An ExecuTorch program (``model.pte``) of a decoder-only LM: fp32, XNNPACK-delegated, with a static KV cache.
+"""An ExecuTorch program (``model.pte``) of a decoder-only LM: fp32,
+XNNPACK-delegated, with a static KV cache.
 
-optimum-executorch pins transformers 5, which optimum-onnx cannot run beside, so the program is built from the
-pieces it uses: transformers 4.57's ``TorchExportableModuleForDecoderOnlyLM`` (the model with a static cache of
-``max_cache_len`` positions, ``forward(input_ids (1, 1), cache_position (1,)) -> logits (1, 1, vocab)``),
-``torch.export``, ExecuTorch's ``to_edge_transform_and_lower`` with the ``XnnpackPartitioner`` and
-``to_executorch``. The program also carries the constant methods ExecuTorch's LLM runners read
-(``get_max_seq_len``, ``get_vocab_size``, ``get_bos_id``, ``get_eos_ids``, ``use_kv_cache``). The tokenizer files,
-the chat template and ``config.json`` are copied beside it. Only fp32: quantized programs are not built.
+optimum-executorch pins transformers 5, which optimum-onnx cannot run beside, so the program is
+built from the pieces it uses: transformers 4.57's ``TorchExportableModuleForDecoderOnlyLM`` (the
+model with a static cache of ``max_cache_len`` positions, ``forward(input_ids (1, 1), cache_position
+(1,)) -> logits (1, 1, vocab)``), ``torch.export``, ExecuTorch's ``to_edge_transform_and_lower``
+with the ``XnnpackPartitioner`` and ``to_executorch``. The program also carries the constant methods
+ExecuTorch's LLM runners read (``get_max_seq_len``, ``get_vocab_size``, ``get_bos_id``,
+``get_eos_ids``, ``use_kv_cache``). The tokenizer files, the chat template and ``config.json`` are
+copied beside it. Only fp32: quantized programs are not built.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from slm_align.errors import UserError
 
 MODEL_FILE = "model.pte"
 MAX_CACHE_LEN = 512
-"""Positions of the static KV cache (the longest sequence the program decodes): the verification's context."""
+"""Positions of the static KV cache (the longest sequence the program decodes): the
+verification's context."""
 QUANTS = ("fp32",)
 EXECUTORCH_TYPES = ("llama", "qwen2", "qwen3", "gpt_neox", "gpt2")
-"""model_type values whose tiny test models decode exactly as PyTorch. Gemma 3 is left out: a tiny one lowers (in
-112 s on this 2-core host) but its program fails in ExecuTorch's runtime (``method->execute() failed with error
-0x12``), and the real 270M's lowering did not finish in 20 minutes."""
+"""model_type values whose tiny test models decode exactly as PyTorch. Gemma 3 is left out:
+a tiny one lowers (in 112 s on this 2-core host) but its program fails in ExecuTorch's
+runtime (``method->execute() failed with error 0x12``), and the real 270M's lowering did
+not finish in 20 minutes."""
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
           "config.json", "generation_config.json")
 
@@ -40,18 +44,21 @@ def check_executorch_quant(quant: str) -> str:
 def check_executorch_architecture(model_type) -> str:
     """``model_type`` when this path exports it, else one line naming the ones it does."""
     if model_type not in EXECUTORCH_TYPES:
-        raise UserError(f"--target executorch: architecture {model_type} is not supported (supported: "
-                        f"{', '.join(EXECUTORCH_TYPES)}); export --target gguf or onnx instead")
+        raise UserError(f"--target executorch: architecture {model_type} is not supported "
+                        f"(supported: {', '.join(EXECUTORCH_TYPES)}); export --target gguf or onnx "
+                        f"instead")
     return model_type
 
 
 def _import_executorch():
-    """ExecuTorch's lowering entry point and XNNPACK partitioner, or one line saying how to install them."""
+    """ExecuTorch's lowering entry point and XNNPACK partitioner, or one line
+    saying how to install them."""
     try:
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
         from executorch.exir import to_edge_transform_and_lower
     except ImportError:
-        raise UserError("--target executorch needs ExecuTorch: pip install 'slm-align[executorch]'") from None
+        raise UserError("--target executorch needs ExecuTorch: pip install "
+                        "'slm-align[executorch]'") from None
     return to_edge_transform_and_lower, XnnpackPartitioner
 
 
@@ -86,9 +93,11 @@ def _exported_program(model, max_cache_len: int):
 
 
 def write_executorch(model_dir: Path, out_dir: Path, max_cache_len: int = MAX_CACHE_LEN) -> Path:
-    """Lower the HF checkpoint ``model_dir`` into ``out_dir/model.pte`` with its tokenizer files; returns the .pte.
+    """Lower the HF checkpoint ``model_dir`` into ``out_dir/model.pte`` with its
+    tokenizer files; returns the .pte.
 
-    An architecture ``torch.export`` or the lowering cannot take is refused in one line (nothing kept)."""
+    An architecture ``torch.export`` or the lowering cannot take is refused in
+    one line (nothing kept)."""
     from slm_align.modeling import load_model, resolve_source
 
     lower, partitioner = _import_executorch()
@@ -99,14 +108,16 @@ def write_executorch(model_dir: Path, out_dir: Path, max_cache_len: int = MAX_CA
                         constant_methods=_constant_methods(model, max_cache_len)).to_executorch()
     except Exception as exc:  # torch.export's and ExecuTorch's failures have many types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"--target executorch: {model.config.model_type} did not export ({first[:200]})") from None
+        raise UserError(f"--target executorch: {model.config.model_type} did not export "
+                        f"({first[:200]})") from None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MODEL_FILE).write_bytes(program.buffer)
     for copied in COPIED:
         if (Path(model_dir) / copied).is_file():
             shutil.copy2(Path(model_dir) / copied, out_dir / copied)
-    settings = {"max_cache_len": max_cache_len, "inputs": ["input_ids (1, 1) int64", "cache_position (1,) int64"],
+    settings = {"max_cache_len": max_cache_len, "inputs": ["input_ids (1, 1) "
+                                                           "int64", "cache_position (1,) int64"],
                 "outputs": ["logits (1, 1, vocab) float32"]}
     (out_dir / "executorch_config.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
     return out_dir / MODEL_FILE

@@ -1,11 +1,13 @@
-"""An onnxruntime-genai model folder from our ONNX export: the folder plus the ``genai_config.json`` genai reads.
+"""An onnxruntime-genai model folder from our ONNX export: the folder plus the
+``genai_config.json`` genai reads.
 
-onnxruntime-genai's own model builder (``python -m onnxruntime_genai.models.builder``, 0.18) imports classes that
-only transformers 5 has (``Qwen3_5ForConditionalGeneration``), while optimum-onnx holds transformers at 4.57, and
-it serves neither GPT-NeoX nor GPT-2; so the folder is our parity-checked ONNX export (optimum's
-``input_ids``/``attention_mask``/``position_ids``/``past_key_values.N.key`` -> ``logits``/``present.N.key`` graph,
-which genai's decoder reads as is) with the config written beside it. Greedy decoding through genai's Python API
-is compared with PyTorch's by :func:`genai_greedy`.
+onnxruntime-genai's own model builder (``python -m onnxruntime_genai.models.builder``, 0.18) imports
+classes that only transformers 5 has (``Qwen3_5ForConditionalGeneration``), while optimum-onnx holds
+transformers at 4.57, and it serves neither GPT-NeoX nor GPT-2; so the folder is our parity-checked
+ONNX export (optimum's ``input_ids``/``attention_mask``/``position_ids``/``past_key_values.N.key``
+-> ``logits``/``present.N.key`` graph, which genai's decoder reads as is) with the config written
+beside it. Greedy decoding through genai's Python API is compared with PyTorch's by
+:func:`genai_greedy`.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def check_genai_architecture(model_type: Optional[str]) -> str:
 
 
 def genai_config(config: dict, sampling: dict) -> dict:
-    """genai_config.json for an HF ``config`` and our sampling defaults (greedy when temperature is 0)."""
+    """genai_config.json for an HF ``config`` and our sampling defaults (greedy
+    when temperature is 0)."""
     model_type = check_genai_architecture(config.get("model_type"))
     greedy = sampling["temperature"] == 0
     search = {"do_sample": not greedy, "max_length": config.get("max_position_embeddings", 2048), "min_length": 0,
@@ -83,9 +86,10 @@ def _tokenizer_ids(folder: Path) -> dict:
 
 
 def _drop_null_settings(folder: Path) -> None:
-    """tokenizer_config.json without its null entries: genai's tokenizer refuses ``"chat_template": null`` (which a
-    base model saved from a .gguf has) with "type must be string, but is null"; transformers reads a missing key
-    as it reads null. genai takes the template from chat_template.jinja."""
+    """tokenizer_config.json without its null entries: genai's tokenizer refuses
+    ``"chat_template": null`` (which a base model saved from a .gguf has) with "type must be
+    string, but is null"; transformers reads a missing key as it reads null. genai takes the
+    template from chat_template.jinja."""
     path = Path(folder) / "tokenizer_config.json"
     if not path.is_file():
         return
@@ -96,8 +100,8 @@ def _drop_null_settings(folder: Path) -> None:
 
 
 def write_genai_config(folder: Path, sampling: dict) -> Path:
-    """Write genai_config.json into an ONNX export folder (its config.json describes the model), and make its
-    tokenizer settings readable by genai."""
+    """Write genai_config.json into an ONNX export folder (its config.json describes the model), and
+    make its tokenizer settings readable by genai."""
     _drop_null_settings(folder)
     config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     config = {**_tokenizer_ids(folder), **{key: value for key, value in config.items() if value is not None}}
@@ -114,7 +118,8 @@ def genai_tokens(folder: Path, text: str) -> list[int]:
 
 
 def _same_ids(genai: list[int], model: list[int], bos: Optional[int]) -> Optional[bool]:
-    """True: equal; False: equal but for the leading BOS the model's tokenizer adds; None: different."""
+    """True: equal; False: equal but for the leading BOS the model's tokenizer
+    adds; None: different."""
     if genai == model:
         return True
     if bos is not None and model[:1] == [bos] and genai == model[1:]:
@@ -123,14 +128,15 @@ def _same_ids(genai: list[int], model: list[int], bos: Optional[int]) -> Optiona
 
 
 def genai_tokenizer_report(model, tokenizer, texts: list[str], chats: list[list[dict]], template_tokenizer) -> dict:
-    """genai's tokenizer of ``model`` (an ``og.Model``: the tokenizer an app calls) against the model's HF
-    ``tokenizer`` on ``texts`` and on ``chats`` rendered by genai's ``apply_chat_template`` (when
-    ``template_tokenizer``, the artifact's, has a template).
+    """genai's tokenizer of ``model`` (an ``og.Model``: the tokenizer an app calls) against the
+    model's HF ``tokenizer`` on ``texts`` and on ``chats`` rendered by genai's
+    ``apply_chat_template`` (when ``template_tokenizer``, the artifact's, has a template).
 
-    ``genai_tokenizer_match``: every id sequence equals the model tokenizer's, or equals it but for the leading BOS
-    the model's tokenizer adds (``genai_adds_bos`` False: genai's ``encode`` leaves BOS to the caller, as 0.18 does
-    for a tokenizer.json whose post-processor adds it), and genai renders every chat as transformers does
-    (``genai_chat_template_match``; None without a template).
+    ``genai_tokenizer_match``: every id sequence equals the model tokenizer's, or equals it but
+    for the leading BOS the model's tokenizer adds (``genai_adds_bos`` False: genai's
+    ``encode`` leaves BOS to the caller, as 0.18 does for a tokenizer.json whose post-processor
+    adds it), and genai renders every chat as transformers does (``genai_chat_template_match``;
+    None without a template).
     """
     import onnxruntime_genai as og
 

@@ -1,13 +1,14 @@
 """Our GGUF converter, on gguf-py's writer: HF safetensors directory -> one ``.gguf`` file.
 
-Architectures: Llama (with the Q/K row permutation llama.cpp's rope expects), Qwen2, Qwen3 (q/k norms, explicit
-head_dim), Gemma 3 text (norm weights written as 1 + w, llama.cpp's (1+w) convention baked in; tied output),
-GPT-NeoX (fused QKV reordered from per-head to Q|K|V blocks) and GPT-2 (Conv1D weights transposed to Linear layout;
-learned positions; tied output). A config that llama.cpp would run differently from transformers (a Gemma 3 layer
-pattern other than every sixth layer global, for one) is refused before anything is written. Types written by this
-module: F32, F16, Q8_0. Every other llama.cpp type (Q4_0, Q4_K_M, Q5_K_M, ...) is produced by llama.cpp's own
-quantizer from an F32 file we write first (:func:`quantize_gguf`). Files are written to a temporary name and
-renamed, so a crash never leaves a file that looks whole.
+Architectures: Llama (with the Q/K row permutation llama.cpp's rope expects), Qwen2, Qwen3 (q/k
+norms, explicit head_dim), Gemma 3 text (norm weights written as 1 + w, llama.cpp's (1+w) convention
+baked in; tied output), GPT-NeoX (fused QKV reordered from per-head to Q|K|V blocks) and GPT-2
+(Conv1D weights transposed to Linear layout; learned positions; tied output). A config that
+llama.cpp would run differently from transformers (a Gemma 3 layer pattern other than every sixth
+layer global, for one) is refused before anything is written. Types written by this module: F32,
+F16, Q8_0. Every other llama.cpp type (Q4_0, Q4_K_M, Q5_K_M, ...) is produced by llama.cpp's own
+quantizer from an F32 file we write first (:func:`quantize_gguf`). Files are written to a temporary
+name and renamed, so a crash never leaves a file that looks whole.
 """
 
 from __future__ import annotations
@@ -47,18 +48,21 @@ _CONV1D_WEIGHTS = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 def check_gguf_type(name: str) -> str:
     """``name`` normalised to upper case, or one line listing the choices."""
     if name.upper() not in GGUF_TYPES:
-        raise UserError(f"unknown GGUF quantization '{name}'; choose one of {', '.join(GGUF_TYPES)}")
+        raise UserError(f"unknown GGUF quantization '{name}'; choose one of "
+                        f"{', '.join(GGUF_TYPES)}")
     return name.upper()
 
 
 def _permute_for_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """HF stores Q/K rows in halves per head (rotate_half); llama.cpp's Llama rope expects them interleaved."""
+    """HF stores Q/K rows in halves per head (rotate_half); llama.cpp's Llama rope
+    expects them interleaved."""
     rows = weight.shape[0]
     return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _unfuse_neox_qkv(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """GPT-NeoX interleaves q, k, v per head; llama.cpp's GPT-NeoX graph reads Q, then K, then V blocks."""
+    """GPT-NeoX interleaves q, k, v per head; llama.cpp's GPT-NeoX graph reads Q,
+    then K, then V blocks."""
     per_head = weight.reshape(n_head, 3, weight.shape[0] // n_head // 3, *weight.shape[1:])
     return np.concatenate([per_head[:, part].reshape(-1, *weight.shape[1:]) for part in range(3)], axis=0)
 
@@ -96,8 +100,8 @@ def _add_rms_hparams(writer, model_type: str, config: dict) -> None:
 
 
 def _add_gemma3_hparams(writer, config: dict) -> None:
-    """Sliding window (llama.cpp derives the layer pattern), the sliding layers' rope base, final logit cap and
-    linear rope scaling (global layers)."""
+    """Sliding window (llama.cpp derives the layer pattern), the sliding layers' rope base, final
+    logit cap and linear rope scaling (global layers)."""
     import gguf
 
     writer.add_sliding_window(int(config["sliding_window"]))
@@ -135,8 +139,8 @@ def _add_hparams(writer, model_type: str, config: dict) -> None:
 
 
 def _add_tensor(writer, name: str, data: np.ndarray, file_type: str) -> None:
-    """Norms, biases and learned positions stay F32 (as llama.cpp's converter and quantizer keep them); matrices
-    take the file's type where their rows allow."""
+    """Norms, biases and learned positions stay F32 (as llama.cpp's converter and quantizer keep
+    them); matrices take the file's type where their rows allow."""
     import gguf
 
     if data.ndim < 2 or file_type == "F32" or name == "position_embd.weight":
@@ -153,7 +157,8 @@ def _load_state(model_dir: Path) -> dict[str, np.ndarray]:
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise UserError(f"{model_dir} has no .safetensors weights; save the model with save_pretrained first")
+        raise UserError(f"{model_dir} has no .safetensors weights; save the model with "
+                        f"save_pretrained first")
     state: dict[str, np.ndarray] = {}
     for file in files:
         state.update(load_file(file))
@@ -175,7 +180,8 @@ def write_gguf(model_dir: Path, out_path: Path, file_type: str = "F32",
     config = normalized_config(config)
     model_type = config["model_type"]
     if file_type not in WRITTEN_TYPES:
-        raise UserError(f"write_gguf writes {', '.join(WRITTEN_TYPES)}; {file_type} goes through quantize_gguf")
+        raise UserError(f"write_gguf writes {', '.join(WRITTEN_TYPES)}; {file_type} goes through "
+                        f"quantize_gguf")
     arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[model_type])
     with atomic_path(out_path) as tmp:
         writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
@@ -189,7 +195,8 @@ def write_gguf(model_dir: Path, out_path: Path, file_type: str = "F32",
 
 def _fill(writer, model_dir: Path, model_type: str, config: dict, file_type: str,
           chat_template: Optional[str]) -> None:
-    """Add the name, file type, hyper-parameters, vocabulary and every tensor (renamed for llama.cpp) to ``writer``."""
+    """Add the name, file type, hyper-parameters, vocabulary and every tensor (renamed for
+    llama.cpp) to ``writer``."""
     import gguf
 
     arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[model_type])
@@ -204,14 +211,16 @@ def _fill(writer, model_dir: Path, model_type: str, config: dict, file_type: str
             continue
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if target is None:
-            raise UserError(f"GGUF export: no GGUF name for tensor {name}; the checkpoint has unexpected layers")
+            raise UserError(f"GGUF export: no GGUF name for tensor {name}; the checkpoint has "
+                            f"unexpected layers")
         _add_tensor(writer, target, transform(name, tensor.astype(np.float32)), file_type)
 
 
 def quantize_gguf(source: Path, out_path: Path, quant: str, threads: int = 0,
                   importance: Optional[dict[str, np.ndarray]] = None) -> Path:
-    """Quantize an F32/F16 ``source`` GGUF into ``out_path`` with llama.cpp's quantizer (Q4_K_M and friends),
-    weighting rounding errors by ``importance`` (an importance matrix by GGUF tensor name, see imatrix.py) if given."""
+    """Quantize an F32/F16 ``source`` GGUF into ``out_path`` with llama.cpp's quantizer (Q4_K_M and
+    friends), weighting rounding errors by ``importance`` (an importance matrix by GGUF tensor name,
+    see imatrix.py) if given."""
     try:
         import llama_cpp
     except ImportError:

@@ -1,5 +1,5 @@
-"""Which architectures our GGUF converter writes, and the configs llama.cpp would run differently from transformers
-(refused before any file is written).
+"""Which architectures our GGUF converter writes, and the configs llama.cpp would run differently
+from transformers (refused before any file is written).
 """
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from slm_align.errors import UserError
 
 ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma3_text": "GEMMA3",
                  "gpt_neox": "GPTNEOX", "gpt2": "GPT2"}
-# llama.cpp's Gemma 3 makes every sixth layer global and the rest sliding (it reads no per-layer list from files
-# its converter writes).
+# llama.cpp's Gemma 3 makes every sixth layer global and the rest sliding (it reads no per-layer
+# list from files its converter writes).
 GEMMA3_GLOBAL_EVERY = 6
 
 
 def _gpt2_names(config: dict) -> dict:
-    """GPT-2's config under the names the other architectures use (so one set of hparam writers serves all)."""
+    """GPT-2's config under the names the other architectures use (so one set of
+    hparam writers serves all)."""
     hidden = config["n_embd"]
     return dict(config, hidden_size=hidden, num_hidden_layers=config["n_layer"],
                 num_attention_heads=config["n_head"], max_position_embeddings=config["n_positions"],
@@ -25,7 +26,8 @@ def _gpt2_names(config: dict) -> dict:
 
 
 def normalized_config(config: dict) -> dict:
-    """A model's config.json with GPT-2's names mapped to the others' (hidden_size, num_hidden_layers, ...)."""
+    """A model's config.json with GPT-2's names mapped to the others' (hidden_size,
+    num_hidden_layers, ...)."""
     return _gpt2_names(config) if config.get("model_type") == "gpt2" else config
 
 
@@ -41,14 +43,16 @@ def attention_head_dim(config: dict) -> int:
 
 
 def gemma3_layer_types(layers: int) -> list[str]:
-    """The layer pattern llama.cpp's Gemma 3 graph assumes (it reads no per-layer list from our files)."""
+    """The layer pattern llama.cpp's Gemma 3 graph assumes (it reads no
+    per-layer list from our files)."""
     global_layer = GEMMA3_GLOBAL_EVERY - 1
     return ["full_attention" if i % GEMMA3_GLOBAL_EVERY == global_layer else "sliding_attention"
             for i in range(layers)]
 
 
 def _gemma3_difference(config: dict) -> Optional[str]:
-    """What llama.cpp's Gemma 3 graph would do differently from transformers with this config, if anything."""
+    """What llama.cpp's Gemma 3 graph would do differently from transformers with
+    this config, if anything."""
     layer_types = config.get("layer_types") or gemma3_layer_types(config["num_hidden_layers"])
     if layer_types != gemma3_layer_types(config["num_hidden_layers"]):
         return f"its layer_types are not llama.cpp's pattern (every {GEMMA3_GLOBAL_EVERY}th layer global)"
@@ -86,12 +90,13 @@ _DIFFERENCES = {"gemma3_text": _gemma3_difference, "gpt2": _gpt2_difference, "qw
 
 
 def check_gguf_config(config: dict) -> None:
-    """Refuse, in one line, an architecture we cannot write or a config llama.cpp would run differently."""
+    """Refuse, in one line, an architecture we cannot write or a config llama.cpp
+    would run differently."""
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise UserError(f"GGUF export does not support architecture '{model_type}' yet; supported: "
                         f"{', '.join(ARCHITECTURES)} (--target onnx takes more)")
     difference = _DIFFERENCES.get(model_type, _no_difference)(normalized_config(config))
     if difference is not None:
-        raise UserError(f"GGUF export: llama.cpp would run this {model_type} model differently from transformers: "
-                        f"{difference}; export to ONNX instead")
+        raise UserError(f"GGUF export: llama.cpp would run this {model_type} model differently "
+                        f"from transformers: {difference}; export to ONNX instead")

@@ -4,14 +4,15 @@ In order of preference:
 
 1. the model directory carries ``tokenizer.gguf`` (the model came from a GGUF file, see
    :func:`slm_align.modeling.save_tokenizer`): its ``tokenizer.*`` fields are copied byte for byte, so the export
-   tokenises exactly as the source did. Only the chat template may change (an override, or the directory's own);
+   tokenises exactly as the source did. Only the chat template may change (an
+   override, or the directory's own);
 2. ``tokenizer.json`` is SentencePiece-style BPE (byte fallback, "▁" for spaces: Gemma, Llama 2): written as
-   llama.cpp's ``llama`` tokenizer with token types, ``add_space_prefix``, and scores that make llama.cpp's
-   best-scored-piece-first merging follow the merge order the HF tokenizer applies;
+   llama.cpp's ``llama`` tokenizer with token types, ``add_space_prefix``, and scores that make
+   llama.cpp's best-scored-piece-first merging follow the merge order the HF tokenizer applies;
 3. otherwise byte-level BPE (``gpt2``): tokens, merges, and the pre-tokenizer under the name llama.cpp knows.
 
-Special token ids, add-BOS/EOS flags and the chat template come from the directory's tokenizer files, the flags
-written explicitly because llama.cpp's defaults differ between tokenizer models.
+Special token ids, add-BOS/EOS flags and the chat template come from the directory's tokenizer
+files, the flags written explicitly because llama.cpp's defaults differ between tokenizer models.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from slm_align.gguf_tokenizer import SIDECAR, add_tokenizer_fields
 # The pre-tokenizer regexes llama.cpp knows by name, recognised by a fragment only that regex has.
 _PRE_TOKENIZERS = ((r"\p{N}{1,3}", "llama-bpe"), (r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+", "qwen2"))
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-# Score of a multi-character piece no merge produces: HF never forms it, so llama.cpp should form it last.
+# Score of a multi-character piece no merge produces: HF never forms it, so
+# llama.cpp should form it last.
 _UNMERGED_SCORE = -1e9
 
 
 def pre_tokenizer_name(tokenizer_json: dict) -> str:
-    """The name llama.cpp gives this tokenizer's pre-tokenizer (it decides how text is split before BPE)."""
+    """The name llama.cpp gives this tokenizer's pre-tokenizer (it decides how
+    text is split before BPE)."""
     pre = tokenizer_json.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     kinds = [part.get("type") for part in parts]
@@ -63,7 +66,8 @@ def add_vocab(writer, model_dir: Path, vocab_size: int, chat_template: str | Non
 
 
 def _directory_chat_template(model_dir: Path) -> str | None:
-    """The chat template transformers saved beside the tokenizer (its own file, or in tokenizer_config.json)."""
+    """The chat template transformers saved beside the tokenizer (its own file, or in
+    tokenizer_config.json)."""
     jinja = model_dir / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
@@ -79,20 +83,23 @@ def _tokenizer_json(model_dir: Path) -> dict:
         raise UserError(f"{model_dir}: no tokenizer.json to convert ({exc}); GGUF export needs the model's fast "
                         "tokenizer saved beside the weights") from None
     if tokenizer_json.get("model", {}).get("type") != "BPE":
-        raise UserError(f"{model_dir}: GGUF export converts BPE tokenizers (byte-level or SentencePiece-style), not "
-                        f"{tokenizer_json.get('model', {}).get('type')}; export to ONNX instead")
+        raise UserError(f"{model_dir}: GGUF export converts BPE tokenizers (byte-level or "
+                        f"SentencePiece-style), not {tokenizer_json.get('model', {}).get('type')}; "
+                        f"export to ONNX instead")
     return tokenizer_json
 
 
 def _special_vocab(model_dir: Path, n_vocab: int | None = None, load_merges: bool = False):
-    """gguf-py's reading of the directory's special token ids, add flags, chat template (and merges if asked)."""
+    """gguf-py's reading of the directory's special token ids, add flags, chat template
+    (and merges if asked)."""
     import gguf
 
     return gguf.SpecialVocab(model_dir, load_merges=load_merges, n_vocab=n_vocab)
 
 
 def _add_special(writer, model_dir: Path, n_vocab: int, chat_template: str | None, merges: bool) -> None:
-    """Special ids, template, add-BOS/EOS flags, and the merges when ``merges`` (byte-level BPE needs them)."""
+    """Special ids, template, add-BOS/EOS flags, and the merges when ``merges``
+    (byte-level BPE needs them)."""
     special_vocab = _special_vocab(model_dir, n_vocab, load_merges=merges)
     if "bos" not in special_vocab.special_token_ids and "eos" in special_vocab.special_token_ids:
         special_vocab.special_token_ids["bos"] = special_vocab.special_token_ids["eos"]
@@ -107,7 +114,8 @@ def _add_special(writer, model_dir: Path, n_vocab: int, chat_template: str | Non
 
 
 def _adds_bos_eos(model_dir: Path) -> tuple[bool, bool]:
-    """Whether the HF tokenizer puts BOS before and EOS after a text when asked to add special tokens."""
+    """Whether the HF tokenizer puts BOS before and EOS after a text when asked
+    to add special tokens."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -118,7 +126,8 @@ def _adds_bos_eos(model_dir: Path) -> tuple[bool, bool]:
 
 
 def _padded(tokens: list, types: list, vocab_size: int) -> None:
-    """Embedding rows beyond the tokenizer get unused padding tokens, so that llama.cpp's vocabulary fits them."""
+    """Embedding rows beyond the tokenizer get unused padding tokens, so that
+    llama.cpp's vocabulary fits them."""
     import gguf
 
     for index in range(len(tokens), vocab_size):
@@ -128,7 +137,8 @@ def _padded(tokens: list, types: list, vocab_size: int) -> None:
 
 def _add_byte_level_vocab(writer, model_dir: Path, tokenizer_json: dict, vocab_size: int,
                           chat_template: str | None) -> None:
-    """Byte-level BPE: tokens, types (special tokens as CONTROL), merges, pre-tokenizer, special ids, template."""
+    """Byte-level BPE: tokens, types (special tokens as CONTROL), merges, pre-tokenizer,
+    special ids, template."""
     import gguf
 
     try:
@@ -151,8 +161,8 @@ def _add_byte_level_vocab(writer, model_dir: Path, tokenizer_json: dict, vocab_s
 
 
 def _merge_scores(tokenizer_json: dict) -> dict[str, float]:
-    """HF applies merges by rank, llama.cpp by the merged piece's score: a piece scores minus the rank of the
-    first merge that makes it (ranks stay exact in float32 below 2**24)."""
+    """HF applies merges by rank, llama.cpp by the merged piece's score: a piece scores minus the
+    rank of the first merge that makes it (ranks stay exact in float32 below 2**24)."""
     scores: dict[str, float] = {}
     for rank, merge in enumerate(tokenizer_json["model"].get("merges", [])):
         pair = merge.split(" ", 1) if isinstance(merge, str) else merge
@@ -161,8 +171,8 @@ def _merge_scores(tokenizer_json: dict) -> dict[str, float]:
 
 
 def _sentencepiece_pieces(tokenizer_json: dict) -> tuple[list[str], list[int]]:
-    """Pieces by id, with llama.cpp's token types: special added tokens CONTROL, other added tokens USER_DEFINED,
-    ``<0xXX>`` BYTE, the unknown token UNKNOWN, the rest NORMAL."""
+    """Pieces by id, with llama.cpp's token types: special added tokens CONTROL, other added tokens
+    USER_DEFINED, ``<0xXX>`` BYTE, the unknown token UNKNOWN, the rest NORMAL."""
     import gguf
 
     by_id = {index: text for text, index in tokenizer_json["model"]["vocab"].items()}
@@ -196,7 +206,8 @@ def _piece_score(text: str, kind: int, merge_scores: dict[str, float]) -> float:
 
 
 def _adds_space_prefix(tokenizer_json: dict) -> bool:
-    """Whether the tokenizer puts "▁" before the text: a Prepend normalizer, or a Metaspace that prepends."""
+    """Whether the tokenizer puts "▁" before the text: a Prepend normalizer, or a
+    Metaspace that prepends."""
     normalizer = tokenizer_json.get("normalizer") or {}
     if any(step.get("type") == "Prepend" for step in normalizer.get("normalizers", [normalizer])):
         return True
@@ -210,7 +221,8 @@ def _adds_space_prefix(tokenizer_json: dict) -> bool:
 
 def _add_sentencepiece_vocab(writer, model_dir: Path, tokenizer_json: dict, vocab_size: int,
                              chat_template: str | None) -> None:
-    """SentencePiece-style BPE as llama.cpp's ``llama`` tokenizer: pieces, scores, types, space prefix."""
+    """SentencePiece-style BPE as llama.cpp's ``llama`` tokenizer: pieces,
+    scores, types, space prefix."""
     tokens, types = _sentencepiece_pieces(tokenizer_json)
     merge_scores = _merge_scores(tokenizer_json)
     scores = [_piece_score(text, kind, merge_scores) for text, kind in zip(tokens, types)]

@@ -1,12 +1,14 @@
 """llama.cpp's importance matrix from calibration text, for its low-bit quantizer.
 
-llama.cpp's ``llama-imatrix`` records, for every weight matrix, the mean over tokens of each input column's squared
-activation; the quantizer then weighs each column's rounding error by it (K-quants and IQ types). llama-cpp-python
-exposes the quantizer's side (``llama_model_quantize_params.imatrix``, a NULL-terminated array of
-``{name, data, size}``) but not the collection (``llama-imatrix`` is a separate C++ tool, and its eval callback
-hands out raw ``ggml_tensor`` pointers the bindings do not describe). So the statistic is collected here, with
-forward hooks on every ``nn.Linear`` of the PyTorch model the artifact is verified against, and named as our
-converter names the tensors. Conv1D (GPT-2) layers get no entry: llama.cpp then quantizes them without one.
+llama.cpp's ``llama-imatrix`` records, for every weight matrix, the mean over tokens of each input
+column's squared activation; the quantizer then weighs each column's rounding error by it (K-quants
+and IQ types). llama-cpp-python exposes the quantizer's side
+(``llama_model_quantize_params.imatrix``, a NULL-terminated array of ``{name, data, size}``) but not
+the collection (``llama-imatrix`` is a separate C++ tool, and its eval callback hands out raw
+``ggml_tensor`` pointers the bindings do not describe). So the statistic is collected here, with
+forward hooks on every ``nn.Linear`` of the PyTorch model the artifact is verified against, and
+named as our converter names the tensors. Conv1D (GPT-2) layers get no entry: llama.cpp then
+quantizes them without one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from slm_align.export.gguf_arch import ARCHITECTURES, normalized_config
 
 
 def activation_importance(model, texts_ids: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
-    """Mean squared input activation per input column of every ``nn.Linear``, by module name, over ``texts_ids``."""
+    """Mean squared input activation per input column of every ``nn.Linear``, by module
+    name, over ``texts_ids``."""
     import torch
 
     from slm_align.export.parity import _token_batch
@@ -50,8 +53,9 @@ def activation_importance(model, texts_ids: Sequence[Sequence[int]]) -> dict[str
 
 
 def gguf_importance(model_dir: Path, importance: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``importance`` under the GGUF tensor names our converter gives ``model_dir``'s weights; a tied output
-    projection is llama.cpp's ``token_embd.weight`` (the matrix its output matmul reads)."""
+    """``importance`` under the GGUF tensor names our converter gives ``model_dir``'s
+    weights; a tied output projection is llama.cpp's ``token_embd.weight`` (the matrix
+    its output matmul reads)."""
     import gguf
 
 
@@ -70,7 +74,8 @@ def gguf_importance(model_dir: Path, importance: dict[str, np.ndarray]) -> dict[
 
 
 def imatrix_array(named: Optional[dict[str, np.ndarray]]):
-    """The C array llama.cpp's quantizer reads (NULL-terminated), and the buffers it points into (keep them alive)."""
+    """The C array llama.cpp's quantizer reads (NULL-terminated), and the buffers it points
+    into (keep them alive)."""
     import llama_cpp
 
     if not named:

@@ -1,10 +1,11 @@
 """Fold a run's adapters into the base weights: a plain HF directory that loads without peft.
 
-SFT adapter first (into the base), then the adapter of the run's latest aligned stage (RL, DPO or KTO, each trained
-on top of the merged SFT weights). The output has
-safetensors weights, the tokenizer with a chat template (ChatML when the model has none, recorded in the
-manifest; a GGUF base's own tokenizer fields too, as ``tokenizer.gguf``), a generation config, a model card
-(README.md, from the run's records) and ``manifest.json``. Written to ``OUT.partial`` and renamed when complete.
+SFT adapter first (into the base), then the adapter of the run's latest aligned stage (RL,
+DPO or KTO, each trained on top of the merged SFT weights). The output has safetensors
+weights, the tokenizer with a chat template (ChatML when the model has none, recorded in the
+manifest; a GGUF base's own tokenizer fields too, as ``tokenizer.gguf``), a generation
+config, a model card (README.md, from the run's records) and ``manifest.json``. Written to
+``OUT.partial`` and renamed when complete.
 """
 
 from __future__ import annotations
@@ -32,16 +33,16 @@ from slm_align.sft import recipe_from_sft
 
 
 def merged_stage(run: Path) -> Optional[str]:
-    """The aligned stage whose adapter a merge folds in: the run's most recently finished of RL, DPO and KTO (None:
-    the SFT prior alone)."""
+    """The aligned stage whose adapter a merge folds in: the run's most recently finished of RL, DPO
+    and KTO (None: the SFT prior alone)."""
     stages = aligned_stages(run)
     return stages[-1] if stages else None
 
 
 def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: bool = False) -> StageResult:
-    """Write ``out`` (default ``run/merged``) from the run's base model, SFT adapter and the adapter of its latest
-    aligned stage (RL, DPO or KTO; if any). Both adapters are checked before anything loads (a pickle-only one
-    needs ``model.allow_pickle``)."""
+    """Write ``out`` (default ``run/merged``) from the run's base model, SFT adapter and the adapter
+    of its latest aligned stage (RL, DPO or KTO; if any). Both adapters are checked before anything
+    loads (a pickle-only one needs ``model.allow_pickle``)."""
     started = time.time()
     device = resolve_device(recipe.compute.device)  # a device that is not there: refused before any work
     run = Path(run)

@@ -1,11 +1,11 @@
 """README.md in the Hugging Face model-card format for what ``merge`` and ``export`` publish.
 
-The YAML header carries base_model (a hub id, when the base came from the hub or names one), library_name, the
-license where the source states it, tags and the training data (a hub id, the demo corpus, or a file's sha256).
-The body holds only what the run measured and recorded: the gate's figures (headroom.json), the evaluation's
-deltas and intervals (eval/report.json), the envelope's settings and guard counts (rl/manifest.json), the
-quantization and its verification (the export manifests); then how to run it. A section whose record is missing
-is left out, never filled in.
+The YAML header carries base_model (a hub id, when the base came from the hub or names one),
+library_name, the license where the source states it, tags and the training data (a hub id, the demo
+corpus, or a file's sha256). The body holds only what the run measured and recorded: the gate's
+figures (headroom.json), the evaluation's deltas and intervals (eval/report.json), the envelope's
+settings and guard counts (rl/manifest.json), the quantization and its verification (the export
+manifests); then how to run it. A section whose record is missing is left out, never filled in.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class RunRecords:
 
 
 def read_run(run: Path) -> RunRecords:
-    """The manifests and reports of ``run``; of its aligned stages, only the one a merge folds in (the latest)."""
+    """The manifests and reports of ``run``; of its aligned stages, only the one a merge
+    folds in (the latest)."""
     stages = aligned_stages(run)
     latest = stages[-1] if stages else None
     rl = _read_json(run / "rl" / MANIFEST) if latest == "rl" else None
@@ -56,7 +57,8 @@ def read_run(run: Path) -> RunRecords:
 
 
 def run_of(path: Optional[Path]) -> Optional[Path]:
-    """The run behind ``path``: the run itself, or the run a merged directory was made from; None for neither."""
+    """The run behind ``path``: the run itself, or the run a merged directory was made
+    from; None for neither."""
     if path is None:
         return None
     if (path / "sft" / MANIFEST).is_file():
@@ -85,7 +87,8 @@ def _front_matter(readme: Path) -> dict:
 
 
 def _directory_base(path: Path) -> dict[str, Optional[str]]:
-    """A local base model: its hub id (config's _name_or_path, when it names one) and its card's license."""
+    """A local base model: its hub id (config's _name_or_path, when it names one)
+    and its card's license."""
     config = _read_json(path / "config.json") or {}
     name = config.get("_name_or_path") or ""
     header = _front_matter(path / CARD)
@@ -94,13 +97,15 @@ def _directory_base(path: Path) -> dict[str, Optional[str]]:
 
 
 def base_model(model: dict) -> dict[str, Optional[str]]:
-    """The base model as a card names it: a display name, a hub id when known, a license when stated."""
+    """The base model as a card names it: a display name, a hub id when known,
+    a license when stated."""
     kind = model["kind"]
     ref = model["ref"]
     if kind == "hub":
         return {"name": ref, "hub_id": ref, "license": None}
     if kind == "bundled" or kind == "dir" and Path(ref) == DEFAULT_MODEL_DIR:
-        return {"name": "slm-align's bundled 2.5M Llama", "hub_id": None, "license": BUNDLED_LICENSE}
+        return {"name": "slm-align's bundled 2.5M "
+                "Llama", "hub_id": None, "license": BUNDLED_LICENSE}
     if kind == "dir":
         return _directory_base(Path(ref))
     return {"name": Path(ref).name, "hub_id": None, "license": None}
@@ -147,7 +152,8 @@ def _algo(records: Optional[RunRecords]) -> Optional[str]:
 
 
 def card_tags(records: Optional[RunRecords], extra: list[str]) -> list[str]:
-    """slm-align, the stages the model went through, then ``extra`` (the artifact's format and types)."""
+    """slm-align, the stages the model went through, then ``extra`` (the
+    artifact's format and types)."""
     tags = ["slm-align"]
     if records is not None and records.sft is not None:
         tags.extend(["lora", "sft"])
@@ -170,27 +176,30 @@ def _sft_line(sft: dict) -> str:
     metrics = sft["metrics"]
     lora = settings["lora"]
     return (f"- SFT: {metrics['steps']} steps of LoRA (r={lora['r']}, alpha={lora['alpha']:g}), "
-            f"NEFTune alpha {settings['neftune_alpha']}, learning rate {settings['learning_rate']:g} on "
-            f"{metrics['train_documents']} documents; train loss {metrics['train_loss']:.3f}, eval loss "
-            f"{metrics['eval_loss']:.3f} on {metrics['eval_documents']} held-out documents")
+            f"NEFTune alpha {settings['neftune_alpha']}, learning rate "
+            f"{settings['learning_rate']:g} on {metrics['train_documents']} documents; train loss "
+            f"{metrics['train_loss']:.3f}, eval loss {metrics['eval_loss']:.3f} on "
+            f"{metrics['eval_documents']} held-out documents")
 
 
 def _rl_line(rl: dict) -> str:
     metrics = rl["metrics"]
     return (f"- RL: {metrics['algo'].upper()}, {metrics['steps']} iterations, learning rate "
-            f"{metrics['learning_rate']:g}; held-out reward {metrics['heldout_reward_sft']:.3f} (SFT) -> "
-            f"{metrics['heldout_reward_rl']:.3f} (RL) over {metrics['eval_prompts']} prompts")
+            f"{metrics['learning_rate']:g}; held-out reward {metrics['heldout_reward_sft']:.3f} "
+            f"(SFT) -> {metrics['heldout_reward_rl']:.3f} (RL) over {metrics['eval_prompts']} "
+            f"prompts")
 
 
 def _preference_line(stage: dict) -> str:
     metrics = stage["metrics"]
-    line = (f"- {metrics['algo'].upper()}: {metrics['steps']} steps on {metrics['train_items']} preference items, "
-            f"learning rate {metrics['learning_rate']:g}")
+    line = (f"- {metrics['algo'].upper()}: {metrics['steps']} steps on {metrics['train_items']} "
+            f"preference items, learning rate {metrics['learning_rate']:g}")
     headline = metrics.get("heldout_accuracy")
     if headline is not None:
         kind = headline["kind"].replace("_", " ")
-        line += (f"; held-out {kind} {metrics['heldout_before'][headline['kind']]:.3f} -> {headline['value']:.3f} "
-                 f"(95% CI {_interval(headline['ci95'], 3)}) on {metrics['heldout_pairs']} pairs")
+        line += (f"; held-out {kind} {metrics['heldout_before'][headline['kind']]:.3f} -> "
+                 f"{headline['value']:.3f} (95% CI {_interval(headline['ci95'], 3)}) on "
+                 f"{metrics['heldout_pairs']} pairs")
     return line
 
 
@@ -198,7 +207,8 @@ def training_section(records: RunRecords) -> list[str]:
     """Base, data and what each training stage did and measured."""
     if records.sft is None:
         return []
-    lines = ["## Training", "", f"- Base model: {base_model(records.sft['inputs']['model'])['name']}",
+    lines = ["## "
+             "Training", "", f"- Base model: {base_model(records.sft['inputs']['model'])['name']}",
              _data_line(records.sft["inputs"]), _sft_line(records.sft)]
     if records.rl is not None:
         lines.append(_rl_line(records.rl))
@@ -208,15 +218,16 @@ def training_section(records: RunRecords) -> list[str]:
 
 
 def gate_section(records: RunRecords) -> list[str]:
-    """The headroom gate's figures against their thresholds, and its verdict (with --force when it was used)."""
+    """The headroom gate's figures against their thresholds, and its verdict (with
+    --force when it was used)."""
     gate = records.headroom
     if gate is None:
         return []
     lines = ["## Headroom gate", "", "| figure | value | threshold | result |", "|---|---|---|---|"]
     for figure in gate["figures"]:
         result = "pass" if figure["passed"] else "FAIL"
-        lines.append(f"| {figure['name']} | {figure['value']:.3f} | {figure['comparison']} {figure['threshold']:g} "
-                     f"| {result} |")
+        lines.append(f"| {figure['name']} | {figure['value']:.3f} | {figure['comparison']} "
+                     f"{figure['threshold']:g} | {result} |")
     verdict = f"Verdict: **{gate['verdict']}**"
     if records.rl is not None and records.rl["metrics"]["gate"]["forced"]:
         verdict += " (RL trained anyway with --force)"
@@ -237,18 +248,22 @@ def evaluation_section(records: RunRecords) -> list[str]:
         return []
     lines = ["## Evaluation", "",
              f"{report['prompts']} held-out prompts, temperature {report['temperature']:g}, up to "
-             f"{report['max_new_tokens']} new tokens; reward: {', '.join(report['reward_terms'])}.", "",
-             "| policy | baseline | reward delta (95% CI) | win rate (95% CI) | p-value | verdict |",
+             f"{report['max_new_tokens']} new tokens; reward: "
+             f"{', '.join(report['reward_terms'])}.", "",
+             "| policy | baseline | reward delta (95% CI) | win rate (95% CI) | p-value | verdict "
+             "|",
              "|---|---|---|---|---|---|"]
     for row in report["comparisons"]:
-        lines.append(f"| {row['policy']} | {row['baseline']} | {row['delta']:+.3f} {_interval(row['delta_ci95'], 3)} "
-                     f"| {row['win_rate']:.3f} {_interval(row['win_rate_ci95'], 3)} | {row['p_value']:.4f} "
-                     f"| {row['verdict']} |")
+        lines.append(f"| {row['policy']} | {row['baseline']} | {row['delta']:+.3f} "
+                     f"{_interval(row['delta_ci95'], 3)} | {row['win_rate']:.3f} "
+                     f"{_interval(row['win_rate_ci95'], 3)} | {row['p_value']:.4f} | "
+                     f"{row['verdict']} |")
     return lines + [""]
 
 
 def envelope_section(records: RunRecords) -> list[str]:
-    """The safety envelope's settings, how often each guard acted, and what the watchdog published."""
+    """The safety envelope's settings, how often each guard acted, and what
+    the watchdog published."""
     if records.rl is None:
         return []
     metrics = records.rl["metrics"]
@@ -257,8 +272,8 @@ def envelope_section(records: RunRecords) -> list[str]:
     lines = ["## Safety envelope", "", f"- Settings: {settings}", f"- Guard counts: {guards}"]
     watchdog = metrics.get("watchdog")
     if watchdog and watchdog["enabled"]:
-        lines.append(f"- Collapse watchdog: {watchdog['events']} events, {watchdog['recoveries']} recoveries; "
-                     f"published the adapter of iteration {watchdog['published_step']}")
+        lines.append(f"- Collapse watchdog: {watchdog['events']} events, {watchdog['recoveries']} "
+                     f"recoveries; published the adapter of iteration {watchdog['published_step']}")
     elif watchdog:
         lines.append("- Collapse watchdog: off (the last adapter published)")
     return lines + [""]
@@ -268,13 +283,15 @@ def _verification(verification: dict) -> str:
     if verification.get("skipped"):
         return "not verified (--no-verify)"
     parts = [f"tokenizer {'identical' if verification['tokenizer_match'] else 'DIFFERENT'}",
-             f"top-1 agreement {verification['agreement']:.3f} over {verification['agreement_positions']} tokens "
-             f"(min {verification['min_agreement']:g})"]
+             f"top-1 agreement {verification['agreement']:.3f} over "
+             f"{verification['agreement_positions']} tokens (min "
+             f"{verification['min_agreement']:g})"]
     perplexity = perplexity_change(verification)
     if perplexity:
         parts.append(f"held-out {perplexity}")
     if verification["prompts"]:
-        parts.append(f"greedy identical on {verification['greedy_exact']}/{verification['prompts']} prompts")
+        parts.append(f"greedy identical on "
+                     f"{verification['greedy_exact']}/{verification['prompts']} prompts")
     parts.append("passed" if verification["passed"] else "FAILED")
     return "; ".join(parts)
 
@@ -283,18 +300,21 @@ def quantization_section(artifacts: list[tuple[str, dict]]) -> list[str]:
     """One row per artifact: type, size, sha256 and its verification against the PyTorch model."""
     if not artifacts:
         return []
-    lines = ["## Files and quantization", "", "| file | type | size | sha256 | verification against PyTorch |",
+    lines = ["## Files and "
+             "quantization", "", "| file | type | size | sha256 | verification against PyTorch |",
              "|---|---|---|---|---|"]
     for name, metrics in artifacts:
         forced = " (published with --force)" if metrics.get("forced") else ""
-        lines.append(f"| `{name}` | {metrics['quant']} | {metrics['bytes'] / 1e6:.1f} MB | `{metrics['sha256'][:16]}` "
-                     f"| {_verification(metrics['verification'])}{forced} |")
+        lines.append(f"| `{name}` | {metrics['quant']} | {metrics['bytes'] / 1e6:.1f} MB | "
+                     f"`{metrics['sha256'][:16]}` | "
+                     f"{_verification(metrics['verification'])}{forced} |")
     return lines + [""]
 
 
 def merged_usage(name: str) -> list[str]:
     """How to run a merged directory: transformers, then export for the devices."""
-    return ["## How to run", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+    return ["## How to run", "", "```python", "from transformers import AutoModelForCausalLM, "
+            "AutoTokenizer", "",
             f'model = AutoModelForCausalLM.from_pretrained("{name}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "", "```bash",
             f"slm-align export {name} --target gguf   # llama.cpp / Ollama, parity-checked",
@@ -313,15 +333,18 @@ def gguf_usage(names: list[str]) -> list[str]:
 
 def onnx_usage(name: str) -> list[str]:
     """How to run an ONNX export: slm-align's runtime (chat, serve)."""
-    return ["## How to run", "", "```bash", f"slm-align chat {name}    # onnxruntime, slm-align's runtime",
+    return ["## How to "
+            "run", "", "```bash", f"slm-align chat {name}    # onnxruntime, slm-align's runtime",
             f"slm-align serve {name}   # OpenAI-compatible HTTP server", "```", ""]
 
 
 def compose(title: str, records: Optional[RunRecords], library: str, tags: list[str],
             artifacts: list[tuple[str, dict]], usage: list[str]) -> str:
     """The whole card: header, title, the run's measured sections, the artifacts, how to run it."""
-    lines = front_matter(records, library, card_tags(records, tags)) + [MARKER, "", f"# {title}", ""]
-    lines.append("Aligned with slm-align; every figure below was measured by this run and read from its records.")
+    lines = front_matter(records, library, card_tags(records, tags)) + [MARKER, "", f"# "
+                                                                        f"{title}", ""]
+    lines.append("Aligned with slm-align; every figure below was measured by this run and read "
+                 "from its records.")
     lines.append("")
     if records is not None:
         for section in (training_section, gate_section, evaluation_section, envelope_section):
@@ -332,7 +355,8 @@ def compose(title: str, records: Optional[RunRecords], library: str, tags: list[
 
 
 def card_blocked(directory: Path) -> Optional[str]:
-    """Why no card may be written in ``directory``: a README.md there that slm-align did not write; else None."""
+    """Why no card may be written in ``directory``: a README.md there that slm-align
+    did not write; else None."""
     path = directory / CARD
     if path.is_file() and MARKER not in path.read_text(encoding="utf-8", errors="replace"):
         return f"kept {path}: slm-align did not write it, so no model card was written over it"
@@ -350,8 +374,8 @@ def _records(source: Optional[Path]) -> Optional[RunRecords]:
 
 
 def gguf_card(out: Path, source: Optional[Path], published: tuple[str, dict]) -> str:
-    """The card of an export directory's GGUF files: ``published`` (name, metrics) and every other ``model-*.gguf``
-    already there, each from its manifest."""
+    """The card of an export directory's GGUF files: ``published`` (name, metrics) and every other
+    ``model-*.gguf`` already there, each from its manifest."""
     artifacts = {published[0]: published[1]}
     for manifest in sorted(out.glob("model-*.gguf.json")):
         name = manifest.name[: -len(".json")]
@@ -365,22 +389,27 @@ def gguf_card(out: Path, source: Optional[Path], published: tuple[str, dict]) ->
 
 
 def genai_usage(name: str) -> list[str]:
-    """How to run a genai folder: onnxruntime-genai's API (the mobile bindings make the same calls), our runtime."""
+    """How to run a genai folder: onnxruntime-genai's API (the mobile bindings make the
+    same calls), our runtime."""
     return ["## How to run", "", "```python", "import onnxruntime_genai as og", "",
             f'model = og.Model("{name}")  # genai_config.json holds the search defaults',
             "tokenizer = og.Tokenizer(model)", "params = og.GeneratorParams(model)",
             "generator = og.Generator(model, params)",
             'generator.append_tokens(tokenizer.encode("Once upon a time"))',
-            "while not generator.is_done():", "    generator.generate_next_token()", "```", "", "```bash",
+            "while not "
+            "generator.is_done():", "    generator.generate_next_token()", "```", "", "```bash",
             f"slm-align chat {name}    # slm-align's runtime (onnxruntime)", "```", ""]
 
 
 def executorch_usage(name: str) -> list[str]:
-    """How to run a .pte folder: ExecuTorch's Python runtime (the Android/iOS runtimes load the same program)."""
-    return ["## How to run", "", "```python", "import torch", "from executorch.runtime import Runtime", "",
+    """How to run a .pte folder: ExecuTorch's Python runtime (the Android/iOS runtimes
+    load the same program)."""
+    return ["## How to "
+            "run", "", "```python", "import torch", "from executorch.runtime import Runtime", "",
             f'forward = Runtime.get().load_program("{name}/model.pte").load_method("forward")',
             "# one token and its position per call; the static KV cache lives in the program",
-            "logits = forward.execute([torch.tensor([[token_id]]), torch.tensor([position])])[0]  # (1, 1, vocab)",
+            "logits = forward.execute([torch.tensor([[token_id]]), torch.tensor([position])])[0]  "
+            "# (1, 1, vocab)",
             "```", ""]
 
 

@@ -1,10 +1,12 @@
-"""An Ollama ``Modelfile`` beside an exported GGUF, so that ``ollama create NAME -f model-Q8_0.Modelfile`` works.
+"""An Ollama ``Modelfile`` beside an exported GGUF, so that ``ollama create NAME -f
+model-Q8_0.Modelfile`` works.
 
-The chat template is translated from Jinja (as transformers renders it: ``trim_blocks`` and ``lstrip_blocks``) to
-Ollama's Go-template syntax over ``.Messages``. Only a small, common subset translates: one loop over the messages
-that prints their role and content between literal markers, ``if`` on the role, ``set`` of a string, and the
-generation prompt (which Ollama always renders). Anything else (``loop.*``, filters, ``bos_token``, tools, macros)
-is reported as one line and the ``TEMPLATE`` is left out rather than written wrong.
+The chat template is translated from Jinja (as transformers renders it: ``trim_blocks`` and
+``lstrip_blocks``) to Ollama's Go-template syntax over ``.Messages``. Only a small, common subset
+translates: one loop over the messages that prints their role and content between literal markers,
+``if`` on the role, ``set`` of a string, and the generation prompt (which Ollama always renders).
+Anything else (``loop.*``, filters, ``bos_token``, tools, macros) is reported as one line and the
+``TEMPLATE`` is left out rather than written wrong.
 """
 
 from __future__ import annotations
@@ -26,28 +28,34 @@ SAMPLING_PARAMETERS = {"temperature": "temperature", "top_p": "top_p", "top_k": 
 
 
 class Untranslatable(ValueError):
-    """The Jinja template uses something the translator does not map to Ollama's syntax; the message says what."""
+    """The Jinja template uses something the translator does not map to Ollama's syntax;
+    the message says what."""
 
 
 @dataclass
 class Translation:
-    """A chat template in Ollama's syntax and the turn markers around each message (for stop tokens)."""
+    """A chat template in Ollama's syntax and the turn markers around each
+    message (for stop tokens)."""
 
     template: str
     turn_start: Optional[str] = None
-    """Literal text just before a message's role ("<|im_start|>"), stripped; None when there is none."""
+    """Literal text just before a message's role ("<|im_start|>"), stripped;
+    None when there is none."""
     turn_end: Optional[str] = None
-    """Literal text just after a message's content ("<|im_end|>"), stripped; None when there is none."""
+    """Literal text just after a message's content ("<|im_end|>"), stripped;
+    None when there is none."""
 
 
 @dataclass
 class _Scope:
-    """What the translator knows where it stands: the loop variable inside the messages loop, the set variables."""
+    """What the translator knows where it stands: the loop variable inside the messages
+    loop, the set variables."""
 
     variables: set[str]
     message: Optional[str] = None
     emitted: list[tuple[str, str]] = field(default_factory=list)
-    """("text" | "action", value) printed inside the messages loop, in order: the turn markers are read from it."""
+    """("text" | "action", value) printed inside the messages loop, in order: the turn
+    markers are read from it."""
 
 
 def _go_text(text: str) -> str:
@@ -62,7 +70,8 @@ def _name(node: nodes.Node) -> Optional[str]:
 
 
 def _message_field(node: nodes.Node, scope: _Scope) -> Optional[str]:
-    """``message['role']`` or ``message.content`` inside the loop -> ".Role" / ".Content"; else None."""
+    """``message['role']`` or ``message.content`` inside the loop -> ".Role" /
+    ".Content"; else None."""
     if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
         key = node.arg.value
     elif isinstance(node, nodes.Getattr):
@@ -115,7 +124,8 @@ def _output(node: nodes.Output, scope: _Scope) -> str:
     pieces = [piece for child in node.nodes for piece in _pieces(child, scope)]
     if scope.message is not None:
         scope.emitted.extend(pieces)
-    return "".join(_go_text(value) if kind == "text" else "{{ " + value + " }}" for kind, value in pieces)
+    return "".join(_go_text(value) if kind == "text" else "{{ " + value + " "
+                   "}}" for kind, value in pieces)
 
 
 def _role_test(node: nodes.Node, scope: _Scope) -> str:
@@ -179,7 +189,8 @@ def _assigned_strings(template: nodes.Template) -> set[str]:
 
 
 def _marker_after(emitted: list[tuple[str, str]], action: str) -> Optional[str]:
-    """The stripped literal right after the first ``action`` in the loop's output (the end-of-turn marker)."""
+    """The stripped literal right after the first ``action`` in the loop's output
+    (the end-of-turn marker)."""
     for index, (kind, value) in enumerate(emitted[:-1]):
         if kind == "action" and value == action and emitted[index + 1][0] == "text":
             return emitted[index + 1][1].strip() or None
@@ -187,7 +198,8 @@ def _marker_after(emitted: list[tuple[str, str]], action: str) -> Optional[str]:
 
 
 def _marker_before_role(emitted: list[tuple[str, str]]) -> Optional[str]:
-    """The stripped literal right before the first role in the loop's output (the start-of-turn marker)."""
+    """The stripped literal right before the first role in the loop's output (the
+    start-of-turn marker)."""
     for index, (kind, value) in enumerate(emitted[1:], start=1):
         if kind == "action" and value != ".Content" and emitted[index - 1][0] == "text":
             return emitted[index - 1][1].strip() or None
@@ -195,7 +207,8 @@ def _marker_before_role(emitted: list[tuple[str, str]]) -> Optional[str]:
 
 
 def translate_template(source: str) -> Translation:
-    """Translate a Jinja chat template to Ollama's syntax; raises Untranslatable naming what it cannot map."""
+    """Translate a Jinja chat template to Ollama's syntax; raises Untranslatable
+    naming what it cannot map."""
     environment = Environment(trim_blocks=True, lstrip_blocks=True)  # as transformers compiles chat templates
     try:
         parsed = environment.parse(source)
@@ -212,13 +225,16 @@ def translate_template(source: str) -> Translation:
 
 
 def check_system_prompt(system: Optional[str], target: str) -> None:
-    """Refuse a system prompt the Modelfile cannot carry: for ONNX, or holding the Modelfile's triple quote."""
+    """Refuse a system prompt the Modelfile cannot carry: for ONNX, or holding the
+    Modelfile's triple quote."""
     if system is None:
         return
     if target != "gguf":
-        raise UserError("--system sets the system prompt of the Ollama Modelfile, which only --target gguf writes")
+        raise UserError("--system sets the system prompt of the Ollama Modelfile, which only "
+                        "--target gguf writes")
     if '"""' in system:
-        raise UserError('--system holds """, which a Modelfile cannot quote; leave it out of the prompt')
+        raise UserError('--system holds """, which a Modelfile cannot quote; leave it out of the '
+                        'prompt')
 
 
 def _quoted(text: str) -> str:
@@ -226,7 +242,8 @@ def _quoted(text: str) -> str:
 
 
 def default_parameters(checkpoint: Path) -> dict[str, float]:
-    """num_ctx from the model's context window (capped at MAX_NUM_CTX) and the sampling its generation_config sets."""
+    """num_ctx from the model's context window (capped at MAX_NUM_CTX) and the sampling its
+    generation_config sets."""
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     parameters: dict[str, float] = {}
     window = config.get("max_position_embeddings") or config.get("n_positions")
@@ -243,7 +260,8 @@ def default_parameters(checkpoint: Path) -> dict[str, float]:
 
 @dataclass
 class Modelfile:
-    """The Modelfile's text, and the one-line note when the chat template could not be translated."""
+    """The Modelfile's text, and the one-line note when the chat template
+    could not be translated."""
 
     text: str
     note: Optional[str] = None
@@ -251,7 +269,8 @@ class Modelfile:
 
 def build_modelfile(gguf_name: str, chat_template: Optional[str], parameters: dict[str, float],
                     system: Optional[str] = None) -> Modelfile:
-    """FROM the GGUF beside it, TEMPLATE (when it translates), stop tokens, default parameters, SYSTEM if given."""
+    """FROM the GGUF beside it, TEMPLATE (when it translates), stop tokens, default
+    parameters, SYSTEM if given."""
     lines = [f"FROM ./{gguf_name}"]
     note = None
     translation = None

@@ -1,10 +1,10 @@
 """ONNX export: optimum's exporter with the KV cache, then onnxruntime's quantizers.
 
-``fp32`` is optimum's graph as exported. ``int8`` is dynamic quantization (weights and activations) with the
-preset of the target CPU (arm64, avx2, avx512, avx512_vnni). ``w8`` (the default) and ``int4`` are weight-only
-schemes on onnxruntime's MatMulNBits (:mod:`slm_align.export.onnx_quant`). ``--ort-format`` additionally converts
-the graph to the ORT format that onnxruntime's reduced mobile builds read.
-The tokenizer files and the chat template travel with the model.
+``fp32`` is optimum's graph as exported. ``int8`` is dynamic quantization (weights and activations)
+with the preset of the target CPU (arm64, avx2, avx512, avx512_vnni). ``w8`` (the default) and
+``int4`` are weight-only schemes on onnxruntime's MatMulNBits (:mod:`slm_align.export.onnx_quant`).
+``--ort-format`` additionally converts the graph to the ORT format that onnxruntime's reduced mobile
+builds read. The tokenizer files and the chat template travel with the model.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ MODEL_FILE = "model.onnx"
 def check_onnx_quant(quant: str, preset: str) -> tuple[str, str]:
     """Validated (quant, preset), or one line listing the choices."""
     if quant.lower() not in ONNX_QUANTS:
-        raise UserError(f"unknown ONNX quantization '{quant}'; choose one of {', '.join(ONNX_QUANTS)}")
+        raise UserError(f"unknown ONNX quantization '{quant}'; choose one of "
+                        f"{', '.join(ONNX_QUANTS)}")
     if preset not in ONNX_PRESETS:
-        raise UserError(f"unknown ONNX quantization preset '{preset}'; choose one of {', '.join(ONNX_PRESETS)}")
+        raise UserError(f"unknown ONNX quantization preset '{preset}'; choose one of "
+                        f"{', '.join(ONNX_PRESETS)}")
     return quant.lower(), preset
 
 
@@ -51,7 +53,8 @@ def _optimum_export(model_dir: Path, out_dir: Path) -> None:
     try:
         from optimum.exporters.onnx import main_export
     except ImportError:
-        raise UserError("ONNX export needs optimum's exporter: pip install 'slm-align[export]'") from None
+        raise UserError("ONNX export needs optimum's exporter: pip install "
+                        "'slm-align[export]'") from None
     with warnings.catch_warnings():  # the tracer's advisories about data-dependent branches are not for users
         warnings.simplefilter("ignore")
         main_export(str(model_dir), output=str(out_dir), task="text-generation-with-past", device="cpu",
@@ -69,7 +72,8 @@ def _int8(out_dir: Path, preset: str) -> None:
 
 
 def quantize_onnx(out_dir: Path, quant: str, preset: str) -> None:
-    """Quantize ``out_dir``'s fp32 ``model.onnx`` in place by ``quant`` (see :mod:`slm_align.export.onnx_quant`)."""
+    """Quantize ``out_dir``'s fp32 ``model.onnx`` in place by ``quant`` (see
+    :mod:`slm_align.export.onnx_quant`)."""
     if quant == "fp32":
         return
     if quant == "int8":
@@ -97,7 +101,8 @@ def _to_ort_format(out_dir: Path) -> Path:
 
 def write_onnx(model_dir: Path, out_dir: Path, quant: str = "fp32", preset: str = "avx2",
                ort_format: bool = False) -> Path:
-    """Export ``model_dir`` (plain HF checkpoint) into the empty directory ``out_dir``; returns the model file."""
+    """Export ``model_dir`` (plain HF checkpoint) into the empty directory ``out_dir``;
+    returns the model file."""
     out_dir = Path(out_dir)
     _optimum_export(Path(model_dir), out_dir)
     quantize_onnx(out_dir, quant, preset)

@@ -1,25 +1,29 @@
 """ONNX quantization schemes, applied to optimum's fp32 decoder graph.
 
-A scheme names what happens to three groups of weights: the layers' MatMuls (the body), the output projection
-(``lm_head``) and the token embedding (its ``Gather``). Gemma 3's 262k x 640 embedding is 62% of its weights and
-is tied to the output, so how those two are stored decides both the size and the agreement with PyTorch.
+A scheme names what happens to three groups of weights: the layers' MatMuls (the body), the output
+projection (``lm_head``) and the token embedding (its ``Gather``). Gemma 3's 262k x 640 embedding is
+62% of its weights and is tied to the output, so how those two are stored decides both the size and
+the agreement with PyTorch.
 
 - ``fp32``: optimum's graph as exported.
 - ``int8``: dynamic int8 of every MatMul, weights and activations (the preset's kernels).
-- ``w8`` (the default): 8-bit weights; every MatMul a ``MatMulNBits`` (bits 8, block 32, asymmetric, accuracy
-  level 4). The embedding: when it is tied to ``lm_head`` (optimum exports the two as separate copies of the same
-  numbers), its Gather reads the head's 8-bit blocks by token, so the vocabulary is stored once; otherwise int8
-  rows with one scale each. Standard ops (Gather, Cast, Sub, Mul, Reshape) either way.
-- ``int4``: 4-bit body (``MatMulNBits``, block 16, asymmetric, accuracy level 4); ``v_proj`` and ``down_proj`` kept
-  8-bit (as llama.cpp's Q4_K_M keeps attn_v and ffn_down at 6 bits), ``lm_head`` and the embedding 8-bit.
+- ``w8`` (the default): 8-bit weights; every MatMul a ``MatMulNBits`` (bits 8, block 32, asymmetric,
+  accuracy level 4). The embedding: when it is tied to ``lm_head`` (optimum exports the two as
+  separate copies of the same numbers), its Gather reads the head's 8-bit blocks by token, so the
+  vocabulary is stored once; otherwise int8 rows with one scale each. Standard ops (Gather, Cast,
+  Sub, Mul, Reshape) either way.
+- ``int4``: 4-bit body (``MatMulNBits``, block 16, asymmetric, accuracy level 4); ``v_proj`` and
+  ``down_proj`` kept 8-bit (as llama.cpp's Q4_K_M keeps attn_v and ffn_down at 6 bits),
+  ``lm_head`` and the embedding 8-bit.
 
-Measured on the real Gemma 3 270M (benchmarks/quantization.py, README): dynamic int8 (0.801) and a uniform 4-bit
-body lose agreement; symmetric 4-bit lost more than asymmetric, block 32 (0.812) more than 16 (0.858), and the
-8-bit v/down layers bought the most. No 4-bit variant reached 0.9: also keeping o_proj (0.870), q/k_proj (0.874) or
-gate/up_proj (0.885) at 8 bits, float compute (accuracy level unset, 0.870, far slower) and onnxruntime's k-quant
-scale search for the 4-bit blocks (0.801) all fell short of w8 (0.927). (Those figures are from before the tied
-embedding was shared; sharing it took w8 from 514 to 346 MB and 0.927 to 0.958, int4 from 487 to 318 MB at 0.851.
-With it, gate/up_proj at 8 bits too reached 0.904 at 336 MB: 4 bits left only in q/k/o, 3% smaller than w8.)
+Measured on the real Gemma 3 270M (benchmarks/quantization.py, README): dynamic int8 (0.801) and a
+uniform 4-bit body lose agreement; symmetric 4-bit lost more than asymmetric, block 32 (0.812) more
+than 16 (0.858), and the 8-bit v/down layers bought the most. No 4-bit variant reached 0.9: also
+keeping o_proj (0.870), q/k_proj (0.874) or gate/up_proj (0.885) at 8 bits, float compute (accuracy
+level unset, 0.870, far slower) and onnxruntime's k-quant scale search for the 4-bit blocks (0.801)
+all fell short of w8 (0.927). (Those figures are from before the tied embedding was shared; sharing
+it took w8 from 514 to 346 MB and 0.927 to 0.958, int4 from 487 to 318 MB at 0.851. With it,
+gate/up_proj at 8 bits too reached 0.904 at 336 MB: 4 bits left only in q/k/o, 3% smaller than w8.)
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ from slm_align.errors import UserError
 
 HEAD_NODE = "/lm_head/MatMul"
 SENSITIVE_LAYERS = ("v_proj/", "down_proj/")
-# MatMulNBits' accuracy level 4: activations rounded to int8 per block inside the kernel (MLAS's int8 paths on x86
-# and Arm). On the real Gemma it decoded 19.5 tok/s against 0.6 at the default (fp32 compute, which has no fast
-# 8-bit kernel) at the same agreement (0.935 vs 0.931).
+# MatMulNBits' accuracy level 4: activations rounded to int8 per block inside the kernel (MLAS's
+# int8 paths on x86 and Arm). On the real Gemma it decoded 19.5 tok/s against 0.6 at the default
+# (fp32 compute, which has no fast 8-bit kernel) at the same agreement (0.935 vs 0.931).
 INT8_COMPUTE = 4
 EIGHT_BIT_BLOCK = 32
 
@@ -63,12 +67,13 @@ SCHEMES = {
 
 
 def _matmul_nbits(model, bits: int, include: Optional[list[str]], exclude: list[str], scheme: Scheme):
-    """One pass of onnxruntime's weight-only quantizer over the MatMul nodes named (all when None); 8-bit passes
-    use blocks of 32 (smaller blocks buy 8 bits nothing but scales)."""
+    """One pass of onnxruntime's weight-only quantizer over the MatMul nodes named (all when None);
+    8-bit passes use blocks of 32 (smaller blocks buy 8 bits nothing but scales)."""
     block_size = scheme.block_size if bits < 8 else EIGHT_BIT_BLOCK
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
-    # It logs a line for every node it skips, at INFO and (for each non-MatMul node, when bits is 8) at ERROR.
+    # It logs a line for every node it skips, at INFO and (for each non-MatMul node,
+    # when bits is 8) at ERROR.
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.CRITICAL)
     config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=False,
                                           accuracy_level=scheme.accuracy_level, op_types_to_quantize=("MatMul",),
@@ -96,7 +101,8 @@ def _int8_rows(weight):
 
 
 def _int8_embedding(model, gather) -> None:
-    """``gather``'s table as int8 rows with one fp32 scale each: Gather both, Cast, Mul (standard ops only)."""
+    """``gather``'s table as int8 rows with one fp32 scale each: Gather both, Cast,
+    Mul (standard ops only)."""
     from onnx import TensorProto, helper, numpy_helper
 
     table = next(init for init in model.graph.initializer if init.name == gather.input[0])
@@ -124,8 +130,9 @@ def _initializer(model, name: str):
 
 
 def _tied_to_head(model, gather) -> bool:
-    """Whether the output projection's weight (hidden x vocab) is ``gather``'s table (vocab x hidden) transposed:
-    a model with tied embeddings, which optimum exports as two initializers holding the same numbers."""
+    """Whether the output projection's weight (hidden x vocab) is ``gather``'s table (vocab x
+    hidden) transposed: a model with tied embeddings, which optimum exports as two initializers
+    holding the same numbers."""
     import numpy as np
     from onnx import numpy_helper
 
@@ -138,7 +145,8 @@ def _tied_to_head(model, gather) -> bool:
 
 
 def _shareable_head(model):
-    """The 8-bit ``MatMulNBits`` output projection whose blocks tile its input width exactly, or None."""
+    """The 8-bit ``MatMulNBits`` output projection whose blocks tile its input
+    width exactly, or None."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     for node in model.graph.node:
         if node.op_type == "MatMulNBits" and node.name.startswith(HEAD_NODE) and len(node.input) >= 4 and opset >= 13:
@@ -149,9 +157,10 @@ def _shareable_head(model):
 
 
 def _shared_embedding(model, gather, head) -> None:
-    """``gather`` reads the token rows of ``head``'s 8-bit blocks (uint8 [vocab, blocks, block], a scale and a zero
-    point per block) instead of its own table, which is dropped: for tied embeddings the vocabulary is stored once.
-    Row t is ``(B[t] - zero[t, :, None]) * scale[t, :, None]``, reshaped to the hidden width (standard ops only)."""
+    """``gather`` reads the token rows of ``head``'s 8-bit blocks (uint8 [vocab, blocks, block], a
+    scale and a zero point per block) instead of its own table, which is dropped: for tied
+    embeddings the vocabulary is stored once. Row t is ``(B[t] - zero[t, :, None]) * scale[t, :,
+    None]``, reshaped to the hidden width (standard ops only)."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
@@ -194,9 +203,10 @@ def _consumers(model, name: str) -> list:
 
 def _fold_head_transpose(model) -> None:
     """Give the output projection an initializer of its own when optimum wrote a tied head as
-    ``MatMul(hidden, Transpose(embedding))`` (the bundled model): the weight-only quantizer only rewrites a MatMul
-    whose weight is an initializer, and the embedding passes below replace the table the Transpose reads.
-    The head then holds the transposed table, which :func:`_tied_to_head` recognises as tied."""
+    ``MatMul(hidden, Transpose(embedding))`` (the bundled model): the weight-only quantizer only
+    rewrites a MatMul whose weight is an initializer, and the embedding passes below replace the
+    table the Transpose reads. The head then holds the transposed table, which
+    :func:`_tied_to_head` recognises as tied."""
     import numpy as np
     from onnx import numpy_helper
 
@@ -219,8 +229,8 @@ def _fold_head_transpose(model) -> None:
 
 
 def _weight_only(model, scheme: Scheme):
-    """The scheme's weight-only passes: body, then lm_head, then the embedding (sharing the 8-bit head's blocks
-    when the two are tied, else int8 rows of its own)."""
+    """The scheme's weight-only passes: body, then lm_head, then the embedding (sharing the 8-bit
+    head's blocks when the two are tied, else int8 rows of its own)."""
     _fold_head_transpose(model)
     eight = [node.name for node in model.graph.node if any(part in node.name for part in scheme.eight_bit_layers)]
     tied = {gather.name for gather in _embedding_gathers(model) if _tied_to_head(model, gather)}

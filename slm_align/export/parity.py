@@ -2,15 +2,18 @@
 
 Three checks, all recorded in the export manifest:
 
-- tokenizer: the artifact's tokenizer gives the same ids as the HF tokenizer on every verification text;
-- greedy (F32/F16 GGUF, fp32 ONNX): greedy decoding of each prompt matches PyTorch token for token for
-  ``tokens`` steps (EOS does not stop either side). A divergence is tolerated only at a near tie: where PyTorch's
-  own logits for the two tokens differ by less than ``tie_tolerance`` (rounding to F16 can flip a tie; it cannot
-  flip a clear choice). Each tolerated tie is reported. Q8_0's greedy decoding is measured and reported too,
-  but not required: on the real Gemma 3 270M it diverged on 3 of 4 prompts (first at token 25);
-- agreement (every type): the share of positions of a held-out text where the artifact's top-1 next token equals
-  PyTorch's, teacher-forced. Quantized types (Q8_0 included) pass when it reaches ``min_agreement``. The
-  perplexity of that text under the artifact and under PyTorch is reported beside it (not gated).
+- tokenizer: the artifact's tokenizer gives the same ids as the HF tokenizer
+  on every verification text;
+- greedy (F32/F16 GGUF, fp32 ONNX): greedy decoding of each prompt matches PyTorch token for token
+  for ``tokens`` steps (EOS does not stop either side). A divergence is tolerated only at a near
+  tie: where PyTorch's own logits for the two tokens differ by less than ``tie_tolerance`` (rounding
+  to F16 can flip a tie; it cannot flip a clear choice). Each tolerated tie is reported. Q8_0's
+  greedy decoding is measured and reported too, but not required: on the real Gemma 3 270M it
+  diverged on 3 of 4 prompts (first at token 25);
+- agreement (every type): the share of positions of a held-out text where the artifact's top-1
+  next token equals PyTorch's, teacher-forced. Quantized types (Q8_0 included) pass when it
+  reaches ``min_agreement``. The perplexity of that text under the artifact and under PyTorch is
+  reported beside it (not gated).
 """
 
 from __future__ import annotations
@@ -24,19 +27,22 @@ from slm_align.agent.backend import Backend
 from slm_align.agent.decode import greedy
 from slm_align.progress import counted
 
-# The runtime's context while verifying: every check fits in it (the held-out text and the prompts with their
-# greedy steps are a few hundred tokens), and llama.cpp keeps the logits of every position, context x vocabulary
-# floats: at Gemma 3's own context (32768) and vocabulary (262144) that would be 32 GiB.
+# The runtime's context while verifying: every check fits in it (the held-out text and the
+# prompts with their greedy steps are a few hundred tokens), and llama.cpp keeps the logits of
+# every position, context x vocabulary floats: at Gemma 3's own context (32768) and vocabulary
+# (262144) that would be 32 GiB.
 VERIFY_CONTEXT = 512
 USER_MESSAGES = ("Tell me a short story about a brave mouse.", "What should I name my new puppy?")
-RAW_TEXTS = ("Once upon a time, there was a little girl named Lily.", "The sun was warm and the birds")
+RAW_TEXTS = ("Once upon a time, there was a little girl named "
+             "Lily.", "The sun was warm and the birds")
 HELDOUT_TEXT = (
-    "Once upon a time, in a small village by the sea, there lived an old fisherman and his clever cat. Every "
-    "morning they rowed out before the sun came up, and every evening they shared what they had caught with the "
-    "children of the village. One day a storm came, and the boat did not come back. The children waited on the "
-    "beach all night. In the morning they saw a small light far away on the water. It was the cat, sitting on "
-    "the bow, and the fisherman was rowing slowly home. \"We were lost,\" he said, \"but she always knows the "
-    "way.\" From then on, the children called her the captain, and she liked that very much."
+    "Once upon a time, in a small village by the sea, there lived an old fisherman and his clever "
+    "cat. Every morning they rowed out before the sun came up, and every evening they shared what "
+    "they had caught with the children of the village. One day a storm came, and the boat did not "
+    "come back. The children waited on the beach all night. In the morning they saw a small light "
+    "far away on the water. It was the cat, sitting on the bow, and the fisherman was rowing "
+    "slowly home. \"We were lost,\" he said, \"but she always knows the way.\" From then on, the "
+    "children called her the captain, and she liked that very much."
 )
 
 
@@ -62,7 +68,8 @@ class ParityReport:
 
 
 def verification_prompts(tokenizer) -> list[list[int]]:
-    """Chat-rendered user turns (when the model has a template) and raw story openings, as HF token ids."""
+    """Chat-rendered user turns (when the model has a template) and raw story
+    openings, as HF token ids."""
     prompts = [tokenizer(text)["input_ids"] for text in RAW_TEXTS]
     if tokenizer.chat_template:
         for message in USER_MESSAGES:
@@ -88,7 +95,8 @@ def _torch_logits(model, ids: Sequence[int]) -> np.ndarray:
 
 
 def torch_greedy(model, prompt: Sequence[int], steps: int) -> list[int]:
-    """PyTorch's greedy continuation with the KV cache, EOS ignored (the same rule as the artifact's side)."""
+    """PyTorch's greedy continuation with the KV cache, EOS ignored (the same rule
+    as the artifact's side)."""
     import torch
 
     with torch.no_grad():
@@ -130,20 +138,22 @@ def artifact_logits(backend: Backend, ids: Sequence[int]) -> np.ndarray:
 
 
 def compare_logits(reference: np.ndarray, artifact: np.ndarray, ids: Sequence[int]) -> dict:
-    """Top-1 agreement of ``artifact`` with ``reference`` and both perplexities over ``ids``, teacher-forced."""
+    """Top-1 agreement of ``artifact`` with ``reference`` and both perplexities over
+    ``ids``, teacher-forced."""
     return {"agreement": float((artifact.argmax(-1) == reference.argmax(-1)).mean()),
             "perplexity": float(np.exp(next_token_nll(artifact, ids).mean())),
             "torch_perplexity": float(np.exp(next_token_nll(reference, ids).mean()))}
 
 
 def top1_agreement(model, backend: Backend, ids: Sequence[int]) -> float:
-    """Share of positions where the artifact's argmax equals PyTorch's, teacher-forced over ``ids``."""
+    """Share of positions where the artifact's argmax equals PyTorch's,
+    teacher-forced over ``ids``."""
     return compare_logits(_torch_logits(model, ids), artifact_logits(backend, ids), ids)["agreement"]
 
 
 def perplexity_change(verification: dict) -> str:
-    """The held-out perplexity under PyTorch and under the artifact, e.g. 'perplexity 28.38 -> 32.27, +13.7%'
-    ("" for a record without them: one written before they were measured)."""
+    """The held-out perplexity under PyTorch and under the artifact, e.g. 'perplexity 28.38 ->
+    32.27, +13.7%' ("" for a record without them: one written before they were measured)."""
     before = verification.get("torch_perplexity")
     after = verification.get("perplexity")
     if before is None or after is None:
@@ -152,26 +162,28 @@ def perplexity_change(verification: dict) -> str:
 
 
 def verification_summary(verification: dict) -> str:
-    """What verification found, on one line: tokenizer, greedy decoding (when run), top-1 agreement and the held-out
-    perplexity change, e.g. 'tokenizer identical, greedy 4/4 prompts identical for 32 tokens, top-1 agreement 0.998
-    over 120 tokens, held-out perplexity 28.38 -> 28.40, +0.1%'."""
+    """What verification found, on one line: tokenizer, greedy decoding (when run), top-1 agreement
+    and the held-out perplexity change, e.g. 'tokenizer identical, greedy 4/4 prompts identical for
+    32 tokens, top-1 agreement 0.998 over 120 tokens, held-out perplexity 28.38 -> 28.40, +0.1%'."""
     v = verification
     greedy_text = ""
     if v["prompts"]:
         ties = f" ({len(v['ties'])} near-tie)" if v["ties"] else ""
         greedy_text = f"greedy {v['greedy_exact']}/{v['prompts']} prompts identical for 32 tokens{ties}, "
     perplexity = perplexity_change(v)
-    return (f"tokenizer {'identical' if v['tokenizer_match'] else 'DIFFERENT'}, {greedy_text}top-1 agreement "
-            f"{v['agreement']:.3f} over {v['agreement_positions']} tokens"
+    return (f"tokenizer {'identical' if v['tokenizer_match'] else 'DIFFERENT'}, {greedy_text}top-1 "
+            f"agreement {v['agreement']:.3f} over {v['agreement_positions']} tokens"
             + (f", held-out {perplexity}" if perplexity else ""))
 
 
 def verify(model, tokenizer, backend: Backend, exact: bool, steps: int = 32, min_agreement: float = 0.9,
            tie_tolerance: float = 0.05, greedy: bool = False) -> ParityReport:
-    """Run the checks; ``exact`` asks for greedy equality (F32/F16, fp32 ONNX), else top-1 agreement decides.
+    """Run the checks; ``exact`` asks for greedy equality (F32/F16, fp32 ONNX),
+    else top-1 agreement decides.
 
-    ``greedy`` measures and reports greedy decoding without requiring it (Q8_0: exact on toy weights, but on a
-    real checkpoint with a 262k vocabulary 8-bit weights and activations flip a few choices in 32 tokens).
+    ``greedy`` measures and reports greedy decoding without requiring it (Q8_0: exact on toy
+    weights, but on a real checkpoint with a 262k vocabulary 8-bit weights and activations flip a
+    few choices in 32 tokens).
     """
     texts = list(RAW_TEXTS) + [HELDOUT_TEXT]
     report = ParityReport(tokenizer_match=all(backend.tokenize(t) == tokenizer(t)["input_ids"] for t in texts),

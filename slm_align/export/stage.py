@@ -1,12 +1,13 @@
-"""``slm-align export``: a run, a merged directory or any model source -> a parity-checked GGUF, ONNX,
-onnxruntime-genai or ExecuTorch artifact.
+"""``slm-align export``: a run, a merged directory or any model source -> a parity-checked GGUF,
+ONNX, onnxruntime-genai or ExecuTorch artifact.
 
-The artifact is built in a scratch directory beside its final name, verified against the PyTorch model, and
-only then renamed into place with its manifest (``model-Q8_0.gguf`` + ``model-Q8_0.gguf.json``, or
-``onnx-w8/`` / ``genai-w8/`` / ``executorch-fp32/`` with ``manifest.json`` inside). A genai folder is the ONNX
-export with its ``genai_config.json`` written before verification, which runs through onnxruntime-genai itself; an
-ExecuTorch folder's ``model.pte`` is verified through ExecuTorch's Python runtime. A failed
-verification publishes nothing unless ``force``.
+The artifact is built in a scratch directory beside its final name, verified against the PyTorch
+model, and only then renamed into place with its manifest (``model-Q8_0.gguf`` +
+``model-Q8_0.gguf.json``, or ``onnx-w8/`` / ``genai-w8/`` / ``executorch-fp32/`` with
+``manifest.json`` inside). A genai folder is the ONNX export with its ``genai_config.json`` written
+before verification, which runs through onnxruntime-genai itself; an ExecuTorch folder's
+``model.pte`` is verified through ExecuTorch's Python runtime. A failed verification publishes
+nothing unless ``force``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from slm_align.runs import (
 TARGETS = ("gguf", "onnx", "genai", "executorch")
 # w8: the ONNX scheme that passes on real weights; ExecuTorch programs are fp32 only.
 DEFAULT_QUANT = {"gguf": "Q8_0", "onnx": "w8", "genai": "w8", "executorch": "fp32"}
-# What a refusal probes next, lowest precision first (the types benchmarks/quantization.py measures).
+# What a refusal probes next, lowest precision first (the types
+# benchmarks/quantization.py measures).
 PRECISION_LADDER = {"gguf": ("IQ4_XS", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "F16", "F32"),
                     "onnx": ("int4", "w8", "fp32"), "genai": ("int4", "w8", "fp32"),  # int8 (dynamic) probes w8
                     "executorch": ("fp32",)}
@@ -68,11 +70,13 @@ class ExportRequest:
     source: str
     """Run directory, merged/HF model directory, .gguf file or hub id."""
     target: str = "gguf"
-    """gguf (llama.cpp), onnx (onnxruntime), genai (an onnxruntime-genai folder: the ONNX export + its config) or
-    executorch (an fp32 ``model.pte`` with the XNNPACK delegate and a static KV cache)."""
+    """gguf (llama.cpp), onnx (onnxruntime), genai (an onnxruntime-genai folder: the ONNX
+    export + its config) or executorch (an fp32 ``model.pte`` with the XNNPACK delegate
+    and a static KV cache)."""
     quant: Optional[str] = None
-    """GGUF type (F32, F16, Q8_0, Q4_K_M, ...) or ONNX fp32/w8/int8/int4; default: GGUF the device's, else Q8_0;
-    ONNX and genai w8 (the scheme that passes on real weights; a device changes only the int8 preset)."""
+    """GGUF type (F32, F16, Q8_0, Q4_K_M, ...) or ONNX fp32/w8/int8/int4; default: GGUF the
+    device's, else Q8_0; ONNX and genai w8 (the scheme that passes on real weights; a device changes
+    only the int8 preset)."""
     device: Optional[str] = None
     """Device profile name: picks the quantization, the int8 preset and the thread count."""
     out: Optional[Path] = None
@@ -84,8 +88,8 @@ class ExportRequest:
     force: bool = False
     """Publish even when verification fails (recorded)."""
     calibrate: bool = False
-    """GGUF types from llama.cpp's quantizer: an importance matrix from the run's held-out texts (never its training
-    or evaluation items) weighs the rounding."""
+    """GGUF types from llama.cpp's quantizer: an importance matrix from the run's held-out texts
+    (never its training or evaluation items) weighs the rounding."""
     min_agreement: float = 0.9
     """Lowest top-1 agreement with PyTorch that a low-bit artifact may have."""
     ort_format: bool = False
@@ -93,18 +97,21 @@ class ExportRequest:
     threads: Optional[int] = None
     """Threads for quantization and verification (default: the device's, else all cores)."""
     preset: Optional[str] = field(default=None)
-    """ONNX int8 preset (arm64, avx2, avx512, avx512_vnni); default from the device, else this host's."""
+    """ONNX int8 preset (arm64, avx2, avx512, avx512_vnni); default from the
+    device, else this host's."""
     system: Optional[str] = None
     """GGUF: the system prompt of the Ollama Modelfile written beside the artifact."""
     torch_device: str = "auto"
     """Where the PyTorch side of the parity check runs (auto, cpu, cuda, cuda:N, mps)."""
     chat_template: Optional[str] = None
-    """"chatml" or a Jinja file: written into the artifact in place of the model's own (recorded in the manifest)."""
+    """"chatml" or a Jinja file: written into the artifact in place of the model's own
+    (recorded in the manifest)."""
 
 
 def _chat_template(option: Optional[str], tokenizer) -> tuple[Optional[str], str]:
-    """The template written into the artifact (None: the checkpoint's own stays) and what the manifest records:
-    the ``--chat-template`` given, else "default" (ChatML or Gemma's turns, for a model without one), else "source"."""
+    """The template written into the artifact (None: the checkpoint's own stays) and what the
+    manifest records: the ``--chat-template`` given, else "default" (ChatML or Gemma's turns, for a
+    model without one), else "source"."""
     if option is not None:
         chosen = chosen_chat_template(option)
         return chosen.source, chosen.origin
@@ -152,7 +159,8 @@ def _is_run(path: Path) -> bool:
 
 
 def _locate(source: str, target: str) -> dict:
-    """Where ``source`` is and what it is, refused in one line when it cannot be exported; writes nothing."""
+    """Where ``source`` is and what it is, refused in one line when it cannot be
+    exported; writes nothing."""
     path = Path(source).expanduser()
     if path.is_dir() and _is_run(path):
         return {"kind": "run", "run": str(path.resolve())}
@@ -172,7 +180,8 @@ def _locate(source: str, target: str) -> dict:
 
 
 def _merged_is_current(run: Path) -> bool:
-    """Whether ``run/merged`` folds in the run's latest aligned stage (a DPO round after an export makes it stale)."""
+    """Whether ``run/merged`` folds in the run's latest aligned stage (a DPO round after an
+    export makes it stale)."""
     from slm_align.export.merge import merged_stage
 
     manifest = read_manifest(run / "merged")
@@ -187,7 +196,8 @@ def _merged_is_current(run: Path) -> bool:
 
 
 def _checkpoint(origin: dict, scratch: Path) -> Path:
-    """A plain HF directory for ``origin``: the run merged, the directory itself, or a .gguf/hub model saved."""
+    """A plain HF directory for ``origin``: the run merged, the directory itself, or a
+    .gguf/hub model saved."""
     if origin["kind"] == "run":
         run = Path(origin["run"])
         if not _merged_is_current(run):
@@ -217,7 +227,8 @@ def artifact_name(target: str, quant: str) -> str:
 
 
 def _model_type(origin: dict) -> Optional[str]:
-    """The architecture (config.json's model_type) of what ``origin`` exports, read without loading weights."""
+    """The architecture (config.json's model_type) of what ``origin`` exports, read
+    without loading weights."""
     if origin["kind"] == "run":
         return _model_type(read_manifest(Path(origin["run"]) / "sft")["inputs"]["model"])
     if origin["kind"] in ("dir", "bundled"):
@@ -261,14 +272,16 @@ def _build(target: str, quant: str, preset: str, threads: int, checkpoint: Path,
 
 
 def _check_calibrate(request: ExportRequest, quant: str, origin: dict) -> None:
-    """``--calibrate`` needs a run (its held-out texts) and a type llama.cpp's quantizer makes; one line if not."""
+    """``--calibrate`` needs a run (its held-out texts) and a type llama.cpp's quantizer
+    makes; one line if not."""
     if not request.calibrate:
         return
     if request.target != "gguf" or quant not in QUANTIZER_TYPES:
         raise UserError(f"--calibrate weighs llama.cpp's quantizer ({', '.join(QUANTIZER_TYPES)}); "
                         f"{request.target} {quant} takes no calibration: drop --calibrate")
     if origin["kind"] != "run":
-        raise UserError(f"--calibrate reads a run's held-out texts; {request.source} is not a run directory")
+        raise UserError(f"--calibrate reads a run's held-out texts; {request.source} is not a run "
+                        f"directory")
 
 
 def _importance(request: ExportRequest, origin: dict, quant: str, checkpoint: Path) -> dict:
@@ -282,8 +295,8 @@ def _importance(request: ExportRequest, origin: dict, quant: str, checkpoint: Pa
 
 
 def _open_artifact(target: str, artifact: Path, threads: int):
-    """The backend verification runs ``artifact`` on: onnxruntime-genai's decoder for a genai folder, ExecuTorch's
-    runtime for a .pte."""
+    """The backend verification runs ``artifact`` on: onnxruntime-genai's decoder for a genai
+    folder, ExecuTorch's runtime for a .pte."""
     from slm_align.export.parity import VERIFY_CONTEXT
 
     if target == "executorch":
@@ -301,8 +314,8 @@ def _open_artifact(target: str, artifact: Path, threads: int):
 
 def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agreement: float,
             torch_device: str = "auto", target: str = "gguf") -> dict:
-    """Parity with PyTorch (:func:`~slm_align.export.parity.verify`); a genai folder also needs genai's own
-    tokenizer to split the verification texts and chats as the model's tokenizer does
+    """Parity with PyTorch (:func:`~slm_align.export.parity.verify`); a genai folder also needs
+    genai's own tokenizer to split the verification texts and chats as the model's tokenizer does
     (:func:`~slm_align.export.genai.genai_tokenizer_report`)."""
     from slm_align.export.parity import HELDOUT_TEXT, RAW_TEXTS, USER_MESSAGES, verify
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
@@ -328,7 +341,8 @@ def _size(path: Path) -> int:
 
 
 def _publish(built: Path, final: Path, manifest: dict) -> None:
-    """Manifest first (inside an ONNX dir, beside a GGUF file), then the artifact renamed into place."""
+    """Manifest first (inside an ONNX dir, beside a GGUF file), then the
+    artifact renamed into place."""
     if built.is_dir():
         write_json_atomic(artifact_manifest(built), dict(manifest, files=file_checksums(built)))
     else:
@@ -343,14 +357,15 @@ def _failure(verification: dict) -> str:
         return "its tokenizer splits text differently from the model's"
     if verification["divergences"]:
         first = verification["divergences"][0]
-        return (f"greedy decoding diverged from PyTorch on {len(verification['divergences'])} prompt(s) "
-                f"(first at token {first['position']})")
+        return (f"greedy decoding diverged from PyTorch on {len(verification['divergences'])} "
+                f"prompt(s) (first at token {first['position']})")
     return (f"top-1 agreement {verification['agreement']:.3f} < {verification['min_agreement']} "
             f"({perplexity_change(verification)})")
 
 
 def next_higher(target: str, quant: str) -> Optional[str]:
-    """The next type up ``PRECISION_LADDER`` from ``quant`` (one not on it: the first above it in bits)."""
+    """The next type up ``PRECISION_LADDER`` from ``quant`` (one not on it: the
+    first above it in bits)."""
     from slm_align.devices.quant import BITS_PER_WEIGHT, find_quant
 
     ladder = PRECISION_LADDER[target]
@@ -364,7 +379,8 @@ def next_higher(target: str, quant: str) -> Optional[str]:
 
 def _probe_advice(request: ExportRequest, quant: str, preset: str, threads: int, checkpoint: Path, scratch: Path,
                   template: Optional[str]) -> str:
-    """Build and verify the next-higher type in ``scratch``; what the refusal should tell the user to do."""
+    """Build and verify the next-higher type in ``scratch``; what the refusal
+    should tell the user to do."""
     higher = next_higher(request.target, quant)
     if higher is None:
         return "No higher precision to try; --force publishes anyway"
@@ -379,7 +395,8 @@ def _probe_advice(request: ExportRequest, quant: str, preset: str, threads: int,
 
 
 def _source_path(origin: dict) -> Optional[Path]:
-    """The local run or directory exported (a model card reads the run's records from it); None otherwise."""
+    """The local run or directory exported (a model card reads the run's records
+    from it); None otherwise."""
     if origin["kind"] == "run":
         return Path(origin["run"])
     if origin["kind"] == "dir":
@@ -389,8 +406,8 @@ def _source_path(origin: dict) -> Optional[Path]:
 
 def _gguf_companions(request: ExportRequest, final: Path, checkpoint: Path, chat_template: Optional[str],
                      metrics: dict, origin: dict) -> dict[Path, str]:
-    """The files written beside a GGUF once it is published (its Ollama Modelfile, the directory's model card),
-    by path; each recorded in ``metrics``."""
+    """The files written beside a GGUF once it is published (its Ollama Modelfile, the directory's
+    model card), by path; each recorded in ``metrics``."""
     modelfile = build_modelfile(final.name, chat_template, default_parameters(checkpoint), request.system)
     metrics["modelfile"] = {"path": modelfile_path(final).name, "note": modelfile.note}
     companions = {modelfile_path(final): modelfile.text}
@@ -440,8 +457,8 @@ def run_export(request: ExportRequest) -> StageResult:
                 checking.figures = f"{verdict}, {verification_summary(verification)}"
         if request.verify and not verification["passed"] and not request.force:
             advice = _probe_advice(request, quant, preset, threads, checkpoint, scratch, template)
-            raise VerificationFailed(f"export not published: {_failure(verification)}; nothing was written to "
-                                     f"{final}. {advice}")
+            raise VerificationFailed(f"export not published: {_failure(verification)}; nothing was "
+                                     f"written to {final}. {advice}")
         onnx_preset = preset if request.target in ("onnx", "genai") else None
         metrics = {"target": request.target, "quant": quant, "preset": onnx_preset,
                    "device": request.device, "threads": threads, "bytes": _size(built),

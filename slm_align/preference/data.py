@@ -1,7 +1,8 @@
-"""Preference rows for DPO and KTO: read, split by prompt, checked against the model the feedback was given to.
+"""Preference rows for DPO and KTO: read, split by prompt, checked against the model
+the feedback was given to.
 
-The split is by prompt (a seeded hash of its text, as the corpus split): every answer to one prompt lands on the
-same side, so held-out accuracy is measured on prompts the policy never trained on.
+The split is by prompt (a seeded hash of its text, as the corpus split): every answer to one prompt
+lands on the same side, so held-out accuracy is measured on prompts the policy never trained on.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from slm_align.errors import UserError
 
 @dataclass
 class PreferenceData:
-    """Training items (pairs for DPO, labelled completions for KTO) and held-out pairs and labelled completions."""
+    """Training items (pairs for DPO, labelled completions for KTO) and held-out pairs
+    and labelled completions."""
 
     train: list[Union[Pair, Labelled]]
     heldout_pairs: list[Pair]
@@ -29,7 +31,8 @@ class PreferenceData:
     prompts: int
 
     def label_share(self) -> float:
-        """The rarer label's share of the training completions (KTO; 0.5 for pairs, balanced by construction)."""
+        """The rarer label's share of the training completions (KTO; 0.5 for pairs,
+        balanced by construction)."""
         labels = [item.label for item in self.train if isinstance(item, Labelled)]
         if not labels:
             return 0.5
@@ -38,7 +41,8 @@ class PreferenceData:
 
 
 def heldout_prompts(prompts: set[str], seed: int, fraction: float) -> set[str]:
-    """The ``ceil(fraction * n)`` prompts of smallest seeded rank (at least one, never all when n > 1)."""
+    """The ``ceil(fraction * n)`` prompts of smallest seeded rank (at least one,
+    never all when n > 1)."""
     ordered = sorted(prompts, key=lambda prompt: seeded_rank(seed, prompt))
     count = math.ceil(fraction * len(ordered))
     count = max(1, min(count, len(ordered) - 1))
@@ -46,8 +50,9 @@ def heldout_prompts(prompts: set[str], seed: int, fraction: float) -> set[str]:
 
 
 def load_preference_data(paths: list[Path], tokenizer, algo: str, seed: int, fraction: float) -> PreferenceData:
-    """Read ``paths`` (pairs and thumbs in TRL's columns) and split them by prompt; DPO trains on pairs (thumbs of one
-    prompt paired good-with-bad), KTO on labelled completions (each pair as a good and a bad one)."""
+    """Read ``paths`` (pairs and thumbs in TRL's columns) and split them by prompt; DPO trains on
+    pairs (thumbs of one prompt paired good-with-bad), KTO on labelled completions (each pair as
+    a good and a bad one)."""
     if not paths:
         raise UserError(f"--algo {algo} trains on preference files: pass --preferences FILE (e.g. both files of "
                         "`slm-align feedback export`, or TRL prompt/chosen/rejected or prompt/completion/label rows)")
@@ -65,7 +70,8 @@ def load_preference_data(paths: list[Path], tokenizer, algo: str, seed: int, fra
 
 
 def exported_digests(run: Path) -> dict[str, str]:
-    """``{sha256: artifact path}`` of every artifact exported into ``run/export`` (the ids the runtime records)."""
+    """``{sha256: artifact path}`` of every artifact exported into ``run/export`` (the
+    ids the runtime records)."""
     found = {}
     manifests = list(Path(run).glob("export/*.json")) + list(Path(run).glob("export/*/manifest.json"))
     for manifest in manifests:
@@ -79,9 +85,11 @@ def exported_digests(run: Path) -> dict[str, str]:
 
 
 def check_feedback_models(model_ids: set[str], run: Path, any_model: bool) -> dict:
-    """Whether the feedback was given to a model this run exported; rows without a model_id (TRL files) pass.
+    """Whether the feedback was given to a model this run exported; rows without a
+    model_id (TRL files) pass.
 
-    Returns the manifest's record; feedback given to other models is a UserError unless ``any_model``."""
+    Returns the manifest's record; feedback given to other models is a
+    UserError unless ``any_model``."""
     known = exported_digests(run)
     foreign = sorted(model_ids - known.keys())
     record = {"model_ids": sorted(model_ids), "matched": sorted(model_ids & known.keys()), "foreign": foreign,

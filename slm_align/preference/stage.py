@@ -1,9 +1,10 @@
-"""The DPO / KTO stage: the SFT prior, the preference files split by prompt, the gate, then guarded steps; artifacts
-in ``OUT/dpo/`` or ``OUT/kto/``.
+"""The DPO / KTO stage: the SFT prior, the preference files split by prompt, the gate, then guarded
+steps; artifacts in ``OUT/dpo/`` or ``OUT/kto/``.
 
-Artifacts: ``adapter/`` (the preference LoRA on top of the merged SFT weights), ``metrics.jsonl`` (one line per step,
-held-out figures every ``eval_every`` steps), ``plots/training_curves.png`` and ``manifest.json`` (the gate, the
-held-out figures before and after with intervals, which models the feedback was given to, guard totals).
+Artifacts: ``adapter/`` (the preference LoRA on top of the merged SFT weights), ``metrics.jsonl``
+(one line per step, held-out figures every ``eval_every`` steps), ``plots/training_curves.png`` and
+``manifest.json`` (the gate, the held-out figures before and after with intervals, which models the
+feedback was given to, guard totals).
 """
 
 from __future__ import annotations
@@ -39,15 +40,16 @@ CURVES = ("loss", "accuracy", "margin", "kl", "reward/desirable", "reward/undesi
 
 
 class PreferenceStage:
-    """DPO or KTO (``recipe.rl.algo``) as a :class:`~slm_align.runs.Stage`: the preference files split by prompt,
-    the reference's log-probabilities, the gate, guarded steps; held-out figures before and after."""
+    """DPO or KTO (``recipe.rl.algo``) as a :class:`~slm_align.runs.Stage`: the preference files
+    split by prompt, the reference's log-probabilities, the gate, guarded steps; held-out
+    figures before and after."""
 
     keep = ("adapter", "metrics.jsonl", "plots", "inputs.json", HELDOUT_START)
 
     def __init__(self, recipe: Recipe, out: Path, adapter: Path, force: bool = False,
                  say: Callable[[str], None] = quiet):
-        """``recipe`` is the SFT stage's (model, seed, data) with the preference settings; ``adapter`` its SFT
-        adapter, the prior."""
+        """``recipe`` is the SFT stage's (model, seed, data) with the preference settings;
+        ``adapter`` its SFT adapter, the prior."""
         refuse_data_parallel(recipe.rl.algo)
         require_library(recipe.tracking.report_to)
         self.recipe = recipe
@@ -67,7 +69,8 @@ class PreferenceStage:
         self.feedback = check_feedback_models(self.data.model_ids, self.out, recipe.preference.any_model)
 
     def inputs(self) -> dict:
-        """What the stage's artifacts depend on (the SFT prior named by its content, not its path)."""
+        """What the stage's artifacts depend on (the SFT prior named by its
+        content, not its path)."""
         recipe = self.recipe
         return {"algo": self.algo, "sft": stage_identity(self.adapter.parent),
                 "preferences": [fingerprint(path) for path in self.paths], "seed": recipe.seed,
@@ -75,27 +78,31 @@ class PreferenceStage:
                 "max_length": recipe.data.max_length, **training_inputs(recipe.compute)}
 
     def setup(self) -> None:
-        """The policy (merged prior + fresh LoRA), the learner with the reference's held-out log-probabilities,
-        and the gate, which refuses before any work dir exists unless ``force``."""
+        """The policy (merged prior + fresh LoRA), the learner with the reference's
+        held-out log-probabilities, and the gate, which refuses before any work dir
+        exists unless ``force``."""
         recipe = self.recipe
         settings = recipe.rl.model_copy(update={"lora": recipe.preference.lora})
         self.policy = build_policy(self.source, self.adapter, settings, recipe.seed, recipe.model.trust_remote_code,
                                    recipe.model.allow_pickle, self.compute.device)
         heldout = len(self.data.heldout_pairs)
-        with stage_lines(f"{self.algo} set-up", f"the reference's log-probabilities of {heldout} held-out pairs"):
+        with stage_lines(f"{self.algo} set-up", f"the reference's log-probabilities of {heldout} "
+                         f"held-out pairs"):
             self.learner = preference_learner(self.policy, self.tokenizer, self.data, recipe.preference, self.algo,
                                                recipe.rl.envelope, recipe.seed, recipe.data.max_length,
                                                self.compute.precision, self.compute.gradient_checkpointing)
         self.gate = preference_gate(recipe, self.algo, self.data, self.learner).to_dict()
         gate = self.gate
-        self.say(f"{self.algo} gate: {gate['verdict']}" + (f" ({'; '.join(gate['reasons'])})" if gate["reasons"]
+        self.say(f"{self.algo} gate: "
+                 f"{gate['verdict']}" + (f" ({'; '.join(gate['reasons'])})" if gate["reasons"]
                                                             else ""))
         if not gate["passed"] and not self.force:
             raise GateRefused(f"{self.algo} gate FAIL ({'; '.join(gate['reasons'])}): {' '.join(gate['remedies'])} "
                               "Pass --force to train anyway (recorded in the manifest).")
 
     def train(self, partial: Path, checkpoint: Optional[str]) -> None:
-        """The remaining steps from the work dir's checkpoint (if any); held-out figures before and after."""
+        """The remaining steps from the work dir's checkpoint (if any); held-out
+        figures before and after."""
         learner = self.learner
         state = load_checkpoint(partial)
         resume_step = None
@@ -120,8 +127,9 @@ class PreferenceStage:
 
 
 def refuse_data_parallel(algo: str) -> None:
-    """DPO and KTO train in one process: launched as one of several (WORLD_SIZE > 1), every rank would train the same
-    steps into the same folder, so the launch is refused in one line before any work."""
+    """DPO and KTO train in one process: launched as one of several (WORLD_SIZE > 1),
+    every rank would train the same steps into the same folder, so the launch is refused
+    in one line before any work."""
     if launched():
         raise UserError(f"--algo {algo} trains in one process, and this one was launched as 1 of "
                         f"{os.environ['WORLD_SIZE']} (WORLD_SIZE); run it without accelerate launch or torchrun "
@@ -129,8 +137,9 @@ def refuse_data_parallel(algo: str) -> None:
 
 
 def preference_gate(recipe: Recipe, algo: str, data: PreferenceData, learner: PreferenceLearner) -> HeadroomReport:
-    """The gate in front of DPO/KTO: enough training items, a held-out split to measure on, label balance (KTO),
-    and a fluent prior (its perplexity on the held-out chosen completions below ``headroom.max_ppl``)."""
+    """The gate in front of DPO/KTO: enough training items, a held-out split to measure on, label
+    balance (KTO), and a fluent prior (its perplexity on the held-out chosen completions below
+    ``headroom.max_ppl``)."""
     settings = recipe.preference
     unit = "pairs" if algo == "dpo" else "labelled completions"
     heldout = len(learner.chosen.rows)
@@ -143,18 +152,23 @@ def preference_gate(recipe: Recipe, algo: str, data: PreferenceData, learner: Pr
                Figure(heldout_name, heldout, settings.min_heldout, ">=",
                       "Add preferences on more prompts, or raise preference.heldout_fraction.")]
     if algo == "kto":
-        figures.append(Figure("share of the rarer label", data.label_share(), settings.min_label_share, ">=",
-                              "Collect more of the rarer verdict (thumbs up or down) before training KTO."))
+        figures.append(Figure("share of the rarer "
+                              "label", data.label_share(), settings.min_label_share, ">=",
+                              "Collect more of the rarer verdict (thumbs up or down) before "
+                              "training KTO."))
     ppl = learner.prior_perplexity()
     info = {"prompts": data.prompts, "dropped_by_truncation": learner.dropped}
     if ppl is not None:
-        figures.append(Figure("prior perplexity on held-out chosen answers", ppl, recipe.headroom.max_ppl, "<",
-                              "Train SFT longer (or on text like the chosen answers) before preference tuning."))
+        figures.append(Figure("prior perplexity on held-out chosen "
+                              "answers", ppl, recipe.headroom.max_ppl, "<",
+                              "Train SFT longer (or on text like the chosen answers) before "
+                              "preference tuning."))
     return HeadroomReport(figures, info)
 
 
 def _first_heldout(partial: Path) -> dict:
-    """The held-out figures measured before the first step of an interrupted run (saved for its resume)."""
+    """The held-out figures measured before the first step of an interrupted run
+    (saved for its resume)."""
     return json.loads((partial / HELDOUT_START).read_text(encoding="utf-8"))
 
 
@@ -181,7 +195,8 @@ def _loss_status(metrics: dict) -> str:
 
 def _figures(learner: PreferenceLearner, data: PreferenceData, gate: dict, before: dict, after: dict, feedback: dict,
              adapter: Path, force: bool) -> dict:
-    """The manifest's metrics: held-out figures before and after, the gate, the feedback's models, the guards."""
+    """The manifest's metrics: held-out figures before and after, the gate, the
+    feedback's models, the guards."""
     counters = learner.guard.counters
     return {"algo": learner.algo, "steps": learner.step, "learning_rate": learner.learning_rate,
             "train_items": learner.size(), "heldout_pairs": len(learner.chosen.rows),
@@ -194,7 +209,8 @@ def _figures(learner: PreferenceLearner, data: PreferenceData, gate: dict, befor
 
 
 def _accuracy(figures: dict) -> Optional[dict]:
-    """The headline held-out accuracy: on pairs when there are any, else on labelled completions (KTO)."""
+    """The headline held-out accuracy: on pairs when there are any, else on
+    labelled completions (KTO)."""
     for key in ("pair_accuracy", "label_accuracy"):
         if key in figures:
             return {"kind": key, "value": figures[key], "ci95": list(figures[f"{key}_ci"])}

@@ -1,4 +1,5 @@
-"""The trained Bradley-Terry reward model as a reward function (the protocol of :mod:`slm_align.rewards.protocol`)."""
+"""The trained Bradley-Terry reward model as a reward function (the protocol of
+:mod:`slm_align.rewards.protocol`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ class LearnedReward:
         self.batch_size = batch_size
 
     def __call__(self, prompts, completions, truncated: Optional[Sequence[bool]] = None, **_) -> list[float]:
-        """Scores of the texts; a completion flagged ``truncated`` (no EOS within the budget) is scored as written."""
+        """Scores of the texts; a completion flagged ``truncated`` (no EOS within the
+        budget) is scored as written."""
         return score_texts(self.model, self.tokenizer, list(prompts), list(completions), self.max_length,
                            self.batch_size, None if truncated is None else list(truncated))
 

@@ -1,9 +1,10 @@
 """The Bradley-Terry reward model: a one-output sequence classifier initialised from the SFT policy.
 
-The backbone starts as base + SFT adapter (merged); a fresh LoRA adapter and the score head train in fp32 with
-loss ``-log sigmoid(r_chosen - r_rejected - margin) + c * (r_chosen + r_rejected)^2``. The reward of a text is
-the score head applied to the hidden state of its last real token (EOS appended to a finished text, never to a
-truncated completion: that one is scored as written), with right padding.
+The backbone starts as base + SFT adapter (merged); a fresh LoRA adapter and the score head train
+in fp32 with loss ``-log sigmoid(r_chosen - r_rejected - margin) + c * (r_chosen +
+r_rejected)^2``. The reward of a text is the score head applied to the hidden state of its last
+real token (EOS appended to a finished text, never to a truncated completion: that one is scored
+as written), with right padding.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from slm_align.stats import win_score
 
 
 def encode_scored(tokenizer, prompt: str, completion: str, max_length: int, ended: bool = True) -> list[int]:
-    """Token ids of ``prompt + completion`` + EOS: the one format for reward training, RL and evaluation.
+    """Token ids of ``prompt + completion`` + EOS: the one format for reward
+    training, RL and evaluation.
 
-    ``ended=False`` (a completion cut at the token budget) leaves the EOS off: the reward model sees the text as
-    written, not as if the policy had finished it.
+    ``ended=False`` (a completion cut at the token budget) leaves the EOS off: the reward model sees
+    the text as written, not as if the policy had finished it.
     """
     ids = encode(Example(prompt=prompt, completion=completion), tokenizer, max_length)["input_ids"]
     if not ended and len(ids) > 1 and ids[-1] == tokenizer.eos_token_id:
@@ -33,9 +35,10 @@ def encode_scored(tokenizer, prompt: str, completion: str, max_length: int, ende
 def classifier_from_policy(policy, pad_token_id: int):
     """A one-output sequence classifier whose backbone holds the (merged) policy's weights.
 
-    The backbone takes the policy's tensors themselves (no copy: built without weights, then assigned), and only
-    the score head is initialised, so the reward stage never holds two copies of the model; the policy's output
-    projection is freed with the policy unless tied to the embeddings.
+    The backbone takes the policy's tensors themselves (no copy: built without weights,
+    then assigned), and only the score head is initialised, so the reward stage never
+    holds two copies of the model; the policy's output projection is freed with the policy
+    unless tied to the embeddings.
     """
     import torch
     from accelerate import init_empty_weights
@@ -48,7 +51,8 @@ def classifier_from_policy(policy, pad_token_id: int):
         classifier = AutoModelForSequenceClassification.from_config(config)
     missing, _ = classifier.load_state_dict(policy.state_dict(), strict=False, assign=True)
     if any(not key.startswith("score.") for key in missing):
-        raise UserError(f"cannot build a reward model from this policy: backbone weights missing ({missing[:3]})")
+        raise UserError(f"cannot build a reward model from this policy: backbone weights missing "
+                        f"({missing[:3]})")
     device = next(policy.parameters()).device
     classifier.score.to_empty(device=device)
     with torch.no_grad():
@@ -57,7 +61,8 @@ def classifier_from_policy(policy, pad_token_id: int):
 
 
 def _unwrap(model):
-    """The classifier inside a DDP wrapper (data-parallel Trainer) and a peft model, whichever are there."""
+    """The classifier inside a DDP wrapper (data-parallel Trainer) and a peft
+    model, whichever are there."""
     model = getattr(model, "module", model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -65,10 +70,10 @@ def _unwrap(model):
 def sequence_rewards(model, input_ids, attention_mask):
     """One float32 reward per right-padded sequence: the score head at its last attended token.
 
-    The model's own forward runs (through the DDP wrapper when the Trainer trains data parallel: only a forward
-    through it averages the gradients across ranks); its last hidden states are pooled here, at the last attended
-    token, because the classifier's own pooling looks for the last non-pad id, which misses a final EOS when the pad
-    token is EOS."""
+    The model's own forward runs (through the DDP wrapper when the Trainer trains data parallel:
+    only a forward through it averages the gradients across ranks); its last hidden states are
+    pooled here, at the last attended token, because the classifier's own pooling looks for the last
+    non-pad id, which misses a final EOS when the pad token is EOS."""
     import torch
 
     hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states[-1]
@@ -98,8 +103,9 @@ def collate_pairs(rows: list[dict], pad_id: int) -> dict:
 def score_texts(model, tokenizer, prompts: list[str], completions: list[str], max_length: int = 256,
                 batch_size: int = 16, truncated: Optional[list[bool]] = None,
                 what: str = "reward model") -> list[float]:
-    """Rewards of ``prompt + completion`` texts, in batches, without gradients; ``truncated`` ones get no EOS.
-    ``what`` names the texts counted in the running stage's progress (:func:`slm_align.progress.counted`)."""
+    """Rewards of ``prompt + completion`` texts, in batches, without gradients; ``truncated`` ones
+    get no EOS. ``what`` names the texts counted in the running stage's progress
+    (:func:`slm_align.progress.counted`)."""
     import torch
 
     from slm_align.accelerator import device_of
@@ -128,20 +134,24 @@ def load_reward_model(path: Path, trust_remote_code: bool = False):
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise UserError(f"reward model {path} not found (no config.json); pass the reward/model directory of a run")
+        raise UserError(f"reward model {path} not found (no config.json); pass the reward/model "
+                        f"directory of a run")
     try:
         model = AutoModelForSequenceClassification.from_pretrained(path, dtype="float32", use_safetensors=True,
                                                                    trust_remote_code=trust_remote_code)
         tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(path))
     except Exception as exc:
-        raise UserError(f"reward model {path} cannot be loaded ({type(exc).__name__}); it may be corrupt") from None
+        raise UserError(f"reward model {path} cannot be loaded ({type(exc).__name__}); it may be "
+                        f"corrupt") from None
     if model.config.num_labels != 1:
-        raise UserError(f"reward model {path} has {model.config.num_labels} outputs; a reward model has one")
+        raise UserError(f"reward model {path} has {model.config.num_labels} outputs; a reward "
+                        f"model has one")
     return model.float().eval(), tokenizer
 
 
 def pairwise_metrics(model, tokenizer, pairs, max_length: int, batch_size: int = 16) -> dict:
-    """Held-out pairwise accuracy (ties count half), mean margin, and reward statistics, overall and per kind."""
+    """Held-out pairwise accuracy (ties count half), mean margin, and reward
+    statistics, overall and per kind."""
     import statistics
 
     prompts = [p.prompt for p in pairs]

@@ -1,7 +1,8 @@
 """The reward stage: preference pairs -> Bradley-Terry reward model in ``OUT/reward/``.
 
-Artifacts: ``model/`` (merged classifier + tokenizer, loads alone), ``pairs.jsonl`` and ``eval_pairs.jsonl``
-(TRL columns plus the corruption ``kind``), ``log.jsonl`` and ``manifest.json`` with held-out accuracy.
+Artifacts: ``model/`` (merged classifier + tokenizer, loads alone), ``pairs.jsonl`` and
+``eval_pairs.jsonl`` (TRL columns plus the corruption ``kind``), ``log.jsonl`` and
+``manifest.json`` with held-out accuracy.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ STAGE = "reward"
 
 
 def _held_out(pair: Pair, seed: int) -> bool:
-    """About one imported pair in ten is kept for measuring accuracy, chosen by a seeded content hash."""
+    """About one imported pair in ten is kept for measuring accuracy, chosen by
+    a seeded content hash."""
     key = f"{seed}\x00{pair.prompt}\x00{pair.chosen}\x00{pair.rejected}".encode()
     return hashlib.sha256(key).digest()[0] < 26
 
 
 def build_pairs(recipe: Recipe, tokenizer) -> tuple[list[Pair], list[Pair], dict]:
-    """Training pairs (from training items only, plus imported ones) and held-out pairs for accuracy."""
+    """Training pairs (from training items only, plus imported ones) and
+    held-out pairs for accuracy."""
     settings = recipe.reward
     train: list[Pair] = []
     held: list[Pair] = []
@@ -60,10 +63,11 @@ def build_pairs(recipe: Recipe, tokenizer) -> tuple[list[Pair], list[Pair], dict
     if not train:
         cause = ("the corpus gave none (documents too short to split)" if settings.pairs.synthetic
                  else "--no-synthetic-pairs is set")
-        raise UserError(f"no preference pairs to train on: {cause} and no --preferences file was given")
+        raise UserError(f"no preference pairs to train on: {cause} and no --preferences file was "
+                        f"given")
     if not held:
-        raise UserError("no held-out preference pairs to measure accuracy on; give a larger corpus or more "
-                        "preference rows")
+        raise UserError("no held-out preference pairs to measure accuracy on; give a larger corpus "
+                        "or more preference rows")
     return train, held, stats
 
 
@@ -87,8 +91,9 @@ def _write_jsonl(path: Path, pairs: list[Pair]) -> None:
 def _classifier(recipe: Recipe, source, adapter, pad_token_id: int):
     """The classifier to train (LoRA attached), on the merged SFT policy's own tensors (see
     :func:`classifier_from_policy`). The policy is dropped as soon as the classifier holds what it needs, so what
-    it does not take (an untied output projection: vocabulary x hidden floats) is freed before training rather than
-    kept alive until the stage returns; tied embeddings stay, shared with the classifier."""
+    it does not take (an untied output projection: vocabulary x hidden floats) is freed
+    before training rather than kept alive until the stage returns; tied embeddings stay,
+    shared with the classifier."""
     policy = merged_policy(source, adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
     classifier = classifier_from_policy(policy, pad_token_id)
     del policy
@@ -96,13 +101,15 @@ def _classifier(recipe: Recipe, source, adapter, pad_token_id: int):
 
 
 class RewardStage:
-    """The Bradley-Terry reward model as a :class:`~slm_align.runs.Stage`, trained on the run's SFT prior."""
+    """The Bradley-Terry reward model as a :class:`~slm_align.runs.Stage`, trained
+    on the run's SFT prior."""
 
     name = STAGE
     keep = ("model", "pairs.jsonl", "eval_pairs.jsonl", "inputs.json", "log.jsonl")
 
     def __init__(self, recipe: Recipe, out: Path):
-        """The run's SFT recipe and adapter (its SFT stage must be finished) and the pairs to train on."""
+        """The run's SFT recipe and adapter (its SFT stage must be finished) and
+        the pairs to train on."""
         self.out = Path(out)
         self.compute = resolve_compute(recipe.compute)
         check_trainer_device(self.compute)

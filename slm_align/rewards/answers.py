@@ -1,5 +1,5 @@
-"""Final answers: read a completion's answer and compare it with a reference (numbers by value), and the
-``exact_answer`` reward built on that rule.
+"""Final answers: read a completion's answer and compare it with a reference (numbers by value), and
+the ``exact_answer`` reward built on that rule.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ _NUMERIC = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
 def extract_answer(text: str) -> str:
-    """The final answer in a completion: after "Answer:"/"####", else its last number, else the whole text."""
+    """The final answer in a completion: after "Answer:"/"####", else its last
+    number, else the whole text."""
     found = _ANSWER.findall(text)
     if found:
         text = found[-1]
@@ -27,7 +28,8 @@ def extract_answer(text: str) -> str:
 
 
 def normalise_answer(text: Any) -> str:
-    """Lower case, single spaces, no trailing period and no thousands commas (``"1,000."`` is ``"1000"``)."""
+    """Lower case, single spaces, no trailing period and no thousands commas
+    (``"1,000."`` is ``"1000"``)."""
     return " ".join(str(text).strip().strip(".").lower().split()).replace(",", "")
 
 
@@ -37,7 +39,8 @@ def _as_number(text: str) -> Optional[float]:
 
 
 def same_answer(candidate: Any, reference: Any) -> bool:
-    """True when the two answers are equal once normalised, or are numbers with equal values (350 and 350.0)."""
+    """True when the two answers are equal once normalised, or are numbers with equal
+    values (350 and 350.0)."""
     left = normalise_answer(candidate)
     right = normalise_answer(reference)
     if left == right:
@@ -48,8 +51,8 @@ def same_answer(candidate: Any, reference: Any) -> bool:
 
 
 def _reference_of(answer: Any) -> Optional[str]:
-    """An ``answer`` cell as a normalised answer: the text after "####"/"Answer:" when it has one (GSM8K's
-    solutions do), else the whole cell."""
+    """An ``answer`` cell as a normalised answer: the text after "####"/"Answer:" when it has one
+    (GSM8K's solutions do), else the whole cell."""
     if answer is None:
         return None
     found = _ANSWER.findall(str(answer))
@@ -59,8 +62,9 @@ def _reference_of(answer: Any) -> Optional[str]:
 def final_answer_matches(completion: str, reference: str) -> bool:
     """Whether a completion's final answer is ``reference`` (normalised).
 
-    After an "Answer:"/"####" marker the text there (or its first number) must equal it; without a marker a
-    numeric reference is compared with the completion's last number, and a text one must end the completion.
+    After an "Answer:"/"####" marker the text there (or its first number) must equal it;
+    without a marker a numeric reference is compared with the completion's last number, and a
+    text one must end the completion.
     """
     found = _ANSWER.findall(completion)
     if found:
@@ -86,9 +90,11 @@ def exact_answer(prompts, completions, answer: Optional[Sequence[Any]] = None,
     elif references is not None:
         wanted = [None if ref is None else extract_answer(ref) for ref in references]
     else:
-        raise UserError("the exact_answer reward needs reference answers: give task data with an 'answer' column")
+        raise UserError("the exact_answer reward needs reference answers: give task data with an "
+                        "'answer' column")
     if len(wanted) != len(completions):
-        raise UserError(f"the exact_answer reward got {len(wanted)} answers for {len(completions)} completions")
+        raise UserError(f"the exact_answer reward got {len(wanted)} answers for {len(completions)} "
+                        f"completions")
     return [float(ref is not None and final_answer_matches(c, ref)) for c, ref in zip(completions, wanted)]
 
 

@@ -1,4 +1,5 @@
-"""The built-in rewards by name (``--reward NAME[@weight]``), user rewards as ``module:function[@weight]``, and
+"""The built-in rewards by name (``--reward NAME[@weight]``), user rewards as
+``module:function[@weight]``, and
 :func:`combine`, which makes one reward of them.
 """
 
@@ -14,7 +15,8 @@ from slm_align.rewards.tool_calls import json_tool_call, tool_task
 
 
 def length_window(prompts, completions, min_words: int = 20, max_words: int = 80, **_) -> list[float]:
-    """1 inside ``[min_words, max_words]``, falling linearly to 0 at no words and at twice ``max_words``."""
+    """1 inside ``[min_words, max_words]``, falling linearly to 0 at no words and
+    at twice ``max_words``."""
     scores = []
     for completion in completions:
         n = len(completion.split())
@@ -34,12 +36,14 @@ BUILTINS: dict[str, RewardFn] = {"length_window": length_window, "exact_answer":
 
 
 def load_reward_fn(spec: str) -> tuple[str, RewardFn, float]:
-    """``name``, the callable and its weight for ``module:function[@weight]`` or ``builtin[@weight]``."""
+    """``name``, the callable and its weight for ``module:function[@weight]``
+    or ``builtin[@weight]``."""
     target, _, weight_text = spec.partition("@")
     try:
         weight = float(weight_text) if weight_text else 1.0
     except ValueError:
-        raise UserError(f"reward {spec}: weight {weight_text!r} is not a number (use module:function@0.5)") from None
+        raise UserError(f"reward {spec}: weight {weight_text!r} is not a number (use "
+                        f"module:function@0.5)") from None
     if target in BUILTINS:
         return target, BUILTINS[target], weight
     module_name, _, attribute = target.partition(":")
@@ -48,7 +52,8 @@ def load_reward_fn(spec: str) -> tuple[str, RewardFn, float]:
     try:
         fn = getattr(importlib.import_module(module_name), attribute)
     except ImportError as exc:
-        raise UserError(f"reward {spec}: cannot import module {module_name} ({exc}); is it on PYTHONPATH?") from None
+        raise UserError(f"reward {spec}: cannot import module {module_name} ({exc}); is it on "
+                        f"PYTHONPATH?") from None
     except AttributeError:
         raise UserError(f"reward {spec}: module {module_name} has no {attribute}") from None
     if not callable(fn):
@@ -58,13 +63,14 @@ def load_reward_fn(spec: str) -> tuple[str, RewardFn, float]:
 
 def combine(specs: Sequence[str] = (), learned: Optional[RewardFn] = None, learned_weight: float = 1.0,
             callables: Sequence[tuple[RewardFn, float]] = ()) -> CombinedReward:
-    """The learned reward model (a callable, :class:`slm_align.reward.learned.LearnedReward`), CLI specs and Python
-    callables as one reward."""
+    """The learned reward model (a callable, :class:`slm_align.reward.learned.LearnedReward`), CLI
+    specs and Python callables as one reward."""
     terms: list[tuple[str, RewardFn, float]] = []
     if learned is not None:
         terms.append(("reward_model", learned, learned_weight))
     terms += [load_reward_fn(spec) for spec in specs]
     terms += [(getattr(fn, "__name__", type(fn).__name__), fn, weight) for fn, weight in callables]
     if not terms:
-        raise UserError("no reward: train a reward model (`slm-align train --stage reward`) or pass --reward")
+        raise UserError("no reward: train a reward model (`slm-align train --stage reward`) or "
+                        "pass --reward")
     return CombinedReward(terms)

@@ -1,5 +1,5 @@
-"""Task columns for rewards (TRL's convention): each prompt's row reaches the reward as keyword lists, and a reward
-that needs a column the data lacks is refused before any sampling.
+"""Task columns for rewards (TRL's convention): each prompt's row reaches the reward as keyword
+lists, and a reward that needs a column the data lacks is refused before any sampling.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from slm_align.rewards.protocol import CONTEXT_KEYS, CombinedReward, RewardFn, c
 
 
 class ColumnReward:
-    """A reward that receives, for each prompt, its task row's columns as keyword lists (see :func:`with_columns`).
+    """A reward that receives, for each prompt, its task row's columns as keyword lists
+    (see :func:`with_columns`).
 
     Other attributes (``terms`` of a :class:`CombinedReward`, ...) are the wrapped reward's.
     """
@@ -37,7 +38,8 @@ class ColumnReward:
         return {**columns, **context}
 
     def __call__(self, prompts, completions, **context) -> Sequence[float]:
-        """The wrapped reward's scores, given each prompt's columns as keyword lists besides ``context``."""
+        """The wrapped reward's scores, given each prompt's columns as keyword
+        lists besides ``context``."""
         prompts = list(prompts)
         return call_reward(self.reward, prompts, list(completions), **self._context(prompts, context))
 
@@ -52,11 +54,11 @@ class _ColumnRewardWithBreakdown(ColumnReward):
 def with_columns(reward_fn: RewardFn, tasks) -> ColumnReward:
     """``reward_fn`` called with each prompt's task columns (TRL's convention).
 
-    ``tasks`` is a :class:`slm_align.data.tasks.TaskSet`; prompts may repeat (GRPO's groups) and come in any order
-    or subset; each is looked up by its text, and one that is not in ``tasks`` is a UserError. The result calls
-    ``reward_fn(prompts, completions, **columns, **context)`` (``context``: what the caller passes, such as
-    ``truncated=``), leaving out columns a function without ``**kwargs`` does not take; ``breakdown`` stays
-    available when ``reward_fn`` has one.
+    ``tasks`` is a :class:`slm_align.data.tasks.TaskSet`; prompts may repeat (GRPO's groups) and
+    come in any order or subset; each is looked up by its text, and one that is not in ``tasks`` is
+    a UserError. The result calls ``reward_fn(prompts, completions, **columns, **context)``
+    (``context``: what the caller passes, such as ``truncated=``), leaving out columns a function
+    without ``**kwargs`` does not take; ``breakdown`` stays available when ``reward_fn`` has one.
     """
     kind = _ColumnRewardWithBreakdown if hasattr(reward_fn, "breakdown") else ColumnReward
     return kind(reward_fn, tasks)
@@ -75,8 +77,9 @@ def _required_keywords(fn: RewardFn) -> set[str]:
 
 
 def required_columns(reward_fn: RewardFn) -> set[str]:
-    """The task columns a reward needs: its keyword parameters without defaults (besides prompts, completions and
-    what callers pass, such as ``truncated``) and its ``columns`` attribute (the built-ins declare theirs); a
+    """The task columns a reward needs: its keyword parameters without defaults (besides prompts,
+    completions and what callers pass, such as ``truncated``) and its ``columns`` attribute (the
+    built-ins declare theirs); a
     :class:`CombinedReward` needs what its terms need."""
     if isinstance(reward_fn, ColumnReward):
         return required_columns(reward_fn.reward)
@@ -98,13 +101,15 @@ def _named_terms(reward_fn: RewardFn) -> list[tuple[str, RewardFn]]:
 
 
 def check_columns(reward_fn: RewardFn, available) -> None:
-    """A one-line UserError naming each reward term whose columns the task data lacks, and the columns it has."""
+    """A one-line UserError naming each reward term whose columns the task data lacks,
+    and the columns it has."""
     available = set(available)
     problems = []
     for name, fn in _named_terms(reward_fn):
         missing = sorted(required_columns(fn) - available)
         if missing:
-            problems.append(f"reward {name} needs column{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
+            problems.append(f"reward {name} needs column{'s' if len(missing) > 1 else ''} "
+                            f"{', '.join(missing)}")
     if problems:
         has = ", ".join(sorted(available)) or "none besides the prompt"
         raise UserError(f"{'; '.join(problems)}, which the task data lacks in some or all rows (its columns: {has}); "

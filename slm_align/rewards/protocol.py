@@ -1,11 +1,13 @@
 """The reward protocol: anything that scores (prompt, completion) batches.
 
-A reward is a callable ``fn(prompts, completions, **context) -> list[float]``. Following TRL, every column of the task
-data other than the prompt arrives as a keyword list aligned with the completions (``fn(prompts, completions,
-answer=[...], tools=[...], **rest)``: see :mod:`slm_align.rewards.columns`); ``context`` may also carry
-``references`` (reference answers of prompt/completion data) and, for sampled completions, ``truncated`` (one bool
-each: the completion hit the token budget without EOS). A keyword parameter without a default (or a ``columns``
-attribute, as the built-ins have) names a column the reward needs. :class:`CombinedReward` sums weighted terms.
+A reward is a callable ``fn(prompts, completions, **context) -> list[float]``. Following TRL,
+every column of the task data other than the prompt arrives as a keyword list aligned with the
+completions (``fn(prompts, completions, answer=[...], tools=[...], **rest)``: see
+:mod:`slm_align.rewards.columns`); ``context`` may also carry ``references`` (reference answers
+of prompt/completion data) and, for sampled completions, ``truncated`` (one bool each: the
+completion hit the token budget without EOS). A keyword parameter without a default (or a
+``columns`` attribute, as the built-ins have) names a column the reward needs.
+:class:`CombinedReward` sums weighted terms.
 
 Torch-free: the runtime scores tasks with these functions on a device.
 """
@@ -36,7 +38,8 @@ def _accepted(fn: RewardFn, context: dict) -> dict:
 
 
 def call_reward(fn: RewardFn, prompts, completions, **context) -> Sequence[float]:
-    """``fn(prompts, completions, **context)``, leaving out the keywords (columns) it does not take."""
+    """``fn(prompts, completions, **context)``, leaving out the keywords
+    (columns) it does not take."""
     return fn(prompts, completions, **_accepted(fn, context))
 
 
@@ -56,7 +59,8 @@ class CombinedReward:
         for name, fn, _ in self.terms:
             scores = [float(s) for s in call_reward(fn, list(prompts), list(completions), **context)]
             if len(scores) != len(completions):
-                raise UserError(f"reward {name} returned {len(scores)} scores for {len(completions)} completions")
+                raise UserError(f"reward {name} returned {len(scores)} scores for "
+                                f"{len(completions)} completions")
             parts[name] = scores
         return parts
 

@@ -1,10 +1,11 @@
 """How rewards vary over a policy's samples, and which algorithm can learn from that variation.
 
-GRPO learns only from variation *within* a prompt's group: its advantage is each completion's reward minus
-the group mean, so a group whose rewards are all equal contributes nothing (Shao et al. 2024; DAPO, Yu et al.
-2025, resamples such groups). Variation *between* prompts (one prompt easy, another hard) gives GRPO nothing
-and PPO only what its value head can separate. The gate therefore samples k completions per prompt and
-measures the within-prompt spread; the share of all-equal prompts decides the advice.
+GRPO learns only from variation *within* a prompt's group: its advantage is each completion's
+reward minus the group mean, so a group whose rewards are all equal contributes nothing (Shao et
+al. 2024; DAPO, Yu et al. 2025, resamples such groups). Variation *between* prompts (one prompt
+easy, another hard) gives GRPO nothing and PPO only what its value head can separate. The gate
+therefore samples k completions per prompt and measures the within-prompt spread; the share of
+all-equal prompts decides the advice.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-# Rewards closer than this count as equal (as an all-equal GRPO group: slm_align.rl.advantages.ZERO_STD).
+# Rewards closer than this count as equal (as an all-equal GRPO group:
+# slm_align.rl.advantages.ZERO_STD).
 EQUAL = 1e-6
 
 
@@ -38,10 +40,11 @@ class Spread:
 
 
 def measure_spread(scores: Sequence[float], k: int) -> Spread:
-    """Within-prompt, between-prompt and overall spread of ``scores``, ``k`` contiguous scores per prompt.
+    """Within-prompt, between-prompt and overall spread of ``scores``, ``k``
+    contiguous scores per prompt.
 
-    Shapes: ``scores`` has ``P * k`` entries; ``groups[p] = scores[p*k:(p+1)*k]``.
-    within = mean_p std(groups[p]); between = std_p mean(groups[p]); std is the population std (ddof 0).
+    Shapes: ``scores`` has ``P * k`` entries; ``groups[p] = scores[p*k:(p+1)*k]``. within = mean_p
+    std(groups[p]); between = std_p mean(groups[p]); std is the population std (ddof 0).
     """
     if k < 1 or len(scores) % k or not scores:
         raise ValueError(f"{len(scores)} scores do not split into groups of {k}")
@@ -55,16 +58,18 @@ def measure_spread(scores: Sequence[float], k: int) -> Spread:
 
 
 def projected_share(share: float, k: int, group_size: int) -> float:
-    """The all-equal share expected in groups of ``group_size`` from ``share`` measured with ``k`` samples.
+    """The all-equal share expected in groups of ``group_size`` from ``share``
+    measured with ``k`` samples.
 
-    A group of G samples is all-equal only if each of its G/k blocks of k is (and the blocks agree, which only
-    lowers it): share_G <= share^(G/k). Used as the estimate.
+    A group of G samples is all-equal only if each of its G/k blocks of k is (and the blocks agree,
+    which only lowers it): share_G <= share^(G/k). Used as the estimate.
     """
     return share ** (group_size / k)
 
 
 def group_size_for(share: float, k: int, target: float) -> int:
-    """The smallest group size G with ``projected_share(share, k, G) <= target`` (0: none, the share is 1)."""
+    """The smallest group size G with ``projected_share(share, k, G) <= target`` (0:
+    none, the share is 1)."""
     if share <= target:
         return k
     if share >= 1.0:
@@ -73,19 +78,20 @@ def group_size_for(share: float, k: int, target: float) -> int:
 
 
 def recommend(spread: Spread, max_all_equal_share: float, group_size: int) -> dict:
-    """``{"algo": "grpo" | "ppo", "why": one line}``: GRPO while its groups of ``group_size`` are expected to be
-    all-equal at most ``max_all_equal_share`` of the time, else PPO."""
+    """``{"algo": "grpo" | "ppo", "why": one line}``: GRPO while its groups of ``group_size`` are
+    expected to be all-equal at most ``max_all_equal_share`` of the time, else PPO."""
     share = spread.all_equal_share
     projected = projected_share(share, spread.k, group_size)
     measured = f"{share:.0%} of prompts got identical rewards in {spread.k} samples"
     if projected <= max_all_equal_share:
-        why = (f"GRPO: {measured} (about {projected:.0%} expected in groups of {group_size}); mean within-prompt "
-               f"std {spread.within:.3g}, so its group baseline has signal and needs no value head")
+        why = (f"GRPO: {measured} (about {projected:.0%} expected in groups of {group_size}); mean "
+               f"within-prompt std {spread.within:.3g}, so its group baseline has signal and needs "
+               f"no value head")
         return {"algo": "grpo", "why": why}
     needed = group_size_for(share, spread.k, max_all_equal_share)
     larger = "no group size would help: the reward never varied within a prompt"
     if needed:
         larger = f"or raise --group-size to {needed} (now {group_size})"
-    why = (f"PPO: {measured}; GRPO would learn nothing from them, PPO's learned value baseline still does; "
-           f"{larger}")
+    why = (f"PPO: {measured}; GRPO would learn nothing from them, PPO's learned value baseline "
+           f"still does; {larger}")
     return {"algo": "ppo", "why": why}

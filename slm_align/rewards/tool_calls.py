@@ -1,5 +1,5 @@
-"""Rewards for tool calls: ``json_tool_call`` (a well-formed call) and ``tool_task`` (partial credit for the first call,
-read by the agent runtime's own parser and run with the runtime's tools).
+"""Rewards for tool calls: ``json_tool_call`` (a well-formed call) and ``tool_task`` (partial credit
+for the first call, read by the agent runtime's own parser and run with the runtime's tools).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def json_tool_call(prompts, completions, schema: Optional[dict] = None, tools: O
                    **_) -> list[float]:
     """1 for a valid JSON tool call ``{"name", "arguments"}``; 0.5 for other JSON; 0 for none.
 
-    Valid means: against ``schema`` when given; else, when the row has a ``tools`` column (OpenAI function
-    schemas), the name is one of the row's tools and the arguments validate against its ``parameters``; else the
-    generic call shape.
+    Valid means: against ``schema`` when given; else, when the row has a ``tools`` column (OpenAI
+    function schemas), the name is one of the row's tools and the arguments validate against its
+    ``parameters``; else the generic call shape.
     """
     generic = jsonschema.Draft202012Validator(schema or _CALL_SCHEMA)
     cache: dict[str, dict] = {}
@@ -88,7 +88,8 @@ class _Unavailable:
         self.name = name
 
     def __call__(self, **_):
-        raise ValueError(f"{self.name} cannot be run by the tool_task reward (pass registry= with it)")
+        raise ValueError(f"{self.name} cannot be run by the tool_task reward (pass registry= with "
+                         f"it)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,7 +98,8 @@ def _builtin_registry():
 
 
 def _registry_for(row_tools, executables):
-    """A registry with the row's tool schemas, each running the same-named tool of ``executables`` (if any)."""
+    """A registry with the row's tool schemas, each running the same-named tool of
+    ``executables`` (if any)."""
     registry = ToolRegistry()
     for tool in normalise_tools("tools", row_tools) or []:
         function = tool_function(tool)
@@ -110,7 +112,8 @@ def _registry_for(row_tools, executables):
 
 
 def _first_call(text: str, registry):
-    """The runtime parser's view of the reply's first tool call: ``(ToolCall or None, wanted a tool)``."""
+    """The runtime parser's view of the reply's first tool call: ``(ToolCall or
+    None, wanted a tool)``."""
     end = text.find("</tool_call>")
     head = text if end < 0 else text[:end + len("</tool_call>")]
     parsed = registry.parse_calls(head)
@@ -120,7 +123,8 @@ def _first_call(text: str, registry):
 
 
 def _result_matches(result: str, answer: Any) -> bool:
-    """The tool's result is the answer: by value for numbers, else equal or containing it as a whole phrase."""
+    """The tool's result is the answer: by value for numbers, else equal or
+    containing it as a whole phrase."""
     if answer is None:
         return False
     if same_answer(result, answer):
@@ -148,21 +152,26 @@ def _tool_task_score(text: str, registry, expected_tool: Optional[str], answer: 
 
 def tool_task(prompts, completions, answer: Optional[Sequence[Any]] = None, tools: Optional[Sequence[Any]] = None,
               tool: Optional[Sequence[Optional[str]]] = None, registry=None, **_) -> list[float]:
-    """Partial credit for the completion's first tool call, read by the agent runtime's parser
-    (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, or a bare call object as the whole reply):
+    """Partial credit for the completion's first tool call, read by the agent runtime's
+    parser (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, or a bare call
+    object as the whole reply):
 
     - 0    no tool call;
-    - 0.25 a call that does not parse, names no known tool, or whose arguments break the tool's schema;
-    - 0.5  a valid call to the wrong tool (the ``tool`` column, the expected tool's name, when the data has it);
-    - 0.75 the right tool with valid arguments, but running it does not give the row's ``answer`` (or it cannot
-      be run here);
-    - 1.0  running the call gives the ``answer`` (by value when both are numbers, else the same text or a result
-      containing it as a whole phrase, as the clock's "... (Monday, UTC)" contains "Monday").
+    - 0.25 a call that does not parse, names no known tool, or whose
+      arguments break the tool's schema;
+    - 0.5  a valid call to the wrong tool (the ``tool`` column, the expected tool's
+      name, when the data has it);
+    - 0.75 the right tool with valid arguments, but running it does not give the row's ``answer``
+      (or it cannot be run here);
+    - 1.0  running the call gives the ``answer`` (by value when both are numbers, else the
+      same text or a result containing it as a whole phrase, as the clock's "... (Monday,
+      UTC)" contains "Monday").
 
-    The known tools are the row's ``tools`` column (OpenAI function schemas) when present, else the built-in
-    tools. Calls run with the same-named tool of ``registry``, by default the built-in calculator and clock
-    (:func:`~slm_align.tools.builtin.default_tools`, safe by construction); bind your own registry with
-    ``functools.partial(tool_task, registry=...)`` to run other tools. The scale is :data:`TOOL_TASK_SCORES`.
+    The known tools are the row's ``tools`` column (OpenAI function schemas) when present, else the
+    built-in tools. Calls run with the same-named tool of ``registry``, by default the built-in
+    calculator and clock (:func:`~slm_align.tools.builtin.default_tools`, safe by construction);
+    bind your own registry with ``functools.partial(tool_task, registry=...)`` to run other tools.
+    The scale is :data:`TOOL_TASK_SCORES`.
     """
     executables = registry or _builtin_registry()
     registries: dict[str, Any] = {}

@@ -1,7 +1,8 @@
 """Whitening, sigma clipping, per-token rewards and GAE (PPO), group-relative advantages (GRPO).
 
-Shapes: B sequences (completions), T completion tokens (right-padded); ``mask`` (B, T) is 1 on the completion
-tokens that train and 0 on padding (and on truncated completions under ``mask_truncated``).
+Shapes: B sequences (completions), T completion tokens (right-padded); ``mask`` (B, T) is
+1 on the completion tokens that train and 0 on padding (and on truncated completions
+under ``mask_truncated``).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
         x, mask: (B, T), e.g. PPO's per-token advantages and the completion mask.
 
     Returns:
-        (B, T) ``(x - mu) / sqrt(var + eps) * m`` with mu = masked_mean(x), var = masked_mean((x - mu)^2): the
-        population variance, as TRL's ``masked_whiten`` (which follows OpenAI's lm-human-preferences).
+        (B, T) ``(x - mu) / sqrt(var + eps) * m`` with mu = masked_mean(x), var =
+        masked_mean((x - mu)^2): the population variance, as TRL's ``masked_whiten`` (which
+        follows OpenAI's lm-human-preferences).
     """
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
@@ -53,9 +55,9 @@ def whiten_scores(scores: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
         scores: (B,) one reward per completion.
 
     Returns:
-        (B,) ``(r - mean(r)) / (std(r) + eps)`` with the unbiased (Bessel) std; ``scores`` unchanged when B = 1
-        (no spread to measure). The envelope's reward whitening (the alignment paper's "reward normalisation";
-        TRL's PPOTrainer whitens its scores too).
+        (B,) ``(r - mean(r)) / (std(r) + eps)`` with the unbiased (Bessel) std; ``scores`` unchanged
+        when B = 1 (no spread to measure). The envelope's reward whitening (the alignment paper's
+        "reward normalisation"; TRL's PPOTrainer whitens its scores too).
     """
     if scores.numel() <= 1:
         return scores
@@ -63,16 +65,18 @@ def whiten_scores(scores: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 
 def sigma_clip(x: torch.Tensor, n_sigma: float, mask: torch.Tensor = None) -> tuple[torch.Tensor, int]:
-    """Clip ``x`` to mean +- n_sigma * std, both taken over ``mask``; returns it and how many values were clipped.
+    """Clip ``x`` to mean +- n_sigma * std, both taken over ``mask``; returns it and how
+    many values were clipped.
 
     Args:
         x, mask: equal shapes, e.g. (B,) scores or (B, T) advantages; ``mask`` None means all ones.
         n_sigma: the bound in population standard deviations; 0 or less turns the clip off.
 
     Returns:
-        ``clamp(x, mu - n * sigma, mu + n * sigma) * m`` (entries outside ``mask`` come back as 0) with
-        mu = masked_mean(x), sigma = sqrt(masked_mean((x - mu)^2)); and the count of masked entries outside the
-        bounds. The envelope's 3-sigma clip (the alignment paper's reward clipping).
+        ``clamp(x, mu - n * sigma, mu + n * sigma) * m`` (entries outside ``mask`` come back
+        as 0) with mu = masked_mean(x), sigma = sqrt(masked_mean((x - mu)^2)); and the count
+        of masked entries outside the bounds. The envelope's 3-sigma clip (the alignment
+        paper's reward clipping).
     """
     if n_sigma <= 0:
         return x, 0
@@ -87,21 +91,24 @@ def sigma_clip(x: torch.Tensor, n_sigma: float, mask: torch.Tensor = None) -> tu
 
 def per_token_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
                       kl_coef: float) -> torch.Tensor:
-    """PPO's per-token rewards (reward shaping): a KL penalty on every completion token, the score on the last one.
+    """PPO's per-token rewards (reward shaping): a KL penalty on every completion token,
+    the score on the last one.
 
     Args:
-        scores: (B,) sequence-level reward of each completion (whitened and clipped by the caller).
-        logprobs, ref_logprobs: (B, T) log-probabilities of the sampled tokens under the rollout policy and the
-            reference; ``mask``: (B, T) 1 on completion tokens that train (right-padded, contiguous).
+        scores: (B,) sequence-level reward of each completion (whitened and clipped by the
+        caller). logprobs, ref_logprobs: (B, T) log-probabilities of the sampled tokens under
+        the rollout policy and the
+            reference; ``mask``: (B, T) 1 on completion tokens that train
+            (right-padded, contiguous).
         kl_coef: weight of the k1 KL penalty (0 when the KL goes into the loss instead).
 
     Returns:
-        (B, T) r_t = -kl_coef * (log pi(y_t) - log pi_ref(y_t)) * m_t, plus ``scores`` at t = L - 1 with
-        L = sum_t m_t (the last completion token, its EOS when it has one). A row whose mask is all zero gets
-        nothing.
+        (B, T) r_t = -kl_coef * (log pi(y_t) - log pi_ref(y_t)) * m_t, plus ``scores`` at t = L - 1
+        with L = sum_t m_t (the last completion token, its EOS when it has one). A row whose mask
+        is all zero gets nothing.
 
-    As TRL's ``PPOTrainer`` (non_score_reward = -kl_coef * kl; scores added at the last response token) after
-    Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences".
+    As TRL's ``PPOTrainer`` (non_score_reward = -kl_coef * kl; scores added at the last response
+    token) after Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences".
     """
     rewards = -kl_coef * (logprobs - ref_logprobs) * mask
     rows = torch.arange(scores.shape[0], device=scores.device)
@@ -118,12 +125,13 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         gamma: discount; lam: the GAE lambda (1: Monte Carlo returns, 0: one-step TD).
 
     Returns:
-        advantages and returns, (B, T) each, zero outside ``mask``:
-        delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t, A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}
-        (A_T = 0, V_T = 0 past the end), returns R_t = A_t + V_t.
+        advantages and returns, (B, T) each, zero outside ``mask``: delta_t = r_t + gamma * V_{t+1}
+        * m_{t+1} - V_t, A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1} (A_T = 0, V_T = 0 past the
+        end), returns R_t = A_t + V_t.
 
-    Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation", as TRL's
-    PPOTrainer computes it (the value of a padding position never leaks into the last real token).
+    Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
+    Estimation", as TRL's PPOTrainer computes it (the value of a padding position never leaks
+    into the last real token).
     """
     batch, length = rewards.shape
     advantages = torch.zeros_like(rewards)
@@ -148,7 +156,8 @@ def all_equal_groups(scores: torch.Tensor, group_size: int) -> list[int]:
         scores: (B,) one reward per completion, B = groups * ``group_size``, each group contiguous.
 
     Returns:
-        Indices g (0-based, in order) of those groups; :func:`group_advantages` counts the same groups.
+        Indices g (0-based, in order) of those groups;
+        :func:`group_advantages` counts the same groups.
     """
     std = scores.view(-1, group_size).std(-1)
     return [int(g) for g in (std < ZERO_STD).nonzero().flatten()]
@@ -158,15 +167,16 @@ def group_advantages(scores: torch.Tensor, group_size: int, scale: str, eps: flo
     """GRPO's group-relative advantages; returns them and the number of all-equal groups.
 
     Args:
-        scores: (B,) one reward per completion, B = groups * ``group_size``, each group contiguous.
-        scale: "group": A_i = (r_i - mean_g) / (std_g + eps); "batch": the batch std instead of std_g
+        scores: (B,) one reward per completion, B = groups * ``group_size``, each group
+        contiguous. scale: "group": A_i = (r_i - mean_g) / (std_g + eps); "batch": the
+        batch std instead of std_g
             (Dr. GRPO's suggestion, Liu et al. 2025); "none": A_i = r_i - mean_g.
 
     Returns:
         (B,) advantages, each group summing to zero; and how many groups have std_g < ``ZERO_STD``.
 
-    std is the unbiased (Bessel) std and ``eps`` = 1e-4 is added to it, as TRL's ``GRPOTrainer`` does (Shao et
-    al. 2024, DeepSeekMath, eq. for outcome supervision).
+    std is the unbiased (Bessel) std and ``eps`` = 1e-4 is added to it, as TRL's ``GRPOTrainer``
+    does (Shao et al. 2024, DeepSeekMath, eq. for outcome supervision).
     """
     groups = scores.view(-1, group_size)
     centred = groups - groups.mean(-1, keepdim=True)
@@ -180,18 +190,21 @@ def group_advantages(scores: torch.Tensor, group_size: int, scale: str, eps: flo
 
 
 def grpo_advantages(scores: torch.Tensor, group_size: int, scale: str, n_sigma: float) -> tuple[torch.Tensor, int]:
-    """GRPO's advantages inside the envelope: sigma-clip the raw scores over the batch, then normalise in groups.
+    """GRPO's advantages inside the envelope: sigma-clip the raw scores over the batch,
+    then normalise in groups.
 
     Args:
-        scores: (B,) raw rewards, groups of ``group_size`` contiguous; ``scale``: see :func:`group_advantages`;
-        n_sigma: the envelope's clip (0: off).
+        scores: (B,) raw rewards, groups of ``group_size`` contiguous; ``scale``: see
+        :func:`group_advantages`; n_sigma: the envelope's clip (0: off).
 
     Returns:
-        (B,) advantages group_advantages(sigma_clip(r, n_sigma)) and how many raw scores the clip moved.
+        (B,) advantages group_advantages(sigma_clip(r, n_sigma)) and how many
+        raw scores the clip moved.
 
-    Clipping before the group normalisation, as the alignment paper's code does, keeps every group's sum at zero;
-    a batch-wide sigma taken over group advantages (zeros of all-equal groups included) would cut a lone success
-    among G=16 (its advantage (G-1)/sqrt(G) = 3.75 is over 3 sigma) and break that sum.
+    Clipping before the group normalisation, as the alignment paper's code does, keeps every
+    group's sum at zero; a batch-wide sigma taken over group advantages (zeros of all-equal groups
+    included) would cut a lone success among G=16 (its advantage (G-1)/sqrt(G) = 3.75 is over 3
+    sigma) and break that sum.
     """
     clipped, count = sigma_clip(scores, n_sigma)
     advantages, _ = group_advantages(clipped, group_size, scale)

@@ -1,5 +1,5 @@
-"""The importance ratio, the clipped policy loss with three normalisations, the clipped value loss, KL estimators
-and the adaptive KL controller.
+"""The importance ratio, the clipped policy loss with three normalisations, the clipped value loss,
+KL estimators and the adaptive KL controller.
 
 Shapes: B sequences, T completion tokens; ``mask`` (B, T) is 1 on the completion tokens that train.
 """
@@ -15,11 +15,13 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_t
     """Reduce a per-token loss to a scalar, three ways.
 
     Args:
-        per_token, mask: (B, T). max_tokens: the completion budget L_max (``max_new_tokens``).
-        loss_type: "token_mean": sum(l * m) / sum(m), every token of the batch weighs the same (DAPO, Yu et al.
-            2025; TRL's "bnpo"); "grpo": mean over sequences of sum_t(l * m) / sum_t(m), each sequence weighs the
-            same (Shao et al. 2024); "dr_grpo": sum(l * m) / (B * L_max), a constant normaliser with no length
-            bias (Liu et al. 2025, "Understanding R1-Zero-Like Training").
+        per_token, mask: (B, T). max_tokens: the completion budget L_max
+        (``max_new_tokens``). loss_type: "token_mean": sum(l * m) / sum(m), every token of
+        the batch weighs the same (DAPO, Yu et al.
+            2025; TRL's "bnpo"); "grpo": mean over sequences of sum_t(l * m) / sum_t(m),
+            each sequence weighs the same (Shao et al. 2024); "dr_grpo": sum(l * m) / (B *
+            L_max), a constant normaliser with no length bias (Liu et al. 2025,
+            "Understanding R1-Zero-Like Training").
 
     Returns:
         A scalar. As TRL's GRPOTrainer ``loss_type`` options.
@@ -39,16 +41,18 @@ def clipped_policy_loss(ratio, advantages, mask, eps_low: float, eps_high: float
     """PPO's pessimistic clipped surrogate.
 
     Args:
-        ratio, advantages, mask: (B, T) importance ratios rho_t, advantages A_t, the completion mask.
-        eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high] (equal for PPO; GRPO's upper bound is
+        ratio, advantages, mask: (B, T) importance ratios rho_t, advantages A_t, the
+        completion mask. eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high] (equal
+        for PPO; GRPO's upper bound is
             DAPO's "clip-higher", Yu et al. 2025). loss_type, max_tokens: see :func:`aggregate`.
 
     Returns:
-        loss: scalar, ``aggregate(max(-A_t * rho_t, -A_t * clip(rho_t, 1 - eps_low, 1 + eps_high)))``;
-        clip_frac: scalar, the masked share of tokens where the clipped term is the larger (the clip is active).
+        loss: scalar, ``aggregate(max(-A_t * rho_t, -A_t * clip(rho_t, 1 - eps_low, 1 +
+        eps_high)))``; clip_frac: scalar, the masked share of tokens where the clipped term is the
+        larger (the clip is active).
 
-    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7 (negated: a loss to minimise), as
-    torchtune's ``PPOLoss`` and TRL's trainers write it.
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7 (negated: a loss to
+    minimise), as torchtune's ``PPOLoss`` and TRL's trainers write it.
     """
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
@@ -61,11 +65,14 @@ def clipped_value_loss(values, old_values, returns, mask, clip: float) -> torch.
     """PPO's clipped value loss.
 
     Args:
-        values, old_values, returns, mask: (B, T) the value head's V now, V_old at rollout time, GAE's returns R,
-            the completion mask. clip: how far V may move from V_old before the clipped term takes over.
+        values, old_values, returns, mask: (B, T) the value head's V now, V_old at
+        rollout time, GAE's returns R,
+            the completion mask. clip: how far V may move from V_old before
+            the clipped term takes over.
 
     Returns:
-        Scalar 0.5 * masked_mean(max((V - R)^2, (V_clip - R)^2)), V_clip = V_old + clip(V - V_old, -clip, clip).
+        Scalar 0.5 * masked_mean(max((V - R)^2, (V_clip - R)^2)), V_clip = V_old +
+        clip(V - V_old, -clip, clip).
 
     As TRL's PPOTrainer and torchtune's ``PPOLoss`` (after OpenAI's baselines ppo2).
     """
@@ -80,8 +87,9 @@ def kl_k1(logprobs, ref_logprobs):
         logprobs, ref_logprobs: (B, T) log-probabilities of the sampled tokens (sampled from pi).
 
     Returns:
-        (B, T) k1 = log pi(y) - log pi_ref(y): unbiased, can be negative per token (J. Schulman, "Approximating
-        KL divergence", 2020). PPO's KL penalty in the reward (:func:`per_token_rewards`) is -kl_coef * k1.
+        (B, T) k1 = log pi(y) - log pi_ref(y): unbiased, can be negative per token (J. Schulman,
+        "Approximating KL divergence", 2020). PPO's KL penalty in the reward
+        (:func:`per_token_rewards`) is -kl_coef * k1.
     """
     return logprobs - ref_logprobs
 
@@ -94,10 +102,11 @@ def kl_k3(logprobs, ref_logprobs, clamp: float = 20.0):
         clamp: bound of |d| before exp.
 
     Returns:
-        (B, T) float32 k3 = exp(d) - 1 - d with d = clamp(log pi_ref(y) - log pi(y), -clamp, clamp): unbiased,
-        non-negative, lower variance than k1 (J. Schulman, "Approximating KL divergence", 2020; the GRPO loss,
-        Shao et al. 2024, and TRL's GRPOTrainer). d is taken in float32 and clamped as the policy ratio is, so
-        that a token the reference finds far likelier cannot overflow to inf.
+        (B, T) float32 k3 = exp(d) - 1 - d with d = clamp(log pi_ref(y) - log pi(y), -clamp,
+        clamp): unbiased, non-negative, lower variance than k1 (J. Schulman, "Approximating KL
+        divergence", 2020; the GRPO loss, Shao et al. 2024, and TRL's GRPOTrainer). d is taken in
+        float32 and clamped as the policy ratio is, so that a token the reference finds far
+        likelier cannot overflow to inf.
     """
     log_ratio = (ref_logprobs.float() - logprobs.float()).clamp(-clamp, clamp)
     return torch.exp(log_ratio) - 1 - log_ratio
@@ -107,13 +116,14 @@ def adaptive_kl_coef(coef: float, kl: float, target: float, gain: float = 0.1) -
     """The adaptive KL controller's next coefficient.
 
     Args:
-        coef: the current coefficient beta. kl: the rollout's mean KL per sequence (sum over tokens of k1).
-        target: the KL per sequence aimed for. gain: K_beta, the proportional gain.
+        coef: the current coefficient beta. kl: the rollout's mean KL per sequence (sum over tokens
+        of k1). target: the KL per sequence aimed for. gain: K_beta, the proportional gain.
 
     Returns:
-        beta * (1 + gain * e) with e = clip(kl / target - 1, -0.2, 0.2): the error is clipped so that one odd
-        rollout moves the coefficient by at most 2% (Ziegler et al. 2019, section 2.2, with one update per
-        iteration; TRL's ``AdaptiveKLController`` scales the step by the batch's share of its horizon).
+        beta * (1 + gain * e) with e = clip(kl / target - 1, -0.2, 0.2): the error is clipped so
+        that one odd rollout moves the coefficient by at most 2% (Ziegler et al. 2019, section 2.2,
+        with one update per iteration; TRL's ``AdaptiveKLController`` scales the step by the
+        batch's share of its horizon).
     """
     error = max(-0.2, min(0.2, kl / target - 1))
     return coef * (1 + gain * error)

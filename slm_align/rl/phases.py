@@ -1,16 +1,21 @@
-"""Where an RL iteration's time goes: wall-clock seconds per named phase, logged with the iteration's metrics.
+"""Where an RL iteration's time goes: wall-clock seconds per named phase, logged
+with the iteration's metrics.
 
-The phases PPO and GRPO time (each a ``time/<phase>`` metric, seconds, summed over every entry in the iteration):
+The phases PPO and GRPO time (each a ``time/<phase>`` metric, seconds, summed over
+every entry in the iteration):
 
-- ``sampling``: generating the completions (generation.py's decoding loop with the KV cache, the LoRA merged in);
+- ``sampling``: generating the completions (generation.py's decoding loop with the KV
+  cache, the LoRA merged in);
 - ``reward``: the reward function on the decoded completions;
-- ``scoring_old``: the old log-probabilities (and PPO's values) of the samples, when computed in their own pass;
-- ``scoring_ref``: the reference log-probabilities (the adapter disabled), skipped when nothing uses them;
+- ``scoring_old``: the old log-probabilities (and PPO's values) of the samples, when
+  computed in their own pass;
+- ``scoring_ref``: the reference log-probabilities (the adapter disabled),
+  skipped when nothing uses them;
 - ``update_forward``: each minibatch's snapshot, forward pass, ratio and loss;
 - ``update_backward``: each minibatch's backward, gradient checks, clip and optimizer step.
 
-The phases do not overlap, so their sum is at most the iteration's ``step_time`` (the rest is bookkeeping:
-advantages, metrics, Python).
+The phases do not overlap, so their sum is at most the iteration's ``step_time`` (the rest is
+bookkeeping: advantages, metrics, Python).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ PHASES = ("sampling", "reward", "scoring_old", "scoring_ref", "update_forward", 
 
 
 class PhaseClock:
-    """Seconds spent in each named phase since the clock was made (``time.perf_counter``, wall clock)."""
+    """Seconds spent in each named phase since the clock was made
+    (``time.perf_counter``, wall clock)."""
 
     def __init__(self):
         self.seconds = {name: 0.0 for name in PHASES}

@@ -1,8 +1,9 @@
-"""The collapse watchdog (rl/watchdog.py) wired to a live run: the probe, the best iteration's weights kept and put
-back, the learning rate and KL coefficient lowered or raised, and each event said, logged and recorded.
+"""The collapse watchdog (rl/watchdog.py) wired to a live run: the probe, the best iteration's
+weights kept and put back, the learning rate and KL coefficient lowered or raised, and each event
+said, logged and recorded.
 
-The probe samples one completion per held-out prompt with the recipe's seed inside a forked RNG, so a run with the
-watchdog trains on exactly the draws of a run without it until the first event.
+The probe samples one completion per held-out prompt with the recipe's seed inside a forked RNG, so
+a run with the watchdog trains on exactly the draws of a run without it until the first event.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ EVENTS = "events.jsonl"
 
 
 def probe_rewards(policy, tokenizer, reward_fn, prompts: list[str], settings, seed: int) -> list[float]:
-    """:func:`policy_rewards` of the current adapter, with ``seed`` so that every probe of a run draws with the
-    same random numbers; the global RNG is left as it was (training draws do not depend on the probes)."""
+    """:func:`policy_rewards` of the current adapter, with ``seed`` so that every probe of a run
+    draws with the same random numbers; the global RNG is left as it was (training draws do not
+    depend on the probes)."""
     with torch.random.fork_rng():
         return policy_rewards(policy, tokenizer, reward_fn, prompts, settings, seed)
 
@@ -39,7 +41,8 @@ def capture(loop) -> dict:
 
 
 def restore(loop, state: dict) -> None:
-    """Put a :func:`capture` back bit for bit (copied again, so that later steps never write into the kept one)."""
+    """Put a :func:`capture` back bit for bit (copied again, so that later steps never
+    write into the kept one)."""
     with torch.no_grad():
         for name, param in loop.named_params:
             param.copy_(state["params"][name])
@@ -48,9 +51,11 @@ def restore(loop, state: dict) -> None:
 
 
 def apply_scales(loop, watchdog: Watchdog, base_beta: float) -> None:
-    """The learning rate (base times ``lr_scale``) and GRPO's beta (base times ``kl_scale``) the watchdog asks for.
+    """The learning rate (base times ``lr_scale``) and GRPO's beta (base times
+    ``kl_scale``) the watchdog asks for.
 
-    PPO's kl_coef lives in the learner's own state (and checkpoint); the event multiplies it directly."""
+    PPO's kl_coef lives in the learner's own state (and checkpoint); the event
+    multiplies it directly."""
     for group in loop.optimizer.param_groups:
         group["lr"] = loop.learning_rate * watchdog.lr_scale
     if loop.settings.algo == "grpo":
@@ -68,7 +73,8 @@ def keep_events_until(path: Path, step: int) -> None:
 
 
 class WatchedRun:
-    """One run's watchdog at work: probes, triggers and their actions on the learner, events written by rank 0."""
+    """One run's watchdog at work: probes, triggers and their actions on the learner,
+    events written by rank 0."""
 
     def __init__(self, watchdog: Watchdog, probe, partial: Path, world: World, say, base_beta: float):
         self.watchdog = watchdog
@@ -81,8 +87,8 @@ class WatchedRun:
         self.tracker = Tracker()
 
     def begin(self, loop, tracker: Optional[Tracker] = None) -> None:
-        """Before the first iteration: the probe of the starting adapter (a fresh run), the scales (a resumed run);
-        events go to ``tracker`` too."""
+        """Before the first iteration: the probe of the starting adapter (a fresh run), the scales
+        (a resumed run); events go to ``tracker`` too."""
         if tracker is not None:
             self.tracker = tracker
         loop.kl_watched = bool(self.watchdog.settings.max_kl)  # the KL-runaway detector reads the "kl" metric
@@ -95,7 +101,8 @@ class WatchedRun:
             self.seconds += time.perf_counter() - started
 
     def after_step(self, loop, metrics: dict) -> None:
-        """After an iteration: observe, probe when due (its mean joins ``metrics``), check and act on a trigger."""
+        """After an iteration: observe, probe when due (its mean joins ``metrics``),
+        check and act on a trigger."""
         started = time.perf_counter()
         self._watch(loop, metrics)
         self.seconds += time.perf_counter() - started
@@ -121,7 +128,8 @@ class WatchedRun:
             self.tracker.event(loop.step, event)
 
     def _act(self, loop, trigger) -> dict:
-        """Roll back to the best (lower learning rate, higher KL coefficient on KL runaway) or stop; the event."""
+        """Roll back to the best (lower learning rate, higher KL coefficient on KL
+        runaway) or stop; the event."""
         event = self.watchdog.respond(loop.step, trigger)
         if event["action"] == "rollback":
             restore(loop, self.watchdog.best_state)

@@ -1,4 +1,5 @@
-"""Rollouts: sample with the KV cache, then recompute log-probabilities under policy and reference in fp32."""
+"""Rollouts: sample with the KV cache, then recompute log-probabilities under policy
+and reference in fp32."""
 
 from __future__ import annotations
 
@@ -46,12 +47,14 @@ class Rollout:
 def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, prompts: list[str],
             settings: RLSettings, seed: int, clock: Optional[PhaseClock] = None, old_pass: bool = True,
             reference_pass: bool = True) -> Rollout:
-    """Sample one completion per prompt (``seed``), score it, and recompute its log-probabilities in fp32 under the
-    policy (with values, when there is a value head) and the reference (the adapter disabled).
+    """Sample one completion per prompt (``seed``), score it, and recompute its
+    log-probabilities in fp32 under the policy (with values, when there is a value head) and the
+    reference (the adapter disabled).
 
-    ``old_pass`` off leaves ``old_logprobs`` None (one minibatch per epoch: the first epoch's forward supplies
-    them, detached; with a value head the pass runs anyway, for the values);
-    ``reference_pass`` off leaves ``ref_logprobs`` None (nothing uses them). ``clock`` times the phases.
+    ``old_pass`` off leaves ``old_logprobs`` None (one minibatch per epoch: the first
+    epoch's forward supplies them, detached; with a value head the pass runs anyway, for the
+    values); ``reference_pass`` off leaves ``ref_logprobs`` None (nothing uses them).
+    ``clock`` times the phases.
     """
     clock = clock or PhaseClock()
     policy.eval()
@@ -83,7 +86,8 @@ def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, promp
 
 
 def _penalised(scores: torch.Tensor, samples, truncated: torch.Tensor, settings: RLSettings) -> torch.Tensor:
-    """Scores (B,) less the length penalty (per token past 80% of the budget) and the missing-EOS penalty."""
+    """Scores (B,) less the length penalty (per token past 80% of the budget) and
+    the missing-EOS penalty."""
     lengths = samples.completion_mask.sum(-1).float()
     if settings.length_penalty:
         scores = scores - settings.length_penalty * (lengths - 0.8 * settings.max_new_tokens).clamp(min=0)
@@ -91,8 +95,9 @@ def _penalised(scores: torch.Tensor, samples, truncated: torch.Tensor, settings:
 
 
 def _logprobs_and_values(policy, input_ids, attention, width: int, settings: RLSettings, value_head=None):
-    """Log-probs (and values) of the samples, a minibatch at a time: the full-vocabulary tensors of one minibatch
-    are alive at once, not those of the whole rollout (with a 49k vocabulary that was 1.1 GB more than TRL)."""
+    """Log-probs (and values) of the samples, a minibatch at a time: the full-vocabulary tensors of
+    one minibatch are alive at once, not those of the whole rollout (with a 49k vocabulary that was
+    1.1 GB more than TRL)."""
     size = settings.minibatch_size
     parts = [forward_logprobs(policy, input_ids[i:i + size], attention[i:i + size], width, settings.temperature,
                               value_head, with_entropy=False) for i in range(0, input_ids.shape[0], size)]
@@ -109,14 +114,16 @@ def _pad_to(x: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
 
 
 def _padded_tokens(t: Optional[torch.Tensor], i: int, length: int) -> Optional[torch.Tensor]:
-    """Row ``i`` of a (B, T) per-token tensor right-padded with zeros to ``length`` tokens (None stays None)."""
+    """Row ``i`` of a (B, T) per-token tensor right-padded with zeros to ``length``
+    tokens (None stays None)."""
     if t is None:
         return None
     return _pad_to(t[i:i + 1], length, 0.0, False)
 
 
 def _row(r: Rollout, i: int, width: int, length: int, pad_id: int) -> dict:
-    """Row ``i`` of a rollout re-padded to a prompt ``width`` (left) and completion ``length`` (right)."""
+    """Row ``i`` of a rollout re-padded to a prompt ``width`` (left) and
+    completion ``length`` (right)."""
     prompt = slice(None, r.prompt_width)
     completion = slice(r.prompt_width, None)
     ids = r.input_ids[i:i + 1]
@@ -134,7 +141,8 @@ def _row(r: Rollout, i: int, width: int, length: int, pad_id: int) -> dict:
 
 
 def _stack(rows: list[dict], key: str) -> Optional[torch.Tensor]:
-    """The rows' ``key`` tensors stacked into a batch (None when the rollout has none, as values under GRPO)."""
+    """The rows' ``key`` tensors stacked into a batch (None when the rollout has none,
+    as values under GRPO)."""
     if rows[0][key] is None:
         return None
     return torch.cat([r[key] for r in rows])
@@ -143,8 +151,8 @@ def _stack(rows: list[dict], key: str) -> Optional[torch.Tensor]:
 def replace_rows(batch: Rollout, rows: list[int], replacement: Rollout, pad_id: int) -> Rollout:
     """``batch`` with its ``rows`` replaced, in order, by the rows of ``replacement`` (one each).
 
-    Prompts are re-padded on the left and completions on the right to the wider of the two rollouts, so the other
-    rows keep their places (GRPO groups stay contiguous).
+    Prompts are re-padded on the left and completions on the right to the wider of the two rollouts,
+    so the other rows keep their places (GRPO groups stay contiguous).
     """
     width = max(batch.prompt_width, replacement.prompt_width)
     length = max(batch.mask.shape[1], replacement.mask.shape[1])

@@ -1,9 +1,11 @@
-"""The RL stage: PPO (rl/ppo.py) or GRPO (rl/grpo.py) from the SFT prior, under the collapse watchdog; artifacts in
-``OUT/rl/``. The stages it needs and the headroom gate run before it (slm_align/pipeline.py).
+"""The RL stage: PPO (rl/ppo.py) or GRPO (rl/grpo.py) from the SFT prior, under the
+collapse watchdog; artifacts in ``OUT/rl/``. The stages it needs and the headroom gate run
+before it (slm_align/pipeline.py).
 
-Artifacts: ``adapter/`` (the RL LoRA on top of the merged SFT weights), ``value_head.safetensors`` (PPO),
-``metrics.jsonl`` (one line per iteration), ``plots/training_curves.png`` and ``manifest.json`` (the gate's
-verdict and any ``--force``, guard totals, and held-out reward of the SFT policy and of the RL policy).
+Artifacts: ``adapter/`` (the RL LoRA on top of the merged SFT weights), ``value_head.safetensors``
+(PPO), ``metrics.jsonl`` (one line per iteration), ``plots/training_curves.png`` and
+``manifest.json`` (the gate's verdict and any ``--force``, guard totals, and held-out reward of the
+SFT policy and of the RL policy).
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ ALGORITHMS = {"ppo": PPO, "grpo": GRPO}
 
 @dataclass(frozen=True)
 class Prior:
-    """What RL starts from, settled before it (slm_align/pipeline.py): the recipe (the SFT stage's model, seed and
-    data; ``rl.algo`` resolved), the SFT adapter (None when RL starts from the model as given), the reward model
-    (None: reward functions only), and the gate's report with whether ``--force`` overrode a FAIL."""
+    """What RL starts from, settled before it (slm_align/pipeline.py): the recipe (the SFT stage's
+    model, seed and data; ``rl.algo`` resolved), the SFT adapter (None when RL starts from the model
+    as given), the reward model (None: reward functions only), and the gate's report with whether
+    ``--force`` overrode a FAIL."""
 
     recipe: Recipe
     adapter: Optional[Path]
@@ -53,7 +56,8 @@ class Prior:
 
 
 def rl_world(recipe: Recipe) -> tuple[World, object]:
-    """The processes RL runs on (one unless launched) and its compute settings on this rank's device."""
+    """The processes RL runs on (one unless launched) and its compute settings
+    on this rank's device."""
     require_library(recipe.tracking.report_to)
     compute = resolve_compute(recipe.compute, trainer=False)
     compute = replace(compute, device=rank_device(compute.device))
@@ -61,7 +65,8 @@ def rl_world(recipe: Recipe) -> tuple[World, object]:
 
 
 def check_divisible(settings, world: World) -> None:
-    """Ranks share an iteration's prompt draws (GRPO: whole groups): refuse a world that cannot split them evenly."""
+    """Ranks share an iteration's prompt draws (GRPO: whole groups): refuse a world that
+    cannot split them evenly."""
     sequences = iteration_size(settings).prompts
     if sequences % world.size:
         unit = "prompts" if settings.algo == "grpo" else "samples"
@@ -70,17 +75,19 @@ def check_divisible(settings, world: World) -> None:
 
 
 def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Recipe, adapter: bool) -> float:
-    """Mean reward of one sampled completion per held-out prompt, with the RL adapter on (RL) or off (SFT)."""
+    """Mean reward of one sampled completion per held-out prompt, with the RL
+    adapter on (RL) or off (SFT)."""
     policy_name = "RL" if adapter else "SFT"
-    with stage_lines("held-out reward", f"the {policy_name} policy on {len(prompts)} prompts") as stage:
+    with stage_lines("held-out "
+                     "reward", f"the {policy_name} policy on {len(prompts)} prompts") as stage:
         mean = statistics.fmean(policy_rewards(policy, tokenizer, reward_fn, prompts, recipe.rl, recipe.seed, adapter))
         stage.figures = f"mean reward {mean:.3f}"
     return mean
 
 
 class RLStage:
-    """PPO or GRPO as a :class:`~slm_align.runs.Stage`: the learner on every rank, the watchdog, held-out reward of
-    the SFT and RL policies, the best probe's adapter published (rank 0)."""
+    """PPO or GRPO as a :class:`~slm_align.runs.Stage`: the learner on every rank, the watchdog,
+    held-out reward of the SFT and RL policies, the best probe's adapter published (rank 0)."""
 
     name = STAGE
     keep = ("adapter", "adapter-last", EVENTS, "value_head.safetensors", "metrics.jsonl", "plots", "inputs.json")
@@ -95,7 +102,8 @@ class RLStage:
         self.say = say
 
     def inputs(self) -> dict:
-        """What the adapter depends on. Earlier stages are named by their content (:func:`stage_identity`,
+        """What the adapter depends on. Earlier stages are named by their
+        content (:func:`stage_identity`,
         :func:`artifact_digest`), never by a path, so a run moved or copied elsewhere is reused as it is."""
         recipe = self.recipe
         prior = self.prior
@@ -122,7 +130,8 @@ class RLStage:
         self.prompts = prompt_source(recipe, self.tokenizer)
         self.eval_prompts = self.prompts.heldout[: settings.eval_prompts]
         if not self.prompts.train or not self.eval_prompts:
-            raise UserError("no prompts for RL: the corpus has no documents long enough to split into prompt and rest")
+            raise UserError("no prompts for RL: the corpus has no documents long enough to split "
+                            "into prompt and rest")
         self.reward_fn = self.prompts.reward(self.rewards, learned=learned_reward(self.prior.reward_model, device))
         self.policy = build_policy(source, self.prior.adapter, settings, recipe.seed, recipe.model.trust_remote_code,
                                    recipe.model.allow_pickle, device)
@@ -134,7 +143,8 @@ class RLStage:
                               self.value_head, self.world, self.compute.precision, self.compute.gradient_checkpointing)
 
     def train(self, partial: Path, checkpoint: Optional[str]) -> None:
-        """Iterate from the work dir's checkpoint (if any) under the watchdog; held-out reward before and after."""
+        """Iterate from the work dir's checkpoint (if any) under the watchdog; held-out
+        reward before and after."""
         loop = self.loop
         self.watch = self._watch(partial)
         state = load_checkpoint(partial)
@@ -155,7 +165,8 @@ class RLStage:
         self.after = self._heldout(adapter=True)
 
     def save(self, partial: Path) -> Optional[dict]:
-        """The published adapter (the best probe's with the watchdog on), the value head, plots; the metrics."""
+        """The published adapter (the best probe's with the watchdog on), the value
+        head, plots; the metrics."""
         loop = self.loop
         replicas = self.world.gather(replica_digest(loop.params))
         if not self.world.main:
@@ -174,12 +185,14 @@ class RLStage:
         result["watchdog"] = _watchdog_figures(self.watch, self.last, events, loop.step)
         return result
 
-    # ---- training ----------------------------------------------------------------------------------------------
+    # ---- training
+    # ----------------------------------------------------------------------------------------------
     def _heldout(self, adapter: bool) -> float:
         return heldout_reward(self.policy, self.tokenizer, self.reward_fn, self.eval_prompts, self.recipe, adapter)
 
     def _iterate(self, partial: Path, tracker: Tracker) -> None:
-        """The remaining iterations under the watchdog (when on): its probes, rollbacks and early stop."""
+        """The remaining iterations under the watchdog (when on): its probes,
+        rollbacks and early stop."""
         loop = self.loop
         watch = self.watch
         if watch is not None:
@@ -202,13 +215,15 @@ class RLStage:
         def stopped() -> bool:
             return watch is not None and watch.stopped is not None
 
-        train_steps(loop, iteration, self.recipe.rl.steps, partial, title=f"RL ({self.recipe.rl.algo})",
+        train_steps(loop, iteration, self.recipe.rl.steps, partial, title=f"RL "
+                    f"({self.recipe.rl.algo})",
                     status=_reward_status, save_every=self.recipe.rl.save_steps, state=state, world=self.world,
                     tracker=tracker, stopped=stopped)
 
     def _watch(self, partial: Path) -> Optional[WatchedRun]:
-        """The run's watchdog (None when it is off). Its probe is the last ``probe_prompts`` held-out prompts: apart
-        from the first ``eval_prompts`` that measure the published adapter whenever the held-out set has room."""
+        """The run's watchdog (None when it is off). Its probe is the last ``probe_prompts``
+        held-out prompts: apart from the first ``eval_prompts`` that measure the published adapter
+        whenever the held-out set has room."""
         recipe = self.recipe
         settings = recipe.rl.watchdog
         if not settings.enabled:
@@ -217,14 +232,16 @@ class RLStage:
         loop = self.loop
 
         def probe() -> list[float]:
-            """Per-prompt rewards of the current adapter on the probe prompts (the recipe's seed)."""
+            """Per-prompt rewards of the current adapter on the probe
+            prompts (the recipe's seed)."""
             return probe_rewards(loop.policy, loop.tokenizer, loop.reward_fn, prompts, recipe.rl, recipe.seed)
 
         return WatchedRun(Watchdog(settings), probe, partial, self.world, self.say, recipe.rl.grpo.beta)
 
     def _keep_last(self, partial: Path) -> Optional[dict]:
-        """With the watchdog on: save the last adapter as ``adapter-last`` (rank 0), measure it, then put the best
-        probe's weights back for publishing. Returns the last adapter's iteration and held-out reward."""
+        """With the watchdog on: save the last adapter as ``adapter-last`` (rank 0), measure it,
+        then put the best probe's weights back for publishing. Returns the last adapter's
+        iteration and held-out reward."""
         watch = self.watch
         loop = self.loop
         if watch is None:
@@ -240,7 +257,8 @@ class RLStage:
         return last
 
     def _run_figures(self, replicas: list[str]) -> dict:
-        """What the manifest records besides held-out reward: steps, guards, gate, envelope, replicas."""
+        """What the manifest records besides held-out reward: steps, guards,
+        gate, envelope, replicas."""
         loop = self.loop
         gate = self.prior.gate
         counters = loop.counters
@@ -261,8 +279,8 @@ def _reward_status(metrics: dict) -> str:
 
 
 def _watchdog_figures(watch: Optional[WatchedRun], last: Optional[dict], events: list[dict], steps: int) -> dict:
-    """The manifest's watchdog record: off (the last iteration, ``steps``, published), or the published (best)
-    iteration, the last one, events, stop reason."""
+    """The manifest's watchdog record: off (the last iteration, ``steps``, published), or the
+    published (best) iteration, the last one, events, stop reason."""
     if watch is None:
         return {"enabled": False, "published_step": steps}
     summary = watch.watchdog.summary()

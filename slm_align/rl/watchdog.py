@@ -1,14 +1,17 @@
-"""The collapse watchdog: the quiet failures of small-model RL detected from metric dicts, and what to do about them.
+"""The collapse watchdog: the quiet failures of small-model RL detected from metric dicts,
+and what to do about them.
 
-Pure: no torch, no model. The RL stage feeds it each iteration's metrics (:meth:`Watchdog.observe`) and, every
-``eval_every`` iterations, the per-prompt rewards of a fixed held-out probe (:meth:`Watchdog.record_probe`); it
-answers with a :class:`Trigger` (:meth:`Watchdog.check`) and the action (:meth:`Watchdog.respond`): roll back to
-the best probe with a lower learning rate (and, for KL runaway, a higher KL coefficient), or stop early once
-``max_recoveries`` are spent. Its whole state is plain numbers and lists (:meth:`Watchdog.state_dict`), so a
-resumed run continues bit for bit; the best iteration's weights travel beside it as an opaque ``payload``.
+Pure: no torch, no model. The RL stage feeds it each iteration's metrics (:meth:`Watchdog.observe`)
+and, every ``eval_every`` iterations, the per-prompt rewards of a fixed held-out probe
+(:meth:`Watchdog.record_probe`); it answers with a :class:`Trigger` (:meth:`Watchdog.check`) and the
+action (:meth:`Watchdog.respond`): roll back to the best probe with a lower learning rate (and, for
+KL runaway, a higher KL coefficient), or stop early once ``max_recoveries`` are spent. Its whole
+state is plain numbers and lists (:meth:`Watchdog.state_dict`), so a resumed run continues bit for
+bit; the best iteration's weights travel beside it as an opaque ``payload``.
 
-The detectors compare windows of ``W = window`` iterations: the first window of the run (its start) and the last
-``W`` iterations since the latest rollback, each summarised by its mean ``m = (1/W) sum_i x_i``.
+The detectors compare windows of ``W = window`` iterations: the first window of the run
+(its start) and the last ``W`` iterations since the latest rollback, each summarised by its
+mean ``m = (1/W) sum_i x_i``.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from typing import Any, Optional
 from slm_align.config import WatchdogSettings
 
 WATCHED = ("entropy", "completion/length", "completion/truncated_frac", "kl", "grpo/zero_std_frac")
-"""The per-iteration metrics the windowed detectors read (a metric an algorithm does not log is not watched)."""
+"""The per-iteration metrics the windowed detectors read (a metric an algorithm does
+not log is not watched)."""
 
 
 @dataclass(frozen=True)
 class Trigger:
-    """A detector that fired: its name, the statistic it measured, the bound it crossed, and why in words."""
+    """A detector that fired: its name, the statistic it measured, the bound it
+    crossed, and why in words."""
 
     detector: str
     value: float
@@ -42,8 +47,8 @@ def window_mean(values: list[float]) -> float:
 def paired_drop(best: list[float], now: list[float]) -> tuple[float, float]:
     """Mean and standard error of the paired drop d_i = best_i - now_i over the probe's prompts.
 
-    Common random numbers (same prompts, same sampling seed) make the pairs comparable: mean = (1/n) sum_i d_i,
-    se = sd(d) / sqrt(n) with the sample standard deviation (0 for a single prompt).
+    Common random numbers (same prompts, same sampling seed) make the pairs comparable: mean = (1/n)
+    sum_i d_i, se = sd(d) / sqrt(n) with the sample standard deviation (0 for a single prompt).
     """
     drops = [b - n for b, n in zip(best, now)]
     mean = statistics.fmean(drops)
@@ -53,7 +58,8 @@ def paired_drop(best: list[float], now: list[float]) -> tuple[float, float]:
 
 
 def reward_dropped(best: list[float], now: list[float], margin: float, z: float) -> bool:
-    """Whether a probe lies below the best: mean drop > margin and mean drop > z * se (see :func:`paired_drop`)."""
+    """Whether a probe lies below the best: mean drop > margin and mean drop > z * se
+    (see :func:`paired_drop`)."""
     mean, se = paired_drop(best, now)
     return mean > margin and mean > z * se
 
@@ -63,7 +69,8 @@ def entropy_collapse(start: list[float], recent: list[float], floor: float) -> O
     bound = floor * window_mean(start)
     value = window_mean(recent)
     if floor and value < bound:
-        return Trigger("entropy_collapse", value, bound, f"entropy {value:.3f} < {floor:g} x start {bound / floor:.3f}")
+        return Trigger("entropy_collapse", value, bound, f"entropy {value:.3f} < {floor:g} x start "
+                       f"{bound / floor:.3f}")
     return None
 
 
@@ -72,12 +79,14 @@ def length_inflation(start: list[float], recent: list[float], ratio: float) -> O
     bound = ratio * window_mean(start)
     value = window_mean(recent)
     if ratio and value > bound:
-        return Trigger("length_inflation", value, bound, f"mean length {value:.1f} > {ratio:g} x start")
+        return Trigger("length_inflation", value, bound, f"mean length {value:.1f} > {ratio:g} x "
+                       f"start")
     return None
 
 
 def _risen(start: list[float], recent: list[float], rise: float, detector: str, label: str) -> Optional[Trigger]:
-    """Fires when m(recent) > m(start) + rise (``rise`` 0: off); ``label`` names the share in the reason."""
+    """Fires when m(recent) > m(start) + rise (``rise`` 0: off); ``label`` names
+    the share in the reason."""
     bound = window_mean(start) + rise
     value = window_mean(recent)
     if rise and value > bound:
@@ -86,7 +95,8 @@ def _risen(start: list[float], recent: list[float], rise: float, detector: str, 
 
 
 def truncation_inflation(start: list[float], recent: list[float], rise: float) -> Optional[Trigger]:
-    """Fires when m(recent truncated fraction) > m(start truncated fraction) + rise: completions hit the budget."""
+    """Fires when m(recent truncated fraction) > m(start truncated fraction) + rise:
+    completions hit the budget."""
     return _risen(start, recent, rise, "length_inflation", "truncated fraction")
 
 
@@ -99,19 +109,22 @@ def kl_runaway(recent: list[float], max_kl: float) -> Optional[Trigger]:
 
 
 def starving(start: list[float], recent: list[float], rise: float) -> Optional[Trigger]:
-    """Fires when m(recent all-equal share) > m(start all-equal share) + rise: GRPO's groups stop teaching."""
+    """Fires when m(recent all-equal share) > m(start all-equal share) + rise:
+    GRPO's groups stop teaching."""
     return _risen(start, recent, rise, "starving_groups", "all-equal groups")
 
 
 class Watchdog:
-    """The watchdog's state over one run: windows, the best probe (and its opaque payload), recoveries spent."""
+    """The watchdog's state over one run: windows, the best probe (and its opaque
+    payload), recoveries spent."""
 
     def __init__(self, settings: WatchdogSettings):
         self.settings = settings
         self.start: dict[str, list[float]] = {key: [] for key in WATCHED}
         self.recent: dict[str, list[float]] = {key: [] for key in WATCHED}
         self.best_step: Optional[int] = None
-        """The iteration to publish and roll back to: the latest probe not significantly below the peak."""
+        """The iteration to publish and roll back to: the latest probe not
+        significantly below the peak."""
         self.best_state: Any = None
         self.peak_step: Optional[int] = None
         """The probe with the highest mean reward: what a reward drop is measured against."""
@@ -124,8 +137,8 @@ class Watchdog:
         self.stopped: Optional[str] = None
 
     def observe(self, metrics: dict) -> None:
-        """Add an iteration's metrics to the windows: the first ``W`` values of a metric form its start window,
-        later ones the recent window (its last ``W``), which a rollback empties."""
+        """Add an iteration's metrics to the windows: the first ``W`` values of a metric form its
+        start window, later ones the recent window (its last ``W``), which a rollback empties."""
         width = self.settings.window
         for key in WATCHED:
             value = metrics.get(key)
@@ -137,16 +150,19 @@ class Watchdog:
             self.recent[key] = (self.recent[key] + [float(value)])[-width:]
 
     def probe_due(self, done: int, last: int) -> bool:
-        """Whether the probe runs after ``done`` iterations: at the start, every ``eval_every``, and at the end."""
+        """Whether the probe runs after ``done`` iterations: at the start, every
+        ``eval_every``, and at the end."""
         return done % self.settings.eval_every == 0 or done == last
 
     def record_probe(self, step: int, rewards: list[float], capture) -> bool:
-        """Take a probe's per-prompt rewards; True when it becomes the adapter to publish (``capture()`` kept).
+        """Take a probe's per-prompt rewards; True when it becomes the adapter to
+        publish (``capture()`` kept).
 
-        A probe with a higher mean than the peak becomes the peak. A probe that does not lie significantly below the
-        peak (:func:`reward_dropped`) becomes the one to publish, so training is not thrown away on probe noise
-        (the start's untrained adapter is not kept over a trained one that is as good); one that does lie below
-        it counts toward the reward drop, measured against the peak so that a slow slide cannot ratchet it down.
+        A probe with a higher mean than the peak becomes the peak. A probe that does not lie
+        significantly below the peak (:func:`reward_dropped`) becomes the one to publish, so
+        training is not thrown away on probe noise (the start's untrained adapter is not kept over a
+        trained one that is as good); one that does lie below it counts toward the reward drop,
+        measured against the peak so that a slow slide cannot ratchet it down.
         """
         mean = statistics.fmean(rewards)
         s = self.settings
@@ -163,16 +179,18 @@ class Watchdog:
         return True
 
     def check(self) -> Optional[Trigger]:
-        """The first detector that fires, or None: reward drop, then the windowed ones (each needs full windows)."""
+        """The first detector that fires, or None: reward drop, then the windowed ones
+        (each needs full windows)."""
         s = self.settings
         if self.below >= s.reward_patience:
             return Trigger("reward_drop", float(self.below), float(s.reward_patience),
-                           f"held-out reward below the peak (iteration {self.peak_step}, {self.best_reward:.3f}) "
-                           f"for {self.below} probes in a row")
+                           f"held-out reward below the peak (iteration {self.peak_step}, "
+                           f"{self.best_reward:.3f}) for {self.below} probes in a row")
         return self.windowed()
 
     def windowed(self) -> Optional[Trigger]:
-        """The first windowed detector that fires (entropy, length, truncation, KL, starving groups), or None."""
+        """The first windowed detector that fires (entropy, length, truncation, KL,
+        starving groups), or None."""
         s = self.settings
         start = self.start
         recent = self.recent
@@ -195,8 +213,9 @@ class Watchdog:
         return None
 
     def respond(self, step: int, trigger: Trigger) -> dict:
-        """The action on a trigger and its event record: a rollback (learning rate times ``lr_factor``, KL
-        coefficient times ``kl_factor`` on KL runaway, recent windows emptied) while recoveries remain, else a stop.
+        """The action on a trigger and its event record: a rollback (learning rate times
+        ``lr_factor``, KL coefficient times ``kl_factor`` on KL runaway, recent windows emptied)
+        while recoveries remain, else a stop.
         """
         s = self.settings
         action = "stop"
@@ -215,14 +234,16 @@ class Watchdog:
                 "recoveries": self.recoveries, "lr_scale": self.lr_scale, "kl_scale": self.kl_scale}
 
     def summary(self) -> dict:
-        """What the manifest records: on, the best probe, recoveries spent, and why the run stopped early."""
+        """What the manifest records: on, the best probe, recoveries spent, and why
+        the run stopped early."""
         return {"enabled": True, "best_step": self.best_step, "peak_step": self.peak_step,
                 "best_reward": self.best_reward,
                 "recoveries": self.recoveries, "stopped_early": self.stopped, "lr_scale": self.lr_scale,
                 "kl_scale": self.kl_scale, "settings": self.settings.model_dump()}
 
     def state_dict(self) -> dict:
-        """Everything a resumed run needs (plain numbers and lists, and the best payload as given)."""
+        """Everything a resumed run needs (plain numbers and lists, and the
+        best payload as given)."""
         fields = ("start", "recent", "best_step", "peak_step", "best_reward", "best_rewards", "best_state", "below",
                   "recoveries",
                   "lr_scale", "kl_scale", "stopped")

@@ -1,4 +1,5 @@
-"""What the watchdog's events and record say to people: console lines and ``eval/report.md``'s watchdog section."""
+"""What the watchdog's events and record say to people: console lines and
+``eval/report.md``'s watchdog section."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ def event_line(event: dict) -> str:
     if event["action"] == "stop":
         tail = f"recoveries spent: stopping early; publishing iteration {event['best_step']}'s adapter"
     else:
-        tail = (f"rolled back to iteration {event['best_step']}, learning rate x{event['lr_scale']:g} "
-                f"(recovery {event['recoveries']})")
+        tail = (f"rolled back to iteration {event['best_step']}, learning rate "
+                f"x{event['lr_scale']:g} (recovery {event['recoveries']})")
     return f"watchdog: {event['detector']} at iteration {event['step']} ({event['why']}); {tail}"
 
 
 def published_line(record: Optional[dict]) -> Optional[str]:
-    """The console line at the end of RL: which iteration's adapter was published (None without a record)."""
+    """The console line at the end of RL: which iteration's adapter was published
+    (None without a record)."""
     if record is None:
         return None
     if not record["enabled"]:
@@ -31,23 +33,26 @@ def published_line(record: Optional[dict]) -> Optional[str]:
 
 
 def report_section(record: Optional[dict], events: list[dict]) -> list[str]:
-    """The Markdown lines of ``eval/report.md``'s watchdog section: off, or what was published and each event."""
+    """The Markdown lines of ``eval/report.md``'s watchdog section: off, or what was
+    published and each event."""
     if record is None:
         return []
     lines = ["## Watchdog", ""]
     if not record.get("enabled"):
-        return lines + [f"The collapse watchdog was off (`--watchdog off`): the last adapter (iteration "
-                        f"{record['published_step']}) is published.", ""]
-    lines.append(f"Published: the adapter of iteration {record['published_step']} (the latest held-out probe not "
-                 f"significantly below the peak, iteration {record['peak_step']} at mean reward "
-                 f"{record['best_reward']:.3f}); the last iteration's adapter is kept as `rl/adapter-last`.")
+        return lines + [f"The collapse watchdog was off (`--watchdog off`): the last adapter "
+                        f"(iteration {record['published_step']}) is published.", ""]
+    lines.append(f"Published: the adapter of iteration {record['published_step']} (the latest "
+                 f"held-out probe not significantly below the peak, iteration "
+                 f"{record['peak_step']} at mean reward {record['best_reward']:.3f}); the last "
+                 f"iteration's adapter is kept as `rl/adapter-last`.")
     if record.get("stopped_early"):
         lines.append(f"Stopped early: {record['stopped_early']}.")
     lines.append("")
     if not events:
         return lines + ["No detector fired.", ""]
-    lines += ["| iteration | detector | value | threshold | action | learning rate |", "|---|---|---|---|---|---|"]
+    lines += ["| iteration | detector | value | threshold | action | learning rate "
+              "|", "|---|---|---|---|---|---|"]
     for e in events:
-        lines.append(f"| {e['step']} | {e['detector']} | {e['value']:.3g} | {e['threshold']:.3g} | {e['action']} | "
-                     f"{e['learning_rate']:.3g} |")
+        lines.append(f"| {e['step']} | {e['detector']} | {e['value']:.3g} | {e['threshold']:.3g} | "
+                     f"{e['action']} | {e['learning_rate']:.3g} |")
     return lines + [""]

@@ -1,5 +1,5 @@
-"""The values a tool call passes through: the tool, the call the model asked for, what it produced, and a reply
-split into calls.
+"""The values a tool call passes through: the tool, the call the model asked for, what it produced,
+and a reply split into calls.
 
 Stdlib only: this module runs on phones and boards.
 """
@@ -12,7 +12,8 @@ from typing import Any, Callable, Optional
 
 @dataclass
 class Tool:
-    """A callable tool: its name, one-line description, JSON schema of its arguments, and the function."""
+    """A callable tool: its name, one-line description, JSON schema of its
+    arguments, and the function."""
 
     name: str
     description: str
@@ -20,7 +21,8 @@ class Tool:
     function: Callable[..., Any]
 
     def spec(self) -> dict:
-        """The OpenAI-style tool dict: ``{"type": "function", "function": {name, description, parameters}}``."""
+        """The OpenAI-style tool dict: ``{"type": "function", "function": {name,
+        description, parameters}}``."""
         return {
             "type": "function",
             "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
@@ -29,19 +31,22 @@ class Tool:
 
 @dataclass
 class ToolCall:
-    """One call the model asked for: a registered tool's name and its (not yet validated) arguments."""
+    """One call the model asked for: a registered tool's name and its (not
+    yet validated) arguments."""
 
     name: str
     arguments: dict
 
     def as_dict(self) -> dict:
-        """The call as an assistant message's ``tool_calls`` entry (the shape chat templates render)."""
+        """The call as an assistant message's ``tool_calls`` entry (the shape
+        chat templates render)."""
         return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass
 class Observation:
-    """What a call produced. ``content`` is the text to show the model; on failure it starts with "Error:"."""
+    """What a call produced. ``content`` is the text to show the model; on failure
+    it starts with "Error:"."""
 
     name: str
     ok: bool
@@ -50,7 +55,8 @@ class Observation:
 
     @classmethod
     def failure(cls, name: str, message: str) -> "Observation":
-        """A failed call: the message is both ``error`` and, prefixed with "Error: ", ``content``."""
+        """A failed call: the message is both ``error`` and, prefixed with
+        "Error: ", ``content``."""
         return cls(name=name, ok=False, content=f"Error: {message}", error=message)
 
     def as_message(self) -> dict:

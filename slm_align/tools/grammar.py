@@ -1,5 +1,6 @@
-"""A llama.cpp GBNF grammar that keeps a reply to free text or ``<tool_call>`` blocks whose arguments follow the tools'
-JSON schemas (generic JSON where a schema says more than a grammar can express).
+"""A llama.cpp GBNF grammar that keeps a reply to free text or ``<tool_call>`` blocks
+whose arguments follow the tools' JSON schemas (generic JSON where a schema says more
+than a grammar can express).
 
 Stdlib only: this module runs on phones and boards.
 """
@@ -60,12 +61,14 @@ class _GrammarBuilder:
             branches = " | ".join(self._call_branch(tool) for tool in tools)
             call = self.add(
                 "tool-call",
-                f'"<tool_call>" "\\n"? "{{" ws "\\"name\\"" ws ":" ws ( {branches} ) ws "}}" "\\n"? "</tool_call>"',
+                f'"<tool_call>" "\\n"? "{{" ws "\\"name\\"" ws ":" ws ( {branches} ) ws "}}" '
+                            f'"\\n"? "</tool_call>"',
             )
             calls = f'{call} ( "\\n" {call} )*'
             root = f"{calls} | free-text" if free_text else calls
         json_rules = {**_JSON_RULES, "ws": _COMPACT_WS} if compact else _JSON_RULES
-        lines = [f"root ::= {root}"] + [f"{k} ::= {v}" for k, v in {**self.rules, **json_rules}.items()]
+        lines = [f"root ::= "
+                 f"{root}"] + [f"{k} ::= {v}" for k, v in {**self.rules, **json_rules}.items()]
         return "\n".join(lines) + "\n"
 
     def _call_branch(self, tool: Tool) -> str:
@@ -74,7 +77,8 @@ class _GrammarBuilder:
         return self.add(f"call-{tool.name}", body)
 
     def value(self, schema: Any, hint: str) -> str:
-        """A GBNF expression for JSON values that follow ``schema`` (generic JSON where it cannot tell)."""
+        """A GBNF expression for JSON values that follow ``schema`` (generic JSON
+        where it cannot tell)."""
         if not isinstance(schema, dict):
             return "value"
         if "const" in schema:
@@ -103,14 +107,16 @@ class _GrammarBuilder:
         return self.add(hint, f'"[" ws ( {item} ( ws "," ws {item} )* ws )? "]"')
 
     def _map(self, value_schema: dict, hint: str) -> str:
-        entry = self.add(f"{hint}-entry", f'string ws ":" ws {self.value(value_schema, f"{hint}-value")}')
+        entry = self.add(f"{hint}-entry", f'string ws ":" ws '
+                         f'{self.value(value_schema, f"{hint}-value")}')
         return self.add(hint, f'"{{" ws ( {entry} ( ws "," ws {entry} )* ws )? "}}"')
 
     def _object(self, schema: dict, hint: str) -> str:
         """Properties in schema order; required ones always, optional ones maybe, commas between.
 
-        Built from the last property backwards: ``unwritten`` matches the members from the current one
-        on when none was written yet, ``written`` the same when one was (so each starts with a comma).
+        Built from the last property backwards: ``unwritten`` matches the members from the
+        current one on when none was written yet, ``written`` the same when one was (so
+        each starts with a comma).
         """
         required = set(schema.get("required", ()))
         unwritten = written = ""  # the members after the current one: when none / when one was written before
@@ -129,6 +135,6 @@ class _GrammarBuilder:
 
 
 def gbnf_grammar(tools: list[Tool], free_text: bool = True, compact: bool = False) -> str:
-    """The grammar of a reply that calls one of ``tools`` (or, with ``free_text``, writes plain text instead);
-    ``compact`` allows at most one space between JSON tokens."""
+    """The grammar of a reply that calls one of ``tools`` (or, with ``free_text``, writes plain text
+    instead); ``compact`` allows at most one space between JSON tokens."""
     return _GrammarBuilder().build(tools, free_text=free_text, compact=compact)

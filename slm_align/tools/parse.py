@@ -4,9 +4,10 @@
     {"name": "calculator", "arguments": {"expression": "2*(3+4)"}}
     </tool_call>
 
-(one or several blocks), SmolLM2's list form ``<tool_call>[{"name": ...}, {"name": ...}]</tool_call>`` (several calls
-in one block, as are several objects one after another), or a bare ``{"name": ..., "arguments": {...}}`` object (or a
-list of them) as the whole reply. Reading never raises: JSON that does not parse becomes a failed
+(one or several blocks), SmolLM2's list form ``<tool_call>[{"name": ...}, {"name":
+...}]</tool_call>`` (several calls in one block, as are several objects one after another), or a
+bare ``{"name": ..., "arguments": {...}}`` object (or a list of them) as the whole reply. Reading
+never raises: JSON that does not parse becomes a failed
 :class:`~slm_align.tools.calls.Observation` the model can read.
 
 Stdlib only: this module runs on phones and boards.
@@ -35,13 +36,14 @@ def decode_json(text: str) -> Union[Any, Observation]:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        return Observation.failure("", f"malformed JSON in tool call ({exc.msg} at character {exc.pos}); "
-                                   f"{FORMAT_HINT}")
+        return Observation.failure("", f"malformed JSON in tool call ({exc.msg} at character "
+                                   f"{exc.pos}); {FORMAT_HINT}")
 
 
 def _decode_calls(text: str) -> list:
-    """The calls of one block: a call object, a list of them (SmolLM2's form), or several objects one after another
-    (each still to be checked); a failed observation when the block is not JSON."""
+    """The calls of one block: a call object, a list of them (SmolLM2's form), or
+    several objects one after another (each still to be checked); a failed observation
+    when the block is not JSON."""
     decoder = json.JSONDecoder()
     values = []
     position = 0
@@ -67,8 +69,8 @@ def _looks_like_calls(obj: Any) -> bool:
 
 
 def _bare_calls(text: str) -> Optional[list]:
-    """A whole reply that is a ``{"name": ..., "arguments": ...}`` object or a list of them; None for ordinary
-    text."""
+    """A whole reply that is a ``{"name": ..., "arguments": ...}`` object or a list of them;
+    None for ordinary text."""
     candidate = _unfence(text.strip())
     bracketed = candidate[:1] + candidate[-1:] in ("{}", "[]")
     if not (bracketed and '"name"' in candidate):
@@ -82,11 +84,13 @@ def _bare_calls(text: str) -> Optional[list]:
 
 
 def read_calls(text: str) -> tuple[str, list]:
-    """A reply split into the text outside its calls and the calls' decoded JSON values, in order (each still to be
-    checked against the tools), a failed :class:`Observation` standing in for a call that is not JSON.
+    """A reply split into the text outside its calls and the calls' decoded JSON values, in
+    order (each still to be checked against the tools), a failed :class:`Observation` standing
+    in for a call that is not JSON.
 
-    With ``<tool_call>`` blocks, the text is what lies between them (a last block whose closing tag was cut off
-    still counts); a reply that is a bare call object (or a list of them) has no text; any other reply is all text.
+    With ``<tool_call>`` blocks, the text is what lies between them (a last block whose closing tag
+    was cut off still counts); a reply that is a bare call object (or a list of them) has no text;
+    any other reply is all text.
     """
     if "<tool_call>" in text:
         parts = _TOOL_CALL_BLOCK.split(text)  # text, call body, text, call body, ..., text

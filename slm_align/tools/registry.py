@@ -1,8 +1,9 @@
-"""The tools an agent may call: declare (schemas from signatures), describe (OpenAI tool dicts), parse a reply's
-calls, execute them, and constrain replies with a grammar.
+"""The tools an agent may call: declare (schemas from signatures), describe (OpenAI tool dicts),
+parse a reply's calls, execute them, and constrain replies with a grammar.
 
-Bad input while *registering* a tool raises a one-line :class:`~slm_align.errors.UserError`. Anything that goes wrong
-while *running* (malformed JSON, an unknown tool, arguments that break the schema, a tool that raises) becomes an
+Bad input while *registering* a tool raises a one-line :class:`~slm_align.errors.UserError`.
+Anything that goes wrong while *running* (malformed JSON, an unknown tool, arguments that break the
+schema, a tool that raises) becomes an
 :class:`Observation` with ``ok=False`` and a short message the model can read and act on; nothing here raises at run
 time.
 
@@ -39,7 +40,8 @@ class ToolRegistry:
 
     def __init__(self, max_observation_chars: int = DEFAULT_MAX_OBSERVATION_CHARS):
         if max_observation_chars < 40:
-            raise UserError(f"max_observation_chars must be at least 40, got {max_observation_chars}")
+            raise UserError(f"max_observation_chars must be at least 40, got "
+                            f"{max_observation_chars}")
         self.max_observation_chars = max_observation_chars
         self._tools: dict[str, Tool] = {}
         self._validators: dict[str, jsonschema.protocols.Validator] = {}
@@ -54,7 +56,8 @@ class ToolRegistry:
         description: Optional[str] = None,
         schema: Optional[dict] = None,
     ):
-        """Add ``fn`` as a tool; returns ``fn``. Usable as ``@registry.register`` or ``@registry.register(name=...)``.
+        """Add ``fn`` as a tool; returns ``fn``. Usable as ``@registry.register`` or
+        ``@registry.register(name=...)``.
 
         Args:
             fn: The function. Its parameters become the tool's arguments.
@@ -120,11 +123,12 @@ class ToolRegistry:
     def parse_calls(self, text: str) -> ParsedCalls:
         """Find tool calls in a model reply; never raises.
 
-        Recognises ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (one or several;
-        a last block whose closing tag was cut off still counts), a block holding a list of calls
-        (SmolLM2) or several call objects, and a bare ``{"name": ..., "arguments": ...}`` object or
-        list of them as the whole reply. ``text`` is the reply without the blocks. Bad JSON, an unknown
-        tool or arguments that are not an object land in ``errors`` as failed observations.
+        Recognises ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (one or
+        several; a last block whose closing tag was cut off still counts), a block holding a
+        list of calls (SmolLM2) or several call objects, and a bare ``{"name": ...,
+        "arguments": ...}`` object or list of them as the whole reply. ``text`` is the reply
+        without the blocks. Bad JSON, an unknown tool or arguments that are not an object land
+        in ``errors`` as failed observations.
         """
         outside, decoded = read_calls(text)
         parsed = ParsedCalls(text=outside)
@@ -160,9 +164,10 @@ class ToolRegistry:
     def execute(self, call: ToolCall) -> Observation:
         """Validate ``call``'s arguments against the schema and run the tool; never raises.
 
-        A result is turned into text (``json.dumps`` for dicts, lists and tuples, ``str`` otherwise) and
-        cut to ``max_observation_chars``. An unknown tool, invalid arguments or an exception raised by
-        the tool give ``ok=False`` with a short message. (KeyboardInterrupt and SystemExit still propagate.)
+        A result is turned into text (``json.dumps`` for dicts, lists and tuples, ``str``
+        otherwise) and cut to ``max_observation_chars``. An unknown tool, invalid arguments or an
+        exception raised by the tool give ``ok=False`` with a short message. (KeyboardInterrupt and
+        SystemExit still propagate.)
         """
         tool = self._tools.get(call.name)
         if tool is None:
@@ -207,16 +212,17 @@ class ToolRegistry:
     # grammar
 
     def gbnf_grammar(self, required: bool = False, names: Optional[list[str]] = None) -> str:
-        """A llama.cpp GBNF grammar: the reply is free text or ``<tool_call>`` blocks following the schemas.
+        """A llama.cpp GBNF grammar: the reply is free text or ``<tool_call>``
+        blocks following the schemas.
 
         Free text may not start a tag (``<`` followed by a letter or ``/``), so a reply that calls a
         tool must use the grammar's path, where the name is one of the registered tools and the
         arguments are a JSON object with the schema's properties in order (optional ones may be
         left out). Schema keywords the grammar cannot express (minimum, pattern, ...) are left to
         :meth:`execute`'s validation. ``required``: calls only, no free text (OpenAI's ``tool_choice``
-        "required"), written compactly (at most one space between tokens: a small model pushed into a
-        call otherwise wanders off in whitespace); ``names``: only these tools may be called (a named
-        ``tool_choice``).
+        "required"), written compactly (at most one space between tokens: a small model pushed
+        into a call otherwise wanders off in whitespace); ``names``: only these tools may be
+        called (a named ``tool_choice``).
         """
         tools = [tool for name, tool in self._tools.items() if names is None or name in names]
         return gbnf_grammar(tools, free_text=not required, compact=required)
@@ -224,7 +230,8 @@ class ToolRegistry:
 
 def _validator(tool: Tool):
     if not isinstance(tool.parameters, dict) or tool.parameters.get("type") != "object":
-        raise UserError(f"tool {tool.name!r}: the schema must be a JSON object schema with \"type\": \"object\"")
+        raise UserError(f"tool {tool.name!r}: the schema must be a JSON object schema with "
+                        f"\"type\": \"object\"")
     validator_class = jsonschema.validators.validator_for(tool.parameters)
     try:
         validator_class.check_schema(tool.parameters)
@@ -243,7 +250,8 @@ def _signature(tool: Tool) -> str:
 
 
 def _exception_text(exc: Exception) -> str:
-    """A ValueError is a tool's way to say "your input is wrong": its message alone; others keep their type."""
+    """A ValueError is a tool's way to say "your input is wrong": its message alone;
+    others keep their type."""
     return str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}"
 
 

@@ -1,5 +1,6 @@
-"""A tool's JSON schema from its Python signature: type hints give the types, defaults the defaults, a Google-style
-"Args:" docstring section the descriptions. An unsupported annotation is a one-line :class:`UserError`.
+"""A tool's JSON schema from its Python signature: type hints give the types, defaults the
+defaults, a Google-style "Args:" docstring section the descriptions. An unsupported annotation is a
+one-line :class:`UserError`.
 
 Stdlib only: this module runs on phones and boards.
 """
@@ -22,7 +23,8 @@ _SUPPORTED = "str, int, float, bool, list[...], dict[str, ...], Optional[...], L
 
 
 def function_schema(fn: Callable, name: str) -> tuple[str, dict]:
-    """The docstring's first line and the JSON schema of ``fn``'s parameters, from its type hints."""
+    """The docstring's first line and the JSON schema of ``fn``'s
+    parameters, from its type hints."""
     summary, arg_docs = docstring_parts(fn)
     hints = _type_hints(fn, name)
     properties = {}
@@ -45,7 +47,8 @@ def function_schema(fn: Callable, name: str) -> tuple[str, dict]:
 
 
 def annotation_schema(annotation: Any, where: str = "annotation") -> dict:
-    """The JSON schema of one type annotation; an unsupported one is a UserError naming ``where``."""
+    """The JSON schema of one type annotation; an unsupported one is a
+    UserError naming ``where``."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if annotation in _SIMPLE_TYPES:
@@ -74,7 +77,8 @@ def _type_hints(fn: Callable, name: str) -> dict:
 
 def _check_parameter_kind(param: inspect.Parameter, where: str) -> None:
     if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
-        raise UserError(f"{where}: *args, **kwargs and positional-only parameters cannot be tool arguments")
+        raise UserError(f"{where}: *args, **kwargs and positional-only parameters cannot be tool "
+                        f"arguments")
 
 
 def _json_type(value: Any) -> Optional[str]:
@@ -100,7 +104,8 @@ def _dict_schema(args: tuple, where: str) -> dict:
     if not args:
         return {"type": "object"}
     if args[0] is not str:
-        raise UserError(f"{where}: dictionary keys must be str (JSON object keys), got {_type_name(args[0])}")
+        raise UserError(f"{where}: dictionary keys must be str (JSON object keys), got "
+                        f"{_type_name(args[0])}")
     return {"type": "object", "additionalProperties": annotation_schema(args[1], where)}
 
 
@@ -154,7 +159,8 @@ def _args_section(lines: list[str]) -> dict[str, str]:
 
 
 def accepting_enum_values(fn: Callable) -> Callable:
-    """Wrap ``fn`` so parameters annotated with an Enum receive the member, not the raw JSON value."""
+    """Wrap ``fn`` so parameters annotated with an Enum receive the member,
+    not the raw JSON value."""
     hints = typing.get_type_hints(fn)
     enums = {k: v for k, v in hints.items() if isinstance(v, type) and issubclass(v, enum.Enum) and k != "return"}
     if not enums:

@@ -1,7 +1,7 @@
 """Tool lists as task rows and clients write them (OpenAI's format): decoded, cleaned and checked.
 
-``{"type": "function", "function": {"name", "description", "parameters"}}`` or the bare inner object; ``parameters``
-must be a valid JSON schema.
+``{"type": "function", "function": {"name", "description", "parameters"}}`` or the bare inner
+object; ``parameters`` must be a valid JSON schema.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from slm_align.errors import UserError
 
 
 def normalise_tools(where: str, tools: Any) -> Optional[list[dict]]:
-    """A row's ``tools`` as a list of tool dicts: decoded when stored as JSON text, None-valued keys (which
-    parquet adds when it merges different schemas into one struct) removed; each tool must have a name and, when
-    it has parameters, a valid JSON schema for them."""
+    """A row's ``tools`` as a list of tool dicts: decoded when stored as JSON text, None-valued keys
+    (which parquet adds when it merges different schemas into one struct) removed; each tool must
+    have a name and, when it has parameters, a valid JSON schema for them."""
     if tools is None:
         return None
     if isinstance(tools, str):
@@ -43,7 +43,8 @@ def _without_nones(value: Any) -> Any:
 
 
 def tool_function(tool: dict) -> dict:
-    """The ``{"name", "description", "parameters"}`` part of an OpenAI tool (or the tool itself when bare)."""
+    """The ``{"name", "description", "parameters"}`` part of an OpenAI tool (or the
+    tool itself when bare)."""
     inner = tool.get("function")
     return inner if isinstance(inner, dict) else tool
 
@@ -60,4 +61,5 @@ def _check_tool(where: str, tool: dict) -> None:
     try:
         jsonschema.validators.validator_for(parameters).check_schema(parameters)
     except jsonschema.exceptions.SchemaError as exc:
-        raise UserError(f"{where}: tool {name!r}: invalid JSON schema for its parameters ({exc.message})") from None
+        raise UserError(f"{where}: tool {name!r}: invalid JSON schema for its parameters "
+                        f"({exc.message})") from None

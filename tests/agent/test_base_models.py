@@ -1,5 +1,6 @@
-"""Base models in the runtime: a GGUF without a chat template is given one (--chat-template chatml|FILE) or continued
-as plain text (chat --raw, the server's /v1/completions); without either it is refused in one line naming both."""
+"""Base models in the runtime: a GGUF without a chat template is given one (--chat-template
+chatml|FILE) or continued as plain text (chat --raw, the server's /v1/completions); without either
+it is refused in one line naming both."""
 
 import io
 import json
@@ -36,7 +37,8 @@ def without_template(model_dir, out):
 
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
-    """The bundled model as GGUF F16 twice: with its ChatML template (``chat``) and without any (``base``)."""
+    """The bundled model as GGUF F16 twice: with its ChatML template (``chat``) and
+    without any (``base``)."""
     root = tmp_path_factory.mktemp("base-models")
     plain = without_template(DEFAULT_MODEL_DIR, root / "plain")
     return {"chat": write_gguf(DEFAULT_MODEL_DIR, root / "chat.gguf", "F16"),
@@ -44,7 +46,8 @@ def ggufs(tmp_path_factory):
 
 
 def greedy_continuation(path, text, tokens):
-    """What llama.cpp continues ``text`` with, greedily, without our runtime: the plain-completion reference."""
+    """What llama.cpp continues ``text`` with, greedily, without our runtime: the
+    plain-completion reference."""
     backend = open_backend(path)
     ids = greedy(backend, backend.tokenize(text), tokens)
     return backend.detokenize([i for i in ids if i not in backend.eos_ids])
@@ -96,7 +99,8 @@ def test_agent_load_takes_chatml_or_a_template_file_and_a_model_keeps_its_own_ot
 
 @pytest.mark.parametrize("content, problem", [(None, "neither chatml nor a readable template file"),
                                               ("   ", "is empty"),
-                                              ("{% for m in messages %}", "is not a valid Jinja template")])
+                                              ("{% for m in messages "
+                                               "%}", "is not a valid Jinja template")])
 def test_a_bad_template_file_is_one_line(capsys, monkeypatch, ggufs, tmp_path, content, problem):
     path = tmp_path / "bad.jinja"
     if content is not None:
@@ -110,13 +114,15 @@ def test_chat_raw_continues_each_line_as_plain_text(capsys, monkeypatch, ggufs):
     code, out, _ = chat_cli(capsys, monkeypatch, TEXT + "\n", ggufs["base"], "--raw", "--temperature", "0",
                             "--max-new-tokens", "12", "--json")
     assert code == 0 and json.loads(out)["reply"] == expected and json.loads(out)["truncated"]
-    code, out, err = chat_cli(capsys, monkeypatch, f"{TEXT}\n/quit\nnot continued\n", ggufs["base"], "--raw",
+    code, out, err = chat_cli(capsys, monkeypatch, f"{TEXT}\n/quit\nnot "
+                              f"continued\n", ggufs["base"], "--raw",
                               "--temperature", "0", "--max-new-tokens", "12")
     assert code == 0 and out == expected + "\n" and "raw mode" in err
     assert len(expected.split()) >= 3
 
 
-@pytest.mark.parametrize("flag", [["--chat-template", "chatml"], ["--tools"], ["--system", "Be terse."],
+@pytest.mark.parametrize("flag", [["--chat-template", "chatml"], ["--tools"], ["--system", "Be "
+                                                                               "terse."],
                                   ["--store", "prefs.db"]])
 def test_raw_refuses_the_flags_of_a_chat(capsys, monkeypatch, ggufs, tmp_path, flag):
     monkeypatch.chdir(tmp_path)

@@ -1,4 +1,5 @@
-"""`slm-align bench`: on-host measurement of GGUF and ONNX artifacts, saved host profiles, and no torch."""
+"""`slm-align bench`: on-host measurement of GGUF and ONNX artifacts, saved host
+profiles, and no torch."""
 
 import json
 import math
@@ -59,7 +60,8 @@ def test_bench_measures_every_figure(measured, artifacts, kind):
 
 
 def test_peak_memory_is_the_measuring_process_not_the_caller(measured):
-    """The parent holds torch (the export fixture) and pytest; the child's peak must be far below that."""
+    """The parent holds torch (the export fixture) and pytest; the child's peak
+    must be far below that."""
     import resource
 
     parent_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -77,7 +79,8 @@ def test_isa_flags_map_to_profile_words():
 def test_toml_writer_round_trips():
     data = {"display_name": 'this host: "Xeon" \\ 2', "ram_gb": 7.5, "cores": 4, "isa": ["avx2"],
             "reference": [{"model": "m", "parameters": 3, "size_gb": None}]}
-    assert tomllib.loads(to_toml(data)) == {"display_name": 'this host: "Xeon" \\ 2', "ram_gb": 7.5, "cores": 4,
+    assert tomllib.loads(to_toml(data)) == {"display_name": 'this host: "Xeon" \\ '
+                                            '2', "ram_gb": 7.5, "cores": 4,
                                             "isa": ["avx2"], "reference": [{"model": "m", "parameters": 3}]}
 
 
@@ -92,7 +95,8 @@ def test_saved_profile_loads_and_is_not_overwritten(measured, profile_dir, kind)
     assert "numpy copy" in profile.bandwidth_source and profile.isa == host.isa
     (point,) = profile.reference
     assert point.tokens_per_second == pytest.approx(measured[kind].decode_tokens_per_second, rel=1e-3)
-    assert point.parameters > 1_000_000 and point.source.startswith("slm-align bench on this host, ")
+    assert point.parameters > 1_000_000 and point.source.startswith("slm-align bench on this "
+                                                                    "host, ")
     before = path.read_text()
     with pytest.raises(UserError, match="already exists; pass --overwrite"):
         save_profile(measured[kind], "host-test", bandwidth_gbs=99.0)
@@ -142,7 +146,8 @@ def test_cli_saves_profile_then_predicts_with_it(artifacts, profile_dir, capsys)
 
 def test_unknown_artifact_and_device_are_one_line_errors(artifacts, tmp_path, profile_dir, capsys):
     for args, needle in ((["bench", tmp_path / "missing.gguf"], "not an exported model"),
-                         (["bench", artifacts["gguf"], "--device", "no-such-board"], "unknown device 'no-such-board'"),
+                         (["bench", artifacts["gguf"], "--device", "no-such-board"], "unknown "
+                          "device 'no-such-board'"),
                          (["bench", artifacts["gguf"], "--prompt-tokens", "400", "--decode-tokens", "400"],
                           "exceed the context window")):
         code, out, err = run_cli(capsys, *args)

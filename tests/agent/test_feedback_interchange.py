@@ -1,7 +1,7 @@
-"""The feedback interchange (issue 23, item 4): a store written by an independent writer that knows only
-docs/feedback-store.md (tests/native_writer.py: plain sqlite3, standing in for a Kotlin/Swift app) is read by
-`feedback export`, whose rows follow docs/feedback-rows.schema.json and train the reward model, DPO and KTO; a store
-of an unknown schema is refused in one line."""
+"""The feedback interchange (issue 23, item 4): a store written by an independent writer that knows
+only docs/feedback-store.md (tests/native_writer.py: plain sqlite3, standing in for a Kotlin/Swift
+app) is read by `feedback export`, whose rows follow docs/feedback-rows.schema.json and train the
+reward model, DPO and KTO; a store of an unknown schema is refused in one line."""
 
 import json
 import shutil
@@ -50,17 +50,20 @@ def test_the_writer_imports_nothing_from_slm_align():
 
 
 def latest_thumb_is_up(story: int) -> bool:
-    """Each thumbs is given twice, the verdicts swapped on every other thumbs turn; the latest counts."""
+    """Each thumbs is given twice, the verdicts swapped on every other thumbs
+    turn; the latest counts."""
     return story % 8 == 7
 
 
 def app_session(conn: sqlite3.Connection, model_id: str, turns: int) -> None:
-    """Two-turn conversations with every kind of feedback; the preferred answers open with YES. The last turn's
-    user withheld consent; each thumbs is given twice (up then down, or down then up: the latest counts)."""
+    """Two-turn conversations with every kind of feedback; the preferred answers open with YES.
+    The last turn's user withheld consent; each thumbs is given twice (up then down, or down then
+    up: the latest counts)."""
     for i in range(turns):
         rest = f" It saw {i % 7} birds and a boat."
         messages = [{"role": "system", "content": "You tell stories."},
-                    {"role": "user", "content": f"Story {i}: the fox went to the river on day {i}."}]
+                    {"role": "user", "content": f"Story {i}: the fox went to the river on day "
+                     f"{i}."}]
         if i % 2:
             messages += [{"role": "assistant", "content": "Once."}, {"role": "user", "content": "Go on."}]
         kind = i % 4
@@ -104,8 +107,8 @@ def lora_b_tensors(adapter: Path) -> dict:
 
 
 def assert_kto_trained(run: Path, model_id: str) -> None:
-    """KTO ran its steps on the thumbs alone: the adapter moved from its zero start and the held-out labelled
-    completions were measured before and after."""
+    """KTO ran its steps on the thumbs alone: the adapter moved from its zero start and the held-out
+    labelled completions were measured before and after."""
     metrics = json.loads((run / "kto" / "manifest.json").read_text())["metrics"]
     assert metrics["algo"] == "kto" and metrics["steps"] == 3
     assert metrics["train_items"] + metrics["heldout_labelled"] == 11 and metrics["heldout_labelled"] >= 1
@@ -170,7 +173,8 @@ def test_a_native_writers_store_is_exported_and_trains_the_reward_model_dpo_and_
 
 
 def spec_store(path: Path, edit) -> Path:
-    """A store made from the spec's SQL as ``edit`` changes it (a writer's slip, or a future version)."""
+    """A store made from the spec's SQL as ``edit`` changes it (a writer's
+    slip, or a future version)."""
     conn = sqlite3.connect(path, isolation_level=None)
     conn.executescript(edit(native_writer.spec_sql()))
     conn.close()
@@ -191,7 +195,8 @@ def token_column_missing(sql: str) -> str:
 
 @pytest.mark.parametrize("edit, message", [
     (newer_version, f"schema version {SCHEMA_VERSION + 1} is newer than this slm-align supports"),
-    (version_forgotten, "has tables but schema version 0; its writer must set PRAGMA user_version = 2"),
+    (version_forgotten, "has tables but schema version 0; its writer must set PRAGMA user_version "
+     "= 2"),
     (token_column_missing, "table turns lacks column(s) token"),
 ])
 def test_a_store_of_a_schema_the_code_does_not_know_is_refused_in_one_line(tmp_path, capsys, edit, message):

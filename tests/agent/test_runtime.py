@@ -1,4 +1,5 @@
-"""The on-device agent: both backends, multi-turn within the window, tools, feedback, and no torch."""
+"""The on-device agent: both backends, multi-turn within the window, tools,
+feedback, and no torch."""
 
 import json
 import subprocess
@@ -42,7 +43,8 @@ class ScriptedBackend:
 
 
 def test_both_backends_give_the_same_greedy_conversation(artifacts):
-    agents = {kind: Agent.load(path, sampling=GREEDY, system="You tell stories.") for kind, path in artifacts.items()}
+    agents = {kind: Agent.load(path, sampling=GREEDY, system="You tell "
+                               "stories.") for kind, path in artifacts.items()}
     for message in ("Tell me about a cat.", "And then what happened?"):
         replies = {kind: agent.chat(message).text for kind, agent in agents.items()}
         assert replies["gguf"] == replies["onnx"] and len(replies["gguf"].split()) >= 3
@@ -79,7 +81,9 @@ LOOP = "But then it home."
 
 
 def test_repeat_penalty_stops_a_loop_and_both_backends_agree(artifacts):
-    plain = Agent.load(artifacts["onnx"], sampling=replace(GREEDY, max_tokens=40)).chat("Tell me about a cat.").text
+    plain = Agent.load(artifacts["onnx"], sampling=replace(GREEDY, max_tokens=40)).chat("Tell me "
+                                                                                        "about a "
+                                                                                        "cat.").text
     assert plain.count(LOOP) >= 3
     for params in (dict(repeat_penalty=1.5), dict(repeat_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3)):
         sampling = replace(GREEDY, max_tokens=40, **params)
@@ -121,7 +125,8 @@ def test_tool_call_is_parsed_executed_and_observed(artifacts):
     agent.backend = ScriptedBackend(agent.backend, [call, "It is 391."])
     reply = agent.chat("What is 17 times 23?")
     assert reply.text == "It is 391."
-    assert reply.tool_calls == [{"name": "calculator", "arguments": {"expression": "17 * 23"}, "ok": True,
+    assert reply.tool_calls == [{"name": "calculator", "arguments": {"expression": "17 * "
+                                                                     "23"}, "ok": True,
                                  "content": "391"}]
     assert "391" in agent.backend.prompts[1] and [m["role"] for m in agent.messages] == \
         ["user", "assistant", "tool", "assistant"]
@@ -129,8 +134,8 @@ def test_tool_call_is_parsed_executed_and_observed(artifacts):
 
 @pytest.mark.parametrize("bad", ['<tool_call>{"name": "calculator", "arguments": {oops</tool_call>',
                                  '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
-                                 '<tool_call>{"name": "calculator", "arguments": {"expression": "__import__(1)"}}'
-                                 '</tool_call>'])
+                                 '<tool_call>{"name": "calculator", "arguments": {"expression": '
+                                 '"__import__(1)"}}</tool_call>'])
 def test_malformed_or_refused_call_goes_back_as_an_observation(artifacts, bad):
     agent = Agent.load(artifacts["onnx"], sampling=SCRIPTED, tools=default_tools())
     agent.backend = ScriptedBackend(agent.backend, [bad, "Sorry, I could not compute that."])
@@ -219,8 +224,8 @@ def test_chat_command_records_feedback(artifacts, tmp_path, monkeypatch, capsys)
     import io
 
     db = tmp_path / "chat.db"
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me a story.\n/good\n/compare\n/pick 2\n/edit A better one.\n"
-                                                  "/quit\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me a story.\n/good\n/compare\n/pick "
+                                                  "2\n/edit A better one.\n/quit\n"))
     code, out, err = run_cli(capsys, "chat", artifacts["gguf"], "--store", db, "--consent", "--max-new-tokens", "12")
     assert code == 0 and "recorded: thumbs up" in err and "answer 2 preferred" in err
     counts = PreferenceStore(db).counts()

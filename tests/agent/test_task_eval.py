@@ -1,5 +1,5 @@
-"""The bundled calculator task and agent evaluation in the runtime: generation, split, SFT rows that render as the
-runtime renders, failure categories, and `evaluate-agent` end to end."""
+"""The bundled calculator task and agent evaluation in the runtime: generation, split, SFT rows that
+render as the runtime renders, failure categories, and `evaluate-agent` end to end."""
 
 import json
 import subprocess
@@ -45,7 +45,8 @@ class ScriptedBackend:
 
 
 def scripted_agent(artifact, replies):
-    """The evaluation agent on ``artifact`` with its completions scripted (its token counter kept)."""
+    """The evaluation agent on ``artifact`` with its completions scripted
+    (its token counter kept)."""
     agent = open_agent(artifact, max_tokens=200)
     agent.backend.inner = ScriptedBackend(agent.backend.inner, replies)
     return agent
@@ -137,12 +138,14 @@ HAND_WRITTEN = [  # (calls, final text, category) for the task "17 * 23" -> 391
      "The answer is 391.", "success"),
     ([], "391", "success"),
     ([], "I think it is 400.", "no_call"),
-    ([{"name": "", "arguments": None, "ok": False, "content": "Error: malformed JSON"}], "Sorry.", "malformed_call"),
+    ([{"name": "", "arguments": None, "ok": False, "content": "Error: malformed "
+       "JSON"}], "Sorry.", "malformed_call"),
     ([{"name": "calculator", "arguments": {"expression": "__import__(1)"}, "ok": False, "content": "Error: no"}],
      "Sorry.", "malformed_call"),
     ([{"name": "current_time", "arguments": {}, "ok": True, "content": "2025-01-01T00:00:00"}], "2025",
      "wrong_tool"),
-    ([{"name": "rm_rf", "arguments": None, "ok": False, "content": "Error: unknown tool"}], "Done.", "wrong_tool"),
+    ([{"name": "rm_rf", "arguments": None, "ok": False, "content": "Error: unknown "
+       "tool"}], "Done.", "wrong_tool"),
     ([{"name": "calculator", "arguments": {"expression": "17 + 23"}, "ok": True, "content": "40"}],
      "The answer is 40.", "wrong_answer"),
 ]
@@ -177,7 +180,8 @@ def test_task_eval_counts_on_a_scripted_backend(gguf):
     script = [calls[0], f"The answer is {tasks[0]['answer']}.",
               "I do not know.",
               '<tool_call>{"name": "calculator", "arguments": {oops</tool_call>', "Sorry.",
-              '<tool_call>{"name": "current_time", "arguments": {"timezone": "UTC"}}</tool_call>', "Noon.",
+              '<tool_call>{"name": "current_time", "arguments": {"timezone": '
+              '"UTC"}}</tool_call>', "Noon.",
               calls[4], "The answer is 0.5."]
     agent = scripted_agent(gguf, script)
     results = [run_task(agent, task) for task in tasks]
@@ -232,7 +236,8 @@ def test_commands_have_help_with_examples(capsys, command):
 
 
 def test_task_evaluation_imports_no_torch():
-    script = ("import sys, slm_align.agent.task_eval, slm_align.data.agent_tasks, slm_align.cli.tasks\n"
-              "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    script = ("import sys, slm_align.agent.task_eval, slm_align.data.agent_tasks, "
+              "slm_align.cli.tasks\nprint([m for m in ('torch', 'transformers') if m in "
+              "sys.modules])")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,8 +1,8 @@
 """Today's small architectures (Qwen3, Gemma 3 text, GPT-2 export) everywhere a model goes.
 
-The reference for GGUF is llama.cpp itself twice over: its runtime computes the logits, and its own converter
-(tests/llama_cpp_reference.py) writes the file ours must equal. PyTorch is the reference for what the logits
-should be.
+The reference for GGUF is llama.cpp itself twice over: its runtime computes the logits, and its own
+converter (tests/llama_cpp_reference.py) writes the file ours must equal. PyTorch is the reference
+for what the logits should be.
 """
 
 import json
@@ -137,8 +137,8 @@ def test_gemma_norms_gain_one_and_gpt2_conv1d_weights_are_transposed(tmp_path, t
 
 @pytest.mark.parametrize("arch", NEW + ["gpt2"])
 def test_a_gguf_of_ours_loads_back_into_pytorch_exactly(tmp_path, tiny_models, tokenizer, arch):
-    """transformers' GGUF loader misses Qwen3's head_dim, Gemma's attention scale and GPT-2's context length;
-    load_model reads them from the file."""
+    """transformers' GGUF loader misses Qwen3's head_dim, Gemma's attention scale and GPT-2's
+    context length; load_model reads them from the file."""
     path = write_gguf(tiny_models[arch], tmp_path / "m.gguf", "F32")
     ids = _probe_ids(tokenizer)
     expected = _torch_logits(load_model(resolve_source(str(tiny_models[arch]))), ids)
@@ -189,11 +189,11 @@ def trained_runs(tmp_path_factory, tiny_models, stories):
     for arch in NEW:
         root = tmp_path_factory.mktemp(arch)
         recipe = root / "recipe.toml"
-        recipe.write_text('[data]\nmax_length = 64\n[sft]\nmax_steps = 2\nbatch_size = 4\n[reward]\nmax_steps = 2\n'
-                          'batch_size = 4\n[rl]\nsteps = 1\nprompts_per_step = 2\ngroup_size = 2\n'
-                          'max_new_tokens = 8\neval_prompts = 2\nreport_prompts = 4\n'
-                          '[headroom]\nmax_documents = 8\nspread_prompts = 2\n'
-                          'max_new_tokens = 8\n')
+        recipe.write_text('[data]\nmax_length = 64\n[sft]\nmax_steps = 2\nbatch_size = '
+                          '4\n[reward]\nmax_steps = 2\nbatch_size = 4\n[rl]\nsteps = '
+                          '1\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = '
+                          '8\neval_prompts = 2\nreport_prompts = 4\n[headroom]\nmax_documents = '
+                          '8\nspread_prompts = 2\nmax_new_tokens = 8\n')
         with pytest.raises(SystemExit) as done:
             main(["train", "--algo", "ppo", "--model", str(tiny_models[arch]), "--data", str(stories), "--out",
                   str(root / "run"), "--config", str(recipe), "--force", "--json"])
@@ -240,8 +240,9 @@ def test_a_trained_run_merges_exports_and_chats_on_both_runtimes(capsys, trained
 
 @pytest.mark.slow
 def test_the_real_gemma_3_270m_gguf_loads_into_pytorch_as_llama_cpp_runs_it(real_gemma_gguf):
-    """llama.cpp's own Q4_K_M file: transformers dequantizes it (norms minus one, head_dim 256, window 512);
-    PyTorch and llama.cpp then pick the same next token almost everywhere (llama.cpp also rounds activations)."""
+    """llama.cpp's own Q4_K_M file: transformers dequantizes it (norms minus one, head_dim 256,
+    window 512); PyTorch and llama.cpp then pick the same next token almost everywhere (llama.cpp
+    also rounds activations)."""
     from slm_align.agent.open_artifact import open_backend
 
     backend = open_backend(real_gemma_gguf, all_logits=True, n_ctx=1024)

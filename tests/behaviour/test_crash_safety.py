@@ -1,5 +1,6 @@
-"""Crash safety: long stages killed with SIGKILL at several points resume to the same step count, and no artifact
-ever appears half-written under its final name. Manifests carry checksums that loading verifies."""
+"""Crash safety: long stages killed with SIGKILL at several points resume to the same step
+count, and no artifact ever appears half-written under its final name. Manifests carry checksums
+that loading verifies."""
 
 import json
 import os
@@ -30,7 +31,8 @@ def kill_when(process: subprocess.Popen, ready) -> None:
     deadline = time.time() + TIMEOUT
     while not ready():
         if process.poll() is not None:
-            pytest.fail(f"finished (exit {process.returncode}) before the kill point: {process.stderr.read()[-1500:]}")
+            pytest.fail(f"finished (exit {process.returncode}) before the kill point: "
+                        f"{process.stderr.read()[-1500:]}")
         if time.time() > deadline:
             process.kill()
             pytest.fail("kill point not reached in time")
@@ -71,9 +73,10 @@ def test_sft_killed_twice_resumes_to_the_full_step_count(tmp_path, tiny_models, 
 def test_reward_and_rl_killed_mid_training_resume_to_the_full_step_count(tmp_path, tiny_models, stories):
     run, _ = finished_sft_run(tmp_path / "run", tiny_models["llama"], stories, steps=2)
     recipe = tmp_path / "recipe.toml"
-    recipe.write_text('[model]\nsource = "%s"\n[data]\npath = "%s"\nmax_length = 64\n[reward]\nsave_steps = 3\n'
-                      'max_steps = 30\nbatch_size = 4\n[rl]\nsave_steps = 2\nsteps = 12\nprompts_per_step = 2\n'
-                      'group_size = 2\nmax_new_tokens = 8\neval_prompts = 4\n' % (tiny_models["llama"], stories))
+    recipe.write_text('[model]\nsource = "%s"\n[data]\npath = "%s"\nmax_length = '
+                      '64\n[reward]\nsave_steps = 3\nmax_steps = 30\nbatch_size = '
+                      '4\n[rl]\nsave_steps = 2\nsteps = 12\nprompts_per_step = 2\ngroup_size = '
+                      '2\nmax_new_tokens = 8\neval_prompts = 4\n' % (tiny_models["llama"], stories))
     reward = ["train", "--stage", "reward", "--out", run, "--config", recipe]
     kill_when(start(*reward), checkpoint_at_least(run / "reward.partial" / "checkpoints", 6))
     assert not (run / "reward").exists()
@@ -94,13 +97,15 @@ def test_reward_and_rl_killed_mid_training_resume_to_the_full_step_count(tmp_pat
 
 
 def test_kto_killed_between_checkpoints_resumes_bit_identical(tmp_path, tiny_models, stories):
-    """KTO scores each training answer under the reference on first use and keeps the scores in its checkpoints: a
-    run SIGKILLed after a checkpoint resumes with that partial cache and ends where an unbroken run ends."""
+    """KTO scores each training answer under the reference on first use and keeps the scores in
+    its checkpoints: a run SIGKILLed after a checkpoint resumes with that partial cache and ends
+    where an unbroken run ends."""
     prefs = write_rows(tmp_path / "prefs.jsonl", learnable_rows(60))
     recipe = tmp_path / "recipe.toml"
-    recipe.write_text('[model]\nsource = "%s"\n[data]\npath = "%s"\nmax_length = 96\n[reward]\npreferences = ["%s"]\n'
-                      '[preference]\nsteps = 16\nsave_steps = 4\nbatch_size = 8\nlearning_rate = 5e-3\n'
-                      'eval_every = 5\n' % (tiny_models["llama"], stories, prefs))
+    recipe.write_text('[model]\nsource = "%s"\n[data]\npath = "%s"\nmax_length = '
+                      '96\n[reward]\npreferences = ["%s"]\n[preference]\nsteps = 16\nsave_steps = '
+                      '4\nbatch_size = 8\nlearning_rate = 5e-3\neval_every = '
+                      '5\n' % (tiny_models["llama"], stories, prefs))
     runs = {}
     for name in ("whole", "killed"):
         runs[name], _ = finished_sft_run(tmp_path / name, tiny_models["llama"], stories, steps=2)

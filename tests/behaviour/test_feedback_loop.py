@@ -1,6 +1,7 @@
-"""The loop, closed on the bundled model: 45 recorded turns with edits, picks and thumbs -> feedback export -> DPO
-and KTO -> export -> the new artifacts, run in the runtime, prefer the chosen answers of held-out pairs more often
-than the artifact the feedback was given to (benchmarks/feedback_loop.py drives it)."""
+"""The loop, closed on the bundled model: 45 recorded turns with edits, picks and thumbs -> feedback
+export -> DPO and KTO -> export -> the new artifacts, run in the runtime, prefer the chosen answers
+of held-out pairs more often than the artifact the feedback was given to
+(benchmarks/feedback_loop.py drives it)."""
 
 import importlib.util
 import json

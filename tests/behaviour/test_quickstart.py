@@ -1,5 +1,5 @@
-"""The quickstart on the bundled model: SFT lowers perplexity, the reward model ranks well, the gate passes,
-and both PPO and GRPO raise the mean reward of held-out prompts over the SFT policy."""
+"""The quickstart on the bundled model: SFT lowers perplexity, the reward model ranks well, the gate
+passes, and both PPO and GRPO raise the mean reward of held-out prompts over the SFT policy."""
 
 import json
 import shutil
@@ -96,8 +96,9 @@ def test_quickstart_exports_parity_checked_artifacts_and_records_a_preference(qu
 
     gguf = json.loads((quickstart / "export" / "model-Q8_0.gguf.json").read_text())["metrics"]["verification"]
     onnx = json.loads((quickstart / "export" / "onnx-fp32" / "manifest.json").read_text())["metrics"]["verification"]
-    # Q8_0 rounds activations too, so it is decided by top-1 agreement; greedy decoding is measured and every
-    # prompt is accounted for: exact, a recorded near-tie, or a recorded divergence with PyTorch's logit gap there
+    # Q8_0 rounds activations too, so it is decided by top-1 agreement; greedy decoding is measured
+    # and every prompt is accounted for: exact, a recorded near-tie, or a recorded divergence with
+    # PyTorch's logit gap there
     assert gguf["passed"] and gguf["agreement"] >= 0.95 and gguf["prompts"] == 4
     assert gguf["greedy_exact"] + len(gguf["ties"]) + len(gguf["divergences"]) == 4 and gguf["greedy_exact"] >= 2
     assert all(divergence["torch_logit_gap"] >= 0 for divergence in gguf["divergences"])

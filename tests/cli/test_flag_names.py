@@ -1,5 +1,5 @@
-"""Flag names (issue 21, item 5): one spelling per concept across commands, TRL's and llama.cpp's spellings as
-aliases, and old spellings that keep working with a one-line deprecation note."""
+"""Flag names (issue 21, item 5): one spelling per concept across commands, TRL's and llama.cpp's
+spellings as aliases, and old spellings that keep working with a one-line deprecation note."""
 
 import pytest
 import typer

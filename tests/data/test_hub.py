@@ -1,5 +1,5 @@
-"""Hub datasets: a hub id is read through datasets' cache, an unreachable one is one line, a local path is not
-taken for one."""
+"""Hub datasets: a hub id is read through datasets' cache, an unreachable one is one line, a local
+path is not taken for one."""
 
 from pathlib import Path
 
@@ -23,7 +23,8 @@ def test_a_hub_dataset_in_the_cache_is_read(monkeypatch):
     from slm_align.data.readers import fingerprint, read_examples
 
     table = datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": ["held out"]}),
-                                  "train": datasets.Dataset.from_dict({"text": ["one story.", "two stories."]})})
+                                  "train": datasets.Dataset.from_dict({"text": ["one story.", "two "
+                                                                                "stories."]})})
     asked = []
 
     def cached(name):

@@ -1,5 +1,6 @@
-"""Device profiles and fit / speed estimates: profiles validate, the speed model predicts every published
-reference point it did not see within a factor of 2, memory behaves, and model facts are read exactly."""
+"""Device profiles and fit / speed estimates: profiles validate, the speed model predicts
+every published reference point it did not see within a factor of 2, memory behaves, and model
+facts are read exactly."""
 
 import json
 import math
@@ -50,7 +51,8 @@ def run_cli(capsys, *args):
     return exit_info.value.code, captured.out, captured.err
 
 
-# --- profiles -----------------------------------------------------------------------------------------------
+# --- profiles
+# -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", REQUIRED)
 def test_every_bundled_profile_loads_with_its_required_fields(name):
@@ -80,7 +82,8 @@ def test_leave_one_out_predicts_every_reference_point_within_a_factor_of_two():
 
 def test_efficiency_is_the_geometric_mean_of_measured_over_the_bandwidth_bound():
     points = [ReferencePoint(model=f"m{i}", parameters=10**9, quant="Q8_0", tokens_per_second=tps, context=1,
-                             size_gb=1.0, source="hand-made point") for i, tps in enumerate((8.0, 5.0))]
+                             size_gb=1.0, source="hand-made "
+                             "point") for i, tps in enumerate((8.0, 5.0))]
     board = load_profile("rpi5").model_copy(update={"bandwidth_gbs": 10.0, "reference": points})
     efficiency = efficiency_for(board, [])
     assert efficiency.basis == "device" and efficiency.value == pytest.approx(math.sqrt(0.8 * 0.5))
@@ -95,7 +98,8 @@ def test_a_device_without_enough_points_uses_every_devices_points():
     assert report.efficiency.basis == "all devices" and report.efficiency.points == len(reference_pool())
 
 
-# --- memory -------------------------------------------------------------------------------------------------
+# --- memory
+# -------------------------------------------------------------------------------------------------
 
 def test_kv_cache_and_weights_follow_the_documented_formulas():
     model, board = facts(), load_profile("x86-laptop")
@@ -170,7 +174,8 @@ def test_bad_quantization_and_context_are_user_errors():
     assert estimate_fit(facts(), load_profile("rpi5"), quant="q4_k_m").quant == "Q4_K_M"
 
 
-# --- user profiles and errors -------------------------------------------------------------------------------
+# --- user profiles and errors
+# -------------------------------------------------------------------------------
 
 def _write_profile(path, **changes):
     text = load_profile("rpi5").model_dump(exclude={"name", "reference"}) | changes
@@ -233,11 +238,13 @@ def test_an_unknown_device_lists_the_known_ones():
         load_profile("toaster")
 
 
-# --- model facts --------------------------------------------------------------------------------------------
+# --- model facts
+# --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def numpy_hf_dir(tmp_path_factory):
-    """A tiny Llama-shaped HF directory written with numpy only: exact parameter count known by construction."""
+    """A tiny Llama-shaped HF directory written with numpy only: exact parameter count
+    known by construction."""
     from safetensors.numpy import save_file
 
     root = tmp_path_factory.mktemp("hf")
@@ -302,15 +309,16 @@ def test_unsupported_model_inputs_are_user_errors(tmp_path, make, problem):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_the_config_formula_counts_every_architectures_parameters_exactly(tiny_models, arch):
-    """ONNX exports are sized from config.json alone: Qwen2's qkv biases, Qwen3's and Gemma's q/k norms, Gemma's
-    extra norms, GPT-2's learned positions and every GPT-style bias are counted."""
+    """ONNX exports are sized from config.json alone: Qwen2's qkv biases, Qwen3's and Gemma's q/k
+    norms, Gemma's extra norms, GPT-2's learned positions and every GPT-style bias are counted."""
     config = json.loads((tiny_models[arch] / "config.json").read_text())
     assert params_from_config(config) == model_facts(tiny_models[arch]).parameters
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
 def test_gguf_facts_take_head_dim_from_the_key_length(tmp_path, tiny_models, arch):
-    """Qwen3 and Gemma 3 heads are wider than hidden / heads (16, not 8, in the tiny models): the KV cache too."""
+    """Qwen3 and Gemma 3 heads are wider than hidden / heads (16, not 8, in the tiny
+    models): the KV cache too."""
     from slm_align.export.gguf import write_gguf
 
     hf = model_facts(tiny_models[arch])
@@ -343,7 +351,8 @@ def test_devices_import_neither_torch_nor_transformers(tmp_path, numpy_hf_dir, t
     assert result.stdout.strip() == "[]"
 
 
-# --- command line -------------------------------------------------------------------------------------------
+# --- command line
+# -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("command", [["devices"], ["devices", "list"], ["devices", "show"], ["devices", "fit"]])
 def test_devices_commands_have_help_with_examples(capsys, command):
@@ -376,7 +385,8 @@ def test_devices_fit_on_the_command_line(capsys, numpy_hf_dir):
 
 
 @pytest.mark.parametrize("args, problem", [(["--device", "toaster"], "unknown device 'toaster'"),
-                                           (["--device", "rpi5", "--quant", "Q9"], "unknown quantization"),
+                                           (["--device", "rpi5", "--quant", "Q9"], "unknown "
+                                            "quantization"),
                                            (["--device", "rpi5", "--ctx", "0"], "--ctx 0")])
 def test_devices_fit_bad_input_is_one_line_exit_2(capsys, numpy_hf_dir, args, problem):
     code, out, err = run_cli(capsys, "devices", "fit", numpy_hf_dir[0], *args)

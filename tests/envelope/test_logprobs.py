@@ -1,5 +1,6 @@
-"""The chunked vocabulary projection and log-softmax (rl/logprobs.py) give the model's own log-probabilities, entropies
-and values on every architecture, gradients included, and the first ratio of a chunked update stays exactly 1."""
+"""The chunked vocabulary projection and log-softmax (rl/logprobs.py) give the model's own
+log-probabilities, entropies and values on every architecture, gradients included, and the first
+ratio of a chunked update stays exactly 1."""
 
 import pytest
 import torch
@@ -10,16 +11,19 @@ from slm_align.envelope.value_head import ValueHead
 from tests.helpers import ARCHITECTURES, policy_with_moved_lora
 
 PROMPTS = ["Once upon a time, there was a cat.", "Tom found a red ball and", "One day,"]
-COMPLETIONS = [" She ran to the park with her friend.", " kicked it.", " Mia was very happy to see the sun."]
+COMPLETIONS = [" She ran to the park with her "
+               "friend.", " kicked it.", " Mia was very happy to see the sun."]
 
 
 def policy_with_trained_lora(path):
-    """A tiny policy whose LoRA has moved off zero, so that the adapter changes the log-probabilities."""
+    """A tiny policy whose LoRA has moved off zero, so that the adapter changes
+    the log-probabilities."""
     return policy_with_moved_lora(path, RLSettings(lora=LoraSettings(r=4, alpha=8.0, dropout=0.0)), 0.3, seed=0)
 
 
 def left_padded(tokenizer):
-    """(B, P+T) ids and mask: prompts padded on the left, completions on the right; and the prompt width P."""
+    """(B, P+T) ids and mask: prompts padded on the left, completions on the right;
+    and the prompt width P."""
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     completions = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in COMPLETIONS]
     width = max(map(len, prompts))

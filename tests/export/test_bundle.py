@@ -1,5 +1,6 @@
-"""Device bundles (issue 23, item 3): one directory and a zip with the artifact, tokenizer, chat template, sampling
-defaults, tool schemas, the export manifest with its verification, and a README naming the runtime and its calls."""
+"""Device bundles (issue 23, item 3): one directory and a zip with the artifact, tokenizer, chat
+template, sampling defaults, tool schemas, the export manifest with its verification, and a README
+naming the runtime and its calls."""
 
 import hashlib
 import json
@@ -40,10 +41,11 @@ def bundled_files(bundle: Path) -> set[str]:
 
 
 def assert_holds_what_an_app_needs(bundle: Path, artifact: Path, model_dir: Path, expected: tuple, calls: str) -> dict:
-    """The bundle's files as an app reads them: the artifact's copy, the tokenizer and chat template of ``model_dir``,
-    sampling defaults, tool schemas, the export manifest and its verification, a README naming the runtime
-    (``expected[0]``) and ``calls``, bundle.json (runtime, target, quant, device = ``expected``) whose digests hold,
-    and the zip beside it with the same files. Returns bundle.json."""
+    """The bundle's files as an app reads them: the artifact's copy, the tokenizer and chat
+    template of ``model_dir``, sampling defaults, tool schemas, the export manifest and its
+    verification, a README naming the runtime (``expected[0]``) and ``calls``, bundle.json
+    (runtime, target, quant, device = ``expected``) whose digests hold, and the zip beside it with
+    the same files. Returns bundle.json."""
     described = json.loads((bundle / "bundle.json").read_text())
     assert {p.name for p in bundle.iterdir()} == FILES | {"model"}
     assert (described["runtime"], described["target"], described["quant"], described["device"]) == expected

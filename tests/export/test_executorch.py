@@ -1,5 +1,6 @@
-"""ExecuTorch programs (issue 23, item 2): ``export --target executorch`` writes an fp32 ``model.pte`` (XNNPACK,
-static KV cache) that ExecuTorch's own Python runtime decodes greedily exactly as PyTorch does."""
+"""ExecuTorch programs (issue 23, item 2): ``export --target executorch`` writes an fp32
+``model.pte`` (XNNPACK, static KV cache) that ExecuTorch's own Python runtime decodes greedily
+exactly as PyTorch does."""
 
 import json
 
@@ -14,8 +15,8 @@ NEW_TOKENS = 24
 
 
 def pte_greedy(program_path, prompt_ids, stop=()):
-    """Greedy decoding as an app drives the program: ExecuTorch's runtime, one token and its position per call;
-    NEW_TOKENS tokens, or fewer when one in ``stop`` (kept) ends the answer."""
+    """Greedy decoding as an app drives the program: ExecuTorch's runtime, one token and its
+    position per call; NEW_TOKENS tokens, or fewer when one in ``stop`` (kept) ends the answer."""
     import torch
     from executorch.runtime import Runtime
 
@@ -100,7 +101,8 @@ def test_a_model_torch_export_cannot_take_is_refused_in_one_line_and_nothing_is_
 
 
 def assert_exact_program(result) -> None:
-    """A published fp32 program whose verification decoded every prompt exactly as PyTorch, as its manifest says."""
+    """A published fp32 program whose verification decoded every prompt exactly as
+    PyTorch, as its manifest says."""
     verification = result.metrics["verification"]
     assert (result.stage_dir / "model.pte").is_file()
     assert verification["passed"] and verification["greedy_exact"] == verification["prompts"] == 4
@@ -137,7 +139,8 @@ def test_the_bundled_model_exports_to_executorch_and_decodes_greedily_as_pytorch
 
 
 def test_loading_a_model_beside_executorch_writes_nothing_to_stderr(tiny_models):
-    """torchao (an executorch dependency) logs at import, which transformers does on every model load."""
+    """torchao (an executorch dependency) logs at import, which transformers
+    does on every model load."""
     import subprocess
     import sys
 

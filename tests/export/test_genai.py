@@ -1,5 +1,6 @@
-"""onnxruntime-genai folders (issue 23, item 1): our ONNX export plus genai_config.json loads in onnxruntime-genai's
-Python API, tokenizes as our tokenizer does, and decodes greedily as PyTorch does (fp32: exactly)."""
+"""onnxruntime-genai folders (issue 23, item 1): our ONNX export plus genai_config.json loads
+in onnxruntime-genai's Python API, tokenizes as our tokenizer does, and decodes greedily as
+PyTorch does (fp32: exactly)."""
 
 import json
 
@@ -128,8 +129,9 @@ def test_a_base_model_whose_tokenizer_settings_hold_nulls_loads_in_genai_tokeniz
 
 
 def test_a_tokenizer_that_adds_bos_is_accepted_with_genai_leaving_bos_to_the_caller(tiny_models, tmp_path):
-    """genai 0.18's encode does not run tokenizer.json's post-processor (Gemma's adds <bos>): the ids it gives are the
-    model's without that BOS, and the folder passes with genai_adds_bos False (the real Gemma 3 270M's case)."""
+    """genai 0.18's encode does not run tokenizer.json's post-processor (Gemma's adds <bos>): the
+    ids it gives are the model's without that BOS, and the folder passes with genai_adds_bos False
+    (the real Gemma 3 270M's case)."""
     import shutil
 
     from tokenizers import Tokenizer
@@ -139,7 +141,8 @@ def test_a_tokenizer_that_adds_bos_is_accepted_with_genai_leaving_bos_to_the_cal
     shutil.copytree(tiny_models["llama"], base)
     tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
     bos = tokenizer.token_to_id("<|endoftext|>")
-    tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> "
+                                                  "$A", special_tokens=[("<|endoftext|>", bos)])
     tokenizer.save(str(base / "tokenizer.json"))
     settings = json.loads((base / "tokenizer_config.json").read_text())
     (base / "tokenizer_config.json").write_text(json.dumps(dict(settings, bos_token="<|endoftext|>")))
@@ -161,8 +164,8 @@ def test_the_bundled_model_exports_to_genai_and_decodes_greedily_as_pytorch(tmp_
 
 
 def test_the_bundled_model_exports_to_genai_w8_the_default_scheme(tmp_path):
-    """The default scheme on the bundled model, whose tied head optimum writes as a Transpose of the embedding:
-    the 8-bit folder loads in onnxruntime-genai and agrees with PyTorch."""
+    """The default scheme on the bundled model, whose tied head optimum writes as a Transpose of the
+    embedding: the 8-bit folder loads in onnxruntime-genai and agrees with PyTorch."""
     from slm_align.modeling import DEFAULT_MODEL_DIR
 
     result = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "genai", out=tmp_path, threads=1))

@@ -1,4 +1,5 @@
-"""Export: GGUF and ONNX artifacts that load in llama.cpp and onnxruntime and decode like the PyTorch model."""
+"""Export: GGUF and ONNX artifacts that load in llama.cpp and onnxruntime and decode
+like the PyTorch model."""
 
 import json
 import shutil
@@ -22,8 +23,9 @@ ARCHS = ["gpt_neox", "llama", "qwen2", "qwen3", "gemma3_text", "gpt2"]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tokenizer, tiny_models):
-    """Tiny models whose output head is scaled up: a random model at init std 0.02 has near-tied logits, where
-    rounding to F16 may legitimately flip a greedy choice; these make every choice clear."""
+    """Tiny models whose output head is scaled up: a random model at init std 0.02 has
+    near-tied logits, where rounding to F16 may legitimately flip a greedy choice; these
+    make every choice clear."""
     import torch
 
     root = tmp_path_factory.mktemp("decisive")
@@ -37,10 +39,10 @@ def models(tmp_path_factory, tokenizer, tiny_models):
 
 
 def _independent_greedy_check(model_dir, artifact, check, quantized=False, steps=32):
-    """Our own comparison, outside the export's verification: every prompt decodes to PyTorch's tokens, except,
-    for quantized weights, after a recorded near tie (PyTorch's own logits for the two tokens closer than 0.05:
-    llama.cpp's Q8_0 also rounds activations to 8 bits, which can flip such a tie, even on the trained bundled
-    model). F16 and F32 must match exactly."""
+    """Our own comparison, outside the export's verification: every prompt decodes to PyTorch's
+    tokens, except, for quantized weights, after a recorded near tie (PyTorch's own logits for the
+    two tokens closer than 0.05: llama.cpp's Q8_0 also rounds activations to 8 bits, which can flip
+    such a tie, even on the trained bundled model). F16 and F32 must match exactly."""
     source = resolve_source(str(model_dir))
     model, tokenizer = load_model(source), load_tokenizer(source)
     backend = open_backend(artifact)
@@ -54,8 +56,9 @@ def _independent_greedy_check(model_dir, artifact, check, quantized=False, steps
         assert greedy(backend, prompt, steps, stop_at_eos=False)[:upto] == torch_greedy(model, prompt, steps)[:upto]
 
 
-# Qwen3's random model has a near tie (PyTorch gap 0.083) that Q8_0 flips, in llama.cpp's own converter's file as
-# in ours; its Q8_0 is pinned instead by bit equality with that file (test_architectures.py).
+# Qwen3's random model has a near tie (PyTorch gap 0.083) that Q8_0 flips, in llama.cpp's own
+# converter's file as in ours; its Q8_0 is pinned instead by bit equality with that file
+# (test_architectures.py).
 GGUF_CASES = [(arch, quant) for quant in ("F16", "Q8_0") for arch in ARCHS if (arch, quant) != ("qwen3", "Q8_0")]
 
 
@@ -156,7 +159,8 @@ def test_cli_exports_a_run_and_never_overwrites(capsys, tmp_path, tiny_models, s
 
 @pytest.mark.parametrize("args, expected", [
     (["{bert}", "--target", "gguf"], "unsupported architecture 'bert'"),
-    (["{gemma_global_first}", "--target", "gguf"], "llama.cpp would run this gemma3_text model differently"),
+    (["{gemma_global_first}", "--target", "gguf"], "llama.cpp would run this gemma3_text model "
+     "differently"),
     (["{llama}", "--target", "gguf", "--quant", "Q3_X"], "unknown GGUF quantization 'Q3_X'"),
     (["{llama}", "--target", "onnx", "--quant", "int3"], "unknown ONNX quantization 'int3'"),
     (["{llama}", "--target", "tflite"], "--target tflite"),

@@ -1,4 +1,5 @@
-"""merge folds SFT and RL adapters into a plain checkpoint with the same outputs as the adapted policy."""
+"""merge folds SFT and RL adapters into a plain checkpoint with the same outputs
+as the adapted policy."""
 
 import json
 

@@ -1,4 +1,5 @@
-"""Model cards: merge and export write README.md in the Hugging Face format, with only what the run measured."""
+"""Model cards: merge and export write README.md in the Hugging Face format, with only
+what the run measured."""
 
 import json
 import re
@@ -23,8 +24,8 @@ def card_parts(path):
 
 @pytest.fixture(scope="module")
 def aligned_run(tmp_path_factory, stories):
-    """A quickstart-like run on the bundled model: SFT, the gate, GRPO, the closing evaluation; merged, then
-    exported to a verified Q8_0 GGUF."""
+    """A quickstart-like run on the bundled model: SFT, the gate, GRPO, the closing evaluation;
+    merged, then exported to a verified Q8_0 GGUF."""
     from slm_align.cli import main
 
     run, _ = finished_sft_run(tmp_path_factory.mktemp("card") / "run", DEFAULT_MODEL_DIR, stories, steps=3)
@@ -77,21 +78,24 @@ def test_gguf_card_has_the_quantization_and_its_verification(aligned_run):
     assert f"| `model-Q8_0.gguf` | Q8_0 | {metrics['bytes'] / 1e6:.1f} MB | `{metrics['sha256'][:16]}` |" in body
     assert f"top-1 agreement {verification['agreement']:.3f} over {verification['agreement_positions']} tokens" in body
     assert f"held-out {perplexity_change(verification)}" in body
-    for command in ("llama-cli -m model-Q8_0.gguf", "slm-align chat model-Q8_0.gguf", "slm-align serve model-Q8_0.gguf",
+    for command in ("llama-cli -m model-Q8_0.gguf", "slm-align chat "
+                    "model-Q8_0.gguf", "slm-align serve model-Q8_0.gguf",
                     "ollama create my-model -f model-Q8_0.Modelfile"):
         assert command in body
     assert metrics["model_card"] == {"path": "README.md", "note": None}
 
 
 def test_sections_without_records_are_left_out(capsys, tmp_path, stories):
-    """An SFT-only run: no gate, evaluation or envelope section (nothing measured, nothing written)."""
+    """An SFT-only run: no gate, evaluation or envelope section (nothing
+    measured, nothing written)."""
     run, _ = finished_sft_run(tmp_path / "run", DEFAULT_MODEL_DIR, stories, steps=1)
     code, _, err = run_cli(capsys, "merge", "--run", run)
     assert code == 0, err
     header, body = card_parts(run / "merged" / "README.md")
     assert header["tags"] == ["slm-align", "lora", "sft", "safetensors"]
     assert "## Training" in body
-    for section in ("## Headroom gate", "## Evaluation", "## Safety envelope", "## Files and quantization"):
+    for section in ("## Headroom "
+                    "gate", "## Evaluation", "## Safety envelope", "## Files and quantization"):
         assert section not in body
 
 

@@ -1,5 +1,6 @@
-"""The Ollama Modelfile beside an exported GGUF: the chat template translated from Jinja to Ollama's Go templates
-(pinned on hand-checked cases), stop tokens, default parameters, SYSTEM; untranslatable templates say so."""
+"""The Ollama Modelfile beside an exported GGUF: the chat template translated from Jinja to
+Ollama's Go templates (pinned on hand-checked cases), stop tokens, default parameters, SYSTEM;
+untranslatable templates say so."""
 
 import json
 import re
@@ -11,8 +12,9 @@ from slm_align.export.modelfile import Untranslatable, build_modelfile, translat
 from slm_align.modeling import DEFAULT_MODEL_DIR
 from tests.helpers import ARCHITECTURES, export_bundled, run_cli
 
-# Hand-checked: for each message, the Jinja template prints the same markers around .Role and .Content, and the
-# generation prompt (add_generation_prompt) is what Ollama always renders at the end.
+# Hand-checked: for each message, the Jinja template prints the same markers around
+# .Role and .Content, and the generation prompt (add_generation_prompt) is what Ollama
+# always renders at the end.
 CHATML_OLLAMA = ("{{ range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}"
                  "<|im_start|>assistant\n")
 GEMMA_OLLAMA = ('{{ $role := "" }}{{ range .Messages }}{{ if eq .Role "assistant" }}{{ $role = "model" }}'
@@ -33,22 +35,25 @@ def test_the_test_architectures_chat_templates_translate(tokenizer):
 
 
 def test_gemmas_turns_translate_with_a_role_variable():
-    """The template a Gemma 3 GGUF without one gets (the real test model): roles mapped with if/else and set."""
+    """The template a Gemma 3 GGUF without one gets (the real test model): roles
+    mapped with if/else and set."""
     translation = translate_template(GEMMA_TEMPLATE)
     assert translation.template == GEMMA_OLLAMA
     assert translation.turn_start == "<start_of_turn>" and translation.turn_end == "<end_of_turn>"
 
 
 def test_elif_not_equal_and_attribute_access_translate():
-    source = ("{% for m in messages %}{% if m.role == 'system' %}[S]{{ m.content }}{% elif 'user' != m.role %}"
-              "[A]{{ m.content }}</s>{% else %}[U]{{ m.content }}{% endif %}\n{% endfor %}")
+    source = ("{% for m in messages %}{% if m.role == 'system' %}[S]{{ m.content }}{% elif 'user' "
+              "!= m.role %}[A]{{ m.content }}</s>{% else %}[U]{{ m.content }}{% endif %}\n{% "
+              "endfor %}")
     assert translate_template(source).template == (
         '{{ range .Messages }}{{ if eq .Role "system" }}[S]{{ .Content }}{{ else if ne .Role "user" }}[A]'
         "{{ .Content }}</s>{{ else }}[U]{{ .Content }}{{ end }}{{ end }}")  # trim_blocks: no newline after endif
 
 
 def test_block_whitespace_is_trimmed_as_transformers_renders_it():
-    """trim_blocks and lstrip_blocks: the newline after a block tag and the indentation before it are not output."""
+    """trim_blocks and lstrip_blocks: the newline after a block tag and the indentation
+    before it are not output."""
     source = "{% for message in messages %}\n  {% if message['role'] == 'user' %}\nU: {{ message['content'] }}\n" \
              "  {% endif %}\n{% endfor %}"
     assert translate_template(source).template == '{{ range .Messages }}{{ if eq .Role "user" }}U: {{ .Content }}\n' \
@@ -61,15 +66,20 @@ def test_literal_braces_are_printed_as_go_strings():
 
 
 UNTRANSLATABLE = {
-    "bos token": ("{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}", "'bos_token'"),
-    "loop index": ("{% for message in messages %}{{ loop.index }}{{ message['content'] }}{% endfor %}",
+    "bos token": ("{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor "
+                  "%}", "'bos_token'"),
+    "loop index": ("{% for message in messages %}{{ loop.index }}{{ message['content'] }}{% endfor "
+                   "%}",
                    "'loop.index'"),
-    "filter": ("{% for message in messages %}{{ message['content'] | trim }}{% endfor %}", "filter 'trim'"),
-    "first message": ("{% if messages[0]['role'] == 'system' %}S{% endif %}{% for m in messages %}{{ m.content }}"
-                      "{% endfor %}", "'messages[...][...]'"),
-    "tools": ("{% for message in messages %}{{ message['content'] }}{% endfor %}{% if tools %}T{% endif %}",
+    "filter": ("{% for message in messages %}{{ message['content'] | trim }}{% endfor "
+               "%}", "filter 'trim'"),
+    "first message": ("{% if messages[0]['role'] == 'system' %}S{% endif %}{% for m in messages "
+                      "%}{{ m.content }}{% endfor %}", "'messages[...][...]'"),
+    "tools": ("{% for message in messages %}{{ message['content'] }}{% endfor %}{% if tools %}T{% "
+              "endif %}",
               "'tools'"),
-    "macro": ("{% macro x() %}{% endmacro %}{% for m in messages %}{{ m.content }}{% endfor %}", "Macro"),
+    "macro": ("{% macro x() %}{% endmacro %}{% for m in messages %}{{ m.content }}{% endfor "
+              "%}", "Macro"),
     "no loop": ("{{ 'hello' }}", "no loop over the messages"),
     "syntax error": ("{% for message in messages %}", "does not parse"),
 }

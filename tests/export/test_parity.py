@@ -1,4 +1,5 @@
-"""Export verification decides by greedy equality for exact types and by top-1 agreement for quantized ones."""
+"""Export verification decides by greedy equality for exact types and by top-1
+agreement for quantized ones."""
 
 import numpy as np
 import pytest
@@ -8,8 +9,9 @@ from slm_align.modeling import build_tiny_model
 
 
 class NudgedBackend:
-    """The PyTorch model itself, with one token pushed to the top at every 10th position of a sequence: a
-    quantized artifact that agrees almost everywhere and still changes a few greedy choices."""
+    """The PyTorch model itself, with one token pushed to the top at every 10th
+    position of a sequence: a quantized artifact that agrees almost everywhere and
+    still changes a few greedy choices."""
 
     n_ctx = 512
     eos_ids = ()

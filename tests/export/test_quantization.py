@@ -1,4 +1,5 @@
-"""ONNX quantization schemes: which nodes stay in higher precision, the default, and what a refusal advises.
+"""ONNX quantization schemes: which nodes stay in higher precision, the default,
+and what a refusal advises.
 
 Agreement figures on real weights live in benchmarks/quantization.py and the README, not here.
 """
@@ -72,9 +73,10 @@ def test_int4_keeps_output_embedding_and_sensitive_layers_at_8_bits(tmp_path, ti
 @pytest.mark.parametrize("model, quant", [("gemma3_text", "w8"), ("gemma3_text", "int4"), ("bundled", "w8"),
                                           ("bundled", "int4")])
 def test_tied_embedding_reads_the_output_projection_blocks(tmp_path, tiny_models, model, quant):
-    """Gemma ties its embedding to the output projection: the vocabulary is stored once, as the head's 8-bit blocks,
-    and the embedding Gather reads them (no float or int8 table of its own). optimum writes the bundled Llama's tied
-    head as MatMul(hidden, Transpose(embedding)) instead of a second copy: the same holds, and the graph loads."""
+    """Gemma ties its embedding to the output projection: the vocabulary is stored once, as the
+    head's 8-bit blocks, and the embedding Gather reads them (no float or int8 table of its own).
+    optimum writes the bundled Llama's tied head as MatMul(hidden, Transpose(embedding)) instead of
+    a second copy: the same holds, and the graph loads."""
     source = DEFAULT_MODEL_DIR
     if model != "bundled":
         source = tiny_models[model]
@@ -127,7 +129,8 @@ def test_next_higher_precision(target, quant, higher):
 
 
 def test_importance_matrix_reaches_llama_cpp_quantizer(tmp_path, tiny_models):
-    """Every Linear's statistic is named as the converter names its tensor, and llama.cpp's quantizer uses it."""
+    """Every Linear's statistic is named as the converter names its tensor, and
+    llama.cpp's quantizer uses it."""
     import gguf
 
     from slm_align.export.gguf import quantize_gguf, write_gguf
@@ -136,7 +139,8 @@ def test_importance_matrix_reaches_llama_cpp_quantizer(tmp_path, tiny_models):
 
     source = resolve_source(str(tiny_models["llama"]))
     model = load_model(source)
-    ids = [load_tokenizer(source)("Once upon a time there was a cat who liked the sea.")["input_ids"]]
+    ids = [load_tokenizer(source)("Once upon a time there was a cat who liked the "
+                                  "sea.")["input_ids"]]
     importance = gguf_importance(tiny_models["llama"], activation_importance(model, ids))
     full = write_gguf(tiny_models["llama"], tmp_path / "f32.gguf", "F32")
     matrices = {t.name for t in gguf.GGUFReader(str(full)).tensors if len(t.shape) == 2}

@@ -1,5 +1,6 @@
-"""DPO and KTO: the losses on hand-computed log-probabilities, the reference being the merged SFT prior, NaN
-rollback, a bit-identical resume, learning a learnable preference on a tiny model, and the CLI's refusals."""
+"""DPO and KTO: the losses on hand-computed log-probabilities, the reference being the merged
+SFT prior, NaN rollback, a bit-identical resume, learning a learnable preference on a tiny
+model, and the CLI's refusals."""
 
 import copy
 import dataclasses
@@ -21,7 +22,8 @@ from slm_align.stats import wilson_interval
 from tests.helpers import finished_sft_run, run_cli
 
 
-# ---- the math ----------------------------------------------------------------------------------------------------
+# ---- the math
+# ----------------------------------------------------------------------------------------------------
 def test_dpo_loss_on_hand_computed_logprobs():
     chosen = torch.tensor([-1.0, -5.0])
     rejected = torch.tensor([-3.0, -2.0])
@@ -69,9 +71,11 @@ def test_wilson_interval_matches_the_textbook_values():
     assert wilson_interval(0, 0) == (0.0, 1.0)
 
 
-# ---- data ----------------------------------------------------------------------------------------------------------
+# ---- data
+# ----------------------------------------------------------------------------------------------------------
 def learnable_rows(count: int, offset: int = 0) -> list[dict]:
-    """Pairs whose chosen side always opens with "Yes, indeed." and whose rejected side never does."""
+    """Pairs whose chosen side always opens with "Yes, indeed." and whose
+    rejected side never does."""
     rows = []
     for i in range(offset, offset + count):
         prompt = f"Story {i}: the fox went to the river on day {i}."
@@ -87,7 +91,8 @@ def write_rows(path, rows):
 
 def test_the_split_is_by_prompt_and_kto_sees_pairs_as_good_and_bad(tmp_path):
     rows = learnable_rows(20)
-    rows.append({"prompt": rows[0]["prompt"], "completion": " a thumbs-down answer", "label": False})
+    rows.append({"prompt": rows[0]["prompt"], "completion": " a thumbs-down "
+                 "answer", "label": False})
     path = write_rows(tmp_path / "prefs.jsonl", rows)
     dpo = load_preference_data([path], None, "dpo", seed=0, fraction=0.25)
     kto = load_preference_data([path], None, "kto", seed=0, fraction=0.25)
@@ -110,7 +115,8 @@ def test_feedback_about_another_model_is_refused_unless_asked(tmp_path):
     assert check_feedback_models(set(), run, any_model=False)["foreign"] == []  # TRL rows carry no model_id
 
 
-# ---- the stage on a tiny model -------------------------------------------------------------------------------------
+# ---- the stage on a tiny model
+# -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory, tiny_models, stories):
     return finished_sft_run(tmp_path_factory.mktemp("pref") / "run", tiny_models["llama"], stories, steps=2)
@@ -137,8 +143,8 @@ def fresh_run(sft_run, out):
 
 @pytest.fixture(scope="module")
 def aligned(sft_run, prefs, tmp_path_factory):
-    """One run holding the SFT prior and a DPO and a KTO stage (30 steps each on the learnable pairs), and each
-    stage's manifest metrics."""
+    """One run holding the SFT prior and a DPO and a KTO stage (30 steps each on the learnable
+    pairs), and each stage's manifest metrics."""
     out = tmp_path_factory.mktemp("aligned") / "run"
     recipe = fresh_run(sft_run, out)
     metrics = {}
@@ -187,7 +193,8 @@ def test_evaluate_reports_dpo_and_kto_beside_sft_with_held_out_accuracy_and_its_
 
 
 def make_learner(sft_run, prefs, algo: str) -> PreferenceLearner:
-    """A DPO or KTO learner on ``prefs`` from the module's SFT prior (merged, a fresh LoRA), as the stage builds it."""
+    """A DPO or KTO learner on ``prefs`` from the module's SFT prior (merged, a fresh LoRA),
+    as the stage builds it."""
     from slm_align.envelope.policy import build_policy
     from slm_align.modeling import load_tokenizer, resolve_source
 
@@ -220,7 +227,8 @@ def test_the_reference_is_the_merged_sft_prior_and_the_first_step_starts_from_it
 
 
 def nan_loss(learner, monkeypatch) -> list:
-    """A NaN loss: caught before backward, so nothing has moved yet when the snapshot is restored."""
+    """A NaN loss: caught before backward, so nothing has moved yet when
+    the snapshot is restored."""
     original = dpo.dpo_loss
 
     def poisoned(*args, **kwargs):
@@ -232,8 +240,9 @@ def nan_loss(learner, monkeypatch) -> list:
 
 
 def nan_parameter_after_the_step(learner, monkeypatch) -> list:
-    """A NaN written into a parameter right after AdamW's step: caught only then, when every parameter and every
-    moment and step count has moved, so only a working restore puts them back. Returns what the hook saw."""
+    """A NaN written into a parameter right after AdamW's step: caught only then, when every
+    parameter and every moment and step count has moved, so only a working restore puts them back.
+    Returns what the hook saw."""
     seen = []
 
     def poison(optimizer, args, kwargs):
@@ -247,7 +256,8 @@ def nan_parameter_after_the_step(learner, monkeypatch) -> list:
 
 
 def same_tensors(a, b) -> bool:
-    """Nested dicts/lists of tensors and plain values equal bit for bit (same keys, torch.equal on tensors)."""
+    """Nested dicts/lists of tensors and plain values equal bit for bit (same keys,
+    torch.equal on tensors)."""
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
@@ -282,8 +292,9 @@ def test_a_non_finite_step_rolls_back_every_parameter_and_the_whole_optimizer_st
 
 
 def test_kto_checkpoint_restores_the_cached_reference_scores_and_continues_the_same(sft_run, prefs, tmp_path):
-    """KTO scores each training answer (and its mismatched pair) under the reference on first use; a checkpoint
-    keeps those scores, NaN where not computed yet, and a fresh learner loaded from it takes the same next step."""
+    """KTO scores each training answer (and its mismatched pair) under the reference on first use; a
+    checkpoint keeps those scores, NaN where not computed yet, and a fresh learner loaded from it
+    takes the same next step."""
     learner = make_learner(sft_run, prefs, "kto")
     for _ in range(3):
         learner.train_step()
@@ -327,7 +338,8 @@ def test_a_killed_run_resumes_bit_identical(sft_run, prefs, tmp_path, monkeypatc
         (tmp_path / "whole" / "dpo" / "manifest.json").read_text())["metrics"]["heldout_before"]
 
 
-# ---- the command line ----------------------------------------------------------------------------------------------
+# ---- the command line
+# ----------------------------------------------------------------------------------------------
 def test_cli_dpo_without_preferences_or_with_too_few_is_one_line(sft_run, tmp_path, capsys):
     base, _ = sft_run
     out = tmp_path / "run"
@@ -341,7 +353,8 @@ def test_cli_dpo_without_preferences_or_with_too_few_is_one_line(sft_run, tmp_pa
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--algo", "dpo", "--desirable-weight", "2"], "--desirable-weight is a KTO setting and --algo is dpo"),
+    (["--algo", "dpo", "--desirable-weight", "2"], "--desirable-weight is a KTO setting and --algo "
+     "is dpo"),
     (["--algo", "ppo", "--pref-beta", "0.2"], "--pref-beta is a DPO/KTO setting and --algo is ppo"),
     (["--algo", "kto", "--beta", "0.2"], "--beta is a GRPO setting and --algo is kto"),
 ])

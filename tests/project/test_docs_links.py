@@ -1,5 +1,6 @@
-"""The README and docs/ hold together: every link stays in the repository and resolves (file and heading), every
-docs page is reachable from the README, the README stays a front door, and CI runs exactly the README's test command.
+"""The README and docs/ hold together: every link stays in the repository and resolves (file and
+heading), every docs page is reachable from the README, the README stays a front door, and CI runs
+exactly the README's test command.
 
 Pure standard library and fast: it reads Markdown files and nothing else.
 """
@@ -21,13 +22,15 @@ FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*(<[^<>\n]*>|[^\s()]*(?:\([^\s()]*\)[^\s()]*)*)"
                          r"(?:\s+(?:\"[^\"]*\"|'[^']*'|\([^)]*\)))?\s*\)")
 REFERENCE_DEFINITION = re.compile(r"^ {0,3}\[[^\]]+\]:\s*(<[^<>]*>|\S+)", re.MULTILINE)
-# <target>: an autolink (<https://...>, <mailto:...>) or a bare path written the same way (<docs/page.md>); HTML tags
-# such as <br> or </think> have no '.', '/' or ':' before their end, or start with '/'.
+# <target>: an autolink (<https://...>, <mailto:...>) or a bare path written the same way
+# (<docs/page.md>); HTML tags such as <br> or </think> have no '.', '/' or ':' before their
+# end, or start with '/'.
 ANGLE_LINK = re.compile(r"<([^\s<>/!][^\s<>]*[./:][^\s<>]*)>")
 HTML_LINK = re.compile(r"""<[a-zA-Z][^<>]*?\s(?:href|src)\s*=\s*["']([^"']*)["']""", re.IGNORECASE)
 BARE_URL = re.compile(r"(?<![\w/])(?:https?://|www\.)[^\s<>)]+", re.IGNORECASE)
 SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
-# a code span may wrap lines but not cross a blank line (a stray backtick must not hide the links after it)
+# a code span may wrap lines but not cross a blank line (a stray backtick must not
+# hide the links after it)
 INLINE_CODE = re.compile(r"(`+)((?:(?!\n[ \t]*\n).)+?)\1", re.DOTALL)
 
 
@@ -36,8 +39,8 @@ def markdown_files() -> list[Path]:
 
 
 def prose(text: str) -> str:
-    """The text with fenced code blocks and inline code spans blanked (line numbers kept): links in code are not
-    links."""
+    """The text with fenced code blocks and inline code spans blanked (line numbers kept): links
+    in code are not links."""
     lines, fence = [], None
     for line in text.split("\n"):
         opened = FENCE.match(line)
@@ -59,8 +62,9 @@ def blank(match: re.Match) -> str:
 
 
 def links(path: Path) -> list[tuple[int, str]]:
-    """Every link target in a Markdown file with its line number: inline links and images, reference definitions,
-    <angle> links, href and src of HTML tags, and bare URLs (which GitHub turns into links)."""
+    """Every link target in a Markdown file with its line number: inline links and images,
+    reference definitions, <angle> links, href and src of HTML tags, and bare URLs (which
+    GitHub turns into links)."""
     text = prose(path.read_text(encoding="utf-8"))
     found = []
     for pattern in (INLINE_LINK, REFERENCE_DEFINITION, ANGLE_LINK, HTML_LINK):
@@ -76,15 +80,16 @@ def links(path: Path) -> list[tuple[int, str]]:
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: markup dropped, lowercase, punctuation other than '-' and '_' removed, spaces
-    turned into '-'."""
+    """GitHub's anchor for a heading: markup dropped, lowercase, punctuation other than '-' and '_'
+    removed, spaces turned into '-'."""
     text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading counts by its text
     text = re.sub(r"<[^>]+>", "", text).strip().lower()
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
 def anchors(path: Path) -> set[str]:
-    """The heading anchors of a Markdown file, with GitHub's -1, -2 ... suffixes for repeated headings."""
+    """The heading anchors of a Markdown file, with GitHub's -1, -2 ... suffixes
+    for repeated headings."""
     seen: dict[str, int] = {}
     found = set()
     lines = prose_keeping_code_spans(path.read_text(encoding="utf-8"))
@@ -100,8 +105,8 @@ def anchors(path: Path) -> set[str]:
 
 
 def prose_keeping_code_spans(text: str) -> list[str]:
-    """The lines outside fenced code blocks (a '# comment' in a shell block is no heading); inline code is kept,
-    since a heading's code span counts for its anchor."""
+    """The lines outside fenced code blocks (a '# comment' in a shell block is no heading); inline
+    code is kept, since a heading's code span counts for its anchor."""
     kept, fence = [], None
     for line in text.split("\n"):
         opened = FENCE.match(line)
@@ -116,7 +121,8 @@ def prose_keeping_code_spans(text: str) -> list[str]:
 
 
 def problem(source: Path, target: str, root: Path = ROOT) -> str | None:
-    """Why a link target from ``source`` is broken, or None when it resolves inside ``root`` (the repository)."""
+    """Why a link target from ``source`` is broken, or None when it resolves inside
+    ``root`` (the repository)."""
     if not target:
         return "an empty link"
     mail = "@" in target and "/" not in target
@@ -149,11 +155,14 @@ def test_every_link_stays_in_the_repository_and_resolves():
 
 
 def test_the_link_checker_sees_links_and_catches_broken_ones(tmp_path):
-    """The checks above would pass vacuously if links were not found: a page with one link of each kind, broken."""
+    """The checks above would pass vacuously if links were not found: a page with one
+    link of each kind, broken."""
     page = tmp_path / "page.md"
-    page.write_text("# A page\n\n[ok](#a-page) [gone](missing.md) [web](https://example.org) <docs/x.md>\n"
-                    "[bad anchor](#nowhere)\n\n[ref]: ../../outside.md\n\n```bash\n[in code](not-a-link.md)\n```\n"
-                    "`[inline](not-a-link.md)` and http://example.org/bare <img src=\"pic.png\">\n", encoding="utf-8")
+    page.write_text("# A page\n\n[ok](#a-page) [gone](missing.md) [web](https://example.org) "
+                    "<docs/x.md>\n[bad anchor](#nowhere)\n\n[ref]: "
+                    "../../outside.md\n\n```bash\n[in "
+                    "code](not-a-link.md)\n```\n`[inline](not-a-link.md)` and "
+                    "http://example.org/bare <img src=\"pic.png\">\n", encoding="utf-8")
     targets = [target for _, target in links(page)]
     assert sorted(targets) == sorted(["#a-page", "missing.md", "https://example.org", "docs/x.md", "#nowhere",
                                       "../../outside.md", "http://example.org/bare", "pic.png"])

@@ -1,4 +1,5 @@
-"""scripts/gpu_check.sh runs its CPU fallback here, so that the GPU check cannot rot between GPU runs."""
+"""scripts/gpu_check.sh runs its CPU fallback here, so that the GPU check
+cannot rot between GPU runs."""
 
 import os
 import subprocess

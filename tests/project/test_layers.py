@@ -1,7 +1,8 @@
-"""The layer rule over slm_align's import graph: a module imports only its own layer or the layers below.
+"""The layer rule over slm_align's import graph: a module imports only its own
+layer or the layers below.
 
-Every import counts, also one inside a function (an import put there to dodge a cycle is still an arrow). The
-layers, top to bottom, are listed once, here; docs/architecture.md describes them.
+Every import counts, also one inside a function (an import put there to dodge a cycle is still an
+arrow). The layers, top to bottom, are listed once, here; docs/architecture.md describes them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def module_name(path: Path) -> str:
 
 
 def imported_modules(path: Path) -> set[str]:
-    """The slm_align modules ``path`` imports (absolute and relative imports, at any depth of the file)."""
+    """The slm_align modules ``path`` imports (absolute and relative imports, at
+    any depth of the file)."""
     name = module_name(path)
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found = set()
@@ -52,7 +54,8 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def room(module: str) -> str:
-    """The first level under slm_align (``slm_align.rl.ppo`` -> ``rl``); the package itself is ``__init__``."""
+    """The first level under slm_align (``slm_align.rl.ppo`` -> ``rl``); the package
+    itself is ``__init__``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -62,7 +65,8 @@ def real_modules() -> dict[str, Path]:
 
 
 def resolve(module: str, known: dict[str, Path]) -> str:
-    """The module a dotted import name lands in (``slm_align.runs.StageResult`` -> ``slm_align.runs``)."""
+    """The module a dotted import name lands in (``slm_align.runs.StageResult``
+    -> ``slm_align.runs``)."""
     while module not in known:
         module = module.rpartition(".")[0]
     return module

@@ -1,6 +1,6 @@
-"""benchmarks/mobile_runtimes.py runs every side in its own process on a GGUF and a genai folder of one model and
-prints one row per side (the real figures are in the README; here a tiny Llama keeps the script from rotting), and
-a .pte side when ExecuTorch is installed."""
+"""benchmarks/mobile_runtimes.py runs every side in its own process on a GGUF and a genai folder of
+one model and prints one row per side (the real figures are in the README; here a tiny Llama keeps
+the script from rotting), and a .pte side when ExecuTorch is installed."""
 
 import importlib.util
 import subprocess

@@ -1,4 +1,5 @@
-"""The package's public API: what the README's Python examples import is there, and importing it stays light."""
+"""The package's public API: what the README's Python examples import is there, and
+importing it stays light."""
 
 from __future__ import annotations
 

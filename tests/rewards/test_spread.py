@@ -1,4 +1,5 @@
-"""The gate measures what the algorithms learn from: reward variation within a prompt, and advises PPO or GRPO."""
+"""The gate measures what the algorithms learn from: reward variation within a prompt,
+and advises PPO or GRPO."""
 
 from __future__ import annotations
 

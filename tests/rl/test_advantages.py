@@ -1,5 +1,5 @@
-"""Advantages on hand-computed inputs (GAE, group normalisation, whitening, the sigma clip, PPO's per-token
-rewards): each test fails on a flipped sign, a wrong normaliser or a misplaced index."""
+"""Advantages on hand-computed inputs (GAE, group normalisation, whitening, the sigma clip, PPO's
+per-token rewards): each test fails on a flipped sign, a wrong normaliser or a misplaced index."""
 
 import math
 
@@ -87,7 +87,8 @@ def test_ppo_per_token_rewards_kl_sign_and_score_position():
     ref = torch.tensor([[-1.5, -1.0, -0.5, 0.0], [-0.5, -3.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])  # three and two completion tokens
     rewards = per_token_rewards(scores, logprobs, ref, mask, kl_coef=0.1)
-    # r_t = -0.1 * (logp - ref): above the reference costs reward; the score lands on the last real token
+    # r_t = -0.1 * (logp - ref): above the reference costs reward; the score
+    # lands on the last real token
     assert rewards[0].tolist() == pytest.approx([-0.05, 0.1, 0.0 + 2.0, 0.0])
     assert rewards[1].tolist() == pytest.approx([0.05, -0.2 - 1.0, 0.0, 0.0])
     silent = per_token_rewards(scores, logprobs, ref, torch.zeros_like(mask), kl_coef=0.1)

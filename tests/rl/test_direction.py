@@ -1,8 +1,9 @@
 """Direction: on a reward any policy can learn quickly, a few PPO or GRPO iterations raise it.
 
-The bundled 2.5M story model (a tiny random model samples near-uniform tokens that LoRA cannot reshape in a few
-steps) and a reward for brevity: fewer characters per completion score higher, which the policy can reach by
-preferring short tokens or ending early. Held-out reward is measured on fixed prompts with a fixed sampling seed.
+The bundled 2.5M story model (a tiny random model samples near-uniform tokens that LoRA cannot
+reshape in a few steps) and a reward for brevity: fewer characters per completion score higher,
+which the policy can reach by preferring short tokens or ending early. Held-out reward is measured
+on fixed prompts with a fixed sampling seed.
 """
 
 import statistics
@@ -35,8 +36,8 @@ def heldout_reward(policy, tokenizer) -> float:
 
 @pytest.fixture
 def one_thread():
-    """One intra-op thread: these matrices are small, and on a shared machine a second thread spin-waits (measured
-    here: a rollout took 9 s of CPU on two threads, 0.2 s on one)."""
+    """One intra-op thread: these matrices are small, and on a shared machine a second thread
+    spin-waits (measured here: a rollout took 9 s of CPU on two threads, 0.2 s on one)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

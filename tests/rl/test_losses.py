@@ -1,5 +1,5 @@
-"""Losses, KL estimators and explained variance on hand-computed inputs, and what PPO's and GRPO's minibatch adds
-up: each test fails on a flipped sign, a wrong normaliser or a misplaced index."""
+"""Losses, KL estimators and explained variance on hand-computed inputs, and what PPO's and GRPO's
+minibatch adds up: each test fails on a flipped sign, a wrong normaliser or a misplaced index."""
 
 import math
 from types import SimpleNamespace
@@ -71,9 +71,9 @@ def test_explained_variance_by_hand():
 
 
 def fake_run(forward: PolicyForward, **settings):
-    """What an algorithm's ``minibatch`` reads from its run: settings, the envelope, PPO's KL coefficient, the phase
-    clock, the shared forward (here ``forward``, made by hand), the ratio guard (not tripping) and the guarded step
-    (here handing the loss back instead of stepping)."""
+    """What an algorithm's ``minibatch`` reads from its run: settings, the envelope, PPO's KL
+    coefficient, the phase clock, the shared forward (here ``forward``, made by hand), the ratio
+    guard (not tripping) and the guarded step (here handing the loss back instead of stepping)."""
     rl = RLSettings(max_new_tokens=2, **settings)
     guard = SimpleNamespace(step=lambda loss, snapshot, after_backward: {"loss": loss})
     return SimpleNamespace(settings=rl, envelope=EnvelopeSettings(), kl_coef=0.3, clock=PhaseClock(), guard=guard,
@@ -82,7 +82,8 @@ def fake_run(forward: PolicyForward, **settings):
 
 
 def minibatch_loss(algorithm, run, batch, rows, advantages: Advantages):
-    """``algorithm``'s minibatch on a :func:`fake_run`: the loss its guarded step got, and its statistics."""
+    """``algorithm``'s minibatch on a :func:`fake_run`: the loss its guarded step
+    got, and its statistics."""
     result = algorithm.minibatch(run, batch, rows, advantages)
     return result.pop("loss"), result
 

@@ -1,5 +1,6 @@
-"""Where an RL iteration's time goes, and the passes it skips: the phases are logged with every iteration, and
-GRPO's reference and old-log-probability passes run only when something uses them, without changing the update."""
+"""Where an RL iteration's time goes, and the passes it skips: the phases are logged with every
+iteration, and GRPO's reference and old-log-probability passes run only when something uses them,
+without changing the update."""
 
 import pytest
 import torch
@@ -60,7 +61,8 @@ def flat_probe() -> list[float]:
 
 
 class ForcedPasses(GRPO):
-    """GRPO that scores old and reference log-probabilities in passes of their own whether or not they are used."""
+    """GRPO that scores old and reference log-probabilities in passes of their own
+    whether or not they are used."""
 
     def needs_old_pass(self) -> bool:
         return True

@@ -1,8 +1,9 @@
-"""RL samples what it scores: the recipe alone sets sampling, dropout is off in every RL forward, a truncated
-completion reaches the reward as written.
+"""RL samples what it scores: the recipe alone sets sampling, dropout is off in every RL forward, a
+truncated completion reaches the reward as written.
 
-The policy here is a tiny GPT-2 (dropouts at GPT-2's default 0.1) whose checkpoint ships a generation_config.json
-with a repetition penalty, an n-gram ban and top-k: everything a real checkpoint may carry.
+The policy here is a tiny GPT-2 (dropouts at GPT-2's default 0.1) whose checkpoint ships a
+generation_config.json with a repetition penalty, an n-gram ban and top-k: everything a
+real checkpoint may carry.
 """
 
 import pytest
@@ -18,12 +19,14 @@ from slm_align.rl.ppo import PPO
 from slm_align.rl.rollout import collect
 from tests.helpers import policy_with_moved_lora
 
-PROMPTS = ["Once upon a time, there was a cat.", "Tom found a red ball.", "One day, Mia was happy.", "The sun."]
+PROMPTS = ["Once upon a time, there was a "
+           "cat.", "Tom found a red ball.", "One day, Mia was happy.", "The sun."]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tokenizer):
-    """A tiny GPT-2 with default dropouts and a generation config that would change what is sampled."""
+    """A tiny GPT-2 with default dropouts and a generation config that would
+    change what is sampled."""
     from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config
 
     config = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, vocab_size=len(tokenizer),
@@ -45,12 +48,14 @@ def settings(**update) -> RLSettings:
 
 
 def trained_policy(checkpoint, rl: RLSettings):
-    """The RL policy with its LoRA moved off zero, as after some updates (so LoRA dropout would matter)."""
+    """The RL policy with its LoRA moved off zero, as after some updates (so LoRA
+    dropout would matter)."""
     return policy_with_moved_lora(checkpoint, rl, 0.5, seed=1)
 
 
 def sampled_and_recomputed(policy, tokenizer, temperature: float):
-    """The sampler's own log-probabilities, and the old and reference log-probabilities the update recomputes."""
+    """The sampler's own log-probabilities, and the old and reference log-probabilities
+    the update recomputes."""
     policy.eval()
     with merged_for_sampling(policy):
         samples = sample(policy, tokenizer, PROMPTS * 2, 12, temperature, seed=0, with_logprobs=True)

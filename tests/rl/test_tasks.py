@@ -1,5 +1,5 @@
-"""RL on task data: the rows' columns reach the rewards in rollouts, the gate and evaluation; RL may start from
-the model as given; --algo auto follows the gate's advice."""
+"""RL on task data: the rows' columns reach the rewards in rollouts, the gate and evaluation; RL may
+start from the model as given; --algo auto follows the gate's advice."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ SEEN_ENV = "SLM_ALIGN_TEST_SEEN"
 
 
 def answer_in_prompt_length(prompts, completions, answer, level, **_):
-    """Needs the 'answer' and 'level' columns; appends what arrived (one JSON line per call) to $SLM_ALIGN_TEST_SEEN."""
+    """Needs the 'answer' and 'level' columns; appends what arrived (one JSON line per call)
+    to $SLM_ALIGN_TEST_SEEN."""
     with open(os.environ[SEEN_ENV], "a", encoding="utf-8") as handle:
         handle.write(json.dumps({"prompts": list(prompts), "answer": list(answer), "level": list(level)}) + "\n")
     return [float(len(completion.split()) % 3) + 0.1 * int(a) for completion, a in zip(completions, answer)]
@@ -28,7 +29,8 @@ def _seen(path: Path) -> list[dict]:
 def _tasks(path, n: int = 40):
     rows = []
     for i in range(n):
-        rows.append({"prompt": [{"role": "user", "content": f"What is {i} plus {i + 1}?"}], "answer": str(2 * i + 1),
+        rows.append({"prompt": [{"role": "user", "content": f"What is {i} plus "
+                                 f"{i + 1}?"}], "answer": str(2 * i + 1),
                      "level": i % 3})
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
@@ -64,8 +66,8 @@ def test_columns_reach_rewards_in_the_gate_rollouts_and_evaluation_without_sft(t
     assert manifest["inputs"]["rl"]["algo"] == headroom["info"]["recommendation"]["algo"]
     assert manifest["metrics"]["gate"]["advice"] == headroom["info"]["recommendation"]
     calls = _seen(seen)
-    # the gate (4 prompts x 2 samples), held-out reward before and after RL (4 each), one rollout (2 x 2), the
-    # report's two policies (4 each): every call got each prompt's own answer and level
+    # the gate (4 prompts x 2 samples), held-out reward before and after RL (4 each), one rollout (2
+    # x 2), the report's two policies (4 each): every call got each prompt's own answer and level
     assert [len(call["prompts"]) for call in calls] == [8, 4, 4, 4, 4, 4]
     for call in calls:
         for prompt, answer, level in zip(call["prompts"], call["answer"], call["level"]):
@@ -89,7 +91,8 @@ def test_exact_answer_runs_from_the_cli_on_prompt_answer_rows(tmp_path, capsys):
 
 def test_a_reward_missing_its_column_is_one_line_before_any_work(tmp_path, capsys):
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(30)), encoding="utf-8")
+    tasks.write_text("".join(json.dumps({"prompt": f"Say "
+                                         f"{i}."}) + "\n" for i in range(30)), encoding="utf-8")
     run = tmp_path / "run"
     code, out, err = run_cli(capsys, "train", "--no-sft", "--tasks", tasks, "--reward", "exact_answer", "--out", run)
     assert code == 2 and "answer" in err and err.count("\n") == 1 and out == ""

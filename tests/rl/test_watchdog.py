@@ -1,7 +1,8 @@
-"""The collapse watchdog: each detector on hand-written metric sequences (fires on the failure, not on noise), its
-state surviving a checkpoint bit for bit, and fault-injection runs on tiny models (a reward that flips sign, a
-reward that pays for length, a reward that pays for one repeated token at a high learning rate) with the watchdog on
-and off, the CLI's console lines and evaluation report included."""
+"""The collapse watchdog: each detector on hand-written metric sequences (fires on the failure,
+not on noise), its state surviving a checkpoint bit for bit, and fault-injection runs on tiny
+models (a reward that flips sign, a reward that pays for length, a reward that pays for one
+repeated token at a high learning rate) with the watchdog on and off, the CLI's console lines and
+evaluation report included."""
 
 import copy
 import importlib
@@ -30,7 +31,8 @@ def noisy(center: float, spread: float, count: int, seed: int = 0) -> list[float
 
 
 def feed(watchdog: Watchdog, key: str, values: list[float]):
-    """Observe one metric's values, one iteration each; the first trigger and the iteration it came at."""
+    """Observe one metric's values, one iteration each; the first trigger and
+    the iteration it came at."""
     for i, value in enumerate(values):
         watchdog.observe({key: value})
         trigger = watchdog.check()
@@ -39,7 +41,8 @@ def feed(watchdog: Watchdog, key: str, values: list[float]):
     return None, None
 
 
-# ---- detectors on hand-written sequences ------------------------------------------------------------------------
+# ---- detectors on hand-written sequences
+# ------------------------------------------------------------------------
 @pytest.mark.parametrize("key, healthy, failing, detector", [
     ("entropy", noisy(2.0, 0.3, 30), noisy(2.0, 0.3, 6) + [1.0, 0.6, 0.4, 0.3, 0.2, 0.2, 0.1, 0.1], "entropy_collapse"),
     ("completion/length", noisy(20, 4, 30), noisy(20, 4, 6) + [26, 30, 34, 40, 44, 46, 48, 48], "length_inflation"),
@@ -142,7 +145,8 @@ def test_state_survives_a_checkpoint_bit_for_bit(tmp_path):
 def test_events_reach_the_report_and_the_curves(tmp_path):
     from slm_align.plots import plot_curves
 
-    event = {"step": 3, "detector": "kl_runaway", "value": 12.5, "threshold": 10.0, "why": "KL 12.5 > 10",
+    event = {"step": 3, "detector": "kl_runaway", "value": 12.5, "threshold": 10.0, "why": "KL "
+             "12.5 > 10",
              "action": "rollback", "best_step": 2, "best_reward": 0.5, "recoveries": 1, "lr_scale": 0.5,
              "kl_scale": 2.0, "learning_rate": 5e-4, "kl_coef": 0.1}
     record = {"enabled": True, "published_step": 2, "peak_step": 1, "best_reward": 0.5, "stopped_early": None}
@@ -154,20 +158,23 @@ def test_events_reach_the_report_and_the_curves(tmp_path):
     assert "was off" in off and "the last adapter (iteration 8)" in off
     assert report_section(None, []) == []
     line = event_line(event)
-    assert line.startswith("watchdog: kl_runaway at iteration 3 (KL 12.5 > 10); rolled back to iteration 2")
+    assert line.startswith("watchdog: kl_runaway at iteration 3 (KL 12.5 > 10); rolled back to "
+                           "iteration 2")
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": i, "kl": float(i)}) + "\n" for i in range(1, 6)))
     assert plot_curves(metrics, tmp_path / "curves.png", events=[event]).stat().st_size > 1000
 
 
-# ---- fault injection on a tiny model ------------------------------------------------------------------------------
+# ---- fault injection on a tiny model
+# ------------------------------------------------------------------------------
 FLIP = {"after": 10 ** 9, "step": 0}
-"""The sign-flip fault: iterations from ``after`` on (and the probes after them) pay minus what they paid before."""
+"""The sign-flip fault: iterations from ``after`` on (and the probes after them) pay minus
+what they paid before."""
 
 
 def shared_flip() -> dict:
-    """``FLIP`` of this module as the run imports it (``tests.rl.test_watchdog``), which pytest may have imported
-    under another name: the fixture and the reward must share one dict."""
+    """``FLIP`` of this module as the run imports it (``tests.rl.test_watchdog``), which pytest may
+    have imported under another name: the fixture and the reward must share one dict."""
     return importlib.import_module("tests.rl.test_watchdog").FLIP
 
 
@@ -190,7 +197,8 @@ def sft_run(tmp_path_factory, tiny_models, stories):
 
 @pytest.fixture
 def flip_after(monkeypatch):
-    """Set the iteration after which ``flipping_reward`` flips; the run's iterations tell it where it is."""
+    """Set the iteration after which ``flipping_reward`` flips; the run's
+    iterations tell it where it is."""
     original = GRPO.run_step
     flip = shared_flip()
 
@@ -209,7 +217,8 @@ def flip_after(monkeypatch):
 
 
 def watched_run(sft_run, out, reward, **watchdog):
-    """A tiny GRPO run (2 prompts x 4, 8 tokens) under the given watchdog settings; its rl/ directory."""
+    """A tiny GRPO run (2 prompts x 4, 8 tokens) under the given watchdog
+    settings; its rl/ directory."""
     base, recipe = sft_run
     shutil.copytree(base / "sft", out / "sft")
     rl = dict(algo="grpo", steps=watchdog.pop("steps", 8), save_steps=2, prompts_per_step=2, group_size=4,
@@ -230,7 +239,8 @@ def events_of(stage: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def bundled_run(tmp_path_factory, stories):
-    """The bundled 2.5M model after one SFT step: it ends completions with EOS, so lengths can grow."""
+    """The bundled 2.5M model after one SFT step: it ends completions with
+    EOS, so lengths can grow."""
     from slm_align.modeling import DEFAULT_MODEL_DIR
 
     return finished_sft_run(tmp_path_factory.mktemp("wdb") / "run", DEFAULT_MODEL_DIR, stories, steps=1)
@@ -241,7 +251,8 @@ def adapter_bytes(directory: Path) -> bytes:
 
 
 def learner_state(loop) -> dict:
-    """The learner's trainable weights and AdamW state, cloned by the test itself (not the watchdog's capture)."""
+    """The learner's trainable weights and AdamW state, cloned by the test itself (not
+    the watchdog's capture)."""
     return {"params": {name: param.detach().clone() for name, param in loop.named_params},
             "adamw": copy.deepcopy(loop.optimizer.state_dict()["state"])}
 
@@ -258,8 +269,9 @@ def same_state(first: dict, second: dict) -> bool:
 
 @pytest.fixture
 def snapshots(monkeypatch, tmp_path):
-    """What each GRPO iteration began with (``entering[step]``: state and learning rate) and ended with
-    (``after[iterations done]``, and its adapter saved under ``adapters/<iterations done>``)."""
+    """What each GRPO iteration began with (``entering[step]``: state and learning rate) and
+    ended with (``after[iterations done]``, and its adapter saved under
+    ``adapters/<iterations done>``)."""
     original = GRPO.run_step
     kept = {"entering": {}, "lr": {}, "after": {}, "adapters": tmp_path / "snapshots"}
 
@@ -281,8 +293,9 @@ def metric_of(stage: Path, key: str) -> list[float]:
 
 
 def assert_watchdog_off(stage: Path, steps: int, last_adapter: Path) -> None:
-    """A ``--watchdog off`` run: recorded off in inputs and results, trained every iteration, no events and no
-    ``adapter-last``, and the adapter published is the last iteration's, byte for byte."""
+    """A ``--watchdog off`` run: recorded off in inputs and results, trained every
+    iteration, no events and no ``adapter-last``, and the adapter published is the last
+    iteration's, byte for byte."""
     manifest = manifest_of(stage)
     assert manifest["metrics"]["watchdog"] == {"enabled": False, "published_step": steps}
     assert manifest["inputs"]["rl"]["watchdog"]["enabled"] is False
@@ -351,11 +364,13 @@ def test_train_from_the_cli_says_each_event_and_the_published_iteration_and_repo
 def test_published_line_names_the_iteration_with_the_watchdog_on_and_off():
     record = {"enabled": True, "published_step": 5, "stopped_early": None,
               "last": {"step": 9, "heldout_reward": 0.1, "is_published": False}}
-    assert published_line(record) == ("published: the adapter of iteration 5 (the watchdog's best held-out probe); "
-                                      "the last, iteration 9, kept as rl/adapter-last")
+    assert published_line(record) == ("published: the adapter of iteration 5 (the watchdog's best "
+                                      "held-out probe); the last, iteration 9, kept as "
+                                      "rl/adapter-last")
     record["last"]["is_published"] = True
     assert published_line(record) == "published: the adapter of iteration 5 (the watchdog's best held-out probe)"
-    assert published_line({"enabled": False, "published_step": 8}) == ("published: the last adapter, iteration 8 "
+    assert published_line({"enabled": False, "published_step": 8}) == ("published: the last "
+                                                                        "adapter, iteration 8 "
                                                                         "(watchdog off)")
     assert published_line(None) is None
 
@@ -400,8 +415,8 @@ def _resume(sft_run, out: Path, reward: str) -> Path:
 
 
 INFLATION = dict(window=2, max_kl=0.0, truncated_rise=0.2, length_ratio=1.2, max_new_tokens=48, steps=8)
-"""A reward that pays for length on the bundled model: completions grow toward the 48-token budget (half of the first
-two iterations' ran into it, every one from the fourth on)."""
+"""A reward that pays for length on the bundled model: completions grow toward the 48-token budget
+(half of the first two iterations' ran into it, every one from the fourth on)."""
 
 
 def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp_path, snapshots):
@@ -433,8 +448,9 @@ def token_reward(prompts, completions, **_):
 
 COLLAPSE = dict(lr=1.5e-2, steps=30, window=3, eval_every=8, max_kl=0.0, length_ratio=0.0, truncated_rise=0.0,
                 zero_std_rise=0.0)
-"""GRPO on the bundled model at 15x its default learning rate, paid for "the": by iteration ~13 nearly every
-token is "the" (entropy ~2.5 -> ~0.5 nats, default floor 0.3 of the start). Only entropy and the reward are watched."""
+"""GRPO on the bundled model at 15x its default learning rate, paid for "the": by iteration ~13
+nearly every token is "the" (entropy ~2.5 -> ~0.5 nats, default floor 0.3 of the start). Only
+entropy and the reward are watched."""
 
 
 @pytest.mark.slow
@@ -447,7 +463,8 @@ def test_a_reward_for_one_repeated_token_collapses_entropy_rolled_back_to_the_be
     rollback, stop = events
     best = rollback["best_step"]
     assert rollback["value"] < rollback["threshold"] and 0 < best < rollback["step"] < stop["step"] < COLLAPSE["steps"]
-    # the iteration after the event began from the best iteration's weights and AdamW state, exactly, at half the rate
+    # the iteration after the event began from the best iteration's weights and AdamW state,
+    # exactly, at half the rate
     assert same_state(snapshots["entering"][rollback["step"]], snapshots["after"][best])
     assert not same_state(snapshots["after"][rollback["step"]], snapshots["after"][best])
     assert snapshots["lr"][rollback["step"] - 1] == pytest.approx(COLLAPSE["lr"])

@@ -1,4 +1,5 @@
-"""Agent tools: schemas from type hints, parsing model output, safe execution, built-in tools, grammar."""
+"""Agent tools: schemas from type hints, parsing model output, safe execution,
+built-in tools, grammar."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def test_schema_follows_type_hints_defaults_and_docstring(registry):
     assert params["required"] == ["city"]
     props = params["properties"]
     assert list(props) == ["city", "days", "unit", "detail", "hours", "extra", "metrics", "verbose"]
-    assert props["city"] == {"type": "string", "description": 'Name of the city, for example "Oslo".'}
+    assert props["city"] == {"type": "string", "description": 'Name of the city, for example '
+                             '"Oslo".'}
     assert props["days"] == {"type": "integer", "description": "How many days ahead.", "default": 1}
     assert props["unit"] == {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"}
     assert props["detail"] == {"type": "string", "enum": ["short", "long"], "default": "short"}
@@ -181,26 +183,32 @@ def test_parse_smollm2_list_form_and_several_calls_in_one_block(registry):
     calc = '{"name": "calculator", "arguments": {"expression": "1+1"}}'
     time = '{"name": "current_time", "arguments": {"timezone": "UTC"}}'
     expected = [ToolCall("calculator", {"expression": "1+1"}), ToolCall("current_time", {"timezone": "UTC"})]
-    for reply in (f"<tool_call>[{calc}, {time}]</tool_call>", f"<tool_call>\n{calc}\n{time}\n</tool_call>",
+    for reply in (f"<tool_call>[{calc}, "
+                  f"{time}]</tool_call>", f"<tool_call>\n{calc}\n{time}\n</tool_call>",
                   f"[{calc}, {time}]", f"Checking.\n<tool_call>[{calc}]</tool_call>\n{TIME}"):
         parsed = registry.parse_calls(reply)
         assert parsed.calls == expected and parsed.errors == [], reply
-    mixed = registry.parse_calls(f'<tool_call>[{calc}, {{"name": "nope", "arguments": {{}}}}]</tool_call>')
+    mixed = registry.parse_calls(f'<tool_call>[{calc}, {{"name": "nope", "arguments": '
+                                 f'{{}}}}]</tool_call>')
     assert mixed.calls == expected[:1] and [error.name for error in mixed.errors] == ["nope"]
     assert registry.parse_calls("<tool_call>[]</tool_call>").errors and not registry.parse_calls("[1, 2]").wants_tools
 
 
 def test_parse_call_whose_closing_tag_was_cut_off(registry):
-    parsed = registry.parse_calls('<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*3"}}')
+    parsed = registry.parse_calls('<tool_call>\n{"name": "calculator", "arguments": {"expression": '
+                                  '"3*3"}}')
     assert parsed.calls == [ToolCall("calculator", {"expression": "3*3"})]
 
 
 @pytest.mark.parametrize(
     "reply, name, words",
     [
-        ('<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>', "", "malformed JSON"),
-        ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "rm_rf", "unknown tool 'rm_rf'"),
-        ('<tool_call>{"name": "calculator", "arguments": [1, 2]}</tool_call>', "calculator", "must be a JSON object"),
+        ('<tool_call>{"name": "calculator", "arguments": {"expression": '
+         '</tool_call>', "", "malformed JSON"),
+        ('<tool_call>{"name": "rm_rf", "arguments": '
+         '{}}</tool_call>', "rm_rf", "unknown tool 'rm_rf'"),
+        ('<tool_call>{"name": "calculator", "arguments": [1, '
+         '2]}</tool_call>', "calculator", "must be a JSON object"),
         ('<tool_call>["calculator"]</tool_call>', "", '"name"'),
         ('{"name": "calculator", "arguments": {"expression": "1",}}', "", "malformed JSON"),
     ],
@@ -214,7 +222,8 @@ def test_malformed_calls_become_error_observations(registry, reply, name, words)
 
 
 def test_good_and_bad_calls_in_one_reply_are_kept_apart(registry):
-    parsed = registry.parse_calls(f'{CALC}\n<tool_call>{{"name": "nope", "arguments": {{}}}}</tool_call>')
+    parsed = registry.parse_calls(f'{CALC}\n<tool_call>{{"name": "nope", "arguments": '
+                                  f'{{}}}}</tool_call>')
     assert [call.name for call in parsed.calls] == ["calculator"]
     assert [error.name for error in parsed.errors] == ["nope"]
 
@@ -253,7 +262,8 @@ def test_a_tool_that_raises_becomes_an_error_observation():
         raise RuntimeError(f"boom: {reason}")
 
     observation = tools.execute(ToolCall("explode", {"reason": "test"}))
-    assert observation == Observation("explode", False, "Error: explode failed: RuntimeError: boom: test",
+    assert observation == Observation("explode", False, "Error: explode failed: RuntimeError: "
+                                      "boom: test",
                                       "explode failed: RuntimeError: boom: test")
 
 
@@ -351,7 +361,8 @@ def test_notes_are_saved_private_read_back_and_listed(tmp_path):
     assert store.read_note("Shopping list") == "bread"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert store.list_notes() == ["Shopping list", "a_ b_"]
-    assert sorted(os.listdir(tmp_path / "notes")) == ["Shopping list.txt", "a_ b_.txt"]  # no temporaries left
+    assert sorted(os.listdir(tmp_path / "notes")) == ["Shopping list.txt", "a_ "
+                                                      "b_.txt"]  # no temporaries left
 
 
 @pytest.mark.parametrize("title", ["../x", "/etc/passwd", "notes/../../x", "..", ".hidden", "bad\x00name", " "])
@@ -418,7 +429,8 @@ def test_grammar_names_every_tool_and_property(tmp_path, registry):
 
 @pytest.fixture(scope="module")
 def llama_vocab(tmp_path_factory):
-    """llama.cpp loaded with just the bundled model's vocabulary: enough to parse and run a grammar."""
+    """llama.cpp loaded with just the bundled model's vocabulary: enough to
+    parse and run a grammar."""
     llama_cpp = pytest.importorskip("llama_cpp")
     pytest.importorskip("gguf")
     from slm_align.export.gguf import write_gguf
@@ -437,7 +449,8 @@ def _grammar_sampler(llama_vocab, grammar: str):
 
 
 def _llama_accepts(llama_vocab, grammar: str, text: str) -> bool:
-    """Whether llama.cpp's grammar sampler lets the tokens of ``text``, then end-of-text, through."""
+    """Whether llama.cpp's grammar sampler lets the tokens of ``text``,
+    then end-of-text, through."""
     llama_cpp, llm, vocab = llama_vocab
     sampler = _grammar_sampler(llama_vocab, grammar)
     tokens = llm.tokenize(text.encode(), add_bos=False, special=False)
@@ -474,8 +487,10 @@ def _call(name: str, arguments: str) -> str:
         _call("forecast", '{"city": "Oslo"}'),
         _call("forecast", '{"city": "Oslo", "unit": "fahrenheit", "hours": [1, 2], "extra": null}'),
         _call("forecast",
-              '{"city": "O\\"slo", "days": -3, "extra": 2.5e3, "metrics": {"rain": true}, "verbose": false}'),
-        '<tool_call>{\n  "name": "calculator",\n  "arguments": {\n    "expression": "1"\n  }\n}</tool_call>',
+              '{"city": "O\\"slo", "days": -3, "extra": 2.5e3, "metrics": {"rain": true}, '
+              '"verbose": false}'),
+        '<tool_call>{\n  "name": "calculator",\n  "arguments": {\n    "expression": "1"\n  '
+     '}\n}</tool_call>',
     ],
 )
 def test_llama_cpp_grammar_admits_calls_that_follow_the_schemas(registry, llama_vocab, reply):
@@ -493,7 +508,8 @@ def test_llama_cpp_grammar_admits_calls_that_follow_the_schemas(registry, llama_
         _call("forecast", '{"city": "Oslo", "unit": "kelvin"}'),
         _call("forecast", '{"city": "Oslo", "days": 1.5}'),
         _call("forecast", '{"city": "Oslo",}'),
-        "Sure! " + _call("calculator", '{"expression": "1"}'),  # text, then a call: neither one nor the other
+        "Sure! " + _call("calculator", '{"expression": '
+                         '"1"}'),  # text, then a call: neither one nor the other
         "<b>tags</b> are not free text",
         "",
     ],
@@ -510,10 +526,12 @@ def test_required_and_named_grammars_admit_calls_only(registry, llama_vocab):
     assert _llama_accepts(llama_vocab, required, calc) and _llama_accepts(llama_vocab, required, clock)
     assert not _llama_accepts(llama_vocab, required, "Free text instead.")
     assert _llama_accepts(llama_vocab, named, clock) and not _llama_accepts(llama_vocab, named, calc)
-    assert not _llama_accepts(llama_vocab, required, _call("calculator", '{"expression": "1"}').replace(" ", "\t"))
+    assert not _llama_accepts(llama_vocab, required, _call("calculator", '{"expression": '
+                                                           '"1"}').replace(" ", "\t"))
 
 
-# --- on-device footprint ----------------------------------------------------------------------------
+# --- on-device footprint
+# ----------------------------------------------------------------------------
 
 
 def test_tools_import_neither_torch_nor_transformers():

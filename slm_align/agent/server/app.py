@@ -1,4 +1,5 @@
-"""Building the app and serving it: ``create_app`` for any ASGI server, ``serve`` to listen with uvicorn."""
+"""Building the app and serving it: ``create_app`` for any ASGI server, ``serve``
+to listen with uvicorn."""
 
 from __future__ import annotations
 
@@ -36,16 +37,16 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
     """The server as an ASGI app (run it with uvicorn or :func:`serve`).
 
     Args:
-        artifact: A .gguf file or an ONNX export directory.
-        store_path: Preference database to record turns and feedback in (None: record nothing).
-        api_key: When set, every /v1 route needs ``Authorization: Bearer <api_key>``.
-        consent: Mark recorded turns as consented for training.
-        tools: Run the built-in tools (calculator, clock, and notes in ``notes``) on the server.
-        notes: Folder the notes tools may use (with ``tools``).
-        device, threads, n_ctx: How to load the model, as for ``Agent.load``.
-        allowed_hosts: Host names accepted besides loopback ones when no ``api_key`` is set (``*``: any); see
+        artifact: A .gguf file or an ONNX export directory. store_path: Preference database to
+        record turns and feedback in (None: record nothing). api_key: When set, every /v1 route
+        needs ``Authorization: Bearer <api_key>``. consent: Mark recorded turns as consented for
+        training. tools: Run the built-in tools (calculator, clock, and notes in ``notes``) on the
+        server. notes: Folder the notes tools may use (with ``tools``). device, threads, n_ctx: How
+        to load the model, as for ``Agent.load``. allowed_hosts: Host names accepted besides
+        loopback ones when no ``api_key`` is set (``*``: any); see
             :mod:`slm_align.agent.server.guard`.
-        chat_template: "chatml" or a Jinja file in place of the model's own (base models have none; without one,
+        chat_template: "chatml" or a Jinja file in place of the model's own (base
+        models have none; without one,
             chat requests are refused and /v1/completions still continues plain text).
         limits: Any :class:`Limits` field (max_body_bytes, max_queue, max_messages, ...).
     """
@@ -86,16 +87,18 @@ def bind(host: str, port: int) -> socket.socket:
         return socket.create_server((host.strip("[]"), port), family=family, reuse_port=False)
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise UserError(f"cannot listen on {host}:{port} ({reason}); pass another --port or --host") from None
+        raise UserError(f"cannot listen on {host}:{port} ({reason}); pass another --port or "
+                        f"--host") from None
 
 
 def serve(artifact: Union[str, Path], host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
           insecure: bool = False, log_level: str = "info", announce: Optional[Callable[[dict], None]] = None,
           **options: Any) -> None:
-    """Check the address, load the model, listen, and answer until interrupted (Ctrl-C); with the connection limits
-    of :func:`slm_align.agent.server.connections.server_config`.
+    """Check the address, load the model, listen, and answer until interrupted (Ctrl-C); with the
+    connection limits of :func:`slm_align.agent.server.connections.server_config`.
 
-    ``options`` go to :func:`create_app`; ``announce`` receives ``{url, model, store, api_key}`` once listening.
+    ``options`` go to :func:`create_app`; ``announce`` receives ``{url, model, store,
+    api_key}`` once listening.
     """
     import uvicorn
 
@@ -115,7 +118,8 @@ def serve(artifact: Union[str, Path], host: str = "127.0.0.1", port: int = 8080,
 
 
 def listening_names(host: str, allowed_hosts: Sequence[str]) -> list[str]:
-    """The host names a request may address: those allowed, and the address listened on unless it is a wildcard."""
+    """The host names a request may address: those allowed, and the address listened on
+    unless it is a wildcard."""
     names = list(allowed_hosts)
     if host not in WILDCARD_ADDRESSES:
         names.append(host)

@@ -1,8 +1,10 @@
-"""A request body: read as JSON within the server's :class:`Limits`, and the pydantic ground every body model stands on.
+"""A request body: read as JSON within the server's :class:`Limits`, and the pydantic ground
+every body model stands on.
 
-Models are strict (a bool is not a number, "1" is not an integer) and read a top-level null as "not given". Unknown
-top-level fields are a 400 naming the field unless they are known to change nothing (:data:`IGNORED`); unknown keys
-inside messages and tools are ignored (clients echo back fields of the answers they got).
+Models are strict (a bool is not a number, "1" is not an integer) and read a top-level null as
+"not given". Unknown top-level fields are a 400 naming the field unless they are known to change
+nothing (:data:`IGNORED`); unknown keys inside messages and tools are ignored (clients echo back
+fields of the answers they got).
 """
 
 from __future__ import annotations
@@ -21,16 +23,18 @@ from slm_align.agent.server.errors import ApiError, bad
 from slm_align.agent.settings import MaxTokens
 
 MAX_ARGUMENT_DEPTH = 64
-"""Deepest nesting of a past tool call's arguments and of a tool's parameter schema: past it, rendering, checking
-the schema and storing would exhaust the stack (jsonschema's own check fails at about 200)."""
+"""Deepest nesting of a past tool call's arguments and of a tool's parameter schema: past
+it, rendering, checking the schema and storing would exhaust the stack (jsonschema's own
+check fails at about 200)."""
 MAX_BODY_DEPTH = MAX_ARGUMENT_DEPTH + 8
-"""Deepest nesting of a whole body: room for the arguments and schemas, and the messages and tools around them, so
-that no other field (a tool's description, a message's name) nests deeper."""
+"""Deepest nesting of a whole body: room for the arguments and schemas, and the messages and tools
+around them, so that no other field (a tool's description, a message's name) nests deeper."""
 
 
 @dataclass
 class Limits:
-    """What one request may ask of the server; beyond it the answer is a 4xx (or 503) and serving goes on."""
+    """What one request may ask of the server; beyond it the answer is a 4xx (or
+    503) and serving goes on."""
 
     max_body_bytes: int = 1 << 20
     """Largest request body in bytes; a larger one gets 413."""
@@ -48,18 +52,20 @@ class Limits:
     """Most stop strings one request may give (OpenAI's limit)."""
 
 
-# --- the body as JSON -------------------------------------------------------------------------------------------
+# --- the body as JSON
+# -------------------------------------------------------------------------------------------
 
 
 async def read_json(request: Request, limit: int) -> dict:
     """The body as a JSON object, refused with 413 past ``limit`` bytes (declared or actually sent).
 
     A body that stops arriving (the connection closed) is a 400 nobody reads, not a traceback. Only
-    ``Content-Type: application/json`` is read (415 otherwise): a page on another site can send text/plain
-    or form posts to a loopback server without asking, but not JSON.
+    ``Content-Type: application/json`` is read (415 otherwise): a page on another site can send
+    text/plain or form posts to a loopback server without asking, but not JSON.
     """
     if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-        raise ApiError(415, "send the body as JSON with the header 'Content-Type: application/json'")
+        raise ApiError(415, "send the body as JSON with the header 'Content-Type: "
+                       "application/json'")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -78,12 +84,14 @@ async def read_json(request: Request, limit: int) -> dict:
     if not isinstance(data, dict):
         raise bad("the body must be a JSON object")
     if depth(data) > MAX_BODY_DEPTH:
-        raise bad(f"the body nests more than {MAX_BODY_DEPTH} levels deep; send flatter tool arguments and schemas")
+        raise bad(f"the body nests more than {MAX_BODY_DEPTH} levels deep; send flatter tool "
+                  f"arguments and schemas")
     return data
 
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than {limit} bytes; send fewer or shorter messages")
+    return ApiError(413, f"the request body is larger than {limit} bytes; send fewer or shorter "
+                    f"messages")
 
 
 def depth(value: Any) -> int:
@@ -98,7 +106,8 @@ def depth(value: Any) -> int:
     return deepest
 
 
-# --- validators that need the limits ----------------------------------------------------------------------------
+# --- validators that need the limits
+# ----------------------------------------------------------------------------
 
 
 def _limits(info: ValidationInfo) -> Limits:
@@ -107,7 +116,8 @@ def _limits(info: ValidationInfo) -> Limits:
 
 @dataclass(frozen=True)
 class AtMost:
-    """``Annotated`` metadata: a value at most the server's :class:`Limits` field ``limit`` (``le`` there)."""
+    """``Annotated`` metadata: a value at most the server's :class:`Limits` field
+    ``limit`` (``le`` there)."""
 
     limit: str
 
@@ -127,8 +137,8 @@ class AtMost:
 
 @dataclass(frozen=True)
 class CountAtMost:
-    """``Annotated`` metadata: a list of at most the server's :class:`Limits` field ``limit`` items, refused before
-    its items are looked at (``max_length`` there)."""
+    """``Annotated`` metadata: a list of at most the server's :class:`Limits` field ``limit`` items,
+    refused before its items are looked at (``max_length`` there)."""
 
     limit: str
 
@@ -162,7 +172,8 @@ Stop = Union[NonEmpty, Annotated[list[NonEmpty], CountAtMost("max_stop")]]
 
 
 class Strict(BaseModel):
-    """A JSON object: strict types, unknown keys ignored (request bodies refuse theirs: :func:`refuse_unsupported`)."""
+    """A JSON object: strict types, unknown keys ignored (request bodies refuse theirs:
+    :func:`refuse_unsupported`)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -176,18 +187,20 @@ class Body(Strict):
         return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
 
 
-# --- fields a body does not implement ---------------------------------------------------------------------------
+# --- fields a body does not implement
+# ---------------------------------------------------------------------------
 
 
 IGNORED = ("model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
-"""Request fields accepted with any value and ignored, because they cannot change the answer: the server serves one
-model, records turns only with its own consent setting, and has no tiers or prompt cache. Any other field that a body
-does not implement is a 400 naming it."""
+"""Request fields accepted with any value and ignored, because they cannot change the answer: the
+server serves one model, records turns only with its own consent setting, and has no tiers or prompt
+cache. Any other field that a body does not implement is a 400 naming it."""
 
 
 def refuse_unsupported(data: Any, unsupported: dict, implemented) -> None:
-    """A 400 naming the first field of ``unsupported`` sent with a value that would change the answer, or else the
-    first field (not null) that is neither ``implemented`` (the body's own field names), in ``unsupported`` nor in
+    """A 400 naming the first field of ``unsupported`` sent with a value that would change the
+    answer, or else the first field (not null) that is neither ``implemented`` (the body's own field
+    names), in ``unsupported`` nor in
     :data:`IGNORED`."""
     if not isinstance(data, dict):
         return
@@ -201,10 +214,12 @@ def refuse_unsupported(data: Any, unsupported: dict, implemented) -> None:
 
 
 def _not_supported(name: str) -> ApiError:
-    return bad(f"'{name}' is not supported by this server; leave it out (the answer would silently ignore it)")
+    return bad(f"'{name}' is not supported by this server; leave it out (the answer would silently "
+               f"ignore it)")
 
 
-# --- fields every sampling body shares ---------------------------------------------------------------------------
+# --- fields every sampling body shares
+# ---------------------------------------------------------------------------
 
 
 def stop_list(stop: Union[str, list[str]]) -> list[str]:
@@ -213,6 +228,7 @@ def stop_list(stop: Union[str, list[str]]) -> list[str]:
 
 
 def request_seed(seed: Optional[int]) -> int:
-    """A request's ``seed`` folded to 32 bits; a missing one drawn at random (and recorded with the turn)."""
+    """A request's ``seed`` folded to 32 bits; a missing one drawn at random (and
+    recorded with the turn)."""
     return secrets.randbits(32) if seed is None else fold_seed(seed)
 

@@ -1,8 +1,10 @@
-"""The chat completion request body: messages, tools, tool choice, structured output and sampling, as pydantic models.
+"""The chat completion request body: messages, tools, tool choice, structured output and
+sampling, as pydantic models.
 
-Fields are checked in the order :class:`ChatBody` declares them (the first error is the answer); a chat request's
-unknown top-level fields are a 400 naming the field (llama.cpp's ``grammar``, ``reasoning_effort`` and the like would
-change the answer if honoured) unless they are known to change nothing.
+Fields are checked in the order :class:`ChatBody` declares them (the first error is the
+answer); a chat request's unknown top-level fields are a 400 naming the field (llama.cpp's
+``grammar``, ``reasoning_effort`` and the like would change the answer if honoured) unless they
+are known to change nothing.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class TextPart(Strict):
 
 
 class CalledFunction(Strict):
-    """The function of an assistant's past tool call; ``arguments`` as JSON text (or already an object)."""
+    """The function of an assistant's past tool call; ``arguments`` as JSON text
+    (or already an object)."""
 
     name: StrictStr
     arguments: Any = None
@@ -79,7 +82,8 @@ class ToolCall(Strict):
 
 
 class Message(Strict):
-    """One chat message; ``developer`` is read as ``system``, tool calls count on assistant messages only."""
+    """One chat message; ``developer`` is read as ``system``, tool calls count on
+    assistant messages only."""
 
     model_config = ConfigDict(title="message")
 
@@ -108,7 +112,8 @@ class Message(Strict):
 
 def _schema_depth(schema: Any) -> Any:
     if depth(schema) > MAX_ARGUMENT_DEPTH:
-        raise PydanticCustomError("too_deep", "must be a JSON schema that nests at most {levels} levels deep",
+        raise PydanticCustomError("too_deep", "must be a JSON schema that nests at most {levels} "
+                                  "levels deep",
                                   {"levels": MAX_ARGUMENT_DEPTH})
     return schema
 
@@ -171,24 +176,26 @@ class ResponseFormat(Strict):
     @model_validator(mode="after")
     def _schema_given(self) -> "ResponseFormat":
         if self.type == "json_schema" and self.json_schema is None:
-            raise PydanticCustomError("schema_missing", 'with "type": "json_schema" needs "json_schema": '
-                                      '{"name", "schema"}')
+            raise PydanticCustomError("schema_missing", 'with "type": "json_schema" needs '
+                                      '"json_schema": {"name", "schema"}')
         return self
 
 
 UNSUPPORTED = {"logit_bias": (None, {}), "functions": (None,), "function_call": (None,), "audio": (None,),
                "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,)}
-"""OpenAI request fields that would change the answer and that this server does not implement, with the values
-that change nothing (accepted); any other value is a 400 naming the field."""
+"""OpenAI request fields that would change the answer and that this server does not implement, with
+the values that change nothing (accepted); any other value is a 400 naming the field."""
 
 
 class ChatBody(Body):
-    """An OpenAI chat completion request; fields are checked in this order (the first error is the answer)."""
+    """An OpenAI chat completion request; fields are checked in this order (the
+    first error is the answer)."""
 
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     """Answers per request: only 1."""
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice] = "auto"
-    """none (no tools), auto (the model decides), required (calls only) or a named function (that call only)."""
+    """none (no tools), auto (the model decides), required (calls only) or a named
+    function (that call only)."""
     tools: Annotated[Optional[list[ToolSpec]], CountAtMost("max_tools")] = None
     stream_options: Optional[dict] = None
     messages: Annotated[list[Message], Field(min_length=1), CountAtMost("max_messages")]
@@ -246,7 +253,8 @@ class ChatBody(Body):
         return None if info.data.get("max_completion_tokens") is not None else handler(value)
 
     def sampling(self) -> SamplingParams:
-        """Sampling from the request; a missing seed is drawn at random (and recorded with the turn)."""
+        """Sampling from the request; a missing seed is drawn at random (and
+        recorded with the turn)."""
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               repeat_penalty=self.repeat_penalty, frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty,
@@ -254,12 +262,14 @@ class ChatBody(Body):
                               stop=stop_list(self.stop), seed=request_seed(self.seed))
 
     def runtime_messages(self) -> list[dict]:
-        """The messages as chat templates take them: tool-call arguments as objects, tool results named."""
+        """The messages as chat templates take them: tool-call arguments as
+        objects, tool results named."""
         call_names: dict = {}
         return [_runtime_message(message, call_names) for message in self.messages]
 
     def client_tools(self) -> Optional[ToolRegistry]:
-        """The request's function tools as a registry that parses the model's calls (the client runs them)."""
+        """The request's function tools as a registry that parses the model's calls
+        (the client runs them)."""
         if not self.tools:
             return None
         registry = ToolRegistry()
@@ -272,7 +282,8 @@ class ChatBody(Body):
 
 
 def _runtime_message(message: Message, call_names: dict) -> dict:
-    """One message in the runtime's shape; ``call_names`` maps the call ids seen so far to their functions."""
+    """One message in the runtime's shape; ``call_names`` maps the call ids seen so
+    far to their functions."""
     role = "system" if message.role == "developer" else message.role
     shaped = {"role": role, "content": message.content}
     if message.tool_calls is not None:
@@ -287,8 +298,9 @@ def _runtime_message(message: Message, call_names: dict) -> dict:
 
 
 def _arguments(arguments: Any) -> Any:
-    """OpenAI's JSON-text arguments as the object chat templates take (text that is not JSON stays text); a 400
-    when they nest deeper than :data:`MAX_ARGUMENT_DEPTH` (templates and the store recurse into them)."""
+    """OpenAI's JSON-text arguments as the object chat templates take (text that is not JSON
+    stays text); a 400 when they nest deeper than :data:`MAX_ARGUMENT_DEPTH` (templates and the
+    store recurse into them)."""
     if arguments is None:
         return {}
     value = arguments

@@ -1,5 +1,5 @@
-"""The chat request the service answers: a validated :class:`ChatBody` in the runtime's shapes, with the grammar
-that a forced tool call or a JSON ``response_format`` samples under."""
+"""The chat request the service answers: a validated :class:`ChatBody` in the runtime's shapes, with
+the grammar that a forced tool call or a JSON ``response_format`` samples under."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ class ChatRequest:
     """A validated chat completion request, in the runtime's message shape."""
 
     messages: list[dict]
-    """The conversation, ``{"role", "content": str}`` (+ ``tool_calls`` / ``name``) as chat templates take it."""
+    """The conversation, ``{"role", "content": str}`` (+ ``tool_calls`` / ``name``) as
+    chat templates take it."""
     sampling: SamplingParams
     """How to sample the answer."""
     stream: bool = False
@@ -35,16 +36,18 @@ class ChatRequest:
     conversation_id: Optional[str] = None
     """Groups the turns of one conversation in the store (``x_conversation_id``)."""
     answer_grammar: Optional[str] = None
-    """A llama.cpp grammar the answer follows (``tool_choice`` required or named, a JSON ``response_format``)."""
+    """A llama.cpp grammar the answer follows (``tool_choice`` required or named, a
+    JSON ``response_format``)."""
     logprobs: Optional[int] = None
-    """Report each token's log-probability with this many alternatives (None: ``logprobs`` not asked for)."""
+    """Report each token's log-probability with this many alternatives (None:
+    ``logprobs`` not asked for)."""
     single_call: bool = False
     """``parallel_tool_calls`` false: at most one call goes back."""
 
 
 def parse_chat(body: dict, limits: Limits, backend_kind: str = "gguf") -> ChatRequest:
-    """Validate an OpenAI chat completion request; wrong shapes and values, and what ``backend_kind`` cannot do, are
-    400s naming the field."""
+    """Validate an OpenAI chat completion request; wrong shapes and values, and what
+    ``backend_kind`` cannot do, are 400s naming the field."""
     chat = validate(ChatBody, body, limits)
     check_combinations(chat)
     tools = chat.client_tools()
@@ -74,25 +77,28 @@ def check_combinations(chat: ChatBody) -> None:
     if chat.top_logprobs is not None and not chat.logprobs:
         raise bad("'top_logprobs' needs 'logprobs': true")
     if chat.logprobs and chat.stream:
-        raise bad("'logprobs' is not available with 'stream': true on this server; ask without streaming")
+        raise bad("'logprobs' is not available with 'stream': true on this server; ask without "
+                  "streaming")
     if _forced_call(chat) and not chat.tools:
         raise bad("'tool_choice' asks for a tool call but the request offers no 'tools'")
     named = chat.tool_choice.function.name if isinstance(chat.tool_choice, NamedToolChoice) else None
     if named is not None and named not in [tool.function.name for tool in chat.tools]:
         raise bad(f"'tool_choice' names the function {named[:64]!r}, which is not among 'tools'")
     if _wants_json(chat) and chat.tools and chat.tool_choice != "none":
-        raise bad("'response_format' cannot be combined with 'tools' on this server; send one or the other")
+        raise bad("'response_format' cannot be combined with 'tools' on this server; send one or "
+                  "the other")
 
 
 def answer_grammar(chat: ChatBody, tools: Optional[ToolRegistry], backend_kind: str) -> Optional[str]:
-    """The grammar that makes the answer a call (``tool_choice``) or JSON (``response_format``); a 400 when the
-    backend cannot sample under a grammar."""
+    """The grammar that makes the answer a call (``tool_choice``) or JSON (``response_format``); a
+    400 when the backend cannot sample under a grammar."""
     field = "tool_choice" if _forced_call(chat) else "response_format"
     if not (_forced_call(chat) or _wants_json(chat)):
         return None
     if backend_kind != "gguf":
-        raise bad(f"'{field}' needs a GGUF model (a llama.cpp grammar constrains the answer); this server runs an "
-                  f"{backend_kind.upper()} model: leave '{field}' out, or serve the GGUF export")
+        raise bad(f"'{field}' needs a GGUF model (a llama.cpp grammar constrains the answer); this "
+                  f"server runs an {backend_kind.upper()} model: leave '{field}' out, or serve the "
+                  f"GGUF export")
     if field == "tool_choice":
         named = chat.tool_choice.function.name if isinstance(chat.tool_choice, NamedToolChoice) else None
         return tools.gbnf_grammar(required=True, names=[named] if named else None)

@@ -1,8 +1,9 @@
-"""``POST /v1/completions``: OpenAI's legacy completions, plain text continued, for any model (base models first).
+"""``POST /v1/completions``: OpenAI's legacy completions, plain text continued, for any
+model (base models first).
 
-No template and no tools: the prompt is tokenised as it is (BOS added, special-token text parsed, as llama.cpp's own
-server does) and continued by :meth:`slm_align.agent.runtime.Agent.complete`. Nothing is recorded in the preference
-store: there is no conversation to give feedback on.
+No template and no tools: the prompt is tokenised as it is (BOS added, special-token text parsed, as
+llama.cpp's own server does) and continued by :meth:`slm_align.agent.runtime.Agent.complete`.
+Nothing is recorded in the preference store: there is no conversation to give feedback on.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ LEGACY_MAX_TOKENS = 16
 UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "logprobs": (None,),
                "logit_bias": (None, {}), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
                "stream_options": (None,)}
-"""Legacy completion fields not implemented here, with the values that change nothing (any other is a 400)."""
+"""Legacy completion fields not implemented here, with the values that change
+nothing (any other is a 400)."""
 
 
 class CompletionBody(Body):
-    """An OpenAI (legacy) completion request; fields are checked in this order (the first error is the answer)."""
+    """An OpenAI (legacy) completion request; fields are checked in this order (the
+    first error is the answer)."""
 
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     """Completions per request: only 1."""
@@ -99,7 +102,8 @@ def completion_body(meta: Meta, reply: Reply) -> dict:
 
 
 async def text_stream(first: Any, rest: AsyncIterator, meta: Meta) -> AsyncIterator[str]:
-    """The continuation as ``text_completion`` events: its pieces, the finish reason, then [DONE]."""
+    """The continuation as ``text_completion`` events: its pieces, the
+    finish reason, then [DONE]."""
     try:
         item = first
         while isinstance(item, str):
@@ -113,7 +117,8 @@ async def text_stream(first: Any, rest: AsyncIterator, meta: Meta) -> AsyncItera
 
 
 async def completions(request: Request):
-    """``POST /v1/completions``: ``prompt`` continued as plain text, whole or streamed by server-sent events."""
+    """``POST /v1/completions``: ``prompt`` continued as plain text, whole or streamed
+    by server-sent events."""
     service = request.app.state.service
     wanted = validate(CompletionBody, await read_json(request, service.limits.max_body_bytes), service.limits)
     job = partial(continuation, service.model, wanted.prompt, wanted.sampling())

@@ -1,11 +1,13 @@
-"""What one client may hold of the server: a bounded number of connections, and little time to send its request.
+"""What one client may hold of the server: a bounded number of connections, and little
+time to send its request.
 
-uvicorn bounds concurrent connections (``limit_concurrency``: 503 beyond it) and idle keep-alive time, but not how
-long a client may take to send a request: 20 clients trickling a header line every few seconds held 20 connections
-for as long as they liked, and so did one trickling its body a byte at a time. :class:`RequestDeadline` closes a
-connection whose request headers are not complete ``header_timeout`` seconds after it opened (or after its previous
-response), or whose body is not complete ``body_timeout`` seconds after its headers. Beyond loopback, put a reverse
-proxy in front (README: "Security"); these limits are the server's own floor, not a substitute.
+uvicorn bounds concurrent connections (``limit_concurrency``: 503 beyond it) and idle keep-alive
+time, but not how long a client may take to send a request: 20 clients trickling a header line every
+few seconds held 20 connections for as long as they liked, and so did one trickling its body a byte
+at a time. :class:`RequestDeadline` closes a connection whose request headers are not complete
+``header_timeout`` seconds after it opened (or after its previous response), or whose body is not
+complete ``body_timeout`` seconds after its headers. Beyond loopback, put a reverse proxy in front
+(README: "Security"); these limits are the server's own floor, not a substitute.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ MAX_CONNECTIONS = 64
 HEADER_TIMEOUT = 10.0
 """Seconds a client has to send a request's headers."""
 BODY_TIMEOUT = 30.0
-"""Seconds a client has, once its headers are in, to send the body (1 MiB at most: 35 KB/s is enough)."""
+"""Seconds a client has, once its headers are in, to send the body (1 MiB at
+most: 35 KB/s is enough)."""
 KEEP_ALIVE_TIMEOUT = 5
 """Seconds an idle kept-alive connection stays open."""
 SENDING = (h11.IDLE, h11.SEND_BODY)
@@ -30,7 +33,8 @@ SENDING = (h11.IDLE, h11.SEND_BODY)
 
 
 class RequestDeadline(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, closing connections whose request headers or body do not arrive in time."""
+    """uvicorn's HTTP/1.1 protocol, closing connections whose request headers or body
+    do not arrive in time."""
 
     def __init__(self, *args: Any, header_timeout: float = HEADER_TIMEOUT, body_timeout: float = BODY_TIMEOUT,
                  **kwargs: Any):
@@ -83,7 +87,8 @@ class RequestDeadline(H11Protocol):
 
 def server_config(app, log_level: str = "info", max_connections: int = MAX_CONNECTIONS,
                   header_timeout: float = HEADER_TIMEOUT, body_timeout: float = BODY_TIMEOUT) -> Config:
-    """uvicorn's settings for serving ``app``: bounded connections, header and body deadlines, short keep-alive."""
+    """uvicorn's settings for serving ``app``: bounded connections, header and body
+    deadlines, short keep-alive."""
     protocol = partial(RequestDeadline, header_timeout=header_timeout, body_timeout=body_timeout)
     return Config(app, log_level=log_level, timeout_graceful_shutdown=5, limit_concurrency=max_connections,
                   timeout_keep_alive=KEEP_ALIVE_TIMEOUT, http=protocol)

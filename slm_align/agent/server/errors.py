@@ -13,10 +13,12 @@ from slm_align.errors import UserError
 
 HTTP_KINDS = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
 PATH_START = r"(?<![^\s'\"(\[=])"
-"""A path starts a message, or follows a space, a quote, a bracket or "=" (not a letter: "and/or", "text/plain")."""
+"""A path starts a message, or follows a space, a quote, a bracket or "=" (not a letter:
+"and/or", "text/plain")."""
 ABSOLUTE_PATH = re.compile(PATH_START + r"(?:~|[A-Za-z]:)?(?:[/\\][^\s'\"()\[\]/\\;,]+)+[/\\]?")
 RELATIVE_PATH = re.compile(PATH_START + r"[\w.~-]+(?:[/\\][\w.@+~-]+)*[/\\][\w@+~-]+\.\w{1,8}\b")
-"""A relative path is told from "application/json" by its file name's extension (runs/demo/prefs.db)."""
+"""A relative path is told from "application/json" by its file name's
+extension (runs/demo/prefs.db)."""
 
 
 class ApiError(Exception):
@@ -50,8 +52,9 @@ async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 
 def client_text(exc: UserError) -> str:
-    """A UserError's line as a client reads it: each filesystem path cut to its last part (``/srv/data/prefs.db`` ->
-    ``prefs.db``): it says which file, never where the server keeps its files."""
+    """A UserError's line as a client reads it: each filesystem path cut to its last
+    part (``/srv/data/prefs.db`` -> ``prefs.db``): it says which file, never where the
+    server keeps its files."""
     message = str(exc)
     for pattern in (ABSOLUTE_PATH, RELATIVE_PATH):
         message = pattern.sub(_last_part, message)
@@ -63,8 +66,8 @@ def _last_part(found: re.Match) -> str:
 
 
 async def on_user_error(request: Request, exc: UserError) -> JSONResponse:
-    """A UserError from the runtime (a prompt beyond the context, a store that fails): the request's fault, a 400,
-    without the server's paths."""
+    """A UserError from the runtime (a prompt beyond the context, a store that fails): the request's
+    fault, a 400, without the server's paths."""
     return error_response(400, client_text(exc), "invalid_request_error")
 
 
@@ -76,7 +79,8 @@ async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 async def on_bug(request: Request, exc: Exception) -> JSONResponse:
     """Anything else is a bug: a 500 naming it, and the server keeps serving."""
-    return error_response(500, f"internal error ({type(exc).__name__}); the server keeps running", "server_error")
+    return error_response(500, f"internal error ({type(exc).__name__}); the server keeps "
+                          f"running", "server_error")
 
 
 HANDLERS = {ApiError: on_api_error, UserError: on_user_error, HTTPException: on_http_error, Exception: on_bug}

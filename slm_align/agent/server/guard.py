@@ -1,10 +1,12 @@
-"""The DNS-rebinding guard: without an API key, only requests addressed to this server on loopback are answered.
+"""The DNS-rebinding guard: without an API key, only requests addressed to this server
+on loopback are answered.
 
-A web page whose host name an attacker re-points at 127.0.0.1 reaches a loopback server from the victim's browser;
-its requests then carry the attacker's name in ``Host`` (and its page's ``Origin``). So, unless an API key is set
-(a browser page cannot know it) or the user names more hosts (``--allow-host``), a request is refused with 403
-when its ``Host`` is not a loopback name with the port the server listens on, or its ``Origin`` (when sent) is
-not a loopback origin. ``*`` among the allowed hosts turns the guard off.
+A web page whose host name an attacker re-points at 127.0.0.1 reaches a loopback server from the
+victim's browser; its requests then carry the attacker's name in ``Host`` (and its page's
+``Origin``). So, unless an API key is set (a browser page cannot know it) or the user names more
+hosts (``--allow-host``), a request is refused with 403 when its ``Host`` is not a loopback name
+with the port the server listens on, or its ``Origin`` (when sent) is not a loopback origin. ``*``
+among the allowed hosts turns the guard off.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ def is_loopback(host: str) -> bool:
 
 
 def split_host(value: str) -> tuple[str, Optional[int]]:
-    """``name`` and ``port`` of a ``Host`` header value (``[::1]:8080``, ``localhost``); port None when absent or
-    not a number."""
+    """``name`` and ``port`` of a ``Host`` header value (``[::1]:8080``, ``localhost``); port None
+    when absent or not a number."""
     parts = urlsplit(f"//{value}")
     try:
         port = parts.port
@@ -41,7 +43,8 @@ def split_host(value: str) -> tuple[str, Optional[int]]:
 
 
 class HostGuard:
-    """ASGI middleware refusing (403) requests whose ``Host`` or ``Origin`` is not this loopback server's."""
+    """ASGI middleware refusing (403) requests whose ``Host`` or ``Origin`` is not
+    this loopback server's."""
 
     def __init__(self, app, allowed_hosts: Iterable[str] = ()):
         self.app = app

@@ -1,10 +1,11 @@
 """Validation errors as the server's 400s, in words read off the body's types.
 
-A body is validated with :func:`validate`, which passes the server's :class:`~slm_align.agent.server.body.Limits` as
-validation context and refuses the first error in one line naming the field and what it accepts: ``'temperature'
-must be a number from 0 to 2, got 3``. What a field accepts is read off its type and constraints
-(:mod:`slm_align.agent.bounds`, the same words as `chat`'s refusals); a rule no type states (a field needed because
-of another) is worded by the validator that enforces it.
+A body is validated with :func:`validate`, which passes the server's
+:class:`~slm_align.agent.server.body.Limits` as validation context and refuses the first error in
+one line naming the field and what it accepts: ``'temperature' must be a number from 0 to 2, got
+3``. What a field accepts is read off its type and constraints (:mod:`slm_align.agent.bounds`, the
+same words as `chat`'s refusals); a rule no type states (a field needed because of another) is
+worded by the validator that enforces it.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ def validate(model: type[Parsed], body: dict, limits: Limits) -> Parsed:
 
 
 def to_api_error(exc: ValidationError, model: type[BaseModel], limits: Limits) -> ApiError:
-    """The 400 for a body of ``model`` that failed validation: its first error, at the field it reached.
+    """The 400 for a body of ``model`` that failed validation: its first
+    error, at the field it reached.
 
-    An error deeper inside a field than its fields and list items lead (a member of a union, ``tool_choice``'s
-    named function) describes the whole field; an error of one union member quotes the value as the field's own.
+    An error deeper inside a field than its fields and list items lead (a member of a union,
+    ``tool_choice``'s named function) describes the whole field; an error of one union member quotes
+    the value as the field's own.
     """
     error = exc.errors(include_url=False)[0]
     loc = error["loc"]
@@ -43,7 +46,8 @@ def to_api_error(exc: ValidationError, model: type[BaseModel], limits: Limits) -
 
 
 def located(model: type[BaseModel], loc: tuple) -> tuple[tuple, Typed]:
-    """How far an error's location leads through ``model``'s fields and list items, and the type it reaches."""
+    """How far an error's location leads through ``model``'s fields and list items,
+    and the type it reaches."""
     kind, path = Typed(model), []
     for part in loc:
         step = _step(optional_peeled(kind).annotation, part)

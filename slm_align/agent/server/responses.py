@@ -1,4 +1,5 @@
-"""Answers in OpenAI's shapes: ``chat.completion`` objects, and ``chat.completion.chunk`` server-sent events."""
+"""Answers in OpenAI's shapes: ``chat.completion`` objects, and
+``chat.completion.chunk`` server-sent events."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def usage(outcome: Outcome) -> dict:
 
 
 def completion_body(meta: Meta, outcome: Outcome) -> dict:
-    """A ``chat.completion`` object, plus ``x_turn_id`` and ``x_turn_token`` (feedback on the turn presents both)."""
+    """A ``chat.completion`` object, plus ``x_turn_id`` and ``x_turn_token`` (feedback on
+    the turn presents both)."""
     message = {"role": "assistant", "content": outcome.content}
     if outcome.tool_calls:
         message["tool_calls"] = outcome.tool_calls
@@ -61,7 +63,8 @@ def sse(data: Union[dict, str]) -> str:
 
 
 async def sse_stream(first: Any, rest: AsyncIterator, meta: Meta, chat: ChatRequest) -> AsyncIterator[str]:
-    """The answer as chunks: role, content pieces, held-back content or tool calls, finish, usage, [DONE]."""
+    """The answer as chunks: role, content pieces, held-back content or tool calls,
+    finish, usage, [DONE]."""
     yield sse(chunk(meta, {"role": "assistant", "content": ""}))
     try:
         item = first
@@ -82,7 +85,8 @@ async def sse_stream(first: Any, rest: AsyncIterator, meta: Meta, chat: ChatRequ
 
 
 def stream_error(exc: Exception) -> dict:
-    """The error event of a stream that failed after its status line went out (a bug named, not described)."""
+    """The error event of a stream that failed after its status line went out (a bug
+    named, not described)."""
     message = f"internal error ({type(exc).__name__})"
     if isinstance(exc, UserError):
         message = client_text(exc)

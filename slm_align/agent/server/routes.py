@@ -1,4 +1,5 @@
-"""The routes: chat completions, feedback, alternatives, models, health and the page; the API-key guard."""
+"""The routes: chat completions, feedback, alternatives, models, health and the
+page; the API-key guard."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from slm_align.agent.server.refusals import validate
 from slm_align.agent.server.responses import Meta, completion_body, last_item, sse_stream
 from slm_align.agent.server.service import Outcome, Service
 
-PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
-            "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+            "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+            "frame-ancestors 'none'")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-"""Headers of a streamed answer: nothing between the model and the client may hold its events back."""
+"""Headers of a streamed answer: nothing between the model and the client
+may hold its events back."""
 
 
 def _service(request: Request) -> Service:
@@ -51,7 +54,8 @@ async def chat_completions(request: Request):
 
 
 def client_left() -> Response:
-    """What a request whose client disconnected gets (nobody reads it): nginx's 499, "client closed request"."""
+    """What a request whose client disconnected gets (nobody reads it): nginx's 499,
+    "client closed request"."""
     return Response(status_code=499)
 
 
@@ -64,7 +68,8 @@ async def feedback(request: Request):
 
 
 async def alternative(request: Request):
-    """``POST /v1/alternative``: a second answer to a recorded turn's prompt, for a "which is better" choice."""
+    """``POST /v1/alternative``: a second answer to a recorded turn's prompt, for a
+    "which is better" choice."""
     service = _service(request)
     wanted = validate(AlternativeBody, await _body(request), service.limits)
     turn = await run_in_threadpool(service.stored_turn, wanted.turn_id, wanted.turn_token)
@@ -103,7 +108,8 @@ ROUTES = [Route("/", page), Route("/health", health), Route("/v1/models", models
 
 
 class BearerAuth:
-    """ASGI middleware: every /v1 route needs ``Authorization: Bearer KEY`` (the page and /health do not)."""
+    """ASGI middleware: every /v1 route needs ``Authorization: Bearer KEY`` (the
+    page and /health do not)."""
 
     def __init__(self, app, key: str):
         self.app = app
@@ -112,7 +118,8 @@ class BearerAuth:
     async def __call__(self, scope, receive, send):
         """Refuse an unauthorized /v1 request with 401; pass everything else on."""
         if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
-            response = error_response(401, "missing or wrong API key; send the header 'Authorization: Bearer KEY'",
+            response = error_response(401, "missing or wrong API key; send the header "
+                                      "'Authorization: Bearer KEY'",
                                       "authentication_error", {"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return

@@ -1,4 +1,5 @@
-"""What the routes share: the model, its thread, the store, the server's tools and limits; answering on the thread."""
+"""What the routes share: the model, its thread, the store, the server's tools and limits;
+answering on the thread."""
 
 from __future__ import annotations
 
@@ -36,13 +37,15 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     streamed: bool = True
-    """The content already went out piece by piece (False: it was held back to look for tool calls)."""
+    """The content already went out piece by piece (False: it was held back
+    to look for tool calls)."""
     logprobs: Optional[list] = None
     """OpenAI's ``logprobs.content`` when the request asked for ``logprobs``."""
 
 
 class Service:
-    """Everything the routes share: the model, its thread, the store, the server-side tools and the limits."""
+    """Everything the routes share: the model, its thread, the store, the
+    server-side tools and the limits."""
 
     def __init__(self, model: Model, store: Optional[PreferenceStore], consent: bool,
                  tools: Optional[ToolRegistry], limits: Limits):
@@ -55,8 +58,8 @@ class Service:
 
     # chat (on the model thread)
     def answer(self, chat: ChatRequest, cancel: threading.Event) -> Iterator[Union[str, Outcome]]:
-        """Text pieces of the answer (unless held back for client tools), then its :class:`Outcome`; generation
-        stops at the next token once ``cancel`` is set."""
+        """Text pieces of the answer (unless held back for client tools), then its :class:`Outcome`;
+        generation stops at the next token once ``cancel`` is set."""
         agent = self._agent(chat, cancel)
         held_back = chat.client_tools is not None
         for piece in agent.respond(chat.messages):
@@ -69,7 +72,8 @@ class Service:
         yield client_calls(outcome, chat.client_tools, chat.single_call) if held_back else outcome
 
     def _agent(self, chat: ChatRequest, cancel: threading.Event) -> Agent:
-        """A fresh agent on the shared backend: client tools are returned, server tools run in its loop."""
+        """A fresh agent on the shared backend: client tools are returned, server
+        tools run in its loop."""
         tools = chat.client_tools or (self.tools if chat.server_tools else None)
         agent = Agent(self.model.backend, self.model.sha256, tools=tools, sampling=chat.sampling, store=self.store,
                       consent=self.consent, max_tool_rounds=0 if chat.client_tools else 4, cancel=cancel,
@@ -79,7 +83,8 @@ class Service:
 
     # alternatives (on the model thread) and feedback
     def stored_turn(self, turn_id: int, token: str) -> Turn:
-        """The turn with its prompt and sampling, if ``token`` is its token (else a 404: unknown and wrong alike)."""
+        """The turn with its prompt and sampling, if ``token`` is its token (else a 404:
+        unknown and wrong alike)."""
         found = self.require_store().turn_by_token(turn_id, token)
         if found is None:
             raise ApiError(404, f"no turn {turn_id} with that turn_token; pass the x_turn_id and x_turn_token of an "
@@ -87,13 +92,14 @@ class Service:
         return found
 
     def alternative(self, turn: Turn, seed: Optional[int], cancel: threading.Event) -> Iterator[str]:
-        """A second answer to the turn's prompt, sampled as the runtime samples every second candidate."""
+        """A second answer to the turn's prompt, sampled as the runtime samples
+        every second candidate."""
         agent = Agent(self.model.backend, self.model.sha256, sampling=stored_sampling(turn.sampling), cancel=cancel)
         yield agent.alternative(turn.messages, seed=seed)
 
     def feedback(self, verdict: FeedbackBody) -> int:
-        """Write the verdict as the runtime's agents do (a 404 unless the turn's token is presented); returns the
-        feedback row's id."""
+        """Write the verdict as the runtime's agents do (a 404 unless the turn's token is
+        presented); returns the feedback row's id."""
         turn = self.stored_turn(verdict.turn_id, verdict.turn_token)
         return record_feedback(self.require_store(), turn.id, verdict.kind, verdict.text, verdict.other,
                                verdict.preferred, token=verdict.turn_token)
@@ -101,7 +107,8 @@ class Service:
     def require_store(self) -> PreferenceStore:
         """The preference store, or a 400 when the server records nothing."""
         if self.store is None:
-            raise bad("this server records no turns; start it with --store FILE to collect feedback")
+            raise bad("this server records no turns; start it with --store FILE to collect "
+                      "feedback")
         return self.store
 
     def close(self) -> None:
@@ -112,8 +119,8 @@ class Service:
 
 
 def client_calls(outcome: Outcome, tools: ToolRegistry, single: bool = False) -> Outcome:
-    """The outcome with the model's calls of the client's tools as OpenAI ``tool_calls`` (if it made any; with
-    ``single``, the first one only)."""
+    """The outcome with the model's calls of the client's tools as OpenAI ``tool_calls`` (if it made
+    any; with ``single``, the first one only)."""
     parsed = tools.parse_calls(outcome.content or "")
     if not parsed.calls:
         return outcome

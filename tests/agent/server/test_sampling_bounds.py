@@ -1,6 +1,6 @@
-"""One typed source for every sampling bound (issue 31, item 4): `slm-align chat`'s flags and the server's request
-fields are the same typed fields, so both refuse a value just past a bound, in words that name the bound, and both
-take the bound itself."""
+"""One typed source for every sampling bound (issue 31, item 4): `slm-align chat`'s flags and the
+server's request fields are the same typed fields, so both refuse a value just past a bound, in
+words that name the bound, and both take the bound itself."""
 
 import io
 import json
@@ -19,7 +19,8 @@ from tests.agent.server import test_serve as base  # noqa: E402
 from tests.helpers import run_cli  # noqa: E402
 
 onnx_model = base.onnx_model
-"""The exported model and the shared server of test_serve (module fixtures, found by these names)."""
+"""The exported model and the shared server of test_serve (module fixtures,
+found by these names)."""
 server = base.server
 
 EDGES = {
@@ -32,15 +33,16 @@ EDGES = {
     "presence_penalty": ("a number from -2 to 2", [(-2.01, -2), (2.01, 2)]),
     "max_tokens": (("an integer >= 1", "an integer from 1 to 4096"), [(0, 1)]),
 }
-"""Per sampling field: what `chat` and the server say it must be (the server's max_tokens also has its limit), and
-each bound's (value just past it, the bound itself)."""
+"""Per sampling field: what `chat` and the server say it must be (the server's max_tokens also has
+its limit), and each bound's (value just past it, the bound itself)."""
 OUTSIDE = [(field, outside) for field, (_, pairs) in EDGES.items() for outside, _ in pairs]
 INSIDE = [(field, inside) for field, (_, pairs) in EDGES.items() for _, inside in pairs]
 HI = [{"role": "user", "content": "Hi"}]
 
 
 def chat_flags() -> dict[str, str]:
-    """The `chat` command's flag for each of its parameters (a sampling field's name -> its flag)."""
+    """The `chat` command's flag for each of its parameters (a sampling
+    field's name -> its flag)."""
     from slm_align.cli import app
 
     chat = typer.main.get_command(app).commands["chat"]
@@ -72,7 +74,8 @@ def test_the_request_bodies_declare_the_flags_fields_with_the_same_types(body):
     assert set(Sampling.model_fields) - {"max_tokens"} <= set(chat_flags())
 
 
-@pytest.mark.parametrize("field, value", OUTSIDE, ids=[f"{field}={value}" for field, value in OUTSIDE])
+@pytest.mark.parametrize("field, "
+                         "value", OUTSIDE, ids=[f"{field}={value}" for field, value in OUTSIDE])
 def test_a_value_past_a_bound_is_refused_by_chat_and_by_the_server_naming_the_bound(capsys, server, tmp_path, field,
                                                                                    value):
     flag = chat_flags()[field]
@@ -88,7 +91,8 @@ def test_a_value_past_a_bound_is_refused_by_chat_and_by_the_server_naming_the_bo
     assert str(bound) in err and str(bound) in message
 
 
-@pytest.mark.parametrize("field, value", INSIDE, ids=[f"{field}={value}" for field, value in INSIDE])
+@pytest.mark.parametrize("field, "
+                         "value", INSIDE, ids=[f"{field}={value}" for field, value in INSIDE])
 def test_the_bound_itself_is_taken_by_chat_and_by_the_server(capsys, monkeypatch, server, onnx_model, field, value):
     flags = chat_flags()
     length = [] if field == "max_tokens" else [flags["max_tokens"], 2]

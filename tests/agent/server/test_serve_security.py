@@ -1,4 +1,5 @@
-"""The security review of `slm-align serve` (issue 20): each finding's regression test, through the real server."""
+"""The security review of `slm-align serve` (issue 20): each finding's regression test,
+through the real server."""
 
 import json
 import logging
@@ -18,7 +19,8 @@ from tests.agent.server import test_serve as base  # noqa: E402
 from tests.agent.server.test_serve import Running, wait_until  # noqa: E402
 
 onnx_model = base.onnx_model
-"""The exported model and the shared server of test_serve (module fixtures, found by these names)."""
+"""The exported model and the shared server of test_serve (module fixtures,
+found by these names)."""
 server = base.server
 
 HELLO = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -30,7 +32,8 @@ def send(running, path, headers, body=None):
     return httpx.request(method, f"{running.url}{path}", json=body, headers=headers, timeout=60)
 
 
-# --- 1. DNS rebinding ---------------------------------------------------------------------------------------------
+# --- 1. DNS rebinding
+# ---------------------------------------------------------------------------------------------
 
 
 def test_a_rebound_host_name_or_a_foreign_origin_is_refused(server):
@@ -63,7 +66,8 @@ def test_allowed_hosts_or_an_api_key_widen_the_guard(onnx_model):
         assert keyed.status_code == 200
 
 
-# --- 2. feedback poisoning ----------------------------------------------------------------------------------------
+# --- 2. feedback poisoning
+# ----------------------------------------------------------------------------------------
 
 
 def test_feedback_and_alternatives_need_the_turns_unguessable_token(server):
@@ -103,8 +107,9 @@ def test_a_version_1_store_migrates_and_its_old_turns_take_no_token_feedback(tmp
     path = tmp_path / "old.db"
     conn = sqlite3.connect(path)
     conn.executescript(MIGRATIONS[0] + "PRAGMA user_version = 1;")
-    conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, sampling, consent) "
-                 "VALUES ('c', 'now', ?, '[{\"role\": \"user\", \"content\": \"Hi\"}]', 'Hello', '{}', 1)",
+    conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, "
+                 "sampling, consent) VALUES ('c', 'now', ?, '[{\"role\": \"user\", \"content\": "
+                 "\"Hi\"}]', 'Hello', '{}', 1)",
                  ("ab" * 32,))
     conn.commit()
     conn.close()
@@ -116,7 +121,8 @@ def test_a_version_1_store_migrates_and_its_old_turns_take_no_token_feedback(tmp
         assert store.turn_by_token(10 ** 21, "x") is None and store.turn(10 ** 21) is None
 
 
-# --- 10. client errors are 4xx, without paths -------------------------------------------------------------------
+# --- 10. client errors are 4xx, without paths
+# -------------------------------------------------------------------
 
 
 def test_huge_ids_and_deep_arguments_are_client_errors(server):
@@ -169,8 +175,8 @@ def test_user_errors_reach_clients_without_the_servers_paths(server, monkeypatch
     assert unknown.status_code == 404 and str(store.path.parent) not in unknown.text and "/" not in unknown.text
 
     def failing(*args, **kwargs):
-        raise UserError(f"preference DB {store.path} is not a readable SQLite database (disk I/O error); "
-                        f"check {store.path.parent}/")
+        raise UserError(f"preference DB {store.path} is not a readable SQLite database (disk I/O "
+                        f"error); check {store.path.parent}/")
 
     monkeypatch.setattr(store, "turn_by_token", failing)
     monkeypatch.setattr(store, "record_turn", failing)
@@ -183,7 +189,8 @@ def test_user_errors_reach_clients_without_the_servers_paths(server, monkeypatch
         assert f"{store.path.parent.name}/" not in text  # the folder named, not where it is
 
 
-# --- 6. slow clients ----------------------------------------------------------------------------------------------
+# --- 6. slow clients
+# ----------------------------------------------------------------------------------------------
 
 
 def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(onnx_model):
@@ -214,7 +221,8 @@ def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(on
 
 @contextmanager
 def limited_server(config):
-    """A real uvicorn server with ``config`` on a free loopback port: ``(server, port)``, stopped on exit."""
+    """A real uvicorn server with ``config`` on a free loopback port: ``(server,
+    port)``, stopped on exit."""
     import uvicorn
 
     from tests.agent.server.test_serve import wait_until
@@ -242,7 +250,8 @@ def test_a_connection_that_trickles_its_body_is_closed(onnx_model, caplog):
             client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
                            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())
             assert client.recv(100) == b""  # closed by the server (the header clock alone would wait 30 s)
-            wait_until(lambda: len(server.server_state.connections) == 0, "the server forgets the connection")
+            wait_until(lambda: len(server.server_state.connections) == 0, "the server forgets the "
+                       "connection")
             request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
             healthy = socket.create_connection(("127.0.0.1", port), timeout=30)
             healthy.sendall(request)
@@ -252,12 +261,13 @@ def test_a_connection_that_trickles_its_body_is_closed(onnx_model, caplog):
     assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []  # no traceback
 
 
-# --- 5. abandoned work ----------------------------------------------------------------------------------------------
+# --- 5. abandoned work
+# ----------------------------------------------------------------------------------------------
 
 
 class CountingBackend:
-    """The real backend, generating one token over and over (never EOS); it counts the tokens it makes and waits at
-    ``gate`` before the first one of each job."""
+    """The real backend, generating one token over and over (never EOS); it counts the tokens it
+    makes and waits at ``gate`` before the first one of each job."""
 
     def __init__(self, backend, gate):
         self.inner = backend
@@ -292,12 +302,13 @@ def counting(running):
 
 
 def raw_request(running, body):
-    """Send a chat request on a plain socket (closed by the caller to disconnect at a moment of its choosing)."""
+    """Send a chat request on a plain socket (closed by the caller to disconnect at a
+    moment of its choosing)."""
     port = int(running.url.rsplit(":", 1)[1])
     client = socket.create_connection(("127.0.0.1", port), timeout=30)
     data = json.dumps(body).encode()
-    client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-                   f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                   f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
     return client
 
 
@@ -314,7 +325,8 @@ def test_a_client_leaving_before_the_first_token_stops_its_job(server, stream):
         client = raw_request(server, body)
         assert backend.waiting.wait(timeout=60)  # the job started; its first token waits at the gate
         client.close()
-        wait_until(lambda: health(server)["abandoned_requests"] == abandoned + 1, "the server notices the client left")
+        wait_until(lambda: health(server)["abandoned_requests"] == abandoned + 1, "the server "
+                   "notices the client left")
         backend.gate.set()
         wait_until(lambda: health(server)["active_requests"] == 0, "the job ends")
     assert backend.jobs == 1 and backend.tokens <= 1  # 200 before: the whole answer was generated for nobody
@@ -330,7 +342,8 @@ def test_queued_jobs_whose_clients_left_never_start(server):
         wait_until(lambda: health(server)["active_requests"] == 3, "both requests are queued")
         for client in queued:
             client.close()
-        wait_until(lambda: health(server)["abandoned_requests"] == abandoned + 2, "the server notices both left")
+        wait_until(lambda: health(server)["abandoned_requests"] == abandoned + 2, "the server "
+                   "notices both left")
         backend.gate.set()
         assert first.result().status_code == 200
         wait_until(lambda: health(server)["active_requests"] == 0, "the queue drains")
