@@ -226,6 +226,7 @@ def reusable_report(recipe: Recipe, run: Path, adapter: Optional[Path] = None, r
     recipe, adapter, reward_model = gate_subject(recipe, run, adapter, reward_model)
     if recorded.get("inputs_hash") != digest(gate_inputs(recipe, run, adapter, reward_model, rewards)):
         return None
+    del recorded["inputs_hash"]  # the report as check_headroom returns it
     return recorded
 
 
