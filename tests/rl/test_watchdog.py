@@ -446,11 +446,12 @@ def token_reward(prompts, completions, **_):
     return [float(completion.split().count("the")) for completion in completions]
 
 
-COLLAPSE = dict(lr=1.5e-2, steps=30, window=3, eval_every=8, max_kl=0.0, length_ratio=0.0, truncated_rise=0.0,
+COLLAPSE = dict(lr=4e-3, steps=40, window=3, eval_every=8, max_kl=0.0, length_ratio=0.0, truncated_rise=0.0,
                 zero_std_rise=0.0)
-"""GRPO on the bundled model at 15x its default learning rate, paid for "the": by iteration ~13
-nearly every token is "the" (entropy ~2.5 -> ~0.5 nats, default floor 0.3 of the start). Only
-entropy and the reward are watched."""
+"""GRPO on the bundled model at 4x its default learning rate, paid for "the": from iteration ~16 most
+tokens are "the" (entropy ~2.5 -> ~0.7 nats by iteration 22, the default floor being 0.3 of the
+start; torch 2.13, transformers 4.57: the detector fires at 24, again at 29). Only entropy and the
+reward are watched. At 1.5e-2 and above the policy runs off to near-uniform entropy instead."""
 
 
 @pytest.mark.slow
