@@ -29,16 +29,13 @@ back (:func:`add_tokenizer_fields`).
 
 from __future__ import annotations
 
-import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from slm_align.atomic import write_bytes_atomic
 from slm_align.errors import UserError
+from slm_align.gguf_fields import _STRING, Field, read_fields
 
 SIDECAR = "tokenizer.gguf"
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
@@ -80,98 +77,6 @@ PROBE_TEXTS = (
     "<0x41> ▁ <unk> < | > [INST] {{ }} ###",
     "x" * 3 + "-" * 40 + "=" * 17 + "\n" * 40 + " " * 40 + "\t" * 35 + ".",
 )
-
-
-@dataclass(frozen=True)
-class Field:
-    """One metadata key/value: its GGUF value type (and item type for arrays), the decoded value,
-    and the entry's bytes as stored (key, type, value), so that it can be copied verbatim."""
-
-    type: int
-    item_type: int | None
-    value: Any
-    raw: bytes
-
-
-_STRING = 8
-_ARRAY = 9
-_NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-                12: "<f8"}
-
-
-class _Cursor:
-    """Little-endian reads from a buffer, advancing a position."""
-
-    def __init__(self, data):
-        self.data = data
-        self.pos = 0
-
-    def unpack(self, fmt: str):
-        value = struct.unpack_from(fmt, self.data, self.pos)[0]
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        length = self.unpack("<Q")
-        start = self.pos
-        self.pos += length
-        if self.pos > len(self.data):
-            raise struct.error("string past the end of the file")
-        return bytes(self.data[start:self.pos]).decode("utf-8", "surrogateescape")
-
-    def numbers(self, item_type: int, count: int) -> list:
-        dtype = np.dtype(_NUMPY_TYPES[item_type])
-        values = np.frombuffer(self.data, dtype, count, self.pos)
-        self.pos += dtype.itemsize * count
-        return values.tolist()
-
-    def value(self, value_type: int):
-        """One value of ``value_type``; returns (value, item type or None)."""
-        if value_type == _STRING:
-            return self.string(), None
-        if value_type != _ARRAY:
-            return self.numbers(value_type, 1)[0], None
-        item_type = self.unpack("<I")
-        count = self.unpack("<Q")
-        if item_type == _STRING:
-            return [self.string() for _ in range(count)], item_type
-        return self.numbers(item_type, count), item_type
-
-
-def _parse_fields(data, prefix: str) -> dict[str, Field]:
-    cursor = _Cursor(data)
-    if bytes(data[:4]) != b"GGUF":
-        raise ValueError("no GGUF magic")
-    cursor.pos = 4
-    version = cursor.unpack("<I")
-    if version not in (2, 3):
-        raise ValueError(f"GGUF version {version} (we read versions 2 and 3, little-endian)")
-    cursor.unpack("<Q")  # tensor count
-    kv_count = cursor.unpack("<Q")
-    fields = {}
-    for _ in range(kv_count):
-        start = cursor.pos
-        key = cursor.string()
-        value_type = cursor.unpack("<I")
-        value, item_type = cursor.value(value_type)
-        if key.startswith(prefix):
-            fields[key] = Field(value_type, item_type, value, bytes(data[start:cursor.pos]))
-    return fields
-
-
-def read_fields(path: Path, prefix: str = "tokenizer.") -> dict[str, Field]:
-    """The key/values of a .gguf whose key starts with ``prefix``, in file
-    order (reads the header only).
-
-    gguf-py's GGUFReader parses every tensor too and takes about 30 s on Gemma 3 270M;
-    this takes well under one.
-    """
-    try:
-        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _parse_fields(data, prefix)
-    except (ValueError, KeyError, struct.error, OverflowError, MemoryError) as exc:
-        raise UserError(f"{path} is not a GGUF model ({exc}); export or download it "
-                        f"again") from None
 
 
 @dataclass(frozen=True)

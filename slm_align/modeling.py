@@ -230,7 +230,7 @@ def gguf_config(path: Path):
     misses read from the file."""
     from transformers import AutoConfig
 
-    from slm_align.gguf_tokenizer import read_fields
+    from slm_align.gguf_fields import read_fields
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     check_architecture(config.model_type, str(path))

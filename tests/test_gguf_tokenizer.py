@@ -18,13 +18,8 @@ from slm_align import gguf_tokenizer
 from slm_align.errors import UserError
 from slm_align.export.gguf import quantize_gguf, write_gguf
 from slm_align.export.gguf_vocab import add_vocab
-from slm_align.gguf_tokenizer import (
-    PROBE_TEXTS,
-    SIDECAR,
-    load_gguf_tokenizer,
-    read_fields,
-    write_sidecar,
-)
+from slm_align.gguf_fields import read_fields
+from slm_align.gguf_tokenizer import PROBE_TEXTS, SIDECAR, load_gguf_tokenizer, write_sidecar
 from slm_align.modeling import ModelSource, load_tokenizer, save_tokenizer
 from tests.helpers import run_cli
 
