@@ -18,7 +18,6 @@ Generation is seeded and deterministic; train and held-out tasks share no questi
 
 from __future__ import annotations
 
-import json
 import random
 from decimal import Decimal
 from pathlib import Path
@@ -27,6 +26,8 @@ from typing import Callable, Optional
 from slm_align.atomic import jsonl_text, write_text_atomic
 from slm_align.errors import UserError
 from slm_align.tools.builtin import calculator, default_tools
+from slm_align.tools.calls import ToolCall
+from slm_align.tools.parse import call_text
 
 TOOL = "calculator"
 FILES = ("sft", "train", "heldout")
@@ -61,8 +62,7 @@ def calculator_schema() -> dict:
 def tool_call_text(expression: str) -> str:
     """The assistant's call, in the Hermes format the runtime parses (and
     its GBNF grammar allows)."""
-    call = {"name": TOOL, "arguments": {"expression": expression}}
-    return f"<tool_call>{json.dumps(call)}</tool_call>"
+    return call_text([ToolCall(TOOL, {"expression": expression})])
 
 
 def final_answer_text(answer: str) -> str:

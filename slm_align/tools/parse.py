@@ -100,3 +100,11 @@ def read_calls(text: str) -> tuple[str, list]:
     if bare is None:
         return text.strip(), []
     return "", bare
+
+
+def call_text(calls: list) -> str:
+    """``calls`` (:class:`~slm_align.tools.calls.ToolCall`) as the text a model writes them in:
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` per call, one per line, what
+    :func:`read_calls` reads back (and the runtime's grammar allows)."""
+    blocks = [json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False) for call in calls]
+    return "\n".join(f"<tool_call>{block}</tool_call>" for block in blocks)
