@@ -25,7 +25,7 @@ from functools import partial
 from typing import Optional
 
 from slm_align.agent.control_text import ControlText
-from slm_align.agent.template import render
+from slm_align.chat_templates import render, template_form, template_traits
 from slm_align.errors import UserError
 
 MARK = "\ue000{}\ue001"
@@ -45,6 +45,9 @@ class Pieces:
     opening: dict[int, int] = field(default_factory=dict)
     """Message index -> template tokens just before its content (its share
     of the template's text)."""
+    content_end: dict[int, int] = field(default_factory=dict)
+    """Message index -> the position in ``ids`` just after its content (none when the window's
+    text was tokenised whole)."""
 
 
 class PromptFitter:
@@ -60,13 +63,16 @@ class PromptFitter:
         self._messages: dict[int, dict] = {}
 
     def fit(self, messages: list[dict], max_tokens: int) -> tuple[list[int], list[dict]]:
-        """The prompt ids and the window of ``messages`` they render: the oldest turns cut until the
-        answer's ``max_tokens`` fit the context; a UserError when even the last turn does not."""
+        """The prompt ids and the window of ``messages`` they render, each call turn in the form
+        the template expects: the oldest turns cut until the answer's ``max_tokens`` fit the
+        context; a UserError when even the last turn does not."""
+        stored = messages
+        messages = template_form(messages, template_traits(self.backend.chat_template))
         head = 1 if messages and messages[0]["role"] == "system" else 0
         starts = cut_points(messages, head)
         start = self._first_within_chars(messages, starts)
         while True:
-            window = messages[:head] + messages[start:]
+            window = stored[:head] + stored[start:]
             indices = list(range(head)) + list(range(start, len(messages)))
             pieces = self._render(messages, indices)
             over = len(pieces.ids) + max_tokens - self.backend.n_ctx
@@ -78,6 +84,19 @@ class PromptFitter:
                                 f"the answer, more than the context window of "
                                 f"{self.backend.n_ctx}; send a shorter message")
             start = self._cut(start, later, over, pieces)
+
+    def after(self, messages: list[dict], index: int) -> list[int]:
+        """The ids the template renders after message ``index``'s content, to the end of the
+        rendering with the assistant's generation prompt: what the runtime inserts after the
+        tokens the model sampled for that message (its closing, the tool results, the next
+        opening). ``messages[index]`` is the assistant's turn with its content left empty."""
+        formed = template_form(messages, template_traits(self.backend.chat_template))
+        pieces = self._render(formed, list(range(len(formed))))
+        if index in pieces.content_end:
+            return pieces.ids[pieces.content_end[index]:]
+        marked = [self._message(formed, i, MARK.format(i) if i == index else self.control.neutral(m["content"]))
+                  for i, m in enumerate(formed)]  # a template that looks into contents: the text after it
+        return self.control.tokenize(self._text(marked).split(MARK.format(index), 1)[1])
 
     def _first_within_chars(self, messages: list[dict], starts: list[int]) -> int:
         """The earliest cut point whose turns hold at most the character cap (the
@@ -123,12 +142,14 @@ class PromptFitter:
             opening = self._template_ids(text[position:found.start()])
             pieces.ids += opening + self._content_ids(messages, index)
             pieces.opening[index] = len(opening)
+            pieces.content_end[index] = len(pieces.ids)
             position = found.end()
         pieces.ids += self._template_ids(text[position:])
         real = self._text([self._message(messages, i, messages[i]["content"]) for i in indices])
         if MARKS.sub(partial(_content_of, messages), text) != real:
             neutral = [self._message(messages, i, self.control.neutral(messages[i]["content"])) for i in indices]
             pieces.ids = self.control.tokenize(self._text(neutral))
+            pieces.content_end = {}
         return pieces
 
     def _message(self, messages: list[dict], index: int, content: str) -> dict:
@@ -165,3 +186,30 @@ def cut_points(messages: list[dict], head: int) -> list[int]:
     points = {head, max(head, len(messages) - 1)}
     points.update(i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user")
     return sorted(points)
+
+
+def next_prompt(prompt: list[int], sampled: list[int], inserted: list[int]) -> list[int]:
+    """The ids the model continues after a tool round: the round's prompt, the ids it sampled
+    (never its text tokenised again) and the ids the runtime inserts after them. When the model
+    ended its turn with the token the template closes the turn with, that token is not written
+    twice."""
+    if sampled and inserted and sampled[-1] == inserted[0]:
+        inserted = inserted[1:]
+    return prompt + sampled + inserted
+
+
+def turn_end(backend) -> set[int]:
+    """The token the chat template closes an assistant's turn with (ChatML's ``<|im_end|>``,
+    Llama 3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``) when it is a control token: where a
+    model trained on the template ends its turn, whatever its end-of-sequence token is. Empty
+    when the template closes turns with plain text."""
+    marker = MARK.format(0)
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
+    text = render(backend.chat_template, messages, backend.bos_token, backend.eos_token,
+                  add_generation_prompt=False)
+    ids = backend.tokenize(text.split(marker, 1)[1], add_special=False, special=True)
+    if not ids:
+        return set()
+    piece = backend.detokenize(ids[:1])
+    plain = backend.tokenize(piece, add_special=False, special=False)
+    return {ids[0]} if plain != ids[:1] else set()

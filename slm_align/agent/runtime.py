@@ -21,10 +21,11 @@ from typing import Iterator, Optional, Union
 from slm_align.agent.backend import Backend, artifact_kind
 from slm_align.agent.logprobs import token_logprobs
 from slm_align.agent.open_artifact import open_backend
-from slm_align.agent.prompt import PromptFitter
+from slm_align.agent.prompt import PromptFitter, next_prompt, turn_end
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.store import new_token
 from slm_align.agent.template import use_chat_template
+from slm_align.chat_templates import require_tool_template
 from slm_align.errors import UserError
 from slm_align.tools.registry import ToolRegistry
 
@@ -176,6 +177,7 @@ class Agent:
         self.logprobs = logprobs
         """Record each answer token's log-probability and this many likeliest
         alternatives (None: don't)."""
+        self._stops: Optional[tuple] = None
         self.reset()
 
     @classmethod
@@ -199,6 +201,8 @@ class Agent:
         self.conversation_id = uuid.uuid4().hex
         self.last: Optional[Reply] = None
         self._last_prompt: list[dict] = []
+        self.trace: list[tuple[str, list[int]]] = []
+        """The ids of the last answer's turn, piece by piece (see :meth:`respond`)."""
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the conversation to a JSON file (restore it with :meth:`restore`)."""
@@ -227,9 +231,15 @@ class Agent:
         fitter = PromptFitter(self.backend, self.tools.specs() if self.tools else None)
         return fitter.fit(messages, max_tokens)
 
-    def _generate(self, prompt: list[int], sampling: SamplingParams, grammar: Optional[str]) -> Iterator[str]:
-        """Text pieces of one completion, ended by EOS, a stop string or ``max_tokens``."""
+    def _generate(self, prompt: list[int], sampling: SamplingParams, grammar: Optional[str],
+                  chat: bool = True) -> Iterator[str]:
+        """Text pieces of one completion, ended by EOS (in a chat also by the token the template
+        ends an assistant's turn with), a stop string or ``max_tokens``."""
+        stops = self._chat_stops() if chat else self.backend.eos_ids
         tokens: list[int] = []
+        self._sampled = tokens
+        """The ids the model sampled this round (its end-of-turn token included when it ended by
+        one): what the next round's prompt carries on with."""
         emitted = ""
         holdback = max((len(s) for s in sampling.stop), default=1) - 1
         self._truncated = True
@@ -238,8 +248,9 @@ class Agent:
         self._check_cancel()
         for token in self.backend.generate(prompt, sampling, grammar):
             self._check_cancel()
-            if token in self.backend.eos_ids:
+            if token in stops:
                 self._truncated = False
+                self._sampled = tokens + [token]
                 break
             tokens.append(token)
             self._record_logprobs(token)
@@ -260,6 +271,14 @@ class Agent:
         text = self.backend.detokenize(tokens)
         if text[len(emitted):]:
             yield text[len(emitted):]
+
+    def _chat_stops(self) -> set[int]:
+        """End-of-sequence ids and the template's end of the assistant's turn
+        (:func:`~slm_align.agent.prompt.turn_end`), worked out once per template."""
+        template = self.backend.chat_template
+        if self._stops is None or self._stops[0] != template:
+            self._stops = (template, set(self.backend.eos_ids) | turn_end(self.backend))
+        return self._stops[1]
 
     def _record_logprobs(self, token: int) -> None:
         if self._token_logprobs is not None:
@@ -282,26 +301,52 @@ class Agent:
 
     def respond(self, messages: list[dict], **sampling) -> Iterator[str]:
         """Answer a whole conversation (as an OpenAI request sends it): the last message is the
-        user's, or a tool result the caller sends back. The conversation becomes this agent's."""
+        user's, or a tool result the caller sends back. The conversation becomes this agent's.
+
+        The first prompt is rendered from the messages; after each tool round the model continues
+        the ids it was fed and sampled, with the runtime's inserted ids after them
+        (:func:`~slm_align.agent.prompt.next_prompt`). ``trace`` records those pieces in order:
+        ``("prompt", ids)``, then ``("sampled", ids)`` and ``("inserted", ids)`` per round, the
+        final answer's ``("sampled", ids)`` last (a ``("prompt", ids)`` anew where the conversation
+        outgrew the context and its oldest turns were cut)."""
         params = replace(self.sampling, **sampling)
+        if self.tools:
+            require_tool_template(self.backend.chat_template)
         self.messages = list(messages)
+        start = len(self.messages)
         calls: list[dict] = []
-        for round_ in range(self.max_tool_rounds + 1):
-            prompt, window = self._prompt_tokens(self.messages, params.max_tokens)
-            if not self.tools or round_ == self.max_tool_rounds:
-                break
+        prompt, window = self._prompt_tokens(self.messages, params.max_tokens)
+        self.trace = [("prompt", list(prompt))]
+        for _ in range(self.max_tool_rounds if self.tools else 0):
             text = "".join(self._generate(prompt, params, self._grammar()))
+            self.trace.append(("sampled", list(self._sampled)))
             parsed = self.tools.parse_calls(text)
             if not parsed.wants_tools:
                 yield text
-                self._finish(text, window, calls, params)
+                self._finish(text, window + self.messages[start:], calls, params)
                 return
-            self._act(text, parsed, calls)
+            turn = self._act(text, parsed, calls)
+            prompt = self._after_round(prompt, turn, params)
         pieces = []
         for piece in self._generate(prompt, params, self.answer_grammar):
             pieces.append(piece)
             yield piece
-        self._finish("".join(pieces), window, calls, params)
+        self.trace.append(("sampled", list(self._sampled)))
+        self._finish("".join(pieces), window + self.messages[start:], calls, params)
+
+    def _after_round(self, prompt: list[int], turn: int, params: SamplingParams) -> list[int]:
+        """The next round's prompt: this round's, the sampled ids, and what the template renders
+        after the assistant's turn ``turn`` (its closing, the tool results, the next opening);
+        rendered anew, oldest turns cut, when that outgrows the context."""
+        glue = self.messages[:turn] + [{"role": "assistant", "content": ""}] + self.messages[turn + 1:]
+        inserted = PromptFitter(self.backend, self.tools.specs()).after(glue, turn)
+        following = next_prompt(prompt, self._sampled, inserted)
+        if len(following) + params.max_tokens <= self.backend.n_ctx:
+            self.trace.append(("inserted", following[len(prompt) + len(self._sampled):]))
+            return following
+        following, _ = self._prompt_tokens(self.messages, params.max_tokens)
+        self.trace.append(("prompt", list(following)))
+        return following
 
     def complete(self, text: str, **sampling) -> Iterator[str]:
         """Continue ``text`` as plain text, piece by piece: no template, no tools (what a base model
@@ -314,7 +359,7 @@ class Agent:
                             f"continuation, more than the context window of {self.backend.n_ctx}; "
                             f"send a shorter text")
         pieces = []
-        for piece in self._generate(prompt, params, None):
+        for piece in self._generate(prompt, params, None, chat=False):
             pieces.append(piece)
             yield piece
         self.last = Reply("".join(pieces), truncated=self._truncated, tokens=self._usage[1],
@@ -327,11 +372,11 @@ class Agent:
             pass
         return self.last
 
-    def _act(self, text: str, parsed, calls: list) -> None:
-        """Run the model's tool calls; results (and malformed calls) go back
-        to it as observations."""
-        self.messages.append({"role": "assistant", "content": text,
-                              "tool_calls": [call.as_dict() for call in parsed.calls]})
+    def _act(self, text: str, parsed, calls: list) -> int:
+        """Run the model's tool calls; results (and malformed calls) go back to it as
+        observations. Returns the index of the assistant's turn in the conversation."""
+        turn = len(self.messages)
+        self.messages.append(call_turn(text, parsed))
         for call in parsed.calls:
             observation = self.tools.execute(call)
             calls.append({"name": call.name, "arguments": call.arguments, "ok": observation.ok,
@@ -340,6 +385,7 @@ class Agent:
         for error in parsed.errors:
             calls.append({"name": error.name, "arguments": None, "ok": False, "content": error.content})
             self.messages.append(error.as_message())
+        return turn
 
     def _finish(self, text: str, window: list[dict], calls: list, params: SamplingParams) -> None:
         self.messages.append({"role": "assistant", "content": text})
@@ -393,3 +439,13 @@ def device_settings(artifact: Path, device: str, threads: Optional[int], n_ctx: 
                             f"{fit.recommended_quant})")
         n_ctx = min(fit.max_context, 4096)
     return threads or profile.threads, n_ctx
+
+
+def call_turn(text: str, parsed) -> dict:
+    """The assistant's turn that asked for tools, stored once, in OpenAI's form: its calls in
+    ``tool_calls`` and the text around them in ``content``; a reply with a call that could not be
+    read is kept as written (``content`` only). The prompt renders it the way the model's template
+    expects (:func:`~slm_align.chat_templates.template_form`)."""
+    if parsed.errors or not parsed.calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": parsed.text, "tool_calls": [call.as_dict() for call in parsed.calls]}

@@ -166,13 +166,20 @@ def run_task(agent: Agent, row: dict) -> TaskResult:
         pass
     reply = agent.last
     added = agent.messages[len(messages):]
-    rounds = sum(1 for m in added if m["role"] == "assistant" and "tool_calls" in m)
+    rounds = tool_rounds(added)
     tokens = counter.generated - before if isinstance(counter, _CountingBackend) else reply.tokens
     answer = str(row["answer"])
     category = classify(reply.tool_calls, reply.text, answer, _expected_tool(row))
     return TaskResult(question=messages[-1].get("content", ""), answer=answer, reply=reply.text,
                       category=category, calls=len(reply.tool_calls),
                       valid_calls=sum(1 for call in reply.tool_calls if call["ok"]), rounds=rounds, tokens=tokens)
+
+
+def tool_rounds(added: list[dict]) -> int:
+    """The rounds of a turn that asked for tools: its assistant messages answered by a tool
+    message (a well-formed call or not)."""
+    return sum(1 for message, after in zip(added, added[1:])
+               if message["role"] == "assistant" and after["role"] == "tool")
 
 
 def summarize(results: Sequence[TaskResult]) -> dict:

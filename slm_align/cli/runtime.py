@@ -55,8 +55,8 @@ def chat(
     """Chat with an exported model in the terminal; give feedback that lands
     in the preference store."""
     from slm_align.agent.runtime import Agent
-    from slm_align.agent.template import require_template
     from slm_align.agent.terminal import chat_loop, raw_loop
+    from slm_align.chat_templates import require_template
     from slm_align.tools.builtin import default_tools
 
     if raw:

@@ -184,15 +184,20 @@ def sft_rows(task: dict) -> list[dict]:
     """Two chat rows teaching one task: the question -> the tool call; and after the
     observation -> the answer.
 
-    The tool message carries the name and content the runtime's :class:`Observation` puts there; the
-    assistant's call is its raw text (the corpus reader keeps role and content, which is all a
-    ChatML template renders).
+    In OpenAI's form, as the runtime stores a conversation: the call once, in the assistant's
+    ``tool_calls``; the tool message with the name and content the runtime's :class:`Observation`
+    gives; the task's tools beside the messages. A chat template renders the call its own way
+    (its text in the content for ChatML and SmolLM2, ``tool_calls`` for Qwen2.5: see
+    :func:`slm_align.chat_templates.template_form`).
     """
     question = task["prompt"]
-    call = {"role": "assistant", "content": tool_call_text(task["expression"])}
+    call = ToolCall(task["tool"], {"expression": task["expression"]})
+    turn = {"role": "assistant", "content": "", "tool_calls": [call.as_dict()]}
     observation = {"role": "tool", "name": task["tool"], "content": calculator(task["expression"])}
     final = {"role": "assistant", "content": final_answer_text(task["answer"])}
-    return [{"messages": question + [call]}, {"messages": question + [call, observation, final]}]
+    tools = task["tools"]
+    return [{"messages": question + [turn], "tools": tools},
+            {"messages": question + [turn, observation, final], "tools": tools}]
 
 
 def write_agent_tasks(out_dir, n_train: int = 400, n_heldout: int = 100, seed: int = 0,

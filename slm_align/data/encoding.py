@@ -14,9 +14,9 @@ def render(example: Example, tokenizer) -> tuple[str, str]:
     the tokenizer's template."""
     if example.messages is not None:
         *history, last = example.messages
-        if history and last[0] == "assistant":
-            return chat_turn(history, last, tokenizer)
-        return "", render_chat(example.messages, tokenizer)
+        if history and last["role"] == "assistant":
+            return chat_turn(history, last, tokenizer, example.tools)
+        return "", render_chat(example.messages, tokenizer, tools=example.tools)
     if example.prompt is not None:
         return example.prompt, example.completion or ""
     return "", example.text or ""

@@ -21,19 +21,18 @@ from pathlib import Path
 from typing import Any, Union
 
 from slm_align.data.pairs import Pair
-from slm_align.data.prompts import chat_turn
+from slm_align.data.prompts import chat_message, chat_turn
 from slm_align.data.readers import iter_rows
 from slm_align.errors import UserError
 
 MAX_PAIRS_PER_PROMPT = 8
 
 
-def _messages(where: str, value: Any, column: str) -> list[tuple[str, str]]:
-    if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                              and "role" in m for m in value):
+def _messages(where: str, value: Any, column: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
         raise UserError(f"{where}: column '{column}' must be text or a list of {{role, content}} "
                         f"messages")
-    return [(str(m["role"]), m["content"]) for m in value]
+    return [chat_message(f"{where}: column '{column}'", message) for message in value]
 
 
 def _render_chat(where: str, row: dict, tokenizer) -> Pair:

@@ -8,10 +8,11 @@ the prompt. Chat rows use the tokenizer's chat template with the generation prom
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Any, Optional
 
-from slm_align.chat_templates import default_chat_template
+from slm_align.chat_templates import default_chat_template, template_form, template_traits
 from slm_align.data.examples import Example
+from slm_align.errors import UserError
 
 
 def sentences(text: str) -> list[str]:
@@ -38,26 +39,47 @@ def split_opening(text: str, opening_sentences: int = 2) -> Optional[tuple[str, 
     return " ".join(parts[:opening_sentences]), " " + " ".join(parts[opening_sentences:])
 
 
-def render_chat(messages, tokenizer, add_generation_prompt: bool = False) -> str:
-    """``(role, content)`` messages through the tokenizer's chat template (the default
-    one when it has none: see
-    :func:`slm_align.chat_templates.default_chat_template`)."""
-    rows = [{"role": role, "content": content} for role, content in messages]
+MESSAGE_KEYS = ("role", "content", "tool_calls", "name", "tool_call_id")
+"""What a chat message keeps: OpenAI's fields a chat template renders."""
+
+
+def chat_message(where: str, message: Any) -> dict:
+    """One message of a chat row, in OpenAI's form: ``role`` and text ``content`` (empty allowed
+    beside ``tool_calls``), and an assistant's ``tool_calls`` and a tool message's ``name`` and
+    ``tool_call_id`` when given; a one-line UserError naming ``where`` otherwise."""
+    if not isinstance(message, dict) or "role" not in message:
+        raise UserError(f"{where}: each message needs a 'role' and a text 'content'")
+    content = message.get("content")
+    if content is None and message.get("tool_calls"):
+        content = ""
+    if not isinstance(content, str):
+        raise UserError(f"{where}: each message needs a 'role' and a text 'content'")
+    kept = {key: message[key] for key in MESSAGE_KEYS if message.get(key) is not None}
+    return dict(kept, role=str(message["role"]), content=content)
+
+
+def render_chat(messages, tokenizer, add_generation_prompt: bool = False, tools=None) -> str:
+    """Chat messages (OpenAI's form) and their tools through the tokenizer's chat template (the
+    default one when it has none: see :func:`slm_align.chat_templates.default_chat_template`),
+    each call turn in the form the template expects
+    (:func:`slm_align.chat_templates.template_form`)."""
     template = tokenizer.chat_template or default_chat_template(tokenizer)
-    return tokenizer.apply_chat_template(rows, tokenize=False, add_generation_prompt=add_generation_prompt,
+    rows = template_form([dict(m) for m in messages], template_traits(template))
+    return tokenizer.apply_chat_template(rows, tools=list(tools) if tools else None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
                                          chat_template=template)
 
 
-def chat_prompt(messages, tokenizer) -> str:
+def chat_prompt(messages, tokenizer, tools=None) -> str:
     """The rendered history followed by the assistant's generation prompt."""
-    return render_chat(messages, tokenizer, add_generation_prompt=True)
+    return render_chat(messages, tokenizer, add_generation_prompt=True, tools=tools)
 
 
-def chat_turn(history, answer: tuple[str, str], tokenizer) -> tuple[str, str]:
+def chat_turn(history, answer: dict, tokenizer, tools=None) -> tuple[str, str]:
     """``(prompt, completion)``: the completion is what the template adds for the
     final ``answer`` turn."""
-    prompt = chat_prompt(history, tokenizer)
-    full = render_chat(list(history) + [answer], tokenizer)
+    prompt = chat_prompt(history, tokenizer, tools)
+    full = render_chat(list(history) + [answer], tokenizer, tools=tools)
     return (prompt, full[len(prompt):]) if full.startswith(prompt) else ("", full)
 
 
@@ -66,8 +88,8 @@ def prompt_of(example: Example, tokenizer=None, opening_sentences: int = 2) -> O
     if example.prompt is not None:
         return example.prompt
     if example.messages is not None:
-        history = example.messages[:-1] if example.messages[-1][0] == "assistant" else example.messages
-        return chat_prompt(history, tokenizer) if history and tokenizer is not None else None
+        history = example.messages[:-1] if example.messages[-1]["role"] == "assistant" else example.messages
+        return chat_prompt(history, tokenizer, example.tools) if history and tokenizer is not None else None
     split = split_opening(example.text or "", opening_sentences)
     return None if split is None else split[0]
 

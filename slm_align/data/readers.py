@@ -15,7 +15,9 @@ from typing import Any, Iterator, Optional
 
 from slm_align.data.examples import Example
 from slm_align.data.hub import hub_fingerprint, hub_rows, is_hub_dataset
+from slm_align.data.prompts import chat_message
 from slm_align.errors import UserError
+from slm_align.tools.specs import normalise_tools
 
 TEXT_FIELDS = ("text", "content", "story", "document", "body", "article", "passage", "sentence")
 SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")
@@ -133,16 +135,11 @@ def _string(where: str, row: dict, field: str) -> str:
     return value
 
 
-def _messages(where: str, value: Any) -> tuple[tuple[str, str], ...]:
+def _messages(where: str, value: Any) -> tuple[dict, ...]:
     if not isinstance(value, list) or not value:
         raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}} "
                         f"objects")
-    out = []
-    for message in value:
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str) or "role" not in message:
-            raise UserError(f"{where}: each message needs a 'role' and a text 'content'")
-        out.append((str(message["role"]), message["content"]))
-    return tuple(out)
+    return tuple(chat_message(where, message) for message in value)
 
 
 def row_to_example(where: str, row: Any, text_field: Optional[str] = None) -> Optional[Example]:
@@ -157,7 +154,8 @@ def row_to_example(where: str, row: Any, text_field: Optional[str] = None) -> Op
         text = _string(where, row, text_field)
         return Example(text=text.strip()) if text.strip() else None
     if "messages" in row:
-        return Example(messages=_messages(where, row["messages"]))
+        tools = normalise_tools(where, row.get("tools"))
+        return Example(messages=_messages(where, row["messages"]), tools=tuple(tools) if tools else None)
     if "prompt" in row and "completion" in row:
         prompt = _string(where, row, "prompt")
         completion = _string(where, row, "completion")

@@ -92,14 +92,15 @@ def long_conversation(turns=125, chars=4000):
 def counted_fit(monkeypatch, messages, max_tokens=256):
     """The agent's prompt for ``messages``, the backend's tokenizer counts and the
     number of template renders."""
-    from slm_align.agent import prompt, template
+    from slm_align import chat_templates
+    from slm_align.agent import prompt
     from slm_align.agent.runtime import Agent
 
     renders = []
 
     def counting_render(*args, **kwargs):
         renders.append(1)
-        return template.render(*args, **kwargs)
+        return chat_templates.render(*args, **kwargs)
 
     monkeypatch.setattr(prompt, "render", counting_render, raising=False)
     backend = CountingBackend()
@@ -215,7 +216,7 @@ def test_control_tokens_in_tool_descriptions_and_call_arguments_stay_text(artifa
 
 
 def test_tojson_writes_plain_json_as_transformers_does():
-    from slm_align.agent.template import render
+    from slm_align.chat_templates import render
 
     tools = [{"type": "function", "function": {"name": "f", "description": "a <b> & 'c' é"}}]
     rendered = render("{{ tools | tojson }}|{{ tools | tojson(indent=2) }}", [], None, None, tools)

@@ -8,8 +8,9 @@ from fractions import Fraction
 
 import pytest
 
+from slm_align.agent.prompt import turn_end
 from slm_align.agent.task_eval import answers_match, classify, compare, open_agent, run_task, summarize
-from slm_align.agent.template import render
+from slm_align.chat_templates import CHATML_TEMPLATE, render, template_form, template_traits
 from slm_align.data.agent_tasks import leaks, make_tasks, sft_rows, split_tasks, tool_call_text, write_agent_tasks
 from slm_align.data.encoding import render as render_example
 from slm_align.data.readers import row_to_example
@@ -38,10 +39,11 @@ class ScriptedBackend:
         return getattr(self.inner, name)
 
     def generate(self, prompt, params, grammar=None):
-        """The next scripted reply's tokens, then EOS."""
+        """The next scripted reply's tokens, then the end of the turn as a model trained on the
+        template writes it (the template's closing token; EOS when it closes with plain text)."""
         self.prompts.append(prompt)
         yield from self.inner.tokenize(self.replies.pop(0), add_special=False)
-        yield next(iter(self.inner.eos_ids))
+        yield next(iter(turn_end(self.inner) or self.inner.eos_ids))
 
 
 def scripted_agent(artifact, replies):
@@ -94,9 +96,16 @@ def test_sft_rows_are_two_chats_per_task_and_parse_as_the_runtime_parses():
     call_row, answer_row = sft_rows(task)
     assert [m["role"] for m in call_row["messages"]] == ["user", "assistant"]
     assert [m["role"] for m in answer_row["messages"]] == ["user", "assistant", "tool", "assistant"]
-    parsed = default_tools().parse_calls(call_row["messages"][-1]["content"])
+    assert call_row["messages"][-1]["tool_calls"] == answer_row["messages"][1]["tool_calls"]  # stored once
+    written = call_text_of(call_row)  # what a model under a ChatML template writes
+    parsed = default_tools().parse_calls(written)
     assert not parsed.errors and parsed.calls[0].arguments == {"expression": task["expression"]}
     assert answers_match(answer_row["messages"][-1]["content"], task["answer"])
+
+
+def call_text_of(row: dict) -> str:
+    """The call turn of an SFT row as a ChatML template renders it: the call's text as content."""
+    return template_form(row["messages"], template_traits(CHATML_TEMPLATE))[-1]["content"]
 
 
 def test_write_agent_tasks_and_refuse_to_overwrite(tmp_path, capsys):
@@ -113,20 +122,22 @@ def test_sft_rows_render_as_the_runtime_renders(gguf, tokenizer):
     task = make_tasks(1, seed=5)[0]
     call_row, answer_row = sft_rows(task)
     final = answer_row["messages"][-1]["content"]
-    agent = scripted_agent(gguf, [call_row["messages"][-1]["content"], final])
+    agent = scripted_agent(gguf, [call_text_of(call_row), final])
     result = run_task(agent, task)
     assert result.category == "success" and result.rounds == 1
     backend = agent.backend.inner.inner
     tools = agent.tools.specs()
-    runtime_text = render(backend.chat_template, agent.messages, backend.bos_token, backend.eos_token, tools,
-                          add_generation_prompt=False)
+    traits = template_traits(backend.chat_template)
+    runtime_text = render(backend.chat_template, template_form(agent.messages, traits), backend.bos_token,
+                          backend.eos_token, tools, add_generation_prompt=False)
     for row, turns in ((answer_row, agent.messages), (call_row, agent.messages[:2])):
         example = row_to_example("sft", row)
         prompt, completion = render_example(example, tokenizer)  # what SFT trains on
-        expected = render(backend.chat_template, turns, backend.bos_token, backend.eos_token, tools,
-                          add_generation_prompt=False)
+        expected = render(backend.chat_template, template_form(turns, traits), backend.bos_token,
+                          backend.eos_token, tools, add_generation_prompt=False)
         assert prompt + completion == expected
-        model_prompt = render(backend.chat_template, turns[:-1], backend.bos_token, backend.eos_token, tools)
+        model_prompt = render(backend.chat_template, template_form(turns[:-1], traits), backend.bos_token,
+                              backend.eos_token, tools)
         assert prompt == model_prompt  # the text the model continues at inference
     assert runtime_text.endswith(final + "<|im_end|>\n")
     seen = [backend.detokenize(ids) for ids in agent.backend.inner.prompts]  # what the runtime fed the model

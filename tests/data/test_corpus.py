@@ -60,7 +60,7 @@ def test_prompt_completion_and_messages_rows(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
     first, second = read_examples(path)
     assert (first.prompt, first.completion) == ("Q: 2+2?", " 4")
-    assert second.messages == (("user", "hi"), ("assistant", "hello"))
+    assert second.messages == ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"})
 
 
 @pytest.mark.parametrize("content, expected", [
