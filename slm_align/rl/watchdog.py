@@ -28,9 +28,17 @@ from typing import Any, Optional
 from slm_align.config import WatchdogSettings
 from slm_align.stats import student_t_quantile
 
-WATCHED = ("entropy", "completion/length", "completion/truncated_frac", "kl", "grpo/zero_std_frac")
+CALLS = "episode/call_rate"
+"""Share of an iteration's agent episodes in which the policy made at least one tool call."""
+VALID_CALLS = "episode/valid_call_rate"
+"""Share of an iteration's tool calls that parsed and validated against the tool's schema."""
+WATCHED = ("entropy", "completion/length", "completion/truncated_frac", "kl", "grpo/zero_std_frac", CALLS,
+           VALID_CALLS)
 """The per-iteration metrics the windowed detectors read (a metric an algorithm does
 not log is not watched)."""
+MIN_START_CALL_RATE = 0.05
+"""Tool use is watched only when the first window's call rate is above this: below it the policy
+barely calls tools, so a fall is no collapse and the valid share of a handful of calls is noise."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,31 @@ def kl_runaway(recent: list[float], max_kl: float) -> Optional[Trigger]:
     return None
 
 
+def _fallen(start: list[float], recent: list[float], floor: float, label: str) -> Optional[Trigger]:
+    """A tool-use collapse when m(recent) < floor * m(start) (``floor`` 0: off); ``label``
+    names the rate in the reason."""
+    bound = floor * window_mean(start)
+    value = window_mean(recent)
+    if floor and value < bound:
+        return Trigger("tool_use_collapse", value, bound, f"{label} {value:.2f} < {floor:g} x start "
+                       f"{bound / floor:.2f}")
+    return None
+
+
+def tool_use_collapse(calls: tuple[list[float], list[float]], valid: tuple[list[float], list[float]],
+                      call_floor: float, valid_floor: float) -> Optional[Trigger]:
+    """Fires when m(recent call rate) < call_floor * m(start call rate) (the policy stopped calling
+    tools) or m(recent valid-call rate) < valid_floor * m(start valid-call rate) (its calls stopped
+    parsing); ``calls`` and ``valid`` are (start, recent) windows, ``valid``'s empty when not full.
+    Only when m(start call rate) > :data:`MIN_START_CALL_RATE`."""
+    if window_mean(calls[0]) <= MIN_START_CALL_RATE:
+        return None
+    trigger = _fallen(*calls, call_floor, "call rate")
+    if trigger is None and valid[1]:
+        trigger = _fallen(*valid, valid_floor, "valid-call rate")
+    return trigger
+
+
 def starving(start: list[float], recent: list[float], rise: float) -> Optional[Trigger]:
     """Fires when m(recent all-equal share) > m(start all-equal share) + rise:
     GRPO's groups stop teaching."""
@@ -170,11 +203,12 @@ class Watchdog:
 
     def observe(self, metrics: dict) -> None:
         """Add an iteration's metrics to the windows: the first ``W`` values of a metric form its
-        start window, later ones the recent window (its last ``W``), which a rollback empties."""
+        start window, later ones the recent window (its last ``W``), which a rollback empties; a
+        metric missing from ``metrics`` (or not finite) is skipped."""
         width = self.settings.window
         for key in WATCHED:
             value = metrics.get(key)
-            if value is None:
+            if value is None or not math.isfinite(value):  # not logged, or a rate of nothing (0/0)
                 continue
             if len(self.start[key]) < width:
                 self.start[key].append(float(value))
@@ -226,7 +260,7 @@ class Watchdog:
 
     def windowed(self) -> Optional[Trigger]:
         """The first windowed detector that fires (entropy, length, truncation, KL,
-        starving groups), or None."""
+        starving groups, tool use), or None."""
         s = self.settings
         start = self.start
         recent = self.recent
@@ -246,7 +280,19 @@ class Watchdog:
                 trigger = detector(start[key], recent[key], *args)
             if trigger is not None:
                 return trigger
-        return None
+        return self._tool_use()
+
+    def _tool_use(self) -> Optional[Trigger]:
+        """:func:`tool_use_collapse` once the call-rate windows are full (the valid-call
+        rate's counts once its own are)."""
+        s = self.settings
+        if len(self.recent[CALLS]) < s.window:
+            return None
+        valid = ([], [])
+        if len(self.recent[VALID_CALLS]) >= s.window:
+            valid = (self.start[VALID_CALLS], self.recent[VALID_CALLS])
+        return tool_use_collapse((self.start[CALLS], self.recent[CALLS]), valid, s.call_rate_floor,
+                                 s.valid_call_floor)
 
     def respond(self, step: int, trigger: Trigger) -> dict:
         """The action on a trigger and its event record: a rollback (learning rate times
@@ -285,6 +331,9 @@ class Watchdog:
         return {name: getattr(self, name) for name in fields}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a :meth:`state_dict`."""
+        """Continue from a :meth:`state_dict` (a metric watched since it was written starts with
+        empty windows)."""
         for name, value in state.items():
+            if name in ("start", "recent"):
+                value = {**{key: [] for key in WATCHED}, **value}
             setattr(self, name, value)

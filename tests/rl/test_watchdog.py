@@ -74,6 +74,65 @@ def test_detector_thresholds_and_off_switches():
     assert kl_runaway([11.0, 12.0], max_kl=0.0) is None
 
 
+def episodes(calls: list[float], valid: list[float]) -> list[dict]:
+    """Per-iteration metrics of agent episodes: call rate and valid-call rate."""
+    return [{"episode/call_rate": c, "episode/valid_call_rate": v, "episode/success": 0.5}
+            for c, v in zip(calls, valid)]
+
+
+def feed_metrics(watchdog: Watchdog, rows: list[dict]):
+    """Observe one metrics dict per iteration; the first trigger and the iteration it came at."""
+    for i, metrics in enumerate(rows):
+        watchdog.observe(metrics)
+        trigger = watchdog.check()
+        if trigger is not None:
+            return trigger, i + 1
+    return None, None
+
+
+def test_tool_use_collapse_fires_when_the_policy_stops_calling_tools():
+    calls = noisy(0.6, 0.1, 6, seed=3) + [0.4, 0.3, 0.2, 0.1, 0.05, 0.0, 0.0]
+    valid = noisy(0.9, 0.05, 6, seed=4) + [0.9, 0.8, 0.9, 1.0, float("nan"), float("nan"), float("nan")]
+    trigger, at = feed_metrics(Watchdog(WatchdogSettings(window=3)), episodes(calls, valid))
+    assert trigger.detector == "tool_use_collapse" and at > 6
+    assert trigger.value < trigger.threshold and trigger.why.startswith("call rate ")
+    assert "< 0.5 x start" in trigger.why
+
+
+def test_tool_use_collapse_fires_when_calls_stop_parsing():
+    calls = noisy(0.6, 0.1, 20, seed=5)  # the policy keeps calling ...
+    valid = noisy(0.9, 0.05, 6, seed=6) + [0.7, 0.5, 0.3, 0.2, 0.1, 0.1, 0.1]  # ... malformed calls
+    trigger, at = feed_metrics(Watchdog(WatchdogSettings(window=3)), episodes(calls, valid))
+    assert trigger.detector == "tool_use_collapse" and trigger.why.startswith("valid-call rate ")
+    assert at > 6
+
+
+def test_tool_use_collapse_ignores_noise_absent_metrics_and_a_policy_that_barely_calls():
+    settings = WatchdogSettings(window=3)
+    noise = episodes(noisy(0.4, 0.2, 40, seed=7), noisy(0.8, 0.15, 40, seed=8))
+    assert feed_metrics(Watchdog(settings), noise) == (None, None)
+    single_turn = [{"entropy": e} for e in noisy(2.0, 0.2, 40)]  # no episode metrics: not watched
+    assert feed_metrics(Watchdog(settings), single_turn) == (None, None)
+    only_valid = [{"episode/valid_call_rate": v} for v in [0.9] * 6 + [0.1] * 6]  # no call rate
+    assert feed_metrics(Watchdog(settings), only_valid) == (None, None)
+    barely = episodes([0.04, 0.02, 0.03] + [0.0] * 10, [1.0] * 3 + [0.0] * 10)  # start <= 0.05
+    assert feed_metrics(Watchdog(settings), barely) == (None, None)
+    falling = episodes([0.6] * 3 + [0.0] * 10, [0.9] * 3 + [0.0] * 10)
+    assert feed_metrics(Watchdog(settings.model_copy(update=dict(call_rate_floor=0.0, valid_call_floor=0.0))),
+                        falling) == (None, None)  # 0: off
+    assert feed_metrics(Watchdog(settings), falling)[0].detector == "tool_use_collapse"
+
+
+def test_a_state_written_before_the_tool_use_metrics_were_watched_resumes():
+    watchdog = Watchdog(WatchdogSettings(window=2))
+    state = watchdog.state_dict()
+    for window in ("start", "recent"):
+        state[window] = {key: values for key, values in state[window].items() if not key.startswith("episode/")}
+    again = Watchdog(WatchdogSettings(window=2))
+    again.load_state_dict(state)
+    assert feed_metrics(again, episodes([0.6, 0.6, 0.1, 0.1], [0.9] * 4))[0].detector == "tool_use_collapse"
+
+
 def test_paired_drop_is_mean_and_standard_error_of_the_differences():
     mean, se = paired_drop([1.0, 2.0, 3.0], [0.0, 2.0, 1.0])  # d = 1, 0, 2
     assert mean == pytest.approx(1.0) and se == pytest.approx(1.0 / 3 ** 0.5)
