@@ -5,7 +5,8 @@ Pure: no torch, no model. The RL stage feeds it each iteration's metrics (:meth:
 and, every ``eval_every`` iterations, the per-prompt rewards of a fixed held-out probe
 (:meth:`Watchdog.record_probe`); it answers with a :class:`Trigger` (:meth:`Watchdog.check`) and the
 action (:meth:`Watchdog.respond`): roll back to the best probe with a lower learning rate (and, for
-KL runaway, a higher KL coefficient), or stop early once ``max_recoveries`` are spent. Its whole
+KL runaway, a higher KL coefficient; for tool-use collapse, a heavier call-format shaping reward),
+or stop early once ``max_recoveries`` are spent. Its whole
 state is plain numbers and lists (:meth:`Watchdog.state_dict`), so a resumed run continues bit for
 bit; the best iteration's weights travel beside it as an opaque ``payload``.
 
@@ -36,6 +37,8 @@ WATCHED = ("entropy", "completion/length", "completion/truncated_frac", "kl", "g
            VALID_CALLS)
 """The per-iteration metrics the windowed detectors read (a metric an algorithm does
 not log is not watched)."""
+SHAPING_TERM = "call_format"
+"""The reward term that pays for well-formed tool calls: a tool-use-collapse recovery weighs it up."""
 MIN_START_CALL_RATE = 0.05
 """Tool use is watched only when the first window's call rate is above this: below it the policy
 barely calls tools, so a fall is no collapse and the valid share of a handful of calls is noise."""
@@ -199,6 +202,8 @@ class Watchdog:
         self.recoveries = 0
         self.lr_scale = 1.0
         self.kl_scale = 1.0
+        self.shaping_scale = 1.0
+        """The weight of the reward's :data:`SHAPING_TERM` relative to its base weight."""
         self.stopped: Optional[str] = None
 
     def observe(self, metrics: dict) -> None:
@@ -296,8 +301,9 @@ class Watchdog:
 
     def respond(self, step: int, trigger: Trigger) -> dict:
         """The action on a trigger and its event record: a rollback (learning rate times
-        ``lr_factor``, KL coefficient times ``kl_factor`` on KL runaway, recent windows emptied)
-        while recoveries remain, else a stop.
+        ``lr_factor``, KL coefficient times ``kl_factor`` on KL runaway, the call-format shaping
+        term's weight times ``shaping_factor`` on tool-use collapse, recent windows emptied) while
+        recoveries remain, else a stop.
         """
         s = self.settings
         action = "stop"
@@ -307,13 +313,16 @@ class Watchdog:
             self.lr_scale *= s.lr_factor
             if trigger.detector == "kl_runaway":
                 self.kl_scale *= s.kl_factor
+            if trigger.detector == "tool_use_collapse":
+                self.shaping_scale *= s.shaping_factor
             self.recent = {key: [] for key in WATCHED}
             self.below = 0
         else:
             self.stopped = f"{trigger.detector}: {trigger.why}"
         return {"step": step, "detector": trigger.detector, "value": trigger.value, "threshold": trigger.threshold,
                 "why": trigger.why, "action": action, "best_step": self.best_step, "best_reward": self.best_reward,
-                "recoveries": self.recoveries, "lr_scale": self.lr_scale, "kl_scale": self.kl_scale}
+                "recoveries": self.recoveries, "lr_scale": self.lr_scale, "kl_scale": self.kl_scale,
+                "shaping_scale": self.shaping_scale}
 
     def summary(self) -> dict:
         """What the manifest records: on, the best probe, recoveries spent, and why
@@ -321,13 +330,14 @@ class Watchdog:
         return {"enabled": True, "best_step": self.best_step, "peak_step": self.peak_step,
                 "best_reward": self.best_reward,
                 "recoveries": self.recoveries, "stopped_early": self.stopped, "lr_scale": self.lr_scale,
-                "kl_scale": self.kl_scale, "settings": self.settings.model_dump()}
+                "kl_scale": self.kl_scale, "shaping_scale": self.shaping_scale,
+                "settings": self.settings.model_dump()}
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs (plain numbers and lists, and the
         best payload as given)."""
         fields = ("start", "recent", "best_step", "peak_step", "best_reward", "best_rewards", "best_state", "below",
-                  "probes", "recoveries", "lr_scale", "kl_scale", "stopped")
+                  "probes", "recoveries", "lr_scale", "kl_scale", "shaping_scale", "stopped")
         return {name: getattr(self, name) for name in fields}
 
     def load_state_dict(self, state: dict) -> None:

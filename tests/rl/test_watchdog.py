@@ -11,15 +11,20 @@ import random
 import shutil
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from slm_align.config import WatchdogSettings
+from slm_align.envelope.world import World
 from slm_align.modeling import save_adapter
 from slm_align.pipeline import run_rl
+from slm_align.rewards.columns import with_columns
+from slm_align.rewards.protocol import CombinedReward
 from slm_align.rl.grpo import GRPO
-from slm_align.rl.watchdog import Watchdog, entropy_collapse, kl_runaway, paired_drop, reward_dropped
+from slm_align.rl.recovery import WatchedRun, read_events
+from slm_align.rl.watchdog import Trigger, Watchdog, entropy_collapse, kl_runaway, paired_drop, reward_dropped
 from slm_align.rl.watchdog_text import event_line, published_line, report_section
 from tests.helpers import finished_sft_run, run_cli
 
@@ -265,10 +270,105 @@ def test_events_reach_the_report_and_the_curves(tmp_path):
     assert report_section(None, []) == []
     line = event_line(event)
     assert line.startswith("watchdog: kl_runaway at iteration 3 (KL 12.5 > 10); rolled back to "
-                           "iteration 2")
+                           "iteration 2") and "shaping" not in line
+    tool = dict(event, detector="tool_use_collapse", value=0.1, threshold=0.3, why="call rate 0.10 < 0.5 x "
+                "start 0.60", kl_scale=1.0, shaping_scale=2.0)
+    assert event_line(tool) == ("watchdog: tool_use_collapse at iteration 3 (call rate 0.10 < 0.5 x start "
+                                "0.60); rolled back to iteration 2, learning rate x0.5, call-format "
+                                "shaping x2 (recovery 1)")
+    rows = "\n".join(report_section(record, [event, tool]))
+    assert "| 3 | tool_use_collapse | 0.1 | 0.3 | rollback, call-format shaping x2 | 0.0005 |" in rows
+    assert "| 3 | kl_runaway | 12.5 | 10 | rollback | 0.0005 |" in rows
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": i, "kl": float(i)}) + "\n" for i in range(1, 6)))
     assert plot_curves(metrics, tmp_path / "curves.png", events=[event]).stat().st_size > 1000
+
+
+# ---- the tool-use remedy: call-format shaping
+# ------------------------------------------------------------------------
+def task_reward(prompts, completions, **_):
+    return [0.25 for _ in completions]
+
+
+def well_formed(prompts, completions, **_):
+    return [1.0 for _ in completions]
+
+
+def shaped_reward() -> CombinedReward:
+    """A task term and a call_format shaping term at half weight: 0.25 + 0.5 = 0.75 per completion."""
+    return CombinedReward([("task", task_reward, 1.0), ("call_format", well_formed, 0.5)])
+
+
+def weight_of(reward, name: str) -> float:
+    return next(weight for term, _, weight in reward.terms if term == name)
+
+
+def test_combined_reward_scales_a_term_relative_to_its_weight_at_construction():
+    reward = shaped_reward()
+    reward.scale_term("call_format", 2.0)
+    assert weight_of(reward, "call_format") == 1.0 and weight_of(reward, "task") == 1.0
+    reward.scale_term("call_format", 4.0)  # absolute: 4 x 0.5, not 4 x 1.0
+    assert weight_of(reward, "call_format") == 2.0 and reward(["p"], ["c"]) == [2.25]
+    reward.scale_term("no_such_term", 3.0)
+    assert [weight for _, _, weight in reward.terms] == [1.0, 2.0]
+    wrapped = with_columns(shaped_reward(), tasks=None)  # the column wrapper passes it on
+    wrapped.scale_term("call_format", 2.0)
+    assert weight_of(wrapped.reward, "call_format") == 1.0
+
+
+def test_a_tool_use_rollback_doubles_the_shaping_scale_and_survives_a_checkpoint(tmp_path):
+    watchdog = Watchdog(WatchdogSettings(window=2, max_recoveries=3))
+    watchdog.record_probe(0, [0.5, 0.6], lambda: "best")
+    trigger, _ = feed_metrics(watchdog, episodes([0.6, 0.6, 0.1, 0.1], [0.9] * 4))
+    first = watchdog.respond(4, trigger)
+    assert first["action"] == "rollback" and first["shaping_scale"] == 2.0 and first["lr_scale"] == 0.5
+    assert first["kl_scale"] == 1.0
+    kl = watchdog.respond(6, Trigger("kl_runaway", 12.0, 10.0, "KL 12 > 10"))
+    assert kl["shaping_scale"] == 2.0 and kl["kl_scale"] == 2.0  # other detectors leave it
+    assert watchdog.respond(8, trigger)["shaping_scale"] == 4.0
+    assert watchdog.summary()["shaping_scale"] == 4.0
+    torch.save({"watchdog": watchdog.state_dict()}, tmp_path / "c.pt")
+    again = Watchdog(WatchdogSettings(window=2, max_recoveries=3))
+    again.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True)["watchdog"])
+    assert again.state_dict() == watchdog.state_dict() and again.shaping_scale == 4.0
+
+
+class FakeLearner:
+    """What the watchdog's wiring touches on a learner: one trainable tensor and its AdamW,
+    the learning rate, PPO's KL coefficient, the reward and the iteration."""
+
+    def __init__(self, reward_fn):
+        self.weight = torch.nn.Parameter(torch.zeros(2))
+        self.named_params = [("w", self.weight)]
+        self.optimizer = torch.optim.AdamW([self.weight], lr=1e-3)
+        self.learning_rate = 1e-3
+        self.settings = SimpleNamespace(algo="ppo", steps=20)
+        self.kl_coef = 0.05
+        self.reward_fn = reward_fn
+        self.step = 0
+
+
+def test_a_tool_use_collapse_in_a_run_weighs_up_call_format_but_probes_with_base_weights(tmp_path):
+    no_columns = SimpleNamespace(columns_for=lambda prompts: {})
+    loop = FakeLearner(with_columns(shaped_reward(), tasks=no_columns))
+    probes, said = [], []
+
+    def probe() -> list[float]:
+        probes.append(loop.reward_fn(["p"] * 4, ["c"] * 4))
+        return probes[-1]
+
+    watchdog = Watchdog(WatchdogSettings(window=2, eval_every=2))
+    run = WatchedRun(watchdog, probe, tmp_path, World(), said.append, 0.0)
+    run.begin(loop)
+    for metrics in episodes([0.6, 0.6, 0.1, 0.1, 0.6, 0.6], [0.9] * 6):
+        loop.step += 1
+        run.after_step(loop, metrics)
+    (event,) = read_events(tmp_path / "events.jsonl")
+    assert (event["detector"], event["step"], event["shaping_scale"]) == ("tool_use_collapse", 4, 2.0)
+    assert event["learning_rate"] == pytest.approx(5e-4)
+    assert weight_of(loop.reward_fn.reward, "call_format") == 1.0  # training pays twice for format
+    assert probes == [[0.75] * 4] * 4  # the probe's yardstick stays at the base weights
+    assert said == [event_line(event)] and "call-format shaping x2 (recovery 1)" in said[0]
 
 
 # ---- fault injection on a tiny model
