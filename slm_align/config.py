@@ -193,9 +193,10 @@ class WatchdogSettings(_Strict):
                         "the last window with the mean of the first (and need both full).")
     reward_margin: float = Field(0.0, ge=0, description="Reward drop: the probe's mean paired drop "
                                  "below the best must exceed this many reward units ...")
-    reward_z: float = Field(2.0, ge=0, description="... and be significant at the one-sided level "
-                            "of this normal z (2: 2.3%), corrected for the number of earlier probes "
-                            "(Bonferroni) and the probe's size (Student's t) (0: reward drop off).")
+    reward_z: float = Field(2.0, ge=0, description="... and be significant at the one-sided "
+                            "level of this normal z (2: 2.3%), corrected for the number of earlier "
+                            "probes (Bonferroni) and the probe's size (Student's t) (0: reward drop "
+                            "off).")
     reward_patience: int = Field(2, ge=1, description="Reward drop: probes in a row below the best "
                                  "before it fires.")
     entropy_floor: float = Field(0.3, ge=0, lt=1, description="Entropy collapse: window entropy "
@@ -209,10 +210,10 @@ class WatchdogSettings(_Strict):
                           "the KL coefficient.")
     zero_std_rise: float = Field(0.5, ge=0, description="GRPO starving: window share of all-equal "
                                  "groups above the first window's plus this (0: off).")
-    call_rate_floor: float = Field(0.5, ge=0, lt=1, description="Tool-use collapse (agent episodes): "
-                                   "window share of episodes with a tool call below this fraction "
-                                   "of the first window's (0: off); watched only when the first "
-                                   "window's share is above 0.05.")
+    call_rate_floor: float = Field(0.5, ge=0, lt=1, description="Tool-use collapse (agent "
+                                   "episodes): window share of episodes with a tool call below "
+                                   "this fraction of the first window's (0: off); watched only when "
+                                   "the first window's share is above 0.05.")
     valid_call_floor: float = Field(0.5, ge=0, lt=1, description="Tool-use collapse: window share "
                                     "of tool calls that parse and validate against the tool's "
                                     "schema below this fraction of the first window's (0: off).")

@@ -100,7 +100,8 @@ def student_t_tail(t: float, df: int) -> float:
         for j in range(1, (df - 1) // 2):
             term *= cos2 * (2 * j) / (2 * j + 1)
             total += term
-        inside = 2 / math.pi * (theta + (math.sin(theta) * math.cos(theta) * total if df > 1 else 0.0))
+        series = math.sin(theta) * math.cos(theta) * total if df > 1 else 0.0
+        inside = 2 / math.pi * (theta + series)
     else:
         for j in range(1, df // 2):
             term *= cos2 * (2 * j - 1) / (2 * j)

@@ -33,12 +33,13 @@ CALLS = "episode/call_rate"
 """Share of an iteration's agent episodes in which the policy made at least one tool call."""
 VALID_CALLS = "episode/valid_call_rate"
 """Share of an iteration's tool calls that parsed and validated against the tool's schema."""
-WATCHED = ("entropy", "completion/length", "completion/truncated_frac", "kl", "grpo/zero_std_frac", CALLS,
-           VALID_CALLS)
+WATCHED = ("entropy", "completion/length", "completion/truncated_frac", "kl", "grpo/zero_std_frac",
+           CALLS, VALID_CALLS)
 """The per-iteration metrics the windowed detectors read (a metric an algorithm does
 not log is not watched)."""
 SHAPING_TERM = "call_format"
-"""The reward term that pays for well-formed tool calls: a tool-use-collapse recovery weighs it up."""
+"""The reward term that pays for well-formed tool calls: a tool-use-collapse recovery weighs
+it up."""
 MIN_START_CALL_RATE = 0.05
 """Tool use is watched only when the first window's call rate is above this: below it the policy
 barely calls tools, so a fall is no collapse and the valid share of a handful of calls is noise."""
@@ -155,13 +156,17 @@ def _fallen(start: list[float], recent: list[float], floor: float, label: str) -
     bound = floor * window_mean(start)
     value = window_mean(recent)
     if floor and value < bound:
-        return Trigger("tool_use_collapse", value, bound, f"{label} {value:.2f} < {floor:g} x start "
-                       f"{bound / floor:.2f}")
+        why = f"{label} {value:.2f} < {floor:g} x start {bound / floor:.2f}"
+        return Trigger("tool_use_collapse", value, bound, why)
     return None
 
 
-def tool_use_collapse(calls: tuple[list[float], list[float]], valid: tuple[list[float], list[float]],
-                      call_floor: float, valid_floor: float) -> Optional[Trigger]:
+Windows = tuple[list[float], list[float]]
+"""A metric's (start, recent) windows."""
+
+
+def tool_use_collapse(calls: Windows, valid: Windows, call_floor: float,
+                      valid_floor: float) -> Optional[Trigger]:
     """Fires when m(recent call rate) < call_floor * m(start call rate) (the policy stopped calling
     tools) or m(recent valid-call rate) < valid_floor * m(start valid-call rate) (its calls stopped
     parsing); ``calls`` and ``valid`` are (start, recent) windows, ``valid``'s empty when not full.

@@ -123,8 +123,8 @@ def test_tool_use_collapse_ignores_noise_absent_metrics_and_a_policy_that_barely
     barely = episodes([0.04, 0.02, 0.03] + [0.0] * 10, [1.0] * 3 + [0.0] * 10)  # start <= 0.05
     assert feed_metrics(Watchdog(settings), barely) == (None, None)
     falling = episodes([0.6] * 3 + [0.0] * 10, [0.9] * 3 + [0.0] * 10)
-    assert feed_metrics(Watchdog(settings.model_copy(update=dict(call_rate_floor=0.0, valid_call_floor=0.0))),
-                        falling) == (None, None)  # 0: off
+    off = settings.model_copy(update=dict(call_rate_floor=0.0, valid_call_floor=0.0))
+    assert feed_metrics(Watchdog(off), falling) == (None, None)  # 0: off
     assert feed_metrics(Watchdog(settings), falling)[0].detector == "tool_use_collapse"
 
 
@@ -132,7 +132,8 @@ def test_a_state_written_before_the_tool_use_metrics_were_watched_resumes():
     watchdog = Watchdog(WatchdogSettings(window=2))
     state = watchdog.state_dict()
     for window in ("start", "recent"):
-        state[window] = {key: values for key, values in state[window].items() if not key.startswith("episode/")}
+        state[window] = {key: values for key, values in state[window].items()
+                         if not key.startswith("episode/")}
     again = Watchdog(WatchdogSettings(window=2))
     again.load_state_dict(state)
     assert feed_metrics(again, episodes([0.6, 0.6, 0.1, 0.1], [0.9] * 4))[0].detector == "tool_use_collapse"
@@ -202,7 +203,8 @@ def test_a_policy_that_never_changes_is_rarely_rolled_back(policy):
     assert set(fired) <= {None, "reward_drop"}
 
 
-@pytest.mark.parametrize("before, after", [(bernoulli(0.5), bernoulli(0.1)), (gaussian(0.0), gaussian(-1.0))],
+@pytest.mark.parametrize("before, after", [(bernoulli(0.5), bernoulli(0.1)),
+                                           (gaussian(0.0), gaussian(-1.0))],
                          ids=["success-0.5-to-0.1", "gaussian-down-1-sd"])
 def test_a_real_drop_in_the_middle_of_a_run_is_caught(before, after):
     runs = [simulated_run(before, after, seed, drop_at=100) for seed in range(500)]
