@@ -6,9 +6,9 @@ and, every ``eval_every`` iterations, the per-prompt rewards of a fixed held-out
 (:meth:`Watchdog.record_probe`); it answers with a :class:`Trigger` (:meth:`Watchdog.check`) and the
 action (:meth:`Watchdog.respond`): roll back to the best probe with a lower learning rate (and, for
 KL runaway, a higher KL coefficient; for tool-use collapse, a heavier call-format shaping reward),
-or stop early once ``max_recoveries`` are spent. Its whole
-state is plain numbers and lists (:meth:`Watchdog.state_dict`), so a resumed run continues bit for
-bit; the best iteration's weights travel beside it as an opaque ``payload``.
+or stop early once ``max_recoveries`` are spent. Its whole state is plain numbers and lists
+(:meth:`Watchdog.state_dict`), so a resumed run continues bit for bit; the best iteration's weights
+travel beside it as an opaque ``payload``.
 
 The detectors compare windows of ``W = window`` iterations: the first window of the run
 (its start) and the last ``W`` iterations since the latest rollback, each summarised by its
