@@ -182,8 +182,8 @@ class WatchdogSettings(_Strict):
     threshold is 0 is off."""
 
     enabled: bool = Field(True, description="Watch for the quiet collapses (reward drop, entropy "
-                          "collapse, length inflation, KL runaway, starving groups); off: publish "
-                          "the last adapter, recorded.")
+                          "collapse, length inflation, KL runaway, starving groups, tool-use "
+                          "collapse); off: publish the last adapter, recorded.")
     eval_every: int = Field(5, ge=1, description="Probe the held-out reward every this many "
                             "iterations (and at the start and the end); the best probe's adapter "
                             "is published.")
@@ -193,8 +193,10 @@ class WatchdogSettings(_Strict):
                         "the last window with the mean of the first (and need both full).")
     reward_margin: float = Field(0.0, ge=0, description="Reward drop: the probe's mean paired drop "
                                  "below the best must exceed this many reward units ...")
-    reward_z: float = Field(2.0, ge=0, description="... and this many standard errors of the "
-                            "paired drop (0: reward drop off).")
+    reward_z: float = Field(2.0, ge=0, description="... and be significant at the one-sided "
+                            "level of this normal z (2: 2.3%), corrected for the number of earlier "
+                            "probes (Bonferroni) and the probe's size (Student's t) (0: reward drop "
+                            "off).")
     reward_patience: int = Field(2, ge=1, description="Reward drop: probes in a row below the best "
                                  "before it fires.")
     entropy_floor: float = Field(0.3, ge=0, lt=1, description="Entropy collapse: window entropy "
@@ -208,10 +210,20 @@ class WatchdogSettings(_Strict):
                           "the KL coefficient.")
     zero_std_rise: float = Field(0.5, ge=0, description="GRPO starving: window share of all-equal "
                                  "groups above the first window's plus this (0: off).")
+    call_rate_floor: float = Field(0.5, ge=0, lt=1, description="Tool-use collapse (agent "
+                                   "episodes): window share of episodes with a tool call below "
+                                   "this fraction of the first window's (0: off); watched only when "
+                                   "the first window's share is above 0.05.")
+    valid_call_floor: float = Field(0.5, ge=0, lt=1, description="Tool-use collapse: window share "
+                                    "of tool calls that parse and validate against the tool's "
+                                    "schema below this fraction of the first window's (0: off).")
     lr_factor: float = Field(0.5, gt=0, lt=1, description="Each recovery multiplies the learning "
                              "rate by this.")
     kl_factor: float = Field(2.0, ge=1, description="A KL-runaway recovery multiplies the KL "
                              "coefficient (PPO kl_coef, GRPO beta) by this.")
+    shaping_factor: float = Field(2.0, ge=1, description="A tool-use-collapse recovery multiplies "
+                                  "the weight of the reward's call_format term (when it has one) "
+                                  "by this.")
     max_recoveries: int = Field(2, ge=0, description="Rollbacks to the best before a further "
                                 "trigger stops the run early (the best adapter published).")
 

@@ -81,3 +81,43 @@ def distinct_n(texts: Sequence[str], n: int) -> float:
     """Corpus-level Distinct-n: unique word n-grams over all word n-grams of all texts."""
     grams = [tuple(words[i:i + n]) for words in (t.split() for t in texts) for i in range(len(words) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def student_t_tail(t: float, df: int) -> float:
+    """P(T > t) for Student's t with ``df`` (a positive integer) degrees of freedom, exactly.
+
+    Abramowitz & Stegun (1964) 26.7.3-26.7.4: with theta = atan(t / sqrt(df)), A = P(|T| < t) is
+    (2/pi) (theta + sin theta cos theta (1 + (2/3) cos^2 + (2.4)/(3.5) cos^4 + ... up to
+    cos^(df-3))) for odd df (2 theta / pi for df = 1) and sin theta (1 + (1/2) cos^2 + (1.3)/(2.4)
+    cos^4 + ... up to cos^(df-2)) for even df; the tail is (1 - A) / 2 for t >= 0.
+    """
+    if t < 0:
+        return 1.0 - student_t_tail(-t, df)
+    theta = math.atan(t / math.sqrt(df))
+    cos2 = math.cos(theta) ** 2
+    term = total = 1.0
+    if df % 2:
+        for j in range(1, (df - 1) // 2):
+            term *= cos2 * (2 * j) / (2 * j + 1)
+            total += term
+        series = math.sin(theta) * math.cos(theta) * total if df > 1 else 0.0
+        inside = 2 / math.pi * (theta + series)
+    else:
+        for j in range(1, df // 2):
+            term *= cos2 * (2 * j - 1) / (2 * j)
+            total += term
+        inside = math.sin(theta) * total
+    return (1.0 - inside) / 2
+
+
+def student_t_quantile(tail: float, df: int) -> float:
+    """The t with P(T > t) = ``tail`` (0 < tail <= 1/2) for ``df`` degrees of freedom: bisection of
+    :func:`student_t_tail` in theta = atan(t / sqrt(df)) over [0, pi/2), to double precision."""
+    low, high = 0.0, math.pi / 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        if student_t_tail(math.sqrt(df) * math.tan(middle), df) > tail:
+            low = middle
+        else:
+            high = middle
+    return math.sqrt(df) * math.tan((low + high) / 2)

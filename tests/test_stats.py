@@ -13,6 +13,8 @@ from slm_align.stats import (
     mean_delta,
     paired_win_rate,
     sign_flip_p_value,
+    student_t_quantile,
+    student_t_tail,
 )
 
 
@@ -62,3 +64,20 @@ def test_bootstrap_bounds_leave_out_as_many_resamples_above_as_below():
 
     assert bootstrap_ci([0.0], [0.0], ordinal(itertools.count()), resamples=2000, level=0.95) == (50, 1949)
     assert bootstrap_ci([0.0], [0.0], ordinal(itertools.count()), resamples=1000, level=0.9) == (50, 949)
+
+
+def test_student_t_tail_matches_closed_forms_and_the_normal_for_many_degrees_of_freedom():
+    assert student_t_tail(0.0, 7) == pytest.approx(0.5)
+    assert student_t_tail(1.0, 1) == pytest.approx(0.25)  # Cauchy: 1/2 - atan(1)/pi
+    for t in (0.5, 2.0, 9.0):  # df 2: 1/2 - t / (2 sqrt(t^2 + 2))
+        assert student_t_tail(t, 2) == pytest.approx(0.5 - t / (2 * math.sqrt(t * t + 2)))
+    assert student_t_tail(-2.0, 5) == pytest.approx(1 - student_t_tail(2.0, 5))
+    normal = 0.5 * math.erfc(2.0 / math.sqrt(2))
+    assert student_t_tail(2.0, 20001) == pytest.approx(normal, rel=1e-3)
+
+
+@pytest.mark.parametrize("tail, df, table", [(0.025, 1, 12.706), (0.025, 2, 4.303), (0.025, 15, 2.131),
+                                              (0.001, 15, 3.733), (0.005, 30, 2.750), (0.05, 120, 1.658)])
+def test_student_t_quantile_matches_the_printed_tables(tail, df, table):
+    assert student_t_quantile(tail, df) == pytest.approx(table, abs=5e-4)
+    assert student_t_tail(student_t_quantile(tail, df), df) == pytest.approx(tail)

@@ -16,7 +16,8 @@ class ColumnReward:
     """A reward that receives, for each prompt, its task row's columns as keyword lists
     (see :func:`with_columns`).
 
-    Other attributes (``terms`` of a :class:`CombinedReward`, ...) are the wrapped reward's.
+    Other attributes (``terms`` and ``scale_term`` of a :class:`CombinedReward`, ...) are the
+    wrapped reward's.
     """
 
     def __init__(self, reward: RewardFn, tasks):

@@ -15,7 +15,7 @@ Torch-free: the runtime scores tasks with these functions on a device.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from slm_align.errors import UserError
@@ -53,6 +53,19 @@ class CombinedReward:
     """Weighted sum of named reward functions; :meth:`breakdown` keeps each term for logging."""
 
     terms: list[tuple[str, RewardFn, float]]
+    base_weights: dict[str, float] = field(init=False, repr=False, compare=False)
+    """Each term's weight at construction: what :meth:`scale_term` scales."""
+
+    def __post_init__(self):
+        self.base_weights = {name: weight for name, _, weight in self.terms}
+
+    def scale_term(self, name: str, factor: float) -> None:
+        """Weigh term ``name`` at ``factor`` times its weight at construction (the watchdog's
+        call-format shaping after a tool-use collapse); a name with no term: nothing."""
+        if name not in self.base_weights:
+            return
+        self.terms = [(term, fn, self.base_weights[term] * factor if term == name else weight)
+                      for term, fn, weight in self.terms]
 
     def breakdown(self, prompts, completions, **context) -> dict[str, list[float]]:
         parts = {}

@@ -1,9 +1,11 @@
 """The collapse watchdog (rl/watchdog.py) wired to a live run: the probe, the best iteration's
-weights kept and put back, the learning rate and KL coefficient lowered or raised, and each event
-said, logged and recorded.
+weights kept and put back, the learning rate, KL coefficient and call-format shaping lowered or
+raised, and each event said, logged and recorded.
 
 The probe samples one completion per held-out prompt with the recipe's seed inside a forked RNG, so
-a run with the watchdog trains on exactly the draws of a run without it until the first event.
+a run with the watchdog trains on exactly the draws of a run without it until the first event. It
+scores with the reward's base weights: the call-format shaping changes what training is paid, not
+the yardstick of the best adapter.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from slm_align.atomic import write_text_atomic
 from slm_align.envelope.policy import policy_rewards
 from slm_align.envelope.world import World
-from slm_align.rl.watchdog import Watchdog
+from slm_align.rl.watchdog import SHAPING_TERM, Watchdog
 from slm_align.rl.watchdog_text import event_line
 from slm_align.tracking import Tracker
 
@@ -50,9 +52,18 @@ def restore(loop, state: dict) -> None:
     loop.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
 
 
+def scale_shaping(loop, factor: float) -> None:
+    """Weigh the reward's call-format term (:data:`SHAPING_TERM`) at ``factor`` times its base
+    weight, when the learner's reward can: duck-typed, ``reward_fn.scale_term(name, factor)``
+    (:class:`~slm_align.rewards.protocol.CombinedReward` has it, a column wrapper passes it on)."""
+    scale_term = getattr(loop.reward_fn, "scale_term", None)
+    if callable(scale_term):
+        scale_term(SHAPING_TERM, factor)
+
+
 def apply_scales(loop, watchdog: Watchdog, base_beta: float) -> None:
-    """The learning rate (base times ``lr_scale``) and GRPO's beta (base times
-    ``kl_scale``) the watchdog asks for.
+    """The learning rate (base times ``lr_scale``), GRPO's beta (base times ``kl_scale``) and the
+    call-format shaping (base weight times ``shaping_scale``) the watchdog asks for.
 
     PPO's kl_coef lives in the learner's own state (and checkpoint); the event
     multiplies it directly."""
@@ -61,6 +72,7 @@ def apply_scales(loop, watchdog: Watchdog, base_beta: float) -> None:
     if loop.settings.algo == "grpo":
         grpo = loop.settings.grpo.model_copy(update={"beta": base_beta * watchdog.kl_scale})
         loop.settings = loop.settings.model_copy(update={"grpo": grpo})
+    scale_shaping(loop, watchdog.shaping_scale)
 
 
 def keep_events_until(path: Path, step: int) -> None:
@@ -97,8 +109,16 @@ class WatchedRun:
         apply_scales(loop, self.watchdog, self.base_beta)
         if self.watchdog.best_step is None:
             started = time.perf_counter()
-            self.watchdog.record_probe(loop.step, self.probe(), lambda: capture(loop))
+            self.watchdog.record_probe(loop.step, self._probe(loop), lambda: capture(loop))
             self.seconds += time.perf_counter() - started
+
+    def _probe(self, loop) -> list[float]:
+        """The probe's per-prompt rewards, scored with the reward's base weights."""
+        scale_shaping(loop, 1.0)
+        try:
+            return self.probe()
+        finally:
+            scale_shaping(loop, self.watchdog.shaping_scale)
 
     def after_step(self, loop, metrics: dict) -> None:
         """After an iteration: observe, probe when due (its mean joins ``metrics``),
@@ -112,7 +132,7 @@ class WatchedRun:
         watchdog.observe(metrics)
         flagged = self.world.share(watchdog.windowed())  # rank 0's windows decide for every replica
         if watchdog.probe_due(loop.step, loop.settings.steps):
-            rewards = self.probe()
+            rewards = self._probe(loop)
             if flagged is None:  # an iteration a window flags is never the one published or returned to
                 watchdog.record_probe(loop.step, rewards, lambda: capture(loop))
             metrics["watchdog/probe_reward"] = sum(rewards) / len(rewards)
@@ -128,8 +148,8 @@ class WatchedRun:
             self.tracker.event(loop.step, event)
 
     def _act(self, loop, trigger) -> dict:
-        """Roll back to the best (lower learning rate, higher KL coefficient on KL
-        runaway) or stop; the event."""
+        """Roll back to the best (lower learning rate, higher KL coefficient on KL runaway,
+        heavier call-format shaping on tool-use collapse) or stop; the event."""
         event = self.watchdog.respond(loop.step, trigger)
         if event["action"] == "rollback":
             restore(loop, self.watchdog.best_state)

@@ -31,7 +31,7 @@ from slm_align.progress import stage_lines
 from slm_align.reward.learned import learned_reward
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.ppo import PPO
-from slm_align.rl.recovery import EVENTS, WatchedRun, probe_rewards, read_events, restore
+from slm_align.rl.recovery import EVENTS, WatchedRun, probe_rewards, read_events, restore, scale_shaping
 from slm_align.rl.schedule import iteration_size
 from slm_align.rl.watchdog import Watchdog
 from slm_align.runs import artifact_digest, stage_identity
@@ -240,12 +240,14 @@ class RLStage:
 
     def _keep_last(self, partial: Path) -> Optional[dict]:
         """With the watchdog on: save the last adapter as ``adapter-last`` (rank 0), measure it,
-        then put the best probe's weights back for publishing. Returns the last adapter's
-        iteration and held-out reward."""
+        then put the best probe's weights back for publishing (and the reward's base weights, which
+        the held-out reward is measured with). Returns the last adapter's iteration and held-out
+        reward."""
         watch = self.watch
         loop = self.loop
         if watch is None:
             return None
+        scale_shaping(loop, 1.0)
         if self.world.main:
             save_adapter(loop.policy, partial / "adapter-last")
         if watch.watchdog.best_step == loop.step:

@@ -5,27 +5,44 @@ Pure: no torch, no model. The RL stage feeds it each iteration's metrics (:meth:
 and, every ``eval_every`` iterations, the per-prompt rewards of a fixed held-out probe
 (:meth:`Watchdog.record_probe`); it answers with a :class:`Trigger` (:meth:`Watchdog.check`) and the
 action (:meth:`Watchdog.respond`): roll back to the best probe with a lower learning rate (and, for
-KL runaway, a higher KL coefficient), or stop early once ``max_recoveries`` are spent. Its whole
-state is plain numbers and lists (:meth:`Watchdog.state_dict`), so a resumed run continues bit for
-bit; the best iteration's weights travel beside it as an opaque ``payload``.
+KL runaway, a higher KL coefficient; for tool-use collapse, a heavier call-format shaping reward),
+or stop early once ``max_recoveries`` are spent. Its whole state is plain numbers and lists
+(:meth:`Watchdog.state_dict`), so a resumed run continues bit for bit; the best iteration's weights
+travel beside it as an opaque ``payload``.
 
 The detectors compare windows of ``W = window`` iterations: the first window of the run
 (its start) and the last ``W`` iterations since the latest rollback, each summarised by its
-mean ``m = (1/W) sum_i x_i``.
+mean ``m = (1/W) sum_i x_i``. The reward drop compares each probe with the peak probe, at a
+threshold corrected for the number of earlier probes the peak was picked from
+(:func:`drop_threshold`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any, Optional
 
 from slm_align.config import WatchdogSettings
+from slm_align.stats import student_t_quantile
 
-WATCHED = ("entropy", "completion/length", "completion/truncated_frac", "kl", "grpo/zero_std_frac")
+CALLS = "episode/call_rate"
+"""Share of an iteration's agent episodes in which the policy made at least one tool call."""
+VALID_CALLS = "episode/valid_call_rate"
+"""Share of an iteration's tool calls that parsed and validated against the tool's schema."""
+WATCHED = ("entropy", "completion/length", "completion/truncated_frac", "kl", "grpo/zero_std_frac",
+           CALLS, VALID_CALLS)
 """The per-iteration metrics the windowed detectors read (a metric an algorithm does
 not log is not watched)."""
+SHAPING_TERM = "call_format"
+"""The reward term that pays for well-formed tool calls: a tool-use-collapse recovery weighs
+it up."""
+MIN_START_CALL_RATE = 0.05
+"""Tool use is watched only when the first window's call rate is above this: below it the policy
+barely calls tools, so a fall is no collapse and the valid share of a handful of calls is noise."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,31 @@ def reward_dropped(best: list[float], now: list[float], margin: float, z: float)
     (see :func:`paired_drop`)."""
     mean, se = paired_drop(best, now)
     return mean > margin and mean > z * se
+
+
+@functools.lru_cache(maxsize=4096)
+def drop_threshold(z: float, earlier: int, prompts: int) -> float:
+    """The threshold for :func:`reward_dropped` of a probe of n = ``prompts`` prompts compared with
+    the peak of k = ``earlier`` probes: t_(n-1)^-1(1 - alpha / k), with alpha = 1 - Phi(z).
+
+    The peak is the highest of k probe means, so for a policy that never changes it is the maximum
+    of k noisy draws and the drop from it is biased upward (the winner's curse). The event "the
+    probe lies significantly below the peak" lies inside "it lies significantly below one of the k
+    earlier probes", so by Bonferroni's inequality a test at level alpha / k keeps its chance at
+    most alpha (Dunn 1961, "Multiple comparisons among means", JASA 56:52-64). The statistic
+    mean/se of n paired drops follows Student's t with n - 1 degrees of freedom (Student 1908),
+    whose tail at alpha / k is far heavier than the normal's for 16 prompts (P(T > 3.3) = 0.0024,
+    five times the normal's), hence t's quantile.
+
+    Simulated 200-iteration runs of a policy that never changes (41 probes of 16 prompts,
+    Bernoulli(0.4) rewards, default settings): 75% were rolled back when tested against the peak
+    at z alone, 2% with this threshold (tests/rl/test_watchdog.py). A single prompt has no
+    standard error: any drop above the margin counts, as before.
+    """
+    tail = NormalDist().cdf(-z) / max(earlier, 1)
+    if prompts < 2:
+        return -NormalDist().inv_cdf(tail)
+    return student_t_quantile(tail, prompts - 1)
 
 
 def entropy_collapse(start: list[float], recent: list[float], floor: float) -> Optional[Trigger]:
@@ -108,6 +150,35 @@ def kl_runaway(recent: list[float], max_kl: float) -> Optional[Trigger]:
     return None
 
 
+def _fallen(start: list[float], recent: list[float], floor: float, label: str) -> Optional[Trigger]:
+    """A tool-use collapse when m(recent) < floor * m(start) (``floor`` 0: off); ``label``
+    names the rate in the reason."""
+    bound = floor * window_mean(start)
+    value = window_mean(recent)
+    if floor and value < bound:
+        why = f"{label} {value:.2f} < {floor:g} x start {bound / floor:.2f}"
+        return Trigger("tool_use_collapse", value, bound, why)
+    return None
+
+
+Windows = tuple[list[float], list[float]]
+"""A metric's (start, recent) windows."""
+
+
+def tool_use_collapse(calls: Windows, valid: Windows, call_floor: float,
+                      valid_floor: float) -> Optional[Trigger]:
+    """Fires when m(recent call rate) < call_floor * m(start call rate) (the policy stopped calling
+    tools) or m(recent valid-call rate) < valid_floor * m(start valid-call rate) (its calls stopped
+    parsing); ``calls`` and ``valid`` are (start, recent) windows, ``valid``'s empty when not full.
+    Only when m(start call rate) > :data:`MIN_START_CALL_RATE`."""
+    if window_mean(calls[0]) <= MIN_START_CALL_RATE:
+        return None
+    trigger = _fallen(*calls, call_floor, "call rate")
+    if trigger is None and valid[1]:
+        trigger = _fallen(*valid, valid_floor, "valid-call rate")
+    return trigger
+
+
 def starving(start: list[float], recent: list[float], rise: float) -> Optional[Trigger]:
     """Fires when m(recent all-equal share) > m(start all-equal share) + rise:
     GRPO's groups stop teaching."""
@@ -131,18 +202,23 @@ class Watchdog:
         self.best_reward: Optional[float] = None
         self.best_rewards: list[float] = []
         self.below = 0
+        self.probes = 0
+        """Probes recorded so far: the candidates the peak was picked from."""
         self.recoveries = 0
         self.lr_scale = 1.0
         self.kl_scale = 1.0
+        self.shaping_scale = 1.0
+        """The weight of the reward's :data:`SHAPING_TERM` relative to its base weight."""
         self.stopped: Optional[str] = None
 
     def observe(self, metrics: dict) -> None:
         """Add an iteration's metrics to the windows: the first ``W`` values of a metric form its
-        start window, later ones the recent window (its last ``W``), which a rollback empties."""
+        start window, later ones the recent window (its last ``W``), which a rollback empties; a
+        metric missing from ``metrics`` (or not finite) is skipped."""
         width = self.settings.window
         for key in WATCHED:
             value = metrics.get(key)
-            if value is None:
+            if value is None or not math.isfinite(value):  # not logged, or a rate of nothing (0/0)
                 continue
             if len(self.start[key]) < width:
                 self.start[key].append(float(value))
@@ -159,18 +235,22 @@ class Watchdog:
         publish (``capture()`` kept).
 
         A probe with a higher mean than the peak becomes the peak. A probe that does not lie
-        significantly below the peak (:func:`reward_dropped`) becomes the one to publish, so
-        training is not thrown away on probe noise (the start's untrained adapter is not kept over a
-        trained one that is as good); one that does lie below it counts toward the reward drop,
-        measured against the peak so that a slow slide cannot ratchet it down.
+        significantly below the peak (:func:`reward_dropped` at :func:`drop_threshold`, corrected
+        for the probes the peak was picked from) becomes the one to publish, so training is not
+        thrown away on probe noise (the start's untrained adapter is not kept over a trained one
+        that is as good); one that does lie below it counts toward the reward drop, measured
+        against the peak so that a slow slide cannot ratchet it down.
         """
         mean = statistics.fmean(rewards)
         s = self.settings
+        earlier = self.probes
+        self.probes += 1
         if self.best_reward is None or mean > self.best_reward:
             self.peak_step = step
             self.best_reward = mean
             self.best_rewards = list(rewards)
-        elif s.reward_z and reward_dropped(self.best_rewards, rewards, s.reward_margin, s.reward_z):
+        elif s.reward_z and reward_dropped(self.best_rewards, rewards, s.reward_margin,
+                                           drop_threshold(s.reward_z, earlier, len(rewards))):
             self.below += 1
             return False
         self.best_step = step
@@ -190,7 +270,7 @@ class Watchdog:
 
     def windowed(self) -> Optional[Trigger]:
         """The first windowed detector that fires (entropy, length, truncation, KL,
-        starving groups), or None."""
+        starving groups, tool use), or None."""
         s = self.settings
         start = self.start
         recent = self.recent
@@ -210,12 +290,25 @@ class Watchdog:
                 trigger = detector(start[key], recent[key], *args)
             if trigger is not None:
                 return trigger
-        return None
+        return self._tool_use()
+
+    def _tool_use(self) -> Optional[Trigger]:
+        """:func:`tool_use_collapse` once the call-rate windows are full (the valid-call
+        rate's counts once its own are)."""
+        s = self.settings
+        if len(self.recent[CALLS]) < s.window:
+            return None
+        valid = ([], [])
+        if len(self.recent[VALID_CALLS]) >= s.window:
+            valid = (self.start[VALID_CALLS], self.recent[VALID_CALLS])
+        return tool_use_collapse((self.start[CALLS], self.recent[CALLS]), valid, s.call_rate_floor,
+                                 s.valid_call_floor)
 
     def respond(self, step: int, trigger: Trigger) -> dict:
         """The action on a trigger and its event record: a rollback (learning rate times
-        ``lr_factor``, KL coefficient times ``kl_factor`` on KL runaway, recent windows emptied)
-        while recoveries remain, else a stop.
+        ``lr_factor``, KL coefficient times ``kl_factor`` on KL runaway, the call-format shaping
+        term's weight times ``shaping_factor`` on tool-use collapse, recent windows emptied) while
+        recoveries remain, else a stop.
         """
         s = self.settings
         action = "stop"
@@ -225,13 +318,16 @@ class Watchdog:
             self.lr_scale *= s.lr_factor
             if trigger.detector == "kl_runaway":
                 self.kl_scale *= s.kl_factor
+            if trigger.detector == "tool_use_collapse":
+                self.shaping_scale *= s.shaping_factor
             self.recent = {key: [] for key in WATCHED}
             self.below = 0
         else:
             self.stopped = f"{trigger.detector}: {trigger.why}"
         return {"step": step, "detector": trigger.detector, "value": trigger.value, "threshold": trigger.threshold,
                 "why": trigger.why, "action": action, "best_step": self.best_step, "best_reward": self.best_reward,
-                "recoveries": self.recoveries, "lr_scale": self.lr_scale, "kl_scale": self.kl_scale}
+                "recoveries": self.recoveries, "lr_scale": self.lr_scale, "kl_scale": self.kl_scale,
+                "shaping_scale": self.shaping_scale}
 
     def summary(self) -> dict:
         """What the manifest records: on, the best probe, recoveries spent, and why
@@ -239,17 +335,20 @@ class Watchdog:
         return {"enabled": True, "best_step": self.best_step, "peak_step": self.peak_step,
                 "best_reward": self.best_reward,
                 "recoveries": self.recoveries, "stopped_early": self.stopped, "lr_scale": self.lr_scale,
-                "kl_scale": self.kl_scale, "settings": self.settings.model_dump()}
+                "kl_scale": self.kl_scale, "shaping_scale": self.shaping_scale,
+                "settings": self.settings.model_dump()}
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs (plain numbers and lists, and the
         best payload as given)."""
         fields = ("start", "recent", "best_step", "peak_step", "best_reward", "best_rewards", "best_state", "below",
-                  "recoveries",
-                  "lr_scale", "kl_scale", "stopped")
+                  "probes", "recoveries", "lr_scale", "kl_scale", "shaping_scale", "stopped")
         return {name: getattr(self, name) for name in fields}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a :meth:`state_dict`."""
+        """Continue from a :meth:`state_dict` (a metric watched since it was written starts with
+        empty windows)."""
         for name, value in state.items():
+            if name in ("start", "recent"):
+                value = {**{key: [] for key in WATCHED}, **value}
             setattr(self, name, value)

@@ -6,13 +6,21 @@ from __future__ import annotations
 from typing import Optional
 
 
+def shaping_note(event: dict) -> str:
+    """", call-format shaping xS" for a tool-use-collapse rollback (S: the term's weight over its
+    base weight), else ""."""
+    if event["action"] != "rollback" or event["detector"] != "tool_use_collapse":
+        return ""
+    return f", call-format shaping x{event.get('shaping_scale', 1.0):g}"
+
+
 def event_line(event: dict) -> str:
     """The console line of an event."""
     if event["action"] == "stop":
         tail = f"recoveries spent: stopping early; publishing iteration {event['best_step']}'s adapter"
     else:
         tail = (f"rolled back to iteration {event['best_step']}, learning rate "
-                f"x{event['lr_scale']:g} (recovery {event['recoveries']})")
+                f"x{event['lr_scale']:g}{shaping_note(event)} (recovery {event['recoveries']})")
     return f"watchdog: {event['detector']} at iteration {event['step']} ({event['why']}); {tail}"
 
 
@@ -54,5 +62,5 @@ def report_section(record: Optional[dict], events: list[dict]) -> list[str]:
               "|", "|---|---|---|---|---|---|"]
     for e in events:
         lines.append(f"| {e['step']} | {e['detector']} | {e['value']:.3g} | {e['threshold']:.3g} | "
-                     f"{e['action']} | {e['learning_rate']:.3g} |")
+                     f"{e['action']}{shaping_note(e)} | {e['learning_rate']:.3g} |")
     return lines + [""]
