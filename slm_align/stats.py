@@ -66,6 +66,30 @@ def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float,
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def bootstrap_mean_ci(values: Sequence[float], resamples: int = 2000, level: float = 0.95,
+                      seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of the mean of ``values`` over resamples of them (Efron & Tibshirani
+    1993): :func:`bootstrap_ci` with a one-sample statistic, the same bounds (with 2000 resamples at
+    95%, the 51st smallest and the 51st largest resampled mean)."""
+    return bootstrap_ci(values, values, lambda _, resampled: statistics.fmean(resampled), resamples, level, seed)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k for one problem from ``n`` samples of which ``c`` succeeded:
+    1 - C(n-c, k) / C(n, k), the chance that k of the n samples drawn without replacement hold at
+    least one success (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1;
+    the benchmark's pass@k is its mean over problems).
+
+    With n = k it is 1 when any sample succeeded, else 0; with k = 1 it is c / n. Exact integer
+    binomials (``math.comb``), so no cancellation for large n. ``k`` must be 1 to n, ``c`` 0 to n.
+    """
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n (n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0  # every draw of k holds a success
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
 def sign_flip_p_value(a: Sequence[float], b: Sequence[float], resamples: int = 5000, seed: int = 0) -> float:
     """Two-sided paired permutation test of mean(b - a) = 0: flip the sign of
     each difference at random."""

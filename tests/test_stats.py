@@ -9,9 +9,11 @@ import pytest
 from slm_align.stats import (
     analytical_win_rate,
     bootstrap_ci,
+    bootstrap_mean_ci,
     distinct_n,
     mean_delta,
     paired_win_rate,
+    pass_at_k,
     sign_flip_p_value,
     student_t_quantile,
     student_t_tail,
@@ -81,3 +83,39 @@ def test_student_t_tail_matches_closed_forms_and_the_normal_for_many_degrees_of_
 def test_student_t_quantile_matches_the_printed_tables(tail, df, table):
     assert student_t_quantile(tail, df) == pytest.approx(table, abs=5e-4)
     assert student_t_tail(student_t_quantile(tail, df), df) == pytest.approx(tail)
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (5, 2, 1, 0.4),  # c / n
+    (5, 2, 2, 0.7),  # 1 - C(3, 2) / C(5, 2) = 1 - 3/10
+    (5, 2, 3, 0.9),  # 1 - C(3, 3) / C(5, 3) = 1 - 1/10
+    (5, 2, 4, 1.0),  # n - c = 3 < 4: every draw of 4 holds a success
+    (5, 0, 2, 0.0), (5, 5, 2, 1.0), (1, 1, 1, 1.0), (1, 0, 1, 0.0),
+    (2, 1, 2, 1.0), (2, 0, 2, 0.0),  # n = k: any success
+    (10, 3, 5, 1 - 21 / 252),  # 1 - C(7, 5) / C(10, 5)
+])
+def test_pass_at_k_is_chen_et_als_unbiased_estimator_on_hand_computed_cases(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_agrees_with_its_definition_by_enumeration_and_refuses_bad_counts():
+    outcomes = [1, 0, 0, 1, 0, 0]  # n = 6, c = 2: the share of the 3-subsets holding a success
+    subsets = list(itertools.combinations(outcomes, 3))
+    assert pass_at_k(6, 2, 3) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+    assert pass_at_k(200, 7, 100) == pytest.approx(1 - math.comb(193, 100) / math.comb(200, 100))
+    for n, c, k in ((5, 2, 0), (5, 2, 6), (5, 6, 1), (5, -1, 1)):
+        with pytest.raises(ValueError):
+            pass_at_k(n, c, k)
+
+
+def test_bootstrap_mean_interval_is_the_one_sample_percentile_interval():
+    values = [0.0, 0.5, 1.0, 1.0, 0.0, 0.5, 1.0, 0.0]
+    low, high = bootstrap_mean_ci(values, seed=3)
+    assert low < sum(values) / len(values) < high and 0 <= low and high <= 1
+    rng, means = random.Random(3), []
+    for _ in range(2000):
+        idx = [rng.randrange(len(values)) for _ in values]
+        means.append(sum(values[i] for i in idx) / len(values))
+    means.sort()
+    assert (low, high) == (means[50], means[1949])
+    assert bootstrap_mean_ci([1.0] * 5) == (1.0, 1.0)

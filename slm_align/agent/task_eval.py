@@ -2,10 +2,17 @@
 
 Each task row holds a chat ``prompt`` (or a string), an ``answer`` and optionally the
 ``tool`` it needs (as ``slm-align tasks make`` writes them). Every artifact answers every
-task greedily in :class:`Agent` with
-:func:`default_tools`; a finished turn is classified as ``success`` or one failure (``no_call``,
-``malformed_call``, ``wrong_tool``, ``wrong_answer``), and artifacts after the first are compared
-with it on the same tasks (paired bootstrap interval of the success difference).
+task in :class:`Agent` with :func:`default_tools`, in episodes of up to ``max_tool_rounds`` tool
+rounds and a final answer: once greedily (``samples`` 1), or ``samples`` times sampled at
+``temperature`` with a seed per task and sample (:func:`sample_seed`). A finished episode is
+classified as ``success`` or one failure (``no_call``, ``malformed_call``, ``wrong_tool``,
+``wrong_answer``).
+
+Per artifact (:func:`summarize`): the success rate with its Wilson interval, the call rate, the
+valid-call rate, rounds and generated tokens per episode, each failure's count and share; with
+samples, pass@k (Chen et al. 2021, :func:`slm_align.stats.pass_at_k`) and pass@1 with bootstrap
+intervals over tasks. Artifacts after the first are compared with it on the same tasks (paired
+bootstrap interval of the per-task success difference).
 
 No torch, no transformers: like the rest of the runtime.
 """
@@ -17,17 +24,38 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from slm_align.agent.runtime import Agent, load_model
+from slm_align.agent.bounds import accepted, bounds, typed
+from slm_align.agent.runtime import Agent, fold_seed, load_model
 from slm_align.agent.sampling import SamplingParams
+from slm_align.agent.settings import Temperature
 from slm_align.errors import UserError
 from slm_align.rewards.answers import exact_answer
-from slm_align.stats import bootstrap_ci, mean_delta
+from slm_align.stats import bootstrap_ci, bootstrap_mean_ci, mean_delta, pass_at_k, wilson_interval
 from slm_align.tools.builtin import default_tools
 
 CATEGORIES = ("success", "no_call", "malformed_call", "wrong_tool", "wrong_answer")
 FAILURES = CATEGORIES[1:]
 DEFAULT_MAX_TOKENS = 96
 DEFAULT_TOOL_ROUNDS = 3
+DEFAULT_SAMPLES = 1
+"""1: one greedy episode per task."""
+DEFAULT_TEMPERATURE = 0.7
+"""The temperature of sampled episodes (``samples`` > 1)."""
+TEMPERATURE = typed(Temperature)
+"""The runtime's bounds on a temperature (0 to 2), as `chat` and the server apply them."""
+TEMPERATURE_LIMITS = bounds(TEMPERATURE.metadata)
+TEMPERATURE_ACCEPTED = accepted(TEMPERATURE.annotation, TEMPERATURE.metadata)
+SEED_TASK_X, SEED_SAMPLE_X = 1_000_003, 7919
+"""Multipliers of :func:`sample_seed` (primes, so that the seeds of tasks and samples rarely
+collide)."""
+INTERVALS = {
+    "success_ci95": "Wilson score interval (95%) of the successes over the episodes",
+    "pass_at_1_ci95": "percentile bootstrap (95%, 2000 resamples) over tasks of each task's c/n",
+    "pass_at_k_ci95": "percentile bootstrap (95%, 2000 resamples) over tasks of each task's pass@k",
+    "comparisons.ci95": "paired percentile bootstrap (95%, 2000 resamples) over tasks of the "
+                        "difference in each task's success rate",
+}
+"""How each interval of the report is computed (the report carries this)."""
 
 
 def answers_match(text: str, answer: str) -> bool:
@@ -74,6 +102,12 @@ class TaskResult:
     valid_calls: int
     rounds: int
     tokens: int
+    task: int = 0
+    """The task's index in the task file (after ``limit``)."""
+    sample: int = 0
+    """The sample's index for the task (0 when greedy)."""
+    seed: Optional[int] = None
+    """The sampler's seed (None when greedy)."""
 
     @property
     def success(self) -> bool:
@@ -82,33 +116,45 @@ class TaskResult:
 
 
 class _CountingBackend:
-    """A backend that counts the tokens it generates (EOS excluded), over every round of a turn."""
+    """A backend that counts its completions and the tokens it generates (EOS excluded), over
+    every round of a turn: a turn generates once per tool round, then its final answer."""
 
     def __init__(self, inner):
         self.inner = inner
         self.generated = 0
+        self.generations = 0
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def generate(self, prompt, params, grammar=None):
         """The inner backend's tokens, counted."""
+        self.generations += 1
         for token in self.inner.generate(prompt, params, grammar):
             if token not in self.inner.eos_ids:
                 self.generated += 1
             yield token
 
 
+def check_row(where: str, row) -> None:
+    """Refuse a task row without a ``prompt`` or a non-empty ``answer`` (one-line UserError)."""
+    if not isinstance(row, dict) or "answer" not in row or "prompt" not in row:
+        found = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
+        raise UserError(f"{where}: a task row needs 'prompt' and 'answer' columns (found: "
+                        f"{found or 'none'}); `slm-align tasks make` writes such rows")
+    if row["answer"] is None or str(row["answer"]).strip() == "":
+        raise UserError(f"{where}: the task's 'answer' is empty; give every task row the answer "
+                        f"its final reply must hold")
+
+
 def load_tasks(path: Union[str, Path], limit: Optional[int] = None) -> list[dict]:
-    """Task rows with a prompt and an answer; a missing file or column is a one-line UserError."""
+    """Task rows with a prompt and an answer; a missing file or column, or an empty answer, is a
+    one-line UserError."""
     from slm_align.data.readers import iter_rows
 
     rows = []
     for where, row in iter_rows(Path(path)):
-        if not isinstance(row, dict) or "answer" not in row or "prompt" not in row:
-            found = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
-            raise UserError(f"{where}: a task row needs 'prompt' and 'answer' columns (found: {found or 'none'}); "
-                            "`slm-align tasks make` writes such rows")
+        check_row(where, row)
         rows.append(row)
         if limit is not None and len(rows) >= limit:
             break
@@ -157,51 +203,163 @@ def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
                  max_tool_rounds=max_tool_rounds)
 
 
-def run_task(agent: Agent, row: dict) -> TaskResult:
-    """One task in ``agent``: the turn runs to its final answer, then is classified."""
+def _integer(value, least: int) -> bool:
+    """``value`` is an integer (not a bool) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _temperature(value) -> bool:
+    """``value`` is a number within the runtime's temperature bounds."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and TEMPERATURE_LIMITS["ge"] <= value <= TEMPERATURE_LIMITS["le"]
+
+
+def check_settings(samples: int, temperature: float, max_tool_rounds: int, max_tokens: int) -> None:
+    """Refuse a setting out of its bounds, in one line naming the flag and what it accepts."""
+    if not _integer(samples, 1):
+        raise UserError(f"--samples must be an integer >= 1 (episodes per task; 1 answers "
+                        f"greedily), got {samples}")
+    if not _temperature(temperature):
+        raise UserError(f"--temperature must be {TEMPERATURE_ACCEPTED}, got {temperature}")
+    if not _integer(max_tool_rounds, 0):
+        raise UserError(f"--max-tool-rounds must be an integer >= 0 (tool rounds before the final "
+                        f"answer), got {max_tool_rounds}")
+    if not _integer(max_tokens, 1):
+        raise UserError(f"--max-new-tokens must be an integer >= 1, got {max_tokens}")
+
+
+def sample_seed(seed: int, task: int, sample: int) -> int:
+    """The sampler's seed of one sampled episode: ``seed`` + 1_000_003 * ``task`` + 7919 *
+    ``sample``, folded into the 32 bits both backends take, so a run with the same seed, tasks
+    and samples draws the same episodes."""
+    return fold_seed(seed + SEED_TASK_X * task + SEED_SAMPLE_X * sample)
+
+
+def _counter(agent: Agent) -> _CountingBackend:
+    """The agent's backend, wrapped to count its completions and tokens if it is not yet."""
+    if not isinstance(agent.backend, _CountingBackend):
+        agent.backend = _CountingBackend(agent.backend)
+    return agent.backend
+
+
+def run_task(agent: Agent, row: dict, task: int = 0, sample: int = 0,
+             sampling: Optional[dict] = None) -> TaskResult:
+    """One episode of a task in ``agent``: the turn runs to its final answer, then is classified.
+
+    ``sampling`` overrides the agent's sampling settings (``temperature``, ``seed``); without it
+    the agent's own (greedy, from :func:`open_agent`). Rounds are the turn's completions before
+    its final answer, tokens those generated over all of them, counted around the backend.
+    """
     messages = task_messages(row)
-    counter = agent.backend
-    before = counter.generated if isinstance(counter, _CountingBackend) else 0
-    for _ in agent.respond(messages):
+    counter = _counter(agent)
+    generated, generations = counter.generated, counter.generations
+    for _ in agent.respond(messages, **(sampling or {})):
         pass
     reply = agent.last
-    added = agent.messages[len(messages):]
-    rounds = tool_rounds(added)
-    tokens = counter.generated - before if isinstance(counter, _CountingBackend) else reply.tokens
     answer = str(row["answer"])
     category = classify(reply.tool_calls, reply.text, answer, _expected_tool(row))
     return TaskResult(question=messages[-1].get("content", ""), answer=answer, reply=reply.text,
                       category=category, calls=len(reply.tool_calls),
-                      valid_calls=sum(1 for call in reply.tool_calls if call["ok"]), rounds=rounds, tokens=tokens)
+                      valid_calls=sum(1 for call in reply.tool_calls if call["ok"]),
+                      rounds=max(0, counter.generations - generations - 1),
+                      tokens=counter.generated - generated, task=task, sample=sample,
+                      seed=(sampling or {}).get("seed"))
 
 
-def tool_rounds(added: list[dict]) -> int:
-    """The rounds of a turn that asked for tools: its assistant messages answered by a tool
-    message (a well-formed call or not)."""
-    return sum(1 for message, after in zip(added, added[1:])
-               if message["role"] == "assistant" and after["role"] == "tool")
+def run_episodes(agent: Agent, rows: Sequence[dict], samples: int = DEFAULT_SAMPLES,
+                 temperature: float = DEFAULT_TEMPERATURE, seed: int = 0) -> list[TaskResult]:
+    """Every task once greedily (``samples`` 1), or ``samples`` times at ``temperature`` with the
+    seeds of :func:`sample_seed`; the results task by task, samples in order."""
+    if samples == 1:
+        return [run_task(agent, row, task) for task, row in enumerate(rows)]
+    return [run_task(agent, row, task, sample, {"temperature": temperature,
+                                                "seed": sample_seed(seed, task, sample)})
+            for task, row in enumerate(rows) for sample in range(samples)]
 
 
-def summarize(results: Sequence[TaskResult]) -> dict:
-    """Success rate, valid-call rate (ok calls / calls), share of tasks with a call, rounds and
-    tokens per task, and the count of each failure."""
+def successes_by_task(results: Sequence[TaskResult]) -> list[list[bool]]:
+    """Each task's successes, one per sample, tasks in their first appearance's order."""
+    groups: dict[int, list[bool]] = {}
+    for r in results:
+        groups.setdefault(r.task, []).append(r.success)
+    return list(groups.values())
+
+
+def task_success_rates(results: Sequence[TaskResult], samples: int = DEFAULT_SAMPLES
+                       ) -> list[float]:
+    """Each task's success rate c/n: one value per result when greedy (``samples`` 1), else the
+    share of each task's samples that succeeded."""
+    if samples == 1:
+        return [float(r.success) for r in results]
+    return [statistics.fmean(group) for group in successes_by_task(results)]
+
+
+def pass_figures(results: Sequence[TaskResult], samples: int, seed: int = 0) -> dict:
+    """pass@k and pass@1 of sampled episodes, with intervals; None when greedy (``samples`` 1).
+
+    With n samples and c successes on a task, pass@k = mean over tasks of 1 - C(n-c, k)/C(n, k),
+    the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
+    Code", eq. 1) with k = ``samples`` (k = n: the share of tasks with at least one success);
+    pass@1 = mean over tasks of c/n. Each interval is a 95% percentile bootstrap over tasks
+    (2000 resamples), which keeps the samples of a task together: they are not independent.
+    """
+    if samples == 1:
+        return {key: None for key in ("pass_at_k", "pass_at_k_ci95", "pass_at_1", "pass_at_1_ci95")}
+    groups = successes_by_task(results)
+    per_task = {"pass_at_k": [pass_at_k(len(group), sum(group), samples) for group in groups],
+                "pass_at_1": [sum(group) / len(group) for group in groups]}
+    figures = {}
+    for name, values in per_task.items():
+        figures[name] = statistics.fmean(values)
+        figures[f"{name}_ci95"] = list(bootstrap_mean_ci(values, seed=seed))
+    return figures
+
+
+def failure_figures(results: Sequence[TaskResult]) -> dict:
+    """The count and the share of the episodes of each failure category."""
+    counts = {name: sum(1 for r in results if r.category == name) for name in FAILURES}
+    shares = {name: count / len(results) for name, count in counts.items()}
+    return {"failures": counts, "failure_shares": shares}
+
+
+def summarize(results: Sequence[TaskResult], samples: int = DEFAULT_SAMPLES, seed: int = 0) -> dict:
+    """One artifact's figures over its episodes (one per task when greedy, ``samples`` per task
+    otherwise).
+
+    ``success_rate`` = successes / episodes with its 95% Wilson score interval (Wilson 1927,
+    :func:`slm_align.stats.wilson_interval`; over n·k sampled episodes it treats them as
+    independent, see ``pass_at_1_ci95`` for the interval over tasks); ``call_rate`` = share of
+    episodes with at least one call; ``valid_call_rate`` = calls that parsed, validated and ran ok
+    / calls (None without calls); rounds and generated tokens per episode; each failure's count
+    and share; and :func:`pass_figures`.
+    """
+    episodes = len(results)
+    successes = sum(1 for r in results if r.success)
     calls = sum(r.calls for r in results)
+    valid = sum(r.valid_calls for r in results)
     return {
-        "tasks": len(results),
-        "success_rate": statistics.fmean(float(r.success) for r in results),
-        "valid_call_rate": sum(r.valid_calls for r in results) / calls if calls else None,
+        "tasks": episodes if samples == 1 else len(successes_by_task(results)),
+        "episodes": episodes,
+        "successes": successes,
+        "success_rate": successes / episodes,
+        "success_ci95": list(wilson_interval(successes, episodes)),
+        "calls": calls,
+        "valid_calls": valid,
+        "valid_call_rate": valid / calls if calls else None,
         "call_rate": statistics.fmean(float(r.calls > 0) for r in results),
         "rounds_per_task": statistics.fmean(r.rounds for r in results),
         "tokens_per_task": statistics.fmean(r.tokens for r in results),
-        "failures": {name: sum(1 for r in results if r.category == name) for name in FAILURES},
+        **failure_figures(results),
+        **pass_figures(results, samples, seed),
     }
 
 
-def compare(baseline: Sequence[TaskResult], candidate: Sequence[TaskResult], seed: int = 0) -> dict:
-    """The success difference candidate - baseline on the same tasks, its paired bootstrap
-    95% interval, a verdict."""
-    a = [float(r.success) for r in baseline]
-    b = [float(r.success) for r in candidate]
+def compare(baseline: Sequence[TaskResult], candidate: Sequence[TaskResult], seed: int = 0,
+            samples: int = DEFAULT_SAMPLES) -> dict:
+    """The success difference candidate - baseline on the same tasks (each task's success rate
+    c/n when sampled), its paired bootstrap 95% interval over tasks, a verdict."""
+    a = task_success_rates(baseline, samples)
+    b = task_success_rates(candidate, samples)
     delta = mean_delta(a, b)
     low, high = bootstrap_ci(a, b, mean_delta, seed=seed)
     if low > 0:
@@ -213,22 +371,35 @@ def compare(baseline: Sequence[TaskResult], candidate: Sequence[TaskResult], see
     return {"success_delta": delta, "ci95": [low, high], "verdict": verdict}
 
 
+def episode_settings(samples: int, temperature: float, seed: int) -> dict:
+    """How the episodes ran, for the report: greedy or sampled, the temperature (0 when greedy),
+    the seed, and how each interval is computed."""
+    return {"samples": samples, "decoding": "greedy" if samples == 1 else "sampled",
+            "temperature": 0.0 if samples == 1 else temperature, "seed": seed,
+            "intervals": dict(INTERVALS)}
+
+
 def evaluate_artifacts(tasks: Union[str, Path], artifacts: Sequence[Union[str, Path]], limit: Optional[int] = None,
                        max_tokens: int = DEFAULT_MAX_TOKENS, max_tool_rounds: int = DEFAULT_TOOL_ROUNDS,
-                       seed: int = 0) -> dict:
-    """Every artifact on the same task rows; the report: per artifact its summary and per-task
-    results, and each artifact after the first compared with the first."""
+                       seed: int = 0, samples: int = DEFAULT_SAMPLES,
+                       temperature: float = DEFAULT_TEMPERATURE) -> dict:
+    """Every artifact on the same task rows; the report: how the episodes ran, per artifact its
+    :func:`summarize` figures and per-episode ``results``, and each artifact after the first
+    compared with the first (:func:`compare`). Settings and artifacts are checked before any
+    episode runs."""
+    check_settings(samples, temperature, max_tool_rounds, max_tokens)
     if not artifacts:
         raise UserError("pass at least one --artifact (a .gguf file or an ONNX export directory)")
     rows = load_tasks(tasks, limit)
     agents = [open_agent(artifact, max_tokens, max_tool_rounds) for artifact in artifacts]  # all load, or none runs
-    runs = [[run_task(agent, row) for row in rows] for agent in agents]
-    report = {"tasks": str(tasks), "n_tasks": len(rows), "max_tokens": max_tokens, "max_tool_rounds": max_tool_rounds,
+    runs = [run_episodes(agent, rows, samples, temperature, seed) for agent in agents]
+    report = {"tasks": str(tasks), "n_tasks": len(rows), "max_tokens": max_tokens,
+              "max_tool_rounds": max_tool_rounds, **episode_settings(samples, temperature, seed),
               "artifacts": [], "comparisons": []}
     for artifact, results in zip(artifacts, runs):
-        report["artifacts"].append({"artifact": str(artifact), **summarize(results),
+        report["artifacts"].append({"artifact": str(artifact), **summarize(results, samples, seed),
                                     "results": [asdict(r) for r in results]})
     for artifact, results in zip(artifacts[1:], runs[1:]):
         report["comparisons"].append({"baseline": str(artifacts[0]), "candidate": str(artifact),
-                                      **compare(runs[0], results, seed)})
+                                      **compare(runs[0], results, seed, samples)})
     return report

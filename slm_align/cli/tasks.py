@@ -53,10 +53,18 @@ def tasks_make(
     emit(as_json, result, human)
 
 
+FAILURE_LABELS = {"no_call": "no call", "malformed_call": "malformed", "wrong_tool": "wrong tool",
+                  "wrong_answer": "wrong answer"}
+TOP_FAILURES = 2
+"""Failure categories the printed table names per artifact, the commonest first."""
+
+
 @commands.command("evaluate-agent", epilog="Examples:\n\n  slm-align evaluate-agent "
                   "data/calc/heldout.jsonl --artifact runs/demo/export/model-Q8_0.gguf\n\n  "
                   "slm-align evaluate-agent data/calc/heldout.jsonl --artifact sft/model-Q8_0.gguf "
-                  "--artifact rl/model-Q8_0.gguf --limit 50 --out agent-report.json --json")
+                  "--artifact rl/model-Q8_0.gguf --limit 50 --out agent-report.json --json\n\n  "
+                  "slm-align evaluate-agent data/calc/heldout.jsonl --artifact rl/model-Q8_0.gguf "
+                  "--samples 5 --temperature 0.7 --max-tool-rounds 2   # pass@5 and pass@1")
 def evaluate_agent(
     tasks: Path = typer.Argument(..., help="Task rows with prompt and answer (jsonl, json, csv, "
                                  "parquet, datasets)."),
@@ -66,39 +74,107 @@ def evaluate_agent(
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Use the first N tasks only."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens", min=1, help="Most tokens per model "
                                        "reply."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write the full report (per-task "
+    max_tool_rounds: int = typer.Option(3, "--max-tool-rounds", help="Tool rounds an episode may "
+                                        "take before its final answer (an integer >= 0)."),
+    samples: int = typer.Option(1, "--samples", help="Episodes per task (an integer >= 1): 1 "
+                                "answers greedily; k > 1 samples k at --temperature and adds "
+                                "pass@k and pass@1."),
+    temperature: float = typer.Option(0.7, "--temperature", help="Temperature of sampled episodes "
+                                      "(--samples > 1), a number from 0 to 2."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the samples (each episode's is drawn from "
+                             "it, the task and the sample) and of the bootstrap intervals."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the full report (per-episode "
                                        "results) here."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Run exported models in the agent runtime, with real tools, on held-out tasks:
-    success, valid calls, rounds, tokens and failures per model, and paired bootstrap
-    intervals of the success difference."""
+    success with its Wilson interval, call and valid-call rates, rounds, tokens and failures
+    per model (with --samples k: pass@k and pass@1), and paired bootstrap intervals of the
+    success difference."""
     from slm_align.agent.task_eval import evaluate_artifacts
     from slm_align.atomic import write_json_atomic
 
-    report = evaluate_artifacts(tasks, artifact, limit=limit, max_tokens=max_new_tokens)
+    report = evaluate_artifacts(tasks, artifact, limit=limit, max_tokens=max_new_tokens,
+                                max_tool_rounds=max_tool_rounds, seed=seed, samples=samples,
+                                temperature=temperature)
     if out is not None:
         write_json_atomic(out, report)
     emit(as_json, report, lambda: print_agent_report(report))
 
 
+def _title(report: dict) -> str:
+    """The table's title: the tasks, how they were answered, the tool rounds allowed."""
+    samples = report.get("samples", 1)
+    decoding = "greedy"
+    if samples > 1:
+        decoding = f"{samples} samples each at temperature {report['temperature']:g}"
+    rounds = report["max_tool_rounds"]
+    return f"Agent tasks ({report['n_tasks']} tasks, {decoding}, up to {rounds} tool rounds)"
+
+
+def artifact_labels(artifacts: list[str]) -> list[str]:
+    """Each artifact's file name, or its folder and name where two share a name (exports are all
+    called ``model-<quant>.gguf``)."""
+    names = [Path(artifact).name for artifact in artifacts]
+    return [name if names.count(name) == 1 else f"{Path(artifact).parent.name}/{name}"
+            for artifact, name in zip(artifacts, names)]
+
+
+def _interval(value: float, ci95: list) -> str:
+    """A rate over its 95% interval, on two lines: ``0.40`` then ``[0.12, 0.77]``."""
+    return f"{value:.2f}\n[{ci95[0]:.2f}, {ci95[1]:.2f}]"
+
+
+def top_failures(row: dict, top: int = TOP_FAILURES) -> str:
+    """The commonest failure categories with count and share, one a line (``no call 3 (60%)``);
+    "none"."""
+    counts = row["failures"]
+    ranked = sorted((name for name in counts if counts[name]), key=lambda name: -counts[name])
+    shares = row["failure_shares"]
+    return "\n".join(f"{FAILURE_LABELS.get(name, name)} {counts[name]} ({shares[name]:.0%})"
+                     for name in ranked[:top]) or "none"
+
+
+def _columns(samples: int) -> list[str]:
+    """The headers: success when greedy, pass@k and pass@1 when sampled; then the call figures."""
+    rates = ["success\n[95% CI]"]
+    if samples > 1:
+        rates = [f"pass@{samples}\n[95% CI]", "pass@1\n[95% CI]"]
+    return ["artifact", *rates, "call\nrate", "valid\ncalls", "rounds\n/task", "tokens\n/task",
+            "top failures"]
+
+
+def _row(label: str, row: dict, samples: int) -> list[str]:
+    """One artifact's cells, in the order of :func:`_columns`."""
+    rates = [_interval(row["success_rate"], row["success_ci95"])]
+    if samples > 1:
+        rates = [_interval(row["pass_at_k"], row["pass_at_k_ci95"]),
+                 _interval(row["pass_at_1"], row["pass_at_1_ci95"])]
+    valid = "-" if row["valid_call_rate"] is None else f"{row['valid_call_rate']:.2f}"
+    return [label, *rates, f"{row['call_rate']:.2f}", valid, f"{row['rounds_per_task']:.2f}",
+            f"{row['tokens_per_task']:.1f}", top_failures(row)]
+
+
 def print_agent_report(report: dict) -> None:
-    """A table of the artifacts' figures, then one verdict line per comparison."""
-    table = Table(title=f"Agent tasks ({report['n_tasks']} tasks)")
-    for column in ("artifact", "success", "valid "
-                   "calls", "rounds/task", "tokens/task", "no call", "malformed",
-                   "wrong tool", "wrong answer"):
-        table.add_column(column)
+    """One row per artifact (success [95% CI] when greedy, pass@k and pass@1 [95% CI] when
+    sampled; call rate, valid-call rate, rounds and tokens per episode, the commonest
+    failures), then one verdict line per comparison."""
+    samples = report.get("samples", 1)
+    caption = None
+    if samples > 1:
+        caption = ("intervals: bootstrap over tasks; the other figures over all "
+                   f"{report['n_tasks'] * samples} episodes")
+    table = Table(title=_title(report), caption=caption)
+    for column in _columns(samples):
+        table.add_column(column, overflow="fold")  # a long artifact name wraps, never cut short
+    artifacts = [row["artifact"] for row in report["artifacts"]]
+    labels = dict(zip(artifacts, artifact_labels(artifacts)))
     for row in report["artifacts"]:
-        failures = row["failures"]
-        valid = "-" if row["valid_call_rate"] is None else f"{row['valid_call_rate']:.2f}"
-        table.add_row(Path(row["artifact"]).name, f"{row['success_rate']:.2f}", valid, f"{row['rounds_per_task']:.2f}",
-                      f"{row['tokens_per_task']:.1f}", str(failures["no_call"]), str(failures["malformed_call"]),
-                      str(failures["wrong_tool"]), str(failures["wrong_answer"]))
+        table.add_row(*_row(labels[row["artifact"]], row, samples))
     stdout.print(table)
+    figure = "success" if samples == 1 else "pass@1"
     for comparison in report["comparisons"]:
         low, high = comparison["ci95"]
-        stdout.print(f"{Path(comparison['candidate']).name} vs "
-                     f"{Path(comparison['baseline']).name}: success "
-                     f"{comparison['success_delta']:+.3f} (95% CI {low:+.3f} to {high:+.3f}): "
-                     f"{comparison['verdict']}")
+        stdout.print(f"{labels[comparison['candidate']]} vs {labels[comparison['baseline']]}: "
+                     f"{figure} {comparison['success_delta']:+.3f} (95% CI {low:+.3f} to "
+                     f"{high:+.3f}): {comparison['verdict']}")

@@ -8,12 +8,23 @@ from fractions import Fraction
 
 import pytest
 
+from slm_align.agent import task_eval
 from slm_align.agent.prompt import turn_end
-from slm_align.agent.task_eval import answers_match, classify, compare, open_agent, run_task, summarize
+from slm_align.agent.task_eval import (
+    FAILURES,
+    answers_match,
+    classify,
+    compare,
+    open_agent,
+    run_task,
+    sample_seed,
+    summarize,
+)
 from slm_align.chat_templates import CHATML_TEMPLATE, render, template_form, template_traits
 from slm_align.data.agent_tasks import leaks, make_tasks, sft_rows, split_tasks, tool_call_text, write_agent_tasks
 from slm_align.data.encoding import render as render_example
 from slm_align.data.readers import row_to_example
+from slm_align.stats import pass_at_k, wilson_interval
 from slm_align.tools.builtin import calculator, default_tools
 from tests.helpers import export_bundled, run_cli
 
@@ -34,6 +45,7 @@ class ScriptedBackend:
         self.inner = backend
         self.replies = list(replies)
         self.prompts = []
+        self.params = []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -42,6 +54,7 @@ class ScriptedBackend:
         """The next scripted reply's tokens, then the end of the turn as a model trained on the
         template writes it (the template's closing token; EOS when it closes with plain text)."""
         self.prompts.append(prompt)
+        self.params.append(params)
         yield from self.inner.tokenize(self.replies.pop(0), add_special=False)
         yield next(iter(turn_end(self.inner) or self.inner.eos_ids))
 
@@ -222,6 +235,134 @@ def test_evaluate_agent_end_to_end_on_the_bundled_export(gguf, tmp_path, capsys)
     assert len(first["results"]) == 3 and sum(first["failures"].values()) + 3 * first["success_rate"] == 3
     assert report["artifacts"][1]["results"] == first["results"]  # greedy: the same model answers the same
     assert report["comparisons"][0]["success_delta"] == 0.0 and report["comparisons"][0]["ci95"] == [0.0, 0.0]
+    assert (report["samples"], report["decoding"], report["temperature"]) == (1, "greedy", 0.0)
+    assert report["max_tool_rounds"] == 3 and set(report["intervals"]) >= {"success_ci95", "pass_at_1_ci95"}
+    for row in report["artifacts"]:
+        assert_consistent(row, samples=1, tasks=3)
+
+
+def assert_consistent(row: dict, samples: int, tasks: int) -> None:
+    """An artifact's figures are in their domains and are what its per-episode records say."""
+    results = row["results"]
+    n = len(results)
+    assert (row["tasks"], row["episodes"]) == (tasks, n) and n == tasks * samples
+    assert sorted((r["task"], r["sample"]) for r in results) == [(t, s) for t in range(tasks) for s in range(samples)]
+    successes = sum(r["category"] == "success" for r in results)
+    assert row["successes"] == successes and row["success_rate"] == successes / n
+    low, high = row["success_ci95"]
+    assert [low, high] == list(wilson_interval(successes, n)) and 0 <= low <= row["success_rate"] <= high <= 1
+    assert row["call_rate"] == sum(r["calls"] > 0 for r in results) / n and 0 <= row["call_rate"] <= 1
+    calls, valid = sum(r["calls"] for r in results), sum(r["valid_calls"] for r in results)
+    assert (row["calls"], row["valid_calls"]) == (calls, valid)
+    assert row["valid_call_rate"] == (valid / calls if calls else None)
+    assert row["rounds_per_task"] == pytest.approx(sum(r["rounds"] for r in results) / n)
+    assert row["tokens_per_task"] == pytest.approx(sum(r["tokens"] for r in results) / n)
+    assert all(0 <= r["rounds"] <= 3 and r["tokens"] >= 0 and r["valid_calls"] <= r["calls"] for r in results)
+    for name in FAILURES:
+        count = sum(r["category"] == name for r in results)
+        assert row["failures"][name] == count and row["failure_shares"][name] == count / n
+    assert sum(row["failures"].values()) + successes == n
+    keys = ("pass_at_k", "pass_at_k_ci95", "pass_at_1", "pass_at_1_ci95")
+    if samples == 1:
+        assert all(row[key] is None for key in keys) and all(r["seed"] is None for r in results)
+        return
+    per_task = [[r["category"] == "success" for r in results if r["task"] == t] for t in range(tasks)]
+    assert row["pass_at_k"] == pytest.approx(sum(pass_at_k(samples, sum(g), samples) for g in per_task) / tasks)
+    assert row["pass_at_k"] == pytest.approx(sum(any(g) for g in per_task) / tasks)  # n = k: any success
+    assert row["pass_at_1"] == pytest.approx(row["success_rate"])  # equal samples per task
+    for key in ("pass_at_k", "pass_at_1"):
+        low, high = row[f"{key}_ci95"]
+        assert 0 <= low <= row[key] <= high <= 1
+    assert [r["seed"] for r in results] == [sample_seed(0, r["task"], r["sample"]) for r in results]
+
+
+def test_samples_2_runs_each_task_twice_with_seeded_sampling_and_reports_pass_at_k(gguf, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """A scripted model through the CLI: 3 tasks x 2 samples, 10 completions, the per-task
+    successes [1, 0, 2] of 2; pass@2 = mean(1, 0, 1), pass@1 = mean(1/2, 0, 1)."""
+    from slm_align.agent.runtime import load_model
+
+    tasks = make_tasks(3, seed=11)
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(task) + "\n" for task in tasks))
+    call = [tool_call_text(task["expression"]) for task in tasks]
+    script = [call[0], f"The answer is {tasks[0]['answer']}.",  # task 0: success
+              "I do not know.",  # task 0: no call
+              "I do not know.",  # task 1: no call
+              '<tool_call>{"name": "calculator", "arguments": {oops</tool_call>', "Sorry.",  # task 1: malformed
+              call[2], f"It is {tasks[2]['answer']}.", call[2], f"{tasks[2]['answer']}"]  # task 2: success twice
+    backends = []
+
+    def scripted(artifact):
+        model = load_model(artifact)
+        model.backend = ScriptedBackend(model.backend, script)
+        backends.append(model.backend)
+        return model
+
+    monkeypatch.setattr(task_eval, "load_model", scripted)
+    code, out, err = run_cli(capsys, "evaluate-agent", path, "--artifact", gguf, "--samples", "2",
+                             "--temperature", "0.5", "--max-tool-rounds", "2", "--max-new-tokens", "200",
+                             "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    backend = backends[0]
+    assert len(backend.params) == 10 and backend.replies == []  # every scripted completion, no more
+    assert (report["samples"], report["decoding"], report["temperature"]) == (2, "sampled", 0.5)
+    assert report["max_tool_rounds"] == 2
+    row = report["artifacts"][0]
+    assert [r["category"] for r in row["results"]] == ["success", "no_call", "no_call", "malformed_call",
+                                                       "success", "success"]
+    assert_consistent(row, samples=2, tasks=3)
+    assert row["pass_at_k"] == pytest.approx(2 / 3) and row["pass_at_1"] == pytest.approx(0.5)
+    assert row["call_rate"] == pytest.approx(4 / 6) and row["valid_call_rate"] == 3 / 4
+    assert [r["rounds"] for r in row["results"]] == [1, 0, 0, 1, 1, 1]
+    seeds = [r["seed"] for r in row["results"] for _ in range(1 + r["rounds"])]  # one per completion
+    assert [(p.temperature, p.seed) for p in backend.params] == [(0.5, seed) for seed in seeds]
+    assert len(set(seeds)) == 6
+
+
+def test_sampled_episodes_are_reproducible_and_print_pass_at_k(gguf, tmp_path, capsys):
+    code, out, err = run_cli(capsys, "tasks", "make", "--out", tmp_path / "calc", "--train", "8", "--heldout", "5",
+                             "--json")
+    assert code == 0, err
+    heldout = json.loads(out)["files"]["heldout"]
+    args = ["evaluate-agent", heldout, "--artifact", gguf, "--limit", "2", "--max-new-tokens", "12",
+            "--samples", "2", "--max-tool-rounds", "1"]
+    reports = []
+    for _ in range(2):
+        code, out, err = run_cli(capsys, *args, "--json")
+        assert code == 0, err
+        reports.append(json.loads(out))
+    assert reports[0] == reports[1]  # seeds from the task and the sample: the same episodes
+    row = reports[0]["artifacts"][0]
+    assert_consistent(row, samples=2, tasks=2)
+    assert reports[0]["max_tool_rounds"] == 1 and all(r["rounds"] <= 1 for r in row["results"])
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    out = " ".join(out.split())
+    for text in ("2 samples each at temperature 0.7", "up to 1 tool rounds", "pass@2", "pass@1", "[95% CI]", "call",
+                 "valid", "/task", "failures", "bootstrap over tasks", "4 episodes"):
+        assert text in out, text
+    assert "success" not in out  # sampled: no greedy figure
+
+
+def test_the_printed_table_names_the_commonest_failures(capsys):
+    from slm_align.cli.tasks import print_agent_report, top_failures
+
+    row = {"artifact": "a/model.gguf", "success_rate": 0.2, "success_ci95": [0.04, 0.62], "call_rate": 0.8,
+           "valid_call_rate": None, "rounds_per_task": 0.8, "tokens_per_task": 12.0,
+           "failures": {"no_call": 1, "malformed_call": 3, "wrong_tool": 0, "wrong_answer": 0},
+           "failure_shares": {"no_call": 0.2, "malformed_call": 0.6, "wrong_tool": 0.0, "wrong_answer": 0.0}}
+    assert top_failures(row) == "malformed 3 (60%)\nno call 1 (20%)"
+    assert top_failures({**row, "failures": dict.fromkeys(row["failures"], 0)}) == "none"
+    other = {**row, "artifact": "b/model.gguf", "success_rate": 0.4}
+    comparison = {"baseline": "a/model.gguf", "candidate": "b/model.gguf", "success_delta": 0.2, "ci95": [-0.2, 0.6],
+                  "verdict": "no clear difference (the interval includes zero)"}
+    print_agent_report({"n_tasks": 5, "max_tool_rounds": 3, "samples": 1, "artifacts": [row, other],
+                        "comparisons": [comparison]})
+    out = " ".join(capsys.readouterr().out.split())
+    assert "greedy, up to 3 tool rounds" in out and "[0.04, 0.62]" in out and "pass@" not in out
+    assert "success" in out and "b/model.gguf vs a/model.gguf: success +0.200" in out  # names shared: folders shown
 
 
 def test_evaluate_agent_bad_input_is_one_line_and_exit_2(gguf, tmp_path, capsys):
@@ -231,10 +372,13 @@ def test_evaluate_agent_bad_input_is_one_line_and_exit_2(gguf, tmp_path, capsys)
     broken.write_bytes(b"not a model")
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps({"prompt": "What is 2 + 2?", "answer": "4"}) + "\n")
+    empty = tmp_path / "empty-answer.jsonl"
+    empty.write_text(json.dumps({"prompt": "What is 2 + 2?", "answer": ""}) + "\n")
     cases = [((tmp_path / "missing.jsonl", "--artifact", gguf), "not found"),
              ((tasks, "--artifact", gguf), "'answer'"),
+             ((empty, "--artifact", gguf), "'answer' is empty"),
              ((good, "--artifact", tmp_path / "missing.gguf"), "not found"),
-             ((good, "--artifact", broken), "cannot load")]
+             ((good, "--artifact", broken), "cannot load")]  # bad flags: tests/behaviour/test_bad_input.py
     for args, expected in cases:
         code, _, err = run_cli(capsys, "evaluate-agent", *args)
         assert code == 2 and expected in err and err.count("\n") == 1, err

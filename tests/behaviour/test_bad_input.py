@@ -15,7 +15,10 @@ name; malformed profiles and corrupt GGUF/safetensors headers through the API),
 tests/agent/test_bench.py (a missing artifact, an unknown device, prompt + decode beyond the
 context, an existing --save-profile; bad profile names and --repeats 0 through the API),
 tests/agent/server/test_serve.py (the network without a key, a taken port),
-tests/reward/test_reward_model.py (a bad --preferences file), and the module tests
+tests/reward/test_reward_model.py (a bad --preferences file), tests/agent/test_task_eval.py
+(`evaluate-agent` on a missing task file, a row without 'answer' or with an empty one, a missing
+or broken artifact; the matrix repeats the row without 'answer' with --out, to show nothing is
+written), and the module tests
 tests/data/test_corpus.py, tests/test_modeling.py, tests/data/test_preferences.py,
 tests/rewards/test_reward_functions.py.
 
@@ -79,6 +82,9 @@ def env(tmp_path_factory, tiny_models, tokenizer, stories):
     (root / "folder.jsonl").mkdir()
     (root / "empty-onnx").mkdir()
     (root / "empty-onnx" / "config.json").write_text("{}")
+    (root / "tasks.jsonl").write_text(json.dumps({"prompt": "What is 2 + 2?", "answer": "4"}) + "\n")
+    (root / "no-answer.jsonl").write_text(json.dumps({"prompt": "What is 2 + 2?", "solution": "4"}) + "\n")
+    (root / "empty-answer.jsonl").write_text(json.dumps({"prompt": "What is 2 + 2?", "answer": " "}) + "\n")
     (root / "bad-profiles").mkdir()
     (root / "bad-profiles" / "board.toml").write_text("name = 'board'\nram_gb = [\n")
 
@@ -171,6 +177,10 @@ def sft(*args, model="{llama}", data="{stories}"):
 
 def train(stage, *args):
     return ["train", "--stage", stage, *args]
+
+
+def agent_eval(*args, tasks="{root}/tasks.jsonl"):
+    return ["evaluate-agent", tasks, "--artifact", "{gguf}", "--out", "{out}/agent-report.json", *args]
 
 
 def case(command, args, keyword, arrange=None, marks=(), id=None):
@@ -357,6 +367,19 @@ CASES = [
     case("serve", ["serve", "{gguf}", "--port", "0", "--device", "toaster"], "unknown device "
          "'toaster'",
          id="--device unknown"),
+    # evaluate-agent (refused before any artifact loads; --out is never written)
+    case("evaluate-agent", agent_eval("--samples", "0"), "--samples must be an integer >= 1", id="--samples 0"),
+    case("evaluate-agent", agent_eval("--samples", "-2"), "--samples must be an integer >= 1", id="--samples -2"),
+    case("evaluate-agent", agent_eval("--temperature", "2.5"), "--temperature must be a number from 0 to 2",
+         id="--temperature 2.5"),
+    case("evaluate-agent", agent_eval("--temperature", "-0.1"), "--temperature must be a number from 0 to 2",
+         id="--temperature -0.1"),
+    case("evaluate-agent", agent_eval("--max-tool-rounds", "-1"), "--max-tool-rounds must be an integer >= 0",
+         id="--max-tool-rounds -1"),
+    case("evaluate-agent", agent_eval(tasks="{root}/no-answer.jsonl"), "needs 'prompt' and 'answer' columns",
+         id="a task row without an answer column"),
+    case("evaluate-agent", agent_eval(tasks="{root}/empty-answer.jsonl"), "'answer' is empty",
+         id="a task row with an empty answer"),
     # quickstart
     case("quickstart", ["quickstart", "--out", "{root}/a-file"], "a-file", id="--out is a file"),
     case("quickstart", ["quickstart", "--out", "{out}", "--sft-steps", "0"], "--sft-steps", id="--sft-steps 0"),
