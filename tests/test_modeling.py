@@ -67,8 +67,8 @@ def test_unsupported_architecture_and_corrupt_weights(tmp_path, tiny_models):
 
 def test_offline_hub_id_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match="cannot load 'someone/some-model' from the Hugging Face "
-                       "Hub"):
+    with pytest.raises(UserError, match="cannot load 'someone/some-model' "
+                                        "from the Hugging Face Hub"):
         load_tokenizer(resolve_source("someone/some-model"))
 
 
@@ -93,8 +93,9 @@ def test_default_chat_template_speaks_gemma_to_a_gemma_vocabulary(tokenizer):
     gemma = copy.deepcopy(plain)
     gemma.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
     assert default_chat_template(gemma) == GEMMA_TEMPLATE
-    text = render_chat([("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello")], gemma,
-                       add_generation_prompt=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}]
+    text = render_chat(messages, gemma, add_generation_prompt=True)
     assert text == ("<start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>user\nHi<end_of_turn>\n"
                     "<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>model\n")
     assert gemma("<start_of_turn>user")["input_ids"][:1] == [gemma.convert_tokens_to_ids("<start_of_turn>")]
