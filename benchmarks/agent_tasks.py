@@ -36,19 +36,15 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="Model source (default: the bundled model).")
     parser.add_argument("--train", type=int, default=400, help="Training tasks.")
-    parser.add_argument("--heldout", type=int, default=100, help="Held-out tasks for the runtime "
-                        "evaluation.")
+    parser.add_argument("--heldout", type=int, default=100, help="Held-out tasks for the runtime evaluation.")
     parser.add_argument("--sft-steps", type=int, default=600)
-    parser.add_argument("--sft-lr", type=float, default=None, help="SFT learning rate (default: "
-                        "the recipe's).")
-    parser.add_argument("--lora-r", type=int, default=None, help="SFT LoRA rank (default: the "
-                        "recipe's).")
+    parser.add_argument("--sft-lr", type=float, default=None, help="SFT learning rate (default: the recipe's).")
+    parser.add_argument("--lora-r", type=int, default=None, help="SFT LoRA rank (default: the recipe's).")
     parser.add_argument("--lora-targets", default=None, help="SFT LoRA modules, comma-separated "
                         "(default: the architecture's).")
     parser.add_argument("--rl-steps", type=int, default=30)
     parser.add_argument("--algo", default="grpo", choices=("ppo", "grpo", "auto"))
-    parser.add_argument("--work", type=Path, default=None, help="Working directory (default: a new "
-                        "temporary one).")
+    parser.add_argument("--work", type=Path, default=None, help="Working directory (default: a new temporary one).")
     return parser.parse_args()
 
 
@@ -89,8 +85,7 @@ def train(args: argparse.Namespace, files: dict, run: Path) -> dict:
 
 def print_report(report: dict, trained: dict) -> None:
     gate = trained["gate"]
-    print(f"gate: {gate['verdict']}; " + "; ".join(f"{f['name']} "
-                                                   f"{f['value']:.3g}" for f in gate["figures"]))
+    print(f"gate: {gate['verdict']}; " + "; ".join(f"{f['name']} {f['value']:.3g}" for f in gate["figures"]))
     if "recommendation" in gate["info"]:
         print(f"gate advice: {gate['info']['recommendation']['why']}")
     m = trained["rl_metrics"]

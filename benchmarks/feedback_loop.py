@@ -137,8 +137,8 @@ def main() -> None:
     for name, share in result["runtime_preference"].items():
         low = share["ci95"][0]
         high = share["ci95"][1]
-        print(f"{name:10}{share['wins']:>8}/{share['pairs']:<7}{share['share']:.3f} [{low:.3f}, "
-              f"{high:.3f}]")
+        print(f"{name:10}{share['wins']:>8}/{share['pairs']:<7}{share['share']:.3f} "
+              f"[{low:.3f}, {high:.3f}]")
     print(json.dumps({algo: r["heldout_accuracy"] for algo, r in result["rounds"].items()}))
 
 

@@ -83,13 +83,12 @@ def row(label: str, model_dir: Path, scratch: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-large", action="store_true", help="skip the SmolLM2-135M-shaped "
-                        "model")
+    parser.add_argument("--no-large", action="store_true", help="skip the SmolLM2-135M-shaped model")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        print(f"{'model':<24} {'ours s':>8} {'llama.cpp s':>10} {'identical':>10} "
-              f"{'logit diff':>12}")
+        print(f"{'model':<24} {'ours s':>8} {'llama.cpp s':>10} "
+              f"{'identical':>10} {'logit diff':>12}")
         for arch in ARCHITECTURES:
             print(row(arch, save_model(arch, scratch / arch), scratch), flush=True)
         if not args.no_large:

@@ -37,11 +37,9 @@ from sides import add_side_arguments, alternate_sides, medians, print_rows, ran_
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 OUR_PHASES = ("sampling", "reward", "scoring_old", "scoring_ref", "update_forward", "update_backward")
 TRL_PHASES = ("sampling", "reward", "scoring")
-PHASE_ROWS = (("sampling", "sampling"), ("reward", "reward"), ("scoring_old", "scoring: old "
-                                                               "log-probs"),
+PHASE_ROWS = (("sampling", "sampling"), ("reward", "reward"), ("scoring_old", "scoring: old log-probs"),
               ("scoring_ref", "scoring: reference log-probs"), ("scoring", "scoring: all"),
-              ("update_forward", "update: "
-               "forward"), ("update_backward", "update: backward + optimizer"),
+              ("update_forward", "update: forward"), ("update_backward", "update: backward + optimizer"),
               ("update", "update: all"), ("other", "other"))
 """The phase table's rows: (key, label); a side shows a dash for a phase it does not report."""
 
@@ -271,13 +269,11 @@ def main() -> None:
     parser.add_argument("--minibatch", type=int, default=8)
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (both "
-                        "sides)")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="forward "
-                        "passes (both sides)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (both sides)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="forward passes (both sides)")
     parser.add_argument("--algo", choices=["grpo", "ppo"], default="grpo",
-                        help="ppo: our PPO (value head) alone, its phases per iteration; TRL 1.x "
-                        "has no PPO trainer")
+                        help="ppo: our PPO (value head) alone, its phases per iteration; TRL "
+                             "1.x has no PPO trainer")
     add_side_arguments(parser)
     args = parser.parse_args()
     if ran_as_side(args, run_ours, run_trl):

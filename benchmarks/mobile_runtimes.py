@@ -228,22 +228,21 @@ def print_table(runs: dict[str, list[dict]], args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="model source to export (default: the real Gemma 3 270M "
-                        ".gguf)")
-    parser.add_argument("--gguf", type=Path, help="an exported GGUF (default: exported from "
-                        "--model)")
-    parser.add_argument("--genai", type=Path, help="an exported genai folder (default: exported "
-                        "from --model)")
+    parser.add_argument("--model", help="model source to export (default: the "
+                                        "real Gemma 3 270M .gguf)")
+    parser.add_argument("--gguf", type=Path, help="an exported GGUF (default: "
+                                                  "exported from --model)")
+    parser.add_argument("--genai", type=Path, help="an exported genai folder (default: "
+                                                   "exported from --model)")
     parser.add_argument("--executorch", type=Path, help="an exported ExecuTorch folder "
                         "(model.pte); default: none")
     parser.add_argument("--with-executorch", action="store_true", help="export --model to a .pte "
-                        "too (tiny models: Gemma 3 270M's lowering takes over 20 minutes on 2 "
-                        "cores)")
+                        "too (tiny models: Gemma 3 270M's lowering takes over "
+                        "20 minutes on 2 cores)")
     parser.add_argument("--gguf-quant", default="Q8_0")
     parser.add_argument("--genai-quant", default="w8")
     parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=64, help="decode tokens timed after the "
-                        "first")
+    parser.add_argument("--tokens", type=int, default=64, help="decode tokens timed after the first")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; "
                         "medians are reported")

@@ -168,10 +168,10 @@ def onnx_artifacts(checkpoint: Path, work: Path, schemes: list[str], preset: str
 
 
 def print_table(rows: list[dict], torch_perplexity: float) -> None:
-    print(f"\nPyTorch perplexity {torch_perplexity:.2f}; verification passes at agreement >= "
-          f"{MIN_AGREEMENT}")
-    print(f"{'target':6} {'type':15} {'MB':>8} {'top-1':>6} {'PPL':>8} {'dPPL':>7} {'tok/s':>7}  "
-          f"verdict")
+    print(f"\nPyTorch perplexity {torch_perplexity:.2f}; verification passes at "
+          f"agreement >= {MIN_AGREEMENT}")
+    print(f"{'target':6} {'type':15} {'MB':>8} {'top-1':>6} {'PPL':>8} "
+          f"{'dPPL':>7} {'tok/s':>7}  verdict")
     for row in rows:
         verdict = "pass" if row["agreement"] >= MIN_AGREEMENT else "refused"
         change = row["perplexity"] - torch_perplexity
@@ -187,17 +187,15 @@ def _real_gemma() -> str:
 
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the "
-                        "real Gemma 3 270M)")
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: "
+                                                      "the real Gemma 3 270M)")
     parser.add_argument("--gguf", default=GGUF_TYPES, help="comma-separated GGUF types ('' for "
-                        "none); TYPE+imatrix weighs llama.cpp's quantizer by an importance matrix "
-                        "from other prose")
-    parser.add_argument("--onnx", default=ONNX_SCHEMES, help="comma-separated ONNX schemes ('' for "
-                        "none)")
+                        "none); TYPE+imatrix weighs llama.cpp's quantizer by an importance "
+                        "matrix from other prose")
+    parser.add_argument("--onnx", default=ONNX_SCHEMES, help="comma-separated ONNX schemes ('' for none)")
     parser.add_argument("--texts", type=int, default=3, help="held-out prose paragraphs")
     parser.add_argument("--tokens", type=int, default=128, help="tokens of each paragraph")
-    parser.add_argument("--calibration-texts", type=int, default=8, help="paragraphs the "
-                        "importance matrix sees")
+    parser.add_argument("--calibration-texts", type=int, default=8, help="paragraphs the importance matrix sees")
     parser.add_argument("--decode", type=int, default=32, help="greedy tokens timed per artifact")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--preset", default=None, help="ONNX int8 preset (default: this host's)")

@@ -110,8 +110,8 @@ def real_gemma() -> Path:
 def pipeline(model: str, corpus: Path, out: Path, args: argparse.Namespace) -> list[Stage]:
     """Every stage of the loop on one model, in order; stops at the first
     failing stage it depends on."""
-    stages = [run_stage("load + base "
-                        "perplexity", ["check-headroom", "--model", model, "--data", str(corpus),
+    stages = [run_stage("load + base perplexity",
+                        ["check-headroom", "--model", model, "--data", str(corpus),
                                                    "--reward", REWARD, "--json"])]
     stages.append(run_stage("sft", ["sft", "--model", model, "--data", str(corpus), "--out", str(out),
                                     "--max-length", str(args.max_length), "--max-steps", str(args.sft_steps),
@@ -123,14 +123,13 @@ def pipeline(model: str, corpus: Path, out: Path, args: argparse.Namespace) -> l
                                      "--steps", str(args.rl_steps), "--prompts-per-step", "2", "--group-size", "4",
                                      "--max-new-tokens", "32", "--json"]))
     for target, quant in (("gguf", "Q8_0"), ("gguf", "Q4_K_M"), ("onnx", "fp32")):
-        stages.append(run_stage(f"export {target} "
-                                f"{quant}", ["export", str(out), "--target", target, "--quant",
+        stages.append(run_stage(f"export {target} {quant}",
+                                ["export", str(out), "--target", target, "--quant",
                                                              quant, "--json"]))
     q4 = out / "export" / "model-Q4_K_M.gguf"
     if q4.is_file():
         stages.append(run_stage("agent turn (Q4_K_M)", ["chat", str(q4), "--temperature", "0", "--max-new-tokens", "32",
-                                                        "--json"], stdin="What is a Python "
-                                "list?\n"))
+                                                        "--json"], stdin="What is a Python list?\n"))
     return stages
 
 
@@ -167,29 +166,27 @@ def print_table(results: dict[str, list[Stage]]) -> None:
     print(f"{'model':<28} {'stage':<24} {'seconds':>8} {'peak MB':>8}  figure")
     for model, stages in results.items():
         for stage in stages:
-            print(f"{model[:28]:<28} {stage.name:<24} {stage.seconds:>8.1f} {stage.peak_mb:>8.0f}  "
-                  f"{_figure(stage)}")
+            print(f"{model[:28]:<28} {stage.name:<24} {stage.seconds:>8.1f} "
+                  f"{stage.peak_mb:>8.0f}  {_figure(stage)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gemma", "bundled"],
                         help="gemma (the real Gemma 3 270M GGUF), bundled, or any model source")
-    parser.add_argument("--documents", type=int, default=400, help="Prose paragraphs in the "
-                        "corpus.")
+    parser.add_argument("--documents", type=int, default=400, help="Prose paragraphs in the corpus.")
     parser.add_argument("--sft-steps", type=int, default=30)
     parser.add_argument("--rl-steps", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--work", type=Path, default=None, help="Keep the runs here (default: a "
-                        "temp dir).")
+    parser.add_argument("--work", type=Path, default=None, help="Keep the runs here (default: a temp dir).")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="real-models-"))
     work.mkdir(parents=True, exist_ok=True)
     corpus = prose_corpus(work / "prose.jsonl", args.documents)
-    print(f"corpus: {corpus} ({args.documents} paragraphs of the Python reference manual); runs in "
-          f"{work}")
+    print(f"corpus: {corpus} ({args.documents} paragraphs of the Python reference "
+          f"manual); runs in {work}")
     results: dict[str, list[Stage]] = {}
     for name in args.models:
         model = resolve_model(name)

@@ -50,8 +50,8 @@ def gemma() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model source (default: the real Gemma 3 "
-                        "270M GGUF)")
+    parser.add_argument("--model", default=None, help="model source (default: the "
+                                                      "real Gemma 3 270M GGUF)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child", nargs=3, metavar=("STAGE", "MODEL", "OUT"), help=argparse.SUPPRESS)

@@ -55,8 +55,7 @@ def train(sft: Path, out: Path, rate: str, steps: int, config: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sft", type=Path, required=True, help="Run directory with a finished SFT "
-                        "stage.")
+    parser.add_argument("--sft", type=Path, required=True, help="Run directory with a finished SFT stage.")
     parser.add_argument("--rates", nargs="+", default=["1e-3", "auto"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--eval-prompts", type=int, default=8)

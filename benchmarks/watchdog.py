@@ -153,15 +153,13 @@ def healthy(work: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, required=True, help="Scratch directory (runs are "
-                        "written here).")
-    parser.add_argument("--steps", type=int, default=16, help="GRPO iterations of the collapsing "
-                        "run.")
+    parser.add_argument("--work", type=Path, required=True, help="Scratch directory (runs are written here).")
+    parser.add_argument("--steps", type=int, default=16, help="GRPO iterations of the collapsing run.")
     parser.add_argument("--flip-after", type=int, default=6, help="Iterations paying the "
-                        "objective; every later one pays the opposite (6: iterations 1-6 pay it, 7 "
-                        "on are flipped).")
-    parser.add_argument("--prompts", type=int, default=64, help="Held-out prompts scoring each "
-                        "published adapter.")
+                        "objective; every later one pays the opposite (6: iterations 1-6 pay "
+                        "it, 7 on are flipped).")
+    parser.add_argument("--prompts", type=int, default=64, help="Held-out prompts scoring "
+                                                                "each published adapter.")
     parser.add_argument("--skip-healthy", action="store_true", help="Only the collapsing run.")
     args = parser.parse_args()
     from slm_align.modeling import DEFAULT_MODEL_DIR
@@ -172,10 +170,10 @@ def main() -> None:
     stories = args.work / "stories.txt"
     sft = finished_sft_run(args.work / "sft-run", DEFAULT_MODEL_DIR, _demo_corpus(stories), steps=20)
     rows = collapsing(args.work, sft, args.steps, args.flip_after, args.prompts)
-    print(f"signal flipped after iteration {args.flip_after}; wasted = iterations trained after "
-          f"the flip")
-    print("| run | published iteration | trained | wasted | events | held-out objective [95% CI] | "
-          "seconds |")
+    print(f"signal flipped after iteration {args.flip_after}; wasted = iterations "
+          "trained after the flip")
+    print("| run | published iteration | trained | wasted | events | held-out "
+          "objective [95% CI] | seconds |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['run']} | {r['published']} | {r['trained']} | {r['wasted']} | {r['events']} | "

@@ -61,8 +61,8 @@ def _cuda_device(spec: str) -> str:
     index = int(spec.partition(":")[2] or 0)
     count = torch.cuda.device_count()
     if index >= count:
-        raise UserError(f"--device {spec}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}; "
-                        "pass one of those")
+        raise UserError(f"--device {spec}: this machine has {count} CUDA GPU(s), cuda:0 to "
+                        f"cuda:{count - 1}; pass one of those")
     return f"cuda:{index}"
 
 
@@ -74,8 +74,8 @@ def resolve_device(spec: str = "auto") -> str:
         return "cpu"
     if spec == "mps":
         if not mps_available():
-            raise UserError("--device mps: no Apple GPU (MPS) here; pass --device cpu or --device "
-                            "auto")
+            raise UserError("--device mps: no Apple GPU (MPS) here; pass "
+                            "--device cpu or --device auto")
         return "mps"
     return _cuda_device(spec)
 
@@ -99,11 +99,11 @@ def _check_precision(device: str, precision: str) -> None:
     import torch
 
     if precision == "fp16" and not device.startswith("cuda"):
-        raise UserError(f"--precision fp16 needs a CUDA GPU (loss scaling); on {device} use bf16 "
-                        f"or fp32")
+        raise UserError("--precision fp16 needs a CUDA GPU (loss scaling); on "
+                        f"{device} use bf16 or fp32")
     if precision == "bf16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
-        raise UserError(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bfloat16; "
-                        f"use fp16")
+        raise UserError(f"--precision bf16: {torch.cuda.get_device_name(device)} "
+                        "has no bfloat16; use fp16")
 
 
 def deepspeed_file(spec: str) -> Path:
@@ -113,13 +113,13 @@ def deepspeed_file(spec: str) -> Path:
         return DEEPSPEED_PRESETS[spec]
     path = Path(spec)
     if not path.is_file():
-        raise UserError(f"--deepspeed {spec}: no such file; pass zero2 (the bundled ZeRO-2 config) or a DeepSpeed "
-                        "JSON config file")
+        raise UserError(f"--deepspeed {spec}: no such file; pass zero2 (the bundled ZeRO-2 config) "
+                        "or a DeepSpeed JSON config file")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"--deepspeed {spec}: not a JSON file ({exc}); pass a DeepSpeed JSON "
-                        f"config") from None
+        raise UserError(f"--deepspeed {spec}: not a JSON file ({exc}); pass "
+                        "a DeepSpeed JSON config") from None
     if not isinstance(config, dict):
         raise UserError(f"--deepspeed {spec}: a DeepSpeed config is a JSON object, not a "
                         f"{type(config).__name__}")
@@ -131,8 +131,8 @@ def _deepspeed_config(spec: str, device: str, trainer: bool) -> str:
     KTO), without the deepspeed package and off CUDA."""
     if not trainer:
         raise UserError("--deepspeed applies to the Trainer stages (sft, train --stage "
-                        "sft|reward); RL, DPO and KTO run the envelope's own guarded loop: drop it "
-                        "for this stage")
+                        "sft|reward); RL, DPO and KTO run the envelope's own guarded loop: "
+                        "drop it for this stage")
     path = deepspeed_file(spec)
     try:
         import deepspeed  # noqa: F401
@@ -216,8 +216,8 @@ def resolve_compute(settings: ComputeSettings, quantizable: bool = False, traine
         if not quantizable:
             raise UserError("--load-in-4bit applies to SFT only (QLoRA): the reward model is "
                             "published as a merged full-precision classifier, and RL, DPO and KTO "
-                            "train on the merged full-precision SFT weights; drop it for this "
-                            "stage")
+                            "train on the merged full-precision SFT weights; "
+                            "drop it for this stage")
         _check_4bit(device)
     deepspeed = None
     if settings.deepspeed is not None:

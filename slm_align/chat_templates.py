@@ -26,8 +26,8 @@ from slm_align.tools.parse import call_text
 # ChatML, used when a model has no chat template of its own (and by the bundled model).
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
-    "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' "
-    "}}{% endif %}"
+    "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ "
+    "'<|im_start|>assistant\n' }}{% endif %}"
 )
 
 # Gemma's turn format, used when a model whose vocabulary has Gemma's turn tokens has no
@@ -86,8 +86,8 @@ def _check_template_syntax(text: str, option: str) -> None:
     from jinja2 import Environment, TemplateSyntaxError
 
     if not text.strip():
-        raise UserError(f"--chat-template {option} is empty; pass chatml or a Jinja chat template "
-                        f"file")
+        raise UserError(f"--chat-template {option} is empty; pass chatml or a "
+                        "Jinja chat template file")
     try:
         Environment().parse(text)
     except TemplateSyntaxError as exc:

@@ -66,8 +66,7 @@ def torch_facts() -> Optional[dict[str, Any]]:
         return None
     import torch
 
-    cuda = [f"cuda:{index} "
-            f"{torch.cuda.get_device_name(index)}" for index in range(torch.cuda.device_count())]
+    cuda = [f"cuda:{index} {torch.cuda.get_device_name(index)}" for index in range(torch.cuda.device_count())]
     mps = getattr(torch.backends, "mps", None)
     return {"version": torch.__version__, "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(),

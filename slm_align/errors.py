@@ -27,6 +27,6 @@ def storage_error(exc: OSError) -> Optional[UserError]:
         return UserError(f"cannot write{where}: {exc.strerror}; free some space or choose another --out, then run "
                          "again (finished outputs were left as they were)")
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return UserError(f"cannot access{where}: {exc.strerror}; fix its permissions or choose "
-                         f"another path")
+        return UserError(f"cannot access{where}: {exc.strerror}; fix its permissions "
+                         "or choose another path")
     return None

@@ -97,8 +97,8 @@ def _load_source(source, recipe: Recipe):
 
 def _measure(policy: Policy, prompts: list[str], documents, reward, recipe: Recipe, max_new_tokens: int,
              temperature: float, device: str = "cpu") -> dict:
-    with stage_lines("evaluation", f"{policy.name} on {len(prompts)} prompts and {len(documents)} "
-                     f"documents") as stage:
+    with stage_lines("evaluation", f"{policy.name} on {len(prompts)} prompts and "
+                                   f"{len(documents)} documents") as stage:
         model, tokenizer = policy.load()
         model = model.to(device)
         samples = sample(model, tokenizer, prompts, max_new_tokens, temperature, seed=recipe.seed)
@@ -211,8 +211,8 @@ def preference_section(records: list[dict]) -> list[str]:
         low = r["ci95"][0]
         high = r["ci95"][1]
         lines.append(f"| {r['stage']} ({r['kind'].replace('_', ' ')}) | {r['before']:.3f} | "
-                     f"{r['after']:.3f} | [{low:.3f}, {high:.3f}] | {r['heldout_pairs']} | "
-                     f"{r['steps']} |")
+                     f"{r['after']:.3f} | [{low:.3f}, {high:.3f}] | "
+                     f"{r['heldout_pairs']} | {r['steps']} |")
     lines += ["", "Pair accuracy: share of held-out pairs whose implicit reward beta * log(pi / "
               "pi_ref) is higher for the chosen answer (0 before training: the policy equals the "
               "reference); interval: Wilson.", ""]
@@ -287,8 +287,7 @@ def render_markdown(report: dict, has_curves: bool) -> str:
               "## Samples", ""]
     for s in report["samples"]:
         lines.append(f"**Prompt:** {s['prompt']}")
-        lines += [f"- *{name}*: "
-                  f"{text.strip()[:300]}" for name, text in s.items() if name != "prompt"]
+        lines += [f"- *{name}*: {text.strip()[:300]}" for name, text in s.items() if name != "prompt"]
         lines.append("")
     watchdog = report.get("watchdog")
     lines += report_section(watchdog, (watchdog or {}).get("event_list", []))

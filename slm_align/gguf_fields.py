@@ -102,5 +102,5 @@ def read_fields(path: Path, prefix: str = "tokenizer.") -> dict[str, Field]:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return _parse_fields(data, prefix)
     except (ValueError, KeyError, struct.error, OverflowError, MemoryError) as exc:
-        raise UserError(f"{path} is not a GGUF model ({exc}); export or download it "
-                        f"again") from None
+        raise UserError(f"{path} is not a GGUF model ({exc}); "
+                        "export or download it again") from None

@@ -81,16 +81,16 @@ def resolve_source(spec: Optional[str]) -> ModelSource:
                             "pass an HF model directory, a .gguf file or a hub id")
         return ModelSource("gguf", str(path.resolve()))
     if not looks_like_hub_id(spec) or spec.endswith(".gguf"):
-        raise UserError(f"model {spec} not found; pass an HF model directory, a .gguf file or a "
-                        f"hub id (org/name)")
+        raise UserError(f"model {spec} not found; pass an HF model directory, a .gguf file "
+                        "or a hub id (org/name)")
     return ModelSource("hub", spec)
 
 
 def _check_directory(path: Path, allow_pickle: bool) -> None:
     config = path / "config.json"
     if not config.is_file():
-        raise UserError(f"model directory {path} has no config.json; pass a directory saved by "
-                        f"save_pretrained")
+        raise UserError(f"model directory {path} has no config.json; pass a directory "
+                        "saved by save_pretrained")
     try:
         model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -102,8 +102,8 @@ def _check_directory(path: Path, allow_pickle: bool) -> None:
         raise UserError(f"model {path} has only pickle (.bin) weights, which can run code when loaded; "
                         "convert it to safetensors or pass --allow-pickle if you trust it")
     if not has_safetensors and not has_pickle:
-        raise UserError(f"model directory {path} has no weights (*.safetensors); pass a complete "
-                        f"checkpoint")
+        raise UserError(f"model directory {path} has no weights (*.safetensors); "
+                        "pass a complete checkpoint")
     for weights in sorted(path.glob("*.safetensors")):
         _check_not_truncated(weights)
 
@@ -158,8 +158,8 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
         if source.kind == "hub":
             raise _hub_error(source, exc) from None
         raise UserError(f"model {source.label}: cannot load its tokenizer ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:200]}); the directory needs tokenizer "
-                        f"files") from None
+                        f"{str(exc).splitlines()[0][:200]}); the "
+                        "directory needs tokenizer files") from None
     if source.kind == "dir":
         _check_vocabulary(tokenizer, Path(source.ref))
     return ensure_pad_token(tokenizer)
@@ -385,8 +385,8 @@ def require_adapter(adapter_dir: Path, allow_pickle: bool) -> None:
     code) unless ``allow_pickle``."""
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter_config.json").is_file():
-        raise UserError(f"adapter {adapter_dir} not found (no adapter_config.json); pass the sft/adapter directory "
-                        "of a finished run")
+        raise UserError(f"adapter {adapter_dir} not found (no adapter_config.json); pass the "
+                        "sft/adapter directory of a finished run")
     safe = (adapter_dir / "adapter_model.safetensors").is_file()
     pickle_only = (adapter_dir / "adapter_model.bin").is_file() and not safe
     if pickle_only and not allow_pickle:

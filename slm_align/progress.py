@@ -57,8 +57,8 @@ def duration(seconds: float) -> str:
 
 def say_line(text: str) -> None:
     """One plain progress line on stderr (nothing under ``--quiet``)."""
-    stderr.print(f"[slm-align {time.strftime('%H:%M:%S')}] "
-                 f"{text}", markup=False, highlight=False, soft_wrap=True)
+    stderr.print(f"[slm-align {time.strftime('%H:%M:%S')}] {text}",
+                 markup=False, highlight=False, soft_wrap=True)
 
 
 @dataclass
@@ -111,8 +111,8 @@ class LineProgress:
         self.tasks.append(_Task(description, total, completed, status, time.monotonic(), unit))
         if self.ends:
             resumed = f", resuming at {completed:g}" if completed else ""
-            self._say(f"{description}: start, {total:g} "
-                      f"{unit}{resumed}" if total else f"{description}: start")
+            self._say(f"{description}: start, "
+                      f"{total:g} {unit}{resumed}" if total else f"{description}: start")
         return len(self.tasks) - 1
 
     def remove_task(self, task_id: int) -> None:
@@ -319,8 +319,8 @@ def counted(what: str, total: float, unit: str) -> Iterator[Count]:
         yield Count(None, None)
         return
     progress = stage.progress
-    task = progress.add_task(f"{stage.name}: "
-                             f"{what}", total=total, completed=0, status="", unit=unit)
+    task = progress.add_task(f"{stage.name}: {what}",
+                             total=total, completed=0, status="", unit=unit)
     try:
         yield Count(progress, task)
     finally:

@@ -104,8 +104,8 @@ def _evaluation_step(recipe: Recipe, out: Path, say: Callable[[str], None]) -> l
 
 
 def _export_step(out: Path, say: Callable[[str], None]) -> dict:
-    say("[bold]6/7 export[/] merged model to GGUF Q8_0 (llama.cpp) and ONNX fp32 (onnxruntime), "
-        "parity-checked")
+    say("[bold]6/7 export[/] merged model to GGUF Q8_0 (llama.cpp) and ONNX fp32 "
+        "(onnxruntime), parity-checked")
     done = {}
     # ONNX dynamic int8 loses too much on a 2.5M-parameter model (top-1 agreement ~0.82, which
     # verification refuses); fp32 shows the exact path.

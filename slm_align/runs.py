@@ -123,8 +123,8 @@ def read_manifest(stage_dir: Path) -> Optional[dict]:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(f"{path} is corrupt; remove the stage directory {stage_dir} and run the "
-                        f"stage again") from None
+        raise UserError(f"{path} is corrupt; remove the stage directory {stage_dir} "
+                        "and run the stage again") from None
     verify_checksums(stage_dir, manifest)
     return manifest
 
@@ -150,8 +150,8 @@ def check_out_dir(out: Path) -> Path:
     for path in (out, *out.parents):
         if path.exists():
             if not path.is_dir():
-                raise UserError(f"--out {out}: {path} is a file, not a directory; pass a directory "
-                                f"(new or existing)")
+                raise UserError(f"--out {out}: {path} is a file, not a directory; pass a "
+                                "directory (new or existing)")
             break
     return out
 
@@ -167,8 +167,8 @@ def completed(stage_dir: Path, inputs: dict) -> Optional[dict]:
     manifest = read_manifest(stage_dir)
     if manifest is None:
         if Path(stage_dir).exists():
-            raise UserError(f"{stage_dir} exists but holds no manifest; move it away or choose "
-                            f"another --out")
+            raise UserError(f"{stage_dir} exists but holds no manifest; move it away "
+                            "or choose another --out")
         return None
     if manifest.get("inputs_hash") != digest(inputs):
         raise UserError(f"{stage_dir} was made from other inputs or settings; choose another --out "
@@ -212,8 +212,8 @@ def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
             raise UserError(f"an interrupted run is in {partial}; pass --resume to continue it, "
                             "or remove that directory to start over")
         if not marker.is_file() or json.loads(marker.read_text())["inputs_hash"] != digest(inputs):
-            raise UserError(f"{partial} was started with other inputs or settings; cannot resume "
-                            f"it with these")
+            raise UserError(f"{partial} was started with other inputs or settings; "
+                            "cannot resume it with these")
         return last_complete_checkpoint(partial / "checkpoints")
     staging = partial.with_name(partial.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)

@@ -86,8 +86,8 @@ class SFTStage:
         self.train_rows = encode_all(self.corpus.splits.train, self.tokenizer, recipe.data.max_length)
         self.eval_rows = encode_all(self.corpus.splits.eval, self.tokenizer, recipe.data.max_length)
         if not self.train_rows or not self.eval_rows:
-            raise UserError(f"data {self.corpus.description}: no document has text left to train on after "
-                            "tokenizing")
+            raise UserError(f"data {self.corpus.description}: no document has text left to "
+                            "train on after tokenizing")
         model = load_model(self.source, recipe.model.trust_remote_code, recipe.model.allow_pickle,
                            self.compute.quantization_config())
         self.model = attach_lora(trainable_base(model, self.compute), recipe.sft.lora, recipe.seed)

@@ -49,8 +49,8 @@ def require_library(report_to: str) -> None:
     try:
         importlib.import_module(report_to)
     except ImportError:
-        raise UserError(f"--report-to {report_to} needs the {report_to} package: pip install "
-                        f"{report_to}") from None
+        raise UserError(f"--report-to {report_to} needs the {report_to} package: "
+                        f"pip install {report_to}") from None
 
 
 def scalars(metrics: dict) -> dict[str, float]:

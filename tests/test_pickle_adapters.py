@@ -19,8 +19,7 @@ def test_a_pickle_only_adapter_is_refused_unless_allowed(tmp_path):
     with pytest.raises(UserError, match="--allow-pickle") as refused:
         load_adapter(None, tmp_path)
     assert "\n" not in str(refused.value)
-    with pytest.raises(UserError, match="does not "
-                       "fit"):  # allowed: peft gets to try (and fails on this stub)
+    with pytest.raises(UserError, match="does not fit"):  # allowed: peft gets to try (and fails on this stub)
         load_adapter(None, tmp_path, allow_pickle=True)
 
 

@@ -75,8 +75,7 @@ def test_a_counted_loop_speaks_every_cadence_after_the_stage_start(capsys, monke
     lines = progress_lines(capsys.readouterr().err)
     assert lines[0] == "evaluation: start, sft on 2 prompts and 4 documents"
     progress = lines[1:-1]
-    assert [line.split(",")[0] for line in progress] == [f"evaluation: perplexity {k}/4 "
-                                                         f"documents" for k in range(1, 5)]
+    assert [line.split(",")[0] for line in progress] == [f"evaluation: perplexity {k}/4 documents" for k in range(1, 5)]
     assert "s elapsed, about " in progress[0] and progress[0].endswith(" left")
     assert lines[-1].startswith("evaluation: done in ") and not outside.active
 
@@ -186,8 +185,8 @@ def test_train_with_json_keeps_stdout_to_the_json_and_says_each_stage(logged):
     assert code == 0, stderr
     assert json.loads(stdout)["dir"] == str(out / "rl")  # stdout is the JSON and nothing else
     lines = progress_lines(stderr)
-    for stage in ("sft", "reward "
-                  "model", "headroom gate", "RL (grpo)", "held-out reward", "evaluation"):
+    for stage in ("sft", "reward model",
+                  "headroom gate", "RL (grpo)", "held-out reward", "evaluation"):
         assert any(line.startswith(f"{stage}: start") for line in lines), stage
         assert any(line.startswith(f"{stage}: done") for line in lines), stage
     assert any(line.startswith("RL (grpo): step 1/2") for line in lines)
@@ -199,8 +198,8 @@ def test_the_gate_counts_documents_and_samples_and_ends_with_its_figures(logged)
     lines = stage_lines_of(runs["train"][2], "headroom gate")
     documents = gate["info"]["eval_documents"]
     samples = gate["info"]["spread_samples"]
-    assert lines[0].startswith(f"headroom gate: start, the prior's perplexity on {documents} "
-                               f"documents, ")
+    assert lines[0].startswith("headroom gate: start, the prior's perplexity on "
+                               f"{documents} documents, ")
     assert f"headroom gate: perplexity {documents}/{documents} documents" in [line.split(",")[0] for line in lines]
     assert any(re.match(rf"headroom gate: sampling 1/\d+ tokens of {samples} completions, ", line) for line in lines)
     assert any(re.match(r"headroom gate: reward accuracy, chosen \d+/\d+ texts, ", line) for line in lines)
@@ -216,8 +215,8 @@ def test_evaluation_and_heldout_reward_count_and_end_with_their_figures(logged):
     stderr = runs["train"][2]
     report = json.loads((out / "eval" / "report.json").read_text())
     lines = stage_lines_of(stderr, "evaluation")
-    assert any(line.startswith("evaluation: sampling 1/8 tokens of 2 "
-                               "completions, ") for line in lines)
+    assert any(line.startswith("evaluation: sampling 1/8 "
+                               "tokens of 2 completions, ") for line in lines)
     assert any(re.match(r"evaluation: perplexity \d+/\d+ documents, ", line) for line in lines)
     ends = [line.split(": ", 2)[2] for line in lines if line.startswith("evaluation: done in ")]
     assert ends == [f"{p['name']}: reward mean {p['reward_mean']:.3f} (std {p['reward_std']:.3f}), "
@@ -225,8 +224,7 @@ def test_evaluation_and_heldout_reward_count_and_end_with_their_figures(logged):
     rl = json.loads((out / "rl" / "manifest.json").read_text())["metrics"]
     lines = stage_lines_of(stderr, "held-out reward")
     assert any(line.startswith("held-out reward: sampling 1/8 tokens of ") for line in lines)
-    ends = [line.split(": ", 2)[2] for line in lines if line.startswith("held-out reward: done "
-                                                                        "in ")]
+    ends = [line.split(": ", 2)[2] for line in lines if line.startswith("held-out reward: done in ")]
     assert ends[0] == f"mean reward {rl['heldout_reward_sft']:.3f}"
     assert ends[-1] == f"mean reward {rl['heldout_reward_rl']:.3f}"
 
@@ -236,12 +234,11 @@ def test_export_with_json_counts_its_verification_and_ends_with_the_agreement(lo
     assert code == 0, stderr
     verification = json.loads(stdout)["metrics"]["verification"]  # stdout is the JSON and nothing else
     lines = progress_lines(stderr)
-    assert [line.split(":")[0] for line in lines if ": "
-            "start" in line] == ["export", "export verification"]
+    assert [line.split(":")[0] for line in lines if ": start" in line] == ["export", "export verification"]
     prompts = verification["prompts"]
     assert [line.split(",")[0] for line in lines if re.match(r"export verification: greedy decoding \d", line)] == \
-        [f"export verification: greedy decoding {k}/{prompts} "
-         f"prompts" for k in range(1, prompts + 1)]
+        ["export verification: greedy "
+         f"decoding {k}/{prompts} prompts" for k in range(1, prompts + 1)]
     assert lines[-1].startswith("export verification: done in ")
     assert lines[-1].endswith(f": passed, tokenizer identical, greedy {prompts}/{prompts} prompts "
                               f"identical for 32 tokens, top-1 agreement "
@@ -257,10 +254,10 @@ def test_bench_in_a_log_says_its_runs_and_ends_with_its_figures(logged, capsys, 
     assert code == 0, stderr
     bench = json.loads(stdout)["bench"]
     lines = progress_lines(stderr)
-    assert lines[0].startswith("bench: start, model-F32.gguf: load, a warm-up and 2 runs of a "
-                               "8-token prompt")
-    assert [line.split(",")[0] for line in lines[1:-1]] == ["bench: measured 1/2 "
-                                                            "runs", "bench: measured 2/2 runs"]
+    assert lines[0].startswith("bench: start, model-F32.gguf: load, a warm-up and 2 "
+                               "runs of a 8-token prompt")
+    assert [line.split(",")[0] for line in lines[1:-1]] == ["bench: measured 1/2 runs",
+                                                            "bench: measured 2/2 runs"]
     assert lines[-1].startswith("bench: done in ")
     assert f", decode {bench['decode_tokens_per_second']:.1f} tokens/s, " in lines[-1]
 

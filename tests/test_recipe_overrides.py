@@ -21,8 +21,8 @@ def shown(capsys, *args):
 def test_set_values_are_typed_like_the_toml(capsys):
     settings = shown(capsys, "--set", "sft.lora.r=32", "--set", "sft.learning_rate=1e-3", "--set", "rl.algo=grpo",
                      "--set", "rl.envelope.rollback=false", "--set", 'sft.lora.target_modules=["q_proj", "v_proj"]',
-                     "--set", 'data.path="my '
-                     'corpus.txt"', "--set", "reward.pairs.mix={ shuffle = 2.0 }")
+                     "--set", 'data.path="my corpus.txt"',
+                     "--set", "reward.pairs.mix={ shuffle = 2.0 }")
     assert settings["sft.lora.r"]["value"] == 32 and settings["sft.learning_rate"]["value"] == 0.001
     assert settings["rl.algo"]["value"] == "grpo" and settings["rl.envelope.rollback"]["value"] is False
     assert settings["sft.lora.target_modules"]["value"] == ["q_proj", "v_proj"]
@@ -122,23 +122,20 @@ def test_merge_takes_a_setting_from_set(capsys, sft_run, tmp_path):
 
 
 OTHER_ALGORITHM = {
-    "GRPO flag with PPO": (["--algo", "ppo", "--loss-type", "dr_grpo"], "--loss-type is a GRPO "
-                           "setting"),
-    "GRPO flag with the default "
-                   "algorithm": (["--beta", "0.1"], "--beta is a GRPO setting and --algo is ppo"),
-    "PPO flag with GRPO": (["--algo", "grpo", "--kl-coef", "0.1"], "--kl-coef is a PPO setting and "
-                           "--algo is grpo"),
+    "GRPO flag with PPO": (["--algo", "ppo", "--loss-type", "dr_grpo"], "--loss-type is a GRPO setting"),
+    "GRPO flag with the default algorithm": (["--beta", "0.1"], "--beta is a GRPO setting and --algo is ppo"),
+    "PPO flag with GRPO": (["--algo", "grpo", "--kl-coef", "0.1"], "--kl-coef is a PPO setting and --algo is grpo"),
     "PPO switch with GRPO": (["--algo", "grpo", "--adaptive-kl"], "--adaptive-kl is a PPO setting"),
     "GRPO --set with PPO": (["--algo", "ppo", "--set", "rl.grpo.scale_rewards=none"],
                             "--set rl.grpo.scale_rewards is a GRPO setting"),
     "KTO flag with GRPO": (["--algo", "grpo", "--desirable-weight", "1.5"],
-                           "--desirable-weight is a KTO setting and --algo is grpo: drop it or use "
-                           "--algo kto"),
+                           "--desirable-weight is a KTO setting and --algo is grpo: "
+                           "drop it or use --algo kto"),
     "KTO flag with DPO": (["--algo", "dpo", "--undesirable-weight", "2"],
                           "--undesirable-weight is a KTO setting and --algo is dpo"),
     "DPO/KTO flag with PPO": (["--algo", "ppo", "--pref-beta", "0.2"],
-                              "--pref-beta is a DPO/KTO setting and --algo is ppo: drop it or use "
-                              "--algo dpo"),
+                              "--pref-beta is a DPO/KTO setting and --algo is ppo: "
+                              "drop it or use --algo dpo"),
     "DPO/KTO switch with auto": (["--algo", "auto", "--any-model"],
                                  "--any-model is a DPO/KTO setting and --algo is auto"),
     "DPO/KTO --set with GRPO": (["--algo", "grpo", "--set", "preference.steps=5"],

@@ -18,8 +18,7 @@ def test_python_310_reads_recipes_with_tomli(tmp_path):
     broken = tmp_path / "broken.toml"
     broken.write_text("[sft\n")
     script = (
-        "import sys\n"
-        "sys.modules['tomllib'] = None  # as on Python 3.10: import tomllib fails\n"
+        "import sys\nsys.modules['tomllib'] = None  # as on Python 3.10: import tomllib fails\n"
         "from slm_align.config import load_recipe\n"
         "from slm_align.devices import load_profile\n"
         "from slm_align.errors import UserError\n"
@@ -28,8 +27,7 @@ def test_python_310_reads_recipes_with_tomli(tmp_path):
         "assert tomllib.__name__ == 'tomli', tomllib\n"
         "assert recipe.seed == 7 and recipe.sft.learning_rate == 0.001\n"
         "assert load_profile('rpi5').threads >= 1\n"
-        "try:\n"
-        f"    load_recipe({str(broken)!r})\n"
+        f"try:\n    load_recipe({str(broken)!r})\n"
         "except UserError as exc:\n"
         "    print('refused:', exc)\n"
     )

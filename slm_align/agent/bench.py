@@ -39,8 +39,8 @@ from slm_align.errors import EXIT_USER_ERROR, UserError
 from slm_align.progress import Count, counted, stage_lines
 
 PROMPT_TEXT = ("Once upon a time, a small robot lived in a quiet town by the sea. Every morning it "
-               "walked to the harbour, counted the boats and told the children a new story about "
-               "the stars. ")
+               "walked to the harbour, counted the boats and told the children a new "
+               "story about the stars. ")
 RUN_DONE = "run done"  # what the measuring process writes on stdout after each measured run (its progress)
 
 
@@ -50,8 +50,8 @@ def _runtime(kind: str) -> str:
         try:
             import llama_cpp
         except ImportError:
-            raise UserError("GGUF artifacts need llama-cpp-python: pip install "
-                            "'slm-align[agent]'") from None
+            raise UserError("GGUF artifacts need llama-cpp-python: pip "
+                            "install 'slm-align[agent]'") from None
         return f"llama.cpp (llama-cpp-python {llama_cpp.__version__})"
     try:
         import onnxruntime
@@ -221,8 +221,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     """The measuring process: ``python -m slm_align.agent.bench ARTIFACT
     [--out FILE]``; JSON result."""
     parser = argparse.ArgumentParser(prog="python -m slm_align.agent.bench",
-                                     description="Measure one artifact in this process (slm-align "
-                                     "bench uses it).")
+                                     description="Measure one artifact in this process "
+                                                 "(slm-align bench uses it).")
     parser.add_argument("artifact")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -231,8 +231,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ctx", type=int, default=None)
     parser.add_argument("--out", default=None, help="Write the JSON result here (default: stdout).")
     parser.add_argument("--report-runs", action="store_true",
-                        help=f"Write '{RUN_DONE}' on stdout after each measured run (slm-align "
-                        f"bench's progress).")
+                        help=f"Write '{RUN_DONE}' on stdout after each measured run "
+                             "(slm-align bench's progress).")
     args = parser.parse_args(argv)
     try:
         _check_counts(threads=args.threads, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,

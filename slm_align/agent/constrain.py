@@ -23,8 +23,8 @@ def json_grammar(schema: Optional[dict] = None) -> str:
     try:
         from llama_cpp.llama_grammar import json_schema_to_gbnf
     except ImportError:
-        raise UserError("structured output needs llama-cpp-python: pip install "
-                        "'slm-align[agent]'") from None
+        raise UserError("structured output needs llama-cpp-python: pip "
+                        "install 'slm-align[agent]'") from None
     try:
         return json_schema_to_gbnf(json.dumps(ANY_OBJECT if schema is None else schema))
     except Exception as exc:  # the converter asserts on what it cannot express (RecursionError included)

@@ -73,8 +73,8 @@ class ExecutorchBackend(OnnxBackend):
         if not ids:
             raise ValueError("feed needs at least one token")
         if self.n_past + len(ids) > self.n_ctx:
-            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new "
-                            f"conversation")
+            raise UserError(f"context window of {self.n_ctx} tokens exceeded; "
+                            "start a new conversation")
         rows = []
         for token in ids:
             inputs = [torch.tensor([[int(token)]], dtype=torch.long), torch.tensor([self.n_past], dtype=torch.long)]

@@ -117,8 +117,8 @@ def _check_paths(store_path: Path, out: Path, overwrite: bool) -> None:
         if path.is_dir():
             raise UserError(f"output {path} is a directory; pass a file path ending in .jsonl")
         if path.exists() and not overwrite:
-            raise UserError(f"output {path} exists; pass --overwrite to replace it or choose "
-                            f"another --out")
+            raise UserError(f"output {path} exists; pass --overwrite to replace it "
+                            "or choose another --out")
 
 
 def _write_jsonl_pair(files: list[tuple[Path, list[dict[str, Any]]]]) -> None:

@@ -29,8 +29,8 @@ def genai_model(folder: Path, threads: Optional[int] = None):
     try:
         import onnxruntime_genai as og
     except ImportError:
-        raise UserError("genai folders need onnxruntime-genai: pip install "
-                        "'slm-align[export]'") from None
+        raise UserError("genai folders need onnxruntime-genai: pip "
+                        "install 'slm-align[export]'") from None
     config = og.Config(str(folder))
     if threads:
         options = {"intra_op_num_threads": int(threads), "inter_op_num_threads": 1}
@@ -82,8 +82,8 @@ class GenaiBackend(OnnxBackend):
         if not ids:
             raise ValueError("feed needs at least one token")
         if self.n_past + len(ids) > self.n_ctx:
-            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new "
-                            f"conversation")
+            raise UserError(f"context window of {self.n_ctx} tokens exceeded; "
+                            "start a new conversation")
         self.generator.append_tokens(np.asarray(ids, dtype=np.int32))
         self.tokens.extend(int(i) for i in ids)
         logits = np.asarray(self.generator.get_output("logits"))

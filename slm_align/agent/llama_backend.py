@@ -22,12 +22,12 @@ class LlamaCppBackend:
         try:
             from llama_cpp import Llama
         except ImportError:
-            raise UserError("GGUF artifacts need llama-cpp-python: pip install "
-                            "'slm-align[agent]'") from None
+            raise UserError("GGUF artifacts need llama-cpp-python: pip "
+                            "install 'slm-align[agent]'") from None
         artifact = Path(artifact)
         if not artifact.is_file():
-            raise UserError(f"GGUF file {artifact} not found; create one with `slm-align export "
-                            f"--target gguf`")
+            raise UserError(f"GGUF file {artifact} not found; create one with "
+                            "`slm-align export --target gguf`")
         try:
             self.llm = Llama(model_path=str(artifact), n_ctx=n_ctx or 0, n_threads=threads,
                              n_threads_batch=threads, n_batch=512,
@@ -91,8 +91,8 @@ class LlamaCppBackend:
     def generate(self, prompt: Sequence[int], params, grammar: Optional[str] = None) -> Iterator[int]:
         """llama.cpp's own sampler chain (and grammar); the cache of a shared prefix is reused."""
         if len(prompt) >= self.n_ctx:
-            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new "
-                            f"conversation")
+            raise UserError(f"context window of {self.n_ctx} tokens exceeded; "
+                            "start a new conversation")
         from llama_cpp import LlamaGrammar
 
         self.llm.set_seed(params.seed)
@@ -105,6 +105,6 @@ class LlamaCppBackend:
         if not ids:
             raise ValueError("feed needs at least one token")
         if self.llm.n_tokens + len(ids) > self.n_ctx:
-            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new "
-                            f"conversation")
+            raise UserError(f"context window of {self.n_ctx} tokens exceeded; "
+                            "start a new conversation")
         self.llm.eval(list(ids))

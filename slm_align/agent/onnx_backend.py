@@ -132,8 +132,8 @@ class OnnxBackend:
         if not ids:
             raise ValueError("feed needs at least one token")
         if self.n_past + len(ids) > self.n_ctx:
-            raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new "
-                            f"conversation")
+            raise UserError(f"context window of {self.n_ctx} tokens exceeded; "
+                            "start a new conversation")
         length = self.n_past + len(ids)
         position = self.n_past
         feeds = {"input_ids": np.asarray([ids], dtype=np.int64),

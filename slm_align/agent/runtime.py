@@ -403,8 +403,8 @@ class Agent:
     # feedback
     def _require_last(self) -> Reply:
         if self.last is None or self.last.turn_id is None:
-            raise UserError("no recorded answer to give feedback on; chat first, with a preference "
-                            "store set")
+            raise UserError("no recorded answer to give feedback on; chat first, with "
+                            "a preference store set")
         return self.last
 
     def feedback(self, kind: str, text: Optional[str] = None, other: Optional[str] = None,

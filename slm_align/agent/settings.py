@@ -70,11 +70,10 @@ Number = Union[StrictInt, StrictFloat]
 Temperature = Annotated[Number, Field(ge=0, le=2, description="Sampling temperature (0: greedy).")]
 TopP = Annotated[Number, Field(ge=0, le=1, description="Nucleus sampling: keep the likeliest "
                                                       "tokens whose probabilities add up to this.")]
-TopK = Annotated[StrictInt, Field(ge=0, description="Sample from the k likeliest tokens only (0: "
-                                  "all).")]
+TopK = Annotated[StrictInt, Field(ge=0, description="Sample from the k likeliest tokens only (0: all).")]
 MinP = Annotated[Number, Field(ge=0, le=1, description="Drop tokens less likely than this fraction "
-                                                      "of the likeliest one's probability (0: off; "
-                                                      "try 0.05).")]
+                                                      "of the likeliest one's "
+                                                      "probability (0: off; try 0.05).")]
 RepeatPenalty = Annotated[Number, Field(ge=1, le=2, description=(
     f"Penalise the last {PENALTY_WINDOW} generated tokens, llama.cpp's repetition penalty (1: off; 1.1-1.5 stops "
     "tiny models looping)."))]

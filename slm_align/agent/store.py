@@ -140,8 +140,8 @@ def _check_is_sqlite(path: Path) -> None:
     with open(path, "rb") as f:
         header = f.read(len(SQLITE_HEADER))
     if header and header != SQLITE_HEADER:
-        raise UserError(f"preference DB {path} is not a SQLite database; pass the store's .db file "
-                        f"or a new path")
+        raise UserError(f"preference DB {path} is not a SQLite database; pass the store's "
+                        ".db file or a new path")
 
 
 def _create_private(path: Path) -> None:
@@ -287,12 +287,12 @@ class PreferenceStore:
 
     def _open(self, create: bool) -> sqlite3.Connection:
         if self.path.is_dir():
-            raise UserError(f"preference DB {self.path} is a directory; pass a file path such as "
-                            f"prefs.db")
+            raise UserError(f"preference DB {self.path} is a directory; pass a "
+                            "file path such as prefs.db")
         if not self.path.exists():
             if not create:
-                raise UserError(f"preference DB {self.path} not found; pass the file the agent "
-                                f"records into")
+                raise UserError(f"preference DB {self.path} not found; pass the file "
+                                "the agent records into")
             if not self.path.parent.is_dir():
                 raise UserError(f"preference DB {self.path}: folder {self.path.parent} does not "
                                 f"exist; create it first")
@@ -301,8 +301,7 @@ class PreferenceStore:
         with _private_umask():
             return _connect(self.path)
 
-    # -- lifecycle
-    # ---------------------------------------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------------------
 
     def close(self) -> None:
         with self._lock:
@@ -327,8 +326,7 @@ class PreferenceStore:
                 raise
             self._conn.execute("COMMIT")
 
-    # -- writes
-    # ------------------------------------------------------------------------------------------------
+    # -- writes ------------------------------------------------------------------------------------
 
     def record_turn(self, conversation_id: str, messages: list[dict[str, Any]], completion: str, model_id: str,
                     sampling: dict[str, Any], consent: bool, token: str | None = None) -> int:
@@ -346,8 +344,8 @@ class PreferenceStore:
                int(bool(consent)), _check_text(token, "token") if token is not None else new_token())
         with self._transaction() as conn:
             cursor = conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, "
-                                  "messages, completion, sampling, consent, token) VALUES (?, ?, "
-                                  "?, ?, ?, ?, ?, ?)", row)
+                                  "messages, completion, sampling, consent, token) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                                  row)
             return int(cursor.lastrowid)
 
     def _add_feedback(self, turn_id: int, kind: str, other_completion: str | None = None,
@@ -382,8 +380,8 @@ class PreferenceStore:
         Returns the number of turns changed; an unknown id is a UserError.
         """
         if isinstance(target, bool) or not isinstance(target, (int, str)):
-            raise UserError(f"set_consent takes a turn id (int) or a conversation id (str), got "
-                            f"{target!r}")
+            raise UserError("set_consent takes a turn id (int) or a conversation "
+                            f"id (str), got {target!r}")
         column = "id" if isinstance(target, int) else "conversation_id"
         with self._transaction() as conn:
             changed = conn.execute(f"UPDATE turns SET consent = ? WHERE {column} = ?",
@@ -394,8 +392,7 @@ class PreferenceStore:
                                 "pass one that record_turn made")
             return changed
 
-    # -- reads
-    # -------------------------------------------------------------------------------------------------
+    # -- reads -------------------------------------------------------------------------------------
 
     def _require_turn(self, conn: sqlite3.Connection, turn_id: Any) -> None:
         known = (isinstance(turn_id, int) and not isinstance(turn_id, bool) and 0 < turn_id <= MAX_TURN_ID
@@ -420,16 +417,16 @@ class PreferenceStore:
 
     def turns(self, conversation_id: str | None = None) -> list[Turn]:
         """Every turn (or one conversation's), oldest first, each with its feedback."""
-        where, args = ("WHERE conversation_id = "
-                       "?", (conversation_id,)) if conversation_id is not None else ("", ())
+        where, args = ("WHERE conversation_id = ?",
+                       (conversation_id,)) if conversation_id is not None else ("", ())
         return self._select(where, args)
 
     def _select(self, where: str, args: tuple) -> list[Turn]:
         with self._lock:
             rows = self._conn.execute(f"SELECT * FROM turns {where} ORDER BY id", args).fetchall()
             feedback = self._conn.execute(
-                f"SELECT * FROM feedback WHERE turn_id IN (SELECT id FROM turns {where}) ORDER BY "
-                                          f"id", args).fetchall()
+                f"SELECT * FROM feedback WHERE turn_id IN (SELECT id FROM turns {where}) ORDER BY id",
+                                          args).fetchall()
         by_turn: dict[int, list[Feedback]] = {}
         for row in feedback:
             by_turn.setdefault(row["turn_id"], []).append(_feedback(row))
@@ -438,8 +435,7 @@ class PreferenceStore:
     def counts(self) -> dict[str, int]:
         """``turns``, ``consented`` turns and the number of feedback rows of each kind."""
         with self._lock:
-            turns, consented = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(consent), 0) FROM "
-                                                  "turns").fetchone()
-            kinds = dict(self._conn.execute("SELECT kind, COUNT(*) FROM feedback GROUP BY "
-                                            "kind").fetchall())
+            turns, consented = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(consent), 0) FROM turns").fetchone()
+            kinds = dict(self._conn.execute("SELECT kind, COUNT(*) FROM "
+                                            "feedback GROUP BY kind").fetchall())
         return {"turns": turns, "consented": consented, **{kind: kinds.get(kind, 0) for kind in FEEDBACK_KINDS}}

@@ -62,8 +62,8 @@ def _command(agent, line: str, state: dict, say: Callable[[str], None]) -> bool:
         say(f"[recorded: thumbs {'up' if name == 'good' else 'down'}]")
     elif name == "compare":
         state["other"] = agent.alternative()
-        say(f"[1] {agent.last.text}\n[2] {state['other']}\n[pick the better one with /pick 1 or "
-            f"/pick 2]")
+        say(f"[1] {agent.last.text}\n[2] {state['other']}\n[pick the better one "
+            "with /pick 1 or /pick 2]")
     elif name == "pick" and arg.strip() in ("1", "2") and state.get("other") is not None:
         agent.feedback("choice", other=state.pop("other"), preferred="this" if arg.strip() == "1" else "other")
         say(f"[recorded: answer {arg.strip()} preferred]")

@@ -26,14 +26,14 @@ def print_bundle(result: dict) -> None:
                          "exports Q4_K_M first if needed\n\n  slm-align bundle "
                          "runs/demo/export/model-Q8_0.gguf --out app/model-bundle --json")
 def bundle(
-    source: str = typer.Argument(..., help="Run directory, or an exported artifact (.gguf, ONNX or "
-                                 "genai folder)."),
+    source: str = typer.Argument(..., help="Run directory, or an exported artifact (.gguf, "
+                                           "ONNX or genai folder)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile: picks target and "
-                                         "quantization (see `slm-align devices list`); needed for "
-                                         "a run."),
+                                         "quantization (see `slm-align devices "
+                                         "list`); needed for a run."),
     out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Bundle directory (default "
-                                       "bundle-DEVICE beside the artifact); the zip goes beside "
-                                       "it."),
+                                       "bundle-DEVICE beside the artifact); "
+                                       "the zip goes beside it."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing bundle."),
     as_json: bool = JsonFlag,
 ) -> None:

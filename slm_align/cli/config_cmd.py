@@ -16,8 +16,8 @@ from slm_align.cli.render import emit, stdout
 from slm_align.config import Recipe
 from slm_align.recipe_overrides import parse_sets
 
-config_app = typer.Typer(no_args_is_help=True, help="Inspect recipes: every setting, its meaning "
-                         "and its default.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect recipes: every setting, its "
+                                                    "meaning and its default.")
 
 
 def settings_of(recipe: BaseModel, default: BaseModel, prefix: str = "") -> Iterator[dict[str, Any]]:
@@ -36,8 +36,7 @@ def settings_of(recipe: BaseModel, default: BaseModel, prefix: str = "") -> Iter
 def toml_value(value: Any) -> str:
     """A value as TOML writes it (``true``, ``"text"``, ``["a", "b"]``, ``{ a = 1.0 }``)."""
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{name} = "
-                                f"{toml_value(item)}" for name, item in value.items()) + " }"
+        return "{ " + ", ".join(f"{name} = {toml_value(item)}" for name, item in value.items()) + " }"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
     return json.dumps(value)
@@ -71,8 +70,8 @@ def print_recipe(settings: list[dict[str, Any]]) -> None:
 @config_app.command("show", epilog="Examples:\n\n  slm-align config show\n\n  slm-align config "
                                    "show --config recipe.toml --set rl.algo=grpo --set "
                                    "sft.lora.r=32\n\n  slm-align config show > recipe.toml   # "
-                                   "every setting, as a recipe to edit\n\n  slm-align config show "
-                                   "--json")
+                                   "every setting, as a recipe to edit\n\n  "
+                                   "slm-align config show --json")
 def show(config: Optional[Path] = ConfigOpt, set_values: list[str] = SetOpt, as_json: bool = JsonFlag) -> None:
     """Print the resolved recipe (the TOML file, then --set) with each
     setting's doc line and default."""

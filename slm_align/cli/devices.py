@@ -14,8 +14,8 @@ from slm_align.cli.render import emit, print_bench, print_device, print_fit, row
 commands = typer.Typer()
 devices_app = typer.Typer(
     no_args_is_help=True, rich_markup_mode="markdown",
-    help="Device profiles and fit / speed estimates: will this model run on my board, and how "
-                          "fast?",
+    help="Device profiles and fit / speed estimates: will this model run on "
+         "my board, and how fast?",
     epilog="Examples:\n\n  slm-align devices list\n\n  slm-align devices show rpi5 --json\n\n"
            "  slm-align devices fit runs/demo/merged --device rpi5 --quant Q4_0 --ctx 2048")
 
@@ -36,8 +36,7 @@ def devices_list(as_json: bool = JsonFlag) -> None:
 
 @devices_app.command("show", epilog="Examples:\n\n  slm-align devices show rpi5\n\n"
                                     "  slm-align devices show x86-laptop --json")
-def devices_show(name: str = typer.Argument(..., help="Profile name (see `slm-align devices "
-                                            "list`)."),
+def devices_show(name: str = typer.Argument(..., help="Profile name (see `slm-align devices list`)."),
                  as_json: bool = JsonFlag) -> None:
     """Show one device profile with its published reference measurements and their sources."""
     from slm_align.devices import load_profile
@@ -51,17 +50,16 @@ def devices_show(name: str = typer.Argument(..., help="Profile name (see `slm-al
                                    "--ctx 1024\n\n  slm-align devices fit runs/demo/export/onnx "
                                    "--device android-mid --quant int8 --json")
 def devices_fit(
-    model: Path = typer.Argument(..., help="HF directory (safetensors), .gguf file or ONNX export "
-                                 "directory."),
-    device: str = typer.Option(..., "--device", help="Device profile name (see `slm-align devices "
-                               "list`)."),
+    model: Path = typer.Argument(..., help="HF directory (safetensors), .gguf file or "
+                                           "ONNX export directory."),
+    device: str = typer.Option(..., "--device", help="Device profile name (see "
+                                                     "`slm-align devices list`)."),
     quant: Optional[str] = typer.Option(None, "--quant", help="Weight type, e.g. Q4_0, Q4_K_M, "
                                                               "Q8_0, F16, int8 (default: the "
-                                                              "device's preference, downgraded to "
-                                                              "fit)."),
+                                                              "device's preference, downgraded to fit)."),
     context: Optional[int] = typer.Option(None, *CTX_NAMES, help="Context length in tokens "
-                                                                  "(default: 4096 or the model's "
-                                                                  "own, if shorter)."),
+                                                                  "(default: 4096 or the "
+                                                                  "model's own, if shorter)."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Estimate memory, verdict (fits / tight / does not fit), largest context and
@@ -77,28 +75,24 @@ def devices_fit(
                          "slm-align bench runs/demo/export/onnx-int8 --threads 4 --prompt-tokens "
                          "256 --repeats 5\n\n  slm-align bench model-Q8_0.gguf --save-profile "
                          "my-laptop     # then: devices fit ... --device my-laptop\n\n  slm-align "
-                         "bench model-Q8_0.gguf --device x86-laptop --json    # measured vs "
-                         "predicted")
+                         "bench model-Q8_0.gguf --device x86-laptop --json    "
+                         "# measured vs predicted")
 def bench(
-    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export "
-                                    "directory."),
-    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: this host's "
-                                          "physical cores)."),
-    prompt_tokens: int = typer.Option(128, "--prompt-tokens", min=1, help="Prompt length fed at "
-                                      "once."),
-    decode_tokens: int = typer.Option(64, "--decode-tokens", min=1, help="Tokens generated after "
-                                      "the first one."),
+    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an "
+                                              "ONNX export directory."),
+    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: this "
+                                                            "host's physical cores)."),
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens", min=1, help="Prompt length fed at once."),
+    decode_tokens: int = typer.Option(64, "--decode-tokens", min=1, help="Tokens generated after the first one."),
     repeats: int = typer.Option(3, min=1, help="Measurement repeats (speeds are medians)."),
-    n_ctx: Optional[int] = typer.Option(None, *CTX_NAMES, min=16, help="Context window (default: "
-                                        "the model's own)."),
+    n_ctx: Optional[int] = typer.Option(None, *CTX_NAMES, min=16, help="Context window (default: the model's own)."),
     device: Optional[str] = typer.Option(None, "--device", help="Also show `devices fit`'s decode "
                                                                "prediction for this profile, and "
                                                                "measured / predicted."),
-    save_profile: Optional[str] = typer.Option(None, "--save-profile", help="Save this host as a "
-                                               "user device profile NAME ($SLM_ALIGN_DEVICES or "
+    save_profile: Optional[str] = typer.Option(None, "--save-profile", help="Save this host as a user device profile "
+                                               "NAME ($SLM_ALIGN_DEVICES or "
                                                "~/.config/slm-align/devices/)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing profile of that "
-                                   "name."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing profile of that name."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Measure an exported model on this host: load time, time to first token, prompt and

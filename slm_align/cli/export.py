@@ -28,12 +28,10 @@ commands = typer.Typer()
                          "--set model.allow_pickle=true   # a .bin base")
 @recipe_flags([DEVICE, ALLOW_PICKLE])
 def merge(
-    run: Path = typer.Option(..., "--run", "-r", help="Run directory with a finished SFT stage (RL "
-                             "used if present)."),
-    out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default: "
-                                       "RUN/merged)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output "
-                                   "directory."),
+    run: Path = typer.Option(..., "--run", "-r", help="Run directory with a finished SFT "
+                                                      "stage (RL used if present)."),
+    out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default: RUN/merged)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
     as_json: bool = JsonFlag,
@@ -56,11 +54,11 @@ def merge(
                          "exports/ --json\n\n  slm-align export runs/demo --system 'You tell short "
                          "stories.'  # the Modelfile's SYSTEM\n\n  slm-align export "
                          "gemma-3-270m.gguf --chat-template chatml   # a base model, a template "
-                         "written in\n\nExit code 1 when verification fails (nothing published "
-                         "unless --force).")
+                         "written in\n\nExit code 1 when verification fails (nothing "
+                         "published unless --force).")
 def export(
-    source: str = typer.Argument(..., help="Run directory, merged/HF model directory, .gguf file "
-                                 "or hub id."),
+    source: str = typer.Argument(..., help="Run directory, merged/HF model "
+                                           "directory, .gguf file or hub id."),
     target: str = typer.Option("gguf", "--target", "-t", help="gguf (llama.cpp), onnx "
                                "(onnxruntime), genai (an onnxruntime-genai folder: Android/iOS "
                                "bindings; Llama, Qwen2/3, Gemma 3) or executorch (an fp32 "
@@ -70,27 +68,24 @@ def export(
                                         "quantizer); default: the device's, else Q8_0. ONNX/genai: "
                                         "w8 (8-bit weight-only, the default), int4 (4-bit body), "
                                         "int8 (dynamic), fp32. ExecuTorch: fp32 only."),
-    device: Optional[str] = typer.Option(None, "--device", help="Device profile (see `slm-align "
-                                         "devices list`)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile (see `slm-align devices list`)."),
     out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default "
                                        "RUN/export or ./export)."),
-    preset: Optional[str] = typer.Option(None, help="ONNX int8 preset: arm64, avx2, avx512, "
-                                         "avx512_vnni."),
-    ort_format: bool = typer.Option(False, "--ort-format", help="ONNX: also write model.ort for "
-                                    "mobile builds."),
-    min_agreement: float = typer.Option(0.9, help="Lowest top-1 agreement with PyTorch for low-bit "
-                                        "types."),
-    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the device's, else "
-                                          "all cores)."),
-    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the parity check (recorded in "
-                                   "the manifest)."),
-    force: bool = typer.Option(False, "--force", help="Publish even when verification fails "
-                               "(recorded)."),
-    calibrate: bool = typer.Option(False, "--calibrate", "--imatrix", help="GGUF Q4_K_M, IQ4_XS, "
-                                   "... from a run: llama.cpp's importance matrix from the run's "
-                                   "held-out texts weighs the rounding."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact of the "
-                                   "same name."),
+    preset: Optional[str] = typer.Option(None, help="ONNX int8 preset: arm64, "
+                                                    "avx2, avx512, avx512_vnni."),
+    ort_format: bool = typer.Option(False, "--ort-format", help="ONNX: also write model.ort for mobile builds."),
+    min_agreement: float = typer.Option(0.9, help="Lowest top-1 agreement with "
+                                                  "PyTorch for low-bit types."),
+    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the "
+                                                            "device's, else all cores)."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the parity check "
+                                                              "(recorded in the manifest)."),
+    force: bool = typer.Option(False, "--force", help="Publish even when verification fails (recorded)."),
+    calibrate: bool = typer.Option(False, "--calibrate", "--imatrix", help="GGUF Q4_K_M, IQ4_XS, ... from a run: "
+                                   "llama.cpp's importance matrix from the run's held-out texts "
+                                   "weighs the rounding."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing "
+                                                              "artifact of the same name."),
     system: Optional[str] = typer.Option(None, "--system", help="GGUF: system prompt of the Ollama "
                                          "Modelfile written beside the artifact."),
     torch_device: str = typer.Option("auto", "--torch-device", help="Where the PyTorch side of the "

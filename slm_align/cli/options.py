@@ -38,8 +38,8 @@ ConfigOpt = typer.Option(None, "--config", help="TOML recipe; flags override it.
 ChatTemplateOpt = typer.Option(None, "--chat-template", metavar="chatml|FILE",
                                help="Chat template in place of the model's own (base models have "
                                     "none): chatml (the built-in ChatML) or a Jinja template file.")
-ThreadsOpt = typer.Option(None, "--threads", min=1, help="Threads (default: the device's, else all "
-                          "cores).")
+ThreadsOpt = typer.Option(None, "--threads", min=1, help="Threads (default: the "
+                                                         "device's, else all cores).")
 CtxOpt = typer.Option(None, *CTX_NAMES, min=16, help="Context window in tokens.")
 SetOpt = typer.Option([], "--set", help="Any recipe setting as KEY=VALUE, typed and checked like "
                       "the TOML (--set sft.lora.r=32 --set rl.grpo.loss_type=dr_grpo); repeatable; "

@@ -47,8 +47,8 @@ def print_sft(summary: dict) -> None:
     m = summary["metrics"]
     state = SKIPPED if summary["skipped"] else f"{m['steps']} steps"
     stdout.print(f"[bold]SFT[/] -> {summary['dir']}: {state}; train loss {m['train_loss']:.3f}, "
-                 f"eval loss {m['eval_loss']:.3f}, {m['trainable_parameters']:,} trainable "
-                 f"parameters")
+                 f"eval loss {m['eval_loss']:.3f}, "
+                 f"{m['trainable_parameters']:,} trainable parameters")
 
 
 def print_headroom(report: dict) -> None:
@@ -69,8 +69,8 @@ def print_headroom(report: dict) -> None:
     spread = info.get("reward_spread")
     if isinstance(spread, dict):
         table.add_row("reward spread between prompts (context)", f"{spread['between']:.3f}", "", "")
-        table.add_row(f"prompts with {spread['k']} identical rewards "
-                      f"(context)", f"{spread['all_equal_share']:.0%}",
+        table.add_row(f"prompts with {spread['k']} identical rewards (context)",
+                      f"{spread['all_equal_share']:.0%}",
                       "", "")
     stdout.print(table)
     color = "green" if report["passed"] else "red"
@@ -129,8 +129,8 @@ def print_evaluation(report: dict, path: Path) -> None:
     from slm_align.evaluate import summary_line
 
     table = Table(title=f"Evaluation on {report['prompts']} held-out prompts")
-    for column in ("policy", "PPL", "reward "
-                   "mean", "reward std", "distinct-2", "length", "truncated"):
+    for column in ("policy", "PPL", "reward mean",
+                   "reward std", "distinct-2", "length", "truncated"):
         table.add_column(column)
     for r in report["policies"]:
         table.add_row(r["name"], f"{r['ppl']:.3f}", f"{r['reward_mean']:.3f}", f"{r['reward_std']:.3f}",
@@ -145,8 +145,8 @@ def print_merge(summary: dict) -> None:
     """One line: the merged directory, its architecture and parameter count."""
     m = summary["metrics"]
     template = " (ChatML chat template added)" if m["default_chat_template"] else ""
-    stdout.print(f"[bold]merged[/] -> {summary['dir']}: {m['architecture']}, {m['parameters']:,} "
-                 f"parameters"
+    stdout.print(f"[bold]merged[/] -> {summary['dir']}: {m['architecture']}, "
+                 f"{m['parameters']:,} parameters"
                  + template)
 
 
@@ -196,8 +196,8 @@ def print_device(profile: dict) -> None:
     stdout.print(table)
     rows = [{k: p[k] for k in ("model", "quant", "tokens_per_second", "context", "runtime", "source")}
             for p in profile["reference"]]
-    stdout.print(rows_table("Reference decode "
-                            "measurements", rows) if rows else "no reference measurements")
+    stdout.print(rows_table("Reference decode measurements",
+                            rows) if rows else "no reference measurements")
 
 
 def print_fit(report: dict) -> None:
@@ -231,14 +231,13 @@ def _bench_rows(b: dict) -> tuple[tuple[str, str], ...]:
                  f"{' '.join(host['isa']) or 'no SIMD flags found'}"),
         ("threads / context", f"{b['threads']} / {b['n_ctx']} tokens"),
         ("load", f"{b['load_seconds'] * 1000:.0f} ms"),
-        ("time to first "
-         "token", f"{b['time_to_first_token_seconds'] * 1000:.0f} ms ({b['prompt_tokens']}-token "
-                                "prompt)"),
+        ("time to first token", f"{b['time_to_first_token_seconds'] * 1000:.0f} ms "
+                  f"({b['prompt_tokens']}-token prompt)"),
         ("prompt processing", f"{b['prompt_tokens_per_second']:.1f} tokens/s"),
         ("decode", f"{b['decode_tokens_per_second']:.1f} tokens/s (median of {b['repeats']}, "
                    f"{b['decode_tokens']} tokens each)"),
-        ("peak memory "
-         "(RSS)", f"{size(b['peak_rss_bytes'])} ({size(b['rss_before_load_bytes'])} before "
+        ("peak memory (RSS)",
+         f"{size(b['peak_rss_bytes'])} ({size(b['rss_before_load_bytes'])} before "
                               f"loading, +{size(b['model_rss_bytes'])} for the model)"))
 
 
@@ -253,8 +252,8 @@ def print_bench(summary: dict) -> None:
     p = summary["prediction"]
     if p:
         stdout.print(f"prediction for {p['device']} ({p['quant']}, {p['context']} tokens): "
-                     f"~{p['predicted_tokens_per_second']:.1f} tokens/s; measured / predicted = "
-                     f"{p['ratio']:.2f}")
+                     f"~{p['predicted_tokens_per_second']:.1f} tokens/s; measured / "
+                     f"predicted = {p['ratio']:.2f}")
     if summary["saved_profile"]:
         saved = summary["saved_profile"]
         stdout.print(f"[bold]saved[/] device profile {saved['name']} -> {saved['path']} (bandwidth "

@@ -31,19 +31,17 @@ feedback_app = typer.Typer(help="On-device preferences: export them for the next
                          "/compare /pick 1|2 /edit TEXT /tools /reset /save FILE /quit")
 @typed_flags(Sampling, "sampling", renamed={"max_tokens": "--max-new-tokens"})
 def chat(
-    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export "
-                                    "directory."),
-    store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) to "
-                                         "record turns in."),
-    consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as consented for "
-                                 "training."),
+    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an "
+                                              "ONNX export directory."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) to record turns in."),
+    consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as "
+                                                          "consented for training."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
-    tools: bool = typer.Option(False, "--tools", help="Offer the built-in tools (calculator, "
-                               "clock, notes)."),
-    notes: Optional[Path] = typer.Option(None, "--notes", help="Folder the notes tool may use "
-                                         "(with --tools)."),
-    device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and "
-                                         "context."),
+    tools: bool = typer.Option(False, "--tools", help="Offer the built-in tools "
+                                                      "(calculator, clock, notes)."),
+    notes: Optional[Path] = typer.Option(None, "--notes", help="Folder the notes tool "
+                                                               "may use (with --tools)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and context."),
     threads: Optional[int] = ThreadsOpt,
     n_ctx: Optional[int] = CtxOpt,
     sampling: Optional[Sampling] = None,
@@ -80,8 +78,8 @@ def refuse_with_raw(**given) -> None:
     for name, value in given.items():
         if value:
             flag = name.replace("_", "-")
-            raise UserError(f"--raw continues plain text without a chat; --{flag} needs a chat: "
-                            f"drop one of them")
+            raise UserError(f"--raw continues plain text without a chat; --{flag} needs a "
+                            "chat: drop one of them")
 
 
 def answer_lines(agent, raw: bool = False) -> None:
@@ -120,30 +118,28 @@ def write_now(text: str) -> None:
                          "--port 9000\n\n  curl -s http://127.0.0.1:8080/v1/chat/completions -H "
                          "'Content-Type: application/json' -d '{\"model\": \"m\", \"messages\": "
                          "[{\"role\": \"user\", \"content\": \"Hi\"}]}'\n\nAny OpenAI client "
-                         "works: base_url http://127.0.0.1:8080/v1, api_key the --api-key (or any "
-                         "text).")
+                         "works: base_url http://127.0.0.1:8080/v1, api_key the "
+                         "--api-key (or any text).")
 def serve(
-    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an ONNX export "
-                                    "directory."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; beyond loopback it "
-                             "needs --api-key."),
-    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on (0: any "
-                             "free one)."),
-    store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) for "
-                                         "turns and feedback."),
-    consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as consented for "
-                                 "training."),
+    artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an "
+                                              "ONNX export directory."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; beyond "
+                                                         "loopback it needs --api-key."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on (0: any free one)."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) "
+                                                               "for turns and feedback."),
+    consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as "
+                                                          "consented for training."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SLM_ALIGN_API_KEY",
-                                          help="Require 'Authorization: Bearer KEY' on /v1 (env "
-                                          "SLM_ALIGN_API_KEY)."),
-    tools: bool = typer.Option(False, "--tools", help="Run the built-in tools (calculator, clock) "
-                               "on the server."),
-    device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and "
-                                         "context."),
+                                          help="Require 'Authorization: Bearer KEY' on /v1 "
+                                               "(env SLM_ALIGN_API_KEY)."),
+    tools: bool = typer.Option(False, "--tools", help="Run the built-in tools "
+                                                      "(calculator, clock) on the server."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile for threads and context."),
     threads: Optional[int] = ThreadsOpt,
     n_ctx: Optional[int] = CtxOpt,
-    insecure: bool = typer.Option(False, "--insecure", help="Allow listening beyond loopback "
-                                  "without an API key."),
+    insecure: bool = typer.Option(False, "--insecure", help="Allow listening beyond "
+                                                            "loopback without an API key."),
     allow_host: list[str] = typer.Option([], "--allow-host", help="Without --api-key, also answer "
                                          "requests addressed to this host name (repeatable; '*': "
                                          "any). Loopback names always work."),
@@ -165,16 +161,16 @@ def serve(
                                         "runs/round2 --preferences round2.jsonl --preferences "
                                         "round2.unpaired.jsonl")
 def feedback_export(
-    db: Path = typer.Argument(..., help="Preference database written by the agent (chat, serve, "
-                              "Python API)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Pairs file (.jsonl); thumbs go to OUT's "
-                             ".unpaired.jsonl."),
+    db: Path = typer.Argument(..., help="Preference database written by the agent "
+                                        "(chat, serve, Python API)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Pairs file (.jsonl); thumbs go to "
+                                                      "OUT's .unpaired.jsonl."),
     scrub: bool = typer.Option(True, "--scrub/--no-scrub",
                                help="Replace e-mails, phone numbers, cards, SSNs, IPs (v4 and v6), "
                                     "IBANs, API keys and tokens in every string of every row (on "
                                     "by default). Not caught: names, street addresses and other "
-                                    "personal data without a fixed shape: read the rows before "
-                                    "sharing them."),
+                                    "personal data without a fixed shape: read the "
+                                    "rows before sharing them."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing output files."),
     as_json: bool = JsonFlag,
 ) -> None:

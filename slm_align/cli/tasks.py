@@ -15,8 +15,8 @@ from slm_align.cli.render import emit, stdout
 commands = typer.Typer()
 tasks_app = typer.Typer(
     no_args_is_help=True, rich_markup_mode="markdown",
-    help="Tool-use task data: the bundled calculator task (SFT chats, RL task rows, held-out "
-                        "rows).",
+    help="Tool-use task data: the bundled calculator task (SFT chats, RL "
+         "task rows, held-out rows).",
     epilog="Examples:\n\n  slm-align tasks make --out data/calc\n\n"
            "  slm-align tasks make --out data/calc --train 800 --heldout 200 --seed 1 --json")
 commands.add_typer(tasks_app, name="tasks")
@@ -30,11 +30,10 @@ commands.add_typer(tasks_app, name="tasks")
 def tasks_make(
     out: Path = typer.Option(..., "--out", "--output-dir", help="Directory for sft.jsonl, "
                              "train.jsonl and heldout.jsonl."),
-    train: int = typer.Option(400, "--train", min=1, help="Training tasks (each gives two SFT "
-                              "chats)."),
+    train: int = typer.Option(400, "--train", min=1, help="Training tasks (each gives two SFT chats)."),
     heldout: int = typer.Option(100, "--heldout", min=0, help="Held-out tasks for evaluation."),
-    seed: int = typer.Option(0, "--seed", help="Generation seed: the same seed writes the same "
-                             "files."),
+    seed: int = typer.Option(0, "--seed", help="Generation seed: the same seed "
+                                               "writes the same files."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace files already in --out."),
     as_json: bool = JsonFlag,
 ) -> None:
@@ -66,25 +65,24 @@ TOP_FAILURES = 2
                   "slm-align evaluate-agent data/calc/heldout.jsonl --artifact rl/model-Q8_0.gguf "
                   "--samples 5 --temperature 0.7 --max-tool-rounds 2   # pass@5 and pass@1")
 def evaluate_agent(
-    tasks: Path = typer.Argument(..., help="Task rows with prompt and answer (jsonl, json, csv, "
-                                 "parquet, datasets)."),
+    tasks: Path = typer.Argument(..., help="Task rows with prompt and answer (jsonl, json, "
+                                           "csv, parquet, datasets)."),
     artifact: list[Path] = typer.Option(..., "--artifact", help="Exported model (.gguf or ONNX "
                                                                "directory); repeat to compare: "
                                                                "each is compared with the first."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Use the first N tasks only."),
-    max_new_tokens: int = typer.Option(96, "--max-new-tokens", min=1, help="Most tokens per model "
-                                       "reply."),
+    max_new_tokens: int = typer.Option(96, "--max-new-tokens", min=1, help="Most tokens per model reply."),
     max_tool_rounds: int = typer.Option(3, "--max-tool-rounds", help="Tool rounds an episode may "
                                         "take before its final answer (an integer >= 0)."),
     samples: int = typer.Option(1, "--samples", help="Episodes per task (an integer >= 1): 1 "
-                                "answers greedily; k > 1 samples k at --temperature and adds "
-                                "pass@k and pass@1."),
+                                "answers greedily; k > 1 samples k at --temperature and "
+                                "adds pass@k and pass@1."),
     temperature: float = typer.Option(0.7, "--temperature", help="Temperature of sampled episodes "
                                       "(--samples > 1), a number from 0 to 2."),
     seed: int = typer.Option(0, "--seed", help="Seed of the samples (each episode's is drawn from "
                              "it, the task and the sample) and of the bootstrap intervals."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write the full report (per-episode "
-                                       "results) here."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the full report "
+                                                           "(per-episode results) here."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Run exported models in the agent runtime, with real tools, on held-out tasks:

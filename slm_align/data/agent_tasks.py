@@ -33,16 +33,16 @@ TOOL = "calculator"
 FILES = ("sft", "train", "heldout")
 
 _ARITHMETIC = {
-    "+": ("What is {a} + "
-          "{b}?", "What is {a} plus {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?",
+    "+": ("What is {a} + {b}?",
+          "What is {a} plus {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?",
           "Calculate {a} + {b}."),
-    "-": ("What is {a} - "
-          "{b}?", "What is {a} minus {b}?", "Subtract {b} from {a}.", "Calculate {a} - {b}.",
+    "-": ("What is {a} - {b}?",
+          "What is {a} minus {b}?", "Subtract {b} from {a}.", "Calculate {a} - {b}.",
           "What do you get when you take {b} away from {a}?"),
     "*": ("What is {a} * {b}?", "What is {a} times {b}?", "Multiply {a} by {b}.",
           "What is the product of {a} and {b}?", "Calculate {a} * {b}."),
-    "/": ("What is {a} / "
-          "{b}?", "What is {a} divided by {b}?", "Divide {a} by {b}.", "Calculate {a} / {b}."),
+    "/": ("What is {a} / {b}?",
+          "What is {a} divided by {b}?", "Divide {a} by {b}.", "Calculate {a} / {b}."),
 }
 _UNIT_TEMPLATES = ("How many {small} are in {q} {large}?", "Convert {q} {large} to {small}.",
                    "{q} {large} is how many {small}?", "What is {q} {large} in {small}?",
@@ -155,8 +155,8 @@ def make_tasks(n: int, seed: int = 0) -> list[dict]:
     while len(rows) < n:
         attempts += 1
         if attempts > 50 * n + 1000:
-            raise UserError(f"cannot generate {n} distinct tasks; ask for fewer (a few thousand at "
-                            f"most)")
+            raise UserError(f"cannot generate {n} distinct tasks; ask for fewer "
+                            "(a few thousand at most)")
         if rng.random() < UNIT_SHARE:
             question, expression, key = _unit(rng)
         else:
@@ -173,8 +173,8 @@ def split_tasks(n_train: int, n_heldout: int, seed: int = 0) -> tuple[list[dict]
     """Train and held-out task rows; every task is distinct, so no question or
     expression is on both sides."""
     if n_train < 1 or n_heldout < 0:
-        raise UserError(f"--train must be at least 1 and --heldout at least 0 (got {n_train} and "
-                        f"{n_heldout})")
+        raise UserError("--train must be at least 1 and --heldout at least 0 (got "
+                        f"{n_train} and {n_heldout})")
     rows = make_tasks(n_train + n_heldout, seed)
     random.Random(seed + 1).shuffle(rows)
     return rows[:n_train], rows[n_train:]
@@ -209,8 +209,8 @@ def write_agent_tasks(out_dir, n_train: int = 400, n_heldout: int = 100, seed: i
     paths = {name: out / f"{name}.jsonl" for name in FILES}
     existing = [str(path) for path in paths.values() if path.exists()]
     if existing and not overwrite:
-        raise UserError(f"{', '.join(existing)} already exist; choose another --out or pass "
-                        f"--overwrite")
+        raise UserError(f"{', '.join(existing)} already exist; choose another "
+                        "--out or pass --overwrite")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a directory")
     train, heldout = split_tasks(n_train, n_heldout, seed)

@@ -14,11 +14,11 @@ NAMES = ["Lily", "Tom", "Mia", "Ben", "Sara", "Max", "Anna", "Leo", "Zoe", "Sam"
 ANIMALS = ["cat", "dog", "bunny", "bird", "fox", "bear", "duck", "frog", "mouse", "owl"]
 KIDS = ["girl", "boy"]
 ADJECTIVES = ["little", "happy", "small", "kind", "brave", "curious", "shy", "funny"]
-PLACES = ["a small house", "a big "
-          "forest", "a quiet town", "a sunny farm", "a green park", "a little village"]
+PLACES = ["a small house", "a big forest",
+          "a quiet town", "a sunny farm", "a green park", "a little village"]
 COLORS = ["red", "blue", "yellow", "green", "pink", "shiny"]
-OBJECTS = ["ball", "kite", "box", "hat", "book", "cup", "boat", "toy "
-           "car", "flower", "key", "shell", "stone",
+OBJECTS = ["ball", "kite", "box", "hat", "book", "cup", "boat", "toy car",
+           "flower", "key", "shell", "stone",
            "drum", "map", "bell", "sock"]
 FRIENDS = ["mom", "dad", "a friend", "grandma", "a neighbor", "a teacher"]
 FIND_PLACES = ["under a tree", "near the river", "in the garden", "behind the door", "on the path"]
@@ -40,11 +40,11 @@ LESSONS = [
 ]
 PLAYS = ["played with it all day", "took it home", "showed it to everyone", "kept it safe",
          "put it in a bag", "sang a song about it"]
-WEATHER = ["The sun was "
-           "warm.", "It was a rainy day.", "The sky was blue and clear.", "It was cold and windy.",
+WEATHER = ["The sun was warm.",
+           "It was a rainy day.", "The sky was blue and clear.", "It was cold and windy.",
            "Snow was falling softly."]
-SAYINGS = ["Look at this!", "What a nice "
-           "day!", "I love it!", "Can you help me?", "This is the best day ever!"]
+SAYINGS = ["Look at this!", "What a nice day!",
+           "I love it!", "Can you help me?", "This is the best day ever!"]
 
 
 def _pronoun(kind: str, rng: random.Random) -> tuple[str, str]:

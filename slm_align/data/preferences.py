@@ -30,8 +30,8 @@ MAX_PAIRS_PER_PROMPT = 8
 
 def _messages(where: str, value: Any, column: str) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise UserError(f"{where}: column '{column}' must be text or a list of {{role, content}} "
-                        f"messages")
+        raise UserError(f"{where}: column '{column}' must be text or a list of "
+                        f"{{role, content}} messages")
     return [chat_message(f"{where}: column '{column}'", message) for message in value]
 
 
@@ -42,8 +42,8 @@ def _render_chat(where: str, row: dict, tokenizer) -> Pair:
     rejected = _messages(where, row["rejected"], "rejected")
     prompt = _messages(where, row["prompt"], "prompt") if "prompt" in row else chosen[:-1]
     if "prompt" not in row and chosen[:-1] != rejected[:-1]:
-        raise UserError(f"{where}: without a 'prompt' column, chosen and rejected must share all "
-                        f"but the last turn")
+        raise UserError(f"{where}: without a 'prompt' column, chosen and rejected must "
+                        "share all but the last turn")
     prompt_text, chosen_text = chat_turn(prompt, chosen[-1], tokenizer)
     return Pair(prompt_text, chosen_text, chat_turn(prompt, rejected[-1], tokenizer)[1])
 

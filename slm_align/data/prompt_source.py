@@ -79,8 +79,7 @@ def prompt_source(recipe: Recipe, tokenizer, corpus=None) -> PromptSource:
         corpus = load_corpus(recipe.data, recipe.seed)
     splits = corpus.splits
     make_train = functools.partial(prompts_of, splits.train, tokenizer)
-    return PromptSource(make_train, prompts_of(splits.heldout, tokenizer), f"openings of "
-                        f"{corpus.description}")
+    return PromptSource(make_train, prompts_of(splits.heldout, tokenizer), f"openings of {corpus.description}")
 
 
 def _task_source(recipe: Recipe, tokenizer) -> PromptSource:
@@ -88,8 +87,8 @@ def _task_source(recipe: Recipe, tokenizer) -> PromptSource:
 
     path = Path(recipe.data.tasks)
     if not path.exists():
-        raise UserError(f"task file {path} not found; pass an existing jsonl/json/parquet file or "
-                        f"datasets directory")
+        raise UserError(f"task file {path} not found; pass an existing jsonl/json/parquet "
+                        "file or datasets directory")
     tasks = read_tasks(path, tokenizer)
     train, heldout = split_tasks(tasks, recipe.seed, recipe.data.eval_fraction, recipe.data.heldout_prompts)
     if len(train) == 0 or len(heldout) < 2:
@@ -99,5 +98,5 @@ def _task_source(recipe: Recipe, tokenizer) -> PromptSource:
     if "answer" in heldout.column_names():
         answers = tuple(str(row["answer"]) for row in heldout.columns)
     make_train = functools.partial(list, train.prompts)
-    return PromptSource(make_train, list(heldout.prompts), f"tasks {path} ({len(tasks)} "
-                        f"prompts)", tasks, answers)
+    return PromptSource(make_train, list(heldout.prompts), f"tasks {path} ({len(tasks)} prompts)",
+                        tasks, answers)

@@ -29,11 +29,11 @@ def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text (bad byte at offset {exc.start}); re-save it as "
-                        f"UTF-8") from None
+        raise UserError(f"{path}: not UTF-8 text (bad byte at offset "
+                        f"{exc.start}); re-save it as UTF-8") from None
     except OSError as exc:
-        raise UserError(f"{path}: cannot read it ({exc.strerror}); check the path and its "
-                        f"permissions") from None
+        raise UserError(f"{path}: cannot read it ({exc.strerror}); check the "
+                        "path and its permissions") from None
 
 
 def _txt_rows(path: Path) -> Iterator[Row]:
@@ -56,8 +56,8 @@ def _jsonl_rows(path: Path) -> Iterator[Row]:
         try:
             yield f"{path}:{number}", json.loads(line)
         except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{number}: not valid JSON ({exc.msg}); each line must be one "
-                            f"JSON object") from None
+            raise UserError(f"{path}:{number}: not valid JSON ({exc.msg}); each line "
+                            "must be one JSON object") from None
 
 
 def _json_rows(path: Path) -> Iterator[Row]:
@@ -91,8 +91,8 @@ def _parquet_rows(path: Path) -> Iterator[Row]:
     try:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several unrelated types for a bad file
-        raise UserError(f"{path}: not a readable parquet file ({type(exc).__name__}: "
-                        f"{exc})") from None
+        raise UserError(f"{path}: not a readable parquet file "
+                        f"({type(exc).__name__}: {exc})") from None
     yield from _table_rows(str(path), table.to_pylist())
 
 
@@ -115,8 +115,8 @@ def iter_rows(path: Path) -> Iterator[Row]:
     if is_hub_dataset(path, SUFFIXES):
         return hub_rows(str(path))
     if not path.exists():
-        raise UserError(f"data {path} not found; pass a corpus file ({', '.join(SUFFIXES)}) or a "
-                        f"datasets directory")
+        raise UserError(f"data {path} not found; pass a corpus file ({', '.join(SUFFIXES)}) "
+                        "or a datasets directory")
     if path.is_dir():
         return _datasets_rows(path)
     readers = {".txt": _txt_rows, ".jsonl": _jsonl_rows, ".json": _json_rows, ".csv": _csv_rows,
@@ -137,8 +137,8 @@ def _string(where: str, row: dict, field: str) -> str:
 
 def _messages(where: str, value: Any) -> tuple[dict, ...]:
     if not isinstance(value, list) or not value:
-        raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}} "
-                        f"objects")
+        raise UserError(f"{where}: 'messages' must be a non-empty list of "
+                        f"{{role, content}} objects")
     return tuple(chat_message(where, message) for message in value)
 
 
@@ -174,8 +174,8 @@ def read_examples(path: Path, text_field: Optional[str] = None) -> list[Example]
     """Every non-empty item of a corpus. An empty corpus is a UserError."""
     examples = [ex for where, row in iter_rows(path) if (ex := row_to_example(where, row, text_field)) is not None]
     if not examples:
-        raise UserError(f"data {path} holds no documents; give a file with at least a few "
-                        f"non-empty rows")
+        raise UserError(f"data {path} holds no documents; give a file with at "
+                        "least a few non-empty rows")
     return examples
 
 

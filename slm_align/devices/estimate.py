@@ -235,8 +235,7 @@ def efficiency_for(profile: DeviceProfile, pool: Pool) -> Efficiency:
         ratios = [measured_over_bound(profile, point) for point in profile.reference]
         return Efficiency(geometric_mean(ratios), "device", len(ratios))
     if pool:
-        return Efficiency(geometric_mean(measured_over_bound(p, point) for p, point in pool), "all "
-                          "devices",
+        return Efficiency(geometric_mean(measured_over_bound(p, point) for p, point in pool), "all devices",
                           len(pool))
     return Efficiency(DEFAULT_EFFICIENCY, "default", 0)
 

@@ -68,11 +68,11 @@ def _read_config(directory: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"{directory}: no config.json; pass an HF model directory, an ONNX export directory "
-                        "or a .gguf file") from None
+        raise UserError(f"{directory}: no config.json; pass an HF model directory, an ONNX export "
+                        "directory or a .gguf file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not valid JSON ({exc}); re-save the model with "
-                        f"save_pretrained") from None
+        raise UserError(f"{path}: not valid JSON ({exc}); re-save the "
+                        "model with save_pretrained") from None
 
 
 def _dims_from_config(config: dict) -> dict:
@@ -96,8 +96,8 @@ def safetensors_header(path: Path) -> dict:
                 raise ValueError("header length out of range")
             header = json.loads(handle.read(length))
     except (struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not a safetensors file ({exc}); re-save the model with "
-                        f"save_pretrained") from None
+        raise UserError(f"{path}: not a safetensors file ({exc}); re-save the "
+                        "model with save_pretrained") from None
     header.pop("__metadata__", None)
     expected = 8 + length + max((t.get("data_offsets", (0, 0))[1] for t in header.values()), default=0)
     if path.stat().st_size < expected:
@@ -168,8 +168,8 @@ def gguf_facts(path: Path) -> ModelFacts:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError, struct errors, ... on a damaged file
-        raise UserError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
-                        f"re-export it") from None
+        raise UserError(f"{path}: not a readable GGUF file "
+                        f"({type(exc).__name__}: {exc}); re-export it") from None
     arch = _gguf_value(reader, "general.architecture")
     meta = {key: _gguf_value(reader, f"{arch}.{key}") for key in
             ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
@@ -222,8 +222,8 @@ def params_from_config(config: dict) -> int:
     layers = dims["layers"]
     vocab = dims["vocab_size"]
     if not (hidden and layers and vocab):
-        raise UserError("config.json lacks hidden_size, num_hidden_layers or vocab_size; cannot "
-                        "size the model")
+        raise UserError("config.json lacks hidden_size, num_hidden_layers or "
+                        "vocab_size; cannot size the model")
     model_type = config.get("model_type")
     q_width = dims["attention_heads"] * dims["head_dim"]
     kv_width = dims["kv_heads"] * dims["head_dim"]
@@ -270,7 +270,7 @@ def model_facts(path) -> ModelFacts:
     if path.is_dir() and any(path.glob("*.safetensors")):
         return hf_facts(path)
     if not path.exists():
-        raise UserError(f"model {path} not found; pass an HF directory, a .gguf file or an ONNX "
-                        f"export directory")
+        raise UserError(f"model {path} not found; pass an HF directory, a .gguf file or "
+                        "an ONNX export directory")
     raise UserError(f"{path}: not a model this can size; pass an HF directory with *.safetensors, a .gguf file "
                     "or an ONNX export directory with model.onnx")

@@ -69,8 +69,7 @@ def cpu_name(cpuinfo: str) -> str:
     boards, sysctl on macOS."""
     fields = _cpuinfo_fields(cpuinfo)
     board = _read("/proc/device-tree/model").strip("\x00 \n")
-    name = fields.get("model "
-                      "name") or board or fields.get("hardware") or fields.get("processor", "")
+    name = fields.get("model name") or board or fields.get("hardware") or fields.get("processor", "")
     if sys.platform == "darwin":
         name = _sysctl("machdep.cpu.brand_string") or name
     if not name or name.isdigit():  # ARM cpuinfo's 'processor' is just the CPU index
@@ -155,8 +154,7 @@ def measure_bandwidth(megabytes: int = BANDWIDTH_MB, repeats: int = BANDWIDTH_RE
     return 2 * source.nbytes / best / 1e9
 
 
-# --- the measurement (runs in the child process)
-# ------------------------------------------------------------
+# --- the measurement (runs in the child process) --------------------------------------------------
 
 def peak_rss_bytes() -> int:
     """This process's RSS high-water mark.

@@ -93,8 +93,8 @@ def profile_path(name: str, overwrite: bool = False) -> Path:
     """The file a profile called ``name`` is saved to; refuses a bad name or an existing
     file (unless overwrite)."""
     if not PROFILE_NAME.match(name):
-        raise UserError(f"--save-profile '{name}': use letters, digits, '.', '_' and '-' only "
-                        f"(e.g. my-laptop)")
+        raise UserError(f"--save-profile '{name}': use letters, digits, '.', '_' and "
+                        "'-' only (e.g. my-laptop)")
     path = user_profile_dir() / f"{name}.toml"
     if path.exists() and not overwrite:
         raise UserError(f"device profile {path} already exists; pass --overwrite to replace it or "
@@ -157,8 +157,8 @@ def profile_data(result: BenchResult, bandwidth_gbs: float, facts, today: Option
         "onnx_preset": _onnx_preset(host.isa, host.machine),
         "notes": f"Written by `slm-align bench {result.artifact}` ({result.threads} threads, "
                  f"{result.prompt_tokens}-token prompt, {result.decode_tokens} decode tokens)."
-                 + ("" if reference else " No reference point: the artifact's weight type is "
-                    "unknown."),
+                 + ("" if reference else " No reference point: the artifact's "
+                                         "weight type is unknown."),
         "reference": [reference] if reference else [],
     }
 

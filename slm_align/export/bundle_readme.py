@@ -27,8 +27,8 @@ RUNTIMES = {
                     "`onnxruntime-objc` / `onnxruntime-c` pods (model.ort, when exported with "
                     "--ort-format, for reduced builds).",
         "calls": [
-            "`OrtSession(env, \"model/{name}/model.onnx\", options)` (intra-op threads from the "
-                  "device)",
+            "`OrtSession(env, \"model/{name}/model.onnx\", options)` (intra-op "
+            "threads from the device)",
             "tokenize with tokenizer.json (onnxruntime-extensions or a Hugging Face tokenizers "
             "binding) after rendering chat_template.jinja",
             "`session.run` with `input_ids`, `attention_mask`, `position_ids` and the "
@@ -41,14 +41,14 @@ RUNTIMES = {
         "packages": "Android: `com.microsoft.onnxruntime:onnxruntime-genai-android`; iOS: the "
                     "`onnxruntime-genai-objc` pod; also C, C# and Python APIs.",
         "calls": [
-            "`Model(\"model/{name}\")` (reads genai_config.json: the search defaults are "
-                  "sampling.json's)",
+            "`Model(\"model/{name}\")` (reads genai_config.json: the search "
+            "defaults are sampling.json's)",
             "`Tokenizer(model)`, `tokenizer.apply_chat_template(messages)`, "
             "`tokenizer.encode(prompt)` (when verification.json says `genai_adds_bos: false`, "
-            "genai leaves the model's BOS out: put its id first unless the ids already start with "
-            "it)",
-            "`GeneratorParams(model)`, `params.set_search_options(max_length=..., temperature=..., "
-                  "top_p=...)`",
+            "genai leaves the model's BOS out: put its id first unless the ids "
+            "already start with it)",
+            "`GeneratorParams(model)`, `params.set_search_options(max_length=..., "
+            "temperature=..., top_p=...)`",
             "`Generator(model, params)`, `generator.append_tokens(tokens)`",
             "loop: `generator.generate_next_token()`, `generator.get_next_tokens()`, "
             "`TokenizerStream.decode`, until `generator.is_done()`",
@@ -61,13 +61,13 @@ RUNTIMES = {
                     "program delegates to XNNPACK). fp32 only.",
         "calls": [
             "`Module(\"model/{name}/model.pte\")` (`Module.load(path)` on Android); its "
-            "`get_max_seq_len` method gives the static KV cache's length, `get_eos_ids` the "
-            "end-of-sequence ids",
+            "`get_max_seq_len` method gives the static KV cache's length, `get_eos_ids` "
+            "the end-of-sequence ids",
             "render chat_template.jinja and tokenize with tokenizer.json (ExecuTorch's "
             "`pytorch_tokenizers` or a Hugging Face tokenizers binding)",
             "for each prompt token: `forward(input_ids=[[token]] int64, cache_position=[position] "
-            "int64)` -> logits (1, 1, vocab); the KV cache lives inside the program, position "
-            "counts from 0",
+            "int64)` -> logits (1, 1, vocab); the KV cache lives inside the program, "
+            "position counts from 0",
             "loop: sample the last logits with sampling.json, feed the token at the next position, "
             "stop at an EOS id or at get_max_seq_len",
         ],

@@ -41,8 +41,8 @@ def calibration_texts(run: Path, limit: int = MAX_TEXTS) -> list[str]:
     texts = [plain_text(example) for example in splits.heldout if example.key() not in seen]
     texts = [text for text in texts if text.strip()][:limit]
     if not texts:
-        raise UserError(f"run {run} has no held-out texts to calibrate on; export without "
-                        f"--calibrate")
+        raise UserError(f"run {run} has no held-out texts to calibrate on; "
+                        "export without --calibrate")
     return texts
 
 

@@ -45,8 +45,8 @@ def check_executorch_architecture(model_type) -> str:
     """``model_type`` when this path exports it, else one line naming the ones it does."""
     if model_type not in EXECUTORCH_TYPES:
         raise UserError(f"--target executorch: architecture {model_type} is not supported "
-                        f"(supported: {', '.join(EXECUTORCH_TYPES)}); export --target gguf or onnx "
-                        f"instead")
+                        f"(supported: {', '.join(EXECUTORCH_TYPES)}); export "
+                        "--target gguf or onnx instead")
     return model_type
 
 
@@ -108,16 +108,16 @@ def write_executorch(model_dir: Path, out_dir: Path, max_cache_len: int = MAX_CA
                         constant_methods=_constant_methods(model, max_cache_len)).to_executorch()
     except Exception as exc:  # torch.export's and ExecuTorch's failures have many types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"--target executorch: {model.config.model_type} did not export "
-                        f"({first[:200]})") from None
+        raise UserError(f"--target executorch: {model.config.model_type} did not "
+                        f"export ({first[:200]})") from None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MODEL_FILE).write_bytes(program.buffer)
     for copied in COPIED:
         if (Path(model_dir) / copied).is_file():
             shutil.copy2(Path(model_dir) / copied, out_dir / copied)
-    settings = {"max_cache_len": max_cache_len, "inputs": ["input_ids (1, 1) "
-                                                           "int64", "cache_position (1,) int64"],
+    settings = {"max_cache_len": max_cache_len, "inputs": ["input_ids (1, 1) int64",
+                                                           "cache_position (1,) int64"],
                 "outputs": ["logits (1, 1, vocab) float32"]}
     (out_dir / "executorch_config.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
     return out_dir / MODEL_FILE

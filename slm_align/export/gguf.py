@@ -180,8 +180,8 @@ def write_gguf(model_dir: Path, out_path: Path, file_type: str = "F32",
     config = normalized_config(config)
     model_type = config["model_type"]
     if file_type not in WRITTEN_TYPES:
-        raise UserError(f"write_gguf writes {', '.join(WRITTEN_TYPES)}; {file_type} goes through "
-                        f"quantize_gguf")
+        raise UserError(f"write_gguf writes {', '.join(WRITTEN_TYPES)}; {file_type} "
+                        "goes through quantize_gguf")
     arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[model_type])
     with atomic_path(out_path) as tmp:
         writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
@@ -211,8 +211,8 @@ def _fill(writer, model_dir: Path, model_type: str, config: dict, file_type: str
             continue
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if target is None:
-            raise UserError(f"GGUF export: no GGUF name for tensor {name}; the checkpoint has "
-                            f"unexpected layers")
+            raise UserError(f"GGUF export: no GGUF name for tensor {name}; the "
+                            "checkpoint has unexpected layers")
         _add_tensor(writer, target, transform(name, tensor.astype(np.float32)), file_type)
 
 

@@ -104,8 +104,8 @@ def base_model(model: dict) -> dict[str, Optional[str]]:
     if kind == "hub":
         return {"name": ref, "hub_id": ref, "license": None}
     if kind == "bundled" or kind == "dir" and Path(ref) == DEFAULT_MODEL_DIR:
-        return {"name": "slm-align's bundled 2.5M "
-                "Llama", "hub_id": None, "license": BUNDLED_LICENSE}
+        return {"name": "slm-align's bundled 2.5M Llama",
+                "hub_id": None, "license": BUNDLED_LICENSE}
     if kind == "dir":
         return _directory_base(Path(ref))
     return {"name": Path(ref).name, "hub_id": None, "license": None}
@@ -186,8 +186,8 @@ def _rl_line(rl: dict) -> str:
     metrics = rl["metrics"]
     return (f"- RL: {metrics['algo'].upper()}, {metrics['steps']} iterations, learning rate "
             f"{metrics['learning_rate']:g}; held-out reward {metrics['heldout_reward_sft']:.3f} "
-            f"(SFT) -> {metrics['heldout_reward_rl']:.3f} (RL) over {metrics['eval_prompts']} "
-            f"prompts")
+            f"(SFT) -> {metrics['heldout_reward_rl']:.3f} (RL) over "
+            f"{metrics['eval_prompts']} prompts")
 
 
 def _preference_line(stage: dict) -> str:
@@ -207,8 +207,8 @@ def training_section(records: RunRecords) -> list[str]:
     """Base, data and what each training stage did and measured."""
     if records.sft is None:
         return []
-    lines = ["## "
-             "Training", "", f"- Base model: {base_model(records.sft['inputs']['model'])['name']}",
+    lines = ["## Training",
+             "", f"- Base model: {base_model(records.sft['inputs']['model'])['name']}",
              _data_line(records.sft["inputs"]), _sft_line(records.sft)]
     if records.rl is not None:
         lines.append(_rl_line(records.rl))
@@ -250,14 +250,14 @@ def evaluation_section(records: RunRecords) -> list[str]:
              f"{report['prompts']} held-out prompts, temperature {report['temperature']:g}, up to "
              f"{report['max_new_tokens']} new tokens; reward: "
              f"{', '.join(report['reward_terms'])}.", "",
-             "| policy | baseline | reward delta (95% CI) | win rate (95% CI) | p-value | verdict "
-             "|",
+             "| policy | baseline | reward delta (95% CI) | win rate (95% "
+             "CI) | p-value | verdict |",
              "|---|---|---|---|---|---|"]
     for row in report["comparisons"]:
         lines.append(f"| {row['policy']} | {row['baseline']} | {row['delta']:+.3f} "
                      f"{_interval(row['delta_ci95'], 3)} | {row['win_rate']:.3f} "
-                     f"{_interval(row['win_rate_ci95'], 3)} | {row['p_value']:.4f} | "
-                     f"{row['verdict']} |")
+                     f"{_interval(row['win_rate_ci95'], 3)} | "
+                     f"{row['p_value']:.4f} | {row['verdict']} |")
     return lines + [""]
 
 
@@ -300,8 +300,8 @@ def quantization_section(artifacts: list[tuple[str, dict]]) -> list[str]:
     """One row per artifact: type, size, sha256 and its verification against the PyTorch model."""
     if not artifacts:
         return []
-    lines = ["## Files and "
-             "quantization", "", "| file | type | size | sha256 | verification against PyTorch |",
+    lines = ["## Files and quantization",
+             "", "| file | type | size | sha256 | verification against PyTorch |",
              "|---|---|---|---|---|"]
     for name, metrics in artifacts:
         forced = " (published with --force)" if metrics.get("forced") else ""
@@ -313,8 +313,8 @@ def quantization_section(artifacts: list[tuple[str, dict]]) -> list[str]:
 
 def merged_usage(name: str) -> list[str]:
     """How to run a merged directory: transformers, then export for the devices."""
-    return ["## How to run", "", "```python", "from transformers import AutoModelForCausalLM, "
-            "AutoTokenizer", "",
+    return ["## How to run", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
             f'model = AutoModelForCausalLM.from_pretrained("{name}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "", "```bash",
             f"slm-align export {name} --target gguf   # llama.cpp / Ollama, parity-checked",
@@ -333,18 +333,17 @@ def gguf_usage(names: list[str]) -> list[str]:
 
 def onnx_usage(name: str) -> list[str]:
     """How to run an ONNX export: slm-align's runtime (chat, serve)."""
-    return ["## How to "
-            "run", "", "```bash", f"slm-align chat {name}    # onnxruntime, slm-align's runtime",
+    return ["## How to run",
+            "", "```bash", f"slm-align chat {name}    # onnxruntime, slm-align's runtime",
             f"slm-align serve {name}   # OpenAI-compatible HTTP server", "```", ""]
 
 
 def compose(title: str, records: Optional[RunRecords], library: str, tags: list[str],
             artifacts: list[tuple[str, dict]], usage: list[str]) -> str:
     """The whole card: header, title, the run's measured sections, the artifacts, how to run it."""
-    lines = front_matter(records, library, card_tags(records, tags)) + [MARKER, "", f"# "
-                                                                        f"{title}", ""]
-    lines.append("Aligned with slm-align; every figure below was measured by this run and read "
-                 "from its records.")
+    lines = front_matter(records, library, card_tags(records, tags)) + [MARKER, "", f"# {title}", ""]
+    lines.append("Aligned with slm-align; every figure below was measured by this run and "
+                 "read from its records.")
     lines.append("")
     if records is not None:
         for section in (training_section, gate_section, evaluation_section, envelope_section):
@@ -396,20 +395,20 @@ def genai_usage(name: str) -> list[str]:
             "tokenizer = og.Tokenizer(model)", "params = og.GeneratorParams(model)",
             "generator = og.Generator(model, params)",
             'generator.append_tokens(tokenizer.encode("Once upon a time"))',
-            "while not "
-            "generator.is_done():", "    generator.generate_next_token()", "```", "", "```bash",
+            "while not generator.is_done():",
+            "    generator.generate_next_token()", "```", "", "```bash",
             f"slm-align chat {name}    # slm-align's runtime (onnxruntime)", "```", ""]
 
 
 def executorch_usage(name: str) -> list[str]:
     """How to run a .pte folder: ExecuTorch's Python runtime (the Android/iOS runtimes
     load the same program)."""
-    return ["## How to "
-            "run", "", "```python", "import torch", "from executorch.runtime import Runtime", "",
+    return ["## How to run",
+            "", "```python", "import torch", "from executorch.runtime import Runtime", "",
             f'forward = Runtime.get().load_program("{name}/model.pte").load_method("forward")',
             "# one token and its position per call; the static KV cache lives in the program",
-            "logits = forward.execute([torch.tensor([[token_id]]), torch.tensor([position])])[0]  "
-            "# (1, 1, vocab)",
+            "logits = forward.execute([torch.tensor([[token_id]]), "
+            "torch.tensor([position])])[0]  # (1, 1, vocab)",
             "```", ""]
 
 

@@ -124,8 +124,7 @@ def _output(node: nodes.Output, scope: _Scope) -> str:
     pieces = [piece for child in node.nodes for piece in _pieces(child, scope)]
     if scope.message is not None:
         scope.emitted.extend(pieces)
-    return "".join(_go_text(value) if kind == "text" else "{{ " + value + " "
-                   "}}" for kind, value in pieces)
+    return "".join(_go_text(value) if kind == "text" else "{{ " + value + " }}" for kind, value in pieces)
 
 
 def _role_test(node: nodes.Node, scope: _Scope) -> str:
@@ -233,8 +232,8 @@ def check_system_prompt(system: Optional[str], target: str) -> None:
         raise UserError("--system sets the system prompt of the Ollama Modelfile, which only "
                         "--target gguf writes")
     if '"""' in system:
-        raise UserError('--system holds """, which a Modelfile cannot quote; leave it out of the '
-                        'prompt')
+        raise UserError('--system holds """, which a Modelfile cannot quote; '
+                        'leave it out of the prompt')
 
 
 def _quoted(text: str) -> str:

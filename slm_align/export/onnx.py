@@ -53,8 +53,8 @@ def _optimum_export(model_dir: Path, out_dir: Path) -> None:
     try:
         from optimum.exporters.onnx import main_export
     except ImportError:
-        raise UserError("ONNX export needs optimum's exporter: pip install "
-                        "'slm-align[export]'") from None
+        raise UserError("ONNX export needs optimum's exporter: pip "
+                        "install 'slm-align[export]'") from None
     with warnings.catch_warnings():  # the tracer's advisories about data-dependent branches are not for users
         warnings.simplefilter("ignore")
         main_export(str(model_dir), output=str(out_dir), task="text-generation-with-past", device="cpu",

@@ -33,8 +33,8 @@ from slm_align.progress import counted
 # (262144) that would be 32 GiB.
 VERIFY_CONTEXT = 512
 USER_MESSAGES = ("Tell me a short story about a brave mouse.", "What should I name my new puppy?")
-RAW_TEXTS = ("Once upon a time, there was a little girl named "
-             "Lily.", "The sun was warm and the birds")
+RAW_TEXTS = ("Once upon a time, there was a little girl named Lily.",
+             "The sun was warm and the birds")
 HELDOUT_TEXT = (
     "Once upon a time, in a small village by the sea, there lived an old fisherman and his clever "
     "cat. Every morning they rowed out before the sun came up, and every evening they shared what "

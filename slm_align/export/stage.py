@@ -280,8 +280,8 @@ def _check_calibrate(request: ExportRequest, quant: str, origin: dict) -> None:
         raise UserError(f"--calibrate weighs llama.cpp's quantizer ({', '.join(QUANTIZER_TYPES)}); "
                         f"{request.target} {quant} takes no calibration: drop --calibrate")
     if origin["kind"] != "run":
-        raise UserError(f"--calibrate reads a run's held-out texts; {request.source} is not a run "
-                        f"directory")
+        raise UserError(f"--calibrate reads a run's held-out texts; {request.source} "
+                        "is not a run directory")
 
 
 def _importance(request: ExportRequest, origin: dict, quant: str, checkpoint: Path) -> dict:

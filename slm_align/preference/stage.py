@@ -86,15 +86,14 @@ class PreferenceStage:
         self.policy = build_policy(self.source, self.adapter, settings, recipe.seed, recipe.model.trust_remote_code,
                                    recipe.model.allow_pickle, self.compute.device)
         heldout = len(self.data.heldout_pairs)
-        with stage_lines(f"{self.algo} set-up", f"the reference's log-probabilities of {heldout} "
-                         f"held-out pairs"):
+        with stage_lines(f"{self.algo} set-up", "the reference's log-probabilities of "
+                                                f"{heldout} held-out pairs"):
             self.learner = preference_learner(self.policy, self.tokenizer, self.data, recipe.preference, self.algo,
                                                recipe.rl.envelope, recipe.seed, recipe.data.max_length,
                                                self.compute.precision, self.compute.gradient_checkpointing)
         self.gate = preference_gate(recipe, self.algo, self.data, self.learner).to_dict()
         gate = self.gate
-        self.say(f"{self.algo} gate: "
-                 f"{gate['verdict']}" + (f" ({'; '.join(gate['reasons'])})" if gate["reasons"]
+        self.say(f"{self.algo} gate: {gate['verdict']}" + (f" ({'; '.join(gate['reasons'])})" if gate["reasons"]
                                                             else ""))
         if not gate["passed"] and not self.force:
             raise GateRefused(f"{self.algo} gate FAIL ({'; '.join(gate['reasons'])}): {' '.join(gate['remedies'])} "
@@ -152,17 +151,17 @@ def preference_gate(recipe: Recipe, algo: str, data: PreferenceData, learner: Pr
                Figure(heldout_name, heldout, settings.min_heldout, ">=",
                       "Add preferences on more prompts, or raise preference.heldout_fraction.")]
     if algo == "kto":
-        figures.append(Figure("share of the rarer "
-                              "label", data.label_share(), settings.min_label_share, ">=",
-                              "Collect more of the rarer verdict (thumbs up or down) before "
-                              "training KTO."))
+        figures.append(Figure("share of the rarer label",
+                              data.label_share(), settings.min_label_share, ">=",
+                              "Collect more of the rarer verdict (thumbs up or "
+                              "down) before training KTO."))
     ppl = learner.prior_perplexity()
     info = {"prompts": data.prompts, "dropped_by_truncation": learner.dropped}
     if ppl is not None:
-        figures.append(Figure("prior perplexity on held-out chosen "
-                              "answers", ppl, recipe.headroom.max_ppl, "<",
-                              "Train SFT longer (or on text like the chosen answers) before "
-                              "preference tuning."))
+        figures.append(Figure("prior perplexity on held-out chosen answers",
+                              ppl, recipe.headroom.max_ppl, "<",
+                              "Train SFT longer (or on text like the chosen answers) "
+                              "before preference tuning."))
     return HeadroomReport(figures, info)
 
 

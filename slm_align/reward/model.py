@@ -51,8 +51,8 @@ def classifier_from_policy(policy, pad_token_id: int):
         classifier = AutoModelForSequenceClassification.from_config(config)
     missing, _ = classifier.load_state_dict(policy.state_dict(), strict=False, assign=True)
     if any(not key.startswith("score.") for key in missing):
-        raise UserError(f"cannot build a reward model from this policy: backbone weights missing "
-                        f"({missing[:3]})")
+        raise UserError("cannot build a reward model from this policy: backbone weights "
+                        f"missing ({missing[:3]})")
     device = next(policy.parameters()).device
     classifier.score.to_empty(device=device)
     with torch.no_grad():
@@ -134,18 +134,18 @@ def load_reward_model(path: Path, trust_remote_code: bool = False):
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise UserError(f"reward model {path} not found (no config.json); pass the reward/model "
-                        f"directory of a run")
+        raise UserError(f"reward model {path} not found (no config.json); pass the "
+                        "reward/model directory of a run")
     try:
         model = AutoModelForSequenceClassification.from_pretrained(path, dtype="float32", use_safetensors=True,
                                                                    trust_remote_code=trust_remote_code)
         tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(path))
     except Exception as exc:
-        raise UserError(f"reward model {path} cannot be loaded ({type(exc).__name__}); it may be "
-                        f"corrupt") from None
+        raise UserError(f"reward model {path} cannot be loaded "
+                        f"({type(exc).__name__}); it may be corrupt") from None
     if model.config.num_labels != 1:
-        raise UserError(f"reward model {path} has {model.config.num_labels} outputs; a reward "
-                        f"model has one")
+        raise UserError(f"reward model {path} has {model.config.num_labels} outputs; "
+                        "a reward model has one")
     return model.float().eval(), tokenizer
 
 

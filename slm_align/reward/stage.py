@@ -63,8 +63,8 @@ def build_pairs(recipe: Recipe, tokenizer) -> tuple[list[Pair], list[Pair], dict
     if not train:
         cause = ("the corpus gave none (documents too short to split)" if settings.pairs.synthetic
                  else "--no-synthetic-pairs is set")
-        raise UserError(f"no preference pairs to train on: {cause} and no --preferences file was "
-                        f"given")
+        raise UserError(f"no preference pairs to train on: {cause} and no "
+                        "--preferences file was given")
     if not held:
         raise UserError("no held-out preference pairs to measure accuracy on; give a larger corpus "
                         "or more preference rows")

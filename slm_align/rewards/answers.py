@@ -90,11 +90,11 @@ def exact_answer(prompts, completions, answer: Optional[Sequence[Any]] = None,
     elif references is not None:
         wanted = [None if ref is None else extract_answer(ref) for ref in references]
     else:
-        raise UserError("the exact_answer reward needs reference answers: give task data with an "
-                        "'answer' column")
+        raise UserError("the exact_answer reward needs reference answers: give task data "
+                        "with an 'answer' column")
     if len(wanted) != len(completions):
-        raise UserError(f"the exact_answer reward got {len(wanted)} answers for {len(completions)} "
-                        f"completions")
+        raise UserError(f"the exact_answer reward got {len(wanted)} answers for "
+                        f"{len(completions)} completions")
     return [float(ref is not None and final_answer_matches(c, ref)) for c, ref in zip(completions, wanted)]
 
 

@@ -85,8 +85,8 @@ def recommend(spread: Spread, max_all_equal_share: float, group_size: int) -> di
     measured = f"{share:.0%} of prompts got identical rewards in {spread.k} samples"
     if projected <= max_all_equal_share:
         why = (f"GRPO: {measured} (about {projected:.0%} expected in groups of {group_size}); mean "
-               f"within-prompt std {spread.within:.3g}, so its group baseline has signal and needs "
-               f"no value head")
+               f"within-prompt std {spread.within:.3g}, so its group baseline has signal "
+               "and needs no value head")
         return {"algo": "grpo", "why": why}
     needed = group_size_for(share, spread.k, max_all_equal_share)
     larger = "no group size would help: the reward never varied within a prompt"

@@ -121,8 +121,7 @@ def length_inflation(start: list[float], recent: list[float], ratio: float) -> O
     bound = ratio * window_mean(start)
     value = window_mean(recent)
     if ratio and value > bound:
-        return Trigger("length_inflation", value, bound, f"mean length {value:.1f} > {ratio:g} x "
-                       f"start")
+        return Trigger("length_inflation", value, bound, f"mean length {value:.1f} > {ratio:g} x start")
     return None
 
 

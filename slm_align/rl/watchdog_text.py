@@ -58,8 +58,8 @@ def report_section(record: Optional[dict], events: list[dict]) -> list[str]:
     lines.append("")
     if not events:
         return lines + ["No detector fired.", ""]
-    lines += ["| iteration | detector | value | threshold | action | learning rate "
-              "|", "|---|---|---|---|---|---|"]
+    lines += ["| iteration | detector | value | threshold | action | learning rate |",
+              "|---|---|---|---|---|---|"]
     for e in events:
         lines.append(f"| {e['step']} | {e['detector']} | {e['value']:.3g} | {e['threshold']:.3g} | "
                      f"{e['action']}{shaping_note(e)} | {e['learning_rate']:.3g} |")

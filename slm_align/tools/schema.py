@@ -77,8 +77,8 @@ def _type_hints(fn: Callable, name: str) -> dict:
 
 def _check_parameter_kind(param: inspect.Parameter, where: str) -> None:
     if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
-        raise UserError(f"{where}: *args, **kwargs and positional-only parameters cannot be tool "
-                        f"arguments")
+        raise UserError(f"{where}: *args, **kwargs and positional-only parameters "
+                        "cannot be tool arguments")
 
 
 def _json_type(value: Any) -> Optional[str]:

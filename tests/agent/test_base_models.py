@@ -99,8 +99,8 @@ def test_agent_load_takes_chatml_or_a_template_file_and_a_model_keeps_its_own_ot
 
 @pytest.mark.parametrize("content, problem", [(None, "neither chatml nor a readable template file"),
                                               ("   ", "is empty"),
-                                              ("{% for m in messages "
-                                               "%}", "is not a valid Jinja template")])
+                                              ("{% for m in messages %}",
+                                               "is not a valid Jinja template")])
 def test_a_bad_template_file_is_one_line(capsys, monkeypatch, ggufs, tmp_path, content, problem):
     path = tmp_path / "bad.jinja"
     if content is not None:
@@ -114,15 +114,14 @@ def test_chat_raw_continues_each_line_as_plain_text(capsys, monkeypatch, ggufs):
     code, out, _ = chat_cli(capsys, monkeypatch, TEXT + "\n", ggufs["base"], "--raw", "--temperature", "0",
                             "--max-new-tokens", "12", "--json")
     assert code == 0 and json.loads(out)["reply"] == expected and json.loads(out)["truncated"]
-    code, out, err = chat_cli(capsys, monkeypatch, f"{TEXT}\n/quit\nnot "
-                              f"continued\n", ggufs["base"], "--raw",
+    code, out, err = chat_cli(capsys, monkeypatch, f"{TEXT}\n/quit\nnot continued\n",
+                              ggufs["base"], "--raw",
                               "--temperature", "0", "--max-new-tokens", "12")
     assert code == 0 and out == expected + "\n" and "raw mode" in err
     assert len(expected.split()) >= 3
 
 
-@pytest.mark.parametrize("flag", [["--chat-template", "chatml"], ["--tools"], ["--system", "Be "
-                                                                               "terse."],
+@pytest.mark.parametrize("flag", [["--chat-template", "chatml"], ["--tools"], ["--system", "Be terse."],
                                   ["--store", "prefs.db"]])
 def test_raw_refuses_the_flags_of_a_chat(capsys, monkeypatch, ggufs, tmp_path, flag):
     monkeypatch.chdir(tmp_path)

@@ -79,8 +79,8 @@ def test_isa_flags_map_to_profile_words():
 def test_toml_writer_round_trips():
     data = {"display_name": 'this host: "Xeon" \\ 2', "ram_gb": 7.5, "cores": 4, "isa": ["avx2"],
             "reference": [{"model": "m", "parameters": 3, "size_gb": None}]}
-    assert tomllib.loads(to_toml(data)) == {"display_name": 'this host: "Xeon" \\ '
-                                            '2', "ram_gb": 7.5, "cores": 4,
+    assert tomllib.loads(to_toml(data)) == {"display_name": 'this host: "Xeon" \\ 2',
+                                            "ram_gb": 7.5, "cores": 4,
                                             "isa": ["avx2"], "reference": [{"model": "m", "parameters": 3}]}
 
 
@@ -95,8 +95,7 @@ def test_saved_profile_loads_and_is_not_overwritten(measured, profile_dir, kind)
     assert "numpy copy" in profile.bandwidth_source and profile.isa == host.isa
     (point,) = profile.reference
     assert point.tokens_per_second == pytest.approx(measured[kind].decode_tokens_per_second, rel=1e-3)
-    assert point.parameters > 1_000_000 and point.source.startswith("slm-align bench on this "
-                                                                    "host, ")
+    assert point.parameters > 1_000_000 and point.source.startswith("slm-align bench on this host, ")
     before = path.read_text()
     with pytest.raises(UserError, match="already exists; pass --overwrite"):
         save_profile(measured[kind], "host-test", bandwidth_gbs=99.0)
@@ -146,8 +145,7 @@ def test_cli_saves_profile_then_predicts_with_it(artifacts, profile_dir, capsys)
 
 def test_unknown_artifact_and_device_are_one_line_errors(artifacts, tmp_path, profile_dir, capsys):
     for args, needle in ((["bench", tmp_path / "missing.gguf"], "not an exported model"),
-                         (["bench", artifacts["gguf"], "--device", "no-such-board"], "unknown "
-                          "device 'no-such-board'"),
+                         (["bench", artifacts["gguf"], "--device", "no-such-board"], "unknown device 'no-such-board'"),
                          (["bench", artifacts["gguf"], "--prompt-tokens", "400", "--decode-tokens", "400"],
                           "exceed the context window")):
         code, out, err = run_cli(capsys, *args)
@@ -163,8 +161,7 @@ def test_bench_has_help_with_examples(capsys):
 
 def test_bench_imports_neither_torch_nor_transformers(artifacts, tmp_path):
     out = tmp_path / "child.json"
-    code = ("import sys\n"
-            "from slm_align.agent.bench import bench, main\n"
+    code = ("import sys\nfrom slm_align.agent.bench import bench, main\n"
             f"bench({str(artifacts['onnx'])!r}, threads=1, prompt_tokens=8, decode_tokens=4, repeats=1)\n"
             f"assert main([{str(artifacts['gguf'])!r}, '--threads', '1', '--prompt-tokens', '8', "
             f"'--decode-tokens', '4', '--repeats', '1', '--out', {str(out)!r}]) == 0\n"

@@ -62,8 +62,8 @@ def app_session(conn: sqlite3.Connection, model_id: str, turns: int) -> None:
     for i in range(turns):
         rest = f" It saw {i % 7} birds and a boat."
         messages = [{"role": "system", "content": "You tell stories."},
-                    {"role": "user", "content": f"Story {i}: the fox went to the river on day "
-                     f"{i}."}]
+                    {"role": "user", "content": f"Story {i}: the fox went "
+                                                f"to the river on day {i}."}]
         if i % 2:
             messages += [{"role": "assistant", "content": "Once."}, {"role": "user", "content": "Go on."}]
         kind = i % 4
@@ -195,8 +195,8 @@ def token_column_missing(sql: str) -> str:
 
 @pytest.mark.parametrize("edit, message", [
     (newer_version, f"schema version {SCHEMA_VERSION + 1} is newer than this slm-align supports"),
-    (version_forgotten, "has tables but schema version 0; its writer must set PRAGMA user_version "
-     "= 2"),
+    (version_forgotten, "has tables but schema version 0; its writer must set "
+                        "PRAGMA user_version = 2"),
     (token_column_missing, "table turns lacks column(s) token"),
 ])
 def test_a_store_of_a_schema_the_code_does_not_know_is_refused_in_one_line(tmp_path, capsys, edit, message):

@@ -43,8 +43,7 @@ class ScriptedBackend:
 
 
 def test_both_backends_give_the_same_greedy_conversation(artifacts):
-    agents = {kind: Agent.load(path, sampling=GREEDY, system="You tell "
-                               "stories.") for kind, path in artifacts.items()}
+    agents = {kind: Agent.load(path, sampling=GREEDY, system="You tell stories.") for kind, path in artifacts.items()}
     for message in ("Tell me about a cat.", "And then what happened?"):
         replies = {kind: agent.chat(message).text for kind, agent in agents.items()}
         assert replies["gguf"] == replies["onnx"] and len(replies["gguf"].split()) >= 3
@@ -81,9 +80,7 @@ LOOP = "But then it home."
 
 
 def test_repeat_penalty_stops_a_loop_and_both_backends_agree(artifacts):
-    plain = Agent.load(artifacts["onnx"], sampling=replace(GREEDY, max_tokens=40)).chat("Tell me "
-                                                                                        "about a "
-                                                                                        "cat.").text
+    plain = Agent.load(artifacts["onnx"], sampling=replace(GREEDY, max_tokens=40)).chat("Tell me about a cat.").text
     assert plain.count(LOOP) >= 3
     for params in (dict(repeat_penalty=1.5), dict(repeat_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3)):
         sampling = replace(GREEDY, max_tokens=40, **params)
@@ -125,8 +122,7 @@ def test_tool_call_is_parsed_executed_and_observed(artifacts):
     agent.backend = ScriptedBackend(agent.backend, [call, "It is 391."])
     reply = agent.chat("What is 17 times 23?")
     assert reply.text == "It is 391."
-    assert reply.tool_calls == [{"name": "calculator", "arguments": {"expression": "17 * "
-                                                                     "23"}, "ok": True,
+    assert reply.tool_calls == [{"name": "calculator", "arguments": {"expression": "17 * 23"}, "ok": True,
                                  "content": "391"}]
     assert "391" in agent.backend.prompts[1] and [m["role"] for m in agent.messages] == \
         ["user", "assistant", "tool", "assistant"]
@@ -206,8 +202,7 @@ def test_conversation_save_and_restore(artifacts, tmp_path):
 
 def test_agent_runs_without_torch_or_transformers(artifacts):
     code = (
-        "import sys\n"
-        "from slm_align.agent.runtime import Agent\n"
+        "import sys\nfrom slm_align.agent.runtime import Agent\n"
         "from slm_align.agent.sampling import SamplingParams\n"
         "from slm_align.tools.builtin import default_tools\n"
         f"for path in ({str(artifacts['gguf'])!r}, {str(artifacts['onnx'])!r}):\n"

@@ -14,16 +14,15 @@ from tests.helpers import run_cli
 @pytest.mark.parametrize("text, expected", [
     ("my SSN is 123-45-6789.", "my SSN is <SSN>."),
     ("call 5551234567 or 555.123.4567 today", "call <PHONE> or <PHONE> today"),
-    ("host 2001:db8::8a2e:370:7334 and fe80::1 and "
-     "::ffff:192.0.2.1", "host <IP> and <IP> and <IP>"),
+    ("host 2001:db8::8a2e:370:7334 and fe80::1 and ::ffff:192.0.2.1",
+     "host <IP> and <IP> and <IP>"),
     ("iban de89 3704 0044 0532 0130 00 please", "iban <IBAN> please"),
     ("key sk-proj-abcdefghijklmnop1234567890XYZ", "key <SECRET>"),
     ("token ghp_aBcDeFgHiJkLmNoPqRsTuVwXyZ0123456789", "token <SECRET>"),
     ("aws AKIAIOSFODNN7EXAMPLE here", "aws <SECRET> here"),
     ("Authorization: Bearer abcdef0123456789abcdef", "Authorization: <SECRET>"),
     ("api_key=hunter2hunter2", "<SECRET>"),
-    ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n", "jwt "
-     "<SECRET>"),
+    ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n", "jwt <SECRET>"),
 ])
 def test_scrub_catches_what_it_used_to_let_through(text, expected):
     assert scrub(text) == (expected, expected.count("<"))
@@ -51,8 +50,7 @@ def test_every_string_of_a_row_is_scrubbed_tool_arguments_included():
 def test_export_scrubs_by_default_and_the_flag_opts_out(tmp_path, capsys):
     db = tmp_path / "prefs.db"
     with PreferenceStore(db) as store:
-        turn = store.record_turn("c", [{"role": "user", "content": "I am "
-                                        "bob@example.com"}], "Hi Bob.",
+        turn = store.record_turn("c", [{"role": "user", "content": "I am bob@example.com"}], "Hi Bob.",
                                  "ab" * 32, {}, True)
         store.thumbs(turn, up=True)
     export_preferences(db, tmp_path / "a.jsonl")

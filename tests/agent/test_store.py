@@ -20,8 +20,7 @@ from slm_align.errors import UserError
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "ab" * 32
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 64}
-HISTORY = [{"role": "system", "content": "Be "
-            "brief."}, {"role": "user", "content": "Tell me a story."}]
+HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
 
 
 def child(code: str, *args: str, **kwargs) -> subprocess.Popen:
@@ -36,13 +35,12 @@ def store(tmp_path):
         yield s
 
 
-def record(store, completion="Once upon a "
-           "time.", conversation="c1", consent=True, messages=HISTORY):
+def record(store, completion="Once upon a time.",
+           conversation="c1", consent=True, messages=HISTORY):
     return store.record_turn(conversation, messages, completion, MODEL, SAMPLING, consent)
 
 
-# -- the store
-# ---------------------------------------------------------------------------------------------------
+# -- the store -------------------------------------------------------------------------------------
 
 def test_turns_and_every_feedback_kind_round_trip(store):
     first = record(store)
@@ -58,8 +56,7 @@ def test_turns_and_every_feedback_kind_round_trip(store):
     assert turn.created_at.endswith("+00:00")
     assert [(f.kind, f.other_completion, f.preferred, f.edited_text) for f in turn.feedback] == [
         ("up", None, None, None), ("choice", "No.", "this", None)]
-    assert [(f.kind, f.edited_text) for f in other.feedback] == [("edit", "A cat sat on the "
-                                                                  "mat."), ("down", None)]
+    assert [(f.kind, f.edited_text) for f in other.feedback] == [("edit", "A cat sat on the mat."), ("down", None)]
     assert other.consent is False and [t.id for t in store.turns("c2")] == [second]
     assert store.counts() == {"turns": 2, "consented": 1, "up": 1, "down": 1, "choice": 1, "edit": 1}
 
@@ -82,12 +79,9 @@ def test_consent_is_set_per_turn_or_per_conversation(store):
     (lambda s, t: s.set_consent("nope", True), "unknown conversation id"),
     (lambda s, t: s.choose(t, "x", "mine"), "preferred must be 'this' or 'other'"),
     (lambda s, t: s.edit(t, "  "), "edited_text must be non-empty"),
-    (lambda s, t: s.record_turn("c", HISTORY, "x", "not-a-hash", {}, True), "model_id must be the "
-     "model artifact"),
-    (lambda s, t: s.record_turn("c", [{"role": "user"}], "x", MODEL, {}, True), "messages must be "
-     "a non-empty list"),
-    (lambda s, t: s.record_turn("c", HISTORY, "x", MODEL, {"f": object()}, True), "sampling must "
-     "be JSON"),
+    (lambda s, t: s.record_turn("c", HISTORY, "x", "not-a-hash", {}, True), "model_id must be the model artifact"),
+    (lambda s, t: s.record_turn("c", [{"role": "user"}], "x", MODEL, {}, True), "messages must be a non-empty list"),
+    (lambda s, t: s.record_turn("c", HISTORY, "x", MODEL, {"f": object()}, True), "sampling must be JSON"),
 ])
 def test_bad_calls_are_user_errors_and_write_nothing(store, call, message):
     turn = record(store)
@@ -103,8 +97,7 @@ def test_wal_mode_durability_and_schema_version_are_set(tmp_path):
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
-    assert {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = "
-                                       "'table'")} >= {"turns", "feedback"}
+    assert {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} >= {"turns", "feedback"}
     conn.close()
     with PreferenceStore(path) as store:  # reopening an up-to-date file migrates nothing
         assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
@@ -132,8 +125,7 @@ def test_newer_schema_version_is_refused(tmp_path):
     with pytest.raises(UserError, match=r"schema version 3 is newer .* upgrade slm-align") as info:
         PreferenceStore(path)
     assert "\n" not in str(info.value)
-    assert sqlite3.connect(path).execute("PRAGMA "
-                                         "journal_mode").fetchone()[0] == "delete"  # left untouched
+    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # left untouched
 
 
 def test_a_file_that_is_not_sqlite_is_refused(tmp_path):
@@ -153,8 +145,7 @@ def test_one_store_is_shared_by_threads(store):
         for done in [pool.submit(write, n) for n in range(4)]:
             done.result()  # re-raises a worker's exception
     assert store.counts() == {"turns": 80, "consented": 80, "up": 40, "down": 40, "choice": 0, "edit": 0}
-    assert sorted(t.completion for t in store.turns("t3")) == sorted(f"answer "
-                                                                     f"3-{i}" for i in range(20))
+    assert sorted(t.completion for t in store.turns("t3")) == sorted(f"answer 3-{i}" for i in range(20))
 
 
 KILLED_WRITER = """
@@ -203,16 +194,15 @@ def test_the_store_and_export_import_neither_torch_nor_transformers():
     assert proc.returncode == 0 and json.loads(out) == []
 
 
-# -- scrubbing
-# ---------------------------------------------------------------------------------------------------
+# -- scrubbing -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, expected", [
     ("write to alice.smith+tag@example.co.uk today", "write to <EMAIL> today"),
     ("call +49 30 1234567 or +1 (555) 123-4567.", "call <PHONE> or <PHONE>."),
     ("(555) 123-4567, 555-123-4567, 555 123 4567", "<PHONE>, <PHONE>, <PHONE>"),
     ("UK 020 7946 0958, NL 06-12345678, FR 01 23 45 67 89", "UK <PHONE>, NL <PHONE>, FR <PHONE>"),
-    ("card 4111 1111 1111 1111, 4111-1111-1111-1111 or "
-     "4111111111111111", "card <CARD>, <CARD> or <CARD>"),
+    ("card 4111 1111 1111 1111, 4111-1111-1111-1111 or 4111111111111111",
+     "card <CARD>, <CARD> or <CARD>"),
     ("IBAN DE89 3704 0044 0532 0130 00 or GB82WEST12345698765432.", "IBAN <IBAN> or <IBAN>."),
     ("server 192.168.1.20 and 10.0.0.1.", "server <IP> and <IP>."),
 ])
@@ -222,8 +212,8 @@ def test_scrub_replaces_personal_data(text, expected):
 
 @pytest.mark.parametrize("text", [
     "in 2024 I had 3 cats",
-    "James Bond 007 in 2024, price 1999.99, version 3.11.7, date 2024-01-15 at 12:30, room 1234, "
-                                  "zip 90210",
+    "James Bond 007 in 2024, price 1999.99, version 3.11.7, date 2024-01-15 at "
+    "12:30, room 1234, zip 90210",
     "scores 10 20 30 40 50 and years 1990 2000 2010",
     "pi is 3.14159265, population 8000000, order 1234567890123456 (not Luhn-valid)",
     "ISO 9001, USB3, COVID19 and AB12 word",
@@ -237,8 +227,7 @@ def test_luhn():
     assert not luhn_ok("4111111111111112") and not luhn_ok("1234567890123456")
 
 
-# -- export
-# ------------------------------------------------------------------------------------------------------
+# -- export ----------------------------------------------------------------------------------------
 
 def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
@@ -279,13 +268,11 @@ def test_export_writes_pairs_and_unpaired_rows_the_right_way_round(filled, tmp_p
     assert read_jsonl(out) == [
         {"prompt": HISTORY, "chosen": assistant("Once upon a time."), "rejected": assistant("No."), "model_id": MODEL},
         {"prompt": HISTORY, "chosen": assistant("A dragon woke up."), "rejected": assistant("Meh."), "model_id": MODEL},
-        {"prompt": HISTORY, "chosen": assistant("A cat sat on the "
-                                                "mat."), "rejected": assistant("A cat."),
+        {"prompt": HISTORY, "chosen": assistant("A cat sat on the mat."), "rejected": assistant("A cat."),
          "model_id": MODEL},
     ]
     assert read_jsonl(unpaired_path(out)) == [
-        {"prompt": HISTORY, "completion": assistant("A fox "
-                                                    "ran."), "label": True, "model_id": MODEL},
+        {"prompt": HISTORY, "completion": assistant("A fox ran."), "label": True, "model_id": MODEL},
         {"prompt": HISTORY, "completion": assistant("Story."), "label": False, "model_id": MODEL},
     ]
     assert "Secret" not in out.read_text() + unpaired_path(out).read_text()
@@ -317,8 +304,7 @@ def test_export_scrubs_prompts_and_answers(tmp_path):
     out = tmp_path / "prefs.jsonl"
     result = export_preferences(path, out, scrub=True)
     assert result["scrubbed_replacements"] == 3
-    assert read_jsonl(out) == [{"prompt": [{"role": "user", "content": "I am <EMAIL>, in 2024 I "
-                                            "had 3 cats"}],
+    assert read_jsonl(out) == [{"prompt": [{"role": "user", "content": "I am <EMAIL>, in 2024 I had 3 cats"}],
                                 "chosen": assistant("Pay with <CARD>."), "rejected": assistant("Call <PHONE>."),
                                 "model_id": MODEL}]
     with PreferenceStore(path) as store:  # the store itself keeps the original text

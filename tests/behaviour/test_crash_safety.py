@@ -104,8 +104,8 @@ def test_kto_killed_between_checkpoints_resumes_bit_identical(tmp_path, tiny_mod
     recipe = tmp_path / "recipe.toml"
     recipe.write_text('[model]\nsource = "%s"\n[data]\npath = "%s"\nmax_length = '
                       '96\n[reward]\npreferences = ["%s"]\n[preference]\nsteps = 16\nsave_steps = '
-                      '4\nbatch_size = 8\nlearning_rate = 5e-3\neval_every = '
-                      '5\n' % (tiny_models["llama"], stories, prefs))
+                      '4\nbatch_size = 8\nlearning_rate = '
+                      '5e-3\neval_every = 5\n' % (tiny_models["llama"], stories, prefs))
     runs = {}
     for name in ("whole", "killed"):
         runs[name], _ = finished_sft_run(tmp_path / name, tiny_models["llama"], stories, steps=2)

@@ -75,8 +75,7 @@ CASES = {
     "empty data file": (["--data", "{root}/empty.txt"], "holds no documents"),
     "malformed jsonl line": (["--data", "{root}/broken.jsonl"], "broken.jsonl:2: not valid JSON"),
     "no text column": (["--data", "{root}/nocol.jsonl"], "no text column"),
-    "missing named "
-         "column": (["--data", "{root}/broken.jsonl", "--text-field", "body"], "no column 'body'"),
+    "missing named column": (["--data", "{root}/broken.jsonl", "--text-field", "body"], "no column 'body'"),
     "wrong encoding": (["--data", "{root}/latin.txt"], "not UTF-8"),
     "too few documents": (["--data", "{root}/tiny.txt"], "need at least"),
     "unsupported data format": (["--data", "{root}/data.xml"], "unsupported format"),
@@ -164,8 +163,7 @@ def test_recipe_flags_take_help_and_default_from_the_recipe_field():
     from slm_align.config import Recipe
 
     beta = recipe_field("rl.grpo.beta")
-    assert beta.default == Recipe().rl.grpo.beta and beta.info.description.startswith("GRPO: "
-                                                                                      "coefficient")
+    assert beta.default == Recipe().rl.grpo.beta and beta.info.description.startswith("GRPO: coefficient")
     assert recipe_field("rl.lora.dropout").default == Recipe().rl.lora.dropout  # a default_factory's own value
     with pytest.raises(KeyError):
         recipe_field("rl.no_such_setting")
@@ -197,22 +195,20 @@ def test_train_help_lists_each_algorithm_and_guard_in_its_own_panel(capsys, monk
     monkeypatch.delenv("TERMINAL_WIDTH", raising=False)
     code, out, _ = run_cli(capsys, "train", "--help")
     panels = help_panels(out)
-    assert code == 0 and list(panels) == ["Options", "Source", "Data", "Reward "
-                                          "model", "Headroom gate", "RL (common)",
-                                          "PPO", "GRPO", "Safety "
-                                          "envelope", "Watchdog", "DPO / KTO", "KTO",
+    assert code == 0 and list(panels) == ["Options", "Source", "Data", "Reward model",
+                                          "Headroom gate", "RL (common)",
+                                          "PPO", "GRPO", "Safety envelope",
+                                          "Watchdog", "DPO / KTO", "KTO",
                                           "Compute", "Tracking"]
     expected = {"Options": ["--out", "--stage", "--set", "--force", "--resume"],
                 "Source": ["--model", "--allow-pickle"], "Data": ["--data", "--tasks", "--seed"],
                 "Reward model": ["--preferences", "--pair-mix"],
                 "Headroom gate": ["--max-ppl", "--gate-samples"],
-                "RL "
-                "(common)": ["--algo", "--steps", "--group-size", "--max-new-tokens", "--no-sft"],
+                "RL (common)": ["--algo", "--steps", "--group-size", "--max-new-tokens", "--no-sft"],
                 "PPO": ["--kl-coef", "--kl-mode", "--adaptive-kl"],
                 "GRPO": ["--beta", "--loss-type", "--scale-rewards", "--resample-zero-std"],
                 "Safety envelope": ["--no-reinit-lora", "--no-ratio-guard", "--no-rollback", "--sigma-clip"],
-                "Watchdog": ["--watchdog", "--watchdog-every"], "DPO / "
-                "KTO": ["--pref-beta", "--pref-steps"],
+                "Watchdog": ["--watchdog", "--watchdog-every"], "DPO / KTO": ["--pref-beta", "--pref-steps"],
                 "KTO": ["--desirable-weight", "--undesirable-weight"], "Compute": ["--device", "--precision"],
                 "Tracking": ["--report-to"]}
     for panel, options in expected.items():

@@ -16,8 +16,8 @@ ROWS = [{"text": f"Story number {i}. It was a good day."} for i in range(12)]
 def test_txt_blocks_are_documents(tmp_path):
     path = tmp_path / "c.txt"
     path.write_text("first line\nstill first\n\n\nsecond doc\n\nthird doc\n", encoding="utf-8")
-    assert [e.text for e in read_examples(path)] == ["first line still "
-                                                     "first", "second doc", "third doc"]
+    assert [e.text for e in read_examples(path)] == ["first line still first",
+                                                     "second doc", "third doc"]
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet", "dataset-dir"])
@@ -46,8 +46,8 @@ def test_every_format_reads_the_same_documents(tmp_path, suffix):
 
 def test_text_column_found_or_named(tmp_path):
     path = tmp_path / "c.jsonl"
-    path.write_text('{"id": 1, "story": "A story."}\n{"id": 2, "story": '
-                    '"Another."}\n', encoding="utf-8")
+    path.write_text('{"id": 1, "story": "A story."}\n{"id": 2, "story": "Another."}\n',
+                    encoding="utf-8")
     assert [e.text for e in read_examples(path)] == ["A story.", "Another."]
     path.write_text('{"body2": "x", "note": "y"}\n', encoding="utf-8")
     assert [e.text for e in read_examples(path, text_field="note")] == ["y"]
@@ -101,8 +101,7 @@ def test_split_is_deterministic_and_disjoint():
 
 def test_no_heldout_or_eval_item_appears_in_training_data_even_with_duplicates():
     base = [Example(text=f"doc {i} once upon a time") for i in range(100)]
-    noisy = base + base[:30] + [Example(text="doc 3   once upon a   "
-                                        "time")]  # exact and whitespace duplicates
+    noisy = base + base[:30] + [Example(text="doc 3   once upon a   time")]  # exact and whitespace duplicates
     splits = split_examples(noisy, seed=0, eval_fraction=0.2, heldout_prompts=200)
     train_keys = {e.key() for e in splits.train}
     assert not train_keys & {e.key() for e in splits.heldout}

@@ -23,8 +23,7 @@ def test_a_hub_dataset_in_the_cache_is_read(monkeypatch):
     from slm_align.data.readers import fingerprint, read_examples
 
     table = datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": ["held out"]}),
-                                  "train": datasets.Dataset.from_dict({"text": ["one story.", "two "
-                                                                                "stories."]})})
+                                  "train": datasets.Dataset.from_dict({"text": ["one story.", "two stories."]})})
     asked = []
 
     def cached(name):

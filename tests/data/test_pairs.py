@@ -12,8 +12,8 @@ STORY = ("Once upon a time, there was a cat named Tom. He lived in a small house
          "found a red ball. Tom was very happy and smiled. He played with it all day. In the end, "
          "Tom learned that sharing is good.")
 OTHER = ("Once upon a time, there was a dog named Mia. She lived in a big forest. One day, Mia "
-         "found a blue kite. Mia was very excited. She took it home. In the end, Mia learned to be "
-         "patient.")
+         "found a blue kite. Mia was very excited. She took it home. In the end, Mia "
+         "learned to be patient.")
 
 
 def test_pairs_come_only_from_training_items():
@@ -53,8 +53,7 @@ def test_corruptions_are_seeded():
 
 
 def test_degenerate_pairs_are_dropped_and_counted():
-    docs = [Example(text="Hi. Bye. Go. "
-                    "Up."), Example(text="One sentence only."), Example(text=STORY)]
+    docs = [Example(text="Hi. Bye. Go. Up."), Example(text="One sentence only."), Example(text=STORY)]
     pairs, stats = synthetic_pairs(docs, PairSettings(mix={"shuffle": 1.0}, min_words=3), seed=0)
     assert len(pairs) == 1
     assert stats.dropped == {"too short": 1, "no prompt and continuation": 1}

@@ -20,8 +20,7 @@ def test_paired_and_unpaired_rows(tmp_path):
         {"prompt": "R", "completion": " only good", "label": True},  # nothing to pair it with
     ])
     pairs = read_preferences(path)
-    assert [(p.prompt, p.chosen, p.rejected) for p in pairs] == [("Q", " good", " "
-                                                                  "bad"), ("P", " yes", " no"),
+    assert [(p.prompt, p.chosen, p.rejected) for p in pairs] == [("Q", " good", " bad"), ("P", " yes", " no"),
                                                                  ("P", " yes", " maybe")]
     assert [p.kind for p in pairs] == ["imported", "unpaired", "unpaired"]
 

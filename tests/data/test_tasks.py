@@ -45,8 +45,8 @@ def expected_prompt(tokenizer, question, tools=None):
 
 
 def test_prompt_and_answer_jsonl_keeps_every_other_column(tmp_path):
-    rows = [{"prompt": f"What is {i} + "
-             f"{i}?", "answer": str(2 * i), "level": i % 3} for i in range(5)]
+    rows = [{"prompt": f"What is {i} + {i}?",
+             "answer": str(2 * i), "level": i % 3} for i in range(5)]
     tasks = read_tasks(write_jsonl(tmp_path / "t.jsonl", rows), tokenizer=None)
     assert tasks.prompts == [row["prompt"] for row in rows]
     assert tasks.columns[3] == {"answer": "6", "level": 0}
@@ -55,8 +55,7 @@ def test_prompt_and_answer_jsonl_keeps_every_other_column(tmp_path):
 
 
 def test_prompt_only_json_and_a_custom_prompt_field(tmp_path):
-    (tmp_path / "t.json").write_text(json.dumps({"data": [{"question": "Say "
-                                                           "hi."}, {"question": "Count to 3."}]}))
+    (tmp_path / "t.json").write_text(json.dumps({"data": [{"question": "Say hi."}, {"question": "Count to 3."}]}))
     tasks = read_tasks(tmp_path / "t.json", prompt_field="question")
     assert tasks.prompts == ["Say hi.", "Count to 3."]
     assert tasks.columns == [{}, {}]
@@ -64,8 +63,8 @@ def test_prompt_only_json_and_a_custom_prompt_field(tmp_path):
 
 
 def test_conversational_prompts_render_with_the_chat_template(tmp_path, tokenizer):
-    tasks = read_tasks(write_jsonl(tmp_path / "t.jsonl", [chat_row("What is 17 * "
-                                                                   "23?", "391")]), tokenizer)
+    tasks = read_tasks(write_jsonl(tmp_path / "t.jsonl", [chat_row("What is 17 * 23?",
+                                                                   "391")]), tokenizer)
     assert tasks.prompts == [expected_prompt(tokenizer, "What is 17 * 23?", [CALCULATOR])]
     assert tasks.prompts[0].endswith("<|im_start|>assistant\n")
     assert tasks.columns[0] == {"tools": [CALCULATOR], "answer": "391", "tool": "calculator"}
@@ -86,8 +85,7 @@ def test_a_tokenizer_without_template_uses_the_default_one(tmp_path, tokenizer):
 
 
 def test_messages_drop_a_final_assistant_turn(tmp_path, tokenizer):
-    row = {"messages": [{"role": "system", "content": "Be "
-                         "brief."}, {"role": "user", "content": "Hi"},
+    row = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                         {"role": "assistant", "content": "Hello!"}], "id": 7}
     tasks = read_tasks(write_jsonl(tmp_path / "t.jsonl", [row]), tokenizer)
     assert tasks.prompts[0].endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
@@ -102,8 +100,8 @@ def test_parquet_with_tools_of_different_shapes(tmp_path, tokenizer):
     rows = [chat_row("What is 3 * 4?", "12"), chat_row("What time is it?", "noon", [CLOCK])]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
     tasks = read_tasks(tmp_path / "t.parquet", tokenizer)
-    assert tasks.prompts == [expected_prompt(tokenizer, q) for q in ("What is 3 * "
-                                                                     "4?", "What time is it?")]
+    assert tasks.prompts == [expected_prompt(tokenizer, q) for q in ("What is 3 * 4?",
+                                                                     "What time is it?")]
     # parquet merges both tools' schemas into one struct, filling the other's keys
     # with None: they are removed
     assert [row["tools"] for row in tasks.columns] == [[CALCULATOR], [CLOCK]]
@@ -122,8 +120,8 @@ def test_datasets_directory(tmp_path, tokenizer):
     rows = [chat_row(f"What is {i} * 9?", str(9 * i)) for i in range(4)]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     tasks = read_tasks(tmp_path / "ds", tokenizer)
-    assert tasks.prompts == [expected_prompt(tokenizer, f"What is {i} * "
-                                             f"9?", [CALCULATOR]) for i in range(4)]
+    assert tasks.prompts == [expected_prompt(tokenizer, f"What is {i} * 9?",
+                                             [CALCULATOR]) for i in range(4)]
     assert [row["answer"] for row in tasks.columns] == ["0", "9", "18", "27"]
     assert tasks.columns[1]["tools"] == [CALCULATOR]
 
@@ -146,15 +144,15 @@ def test_identical_rows_collapse_and_conflicting_ones_are_one_line(tmp_path):
     ('{"prompt": "  "}', "column 'prompt' is empty"),
     ('{"prompt": 42}', "'prompt' must be text or a non-empty list"),
     ('{"prompt": [{"content": "hi"}]}', "each message in 'prompt' needs a 'role'"),
-    ('{"messages": [{"role": "user", "content": '
-     '["a"]}]}', "a user message in 'messages' has no text 'content'"),
+    ('{"messages": [{"role": "user", "content": ["a"]}]}',
+     "a user message in 'messages' has no text 'content'"),
     ('{"messages": [{"role": "assistant", "content": "hi"}]}', "holds only an assistant turn"),
     ('{"prompt": "hi", "tools": {"name": "x"}}', "'tools' must be a list of tool objects"),
     ('{"prompt": "hi", "tools": "[oops"}', "'tools' is text but not JSON"),
-    ('{"prompt": "hi", "tools": [{"type": "function", "function": '
-     '{}}]}', "a tool in 'tools' has no name"),
-    ('{"prompt": "hi", "tools": [{"name": "f", "parameters": {"type": '
-     '7}}]}', "tool 'f': invalid JSON schema"),
+    ('{"prompt": "hi", "tools": [{"type": "function", "function": {}}]}',
+     "a tool in 'tools' has no name"),
+    ('{"prompt": "hi", "tools": [{"name": "f", "parameters": {"type": 7}}]}',
+     "tool 'f': invalid JSON schema"),
     ('{"prompt": "hi", "completions": "x"}', "column 'completions' clashes"),
     ('{"prompt": "hi"', "not valid JSON"),
 ])
@@ -174,8 +172,8 @@ def test_conversations_need_a_tokenizer_and_a_template_that_renders_them(tmp_pat
     with pytest.raises(UserError, match="needs a tokenizer"):
         read_tasks(path, tokenizer=None)
     tokenizer.chat_template = "{{ raise_exception('no tools here') }}"
-    with pytest.raises(UserError, match="the chat template cannot render this "
-                       "conversation") as caught:
+    with pytest.raises(UserError, match="the chat template cannot "
+                                        "render this conversation") as caught:
         read_tasks(path, tokenizer)
     assert "\n" not in str(caught.value)
 

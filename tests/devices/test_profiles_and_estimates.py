@@ -51,8 +51,7 @@ def run_cli(capsys, *args):
     return exit_info.value.code, captured.out, captured.err
 
 
-# --- profiles
-# -----------------------------------------------------------------------------------------------
+# --- profiles -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", REQUIRED)
 def test_every_bundled_profile_loads_with_its_required_fields(name):
@@ -82,8 +81,7 @@ def test_leave_one_out_predicts_every_reference_point_within_a_factor_of_two():
 
 def test_efficiency_is_the_geometric_mean_of_measured_over_the_bandwidth_bound():
     points = [ReferencePoint(model=f"m{i}", parameters=10**9, quant="Q8_0", tokens_per_second=tps, context=1,
-                             size_gb=1.0, source="hand-made "
-                             "point") for i, tps in enumerate((8.0, 5.0))]
+                             size_gb=1.0, source="hand-made point") for i, tps in enumerate((8.0, 5.0))]
     board = load_profile("rpi5").model_copy(update={"bandwidth_gbs": 10.0, "reference": points})
     efficiency = efficiency_for(board, [])
     assert efficiency.basis == "device" and efficiency.value == pytest.approx(math.sqrt(0.8 * 0.5))
@@ -98,8 +96,7 @@ def test_a_device_without_enough_points_uses_every_devices_points():
     assert report.efficiency.basis == "all devices" and report.efficiency.points == len(reference_pool())
 
 
-# --- memory
-# -------------------------------------------------------------------------------------------------
+# --- memory ---------------------------------------------------------------------------------------
 
 def test_kv_cache_and_weights_follow_the_documented_formulas():
     model, board = facts(), load_profile("x86-laptop")
@@ -174,8 +171,7 @@ def test_bad_quantization_and_context_are_user_errors():
     assert estimate_fit(facts(), load_profile("rpi5"), quant="q4_k_m").quant == "Q4_K_M"
 
 
-# --- user profiles and errors
-# -------------------------------------------------------------------------------
+# --- user profiles and errors ---------------------------------------------------------------------
 
 def _write_profile(path, **changes):
     text = load_profile("rpi5").model_dump(exclude={"name", "reference"}) | changes
@@ -238,8 +234,7 @@ def test_an_unknown_device_lists_the_known_ones():
         load_profile("toaster")
 
 
-# --- model facts
-# --------------------------------------------------------------------------------------------
+# --- model facts ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def numpy_hf_dir(tmp_path_factory):
@@ -344,15 +339,14 @@ def test_devices_import_neither_torch_nor_transformers(tmp_path, numpy_hf_dir, t
     code = ("import sys; import slm_align.devices as d\n"
             f"for path in ({str(numpy_hf_dir[0])!r}, {str(gguf_path)!r}):\n"
             "    d.estimate_fit(d.model_facts(path), d.load_profile('rpi5'))\n"
-            "d.leave_one_out()\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+            "d.leave_one_out()\nprint(sorted(m for m in ('torch', "
+            "'transformers') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
 
-# --- command line
-# -------------------------------------------------------------------------------------------
+# --- command line ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("command", [["devices"], ["devices", "list"], ["devices", "show"], ["devices", "fit"]])
 def test_devices_commands_have_help_with_examples(capsys, command):
@@ -385,8 +379,7 @@ def test_devices_fit_on_the_command_line(capsys, numpy_hf_dir):
 
 
 @pytest.mark.parametrize("args, problem", [(["--device", "toaster"], "unknown device 'toaster'"),
-                                           (["--device", "rpi5", "--quant", "Q9"], "unknown "
-                                            "quantization"),
+                                           (["--device", "rpi5", "--quant", "Q9"], "unknown quantization"),
                                            (["--device", "rpi5", "--ctx", "0"], "--ctx 0")])
 def test_devices_fit_bad_input_is_one_line_exit_2(capsys, numpy_hf_dir, args, problem):
     code, out, err = run_cli(capsys, "devices", "fit", numpy_hf_dir[0], *args)

@@ -11,8 +11,8 @@ from slm_align.envelope.value_head import ValueHead
 from tests.helpers import ARCHITECTURES, policy_with_moved_lora
 
 PROMPTS = ["Once upon a time, there was a cat.", "Tom found a red ball and", "One day,"]
-COMPLETIONS = [" She ran to the park with her "
-               "friend.", " kicked it.", " Mia was very happy to see the sun."]
+COMPLETIONS = [" She ran to the park with her friend.",
+               " kicked it.", " Mia was very happy to see the sun."]
 
 
 def policy_with_trained_lora(path):

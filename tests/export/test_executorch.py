@@ -145,8 +145,7 @@ def test_loading_a_model_beside_executorch_writes_nothing_to_stderr(tiny_models)
     import sys
 
     code = ("from slm_align.modeling import load_model, resolve_source\n"
-            f"load_model(resolve_source({str(tiny_models['llama'])!r}))\n"
-            "import torchao\n")
+            f"load_model(resolve_source({str(tiny_models['llama'])!r}))\nimport torchao\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "torchao" not in done.stderr and "Failed to load" not in done.stderr, done.stderr[-2000:]

@@ -141,8 +141,8 @@ def test_a_tokenizer_that_adds_bos_is_accepted_with_genai_leaving_bos_to_the_cal
     shutil.copytree(tiny_models["llama"], base)
     tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
     bos = tokenizer.token_to_id("<|endoftext|>")
-    tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> "
-                                                  "$A", special_tokens=[("<|endoftext|>", bos)])
+    tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A",
+                                                  special_tokens=[("<|endoftext|>", bos)])
     tokenizer.save(str(base / "tokenizer.json"))
     settings = json.loads((base / "tokenizer_config.json").read_text())
     (base / "tokenizer_config.json").write_text(json.dumps(dict(settings, bos_token="<|endoftext|>")))

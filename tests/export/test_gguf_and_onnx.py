@@ -159,8 +159,8 @@ def test_cli_exports_a_run_and_never_overwrites(capsys, tmp_path, tiny_models, s
 
 @pytest.mark.parametrize("args, expected", [
     (["{bert}", "--target", "gguf"], "unsupported architecture 'bert'"),
-    (["{gemma_global_first}", "--target", "gguf"], "llama.cpp would run this gemma3_text model "
-     "differently"),
+    (["{gemma_global_first}", "--target", "gguf"], "llama.cpp would run this "
+                                                   "gemma3_text model differently"),
     (["{llama}", "--target", "gguf", "--quant", "Q3_X"], "unknown GGUF quantization 'Q3_X'"),
     (["{llama}", "--target", "onnx", "--quant", "int3"], "unknown ONNX quantization 'int3'"),
     (["{llama}", "--target", "tflite"], "--target tflite"),

@@ -78,8 +78,8 @@ def test_gguf_card_has_the_quantization_and_its_verification(aligned_run):
     assert f"| `model-Q8_0.gguf` | Q8_0 | {metrics['bytes'] / 1e6:.1f} MB | `{metrics['sha256'][:16]}` |" in body
     assert f"top-1 agreement {verification['agreement']:.3f} over {verification['agreement_positions']} tokens" in body
     assert f"held-out {perplexity_change(verification)}" in body
-    for command in ("llama-cli -m model-Q8_0.gguf", "slm-align chat "
-                    "model-Q8_0.gguf", "slm-align serve model-Q8_0.gguf",
+    for command in ("llama-cli -m model-Q8_0.gguf", "slm-align chat model-Q8_0.gguf",
+                    "slm-align serve model-Q8_0.gguf",
                     "ollama create my-model -f model-Q8_0.Modelfile"):
         assert command in body
     assert metrics["model_card"] == {"path": "README.md", "note": None}
@@ -94,8 +94,8 @@ def test_sections_without_records_are_left_out(capsys, tmp_path, stories):
     header, body = card_parts(run / "merged" / "README.md")
     assert header["tags"] == ["slm-align", "lora", "sft", "safetensors"]
     assert "## Training" in body
-    for section in ("## Headroom "
-                    "gate", "## Evaluation", "## Safety envelope", "## Files and quantization"):
+    for section in ("## Headroom gate",
+                    "## Evaluation", "## Safety envelope", "## Files and quantization"):
         assert section not in body
 
 

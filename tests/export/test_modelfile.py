@@ -44,8 +44,8 @@ def test_gemmas_turns_translate_with_a_role_variable():
 
 def test_elif_not_equal_and_attribute_access_translate():
     source = ("{% for m in messages %}{% if m.role == 'system' %}[S]{{ m.content }}{% elif 'user' "
-              "!= m.role %}[A]{{ m.content }}</s>{% else %}[U]{{ m.content }}{% endif %}\n{% "
-              "endfor %}")
+              "!= m.role %}[A]{{ m.content }}</s>{% else %}[U]{{ m.content }}{% "
+              "endif %}\n{% endfor %}")
     assert translate_template(source).template == (
         '{{ range .Messages }}{{ if eq .Role "system" }}[S]{{ .Content }}{{ else if ne .Role "user" }}[A]'
         "{{ .Content }}</s>{{ else }}[U]{{ .Content }}{{ end }}{{ end }}")  # trim_blocks: no newline after endif
@@ -66,20 +66,20 @@ def test_literal_braces_are_printed_as_go_strings():
 
 
 UNTRANSLATABLE = {
-    "bos token": ("{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor "
-                  "%}", "'bos_token'"),
-    "loop index": ("{% for message in messages %}{{ loop.index }}{{ message['content'] }}{% endfor "
-                   "%}",
+    "bos token": ("{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}",
+                  "'bos_token'"),
+    "loop index": ("{% for message in messages %}{{ loop.index }}{{ "
+                   "message['content'] }}{% endfor %}",
                    "'loop.index'"),
-    "filter": ("{% for message in messages %}{{ message['content'] | trim }}{% endfor "
-               "%}", "filter 'trim'"),
+    "filter": ("{% for message in messages %}{{ message['content'] | trim }}{% endfor %}",
+               "filter 'trim'"),
     "first message": ("{% if messages[0]['role'] == 'system' %}S{% endif %}{% for m in messages "
                       "%}{{ m.content }}{% endfor %}", "'messages[...][...]'"),
-    "tools": ("{% for message in messages %}{{ message['content'] }}{% endfor %}{% if tools %}T{% "
-              "endif %}",
+    "tools": ("{% for message in messages %}{{ message['content'] }}{% endfor %}{% "
+              "if tools %}T{% endif %}",
               "'tools'"),
-    "macro": ("{% macro x() %}{% endmacro %}{% for m in messages %}{{ m.content }}{% endfor "
-              "%}", "Macro"),
+    "macro": ("{% macro x() %}{% endmacro %}{% for m in messages %}{{ m.content }}{% endfor %}",
+              "Macro"),
     "no loop": ("{{ 'hello' }}", "no loop over the messages"),
     "syntax error": ("{% for message in messages %}", "does not parse"),
 }

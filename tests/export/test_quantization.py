@@ -139,8 +139,8 @@ def test_importance_matrix_reaches_llama_cpp_quantizer(tmp_path, tiny_models):
 
     source = resolve_source(str(tiny_models["llama"]))
     model = load_model(source)
-    ids = [load_tokenizer(source)("Once upon a time there was a cat who liked the "
-                                  "sea.")["input_ids"]]
+    ids = [load_tokenizer(source)("Once upon a time there was a "
+                                  "cat who liked the sea.")["input_ids"]]
     importance = gguf_importance(tiny_models["llama"], activation_importance(model, ids))
     full = write_gguf(tiny_models["llama"], tmp_path / "f32.gguf", "F32")
     matrices = {t.name for t in gguf.GGUFReader(str(full)).tensors if len(t.shape) == 2}

@@ -22,8 +22,7 @@ from slm_align.stats import wilson_interval
 from tests.helpers import finished_sft_run, run_cli
 
 
-# ---- the math
-# ----------------------------------------------------------------------------------------------------
+# ---- the math ------------------------------------------------------------------------------------
 def test_dpo_loss_on_hand_computed_logprobs():
     chosen = torch.tensor([-1.0, -5.0])
     rejected = torch.tensor([-3.0, -2.0])
@@ -71,8 +70,7 @@ def test_wilson_interval_matches_the_textbook_values():
     assert wilson_interval(0, 0) == (0.0, 1.0)
 
 
-# ---- data
-# ----------------------------------------------------------------------------------------------------------
+# ---- data ----------------------------------------------------------------------------------------
 def learnable_rows(count: int, offset: int = 0) -> list[dict]:
     """Pairs whose chosen side always opens with "Yes, indeed." and whose
     rejected side never does."""
@@ -91,8 +89,8 @@ def write_rows(path, rows):
 
 def test_the_split_is_by_prompt_and_kto_sees_pairs_as_good_and_bad(tmp_path):
     rows = learnable_rows(20)
-    rows.append({"prompt": rows[0]["prompt"], "completion": " a thumbs-down "
-                 "answer", "label": False})
+    rows.append({"prompt": rows[0]["prompt"], "completion": " a thumbs-down answer",
+                 "label": False})
     path = write_rows(tmp_path / "prefs.jsonl", rows)
     dpo = load_preference_data([path], None, "dpo", seed=0, fraction=0.25)
     kto = load_preference_data([path], None, "kto", seed=0, fraction=0.25)
@@ -115,8 +113,7 @@ def test_feedback_about_another_model_is_refused_unless_asked(tmp_path):
     assert check_feedback_models(set(), run, any_model=False)["foreign"] == []  # TRL rows carry no model_id
 
 
-# ---- the stage on a tiny model
-# -------------------------------------------------------------------------------------
+# ---- the stage on a tiny model -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory, tiny_models, stories):
     return finished_sft_run(tmp_path_factory.mktemp("pref") / "run", tiny_models["llama"], stories, steps=2)
@@ -187,8 +184,8 @@ def test_evaluate_reports_dpo_and_kto_beside_sft_with_held_out_accuracy_and_its_
         assert record["kind"] == "pair_accuracy" and record["after"] == headline["value"] > 0.8
         assert record["before"] == 0.0 and record["heldout_pairs"] == 12 and record["steps"] == 30
         assert 0.0 <= low <= record["after"] <= high <= 1.0 and (low, high) == tuple(headline["ci95"])
-        row = (f"| {record['stage']} (pair accuracy) | 0.000 | {record['after']:.3f} | [{low:.3f}, {high:.3f}] | "
-               "12 | 30 |")
+        row = (f"| {record['stage']} (pair accuracy) | 0.000 | {record['after']:.3f} | [{low:.3f}, "
+               f"{high:.3f}] | 12 | 30 |")
         assert row in section
 
 
@@ -338,8 +335,7 @@ def test_a_killed_run_resumes_bit_identical(sft_run, prefs, tmp_path, monkeypatc
         (tmp_path / "whole" / "dpo" / "manifest.json").read_text())["metrics"]["heldout_before"]
 
 
-# ---- the command line
-# ----------------------------------------------------------------------------------------------
+# ---- the command line ----------------------------------------------------------------------------
 def test_cli_dpo_without_preferences_or_with_too_few_is_one_line(sft_run, tmp_path, capsys):
     base, _ = sft_run
     out = tmp_path / "run"
@@ -353,8 +349,8 @@ def test_cli_dpo_without_preferences_or_with_too_few_is_one_line(sft_run, tmp_pa
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--algo", "dpo", "--desirable-weight", "2"], "--desirable-weight is a KTO setting and --algo "
-     "is dpo"),
+    (["--algo", "dpo", "--desirable-weight", "2"], "--desirable-weight is a KTO "
+                                                   "setting and --algo is dpo"),
     (["--algo", "ppo", "--pref-beta", "0.2"], "--pref-beta is a DPO/KTO setting and --algo is ppo"),
     (["--algo", "kto", "--beta", "0.2"], "--beta is a GRPO setting and --algo is kto"),
 ])

@@ -36,8 +36,7 @@ def test_classifier_keeps_the_policy_backbone_and_pads_safely(tokenizer, arch):
         expected = policy.base_model(input_ids=ids).last_hidden_state
         got = classifier.base_model(input_ids=ids).last_hidden_state
         assert torch.equal(got, expected)
-        short, long = tokenizer("A cat.")["input_ids"], tokenizer("Once upon a time there was a "
-                                                                  "dog.")["input_ids"]
+        short, long = tokenizer("A cat.")["input_ids"], tokenizer("Once upon a time there was a dog.")["input_ids"]
         alone = pad_batch([{"input_ids": short, "labels": short}], tokenizer.pad_token_id)
         both = pad_batch([{"input_ids": short, "labels": short}, {"input_ids": long, "labels": long}],
                          tokenizer.pad_token_id)
@@ -82,8 +81,8 @@ def test_gate_fails_on_an_untrained_model_with_the_perplexity_reason(tmp_path, t
                                    "sft.learning_rate": 1e-6}), out)
     report = check_headroom(load_recipe(), run=out).to_dict()
     assert report["verdict"] == "FAIL"
-    assert report["reasons"] == [f"held-out perplexity {report['figures'][0]['value']:.4g} is not "
-                                 f"< 20"]
+    assert report["reasons"] == ["held-out perplexity "
+                                 f"{report['figures'][0]['value']:.4g} is not < 20"]
     assert "SFT" in report["remedies"][0] and "LoRA rank" in report["remedies"][0]
 
 

@@ -45,8 +45,8 @@ def make_loop(sft_run, algo="grpo", loop_class=None, **rl):
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.source)
     policy = build_policy(resolve_source(recipe.model.source), out / "sft" / "adapter", settings, seed=0)
     value_head = ValueHead(policy.config.hidden_size) if algo == "ppo" else None
-    prompts = ["Once upon a time, there was a "
-               "cat.", "Tom found a red ball.", "One day, Mia was happy.", "The sun."]
+    prompts = ["Once upon a time, there was a cat.",
+               "Tom found a red ball.", "One day, Mia was happy.", "The sun."]
     return loop_class(policy, tokenizer, varied_reward, prompts, settings, seed=0, value_head=value_head)
 
 
@@ -310,8 +310,7 @@ def test_flat_algorithm_keys_of_older_recipes_move_into_their_sections(tmp_path)
 
 @pytest.mark.parametrize("overrides, message", [
     ({"rl.beta": 0.1, "rl.grpo.beta": 0.2}, "rl.beta and rl.grpo.beta are both set"),
-    ({"rl.loss_type": "mean"}, "invalid setting "
-     "rl.loss_type: "),  # named as written, not as rl.grpo.loss_type
+    ({"rl.loss_type": "mean"}, "invalid setting rl.loss_type: "),  # named as written, not as rl.grpo.loss_type
     ({"rl.grpo.loss_type": "mean"}, "invalid setting rl.grpo.loss_type: "),
     ({"rl.no_such_key": 1}, "invalid setting rl.no_such_key: Extra inputs are not permitted"),
     ({"rl.ppo.beta": 1}, "invalid setting rl.ppo.beta: Extra inputs are not permitted"),

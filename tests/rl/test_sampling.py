@@ -19,8 +19,8 @@ from slm_align.rl.ppo import PPO
 from slm_align.rl.rollout import collect
 from tests.helpers import policy_with_moved_lora
 
-PROMPTS = ["Once upon a time, there was a "
-           "cat.", "Tom found a red ball.", "One day, Mia was happy.", "The sun."]
+PROMPTS = ["Once upon a time, there was a cat.",
+           "Tom found a red ball.", "One day, Mia was happy.", "The sun."]
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,7 @@ def _seen(path: Path) -> list[dict]:
 def _tasks(path, n: int = 40):
     rows = []
     for i in range(n):
-        rows.append({"prompt": [{"role": "user", "content": f"What is {i} plus "
-                                 f"{i + 1}?"}], "answer": str(2 * i + 1),
+        rows.append({"prompt": [{"role": "user", "content": f"What is {i} plus {i + 1}?"}], "answer": str(2 * i + 1),
                      "level": i % 3})
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
@@ -91,8 +90,7 @@ def test_exact_answer_runs_from_the_cli_on_prompt_answer_rows(tmp_path, capsys):
 
 def test_a_reward_missing_its_column_is_one_line_before_any_work(tmp_path, capsys):
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"prompt": f"Say "
-                                         f"{i}."}) + "\n" for i in range(30)), encoding="utf-8")
+    tasks.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(30)), encoding="utf-8")
     run = tmp_path / "run"
     code, out, err = run_cli(capsys, "train", "--no-sft", "--tasks", tasks, "--reward", "exact_answer", "--out", run)
     assert code == 2 and "answer" in err and err.count("\n") == 1 and out == ""

@@ -46,8 +46,7 @@ def feed(watchdog: Watchdog, key: str, values: list[float]):
     return None, None
 
 
-# ---- detectors on hand-written sequences
-# ------------------------------------------------------------------------
+# ---- detectors on hand-written sequences ---------------------------------------------------------
 @pytest.mark.parametrize("key, healthy, failing, detector", [
     ("entropy", noisy(2.0, 0.3, 30), noisy(2.0, 0.3, 6) + [1.0, 0.6, 0.4, 0.3, 0.2, 0.2, 0.1, 0.1], "entropy_collapse"),
     ("completion/length", noisy(20, 4, 30), noisy(20, 4, 6) + [26, 30, 34, 40, 44, 46, 48, 48], "length_inflation"),
@@ -258,8 +257,7 @@ def test_state_survives_a_checkpoint_bit_for_bit(tmp_path):
 def test_events_reach_the_report_and_the_curves(tmp_path):
     from slm_align.plots import plot_curves
 
-    event = {"step": 3, "detector": "kl_runaway", "value": 12.5, "threshold": 10.0, "why": "KL "
-             "12.5 > 10",
+    event = {"step": 3, "detector": "kl_runaway", "value": 12.5, "threshold": 10.0, "why": "KL 12.5 > 10",
              "action": "rollback", "best_step": 2, "best_reward": 0.5, "recoveries": 1, "lr_scale": 0.5,
              "kl_scale": 2.0, "learning_rate": 5e-4, "kl_coef": 0.1}
     record = {"enabled": True, "published_step": 2, "peak_step": 1, "best_reward": 0.5, "stopped_early": None}
@@ -271,10 +269,10 @@ def test_events_reach_the_report_and_the_curves(tmp_path):
     assert "was off" in off and "the last adapter (iteration 8)" in off
     assert report_section(None, []) == []
     line = event_line(event)
-    assert line.startswith("watchdog: kl_runaway at iteration 3 (KL 12.5 > 10); rolled back to "
-                           "iteration 2") and "shaping" not in line
-    tool = dict(event, detector="tool_use_collapse", value=0.1, threshold=0.3, why="call rate 0.10 < 0.5 x "
-                "start 0.60", kl_scale=1.0, shaping_scale=2.0)
+    assert line.startswith("watchdog: kl_runaway at iteration 3 (KL 12.5 > 10); "
+                           "rolled back to iteration 2") and "shaping" not in line
+    tool = dict(event, detector="tool_use_collapse", value=0.1, threshold=0.3, why="call rate 0.10 < 0.5 x start 0.60",
+                kl_scale=1.0, shaping_scale=2.0)
     assert event_line(tool) == ("watchdog: tool_use_collapse at iteration 3 (call rate 0.10 < 0.5 x start "
                                 "0.60); rolled back to iteration 2, learning rate x0.5, call-format "
                                 "shaping x2 (recovery 1)")
@@ -286,8 +284,7 @@ def test_events_reach_the_report_and_the_curves(tmp_path):
     assert plot_curves(metrics, tmp_path / "curves.png", events=[event]).stat().st_size > 1000
 
 
-# ---- the tool-use remedy: call-format shaping
-# ------------------------------------------------------------------------
+# ---- the tool-use remedy: call-format shaping ----------------------------------------------------
 def task_reward(prompts, completions, **_):
     return [0.25 for _ in completions]
 
@@ -373,8 +370,7 @@ def test_a_tool_use_collapse_in_a_run_weighs_up_call_format_but_probes_with_base
     assert said == [event_line(event)] and "call-format shaping x2 (recovery 1)" in said[0]
 
 
-# ---- fault injection on a tiny model
-# ------------------------------------------------------------------------------
+# ---- fault injection on a tiny model -------------------------------------------------------------
 FLIP = {"after": 10 ** 9, "step": 0}
 """The sign-flip fault: iterations from ``after`` on (and the probes after them) pay minus
 what they paid before."""
@@ -573,13 +569,12 @@ def test_published_line_names_the_iteration_with_the_watchdog_on_and_off():
     record = {"enabled": True, "published_step": 5, "stopped_early": None,
               "last": {"step": 9, "heldout_reward": 0.1, "is_published": False}}
     assert published_line(record) == ("published: the adapter of iteration 5 (the watchdog's best "
-                                      "held-out probe); the last, iteration 9, kept as "
-                                      "rl/adapter-last")
+                                      "held-out probe); the last, iteration 9, "
+                                      "kept as rl/adapter-last")
     record["last"]["is_published"] = True
     assert published_line(record) == "published: the adapter of iteration 5 (the watchdog's best held-out probe)"
     assert published_line({"enabled": False, "published_step": 8}) == ("published: the last "
-                                                                        "adapter, iteration 8 "
-                                                                        "(watchdog off)")
+                                                                        "adapter, iteration 8 (watchdog off)")
     assert published_line(None) is None
 
 

@@ -87,8 +87,8 @@ def bind(host: str, port: int) -> socket.socket:
         return socket.create_server((host.strip("[]"), port), family=family, reuse_port=False)
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise UserError(f"cannot listen on {host}:{port} ({reason}); pass another --port or "
-                        f"--host") from None
+        raise UserError(f"cannot listen on {host}:{port} ({reason}); pass "
+                        "another --port or --host") from None
 
 
 def serve(artifact: Union[str, Path], host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,

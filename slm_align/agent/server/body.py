@@ -52,8 +52,7 @@ class Limits:
     """Most stop strings one request may give (OpenAI's limit)."""
 
 
-# --- the body as JSON
-# -------------------------------------------------------------------------------------------
+# --- the body as JSON -----------------------------------------------------------------------------
 
 
 async def read_json(request: Request, limit: int) -> dict:
@@ -64,8 +63,8 @@ async def read_json(request: Request, limit: int) -> dict:
     text/plain or form posts to a loopback server without asking, but not JSON.
     """
     if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-        raise ApiError(415, "send the body as JSON with the header 'Content-Type: "
-                       "application/json'")
+        raise ApiError(415, "send the body as JSON with the header "
+                            "'Content-Type: application/json'")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -90,8 +89,8 @@ async def read_json(request: Request, limit: int) -> dict:
 
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than {limit} bytes; send fewer or shorter "
-                    f"messages")
+    return ApiError(413, f"the request body is larger than {limit} bytes; send "
+                         "fewer or shorter messages")
 
 
 def depth(value: Any) -> int:
@@ -106,8 +105,7 @@ def depth(value: Any) -> int:
     return deepest
 
 
-# --- validators that need the limits
-# ----------------------------------------------------------------------------
+# --- validators that need the limits --------------------------------------------------------------
 
 
 def _limits(info: ValidationInfo) -> Limits:
@@ -187,8 +185,7 @@ class Body(Strict):
         return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
 
 
-# --- fields a body does not implement
-# ---------------------------------------------------------------------------
+# --- fields a body does not implement -------------------------------------------------------------
 
 
 IGNORED = ("model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
@@ -214,12 +211,11 @@ def refuse_unsupported(data: Any, unsupported: dict, implemented) -> None:
 
 
 def _not_supported(name: str) -> ApiError:
-    return bad(f"'{name}' is not supported by this server; leave it out (the answer would silently "
-               f"ignore it)")
+    return bad(f"'{name}' is not supported by this server; leave it out (the answer "
+               "would silently ignore it)")
 
 
-# --- fields every sampling body shares
-# ---------------------------------------------------------------------------
+# --- fields every sampling body shares ------------------------------------------------------------
 
 
 def stop_list(stop: Union[str, list[str]]) -> list[str]:

@@ -112,8 +112,8 @@ class Message(Strict):
 
 def _schema_depth(schema: Any) -> Any:
     if depth(schema) > MAX_ARGUMENT_DEPTH:
-        raise PydanticCustomError("too_deep", "must be a JSON schema that nests at most {levels} "
-                                  "levels deep",
+        raise PydanticCustomError("too_deep", "must be a JSON schema that nests at "
+                                              "most {levels} levels deep",
                                   {"levels": MAX_ARGUMENT_DEPTH})
     return schema
 

@@ -77,16 +77,16 @@ def check_combinations(chat: ChatBody) -> None:
     if chat.top_logprobs is not None and not chat.logprobs:
         raise bad("'top_logprobs' needs 'logprobs': true")
     if chat.logprobs and chat.stream:
-        raise bad("'logprobs' is not available with 'stream': true on this server; ask without "
-                  "streaming")
+        raise bad("'logprobs' is not available with 'stream': true on this "
+                  "server; ask without streaming")
     if _forced_call(chat) and not chat.tools:
         raise bad("'tool_choice' asks for a tool call but the request offers no 'tools'")
     named = chat.tool_choice.function.name if isinstance(chat.tool_choice, NamedToolChoice) else None
     if named is not None and named not in [tool.function.name for tool in chat.tools]:
         raise bad(f"'tool_choice' names the function {named[:64]!r}, which is not among 'tools'")
     if _wants_json(chat) and chat.tools and chat.tool_choice != "none":
-        raise bad("'response_format' cannot be combined with 'tools' on this server; send one or "
-                  "the other")
+        raise bad("'response_format' cannot be combined with 'tools' on this "
+                  "server; send one or the other")
 
 
 def answer_grammar(chat: ChatBody, tools: Optional[ToolRegistry], backend_kind: str) -> Optional[str]:
@@ -97,8 +97,8 @@ def answer_grammar(chat: ChatBody, tools: Optional[ToolRegistry], backend_kind: 
         return None
     if backend_kind != "gguf":
         raise bad(f"'{field}' needs a GGUF model (a llama.cpp grammar constrains the answer); this "
-                  f"server runs an {backend_kind.upper()} model: leave '{field}' out, or serve the "
-                  f"GGUF export")
+                  f"server runs an {backend_kind.upper()} model: leave '{field}' out, "
+                  "or serve the GGUF export")
     if field == "tool_choice":
         named = chat.tool_choice.function.name if isinstance(chat.tool_choice, NamedToolChoice) else None
         return tools.gbnf_grammar(required=True, names=[named] if named else None)

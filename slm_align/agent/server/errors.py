@@ -79,8 +79,8 @@ async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 async def on_bug(request: Request, exc: Exception) -> JSONResponse:
     """Anything else is a bug: a 500 naming it, and the server keeps serving."""
-    return error_response(500, f"internal error ({type(exc).__name__}); the server keeps "
-                          f"running", "server_error")
+    return error_response(500, f"internal error ({type(exc).__name__}); the server keeps running",
+                          "server_error")
 
 
 HANDLERS = {ApiError: on_api_error, UserError: on_user_error, HTTPException: on_http_error, Exception: on_bug}

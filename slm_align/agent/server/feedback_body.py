@@ -16,17 +16,15 @@ def _required_for(kind: str):
     """An after-validator: the text must be non-empty when the verdict's kind is ``kind``."""
     def check(text: Optional[str], info: ValidationInfo) -> Optional[str]:
         if info.data.get("kind") == kind and not (text or "").strip():
-            raise PydanticCustomError("required_for", 'is required when "kind" is "{kind}": '
-                                      'non-empty text',
+            raise PydanticCustomError("required_for", 'is required when "kind" is '
+                                                      '"{kind}": non-empty text',
                                       {"kind": kind})
         return text
     return AfterValidator(check)
 
 
-TurnId = Annotated[StrictInt, Field(ge=1, le=MAX_TURN_ID, description="the x_turn_id of the "
-                                    "answer")]
-TurnToken = Annotated[StrictStr, Field(min_length=1, max_length=128, description="the x_turn_token "
-                                       "of the answer")]
+TurnId = Annotated[StrictInt, Field(ge=1, le=MAX_TURN_ID, description="the x_turn_id of the answer")]
+TurnToken = Annotated[StrictStr, Field(min_length=1, max_length=128, description="the x_turn_token of the answer")]
 
 
 class FeedbackBody(Body):

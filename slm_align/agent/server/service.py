@@ -87,8 +87,8 @@ class Service:
         unknown and wrong alike)."""
         found = self.require_store().turn_by_token(turn_id, token)
         if found is None:
-            raise ApiError(404, f"no turn {turn_id} with that turn_token; pass the x_turn_id and x_turn_token of an "
-                                "answer", "not_found_error")
+            raise ApiError(404, f"no turn {turn_id} with that turn_token; pass the x_turn_id and "
+                                "x_turn_token of an answer", "not_found_error")
         return found
 
     def alternative(self, turn: Turn, seed: Optional[int], cancel: threading.Event) -> Iterator[str]:
@@ -107,8 +107,8 @@ class Service:
     def require_store(self) -> PreferenceStore:
         """The preference store, or a 400 when the server records nothing."""
         if self.store is None:
-            raise bad("this server records no turns; start it with --store FILE to collect "
-                      "feedback")
+            raise bad("this server records no turns; start it with --store "
+                      "FILE to collect feedback")
         return self.store
 
     def close(self) -> None:

@@ -74,8 +74,8 @@ def test_the_request_bodies_declare_the_flags_fields_with_the_same_types(body):
     assert set(Sampling.model_fields) - {"max_tokens"} <= set(chat_flags())
 
 
-@pytest.mark.parametrize("field, "
-                         "value", OUTSIDE, ids=[f"{field}={value}" for field, value in OUTSIDE])
+@pytest.mark.parametrize("field, value",
+                         OUTSIDE, ids=[f"{field}={value}" for field, value in OUTSIDE])
 def test_a_value_past_a_bound_is_refused_by_chat_and_by_the_server_naming_the_bound(capsys, server, tmp_path, field,
                                                                                    value):
     flag = chat_flags()[field]
@@ -91,8 +91,8 @@ def test_a_value_past_a_bound_is_refused_by_chat_and_by_the_server_naming_the_bo
     assert str(bound) in err and str(bound) in message
 
 
-@pytest.mark.parametrize("field, "
-                         "value", INSIDE, ids=[f"{field}={value}" for field, value in INSIDE])
+@pytest.mark.parametrize("field, value",
+                         INSIDE, ids=[f"{field}={value}" for field, value in INSIDE])
 def test_the_bound_itself_is_taken_by_chat_and_by_the_server(capsys, monkeypatch, server, onnx_model, field, value):
     flags = chat_flags()
     length = [] if field == "max_tokens" else [flags["max_tokens"], 2]

@@ -125,8 +125,7 @@ def stored_turn(running, turn_id):
     return next(turn for turn in running.service.store.turns() if turn.id == turn_id)
 
 
-# --- the OpenAI API, through the official client
-# ---------------------------------------------------------------
+# --- the OpenAI API, through the official client --------------------------------------------------
 
 
 def test_chat_answers_as_the_python_agent_and_is_recorded(server, onnx_model):
@@ -145,11 +144,10 @@ def test_chat_answers_as_the_python_agent_and_is_recorded(server, onnx_model):
 
 
 def test_history_and_system_prompt_render_as_in_the_agent(server, onnx_model):
-    agent = Agent.load(onnx_model, system="You tell "
-                       "stories.", sampling=SamplingParams(temperature=0, max_tokens=12))
+    agent = Agent.load(onnx_model, system="You tell stories.",
+                       sampling=SamplingParams(temperature=0, max_tokens=12))
     first, second = agent.chat(PROMPT).text, agent.chat("And then?").text
-    messages = [{"role": "system", "content": "You tell "
-                 "stories."}, {"role": "user", "content": PROMPT},
+    messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": PROMPT},
                 {"role": "assistant", "content": [{"type": "text", "text": first}]},
                 {"role": "user", "content": "And then?"}]
     reply = server.client().chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=12)
@@ -214,8 +212,7 @@ def test_models_and_health(server, onnx_model):
     assert health["status"] == "ok" and health["backend"] == "onnx" and health["store"] is True
 
 
-# --- feedback
-# -----------------------------------------------------------------------------------------------------
+# --- feedback -------------------------------------------------------------------------------------
 
 
 def test_feedback_and_alternative_land_in_the_store(server, onnx_model):
@@ -254,8 +251,7 @@ def test_bad_feedback_is_refused(server, path, body, status):
     assert response.status_code == status and response.json()["error"]["message"]
 
 
-# --- limits, errors, keys, queue
-# ----------------------------------------------------------------------------------
+# --- limits, errors, keys, queue ------------------------------------------------------------------
 
 
 def test_bad_requests_get_json_errors_and_serving_goes_on(onnx_model):
@@ -324,21 +320,17 @@ def test_a_full_queue_answers_503_then_serving_goes_on(onnx_model):
 
 
 def test_a_client_leaving_mid_stream_stops_its_answer(server):
-    request = {"model": "m", "messages": [{"role": "user", "content": "A story, "
-                                           "please."}], "stream": True}
+    request = {"model": "m", "messages": [{"role": "user", "content": "A story, please."}], "stream": True}
     health = lambda: httpx.get(f"{server.url}/health").json()  # noqa: E731
     turns, abandoned, gate = server.service.store.counts()["turns"], health()["abandoned_requests"], threading.Event()
     with scripted(server, ["Once upon a time there was a cat."], gate) as backend:
         with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=request) as response:
-            lines = (line for line in response.iter_lines() if '"content": '
-                     '"' in line and '"content": ""' not in line)
+            lines = (line for line in response.iter_lines() if '"content": "' in line and '"content": ""' not in line)
             first = next(lines)  # the first piece; the model waits at the gate for the rest
         assert backend.started.is_set() and first.startswith("data: ")
-        wait_until(lambda: health()["abandoned_requests"] > abandoned, "the server notices the "
-                   "client left")
+        wait_until(lambda: health()["abandoned_requests"] > abandoned, "the server notices the client left")
         gate.set()
-        wait_until(lambda: health()["active_requests"] == 0, "the model thread stops at its next "
-                   "piece")
+        wait_until(lambda: health()["active_requests"] == 0, "the model thread stops at its next piece")
     reply = server.client().chat.completions.create(model="m", messages=request["messages"], max_tokens=4)
     assert reply.choices[0].message.content is not None
     assert server.service.store.counts()["turns"] == turns + 1  # the abandoned answer was not recorded
@@ -373,8 +365,7 @@ def test_load_from_many_clients_loses_nothing(server):
     assert (after["up"] + after["down"]) - (before["up"] + before["down"]) == sum(r[2] for r in results) == 160
 
 
-# --- the page
-# -----------------------------------------------------------------------------------------------------
+# --- the page -------------------------------------------------------------------------------------
 
 
 def test_page_is_one_self_contained_file(server):
@@ -425,13 +416,11 @@ def test_page_in_a_browser_streams_and_records_feedback(server):
     assert shown == other and note == "recorded: Answer B preferred"
 
 
-# --- packaging and the CLI
-# ----------------------------------------------------------------------------------------
+# --- packaging and the CLI ------------------------------------------------------------------------
 
 
 def test_serving_imports_neither_torch_nor_transformers(onnx_model):
-    code = ("import sys\n"
-            "from starlette.testclient import TestClient\n"
+    code = ("import sys\nfrom starlette.testclient import TestClient\n"
             "from slm_align.agent.server import create_app\n"
             f"with TestClient(create_app({str(onnx_model)!r}), base_url='http://127.0.0.1') as client:\n"
             "    reply = client.post('/v1/chat/completions', json={'model': 'm', 'max_tokens': 4,\n"
@@ -468,8 +457,7 @@ def test_gguf_artifact_serves_the_same_answers(tmp_path_factory):
     assert health["backend"] == "gguf" and reply.choices[0].message.content == expected and expected.strip()
 
 
-# --- the OpenAI surface apps use
-# ----------------------------------------------------------------------------------
+# --- the OpenAI surface apps use ------------------------------------------------------------------
 
 LOOP = "But then it home."
 """What the bundled model repeats, greedily, about a cat (see tests/agent/test_runtime.py)."""
@@ -560,8 +548,7 @@ def test_logprobs_when_asked(server):
 def test_several_calls_in_one_turn_come_back_and_parallel_tool_calls_false_keeps_one(server):
     calls = ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
              '{"name": "get_weather", "arguments": {"city": "Rome"}}]</tool_call>')
-    ask = {"model": "m", "messages": [{"role": "user", "content": "Paris and "
-                                       "Rome?"}], "tools": [WEATHER_TOOL]}
+    ask = {"model": "m", "messages": [{"role": "user", "content": "Paris and Rome?"}], "tools": [WEATHER_TOOL]}
     with scripted(server, [calls, calls]):
         both = server.client().chat.completions.create(**ask)
         one = server.client().chat.completions.create(**ask, parallel_tool_calls=False)

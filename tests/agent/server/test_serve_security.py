@@ -32,8 +32,7 @@ def send(running, path, headers, body=None):
     return httpx.request(method, f"{running.url}{path}", json=body, headers=headers, timeout=60)
 
 
-# --- 1. DNS rebinding
-# ---------------------------------------------------------------------------------------------
+# --- 1. DNS rebinding -----------------------------------------------------------------------------
 
 
 def test_a_rebound_host_name_or_a_foreign_origin_is_refused(server):
@@ -66,8 +65,7 @@ def test_allowed_hosts_or_an_api_key_widen_the_guard(onnx_model):
         assert keyed.status_code == 200
 
 
-# --- 2. feedback poisoning
-# ----------------------------------------------------------------------------------------
+# --- 2. feedback poisoning ------------------------------------------------------------------------
 
 
 def test_feedback_and_alternatives_need_the_turns_unguessable_token(server):
@@ -121,8 +119,7 @@ def test_a_version_1_store_migrates_and_its_old_turns_take_no_token_feedback(tmp
         assert store.turn_by_token(10 ** 21, "x") is None and store.turn(10 ** 21) is None
 
 
-# --- 10. client errors are 4xx, without paths
-# -------------------------------------------------------------------
+# --- 10. client errors are 4xx, without paths -----------------------------------------------------
 
 
 def test_huge_ids_and_deep_arguments_are_client_errors(server):
@@ -189,8 +186,7 @@ def test_user_errors_reach_clients_without_the_servers_paths(server, monkeypatch
         assert f"{store.path.parent.name}/" not in text  # the folder named, not where it is
 
 
-# --- 6. slow clients
-# ----------------------------------------------------------------------------------------------
+# --- 6. slow clients ------------------------------------------------------------------------------
 
 
 def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(onnx_model):
@@ -250,8 +246,7 @@ def test_a_connection_that_trickles_its_body_is_closed(onnx_model, caplog):
             client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
                            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())
             assert client.recv(100) == b""  # closed by the server (the header clock alone would wait 30 s)
-            wait_until(lambda: len(server.server_state.connections) == 0, "the server forgets the "
-                       "connection")
+            wait_until(lambda: len(server.server_state.connections) == 0, "the server forgets the connection")
             request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
             healthy = socket.create_connection(("127.0.0.1", port), timeout=30)
             healthy.sendall(request)
@@ -261,8 +256,7 @@ def test_a_connection_that_trickles_its_body_is_closed(onnx_model, caplog):
     assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []  # no traceback
 
 
-# --- 5. abandoned work
-# ----------------------------------------------------------------------------------------------
+# --- 5. abandoned work ----------------------------------------------------------------------------
 
 
 class CountingBackend:
@@ -325,8 +319,7 @@ def test_a_client_leaving_before_the_first_token_stops_its_job(server, stream):
         client = raw_request(server, body)
         assert backend.waiting.wait(timeout=60)  # the job started; its first token waits at the gate
         client.close()
-        wait_until(lambda: health(server)["abandoned_requests"] == abandoned + 1, "the server "
-                   "notices the client left")
+        wait_until(lambda: health(server)["abandoned_requests"] == abandoned + 1, "the server notices the client left")
         backend.gate.set()
         wait_until(lambda: health(server)["active_requests"] == 0, "the job ends")
     assert backend.jobs == 1 and backend.tokens <= 1  # 200 before: the whole answer was generated for nobody
@@ -342,8 +335,7 @@ def test_queued_jobs_whose_clients_left_never_start(server):
         wait_until(lambda: health(server)["active_requests"] == 3, "both requests are queued")
         for client in queued:
             client.close()
-        wait_until(lambda: health(server)["abandoned_requests"] == abandoned + 2, "the server "
-                   "notices both left")
+        wait_until(lambda: health(server)["abandoned_requests"] == abandoned + 2, "the server notices both left")
         backend.gate.set()
         assert first.result().status_code == 200
         wait_until(lambda: health(server)["active_requests"] == 0, "the queue drains")
