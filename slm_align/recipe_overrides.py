@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel
 
-from slm_align.config import RL_SECTIONS, Recipe, _section_of
+from slm_align.config import RL_SECTIONS, Recipe, section_of
 from slm_align.errors import UserError
 from slm_align.tomlcompat import tomllib
 
@@ -29,7 +29,7 @@ def is_recipe_key(key: str) -> bool:
     included (``rl.beta``)."""
     model: Optional[type[BaseModel]] = Recipe
     names = key.split(".")
-    if names[:1] == ["rl"] and len(names) == 2 and _section_of(names[1]) is not None:
+    if names[:1] == ["rl"] and len(names) == 2 and section_of(names[1]) is not None:
         return True
     for name in names:
         if model is None or name not in model.model_fields:
@@ -56,8 +56,8 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
         if not equals or not key:
             raise UserError(f"--set {item}: expected KEY=VALUE (e.g. --set sft.lora.r=32)")
         if not is_recipe_key(key):
-            raise UserError(f"--set {item}: no recipe setting {key}; `slm-align config show` lists "
-                            f"every setting")
+            raise UserError(f"--set {item}: no recipe setting {key}; `slm-align config "
+                            "show` lists every setting")
         overrides[key] = parse_value(text.strip())
     return overrides
 
@@ -88,7 +88,7 @@ def _algorithms_of(key: str) -> Optional[tuple[str, ...]]:
     if names[1] in RL_SECTIONS:
         section = names[1]
     elif len(names) == 2:
-        section = _section_of(names[1])
+        section = section_of(names[1])
     return None if section is None else (section,)
 
 
