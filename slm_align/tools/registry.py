@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 from typing import Any, Callable, Optional, Union
 
 import jsonschema
@@ -36,13 +37,20 @@ class ToolRegistry:
     Args:
         max_observation_chars: Longest observation content handed back to the model; longer
             results are cut and marked as truncated.
+        timeout_s: Longest a tool may run before its call becomes an error observation (None: no
+            limit). The call runs in a daemon thread that is abandoned, not killed, when it is late:
+            Python cannot stop a thread; a tool that must not outlive its call should check time
+            itself.
     """
 
-    def __init__(self, max_observation_chars: int = DEFAULT_MAX_OBSERVATION_CHARS):
+    def __init__(self, max_observation_chars: int = DEFAULT_MAX_OBSERVATION_CHARS, timeout_s: Optional[float] = None):
         if max_observation_chars < 40:
             raise UserError(f"max_observation_chars must be at least 40, got "
                             f"{max_observation_chars}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise UserError(f"timeout_s must be above 0, got {timeout_s}")
         self.max_observation_chars = max_observation_chars
+        self.timeout_s = timeout_s
         self._tools: dict[str, Tool] = {}
         self._validators: dict[str, jsonschema.protocols.Validator] = {}
 
@@ -146,8 +154,8 @@ class ToolRegistry:
 
     def _to_call(self, obj: Any) -> Union[ToolCall, Observation]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return Observation.failure("", "a tool call must be a JSON object with a \"name\" and \"arguments\"; "
-                                       f"{FORMAT_HINT}")
+            return Observation.failure("", "a tool call must be a JSON object with a \"name\" and "
+                                           f"\"arguments\"; {FORMAT_HINT}")
         name = obj["name"]
         if name not in self._tools:
             return Observation.failure(name, self._unknown_tool(name))
@@ -176,10 +184,33 @@ class ToolRegistry:
             problem = self._argument_problem(tool, call.arguments)
             if problem:
                 return self._failure(tool.name, problem)
-            text = _to_text(tool.function(**call.arguments))
+            text = _to_text(self._run(tool, call.arguments))
+        except TimeoutError:
+            return self._failure(tool.name, f"{tool.name} did not finish within {self.timeout_s:g} s")
         except Exception as exc:
             return self._failure(tool.name, f"{tool.name} failed: {_exception_text(exc)}")
         return Observation(name=tool.name, ok=True, content=self._capped(text))
+
+    def _run(self, tool: Tool, arguments: dict) -> Any:
+        """The tool's result, within ``timeout_s`` when set (TimeoutError past it)."""
+        if self.timeout_s is None:
+            return tool.function(**arguments)
+        outcome: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                outcome["result"] = tool.function(**arguments)
+            except BaseException as exc:  # handed to the caller's thread, which decides
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=call, name=f"tool-{tool.name}", daemon=True)
+        worker.start()
+        worker.join(self.timeout_s)
+        if worker.is_alive():
+            raise TimeoutError(tool.name)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
 
     def _argument_problem(self, tool: Tool, arguments: Any) -> Optional[str]:
         if not isinstance(arguments, dict):

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import jsonschema
 
 from slm_align.errors import UserError
+from slm_align.tools.registry import ToolRegistry
 
 
 def normalise_tools(where: str, tools: Any) -> Optional[list[dict]]:
@@ -61,5 +62,30 @@ def _check_tool(where: str, tool: dict) -> None:
     try:
         jsonschema.validators.validator_for(parameters).check_schema(parameters)
     except jsonschema.exceptions.SchemaError as exc:
-        raise UserError(f"{where}: tool {name!r}: invalid JSON schema for its parameters "
-                        f"({exc.message})") from None
+        raise UserError(f"{where}: tool {name!r}: invalid JSON schema for its "
+                        f"parameters ({exc.message})") from None
+
+
+class _Unavailable:
+    """Stands in for a tool of a task's schemas that nothing here can run."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, **_):
+        raise ValueError(f"{self.name} cannot be run here: no tool of that "
+                         "name was given to run it")
+
+
+def registry_for_row(row_tools, executables: ToolRegistry) -> ToolRegistry:
+    """A registry with a task row's tool schemas (as the model is shown them), each running the
+    same-named tool of ``executables``; one it lacks answers with an error observation."""
+    registry = ToolRegistry()
+    for tool in normalise_tools("tools", row_tools) or []:
+        function = tool_function(tool)
+        name = function["name"]
+        parameters = {"type": "object", **function.get("parameters", {})}
+        runnable = executables.get(name)
+        registry.register(runnable.function if runnable else _Unavailable(name), name=name,
+                          description=function.get("description") or name, schema=parameters)
+    return registry

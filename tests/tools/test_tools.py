@@ -72,8 +72,7 @@ def test_schema_follows_type_hints_defaults_and_docstring(registry):
     assert params["required"] == ["city"]
     props = params["properties"]
     assert list(props) == ["city", "days", "unit", "detail", "hours", "extra", "metrics", "verbose"]
-    assert props["city"] == {"type": "string", "description": 'Name of the city, for example '
-                             '"Oslo".'}
+    assert props["city"] == {"type": "string", "description": 'Name of the city, for example "Oslo".'}
     assert props["days"] == {"type": "integer", "description": "How many days ahead.", "default": 1}
     assert props["unit"] == {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"}
     assert props["detail"] == {"type": "string", "enum": ["short", "long"], "default": "short"}
@@ -195,20 +194,20 @@ def test_parse_smollm2_list_form_and_several_calls_in_one_block(registry):
 
 
 def test_parse_call_whose_closing_tag_was_cut_off(registry):
-    parsed = registry.parse_calls('<tool_call>\n{"name": "calculator", "arguments": {"expression": '
-                                  '"3*3"}}')
+    parsed = registry.parse_calls('<tool_call>\n{"name": "calculator", "arguments": '
+                                  '{"expression": "3*3"}}')
     assert parsed.calls == [ToolCall("calculator", {"expression": "3*3"})]
 
 
 @pytest.mark.parametrize(
     "reply, name, words",
     [
-        ('<tool_call>{"name": "calculator", "arguments": {"expression": '
-         '</tool_call>', "", "malformed JSON"),
-        ('<tool_call>{"name": "rm_rf", "arguments": '
-         '{}}</tool_call>', "rm_rf", "unknown tool 'rm_rf'"),
-        ('<tool_call>{"name": "calculator", "arguments": [1, '
-         '2]}</tool_call>', "calculator", "must be a JSON object"),
+        ('<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',
+         "", "malformed JSON"),
+        ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+         "rm_rf", "unknown tool 'rm_rf'"),
+        ('<tool_call>{"name": "calculator", "arguments": [1, 2]}</tool_call>',
+         "calculator", "must be a JSON object"),
         ('<tool_call>["calculator"]</tool_call>', "", '"name"'),
         ('{"name": "calculator", "arguments": {"expression": "1",}}', "", "malformed JSON"),
     ],
@@ -222,8 +221,7 @@ def test_malformed_calls_become_error_observations(registry, reply, name, words)
 
 
 def test_good_and_bad_calls_in_one_reply_are_kept_apart(registry):
-    parsed = registry.parse_calls(f'{CALC}\n<tool_call>{{"name": "nope", "arguments": '
-                                  f'{{}}}}</tool_call>')
+    parsed = registry.parse_calls(f'{CALC}\n<tool_call>{{"name": "nope", "arguments": {{}}}}</tool_call>')
     assert [call.name for call in parsed.calls] == ["calculator"]
     assert [error.name for error in parsed.errors] == ["nope"]
 
@@ -262,8 +260,8 @@ def test_a_tool_that_raises_becomes_an_error_observation():
         raise RuntimeError(f"boom: {reason}")
 
     observation = tools.execute(ToolCall("explode", {"reason": "test"}))
-    assert observation == Observation("explode", False, "Error: explode failed: RuntimeError: "
-                                      "boom: test",
+    assert observation == Observation("explode", False, "Error: explode failed: "
+                                                        "RuntimeError: boom: test",
                                       "explode failed: RuntimeError: boom: test")
 
 
@@ -361,8 +359,7 @@ def test_notes_are_saved_private_read_back_and_listed(tmp_path):
     assert store.read_note("Shopping list") == "bread"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert store.list_notes() == ["Shopping list", "a_ b_"]
-    assert sorted(os.listdir(tmp_path / "notes")) == ["Shopping list.txt", "a_ "
-                                                      "b_.txt"]  # no temporaries left
+    assert sorted(os.listdir(tmp_path / "notes")) == ["Shopping list.txt", "a_ b_.txt"]  # no temporaries left
 
 
 @pytest.mark.parametrize("title", ["../x", "/etc/passwd", "notes/../../x", "..", ".hidden", "bad\x00name", " "])
@@ -487,10 +484,10 @@ def _call(name: str, arguments: str) -> str:
         _call("forecast", '{"city": "Oslo"}'),
         _call("forecast", '{"city": "Oslo", "unit": "fahrenheit", "hours": [1, 2], "extra": null}'),
         _call("forecast",
-              '{"city": "O\\"slo", "days": -3, "extra": 2.5e3, "metrics": {"rain": true}, '
-              '"verbose": false}'),
-        '<tool_call>{\n  "name": "calculator",\n  "arguments": {\n    "expression": "1"\n  '
-     '}\n}</tool_call>',
+              '{"city": "O\\"slo", "days": -3, "extra": 2.5e3, "metrics": {"rain": '
+              'true}, "verbose": false}'),
+        '<tool_call>{\n  "name": "calculator",\n  "arguments": {\n    "expression": '
+        '"1"\n  }\n}</tool_call>',
     ],
 )
 def test_llama_cpp_grammar_admits_calls_that_follow_the_schemas(registry, llama_vocab, reply):
@@ -508,8 +505,7 @@ def test_llama_cpp_grammar_admits_calls_that_follow_the_schemas(registry, llama_
         _call("forecast", '{"city": "Oslo", "unit": "kelvin"}'),
         _call("forecast", '{"city": "Oslo", "days": 1.5}'),
         _call("forecast", '{"city": "Oslo",}'),
-        "Sure! " + _call("calculator", '{"expression": '
-                         '"1"}'),  # text, then a call: neither one nor the other
+        "Sure! " + _call("calculator", '{"expression": "1"}'),  # text, then a call: neither one nor the other
         "<b>tags</b> are not free text",
         "",
     ],
@@ -526,12 +522,10 @@ def test_required_and_named_grammars_admit_calls_only(registry, llama_vocab):
     assert _llama_accepts(llama_vocab, required, calc) and _llama_accepts(llama_vocab, required, clock)
     assert not _llama_accepts(llama_vocab, required, "Free text instead.")
     assert _llama_accepts(llama_vocab, named, clock) and not _llama_accepts(llama_vocab, named, calc)
-    assert not _llama_accepts(llama_vocab, required, _call("calculator", '{"expression": '
-                                                           '"1"}').replace(" ", "\t"))
+    assert not _llama_accepts(llama_vocab, required, _call("calculator", '{"expression": "1"}').replace(" ", "\t"))
 
 
-# --- on-device footprint
-# ----------------------------------------------------------------------------
+# --- on-device footprint --------------------------------------------------------------------------
 
 
 def test_tools_import_neither_torch_nor_transformers():
@@ -541,3 +535,35 @@ def test_tools_import_neither_torch_nor_transformers():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_a_tool_past_its_timeout_is_an_error_observation_and_a_raising_one_too():
+    release = threading.Event()
+    registry = ToolRegistry(timeout_s=0.2)
+
+    @registry.register
+    def stuck(x: int) -> str:
+        """Wait until released.
+
+        Args:
+            x: Ignored.
+        """
+        release.wait(30)
+        return "late"
+
+    @registry.register
+    def broken(x: int) -> str:
+        """Fail.
+
+        Args:
+            x: Ignored.
+        """
+        raise ValueError("no such item")
+
+    late = registry.execute(ToolCall("stuck", {"x": 1}))
+    release.set()
+    assert not late.ok and "stuck did not finish within 0.2 s" in late.content
+    failed = registry.execute(ToolCall("broken", {"x": 1}))
+    assert not failed.ok and "no such item" in failed.content
+    with pytest.raises(UserError, match="timeout_s must be above 0"):
+        ToolRegistry(timeout_s=0)
