@@ -29,11 +29,10 @@ from slm_align.agent.runtime import Agent, fold_seed, load_model
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.settings import Temperature
 from slm_align.errors import UserError
-from slm_align.rewards.answers import exact_answer
+from slm_align.rewards.episodes import CATEGORIES, classify
 from slm_align.stats import bootstrap_ci, bootstrap_mean_ci, mean_delta, pass_at_k, wilson_interval
 from slm_align.tools.builtin import default_tools
 
-CATEGORIES = ("success", "no_call", "malformed_call", "wrong_tool", "wrong_answer")
 FAILURES = CATEGORIES[1:]
 DEFAULT_MAX_TOKENS = 96
 DEFAULT_TOOL_ROUNDS = 3
@@ -56,38 +55,6 @@ INTERVALS = {
                         "difference in each task's success rate",
 }
 """How each interval of the report is computed (the report carries this)."""
-
-
-def answers_match(text: str, answer: str) -> bool:
-    """The final answer in ``text`` equals ``answer`` (numbers by value): the rule of the
-    ``exact_answer`` reward, so that evaluation judges success as RL rewarded it."""
-    return exact_answer([""], [text], answer=[answer])[0] == 1.0
-
-
-def classify(calls: Sequence[dict], final_text: str, answer: str, tool: Optional[str] = None) -> str:
-    """The category of one finished turn.
-
-    Args:
-        calls: The runtime's record of the calls made (``Reply.tool_calls``:
-        ``name``, ``arguments``, ``ok``);
-            a call that could not be parsed has ``arguments`` None and ``ok`` False.
-        final_text: The final reply.
-        answer: The task's answer.
-        tool: The tool the task needs (None: any tool will do).
-
-    Returns ``success`` when the final answer is right (with or without a call); else ``no_call``;
-    else ``wrong_answer`` when the right tool ran; else ``wrong_tool`` when another tool was named;
-    else ``malformed_call`` (unparseable, or the tool refused its arguments).
-    """
-    if answers_match(final_text, answer):
-        return "success"
-    if not calls:
-        return "no_call"
-    if any(call["ok"] and (tool is None or call["name"] == tool) for call in calls):
-        return "wrong_answer"
-    if tool is not None and any(call["name"] and call["name"] != tool for call in calls):
-        return "wrong_tool"
-    return "malformed_call"
 
 
 @dataclass
@@ -189,15 +156,15 @@ def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
     not load is a UserError."""
     artifact = Path(artifact)
     if not artifact.exists():
-        raise UserError(f"artifact {artifact} not found; pass a .gguf file or an ONNX export "
-                        f"directory")
+        raise UserError(f"artifact {artifact} not found; pass a .gguf file or "
+                        "an ONNX export directory")
     try:
         model = load_model(artifact)
     except UserError:
         raise
     except Exception as exc:  # llama.cpp and onnxruntime raise their own types for a damaged file
-        raise UserError(f"artifact {artifact} does not load ({type(exc).__name__}: {exc}); export "
-                        f"it again") from None
+        raise UserError(f"artifact {artifact} does not load ({type(exc).__name__}: "
+                        f"{exc}); export it again") from None
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return Agent(_CountingBackend(model.backend), model.sha256, tools=default_tools(), sampling=sampling,
                  max_tool_rounds=max_tool_rounds)

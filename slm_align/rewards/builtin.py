@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 from slm_align.errors import UserError
 from slm_align.rewards.answers import exact_answer
+from slm_align.rewards.episodes import call_format, environment_reward, task_success
 from slm_align.rewards.protocol import CombinedReward, RewardFn
 from slm_align.rewards.tool_calls import json_tool_call, tool_task
 
@@ -32,7 +33,9 @@ def length_window(prompts, completions, min_words: int = 20, max_words: int = 80
 length_window.columns = frozenset()
 
 BUILTINS: dict[str, RewardFn] = {"length_window": length_window, "exact_answer": exact_answer,
-                                 "json_tool_call": json_tool_call, "tool_task": tool_task}
+                                 "json_tool_call": json_tool_call, "tool_task": tool_task,
+                                 "task_success": task_success, "call_format": call_format,
+                                 "environment_reward": environment_reward}
 
 
 def load_reward_fn(spec: str) -> tuple[str, RewardFn, float]:
@@ -52,8 +55,8 @@ def load_reward_fn(spec: str) -> tuple[str, RewardFn, float]:
     try:
         fn = getattr(importlib.import_module(module_name), attribute)
     except ImportError as exc:
-        raise UserError(f"reward {spec}: cannot import module {module_name} ({exc}); is it on "
-                        f"PYTHONPATH?") from None
+        raise UserError(f"reward {spec}: cannot import module {module_name} "
+                        f"({exc}); is it on PYTHONPATH?") from None
     except AttributeError:
         raise UserError(f"reward {spec}: module {module_name} has no {attribute}") from None
     if not callable(fn):
@@ -71,6 +74,6 @@ def combine(specs: Sequence[str] = (), learned: Optional[RewardFn] = None, learn
     terms += [load_reward_fn(spec) for spec in specs]
     terms += [(getattr(fn, "__name__", type(fn).__name__), fn, weight) for fn, weight in callables]
     if not terms:
-        raise UserError("no reward: train a reward model (`slm-align train --stage reward`) or "
-                        "pass --reward")
+        raise UserError("no reward: train a reward model (`slm-align train --stage "
+                        "reward`) or pass --reward")
     return CombinedReward(terms)

@@ -34,8 +34,8 @@ class ColumnReward:
         columns = self.tasks.columns_for(prompts)
         clash = sorted(set(columns) & set(context))
         if clash:
-            raise UserError(f"task column '{clash[0]}' has the name of an argument the trainer passes to rewards; "
-                            "rename the column")
+            raise UserError(f"task column '{clash[0]}' has the name of an argument the trainer "
+                            "passes to rewards; rename the column")
         return {**columns, **context}
 
     def __call__(self, prompts, completions, **context) -> Sequence[float]:
@@ -93,9 +93,10 @@ def required_columns(reward_fn: RewardFn) -> set[str]:
     return (names | _required_keywords(reward_fn)) - CONTEXT_KEYS
 
 
-def _named_terms(reward_fn: RewardFn) -> list[tuple[str, RewardFn]]:
+def named_terms(reward_fn: RewardFn) -> list[tuple[str, RewardFn]]:
+    """Each term of a reward with its name (one term for a plain function)."""
     if isinstance(reward_fn, ColumnReward):
-        return _named_terms(reward_fn.reward)
+        return named_terms(reward_fn.reward)
     if isinstance(reward_fn, CombinedReward):
         return [(name, fn) for name, fn, _ in reward_fn.terms]
     return [(reward_name(reward_fn), reward_fn)]
@@ -106,7 +107,7 @@ def check_columns(reward_fn: RewardFn, available) -> None:
     and the columns it has."""
     available = set(available)
     problems = []
-    for name, fn in _named_terms(reward_fn):
+    for name, fn in named_terms(reward_fn):
         missing = sorted(required_columns(fn) - available)
         if missing:
             problems.append(f"reward {name} needs column{'s' if len(missing) > 1 else ''} "

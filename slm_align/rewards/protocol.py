@@ -5,7 +5,8 @@ every column of the task data other than the prompt arrives as a keyword list al
 completions (``fn(prompts, completions, answer=[...], tools=[...], **rest)``: see
 :mod:`slm_align.rewards.columns`); ``context`` may also carry ``references`` (reference answers
 of prompt/completion data) and, for sampled completions, ``truncated`` (one bool each: the
-completion hit the token budget without EOS). A keyword parameter without a default (or a
+completion hit the token budget without EOS) and, for agent episodes, ``episodes`` and
+``environments`` (see :mod:`slm_align.rewards.episodes`). A keyword parameter without a default (or a
 ``columns`` attribute, as the built-ins have) names a column the reward needs.
 :class:`CombinedReward` sums weighted terms.
 
@@ -23,7 +24,7 @@ from slm_align.errors import UserError
 RewardFn = Callable[..., Sequence[float]]
 
 # Keywords the callers pass themselves: never columns a reward can require.
-CONTEXT_KEYS = frozenset({"truncated", "references"})
+CONTEXT_KEYS = frozenset({"truncated", "references", "episodes", "environments"})
 
 
 def _accepted(fn: RewardFn, context: dict) -> dict:

@@ -1,5 +1,6 @@
 """Rewards for tool calls: ``json_tool_call`` (a well-formed call) and ``tool_task`` (partial credit
-for the first call, read by the agent runtime's own parser and run with the runtime's tools).
+for the first call, read by the agent runtime's own parser and run with the runtime's tools; on agent
+episodes, for the episode as the runtime ran it).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import Any, Optional, Sequence
 import jsonschema
 
 from slm_align.rewards.answers import _as_number, normalise_answer, same_answer
+from slm_align.rewards.episodes import classify
 from slm_align.tools.builtin import default_tools
-from slm_align.tools.registry import ToolRegistry
-from slm_align.tools.specs import normalise_tools, tool_function
+from slm_align.tools.specs import normalise_tools, registry_for_row, tool_function
 
 _CALL_SCHEMA = {"type": "object", "required": ["name", "arguments"],
                 "properties": {"name": {"type": "string"}, "arguments": {"type": "object"}}}
@@ -79,36 +80,16 @@ json_tool_call.columns = frozenset()
 
 
 TOOL_TASK_SCORES = {"no_call": 0.0, "malformed": 0.25, "wrong_tool": 0.5, "wrong_answer": 0.75, "solved": 1.0}
-
-
-class _Unavailable:
-    """Stands in for a tool of the task's schemas that this reward cannot run."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __call__(self, **_):
-        raise ValueError(f"{self.name} cannot be run by the tool_task reward (pass registry= with "
-                         f"it)")
+EPISODE_SCORES = {"no_call": TOOL_TASK_SCORES["no_call"], "malformed_call": TOOL_TASK_SCORES["malformed"],
+                  "wrong_tool": TOOL_TASK_SCORES["wrong_tool"], "wrong_answer": TOOL_TASK_SCORES["wrong_answer"],
+                  "success": TOOL_TASK_SCORES["solved"]}
+"""``tool_task`` on an episode: the score of its category
+(:func:`~slm_align.rewards.episodes.classify`)."""
 
 
 @functools.lru_cache(maxsize=1)
 def _builtin_registry():
     return default_tools()
-
-
-def _registry_for(row_tools, executables):
-    """A registry with the row's tool schemas, each running the same-named tool of
-    ``executables`` (if any)."""
-    registry = ToolRegistry()
-    for tool in normalise_tools("tools", row_tools) or []:
-        function = tool_function(tool)
-        name = function["name"]
-        parameters = {"type": "object", **function.get("parameters", {})}
-        runnable = executables.get(name)
-        registry.register(runnable.function if runnable else _Unavailable(name), name=name,
-                          description=function.get("description") or name, schema=parameters)
-    return registry
 
 
 def _first_call(text: str, registry):
@@ -151,7 +132,8 @@ def _tool_task_score(text: str, registry, expected_tool: Optional[str], answer: 
 
 
 def tool_task(prompts, completions, answer: Optional[Sequence[Any]] = None, tools: Optional[Sequence[Any]] = None,
-              tool: Optional[Sequence[Optional[str]]] = None, registry=None, **_) -> list[float]:
+              tool: Optional[Sequence[Optional[str]]] = None, registry=None,
+              episodes: Optional[Sequence[dict]] = None, **_) -> list[float]:
     """Partial credit for the completion's first tool call, read by the agent runtime's
     parser (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, or a bare call
     object as the whole reply):
@@ -167,12 +149,19 @@ def tool_task(prompts, completions, answer: Optional[Sequence[Any]] = None, tool
       same text or a result containing it as a whole phrase, as the clock's "... (Monday,
       UTC)" contains "Monday").
 
+    On agent episodes (``episodes=``) the episode itself is scored on the same scale by its category
+    (:data:`EPISODE_SCORES`): 1.0 when its final answer is the row's ``answer``, 0.75 when the right
+    tool ran but the answer is wrong, 0.5 for another tool, 0.25 for calls that failed, 0 for none.
+
     The known tools are the row's ``tools`` column (OpenAI function schemas) when present, else the
     built-in tools. Calls run with the same-named tool of ``registry``, by default the built-in
     calculator and clock (:func:`~slm_align.tools.builtin.default_tools`, safe by construction);
     bind your own registry with ``functools.partial(tool_task, registry=...)`` to run other tools.
     The scale is :data:`TOOL_TASK_SCORES`.
     """
+    if episodes is not None:
+        return [EPISODE_SCORES[classify(view["calls"], view["answer"], answer[i], None if tool is None else tool[i])]
+                for i, view in enumerate(episodes)]
     executables = registry or _builtin_registry()
     registries: dict[str, Any] = {}
     scores = []
@@ -180,7 +169,7 @@ def tool_task(prompts, completions, answer: Optional[Sequence[Any]] = None, tool
         row_tools = None if tools is None else tools[index]
         key = json.dumps(row_tools, sort_keys=True, default=str)
         if key not in registries:
-            registries[key] = _registry_for(row_tools, executables) if row_tools else executables
+            registries[key] = registry_for_row(row_tools, executables) if row_tools else executables
         expected = None if tool is None else tool[index]
         cell = None if answer is None else answer[index]
         scores.append(_tool_task_score(completion, registries[key], expected, cell))

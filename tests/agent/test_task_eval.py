@@ -12,8 +12,6 @@ from slm_align.agent import task_eval
 from slm_align.agent.prompt import turn_end
 from slm_align.agent.task_eval import (
     FAILURES,
-    answers_match,
-    classify,
     compare,
     open_agent,
     run_task,
@@ -24,6 +22,7 @@ from slm_align.chat_templates import CHATML_TEMPLATE, render, template_form, tem
 from slm_align.data.agent_tasks import leaks, make_tasks, sft_rows, split_tasks, tool_call_text, write_agent_tasks
 from slm_align.data.encoding import render as render_example
 from slm_align.data.readers import row_to_example
+from slm_align.rewards.episodes import answers_match, classify
 from slm_align.stats import pass_at_k, wilson_interval
 from slm_align.tools.builtin import calculator, default_tools
 from tests.helpers import export_bundled, run_cli
@@ -162,14 +161,12 @@ HAND_WRITTEN = [  # (calls, final text, category) for the task "17 * 23" -> 391
      "The answer is 391.", "success"),
     ([], "391", "success"),
     ([], "I think it is 400.", "no_call"),
-    ([{"name": "", "arguments": None, "ok": False, "content": "Error: malformed "
-       "JSON"}], "Sorry.", "malformed_call"),
+    ([{"name": "", "arguments": None, "ok": False, "content": "Error: malformed JSON"}], "Sorry.", "malformed_call"),
     ([{"name": "calculator", "arguments": {"expression": "__import__(1)"}, "ok": False, "content": "Error: no"}],
      "Sorry.", "malformed_call"),
     ([{"name": "current_time", "arguments": {}, "ok": True, "content": "2025-01-01T00:00:00"}], "2025",
      "wrong_tool"),
-    ([{"name": "rm_rf", "arguments": None, "ok": False, "content": "Error: unknown "
-       "tool"}], "Done.", "wrong_tool"),
+    ([{"name": "rm_rf", "arguments": None, "ok": False, "content": "Error: unknown tool"}], "Done.", "wrong_tool"),
     ([{"name": "calculator", "arguments": {"expression": "17 + 23"}, "ok": True, "content": "40"}],
      "The answer is 40.", "wrong_answer"),
 ]
@@ -204,8 +201,8 @@ def test_task_eval_counts_on_a_scripted_backend(gguf):
     script = [calls[0], f"The answer is {tasks[0]['answer']}.",
               "I do not know.",
               '<tool_call>{"name": "calculator", "arguments": {oops</tool_call>', "Sorry.",
-              '<tool_call>{"name": "current_time", "arguments": {"timezone": '
-              '"UTC"}}</tool_call>', "Noon.",
+              '<tool_call>{"name": "current_time", "arguments": {"timezone": "UTC"}}</tool_call>',
+              "Noon.",
               calls[4], "The answer is 0.5."]
     agent = scripted_agent(gguf, script)
     results = [run_task(agent, task) for task in tasks]
@@ -392,7 +389,7 @@ def test_commands_have_help_with_examples(capsys, command):
 
 def test_task_evaluation_imports_no_torch():
     script = ("import sys, slm_align.agent.task_eval, slm_align.data.agent_tasks, "
-              "slm_align.cli.tasks\nprint([m for m in ('torch', 'transformers') if m in "
-              "sys.modules])")
+              "slm_align.cli.tasks\nprint([m for m in ('torch', "
+              "'transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

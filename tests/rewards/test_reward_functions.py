@@ -72,19 +72,19 @@ def test_exact_answer():
 def test_json_tool_call():
     schema = {"type": "object", "required": ["name", "arguments"],
               "properties": {"name": {"const": "add"}, "arguments": {"type": "object", "required": ["a", "b"]}}}
-    completions = ['call: {"name": "add", "arguments": {"a": 1, "b": 2}} '
-                   'done', '{"name": "add", "arguments": {}}',
+    completions = ['call: {"name": "add", "arguments": {"a": 1, "b": 2}} done',
+                   '{"name": "add", "arguments": {}}',
                    "no json {here", '{"name": "sub", "arguments": {"a": 1, "b": 2}}']
     assert json_tool_call([""] * 4, completions, schema=schema) == [1.0, 0.5, 0.0, 0.5]
     assert json_tool_call([""], ['{"name": "x", "arguments": {}}']) == [1.0]
 
 
 def test_exact_answer_reads_the_answer_column_and_compares_numbers_by_value():
-    completions = ["The total is 350.0", "Answer: 1,000 "
-                   "apples", "#### 72", "so it is 351", "The capital is Paris.",
+    completions = ["The total is 350.0", "Answer: 1,000 apples",
+                   "#### 72", "so it is 351", "The capital is Paris.",
                    "Not Paris, Lyon", "Today is 2024-01-05.", "no idea"]
-    answers = ["350", 1000, "Natalia sold 48 + 24 = 72 clips.\n#### "
-               "72", "350", "paris", "Paris", "2024-01-05", None]
+    answers = ["350", 1000, "Natalia sold 48 + 24 = 72 clips.\n#### 72",
+               "350", "paris", "Paris", "2024-01-05", None]
     assert exact_answer([""] * 8, completions, answer=answers) == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
     assert exact_answer([""], ["Answer: 1,234,567"], answer=["1234567"]) == [1.0]
     with pytest.raises(UserError, match="got 1 answers for 2 completions"):
@@ -94,16 +94,16 @@ def test_exact_answer_reads_the_answer_column_and_compares_numbers_by_value():
 def test_json_tool_call_validates_against_the_rows_own_tools():
     calc = {"type": "function", "function": {"name": "calculator", "parameters": {
         "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
-    completions = ['<tool_call>{"name": "calculator", "arguments": {"expression": '
-                   '"2*3"}}</tool_call>',  # valid
-                   '<tool_call>{"name": "calculator", "arguments": {"expr": '
-                   '6}}</tool_call>',  # bad arguments
+    completions = ['<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>',
+                   # valid
+                   '<tool_call>{"name": "calculator", "arguments": {"expr": 6}}</tool_call>',
+                   # bad arguments
                    '<tool_call>{"name": "weather", "arguments": {"city": '
                    '"Oslo"}}</tool_call>',  # not a row tool
-                   '<tool_call>{"name": "calculator", "arguments": {"expression": '
-                   '"2*3"</tool_call>',  # malformed
-                   '{"name": "weather", "arguments": {"city": '
-                   '"Oslo"}}']  # no tools column: the generic shape
+                   '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"</tool_call>',
+                   # malformed
+                   '{"name": "weather", '
+                   '"arguments": {"city": "Oslo"}}']  # no tools column: the generic shape
     tools = [[calc]] * 4 + [None]
     assert json_tool_call([""] * 5, completions, tools=tools) == [1.0, 0.5, 0.5, 0.0, 1.0]
 
@@ -117,18 +117,17 @@ def call(name, arguments):
 
 @pytest.mark.parametrize("completion, score", [
     ("The answer is 391.", 0.0),  # no call
-    ("<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": "
-     "</tool_call>", 0.25),  # bad JSON
+    ("<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": </tool_call>",
+     0.25),  # bad JSON
     (call("calculator", '{"expr": "17 * 23"}'), 0.25),  # arguments break the schema
     (call("weather", '{"city": "Oslo"}'), 0.25),  # a tool the task does not have
     (call("current_time", '{"timezone": "UTC"}'), 0.5),  # valid call, wrong tool
     (call("calculator", '{"expression": "17 * 24"}'), 0.75),  # right tool, wrong answer
     (call("calculator", '{"expression": "17 / 0"}'), 0.75),  # right tool, the tool fails
     (call("calculator", '{"expression": "17 * 23"}'), 1.0),  # right answer
-    ("Let me compute. " + call("calculator", '{"expression": "23 * '
-                               '17"}') + " then " + call("x", "{}"), 1.0),
-    ('{"name": "calculator", "arguments": {"expression": '
-     '"391.0"}}', 1.0),  # a bare call as the whole reply
+    ("Let me compute. " + call("calculator", '{"expression": "23 * 17"}') + " then " + call("x", "{}"), 1.0),
+    ('{"name": "calculator", "arguments": {"expression": "391.0"}}',
+     1.0),  # a bare call as the whole reply
 ])
 def test_tool_task_scale(completion, score):
     tools = default_tools().specs()
@@ -136,10 +135,8 @@ def test_tool_task_scale(completion, score):
 
 
 def test_tool_task_without_tools_or_tool_columns_uses_the_builtin_tools():
-    completions = [call("current_time", '{"timezone": '
-                        '"UTC"}'), call("calculator", '{"expression": "1,5"}'),
-                   call("calculator", '{"expression": '
-                        '"2**10"}'), call("calculator", '{"expression": "1/3"}')]
+    completions = [call("current_time", '{"timezone": "UTC"}'), call("calculator", '{"expression": "1,5"}'),
+                   call("calculator", '{"expression": "2**10"}'), call("calculator", '{"expression": "1/3"}')]
     answers = ["UTC", "1.5", "1,024", "0.3333333333333333"]
     assert tool_task([""] * 4, completions, answer=answers) == [1.0, 0.75, 1.0, 1.0]
 
@@ -237,3 +234,50 @@ def test_a_missing_column_is_one_line_before_training():
     assert "(its columns: tools)" in message
     with pytest.raises(UserError, match=r"tool_task needs column answer.*\(its columns: none besides the prompt"):
         check_columns(tool_task, set())
+
+
+def episode(answer: str, *calls: tuple[str, bool]) -> dict:
+    """An episode as rewards see it: its calls (name, ok) and final answer."""
+    return {"messages": [], "calls": [{"name": name, "arguments": {}, "ok": ok, "content": ""} for name, ok in calls],
+            "rounds": len(calls), "truncated": False, "answer": answer}
+
+
+def test_task_success_judges_the_final_answer_as_evaluate_agent_does():
+    views = [episode("It is 5.", ("calculator", True)), episode("It is 6.", ("calculator", True)), episode("5")]
+    assert BUILTINS["task_success"]([""] * 3, ["ignored"] * 3, answer=["5"] * 3, episodes=views) == [1.0, 0.0, 1.0]
+    assert BUILTINS["task_success"](["", ""], ["The answer is 1,200.", "12"], answer=["1200", "13"]) == [1.0, 0.0]
+
+
+def test_tool_task_on_episodes_scores_the_episode_by_its_category():
+    views = [episode("5", ("calculator", True)), episode("7", ("calculator", True)), episode("7", ("clock", True)),
+             episode("7", ("calculator", False)), episode("7")]
+    scores = tool_task([""] * 5, ["<tool_call>{}</tool_call>"] * 5, answer=["5"] * 5, tool=["calculator"] * 5,
+                       episodes=views)
+    assert scores == [1.0, 0.75, 0.5, 0.25, 0.0]
+
+
+def test_call_format_is_the_share_of_calls_that_ran_and_needs_episodes():
+    views = [episode("", ("calculator", True), ("calculator", False)), episode(""), episode("", ("clock", True))]
+    assert BUILTINS["call_format"]([""] * 3, [""] * 3, episodes=views) == [0.5, 0.0, 1.0]
+    with pytest.raises(UserError, match="call_format scores agent episodes"):
+        BUILTINS["call_format"]([""], [""])
+
+
+def test_environment_reward_asks_each_episodes_environment():
+    class Env:
+        def __init__(self, value):
+            self.value = value
+
+        def get_reward(self):
+            return self.value
+
+    assert BUILTINS["environment_reward"](["", ""], ["", ""], environments=[Env(0.25), Env(2)]) == [0.25, 2.0]
+    with pytest.raises(UserError, match="get_reward"):
+        BUILTINS["environment_reward"]([""], [""], environments=[None])
+
+
+def test_episodes_and_environments_are_never_required_columns():
+    def needs_episodes(prompts, completions, episodes, environments):
+        return [0.0]
+
+    assert required_columns(needs_episodes) == set()
