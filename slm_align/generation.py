@@ -129,7 +129,7 @@ def _keeps_last_logits(lm) -> dict:
     return {}
 
 
-def draw_tokens(logits, temperature: float, top_p: float = 1.0):
+def draw_tokens(logits, temperature: float, top_p: float = 1.0, generator=None):
     """One token per row of ``logits`` (B, V) fp32, and its log-probability under the
     distribution it was drawn from.
 
@@ -138,7 +138,8 @@ def draw_tokens(logits, temperature: float, top_p: float = 1.0):
     inverting its cumulative distribution: with w_v = exp(z_v / T - max) (fp32) and their running
     sums c_v (float64), u ~ U[0, 1) per row, the token is the first v with c_v > u c_V, so that P(v)
     = w_v / c_V = p_v, and a token of weight 0 is never drawn. Its log-probability is z_v / T - max
-    - log c_V. Returns (B,) token ids and (B,) fp32 log p_token.
+    - log c_V. Returns (B,) token ids and (B,) fp32 log p_token. ``generator``: the uniform
+    numbers' torch generator (the global one by default).
     """
     import torch
 
@@ -155,9 +156,9 @@ def draw_tokens(logits, temperature: float, top_p: float = 1.0):
     cumulative = torch.cumsum(weights, -1, dtype=torch.float64)
     total = cumulative[:, -1:]
     if not bool(torch.isfinite(total).all()):  # torch.multinomial refuses these too
-        raise RuntimeError("non-finite logits while sampling: the model's weights or inputs hold "
-                           "NaN or inf")
-    target = torch.rand(logits.shape[0], 1, dtype=torch.float64, device=logits.device) * total
+        raise RuntimeError("non-finite logits while sampling: the model's weights or "
+                           "inputs hold NaN or inf")
+    target = torch.rand(logits.shape[0], 1, dtype=torch.float64, device=logits.device, generator=generator) * total
     token = torch.searchsorted(cumulative, target, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     impossible = weights.gather(-1, token.unsqueeze(-1)).squeeze(-1) == 0  # u rounded up to the total
     if bool(impossible.any()):
