@@ -61,8 +61,7 @@ from export_and_decode import smollm2_shaped
 from grpo_vs_trl import LORA, run_ours, run_trl
 
 
-# ---- inside a child: the high-water mark and per-step stamps
-# ---------------------------------------------------------
+# ---- inside a child: the high-water mark and per-step stamps -------------------------------------
 def peak_mib() -> float:
     """The process's RSS high-water mark (VmHWM) in MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -133,15 +132,15 @@ def wrap(owner, name: str, before=None, after=None) -> None:
 
 
 def instrument_rl(probe: Probe) -> None:
-    from slm_align.rl import grpo, ppo
+    from slm_align.rl import grpo, learner, ppo
 
     def done(metrics):
         probe.completion_lengths.append(metrics["completion/length"])
         probe.step_done()
 
-    for module, algorithm in ((ppo, ppo.PPO), (grpo, grpo.GRPO)):
+    for algorithm in (ppo.PPO, grpo.GRPO):
         wrap(algorithm, "run_step", before=lambda *_: probe.begin(), after=done)
-        wrap(module, "collect", after=lambda _: probe.rollout_done())
+    wrap(learner.Learner, "collect_rollout", after=lambda _: probe.rollout_done())
 
 
 def instrument_trainer(probe: Probe) -> None:
@@ -240,8 +239,7 @@ def measure(spec: dict) -> dict:
     return result
 
 
-# ---- the parent: tables
-# ----------------------------------------------------------------------------------------------
+# ---- the parent: tables --------------------------------------------------------------------------
 def fmt(value, spec: str) -> str:
     return "-".rjust(int(spec.split(".")[0])) if value is None else format(value, spec)
 
@@ -277,22 +275,21 @@ def scale_table(title: str, key: str, values: list[int], results: dict[str, dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3, help="steps of SFT and reward, iterations "
-                        "of RL (default 3)")
+    parser.add_argument("--steps", type=int, default=3, help="steps of SFT and reward, "
+                                                             "iterations of RL (default 3)")
     parser.add_argument("--skip-trl", action="store_true", help="measure our stages only")
     parser.add_argument("--scale-model", choices=["smollm2", "bundled"], default="smollm2",
-                        help="model of the scale grid (the memory table always uses the 135M "
-                        "shape)")
-    parser.add_argument("--scale-iterations", type=int, default=2, help="timed iterations per grid "
-                        "point")
+                        help="model of the scale grid (the memory table "
+                             "always uses the 135M shape)")
+    parser.add_argument("--scale-iterations", type=int, default=2, help="timed iterations per grid point")
     parser.add_argument("--quick", action="store_true",
-                        help="smallest grid: 2 steps, lengths 8/16, G 2/4, 1 timed iteration; a "
-                        "check that it runs")
+                        help="smallest grid: 2 steps, lengths 8/16, G 2/4, 1 timed "
+                             "iteration; a check that it runs")
     parser.add_argument("--memory-model", choices=["smollm2", "bundled"], default="smollm2",
                         help="model of the memory table (bundled: a fast check of the script)")
     parser.add_argument("--threads", type=int, default=2,
-                        help="torch threads per run; use 1 on a busy machine (2 threads on 2 "
-                        "shared cores stall)")
+                        help="torch threads per run; use 1 on a busy machine (2 threads "
+                             "on 2 shared cores stall)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -320,8 +317,7 @@ def main() -> None:
         common = {"model": memory_model, "threads": args.threads, "steps": steps, "out": str(Path(tmp) / "run")}
         rows = {}
         for kind, name in (("sft", "sft"), ("reward", "reward"), ("grpo", "grpo"), ("ppo", "ppo"),
-                           ("loop", "grpo "
-                            "loop")) + ((("trl", "TRL GRPO"),) if not args.skip_trl else ()):
+                           ("loop", "grpo loop")) + ((("trl", "TRL GRPO"),) if not args.skip_trl else ()):
             rows[name] = measure(dict(common, kind=kind))
         memory_table(rows)
 
@@ -337,21 +333,19 @@ def main() -> None:
             point = {"model": scale_model, "threads": args.threads, "steps": scale_steps, "kind": side}
             for n in lengths:
                 reuse = n == defaults.max_new_tokens and scale_model == memory_model
-                by_length[names[side]][n] = rows["grpo loop" if side == "loop" else "TRL "
-                                                 "GRPO"] if reuse else \
+                by_length[names[side]][n] = rows["grpo loop" if side == "loop" else "TRL GRPO"] if reuse else \
                     measure(dict(point, max_new_tokens=n, label=f"tokens={n}"))
             for g in groups:
                 reuse = g == defaults.group_size and scale_model == memory_model
-                by_group[names[side]][g] = rows["grpo loop" if side == "loop" else "TRL "
-                                                "GRPO"] if reuse else \
+                by_group[names[side]][g] = rows["grpo loop" if side == "loop" else "TRL GRPO"] if reuse else \
                     measure(dict(point, group_size=g, label=f"G={g}"))
         print("\nmemory table (again, for copying):")
         memory_table(rows)
         scale_table(f"time per GRPO iteration vs completion length "
                     f"(G={defaults.group_size})", "max_new_tokens",
                     lengths, by_length)
-        scale_table(f"time per GRPO iteration vs group size ({defaults.max_new_tokens} new "
-                    f"tokens)", "G", groups,
+        scale_table(f"time per GRPO iteration vs group size ({defaults.max_new_tokens} new tokens)",
+                    "G", groups,
                     by_group)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 

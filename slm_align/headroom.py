@@ -25,6 +25,7 @@ from slm_align.modeling import load_adapter, load_model, load_tokenizer, require
 from slm_align.perplexity import perplexity
 from slm_align.progress import stage_lines
 from slm_align.reward.learned import learned_reward
+from slm_align.rl.episodes import agent_tasks, episode_scores, run_episodes
 from slm_align.runs import artifact_digest, digest, stage_identity
 from slm_align.sft import recipe_from_sft
 
@@ -81,15 +82,15 @@ class HeadroomReport:
     def summary(self) -> str:
         """The verdict and every figure against its threshold, on one line (the
         gate's end line in a log)."""
-        figures = "; ".join(f"{f.name} {f.value:.3f} ({f.comparison} "
-                            f"{f.threshold:g})" for f in self.figures)
+        figures = "; ".join(f"{f.name} {f.value:.3f} "
+                            f"({f.comparison} {f.threshold:g})" for f in self.figures)
         return f"{self.verdict}, {figures}"
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "passed": self.passed, "info": self.info,
                 "figures": [dict(asdict(f), passed=f.passed) for f in self.figures],
-                "reasons": [f"{f.name} {f.value:.4g} is not {f.comparison} "
-                            f"{f.threshold:g}" for f in self.failures()],
+                "reasons": [f"{f.name} {f.value:.4g} is not "
+                            f"{f.comparison} {f.threshold:g}" for f in self.failures()],
                 "remedies": [f.remedy for f in self.failures()]}
 
 
@@ -127,25 +128,34 @@ def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Opt
     if len(prompts) < 2:
         info["reward_spread"] = "not measured: fewer than two held-out prompts"
         return figures
-    return figures + [_spread_figure(recipe, policy, tokenizer, reward, prompts, info)]
+    return figures + [_spread_figure(recipe, policy, tokenizer, reward, prompts, info, source)]
 
 
-def _spread_figure(recipe: Recipe, policy, tokenizer, reward, prompts: list[str], info: dict) -> Figure:
-    """Sample k completions per prompt, gate on the within-prompt spread, and advise PPO or GRPO."""
+def _spread_figure(recipe: Recipe, policy, tokenizer, reward, prompts: list[str], info: dict, source) -> Figure:
+    """Sample k completions (or agent episodes, when RL will run them) per prompt, gate on the
+    within-prompt spread, and advise PPO or GRPO."""
     from slm_align.generation import sample, score
     from slm_align.rewards.spread import measure_spread, recommend
 
     settings = recipe.headroom
     k = settings.samples_per_prompt
     repeated = [prompt for prompt in prompts for _ in range(k)]
-    samples = sample(policy, tokenizer, repeated, settings.max_new_tokens, temperature=1.0, seed=recipe.seed)
-    spread = measure_spread(score(reward, samples), k)
+    tasks = agent_tasks(recipe.rl, source.tasks)
+    if tasks is None:
+        samples = sample(policy, tokenizer, repeated, settings.max_new_tokens, temperature=1.0, seed=recipe.seed)
+        scores = score(reward, samples)
+    else:  # RL will run agent episodes: the spread is measured on episodes too
+        tasks.check_template(tokenizer)
+        rl = recipe.rl.model_copy(update={"max_new_tokens": settings.max_new_tokens, "temperature": 1.0})
+        scores = episode_scores(reward, repeated, run_episodes(policy, tokenizer, repeated, rl, recipe.seed, tasks))
+        info["spread_unit"] = "agent episodes"
+    spread = measure_spread(scores, k)
     info["spread_samples"] = len(repeated)
     info["reward_terms"] = [name for name, _, _ in reward.terms]
     info["reward_spread"] = spread.to_dict()
     info["recommendation"] = recommend(spread, settings.max_all_equal_share, recipe.rl.group_size)
-    return Figure(f"reward spread within prompts (mean std of {k} "
-                  f"samples)", spread.within, settings.min_reward_std,
+    return Figure(f"reward spread within prompts (mean std of {k} samples)",
+                  spread.within, settings.min_reward_std,
                   ">=", REMEDY_SPREAD)
 
 
@@ -166,8 +176,8 @@ def _gate_plan(recipe: Recipe, documents: int, source, reward_known: bool) -> st
         return plan
     settings = recipe.headroom
     prompts = len(source.heldout[: settings.spread_prompts])
-    return f"{plan}, the reward's accuracy and its spread over {settings.samples_per_prompt} samples of {prompts} " \
-           "prompts"
+    samples = settings.samples_per_prompt
+    return f"{plan}, the reward's accuracy and its spread over {samples} samples of {prompts} prompts"
 
 
 def _prior(recipe: Recipe, model_source, device: str, adapter: Optional[Path], encoded: list, pad_id: int,
@@ -179,8 +189,7 @@ def _prior(recipe: Recipe, model_source, device: str, adapter: Optional[Path], e
         return model
     model = load_adapter(model, adapter, recipe.model.allow_pickle)
     with model.disable_adapter():
-        info["base_ppl"] = perplexity(model, encoded, pad_id, recipe.headroom.batch_size, "base "
-                                      "perplexity").ppl
+        info["base_ppl"] = perplexity(model, encoded, pad_id, recipe.headroom.batch_size, "base perplexity").ppl
     info["adapter"] = str(adapter)
     return model
 
@@ -213,7 +222,8 @@ def gate_inputs(recipe: Recipe, run: Optional[Path], adapter: Optional[Path], re
     return {"prior": prior, "reward_model": artifact_digest(reward_model) if reward_model is not None else None,
             "reward_stage": reward_stage, "rewards": list(rewards), "source": source_fingerprint(data),
             "data": data.model_dump(exclude={"path", "tasks"}), "tasks": tasks, "seed": recipe.seed,
-            "headroom": recipe.headroom.model_dump(), "group_size": recipe.rl.group_size}
+            "headroom": recipe.headroom.model_dump(), "group_size": recipe.rl.group_size,
+            "episodes": recipe.rl.model_dump(include={"episodes", "max_tool_rounds", "environment"})}
 
 
 def reusable_report(recipe: Recipe, run: Path, adapter: Optional[Path] = None, reward_model: Optional[Path] = None,
@@ -251,14 +261,14 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
     if not encoded:
         raise UserError(f"data {corpus.description}: no eval document has tokens to score")
     reward_known = reward_model is not None or bool(rewards)
-    with stage_lines("headroom "
-                     "gate", _gate_plan(recipe, len(encoded), source, reward_known)) as stage:
+    with stage_lines("headroom gate",
+                     _gate_plan(recipe, len(encoded), source, reward_known)) as stage:
         info = {"model": model_source.label, "data": corpus.description, "prompts": source.description,
                 "eval_documents": len(encoded)}
         model = _prior(recipe, model_source, device, adapter, encoded, tokenizer.pad_token_id, info)
         measured = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size)
-        figures = [Figure("held-out "
-                          "perplexity", measured.ppl, recipe.headroom.max_ppl, "<", REMEDY_PPL)]
+        figures = [Figure("held-out perplexity",
+                          measured.ppl, recipe.headroom.max_ppl, "<", REMEDY_PPL)]
         if reward_known:
             figures += _reward_figures(recipe, corpus, model, tokenizer, reward_model, rewards, run, info, source)
         else:

@@ -25,6 +25,7 @@ from slm_align.headroom import GateRefused, check_headroom, reusable_report
 from slm_align.preference.stage import PreferenceStage, refuse_data_parallel
 from slm_align.progress import quiet
 from slm_align.reward.stage import run_reward
+from slm_align.rl.episodes import check_episode_settings
 from slm_align.rl.stage import Prior, RLStage, check_divisible, rl_world
 from slm_align.runs import StageResult, artifact_manifest, read_manifest, run_stage
 from slm_align.sft import STAGE as SFT
@@ -63,8 +64,8 @@ def reward_model_of(recipe: Recipe, out: Path, sft_from: Optional[Path], reward_
         return reward_model
     if read_manifest(Path(out) / "reward") is None:
         if sft_from is not None:
-            raise UserError("no reward: pass --reward-model or --reward when --sft comes from "
-                            "another run")
+            raise UserError("no reward: pass --reward-model or --reward when --sft "
+                            "comes from another run")
         say("training the reward model first (no reward/ in the run)")
         run_reward(recipe, out, resume=resume)
     return Path(out) / "reward" / "model"
@@ -79,8 +80,8 @@ def gate(recipe: Recipe, out: Path, adapter: Optional[Path], reward_model: Optio
     if report is None:
         report = check_headroom(recipe, run=out, adapter=adapter, reward_model=reward_model, rewards=rewards).to_dict()
     else:
-        say(f"headroom gate: {report['verdict']} (reused {Path(out) / 'headroom.json'}, measured "
-            f"with these inputs)")
+        say(f"headroom gate: {report['verdict']} (reused {Path(out) / 'headroom.json'}, "
+            "measured with these inputs)")
     if not report["passed"] and not force:
         raise GateRefused(f"headroom gate FAIL ({'; '.join(report['reasons'])}): {' '.join(report['remedies'])} "
                           "Pass --force to train anyway (recorded in the manifest).")
@@ -97,8 +98,8 @@ def resolve_algorithm(recipe: Recipe, report: dict, say: Say) -> Recipe:
         return recipe
     if recommendation is None:
         raise UserError("--algo auto follows the gate's advice, which needs the reward spread; the "
-                        "gate could not measure it (fewer than two held-out prompts): choose "
-                        "--algo ppo or grpo")
+                        "gate could not measure it (fewer than two held-out prompts): "
+                        "choose --algo ppo or grpo")
     rl = recipe.rl.model_copy(update={"algo": recommendation["algo"]})
     return recipe.model_copy(update={"rl": rl})
 
@@ -114,8 +115,8 @@ def check_finished_before_launch(out: Path, sft_from: Optional[Path], needs_rewa
         missing.append("reward")
     if missing:
         raise UserError(f"a data-parallel RL launch needs the {' and '.join(missing)} stage of {out} finished first: "
-                        f"run `slm-align train --stage {missing[0]} --out {out}` (launched the same way or not), then "
-                        "launch RL again")
+                        f"run `slm-align train --stage {missing[0]} --out {out}` (launched the "
+                        "same way or not), then launch RL again")
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,8 @@ def rl_prior(recipe: Recipe, out: Path, request: RLRequest, world: World, say: S
     if not recipe.rl.from_sft:
         if reward_model is None and not request.rewards:
             raise UserError("--no-sft starts RL from the model as given, without the SFT prior the "
-                            "reward stage trains on: pass --reward (e.g. exact_answer, tool_task) "
-                            "or --reward-model")
+                            "reward stage trains on: pass --reward (e.g. exact_answer, "
+                            "tool_task) or --reward-model")
         sft_recipe, adapter = recipe, None
     else:
         if world.size > 1:
@@ -163,6 +164,7 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
     out = Path(out)
     world, compute = rl_world(recipe)
     check_divisible(recipe.rl, world)
+    check_episode_settings(recipe.rl, recipe.data.tasks is not None, rewards)
     request = RLRequest(sft_from, reward_model, tuple(rewards), force, resume)
     prior = world.on_main(functools.partial(rl_prior, recipe, out, request, world, say))
     return run_stage(RLStage(prior, rewards, world, compute, say), out, resume)
@@ -201,7 +203,8 @@ class Trained:
 def train(recipe: Recipe, out: Path, stage: str = "rl", request: RLRequest = RLRequest(), say: Say = quiet) -> Trained:
     """What ``slm-align train`` runs: one Trainer stage (``sft``, ``reward``); or, for ``rl``,
     DPO/KTO (``--algo dpo|kto``) or RL with every stage it needs, then the closing evaluation
-    (unless ``rl.report_prompts`` is 0)."""
+    (unless ``rl.report_prompts`` is 0, or RL trained on agent episodes: an agent is judged by
+    ``evaluate-agent`` in the runtime, after export)."""
     check_stage(stage)
     if stage == "sft":
         return Trained(run_sft(recipe, out, resume=request.resume))
@@ -213,6 +216,8 @@ def train(recipe: Recipe, out: Path, stage: str = "rl", request: RLRequest = RLR
     result = run_rl(recipe, out, resume=request.resume, force=request.force, sft_from=request.sft_from,
                     reward_model=request.reward_model, rewards=request.rewards, say=say)
     if not result.primary or recipe.rl.report_prompts == 0:  # other ranks of a data-parallel run: rank 0 reports
+        return Trained(result)
+    if result.metrics.get("episodes"):  # an agent is judged in the runtime: export, then evaluate-agent
         return Trained(result)
     report = evaluate(recipe, out, sft_run=request.sft_from, reward_model=request.reward_model,
                       rewards=request.rewards, prompts=recipe.rl.report_prompts)

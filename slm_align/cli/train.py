@@ -111,8 +111,7 @@ HEADROOM = (
 REWARD = (
     Flag("--preferences", "reward.preferences", repeat=True, note="Repeatable."),
     Flag("--pair-mix", "reward.pairs.mix", parse=pair_mix, note="As NAME=WEIGHT,..."),
-    Flag("--no-synthetic-pairs", "reward.pairs.synthetic", sets=False, help="Train on "
-         "--preferences only."),
+    Flag("--no-synthetic-pairs", "reward.pairs.synthetic", sets=False, help="Train on --preferences only."),
     Flag("--reward-steps", "reward.max_steps"),
     Flag("--reward-lr", "reward.learning_rate"),
     Flag("--margin", "reward.margin"),
@@ -122,8 +121,8 @@ MAX_NEW_TOKENS = Flag("--max-new-tokens", "rl.max_new_tokens", aliases=("--max-c
 RL = (
     Flag("--algo", "rl.algo"),
     Flag("--no-sft", "rl.from_sft", sets=False, help="Start RL from the model as given (already "
-         "fluent): no SFT stage; the gate measures the model itself. Needs --reward or "
-         "--reward-model."),
+         "fluent): no SFT stage; the gate measures the model itself. Needs "
+         "--reward or --reward-model."),
     Flag("--steps", "rl.steps"),
     Flag("--rl-lr", "rl.learning_rate"),
     Flag("--prompts-per-step", "rl.prompts_per_step"),
@@ -140,16 +139,16 @@ RL = (
     Flag("--length-penalty", "rl.length_penalty"),
     Flag("--no-reinit-lora", "rl.envelope.reinit_lora", sets=False,
          help="ENVELOPE OFF: keep the SFT adapter as loaded."),
-    Flag("--no-ratio-guard", "rl.envelope.ratio_guard", sets=0.0, help="ENVELOPE OFF: never skip "
-         "on the ratio."),
-    Flag("--no-rollback", "rl.envelope.rollback", sets=False, help="ENVELOPE OFF: no "
-         "snapshot/rollback on NaN."),
+    Flag("--no-ratio-guard", "rl.envelope.ratio_guard", sets=0.0, help="ENVELOPE OFF: never skip on the ratio."),
+    Flag("--no-rollback", "rl.envelope.rollback", sets=False, help="ENVELOPE OFF: no snapshot/rollback on NaN."),
     Flag("--sigma-clip", "rl.envelope.sigma_clip"),
     Flag("--grad-clip", "rl.envelope.grad_clip"),
-    Flag("--watchdog", "rl.watchdog.enabled", parse=on_off, note="on or off (default on); off is "
-         "recorded."),
+    Flag("--watchdog", "rl.watchdog.enabled", parse=on_off, note="on or off (default on); off is recorded."),
     Flag("--watchdog-every", "rl.watchdog.eval_every"),
     Flag("--report-prompts", "rl.report_prompts"),
+    Flag("--episodes", "rl.episodes"),
+    Flag("--max-tool-rounds", "rl.max_tool_rounds"),
+    Flag("--environment", "rl.environment"),
 )
 TRACKING = (
     Flag("--report-to", "tracking.report_to"),
@@ -178,8 +177,7 @@ RUN_DIR_HELP = "Run directory."
                          "stories.txt --out runs/demo --resume   # continue an interrupted run")
 @recipe_flags(SOURCE, SFT, SAFETY, COMPUTE, TRACKING)
 def sft(
-    out: Path = typer.Option(Path("runs/default"), *OUT_NAMES, help="Run directory; SFT writes "
-                             "OUT/sft/."),
+    out: Path = typer.Option(Path("runs/default"), *OUT_NAMES, help="Run directory; SFT writes OUT/sft/."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted SFT run in OUT."),
@@ -206,16 +204,13 @@ def sft(
                          "mypkg.rewards:politeness@0.5")
 @recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY, [DEVICE])
 def check_headroom(
-    run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished "
-                                       "SFT stage."),
-    adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with "
-                                           "--model)."),
+    run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with --model)."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
-    reward_model: Optional[Path] = typer.Option(None, help="Reward model dir (default: the run's "
-                                                "reward/model)."),
-    reward: list[str] = typer.Option([], "--reward", help="Reward function "
-                                                          "module:function[@weight] or a built-in "
+    reward_model: Optional[Path] = typer.Option(None, help="Reward model dir (default: "
+                                                           "the run's reward/model)."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight] or a built-in "
                                                           "(length_window, exact_answer, "
                                                           "json_tool_call); repeatable."),
     as_json: bool = JsonFlag,
@@ -233,8 +228,8 @@ def check_headroom(
     raise typer.Exit(0 if report["passed"] else 1)
 
 
-@commands.command(epilog="Examples:\n\n  slm-align quickstart\n\n  slm-align quickstart --out "
-                  "runs/qs --json")
+@commands.command(epilog="Examples:\n\n  slm-align quickstart\n\n  slm-align "
+                         "quickstart --out runs/qs --json")
 def quickstart(
     out: Path = typer.Option(Path("runs/quickstart"), *OUT_NAMES, help=RUN_DIR_HELP),
     sft_steps: int = typer.Option(150, min=1, help="SFT optimizer steps on the bundled model."),
@@ -268,23 +263,25 @@ def quickstart(
                          "PPO or GRPO\n\n  slm-align train --algo dpo --out runs/demo "
                          "--preferences prefs.jsonl --preferences prefs.unpaired.jsonl   # DPO on "
                          "device feedback\n\n  slm-align train --algo kto --out runs/demo "
-                         "--preferences prefs.unpaired.jsonl --desirable-weight 1.5")
+                         "--preferences prefs.unpaired.jsonl --desirable-weight 1.5\n\n  slm-align train --algo grpo "
+                         "--data agent_sft.jsonl --tasks agent_tasks.jsonl --reward task_success "
+                         "--reward call_format@0.2 --max-tool-rounds 2 --out runs/agent   # multi-turn "
+                         "agent episodes")
 @recipe_flags(SOURCE, TASKS, HEADROOM, REWARD, RL, PREFERENCE, SAFETY, COMPUTE, TRACKING)
 def train(
     out: Path = typer.Option(Path("runs/default"), *OUT_NAMES, help=RUN_DIR_HELP),
-    stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it needs, the gate, "
-                              "then RL)."),
+    stage: str = typer.Option("rl", help="sft, reward, or rl (runs the stages it "
+                                         "needs, the gate, then RL)."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
-    sft_from: Optional[Path] = typer.Option(None, "--sft", help="Take the finished SFT stage of "
-                                            "this run instead."),
-    reward_model: Optional[Path] = typer.Option(None, help="Use this reward model dir instead of "
-                                                "training one."),
-    reward: list[str] = typer.Option([], "--reward", help="Reward function "
-                                                          "module:function[@weight] or a built-in; "
+    sft_from: Optional[Path] = typer.Option(None, "--sft", help="Take the finished SFT "
+                                                                "stage of this run instead."),
+    reward_model: Optional[Path] = typer.Option(None, help="Use this reward model dir "
+                                                           "instead of training one."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight] or a built-in; "
                                                           "repeatable; added to the reward model."),
-    force: bool = typer.Option(False, "--force", help="Train even when the headroom gate says FAIL "
-                               "(recorded)."),
+    force: bool = typer.Option(False, "--force", help="Train even when the headroom "
+                                                      "gate says FAIL (recorded)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted stage in OUT."),
     as_json: bool = JsonFlag,
 ) -> None:
@@ -325,15 +322,13 @@ SUMMARY_PRINTERS = {"sft": print_sft, "reward": print_reward, "rl": print_rl}
                          "--set headroom.max_documents=50")
 @recipe_flags(SAMPLING, TASKS, [DEVICE, ALLOW_PICKLE])
 def evaluate(
-    run: Path = typer.Option(..., "--run", "-r", help="Run directory (SFT required; RL and reward "
-                             "used if present)."),
+    run: Path = typer.Option(..., "--run", "-r", help="Run directory (SFT required; RL and "
+                                                      "reward used if present)."),
     baseline: list[str] = typer.Option([], "--baseline", help="Add a baseline policy from any "
-                                                              "model source; repeatable (was "
-                                                              "--model)."),
+                                                              "model source; repeatable (was --model)."),
     reward_model: Optional[Path] = typer.Option(None, help="Shared reward model (default: the "
                                                 "run's reward/model)."),
-    reward: list[str] = typer.Option([], "--reward", help="Reward function "
-                                     "module:function[@weight]; repeatable."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight]; repeatable."),
     prompts: int = typer.Option(200, min=2, help="Held-out prompts to sample."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,

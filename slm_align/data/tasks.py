@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from slm_align.chat_templates import default_chat_template
+from slm_align.chat_templates import default_chat_template, template_form, template_traits
 from slm_align.data.readers import iter_rows
 from slm_align.data.splits import seeded_rank
 from slm_align.errors import UserError
@@ -38,11 +38,29 @@ class TaskSet:
 
     prompts: list[str]
     columns: list[dict[str, Any]]
+    conversations: Optional[list[Optional[list[dict]]]] = None
+    """Each row's prompt as the messages it was rendered from (None for a text prompt): what an
+    agent episode starts from. None when no row is a conversation."""
 
     def __post_init__(self):
         if len(self.prompts) != len(self.columns):
-            raise ValueError(f"TaskSet: {len(self.prompts)} prompts but {len(self.columns)} column "
-                             f"rows")
+            raise ValueError(f"TaskSet: {len(self.prompts)} prompts but "
+                             f"{len(self.columns)} column rows")
+
+    def conversation(self, prompt: str) -> list[dict]:
+        """The messages a prompt was rendered from (a text prompt: one user message)."""
+        index = self._row_of.get(prompt)
+        if index is None:
+            raise UserError(f"no task row has the prompt {_excerpt(prompt)}")
+        found = self.conversations[index] if self.conversations is not None else None
+        return found if found is not None else [{"role": "user", "content": prompt}]
+
+    def row(self, prompt: str) -> dict[str, Any]:
+        """The columns of the row whose prompt is ``prompt``."""
+        index = self._row_of.get(prompt)
+        if index is None:
+            raise UserError(f"no task row has the prompt {_excerpt(prompt)}")
+        return self.columns[index]
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -66,7 +84,10 @@ class TaskSet:
     def subset(self, indices: Iterable[int]) -> "TaskSet":
         """The rows at ``indices``, in that order."""
         chosen = list(indices)
-        return TaskSet([self.prompts[i] for i in chosen], [self.columns[i] for i in chosen])
+        conversations = None
+        if self.conversations is not None:
+            conversations = [self.conversations[i] for i in chosen]
+        return TaskSet([self.prompts[i] for i in chosen], [self.columns[i] for i in chosen], conversations)
 
     @cached_property
     def _row_of(self) -> dict[str, int]:
@@ -103,18 +124,20 @@ def read_tasks(path, tokenizer=None, prompt_field: str = "prompt") -> TaskSet:
     """
     prompts: list[str] = []
     columns: list[dict[str, Any]] = []
+    conversations: list[Optional[list[dict]]] = []
     first_seen: dict[str, tuple[int, str]] = {}
     for where, row in iter_rows(Path(path)):
-        prompt, other = _task_row(where, row, tokenizer, prompt_field)
+        prompt, other, messages = _task_row(where, row, tokenizer, prompt_field)
         if prompt in first_seen:
             _check_same_columns(where, first_seen[prompt], columns, other)
             continue
         first_seen[prompt] = (len(prompts), where)
         prompts.append(prompt)
         columns.append(other)
+        conversations.append(messages)
     if not prompts:
         raise UserError(f"task data {path} holds no rows; give a file with one prompt per row")
-    return TaskSet(prompts, columns)
+    return TaskSet(prompts, columns, conversations if any(conversations) else None)
 
 
 def _check_same_columns(where: str, first: tuple[int, str], columns: list[dict], other: dict) -> None:
@@ -130,8 +153,8 @@ def _check_same_columns(where: str, first: tuple[int, str], columns: list[dict],
     )
 
 
-def _task_row(where: str, row: Any, tokenizer, prompt_field: str) -> tuple[str, dict[str, Any]]:
-    """``(rendered prompt, other columns)`` of one row."""
+def _task_row(where: str, row: Any, tokenizer, prompt_field: str) -> tuple[str, dict[str, Any], Optional[list]]:
+    """``(rendered prompt, other columns, the prompt's messages or None)`` of one row."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected an object with a '{prompt_field}' column, got "
                         f"{type(row).__name__}")
@@ -149,9 +172,9 @@ def _task_row(where: str, row: Any, tokenizer, prompt_field: str) -> tuple[str, 
         other["tools"] = normalise_tools(where, other["tools"])
     value = row[field]
     if isinstance(value, str):
-        return _text_prompt(where, field, value), other
+        return _text_prompt(where, field, value), other, None
     messages = _conversation(where, field, value)
-    return render_conversation(where, messages, other.get("tools"), tokenizer), other
+    return render_conversation(where, messages, other.get("tools"), tokenizer), other, messages
 
 
 def _check_column_names(where: str, columns: dict) -> None:
@@ -170,8 +193,8 @@ def _text_prompt(where: str, field: str, value: str) -> str:
 def _conversation(where: str, field: str, value: Any) -> list[dict]:
     """The messages of a conversational prompt, checked; a final assistant turn is dropped."""
     if not isinstance(value, list) or not value:
-        raise UserError(f"{where}: '{field}' must be text or a non-empty list of {{role, content}} "
-                        f"messages")
+        raise UserError(f"{where}: '{field}' must be text or a non-empty list of "
+                        f"{{role, content}} messages")
     messages = []
     for message in value:
         _check_message(where, field, message)
@@ -179,8 +202,8 @@ def _conversation(where: str, field: str, value: Any) -> list[dict]:
     if messages[-1]["role"] == "assistant":
         messages = messages[:-1]
     if not messages:
-        raise UserError(f"{where}: '{field}' holds only an assistant turn; a task needs the turns "
-                        f"it answers")
+        raise UserError(f"{where}: '{field}' holds only an assistant turn; a task "
+                        "needs the turns it answers")
     return messages
 
 
@@ -197,11 +220,12 @@ def render_conversation(where: str, messages: list[dict], tools: Optional[list[d
     """The messages (and tools) through the tokenizer's chat template, ending with
     the generation prompt."""
     if tokenizer is None:
-        raise UserError(f"{where}: a conversational prompt needs a tokenizer to render it with its "
-                        f"chat template")
+        raise UserError(f"{where}: a conversational prompt needs a tokenizer to render it "
+                        "with its chat template")
     template = tokenizer.chat_template or default_chat_template(tokenizer)
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+        formed = template_form(messages, template_traits(template))
+        return tokenizer.apply_chat_template(formed, tools=tools or None, add_generation_prompt=True,
                                              tokenize=False, chat_template=template)
     except Exception as exc:  # jinja2 and transformers raise several types for a conversation a template refuses
         reason = " ".join(str(exc).split())[:200]

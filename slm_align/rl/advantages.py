@@ -149,6 +149,39 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 ZERO_STD = 1e-6  # a group whose rewards spread less than this is "all equal": it carries no GRPO signal
 
 
+def compact(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's trained positions are, moved to the front in order: ``(index, kept)``,
+    (B, S) each, S the most trained positions of a row; ``index`` the positions (0 past a row's
+    last, where ``kept`` is 0). An agent episode's mask has gaps (the runtime's inserted tokens);
+    a single completion's is already a prefix, so compacting it changes nothing."""
+    counts = mask.sum(-1).long()
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    order = torch.argsort((mask <= 0).to(torch.int8), dim=-1, stable=True)[:, :width]
+    kept = (torch.arange(width, device=mask.device).unsqueeze(0) < counts.unsqueeze(-1)).to(mask.dtype)
+    return order * kept.long(), kept
+
+
+def gae_over_trained(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                     values: torch.Tensor, mask: torch.Tensor, kl_coef: float, gamma: float, lam: float):
+    """PPO's per-token rewards and GAE over each row's trained positions only, as if they were
+    contiguous: an episode's inserted tokens (tool results, template text) are not steps of the
+    policy, so the value of the next sampled token, past them, is what each step bootstraps from.
+
+    scores (B,); logprobs, ref_logprobs, values, mask (B, T). Returns advantages and returns (B, T),
+    zero off the mask: the positions are gathered (:func:`compact`), :func:`per_token_rewards` and
+    :func:`gae` run on the compact (B, S) tensors, and the results go back to their positions.
+    """
+    index, kept = compact(mask)
+
+    def gathered(x: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, index) * kept
+
+    rewards = per_token_rewards(scores, gathered(logprobs), gathered(ref_logprobs), kept, kl_coef)
+    advantages, returns = gae(rewards, gathered(values), kept, gamma, lam)
+    spread = torch.zeros_like(mask)
+    return spread.scatter_add(1, index, advantages * kept), spread.scatter_add(1, index, returns * kept)
+
+
 def all_equal_groups(scores: torch.Tensor, group_size: int) -> list[int]:
     """The groups whose rewards are all equal (unbiased std below ``ZERO_STD``): no GRPO signal.
 

@@ -30,7 +30,7 @@ from slm_align.rl.advantages import Advantages, all_equal_groups, grpo_advantage
 from slm_align.rl.learner import Learner, rollout_kl, rollout_metrics
 from slm_align.rl.losses import aggregate, clipped_policy_loss, kl_k3
 from slm_align.rl.phases import PhaseClock
-from slm_align.rl.rollout import Rollout, collect, replace_rows
+from slm_align.rl.rollout import Rollout, replace_rows
 from slm_align.rl.schedule import iteration_size
 
 
@@ -55,10 +55,7 @@ class GRPO(Learner):
     def sample(self, prompts: list[str], seed: int) -> Rollout:
         """One completion per prompt (``seed``), scored, with the log-probability passes GRPO
         uses."""
-        with self.forward_context():
-            return collect(self.policy, None, self.tokenizer, self.reward_fn, prompts,
-                           self.settings, seed, self.clock, self.needs_old_pass(),
-                           self.needs_reference())
+        return self.collect_rollout(prompts, seed, self.needs_old_pass(), self.needs_reference())
 
     def rollout(self, step: int) -> Rollout:
         """The groups of an iteration (B = prompts x G rows), all-equal ones drawn once more when
@@ -106,11 +103,11 @@ class GRPO(Learner):
         with self.clock.phase("update_forward"):
             low, high = s.clip_eps, grpo.clip_eps_high  # clip-higher: a rare token may rise further
             loss, clip_frac = clipped_policy_loss(fwd.ratio, adv.tokens[rows], fwd.mask, low, high,
-                                                  grpo.loss_type, s.max_new_tokens)
+                                                  grpo.loss_type, self.token_budget())
             stats = {"loss/policy": float(loss.detach()), "clip_frac": float(clip_frac)}
             if grpo.beta:
                 kl = kl_k3(fwd.logprobs, batch.ref_logprobs[rows], self.envelope.log_ratio_clamp)
-                loss = loss + grpo.beta * aggregate(kl, fwd.mask, grpo.loss_type, s.max_new_tokens)
+                loss = loss + grpo.beta * aggregate(kl, fwd.mask, grpo.loss_type, self.token_budget())
         # --- guarded step: backward, finite loss, gradient and parameters, else the snapshot back
         with self.clock.phase("update_backward"):
             result = self.guard.step(loss, fwd.snapshot, self.after_backward)

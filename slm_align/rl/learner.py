@@ -19,6 +19,7 @@ import torch
 from slm_align.config import RLSettings
 from slm_align.envelope.guard import Snapshot
 from slm_align.envelope.logprobs import forward_logprobs
+from slm_align.envelope.policy import policy_rewards
 from slm_align.envelope.ratio import ratio_guard_trips, ratio_of
 from slm_align.envelope.run import TrainableRun
 from slm_align.envelope.seeds import derive_seed
@@ -26,8 +27,9 @@ from slm_align.envelope.value_head import ValueHead
 from slm_align.envelope.world import World
 from slm_align.errors import UserError
 from slm_align.rl.advantages import masked_mean
+from slm_align.rl.episodes import AgentTasks, collect_episodes, episode_rewards
 from slm_align.rl.phases import PhaseClock
-from slm_align.rl.rollout import Rollout
+from slm_align.rl.rollout import Rollout, collect
 from slm_align.rl.schedule import iteration_size
 
 
@@ -71,6 +73,34 @@ class Learner(TrainableRun):
         """The current iteration's phase timings (a fresh clock each iteration)."""
         self.kl_watched = False
         """Whether something reads the "kl" metric besides the loss (the watchdog's KL detector)."""
+        self.episodes: Optional[AgentTasks] = None
+        """Agent tasks whose rollouts are multi-turn episodes run by the runtime's loop (None: one
+        completion per prompt)."""
+
+    def collect_rollout(self, prompts: list[str], seed: int, old_pass: bool = True,
+                        reference_pass: bool = True) -> Rollout:
+        """One completion (or, with agent tasks, one episode) per prompt, scored, with the old and
+        reference log-probabilities the algorithm asks for (values under PPO), timed on the clock."""
+        with self.forward_context():
+            if self.episodes is not None:
+                return collect_episodes(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts,
+                                        self.settings, seed, self.episodes, self.clock, old_pass, reference_pass)
+            return collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts, self.settings,
+                           seed, self.clock, old_pass, reference_pass)
+
+    def sample_rewards(self, prompts: list[str], seed: int, adapter: bool = True) -> list[float]:
+        """The reward of one completion (or episode) per prompt sampled with ``seed``, the RL adapter on
+        or off (the prior): what the held-out reward and the watchdog's probe measure."""
+        if self.episodes is not None:
+            return episode_rewards(self.policy, self.tokenizer, self.reward_fn, prompts, self.settings, seed,
+                                   self.episodes, adapter)
+        return policy_rewards(self.policy, self.tokenizer, self.reward_fn, prompts, self.settings, seed, adapter)
+
+    def token_budget(self) -> int:
+        """The most sampled tokens one rollout row can hold (Dr. GRPO's constant normaliser):
+        ``max_new_tokens``, times the rounds of an agent episode (its tool rounds and the answer)."""
+        rounds = self.settings.max_tool_rounds + 1 if self.episodes is not None else 1
+        return self.settings.max_new_tokens * rounds
 
     def prompts_for(self, step: int) -> list[str]:
         """This rank's training prompts of an iteration, chosen by (seed, step) so that a resumed
@@ -164,8 +194,8 @@ def old_logprobs(batch: Rollout, rows: torch.Tensor, new: torch.Tensor) -> torch
     if batch.old_logprobs is not None:
         return batch.old_logprobs[rows]
     if rows.numel() != batch.mask.shape[0]:
-        raise ValueError("a rollout without old log-probabilities trains in one minibatch of all "
-                         "its rows")
+        raise ValueError("a rollout without old log-probabilities trains in one "
+                         "minibatch of all its rows")
     old = torch.zeros_like(batch.mask)
     old[rows] = new.detach().float()
     batch.old_logprobs = old
@@ -189,7 +219,7 @@ def rollout_metrics(batch: Rollout, results: list[dict], kl: Optional[float],
                     seconds: float) -> dict:
     """The metrics both algorithms log: reward, KL, lengths, the minibatch statistics averaged."""
     lengths = batch.lengths.float()
-    metrics = {"reward/mean": float(batch.scores.mean()), "reward/std": float(batch.scores.std()),
+    metrics = {**batch.stats, "reward/mean": float(batch.scores.mean()), "reward/std": float(batch.scores.std()),
                "kl": kl, "completion/length": float(lengths.mean()),
                "completion/truncated_frac": float(batch.truncated.float().mean()),
                "ratio/max": max(r["ratio/max"] for r in results), "step_time": seconds,

@@ -24,17 +24,16 @@ import torch
 from slm_align.envelope.seeds import derive_seed
 from slm_align.rl.advantages import (
     Advantages,
-    gae,
+    gae_over_trained,
     masked_mean,
     masked_whiten,
-    per_token_rewards,
     sigma_clip,
     whiten_scores,
 )
 from slm_align.rl.learner import Learner, rollout_kl, rollout_metrics
 from slm_align.rl.losses import adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, kl_k3
 from slm_align.rl.phases import PhaseClock
-from slm_align.rl.rollout import Rollout, collect
+from slm_align.rl.rollout import Rollout
 
 
 class PPO(Learner):
@@ -45,9 +44,7 @@ class PPO(Learner):
         """B completions of B distinct prompts, scored, with old and reference log-probabilities
         and values."""
         seed = derive_seed(self.seed, "rollout", step, self.world.rank)
-        with self.forward_context():
-            return collect(self.policy, self.value_head, self.tokenizer, self.reward_fn,
-                           self.prompts_for(step), self.settings, seed, self.clock)
+        return self.collect_rollout(self.prompts_for(step), seed)
 
     def advantages(self, batch: Rollout) -> Advantages:
         """Per-token advantages and returns, (B, T) each, whitened and sigma-clipped.
@@ -63,9 +60,8 @@ class PPO(Learner):
         scores, clipped = sigma_clip(scores, n_sigma)
         self.counters.score_clipped += clipped
         kl_coef = self.kl_coef if ppo.kl_mode == "reward" else 0.0  # k1 here, or k3 in the loss
-        rewards = per_token_rewards(scores, batch.old_logprobs, batch.ref_logprobs, batch.mask,
-                                    kl_coef)
-        advantages, returns = gae(rewards, batch.values, batch.mask, ppo.gamma, ppo.lam)
+        advantages, returns = gae_over_trained(scores, batch.old_logprobs, batch.ref_logprobs, batch.values,
+                                               batch.mask, kl_coef, ppo.gamma, ppo.lam)
         advantages, clipped = sigma_clip(masked_whiten(advantages, batch.mask), n_sigma, batch.mask)
         self.counters.advantage_clipped += clipped
         return Advantages(advantages, returns)

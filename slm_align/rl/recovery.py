@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 
 from slm_align.atomic import write_text_atomic
-from slm_align.envelope.policy import policy_rewards
 from slm_align.envelope.world import World
 from slm_align.rl.watchdog import SHAPING_TERM, Watchdog
 from slm_align.rl.watchdog_text import event_line
@@ -28,12 +27,13 @@ from slm_align.tracking import Tracker
 EVENTS = "events.jsonl"
 
 
-def probe_rewards(policy, tokenizer, reward_fn, prompts: list[str], settings, seed: int) -> list[float]:
-    """:func:`policy_rewards` of the current adapter, with ``seed`` so that every probe of a run
-    draws with the same random numbers; the global RNG is left as it was (training draws do not
-    depend on the probes)."""
+def probe_rewards(loop, prompts: list[str], seed: int) -> list[float]:
+    """The rewards of the current adapter on ``prompts`` (:meth:`Learner.sample_rewards`: one
+    completion or agent episode each), with ``seed`` so that every probe of a run draws with the
+    same random numbers; the global RNG is left as it was (training draws do not depend on the
+    probes)."""
     with torch.random.fork_rng():
-        return policy_rewards(policy, tokenizer, reward_fn, prompts, settings, seed)
+        return loop.sample_rewards(prompts, seed)
 
 
 def capture(loop) -> dict:

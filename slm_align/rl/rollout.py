@@ -3,7 +3,7 @@ and reference in fp32."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -32,6 +32,7 @@ class Rollout:
     scores: torch.Tensor  # (B,) reward of each completion (after any length penalty)
     truncated: torch.Tensor  # (B,) bool
     all_equal: int = 0  # GRPO: groups whose first draw's rewards were all equal (no signal)
+    stats: dict = field(default_factory=dict)  # metrics of the rollout itself (agent episodes': call rate, ...)
 
     @property
     def size(self) -> int:
@@ -63,6 +64,25 @@ def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, promp
     input_ids = torch.cat([samples.prompt_ids, samples.completion_ids], dim=1)
     attention = torch.cat([samples.prompt_mask, samples.completion_mask], dim=1)
     width = samples.prompt_ids.shape[1]
+    old, ref, values = scoring_passes(policy, value_head, input_ids, attention, width, settings, clock, old_pass,
+                                      reference_pass)
+    device = input_ids.device
+    truncated = torch.tensor(samples.truncated, device=device)
+    with clock.phase("reward"):
+        raw = torch.tensor(score(reward_fn, samples), dtype=torch.float32, device=device)
+    scores = penalised(raw, samples.completion_mask.sum(-1), truncated, settings)
+    mask = samples.completion_mask.float()
+    if settings.mask_truncated:
+        mask = mask * (~truncated).float().unsqueeze(-1)
+    return Rollout(prompts, samples.completions, input_ids, attention, width, mask, old, ref, values, scores,
+                   truncated)
+
+
+def scoring_passes(policy, value_head: Optional[ValueHead], input_ids, attention, width: int, settings: RLSettings,
+                   clock: PhaseClock, old_pass: bool, reference_pass: bool):
+    """``(old, ref, values)`` of the sampled rows, (B, T) each or None, without gradient: the old
+    log-probabilities (and values) when ``old_pass`` or a value head asks for them, the reference's
+    (the adapter disabled) when ``reference_pass`` does."""
     old = None
     values = None
     ref = None
@@ -73,22 +93,14 @@ def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, promp
         if reference_pass:
             with clock.phase("scoring_ref"), policy.disable_adapter():
                 ref, _ = _logprobs_and_values(policy, input_ids, attention, width, settings)
-    device = input_ids.device
-    truncated = torch.tensor(samples.truncated, device=device)
-    with clock.phase("reward"):
-        raw = torch.tensor(score(reward_fn, samples), dtype=torch.float32, device=device)
-    scores = _penalised(raw, samples, truncated, settings)
-    mask = samples.completion_mask.float()
-    if settings.mask_truncated:
-        mask = mask * (~truncated).float().unsqueeze(-1)
-    return Rollout(prompts, samples.completions, input_ids, attention, width, mask, old, ref, values, scores,
-                   truncated)
+    return old, ref, values
 
 
-def _penalised(scores: torch.Tensor, samples, truncated: torch.Tensor, settings: RLSettings) -> torch.Tensor:
-    """Scores (B,) less the length penalty (per token past 80% of the budget) and
-    the missing-EOS penalty."""
-    lengths = samples.completion_mask.sum(-1).float()
+def penalised(scores: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor,
+              settings: RLSettings) -> torch.Tensor:
+    """Scores (B,) less the length penalty (per sampled token past 80% of the budget) and the
+    missing-EOS penalty."""
+    lengths = lengths.float()
     if settings.length_penalty:
         scores = scores - settings.length_penalty * (lengths - 0.8 * settings.max_new_tokens).clamp(min=0)
     return scores - settings.missing_eos_penalty * truncated.float()
@@ -152,7 +164,8 @@ def replace_rows(batch: Rollout, rows: list[int], replacement: Rollout, pad_id: 
     """``batch`` with its ``rows`` replaced, in order, by the rows of ``replacement`` (one each).
 
     Prompts are re-padded on the left and completions on the right to the wider of the two rollouts,
-    so the other rows keep their places (GRPO groups stay contiguous).
+    so the other rows keep their places (GRPO groups stay contiguous). The rollout's ``stats`` stay
+    those of ``batch``: the first draw is what measures the policy (a redraw picks rows by outcome).
     """
     width = max(batch.prompt_width, replacement.prompt_width)
     length = max(batch.mask.shape[1], replacement.mask.shape[1])
@@ -167,4 +180,4 @@ def replace_rows(batch: Rollout, rows: list[int], replacement: Rollout, pad_id: 
     return Rollout([r["prompt"] for r in merged], [r["completion"] for r in merged], _stack(merged, "input_ids"),
                    _stack(merged, "attention_mask"), width, _stack(merged, "mask"), _stack(merged, "old_logprobs"),
                    _stack(merged, "ref_logprobs"), _stack(merged, "values"), _stack(merged, "scores"),
-                   _stack(merged, "truncated"))
+                   _stack(merged, "truncated"), stats=dict(batch.stats))

@@ -21,7 +21,7 @@ from slm_align.config import Recipe
 from slm_align.data.prompt_source import prompt_source
 from slm_align.data.readers import fingerprint
 from slm_align.envelope.loop import load_checkpoint, train_steps
-from slm_align.envelope.policy import build_policy, policy_rewards
+from slm_align.envelope.policy import build_policy
 from slm_align.envelope.value_head import ValueHead
 from slm_align.envelope.world import World, rank_device, replica_digest, world_from_env
 from slm_align.errors import UserError
@@ -29,6 +29,7 @@ from slm_align.modeling import load_tokenizer, resolve_source, save_adapter
 from slm_align.plots import plot_curves
 from slm_align.progress import stage_lines
 from slm_align.reward.learned import learned_reward
+from slm_align.rl.episodes import agent_tasks, check_episode_rewards
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.ppo import PPO
 from slm_align.rl.recovery import EVENTS, WatchedRun, probe_rewards, read_events, restore, scale_shaping
@@ -74,13 +75,13 @@ def check_divisible(settings, world: World) -> None:
                         "change --prompts-per-step or the number of processes")
 
 
-def heldout_reward(policy, tokenizer, reward_fn, prompts: list[str], recipe: Recipe, adapter: bool) -> float:
-    """Mean reward of one sampled completion per held-out prompt, with the RL
+def heldout_reward(loop, prompts: list[str], seed: int, adapter: bool) -> float:
+    """Mean reward of one sampled completion (or agent episode) per held-out prompt, with the RL
     adapter on (RL) or off (SFT)."""
     policy_name = "RL" if adapter else "SFT"
-    with stage_lines("held-out "
-                     "reward", f"the {policy_name} policy on {len(prompts)} prompts") as stage:
-        mean = statistics.fmean(policy_rewards(policy, tokenizer, reward_fn, prompts, recipe.rl, recipe.seed, adapter))
+    unit = "episodes" if loop.episodes is not None else "prompts"
+    with stage_lines("held-out reward", f"the {policy_name} policy on {len(prompts)} {unit}") as stage:
+        mean = statistics.fmean(loop.sample_rewards(prompts, seed, adapter))
         stage.figures = f"mean reward {mean:.3f}"
     return mean
 
@@ -133,6 +134,10 @@ class RLStage:
             raise UserError("no prompts for RL: the corpus has no documents long enough to split "
                             "into prompt and rest")
         self.reward_fn = self.prompts.reward(self.rewards, learned=learned_reward(self.prior.reward_model, device))
+        episodes = agent_tasks(settings, self.prompts.tasks)
+        check_episode_rewards(self.reward_fn, episodes)
+        if episodes is not None:
+            episodes.check_template(self.tokenizer)
         self.policy = build_policy(source, self.prior.adapter, settings, recipe.seed, recipe.model.trust_remote_code,
                                    recipe.model.allow_pickle, device)
         self.value_head = None
@@ -141,6 +146,7 @@ class RLStage:
         algorithm = ALGORITHMS[settings.algo]
         self.loop = algorithm(self.policy, self.tokenizer, self.reward_fn, self.prompts.train, settings, recipe.seed,
                               self.value_head, self.world, self.compute.precision, self.compute.gradient_checkpointing)
+        self.loop.episodes = episodes
 
     def train(self, partial: Path, checkpoint: Optional[str]) -> None:
         """Iterate from the work dir's checkpoint (if any) under the watchdog; held-out
@@ -185,10 +191,9 @@ class RLStage:
         result["watchdog"] = _watchdog_figures(self.watch, self.last, events, loop.step)
         return result
 
-    # ---- training
-    # ----------------------------------------------------------------------------------------------
+    # ---- training --------------------------------------------------------------------------------
     def _heldout(self, adapter: bool) -> float:
-        return heldout_reward(self.policy, self.tokenizer, self.reward_fn, self.eval_prompts, self.recipe, adapter)
+        return heldout_reward(self.loop, self.eval_prompts, self.recipe.seed, adapter)
 
     def _iterate(self, partial: Path, tracker: Tracker) -> None:
         """The remaining iterations under the watchdog (when on): its probes,
@@ -215,8 +220,7 @@ class RLStage:
         def stopped() -> bool:
             return watch is not None and watch.stopped is not None
 
-        train_steps(loop, iteration, self.recipe.rl.steps, partial, title=f"RL "
-                    f"({self.recipe.rl.algo})",
+        train_steps(loop, iteration, self.recipe.rl.steps, partial, title=f"RL ({self.recipe.rl.algo})",
                     status=_reward_status, save_every=self.recipe.rl.save_steps, state=state, world=self.world,
                     tracker=tracker, stopped=stopped)
 
@@ -234,7 +238,7 @@ class RLStage:
         def probe() -> list[float]:
             """Per-prompt rewards of the current adapter on the probe
             prompts (the recipe's seed)."""
-            return probe_rewards(loop.policy, loop.tokenizer, loop.reward_fn, prompts, recipe.rl, recipe.seed)
+            return probe_rewards(loop, prompts, recipe.seed)
 
         return WatchedRun(Watchdog(settings), probe, partial, self.world, self.say, recipe.rl.grpo.beta)
 
@@ -267,6 +271,7 @@ class RLStage:
         adapter = self.prior.adapter
         reward_model = self.prior.reward_model
         return {"steps": loop.step, "algo": loop.settings.algo, "learning_rate": loop.learning_rate,
+                "episodes": loop.episodes is not None,
                 "guard": {"skipped": counters.skipped, "rollbacks": counters.rollbacks,
                           "score_clipped": counters.score_clipped, "advantage_clipped": counters.advantage_clipped},
                 "gate": {"verdict": gate["verdict"], "forced": self.prior.forced, "reasons": gate["reasons"],

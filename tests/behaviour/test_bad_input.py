@@ -66,8 +66,8 @@ def env(tmp_path_factory, tiny_models, tokenizer, stories):
     from slm_align.modeling import build_tiny_model
 
     root = tmp_path_factory.mktemp("bad-input")
-    (root / "utf16.txt").write_bytes("Once upon a time there was a cat.\n\nThe "
-                                     "end.\n".encode("utf-16"))
+    (root / "utf16.txt").write_bytes("Once upon a time there "
+                                     "was a cat.\n\nThe end.\n".encode("utf-16"))
     (root / "numbers.jsonl").write_text("".join(json.dumps({"text": 7 + i}) + "\n" for i in range(40)))
     (root / "blank.jsonl").write_text("\n\n  \n")
     (root / "header.csv").write_text("text\n")
@@ -111,13 +111,11 @@ def env(tmp_path_factory, tiny_models, tokenizer, stories):
 
     gguf = write_gguf(tiny_models["llama"], root / "tiny-F16.gguf", "F16")
     with PreferenceStore(root / "private.db") as store:
-        turn = store.record_turn("c1", [{"role": "user", "content": "Tell me a "
-                                         "story."}], "Once upon a time.",
+        turn = store.record_turn("c1", [{"role": "user", "content": "Tell me a story."}], "Once upon a time.",
                                  "ab" * 32, {"temperature": 0.7}, False)
         store.thumbs(turn, up=True)
     with PreferenceStore(root / "consented.db") as store:
-        turn = store.record_turn("c1", [{"role": "user", "content": "Tell me a "
-                                         "story."}], "Once upon a time.",
+        turn = store.record_turn("c1", [{"role": "user", "content": "Tell me a story."}], "Once upon a time.",
                                  "ab" * 32, {"temperature": 0.7}, True)
         store.thumbs(turn, up=True)
         store.edit(turn, "Once upon a time, a cat.")
@@ -184,15 +182,13 @@ def agent_eval(*args, tasks="{root}/tasks.jsonl"):
 
 
 def case(command, args, keyword, arrange=None, marks=(), id=None):
-    return pytest.param(args, keyword, arrange, marks=marks, id=f"{command}: "
-                        f"{id or ' '.join(args)}"[:90])
+    return pytest.param(args, keyword, arrange, marks=marks, id=f"{command}: {id or ' '.join(args)}"[:90])
 
 
 CASES = [
     # sft: data
     case("sft", sft(data="{root}/utf16.txt"), "UTF-8", id="UTF-16 corpus"),
-    case("sft", sft(data="{root}/numbers.jsonl"), "text", id="jsonl with numbers in the text "
-         "column"),
+    case("sft", sft(data="{root}/numbers.jsonl"), "text", id="jsonl with numbers in the text column"),
     case("sft", sft(data="{root}/blank.jsonl"), "no documents", id="jsonl of blank lines"),
     case("sft", sft(data="{root}/header.csv"), "no documents", id="csv with a header only"),
     case("sft", sft(data="{root}/junk.parquet"), "parquet", id="parquet of random bytes"),
@@ -228,26 +224,21 @@ CASES = [
                             "--data", "{stories}"], "adapter", id="--adapter missing"),
     case("check-headroom", ["check-headroom", "--run", "{run}", "--reward-model", "{root}/no-rm"], "no-rm",
          id="--reward-model missing"),
-    case("check-headroom", ["check-headroom", "--run", "{root}/no-run"], "no-run", id="--run "
-         "missing"),
+    case("check-headroom", ["check-headroom", "--run", "{root}/no-run"], "no-run", id="--run missing"),
     # train --stage sft / reward / rl
     case("train", train("sft", "--out", "{out}", "--model", "{llama}", "--data", "{root}/utf16.txt"), "UTF-8",
          id="--stage sft on a UTF-16 corpus"),
-    case("train", train("reward", "--out", "{out}"), "SFT", id="--stage reward without an SFT "
-         "stage"),
+    case("train", train("reward", "--out", "{out}"), "SFT", id="--stage reward without an SFT stage"),
     case("train", train("reward", "--out", "{run}", "--pair-mix", "warp=1"), "warp",
          id="--stage reward --pair-mix of an unknown kind"),
     case("train", train("reward", "--out", "{run}", "--preferences", "{root}/missing.jsonl"), "missing.jsonl",
          id="--stage reward --preferences missing"),
-    case("train", train("reward", "--out", "{run}", "--no-synthetic-pairs"), "--no-synthetic-pairs "
-         "is set",
+    case("train", train("reward", "--out", "{run}", "--no-synthetic-pairs"), "--no-synthetic-pairs is set",
          id="--stage reward --no-synthetic-pairs without --preferences"),
     case("train", train("reward", "--out", "{run}", "--reward-lr", "-1"), "learning_rate",
          id="--stage reward --reward-lr -1"),
-    case("train", train("rl", "--out", "{out}", "--sft", "{root}"), "SFT", id="--sft of a dir "
-         "without SFT"),
-    case("train", train("rl", "--out", "{out}", "--kl-mode", "both"), "kl_mode", id="--kl-mode "
-         "both"),
+    case("train", train("rl", "--out", "{out}", "--sft", "{root}"), "SFT", id="--sft of a dir without SFT"),
+    case("train", train("rl", "--out", "{out}", "--kl-mode", "both"), "kl_mode", id="--kl-mode both"),
     case("train", train("rl", "--out", "{out}", "--scale-rewards", "max"), "scale_rewards",
          id="--scale-rewards max"),
     case("train", train("rl", "--out", "{out}", "--steps", "0"), "steps", id="--steps 0"),
@@ -260,10 +251,20 @@ CASES = [
          id="--reward unknown"),
     case("train", train("rl", "--out", "{out}", "--sft", "{run}", "--reward-model", "{root}/no-rm"), "no-rm",
          id="--reward-model missing"),
+    case("train", train("rl", "--out", "{out}", "--sft", "{run}", "--reward", "task_success", "--episodes", "on"),
+         "agent episodes need task rows", id="--episodes on without --tasks"),
+    case("train", train("rl", "--out", "{out}", "--sft", "{run}", "--tasks", "{root}/tasks.jsonl", "--environment",
+                        "no_such_module:Env"), "cannot import module", id="--environment that does not import"),
+    case("train", train("rl", "--out", "{out}", "--sft", "{run}", "--tasks", "{root}/tasks.jsonl", "--reward",
+                        "call_format", "--episodes", "off"), "scores agent episodes",
+         id="--reward call_format on single completions"),
+    case("train", train("rl", "--out", "{out}", "--sft", "{run}", "--episodes", "sometimes"), "episodes",
+         id="--episodes sometimes"),
+    case("train", train("rl", "--out", "{out}", "--sft", "{run}", "--max-tool-rounds", "17"), "max_tool_rounds",
+         id="--max-tool-rounds 17"),
     # evaluate
     case("evaluate", ["evaluate", "--run", "{root}"], "SFT", id="--run without SFT"),
-    case("evaluate", ["evaluate", "--run", "{run}", "--prompts", "1"], "--prompts", id="--prompts "
-         "1"),
+    case("evaluate", ["evaluate", "--run", "{run}", "--prompts", "1"], "--prompts", id="--prompts 1"),
     case("evaluate", ["evaluate", "--run", "{run}", "--reward", "length_window", "--temperature", "-1"], "temperature",
          id="--temperature -1"),
     case("evaluate", ["evaluate", "--run", "{run}", "--reward", "length_window", "--max-new-tokens", "0"],
@@ -275,18 +276,14 @@ CASES = [
     case("evaluate", ["evaluate", "--run", "{broken_run}", "--reward", "length_window", "--prompts", "4"],
          "cannot be loaded", id="run whose base weights are truncated"),
     # merge
-    case("merge", ["merge", "--run", "{root}", "--out", "{out}/merged"], "SFT", id="--run without "
-         "SFT"),
-    case("merge", ["merge", "--run", "{run}", "--out", "{root}/a-file"], "a-file", id="--out is a "
-         "file"),
-    case("merge", ["merge", "--run", "{run}", "--out", "{root}/a-file", "--overwrite"], "not a "
-         "directory",
+    case("merge", ["merge", "--run", "{root}", "--out", "{out}/merged"], "SFT", id="--run without SFT"),
+    case("merge", ["merge", "--run", "{run}", "--out", "{root}/a-file"], "a-file", id="--out is a file"),
+    case("merge", ["merge", "--run", "{run}", "--out", "{root}/a-file", "--overwrite"], "not a directory",
          id="--out is a file, --overwrite"),
     case("merge", ["merge", "--run", "{broken_run}", "--out", "{out}/merged"], "cannot be loaded",
          id="run whose base weights are truncated"),
     # export
-    case("export", ["export", "{llama}", "--device", "toaster", "--out", "{out}"], "unknown device "
-         "'toaster'",
+    case("export", ["export", "{llama}", "--device", "toaster", "--out", "{out}"], "unknown device 'toaster'",
          id="--device unknown"),
     case("export", ["export", "{truncated}", "--target", "gguf", "--out", "{out}"], "model.safetensors",
          id="truncated safetensors"),
@@ -298,20 +295,19 @@ CASES = [
     case("export", ["export", "{llama}", "--threads", "0", "--out", "{out}"], "--threads", id="--threads 0"),
     case("export", ["export", "{llama}", "--min-agreement", "-0.1", "--out", "{out}"], "--min-agreement",
          id="--min-agreement -0.1"),
-    case("export", ["export", "{root}/random.gguf", "--out", "{out}"], "GGUF", id="random bytes "
-         "named .gguf"),
+    case("export", ["export", "{root}/random.gguf", "--out", "{out}"], "GGUF", id="random bytes named .gguf"),
     case("export", ["export", "{llama}", "--target", "gguf", "--quant", "F16", "--no-verify", "--out", "{out}"],
          "space", arrange=full_disk_writing_gguf, id="full disk while writing the GGUF"),
     # chat
     case("chat", ["chat", "{root}/random.gguf"], "GGUF", id="random bytes named .gguf"),
-    case("chat", ["chat", "{root}/empty-onnx"], "not an exported "
-         "model", id="ONNX dir without model.onnx"),
+    case("chat", ["chat", "{root}/empty-onnx"], "not an exported model",
+         id="ONNX dir without model.onnx"),
     case("chat", ["chat", "{gguf}", "--temperature", "-1"], "--temperature", id="--temperature -1"),
     case("chat", ["chat", "{gguf}", "--top-p", "1.5"], "--top-p", id="--top-p 1.5"),
     case("chat", ["chat", "{gguf}", "--threads", "0"], "--threads", id="--threads 0"),
     case("chat", ["chat", "{gguf}", "--max-new-tokens", "0"], "--max-new-tokens", id="--max-new-tokens 0"),
-    case("chat", ["chat", "{gguf}", "--device", "toaster"], "unknown device "
-         "'toaster'", id="--device unknown"),
+    case("chat", ["chat", "{gguf}", "--device", "toaster"], "unknown device 'toaster'",
+         id="--device unknown"),
     case("chat", ["chat", "{gguf}", "--store", "{root}/no-folder/prefs.db"], "does not exist",
          id="--store in a missing folder"),
     case("chat", ["chat", "{gguf}", "--tools", "--notes", "{root}/a-file"], "not a directory",
@@ -319,17 +315,17 @@ CASES = [
     case("chat", ["chat", "{gguf}", "--store", "{root}/notes.db"], "not a SQLite database",
          id="--store that is not SQLite"),
     # feedback export
-    case("feedback "
-         "export", ["feedback", "export", "{root}/private.db", "--out", "{out}/round2.jsonl"],
+    case("feedback export",
+         ["feedback", "export", "{root}/private.db", "--out", "{out}/round2.jsonl"],
          "no consented feedback", id="only turns without consent"),
-    case("feedback "
-         "export", ["feedback", "export", "{root}/notes.db", "--out", "{out}/round2.jsonl"],
+    case("feedback export",
+         ["feedback", "export", "{root}/notes.db", "--out", "{out}/round2.jsonl"],
          "not a SQLite database", id="DB that is not SQLite"),
-    case("feedback "
-         "export", ["feedback", "export", "{root}", "--out", "{out}/round2.jsonl"], "directory",
+    case("feedback export",
+         ["feedback", "export", "{root}", "--out", "{out}/round2.jsonl"], "directory",
          id="DB is a directory"),
-    case("feedback "
-         "export", ["feedback", "export", "{root}/consented.db", "--out", "{root}/folder.jsonl"],
+    case("feedback export",
+         ["feedback", "export", "{root}/consented.db", "--out", "{root}/folder.jsonl"],
          "is a directory", id="--out is an existing directory"),
     case("feedback export", ["feedback", "export", "{root}/consented.db", "--out", "{root}/a-file/round2.jsonl"],
          "a-file is a file", id="--out inside a file"),
@@ -338,34 +334,29 @@ CASES = [
     case("feedback export", ["feedback", "export", "{root}/consented.db", "--out", "{out}/round2.jsonl"], "space",
          arrange=full_disk_on_fsync(2), id="full disk on the unpaired file"),
     # devices
-    case("devices list", ["devices", "list"], "board.toml", arrange=devices_dir, id="a malformed "
-         "user profile"),
+    case("devices list", ["devices", "list"], "board.toml", arrange=devices_dir, id="a malformed user profile"),
     case("devices show", ["devices", "show", "../rpi5"], "../rpi5", id="a path as the name"),
     case("devices fit", ["devices", "fit", "{root}/random.gguf", "--device", "rpi5"], "GGUF",
          id="random bytes named .gguf"),
     case("devices fit", ["devices", "fit", "{truncated}", "--device", "rpi5"], "safetensors",
          id="truncated safetensors"),
-    case("devices "
-         "fit", ["devices", "fit", "{llama}", "--device", "rpi5", "--ctx", "-5"], "--ctx -5",
+    case("devices fit",
+         ["devices", "fit", "{llama}", "--device", "rpi5", "--ctx", "-5"], "--ctx -5",
          id="--ctx -5"),
     case("devices fit", ["devices", "fit", "{root}/empty-onnx", "--device", "rpi5"], "empty-onnx",
          id="ONNX dir without model.onnx"),
     # bench
-    case("bench", ["bench", "{root}/random.gguf", "--repeats", "1"], "GGUF", id="random bytes "
-         "named .gguf"),
+    case("bench", ["bench", "{root}/random.gguf", "--repeats", "1"], "GGUF", id="random bytes named .gguf"),
     case("bench", ["bench", "{gguf}", "--threads", "0"], "--threads", id="--threads 0"),
     case("bench", ["bench", "{gguf}", "--repeats", "0"], "--repeats", id="--repeats 0"),
     case("bench", ["bench", "{gguf}", "--ctx", "8"], "--ctx", id="--ctx 8"),
     case("bench", ["bench", "{gguf}", "--save-profile", "../x"], "--save-profile", id="--save-profile ../x"),
     # serve (refused before it listens)
-    case("serve", ["serve", "{root}/random.gguf", "--port", "0"], "GGUF", id="random bytes named "
-         ".gguf"),
+    case("serve", ["serve", "{root}/random.gguf", "--port", "0"], "GGUF", id="random bytes named .gguf"),
     case("serve", ["serve", "{gguf}", "--port", "70000"], "--port", id="--port 70000"),
-    case("serve", ["serve", "{gguf}", "--port", "0", "--store", "{root}/notes.db"], "not a SQLite "
-         "database",
+    case("serve", ["serve", "{gguf}", "--port", "0", "--store", "{root}/notes.db"], "not a SQLite database",
          id="--store that is not SQLite"),
-    case("serve", ["serve", "{gguf}", "--port", "0", "--device", "toaster"], "unknown device "
-         "'toaster'",
+    case("serve", ["serve", "{gguf}", "--port", "0", "--device", "toaster"], "unknown device 'toaster'",
          id="--device unknown"),
     # evaluate-agent (refused before any artifact loads; --out is never written)
     case("evaluate-agent", agent_eval("--samples", "0"), "--samples must be an integer >= 1", id="--samples 0"),
@@ -404,8 +395,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(capsys, monkeypatch, e
         arrange(env, monkeypatch)
     if args[0] == "serve":  # bad input must be refused before serving; never block the test run by listening
         uvicorn = pytest.importorskip("uvicorn")
-        monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **k: pytest.fail("serve started on "
-                                                                               "bad input"))
+        monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **k: pytest.fail("serve started on bad input"))
     watched = [out, env.root, env.llama]  # root holds the runs, the stores and the model directories
     before = snapshot(watched)
     code, stdout, stderr = run_cli(capsys, *args)

@@ -8,7 +8,9 @@ import torch
 
 from slm_align.rl.advantages import (
     all_equal_groups,
+    compact,
     gae,
+    gae_over_trained,
     group_advantages,
     grpo_advantages,
     masked_mean,
@@ -129,3 +131,38 @@ def test_all_equal_groups_names_the_groups_group_advantages_counts():
     assert all_equal_groups(scores, 2) == [0, 2]
     assert group_advantages(scores, 2, "group")[1] == 2
     assert all_equal_groups(torch.tensor([1.0, 2.0, 3.0, 4.0]), 2) == []
+
+
+def test_gae_over_an_episode_skips_the_inserted_tokens_by_hand():
+    """Sampled, sampled, inserted, inserted, sampled: the score lands on the last sampled token, each
+    step bootstraps from the next sampled token's value, and the inserted tokens' values (9) never
+    leak in. GAE over the gapped mask as it stands would put the score on an inserted position."""
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.2, 9.0, 9.0, 0.1]])
+    zeros = torch.zeros_like(mask)
+    scores = torch.tensor([1.0])
+    advantages, returns = gae_over_trained(scores, zeros, zeros, values, mask, kl_coef=0.0, gamma=1.0, lam=0.5)
+    a2 = 1.0 - 0.1
+    a1 = (0.1 - 0.2) + 0.5 * a2
+    a0 = (0.2 - 0.5) + 0.5 * a1
+    assert advantages[0].tolist() == pytest.approx([a0, a1, 0.0, 0.0, a2])
+    assert returns[0].tolist() == pytest.approx([a0 + 0.5, a1 + 0.2, 0.0, 0.0, a2 + 0.1])
+    naive, _ = gae(per_token_rewards(scores, zeros, zeros, mask, 0.0), values, mask, 1.0, 0.5)
+    assert naive[0, 4] != pytest.approx(a2)
+
+
+def test_gae_over_a_single_completion_is_plain_gae():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.3, -0.2, 0.4, 5.0], [0.7, 5.0, 5.0, 5.0]])
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, 0.0, 0.0, 0.0]])
+    ref = torch.tensor([[-1.2, -1.0, -0.7, 0.0], [-0.1, 0.0, 0.0, 0.0]])
+    scores = torch.tensor([0.8, -0.4])
+    expected = gae(per_token_rewards(scores, logprobs, ref, mask, 0.1), values, mask, 0.9, 0.95)
+    got = gae_over_trained(scores, logprobs, ref, values, mask, 0.1, 0.9, 0.95)
+    assert torch.allclose(got[0], expected[0]) and torch.allclose(got[1], expected[1])
+
+
+def test_compact_moves_each_rows_trained_positions_to_the_front_in_order():
+    index, kept = compact(torch.tensor([[0.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+    assert index.tolist() == [[1, 3, 0], [0, 1, 2], [0, 0, 0]]
+    assert kept.tolist() == [[1, 1, 0], [1, 1, 1], [0, 0, 0]]

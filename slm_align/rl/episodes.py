@@ -1,0 +1,301 @@
+"""Agent episodes as RL rollouts: each is run by the runtime's own chat loop (its template, parser,
+stop rules and tools; :class:`~slm_align.agent.runtime.Agent`) on the policy being trained
+(:class:`~slm_align.rl.policy_backend.PolicyBackend`), and trained token for token.
+
+An episode's sequence is the first prompt's ids, then for each round the ids the policy sampled and
+the ids the runtime inserted after them (the template's text around the tool results), exactly as
+the runtime fed them (``Agent.trace``): nothing is tokenised again. Only sampled ids train: the
+rollout's mask is 1 on them and 0 on inserted ids, so log-probabilities, ratios, KL, entropy, values
+and GAE count sampled positions only.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from slm_align.accelerator import device_of
+from slm_align.agent.runtime import Agent
+from slm_align.agent.sampling import SamplingParams
+from slm_align.chat_templates import default_chat_template, require_tool_template
+from slm_align.config import RLSettings
+from slm_align.data.tasks import TaskSet
+from slm_align.envelope.policy import merged_for_sampling
+from slm_align.envelope.value_head import ValueHead
+from slm_align.errors import UserError
+from slm_align.progress import counted
+from slm_align.rewards.builtin import BUILTINS
+from slm_align.rewards.columns import named_terms
+from slm_align.rewards.episodes import classify
+from slm_align.rl.phases import PhaseClock
+from slm_align.rl.policy_backend import PolicyBackend
+from slm_align.rl.rollout import Rollout, penalised, scoring_passes
+from slm_align.tools.builtin import default_tools
+from slm_align.tools.environment import load_environment, open_environment
+from slm_align.tools.registry import ToolRegistry
+from slm_align.tools.specs import registry_for_row
+
+SEED_SPAN = 2 ** 32
+
+
+@dataclass
+class EpisodeSetup:
+    """What one episode starts from: the task's messages, the tools it may call, the environment
+    instance (None without one)."""
+
+    messages: list[dict]
+    tools: ToolRegistry
+    environment: Any = None
+
+
+@dataclass
+class AgentTasks:
+    """The task rows RL runs as episodes, and the tools each row gets: the row's ``environment``
+    (``module:Class``, or ``environment`` for every row) when it names one, else the row's ``tools``
+    schemas run by the built-in tools of those names, else every built-in tool."""
+
+    tasks: TaskSet
+    environment: Optional[str] = None
+    """``--environment``: the class every row without its own ``environment`` column runs."""
+    chat_template: Optional[str] = None
+    """The template episodes render with (None: the tokenizer's own, else ChatML's)."""
+    executables: ToolRegistry = field(default_factory=default_tools)
+    """The tools that run a row's named tool schemas (the built-ins)."""
+
+    def __post_init__(self):
+        for spec in self.environment_specs():
+            load_environment(spec)  # refused in one line before any training
+
+    def environment_specs(self) -> set[str]:
+        """Every environment the rows name (``--environment`` for all of them included)."""
+        specs = {row.get("environment") for row in self.tasks.columns} - {None}
+        return specs | ({self.environment} if self.environment else set())
+
+    def check_template(self, tokenizer) -> None:
+        """Refuse, in one line, a chat template that cannot show a tool conversation (Gemma 3's)."""
+        require_tool_template(self.chat_template or tokenizer.chat_template or default_chat_template(tokenizer))
+
+    def every_row_has_environment(self) -> bool:
+        """Every row's episode runs an environment (its own, or ``--environment``)."""
+        return bool(self.environment) or all(row.get("environment") for row in self.tasks.columns)
+
+    def open(self, prompt: str) -> EpisodeSetup:
+        """A fresh episode of the task whose prompt is ``prompt``."""
+        row = self.tasks.row(prompt)
+        messages = [dict(m) for m in self.tasks.conversation(prompt)]
+        spec = row.get("environment") or self.environment
+        if spec is None:
+            tools = registry_for_row(row["tools"], self.executables) if row.get("tools") else self.executables
+            return EpisodeSetup(messages, tools)
+        columns = {key: value for key, value in row.items() if key != "environment"}
+        instance, tools, observation = open_environment(_environment_class(spec), columns)
+        if observation:
+            messages[-1] = dict(messages[-1], content=f"{messages[-1]['content']}\n{observation}")
+        return EpisodeSetup(messages, tools, instance)
+
+
+def agent_tasks(settings: RLSettings, tasks: Optional[TaskSet]) -> Optional[AgentTasks]:
+    """The task rows RL runs as episodes, or None for one completion per prompt: ``episodes`` "on",
+    or "auto" when some row has ``tools`` or an ``environment`` or ``environment`` is set."""
+    check_episode_settings(settings, tasks is not None)
+    if settings.episodes == "off" or tasks is None:
+        return None
+    names = set(tasks.all_column_names())
+    wanted = settings.episodes == "on" or bool(settings.environment) or bool(names & {"tools", "environment"})
+    return AgentTasks(tasks, settings.environment) if wanted else None
+
+
+def check_episode_settings(settings: RLSettings, has_tasks: bool, rewards: Sequence[str] = ()) -> None:
+    """What can be refused before any stage runs: episodes asked for without task rows, an
+    ``--environment`` that does not load, a reward that scores episodes when RL samples single
+    completions (``--episodes off``, or no task rows)."""
+    if not has_tasks and (settings.episodes == "on" or settings.environment):
+        raise UserError("agent episodes need task rows: pass --tasks FILE (rows with a prompt, an answer "
+                        "and tools or an environment), or drop --episodes on / --environment")
+    if settings.environment and settings.episodes != "off":
+        load_environment(settings.environment)
+    if settings.episodes == "off" or not has_tasks:
+        episodic = [spec for spec in rewards if getattr(BUILTINS.get(spec.partition("@")[0]), "needs", None)]
+        if episodic:
+            raise UserError(f"reward {episodic[0]} scores agent episodes, but RL samples single completions "
+                            "here; pass task rows with tools and --episodes auto|on, or drop the reward")
+
+
+def check_episode_rewards(reward_fn, tasks: Optional[AgentTasks]) -> None:
+    """Refuse, before training, a reward term that scores episodes (``needs = "episodes"``) when
+    rollouts are single completions, or one that needs an environment (``needs = "environment"``)
+    when some row runs without one."""
+    for name, fn in named_terms(reward_fn):
+        needs = getattr(fn, "needs", None)
+        if needs == "episodes" and tasks is None:
+            raise UserError(f"reward {name} scores agent episodes, but RL samples single completions here; "
+                            "pass task rows with tools and --episodes on, or drop the reward")
+        if needs == "environment" and (tasks is None or not tasks.every_row_has_environment()):
+            raise UserError(f"reward {name} scores an environment's state, but some task rows run without "
+                            "one; pass --environment module:Class or an 'environment' column in every row")
+
+
+@functools.lru_cache(maxsize=16)
+def _environment_class(spec: str) -> type:
+    return load_environment(spec)
+
+
+@dataclass
+class Episode:
+    """One episode as the policy lived it."""
+
+    prompt: str
+    """The task's prompt (what rewards look its row up by)."""
+    ids: list[int]
+    """The first prompt's ids, then every id fed after it, sampled or inserted."""
+    prompt_length: int
+    sampled: list[bool]
+    """Per id after the prompt: the policy sampled it (True) or the runtime inserted it (False)."""
+    answer: str
+    """The final answer's text: the completion rewards score."""
+    calls: list[dict]
+    """Every call made: ``{name, arguments, ok, content}`` (``ok`` false for a call that did not
+    parse, validate or run)."""
+    rounds: int
+    truncated: bool
+    """The final answer hit the token budget, or the conversation outgrew the context."""
+    messages: list[dict]
+    environment: Any = None
+
+    def view(self) -> dict:
+        """What a reward sees of the episode (``episodes=``): each turn's text, the calls and their
+        observations, the rounds, the truncation."""
+        return {"messages": self.messages, "calls": self.calls, "rounds": self.rounds,
+                "truncated": self.truncated, "answer": self.answer}
+
+
+def episode_params(settings: RLSettings, seed: int, index: int) -> SamplingParams:
+    """Exact sampling of the policy at the recipe's temperature, one seed per episode."""
+    return SamplingParams(temperature=settings.temperature, top_p=1.0, top_k=0, min_p=0.0,
+                          max_tokens=settings.max_new_tokens, seed=(seed * 1_000_003 + index) % SEED_SPAN)
+
+
+def run_episode(backend: PolicyBackend, prompt: str, setup: EpisodeSetup, settings: RLSettings,
+                params: SamplingParams) -> Episode:
+    """One episode in the runtime's loop; its ids from the runtime's trace."""
+    agent = Agent(backend, "policy", tools=setup.tools, sampling=params, grammar=False,
+                  max_tool_rounds=settings.max_tool_rounds)
+    for _ in agent.respond(setup.messages):
+        pass
+    reply = agent.last
+    ids, sampled, cut = _trace_ids(agent.trace)
+    rounds = sum(1 for kind, _ in agent.trace if kind == "inserted")
+    return Episode(prompt, ids, len(agent.trace[0][1]), sampled, reply.text, reply.tool_calls, rounds,
+                   reply.truncated or cut, agent.messages, setup.environment)
+
+
+def _trace_ids(trace: list[tuple[str, list[int]]]) -> tuple[list[int], list[bool], bool]:
+    """The episode's ids, which of those after the first prompt were sampled, and whether the trace
+    was cut where the runtime rendered the conversation anew (it outgrew the context): the token
+    contract holds up to there only."""
+    ids = list(trace[0][1])
+    sampled: list[bool] = []
+    for kind, piece in trace[1:]:
+        if kind == "prompt":
+            return ids, sampled, True
+        ids += piece
+        sampled += [kind == "sampled"] * len(piece)
+    return ids, sampled, False
+
+
+def collect_episodes(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, prompts: list[str],
+                     settings: RLSettings, seed: int, tasks: AgentTasks, clock: Optional[PhaseClock] = None,
+                     old_pass: bool = True, reference_pass: bool = True) -> Rollout:
+    """One episode per prompt (``seed``), scored, with the log-probability passes the algorithm uses
+    (see :func:`~slm_align.rl.rollout.collect`; the same signature besides ``tasks``)."""
+    clock = clock or PhaseClock()
+    policy.eval()
+    with clock.phase("sampling"), merged_for_sampling(policy):
+        episodes = run_episodes(policy, tokenizer, prompts, settings, seed, tasks)
+    input_ids, attention, width, mask = pack(episodes, tokenizer.pad_token_id, device_of(policy))
+    old, ref, values = scoring_passes(policy, value_head, input_ids, attention, width, settings, clock, old_pass,
+                                      reference_pass)
+    truncated = torch.tensor([e.truncated for e in episodes], device=input_ids.device)
+    with clock.phase("reward"):
+        raw = episode_scores(reward_fn, prompts, episodes)
+    scores = penalised(torch.tensor(raw, device=input_ids.device), mask.sum(-1), truncated, settings)
+    if settings.mask_truncated:
+        mask = mask * (~truncated).float().unsqueeze(-1)
+    rollout = Rollout(prompts, [e.answer for e in episodes], input_ids, attention, width, mask, old, ref, values,
+                      scores, truncated)
+    rollout.stats = episode_stats(episodes, tasks.tasks)
+    return rollout
+
+
+def run_episodes(model, tokenizer, prompts: list[str], settings: RLSettings, seed: int,
+                 tasks: AgentTasks) -> list[Episode]:
+    """One episode per prompt on ``model`` (the policy as sampling sees it), episode i drawn with the
+    i-th seed of :func:`episode_params`."""
+    backend = PolicyBackend(model, tokenizer, chat_template=tasks.chat_template)
+    episodes = []
+    with counted("episodes", len(prompts), "agent episodes") as count:  # shown by the gate and held-out reward
+        for i, prompt in enumerate(prompts):
+            params = episode_params(settings, seed, i)
+            episodes.append(run_episode(backend, prompt, tasks.open(prompt), settings, params))
+            count.advance()
+    return episodes
+
+
+def episode_rewards(policy, tokenizer, reward_fn, prompts: list[str], settings: RLSettings, seed: int,
+                    tasks: AgentTasks, adapter: bool = True) -> list[float]:
+    """The reward of one episode per prompt sampled with ``seed``, the RL adapter on (folded in for
+    speed) or off (the prior): the episodes' counterpart of
+    :func:`~slm_align.envelope.policy.policy_rewards`."""
+    policy.eval()
+    context = merged_for_sampling(policy) if adapter else policy.disable_adapter()
+    with context:
+        episodes = run_episodes(policy, tokenizer, prompts, settings, seed, tasks)
+    return episode_scores(reward_fn, prompts, episodes)
+
+
+def pack(episodes: list[Episode], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """``(input_ids, attention_mask, prompt_width, mask)``: prompts left-padded to the widest, the
+    rest right-padded; ``mask`` (B, T) is 1 on sampled ids only."""
+    width = max(e.prompt_length for e in episodes)
+    length = max(len(e.ids) - e.prompt_length for e in episodes)
+    input_ids = torch.full((len(episodes), width + length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(episodes), width + length), dtype=torch.long)
+    mask = torch.zeros((len(episodes), length), dtype=torch.float32)
+    for row, episode in enumerate(episodes):
+        prompt = episode.ids[:episode.prompt_length]
+        rest = episode.ids[episode.prompt_length:]
+        start = width - len(prompt)
+        input_ids[row, start:width + len(rest)] = torch.tensor(prompt + rest)
+        attention[row, start:width + len(rest)] = 1
+        mask[row, :len(rest)] = torch.tensor(episode.sampled, dtype=torch.float32)
+    return input_ids.to(device), attention.to(device), width, mask.to(device)
+
+
+def episode_scores(reward_fn, prompts: list[str], episodes: list[Episode]) -> list[float]:
+    """The reward of each episode: its final answer is the completion; the episodes themselves
+    arrive as ``episodes=`` and their environments as ``environments=`` (TRL's convention)."""
+    scores = reward_fn(prompts, [e.answer for e in episodes], truncated=[e.truncated for e in episodes],
+                       episodes=[e.view() for e in episodes], environments=[e.environment for e in episodes])
+    scores = [float(s) for s in scores]
+    if any(s != s or s in (float("inf"), float("-inf")) for s in scores):
+        raise UserError("a reward gave a NaN or infinite score for an episode; make it return finite numbers")
+    return scores
+
+
+def episode_stats(episodes: list[Episode], tasks: TaskSet) -> dict[str, float]:
+    """The iteration's agent metrics: the share of episodes that called a tool, the share of calls
+    that parsed, validated and ran, tool rounds per episode, and, when the rows have an ``answer``,
+    the share of episodes whose final answer is right (the runtime's success rule)."""
+    calls = [call for e in episodes for call in e.calls]
+    stats = {"episode/call_rate": sum(1 for e in episodes if e.calls) / len(episodes),
+             "episode/valid_call_rate": sum(1 for c in calls if c["ok"]) / len(calls) if calls else float("nan"),
+             "episode/rounds": sum(e.rounds for e in episodes) / len(episodes)}
+    answers = [tasks.row(e.prompt).get("answer") for e in episodes]
+    if all(answer is not None for answer in answers):
+        verdicts = [classify(e.calls, e.answer, str(answer), tasks.row(e.prompt).get("tool"))
+                    for e, answer in zip(episodes, answers)]
+        stats["episode/success"] = sum(v == "success" for v in verdicts) / len(episodes)
+    return stats
