@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Optional, Sequence
 
 from slm_align.errors import UserError
+from slm_align.named import import_named
 from slm_align.rewards.answers import exact_answer
 from slm_align.rewards.episodes import call_format, environment_reward, task_success
 from slm_align.rewards.protocol import CombinedReward, RewardFn
@@ -52,13 +52,7 @@ def load_reward_fn(spec: str) -> tuple[str, RewardFn, float]:
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise UserError(f"reward {spec}: use module:function, or one of {', '.join(BUILTINS)}")
-    try:
-        fn = getattr(importlib.import_module(module_name), attribute)
-    except ImportError as exc:
-        raise UserError(f"reward {spec}: cannot import module {module_name} "
-                        f"({exc}); is it on PYTHONPATH?") from None
-    except AttributeError:
-        raise UserError(f"reward {spec}: module {module_name} has no {attribute}") from None
+    fn = import_named(target, "reward")
     if not callable(fn):
         raise UserError(f"reward {spec}: {attribute} is not callable")
     return target, fn, weight

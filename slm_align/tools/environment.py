@@ -15,11 +15,11 @@ Bad input is refused before any training: a class that cannot be imported, is no
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Optional
 
 from slm_align.errors import UserError
+from slm_align.named import import_named
 from slm_align.tools.registry import ToolRegistry
 
 RESERVED = ("reset", "get_reward")
@@ -33,13 +33,7 @@ def load_environment(spec: str) -> type:
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
         raise UserError(f"environment {spec}: name it as module:Class (e.g. my_envs:Calculator)")
-    try:
-        found = getattr(importlib.import_module(module_name), name)
-    except ImportError as exc:
-        raise UserError(f"environment {spec}: cannot import module {module_name} "
-                        f"({exc}); is it on PYTHONPATH?") from None
-    except AttributeError:
-        raise UserError(f"environment {spec}: module {module_name} has no {name}") from None
+    found = import_named(spec, "environment")
     check_environment(found, spec)
     return found
 

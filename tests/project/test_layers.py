@@ -20,8 +20,8 @@ LAYERS = {
     "stages": {"sft", "reward", "headroom", "rl", "preference", "evaluate", "export"},
     "models": {"modeling", "generation", "perplexity", "training", "data", "envelope", "agent"},
     "libraries": {"tools", "rewards", "devices", "chat_templates", "gguf_fields", "gguf_cache", "gguf_tokenizer"},
-    "ground": {"errors", "atomic", "tomlcompat", "config", "recipe_overrides", "runs", "progress", "stats", "plots",
-               "tracking", "accelerator"},
+    "ground": {"errors", "named", "atomic", "tomlcompat", "config", "recipe_overrides", "runs", "progress", "stats",
+               "plots", "tracking", "accelerator"},
 }
 """Each room (a subpackage or a top-level module of slm_align) and its layer, top to bottom."""
 
