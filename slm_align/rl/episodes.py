@@ -27,7 +27,7 @@ from slm_align.envelope.policy import merged_for_sampling
 from slm_align.envelope.value_head import ValueHead
 from slm_align.errors import UserError
 from slm_align.progress import counted
-from slm_align.rewards.builtin import BUILTINS
+from slm_align.rewards.builtin import load_reward_fn
 from slm_align.rewards.columns import named_terms
 from slm_align.rewards.episodes import classify
 from slm_align.rl.phases import PhaseClock
@@ -110,30 +110,32 @@ def agent_tasks(settings: RLSettings, tasks: Optional[TaskSet]) -> Optional[Agen
 
 def check_episode_settings(settings: RLSettings, has_tasks: bool, rewards: Sequence[str] = ()) -> None:
     """What can be refused before any stage runs: episodes asked for without task rows, an
-    ``--environment`` that does not load, a reward that scores episodes when RL samples single
-    completions (``--episodes off``, or no task rows)."""
+    ``--environment`` that does not load, a reward spec that scores episodes when RL samples single
+    completions (``--episodes off``, or no task rows; :func:`refuse_episode_terms`)."""
     if not has_tasks and (settings.episodes == "on" or settings.environment):
         raise UserError("agent episodes need task rows: pass --tasks FILE (rows with a prompt, an answer "
                         "and tools or an environment), or drop --episodes on / --environment")
     if settings.environment and settings.episodes != "off":
         load_environment(settings.environment)
     if settings.episodes == "off" or not has_tasks:
-        episodic = [spec for spec in rewards if getattr(BUILTINS.get(spec.partition("@")[0]), "needs", None)]
-        if episodic:
-            raise UserError(f"reward {episodic[0]} scores agent episodes, but RL samples single completions "
-                            "here; pass task rows with tools and --episodes auto|on, or drop the reward")
+        refuse_episode_terms([(spec, load_reward_fn(spec)[1]) for spec in rewards], None)
 
 
 def check_episode_rewards(reward_fn, tasks: Optional[AgentTasks]) -> None:
-    """Refuse, before training, a reward term that scores episodes (``needs = "episodes"``) when
-    rollouts are single completions, or one that needs an environment (``needs = "environment"``)
-    when some row runs without one."""
-    for name, fn in named_terms(reward_fn):
+    """:func:`refuse_episode_terms` on each term of the combined reward, before training."""
+    refuse_episode_terms(named_terms(reward_fn), tasks)
+
+
+def refuse_episode_terms(terms: Sequence[tuple[str, Any]], tasks: Optional[AgentTasks]) -> None:
+    """Refuse a reward term that scores episodes (``needs = "episodes"`` or ``"environment"``) when
+    rollouts are single completions (``tasks`` None), or one that needs an environment when some
+    row runs without one."""
+    for name, fn in terms:
         needs = getattr(fn, "needs", None)
-        if needs == "episodes" and tasks is None:
+        if needs in ("episodes", "environment") and tasks is None:
             raise UserError(f"reward {name} scores agent episodes, but RL samples single completions here; "
-                            "pass task rows with tools and --episodes on, or drop the reward")
-        if needs == "environment" and (tasks is None or not tasks.every_row_has_environment()):
+                            "pass task rows with tools and --episodes auto|on, or drop the reward")
+        if needs == "environment" and not tasks.every_row_has_environment():
             raise UserError(f"reward {name} scores an environment's state, but some task rows run without "
                             "one; pass --environment module:Class or an 'environment' column in every row")
 
