@@ -32,7 +32,7 @@ from slm_align.rewards.columns import named_terms
 from slm_align.rewards.episodes import classify
 from slm_align.rl.phases import PhaseClock
 from slm_align.rl.policy_backend import PolicyBackend
-from slm_align.rl.rollout import Rollout, penalised, scoring_passes
+from slm_align.rl.rollout import Rollout, scoring_passes, truncation_rules
 from slm_align.tools.builtin import default_tools
 from slm_align.tools.environment import load_environment, open_environment
 from slm_align.tools.registry import ToolRegistry
@@ -223,9 +223,7 @@ def collect_episodes(policy, value_head: Optional[ValueHead], tokenizer, reward_
     truncated = torch.tensor([e.truncated for e in episodes], device=input_ids.device)
     with clock.phase("reward"):
         raw = episode_scores(reward_fn, prompts, episodes)
-    scores = penalised(torch.tensor(raw, device=input_ids.device), mask.sum(-1), truncated, settings)
-    if settings.mask_truncated:
-        mask = mask * (~truncated).float().unsqueeze(-1)
+    scores, mask = truncation_rules(torch.tensor(raw, device=input_ids.device), mask, truncated, settings)
     rollout = Rollout(prompts, [e.answer for e in episodes], input_ids, attention, width, mask, old, ref, values,
                       scores, truncated)
     rollout.stats = episode_stats(episodes, tasks.tasks)

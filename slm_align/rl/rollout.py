@@ -70,10 +70,7 @@ def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, promp
     truncated = torch.tensor(samples.truncated, device=device)
     with clock.phase("reward"):
         raw = torch.tensor(score(reward_fn, samples), dtype=torch.float32, device=device)
-    scores = penalised(raw, samples.completion_mask.sum(-1), truncated, settings)
-    mask = samples.completion_mask.float()
-    if settings.mask_truncated:
-        mask = mask * (~truncated).float().unsqueeze(-1)
+    scores, mask = truncation_rules(raw, samples.completion_mask.float(), truncated, settings)
     return Rollout(prompts, samples.completions, input_ids, attention, width, mask, old, ref, values, scores,
                    truncated)
 
@@ -96,14 +93,18 @@ def scoring_passes(policy, value_head: Optional[ValueHead], input_ids, attention
     return old, ref, values
 
 
-def penalised(scores: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor,
-              settings: RLSettings) -> torch.Tensor:
-    """Scores (B,) less the length penalty (per sampled token past 80% of the budget) and the
-    missing-EOS penalty."""
-    lengths = lengths.float()
+def truncation_rules(scores: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor,
+                     settings: RLSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the recipe does to long and truncated rows: the scores (B,) less the length penalty (per
+    sampled token past 80% of the budget, the tokens counted on ``mask`` (B, T)) and the missing-EOS
+    penalty, and the mask with truncated rows zeroed under ``mask_truncated``."""
     if settings.length_penalty:
+        lengths = mask.sum(-1)
         scores = scores - settings.length_penalty * (lengths - 0.8 * settings.max_new_tokens).clamp(min=0)
-    return scores - settings.missing_eos_penalty * truncated.float()
+    scores = scores - settings.missing_eos_penalty * truncated.float()
+    if settings.mask_truncated:
+        mask = mask * (~truncated).float().unsqueeze(-1)
+    return scores, mask
 
 
 def _logprobs_and_values(policy, input_ids, attention, width: int, settings: RLSettings, value_head=None):
