@@ -73,12 +73,13 @@ def test_explained_variance_by_hand():
 def fake_run(forward: PolicyForward, **settings):
     """What an algorithm's ``minibatch`` reads from its run: settings, the envelope, PPO's KL
     coefficient, the phase clock, the shared forward (here ``forward``, made by hand), the ratio
-    guard (not tripping) and the guarded step (here handing the loss back instead of stepping)."""
+    guard (not tripping), the guarded step (here handing the loss back instead of stepping) and
+    the token budget of a single-turn row (``max_new_tokens``)."""
     rl = RLSettings(max_new_tokens=2, **settings)
     guard = SimpleNamespace(step=lambda loss, snapshot, after_backward: {"loss": loss})
     return SimpleNamespace(settings=rl, envelope=EnvelopeSettings(), kl_coef=0.3, clock=PhaseClock(), guard=guard,
                            policy_forward=lambda batch, rows: forward, ratio_guard_skips=lambda fwd: False,
-                           after_backward=None)
+                           after_backward=None, token_budget=lambda: rl.max_new_tokens)
 
 
 def minibatch_loss(algorithm, run, batch, rows, advantages: Advantages):
