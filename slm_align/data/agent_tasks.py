@@ -221,7 +221,7 @@ def write_agent_tasks(out_dir, n_train: int = 400, n_heldout: int = 100, seed: i
     return paths
 
 
-def _leak_keys(rows: list[dict]) -> set[str]:
+def leak_keys(rows: list[dict]) -> set[str]:
     """Every question and canonical expression of ``rows``."""
     found = set()
     for row in rows:
@@ -233,5 +233,5 @@ def _leak_keys(rows: list[dict]) -> set[str]:
 
 def leaks(train: list[dict], heldout: list[dict]) -> Optional[str]:
     """A question or expression found on both sides of a split (None when there is none)."""
-    shared = _leak_keys(train) & _leak_keys(heldout)
+    shared = leak_keys(train) & leak_keys(heldout)
     return min(shared) if shared else None

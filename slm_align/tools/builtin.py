@@ -160,8 +160,13 @@ def current_time(timezone: str = "UTC") -> str:
     Args:
         timezone: An IANA time zone name such as "Europe/Paris" or "America/New_York".
     """
-    now = datetime.now(_zone(timezone))
-    return f"{now.isoformat(timespec='seconds')} ({now:%A}, {timezone})"
+    return time_text(datetime.now(dt_timezone.utc), timezone)
+
+
+def time_text(moment: datetime, timezone: str) -> str:
+    """``moment`` in ``timezone`` as :func:`current_time` writes it: ISO date and time, weekday, zone."""
+    local = moment.astimezone(_zone(timezone))
+    return f"{local.isoformat(timespec='seconds')} ({local:%A}, {timezone})"
 
 
 def _zone(name: str):
