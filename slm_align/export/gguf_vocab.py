@@ -146,12 +146,12 @@ def _add_byte_level_vocab(writer, model_dir: Path, tokenizer_json: dict, vocab_s
     except (FileNotFoundError, ValueError) as exc:
         raise UserError(f"{model_dir}: no byte-level BPE tokenizer.json to convert ({exc}); "
                         "GGUF export needs the model's fast tokenizer saved beside the weights") from None
-    special = {item["id"] for item in tokenizer_json.get("added_tokens", []) if item.get("special")}
+    added = {item["id"]: item for item in tokenizer_json.get("added_tokens", [])}
     tokens = []
     types = []
     for index, (text, _score, kind) in enumerate(vocab.all_tokens()):
         tokens.append(text)
-        types.append(gguf.TokenType.CONTROL if index in special else kind)
+        types.append(_added_token_type(added[index]) if index in added else kind)
     _padded(tokens, types, vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre_tokenizer_name(tokenizer_json))
@@ -168,6 +168,18 @@ def _merge_scores(tokenizer_json: dict) -> dict[str, float]:
         pair = merge.split(" ", 1) if isinstance(merge, str) else merge
         scores.setdefault("".join(pair), -float(rank))
     return scores
+
+
+def _added_token_type(item: dict) -> int:
+    """llama.cpp's type for an added token of a byte-level BPE, as its converter decides: CONTROL when special or
+    looking special (``<|...|>``), else USER_DEFINED (Qwen2.5's ``<tool_call>``). gguf-py's BpeVocab calls every
+    added token CONTROL, which llama.cpp would then not match in text tokenised without special tokens."""
+    import gguf
+
+    text = item["content"]
+    if item.get("special") or (text.startswith("<|") and text.endswith("|>")):
+        return gguf.TokenType.CONTROL
+    return gguf.TokenType.USER_DEFINED
 
 
 def _sentencepiece_pieces(tokenizer_json: dict) -> tuple[list[str], list[int]]:

@@ -226,7 +226,10 @@ def test_a_trained_run_merges_exports_and_chats_on_both_runtimes(capsys, trained
         code, out, err = run_cli(capsys, "export", run, "--target", target, "--quant", quant, "--json")
         assert code == 0, err
         check = json.loads(out)["metrics"]["verification"]
-        assert check["passed"] and check["greedy_exact"] == check["prompts"] == 4 and check["agreement"] == 1.0
+        # every prompt decodes as PyTorch does, or parts at a recorded near-tie (float noise, gap < 1e-4)
+        assert check["passed"] and check["agreement"] == 1.0 and not check["divergences"], json.dumps(check)
+        assert check["greedy_exact"] + len(check["ties"]) == check["prompts"] == 4
+        assert all(tie["torch_logit_gap"] < 1e-4 for tie in check["ties"])
         artifacts[target] = json.loads(out)["dir"]
     merged = load_model(resolve_source(str(run / "merged")))
     assert merged.config.model_type == arch and json.loads((run / "merged" / "manifest.json").read_text())

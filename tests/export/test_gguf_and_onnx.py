@@ -32,7 +32,7 @@ def models(tmp_path_factory, tokenizer, tiny_models):
     for arch in ARCHS:
         model = build_tiny_model(arch, vocab_size=len(tokenizer))
         with torch.no_grad():
-            model.get_output_embeddings().weight.mul_(20.0)
+            model.get_output_embeddings().weight.mul_(60.0)
         model.save_pretrained(root / arch, safe_serialization=True)
         tokenizer.save_pretrained(root / arch)
     return {**tiny_models, **{arch: root / arch for arch in ARCHS}}
@@ -40,20 +40,25 @@ def models(tmp_path_factory, tokenizer, tiny_models):
 
 def _independent_greedy_check(model_dir, artifact, check, quantized=False, steps=32):
     """Our own comparison, outside the export's verification: every prompt decodes to PyTorch's
-    tokens, except, for quantized weights, after a recorded near tie (PyTorch's own logits for the
-    two tokens closer than 0.05: llama.cpp's Q8_0 also rounds activations to 8 bits, which can flip
-    such a tie, even on the trained bundled model). F16 and F32 must match exactly."""
+    tokens. F16 and F32 must match exactly. Quantized weights may part from PyTorch where the export
+    recorded it (llama.cpp's Q8_0 also rounds activations to 8 bits, which flips close choices of these
+    random models; its file is pinned by bit equality with llama.cpp's own converter's in
+    test_architectures.py): each prompt matches up to the recorded position, and the top-1 agreement
+    stays high."""
     source = resolve_source(str(model_dir))
     model, tokenizer = load_model(source), load_tokenizer(source)
     backend = open_backend(artifact)
-    assert not check["divergences"] and all(tie["torch_logit_gap"] < 0.05 for tie in check["ties"])
-    assert check["greedy_exact"] + len(check["ties"]) == check["prompts"] == 4
-    if not quantized:
-        assert check["ties"] == []
-    tied = {tie["prompt"]: tie["position"] for tie in check["ties"]}
+    parted = check["ties"] + check["divergences"]
+    assert check["greedy_exact"] + len(parted) == check["prompts"] == 4
+    if quantized:
+        assert check["agreement"] >= 0.95
+    else:
+        assert parted == []
+    first = {entry["prompt"]: entry["position"] for entry in parted}
     for index, prompt in enumerate(verification_prompts(tokenizer)):
-        upto = tied.get(index, steps)
-        assert greedy(backend, prompt, steps, stop_at_eos=False)[:upto] == torch_greedy(model, prompt, steps)[:upto]
+        upto = first.get(index, steps)
+        ours, theirs = greedy(backend, prompt, steps, stop_at_eos=False), torch_greedy(model, prompt, steps)
+        assert ours[:upto] == theirs[:upto] and (upto == steps or ours[upto] != theirs[upto])
 
 
 # Qwen3's random model has a near tie (PyTorch gap 0.083) that Q8_0 flips, in llama.cpp's own
@@ -84,6 +89,23 @@ def test_onnx_export_decodes_like_pytorch(tmp_path, models, arch):
     assert check["passed"] and check["greedy_exact"] == check["prompts"] == 4 and check["agreement"] == 1.0
     assert {"model.onnx", "tokenizer.json", "config.json"} <= {p.name for p in artifact.iterdir()}
     _independent_greedy_check(models[arch], artifact, check)
+
+
+def test_added_tokens_keep_the_types_llama_cpps_converter_gives_them(tmp_path, tiny_models, tokenizer):
+    """``<tool_call>`` is added but not special (as Qwen2.5 ships it): USER_DEFINED, so that llama.cpp finds it in
+    text tokenised without special tokens, as the PyTorch tokenizer does; ``<|im_end|>`` is special: CONTROL."""
+    from gguf import GGUFReader
+
+    run_export(ExportRequest(str(tiny_models["llama"]), "gguf", "F32", out=tmp_path))
+    artifact = tmp_path / "model-F32.gguf"
+    field = GGUFReader(str(artifact)).fields["tokenizer.ggml.token_type"]
+    types = [int(field.parts[index][0]) for index in field.data]
+    call, end = tokenizer.convert_tokens_to_ids(["<tool_call>", "<|im_end|>"])
+    assert (types[call], types[end]) == (4, 3)  # gguf.TokenType.USER_DEFINED, CONTROL
+    text = '<tool_call>{"a": 1}</tool_call><|im_end|>'
+    plain = open_backend(artifact).tokenize(text, add_special=False, special=False)
+    assert plain == tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert plain[0] == call and end not in plain
 
 
 def test_int8_onnx_and_gguf_agree_and_are_smaller(tmp_path, tiny_models):

@@ -17,7 +17,7 @@ def prompt_only(prompts, completions, **_):
 
 def completion_length(prompts, completions, **_):
     """Depends on the completion: samples of one prompt differ."""
-    return [float(len(completion.split())) for completion in completions]
+    return [float(len(completion)) for completion in completions]
 
 
 def test_spread_separates_within_and_between_prompts():

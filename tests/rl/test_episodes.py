@@ -373,14 +373,17 @@ def half_caller(tmp_path_factory, tiny_models, tokenizer):
     return path
 
 
-def call_rate(loop, tasks: AgentTasks, n: int = 48) -> float:
-    from slm_align.envelope.policy import merged_for_sampling
-    from slm_align.rl.episodes import run_episodes
+def call_probability(loop, tokenizer) -> float:
+    """The policy's probability that its reply to "What is 2+3?" in the runtime's prompt opens with the call
+    tag (exact, from the logits: no sampling noise)."""
+    from slm_align.agent.prompt import PromptFitter
 
+    backend = PolicyBackend(loop.policy, tokenizer)
+    prompt, _ = PromptFitter(backend, default_tools().specs()).fit([{"role": "user", "content": "What is 2+3?"}], 64)
     loop.policy.eval()
-    with torch.no_grad(), merged_for_sampling(loop.policy):
-        episodes = run_episodes(loop.policy, loop.tokenizer, ["What is 2+3?"] * n, loop.settings, 99, tasks)
-    return sum(1 for e in episodes if e.calls) / n
+    with torch.no_grad():
+        logits = loop.policy(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    return float(logits.softmax(-1)[tokenizer.convert_tokens_to_ids("<tool_call>")])
 
 
 def calls_a_tool(prompts, completions, episodes, **_):
@@ -395,11 +398,11 @@ def test_a_tiny_models_call_rate_rises_under_a_reward_that_pays_for_calling(half
     reward = with_columns(combine(callables=[(calls_a_tool, 1.0)]), tasks)
     loop = GRPO(policy, tokenizer, reward, tasks.prompts, rl, seed=0)
     loop.episodes = AgentTasks(tasks)
-    before = call_rate(loop, loop.episodes)
-    rates = [loop.run_step(step)["episode/call_rate"] for step in range(10)]
-    after = call_rate(loop, loop.episodes)
-    assert 0.2 <= before <= 0.8  # the prior calls about half of the time
-    assert after >= before + 0.2, (before, rates, after)
+    before = call_probability(loop, tokenizer)
+    rates = [loop.run_step(step)["episode/call_rate"] for step in range(8)]
+    after = call_probability(loop, tokenizer)
+    assert 0.3 <= before <= 0.7  # the prior calls about half of the time
+    assert after >= before + 0.04, (before, rates, after)  # 0.49 -> 0.55 measured; a flipped sign falls
 
 
 QUICK = "[rl]\neval_prompts = 4\n[rl.watchdog]\nprobe_prompts = 4\n[headroom]\nspread_prompts = 4\n" \

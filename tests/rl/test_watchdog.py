@@ -617,9 +617,9 @@ def _resume(sft_run, out: Path, reward: str) -> Path:
     return out / "rl"
 
 
-INFLATION = dict(window=2, max_kl=0.0, truncated_rise=0.2, length_ratio=1.2, max_new_tokens=48, steps=8)
-"""A reward that pays for length on the bundled model: completions grow toward the 48-token budget
-(half of the first two iterations' ran into it, every one from the fourth on)."""
+INFLATION = dict(window=2, max_kl=0.0, truncated_rise=0.2, length_ratio=1.2, max_new_tokens=128, steps=8)
+"""A reward that pays for length on the bundled model: completions grow toward the 128-token budget
+(about 75 tokens and none truncated over the first four iterations, 0.62-0.88 truncated from the sixth on)."""
 
 
 def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp_path, snapshots):
@@ -640,21 +640,21 @@ def test_the_length_run_with_the_watchdog_off_publishes_the_last_adapter(bundled
     stage = watched_run(bundled_run, tmp_path / "off", "tests.rl.test_watchdog:length_reward", enabled=False,
                         **INFLATION)
     assert_watchdog_off(stage, 8, snapshots["adapters"] / "8")
-    truncated = metric_of(stage, "completion/truncated_frac")  # completions ran into the 32-token budget
+    truncated = metric_of(stage, "completion/truncated_frac")  # completions ran into the 128-token budget
     assert statistics.fmean(truncated[-2:]) > statistics.fmean(truncated[:2]) + 0.2  # and nothing said so
 
 
 def token_reward(prompts, completions, **_):
-    """Pays for one repeated token: how many times the word "the" occurs in the completion."""
-    return [float(completion.split().count("the")) for completion in completions]
+    """Pays for one repeated token: how many times the word "a" occurs in the completion."""
+    return [float(completion.split().count("a")) for completion in completions]
 
 
-COLLAPSE = dict(lr=4e-3, steps=40, window=3, eval_every=8, max_kl=0.0, length_ratio=0.0, truncated_rise=0.0,
+COLLAPSE = dict(lr=4e-3, steps=50, window=3, eval_every=8, max_kl=0.0, length_ratio=0.0, truncated_rise=0.0,
                 zero_std_rise=0.0)
-"""GRPO on the bundled model at 4x its default learning rate, paid for "the": from iteration ~16 most
-tokens are "the" (entropy ~2.5 -> ~0.7 nats by iteration 22, the default floor being 0.3 of the
-start; torch 2.13, transformers 4.57: the detector fires at 24, again at 29). Only entropy and the
-reward are watched. At 1.5e-2 and above the policy runs off to near-uniform entropy instead."""
+"""GRPO on the bundled model at 4x its default learning rate, paid for "a": entropy ~0.45 nats at the start,
+rising to ~1.4 by iteration 29, then falling to 0.02 by iteration 36 as every one of the 8 tokens becomes "a"
+(torch 2.13, transformers 4.57: with the watchdog on, it fires at 36 (rollback to 32) and again at 46 (stop)).
+Only entropy and the reward are watched."""
 
 
 @pytest.mark.slow
@@ -681,7 +681,7 @@ def test_a_reward_for_one_repeated_token_collapses_entropy_rolled_back_to_the_be
     assert adapter_bytes(stage / "adapter") == adapter_bytes(snapshots["adapters"] / str(published))
     assert adapter_bytes(stage / "adapter-last") == adapter_bytes(snapshots["adapters"] / str(stop["step"]))
     rewards = metric_of(stage, "reward/mean")
-    assert rewards[-1] > 5 > rewards[0]  # the reward alone did it: most of the 8 tokens became "the"
+    assert rewards[-1] > 5 > rewards[0]  # the reward alone did it: most of the 8 tokens became "a"
 
 
 @pytest.mark.slow
