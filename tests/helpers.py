@@ -83,3 +83,9 @@ def policy_with_moved_lora(path, rl, scale: float, seed: int):
             if "lora_B" in name:
                 param.copy_(scale * torch.randn(param.shape, generator=generator))
     return policy
+
+
+def most_repeated_name(text: str) -> str:
+    """The capitalised word ``text`` repeats most (a story's hero)."""
+    words = [word.strip(".,!?") for word in text.split()]
+    return max((w for w in words if w[:1].isupper()), key=words.count)

@@ -14,7 +14,7 @@ from slm_align.agent.sampling import SamplingParams, apply_penalties, candidates
 from slm_align.agent.store import PreferenceStore
 from slm_align.errors import UserError
 from slm_align.tools.builtin import default_tools
-from tests.helpers import export_bundled, finished_sft_run, run_cli
+from tests.helpers import export_bundled, finished_sft_run, most_repeated_name, run_cli
 
 pytest.importorskip("llama_cpp")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -73,12 +73,6 @@ def test_conversation_longer_than_the_window_keeps_working(artifacts):
     prompt, window = agent._prompt_tokens(agent.messages + [{"role": "user", "content": "next"}], 24)
     assert window[0]["content"] == "SYSTEM-PROMPT" and len(window) < len(agent.messages)
     assert len(prompt) + 24 <= 192
-
-
-def most_repeated_name(text: str) -> str:
-    """The capitalised word ``text`` repeats most (a story's hero)."""
-    words = [word.strip(".,!?") for word in text.split()]
-    return max((w for w in words if w[:1].isupper()), key=words.count)
 
 
 def test_repeat_penalty_cuts_repetition_and_both_backends_agree(artifacts):
