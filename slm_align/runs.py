@@ -156,6 +156,17 @@ def check_out_dir(out: Path) -> Path:
     return out
 
 
+WHERE = "where"
+"""An inputs key for where the inputs lie (file paths): recorded for readers of the manifest, left out of the
+stage's identity (:func:`inputs_digest`), so a run moved or copied elsewhere, or reached by another path, is
+reused as it is. Files are named by their bytes elsewhere in the inputs."""
+
+
+def inputs_digest(inputs: dict) -> str:
+    """The stage's identity: the digest of its inputs without :data:`WHERE`."""
+    return digest({key: value for key, value in inputs.items() if key != WHERE})
+
+
 def completed(stage_dir: Path, inputs: dict) -> Optional[dict]:
     """The stage's manifest when it already completed with exactly these
     inputs; None when it never ran.
@@ -170,14 +181,14 @@ def completed(stage_dir: Path, inputs: dict) -> Optional[dict]:
             raise UserError(f"{stage_dir} exists but holds no manifest; move it away "
                             "or choose another --out")
         return None
-    if manifest.get("inputs_hash") != digest(inputs):
+    if manifest.get("inputs_hash") != inputs_digest(inputs):
         raise UserError(f"{stage_dir} was made from other inputs or settings; choose another --out "
                         "or remove that directory to redo the stage")
     return manifest
 
 
 def make_manifest(stage: str, inputs: dict, metrics: dict, started: float) -> dict:
-    return {"stage": stage, "inputs": inputs, "inputs_hash": digest(inputs), "metrics": metrics,
+    return {"stage": stage, "inputs": inputs, "inputs_hash": inputs_digest(inputs), "metrics": metrics,
             "versions": versions(), "seconds": round(time.time() - started, 2),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -211,14 +222,14 @@ def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
         if not resume:
             raise UserError(f"an interrupted run is in {partial}; pass --resume to continue it, "
                             "or remove that directory to start over")
-        if not marker.is_file() or json.loads(marker.read_text())["inputs_hash"] != digest(inputs):
+        if not marker.is_file() or json.loads(marker.read_text())["inputs_hash"] != inputs_digest(inputs):
             raise UserError(f"{partial} was started with other inputs or settings; "
                             "cannot resume it with these")
         return last_complete_checkpoint(partial / "checkpoints")
     staging = partial.with_name(partial.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    write_json_atomic(staging / "inputs.json", {"inputs_hash": digest(inputs), "inputs": inputs})
+    write_json_atomic(staging / "inputs.json", {"inputs_hash": inputs_digest(inputs), "inputs": inputs})
     publish_directory(staging, partial)
     return None
 

@@ -28,7 +28,7 @@ from slm_align.modeling import (
     save_adapter,
     save_tokenizer,
 )
-from slm_align.runs import StageResult, read_manifest, run_stage
+from slm_align.runs import WHERE, StageResult, read_manifest, run_stage
 from slm_align.tracking import finish_trainer_tracking, require_library
 from slm_align.training import (
     make_trainer,
@@ -46,17 +46,21 @@ def sft_inputs(recipe: Recipe, source: ModelSource, corpus: Corpus) -> dict:
     """Everything that decides the SFT result; equal inputs mean the stage need not run again."""
     return {"model": model_record(source), "data": corpus.fingerprint,
             "data_settings": recorded_data(recipe.data), "seed": recipe.seed, "sft": recipe.sft.model_dump(),
-            **training_inputs(recipe.compute)}
+            WHERE: {"data": None if recipe.data.uses_demo else recipe.data.path}, **training_inputs(recipe.compute)}
 
 
 def recorded_data(settings: DataSettings) -> dict:
-    """The data settings as a manifest records them: the demo with one spelling (unset, as runs
-    recorded it before ``--data demo``), so ``--data demo`` and a library caller's unset path
-    reuse the same SFT stage."""
-    recorded = settings.model_dump()
-    if settings.uses_demo:
-        recorded["path"] = None
-    return recorded
+    """The data settings that decide the result: not where the files are (the corpus is named by its bytes in
+    ``data``, its path is under :data:`~slm_align.runs.WHERE`; the task file does not reach SFT)."""
+    return settings.model_dump(exclude={"path", "tasks"})
+
+
+def recorded_data_path(inputs: dict) -> Optional[str]:
+    """The corpus path an SFT stage was trained on (None for the demo); a stage recorded before
+    :data:`~slm_align.runs.WHERE` keeps it in its data settings."""
+    if WHERE in inputs:
+        return inputs[WHERE]["data"]
+    return inputs["data_settings"].get("path")
 
 
 class SFTStage:
@@ -144,6 +148,6 @@ def recipe_from_sft(run: Path, recipe: Recipe) -> tuple[Recipe, Path]:
     updated.model.source = inputs["model"]["ref"]
     updated.seed = inputs["seed"]
     if recipe.data.path is None:  # the run's own corpus and split, unless the user names other data
-        updated.data = type(recipe.data).model_validate(inputs["data_settings"])
+        updated.data = type(recipe.data).model_validate(dict(inputs["data_settings"], path=recorded_data_path(inputs)))
         updated.data.tasks = recipe.data.tasks  # RL's task file is not SFT's: the user's choice stands
     return updated, Path(run) / STAGE / "adapter"

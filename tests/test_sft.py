@@ -49,6 +49,13 @@ def test_same_inputs_are_skipped_and_other_inputs_refused(tmp_path, tiny_models,
     with pytest.raises(UserError, match="other inputs"):
         run_sft(recipe_for(tiny_models["llama"], stories, **{"sft.learning_rate": 1e-4}), tmp_path)
     assert (tmp_path / "sft" / "manifest.json").read_bytes() == before
+    moved = tmp_path / "elsewhere" / stories.name  # the same file in another folder: the same inputs
+    moved.parent.mkdir()
+    moved.write_bytes(stories.read_bytes())
+    assert run_sft(recipe_for(tiny_models["llama"], moved, **{"data.tasks": str(moved)}), tmp_path).skipped
+    moved.write_text(moved.read_text() + "One more story.\n")  # other bytes: other inputs
+    with pytest.raises(UserError, match="other inputs"):
+        run_sft(recipe_for(tiny_models["llama"], moved), tmp_path)
 
 
 def test_interrupted_sft_resumes_from_its_checkpoint(tmp_path, tiny_models, stories, monkeypatch):

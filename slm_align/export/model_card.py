@@ -19,6 +19,7 @@ from typing import Optional
 from slm_align.export.parity import perplexity_change
 from slm_align.modeling import DEFAULT_MODEL_DIR, looks_like_hub_id
 from slm_align.runs import MANIFEST, MODEL_CARD, aligned_stages
+from slm_align.sft import recorded_data_path
 
 CARD = MODEL_CARD
 MARKER = "<!-- model card written by slm-align: merge and export rewrite this file -->"
@@ -115,7 +116,7 @@ def dataset_entry(inputs: dict) -> str:
     """The training data by name (a hub id, the demo stories) or by the sha256 of its bytes."""
     recorded = inputs["data"]
     if recorded.startswith("hub:"):
-        return inputs["data_settings"]["path"]
+        return recorded_data_path(inputs)
     if recorded.startswith("demo:"):
         return "slm-align demo stories"
     return f"sha256:{recorded}"
@@ -165,7 +166,7 @@ def card_tags(records: Optional[RunRecords], extra: list[str]) -> list[str]:
 
 def _data_line(inputs: dict) -> str:
     entry = dataset_entry(inputs)
-    path = inputs["data_settings"]["path"]
+    path = recorded_data_path(inputs)
     if entry.startswith("sha256:"):
         return f"- Data: `{Path(path).name}` ({entry})"
     return f"- Data: {entry}"

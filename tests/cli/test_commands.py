@@ -320,4 +320,5 @@ def test_the_demo_named_or_left_unset_is_one_corpus_and_one_sft_stage():
     assert again.fingerprint == corpus.fingerprint and again.splits.train == corpus.splits.train
     source = resolve_source(None)
     assert sft_inputs(named, source, again) == sft_inputs(unset, source, corpus)  # the stage is reused
-    assert sft_inputs(named, source, again)["data_settings"]["path"] is None
+    recorded = sft_inputs(named, source, again)
+    assert recorded["where"] == {"data": None} and "path" not in recorded["data_settings"]  # one spelling
