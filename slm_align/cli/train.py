@@ -238,7 +238,8 @@ def quickstart(
     device: Optional[str] = recipe_option("compute.device", "--device"),
     as_json: bool = JsonFlag,
 ) -> None:
-    """Walk the loop on the bundled model and demo stories, printing each stage's figures."""
+    """Walk the loop on the bundled model: align it on the demo stories, then make it a better calculator agent
+    (tool tasks, SFT, GRPO on episodes, both judged by evaluate-agent); each stage's figures and seconds."""
     from slm_align.quickstart import run_quickstart
 
     say = None if as_json else stdout.print

@@ -1,14 +1,20 @@
 """The quickstart on the bundled model: SFT lowers perplexity, the reward model ranks well, the gate
-passes, and both PPO and GRPO raise the mean reward of held-out prompts over the SFT policy."""
+passes, and both PPO and GRPO raise the mean reward of held-out prompts over the SFT policy; then the agent
+stages: SFT on the tool chats makes a better agent than the base in the runtime, RL on episodes keeps it, and one
+tool turn runs the real calculator."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
+from slm_align.agent.task_eval import TaskResult, compare
 from slm_align.cli import main
 from slm_align.config import load_recipe
 from slm_align.pipeline import run_rl
+from slm_align.quickstart.agent import QUESTION
+from slm_align.tools.builtin import calculator
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +44,11 @@ def test_quickstart_trains_the_bundled_model_and_passes_the_gate(capsys, quickst
         main(["quickstart", "--out", str(out), "--json"])
     again = json.loads(capsys.readouterr().out)
     assert again["sft"]["skipped"] and again["reward"]["skipped"] and again["rl"]["skipped"]
+    assert again["agent"]["sft"]["skipped"] and again["agent"]["rl"]["skipped"] and again["tool_turn"]["skipped"]
+    assert list(again["stage_seconds"]) == ["sft", "reward", "headroom", "rl", "evaluation", "export", "agent_tasks",
+                                            "agent_sft", "agent_rl", "agent_base", "evaluate_agent", "tool_turn"]
+    staged = sum(again["stage_seconds"].values())
+    assert 0.8 * again["seconds"] <= staged <= again["seconds"] + 0.5  # the stages account for the run
 
 
 def test_a_run_copied_elsewhere_and_reached_by_another_path_is_reused_as_it_is(capsys, quickstart, tmp_path,
@@ -91,9 +102,7 @@ def test_grpo_raises_heldout_reward_over_the_sft_policy(quickstart, tmp_path):
     assert metrics["heldout_reward_rl"] > metrics["heldout_reward_sft"]
 
 
-def test_quickstart_exports_parity_checked_artifacts_and_records_a_preference(quickstart):
-    from slm_align.agent.store import PreferenceStore
-
+def test_quickstart_exports_parity_checked_artifacts(quickstart):
     gguf = json.loads((quickstart / "export" / "model-Q8_0.gguf.json").read_text())["metrics"]["verification"]
     onnx = json.loads((quickstart / "export" / "onnx-fp32" / "manifest.json").read_text())["metrics"]["verification"]
     # Q8_0 rounds activations too, so it is decided by top-1 agreement; greedy decoding is measured
@@ -103,6 +112,34 @@ def test_quickstart_exports_parity_checked_artifacts_and_records_a_preference(qu
     assert gguf["greedy_exact"] + len(gguf["ties"]) + len(gguf["divergences"]) == 4 and gguf["greedy_exact"] >= 2
     assert all(divergence["torch_logit_gap"] >= 0 for divergence in gguf["divergences"])
     assert onnx["passed"] and onnx["greedy_exact"] == onnx["prompts"] == 4 and onnx["agreement"] == 1.0
-    store = PreferenceStore(quickstart / "preferences.db")
-    turns = store.turns()
+
+
+def episodes_of(report: dict, index: int) -> list[TaskResult]:
+    return [TaskResult(**row) for row in report["artifacts"][index]["results"]]
+
+
+def test_the_agent_stages_judge_base_sft_and_rl_exports_in_the_runtime(quickstart):
+    report = json.loads((quickstart / "agent" / "agent_report.json").read_text())
+    assert [Path(a["artifact"]).parent.name for a in report["artifacts"]] == ["export-base", "export-sft", "export-rl"]
+    assert report["n_tasks"] == 200 and report["decoding"] == "greedy" and report["max_tool_rounds"] == 1
+    base, sft, rl = report["artifacts"]
+    # the base was pretrained on both habits, calling the calculator and answering from memory; SFT on the task
+    # chats makes it call on every task, and RL keeps the calls valid
+    assert 0.2 < base["call_rate"] < 0.8 and sft["call_rate"] >= 0.95 and rl["call_rate"] >= 0.95
+    assert rl["valid_call_rate"] >= 0.95 and base["failures"]["no_call"] > 0 and rl["failures"]["no_call"] == 0
+    sft_gain = compare(episodes_of(report, 0), episodes_of(report, 1))
+    assert sft_gain["ci95"][0] > 0 and sft_gain["verdict"] == "better"  # SFT beats the base, interval above zero
+    rl_change = compare(episodes_of(report, 1), episodes_of(report, 2))
+    assert rl_change["ci95"][1] >= 0  # RL on episodes did not make the agent significantly worse
+
+
+def test_the_agent_answers_one_question_with_the_real_calculator_and_stores_the_thumbs_up(quickstart):
+    from slm_align.agent.store import PreferenceStore
+
+    turns = PreferenceStore(quickstart / "preferences.db").turns()
     assert len(turns) == 1 and turns[0].consent and [f.kind for f in turns[0].feedback] == ["up"]
+    question, call, observation = turns[0].messages
+    function = call["tool_calls"][0]["function"]
+    assert question["content"] == QUESTION and function["name"] == "calculator"
+    assert observation == {"role": "tool", "name": "calculator",
+                           "content": calculator(function["arguments"]["expression"])}  # the tool really ran
