@@ -32,6 +32,7 @@ class StageClock:
         self.seconds: dict[str, float] = {}
 
     def run(self, name: str, step: Callable, *args):
+        """``step(*args)``, its wall seconds recorded under ``name``."""
         started = time.perf_counter()
         result = step(*args)
         self.seconds[name] = round(time.perf_counter() - started, 1)
@@ -67,6 +68,7 @@ def run_quickstart(out: Path, sft_steps: int = 150, reward_steps: int = 100, rl_
 
 
 def _agent_stages(run: Path, sizes: agent.AgentSizes, device: str, clock: StageClock, say) -> dict:
+    """Tasks, SFT, gate and GRPO, the three exports judged by evaluate-agent; each stage timed on ``clock``."""
     files = clock.run("agent_tasks", agent.tasks_step, run, sizes, say)
     recipe = agent.agent_recipe(run, sizes, device)
     sft = clock.run("agent_sft", agent.agent_sft_step, recipe, run, say)
