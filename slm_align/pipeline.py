@@ -224,11 +224,12 @@ def train(recipe: Recipe, out: Path, stage: str = "rl", request: RLRequest = RLR
     return Trained(result, report)
 
 
-def export_once(run: Path, target: str, quant: str) -> dict:
-    """Export the run to ``target`` at ``quant`` (parity-checked), or the
-    artifact an earlier call made."""
-    final = Path(run) / "export" / artifact_name(target, quant)
+def export_once(source: Path, target: str, quant: str, out: Optional[Path] = None) -> dict:
+    """Export ``source`` (a run: its latest policy, merged) to ``target`` at ``quant`` (parity-checked) into
+    ``out`` (default ``source/export``), or the artifact an earlier call made there."""
+    out = Path(out) if out is not None else Path(source) / "export"
+    final = out / artifact_name(target, quant)
     manifest = artifact_manifest(final)
     if manifest.is_file():
         return {"dir": str(final), "skipped": True, "metrics": json.loads(manifest.read_text())["metrics"]}
-    return run_export(ExportRequest(str(run), target, quant)).summary()
+    return run_export(ExportRequest(str(source), target, quant, out=out)).summary()

@@ -75,5 +75,5 @@ def _agent_stages(run: Path, sizes: agent.AgentSizes, device: str, clock: StageC
     rl = clock.run("agent_rl", agent.agent_rl_step, recipe, run, say)
     artifacts = {"base": clock.run("agent_base", agent.base_step, run), "SFT": Path(sft["artifact"]),
                  "RL": Path(rl["artifact"])}
-    judged = clock.run("evaluate_agent", agent.judge_step, Path(files["heldout"]), artifacts, sizes, say)
+    judged = clock.run("evaluate_agent", agent.judge_step, run, artifacts, sizes, say)
     return {"tasks": files, "sft": sft, "rl": rl, "evaluation": judged}

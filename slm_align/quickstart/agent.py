@@ -16,9 +16,8 @@ from slm_align.agent.store import PreferenceStore
 from slm_align.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.config import Recipe, load_recipe
 from slm_align.data.agent_tasks import FILES, write_agent_tasks
-from slm_align.export.stage import ExportRequest, artifact_manifest, artifact_name, run_export
 from slm_align.modeling import DEFAULT_MODEL_DIR
-from slm_align.pipeline import gate, run_rl, run_sft
+from slm_align.pipeline import export_once, gate, run_rl, run_sft
 from slm_align.rl.schedule import iteration_size
 from slm_align.tools.builtin import default_tools
 
@@ -97,12 +96,14 @@ def agent_rl_step(recipe: Recipe, run: Path, say: Say) -> dict:
             "artifact": str(artifact)}
 
 
-def judge_step(heldout: Path, artifacts: dict[str, Path], sizes: AgentSizes, say: Say) -> dict:
-    """``evaluate-agent`` on the base, SFT and RL exports (``artifacts`` in that order): success with its
-    interval, and the paired differences SFT - base and RL - SFT."""
+def judge_step(run: Path, artifacts: dict[str, Path], sizes: AgentSizes, say: Say) -> dict:
+    """``evaluate-agent`` on the base, SFT and RL exports (``artifacts`` in that order) over the run's held-out
+    tasks: success with its interval, and the paired differences SFT - base and RL - SFT; the whole report in
+    ``run/agent_report.json``."""
     say(f"[bold]10/11 evaluate-agent[/] base, SFT and RL exports in the torch-free runtime, greedy, the "
         f"calculator executed for real, on {sizes.heldout_tasks} held-out tasks")
-    report = evaluate_artifacts(heldout, list(artifacts.values()), max_tool_rounds=sizes.max_tool_rounds)
+    report = evaluate_artifacts(run / "tasks" / "heldout.jsonl", list(artifacts.values()),
+                                max_tool_rounds=sizes.max_tool_rounds)
     for name, row in zip(artifacts, report["artifacts"]):
         low, high = row["success_ci95"]
         say(f"    {name}: task success {row['success_rate']:.3f} [95% CI {low:.3f}, {high:.3f}], call rate "
@@ -115,7 +116,7 @@ def judge_step(heldout: Path, artifacts: dict[str, Path], sizes: AgentSizes, say
         low, high = found["ci95"]
         say(f"    {candidate} - {baseline}: {found['success_delta']:+.3f} [95% CI {low:+.3f}, {high:+.3f}] "
             f"(paired bootstrap over tasks): {found['verdict']}")
-    (heldout.parent.parent / "agent_report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    (run / "agent_report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     return {"artifacts": {name: _figures(row) for name, row in zip(artifacts, report["artifacts"])},
             "differences": differences}
 
@@ -155,9 +156,5 @@ def base_step(run: Path) -> Path:
 
 
 def export_policy(source: Path, out: Path) -> Path:
-    """``source`` (a run: its latest policy, merged) written as a parity-checked GGUF in ``out`` (kept when
-    there)."""
-    final = out / artifact_name("gguf", QUANT)
-    if artifact_manifest(final).is_file():
-        return final
-    return run_export(ExportRequest(str(source), "gguf", QUANT, out=out)).stage_dir
+    """``source`` (a run: its latest policy, merged) as a parity-checked Q8_0 GGUF in ``out`` (kept when there)."""
+    return Path(export_once(source, "gguf", QUANT, out)["dir"])
