@@ -22,6 +22,7 @@ Each conversation is OpenAI's form (the call once, in ``tool_calls``) and is ren
 
 from __future__ import annotations
 
+import functools
 import random
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Optional
@@ -31,6 +32,7 @@ from slm_align.data.agent_tasks import final_answer_text, leak_keys, make_tasks
 from slm_align.data.demo_corpus import generate_story
 from slm_align.tools.builtin import default_tools, time_text
 from slm_align.tools.calls import ToolCall
+from slm_align.tools.registry import ToolRegistry
 
 _ZONES = ("UTC", "Europe/Paris", "Europe/London", "Asia/Tokyo", "America/New_York", "Australia/Sydney")
 _CLOCK_QUESTIONS = ("What time is it in {place}?", "What is the time in {place} now?",
@@ -108,7 +110,7 @@ def error_chat(rng: random.Random) -> list[dict]:
         zone = rng.choice(_BAD_ZONES)
         question = f"What time is it in {zone.split('/')[-1]}?"
         call = ToolCall("current_time", {"timezone": zone})
-    observation = default_tools().execute(call)
+    observation = _tools().execute(call)
     answer = f"I could not get an answer: {observation.error}."
     return _chat(question, call, observation.content, answer)
 
@@ -124,7 +126,13 @@ def no_tool_chat(rng: random.Random) -> list[dict]:
 
 def _tool_chat(question: str, call: ToolCall, answer: str) -> list[dict]:
     """A question, the call, the real tool's observation, and the answer."""
-    return _chat(question, call, default_tools().execute(call).content, answer)
+    return _chat(question, call, _tools().execute(call).content, answer)
+
+
+@functools.cache
+def _tools() -> ToolRegistry:
+    """The built-in tools, built once for every conversation (the calculator and the clock keep no state)."""
+    return default_tools()
 
 
 def _chat(question: str, call: ToolCall, observation: str, answer: str) -> list[dict]:
