@@ -87,6 +87,13 @@ def test_the_probe_reaches_past_gemmas_sliding_window(tiny_models, tokenizer):
     assert np.abs(expected[8:] - unwindowed[8:]).max() > 1e-3
 
 
+def _token_types(path) -> list[int]:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields["tokenizer.ggml.token_type"]
+    return [int(field.parts[index][0]) for index in field.data]
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_our_gguf_equals_llama_cpps_converter(tmp_path, tiny_models, llama_cpp_reference, tokenizer, arch):
     ours = write_gguf(tiny_models[arch], tmp_path / "ours.gguf", "F32")
@@ -95,6 +102,8 @@ def test_our_gguf_equals_llama_cpps_converter(tmp_path, tiny_models, llama_cpp_r
     assert ours_tensors.keys() == their_tensors.keys()
     for name, tensor in their_tensors.items():
         assert np.array_equal(ours_tensors[name], tensor), name
+    # token types too: the bundled tokenizer's <tool_call> is added but not special (USER_DEFINED in both)
+    assert _token_types(ours) == _token_types(theirs)
     ids = _probe_ids(tokenizer)
     assert np.array_equal(_llama_cpp_logits(ours, ids), _llama_cpp_logits(theirs, ids))
 
