@@ -35,15 +35,19 @@ def tasks_make(
     seed: int = typer.Option(0, "--seed", help="Generation seed: the same seed "
                                                "writes the same files."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace files already in --out."),
+    memory_share: float = typer.Option(0.0, "--memory-share", min=0.0, max=1.0,
+                                       help="Share of training tasks whose SFT chat answers from memory, "
+                                            "without the tool (a teacher's habit RL can correct)."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Write the bundled calculator task: arithmetic and unit questions, split
     with no shared question."""
     from slm_align.data.agent_tasks import write_agent_tasks
 
-    paths = write_agent_tasks(out, train, heldout, seed, overwrite=overwrite)
+    paths = write_agent_tasks(out, train, heldout, seed, overwrite=overwrite, memory_share=memory_share)
     counts = {name: sum(1 for _ in path.open(encoding="utf-8")) for name, path in paths.items()}
-    result = {"files": {name: str(path) for name, path in paths.items()}, "rows": counts, "seed": seed}
+    result = {"files": {name: str(path) for name, path in paths.items()}, "rows": counts, "seed": seed,
+              "memory_share": memory_share}
 
     def human() -> None:
         for name, path in paths.items():

@@ -12,6 +12,11 @@ the user's question, the assistant's tool call (the Hermes text :meth:`ToolRegis
 reads), the tool's observation, and the final answer; they render through a chat template to the
 same text the agent runtime renders for that conversation.
 
+The SFT chats may also hold a teacher's habit: with ``memory_share`` above zero, that share of the
+training tasks is demonstrated as a direct answer without the tool (right, as a teacher who can
+multiply answers). A small student copies the habit and cannot carry it out; reinforcement learning
+on task success in the runtime is what teaches it that calling the tool pays (the quickstart shows it).
+
 Generation is seeded and deterministic; train and held-out tasks share no question and no expression
 (``a * b`` and ``b * a`` count as one).
 """
@@ -200,11 +205,32 @@ def sft_rows(task: dict) -> list[dict]:
             {"messages": question + [turn, observation, final], "tools": tools}]
 
 
+def memory_row(task: dict) -> dict:
+    """A chat row answering ``task`` at once, without the tool: the teacher's answer from memory."""
+    final = {"role": "assistant", "content": final_answer_text(task["answer"])}
+    return {"messages": task["prompt"] + [final], "tools": task["tools"]}
+
+
+def sft_chats(train: list[dict], memory_share: float = 0.0, seed: int = 0) -> list[dict]:
+    """The SFT chats of ``train``: two tool-use rows per task (:func:`sft_rows`), except for a
+    ``memory_share`` of the tasks (drawn with ``seed``) answered from memory (:func:`memory_row`)."""
+    if not 0.0 <= memory_share <= 1.0:
+        raise UserError(f"--memory-share must be between 0 and 1 (got {memory_share})")
+    rng = random.Random(seed + 2)
+    rows = []
+    for task in train:
+        if rng.random() < memory_share:
+            rows.append(memory_row(task))
+        else:
+            rows.extend(sft_rows(task))
+    return rows
+
+
 def write_agent_tasks(out_dir, n_train: int = 400, n_heldout: int = 100, seed: int = 0,
-                      overwrite: bool = False) -> dict[str, Path]:
-    """Write ``sft.jsonl`` (format-teaching chats), ``train.jsonl`` (RL task rows) and
-    ``heldout.jsonl`` (evaluation task rows) into ``out_dir``; returns their paths keyed ``sft``,
-    ``train``, ``heldout``."""
+                      overwrite: bool = False, memory_share: float = 0.0) -> dict[str, Path]:
+    """Write ``sft.jsonl`` (format-teaching chats, :func:`sft_chats`), ``train.jsonl`` (RL task
+    rows) and ``heldout.jsonl`` (evaluation task rows) into ``out_dir``; returns their paths keyed
+    ``sft``, ``train``, ``heldout``."""
     out = Path(out_dir)
     paths = {name: out / f"{name}.jsonl" for name in FILES}
     existing = [str(path) for path in paths.values() if path.exists()]
@@ -214,8 +240,9 @@ def write_agent_tasks(out_dir, n_train: int = 400, n_heldout: int = 100, seed: i
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a directory")
     train, heldout = split_tasks(n_train, n_heldout, seed)
+    chats = sft_chats(train, memory_share, seed)
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(paths["sft"], jsonl_text([row for task in train for row in sft_rows(task)]))
+    write_text_atomic(paths["sft"], jsonl_text(chats))
     write_text_atomic(paths["train"], jsonl_text(train))
     write_text_atomic(paths["heldout"], jsonl_text(heldout))
     return paths

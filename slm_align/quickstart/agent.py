@@ -1,5 +1,6 @@
-"""The quickstart's agent stages: the bundled tool tasks, SFT on their chats, the gate and GRPO on multi-turn
-episodes scored by task success; the bundled model as shipped, the SFT and the RL policy exported and judged in the
+"""The quickstart's agent stages: the bundled tool tasks, SFT on their chats (half of them a teacher answering
+from memory, a habit the student cannot carry out), the gate and GRPO on multi-turn episodes scored by task
+success; the bundled model as shipped, the SFT and the RL policy exported and judged in the
 torch-free runtime with the calculator executed for real; then one tool turn in the agent and a thumbs-up into the
 store."""
 
@@ -26,6 +27,9 @@ REWARD = "task_success"
 """The episode's reward: 1 when the final answer is the task's answer."""
 QUANT = "Q8_0"
 """The agent's exports: llama.cpp's 8-bit type, what the runtime runs."""
+MEMORY_SHARE = 0.5
+"""Share of the training tasks whose SFT chat answers from memory, without the calculator: a teacher's habit that
+SFT copies into a student that cannot multiply, and that RL on task success corrects."""
 QUESTION = "What is 47 times 38?"
 """The tool turn shown at the end (not a held-out question; any calculator question would do)."""
 
@@ -35,7 +39,7 @@ class AgentSizes:
     """How much the agent stages train and judge."""
 
     train_tasks: int = 400
-    """RL task rows (their SFT chats: two per row)."""
+    """RL task rows (their SFT chats: two per row, one when answered from memory)."""
     heldout_tasks: int = 200
     """Held-out tasks judged in the runtime."""
     sft_steps: int = 100
@@ -63,9 +67,11 @@ def tasks_step(run: Path, sizes: AgentSizes, say: Say) -> dict:
     """The bundled tool tasks (kept when an earlier run wrote them)."""
     tasks = run / "tasks"
     say(f"[bold]7/11 tool tasks[/] {sizes.train_tasks} training and {sizes.heldout_tasks} held-out calculator "
-        f"tasks (arithmetic and units), no question on both sides")
+        f"tasks (arithmetic and units), no question on both sides; the SFT chats answer {MEMORY_SHARE:.0%} of "
+        "the questions from memory, as a teacher who can multiply would")
     if not all((tasks / f"{name}.jsonl").is_file() for name in FILES):
-        write_agent_tasks(tasks, sizes.train_tasks, sizes.heldout_tasks, seed=0, overwrite=True)
+        write_agent_tasks(tasks, sizes.train_tasks, sizes.heldout_tasks, seed=0, overwrite=True,
+                          memory_share=MEMORY_SHARE)
     return {name: str(tasks / f"{name}.jsonl") for name in FILES}
 
 

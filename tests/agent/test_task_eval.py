@@ -19,9 +19,18 @@ from slm_align.agent.task_eval import (
     summarize,
 )
 from slm_align.chat_templates import CHATML_TEMPLATE, render, template_form, template_traits
-from slm_align.data.agent_tasks import leaks, make_tasks, sft_rows, split_tasks, tool_call_text, write_agent_tasks
+from slm_align.data.agent_tasks import (
+    leaks,
+    make_tasks,
+    sft_chats,
+    sft_rows,
+    split_tasks,
+    tool_call_text,
+    write_agent_tasks,
+)
 from slm_align.data.encoding import render as render_example
 from slm_align.data.readers import row_to_example
+from slm_align.errors import UserError
 from slm_align.rewards.episodes import answers_match, classify
 from slm_align.stats import pass_at_k, wilson_interval
 from slm_align.tools.builtin import calculator, default_tools
@@ -128,6 +137,26 @@ def test_write_agent_tasks_and_refuse_to_overwrite(tmp_path, capsys):
     code, _, err = run_cli(capsys, "tasks", "make", "--out", tmp_path / "calc")
     assert code == 2 and "already exist" in err and err.count("\n") == 1
     assert paths["train"].read_text().splitlines() == lines["train"]
+
+
+def test_memory_share_answers_that_share_of_tasks_without_the_tool(tmp_path, capsys):
+    train = make_tasks(200, seed=3)
+    chats = sft_chats(train, memory_share=0.5, seed=3)
+    direct = [row for row in chats if len(row["messages"]) == 2 and "tool_calls" not in row["messages"][-1]]
+    assert 80 <= len(direct) <= 120 and len(chats) == 2 * len(train) - len(direct)
+    answers = {task["prompt"][0]["content"]: task["answer"] for task in train}
+    for row in direct:  # the teacher's answer from memory is right: only the tool is left out
+        assert answers_match(row["messages"][-1]["content"], answers[row["messages"][0]["content"]])
+    assert sft_chats(train, 0.5, seed=3) == chats != sft_chats(train, 0.5, seed=4)  # drawn with the seed
+    assert sft_chats(train, 0.0, seed=3) == [row for task in train for row in sft_rows(task)]
+    assert all(len(row["messages"]) == 2 for row in sft_chats(train, 1.0, seed=3))
+    code, out, _ = run_cli(capsys, "tasks", "make", "--out", tmp_path / "calc", "--train", "40", "--heldout", "4",
+                           "--memory-share", "1", "--json")
+    assert code == 0 and json.loads(out)["rows"] == {"sft": 40, "train": 40, "heldout": 4}
+    code, _, err = run_cli(capsys, "tasks", "make", "--out", tmp_path / "bad", "--memory-share", "1.5")
+    assert code == 2 and "memory-share" in err and not (tmp_path / "bad").exists()
+    with pytest.raises(UserError, match="between 0 and 1"):
+        sft_chats(train, -0.1)
 
 
 def test_sft_rows_render_as_the_runtime_renders(gguf, tokenizer):
