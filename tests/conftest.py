@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.allowed_skips import allowed_skip, skip_reason, strict_skips
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -90,3 +92,30 @@ def real_gemma_gguf() -> Path:
 def stories(tmp_path_factory) -> Path:
     """A small demo corpus as a .txt file."""
     return write_demo_corpus(tmp_path_factory.mktemp("data") / "stories.txt", n=60, seed=3)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test's skip fails the run under CI=true unless its reason is allowed (tests/allowed_skips.py)."""
+    outcome = yield
+    refuse_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module skipped at import (``importorskip`` of a package the dev extra installs) fails the same way."""
+    outcome = yield
+    refuse_skip(outcome.get_result())
+
+
+def refuse_skip(report) -> None:
+    """Turn a skipped ``report`` into a failure naming its reason, when the run is strict and the reason not
+    allowed."""
+    if not report.skipped or hasattr(report, "wasxfail") or not strict_skips():
+        return
+    reason = skip_reason(report.longrepr)
+    if allowed_skip(reason):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"skipped under CI=true: {reason}\nThe dev extra and the set-up step should make this skip "
+                       "impossible; the allowed skips are listed in tests/allowed_skips.py.")

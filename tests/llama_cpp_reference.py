@@ -17,7 +17,9 @@ Two things the converter cannot do on our tiny models, each bridged here and now
   ``n_positions``): the input copy gets ``n_ctx`` added.
 
 Run as a script (``python tests/llama_cpp_reference.py CONVERTER_DIR PRE_TOKENIZER -- converter
-args``) it is the patched converter itself.
+args``) it is the patched converter itself; ``python tests/llama_cpp_reference.py --fetch`` is the set-up
+step of the README's test command, which fetches the converter into the cache before the tests run (so the
+test run itself downloads nothing).
 """
 
 from __future__ import annotations
@@ -134,4 +136,7 @@ def _run_patched(converter: Path, pre_tokenizer: str, args: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    _run_patched(Path(sys.argv[1]), sys.argv[2], sys.argv[sys.argv.index("--") + 1:])
+    if sys.argv[1:] == ["--fetch"]:
+        print(f"llama.cpp's converter: {converter_dir()}")
+    else:
+        _run_patched(Path(sys.argv[1]), sys.argv[2], sys.argv[sys.argv.index("--") + 1:])

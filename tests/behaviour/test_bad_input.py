@@ -72,9 +72,7 @@ def env(tmp_path_factory, tiny_models, tokenizer, stories):
     (root / "blank.jsonl").write_text("\n\n  \n")
     (root / "header.csv").write_text("text\n")
     (root / "junk.parquet").write_bytes(os.urandom(256))
-    locked = tmp_path_factory.mktemp("locked") / "locked.txt"  # outside root: snapshots cannot read it
-    locked.write_text("Once upon a time.\n")
-    locked.chmod(0)
+    locked = unreadable_file(tmp_path_factory.mktemp("locked") / "locked.txt")  # outside root: never snapshot
     (root / "random.gguf").write_bytes(os.urandom(4096))
     (root / "a-file").write_text("not a directory\n")
     (root / "notes.db").write_text("these are my notes, not a database\n" * 10)
@@ -131,10 +129,32 @@ def no_user_profiles(monkeypatch, tmp_path):
     monkeypatch.delenv("SLM_ALIGN_DEVICES", raising=False)
 
 
-def readable_as_locked(path: Path) -> Path:
-    if os.access(path, os.R_OK):
-        pytest.skip("chmod 000 does not stop this user (root) from reading; nothing to test here")
+WRITE_ONLY = ("/proc/sys/vm/compact_memory", "/proc/sys/vm/drop_caches", "/proc/sys/net/ipv4/route/flush")
+"""Write-only kernel settings: procfs checks their mode bits for root too, so not even root may read them."""
+
+
+def unreadable_file(path: Path) -> Path:
+    """A file at ``path`` that this user cannot read: chmod 000, or for root (who reads through chmod 000) a link
+    to a write-only kernel setting. Returned as it is when neither works: the case then fails on it."""
+    path.write_text("Once upon a time.\n")
+    path.chmod(0)
+    if not can_read(path):
+        return path
+    for target in WRITE_ONLY:
+        if Path(target).exists() and not can_read(Path(target)):
+            path.unlink()
+            path.symlink_to(target)
+            return path
     return path
+
+
+def can_read(path: Path) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            handle.read(1)
+    except PermissionError:
+        return False
+    return True
 
 
 def fail_nth(monkeypatch, module, name: str, n: int) -> None:
@@ -389,7 +409,8 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(capsys, monkeypatch, e
              "{badjson}": env.badjson, "{small_vocab}": env.small_vocab, "{truncated}": env.truncated,
              "{run_base}": env.root / "models" / "run-base"}
     if "{locked}" in args:
-        paths["{locked}"] = readable_as_locked(env.locked)
+        paths["{locked}"] = env.locked
+        assert not can_read(env.locked), "this user can read every file here: no unreadable corpus to test"
     args = [paths[a] if a in paths else a.format(root=env.root, out=out) for a in args]
     if arrange is not None:
         arrange(env, monkeypatch)
