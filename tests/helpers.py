@@ -89,3 +89,24 @@ def most_repeated_name(text: str) -> str:
     """The capitalised word ``text`` repeats most (a story's hero)."""
     words = [word.strip(".,!?") for word in text.split()]
     return max((w for w in words if w[:1].isupper()), key=words.count)
+
+
+def stepwise_agreement(artifact: Path, model_dir: Path) -> tuple[float, int]:
+    """(top-1 agreement, positions) of an exported artifact with its PyTorch source over the verification's
+    held-out text, recomputed here another way than the exporter does: the artifact fed one token at a time from a
+    fresh cache, PyTorch's logits from transformers' own loader. An export's reported agreement must equal it."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slm_align.agent.open_artifact import open_backend
+    from slm_align.export.parity import HELDOUT_TEXT
+
+    backend = open_backend(artifact)
+    ids = AutoTokenizer.from_pretrained(model_dir)(HELDOUT_TEXT)["input_ids"][: backend.n_ctx]
+    backend.reset()
+    artifact_top1 = [int(np.argmax(backend.feed([token]))) for token in ids]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch_top1 = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+    return sum(a == b for a, b in zip(artifact_top1, torch_top1)) / len(ids), len(ids)

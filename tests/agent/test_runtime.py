@@ -2,6 +2,7 @@
 feedback, and no torch."""
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -230,12 +231,13 @@ def test_chat_command_records_feedback(artifacts, tmp_path, monkeypatch, capsys)
 
 @pytest.mark.parametrize("args, expected", [
     (["chat", "{missing}"], "not an exported model"),
-    (["feedback", "export", "{missing}", "--out", "{out}"], ""),
+    (["feedback", "export", "{missing}", "--out", "{out}"], r"preference DB \S*nothing\.gguf not found"),
 ])
 def test_bad_agent_input_is_one_line(capsys, tmp_path, args, expected):
     paths = {"{missing}": tmp_path / "nothing.gguf", "{out}": tmp_path / "o.jsonl"}
     code, out, err = run_cli(capsys, *[paths.get(a, a) for a in args])
-    assert code == 2 and err.count("\n") == 1 and expected in err
+    assert code == 2 and err.count("\n") == 1 and re.search(expected, err), err
+    assert not paths["{out}"].exists() and not paths["{missing}"].exists()  # nothing written, no store created
 
 
 def test_device_profile_sets_threads_and_a_context_that_fits(artifacts):

@@ -2,9 +2,11 @@
 render as the runtime renders, failure categories, and `evaluate-agent` end to end."""
 
 import json
+import shutil
 import subprocess
 import sys
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -243,13 +245,29 @@ def test_task_eval_counts_on_a_scripted_backend(gguf):
     assert all(r.tokens > 0 for r in results) and results[0].tokens > results[1].tokens
 
 
-def test_evaluate_agent_end_to_end_on_the_bundled_export(gguf, tmp_path, capsys):
+def test_evaluate_agent_end_to_end_on_the_bundled_export(gguf, tmp_path, capsys, monkeypatch):
+    """The bundled export against a copy of it whose completions are scripted to solve every task: the
+    comparison is the paired difference of the two."""
+    from slm_align.agent.runtime import load_model
+
     code, out, err = run_cli(capsys, "tasks", "make", "--out", tmp_path / "calc", "--train", "8", "--heldout", "5",
                              "--json")
     assert code == 0, err
     heldout = json.loads(out)["files"]["heldout"]
+    tasks = [json.loads(line) for line in Path(heldout).read_text().splitlines()][:3]
+    solver = tmp_path / "solver.gguf"
+    shutil.copyfile(gguf, solver)
+    script = [reply for task in tasks for reply in (tool_call_text(task["expression"]), f"It is {task['answer']}.")]
+
+    def load(artifact):
+        model = load_model(artifact)
+        if Path(artifact) == solver:
+            model.backend = ScriptedBackend(model.backend, script)
+        return model
+
+    monkeypatch.setattr(task_eval, "load_model", load)
     report_path = tmp_path / "report.json"
-    code, out, err = run_cli(capsys, "evaluate-agent", heldout, "--artifact", gguf, "--artifact", gguf,
+    code, out, err = run_cli(capsys, "evaluate-agent", heldout, "--artifact", gguf, "--artifact", solver,
                              "--limit", "3", "--max-new-tokens", "24", "--out", report_path, "--json")
     assert code == 0, err
     report = json.loads(out)
@@ -259,8 +277,14 @@ def test_evaluate_agent_end_to_end_on_the_bundled_export(gguf, tmp_path, capsys)
     for key in ("success_rate", "valid_call_rate", "call_rate", "rounds_per_task", "tokens_per_task", "failures"):
         assert key in first
     assert len(first["results"]) == 3 and sum(first["failures"].values()) + 3 * first["success_rate"] == 3
-    assert report["artifacts"][1]["results"] == first["results"]  # greedy: the same model answers the same
-    assert report["comparisons"][0]["success_delta"] == 0.0 and report["comparisons"][0]["ci95"] == [0.0, 0.0]
+    solved = report["artifacts"][1]
+    assert [r["category"] for r in solved["results"]] == ["success"] * 3 and solved["success_rate"] == 1.0
+    comparison = report["comparisons"][0]
+    assert comparison["success_delta"] == pytest.approx(1.0 - first["success_rate"])  # solver minus the export
+    low, high = comparison["ci95"]
+    assert 0 <= low <= comparison["success_delta"] <= high <= 1  # every paired difference is 0 or 1 here
+    if first["success_rate"] == 0:  # nothing solved by the export: every task differs by exactly 1
+        assert comparison["ci95"] == [1.0, 1.0] and comparison["verdict"] == "better"
     assert (report["samples"], report["decoding"], report["temperature"]) == (1, "greedy", 0.0)
     assert report["max_tool_rounds"] == 3 and set(report["intervals"]) >= {"success_ci95", "pass_at_1_ci95"}
     for row in report["artifacts"]:

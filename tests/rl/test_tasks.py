@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 
+from slm_align.rewards.answers import exact_answer
+from slm_align.rewards.builtin import BUILTINS
 from tests.helpers import run_cli
 
 SEEN_ENV = "SLM_ALIGN_TEST_SEEN"
@@ -78,14 +81,30 @@ def test_columns_reach_rewards_in_the_gate_rollouts_and_evaluation_without_sft(t
 
 
 @pytest.mark.slow
-def test_exact_answer_runs_from_the_cli_on_prompt_answer_rows(tmp_path, capsys):
+def test_exact_answer_runs_from_the_cli_on_prompt_answer_rows(tmp_path, capsys, monkeypatch):
+    """The built-in exact_answer, watched: every call gets each prompt's own answer, and the iteration's
+    reward/mean is the mean of what it returned for the rollout's 4 samples."""
+    calls = []
+
+    def watched(prompts, completions, answer=None, **columns):
+        scores = exact_answer(prompts, completions, answer=answer, **columns)
+        calls.append((list(prompts), list(answer), scores))
+        return scores
+
+    watched.columns = exact_answer.columns
+    monkeypatch.setitem(BUILTINS, "exact_answer", watched)
     tasks = _tasks(tmp_path / "tasks.jsonl")
     code, out, err = run_cli(capsys, "train", "--no-sft", "--tasks", tasks, "--reward", "exact_answer",
                              "--algo", "grpo", "--out", tmp_path / "run", "--force",
                              "--config", _quick_config(tmp_path), *SMALL)
     assert code == 0, err
+    for prompts, answers, _ in calls:
+        for prompt, answer in zip(prompts, answers):
+            first = int(re.search(r"What is (\d+) plus", prompt).group(1))
+            assert answer == str(2 * first + 1)  # the row's own answer, aligned with its prompt
     metrics = [json.loads(line) for line in (tmp_path / "run" / "rl" / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 1 and 0.0 <= metrics[0]["reward/mean"] <= 1.0
+    rollout_means = [sum(scores) / len(scores) for _, _, scores in calls if len(scores) == 4]
+    assert rollout_means and len(metrics) == 1 and metrics[0]["reward/mean"] in rollout_means
 
 
 def test_a_reward_missing_its_column_is_one_line_before_any_work(tmp_path, capsys):
