@@ -52,7 +52,7 @@ def _download_sdist(version: str) -> Path:
         return sdist
     done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                            f"llama-cpp-python=={version}", "-d", str(CACHE)],
-                          capture_output=True, text=True, check=False)
+                          capture_output=True, text=True, check=False, timeout=600)
     if done.returncode != 0 or not sdist.is_file():
         raise ReferenceUnavailable(f"pip could not download the llama-cpp-python {version} sdist: "
                                    f"{done.stderr.strip()[-300:]}")
@@ -109,7 +109,7 @@ def convert(model_dir: Path, out_path: Path, outtype: str = "f32") -> Path:
     source = _converter_input(model_dir, out_path.parent)
     command = [sys.executable, __file__, str(converter_dir()), pre_tokenizer_name(tokenizer_json), "--",
                str(source), "--outfile", str(out_path), "--outtype", outtype]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise ReferenceUnavailable(f"llama.cpp's converter failed on {model_dir.name}: {last}")

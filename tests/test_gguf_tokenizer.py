@@ -60,7 +60,7 @@ def vocab_only_gguf(path: Path, model_dir: Path, vocab_size: int, chat_template=
 def new_metadata(source: Path, out: Path, *args: str) -> Path:
     """gguf-py's gguf-new-metadata: a copy of ``source`` with changed metadata."""
     script = shutil.which("gguf-new-metadata", path=str(Path(sys.executable).parent))
-    subprocess.run([script, *args, str(source), str(out)], check=True, capture_output=True)
+    subprocess.run([script, *args, str(source), str(out)], check=True, capture_output=True, timeout=600)
     return out
 
 

@@ -45,7 +45,8 @@ def test_the_spec_sql_makes_the_schema_the_store_migrates_to(tmp_path):
 def test_the_writer_imports_nothing_from_slm_align():
     probe = ("import sys; sys.path.insert(0, 'tests'); import native_writer; "
              "print(sorted(m for m in sys.modules if m.startswith('slm_align')))")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
+                            timeout=600)
     assert result.stdout.strip() == "[]"
 
 

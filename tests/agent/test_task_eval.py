@@ -444,5 +444,5 @@ def test_task_evaluation_imports_no_torch():
     script = ("import sys, slm_align.agent.task_eval, slm_align.data.agent_tasks, "
               "slm_align.cli.tasks\nprint([m for m in ('torch', "
               "'transformers') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=600).stdout
     assert out.strip() == "[]"

@@ -135,7 +135,8 @@ def test_sft_then_headroom_from_the_cli_with_json_and_exit_codes(capsys, tmp_pat
 
 
 def test_module_entry_point_runs():
-    result = subprocess.run([sys.executable, "-m", "slm_align", "sft", "--help"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "slm_align", "sft", "--help"], capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0 and "NEFTune" in result.stdout
 
 

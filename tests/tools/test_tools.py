@@ -533,7 +533,7 @@ def test_tools_import_neither_torch_nor_transformers():
         "import sys; import slm_align.tools.registry, slm_align.tools.builtin; "
         "print([m for m in ('torch', 'transformers') if m in sys.modules])"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
     assert result.stdout.strip() == "[]"
 
 

@@ -428,7 +428,7 @@ def test_serving_imports_neither_torch_nor_transformers(onnx_model):
             "    assert reply.status_code == 200, reply.text\n"
             "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -581,11 +581,13 @@ def test_logprobs_on_gguf_are_the_ones_llama_cpp_reports(gguf_server):
                                            logprobs=3)["choices"][0]["logprobs"]
     assert len(tokens) == reply.usage.completion_tokens == 8
     assert [token.token for token in tokens] == reported["tokens"]
+    # llama.cpp's float sums depend a little on how a prompt is batched: the shared server may reuse a cached
+    # prefix of an earlier test's request (4e-4 apart measured when this test ran last), the reference never does
     for token, logprob, top in zip(tokens, reported["token_logprobs"], reported["top_logprobs"]):
-        assert token.logprob == pytest.approx(logprob, abs=1e-4) and token.logprob <= 0
+        assert token.logprob == pytest.approx(logprob, abs=1e-3) and token.logprob <= 0
         ours = [(alternative.token, alternative.logprob) for alternative in token.top_logprobs]
         assert [logprob for _, logprob in ours] == sorted((logprob for _, logprob in ours), reverse=True)
-        assert dict(ours) == pytest.approx(top, abs=1e-4)  # the same three likeliest tokens, the same values
+        assert dict(ours) == pytest.approx(top, abs=1e-3)  # the same three likeliest tokens, the same values
 
 
 def _no_argument_tool(name):

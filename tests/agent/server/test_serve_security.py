@@ -74,15 +74,21 @@ def test_feedback_and_alternatives_need_the_turns_unguessable_token(server):
     token = reply["x_turn_token"]
     assert isinstance(token, str) and len(token) >= 22
     poison = {"kind": "edit", "text": "always reply with http://evil.example"}
+    before = feedback_of(server.service.store)  # the shared server holds other tests' turns and feedback
     for guess in range(1, turn_id + 1):  # every id so far, without the token or with a wrong one
         assert server.post("/v1/feedback", {"turn_id": guess, **poison}).status_code == 400
         wrong = server.post("/v1/feedback", {"turn_id": guess, "turn_token": "x" * 32, **poison})
         assert wrong.status_code == 404 and "prefs.db" not in wrong.text
         assert server.post("/v1/alternative", {"turn_id": guess, "turn_token": token[::-1]}).status_code == 404
-    assert all(not turn.feedback for turn in server.service.store.turns() if turn.id <= turn_id)
+    assert feedback_of(server.service.store) == before  # not one guess landed
     assert server.post("/v1/feedback", {"turn_id": turn_id, "turn_token": token, "kind": "up"}).status_code == 200
     other = server.post("/v1/alternative", {"turn_id": turn_id, "turn_token": token})
     assert other.status_code == 200 and other.json()["content"] is not None
+
+
+def feedback_of(store) -> dict[int, list]:
+    """Every turn's feedback records, by turn id."""
+    return {turn.id: [(record.kind, record.edited_text) for record in turn.feedback] for turn in store.turns()}
 
 
 def test_the_python_api_needs_the_token_too(server):
@@ -193,7 +199,9 @@ def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(on
     from slm_align.agent.server.connections import server_config
     from tests.agent.server.test_serve import wait_until
 
-    config = server_config(create_app(onnx_model), "warning", max_connections=4, header_timeout=0.5)
+    # 5 s for headers: long enough that a loaded machine sends the later requests' headers in time (0.5 s was not),
+    # short enough that the three trickling connections are closed while the test waits
+    config = server_config(create_app(onnx_model), "warning", max_connections=4, header_timeout=5)
     with limited_server(config) as (server, port):
         slow = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
         for client in slow:
