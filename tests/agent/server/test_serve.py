@@ -624,3 +624,53 @@ def test_response_format_json_schema_and_json_object(gguf_server):
     broken = gguf_server.post("/v1/chat/completions", {**ask, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
     assert broken.status_code == 400 and "'response_format'" in broken.json()["error"]["message"]
+
+
+@pytest.fixture
+def served_app(monkeypatch):
+    """``serve`` from the CLI up to the point of listening: the ASGI app it would serve (uvicorn's run is
+    replaced by keeping the app, and the bound socket is closed)."""
+    import uvicorn
+
+    kept = {}
+
+    def keep(self, sockets=None):
+        kept["app"] = self.config.app
+        for sock in sockets or ():
+            sock.close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", keep)
+    monkeypatch.delenv("SLM_ALIGN_API_KEY", raising=False)
+    return kept
+
+
+@pytest.mark.parametrize("how", ["--api-key", "SLM_ALIGN_API_KEY"])
+def test_serve_from_the_cli_requires_the_key_it_was_given(capsys, monkeypatch, onnx_model, served_app, how):
+    from starlette.testclient import TestClient
+
+    args = ["serve", onnx_model, "--port", "0", "--host", "0.0.0.0"]
+    if how == "--api-key":
+        args += ["--api-key", "s3cret"]
+    else:
+        monkeypatch.setenv("SLM_ALIGN_API_KEY", "s3cret")
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    client = TestClient(served_app["app"], base_url="http://board.example")
+    assert client.get("/v1/models").status_code == 401  # no key
+    assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_serve_from_the_cli_insecure_and_allow_host_are_wired(capsys, onnx_model, served_app):
+    from starlette.testclient import TestClient
+
+    code, out, err = run_cli(capsys, "serve", onnx_model, "--port", "0", "--allow-host", "board.local")
+    assert code == 0, err
+    client = TestClient(served_app["app"], base_url="http://board.local")
+    assert client.get("/v1/models").status_code == 200  # the named host is answered
+    assert client.get("/v1/models", headers={"Host": "evil.example"}).status_code == 403  # others are not
+    assert client.get("/v1/models", headers={"Host": "127.0.0.1"}).status_code == 200  # the address listened on
+    code, out, err = run_cli(capsys, "serve", onnx_model, "--port", "0", "--host", "0.0.0.0", "--insecure")
+    assert code == 0, err  # without a key, the network needs --insecure (refused without it: test above)
+    open_client = TestClient(served_app["app"], base_url="http://10.0.0.7")
+    assert open_client.get("/v1/models").status_code == 403  # no key, no allowed name: only loopback names
