@@ -31,7 +31,7 @@ def sft_run(tmp_path_factory, tiny_models, stories):
     return finished_sft_run(tmp_path_factory.mktemp("rl") / "run", tiny_models["llama"], stories, steps=2)
 
 
-def make_loop(sft_run, algo="grpo", loop_class=None, **rl):
+def make_loop(sft_run, algo="grpo", loop_class=None, reward=varied_reward, **rl):
     out, recipe = sft_run
     envelope = recipe.rl.envelope.model_copy(update=rl.pop("envelope", {}))
     grpo = recipe.rl.grpo.model_copy(update=rl.pop("grpo", {}))
@@ -47,7 +47,7 @@ def make_loop(sft_run, algo="grpo", loop_class=None, **rl):
     value_head = ValueHead(policy.config.hidden_size) if algo == "ppo" else None
     prompts = ["Once upon a time, there was a cat.",
                "Tom found a red ball.", "One day, Mia was happy.", "The sun."]
-    return loop_class(policy, tokenizer, varied_reward, prompts, settings, seed=0, value_head=value_head)
+    return loop_class(policy, tokenizer, reward, prompts, settings, seed=0, value_head=value_head)
 
 
 def lora_state(loop):
@@ -319,3 +319,21 @@ def test_bad_algorithm_keys_are_refused_in_one_line(overrides, message):
     with pytest.raises(UserError, match=message) as refused:
         load_recipe(overrides=overrides)
     assert "\n" not in str(refused.value)
+
+
+def one_outlier(prompts, completions, **_):
+    """0.1 per word, except the first sample of each call, which scores 1000: an outlier to clip."""
+    return [1000.0 if i == 0 else len(c.split()) / 10 for i, c in enumerate(completions)]
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_the_three_sigma_clip_bounds_an_outlier_score_inside_the_loop(sft_run, algo):
+    clipping = make_loop(sft_run, algo=algo, reward=one_outlier)
+    batch = clipping.rollout(0)
+    adv = clipping.advantages(batch).tokens
+    assert batch.scores[0] == 1000.0 and clipping.counters.score_clipped >= 1  # the outlier was clipped
+    off = make_loop(sft_run, algo=algo, reward=one_outlier, envelope={"sigma_clip": 0.0})
+    unclipped = off.advantages(off.rollout(0)).tokens
+    assert off.counters.score_clipped == 0 and off.counters.advantage_clipped == 0
+    if algo == "ppo":  # whitened scores: without the clip the outlier's tokens weigh more
+        assert float(unclipped[0].abs().max()) > float(adv[0].abs().max())
