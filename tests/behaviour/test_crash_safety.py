@@ -14,7 +14,7 @@ import torch
 
 from slm_align.errors import UserError
 from slm_align.runs import read_manifest
-from tests.helpers import finished_sft_run
+from tests.helpers import finished_sft_run, tree_digest
 from tests.preference.test_dpo_kto import learnable_rows, write_rows
 
 TIMEOUT = 600
@@ -62,6 +62,11 @@ def test_sft_killed_twice_resumes_to_the_full_step_count(tmp_path, tiny_models, 
     assert not (out / "sft").exists()
     kill_when(start(*args, "--resume"), checkpoint_at_least(out / "sft.partial" / "checkpoints", 8))
     assert not (out / "sft").exists()  # the final name appears only complete
+    left = tree_digest(out / "sft.partial")
+    changed = start(*args, "--resume", "--lr", "5e-4")  # another learning rate: not the run that was interrupted
+    _, err = changed.communicate(timeout=TIMEOUT)
+    assert changed.returncode == 2 and "other inputs or settings" in err and err.count("\n") == 1, err[-2000:]
+    assert tree_digest(out / "sft.partial") == left  # refused before touching the interrupted run
     kill_when(start(*args, "--resume"), checkpoint_at_least(out / "sft.partial" / "checkpoints", 24))
     assert not (out / "sft").exists()
     finish(*args, "--resume")
