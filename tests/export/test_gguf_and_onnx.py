@@ -229,6 +229,13 @@ def test_onnx_int4_and_ort_format(tmp_path, models):
     ops = {node.op_type for node in onnx.load(str(artifact / "model.onnx")).graph.node}
     assert "MatMulNBits" in ops and (artifact / "model.ort").is_file()
     assert_agreement_is_measured(metrics["verification"], artifact, models["qwen2"])
+    ort_only = tmp_path / "ort-only"  # what a mobile app ships: the ORT file without the ONNX one
+    shutil.copytree(artifact, ort_only, ignore=shutil.ignore_patterns("model.onnx", "*.data"))
+    from_onnx, from_ort = open_backend(artifact), open_backend(ort_only)
+    assert from_ort.session._model_path.endswith("model.ort")  # onnxruntime opened the ORT file itself
+    prompt = from_onnx.tokenize("Once upon a time")
+    logits = from_onnx.feed_all(prompt)
+    assert np.allclose(from_ort.feed_all(prompt), logits, atol=1e-4)  # the same model, both formats
 
 
 def assert_agreement_is_measured(verification: dict, artifact, model_dir) -> None:
