@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
 from slm_align.errors import UserError
@@ -153,6 +153,26 @@ def check_out_dir(out: Path) -> Path:
                 raise UserError(f"--out {out}: {path} is a file, not a directory; pass a "
                                 "directory (new or existing)")
             break
+    return out
+
+
+def check_out_file(out: Path, inputs: Sequence[Path] = (), overwrite: bool = False) -> Path:
+    """``out`` can take a new file: not a directory, not one of ``inputs`` nor inside one (an export folder), in
+    a folder that exists, and not an existing file unless ``overwrite``. Checked before any work, so a refused
+    command writes nothing."""
+    out = Path(out)
+    target = out.resolve()
+    for given in inputs:
+        source = Path(given).resolve()
+        if target == source or source in target.parents:
+            raise UserError(f"--out {out} is an input of this command ({given}); pass another path")
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; pass a file path")
+    if not out.parent.is_dir():
+        what = "is a file" if out.parent.exists() else "does not exist"
+        raise UserError(f"--out {out}: folder {out.parent} {what}; pass a path in an existing folder")
+    if out.exists() and not overwrite:
+        raise UserError(f"--out {out} exists; pass --overwrite to replace it or choose another path")
     return out
 
 

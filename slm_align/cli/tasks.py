@@ -87,6 +87,8 @@ def evaluate_agent(
                              "it, the task and the sample) and of the bootstrap intervals."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the full report "
                                                            "(per-episode results) here."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file (never an "
+                                                              "input)."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Run exported models in the agent runtime, with real tools, on held-out tasks:
@@ -95,7 +97,10 @@ def evaluate_agent(
     success difference."""
     from slm_align.agent.task_eval import evaluate_artifacts
     from slm_align.atomic import write_json_atomic
+    from slm_align.runs import check_out_file
 
+    if out is not None:  # before any work: a refused --out writes nothing, and never replaces an input
+        check_out_file(out, [tasks, *artifact], overwrite)
     report = evaluate_artifacts(tasks, artifact, limit=limit, max_tokens=max_new_tokens,
                                 max_tool_rounds=max_tool_rounds, seed=seed, samples=samples,
                                 temperature=temperature)

@@ -36,7 +36,7 @@ from slm_align.errors import UserError
 from slm_align.rewards.episodes import answers_match, classify
 from slm_align.stats import pass_at_k, wilson_interval
 from slm_align.tools.builtin import calculator, default_tools
-from tests.helpers import export_bundled, run_cli
+from tests.helpers import export_bundled, run_cli, tree_digest
 
 OPERATIONS = {"+": Fraction.__add__, "-": Fraction.__sub__, "*": Fraction.__mul__, "/": Fraction.__truediv__}
 
@@ -446,3 +446,23 @@ def test_task_evaluation_imports_no_torch():
               "'transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=600).stdout
     assert out.strip() == "[]"
+
+
+def test_evaluate_agent_out_never_replaces_an_input_or_an_existing_file(gguf, tmp_path, capsys):
+    heldout = write_agent_tasks(tmp_path / "calc", n_train=4, n_heldout=2)["heldout"]
+    model = tmp_path / "m.gguf"
+    shutil.copyfile(gguf, model)
+    earlier = tmp_path / "report.json"
+    earlier.write_text("an earlier report")
+    (tmp_path / "a-file").write_text("not a folder")
+    cases = [(model, "is an input of this command"), (heldout, "is an input of this command"),
+             (earlier, "exists; pass --overwrite"), (tmp_path, "is a directory"),
+             (tmp_path / "missing" / "r.json", "does not exist"), (tmp_path / "a-file" / "r.json", "is a file")]
+    before = tree_digest(tmp_path)
+    for out, problem in cases:
+        code, _, err = run_cli(capsys, "evaluate-agent", heldout, "--artifact", model, "--out", out, "--limit", "1")
+        assert code == 2 and problem in err and err.count("\n") == 1, (out, err)
+    assert tree_digest(tmp_path) == before  # the model and the tasks intact, nothing created
+    code, _, err = run_cli(capsys, "evaluate-agent", heldout, "--artifact", model, "--out", earlier, "--overwrite",
+                           "--limit", "1", "--max-new-tokens", "8")
+    assert code == 0 and json.loads(earlier.read_text())["n_tasks"] == 1, err
