@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from slm_align.cli.options import CTX_NAMES, JsonFlag
+from slm_align.cli.options import CTX_NAMES, JsonFlag, ThreadsOpt
 from slm_align.cli.render import emit, print_bench, print_device, print_fit, rows_table, stdout
 
 commands = typer.Typer()
@@ -80,8 +80,7 @@ def devices_fit(
 def bench(
     artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an "
                                               "ONNX export directory."),
-    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: this "
-                                                            "host's physical cores)."),
+    threads: Optional[int] = ThreadsOpt,
     prompt_tokens: int = typer.Option(128, "--prompt-tokens", min=1, help="Prompt length fed at once."),
     decode_tokens: int = typer.Option(64, "--decode-tokens", min=1, help="Tokens generated after the first one."),
     repeats: int = typer.Option(3, min=1, help="Measurement repeats (speeds are medians)."),

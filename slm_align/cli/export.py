@@ -14,6 +14,7 @@ from slm_align.cli.options import (
     ChatTemplateOpt,
     ConfigOpt,
     JsonFlag,
+    ThreadsOpt,
     recipe_flags,
     recipe_from,
 )
@@ -76,8 +77,7 @@ def export(
     ort_format: bool = typer.Option(False, "--ort-format", help="ONNX: also write model.ort for mobile builds."),
     min_agreement: float = typer.Option(0.9, help="Lowest top-1 agreement with "
                                                   "PyTorch for low-bit types."),
-    threads: Optional[int] = typer.Option(None, min=1, help="Threads (default: the "
-                                                            "device's, else all cores)."),
+    threads: Optional[int] = ThreadsOpt,
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the parity check "
                                                               "(recorded in the manifest)."),
     force: bool = typer.Option(False, "--force", help="Publish even when verification fails (recorded)."),

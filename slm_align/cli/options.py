@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +39,22 @@ ConfigOpt = typer.Option(None, "--config", help="TOML recipe; flags override it.
 ChatTemplateOpt = typer.Option(None, "--chat-template", metavar="chatml|FILE",
                                help="Chat template in place of the model's own (base models have "
                                     "none): chatml (the built-in ChatML) or a Jinja template file.")
-ThreadsOpt = typer.Option(None, "--threads", min=1, help="Threads (default: the "
-                                                         "device's, else all cores).")
+THREADS_PER_CORE = 2
+"""The most threads --threads may ask for per core of this host: more only thrashes, and far more crashes
+llama.cpp (100,000 segfaulted, 5,000 hung in libgomp)."""
+
+
+def threads_within_cores(value: Optional[int]) -> Optional[int]:
+    """``--threads`` as given, or refused above :data:`THREADS_PER_CORE` per core of this host."""
+    cores = os.cpu_count() or 1
+    if value is not None and value > THREADS_PER_CORE * cores:
+        raise typer.BadParameter(f"{value} is more than this host's {cores} cores can run (at most "
+                                 f"{THREADS_PER_CORE * cores})")
+    return value
+
+
+ThreadsOpt = typer.Option(None, "--threads", min=1, callback=threads_within_cores,
+                          help="Threads (default: the device profile's, else this host's cores).")
 CtxOpt = typer.Option(None, *CTX_NAMES, min=16, help="Context window in tokens.")
 SetOpt = typer.Option([], "--set", help="Any recipe setting as KEY=VALUE, typed and checked like "
                       "the TOML (--set sft.lora.r=32 --set rl.grpo.loss_type=dr_grpo); repeatable; "

@@ -336,6 +336,8 @@ CASES = [
     case("chat", ["chat", "{gguf}", "--temperature", "-1"], "must be a number from 0 to 2", id="--temperature -1"),
     case("chat", ["chat", "{gguf}", "--top-p", "1.5"], "must be a number from 0 to 1", id="--top-p 1.5"),
     case("chat", ["chat", "{gguf}", "--threads", "0"], "greater than or equal to 1", id="--threads 0"),
+    case("chat", ["chat", "{gguf}", "--threads", "100000"], "cores can run", id="--threads beyond the cores"),
+    case("bench", ["bench", "{gguf}", "--threads", "5000"], "cores can run", id="--threads beyond the cores"),
     case("chat", ["chat", "{gguf}", "--max-new-tokens", "0"], "must be an integer >= 1", id="--max-new-tokens 0"),
     case("chat", ["chat", "{gguf}", "--device", "toaster"], "unknown device 'toaster'",
          id="--device unknown"),
