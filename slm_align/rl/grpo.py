@@ -119,7 +119,7 @@ class GRPO(Learner):
         self.clock = PhaseClock()
         # --- rollout (its all-equal groups counted, and drawn again when asked)
         batch = self.rollout(step)
-        zero_std_frac = batch.all_equal / max(1, self.settings.prompts_per_step)
+        zero_std_frac = zero_std_share(batch.all_equal, self.settings.prompts_per_step, self.world)
         self.require_training_tokens(batch, step)
         # --- advantages
         adv = self.advantages(batch)
@@ -130,3 +130,11 @@ class GRPO(Learner):
         metrics.update(self.run_metrics())
         metrics["grpo/zero_std_frac"] = zero_std_frac
         return metrics
+
+
+def zero_std_share(all_equal: int, prompts_per_step: int, world) -> float:
+    """The share of the iteration's groups, on every rank, whose rewards are all equal: each rank's count over
+    its own prompts (``prompts_per_step // world.size``), averaged over the ranks. (This rank's count over every
+    rank's prompts capped the share at 1 / ranks, and the starving-groups detector could never fire.)"""
+    local_prompts = max(1, prompts_per_step // world.size)
+    return world.mean(all_equal / local_prompts)

@@ -9,8 +9,9 @@ import torch
 
 from slm_align.config import EnvelopeSettings, GRPOSettings, PPOSettings, RLSettings
 from slm_align.envelope.ratio import ratio_of
+from slm_align.envelope.world import World
 from slm_align.rl.advantages import Advantages, masked_mean
-from slm_align.rl.grpo import GRPO
+from slm_align.rl.grpo import GRPO, zero_std_share
 from slm_align.rl.learner import PolicyForward
 from slm_align.rl.losses import adaptive_kl_coef, aggregate, clipped_policy_loss, clipped_value_loss, kl_k1, kl_k3
 from slm_align.rl.phases import PhaseClock
@@ -124,3 +125,21 @@ def test_grpo_loss_adds_beta_times_the_k3_kl_with_the_same_normalisation():
     k3 = math.exp(-0.5) - 1 + 0.5  # d = log pi_ref - log pi = -0.5 on the token that trains
     assert stats["loss/policy"] == pytest.approx(-2.0 / 2)
     assert loss.item() == pytest.approx(-2.0 / 2 + 0.5 * k3 / 2)
+
+
+class TwoRanks:
+    """A world of 2 ranks whose other rank counted ``other`` (the all-reduce done by hand)."""
+
+    size = 2
+
+    def __init__(self, other: float):
+        self.other = other
+
+    def mean(self, value: float) -> float:
+        return (value + self.other) / 2
+
+
+def test_the_share_of_all_equal_groups_counts_every_ranks_groups():
+    assert zero_std_share(2, 4, World()) == 0.5  # one process: 2 of its 4 groups
+    assert zero_std_share(2, 4, TwoRanks(other=1.0)) == 1.0  # 2 ranks x 2 prompts, every group all-equal
+    assert zero_std_share(0, 4, TwoRanks(other=0.5)) == 0.25  # 1 of the 4 groups, on the other rank
