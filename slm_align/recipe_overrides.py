@@ -74,6 +74,12 @@ def merged_overrides(sets: list[str], flags: dict[str, Any]) -> dict[str, Any]:
 
 KTO_ONLY = ("desirable_weight", "undesirable_weight")
 """Preference settings only KTO reads."""
+RL_ONLY = ("steps", "prompts_per_step", "group_size", "learning_rate", "epochs", "minibatch_size", "clip_eps",
+           "eval_prompts", "report_prompts", "episodes", "max_tool_rounds", "environment")
+"""Settings of the ``[rl]`` section that PPO and GRPO read and DPO/KTO do not (they train from preference files
+under ``[preference]``)."""
+PREFERENCE_TWINS = {"rl.steps": "--pref-steps", "rl.learning_rate": "--pref-lr"}
+"""The DPO/KTO flag that means what an RL setting means for PPO and GRPO."""
 
 
 def _algorithms_of(key: str) -> Optional[tuple[str, ...]]:
@@ -89,6 +95,8 @@ def _algorithms_of(key: str) -> Optional[tuple[str, ...]]:
         section = names[1]
     elif len(names) == 2:
         section = section_of(names[1])
+    if section is None and len(names) == 2 and names[1] in RL_ONLY:
+        return ("ppo", "grpo")
     return None if section is None else (section,)
 
 
@@ -104,5 +112,6 @@ def refuse_other_algorithm(algo: str, overrides: dict[str, Any], flag_names: dic
             continue
         given = flag_names.get(key, f"--set {key}")
         owner = "/".join(owners)
+        twin = f" ({algo.upper()}'s own: {PREFERENCE_TWINS[key]})" if key in PREFERENCE_TWINS else ""
         raise UserError(f"{given} is a {owner.upper()} setting and --algo is {algo}: drop it or "
-                        f"use --algo {owners[0]}")
+                        f"use --algo {owners[0]}{twin}")

@@ -142,6 +142,11 @@ OTHER_ALGORITHM = {
                                 "--set preference.steps is a DPO/KTO setting"),
     "GRPO flag with DPO": (["--algo", "dpo", "--loss-type", "dr_grpo"],
                            "--loss-type is a GRPO setting and --algo is dpo"),
+    "RL iterations with DPO": (["--algo", "dpo", "--steps", "20"],  # trained 60 steps without a word before
+                               "--steps is a PPO/GRPO setting and --algo is dpo: drop it or use --algo ppo "
+                               "(DPO's own: --pref-steps)"),
+    "RL learning rate with KTO": (["--algo", "kto", "--rl-lr", "1e-4"], "(KTO's own: --pref-lr)"),
+    "RL group size with KTO": (["--algo", "kto", "--group-size", "4"], "--group-size is a PPO/GRPO setting"),
 }
 
 
