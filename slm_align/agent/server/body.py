@@ -82,10 +82,23 @@ async def read_json(request: Request, limit: int) -> dict:
         raise bad(f"the body is not valid JSON ({type(exc).__name__}: {str(exc)[:120]})") from None
     if not isinstance(data, dict):
         raise bad("the body must be a JSON object")
+    if not encodable(data):
+        raise bad("the body holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no character; send valid "
+                  "Unicode text")
     if depth(data) > MAX_BODY_DEPTH:
         raise bad(f"the body nests more than {MAX_BODY_DEPTH} levels deep; send flatter tool "
                   f"arguments and schemas")
     return data
+
+
+def encodable(data: Any) -> bool:
+    """Whether every string of ``data`` is valid Unicode: ``json.loads`` lets lone surrogates through, escaped
+    (``\\ud800``) or as raw bytes (ED A0 80), and they fail later, wherever the text is encoded."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _too_large(limit: int) -> ApiError:

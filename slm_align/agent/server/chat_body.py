@@ -91,7 +91,7 @@ class Message(Strict):
     content: Union[None, StrictStr, list[TextPart]] = Field(None, validate_default=True)
     tool_calls: Optional[list[ToolCall]] = None
     name: Any = None
-    tool_call_id: Any = None
+    tool_call_id: Optional[StrictStr] = None
 
     @field_validator("content", mode="after")
     @classmethod

@@ -245,9 +245,10 @@ def test_feedback_and_alternative_land_in_the_store(server, onnx_model):
     ("/v1/feedback", {"turn_id": 10 ** 9, "turn_token": "t", "kind": "up"}, 404),
     ("/v1/alternative", {"turn_id": 10 ** 9, "turn_token": "t"}, 404),
     ("/v1/alternative", {}, 400),
+    ("/v1/feedback", {"turn_id": 1, "turn_token": "t", "kind": "edit", "text": "\ud800"}, 400),
 ])
 def test_bad_feedback_is_refused(server, path, body, status):
-    response = server.post(path, body)
+    response = server.post(path, content=json.dumps(body).encode())  # ASCII escapes: a lone surrogate is sendable
     assert response.status_code == status and response.json()["error"]["message"]
 
 
@@ -273,6 +274,13 @@ def test_bad_requests_get_json_errors_and_serving_goes_on(onnx_model):
         ({"body": {**ok, "messages": [{"role": "user", "content": "Hi"}] * 4}}, 400),
         ({"body": {**ok, "tools": [{"type": "function"}]}}, 400),
         ({"body": {**ok, "messages": [{"role": "user", "content": "cat " * 200}]}}, 400),  # beyond the context
+        ({"content": json.dumps({**ok, "messages": [{"role": "user", "content": "\ud800"}]}).encode()}, 400),
+        ({"content": b'{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}'},
+         400),  # a lone surrogate as raw bytes: json.loads lets it through
+        ({"content": json.dumps({**ok, "stream": True, "messages": [{"role": "user", "content": "\ud800"}]}).encode()},
+         400),
+        ({"body": {**ok, "messages": [{"role": "user", "content": "Hi"},
+                                      {"role": "tool", "content": "x", "tool_call_id": [1]}]}}, 400),
     ]
     with Running(create_app(onnx_model, n_ctx=128, max_body_bytes=4096, max_messages=3)) as running:
         form = running.post("/v1/chat/completions", content=json.dumps(ok).encode(), content_type="text/plain")
