@@ -80,17 +80,34 @@ def _row(turn: Turn, feedback: Feedback) -> dict[str, Any] | None:
 
 
 def _scrub_value(value: Any) -> tuple[Any, int]:
-    """``value`` with every string in it scrubbed, however deeply nested
-    (tool-call arguments included)."""
+    """``value`` with every string in it scrubbed, however deeply nested (tool-call arguments included), the
+    keys of objects too: a model may put an address where a key goes."""
     if isinstance(value, str):
         return scrub_text(value)
     if isinstance(value, dict):
-        items = [_scrub_value(item) for item in value.values()]
-        return dict(zip(value, (item for item, _ in items))), sum(count for _, count in items)
+        return _scrub_object(value)
     if isinstance(value, list):
         items = [_scrub_value(item) for item in value]
         return [item for item, _ in items], sum(count for _, count in items)
     return value, 0
+
+
+def _scrub_object(value: dict) -> tuple[dict, int]:
+    """An object with its keys and values scrubbed; two keys scrubbed alike (two addresses) stay two entries,
+    the later one numbered."""
+    scrubbed: dict = {}
+    total = 0
+    for key, item in value.items():
+        new_key, key_count = scrub_text(key) if isinstance(key, str) else (key, 0)
+        new_item, item_count = _scrub_value(item)
+        unique = new_key
+        number = 2
+        while unique in scrubbed:
+            unique = f"{new_key} {number}"
+            number += 1
+        scrubbed[unique] = new_item
+        total += key_count + item_count
+    return scrubbed, total
 
 
 def scrub_row(row: dict[str, Any]) -> tuple[dict[str, Any], int]:

@@ -60,3 +60,13 @@ def test_export_scrubs_by_default_and_the_flag_opts_out(tmp_path, capsys):
     assert "bob@example.com" in (tmp_path / "b.unpaired.jsonl").read_text()
     code, out, _ = run_cli(capsys, "feedback", "export", "--help")
     assert "--no-scrub" in out and "names" in out and "addresses" in out
+
+
+def test_the_keys_of_tool_arguments_are_scrubbed_too():
+    arguments = {"bob@example.com": "hello", "alice@example.org": {"123-45-6789": True}, "plain": 1}
+    row = {"prompt": [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "send", "arguments": arguments}}]}], "completion": [{"role": "assistant", "content": "done"}]}
+    scrubbed, count = scrub_row(row)
+    kept = scrubbed["prompt"][0]["tool_calls"][0]["function"]["arguments"]
+    assert count == 3 and "@example" not in json.dumps(scrubbed) and "6789" not in json.dumps(scrubbed)
+    assert kept == {"<EMAIL>": "hello", "<EMAIL> 2": {"<SSN>": True}, "plain": 1}  # two addresses stay two
