@@ -67,31 +67,49 @@ def checkpoint_in_eval(model) -> int:
 
 @contextmanager
 def merged_for_sampling(model):
-    """Sample through plain linear layers: fold each LoRA delta into its base
+    """Sample through plain layers: fold each LoRA delta (linear and embedding adapters alike) into its base
     weight, restore exactly after.
 
     Sampling through peft's LoRA path costs about a quarter more time on small models; the
     original weights are cloned and copied back (not un-merged by subtraction, which would
     drift), so the reference is untouched. Log-probabilities for the update are always
-    recomputed through the LoRA path.
+    recomputed through the LoRA path. A target whose weight another module shares (a tied head
+    and embedding) cannot take its delta without changing the other: then sampling stays on the
+    LoRA path, slower and exact.
     """
     from peft.tuners.lora import LoraLayer
 
+    layers = [module for module in model.modules() if isinstance(module, LoraLayer) and not module.merged]
+    shared = shared_weights(model)
+    if any(id(layer.get_base_layer().weight) in shared for layer in layers):
+        yield model
+        return
     saved = []
     with torch.no_grad():
         try:
-            for module in model.modules():
-                if isinstance(module, LoraLayer) and not module.merged:
-                    weight = module.get_base_layer().weight
-                    saved.append((weight, weight.detach().clone()))
-                    for name in module.active_adapters:
-                        if name in module.lora_A:
-                            weight.add_(module.get_delta_weight(name))
+            for module in layers:
+                weight = module.get_base_layer().weight
+                saved.append((weight, weight.detach().clone()))
+                for name in module.active_adapters:
+                    if name in module.lora_A or name in module.lora_embedding_A:
+                        weight.add_(module.get_delta_weight(name))
             with model.disable_adapter():
                 yield model
         finally:
             for weight, value in saved:
                 weight.copy_(value)
+
+
+def shared_weights(model) -> set[int]:
+    """The ids of weights that more than one plain module holds (tied input and output embeddings)."""
+    from peft.tuners.lora import LoraLayer
+
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and not isinstance(module, LoraLayer):
+            holders[id(weight)] = holders.get(id(weight), 0) + 1
+    return {key for key, count in holders.items() if count > 1}
 
 
 def policy_rewards(policy, tokenizer, reward_fn, prompts: list[str], settings: RLSettings, seed: int,
