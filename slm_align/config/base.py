@@ -162,8 +162,8 @@ class PreferenceSettings(Strict):
                                            "model's size as for RL.")
     desirable_weight: Optional[float] = Field(
         None, gt=0,
-        description="KTO: weight of the desirable (thumbs-up) losses; None: n_undesirable / "
-                    "n_desirable, so both labels weigh the same in total (KTO paper, section 4.2).")
+        description="KTO: weight of the desirable (thumbs-up) losses; None: undesirable_weight x "
+                    "n_undesirable / n_desirable, so both labels weigh the same in total (KTO paper).")
     undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable "
                                       "(thumbs-down) losses.")
     heldout_fraction: float = Field(0.2, gt=0, lt=0.9, description="Share of prompts kept out of "

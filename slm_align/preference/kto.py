@@ -36,7 +36,7 @@ class KTO(PreferenceLearner):
         self.answers = {"completions": self.train_completions, "mismatched": self.mismatched}
         self.keep_heldout(data.heldout_pairs, data.heldout_labelled)
         if self.desirable_weight is None:
-            self.desirable_weight = balancing_weight(self.labels)
+            self.desirable_weight = balancing_weight(self.labels, self.settings.undesirable_weight)
 
     def train_step(self) -> dict:
         """One guarded KTO step on the next ``batch_size`` labelled completions; its statistics
@@ -77,19 +77,33 @@ class KTO(PreferenceLearner):
 
 
 def mismatched_rows(encoder: Encoder, items: list[Labelled]) -> list[dict]:
-    """The mismatched pairs that estimate z_ref: item i's prompt with item i+1's completion
-    (cyclic), or item i itself where truncation leaves that pair no token."""
+    """The mismatched pairs that estimate z_ref: item i's prompt with the completion of the next item
+    (cyclic) that answers another prompt (:func:`mismatched_partner`), or item i itself where truncation
+    leaves that pair no token."""
     rows = []
     for i, item in enumerate(items):
-        row = encoder.row(item.prompt, items[(i + 1) % len(items)].completion)
+        row = encoder.row(item.prompt, items[mismatched_partner(items, i)].completion)
         rows.append(row if row is not None else encoder.row(item.prompt, item.completion))
     return rows
 
 
-def balancing_weight(labels: list[bool]) -> float:
-    """KTO's default desirable weight n_undesirable / n_desirable (1 when a side is missing)."""
+def mismatched_partner(items: list[Labelled], i: int) -> int:
+    """The first item after ``i`` (cyclic) whose prompt differs from item i's: adjacent rows often share a
+    prompt (TRL's unpaired files, regenerations), and a completion of the same prompt is no mismatch. The next
+    item when every prompt is the same."""
+    for step in range(1, len(items)):
+        j = (i + step) % len(items)
+        if items[j].prompt != items[i].prompt:
+            return j
+    return (i + 1) % len(items)
+
+
+def balancing_weight(labels: list[bool], undesirable_weight: float = 1.0) -> float:
+    """KTO's default desirable weight, chosen so that both labels weigh the same in all:
+    lambda_D * n_desirable = lambda_U * n_undesirable, so lambda_D = lambda_U * n_U / n_D (1 when a side is
+    missing). Ethayarajh et al. 2024 (KTO) recommend lambda_D * n_D / (lambda_U * n_U) in [1, 4/3]; this is 1."""
     good = sum(labels)
     bad = len(labels) - good
     if good == 0 or bad == 0:
         return 1.0
-    return bad / good
+    return undesirable_weight * bad / good

@@ -11,11 +11,13 @@ import shutil
 import pytest
 import torch
 
+from slm_align.data.preferences import Labelled
 from slm_align.errors import UserError
 from slm_align.pipeline import run_preference
 from slm_align.preference import dpo
 from slm_align.preference.algorithms import preference_learner
 from slm_align.preference.data import check_feedback_models, heldout_prompts, load_preference_data
+from slm_align.preference.kto import balancing_weight, mismatched_rows
 from slm_align.preference.learner import PreferenceLearner, sequence_logprobs
 from slm_align.preference.losses import dpo_loss, kto_loss, kto_reference_point
 from slm_align.stats import wilson_interval
@@ -357,3 +359,28 @@ def test_cli_dpo_without_preferences_or_with_too_few_is_one_line(sft_run, tmp_pa
 def test_a_setting_of_another_algorithm_is_refused(tmp_path, capsys, args, message):
     code, _, stderr = run_cli(capsys, "train", "--out", tmp_path / "run", *args)
     assert code == 2 and message in stderr and not (tmp_path / "run").exists()
+
+
+class RecordingEncoder:
+    """An encoder that returns the (prompt, completion) it was asked for as the row."""
+
+    def row(self, prompt: str, completion: str) -> dict:
+        return {"prompt": prompt, "completion": completion}
+
+
+def test_kto_mismatched_pairs_take_a_completion_of_another_prompt():
+    items = [Labelled("p1", "c1", True), Labelled("p1", "c2", False), Labelled("p2", "c3", True),
+             Labelled("p3", "c4", False), Labelled("p3", "c5", True)]
+    rows = mismatched_rows(RecordingEncoder(), items)
+    assert [(row["prompt"], row["completion"]) for row in rows] == [
+        ("p1", "c3"), ("p1", "c3"), ("p2", "c4"), ("p3", "c1"), ("p3", "c1")]  # never the same prompt's answer
+    same = [Labelled("p", "a", True), Labelled("p", "b", False)]
+    assert [row["completion"] for row in mismatched_rows(RecordingEncoder(), same)] == ["b", "a"]  # no other
+
+
+def test_kto_default_desirable_weight_balances_the_labels_with_the_undesirable_weight():
+    labels = [True] * 2 + [False] * 6
+    assert balancing_weight(labels) == 3.0  # 3 x 2 good = 1 x 6 bad
+    weight = balancing_weight(labels, undesirable_weight=0.5)
+    assert weight * 2 == 0.5 * 6  # both labels weigh the same in total
+    assert balancing_weight([True, True]) == 1.0
