@@ -47,13 +47,11 @@ def _assistant(text: str) -> list[dict[str, str]]:
     return [{"role": "assistant", "content": text}]
 
 
-def _question(feedback: Feedback) -> tuple:
-    """What a verdict answers; a later verdict on the same question replaces an earlier one."""
-    if feedback.kind in ("up", "down"):
-        return ("thumbs",)
-    if feedback.kind == "choice":
-        return ("choice", feedback.other_completion)
-    return ("edit",)
+def _question(feedback: Feedback) -> str:
+    """What a verdict answers; a later verdict on the same question replaces an earlier one. A turn gives
+    at most one verdict (up or down) and one pair (its latest choice or edit): a client that compares one
+    turn with hundreds of alternatives does not multiply its weight in the training data."""
+    return "verdict" if feedback.kind in ("up", "down") else "pair"
 
 
 def latest_verdicts(turn: Turn) -> list[Feedback]:

@@ -49,6 +49,9 @@ MAX_TURN_ID = 2 ** 63 - 1
 """SQLite's largest integer: a larger id names no turn (and would not fit a query)."""
 TOKEN_BYTES = 24
 """Randomness of a turn token (32 URL-safe characters)."""
+MAX_FEEDBACK_PER_TURN = 16
+"""Most feedback records one turn keeps: a user changes their mind a few times, a client that sends hundreds
+(one turn token, 300 distinct alternatives) is refused instead of growing the store."""
 
 _SCHEMA_V1 = """
 CREATE TABLE turns (
@@ -352,6 +355,10 @@ class PreferenceStore:
                       preferred: str | None = None, edited_text: str | None = None) -> int:
         with self._transaction() as conn:
             self._require_turn(conn, turn_id)
+            given = conn.execute("SELECT COUNT(*) FROM feedback WHERE turn_id = ?", (turn_id,)).fetchone()[0]
+            if given >= MAX_FEEDBACK_PER_TURN:
+                raise UserError(f"turn {turn_id} already has {given} pieces of feedback, the most one turn keeps; "
+                                "a later verdict cannot be added (the export keeps each turn's latest)")
             cursor = conn.execute("INSERT INTO feedback (turn_id, kind, other_completion, "
                                   "preferred, edited_text, created_at) VALUES (?, ?, ?, ?, ?, ?)",
                                   (turn_id, kind, other_completion, preferred, edited_text, _now()))

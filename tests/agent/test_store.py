@@ -14,7 +14,7 @@ import pytest
 
 from slm_align.agent.feedback_export import export_preferences, unpaired_path
 from slm_align.agent.scrub import luhn_ok, scrub
-from slm_align.agent.store import SCHEMA_VERSION, PreferenceStore
+from slm_align.agent.store import MAX_FEEDBACK_PER_TURN, SCHEMA_VERSION, PreferenceStore
 from slm_align.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -340,3 +340,21 @@ def test_export_bad_paths_are_user_errors(filled, tmp_path, store_name, out_name
     with pytest.raises(UserError, match=message):
         export_preferences(tmp_path / store_name, tmp_path / out_name)
     assert not (tmp_path / "missing.db").exists()
+
+
+def test_a_flood_of_feedback_on_one_turn_is_bounded_and_exports_one_pair(tmp_path):
+    db = tmp_path / "prefs.db"
+    with PreferenceStore(db) as store:
+        turn = store.record_turn("c", [{"role": "user", "content": "Tell me a story."}], "Once.", "ab" * 32, {},
+                                 True)
+        for i in range(MAX_FEEDBACK_PER_TURN - 2):
+            store.choose(turn, f"alternative {i} " + "x" * 100, "other")
+        store.edit(turn, "Once upon a time.")
+        store.thumbs(turn, up=False)
+        with pytest.raises(UserError, match="most one turn keeps"):
+            store.choose(turn, "one more alternative", "other")
+        assert len(store.turn(turn).feedback) == MAX_FEEDBACK_PER_TURN  # the refused one was not stored
+    result = export_preferences(db, tmp_path / "round.jsonl")
+    assert (result["pairs"], result["unpaired"]) == (1, 1)  # one pair (the latest: the edit), one verdict
+    (pair,) = [json.loads(line) for line in (tmp_path / "round.jsonl").read_text().splitlines()]
+    assert pair["chosen"][-1]["content"] == "Once upon a time."
