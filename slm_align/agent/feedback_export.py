@@ -125,8 +125,9 @@ def scrub_row(row: dict[str, Any]) -> tuple[dict[str, Any], int]:
 def _check_paths(store_path: Path, out: Path, overwrite: bool) -> None:
     if out.suffix.lower() != ".jsonl":
         raise UserError(f"feedback export writes JSONL; name the output with .jsonl (got {out})")
-    if out.resolve() == store_path.resolve():
-        raise UserError(f"output {out} is the preference DB itself; pass another --out")
+    if store_path.resolve() in (out.resolve(), unpaired_path(out).resolve()):
+        raise UserError(f"output {out} (or its .unpaired.jsonl sibling) is the preference DB itself; pass another "
+                        "--out")
     check_out_dir(out.parent)
     for path in (out, unpaired_path(out)):
         if path.is_dir():
@@ -187,7 +188,10 @@ def export_preferences(store_path: str | os.PathLike, out_path: str | os.PathLik
                             "original answer; collect more feedback")
         raise UserError(f"no consented feedback in DB {store_path}; record thumbs/choices/edits on turns whose "
                         "user gave consent (set_consent) and export again")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _write_jsonl_pair([(out, paired), (unpaired_path(out), unpaired)])
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _write_jsonl_pair([(out, paired), (unpaired_path(out), unpaired)])
+    except OSError as exc:  # a read-only or virtual folder (/proc), no permission, a full disk
+        raise UserError(f"cannot write {out} ({exc.strerror or exc}); pass --out in a folder you can write") from None
     return {"pairs": len(paired), "unpaired": len(unpaired), **counts, "out": str(out),
             "unpaired_out": str(unpaired_path(out))}

@@ -292,6 +292,9 @@ class PreferenceStore:
         if self.path.is_dir():
             raise UserError(f"preference DB {self.path} is a directory; pass a "
                             "file path such as prefs.db")
+        if not create and self.path.is_file() and self.path.stat().st_size == 0:  # SQLite would write a schema
+            raise UserError(f"preference DB {self.path} is empty (0 bytes), no store the agent wrote; pass the "
+                            "file the agent records into")
         if not self.path.exists():
             if not create:
                 raise UserError(f"preference DB {self.path} not found; pass the file "

@@ -117,6 +117,8 @@ def env(tmp_path_factory, tiny_models, tokenizer, stories):
                                  "ab" * 32, {"temperature": 0.7}, True)
         store.thumbs(turn, up=True)
         store.edit(turn, "Once upon a time, a cat.")
+    shutil.copyfile(root / "consented.db", root / "round3.unpaired.jsonl")  # a DB named like an export's sibling
+    (root / "empty.db").write_bytes(b"")
     return SimpleNamespace(root=root, locked=locked, run=run, broken_run=broken_run, gguf=gguf, stories=stories,
                            llama=tiny_models["llama"], mamba=mamba, badjson=badjson,
                            small_vocab=small_vocab, truncated=truncated)
@@ -366,6 +368,12 @@ CASES = [
          arrange=full_disk_on_fsync(1), id="full disk on the pairs file"),
     case("feedback export", ["feedback", "export", "{root}/consented.db", "--out", "{out}/round2.jsonl"], "space",
          arrange=full_disk_on_fsync(2), id="full disk on the unpaired file"),
+    case("feedback export", ["feedback", "export", "{root}/round3.unpaired.jsonl", "--out", "{root}/round3.jsonl",
+                             "--overwrite"], "is the preference DB itself", id="the DB is the unpaired output"),
+    case("feedback export", ["feedback", "export", "{root}/empty.db", "--out", "{out}/round2.jsonl"],
+         "is empty (0 bytes)", id="a 0-byte DB"),
+    case("feedback export", ["feedback", "export", "{root}/consented.db", "--out", "/proc/round2.jsonl"],
+         "cannot write", id="--out where nothing can be written"),
     # devices
     case("devices list", ["devices", "list"], "board.toml", arrange=devices_dir, id="a malformed user profile"),
     case("devices show", ["devices", "show", "../rpi5"], "unknown device", id="a path as the name"),
