@@ -29,6 +29,7 @@ from slm_align.agent.runtime import Agent, fold_seed, load_model
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.settings import Temperature
 from slm_align.errors import UserError
+from slm_align.progress import counted, stage_lines
 from slm_align.rewards.episodes import CATEGORIES, classify
 from slm_align.stats import bootstrap_ci, bootstrap_mean_ci, mean_delta, pass_at_k, wilson_interval
 from slm_align.tools.builtin import default_tools
@@ -234,14 +235,18 @@ def run_task(agent: Agent, row: dict, task: int = 0, sample: int = 0,
 
 
 def run_episodes(agent: Agent, rows: Sequence[dict], samples: int = DEFAULT_SAMPLES,
-                 temperature: float = DEFAULT_TEMPERATURE, seed: int = 0) -> list[TaskResult]:
+                 temperature: float = DEFAULT_TEMPERATURE, seed: int = 0, label: str = "episodes") -> list[TaskResult]:
     """Every task once greedily (``samples`` 1), or ``samples`` times at ``temperature`` with the
-    seeds of :func:`sample_seed`; the results task by task, samples in order."""
-    if samples == 1:
-        return [run_task(agent, row, task) for task, row in enumerate(rows)]
-    return [run_task(agent, row, task, sample, {"temperature": temperature,
-                                                "seed": sample_seed(seed, task, sample)})
-            for task, row in enumerate(rows) for sample in range(samples)]
+    seeds of :func:`sample_seed`; the results task by task, samples in order. Counted as ``label``
+    in the running stage's progress."""
+    plan = [(task, row, sample) for task, row in enumerate(rows) for sample in range(samples)]
+    results = []
+    with counted(label, len(plan), "episodes") as count:
+        for task, row, sample in plan:
+            sampling = None if samples == 1 else {"temperature": temperature, "seed": sample_seed(seed, task, sample)}
+            results.append(run_task(agent, row, task, sample, sampling))
+            count.advance()
+    return results
 
 
 def successes_by_task(results: Sequence[TaskResult]) -> list[list[bool]]:
@@ -359,7 +364,12 @@ def evaluate_artifacts(tasks: Union[str, Path], artifacts: Sequence[Union[str, P
         raise UserError("pass at least one --artifact (a .gguf file or an ONNX export directory)")
     rows = load_tasks(tasks, limit)
     agents = [open_agent(artifact, max_tokens, max_tool_rounds) for artifact in artifacts]  # all load, or none runs
-    runs = [run_episodes(agent, rows, samples, temperature, seed) for agent in agents]
+    with stage_lines("evaluate-agent", f"{len(agents)} model(s) on {len(rows)} tasks x {samples} "
+                                       f"episode(s)") as stage:
+        runs = [run_episodes(agent, rows, samples, temperature, seed, label="/".join(Path(artifact).parts[-2:]))
+                for agent, artifact in zip(agents, artifacts)]
+        stage.figures = "task success " + ", ".join(f"{sum(r.success for r in results) / len(results):.3f}"
+                                                    for results in runs if results)
     report = {"tasks": str(tasks), "n_tasks": len(rows), "max_tokens": max_tokens,
               "max_tool_rounds": max_tool_rounds, **episode_settings(samples, temperature, seed),
               "artifacts": [], "comparisons": []}

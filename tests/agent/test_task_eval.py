@@ -33,6 +33,7 @@ from slm_align.data.agent_tasks import (
 from slm_align.data.encoding import render as render_example
 from slm_align.data.readers import row_to_example
 from slm_align.errors import UserError
+from slm_align.progress import CADENCE_ENV
 from slm_align.rewards.episodes import answers_match, classify
 from slm_align.stats import pass_at_k, wilson_interval
 from slm_align.tools.builtin import calculator, default_tools
@@ -466,3 +467,18 @@ def test_evaluate_agent_out_never_replaces_an_input_or_an_existing_file(gguf, tm
     code, _, err = run_cli(capsys, "evaluate-agent", heldout, "--artifact", model, "--out", earlier, "--overwrite",
                            "--limit", "1", "--max-new-tokens", "8")
     assert code == 0 and json.loads(earlier.read_text())["n_tasks"] == 1, err
+
+
+def test_evaluate_agent_in_a_log_says_its_start_progress_and_end(gguf, tmp_path, capsys, monkeypatch):
+    """Long evaluations spoke nothing for minutes (11 on the real SmolLM2): now a stage's lines, each model's
+    episodes counted."""
+    monkeypatch.setenv(CADENCE_ENV, "0")  # a line per episode
+    heldout = write_agent_tasks(tmp_path / "calc", n_train=4, n_heldout=3)["heldout"]
+    report = task_eval.evaluate_artifacts(heldout, [gguf], limit=3, max_tokens=8)
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines() if line.startswith("[slm-align ")]
+    assert lines[0] == "evaluate-agent: start, 1 model(s) on 3 tasks x 1 episode(s)"
+    counts = [line.split(",")[0] for line in lines if " episodes" in line and "/3 " in line]
+    named = "/".join(Path(gguf).parts[-2:])  # the folder too: exports of two runs share a file name
+    assert counts == [f"evaluate-agent: {named} {k}/3 episodes" for k in (1, 2, 3)]
+    assert lines[-1].startswith("evaluate-agent: done in ")
+    assert lines[-1].endswith(f"task success {report['artifacts'][0]['success_rate']:.3f}")
