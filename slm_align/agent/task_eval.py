@@ -368,14 +368,13 @@ def evaluate_artifacts(tasks: Union[str, Path], artifacts: Sequence[Union[str, P
                                        f"episode(s)") as stage:
         runs = [run_episodes(agent, rows, samples, temperature, seed, label="/".join(Path(artifact).parts[-2:]))
                 for agent, artifact in zip(agents, artifacts)]
-        stage.figures = "task success " + ", ".join(f"{sum(r.success for r in results) / len(results):.3f}"
-                                                    for results in runs if results)
+        summaries = [summarize(results, samples, seed) for results in runs]
+        stage.figures = "task success " + ", ".join(f"{summary['success_rate']:.3f}" for summary in summaries)
     report = {"tasks": str(tasks), "n_tasks": len(rows), "max_tokens": max_tokens,
               "max_tool_rounds": max_tool_rounds, **episode_settings(samples, temperature, seed),
               "artifacts": [], "comparisons": []}
-    for artifact, results in zip(artifacts, runs):
-        report["artifacts"].append({"artifact": str(artifact), **summarize(results, samples, seed),
-                                    "results": [asdict(r) for r in results]})
+    for artifact, results, summary in zip(artifacts, runs, summaries):
+        report["artifacts"].append({"artifact": str(artifact), **summary, "results": [asdict(r) for r in results]})
     for artifact, results in zip(artifacts[1:], runs[1:]):
         report["comparisons"].append({"baseline": str(artifacts[0]), "candidate": str(artifact),
                                       **compare(runs[0], results, seed, samples)})

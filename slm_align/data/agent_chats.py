@@ -28,7 +28,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Callable, Optional
 
 from slm_align.chat_templates import render, template_form, template_traits
-from slm_align.data.agent_tasks import final_answer_text, leak_keys, make_tasks
+from slm_align.data.agent_tasks import final_answer_text, leak_keys, make_tasks, memory_row
 from slm_align.data.demo_corpus import generate_story
 from slm_align.tools.builtin import default_tools, time_text
 from slm_align.tools.calls import ToolCall
@@ -85,7 +85,7 @@ def calculator_chat(task: dict) -> list[dict]:
 
 def direct_chat(task: dict) -> list[dict]:
     """A task row's question answered at once, without a call."""
-    return [task["prompt"][-1], {"role": "assistant", "content": final_answer_text(task["answer"])}]
+    return memory_row(task)["messages"]
 
 
 def clock_chat(rng: random.Random) -> list[dict]:

@@ -10,6 +10,8 @@ loss; the guarded optimizer step (rollback on anything non-finite). After Ethaya
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from slm_align.data.preferences import Labelled
@@ -78,24 +80,32 @@ class KTO(PreferenceLearner):
 
 def mismatched_rows(encoder: Encoder, items: list[Labelled]) -> list[dict]:
     """The mismatched pairs that estimate z_ref: item i's prompt with the completion of the next item
-    (cyclic) that answers another prompt (:func:`mismatched_partner`), or item i itself where truncation
+    (cyclic) that answers another prompt (:func:`mismatched_partners`), or item i itself where truncation
     leaves that pair no token."""
     rows = []
-    for i, item in enumerate(items):
-        row = encoder.row(item.prompt, items[mismatched_partner(items, i)].completion)
+    for item, partner in zip(items, mismatched_partners(items)):
+        row = encoder.row(item.prompt, items[partner].completion)
         rows.append(row if row is not None else encoder.row(item.prompt, item.completion))
     return rows
 
 
-def mismatched_partner(items: list[Labelled], i: int) -> int:
-    """The first item after ``i`` (cyclic) whose prompt differs from item i's: adjacent rows often share a
-    prompt (TRL's unpaired files, regenerations), and a completion of the same prompt is no mismatch. The next
-    item when every prompt is the same."""
-    for step in range(1, len(items)):
-        j = (i + step) % len(items)
-        if items[j].prompt != items[i].prompt:
-            return j
-    return (i + 1) % len(items)
+def mismatched_partners(items: list[Labelled]) -> list[int]:
+    """For each item, the first item after it (cyclic) whose prompt differs: adjacent rows often share a prompt
+    (TRL's unpaired files, regenerations, device feedback on the same question), and a completion of the same
+    prompt is no mismatch. The next item when every prompt is the same.
+
+    One walk backwards twice round the circle, O(n): the first later item that differs from item i is item i+1
+    when their prompts differ, else the one found for item i+1."""
+    n = len(items)
+    partners = [(i + 1) % n for i in range(n)]
+    differing: Optional[int] = None
+    for step in reversed(range(2 * n - 1)):
+        i, following = step % n, (step + 1) % n
+        if items[following].prompt != items[i].prompt:
+            differing = following
+        if step < n and differing is not None:
+            partners[i] = differing
+    return partners
 
 
 def balancing_weight(labels: list[bool], undesirable_weight: float = 1.0) -> float:
