@@ -27,6 +27,7 @@ import os
 import re
 import secrets
 import sqlite3
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -145,6 +146,25 @@ def _check_is_sqlite(path: Path) -> None:
     if header and header != SQLITE_HEADER:
         raise UserError(f"preference DB {path} is not a SQLite database; pass the store's "
                         ".db file or a new path")
+
+
+def _check_regular(path: Path) -> None:
+    """Refuse a device, pipe or socket before SQLite opens it (and makes ``PATH-journal`` beside it)."""
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise UserError(f"preference DB {path} is not a regular file; pass a file path such as prefs.db")
+
+
+def _make_private(path: Path) -> None:
+    """Tighten a store made beforehand (and its ``-wal``/``-shm``, which SQLite creates with the
+    database's own mode) to owner-only; a file this user cannot chmod is refused."""
+    for each in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        if not each.exists() or stat.S_IMODE(each.stat().st_mode) & ~PRIVATE_MODE == 0:
+            continue
+        try:
+            os.chmod(each, PRIVATE_MODE)
+        except OSError as e:
+            raise UserError(f"preference DB {each} is readable by other users and cannot be made "
+                            f"owner-only ({e.strerror}); run chmod 600 on it as its owner") from None
 
 
 def _create_private(path: Path) -> None:
@@ -303,7 +323,9 @@ class PreferenceStore:
                 raise UserError(f"preference DB {self.path}: folder {self.path.parent} does not "
                                 f"exist; create it first")
             _create_private(self.path)
+        _check_regular(self.path)
         _check_is_sqlite(self.path)
+        _make_private(self.path)
         with _private_umask():
             return _connect(self.path)
 

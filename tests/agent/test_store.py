@@ -117,6 +117,30 @@ def test_db_and_its_wal_files_are_owner_only(tmp_path):
         os.umask(old)
 
 
+def test_a_store_made_beforehand_with_open_modes_is_tightened(tmp_path):
+    path = tmp_path / "prefs.db"
+    with PreferenceStore(path) as store:
+        record(store)
+        os.chmod(path, 0o644)
+        for sibling in (Path(f"{path}-wal"), Path(f"{path}-shm")):
+            os.chmod(sibling, 0o644)
+        with PreferenceStore(path) as again:
+            assert again.counts()["turns"] == 1
+            files = [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
+            assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {oct(0o600)}
+
+
+def test_a_device_as_the_store_is_refused_before_sqlite_touches_it(tmp_path):
+    link = tmp_path / "null.db"
+    link.symlink_to("/dev/null")
+    for target in (Path("/dev/null"), link):
+        with pytest.raises(UserError, match="not a regular file"):
+            PreferenceStore(target)
+    assert not Path("/dev/null-journal").exists()
+    assert not Path(f"{link}-journal").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["null.db"]
+
+
 def test_newer_schema_version_is_refused(tmp_path):
     path = tmp_path / "future.db"
     conn = sqlite3.connect(path)
