@@ -64,6 +64,11 @@ def whiten_scores(scores: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return (scores - scores.mean()) / (scores.std() + eps)
 
 
+def two_levels(x: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether the entries of ``x`` under ``mask`` (equal shapes) take at most two distinct values."""
+    return torch.unique(x[mask > 0]).numel() <= 2
+
+
 def sigma_clip(x: torch.Tensor, n_sigma: float, mask: torch.Tensor = None) -> tuple[torch.Tensor, int]:
     """Clip ``x`` to mean +- n_sigma * std, both taken over ``mask``; returns it and how
     many values were clipped.
@@ -77,10 +82,16 @@ def sigma_clip(x: torch.Tensor, n_sigma: float, mask: torch.Tensor = None) -> tu
         as 0) with mu = masked_mean(x), sigma = sqrt(masked_mean((x - mu)^2)); and the count
         of masked entries outside the bounds. The envelope's 3-sigma clip (the alignment
         paper's reward clipping).
+
+    Values that take at most two levels over ``mask`` (a pass/fail reward) are left alone: a
+    success rarer than 10% sits over 3 sigma (z = sqrt((1 - p) / p)), yet it is the signal, not an
+    outlier; clipping it would shrink a lone success's advantage under unscaled rewards (Dr. GRPO's
+    ``scale_rewards = "none"``: 0.875 -> 0.48 among G = 8) and PPO's score against its KL penalty.
+    Off or two-level, ``x`` comes back as given (the object itself) with a count of 0.
     """
-    if n_sigma <= 0:
-        return x, 0
     mask = torch.ones_like(x) if mask is None else mask
+    if n_sigma <= 0 or two_levels(x, mask):
+        return x, 0
     mean = masked_mean(x, mask)
     std = masked_mean((x - mean) ** 2, mask).sqrt()
     low = mean - n_sigma * std

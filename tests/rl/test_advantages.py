@@ -53,7 +53,7 @@ def test_group_advantages_and_zero_std_groups():
 
 
 def test_sigma_clip_and_whiten():
-    x = torch.tensor([0.0] * 99 + [100.0])
+    x = torch.tensor([0.0] * 98 + [1.0, 100.0])
     clipped, count = sigma_clip(x, 3.0)
     mean, std = x.mean(), x.std(unbiased=False)
     assert count == 1 and clipped.max().item() == pytest.approx((mean + 3 * std).item())
@@ -77,10 +77,28 @@ def test_grpo_clips_raw_scores_so_a_lone_success_among_sixteen_keeps_its_advanta
     group = adv[:g]
     assert group[3].item() == pytest.approx((g - 1) / math.sqrt(g), abs=0.01)  # 3.75 (less eps): not cut to 1.45
     assert group.sum().item() == pytest.approx(0.0, abs=1e-5) and (adv[g:] == 0).all()
-    assert clipped == 1  # the raw 1 is over 3 sigma of the batch, but clipping it keeps the group's order and sum
+    assert clipped == 0  # the raw 1 is over 3 sigma of the batch, but pass/fail scores have no outlier
     for scale in ("batch", "none"):
         adv, _ = grpo_advantages(scores, g, scale, n_sigma=3.0)
         assert adv.view(-1, g).sum(-1).abs().max().item() < 1e-5 and adv[3].item() > 0
+
+
+def test_a_lone_success_keeps_its_unscaled_advantage_and_a_real_outlier_is_still_cut():
+    g = 8
+    scores = torch.zeros(8 * g)  # one success in 64: 1.6% of the batch, z = 7.9
+    scores[3] = 1.0
+    adv, clipped = grpo_advantages(scores, g, "none", n_sigma=3.0)
+    assert clipped == 0
+    assert adv[3].item() == pytest.approx(1 - 1 / g)  # 0.875, not 0.484
+    spread = torch.linspace(0.0, 1.0, 8 * g)
+    spread[3] = 100.0  # a reward model's blow-up among graded scores
+    adv, clipped = grpo_advantages(spread, g, "none", n_sigma=3.0)
+    mean = spread.mean()
+    high = (mean + 3 * (spread - mean).pow(2).mean().sqrt()).item()
+    assert clipped == 1
+    group = spread[:g].clone()
+    group[3] = high
+    assert adv[3].item() == pytest.approx((group[3] - group.mean()).item(), rel=1e-5)
 
 
 def test_ppo_per_token_rewards_kl_sign_and_score_position():
@@ -117,13 +135,23 @@ def test_whiten_scores_uses_the_unbiased_std_and_leaves_a_single_score_alone():
 
 
 def test_sigma_clip_takes_mean_and_std_over_the_mask_only():
-    x = torch.tensor([[0.0, 0.0, 0.0, 10.0, -99.0]])
+    x = torch.tensor([[0.0, 0.0, 1.0, 10.0, -99.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
     clipped, count = sigma_clip(x, 1.0, mask)
-    mean = 2.5  # the masked -99 takes no part
-    std = math.sqrt((3 * 2.5 ** 2 + 7.5 ** 2) / 4)
+    mean = 2.75  # the masked -99 takes no part
+    std = math.sqrt((2 * 2.75 ** 2 + 1.75 ** 2 + 7.25 ** 2) / 4)
     assert count == 1  # the 10, not the masked -99
-    assert clipped[0].tolist() == pytest.approx([0.0, 0.0, 0.0, mean + std, 0.0], rel=1e-6)
+    assert clipped[0].tolist() == pytest.approx([0.0, 0.0, 1.0, mean + std, 0.0], rel=1e-6)
+
+
+def test_pass_fail_scores_are_never_clipped_even_when_a_level_is_rare():
+    x = torch.tensor([0.0] * 99 + [1.0])
+    assert sigma_clip(x, 3.0) == (x, 0)
+    mask = torch.tensor([1.0] * 99 + [1.0])
+    mask[0] = 0.0
+    x[0] = 50.0  # a third value, but under the mask's zero: still two levels
+    clipped, count = sigma_clip(x, 3.0, mask)
+    assert count == 0 and clipped[-1].item() == 1.0
 
 
 def test_all_equal_groups_names_the_groups_group_advantages_counts():
