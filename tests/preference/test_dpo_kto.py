@@ -191,7 +191,7 @@ def test_evaluate_reports_dpo_and_kto_beside_sft_with_held_out_accuracy_and_its_
         assert row in section
 
 
-def make_learner(sft_run, prefs, algo: str) -> PreferenceLearner:
+def make_learner(sft_run, prefs, algo: str, checkpointing: bool = False) -> PreferenceLearner:
     """A DPO or KTO learner on ``prefs`` from the module's SFT prior (merged, a fresh LoRA),
     as the stage builds it."""
     from slm_align.envelope.policy import build_policy
@@ -204,7 +204,28 @@ def make_learner(sft_run, prefs, algo: str) -> PreferenceLearner:
     data = load_preference_data([prefs], tokenizer, algo, recipe.seed, 0.2)
     policy = build_policy(source, base / "sft" / "adapter", recipe.rl, recipe.seed)
     return preference_learner(policy, tokenizer, data, recipe.preference, algo, recipe.rl.envelope, recipe.seed,
-                              recipe.data.max_length)
+                              recipe.data.max_length, checkpointing=checkpointing)
+
+
+@pytest.mark.parametrize("algo", ["dpo", "kto"])
+def test_every_step_that_scores_new_answers_still_checkpoints_its_layers(sft_run, prefs, algo, monkeypatch):
+    learner = make_learner(sft_run, prefs, algo, checkpointing=True)
+    layer_class = type(learner.policy.get_base_model().model.layers[0])
+    forward = layer_class.forward
+    calls = []
+
+    def recorded(self, *args, **kwargs):
+        calls.append((torch.is_grad_enabled(), self.training))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(layer_class, "forward", recorded)
+    layers = learner.policy.config.num_hidden_layers
+    for _ in range(2):  # the first step scores its answers under the reference first
+        calls.clear()
+        learner.train_step()
+        with_grad = [training for grad, training in calls if grad]
+        assert with_grad == [True] * (2 * layers)  # one forward, one recompute in the backward pass
+        assert any(not grad for grad, _ in calls)  # the no-gradient passes ran as well
 
 
 def test_the_reference_is_the_merged_sft_prior_and_the_first_step_starts_from_it(sft_run, prefs):
