@@ -71,6 +71,7 @@ class _Task:
     status: str  # its key figure now ("loss 0.703"), said in brackets
     started: float  # time.monotonic() at its start (elapsed and remaining time)
     unit: str = "steps"  # what it counts: steps ("step k/N") or anything else ("k/N documents")
+    ends_at_total: bool = True  # its end line comes with its last unit (else: when it is removed)
     done: bool = False  # its end was reached: no more lines
 
 
@@ -106,9 +107,11 @@ class LineProgress:
             self._finish(task)
 
     def add_task(self, description: str, total: Optional[float] = None, completed: float = 0, status: str = "",
-                 unit: str = "steps", **_) -> int:
-        """Start a task: its start line (how much it will do) when ``ends``; its id."""
-        self.tasks.append(_Task(description, total, completed, status, time.monotonic(), unit))
+                 unit: str = "steps", ends_at_total: bool = True, **_) -> int:
+        """Start a task: its start line (how much it will do) when ``ends``; its id. A task that does
+        more after its last unit (a training stage's final evaluation) passes ``ends_at_total=False``
+        and says its end when removed."""
+        self.tasks.append(_Task(description, total, completed, status, time.monotonic(), unit, ends_at_total))
         if self.ends:
             resumed = f", resuming at {completed:g}" if completed else ""
             self._say(f"{description}: start, "
@@ -132,7 +135,7 @@ class LineProgress:
         last = self.ends and task.total is not None and task.completed >= task.total
         if last or now - self.said >= cadence():
             self._say(self._progress_text(task, now))
-        if last:
+        if last and task.ends_at_total:
             self._finish(task)
 
     def _say(self, text: str) -> None:

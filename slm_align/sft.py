@@ -109,7 +109,8 @@ class SFTStage:
                                self.progress, eval_dataset=self.eval_rows)
         try:
             self.output = trainer.train(resume_from_checkpoint=checkpoint)
-            self.final_eval = trainer.evaluate()
+            self.final_eval = self.progress.final_evaluation(trainer, self.output.global_step)
+            self.progress.finish()
         finally:
             finish_trainer_tracking(trainer, tracker)
 

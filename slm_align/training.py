@@ -92,16 +92,49 @@ class TrainerProgress(TrainerCallback):
         self.name = name
         self.log_path = log_path
         self.eval_losses: list[float] = []
+        self.last_eval: Optional[tuple[int, dict]] = None
+        """The step of the latest evaluation and its metrics (None before one)."""
         self._progress = new_progress()
         self._task = None
+        self._eval_task = None
+        self._eval_done = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._progress.start()
         self._task = self._progress.add_task(self.name, total=state.max_steps, completed=state.global_step,
-                                             status="")
+                                             status="", ends_at_total=False)
 
     def on_step_end(self, args, state, control, **kwargs):
         self._progress.update(self._task, completed=state.global_step)
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        """One batch of an evaluation: its progress in batches, as a task of its own."""
+        if self._eval_task is None:
+            batches = len(eval_dataloader) if eval_dataloader is not None else None
+            self._eval_task = self._progress.add_task(f"{self.name}: evaluation", total=batches, completed=0,
+                                                      status="", unit="batches")
+        self._eval_done += 1
+        self._progress.update(self._eval_task, completed=self._eval_done)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self._eval_task is not None:
+            self._progress.remove_task(self._eval_task)
+            self._eval_task = None
+            self._eval_done = 0
+        self.last_eval = (state.global_step, dict(metrics or {}))
+
+    def final_evaluation(self, trainer, steps: int) -> dict:
+        """The metrics of the weights after ``steps``: the evaluation the epoch's end already ran at
+        that step (no second pass over the same documents), else a new one."""
+        if self.last_eval is not None and self.last_eval[0] == steps:
+            return self.last_eval[1]
+        return trainer.evaluate()
+
+    def finish(self) -> None:
+        """The stage's training and evaluation are over: its end line."""
+        if self._task is not None:
+            self._progress.remove_task(self._task)
+        self._progress.stop()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = dict(logs or {}, step=state.global_step)
@@ -114,5 +147,3 @@ class TrainerProgress(TrainerCallback):
         with open(self.log_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(logs) + "\n")
 
-    def on_train_end(self, args, state, control, **kwargs):
-        self._progress.stop()

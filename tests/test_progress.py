@@ -145,6 +145,10 @@ def test_sft_in_a_log_writes_start_progress_and_end_lines(tmp_path, stories, cap
     assert any(line.startswith("sft: step 2/3") for line in lines)
     assert any(line.startswith("sft: step 3/3") and "elapsed" in line for line in lines)
     assert lines[-1].startswith("sft: done, 3 steps in ")
+    evaluation = [i for i, line in enumerate(lines) if line.startswith("sft: evaluation")]
+    last_step = next(i for i, line in enumerate(lines) if line.startswith("sft: step 3/3"))
+    assert evaluation and last_step < evaluation[0] and evaluation[-1] == len(lines) - 2  # then done, not before
+    assert sum(line.startswith("sft: evaluation: start") for line in lines) == 1  # the epoch's end, reused
     assert "sft" in stdout  # the summary as before
 
 

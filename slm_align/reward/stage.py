@@ -20,6 +20,7 @@ from slm_align.data.pairs import Pair, synthetic_pairs
 from slm_align.data.preferences import read_preferences
 from slm_align.errors import UserError
 from slm_align.modeling import attach_lora, load_tokenizer, merged_policy, resolve_source, save_tokenizer
+from slm_align.progress import stage_lines
 from slm_align.reward.model import (
     bradley_terry_loss,
     classifier_from_policy,
@@ -146,6 +147,7 @@ class RewardStage:
         trainer = make_trainer(trainer_class, self.model, args, self.rows, collate, progress)
         try:
             self.output = trainer.train(resume_from_checkpoint=checkpoint)
+            progress.finish()
         finally:
             finish_trainer_tracking(trainer, tracker)
 
@@ -159,7 +161,9 @@ class RewardStage:
         save_tokenizer(self.tokenizer, self.source, partial / "model")
         _write_jsonl(partial / "pairs.jsonl", self.train_pairs)
         _write_jsonl(partial / "eval_pairs.jsonl", self.held_pairs)
-        metrics = pairwise_metrics(merged, self.tokenizer, self.held_pairs, self.recipe.data.max_length)
+        with stage_lines("reward model evaluation", f"{len(self.held_pairs)} held-out pairs") as stage:
+            metrics = pairwise_metrics(merged, self.tokenizer, self.held_pairs, self.recipe.data.max_length)
+            stage.figures = f"accuracy {metrics['accuracy']:.3f}"
         metrics.update(train_loss=self.output.training_loss, steps=self.output.global_step,
                        train_pairs=len(self.train_pairs), pair_stats=self.pair_stats, resumed_from=self.checkpoint,
                        compute=self.compute.record(), **replicas)
