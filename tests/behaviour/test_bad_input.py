@@ -240,6 +240,8 @@ CASES = [
     case("check-headroom", ["check-headroom", "--run", "{run}", "--model", "{llama}"], "not both",
          id="--run and --model"),
     case("check-headroom", ["check-headroom", "--run", "{run}", "--max-ppl", "-1"], "max_ppl", id="--max-ppl -1"),
+    case("check-headroom", ["check-headroom", "--model", "{llama}", "--data", "{root}/tasks.jsonl"],
+         "pass this file with --tasks", id="task rows (prompt + answer) given as --data"),
     case("check-headroom", ["check-headroom", "--run", "{run}", "--min-reward-acc", "2"], "reward_acc",
          id="--min-reward-acc 2"),
     case("check-headroom", ["check-headroom", "--model", "{mamba}", "--data", "{stories}"], "unsupported architecture",
