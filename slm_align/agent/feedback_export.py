@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from slm_align.agent.scrub import detectors
 from slm_align.agent.scrub import scrub as scrub_text
 from slm_align.agent.store import Feedback, PreferenceStore, Turn
 from slm_align.atomic import atomic_paths, jsonl_text
@@ -77,15 +78,16 @@ def _row(turn: Turn, feedback: Feedback) -> dict[str, Any] | None:
             "model_id": turn.model_id}
 
 
-def _scrub_value(value: Any) -> tuple[Any, int]:
+def _scrub_value(value: Any, key: str = "") -> tuple[Any, int]:
     """``value`` with every string in it scrubbed, however deeply nested (tool-call arguments included), the
-    keys of objects too: a model may put an address where a key goes."""
+    keys of objects too: a model may put an address where a key goes. ``key``, the object key the value sits
+    under, is read as context: ``{"password": "hunter2"}`` and ``{"ssn": "123456789"}`` are scrubbed."""
     if isinstance(value, str):
-        return scrub_text(value)
+        return scrub_text(value, context=key)
     if isinstance(value, dict):
         return _scrub_object(value)
     if isinstance(value, list):
-        items = [_scrub_value(item) for item in value]
+        items = [_scrub_value(item, key) for item in value]
         return [item for item, _ in items], sum(count for _, count in items)
     return value, 0
 
@@ -97,7 +99,7 @@ def _scrub_object(value: dict) -> tuple[dict, int]:
     total = 0
     for key, item in value.items():
         new_key, key_count = scrub_text(key) if isinstance(key, str) else (key, 0)
-        new_item, item_count = _scrub_value(item)
+        new_item, item_count = _scrub_value(item, key if isinstance(key, str) else "")
         unique = new_key
         number = 2
         while unique in scrubbed:
@@ -173,8 +175,9 @@ def export_preferences(store_path: str | os.PathLike, out_path: str | os.PathLik
     ``.unpaired.jsonl`` sibling.
 
     Returns ``pairs``, ``unpaired``, ``skipped_without_consent``, ``skipped_identical``,
-    ``scrubbed_replacements`` and the two paths written (``out``, ``unpaired_out``). Bad input is a
-    UserError and writes nothing.
+    ``scrubbed_replacements``, ``scrubbed_by`` (the detectors that ran: ``["regex floor"]``, plus
+    ``"detect-secrets X.Y"`` where installed; ``[]`` without scrubbing) and the two paths written (``out``,
+    ``unpaired_out``). Bad input is a UserError and writes nothing.
     """
     store_path = Path(store_path)
     out = Path(out_path)
@@ -193,5 +196,5 @@ def export_preferences(store_path: str | os.PathLike, out_path: str | os.PathLik
         _write_jsonl_pair([(out, paired), (unpaired_path(out), unpaired)])
     except OSError as exc:  # a read-only or virtual folder (/proc), no permission, a full disk
         raise UserError(f"cannot write {out} ({exc.strerror or exc}); pass --out in a folder you can write") from None
-    return {"pairs": len(paired), "unpaired": len(unpaired), **counts, "out": str(out),
-            "unpaired_out": str(unpaired_path(out))}
+    return {"pairs": len(paired), "unpaired": len(unpaired), **counts, "scrubbed_by": detectors() if scrub else [],
+            "out": str(out), "unpaired_out": str(unpaired_path(out))}

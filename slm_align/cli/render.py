@@ -174,7 +174,8 @@ def print_export(summary: dict) -> None:
 def print_feedback_export(result: dict, scrubbed: bool) -> None:
     """One line: the pairs and rated answers written, turns skipped without
     consent, details scrubbed."""
-    scrub = f"; {result['scrubbed_replacements']} personal details scrubbed" if scrubbed else ""
+    by = " + ".join(result.get("scrubbed_by", []))
+    scrub = f"; {result['scrubbed_replacements']} personal details scrubbed ({by})" if scrubbed else ""
     stdout.print(f"[bold]feedback[/] -> {result['out']} ({result['pairs']} pairs), "
                  f"{result['unpaired_out']} ({result['unpaired']} rated answers); "
                  f"{result['skipped_without_consent']} turns without consent skipped" + scrub)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from slm_align.agent.feedback_export import export_preferences, unpaired_path
-from slm_align.agent.scrub import luhn_ok, scrub
+from slm_align.agent.scrub import detectors, luhn_ok, scrub
 from slm_align.agent.store import MAX_FEEDBACK_PER_TURN, SCHEMA_VERSION, PreferenceStore
 from slm_align.errors import UserError
 
@@ -287,8 +287,8 @@ def test_export_writes_pairs_and_unpaired_rows_the_right_way_round(filled, tmp_p
     out = tmp_path / "out" / "prefs.jsonl"
     result = export_preferences(filled, out)
     assert result == {"pairs": 3, "unpaired": 2, "skipped_without_consent": 2, "skipped_identical": 0,
-                      "scrubbed_replacements": 0, "out": str(out), "unpaired_out": str(tmp_path / "out" /
-                                                                                       "prefs.unpaired.jsonl")}
+                      "scrubbed_replacements": 0, "scrubbed_by": detectors(), "out": str(out),
+                      "unpaired_out": str(tmp_path / "out" / "prefs.unpaired.jsonl")}
     assert read_jsonl(out) == [
         {"prompt": HISTORY, "chosen": assistant("Once upon a time."), "rejected": assistant("No."), "model_id": MODEL},
         {"prompt": HISTORY, "chosen": assistant("A dragon woke up."), "rejected": assistant("Meh."), "model_id": MODEL},
