@@ -20,25 +20,28 @@ from tests.preference.test_dpo_kto import learnable_rows, write_rows
 TIMEOUT = 600
 
 
-def start(*args) -> subprocess.Popen:
+def start(*args, pause: str = "", marker=None) -> subprocess.Popen:
+    """The CLI in a child process; with ``pause``, one that stops at that point (see tests/paused_cli.py)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.Popen([sys.executable, "-m", "slm_align", *map(str, args)], stdout=subprocess.PIPE,
+    launcher = ["-m", "tests.paused_cli", str(marker), pause] if pause else ["-m", "slm_align"]
+    return subprocess.Popen([sys.executable, *launcher, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
-def kill_when(process: subprocess.Popen, ready) -> None:
-    """SIGKILL ``process`` as soon as ``ready()`` holds; fail if it finished first."""
+def killed_at(tmp_path, pause: str, *args) -> None:
+    """Run the CLI until it reaches ``pause``, then SIGKILL it there; fail if it ends without reaching it."""
+    marker = tmp_path / f"reached-{time.monotonic_ns()}"
+    process = start(*args, pause=pause, marker=marker)
     deadline = time.time() + TIMEOUT
-    while not ready():
+    while not marker.exists():
         if process.poll() is not None:
-            pytest.fail(f"finished (exit {process.returncode}) before the kill point: "
-                        f"{process.stderr.read()[-1500:]}")
+            pytest.fail(f"ended (exit {process.returncode}) without reaching {pause}: {process.stderr.read()[-1500:]}")
         if time.time() > deadline:
             process.kill()
-            pytest.fail("kill point not reached in time")
-        time.sleep(0.01)
+            pytest.fail(f"{pause} not reached in time")
+        time.sleep(0.05)  # the child waits at the point: polling here cannot miss it
     process.send_signal(signal.SIGKILL)
-    process.wait()
+    process.communicate()
 
 
 def finish(*args) -> None:
@@ -47,27 +50,20 @@ def finish(*args) -> None:
     assert process.returncode == 0, err[-2000:]
 
 
-def checkpoint_at_least(checkpoints, step):
-    def ready():
-        return checkpoints.is_dir() and any(d.name.startswith("checkpoint-") and int(d.name.split("-")[1]) >= step
-                                            for d in checkpoints.iterdir())
-    return ready
-
-
 def test_sft_killed_twice_resumes_to_the_full_step_count(tmp_path, tiny_models, stories):
     out = tmp_path / "run"
     args = ["sft", "--model", tiny_models["llama"], "--data", stories, "--out", out, "--max-steps", 60,
             "--save-steps", 4, "--batch-size", 4, "--max-length", 48]
-    kill_when(start(*args), lambda: (out / "sft.partial").is_dir())  # before any checkpoint
-    assert not (out / "sft").exists()
-    kill_when(start(*args, "--resume"), checkpoint_at_least(out / "sft.partial" / "checkpoints", 8))
+    killed_at(tmp_path, "trainer-start", *args)  # the work dir exists, no checkpoint yet
+    assert (out / "sft.partial").is_dir() and not (out / "sft").exists()
+    killed_at(tmp_path, "trainer-checkpoint:8", *args, "--resume")
     assert not (out / "sft").exists()  # the final name appears only complete
     left = tree_digest(out / "sft.partial")
     changed = start(*args, "--resume", "--lr", "5e-4")  # another learning rate: not the run that was interrupted
     _, err = changed.communicate(timeout=TIMEOUT)
     assert changed.returncode == 2 and "other inputs or settings" in err and err.count("\n") == 1, err[-2000:]
     assert tree_digest(out / "sft.partial") == left  # refused before touching the interrupted run
-    kill_when(start(*args, "--resume"), checkpoint_at_least(out / "sft.partial" / "checkpoints", 24))
+    killed_at(tmp_path, "trainer-checkpoint:24", *args, "--resume")
     assert not (out / "sft").exists()
     finish(*args, "--resume")
     manifest = read_manifest(out / "sft")
@@ -83,18 +79,17 @@ def test_reward_and_rl_killed_mid_training_resume_to_the_full_step_count(tmp_pat
                       '4\n[rl]\nsave_steps = 2\nsteps = 12\nprompts_per_step = 2\ngroup_size = '
                       '2\nmax_new_tokens = 8\neval_prompts = 4\n' % (tiny_models["llama"], stories))
     reward = ["train", "--stage", "reward", "--out", run, "--config", recipe]
-    kill_when(start(*reward), checkpoint_at_least(run / "reward.partial" / "checkpoints", 6))
+    killed_at(tmp_path, "trainer-checkpoint:6", *reward)
+    assert (run / "reward.partial" / "checkpoints" / "checkpoint-6").is_dir()
     assert not (run / "reward").exists()
     finish(*reward, "--resume")
     assert read_manifest(run / "reward")["metrics"]["steps"] == 30
 
     rl = ["train", "--algo", "grpo", "--out", run, "--config", recipe, "--force", "--json"]
-    log = run / "rl.partial" / "metrics.jsonl"
-    checkpoint = run / "rl.partial" / "checkpoint.pt"
-    logged = lambda n: lambda: log.is_file() and log.read_text().count("\n") >= n  # noqa: E731
-    kill_when(start(*rl), lambda: checkpoint.is_file() and logged(3)())  # past the checkpoint at step 2
+    killed_at(tmp_path, "metrics-line:3", *rl)  # past the checkpoint at step 2
+    assert torch.load(run / "rl.partial" / "checkpoint.pt", weights_only=True)["step"] == 2
     assert not (run / "rl").exists()
-    kill_when(start(*rl, "--resume"), logged(7))
+    killed_at(tmp_path, "metrics-line:7", *rl, "--resume")
     assert not (run / "rl").exists()
     finish(*rl, "--resume")
     steps = [json.loads(line)["step"] for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
@@ -116,12 +111,11 @@ def test_kto_killed_between_checkpoints_resumes_bit_identical(tmp_path, tiny_mod
         runs[name], _ = finished_sft_run(tmp_path / name, tiny_models["llama"], stories, steps=2)
     kto = ["train", "--algo", "kto", "--config", recipe, "--force", "--json", "--out"]
     finish(*kto, runs["whole"])
-    log = runs["killed"] / "kto.partial" / "metrics.jsonl"
     checkpoint = runs["killed"] / "kto.partial" / "checkpoint.pt"
-    kill_when(start(*kto, runs["killed"]), lambda: checkpoint.is_file() and log.read_text().count("\n") >= 6)
+    killed_at(tmp_path, "metrics-line:6", *kto, runs["killed"])  # past the checkpoint at step 4
     assert not (runs["killed"] / "kto").exists()
     saved = torch.load(checkpoint, weights_only=True)
-    assert saved["step"] in (4, 8, 12)
+    assert saved["step"] == 4
     cache = saved["references"]["completions"]
     assert torch.isnan(cache).any() and not torch.isnan(cache).all()  # some answers scored, the rest not yet
     finish(*kto, runs["killed"], "--resume")
@@ -137,7 +131,8 @@ def test_kto_killed_between_checkpoints_resumes_bit_identical(tmp_path, tiny_mod
 def test_killed_export_leaves_no_artifact_and_a_rerun_completes(tmp_path, tiny_models):
     out = tmp_path / "export"
     args = ["export", tiny_models["llama"], "--target", "gguf", "--quant", "F16", "--out", out]
-    kill_when(start(*args), lambda: out.is_dir() and any(out.iterdir()))  # scratch exists: mid-export
+    killed_at(tmp_path, "gguf-written", *args)  # written in scratch, not yet verified or published
+    assert out.is_dir() and any(out.iterdir())
     assert not (out / "model-F16.gguf").exists() and not (out / "model-F16.gguf.json").exists()
     finish(*args)
     assert (out / "model-F16.gguf").is_file() and sorted(p.name for p in out.iterdir()) == [
