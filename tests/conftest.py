@@ -15,6 +15,9 @@ from tests.allowed_skips import allowed_skip, skip_reason, strict_skips
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread for the tiny models (and the CLI runs tests start, which inherit it): on 2 cores the second
+# thread costs more in hand-offs than it computes (tests/rl/test_guards.py: 31 against 48 CPU seconds).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # .gguf sources are dequantized into a cache (slm_align.gguf_cache): one per test session, not the
 # user's, removed at exit (the real Gemma 3 270M takes 1 GB there).
 if "SLM_ALIGN_CACHE" not in os.environ:

@@ -16,6 +16,8 @@ from slm_align.pipeline import run_rl
 from slm_align.quickstart.agent import QUESTION
 from slm_align.tools.builtin import calculator
 
+pytestmark = pytest.mark.slow  # the whole quickstart trains first: about 8 minutes on 2 cores
+
 
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
