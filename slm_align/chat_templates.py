@@ -3,7 +3,9 @@
 template rendered with jinja2 the way transformers and llama.cpp render it, and what a template does
 with a tool conversation. Shared by training (modeling, task data, SFT) and the torch-free runtime.
 
-Rendering uses a sandboxed environment (templates come with downloaded models), ``raise_exception``,
+Rendering uses a sandboxed environment (templates come with downloaded models) whose every render is
+bounded in steps, time and size (:mod:`slm_align.template_sandbox`): a template that loops, or fails,
+is one :class:`ChatTemplateError` naming it, never a hang or a traceback; ``raise_exception``,
 ``strftime_now`` and the ``tojson`` filter as transformers provides them (plain JSON, keys in order:
 jinja's own filter escapes ``<``, ``>``, ``&`` and ``'`` as HTML and sorts keys, which no model was
 trained on), and ``tools`` passed through so tool-aware templates (Qwen2.5, SmolLM2) describe them.
@@ -79,7 +81,9 @@ def chosen_chat_template(option: str) -> ChatTemplate:
                         "Jinja chat template file") from None
     _check_template_syntax(text, option)
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
-    return ChatTemplate(text, f"{path.name} (sha256 {digest})")
+    origin = f"{path.name} (sha256 {digest})"
+    check_template(text, origin)
+    return ChatTemplate(text, origin)
 
 
 def _check_template_syntax(text: str, option: str) -> None:
@@ -93,6 +97,56 @@ def _check_template_syntax(text: str, option: str) -> None:
     except TemplateSyntaxError as exc:
         raise UserError(f"--chat-template {option} is not a valid Jinja template (line {exc.lineno}: {exc.message}); "
                         "fix it or pass chatml") from None
+
+
+class ChatTemplateError(UserError):
+    """A chat template that cannot render: bad syntax, a failing expression, ``{% include %}``, or a
+    bound of :mod:`slm_align.template_sandbox` passed. One line naming the template; the CLI exits
+    with 2, a server answers 400."""
+
+    def __init__(self, message: str, cause: Optional[Exception] = None):
+        super().__init__(message)
+        self.cause = cause
+        """What jinja2 or the sandbox raised."""
+
+    @property
+    def stopped(self) -> bool:
+        """The template ran past a bound (rather than failing)."""
+        from slm_align.template_sandbox import TemplateLimit
+
+        return isinstance(self.cause, TemplateLimit)
+
+
+def template_name(origin: Optional[str]) -> str:
+    """How a message names the template: by its origin ("artifact", "chatml", a file's name and
+    sha256) when known."""
+    if origin is None:
+        return "the chat template"
+    if origin == "artifact":
+        return "the model's own chat template"
+    return f"the chat template {origin}"
+
+
+REPLACE_IT = "fix the template, or pass --chat-template chatml (or a Jinja file) in its place"
+
+
+def _template_error(exc: Exception, origin: Optional[str]) -> UserError:
+    """The one-line error for an exception raised while ``origin``'s template compiled or rendered."""
+    from jinja2 import TemplateSyntaxError
+
+    from slm_align.template_sandbox import TemplateLimit
+
+    name = template_name(origin)
+    if isinstance(exc, TemplateLimit):
+        return ChatTemplateError(f"{name} was stopped: {exc}; {REPLACE_IT}", exc)
+    if isinstance(exc, TemplateSyntaxError):
+        return ChatTemplateError(f"{name} is not a valid chat template (line {exc.lineno}: {exc.message}); "
+                                 f"{REPLACE_IT}", exc)
+    if isinstance(exc, UserError):  # raise_exception(): the template refuses this conversation
+        return exc
+    detail = " ".join(str(exc).split())[:200]
+    return ChatTemplateError(f"{name} failed to render ({type(exc).__name__}{': ' + detail if detail else ''}); "
+                             f"{REPLACE_IT}", exc)
 
 
 def _raise(message: str):
@@ -109,21 +163,47 @@ def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sor
 
 @lru_cache(maxsize=8)
 def _compile(source: str):
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from slm_align.template_sandbox import bounded_environment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = bounded_environment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = _strftime_now
-    env.filters["tojson"] = _tojson
+    env.add_filters({"tojson": _tojson})
     return env.from_string(source)
 
 
 def render(template: Optional[str], messages: list[dict], bos_token: Optional[str], eos_token: Optional[str],
-           tools: Optional[list[dict]] = None, add_generation_prompt: bool = True) -> str:
-    """The prompt text for ``messages`` (and ``tools``), ending with the assistant's opening."""
+           tools: Optional[list[dict]] = None, add_generation_prompt: bool = True,
+           origin: Optional[str] = None) -> str:
+    """The prompt text for ``messages`` (and ``tools``), ending with the assistant's opening.
+
+    Bounded (:mod:`slm_align.template_sandbox`); a template that does not compile, fails or runs past
+    a bound raises :class:`ChatTemplateError` naming it by ``origin``."""
+    from slm_align.template_sandbox import TEMPLATE_CHARS, render_bounded
+
     require_template(template)
-    return _compile(template).render(messages=messages, tools=tools or None, bos_token=bos_token or "",
-                                     eos_token=eos_token or "", add_generation_prompt=add_generation_prompt)
+    given = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    if given > TEMPLATE_CHARS:  # the conversation's fault, not the template's
+        raise UserError(f"the conversation holds {given:,} characters, more than a prompt may ({TEMPLATE_CHARS:,}); "
+                        "send a shorter message")
+    try:
+        return render_bounded(_compile(template), {
+            "messages": messages, "tools": tools or None, "bos_token": bos_token or "",
+            "eos_token": eos_token or "", "add_generation_prompt": add_generation_prompt})
+    except Exception as exc:  # jinja2 raises many types for a template that fails
+        raise _template_error(exc, origin) from None
+
+
+CHECK_MESSAGES = [{"role": "user", "content": "Hello"}]
+"""The conversation a template is tried on before it is used (every chat template renders it)."""
+
+
+def check_template(template: Optional[str], origin: Optional[str] = None) -> None:
+    """Render ``template`` once on :data:`CHECK_MESSAGES`: a template that loops or fails is refused
+    (a :class:`ChatTemplateError` naming it) before a model is served or a chat starts. None (no
+    template) passes."""
+    if template:
+        render(template, CHECK_MESSAGES, None, None, origin=origin)
 
 
 def require_template(template: Optional[str]) -> None:
@@ -166,26 +246,28 @@ def _probe_messages(with_calls: bool) -> list[dict]:
 
 
 @lru_cache(maxsize=8)
-def template_traits(template: str) -> TemplateTraits:
+def template_traits(template: str, origin: Optional[str] = None) -> TemplateTraits:
     """Render a probe tool conversation through ``template`` (no BOS/EOS text) and read what
-    it shows."""
-    tools = render(template, [{"role": "user", "content": "probe"}], None, None, [_PROBE_SPEC])
+    it shows. A template stopped by a bound is a :class:`ChatTemplateError`, not a trait."""
+    tools = render(template, [{"role": "user", "content": "probe"}], None, None, [_PROBE_SPEC], origin=origin)
     try:
-        text = render(template, _probe_messages(with_calls=True), None, None, [_PROBE_SPEC])
+        text = render(template, _probe_messages(with_calls=True), None, None, [_PROBE_SPEC], origin=origin)
+    except ChatTemplateError as exc:
+        if exc.stopped:
+            raise
+        return TemplateTraits(False, PROBE_TOOL in tools, f"{type(exc.cause).__name__}: {exc.cause}")
     except UserError as exc:
         return TemplateTraits(False, PROBE_TOOL in tools, str(exc))
-    except Exception as exc:  # jinja2 raises several types for a conversation a template refuses
-        return TemplateTraits(False, PROBE_TOOL in tools, f"{type(exc).__name__}: {exc}")
     shown = PROBE_ARGUMENT in text
     result = None if PROBE_RESULT in text else "it leaves tool results out"
     return TemplateTraits(shown, PROBE_TOOL in tools, result)
 
 
-def require_tool_template(template: Optional[str]) -> TemplateTraits:
+def require_tool_template(template: Optional[str], origin: Optional[str] = None) -> TemplateTraits:
     """The template's traits, or a one-line UserError when it cannot show a tool conversation
     (Gemma 3's refuses a ``tool`` message): tools need a template that shows their results."""
     require_template(template)
-    traits = template_traits(template)
+    traits = template_traits(template, origin)
     if traits.tool_results is not None:
         reason = " ".join(traits.tool_results.split())[:160]
         raise UserError(f"the chat template cannot show tool results ({reason}); pass --chat-template chatml, "

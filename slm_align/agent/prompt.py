@@ -67,7 +67,8 @@ class PromptFitter:
         the template expects: the oldest turns cut until the answer's ``max_tokens`` fit the
         context; a UserError when even the last turn does not."""
         stored = messages
-        messages = template_form(messages, template_traits(self.backend.chat_template))
+        traits = template_traits(self.backend.chat_template, template_origin(self.backend))
+        messages = template_form(messages, traits)
         head = 1 if messages and messages[0]["role"] == "system" else 0
         starts = cut_points(messages, head)
         start = self._first_within_chars(messages, starts)
@@ -90,7 +91,8 @@ class PromptFitter:
         rendering with the assistant's generation prompt: what the runtime inserts after the
         tokens the model sampled for that message (its closing, the tool results, the next
         opening). ``messages[index]`` is the assistant's turn with its content left empty."""
-        formed = template_form(messages, template_traits(self.backend.chat_template))
+        traits = template_traits(self.backend.chat_template, template_origin(self.backend))
+        formed = template_form(messages, traits)
         pieces = self._render(formed, list(range(len(formed))))
         if index in pieces.content_end:
             return pieces.ids[pieces.content_end[index]:]
@@ -162,7 +164,8 @@ class PromptFitter:
         return {key: content if key == "content" else rest[key] for key in messages[index]}
 
     def _text(self, window: list[dict]) -> str:
-        return render(self.backend.chat_template, window, self.backend.bos_token, self.backend.eos_token, self.tools)
+        return render(self.backend.chat_template, window, self.backend.bos_token, self.backend.eos_token, self.tools,
+                      origin=template_origin(self.backend))
 
     def _template_ids(self, text: str) -> list[int]:
         if text not in self._template:
@@ -174,6 +177,12 @@ class PromptFitter:
             content = messages[index]["content"]
             self._contents[index] = self.backend.tokenize(content, add_special=False, special=False) if content else []
         return self._contents[index]
+
+
+def template_origin(backend) -> Optional[str]:
+    """Where the backend's chat template came from ("artifact", "chatml", a file): what an error
+    of the template names."""
+    return getattr(backend, "chat_template_origin", None)
 
 
 def _content_of(messages: list[dict], found: re.Match) -> str:
@@ -206,7 +215,7 @@ def turn_end(backend) -> set[int]:
     marker = MARK.format(0)
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
     text = render(backend.chat_template, messages, backend.bos_token, backend.eos_token,
-                  add_generation_prompt=False)
+                  add_generation_prompt=False, origin=template_origin(backend))
     ids = backend.tokenize(text.split(marker, 1)[1], add_special=False, special=True)
     if not ids:
         return set()

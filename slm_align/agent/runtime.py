@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Union
 from slm_align.agent.backend import Backend, artifact_kind
 from slm_align.agent.logprobs import token_logprobs
 from slm_align.agent.open_artifact import open_backend
-from slm_align.agent.prompt import PromptFitter, next_prompt, turn_end
+from slm_align.agent.prompt import PromptFitter, next_prompt, template_origin, turn_end
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.store import new_token
 from slm_align.agent.template import use_chat_template
@@ -311,7 +311,7 @@ class Agent:
         outgrew the context and its oldest turns were cut)."""
         params = replace(self.sampling, **sampling)
         if self.tools:
-            require_tool_template(self.backend.chat_template)
+            require_tool_template(self.backend.chat_template, template_origin(self.backend))
         self.messages = list(messages)
         start = len(self.messages)
         calls: list[dict] = []

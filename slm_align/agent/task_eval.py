@@ -28,6 +28,7 @@ from slm_align.agent.bounds import accepted, bounds, typed
 from slm_align.agent.runtime import Agent, fold_seed, load_model
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.settings import Temperature
+from slm_align.agent.template import check_chat_template
 from slm_align.errors import UserError
 from slm_align.progress import counted, stage_lines
 from slm_align.rewards.episodes import CATEGORIES, classify
@@ -166,6 +167,7 @@ def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
     except Exception as exc:  # llama.cpp and onnxruntime raise their own types for a damaged file
         raise UserError(f"artifact {artifact} does not load ({type(exc).__name__}: "
                         f"{exc}); export it again") from None
+    check_chat_template(model.backend)
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return Agent(_CountingBackend(model.backend), model.sha256, tools=default_tools(), sampling=sampling,
                  max_tool_rounds=max_tool_rounds)

@@ -53,6 +53,7 @@ def chat(
     """Chat with an exported model in the terminal; give feedback that lands
     in the preference store."""
     from slm_align.agent.runtime import Agent
+    from slm_align.agent.template import check_chat_template
     from slm_align.agent.terminal import chat_loop, raw_loop
     from slm_align.chat_templates import require_template
     from slm_align.tools.builtin import default_tools
@@ -64,6 +65,7 @@ def chat(
                        chat_template=chat_template)
     if not raw:
         require_template(agent.backend.chat_template)
+        check_chat_template(agent.backend)  # a template that loops or fails: one line now, not a hang later
     if as_json:
         answer_lines(agent, raw)
         return

@@ -127,3 +127,22 @@ def test_export_system_prompt_reaches_the_modelfile_and_bad_ones_are_refused(cap
                            (["--target", "onnx", "--system", "Be brief."], "only --target gguf")):
         code, _, err = run_cli(capsys, "export", DEFAULT_MODEL_DIR, "--out", tmp_path / "refused", *args)
         assert code == 2 and expected in err and err.count("\n") == 1 and not (tmp_path / "refused").exists()
+
+
+NESTED_LOOPS = ("{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}"
+                "{% endfor %}{% endfor %}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+@pytest.mark.timeout(120)
+def test_a_template_that_loops_is_translated_without_running_it_and_refused_as_an_export_option(capsys, tmp_path):
+    """The Modelfile is translated from the template's syntax tree, never rendered: a looping template
+    costs nothing there. Given with --chat-template it is refused (one line, exit 2) before anything is
+    written, by the bounded trial render every --chat-template FILE gets."""
+    modelfile = build_modelfile("model-Q8_0.gguf", NESTED_LOOPS, {})
+    assert "TEMPLATE" not in modelfile.text and "loops over something other than the messages" in modelfile.note
+    looping = tmp_path / "loop.jinja"
+    looping.write_text(NESTED_LOOPS)
+    code, _, err = run_cli(capsys, "export", DEFAULT_MODEL_DIR, "--target", "gguf", "--quant", "F16", "--no-verify",
+                           "--chat-template", looping, "--out", tmp_path / "refused")
+    assert code == 2 and err.count("\n") == 1 and not (tmp_path / "refused").exists()
+    assert "the chat template loop.jinja (sha256 " in err and "more than 1,000,000 steps" in err

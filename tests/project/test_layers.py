@@ -19,7 +19,8 @@ LAYERS = {
     "pipeline": {"pipeline", "quickstart"},
     "stages": {"sft", "reward", "headroom", "rl", "preference", "evaluate", "export"},
     "models": {"modeling", "generation", "perplexity", "training", "data", "envelope", "agent"},
-    "libraries": {"tools", "rewards", "devices", "chat_templates", "gguf_fields", "gguf_cache", "gguf_tokenizer"},
+    "libraries": {"tools", "rewards", "devices", "chat_templates", "template_sandbox", "gguf_fields", "gguf_cache",
+                  "gguf_tokenizer"},
     "ground": {"errors", "named", "atomic", "tomlcompat", "config", "recipe_overrides", "runs", "progress", "stats",
                "plots", "tracking", "accelerator"},
 }

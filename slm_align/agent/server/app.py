@@ -20,6 +20,7 @@ from slm_align.agent.server.guard import HostGuard, is_loopback
 from slm_align.agent.server.routes import ROUTES, BearerAuth
 from slm_align.agent.server.service import Service
 from slm_align.agent.store import PreferenceStore
+from slm_align.agent.template import check_chat_template
 from slm_align.errors import UserError
 
 WILDCARD_ADDRESSES = ("0.0.0.0", "::", "[::]", "")
@@ -54,6 +55,7 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
 
     settings = Limits(**limits)
     model = load_model(artifact, device, threads, n_ctx, chat_template)
+    check_chat_template(model.backend)  # refused at startup, not by every request holding the model thread
     store = PreferenceStore(Path(store_path)) if store_path is not None else None
     service = Service(model, store, consent, default_tools(notes) if tools else None, settings)
 
