@@ -70,7 +70,9 @@ class _Cursor:
         return self.numbers(item_type, count), item_type
 
 
-def _parse_fields(data, prefix: str) -> dict[str, Field]:
+def _parse_header(data, prefix: str, tensors: bool = True) -> tuple[dict[str, Field], dict[str, tuple[int, ...]]]:
+    """The key/values whose key starts with ``prefix``, and (if ``tensors``) every tensor's shape
+    (numpy order, outermost first: GGUF stores ggml's ne, innermost first)."""
     cursor = _Cursor(data)
     if bytes(data[:4]) != b"GGUF":
         raise ValueError("no GGUF magic")
@@ -78,7 +80,7 @@ def _parse_fields(data, prefix: str) -> dict[str, Field]:
     version = cursor.unpack("<I")
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} (we read versions 2 and 3, little-endian)")
-    cursor.unpack("<Q")  # tensor count
+    tensor_count = cursor.unpack("<Q")
     kv_count = cursor.unpack("<Q")
     fields = {}
     for _ in range(kv_count):
@@ -88,7 +90,24 @@ def _parse_fields(data, prefix: str) -> dict[str, Field]:
         value, item_type = cursor.value(value_type)
         if key.startswith(prefix):
             fields[key] = Field(value_type, item_type, value, bytes(data[start:cursor.pos]))
-    return fields
+    shapes = {}
+    # each tensor: name, n_dims (u32), ne[n_dims] (u64), ggml type (u32), data offset (u64)
+    for _ in range(tensor_count if tensors else 0):
+        name = cursor.string()
+        dims = cursor.numbers(10, cursor.unpack("<I"))
+        cursor.pos += 4 + 8
+        shapes[name] = tuple(reversed(dims))
+    return fields, shapes
+
+
+def _parse_fields(data, prefix: str) -> dict[str, Field]:
+    return _parse_header(data, prefix, tensors=False)[0]
+
+
+def read_header(path: Path, prefix: str = "") -> tuple[dict[str, Field], dict[str, tuple[int, ...]]]:
+    """A .gguf's key/values starting with ``prefix`` and its tensors' shapes by name (numpy order:
+    a matrix of ``out`` rows of ``in`` values is ``(out, in)``), read from the header only."""
+    return _read(path, lambda data: _parse_header(data, prefix))
 
 
 def read_fields(path: Path, prefix: str = "tokenizer.") -> dict[str, Field]:
@@ -98,9 +117,14 @@ def read_fields(path: Path, prefix: str = "tokenizer.") -> dict[str, Field]:
     gguf-py's GGUFReader parses every tensor too and takes about 30 s on Gemma 3 270M;
     this takes well under one.
     """
+    return _read(path, lambda data: _parse_fields(data, prefix))
+
+
+def _read(path: Path, parse):
+    """``parse`` applied to the file mapped in memory; a file that is not GGUF is the user's to fix."""
     try:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _parse_fields(data, prefix)
+            return parse(data)
     except (ValueError, KeyError, struct.error, OverflowError, MemoryError) as exc:
         raise UserError(f"{path} is not a GGUF model ({exc}); "
                         "export or download it again") from None

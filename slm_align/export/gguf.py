@@ -67,20 +67,56 @@ def _unfuse_neox_qkv(weight: np.ndarray, n_head: int) -> np.ndarray:
     return np.concatenate([per_head[:, part].reshape(-1, *weight.shape[1:]) for part in range(3)], axis=0)
 
 
-def _transform(model_type: str, config: dict) -> Callable[[str, np.ndarray], np.ndarray]:
-    """The per-tensor rewrite an architecture needs before llama.cpp can read its weights."""
+def row_reordering(model_type: str, config: dict) -> Callable[[str, np.ndarray], np.ndarray]:
+    """The reordering of output rows llama.cpp needs for an architecture's weights (Llama's Q/K rope
+    interleave, GPT-NeoX's fused QKV regrouped), by HF tensor name: applies to any array whose first
+    axis is that weight's rows, so a LoRA adapter's B ``(out, r)`` takes the same reordering as
+    W ``(out, in)`` (P W + P B A = P (W + B A))."""
     heads, kv_heads = head_counts(config)
 
-    def transform(name: str, data: np.ndarray) -> np.ndarray:
+    def reorder(name: str, data: np.ndarray) -> np.ndarray:
         if model_type == "llama" and name.endswith("q_proj.weight"):
             return _permute_for_rope(data, heads)
         if model_type == "llama" and name.endswith("k_proj.weight"):
             return _permute_for_rope(data, kv_heads)
         if model_type == "gpt_neox" and "query_key_value" in name:
             return _unfuse_neox_qkv(data, heads)
+        return data
+
+    return reorder
+
+
+def is_conv1d_weight(model_type: str, name: str) -> bool:
+    """GPT-2's Conv1D weights, stored (in, out) where llama.cpp reads Linear's (out, in)."""
+    return model_type == "gpt2" and name.endswith(_CONV1D_WEIGHTS)
+
+
+def gguf_arch_name(model_type: str) -> str:
+    """llama.cpp's architecture name (``general.architecture``) of an HF model type we write."""
+    import gguf
+
+    return gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, ARCHITECTURES[model_type])]
+
+
+def gguf_namer(model_type: str, config: dict) -> Callable[[str], Optional[str]]:
+    """The GGUF name of an HF tensor name (``model.layers.0.self_attn.q_proj.weight`` ->
+    ``blk.0.attn_q.weight``), None for a tensor llama.cpp has no name for."""
+    import gguf
+
+    arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[model_type])
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    return lambda name: names.get_name(name, try_suffixes=(".weight", ".bias"))
+
+
+def _transform(model_type: str, config: dict) -> Callable[[str, np.ndarray], np.ndarray]:
+    """The per-tensor rewrite an architecture needs before llama.cpp can read its weights."""
+    reorder = row_reordering(model_type, config)
+
+    def transform(name: str, data: np.ndarray) -> np.ndarray:
+        data = reorder(name, data)
         if model_type == "gemma3_text" and name.endswith("norm.weight"):
             return data + np.float32(1.0)  # Gemma3RMSNorm computes x * (1 + w); llama.cpp computes x * w
-        if model_type == "gpt2" and name.endswith(_CONV1D_WEIGHTS):
+        if is_conv1d_weight(model_type, name):
             return np.ascontiguousarray(data.T)
         return data
 
@@ -152,6 +188,11 @@ def _add_tensor(writer, name: str, data: np.ndarray, file_type: str) -> None:
         writer.add_tensor(name, data.astype(np.float16))
 
 
+def skipped_tensor(name: str) -> bool:
+    """A checkpoint buffer that is not a weight (rotary frequencies, causal masks)."""
+    return name.endswith(_SKIPPED_SUFFIXES)
+
+
 def _load_state(model_dir: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
@@ -199,17 +240,16 @@ def _fill(writer, model_dir: Path, model_type: str, config: dict, file_type: str
     llama.cpp) to ``writer``."""
     import gguf
 
-    arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[model_type])
-    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    names = gguf_namer(model_type, config)
     transform = _transform(model_type, config)
     writer.add_name(model_dir.name)
     writer.add_file_type(getattr(gguf.LlamaFileType, "ALL_F32" if file_type == "F32" else f"MOSTLY_{file_type}"))
     _add_hparams(writer, model_type, config)
     add_vocab(writer, model_dir, config["vocab_size"], chat_template)
     for name, tensor in _load_state(model_dir).items():
-        if name.endswith(_SKIPPED_SUFFIXES):
+        if skipped_tensor(name):
             continue
-        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        target = names(name)
         if target is None:
             raise UserError(f"GGUF export: no GGUF name for tensor {name}; the "
                             "checkpoint has unexpected layers")
