@@ -10,7 +10,7 @@ opened first is the one they log into. RL, DPO/KTO and the watchdog's events cal
 Where runs go: TensorBoard event files in ``OUT/tracking/<stage>/``; wandb offline in
 ``OUT/tracking/<stage>/wandb/`` unless ``WANDB_MODE`` is set; MLflow in a local file store
 ``OUT/tracking/<stage>/mlruns`` unless ``MLFLOW_TRACKING_URI`` is set; Trackio in its own local
-store (``TRACKIO_DIR``), project ``slm-align``.
+store (``TRACKIO_DIR``), project ``slm-align``, on no Space unless ``TRACKIO_SPACE_ID`` is set.
 
 Resuming: a stage resumed from its checkpoint at step C trains steps C+1... again. TensorBoard gets
 a purge marker at C+1 (``SummaryWriter(purge_step=C+1)``): its reader drops the killed attempt's
@@ -203,6 +203,8 @@ class MlflowTracker(StoredRun):
         import mlflow
 
         if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # MLflow 3 keeps its file store in maintenance mode and refuses it unless this is set
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((self.directory / "mlruns").resolve().as_uri())
         if run_id is None:
             mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT))
@@ -244,7 +246,8 @@ class TrackioTracker(StoredRun):
         return name
 
     def trainer_arguments(self) -> dict:
-        return dict(super().trainer_arguments(), project=PROJECT, run_name=self.run_id)
+        # transformers' callback would deploy to the Space "trackio" by default: local, as the stages' own runs
+        return dict(super().trainer_arguments(), project=PROJECT, run_name=self.run_id, trackio_space_id=None)
 
     def send(self, step: int, values: dict) -> None:
         import trackio
@@ -252,12 +255,9 @@ class TrackioTracker(StoredRun):
         trackio.log(values, step=step)
 
     def close(self) -> None:
-        import trackio
-
-        try:
-            trackio.finish()
-        except RuntimeError:  # transformers' callback finished the run already (a Trainer stage)
-            pass
+        # this tracker's own run, flushed (in a Trainer stage transformers' callback re-opens the run by name
+        # and finishes what it opened itself)
+        self.run.finish()
 
 
 TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker,
