@@ -41,15 +41,24 @@ class _GrammarBuilder:
 
     def __init__(self):
         self.rules: dict[str, str] = {}
+        self._next: dict[str, int] = {}
+        """Per name base, the suffix to try first: every lower one is taken already."""
 
     def add(self, hint: str, body: str) -> str:
-        """Add a rule with a name derived from ``hint`` (made unique) and return the name."""
+        """Add a rule with a name derived from ``hint`` (``base``, else the first free ``base-N``)
+        and return the name.
+
+        A rule is never removed, so a suffix once found taken stays taken: each base resumes
+        where it stopped, and schemas whose many keys clean to one base (non-ASCII names) take
+        linear time, not quadratic.
+        """
         base = re.sub(r"[^A-Za-z0-9]+", "-", hint).strip("-").lower() or "rule"
-        name = base
-        n = 1
+        n = self._next.get(base, 1)
+        name = base if n == 1 else f"{base}-{n}"
         while name in self.rules or name in _JSON_RULES or name == "root":
             n += 1
             name = f"{base}-{n}"
+        self._next[base] = n + 1
         self.rules[name] = body
         return name
 

@@ -18,7 +18,8 @@ import pytest
 
 from slm_align.errors import UserError
 from slm_align.tools.builtin import NoteStore, calculator, current_time, default_tools
-from slm_align.tools.calls import Observation, ToolCall
+from slm_align.tools.calls import Observation, Tool, ToolCall
+from slm_align.tools.grammar import _GrammarBuilder, gbnf_grammar
 from slm_align.tools.registry import ToolRegistry
 
 
@@ -422,6 +423,36 @@ def test_grammar_names_every_tool_and_property(tmp_path, registry):
     for prop in ("expression", "timezone", "title", "text", "city", "unit"):
         assert f'"\\"{prop}\\""' in grammar
     assert '"\\"celsius\\"" | "\\"fahrenheit\\""' in grammar
+
+
+class _CountingRules(dict):
+    """A grammar builder's rules that count the names looked up in them."""
+
+    lookups = 0
+
+    def __contains__(self, name):
+        self.lookups += 1
+        return super().__contains__(name)
+
+
+def _wide_tool(properties: int) -> Tool:
+    """A tool whose properties are named by one CJK character each: every rule name cleans to ``wide-args``."""
+    names = {chr(0x4E00 + i): {"type": "string"} for i in range(properties)}
+    return Tool("wide", "A wide form.", {"type": "object", "properties": names}, lambda **_: None)
+
+
+def test_grammar_rule_names_are_found_in_linear_lookups():
+    """Issue 36: rule names of keys that clean to one base were found by trying every taken suffix again,
+    quadratic (6,000 such properties kept the event loop for 36 s); now each base resumes where it stopped."""
+    builder = _GrammarBuilder()
+    builder.rules = _CountingRules()
+    grammar = builder.build([_wide_tool(2000)])
+    assert len(builder.rules) > 3 * 1999  # a member, an "after" and a "without" rule per property
+    assert builder.rules.lookups < 2 * len(builder.rules)  # was about 6,000,000
+    assert grammar == gbnf_grammar([_wide_tool(2000)])  # the same names every time
+    names = [line.split(" ::= ")[0] for line in gbnf_grammar([_wide_tool(3)]).splitlines()]
+    assert names[3:11] == ["wide-args", "wide-args-2", "wide-args-after", "wide-args-without", "wide-args-3",
+                           "wide-args-after-2", "wide-args-without-2", "wide-args-4"]
 
 
 @pytest.fixture(scope="module")

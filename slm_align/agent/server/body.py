@@ -16,6 +16,7 @@ from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationInfo, model_validator
 from pydantic_core import PydanticKnownError, core_schema
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
 from slm_align.agent.runtime import fold_seed
@@ -29,6 +30,13 @@ check fails at about 200)."""
 MAX_BODY_DEPTH = MAX_ARGUMENT_DEPTH + 8
 """Deepest nesting of a whole body: room for the arguments and schemas, and the messages and tools
 around them, so that no other field (a tool's description, a message's name) nests deeper."""
+MAX_SCHEMA_VALUES = 4096
+"""Most JSON values (objects, arrays, strings, numbers, ...) in a chat request's schemas together: its
+tools' parameters, or its ``response_format`` schema. Checking schemas and building their grammars
+take time in proportion (about 0.4 s for this many), and more would not fit a small model's context."""
+MAX_SCHEMA_PROPERTIES = 256
+"""Most properties of one object in a schema: llama.cpp's converter of a ``response_format``
+schema takes time quadratic in them (about 1 s for 900)."""
 
 
 @dataclass
@@ -60,7 +68,9 @@ async def read_json(request: Request, limit: int) -> dict:
 
     A body that stops arriving (the connection closed) is a 400 nobody reads, not a traceback. Only
     ``Content-Type: application/json`` is read (415 otherwise): a page on another site can send
-    text/plain or form posts to a loopback server without asking, but not JSON.
+    text/plain or form posts to a loopback server without asking, but not JSON. The body is decoded
+    and checked on a worker thread: a megabyte of tiny values takes a third of a second, which the
+    event loop (and every other client) would otherwise wait out.
     """
     if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
         raise ApiError(415, "send the body as JSON with the header "
@@ -76,6 +86,11 @@ async def read_json(request: Request, limit: int) -> dict:
                 raise _too_large(limit)
     except ClientDisconnect:  # the client left, or was too slow (connections.RequestDeadline): nobody reads this
         raise bad("the connection closed before the whole body arrived") from None
+    return await run_in_threadpool(decode_json, bytes(body))
+
+
+def decode_json(body: bytes) -> dict:
+    """``body`` as a JSON object of valid Unicode nesting at most :data:`MAX_BODY_DEPTH` levels, or a 400."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:
@@ -104,6 +119,36 @@ def encodable(data: Any) -> bool:
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than {limit} bytes; send "
                          "fewer or shorter messages")
+
+
+def json_values(value: Any) -> int:
+    """How many JSON values ``value`` holds, itself and every object, array and scalar within
+    (counted without recursion)."""
+    count = 0
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        count += 1
+        if isinstance(item, (list, dict)):
+            pending.extend(item.values() if isinstance(item, dict) else item)
+    return count
+
+
+def widest_properties(schema: Any) -> int:
+    """The most ``properties`` that one object of the JSON schema ``schema`` declares
+    (counted without recursion)."""
+    widest = 0
+    pending = [schema]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            properties = item.get("properties")
+            if isinstance(properties, dict):
+                widest = max(widest, len(properties))
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return widest
 
 
 def depth(value: Any) -> int:

@@ -28,16 +28,20 @@ from pydantic_core import PydanticCustomError
 from slm_align.agent.logprobs import MAX_TOP_LOGPROBS
 from slm_align.agent.server.body import (
     MAX_ARGUMENT_DEPTH,
+    MAX_SCHEMA_PROPERTIES,
+    MAX_SCHEMA_VALUES,
     Body,
     CountAtMost,
     Stop,
     Strict,
     Tokens,
     depth,
+    json_values,
     message_sized,
     refuse_unsupported,
     request_seed,
     stop_list,
+    widest_properties,
 )
 from slm_align.agent.server.errors import ApiError, bad
 from slm_align.agent.settings import (
@@ -118,13 +122,43 @@ def _schema_depth(schema: Any) -> Any:
     return schema
 
 
+def _schema_width(schema: Any) -> Any:
+    widest = widest_properties(schema)
+    if widest > MAX_SCHEMA_PROPERTIES:
+        raise PydanticCustomError("too_wide", "must be a JSON schema whose objects have at most {limit} "
+                                              "properties; one has {found}",
+                                  {"limit": MAX_SCHEMA_PROPERTIES, "found": widest})
+    return schema
+
+
+def _schema_values(schema: Any) -> Any:
+    count = json_values(schema)
+    if count > MAX_SCHEMA_VALUES:
+        raise PydanticCustomError("too_many_values", "must be a JSON schema of at most {limit} JSON values; "
+                                                     "it has {found}", {"limit": MAX_SCHEMA_VALUES, "found": count})
+    return schema
+
+
+def _tool_schema_values(tools: Optional[list["ToolSpec"]]) -> Optional[list["ToolSpec"]]:
+    """The request's tools, unless their parameter schemas together hold more than :data:`MAX_SCHEMA_VALUES`
+    JSON values (checking them and building their grammar would take long)."""
+    count = sum(json_values(tool.function.parameters) for tool in tools or ())
+    if count > MAX_SCHEMA_VALUES:
+        raise PydanticCustomError("too_many_values", "hold {found} JSON values in their parameter schemas; "
+                                                     "at most {limit} are accepted",
+                                  {"limit": MAX_SCHEMA_VALUES, "found": count})
+    return tools
+
+
 class FunctionSpec(Strict):
     """A client tool's function: its name, and a description and JSON schema of any shape."""
 
     name: StrictStr
     description: Any = None
-    parameters: Annotated[Any, AfterValidator(_schema_depth)] = None
-    """Its arguments' JSON schema, nesting at most :data:`MAX_ARGUMENT_DEPTH` levels."""
+    parameters: Annotated[Any, AfterValidator(_schema_depth), AfterValidator(_schema_width)] = None
+    """Its arguments' JSON schema: nesting at most :data:`MAX_ARGUMENT_DEPTH` levels, at most
+    :data:`MAX_SCHEMA_PROPERTIES` properties to an object (and the request's tools together hold at most
+    :data:`MAX_SCHEMA_VALUES` JSON values in theirs)."""
 
 
 class ToolSpec(Strict):
@@ -157,8 +191,9 @@ class JsonSchemaFormat(Strict):
 
     name: Any = None
     """The schema's name (not used)."""
-    json_schema: dict = Field(alias="schema")
-    """The JSON schema the answer follows."""
+    json_schema: Annotated[dict, AfterValidator(_schema_depth), AfterValidator(_schema_width),
+                           AfterValidator(_schema_values)] = Field(alias="schema")
+    """The JSON schema the answer follows: as deep, as wide and as large as a tool's may be."""
     strict: Any = None
     """Accepted; the grammar always follows the schema strictly."""
     description: Any = None
@@ -196,7 +231,7 @@ class ChatBody(Body):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice] = "auto"
     """none (no tools), auto (the model decides), required (calls only) or a named
     function (that call only)."""
-    tools: Annotated[Optional[list[ToolSpec]], CountAtMost("max_tools")] = None
+    tools: Annotated[Optional[list[ToolSpec]], CountAtMost("max_tools"), AfterValidator(_tool_schema_values)] = None
     stream_options: Optional[dict] = None
     messages: Annotated[list[Message], Field(min_length=1), CountAtMost("max_messages")]
     max_completion_tokens: Optional[Tokens] = None

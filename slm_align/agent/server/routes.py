@@ -36,9 +36,13 @@ async def _body(request: Request) -> dict:
 
 
 async def chat_completions(request: Request):
-    """``POST /v1/chat/completions``: one answer, whole or streamed by server-sent events."""
+    """``POST /v1/chat/completions``: one answer, whole or streamed by server-sent events.
+
+    The request is checked on a worker thread: its tools' schemas (checked by jsonschema, turned
+    into a grammar) may take a moment, which /health and every other client must not wait out.
+    """
     service = _service(request)
-    chat = parse_chat(await _body(request), service.limits, service.model.backend.kind)
+    chat = await run_in_threadpool(parse_chat, await _body(request), service.limits, service.model.backend.kind)
     events = service.worker.run(partial(service.answer, chat), request.receive)
     first = await anext(events, None)  # a full queue or a prompt too long is refused here, before any byte is sent
     if first is None:
