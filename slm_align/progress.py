@@ -303,12 +303,12 @@ class Count:
         extra work to report it)."""
         return self.progress is not None
 
-    def advance(self, items: float = 1) -> None:
-        """``items`` more are done."""
+    def advance(self, items: float = 1, status: Optional[str] = None) -> None:
+        """``items`` more are done; ``status`` is the loop's key figure so far (said in brackets)."""
         if self.progress is None:
             return
         self.done += items
-        self.progress.update(self.task, completed=self.done)
+        self.progress.update(self.task, completed=self.done, status=status)
 
 
 @contextmanager

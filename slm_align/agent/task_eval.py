@@ -247,7 +247,8 @@ def run_episodes(agent: Agent, rows: Sequence[dict], samples: int = DEFAULT_SAMP
         for task, row, sample in plan:
             sampling = None if samples == 1 else {"temperature": temperature, "seed": sample_seed(seed, task, sample)}
             results.append(run_task(agent, row, task, sample, sampling))
-            count.advance()
+            successes = sum(result.success for result in results)
+            count.advance(status=f"success {successes}/{len(results)}")
     return results
 
 

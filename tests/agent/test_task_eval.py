@@ -477,8 +477,10 @@ def test_evaluate_agent_in_a_log_says_its_start_progress_and_end(gguf, tmp_path,
     report = task_eval.evaluate_artifacts(heldout, [gguf], limit=3, max_tokens=8)
     lines = [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines() if line.startswith("[slm-align ")]
     assert lines[0] == "evaluate-agent: start, 1 model(s) on 3 tasks x 1 episode(s)"
-    counts = [line.split(",")[0] for line in lines if " episodes" in line and "/3 " in line]
+    counts = [line.split(", ")[0] for line in lines if " episodes" in line and "/3 " in line]
     named = "/".join(Path(gguf).parts[-2:])  # the folder too: exports of two runs share a file name
-    assert counts == [f"evaluate-agent: {named} {k}/3 episodes" for k in (1, 2, 3)]
+    successes = round(report["artifacts"][0]["success_rate"] * 3)
+    assert [count.split(" (")[0] for count in counts] == [f"evaluate-agent: {named} {k}/3 episodes" for k in (1, 2, 3)]
+    assert counts[-1].endswith(f"(success {successes}/3)")  # success so far, said with each count
     assert lines[-1].startswith("evaluate-agent: done in ")
     assert lines[-1].endswith(f"task success {report['artifacts'][0]['success_rate']:.3f}")
