@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from slm_align.errors import UserError
+from slm_align.template_sandbox import TEMPLATE_CHARS, TemplateLimit, bounded_environment, render_bounded
 from slm_align.tools.calls import ToolCall
 from slm_align.tools.parse import call_text
 
@@ -112,8 +113,6 @@ class ChatTemplateError(UserError):
     @property
     def stopped(self) -> bool:
         """The template ran past a bound (rather than failing)."""
-        from slm_align.template_sandbox import TemplateLimit
-
         return isinstance(self.cause, TemplateLimit)
 
 
@@ -133,8 +132,6 @@ REPLACE_IT = "fix the template, or pass --chat-template chatml (or a Jinja file)
 def _template_error(exc: Exception, origin: Optional[str]) -> UserError:
     """The one-line error for an exception raised while ``origin``'s template compiled or rendered."""
     from jinja2 import TemplateSyntaxError
-
-    from slm_align.template_sandbox import TemplateLimit
 
     name = template_name(origin)
     if isinstance(exc, TemplateLimit):
@@ -163,8 +160,6 @@ def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sor
 
 @lru_cache(maxsize=8)
 def _compile(source: str):
-    from slm_align.template_sandbox import bounded_environment
-
     env = bounded_environment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = _strftime_now
@@ -179,8 +174,6 @@ def render(template: Optional[str], messages: list[dict], bos_token: Optional[st
 
     Bounded (:mod:`slm_align.template_sandbox`); a template that does not compile, fails or runs past
     a bound raises :class:`ChatTemplateError` naming it by ``origin``."""
-    from slm_align.template_sandbox import TEMPLATE_CHARS, render_bounded
-
     require_template(template)
     given = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
     if given > TEMPLATE_CHARS:  # the conversation's fault, not the template's

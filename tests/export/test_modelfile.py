@@ -146,3 +146,32 @@ def test_a_template_that_loops_is_translated_without_running_it_and_refused_as_a
                            "--chat-template", looping, "--out", tmp_path / "refused")
     assert code == 2 and err.count("\n") == 1 and not (tmp_path / "refused").exists()
     assert "the chat template loop.jinja (sha256 " in err and "more than 1,000,000 steps" in err
+
+
+@pytest.fixture(scope="module")
+def go_renderer(tmp_path_factory):
+    from tests.go_template import build_renderer
+
+    return build_renderer(tmp_path_factory.mktemp("go"))
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi <there> & \"you\""}],
+    [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."},
+     {"role": "user", "content": "Another one,\nplease."}],
+]
+
+
+@pytest.mark.parametrize("name, jinja", [("bundled chatml", (DEFAULT_MODEL_DIR / "chat_template.jinja").read_text()),
+                                         ("gemma turns", GEMMA_TEMPLATE), ("chatml", CHATML_TEMPLATE)])
+def test_the_modelfile_template_renders_in_go_as_the_models_own_template_does(go_renderer, name, jinja):
+    """The translation executed by Go's text/template (Ollama's engine), not compared with a pinned string:
+    each conversation's prompt equals the Jinja template's own rendering with the generation prompt."""
+    from slm_align.chat_templates import render
+    from tests.go_template import render_go
+
+    translated = translate_template(jinja).template
+    for messages in CONVERSATIONS:
+        expected = render(jinja, messages, bos_token="", eos_token="", add_generation_prompt=True)
+        assert render_go(go_renderer, translated, messages) == expected, name
