@@ -178,6 +178,17 @@ class RLSettings(Strict):
     environment: Optional[str] = Field(None, description="Agent episodes: the environment class "
                                        "(module:Class) of every task row without an 'environment' "
                                        "column; its typed public methods are the tools.")
+    sampler: Literal["torch", "llama_cpp"] = Field(
+        "torch", description="What draws the rollouts: PyTorch (the policy's own fp32 forward), or llama.cpp, the "
+        "engine the device runs (single completions; the base as a GGUF once, the LoRA as an adapter GGUF each "
+        "iteration), its tokens weighed by the truncated importance correction.")
+    sampler_base: Literal["F32", "F16", "Q8_0"] = Field("F16", description="llama.cpp sampler: the type the "
+                                                        "policy's base is written in.")
+    sampler_cap: float = Field(2.0, gt=0, description="llama.cpp sampler: the cap C of the importance weight "
+                                                      "pi_train / pi_sampler.")
+    sampler_correction: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "token_truncate", description="llama.cpp sampler: a weight per token or per completion, truncated at the "
+        "cap or zero above it (as TRL's vllm_importance_sampling_mode).")
     ppo: PPOSettings = Field(default_factory=PPOSettings, description="PPO's own settings.")
     grpo: GRPOSettings = Field(default_factory=GRPOSettings, description="GRPO's own settings.")
     lora: LoraSettings = Field(default_factory=lambda: LoraSettings(r=16, alpha=32.0, dropout=0.0),

@@ -103,7 +103,7 @@ class GRPO(Learner):
         with self.clock.phase("update_forward"):
             low, high = s.clip_eps, grpo.clip_eps_high  # clip-higher: a rare token may rise further
             loss, clip_frac = clipped_policy_loss(fwd.ratio, adv.tokens[rows], fwd.mask, low, high,
-                                                  grpo.loss_type, self.token_budget())
+                                                  grpo.loss_type, self.token_budget(), fwd.weights)
             stats = {"loss/policy": float(loss.detach()), "clip_frac": float(clip_frac)}
             if grpo.beta:
                 kl = kl_k3(fwd.logprobs, batch.ref_logprobs[rows], self.envelope.log_ratio_clamp)
@@ -129,6 +129,7 @@ class GRPO(Learner):
         metrics = rollout_metrics(batch, results, rollout_kl(batch), time.perf_counter() - started)
         metrics.update(self.run_metrics())
         metrics["grpo/zero_std_frac"] = zero_std_frac
+        metrics.update(self.sampler_figures(batch))
         return metrics
 
 

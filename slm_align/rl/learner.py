@@ -30,6 +30,7 @@ from slm_align.rl.advantages import masked_mean
 from slm_align.rl.episodes import AgentTasks, collect_episodes, episode_rewards
 from slm_align.rl.phases import PhaseClock
 from slm_align.rl.rollout import Rollout, collect
+from slm_align.rl.sampler_correction import sampler_mismatch, sampler_weights
 from slm_align.rl.schedule import iteration_size
 
 
@@ -45,6 +46,7 @@ class PolicyForward:
     mask: torch.Tensor  # (b, T) completion tokens that train
     stats: dict  # "ratio/mean", "ratio/max", "entropy"
     snapshot: Optional[Snapshot]
+    weights: Optional[torch.Tensor] = None  # (b, T) or (b, 1): the sampler correction (None: PyTorch sampled)
 
 
 class Learner(TrainableRun):
@@ -73,6 +75,8 @@ class Learner(TrainableRun):
         """The current iteration's phase timings (a fresh clock each iteration)."""
         self.kl_watched = False
         """Whether something reads the "kl" metric besides the loss (the watchdog's KL detector)."""
+        self.sampler = None
+        """A :class:`~slm_align.rl.llama_sampler.LlamaSampler` that draws the rollouts (None: PyTorch does)."""
         self.episodes: Optional[AgentTasks] = None
         """Agent tasks whose rollouts are multi-turn episodes run by the runtime's loop (None: one
         completion per prompt)."""
@@ -86,7 +90,7 @@ class Learner(TrainableRun):
                 return collect_episodes(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts,
                                         self.settings, seed, self.episodes, self.clock, old_pass, reference_pass)
             return collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts, self.settings,
-                           seed, self.clock, old_pass, reference_pass)
+                           seed, self.clock, old_pass, reference_pass, self.sampler)
 
     def sample_rewards(self, prompts: list[str], seed: int, adapter: bool = True) -> list[float]:
         """The reward of one completion (or episode) per prompt sampled with ``seed``, the RL adapter on
@@ -149,11 +153,24 @@ class Learner(TrainableRun):
                     self.policy, batch.input_ids[rows], batch.attention_mask[rows],
                     batch.prompt_width, self.settings.temperature, self.value_head)
             mask = batch.mask[rows]
-            ratio = ratio_of(new, old_logprobs(batch, rows, new), self.envelope.log_ratio_clamp)
+            old = old_logprobs(batch, rows, new)
+            ratio = ratio_of(new, old, self.envelope.log_ratio_clamp)
             stats = {"ratio/mean": float(masked_mean(ratio.detach(), mask)),
                      "ratio/max": float((ratio.detach() * mask).max()),
                      "entropy": float(masked_mean(entropy, mask))}
-        return PolicyForward(rows, new, values, ratio, mask, stats, snapshot)
+            weights = None
+            if batch.sampler_logprobs is not None:
+                s = self.settings
+                weights = sampler_weights(old, batch.sampler_logprobs[rows], mask, s.sampler_cap, s.sampler_correction)
+        return PolicyForward(rows, new, values, ratio, mask, stats, snapshot, weights)
+
+    def sampler_figures(self, batch: Rollout) -> dict:
+        """The sampler-trainer mismatch of the rollout (:func:`sampler_mismatch`); none when PyTorch sampled."""
+        if batch.sampler_logprobs is None or batch.old_logprobs is None:
+            return {}
+        s = self.settings
+        return sampler_mismatch(batch.old_logprobs, batch.sampler_logprobs, batch.mask, s.sampler_cap,
+                                s.sampler_correction)
 
     def ratio_guard_skips(self, forward: PolicyForward) -> bool:
         """The ratio guard (envelope rule 5): whether the minibatch's mean ratio, averaged over

@@ -37,7 +37,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_t
 
 
 def clipped_policy_loss(ratio, advantages, mask, eps_low: float, eps_high: float, loss_type: str,
-                        max_tokens: int):
+                        max_tokens: int, weights=None):
     """PPO's pessimistic clipped surrogate.
 
     Args:
@@ -45,6 +45,9 @@ def clipped_policy_loss(ratio, advantages, mask, eps_low: float, eps_high: float
         completion mask. eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high] (equal
         for PPO; GRPO's upper bound is
             DAPO's "clip-higher", Yu et al. 2025). loss_type, max_tokens: see :func:`aggregate`.
+        weights: None, or (B, T) / (B, 1) weights without gradient multiplying each token's term: the
+            sampler correction of rollouts another engine drew
+            (:func:`~slm_align.rl.sampler_correction.sampler_weights`).
 
     Returns:
         loss: scalar, ``aggregate(max(-A_t * rho_t, -A_t * clip(rho_t, 1 - eps_low, 1 +
@@ -56,7 +59,10 @@ def clipped_policy_loss(ratio, advantages, mask, eps_low: float, eps_high: float
     """
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
-    loss = aggregate(torch.maximum(unclipped, clipped), mask, loss_type, max_tokens)
+    per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights
+    loss = aggregate(per_token, mask, loss_type, max_tokens)
     clip_frac = masked_mean((clipped > unclipped).float(), mask)
     return loss, clip_frac
 

@@ -4,8 +4,10 @@ with the iteration's metrics.
 The phases PPO and GRPO time (each a ``time/<phase>`` metric, seconds, summed over
 every entry in the iteration):
 
+- ``sampler_sync``: with llama.cpp as the sampler, writing the current LoRA as an adapter GGUF and
+  swapping it in (0 with PyTorch's sampler);
 - ``sampling``: generating the completions (generation.py's decoding loop with the KV
-  cache, the LoRA merged in);
+  cache, the LoRA merged in; or llama.cpp's);
 - ``reward``: the reward function on the decoded completions;
 - ``scoring_old``: the old log-probabilities (and PPO's values) of the samples, when
   computed in their own pass;
@@ -24,7 +26,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-PHASES = ("sampling", "reward", "scoring_old", "scoring_ref", "update_forward", "update_backward")
+PHASES = ("sampler_sync", "sampling", "reward", "scoring_old", "scoring_ref", "update_forward", "update_backward")
 """Every phase an iteration reports, in the order they run."""
 
 

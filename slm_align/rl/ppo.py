@@ -84,7 +84,7 @@ class PPO(Learner):
         with self.clock.phase("update_forward"):
             policy_loss, clip_frac = clipped_policy_loss(fwd.ratio, adv.tokens[rows], fwd.mask,
                                                          s.clip_eps, s.clip_eps, "token_mean",
-                                                         s.max_new_tokens)
+                                                         s.max_new_tokens, fwd.weights)
             value_loss = clipped_value_loss(fwd.values, batch.values[rows], adv.returns[rows],
                                             fwd.mask, ppo.value_clip)
             loss = policy_loss + ppo.value_coef * value_loss
@@ -119,6 +119,7 @@ class PPO(Learner):
         metrics["value/explained_variance"] = explained_variance(adv.returns, batch.values,
                                                                  batch.mask)
         metrics.update(self.run_metrics())
+        metrics.update(self.sampler_figures(batch))
         return metrics
 
 

@@ -33,6 +33,7 @@ class Rollout:
     truncated: torch.Tensor  # (B,) bool
     all_equal: int = 0  # GRPO: groups whose first draw's rewards were all equal (no signal)
     stats: dict = field(default_factory=dict)  # metrics of the rollout itself (agent episodes': call rate, ...)
+    sampler_logprobs: Optional[torch.Tensor] = None  # (B, T) another engine's log-probs of its tokens (llama.cpp)
 
     @property
     def size(self) -> int:
@@ -47,7 +48,7 @@ class Rollout:
 
 def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, prompts: list[str],
             settings: RLSettings, seed: int, clock: Optional[PhaseClock] = None, old_pass: bool = True,
-            reference_pass: bool = True) -> Rollout:
+            reference_pass: bool = True, sampler=None) -> Rollout:
     """Sample one completion per prompt (``seed``), score it, and recompute its
     log-probabilities in fp32 under the policy (with values, when there is a value head) and the
     reference (the adapter disabled).
@@ -55,12 +56,12 @@ def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, promp
     ``old_pass`` off leaves ``old_logprobs`` None (one minibatch per epoch: the first
     epoch's forward supplies them, detached; with a value head the pass runs anyway, for the
     values); ``reference_pass`` off leaves ``ref_logprobs`` None (nothing uses them).
-    ``clock`` times the phases.
+    ``clock`` times the phases. ``sampler`` (a :class:`~slm_align.rl.llama_sampler.LlamaSampler`) draws the
+    completions instead of PyTorch, with its own log-probabilities kept as ``sampler_logprobs``.
     """
     clock = clock or PhaseClock()
     policy.eval()
-    with clock.phase("sampling"), merged_for_sampling(policy):
-        samples = sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=seed)
+    samples = draw(policy, tokenizer, prompts, settings, seed, clock, sampler)
     input_ids = torch.cat([samples.prompt_ids, samples.completion_ids], dim=1)
     attention = torch.cat([samples.prompt_mask, samples.completion_mask], dim=1)
     width = samples.prompt_ids.shape[1]
@@ -72,7 +73,19 @@ def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, promp
         raw = torch.tensor(score(reward_fn, samples), dtype=torch.float32, device=device)
     scores, mask = truncation_rules(raw, samples.completion_mask.float(), truncated, settings)
     return Rollout(prompts, samples.completions, input_ids, attention, width, mask, old, ref, values, scores,
-                   truncated)
+                   truncated, sampler_logprobs=samples.logprobs)
+
+
+def draw(policy, tokenizer, prompts: list[str], settings: RLSettings, seed: int, clock: PhaseClock, sampler=None):
+    """The rollout's completions: PyTorch's through the policy's merged weights (no log-probabilities kept:
+    the trainer's own are the sampler's), or ``sampler``'s with the current LoRA swapped in first."""
+    if sampler is None:
+        with clock.phase("sampling"), merged_for_sampling(policy):
+            return sample(policy, tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed=seed)
+    with clock.phase("sampler_sync"):
+        sampler.refresh(policy)
+    with clock.phase("sampling"):
+        return sampler.sample(tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed)
 
 
 def scoring_passes(policy, value_head: Optional[ValueHead], input_ids, attention, width: int, settings: RLSettings,
@@ -148,6 +161,7 @@ def _row(r: Rollout, i: int, width: int, length: int, pad_id: int) -> dict:
                                      _pad_to(att[:, completion], length, 0, False)], 1),
         "mask": _padded_tokens(r.mask, i, length), "old_logprobs": _padded_tokens(r.old_logprobs, i, length),
         "ref_logprobs": _padded_tokens(r.ref_logprobs, i, length), "values": _padded_tokens(r.values, i, length),
+        "sampler_logprobs": _padded_tokens(r.sampler_logprobs, i, length),
         "scores": r.scores[i:i + 1], "truncated": r.truncated[i:i + 1],
         "prompt": r.prompts[i], "completion": r.completions[i],
     }
@@ -181,4 +195,5 @@ def replace_rows(batch: Rollout, rows: list[int], replacement: Rollout, pad_id: 
     return Rollout([r["prompt"] for r in merged], [r["completion"] for r in merged], _stack(merged, "input_ids"),
                    _stack(merged, "attention_mask"), width, _stack(merged, "mask"), _stack(merged, "old_logprobs"),
                    _stack(merged, "ref_logprobs"), _stack(merged, "values"), _stack(merged, "scores"),
-                   _stack(merged, "truncated"), stats=dict(batch.stats))
+                   _stack(merged, "truncated"), stats=dict(batch.stats),
+                   sampler_logprobs=_stack(merged, "sampler_logprobs"))

@@ -11,10 +11,13 @@ SFT policy and of the RL policy).
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+import torch
 
 from slm_align.accelerator import resolve_compute, training_inputs
 from slm_align.config import Recipe
@@ -31,6 +34,7 @@ from slm_align.progress import stage_lines
 from slm_align.reward.learned import learned_reward
 from slm_align.rl.episodes import agent_tasks, check_episode_rewards
 from slm_align.rl.grpo import GRPO
+from slm_align.rl.llama_sampler import LlamaSampler
 from slm_align.rl.ppo import PPO
 from slm_align.rl.recovery import EVENTS, WatchedRun, probe_rewards, read_events, restore, scale_shaping
 from slm_align.rl.schedule import iteration_size
@@ -147,6 +151,22 @@ class RLStage:
         self.loop = algorithm(self.policy, self.tokenizer, self.reward_fn, self.prompts.train, settings, recipe.seed,
                               self.value_head, self.world, self.compute.precision, self.compute.gradient_checkpointing)
         self.loop.episodes = episodes
+        self.loop.sampler = self._sampler(source, episodes)
+
+    def _sampler(self, source, episodes) -> Optional[LlamaSampler]:
+        """llama.cpp as the rollouts' sampler when the recipe asks (its files in a temporary folder: the base
+        GGUF once, the adapter each iteration); None: PyTorch samples."""
+        settings = self.recipe.rl
+        if settings.sampler != "llama_cpp":
+            return None
+        if episodes is not None:
+            raise UserError("rl.sampler = llama_cpp draws single completions; agent episodes run on PyTorch's "
+                            "sampler for now: set rl.sampler = torch")
+        self._sampler_files = tempfile.TemporaryDirectory(prefix="slm-align-sampler-")
+        n_ctx = self.recipe.data.max_length + settings.max_new_tokens + 8
+        with stage_lines("llama.cpp sampler", f"the policy's base as {settings.sampler_base} GGUF"):
+            return LlamaSampler(self.policy, self.tokenizer, source, Path(self._sampler_files.name),
+                                settings.sampler_base, torch.get_num_threads(), n_ctx)
 
     def train(self, partial: Path, checkpoint: Optional[str]) -> None:
         """Iterate from the work dir's checkpoint (if any) under the watchdog; held-out

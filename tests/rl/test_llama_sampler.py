@@ -1,0 +1,115 @@
+"""llama.cpp as the RL sampler: the base as a GGUF once, the current LoRA swapped in as an adapter GGUF
+each iteration; its log-probabilities are the trainer's up to the engines' rounding, and a GRPO
+iteration on them logs the mismatch and trains."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from slm_align.envelope.logprobs import forward_logprobs
+from slm_align.modeling import load_model, load_tokenizer, resolve_source
+from slm_align.rl.llama_sampler import LlamaSampler
+from tests.rl.test_guards import lora_state, make_loop, sft_run  # noqa: F401
+
+PROMPTS = ["Once upon a time"] * 3 + ["The cat sat"] * 3
+
+
+def random_lora(model_dir):
+    """The tiny model under a LoRA whose B is not zero: its adapter moves the logits."""
+    source = resolve_source(str(model_dir))
+    model = load_model(source).float().eval()
+    torch.manual_seed(0)
+    policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]))
+    for name, parameter in policy.named_parameters():
+        if "lora_B" in name:
+            parameter.data.normal_(0, 0.3)
+    return source, load_tokenizer(source), policy.eval()
+
+
+def trainer_logprobs(policy, samples, adapter=True):
+    ids = torch.cat([samples.prompt_ids, samples.completion_ids], 1)
+    attention = torch.cat([samples.prompt_mask, samples.completion_mask], 1)
+    with torch.no_grad():
+        if adapter:
+            return forward_logprobs(policy, ids, attention, samples.prompt_ids.shape[1], 1.0, None, False)[0]
+        with policy.disable_adapter():
+            return forward_logprobs(policy, ids, attention, samples.prompt_ids.shape[1], 1.0, None, False)[0]
+
+
+def mean_gap(a, b, mask):
+    return float(((a - b).abs() * mask).sum() / mask.sum())
+
+
+@pytest.mark.parametrize("base_type, bound", [("F32", 1e-3), ("F16", 5e-3)])
+def test_the_samplers_logprobs_are_the_trainers_with_the_adapter_swapped_in(tiny_models, tmp_path, base_type,
+                                                                              bound):
+    source, tokenizer, policy = random_lora(tiny_models["llama"])
+    sampler = LlamaSampler(policy, tokenizer, source, tmp_path, base_type, threads=1, n_ctx=256)
+    try:
+        sampler.refresh(policy)
+        samples = sampler.sample(tokenizer, PROMPTS, 16, 1.0, seed=3)
+        mask = samples.completion_mask.float()
+        assert mask.sum() >= len(PROMPTS)
+        gap = mean_gap(trainer_logprobs(policy, samples), samples.logprobs, mask)
+        adapter_effect = mean_gap(trainer_logprobs(policy, samples, adapter=False), samples.logprobs, mask)
+        assert gap < bound and adapter_effect > 20 * gap  # the adapter is on, and it is this policy's
+        engine = sampler.llm
+        for name, parameter in policy.named_parameters():  # the policy moves: the next refresh follows it
+            if "lora_B" in name:
+                parameter.data.mul_(-1)
+        sampler.refresh(policy)
+        again = sampler.sample(tokenizer, PROMPTS, 16, 1.0, seed=3)
+        mask = again.completion_mask.float()
+        assert sampler.llm is engine  # the base was not reloaded
+        assert mean_gap(trainer_logprobs(policy, again), again.logprobs, mask) < bound
+        assert samples.completions != again.completions
+    finally:
+        sampler.close()
+
+
+def test_the_same_seed_draws_the_same_completions(tiny_models, tmp_path):
+    source, tokenizer, policy = random_lora(tiny_models["llama"])
+    sampler = LlamaSampler(policy, tokenizer, source, tmp_path, "F32", threads=1, n_ctx=256)
+    try:
+        sampler.refresh(policy)
+        first = sampler.sample(tokenizer, PROMPTS, 12, 1.0, seed=5)
+        second = sampler.sample(tokenizer, PROMPTS, 12, 1.0, seed=5)
+        assert first.completions == second.completions and torch.equal(first.completion_ids, second.completion_ids)
+        assert len(set(first.completions[:3])) > 1  # a group's completions differ from each other
+    finally:
+        sampler.close()
+
+
+def test_a_grpo_iteration_on_llama_cpp_rollouts_logs_the_mismatch_and_trains(sft_run, tmp_path):  # noqa: F811
+    loop = make_loop(sft_run, sampler="llama_cpp", sampler_base="F32")
+    out, recipe = sft_run
+    loop.sampler = LlamaSampler(loop.policy, loop.tokenizer, resolve_source(recipe.model.source), tmp_path, "F32",
+                                threads=1, n_ctx=256)
+    try:
+        before = lora_state(loop)
+        metrics = [loop.run_step(step) for step in range(2)]
+    finally:
+        loop.sampler.close()
+    for figures in metrics:
+        assert 0.0 <= figures["sampler/kl"] < 1e-4 and figures["sampler/capped_frac"] == 0.0
+        assert figures["sampler/max_log_ratio"] < 0.05
+        assert figures["time/sampler_sync"] > 0 and figures["time/sampling"] > 0
+    after = lora_state(loop)
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+
+
+def test_train_with_the_llama_cpp_sampler_records_it_and_logs_the_mismatch(sft_run, capsys):  # noqa: F811
+    import json
+
+    from slm_align.runs import read_manifest
+    from tests.helpers import run_cli
+
+    out, _ = sft_run
+    code, _, err = run_cli(capsys, "train", "--algo", "grpo", "--out", out, "--force", "--steps", "2",
+                           "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
+                           "--report-prompts", "0", "--set", "rl.sampler=llama_cpp", "--set", "rl.eval_prompts=2")
+    assert code == 0, err
+    manifest = read_manifest(out / "rl")
+    assert manifest["inputs"]["rl"]["sampler"] == "llama_cpp" and manifest["inputs"]["rl"]["sampler_base"] == "F16"
+    lines = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(0.0 <= line["sampler/kl"] < 0.01 for line in lines)
