@@ -60,6 +60,9 @@ class WatchdogSettings(Strict):
     max_kl: float = Field(10.0, ge=0, description="KL runaway: window mean of the per-sequence KL "
                           "to the reference above this (nats; 0: off); the recovery also "
                           "raises the KL coefficient.")
+    max_sampler_kl: float = Field(0.05, ge=0, description="Sampler mismatch runaway (rl.sampler = llama_cpp): "
+                                  "window mean of the per-token KL of llama.cpp's sampling distribution from the "
+                                  "trainer's above this (nats; 0: off).")
     zero_std_rise: float = Field(0.5, ge=0, description="GRPO starving: window share of all-equal "
                                  "groups above the first window's plus this (0: off).")
     call_rate_floor: float = Field(0.5, ge=0, lt=1, description="Tool-use collapse (agent "

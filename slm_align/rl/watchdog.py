@@ -33,8 +33,10 @@ CALLS = "episode/call_rate"
 """Share of an iteration's agent episodes in which the policy made at least one tool call."""
 VALID_CALLS = "episode/valid_call_rate"
 """Share of an iteration's tool calls that parsed and validated against the tool's schema."""
+SAMPLER_KL = "sampler/kl"
+"""Per-token KL of the llama.cpp sampler's distribution from the trainer's (logged only with that sampler)."""
 WATCHED = ("entropy", "completion/length", "completion/truncated_frac", "kl", "grpo/zero_std_frac",
-           CALLS, VALID_CALLS)
+           CALLS, VALID_CALLS, SAMPLER_KL)
 """The per-iteration metrics the windowed detectors read (a metric an algorithm does
 not log is not watched)."""
 SHAPING_TERM = "call_format"
@@ -146,6 +148,16 @@ def kl_runaway(recent: list[float], max_kl: float) -> Optional[Trigger]:
     value = window_mean(recent)
     if max_kl and value > max_kl:
         return Trigger("kl_runaway", value, max_kl, f"KL {value:.3f} > {max_kl:g}")
+    return None
+
+
+def mismatch_runaway(recent: list[float], max_sampler_kl: float) -> Optional[Trigger]:
+    """Fires when m(recent sampler KL) > max_sampler_kl: the rollouts' engine and the trainer no longer
+    sample the same policy, and the truncated correction is weighing more tokens down each iteration."""
+    value = window_mean(recent)
+    if max_sampler_kl and value > max_sampler_kl:
+        return Trigger("sampler_mismatch", value, max_sampler_kl,
+                       f"sampler-trainer KL {value:.4f} > {max_sampler_kl:g}")
     return None
 
 
@@ -269,7 +281,7 @@ class Watchdog:
 
     def windowed(self) -> Optional[Trigger]:
         """The first windowed detector that fires (entropy, length, truncation, KL,
-        starving groups, tool use), or None."""
+        starving groups, sampler mismatch, tool use), or None."""
         s = self.settings
         start = self.start
         recent = self.recent
@@ -287,6 +299,10 @@ class Watchdog:
                 trigger = kl_runaway(recent[key], *args)
             else:
                 trigger = detector(start[key], recent[key], *args)
+            if trigger is not None:
+                return trigger
+        if len(recent[SAMPLER_KL]) >= s.window:
+            trigger = mismatch_runaway(recent[SAMPLER_KL], s.max_sampler_kl)
             if trigger is not None:
                 return trigger
         return self._tool_use()

@@ -24,7 +24,15 @@ from slm_align.rewards.columns import with_columns
 from slm_align.rewards.protocol import CombinedReward
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.recovery import WatchedRun, read_events
-from slm_align.rl.watchdog import Trigger, Watchdog, entropy_collapse, kl_runaway, paired_drop, reward_dropped
+from slm_align.rl.watchdog import (
+    Trigger,
+    Watchdog,
+    entropy_collapse,
+    kl_runaway,
+    mismatch_runaway,
+    paired_drop,
+    reward_dropped,
+)
 from slm_align.rl.watchdog_text import event_line, published_line, report_section
 from tests.helpers import finished_sft_run, run_cli
 
@@ -55,6 +63,8 @@ def feed(watchdog: Watchdog, key: str, values: list[float]):
     ("kl", noisy(2.0, 1.5, 30), noisy(2.0, 1.0, 6) + [6, 9, 14, 20, 30, 40], "kl_runaway"),
     ("grpo/zero_std_frac", noisy(0.25, 0.25, 30), noisy(0.2, 0.2, 6) + [0.5, 0.75, 1.0, 1.0, 1.0, 1.0],
      "starving_groups"),
+    ("sampler/kl", [abs(x) for x in noisy(0.002, 0.002, 30)], noisy(0.002, 0.001, 6) + [0.02, 0.05, 0.09, 0.2, 0.4],
+     "sampler_mismatch"),
 ])
 def test_each_windowed_detector_fires_on_its_failure_and_not_on_noise(key, healthy, failing, detector):
     settings = WatchdogSettings(window=3)
@@ -76,6 +86,9 @@ def test_detector_thresholds_and_off_switches():
     assert entropy_collapse([2.0, 2.0], [0.0, 0.0], floor=0.0) is None  # 0: off
     assert kl_runaway([11.0, 12.0], max_kl=10.0).value == 11.5
     assert kl_runaway([11.0, 12.0], max_kl=0.0) is None
+    assert mismatch_runaway([0.04, 0.08], max_sampler_kl=0.05).value == pytest.approx(0.06)
+    assert mismatch_runaway([0.04, 0.05], max_sampler_kl=0.05) is None  # 0.045: under
+    assert mismatch_runaway([1.0, 1.0], max_sampler_kl=0.0) is None  # 0: off
 
 
 def episodes(calls: list[float], valid: list[float]) -> list[dict]:
