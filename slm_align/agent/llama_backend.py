@@ -1,5 +1,5 @@
 """llama.cpp backend (llama-cpp-python) for GGUF artifacts: llama.cpp's tokenizer, its KV
-cache, our loop on top."""
+cache, our loop on top; LoRA adapter GGUFs applied to the base and swapped without reloading it."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from slm_align.errors import UserError
 
 class LlamaCppBackend:
     """One llama.cpp context. ``all_logits`` keeps every position's logits (for
-    teacher-forced comparisons)."""
+    teacher-forced comparisons); ``adapters``: LoRA adapter GGUFs applied to the base, in order, at
+    scale 1 (see :meth:`set_adapters`)."""
 
     kind = "gguf"
 
     def __init__(self, artifact: Path, threads: Optional[int] = None, n_ctx: Optional[int] = None,
-                 all_logits: bool = False):
+                 all_logits: bool = False, adapters: Sequence[Path] = ()):
         try:
             from llama_cpp import Llama
         except ImportError:
@@ -28,6 +29,11 @@ class LlamaCppBackend:
         if not artifact.is_file():
             raise UserError(f"GGUF file {artifact} not found; create one with "
                             "`slm-align export --target gguf`")
+        self.artifact = artifact
+        self.adapters: list[dict] = []
+        """The adapters applied now, in order: ``{"file": name, "sha256": digest}`` each."""
+        self._loaded: dict[str, object] = {}
+        checked = [self._check_adapter(path) for path in adapters]  # refused before llama.cpp reads a byte
         try:
             self.llm = Llama(model_path=str(artifact), n_ctx=n_ctx or 0, n_threads=threads,
                              n_threads_batch=threads, n_batch=512,
@@ -46,6 +52,47 @@ class LlamaCppBackend:
             self.eos_ids.add(int(meta["tokenizer.ggml.eot_token_id"]))
         self.bos_token = self._piece(self.llm.token_bos())
         self.eos_token = self._piece(self.llm.token_eos())
+        if checked:
+            self._apply(checked)
+
+    def _check_adapter(self, path: Path) -> tuple[Path, str]:
+        """``path`` as (path, sha256) once it is a LoRA adapter GGUF made for this base (one line if not)."""
+        from slm_align.gguf_adapters import check_adapter_base
+        from slm_align.runs import sha256_file
+
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"adapter {path} not found; export one with `slm-align export RUN --target gguf-adapter`")
+        check_adapter_base(path, self.artifact)
+        return path, sha256_file(path)
+
+    def set_adapters(self, adapters: Sequence[Path]) -> list[dict]:
+        """Apply ``adapters`` (LoRA adapter GGUFs, in order, scale 1; none: the base alone) in place of
+        the current ones, the base staying loaded; each is checked against the base first and loaded
+        once (a swap back reuses it). The KV cache is dropped: it was computed with the old weights.
+        Returns :attr:`adapters`."""
+        self._apply([self._check_adapter(path) for path in adapters])
+        return self.adapters
+
+    def _apply(self, checked: list[tuple[Path, str]]) -> None:
+        import ctypes
+
+        import llama_cpp
+
+        handles = []
+        for path, digest in checked:
+            if digest not in self._loaded:  # llama.cpp frees loaded adapters with the model
+                handle = llama_cpp.llama_adapter_lora_init(self.llm.model, str(path).encode("utf-8"))
+                if not handle:
+                    raise UserError(f"llama.cpp cannot load the adapter {path}; export it again")
+                self._loaded[digest] = handle
+            handles.append(self._loaded[digest])
+        array = (llama_cpp.llama_adapter_lora_p_ctypes * len(handles))(*handles)
+        scales = (ctypes.c_float * len(handles))(*([1.0] * len(handles)))
+        if llama_cpp.llama_set_adapters_lora(self.llm.ctx, array, len(handles), scales):
+            raise UserError(f"llama.cpp cannot apply the adapters to {self.artifact.name}; export them again")
+        self.llm.reset()
+        self.adapters = [{"file": path.name, "sha256": digest} for path, digest in checked]
 
     def _piece(self, token: int) -> Optional[str]:
         return None if token < 0 else self.detokenize([token])

@@ -5,6 +5,9 @@ and preference collection.
     reply = agent.chat("What is 17 * 23?")
     agent.feedback("up")
 
+    agent = Agent.load("base-F16.gguf", adapters=["adapter-sft-F16.gguf"])   # a shipped round
+    agent.set_adapters(["adapter-sft-F16.gguf", "adapter-dpo-F16.gguf"])    # the next, base kept
+
 No torch, no transformers: llama.cpp or onnxruntime does the arithmetic,
 ``tokenizers`` and ``jinja2`` the text.
 """
@@ -16,7 +19,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Sequence, Union
 
 from slm_align.agent.backend import Backend, artifact_kind
 from slm_align.agent.logprobs import token_logprobs
@@ -27,6 +30,7 @@ from slm_align.agent.store import new_token
 from slm_align.agent.template import use_chat_template
 from slm_align.chat_templates import require_tool_template
 from slm_align.errors import UserError
+from slm_align.gguf_adapters import chain_digest
 from slm_align.tools.registry import ToolRegistry
 
 CONVERSATION_FORMAT = 1
@@ -71,26 +75,31 @@ class Model:
     backend: Backend
     """The llama.cpp or onnxruntime backend."""
     sha256: str
-    """Identifies the model in preference records."""
+    """The artifact's sha256 (with adapters applied, the base's): see :attr:`Agent.model_id`."""
     name: str
     """The artifact's file or directory name."""
 
 
 def load_model(artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
-               n_ctx: Optional[int] = None, chat_template: Optional[str] = None) -> Model:
+               n_ctx: Optional[int] = None, chat_template: Optional[str] = None,
+               adapters: Sequence[Union[str, Path]] = ()) -> Model:
     """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context
     from its profile; ``chat_template`` ("chatml" or a Jinja file) replaces the model's
-    own (base models have none).
+    own (base models have none); ``adapters``: LoRA adapter GGUFs applied to a GGUF base in order,
+    each refused in one line unless it was made for this base.
 
     The artifact is hashed and checked against its export manifest first: a parser (llama.cpp's,
     onnxruntime's) never reads a file that changed after export.
     """
     artifact = Path(artifact)
-    artifact_kind(artifact)
+    kind = artifact_kind(artifact)
+    if adapters and kind != "gguf":
+        raise UserError(f"adapters apply to a GGUF base in llama.cpp; {artifact} is an ONNX export: "
+                        "pass the base .gguf")
     sha256 = artifact_id(artifact)
     if device is not None:
         threads, n_ctx = device_settings(artifact, device, threads, n_ctx)
-    backend = open_backend(artifact, threads=threads, n_ctx=n_ctx)
+    backend = open_backend(artifact, threads=threads, n_ctx=n_ctx, adapters=[Path(a) for a in adapters])
     use_chat_template(backend, chat_template)
     return Model(backend, sha256, artifact.name)
 
@@ -161,7 +170,8 @@ class Agent:
             raise UserError("constrained answers (a grammar) need a GGUF model: llama.cpp samples "
                             "under grammars, onnxruntime does not")
         self.backend = backend
-        self.model_id = model_id
+        self.base_id = model_id
+        """The sha256 of the artifact loaded (with adapters, the base's)."""
         self.system = system
         self.tools = tools
         self.sampling = sampling or SamplingParams()
@@ -183,16 +193,35 @@ class Agent:
     @classmethod
     def load(cls, artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
              n_ctx: Optional[int] = None, store: Union[str, Path, None] = None, chat_template: Optional[str] = None,
-             **options) -> "Agent":
+             adapters: Sequence[Union[str, Path]] = (), **options) -> "Agent":
         """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context
-        from its profile; ``chat_template`` ("chatml" or a Jinja file) replaces the model's own
-        (see :func:`load_model`)."""
-        model = load_model(artifact, device, threads, n_ctx, chat_template)
+        from its profile; ``chat_template`` ("chatml" or a Jinja file) replaces the model's own;
+        ``adapters``: LoRA adapter GGUFs made for a GGUF base (see :func:`load_model`)."""
+        model = load_model(artifact, device, threads, n_ctx, chat_template, adapters)
         if store is not None and not hasattr(store, "record_turn"):
             from slm_align.agent.store import PreferenceStore
 
             store = PreferenceStore(Path(store))
         return cls(model.backend, model.sha256, store=store, **options)
+
+    @property
+    def adapters(self) -> list[dict]:
+        """The LoRA adapters applied to the base now, in order: ``{"file", "sha256"}`` each."""
+        return list(getattr(self.backend, "adapters", ()))
+
+    @property
+    def model_id(self) -> str:
+        """What answers, as preference records name it: the artifact's sha256, or with adapters the
+        digest of the base and the adapters in order (:func:`~slm_align.gguf_adapters.chain_digest`,
+        what an adapter export's manifest records)."""
+        return chain_digest(self.base_id, [adapter["sha256"] for adapter in self.adapters])
+
+    def set_adapters(self, adapters: Sequence[Union[str, Path]]) -> list[dict]:
+        """Swap the LoRA adapters on the base (GGUF; none: the base alone) without reloading it; later
+        turns are recorded under the new :attr:`model_id`. The conversation stays."""
+        if not hasattr(self.backend, "set_adapters"):
+            raise UserError("adapters apply to a GGUF base in llama.cpp; this agent runs an ONNX export")
+        return self.backend.set_adapters([Path(adapter) for adapter in adapters])
 
     # conversation state
     def reset(self) -> None:
@@ -395,6 +424,8 @@ class Agent:
         if self.store is not None:
             token = new_token()
             recorded = {**params.to_dict(), "chat_template": self.backend.chat_template_origin}
+            if self.adapters:
+                recorded["adapters"] = self.adapters
             turn_id = self.store.record_turn(self.conversation_id, window, text, self.model_id, recorded,
                                              self.consent, token=token)
         self.last = Reply(text, calls, turn_id, token, truncated=self._truncated, prompt_tokens=self._usage[0],

@@ -51,6 +51,8 @@ def merge(
                          "rpi5  # w8, arm64 preset\n\n  slm-align export runs/demo --target genai "
                          "--quant int4  # onnxruntime-genai folder\n\n  slm-align export runs/demo "
                          "--target executorch  # ExecuTorch model.pte (fp32, XNNPACK)\n\n  "
+                         "slm-align export runs/demo --target gguf-adapter  # the round's LoRA "
+                         "for llama.cpp, beside its base\n\n  "
                          "slm-align export ./SmolLM2-135M --target onnx --quant fp32 --out "
                          "exports/ --json\n\n  slm-align export runs/demo --system 'You tell short "
                          "stories.'  # the Modelfile's SYSTEM\n\n  slm-align export "
@@ -60,13 +62,16 @@ def merge(
 def export(
     source: str = typer.Argument(..., help="Run directory, merged/HF model "
                                            "directory, .gguf file or hub id."),
-    target: str = typer.Option("gguf", "--target", "-t", help="gguf (llama.cpp), onnx "
+    target: str = typer.Option("gguf", "--target", "-t", help="gguf (llama.cpp), gguf-adapter (a "
+                               "run's LoRA adapters as llama.cpp adapter GGUFs, bound by hash to "
+                               "the base: the run's own .gguf, else base-F16.gguf), onnx "
                                "(onnxruntime), genai (an onnxruntime-genai folder: Android/iOS "
                                "bindings; Llama, Qwen2/3, Gemma 3) or executorch (an fp32 "
                                "model.pte, XNNPACK, static KV cache; not Gemma 3)."),
     quant: Optional[str] = typer.Option(None, "--quant", "-q", help="GGUF: F32, F16, Q8_0 (ours) "
                                         "or Q4_0, Q4_K_M, Q5_K_M, Q6_K, ... (llama.cpp's "
-                                        "quantizer); default: the device's, else Q8_0. ONNX/genai: "
+                                        "quantizer); default: the device's, else Q8_0 (gguf-adapter: "
+                                        "the base's type, F16). ONNX/genai: "
                                         "w8 (8-bit weight-only, the default), int4 (4-bit body), "
                                         "int8 (dynamic), fp32. ExecuTorch: fp32 only."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (see `slm-align devices list`)."),

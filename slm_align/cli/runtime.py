@@ -27,12 +27,17 @@ feedback_app = typer.Typer(help="On-device preferences: export them for the next
                          "slm-align chat model.gguf --json   # one answer per input line, as "
                          "JSON\n\n  slm-align chat gemma-3-270m.gguf --chat-template chatml   # a "
                          "base model: give it a template\n\n  slm-align chat gemma-3-270m.gguf "
-                         "--raw   # or continue each line as plain text\n\nIn the chat: /good /bad "
+                         "--raw   # or continue each line as plain text\n\n  slm-align chat "
+                         "runs/demo/export/base-F16.gguf --adapter runs/demo/export/adapter-sft-F16.gguf"
+                         "   # a round shipped as an adapter\n\nIn the chat: /good /bad "
                          "/compare /pick 1|2 /edit TEXT /tools /reset /save FILE /quit")
 @typed_flags(Sampling, "sampling", renamed={"max_tokens": "--max-new-tokens"})
 def chat(
     artifact: Path = typer.Argument(..., help="Exported model: a .gguf file or an "
                                               "ONNX export directory."),
+    adapter: Optional[list[Path]] = typer.Option(None, "--adapter", help="LoRA adapter GGUF to apply to "
+                                                 "the GGUF base, made for it (`export --target "
+                                                 "gguf-adapter`); repeat in the manifest's order."),
     store: Optional[Path] = typer.Option(None, "--store", help="Preference database (SQLite) to record turns in."),
     consent: bool = typer.Option(False, "--consent", help="Mark recorded turns as "
                                                           "consented for training."),
@@ -62,7 +67,7 @@ def chat(
         refuse_with_raw(chat_template=chat_template, store=store, system=system, tools=tools)
     agent = Agent.load(artifact, device=device, threads=threads, n_ctx=n_ctx, store=store, consent=consent,
                        system=system, tools=default_tools(notes) if tools else None, sampling=sampling.params(),
-                       chat_template=chat_template)
+                       chat_template=chat_template, adapters=adapter or ())
     if not raw:
         require_template(agent.backend.chat_template)
         check_chat_template(agent.backend)  # a template that loops or fails: one line now, not a hang later

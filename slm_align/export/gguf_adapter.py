@@ -23,8 +23,9 @@ from ``rank_pattern``. The file records the config's ``lora_alpha`` and each mod
 
 What llama.cpp cannot apply is refused in one line: embedding adapters, a head delta where the head is
 tied to the embeddings, DoRA, ``modules_to_save``, trained biases and other peft extras. The file also
-records ``slm_align.base.sha256`` of the base GGUF when one is given; :func:`check_adapter_base` checks
-architecture, tensor shapes and that hash before a runtime pairs the two.
+records ``slm_align.base.sha256`` of the base GGUF when one is given; :func:`check_adapter_base`
+(in the torch-free :mod:`slm_align.gguf_adapters`, re-exported here) checks architecture, tensor
+shapes and that hash before a runtime pairs the two.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from slm_align.atomic import atomic_path
 from slm_align.errors import UserError
 from slm_align.export.gguf import gguf_arch_name, gguf_namer, is_conv1d_weight, row_reordering, skipped_tensor
 from slm_align.export.gguf_arch import ARCHITECTURES, check_gguf_config, normalized_config
+from slm_align.gguf_adapters import BASE_SHA256_KEY, check_adapter_base, check_fits  # noqa: F401 (re-exported)
 from slm_align.gguf_fields import read_header
 from slm_align.runs import sha256_file
 
 ADAPTER_TYPES = ("F32", "F16")
-BASE_SHA256_KEY = "slm_align.base.sha256"
 _PEFT_PREFIX = "base_model.model."
 # peft config entries whose training llama.cpp's LoRA cannot reproduce, and why.
 _UNSUPPORTED = {"use_dora": "DoRA (use_dora): llama.cpp applies plain LoRA, not DoRA's magnitude vectors",
@@ -76,7 +77,7 @@ def write_lora_gguf(adapter_dir: Path, base: Path, out_path: Path, file_type: st
         base_gguf = base
     tensors = llama_cpp_lora(state, settings, model_type, config, shapes)
     if base_gguf is not None:
-        _check_fits({name: (b.shape[0], a.shape[1]) for name, (a, b) in tensors.items()},
+        check_fits({name: (b.shape[0], a.shape[1]) for name, (a, b) in tensors.items()},
                     gguf_arch_name(model_type), Path(base_gguf))
     with atomic_path(Path(out_path)) as tmp:
         writer = gguf.GGUFWriter(str(tmp), gguf_arch_name(model_type))
@@ -245,39 +246,3 @@ def llama_cpp_lora(state: dict[str, np.ndarray], settings: dict, model_type: str
     if not tensors:
         raise UserError("the adapter holds no LoRA matrices; pass the adapter directory of a finished run")
     return tensors
-
-
-def check_adapter_base(adapter: Path, base_gguf: Path, check_hash: bool = True) -> None:
-    """Refuse, in one line, a base GGUF the adapter GGUF was not made for: another architecture, an
-    adapted tensor missing or of another shape, or (``check_hash``, where the adapter records one) a
-    file other than the one it was written against."""
-    fields, adapter_shapes = read_header(Path(adapter), prefix="")
-    value = {key: field.value for key, field in fields.items() if not isinstance(field.value, list)}
-    if value.get("general.type") != "adapter" or value.get("adapter.type") != "lora":
-        raise UserError(f"{adapter} is not a LoRA adapter GGUF; write one with write_lora_gguf")
-    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
-    for name, shape in adapter_shapes.items():
-        weight, _, part = name.rpartition(".lora_")
-        pairs.setdefault(weight, {})[part] = shape
-    targets = {name: (pair["b"][0], pair["a"][1]) for name, pair in pairs.items() if {"a", "b"} <= set(pair)}
-    _check_fits(targets, value.get("general.architecture"), Path(base_gguf), str(adapter))
-    recorded = value.get(BASE_SHA256_KEY)
-    if check_hash and recorded and recorded != sha256_file(Path(base_gguf)):
-        raise UserError(f"adapter {adapter} was made for base sha256 {recorded[:12]}, {base_gguf} is "
-                        f"{sha256_file(Path(base_gguf))[:12]}; pass the base GGUF it was exported with")
-
-
-def _check_fits(targets: dict[str, tuple[int, int]], arch: Optional[str], base_gguf: Path,
-                adapter: str = "the adapter") -> None:
-    """Refuse a base GGUF of another architecture or without a tensor of each adapted weight's
-    ``(out, in)`` shape (``targets``, by GGUF name)."""
-    fields, shapes = read_header(base_gguf, prefix="general.architecture")
-    base_arch = fields["general.architecture"].value if fields else None
-    if base_arch != arch:
-        raise UserError(f"{adapter} is for a {arch} base, {base_gguf} is {base_arch}; pass the base GGUF "
-                        "it was made for")
-    for name, shape in targets.items():
-        if shapes.get(name) != shape:
-            found = "x".join(map(str, shapes[name])) if name in shapes else "no such tensor"
-            raise UserError(f"{adapter} adapts {name} as {shape[0]}x{shape[1]}, {base_gguf} has {found}; "
-                            "pass the base GGUF it was made for")

@@ -28,7 +28,16 @@ from slm_align.modeling import (
     resolve_source,
     save_tokenizer,
 )
-from slm_align.runs import StageResult, aligned_stages, check_out_dir, make_manifest, partial_dir, publish
+from slm_align.runs import (
+    MANIFEST,
+    StageResult,
+    aligned_stages,
+    check_out_dir,
+    make_manifest,
+    partial_dir,
+    publish,
+    read_manifest,
+)
 from slm_align.sft import recipe_from_sft
 
 
@@ -37,6 +46,30 @@ def merged_stage(run: Path) -> Optional[str]:
     and KTO (None: the SFT prior alone)."""
     stages = aligned_stages(run)
     return stages[-1] if stages else None
+
+
+def merged_is_current(run: Path) -> bool:
+    """Whether ``run/merged`` folds in the run's latest aligned stage (a DPO round after an
+    export makes it stale)."""
+    manifest = read_manifest(run / "merged")
+    if manifest is None:
+        return False
+    stage = merged_stage(run)
+    if manifest["inputs"].get("aligned_stage") != stage:
+        return False
+    if stage is None:
+        return True
+    return (run / "merged" / MANIFEST).stat().st_mtime_ns >= (run / stage / MANIFEST).stat().st_mtime_ns
+
+
+def current_merged(run: Path) -> Path:
+    """``run/merged``, merged anew (default recipe) unless it folds in the run's latest stage."""
+    run = Path(run)
+    if not merged_is_current(run):
+        from slm_align.config import load_recipe
+
+        merge_run(load_recipe(None, {}), run, run / "merged", overwrite=True)
+    return run / "merged"
 
 
 def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: bool = False) -> StageResult:

@@ -137,7 +137,7 @@ def _device_settings(request: ExportRequest) -> tuple[str, str, int]:
 
 def _validate(request: ExportRequest) -> tuple[str, str, int]:
     if request.target not in TARGETS:
-        raise UserError(f"--target {request.target}: choose gguf, onnx, genai or executorch")
+        raise UserError(f"--target {request.target}: choose gguf, gguf-adapter, onnx, genai or executorch")
     if not 0.0 <= request.min_agreement <= 1.0:
         raise UserError(f"--min-agreement {request.min_agreement}: must be between 0 and 1")
     check_system_prompt(request.system, request.target)
@@ -179,33 +179,13 @@ def _locate(source: str, target: str) -> dict:
     return {"kind": "dir", "path": resolved.ref}
 
 
-def _merged_is_current(run: Path) -> bool:
-    """Whether ``run/merged`` folds in the run's latest aligned stage (a DPO round after an
-    export makes it stale)."""
-    from slm_align.export.merge import merged_stage
-
-    manifest = read_manifest(run / "merged")
-    if manifest is None:
-        return False
-    stage = merged_stage(run)
-    if manifest["inputs"].get("aligned_stage") != stage:
-        return False
-    if stage is None:
-        return True
-    return (run / "merged" / MANIFEST).stat().st_mtime_ns >= (run / stage / MANIFEST).stat().st_mtime_ns
-
-
 def _checkpoint(origin: dict, scratch: Path) -> Path:
     """A plain HF directory for ``origin``: the run merged, the directory itself, or a
     .gguf/hub model saved."""
     if origin["kind"] == "run":
-        run = Path(origin["run"])
-        if not _merged_is_current(run):
-            from slm_align.config import load_recipe
-            from slm_align.export.merge import merge_run
+        from slm_align.export.merge import current_merged
 
-            merge_run(load_recipe(None, {}), run, run / "merged", overwrite=True)
-        return run / "merged"
+        return current_merged(Path(origin["run"]))
     if origin["kind"] == "dir":
         return Path(origin["path"])
     from slm_align.modeling import ModelSource, load_model, load_tokenizer, save_tokenizer
@@ -420,6 +400,10 @@ def _gguf_companions(request: ExportRequest, final: Path, checkpoint: Path, chat
 
 def run_export(request: ExportRequest) -> StageResult:
     """Export, verify and publish one artifact; returns its path and the manifest's metrics."""
+    if request.target == "gguf-adapter":
+        from slm_align.export.adapter_export import run_adapter_export
+
+        return run_adapter_export(request)
     started = time.time()
     quant, preset, threads = _validate(request)
     origin = _locate(request.source, request.target)

@@ -20,7 +20,7 @@ LAYERS = {
     "stages": {"sft", "reward", "headroom", "rl", "preference", "evaluate", "export"},
     "models": {"modeling", "generation", "perplexity", "training", "data", "envelope", "agent"},
     "libraries": {"tools", "rewards", "devices", "chat_templates", "template_sandbox", "gguf_fields", "gguf_cache",
-                  "gguf_tokenizer"},
+                  "gguf_tokenizer", "gguf_adapters"},
     "ground": {"errors", "named", "atomic", "tomlcompat", "config", "recipe_overrides", "runs", "progress", "stats",
                "plots", "tracking", "accelerator"},
 }
