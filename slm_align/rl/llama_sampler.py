@@ -44,21 +44,10 @@ def save_policy_base(policy, tokenizer, source, folder: Path) -> Path:
     return folder
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """(V,) log-probabilities of (V,) logits, in float64."""
-    shifted = logits.astype(np.float64) - float(logits.max())
-    return shifted - np.log(np.exp(shifted).sum())
-
-
-def draw(logp: np.ndarray, rng: np.random.Generator) -> int:
-    """A token drawn from (V,) log-probabilities by inverting their cumulative sum at one uniform number
-    (``Generator.choice`` checks and normalises ``p`` each call: 10x slower on a 49k vocabulary)."""
-    cumulative = np.cumsum(np.exp(logp))
-    return int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), len(logp) - 1))
-
-
 class LlamaSampler:
-    """Completions of the current policy drawn by llama.cpp (see the module's doc)."""
+    """Completions of the current policy drawn by llama.cpp (see the module's doc): every completion of a
+    rollout is one sequence of one llama.cpp context, and each step decodes the next token of all of
+    them in one batch, so the weights are read once per step, not once per completion."""
 
     def __init__(self, policy, tokenizer, source, folder: Path, base_type: str = "F16", threads: int = 1,
                  n_ctx: int = 2048):
@@ -68,76 +57,146 @@ class LlamaSampler:
             raise UserError("rl.sampler = llama_cpp needs llama-cpp-python: pip install 'slm-align[agent]'") from None
         if base_type not in BASE_TYPES:
             raise UserError(f"rl.sampler_base {base_type}: choose one of {', '.join(BASE_TYPES)}")
+        self.lib = llama_cpp
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.base_dir = save_policy_base(policy, tokenizer, source, self.folder / "base")
         self.base_gguf = write_gguf(self.base_dir, self.folder / f"base-{base_type}.gguf", base_type)
-        self._llama_cpp = llama_cpp
-        self.llm = llama_cpp.Llama(model_path=str(self.base_gguf), n_ctx=n_ctx, n_threads=threads,
-                                   n_threads_batch=threads, n_batch=512, logits_all=False, verbose=False)
+        self.llm = llama_cpp.Llama(model_path=str(self.base_gguf), n_ctx=8, n_threads=threads, verbose=False,
+                                   vocab_only=False)
+        self.threads = threads
+        self.n_ctx = n_ctx
+        """Positions one completion may take (its prompt and its new tokens)."""
         self.vocab = self.llm.n_vocab()
         self._adapter = None
+        self._ctx = None
+        self._sequences = 0
 
     def refresh(self, policy) -> None:
         """Write the policy's LoRA as an adapter GGUF and apply it in place of the last one."""
         adapter_dir = self.folder / "adapter"
         policy.save_pretrained(adapter_dir)
         path = write_lora_gguf(adapter_dir, self.base_dir, self.folder / "adapter.gguf", "F32")
-        lib = self._llama_cpp
-        adapter = lib.llama_adapter_lora_init(self.llm.model, str(path).encode())
+        adapter = self.lib.llama_adapter_lora_init(self.llm.model, str(path).encode())
         if not adapter:
             raise UserError(f"llama.cpp could not load the policy's adapter {path}")
-        adapters = (lib.llama_adapter_lora_p_ctypes * 1)(adapter)
-        scales = (ctypes.c_float * 1)(1.0)
-        lib.llama_set_adapters_lora(self.llm.ctx, adapters, 1, scales)
         if self._adapter is not None:
-            lib.llama_adapter_lora_free(self._adapter)
+            self.lib.llama_adapter_lora_free(self._adapter)
         self._adapter = adapter
+        if self._ctx is not None:
+            self._apply_adapter()
 
-    def _logits(self) -> np.ndarray:
-        """(V,) the logits after the last evaluated token, copied."""
-        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.vocab,)).copy()
+    def _apply_adapter(self) -> None:
+        adapters = (self.lib.llama_adapter_lora_p_ctypes * 1)(self._adapter)
+        scales = (ctypes.c_float * 1)(1.0)
+        self.lib.llama_set_adapters_lora(self._ctx, adapters, 1, scales)
 
-    def _complete(self, prompt: list[int], prompt_logits: np.ndarray, max_new_tokens: int, temperature: float,
-                  eos: int, rng: np.random.Generator) -> tuple[list[int], list[float]]:
-        """One completion after ``prompt`` (evaluated already): its ids and their log-probabilities."""
-        self.llm.n_tokens = len(prompt)  # rewind to the prompt's end: its KV cache stays
-        logits = prompt_logits
-        ids: list[int] = []
-        logprobs: list[float] = []
-        for _ in range(max_new_tokens):
-            logp = log_softmax(logits / temperature)
-            token = draw(logp, rng)
-            ids.append(token)
-            logprobs.append(float(logp[token]))
-            if token == eos or len(ids) == max_new_tokens:
-                break
-            self.llm.eval([token])
-            logits = self._logits()
-        return ids, logprobs
+    def _context(self, sequences: int):
+        """A context for ``sequences`` sequences of :attr:`n_ctx` positions each (made again when a
+        rollout has more sequences than the last), the current adapter on it; its memory cleared."""
+        lib = self.lib
+        if self._ctx is None or sequences > self._sequences:
+            if self._ctx is not None:
+                lib.llama_free(self._ctx)
+            params = lib.llama_context_default_params()
+            params.n_ctx = self.n_ctx * sequences
+            params.n_batch = max(self.n_ctx, sequences)
+            params.n_ubatch = min(params.n_batch, 512)
+            params.n_seq_max = sequences
+            params.n_threads = self.threads
+            params.n_threads_batch = self.threads
+            params.kv_unified = True
+            self._ctx = lib.llama_init_from_model(self.llm.model, params)
+            if not self._ctx:
+                raise UserError(f"llama.cpp could not make a context for {sequences} sequences of {self.n_ctx}")
+            self._sequences = sequences
+            if self._adapter is not None:
+                self._apply_adapter()
+        lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
+        return self._ctx
+
+    def _decode(self, ctx, entries: list[tuple[int, int, int, bool]]) -> None:
+        """Decode (token, position, sequence, wants logits) entries in one llama.cpp batch."""
+        lib = self.lib
+        batch = lib.llama_batch_init(len(entries), 0, 1)
+        try:
+            batch.n_tokens = len(entries)
+            for i, (token, position, sequence, logits) in enumerate(entries):
+                batch.token[i] = token
+                batch.pos[i] = position
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = sequence
+                batch.logits[i] = logits
+            if lib.llama_decode(ctx, batch) != 0:
+                raise UserError(f"llama.cpp could not decode a batch of {len(entries)} tokens; lower "
+                                "rl.prompts_per_step or rl.max_new_tokens")
+        finally:
+            lib.llama_batch_free(batch)
+
+    def _logits(self, ctx, positions: list[int]) -> torch.Tensor:
+        """(len(positions), V) the logits at those positions of the last decoded batch, copied."""
+        out = np.empty((len(positions), self.vocab), dtype=np.float32)
+        for row, position in enumerate(positions):
+            out[row] = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(ctx, position), shape=(self.vocab,))
+        return torch.from_numpy(out)
+
+    def _prompts(self, ctx, encoded: list[list[int]]) -> torch.Tensor:
+        """Evaluate each distinct prompt once on the first sequence that has it, copy its cache to the
+        sequences with the same prompt (a GRPO group); (B, V) each sequence's next-token logits."""
+        first: dict[tuple[int, ...], int] = {}
+        for sequence, ids in enumerate(encoded):
+            first.setdefault(tuple(ids), sequence)
+        logits: dict[int, torch.Tensor] = {}
+        for ids, sequence in first.items():
+            self._decode(ctx, [(token, position, sequence, position == len(ids) - 1)
+                               for position, token in enumerate(ids)])
+            logits[sequence] = self._logits(ctx, [len(ids) - 1])[0]
+        memory = self.lib.llama_get_memory(ctx)
+        for sequence, ids in enumerate(encoded):
+            source = first[tuple(ids)]
+            if source != sequence:
+                self.lib.llama_memory_seq_cp(memory, source, sequence, -1, -1)
+        return torch.stack([logits[first[tuple(ids)]] for ids in encoded])
 
     def sample(self, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float,
                seed: Optional[int]) -> Samples:
         """One completion per prompt, laid out as :func:`slm_align.generation.sample` lays them out
-        (left-padded prompts, completions through their first EOS), with llama.cpp's log-probabilities."""
-        rng = np.random.default_rng(seed)
+        (left-padded prompts, completions through their first EOS), with llama.cpp's log-probabilities:
+        log softmax(logits / temperature) of each drawn token, the distribution it was drawn from."""
         eos = tokenizer.eos_token_id
         encoded = [tokenizer(p, add_special_tokens=True)["input_ids"] or [eos] for p in prompts]
-        drawn = []
-        last_prompt: Optional[list[int]] = None
-        prompt_logits = None
-        for ids in encoded:
-            if ids != last_prompt:  # a group's completions share the prompt's evaluation
-                self.llm.reset()
-                self.llm.eval(ids)
-                prompt_logits = self._logits()
-                last_prompt = ids
-            drawn.append(self._complete(ids, prompt_logits, max_new_tokens, temperature, eos, rng))
+        longest = max(len(ids) for ids in encoded)
+        if longest + max_new_tokens > self.n_ctx:
+            raise UserError(f"a prompt of {longest} tokens and {max_new_tokens} new ones do not fit the llama.cpp "
+                            f"sampler's {self.n_ctx} positions; shorten the prompts or lower max_new_tokens")
+        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        ctx = self._context(len(prompts))
+        logits = self._prompts(ctx, encoded)
+        drawn: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
+        active = list(range(len(prompts)))
+        while active:
+            logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+            tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            going = []
+            for row, sequence in enumerate(active):
+                ids, logprobs = drawn[sequence]
+                ids.append(int(tokens[row]))
+                logprobs.append(float(chosen[row]))
+                if ids[-1] != eos and len(ids) < max_new_tokens:
+                    going.append(sequence)
+            if going:
+                self._decode(ctx, [(drawn[s][0][-1], len(encoded[s]) + len(drawn[s][0]) - 1, s, True) for s in going])
+                logits = self._logits(ctx, list(range(len(going))))
+            active = going
         return layout(tokenizer, prompts, encoded, drawn, eos)
 
     def close(self) -> None:
+        if self._ctx is not None:
+            self.lib.llama_free(self._ctx)
+            self._ctx = None
         if self._adapter is not None:
-            self._llama_cpp.llama_adapter_lora_free(self._adapter)
+            self.lib.llama_adapter_lora_free(self._adapter)
             self._adapter = None
         self.llm.close()
 
