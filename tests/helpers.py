@@ -110,3 +110,47 @@ def stepwise_agreement(artifact: Path, model_dir: Path) -> tuple[float, int]:
     with torch.no_grad():
         torch_top1 = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
     return sum(a == b for a, b in zip(artifact_top1, torch_top1)) / len(ids), len(ids)
+
+
+def random_lora(model_dir, targets, seed: int = 0, **settings):
+    """A peft LoRA on ``targets`` of the model in ``model_dir`` (fp32), every A and B drawn at std 0.1
+    (the delta is then as large as the weights: it changes what the model says)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    settings = {"r": 4, "lora_alpha": 8, **settings}
+    peft_model = get_peft_model(model, LoraConfig(target_modules=targets, init_lora_weights=False,
+                                                  fan_in_fan_out=model.config.model_type == "gpt2", **settings))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    return peft_model.eval()
+
+
+def save_lora(model_dir, out, targets, seed: int = 0, **settings):
+    """:func:`random_lora` saved to ``out`` (adapter_config.json + adapter_model.safetensors); ``out``."""
+    random_lora(model_dir, targets, seed, **settings).save_pretrained(out)
+    return out
+
+
+def decisive_models(root, tokenizer, architectures) -> dict:
+    """Tiny models whose output head is scaled up 60x, saved under ``root`` by architecture: a random
+    model at init std 0.02 has near-tied logits, where rounding to F16 may legitimately flip a greedy
+    choice; these make every choice clear. ``{architecture: directory}``."""
+    import torch
+
+    from slm_align.modeling import build_tiny_model
+
+    folders = {}
+    for arch in architectures:
+        model = build_tiny_model(arch, vocab_size=len(tokenizer))
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(60.0)
+        model.save_pretrained(root / arch, safe_serialization=True)
+        tokenizer.save_pretrained(root / arch)
+        folders[arch] = root / arch
+    return folders

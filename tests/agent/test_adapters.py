@@ -19,7 +19,7 @@ from slm_align.export.gguf_adapter import write_lora_gguf
 from slm_align.gguf_adapters import chain_digest
 from slm_align.modeling import build_tiny_model
 from slm_align.runs import sha256_file
-from tests.helpers import run_cli
+from tests.helpers import run_cli, save_lora
 
 pytest.importorskip("llama_cpp")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -27,31 +27,14 @@ TEXT = "Once upon a time there was a little fox who lived in the forest."
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
-def save_lora(model_dir, out, seed: int):
-    """A peft LoRA on every projection of the model in ``model_dir``, each A and B drawn at std 0.1
-    (a delta as large as the weights: it changes what the model says)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(target_modules=TARGETS, r=4, lora_alpha=8, init_lora_weights=False))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
-    peft_model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, tiny_models, tokenizer):
     """The tiny Llama's F32 GGUF, two adapters made for it, and another Llama base of the same shapes."""
     root = tmp_path_factory.mktemp("adapters")
     base = write_gguf(tiny_models["llama"], root / "base.gguf")
-    adapters = [write_lora_gguf(save_lora(tiny_models["llama"], root / f"lora{seed}", seed), tiny_models["llama"],
-                                root / f"adapter{seed}.gguf", base_gguf=base) for seed in (1, 2)]
+    loras = [save_lora(tiny_models["llama"], root / f"lora{seed}", TARGETS, seed) for seed in (1, 2)]
+    adapters = [write_lora_gguf(lora, tiny_models["llama"], root / f"adapter{seed}.gguf", base_gguf=base)
+                for seed, lora in zip((1, 2), loras)]
     other = build_tiny_model("llama", vocab_size=len(tokenizer), seed=7)
     other.save_pretrained(root / "other")
     tokenizer.save_pretrained(root / "other")

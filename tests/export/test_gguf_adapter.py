@@ -8,6 +8,7 @@ from slm_align.errors import UserError
 from slm_align.export.gguf import write_gguf
 from slm_align.export.gguf_adapter import check_adapter_base, write_lora_gguf
 from slm_align.modeling import build_tiny_model
+from tests.helpers import decisive_models, save_lora
 
 pytest.importorskip("llama_cpp")
 
@@ -28,38 +29,11 @@ TEXT = "Once upon a time there was a little fox who lived in the forest and love
 def models(tmp_path_factory, tokenizer):
     """Tiny models whose output head is scaled up so that greedy choices are clear (as in
     test_gguf_and_onnx.py), each with its F32 and F16 GGUF."""
-    import torch
-
     root = tmp_path_factory.mktemp("adapter-bases")
-    for arch in ARCHS:
-        model = build_tiny_model(arch, vocab_size=len(tokenizer))
-        with torch.no_grad():
-            model.get_output_embeddings().weight.mul_(60.0)
-        model.save_pretrained(root / arch, safe_serialization=True)
-        tokenizer.save_pretrained(root / arch)
+    for arch in decisive_models(root, tokenizer, ARCHS):
         for file_type in RELATIVE_TOLERANCE:
             write_gguf(root / arch, root / f"{arch}-{file_type}.gguf", file_type)
     return root
-
-
-def save_lora(model_dir, out, targets, seed: int = 0, **settings):
-    """A peft LoRA on ``targets`` of the model in ``model_dir``, every A and B drawn at std 0.1 (the
-    delta is then as large as the weights), saved to ``out``."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    settings = {"r": 4, "lora_alpha": 8, **settings}
-    peft_model = get_peft_model(model, LoraConfig(target_modules=targets, init_lora_weights=False,
-                                                  fan_in_fan_out=model.config.model_type == "gpt2", **settings))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
-    peft_model.save_pretrained(out)
-    return out
 
 
 def torch_logits(model_dir, adapter, ids):

@@ -12,8 +12,8 @@ from slm_align.agent.open_artifact import open_backend
 from slm_align.export.gguf import _unfuse_neox_qkv
 from slm_align.export.parity import torch_greedy, verification_prompts
 from slm_align.export.stage import ExportRequest, VerificationFailed, run_export
-from slm_align.modeling import build_tiny_model, load_model, load_tokenizer, resolve_source
-from tests.helpers import finished_sft_run, run_cli, stepwise_agreement
+from slm_align.modeling import load_model, load_tokenizer, resolve_source
+from tests.helpers import decisive_models, finished_sft_run, run_cli, stepwise_agreement
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("onnxruntime")
@@ -26,16 +26,7 @@ def models(tmp_path_factory, tokenizer, tiny_models):
     """Tiny models whose output head is scaled up: a random model at init std 0.02 has
     near-tied logits, where rounding to F16 may legitimately flip a greedy choice; these
     make every choice clear."""
-    import torch
-
-    root = tmp_path_factory.mktemp("decisive")
-    for arch in ARCHS:
-        model = build_tiny_model(arch, vocab_size=len(tokenizer))
-        with torch.no_grad():
-            model.get_output_embeddings().weight.mul_(60.0)
-        model.save_pretrained(root / arch, safe_serialization=True)
-        tokenizer.save_pretrained(root / arch)
-    return {**tiny_models, **{arch: root / arch for arch in ARCHS}}
+    return {**tiny_models, **decisive_models(tmp_path_factory.mktemp("decisive"), tokenizer, ARCHS)}
 
 
 def _independent_greedy_check(model_dir, artifact, check, quantized=False, steps=32):

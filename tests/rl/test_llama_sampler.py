@@ -4,26 +4,21 @@ iteration on them logs the mismatch and trains."""
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 
 from slm_align.envelope.logprobs import forward_logprobs
-from slm_align.modeling import load_model, load_tokenizer, resolve_source
+from slm_align.modeling import load_tokenizer, resolve_source
 from slm_align.rl.llama_sampler import LlamaSampler
+from tests.helpers import random_lora
 from tests.rl.test_guards import lora_state, make_loop, sft_run  # noqa: F401
 
 PROMPTS = ["Once upon a time"] * 3 + ["The cat sat"] * 3
 
 
-def random_lora(model_dir):
-    """The tiny model under a LoRA whose B is not zero: its adapter moves the logits."""
+def lora_policy(model_dir):
+    """The tiny model under a LoRA whose B is not zero (its adapter moves the logits), with its source and
+    tokenizer."""
     source = resolve_source(str(model_dir))
-    model = load_model(source).float().eval()
-    torch.manual_seed(0)
-    policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]))
-    for name, parameter in policy.named_parameters():
-        if "lora_B" in name:
-            parameter.data.normal_(0, 0.3)
-    return source, load_tokenizer(source), policy.eval()
+    return source, load_tokenizer(source), random_lora(model_dir, ["q_proj", "v_proj", "o_proj"])
 
 
 def trainer_logprobs(policy, samples, adapter=True):
@@ -43,7 +38,7 @@ def mean_gap(a, b, mask):
 @pytest.mark.parametrize("base_type, bound", [("F32", 1e-3), ("F16", 5e-3)])
 def test_the_samplers_logprobs_are_the_trainers_with_the_adapter_swapped_in(tiny_models, tmp_path, base_type,
                                                                               bound):
-    source, tokenizer, policy = random_lora(tiny_models["llama"])
+    source, tokenizer, policy = lora_policy(tiny_models["llama"])
     sampler = LlamaSampler(policy, tokenizer, source, tmp_path, base_type, threads=1, n_ctx=256)
     try:
         sampler.refresh(policy)
@@ -68,7 +63,7 @@ def test_the_samplers_logprobs_are_the_trainers_with_the_adapter_swapped_in(tiny
 
 
 def test_the_same_seed_draws_the_same_completions(tiny_models, tmp_path):
-    source, tokenizer, policy = random_lora(tiny_models["llama"])
+    source, tokenizer, policy = lora_policy(tiny_models["llama"])
     sampler = LlamaSampler(policy, tokenizer, source, tmp_path, "F32", threads=1, n_ctx=256)
     try:
         sampler.refresh(policy)
