@@ -22,7 +22,7 @@ LAYERS = {
     "libraries": {"tools", "rewards", "devices", "chat_templates", "template_sandbox", "gguf_fields", "gguf_cache",
                   "gguf_tokenizer", "gguf_adapters"},
     "ground": {"errors", "named", "atomic", "tomlcompat", "config", "recipe_overrides", "runs", "progress", "stats",
-               "plots", "tracking", "accelerator"},
+               "ab_test", "plots", "tracking", "accelerator"},
 }
 """Each room (a subpackage or a top-level module of slm_align) and its layer, top to bottom."""
 
