@@ -17,6 +17,9 @@ the owner only. Feedback rows are appended, never updated: the export takes the 
 Turn tokens: each turn keeps a random token (schema version 2) that whoever was given the answer
 presents with feedback on it (:meth:`PreferenceStore.turn_by_token`); ids are sequential and easy to
 guess, tokens are not. Turns recorded before version 2 have none and take no token-checked feedback.
+
+A/B decisions: a server A/B-testing a candidate adapter (``serve --candidate``) records each decision it
+reaches, with its evidence, in ``ab_decisions`` (schema version 3; :meth:`PreferenceStore.record_decision`).
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from slm_align.agent.store_schema import AB_DECISIONS, migrate, schema_version
 from slm_align.errors import UserError
 
-SCHEMA_VERSION = 2
 BUSY_TIMEOUT_MS = 5000
 PRIVATE_UMASK = 0o077
 PRIVATE_MODE = 0o600
@@ -54,40 +57,6 @@ MAX_FEEDBACK_PER_TURN = 16
 """Most feedback records one turn keeps: a user changes their mind a few times, a client that sends hundreds
 (one turn token, 300 distinct alternatives) is refused instead of growing the store."""
 
-_SCHEMA_V1 = """
-CREATE TABLE turns (
-    id              INTEGER PRIMARY KEY AUTOINCREMENT,
-    conversation_id TEXT    NOT NULL,
-    created_at      TEXT    NOT NULL,                -- ISO 8601, UTC
-    model_id        TEXT    NOT NULL,                -- sha256 of the model artifact that answered
-    messages        TEXT    NOT NULL,                -- JSON: the chat messages up to this turn (the prompt)
-    completion      TEXT    NOT NULL,                -- the model's answer
-    sampling        TEXT    NOT NULL,                -- JSON: the sampling parameters
-    consent         INTEGER NOT NULL CHECK (consent IN (0, 1))
-);
-CREATE INDEX turns_by_conversation ON turns (conversation_id);
-CREATE TABLE feedback (
-    id               INTEGER PRIMARY KEY AUTOINCREMENT,
-    turn_id          INTEGER NOT NULL REFERENCES turns (id) ON DELETE CASCADE,
-    kind             TEXT    NOT NULL CHECK (kind IN ('up', 'down', 'choice', 'edit')),
-    other_completion TEXT,                            -- 'choice': the other candidate's text
-    preferred        TEXT    CHECK (preferred IN ('this', 'other')),  -- 'choice': which one won
-    edited_text      TEXT,                            -- 'edit': the user's corrected answer
-    created_at       TEXT    NOT NULL,
-    CHECK ((kind = 'choice') = (other_completion IS NOT NULL AND preferred IS NOT NULL)),
-    CHECK ((kind = 'edit') = (edited_text IS NOT NULL))
-);
-CREATE INDEX feedback_by_turn ON feedback (turn_id);
-"""
-
-_V2_TURN_TOKENS = """
-ALTER TABLE turns ADD COLUMN token TEXT;
-"""
-"""Each turn's random token, presented with feedback on it."""
-
-# MIGRATIONS[v - 1] takes a database from version v - 1 to version v (statements split on ';').
-MIGRATIONS: tuple[str, ...] = (_SCHEMA_V1, _V2_TURN_TOKENS)
-assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
 @dataclass(frozen=True)
@@ -175,69 +144,11 @@ def _create_private(path: Path) -> None:
         pass
 
 
-def _schema_version(conn: sqlite3.Connection) -> int:
-    """The file's schema version; a newer one than this code knows is refused
-    before anything is written."""
-    found = conn.execute("PRAGMA user_version").fetchone()[0]
-    if found > SCHEMA_VERSION:
-        raise UserError(f"preference DB schema version {found} is newer than this slm-align "
-                        f"supports ({SCHEMA_VERSION}); upgrade slm-align to open it")
-    return found
-
-
-_TURN_COLUMNS = ("id", "conversation_id", "created_at", "model_id", "messages", "completion", "sampling", "consent")
-_FEEDBACK_COLUMNS = ("id", "turn_id", "kind", "other_completion", "preferred", "edited_text", "created_at")
-SPEC = "docs/feedback-store.md"
-"""The written schema a writer outside slm-align (a native app) follows."""
-
-
-def required_columns(version: int) -> dict[str, tuple[str, ...]]:
-    """The columns each table has at schema ``version`` (1 or later)."""
-    turns = _TURN_COLUMNS + ("token",) if version >= 2 else _TURN_COLUMNS
-    return {"turns": turns, "feedback": _FEEDBACK_COLUMNS}
-
-
-def _check_layout(conn: sqlite3.Connection, version: int) -> None:
-    """Version 0 has no tables yet; a later version has every column this code reads (a
-    foreign writer's slip)."""
-    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    if version == 0:
-        if tables & {"turns", "feedback"}:
-            raise UserError("preference DB has tables but schema version 0; its writer must set "
-                            f"PRAGMA user_version = {SCHEMA_VERSION} after creating them (see {SPEC})")
-        return
-    for table, columns in required_columns(version).items():
-        found = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-        missing = [column for column in columns if column not in found]
-        if missing:
-            raise UserError(f"preference DB schema version {version}: table {table} lacks "
-                            f"column(s) {', '.join(missing)}; create the tables as {SPEC} says")
-
-
-def migrate(conn: sqlite3.Connection) -> int:
-    """Bring the schema up to :data:`SCHEMA_VERSION` in one transaction;
-    return the version found."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        found = _schema_version(conn)
-        _check_layout(conn, found)
-        for version in range(found + 1, SCHEMA_VERSION + 1):
-            for statement in MIGRATIONS[version - 1].split(";"):
-                if statement.strip():
-                    conn.execute(statement)
-            conn.execute(f"PRAGMA user_version = {version}")
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    return found
-
-
 def _connect(path: Path) -> sqlite3.Connection:
     """An autocommit connection (transactions are explicit) in WAL mode with durable commits."""
     conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
     try:
-        _schema_version(conn)
+        schema_version(conn)
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
             raise UserError(f"preference DB {path}: cannot switch to WAL mode (got {mode}); "
@@ -424,7 +335,37 @@ class PreferenceStore:
                                 "pass one that record_turn made")
             return changed
 
+    def record_decision(self, current_id: str, candidate_id: str, decision: str, evidence: dict[str, Any]) -> int:
+        """Append an A/B test's decision (promote, revert or keep) between two model ids, with its
+        evidence (``Evidence.to_dict()``); return its id."""
+        if decision not in AB_DECISIONS:
+            raise UserError(f"decision must be one of {', '.join(AB_DECISIONS)}, got {decision!r}")
+        row = (_now(), _check_model_id(current_id), _check_model_id(candidate_id), decision,
+               _json_text(evidence, "evidence"))
+        with self._transaction() as conn:
+            cursor = conn.execute("INSERT INTO ab_decisions (created_at, current_id, candidate_id, decision, "
+                                  "evidence) VALUES (?, ?, ?, ?, ?)", row)
+            return int(cursor.lastrowid)
+
     # -- reads -------------------------------------------------------------------------------------
+
+    def decisions(self, current_id: str, candidate_id: str) -> list[dict[str, Any]]:
+        """The A/B decisions recorded between the two model ids, oldest first: ``{id, created_at,
+        current_id, candidate_id, decision, evidence}`` each (evidence as a dict)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT * FROM ab_decisions WHERE current_id = ? AND candidate_id = ? "
+                                      "ORDER BY id", (current_id.lower(), candidate_id.lower())).fetchall()
+        return [{**dict(row), "evidence": json.loads(row["evidence"])} for row in rows]
+
+    def thumbs_of(self, model_id: str) -> list[bool]:
+        """The thumbs given to turns ``model_id`` answered (True: up), each turn's latest, in the order
+        those verdicts were given: one arm's ratings for an A/B test."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT f.kind FROM feedback f JOIN turns t ON t.id = f.turn_id WHERE t.model_id = ? "
+                "AND f.id = (SELECT MAX(id) FROM feedback WHERE turn_id = f.turn_id AND kind IN ('up', 'down')) "
+                "ORDER BY f.id", (model_id.lower(),)).fetchall()
+        return [row[0] == "up" for row in rows]
 
     def _require_turn(self, conn: sqlite3.Connection, turn_id: Any) -> None:
         known = (isinstance(turn_id, int) and not isinstance(turn_id, bool) and 0 < turn_id <= MAX_TURN_ID

@@ -124,7 +124,9 @@ def write_now(text: str) -> None:
                          "SLM_ALIGN_API_KEY=s3cret slm-align serve model.gguf --host 0.0.0.0 "
                          "--port 9000\n\n  curl -s http://127.0.0.1:8080/v1/chat/completions -H "
                          "'Content-Type: application/json' -d '{\"model\": \"m\", \"messages\": "
-                         "[{\"role\": \"user\", \"content\": \"Hi\"}]}'\n\nAny OpenAI client "
+                         "[{\"role\": \"user\", \"content\": \"Hi\"}]}'\n\n  slm-align serve base-F16.gguf "
+                         "--store prefs.db --adapter sft=adapter-sft-F16.gguf --candidate adapter-dpo-F16.gguf"
+                         "   # A/B a new round\n\nAny OpenAI client "
                          "works: base_url http://127.0.0.1:8080/v1, api_key the "
                          "--api-key (or any text).")
 def serve(
@@ -151,6 +153,15 @@ def serve(
                                          "requests addressed to this host name (repeatable; '*': "
                                          "any). Loopback names always work."),
     chat_template: Optional[str] = ChatTemplateOpt,
+    adapter: Optional[list[str]] = typer.Option(None, "--adapter", help="NAME=FILE: a LoRA adapter GGUF made "
+                                                "for the GGUF base, answering requests whose 'model' is NAME "
+                                                "(repeat a NAME to chain adapters in order); the first NAME is "
+                                                "the default."),
+    candidate: Optional[list[Path]] = typer.Option(None, "--candidate", help="LoRA adapter GGUF to A/B-test "
+                                                   "against the default on the users' thumbs (needs --store); "
+                                                   "it promotes or reverts itself. Repeat to chain."),
+    candidate_share: float = typer.Option(0.5, "--candidate-share", help="Share of conversations the "
+                                          "candidate answers while the A/B test collects."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Serve an exported model: an OpenAI-compatible API (/v1/chat/completions, and /v1/completions
@@ -159,8 +170,21 @@ def serve(
 
     run_server(artifact, host=host, port=port, api_key=api_key, insecure=insecure, store_path=store, consent=consent,
                tools=tools, device=device, threads=threads, n_ctx=n_ctx, allowed_hosts=allow_host,
-               chat_template=chat_template,
+               chat_template=chat_template, adapters=named_adapters(adapter or ()), candidate=candidate or (),
+               candidate_share=candidate_share,
                announce=lambda info: emit(as_json, info, lambda: print_serving(info)))
+
+
+def named_adapters(values: list[str]) -> dict[str, list[Path]]:
+    """``--adapter NAME=FILE`` values as ``{NAME: [FILE, ...]}`` in the order given (one line if one has no
+    ``=``)."""
+    named: dict[str, list[Path]] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--adapter {value!r}: pass NAME=FILE, e.g. --adapter dpo=adapter-dpo-F16.gguf")
+        named.setdefault(name, []).append(Path(path))
+    return named
 
 
 @feedback_app.command("export", epilog="Examples:\n\n  slm-align feedback export prefs.db --out "

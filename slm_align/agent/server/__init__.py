@@ -6,7 +6,8 @@ page over one exported model.
 
 Routes: ``POST /v1/chat/completions`` (OpenAI request and response shapes, streaming by
 server-sent events, client-side function tools), ``GET /v1/models``, ``POST /v1/feedback``,
-``POST /v1/alternative``, ``GET /health`` and the chat page at ``/``. Answers carry a
+``POST /v1/alternative``, ``GET /v1/ab`` (the A/B test of a candidate adapter), ``GET /health`` and the
+chat page at ``/``. Answers carry a
 non-standard ``x_turn_id`` and ``x_turn_token``: the turn's id in the preference store, and the
 unguessable token that feedback and alternatives on it must present; a request may carry
 ``x_conversation_id`` to group its turns.
@@ -22,7 +23,8 @@ Modules: ``body`` (reading a body as JSON within the limits, the models' ground)
 validation errors as 400s), ``chat_request`` (the validated chat request the service answers),
 ``worker`` (the model thread), ``service`` (what the routes share, answering on the model thread),
 ``responses`` (OpenAI's response shapes), ``routes`` (the routes and the API-key guard), ``guard``
-(the Host/Origin check against DNS rebinding), ``app`` (``create_app`` and ``serve``), ``errors``.
+(the Host/Origin check against DNS rebinding), ``adapters`` (which LoRA adapters answer a request, and the
+A/B test of a candidate), ``app`` (``create_app`` and ``serve``), ``errors``.
 """
 
 from slm_align.agent.server.app import bind, check_exposure, create_app, is_loopback, serve

@@ -8,11 +8,13 @@ import socket
 from contextlib import asynccontextmanager
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from starlette.applications import Starlette
 
+from slm_align.ab_test import SequentialTest
 from slm_align.agent.runtime import load_model
+from slm_align.agent.server.adapters import AdapterRouter
 from slm_align.agent.server.body import Limits
 from slm_align.agent.server.completions import COMPLETION_ROUTES
 from slm_align.agent.server.errors import HANDLERS
@@ -34,7 +36,10 @@ def read_page() -> str:
 def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = None, api_key: Optional[str] = None,
                consent: bool = False, tools: bool = False, notes: Union[str, Path, None] = None,
                device: Optional[str] = None, threads: Optional[int] = None, n_ctx: Optional[int] = None,
-               allowed_hosts: Sequence[str] = (), chat_template: Optional[str] = None, **limits: int) -> Starlette:
+               allowed_hosts: Sequence[str] = (), chat_template: Optional[str] = None,
+               adapters: Optional[Mapping[str, Sequence[Union[str, Path]]]] = None,
+               candidate: Union[str, Path, Sequence[Union[str, Path]], None] = None, candidate_share: float = 0.5,
+               ab_test: SequentialTest = SequentialTest(), **limits: int) -> Starlette:
     """The server as an ASGI app (run it with uvicorn or :func:`serve`).
 
     Args:
@@ -49,6 +54,12 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
         chat_template: "chatml" or a Jinja file in place of the model's own (base
         models have none; without one,
             chat requests are refused and /v1/completions still continues plain text).
+        adapters: Named LoRA adapter sets for a GGUF base, ``{name: [adapter GGUFs in order]}``, picked
+        by a request's ``model``; the first is the current one (see
+            :mod:`slm_align.agent.server.adapters`).
+        candidate: An adapter GGUF (or a list, applied in order) to A/B-test against the current set on the
+        users' thumbs (needs ``store_path``); candidate_share: the share of conversations it gets;
+        ab_test: the sequential test's settings.
         limits: Any :class:`Limits` field (max_body_bytes, max_queue, max_messages, ...).
     """
     from slm_align.tools.builtin import default_tools
@@ -57,7 +68,14 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
     model = load_model(artifact, device, threads, n_ctx, chat_template)
     check_chat_template(model.backend)  # refused at startup, not by every request holding the model thread
     store = PreferenceStore(Path(store_path)) if store_path is not None else None
-    service = Service(model, store, consent, default_tools(notes) if tools else None, settings)
+    candidates = [candidate] if isinstance(candidate, (str, Path)) else list(candidate or ())
+    try:
+        router = AdapterRouter(model, adapters, candidates, candidate_share, store, ab_test)
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    service = Service(model, store, consent, default_tools(notes) if tools else None, settings, router)
 
     @asynccontextmanager
     async def lifespan(app):

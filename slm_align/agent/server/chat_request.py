@@ -43,6 +43,8 @@ class ChatRequest:
     ``logprobs`` not asked for)."""
     single_call: bool = False
     """``parallel_tool_calls`` false: at most one call goes back."""
+    model: Optional[str] = None
+    """The request's ``model``: which adapter set answers (see :mod:`slm_align.agent.server.adapters`)."""
 
 
 def parse_chat(body: dict, limits: Limits, backend_kind: str = "gguf") -> ChatRequest:
@@ -55,7 +57,14 @@ def parse_chat(body: dict, limits: Limits, backend_kind: str = "gguf") -> ChatRe
                        include_usage=chat.include_usage, client_tools=tools,
                        server_tools=chat.tool_choice != "none" and not _wants_json(chat),
                        conversation_id=chat.x_conversation_id, answer_grammar=answer_grammar(chat, tools, backend_kind),
-                       logprobs=_logprobs(chat), single_call=not chat.parallel_tool_calls)
+                       logprobs=_logprobs(chat), single_call=not chat.parallel_tool_calls,
+                       model=requested_model(body))
+
+
+def requested_model(body: dict) -> Optional[str]:
+    """The ``model`` a request names (None: left out, null or not text)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
 
 
 def _forced_call(chat: ChatBody) -> bool:

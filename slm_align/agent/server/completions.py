@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from functools import partial
-from typing import Annotated, Any, AsyncIterator, Iterator, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Callable, Iterator, Optional, Union
 
 from pydantic import Field, StrictBool, StrictInt, model_validator
 from starlette.requests import Request
@@ -30,6 +30,7 @@ from slm_align.agent.server.body import (
     request_seed,
     stop_list,
 )
+from slm_align.agent.server.chat_request import requested_model
 from slm_align.agent.server.refusals import validate
 from slm_align.agent.server.responses import Meta, last_item, sse, stream_error
 from slm_align.agent.server.routes import SSE_HEADERS, client_left
@@ -75,9 +76,11 @@ class CompletionBody(Body):
                               stop=stop_list(self.stop), seed=request_seed(self.seed))
 
 
-def continuation(model: Model, prompt: str, sampling: SamplingParams,
+def continuation(model: Model, prompt: str, sampling: SamplingParams, apply: Callable[[], None],
                  cancel: threading.Event) -> Iterator[Union[str, Reply]]:
-    """On the model thread: the pieces of ``prompt``'s continuation, then its :class:`Reply`."""
+    """On the model thread: ``apply`` the request's adapters, then the pieces of ``prompt``'s
+    continuation, then its :class:`Reply`."""
+    apply()
     agent = Agent(model.backend, model.sha256, sampling=sampling, cancel=cancel)
     yield from agent.complete(prompt)
     yield agent.last
@@ -120,13 +123,15 @@ async def completions(request: Request):
     """``POST /v1/completions``: ``prompt`` continued as plain text, whole or streamed
     by server-sent events."""
     service = request.app.state.service
-    wanted = validate(CompletionBody, await read_json(request, service.limits.max_body_bytes), service.limits)
-    job = partial(continuation, service.model, wanted.prompt, wanted.sampling())
+    body = await read_json(request, service.limits.max_body_bytes)
+    wanted = validate(CompletionBody, body, service.limits)
+    chosen = service.router.pick(requested_model(body))  # nothing recorded: no A/B routing
+    job = partial(continuation, service.model, wanted.prompt, wanted.sampling(), partial(service.router.apply, chosen))
     events = service.worker.run(job, request.receive)
     first = await anext(events, None)  # a full queue or a prompt too long is refused here, before any byte is sent
     if first is None:
         return client_left()
-    meta = Meta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), service.model.name)
+    meta = Meta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), chosen.name)
     if wanted.stream:
         return StreamingResponse(text_stream(first, events, meta), media_type="text/event-stream", headers=SSE_HEADERS)
     reply = first if isinstance(first, Reply) else await last_item(events)

@@ -1,4 +1,4 @@
-"""The routes: chat completions, feedback, alternatives, models, health and the
+"""The routes: chat completions, feedback, alternatives, models, the A/B test, health and the
 page; the API-key guard."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from slm_align.agent.server.adapters import DEFAULT
 from slm_align.agent.server.body import read_json
 from slm_align.agent.server.chat_request import parse_chat
-from slm_align.agent.server.errors import error_response
+from slm_align.agent.server.errors import ApiError, error_response
 from slm_align.agent.server.feedback_body import AlternativeBody, FeedbackBody
 from slm_align.agent.server.refusals import validate
 from slm_align.agent.server.responses import Meta, completion_body, last_item, sse_stream
@@ -43,11 +44,12 @@ async def chat_completions(request: Request):
     """
     service = _service(request)
     chat = await run_in_threadpool(parse_chat, await _body(request), service.limits, service.model.backend.kind)
-    events = service.worker.run(partial(service.answer, chat), request.receive)
+    chosen = service.choose(chat)
+    events = service.worker.run(partial(service.answer, chat, chosen), request.receive)
     first = await anext(events, None)  # a full queue or a prompt too long is refused here, before any byte is sent
     if first is None:
         return client_left()
-    meta = Meta.new(service.model.name)
+    meta = Meta.new(chosen.name)
     if chat.stream:
         return StreamingResponse(sse_stream(first, events, meta, chat), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
@@ -84,17 +86,34 @@ async def alternative(request: Request):
 
 
 async def models(request: Request):
-    """``GET /v1/models``: the one model served."""
-    model = _service(request).model
-    return JSONResponse({"object": "list", "data": [{"id": model.name, "object": "model", "created": 0,
-                                                     "owned_by": "slm-align", "x_sha256": model.sha256,
-                                                     "x_chat_template": model.backend.chat_template_origin}]})
+    """``GET /v1/models``: the model served; with adapters, every name a request may pass as ``model``
+    (``default`` first: whatever the conversation is routed to)."""
+    service = _service(request)
+    model, router = service.model, service.router
+    sets = list(router.sets.values())
+    entries = [{"id": found.name, "x_model_id": found.model_id, "x_adapters": [path.name for path in found.paths]}
+               for found in sets]
+    if len(sets) > 1:
+        entries.insert(0, {"id": DEFAULT, "x_model_id": router.current.model_id, "x_routes_to": router.current.name})
+    common = {"object": "model", "created": 0, "owned_by": "slm-align", "x_sha256": model.sha256,
+              "x_chat_template": model.backend.chat_template_origin}
+    return JSONResponse({"object": "list", "data": [{**entry, **common} for entry in entries]})
+
+
+async def ab_test(request: Request):
+    """``GET /v1/ab``: the A/B test of the candidate adapter: its state, arms and latest evidence."""
+    trial = _service(request).router.trial
+    if trial is None:
+        raise ApiError(404, "this server runs no A/B test; start it with --candidate FILE (and --store FILE)",
+                       "not_found_error")
+    return JSONResponse(trial.as_dict())
 
 
 async def health(request: Request):
     """``GET /health``: the model, the backend, and how busy the model thread is."""
     service = _service(request)
-    return JSONResponse({"status": "ok", "model": service.model.name, "backend": service.model.backend.kind,
+    return JSONResponse({"status": "ok", "model": service.model.name, "adapter": service.router.current.name,
+                         "backend": service.model.backend.kind,
                          "store": service.store is not None, "tools": service.tools is not None,
                          "active_requests": service.worker.active, "abandoned_requests": service.worker.abandoned})
 
@@ -108,7 +127,7 @@ async def page(request: Request):
 ROUTES = [Route("/", page), Route("/health", health), Route("/v1/models", models),
           Route("/v1/chat/completions", chat_completions, methods=["POST"]),
           Route("/v1/feedback", feedback, methods=["POST"]),
-          Route("/v1/alternative", alternative, methods=["POST"])]
+          Route("/v1/alternative", alternative, methods=["POST"]), Route("/v1/ab", ab_test)]
 
 
 class BearerAuth:

@@ -1,5 +1,5 @@
-"""What the routes share: the model, its thread, the store, the server's tools and limits;
-answering on the thread."""
+"""What the routes share: the model, its thread, the store, the server's tools and limits, its
+adapter sets; answering on the thread."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Iterator, Optional, Union
 
 from slm_align.agent.runtime import Agent, Model, record_feedback
 from slm_align.agent.sampling import SamplingParams
+from slm_align.agent.server.adapters import AdapterRouter, AdapterSet
 from slm_align.agent.server.body import Limits
 from slm_align.agent.server.chat_request import ChatRequest
 from slm_align.agent.server.errors import ApiError, bad
@@ -48,18 +49,27 @@ class Service:
     server-side tools and the limits."""
 
     def __init__(self, model: Model, store: Optional[PreferenceStore], consent: bool,
-                 tools: Optional[ToolRegistry], limits: Limits):
+                 tools: Optional[ToolRegistry], limits: Limits, router: Optional[AdapterRouter] = None):
         self.model = model
         self.store = store
         self.consent = consent
         self.tools = tools
         self.limits = limits
         self.worker = ModelWorker(limits.max_queue)
+        self.router = router or AdapterRouter(model)
+        """The adapter sets and which one answers each request."""
+
+    def choose(self, chat: ChatRequest) -> AdapterSet:
+        """The adapter set that answers ``chat`` (a 400 for an unknown ``model``); a request without a
+        conversation id gets a new one first (routing goes by it)."""
+        chat.conversation_id = chat.conversation_id or uuid.uuid4().hex
+        return self.router.pick(chat.model, chat.conversation_id)
 
     # chat (on the model thread)
-    def answer(self, chat: ChatRequest, cancel: threading.Event) -> Iterator[Union[str, Outcome]]:
-        """Text pieces of the answer (unless held back for client tools), then its :class:`Outcome`;
-        generation stops at the next token once ``cancel`` is set."""
+    def answer(self, chat: ChatRequest, chosen: AdapterSet, cancel: threading.Event) -> Iterator[Union[str, Outcome]]:
+        """Text pieces of the answer by the ``chosen`` adapter set (unless held back for client tools),
+        then its :class:`Outcome`; generation stops at the next token once ``cancel`` is set."""
+        self.router.apply(chosen)
         agent = self._agent(chat, cancel)
         held_back = chat.client_tools is not None
         for piece in agent.respond(chat.messages):
@@ -94,15 +104,18 @@ class Service:
     def alternative(self, turn: Turn, seed: Optional[int], cancel: threading.Event) -> Iterator[str]:
         """A second answer to the turn's prompt, sampled as the runtime samples
         every second candidate."""
+        self.router.apply(self.router.for_model_id(turn.model_id))
         agent = Agent(self.model.backend, self.model.sha256, sampling=stored_sampling(turn.sampling), cancel=cancel)
         yield agent.alternative(turn.messages, seed=seed)
 
     def feedback(self, verdict: FeedbackBody) -> int:
         """Write the verdict as the runtime's agents do (a 404 unless the turn's token is
-        presented); returns the feedback row's id."""
+        presented), then let an A/B test decide again; returns the feedback row's id."""
         turn = self.stored_turn(verdict.turn_id, verdict.turn_token)
-        return record_feedback(self.require_store(), turn.id, verdict.kind, verdict.text, verdict.other,
-                               verdict.preferred, token=verdict.turn_token)
+        feedback_id = record_feedback(self.require_store(), turn.id, verdict.kind, verdict.text, verdict.other,
+                                      verdict.preferred, token=verdict.turn_token)
+        self.router.evaluate()
+        return feedback_id
 
     def require_store(self) -> PreferenceStore:
         """The preference store, or a 400 when the server records nothing."""

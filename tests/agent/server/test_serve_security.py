@@ -106,7 +106,8 @@ def test_the_python_api_needs_the_token_too(server):
 def test_a_version_1_store_migrates_and_its_old_turns_take_no_token_feedback(tmp_path):
     import sqlite3
 
-    from slm_align.agent.store import MIGRATIONS, PreferenceStore
+    from slm_align.agent.store import PreferenceStore
+    from slm_align.agent.store_schema import MIGRATIONS
 
     path = tmp_path / "old.db"
     conn = sqlite3.connect(path)

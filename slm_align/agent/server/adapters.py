@@ -1,0 +1,203 @@
+"""Which LoRA adapters answer a request: named adapter sets picked by the OpenAI ``model`` field
+(``serve --adapter NAME=FILE``), and the A/B test of a candidate against the current set
+(``serve --candidate FILE``) that promotes or reverts itself on the users' thumbs.
+
+Names: the base's file name is the base alone, each ``--adapter`` NAME its adapters (in order),
+``candidate`` the candidate's, and :data:`DEFAULT` (or no ``model`` at all) whatever the server routes
+the conversation to: the current set (the first ``--adapter``, else the base) or, for a stable share of
+conversations while the A/B test collects, the candidate. A server with no adapters ignores ``model``, as
+it always did; one with adapters refuses an unknown name with a 400 that lists the known ones.
+
+The A/B test (:func:`slm_align.ab_test.decide`) pairs the two arms' thumbs from the store: an arm's turns
+are those recorded under its ``model_id`` (the chain digest of the base and its adapters). After each
+feedback the server decides again; a decision (promote, revert, keep) is recorded in the store with its
+evidence and logged in one line. After promote the candidate is the current set for every conversation;
+after revert or keep the current set stays and routing sends the candidate nothing more. A server
+restarted with the same two sets keeps to the latest decision recorded between them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Union
+
+from slm_align.ab_test import Evidence, SequentialTest, decide
+from slm_align.agent.runtime import Model
+from slm_align.agent.server.errors import bad
+from slm_align.agent.store import PreferenceStore
+from slm_align.errors import UserError
+from slm_align.gguf_adapters import chain_digest
+
+DEFAULT = "default"
+"""The name that asks for whatever the server routes the conversation to."""
+CANDIDATE = "candidate"
+"""The candidate's name under an A/B test."""
+LOG = logging.getLogger("uvicorn.error")
+"""uvicorn's own logger: its lines show wherever the server's do."""
+
+PathLike = Union[str, Path]
+
+
+@dataclass(frozen=True)
+class AdapterSet:
+    """Adapters applied to the base together, under one name."""
+
+    name: str
+    paths: tuple[Path, ...]
+    """In the order applied (none: the base alone)."""
+    model_id: str
+    """What turns it answers are recorded under: the chain digest of the base and its adapters."""
+
+
+@dataclass
+class Trial:
+    """The A/B test's state: collecting until its first decision, then that decision."""
+
+    current: AdapterSet
+    """The set serving before the test (stays the arm compared even once the candidate is promoted)."""
+    candidate: AdapterSet
+    share: float
+    """The share of conversations routed to the candidate while collecting."""
+    test: SequentialTest
+    state: str = "collecting"
+    evidence: Optional[dict] = None
+    """The latest evaluation's :meth:`Evidence.to_dict` (None before any feedback)."""
+
+    def takes(self, conversation_id: str) -> bool:
+        """Whether the conversation goes to the candidate: a stable share, by the hash of its id."""
+        digest = hashlib.sha256(conversation_id.encode("utf-8")).digest()
+        return self.state == "collecting" and int.from_bytes(digest[:8], "big") / 2 ** 64 < self.share
+
+    def as_dict(self) -> dict:
+        """The state for ``GET /v1/ab``."""
+        return {"object": "ab_test", "state": self.state, "current": self.current.name,
+                "candidate": self.candidate.name, "current_model_id": self.current.model_id,
+                "candidate_model_id": self.candidate.model_id, "candidate_share": self.share,
+                "evidence": self.evidence}
+
+
+def check_share(share: float) -> float:
+    """The candidate's share of conversations: above 0 and below 1 (else neither arm gets ratings)."""
+    if not 0 < share < 1:
+        raise UserError(f"--candidate-share {share}: must be above 0 and below 1 (0.5: half the conversations)")
+    return share
+
+
+class AdapterRouter:
+    """The server's adapter sets and which one answers each request; applies it on the model thread."""
+
+    def __init__(self, model: Model, adapters: Optional[Mapping[str, Sequence[PathLike]]] = None,
+                 candidate: Sequence[PathLike] = (), candidate_share: float = 0.5,
+                 store: Optional[PreferenceStore] = None, test: SequentialTest = SequentialTest()):
+        self.model = model
+        self.store = store
+        adapters = adapters or {}
+        self.sets = {model.name: AdapterSet(model.name, (), model.sha256)}
+        for name, paths in adapters.items():
+            self.sets[name] = self._named(name, paths)
+        self.current = self.sets[next(iter(adapters), model.name)]
+        self.trial: Optional[Trial] = None
+        if candidate:
+            self.trial = self._trial(candidate, candidate_share, test)
+        self.applied: Optional[str] = None
+        self._lock = threading.Lock()
+        if len(self.sets) > 1:
+            self.apply(self.current)
+
+    def _named(self, name: str, paths: Sequence[PathLike]) -> AdapterSet:
+        """An ``--adapter`` set under a name of its own."""
+        if not name or name in (DEFAULT, CANDIDATE, self.model.name) or "=" in name:
+            raise UserError(f"adapter name {name!r} is taken or empty; pass --adapter NAME=FILE with a NAME other "
+                            f"than {DEFAULT!r}, {CANDIDATE!r} and the base's file name")
+        return self._checked(name, paths)
+
+    def _checked(self, name: str, paths: Sequence[PathLike]) -> AdapterSet:
+        """An adapter set, each adapter checked against the base (and loaded) now, in one line if not."""
+        if not paths:
+            raise UserError(f"adapter set {name!r} has no files; pass --adapter {name}=FILE")
+        if not hasattr(self.model.backend, "set_adapters"):
+            raise UserError("adapters apply to a GGUF base in llama.cpp; this server runs an ONNX export: "
+                            "serve the base .gguf")
+        applied = self.model.backend.set_adapters([Path(path) for path in paths])
+        digest = chain_digest(self.model.sha256, [adapter["sha256"] for adapter in applied])
+        return AdapterSet(name, tuple(Path(path) for path in paths), digest)
+
+    def _trial(self, candidate: Sequence[PathLike], share: float, test: SequentialTest) -> Trial:
+        """The A/B test of ``candidate`` against the current set, resumed from the store's latest decision."""
+        if self.store is None:
+            raise UserError("an A/B test decides on the users' thumbs; pass --store FILE with --candidate")
+        arm = self._checked(CANDIDATE, candidate)
+        if arm.model_id == self.current.model_id:
+            raise UserError(f"the candidate is the current adapter set {self.current.name!r}; pass a new adapter")
+        self.sets[CANDIDATE] = arm
+        trial = Trial(self.current, arm, check_share(share), test)
+        earlier = self.store.decisions(self.current.model_id, arm.model_id)
+        if earlier:
+            trial.state, trial.evidence = earlier[-1]["decision"], earlier[-1]["evidence"]
+            self._settle(trial)
+        return trial
+
+    # which set answers (in the event loop or a worker thread)
+    def pick(self, requested: Optional[str], conversation_id: Optional[str] = None) -> AdapterSet:
+        """The set named by the request's ``model``, or (omitted, :data:`DEFAULT`, or any name when the
+        server has no adapters) the one the conversation is routed to (no conversation: the current
+        set); an unknown name is a 400."""
+        if len(self.sets) == 1 or requested in (None, DEFAULT):
+            return self.route(conversation_id)
+        if requested not in self.sets:
+            known = ", ".join([DEFAULT, *self.sets])
+            raise bad(f"unknown model {requested[:64]!r}; this server serves {known} (leave 'model' out or pass "
+                      f"{DEFAULT!r} for the current adapter)")
+        return self.sets[requested]
+
+    def route(self, conversation_id: Optional[str]) -> AdapterSet:
+        """The current set, or the candidate for its share of conversations while the A/B test collects."""
+        with self._lock:
+            if self.trial is not None and conversation_id is not None and self.trial.takes(conversation_id):
+                return self.trial.candidate
+            return self.current
+
+    def for_model_id(self, model_id: str) -> AdapterSet:
+        """The set that answered under ``model_id`` (the current one if none of them did)."""
+        return next((found for found in self.sets.values() if found.model_id == model_id), self.current)
+
+    # on the model thread
+    def apply(self, chosen: AdapterSet) -> None:
+        """Put ``chosen``'s adapters on the base unless they are on it already (the base stays loaded)."""
+        if len(self.sets) > 1 and self.applied != chosen.name:
+            self.model.backend.set_adapters(list(chosen.paths))
+            self.applied = chosen.name
+
+    # the A/B test (after each feedback, on a worker thread)
+    def evaluate(self) -> Optional[Evidence]:
+        """Decide again on both arms' thumbs; a new decision is recorded, logged and acted on. Returns
+        the evidence (None without an A/B test still collecting)."""
+        trial = self.trial
+        if trial is None or trial.state != "collecting":
+            return None
+        evidence = decide(self.store.thumbs_of(trial.current.model_id), self.store.thumbs_of(trial.candidate.model_id),
+                          trial.test)
+        with self._lock:
+            if trial.state != "collecting":  # another feedback decided meanwhile
+                return evidence
+            trial.evidence = evidence.to_dict()
+            if evidence.decision == "collecting":
+                return evidence
+            self.store.record_decision(trial.current.model_id, trial.candidate.model_id, evidence.decision,
+                                       trial.evidence)
+            trial.state = evidence.decision
+            self._settle(trial)
+        LOG.info("A/B test: %s the candidate (%s) against %r: candidate %d/%d up, current %d/%d up, "
+                 "discordant pairs won %d to %d", evidence.decision, trial.candidate.model_id[:12], trial.current.name,
+                 evidence.candidate_up, evidence.candidate_rated, evidence.current_up, evidence.current_rated,
+                 evidence.candidate_wins, evidence.current_wins)
+        return evidence
+
+    def _settle(self, trial: Trial) -> None:
+        """Act on a decision: after promote the candidate serves everyone; otherwise the current set stays."""
+        if trial.state == "promote":
+            self.current = trial.candidate

@@ -1,0 +1,157 @@
+"""`serve --adapter NAME=FILE` and `--candidate FILE` (issue 35): the request's `model` picks the adapter set
+that answers, swapped on the loaded base; a candidate is A/B-tested on the thumbs sent to /v1/feedback and
+promotes or reverts itself, the decision and its evidence recorded in the store."""
+
+import json
+import logging
+
+import pytest
+
+from slm_align.agent.feedback_export import export_preferences, unpaired_path
+from slm_align.agent.store import PreferenceStore
+from slm_align.export.gguf import write_gguf
+from slm_align.export.gguf_adapter import write_lora_gguf
+from slm_align.gguf_adapters import chain_digest
+from slm_align.runs import sha256_file
+from tests.helpers import run_cli, save_lora
+
+pytest.importorskip("llama_cpp")
+TestClient = pytest.importorskip("starlette.testclient").TestClient
+
+from slm_align.agent.server import create_app  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+HI = [{"role": "user", "content": "Tell me a story."}]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tiny_models):
+    """The tiny Llama's F32 GGUF and two adapters made for it."""
+    root = tmp_path_factory.mktemp("serve-adapters")
+    base = write_gguf(tiny_models["llama"], root / "base.gguf")
+    found = {"base": base}
+    for seed, name in ((1, "a"), (2, "b")):
+        lora = save_lora(tiny_models["llama"], root / f"lora{seed}", TARGETS, seed)
+        found[name] = write_lora_gguf(lora, tiny_models["llama"], root / f"adapter{seed}.gguf", base_gguf=base)
+    found["ids"] = {"base": sha256_file(base), **{name: chain_digest(sha256_file(base), [sha256_file(found[name])])
+                                                  for name in ("a", "b")}}
+    return found
+
+
+def client(files, store, **options):
+    app = create_app(files["base"], store_path=store, consent=True, threads=1, n_ctx=256, **options)
+    return TestClient(app, base_url="http://localhost")
+
+
+def ask(http, conversation=None, **fields):
+    body = {"messages": HI, "max_tokens": 2, "temperature": 0, **fields}
+    if conversation is not None:
+        body["x_conversation_id"] = conversation
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def thumbs(http, answer, up):
+    verdict = {"kind": "up" if up else "down", "turn_id": answer["x_turn_id"], "turn_token": answer["x_turn_token"]}
+    assert http.post("/v1/feedback", json=verdict).status_code == 200
+
+
+def test_the_model_field_picks_the_adapters_that_answer(files, tmp_path):
+    store = tmp_path / "prefs.db"
+    with client(files, store, adapters={"a": [files["a"]], "b": [files["b"]]}) as http:
+        base = http.app.state.service.model.backend.llm._model
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["default", "base.gguf", "a", "b"]
+        answers = {name: ask(http, model=name, logprobs=True, top_logprobs=3) for name in ("a", "b", "base.gguf")}
+        default = ask(http)
+        assert http.app.state.service.model.backend.llm._model is base  # swapped on the base, never reloaded
+    assert {name: answer["model"] for name, answer in answers.items()} == {n: n for n in answers}
+    assert default["model"] == "a"  # the first --adapter is the default
+    first = {name: answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"] for name, answer in answers.items()}
+    assert first["a"] != first["b"] and first["a"] != first["base.gguf"]
+    turns = {turn.id: turn for turn in PreferenceStore(store).turns()}
+    recorded = {name: turns[answer["x_turn_id"]] for name, answer in answers.items()}
+    assert {name: turn.model_id for name, turn in recorded.items()} == {
+        "a": files["ids"]["a"], "b": files["ids"]["b"], "base.gguf": files["ids"]["base"]}
+    assert recorded["b"].sampling["adapters"] == [{"file": "adapter2.gguf", "sha256": sha256_file(files["b"])}]
+    assert turns[default["x_turn_id"]].model_id == files["ids"]["a"]
+
+
+def test_an_unknown_model_name_is_a_400_naming_the_known_ones(files, tmp_path):
+    with client(files, tmp_path / "prefs.db", adapters={"a": [files["a"]]}) as http:
+        response = http.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": HI, "max_tokens": 2})
+        legacy = http.post("/v1/completions", json={"model": "gpt-4o", "prompt": "Once", "max_tokens": 2})
+    assert response.status_code == 400 == legacy.status_code
+    message = response.json()["error"]["message"]
+    assert "'gpt-4o'" in message and "default, base.gguf, a" in message
+
+
+def test_without_adapters_any_model_name_is_still_answered(files, tmp_path):
+    with client(files, tmp_path / "prefs.db") as http:
+        assert ask(http, model="m")["model"] == "base.gguf"
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["base.gguf"]
+        assert http.get("/v1/ab").status_code == 404
+
+
+def run_ab(http, candidate_up, limit=300):
+    """Conversations until the A/B test decides: thumbs up for the candidate's answers when
+    ``candidate_up``, down otherwise, the current one's the opposite."""
+    for i in range(limit):
+        answer = ask(http, conversation=f"conversation-{i}")
+        thumbs(http, answer, (answer["model"] == "candidate") == candidate_up)
+        state = http.get("/v1/ab").json()
+        if state["state"] != "collecting":
+            return state
+    raise AssertionError("the A/B test did not decide")
+
+
+def test_a_better_candidate_promotes_itself_and_then_serves_everyone(files, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="uvicorn.error")
+    store = tmp_path / "prefs.db"
+    arms = {"adapters": {"current": [files["a"]]}, "candidate": files["b"]}
+    with client(files, store, **arms) as http:
+        state = run_ab(http, candidate_up=True)
+        after = [ask(http, conversation=f"later-{i}") for i in range(8)]
+        health = http.get("/health").json()
+    assert state["state"] == "promote" and state["evidence"]["decision"] == "promote"
+    assert state["evidence"]["candidate_wins"] > 0 == state["evidence"]["current_wins"]
+    assert {answer["model"] for answer in after} == {"candidate"} and health["adapter"] == "candidate"
+    assert [r.getMessage()[:28] for r in caplog.records if "A/B" in r.getMessage()] == ["A/B test: promote the candid"]
+    with PreferenceStore(store) as opened:
+        [decision] = opened.decisions(files["ids"]["a"], files["ids"]["b"])
+        assert decision["decision"] == "promote" and decision["evidence"] == state["evidence"]
+        assert {opened.turn(answer["x_turn_id"]).model_id for answer in after} == {files["ids"]["b"]}
+    with client(files, store, **arms) as http:  # restarted: the decision stands
+        assert http.get("/v1/ab").json()["state"] == "promote" and ask(http, conversation="x")["model"] == "candidate"
+
+
+def test_a_worse_candidate_reverts_and_gets_no_more_traffic(files, tmp_path):
+    store = tmp_path / "prefs.db"
+    with client(files, store, adapters={"current": [files["a"]]}, candidate=files["b"], candidate_share=0.3) as http:
+        state = run_ab(http, candidate_up=False)
+        after = [ask(http, conversation=f"later-{i}") for i in range(8)]
+    assert state["state"] == "revert" and state["candidate_share"] == 0.3
+    assert {answer["model"] for answer in after} == {"current"}
+    with PreferenceStore(store) as opened:
+        assert [d["decision"] for d in opened.decisions(files["ids"]["a"], files["ids"]["b"])] == ["revert"]
+
+
+def test_feedback_export_keeps_the_arms_apart(files, tmp_path):
+    """Each exported row names the chain that answered: the next round's DPO/KTO rows know their policy."""
+    store = tmp_path / "prefs.db"
+    with client(files, store, adapters={"a": [files["a"]], "b": [files["b"]]}) as http:
+        for name, up in (("a", True), ("b", False), ("a", True)):
+            thumbs(http, ask(http, model=name), up)
+    export_preferences(store, tmp_path / "prefs.jsonl")
+    rows = [json.loads(line) for line in unpaired_path(tmp_path / "prefs.jsonl").read_text().splitlines()]
+    assert sorted((row["model_id"], row["label"]) for row in rows) == sorted(
+        [(files["ids"]["a"], True), (files["ids"]["a"], True), (files["ids"]["b"], False)])
+
+
+def test_serve_refuses_bad_adapter_options_in_one_line(files, capsys, tmp_path):
+    for extra, expected in ((["--adapter", str(files["a"])], "pass NAME=FILE"),
+                            (["--candidate", str(files["b"])], "pass --store FILE with --candidate"),
+                            (["--store", str(tmp_path / "p.db"), "--candidate", str(files["b"]),
+                              "--candidate-share", "1"], "must be above 0 and below 1")):
+        code, out, err = run_cli(capsys, "serve", files["base"], "--port", "0", *extra)
+        assert code == 2 and out == "" and err.count("\n") == 1 and expected in err, err
