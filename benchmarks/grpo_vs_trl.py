@@ -35,9 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sides import add_side_arguments, alternate_sides, medians, print_rows, ran_as_side  # noqa: E402
 
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-OUR_PHASES = ("sampling", "reward", "scoring_old", "scoring_ref", "update_forward", "update_backward")
+OUR_PHASES = ("sampler_sync", "sampling", "reward", "scoring_old", "scoring_ref", "update_forward", "update_backward")
+SIDES = ("ours", "ours_llama", "trl")
+"""ours: PyTorch samples; ours_llama: llama.cpp samples (rl.sampler = llama_cpp); trl: TRL's GRPOTrainer."""
+LABELS = {"ours": "ours (torch)", "ours_llama": "ours (llama.cpp)", "trl": "TRL"}
 TRL_PHASES = ("sampling", "reward", "scoring")
-PHASE_ROWS = (("sampling", "sampling"), ("reward", "reward"), ("scoring_old", "scoring: old log-probs"),
+PHASE_ROWS = (("sampler_sync", "sampler: adapter swap"), ("sampling", "sampling"), ("reward", "reward"),
+              ("scoring_old", "scoring: old log-probs"),
               ("scoring_ref", "scoring: reference log-probs"), ("scoring", "scoring: all"),
               ("update_forward", "update: forward"), ("update_backward", "update: backward + optimizer"),
               ("update", "update: all"), ("other", "other"))
@@ -80,6 +84,8 @@ def run_ours(args) -> dict:
                           grpo=GRPOSettings(beta=args.beta, loss_type="grpo"), learning_rate=1e-5,
                           lora=LoraSettings(r=LORA["r"], alpha=LORA["lora_alpha"], dropout=0.0,
                                             target_modules=LORA["target_modules"]))
+    if args.side == "ours_llama":
+        settings = settings.model_copy(update={"sampler": "llama_cpp", "sampler_base": args.sampler_base})
     policy = build_policy(source, None, settings, seed=0, device=resolve_device(args.device))
     prompts = prompts_for(args.prompts * (args.iterations + 1))
     if args.algo == "ppo":  # the same number of samples: prompts x G prompt draws, one completion each
@@ -88,6 +94,14 @@ def run_ours(args) -> dict:
                    precision=args.precision)
     else:
         loop = GRPO(policy, tokenizer, reward, prompts, settings, seed=0, precision=args.precision)
+    if args.side == "ours_llama":
+        import tempfile
+
+        from slm_align.rl.llama_sampler import LlamaSampler
+
+        folder = tempfile.mkdtemp(prefix="grpo-bench-sampler-")
+        loop.sampler = LlamaSampler(policy, tokenizer, source, Path(folder), args.sampler_base, threads=args.threads,
+                                    n_ctx=1024)
     times = []
     cpu = []
     logged = []
@@ -107,6 +121,10 @@ def run_ours(args) -> dict:
     phases = sum(result[f"phase/{name}"] for name in OUR_PHASES)
     result["phase/other"] = result["seconds_per_iteration"] - phases
     result["completion_tokens"] = sum(metrics["completion/length"] for metrics in logged[1:]) / args.iterations
+    result["reward"] = sum(metrics["reward/mean"] for metrics in logged) / len(logged)
+    if args.side == "ours_llama":
+        for key in ("sampler/kl", "sampler/max_log_ratio", "sampler/capped_frac"):
+            result[key] = max(metrics[key] for metrics in logged)
     return result
 
 
@@ -233,13 +251,25 @@ def timed_mean(boundaries: list[float]) -> float:
 def print_phases(runs: dict[str, list[dict]]) -> None:
     """Seconds per iteration in each phase, median over each side's runs; a dash where
     a side does not see it."""
-    print(f"{'phase (s per iteration)':30}{'slm-align':>12}{'TRL':>12}")
+    print(f"{'phase (s per iteration)':30}" + "".join(f"{LABELS[side]:>18}" for side in runs))
     for key, label in PHASE_ROWS:
         cells = []
-        for side in ("ours", "trl"):
+        for side in runs:
             values = [run[f"phase/{key}"] for run in runs[side] if f"phase/{key}" in run]
-            cells.append(f"{statistics.median(values):12.2f}" if values else f"{'-':>12}")
-        print(f"{label:30}{cells[0]}{cells[1]}")
+            cells.append(f"{statistics.median(values):18.2f}" if values else f"{'-':>18}")
+        print(f"{label:30}{''.join(cells)}")
+
+
+def print_sides(table: dict[str, dict[str, float]], rows: tuple[tuple[str, str, str], ...]) -> None:
+    """One line per ``(key, label, format)``: each side's median, then each of our sides over TRL's."""
+    ours = [side for side in table if side != "trl"]
+    print(f"{'':30}" + "".join(f"{LABELS[side]:>18}" for side in table)
+          + "".join(f"{LABELS[side] + ' / TRL':>28}" for side in ours))
+    for key, label, form in rows:
+        cells = "".join(f"{table[side][key]:18{form}}" for side in table)
+        ratios = "".join(f"{table[side][key] / table['trl'][key]:28.2f}" if table["trl"][key] else f"{'-':>28}"
+                         for side in ours)
+        print(f"{label:30}{cells}{ratios}")
 
 
 def print_ours_alone(runs: dict[str, list[dict]], args) -> None:
@@ -271,25 +301,37 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (both sides)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="forward passes (both sides)")
+    parser.add_argument("--sampler", choices=["torch", "llama_cpp", "both"], default="torch",
+                        help="our side's sampler: PyTorch, llama.cpp (rl.sampler = llama_cpp), or both sides")
+    parser.add_argument("--sampler-base", choices=["F32", "F16", "Q8_0"], default="F16",
+                        help="llama.cpp sampler: the type the policy's base GGUF is written in")
     parser.add_argument("--algo", choices=["grpo", "ppo"], default="grpo",
                         help="ppo: our PPO (value head) alone, its phases per iteration; TRL "
                              "1.x has no PPO trainer")
-    add_side_arguments(parser)
+    add_side_arguments(parser, SIDES)
     args = parser.parse_args()
     if ran_as_side(args, run_ours, run_trl):
         return
     if args.algo == "ppo":
         print_ours_alone(alternate_sides(__file__, sys.argv[1:], args.repeats, sides=("ours",)), args)
         return
-    runs = alternate_sides(__file__, sys.argv[1:], args.repeats)
-    table = medians(runs, ("seconds_per_iteration", "cpu_seconds_per_iteration", "peak_rss_mb", "completion_tokens"))
+    ours = {"torch": ("ours",), "llama_cpp": ("ours_llama",), "both": ("ours", "ours_llama")}[args.sampler]
+    runs = alternate_sides(__file__, sys.argv[1:], args.repeats, sides=ours + ("trl",))
+    rows = (("seconds_per_iteration", "seconds per iteration", ".2f"),
+            ("cpu_seconds_per_iteration", "CPU seconds per iteration", ".2f"),
+            ("peak_rss_mb", "peak RSS (MB)", ".0f"), ("completion_tokens", "completion tokens (mean)", ".1f"),
+            ("phase/sampling", "sampling (s per iteration)", ".2f"))
+    table = medians(runs, tuple(key for key, _, _ in rows))
     print(f"GRPO, {args.prompts} prompts x G={args.group_size}, {args.max_new_tokens} new tokens, "
           f"LoRA r={LORA['r']}, {args.precision}, {args.device} ({args.threads} threads), "
           f"{args.iterations} timed iterations; median of {args.repeats} runs per side")
-    print_rows(table, (("seconds_per_iteration", "seconds per iteration", ".2f"),
-                       ("cpu_seconds_per_iteration", "CPU seconds per iteration", ".2f"),
-                       ("peak_rss_mb", "peak RSS (MB)", ".0f"),
-                       ("completion_tokens", "completion tokens (mean)", ".1f")))
+    if args.sampler == "torch":
+        print_rows(table, rows[:4])
+    else:
+        print_sides(table, rows)
+        for run in runs["ours_llama"]:
+            print(f"llama.cpp sampler, base {args.sampler_base}: sampler/kl max {run['sampler/kl']:.2e}, "
+                  f"max |log ratio| {run['sampler/max_log_ratio']:.3f}, capped {run['sampler/capped_frac']:.3f}")
     print_phases(runs)
 
 

@@ -45,11 +45,11 @@ def print_rows(medians_by_side: dict[str, dict[str, float]], rows: tuple[tuple[s
         print(f"{label:30}{ours:12{form}}{trl:12{form}}{ratio}")
 
 
-def add_side_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--repeats`` (runs per side) and the hidden ``--side`` a child process runs as."""
+def add_side_arguments(parser: argparse.ArgumentParser, sides: tuple[str, ...] = SIDES) -> None:
+    """``--repeats`` (runs per side) and the hidden ``--side`` a child process runs as (one of ``sides``)."""
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; "
                         "medians are reported")
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=sides, help=argparse.SUPPRESS)
 
 
 def ran_as_side(args, run_ours: Callable, run_trl: Callable) -> bool:

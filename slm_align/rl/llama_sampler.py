@@ -44,6 +44,22 @@ def save_policy_base(policy, tokenizer, source, folder: Path) -> Path:
     return folder
 
 
+def draw(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of (B, V) logits, drawn from softmax(logits / T), and its log-probability there: (B,)
+    ids and (B,) log-probabilities.
+
+    log p = logits / T - logsumexp(logits / T); the draw inverts the cumulative sum of p at one uniform number
+    per row. (``torch.multinomial`` on a 262k vocabulary took 200 ms for 32 rows, float64 ``log_softmax`` 80 ms;
+    this takes about 65 ms.)"""
+    scaled = logits.float() / temperature
+    normaliser = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    cumulative = torch.exp(scaled - normaliser).cumsum(dim=-1)
+    uniform = torch.rand(logits.shape[0], 1, generator=generator) * cumulative[:, -1:]
+    tokens = torch.searchsorted(cumulative, uniform, right=True).clamp(max=logits.shape[1] - 1)
+    chosen = scaled.gather(-1, tokens) - normaliser
+    return tokens.squeeze(-1), chosen.squeeze(-1).double()
+
+
 class LlamaSampler:
     """Completions of the current policy drawn by llama.cpp (see the module's doc): every completion of a
     rollout is one sequence of one llama.cpp context, and each step decodes the next token of all of
@@ -162,7 +178,7 @@ class LlamaSampler:
                seed: Optional[int]) -> Samples:
         """One completion per prompt, laid out as :func:`slm_align.generation.sample` lays them out
         (left-padded prompts, completions through their first EOS), with llama.cpp's log-probabilities:
-        log softmax(logits / temperature) of each drawn token, the distribution it was drawn from."""
+        log softmax(logits / temperature) of each drawn token, the distribution it was drawn from (:func:`draw`)."""
         eos = tokenizer.eos_token_id
         encoded = [tokenizer(p, add_special_tokens=True)["input_ids"] or [eos] for p in prompts]
         longest = max(len(ids) for ids in encoded)
@@ -175,9 +191,7 @@ class LlamaSampler:
         drawn: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
         active = list(range(len(prompts)))
         while active:
-            logp = torch.log_softmax(logits.double() / temperature, dim=-1)
-            tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-            chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            tokens, chosen = draw(logits, temperature, generator)
             going = []
             for row, sequence in enumerate(active):
                 ids, logprobs = drawn[sequence]

@@ -108,3 +108,15 @@ def test_train_with_the_llama_cpp_sampler_records_it_and_logs_the_mismatch(sft_r
     assert manifest["inputs"]["rl"]["sampler"] == "llama_cpp" and manifest["inputs"]["rl"]["sampler_base"] == "F16"
     lines = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(0.0 <= line["sampler/kl"] < 0.01 for line in lines)
+
+
+def test_draw_samples_the_softmax_and_returns_the_drawn_tokens_log_probability():
+    from slm_align.rl.llama_sampler import draw
+
+    logits = torch.tensor([[2.0, 0.0, -1.0, 1.0]]).repeat(40_000, 1)
+    generator = torch.Generator().manual_seed(0)
+    tokens, logprobs = draw(logits, 0.5, generator)
+    expected = torch.softmax(logits[0] / 0.5, -1)
+    counts = torch.bincount(tokens, minlength=4).float() / tokens.numel()
+    assert torch.allclose(counts, expected, atol=0.01)  # the tempered distribution, not the raw one
+    assert torch.allclose(logprobs, expected.log()[tokens].double(), atol=1e-6)
