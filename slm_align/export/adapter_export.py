@@ -37,7 +37,14 @@ from slm_align.export.parity import perplexity_change, verification_summary
 from slm_align.gguf_adapters import chain_digest
 from slm_align.gguf_fields import read_fields
 from slm_align.progress import stage_lines
-from slm_align.runs import MANIFEST, StageResult, check_out_dir, make_manifest, read_manifest, sha256_file
+from slm_align.runs import (
+    MANIFEST,
+    StageResult,
+    check_out_dir,
+    make_manifest,
+    read_manifest,
+    sha256_file,
+)
 
 TARGET = "gguf-adapter"
 DEFAULT_BASE_QUANT = "F16"
@@ -59,35 +66,67 @@ def run_adapter_export(request) -> StageResult:
     chain = adapter_chain(run)
     source = run_source(run)
     if source.kind == "gguf" and request.chat_template is not None:
-        raise UserError(f"the base is your own {Path(source.ref).name}, which is left untouched: drop "
-                        "--chat-template here and pass it to `slm-align chat` instead")
+        raise UserError(
+            f"the base is your own {Path(source.ref).name}, which is left untouched: drop "
+            "--chat-template here and pass it to `slm-align chat` instead"
+        )
     adapter_type = "F32" if quant == "F32" else "F16"
     names = [f"adapter-{stage}-{adapter_type}.gguf" for stage, _ in chain]
     out = check_out_dir(Path(request.out) if request.out is not None else run / "export")
     manifest_path = out / f"{names[-1]}.json"
     if (manifest_path.exists() or (out / names[-1]).exists()) and not request.overwrite:
-        raise UserError(f"{out / names[-1]} exists; pass --overwrite to replace it or choose another --out")
+        raise UserError(
+            f"{out / names[-1]} exists; pass --overwrite to replace it or choose another --out"
+        )
     scratch = out / f".{names[-1]}.partial"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     try:
-        with stage_lines("export", f"{TARGET} {' + '.join(stage for stage, _ in chain)} of {run}") as stage:
+        with stage_lines(
+            "export", f"{TARGET} {' + '.join(stage for stage, _ in chain)} of {run}"
+        ) as stage:
             base, base_built = _base(request, source, quant, threads, out, scratch)
-            shapes_from = Path(source.ref) if source.kind in ("gguf", "dir") else scratch / "checkpoint"
-            built = [write_lora_gguf(adapter_dir, shapes_from, scratch / name, adapter_type, base_gguf=base_built)
-                     for (_, adapter_dir), name in zip(chain, names)]
+            shapes_from = (
+                Path(source.ref) if source.kind in ("gguf", "dir") else scratch / "checkpoint"
+            )
+            built = [
+                write_lora_gguf(
+                    adapter_dir, shapes_from, scratch / name, adapter_type, base_gguf=base_built
+                )
+                for (_, adapter_dir), name in zip(chain, names)
+            ]
             stage.figures = " + ".join(f"{path.stat().st_size / 1e6:.2f} MB" for path in built)
         export_seconds = round(time.time() - started, 2)
         verification = _verification(request, run, base_built, built, quant, threads)
-        placed = list(zip(built, [out / name for name in names])) + ([(base_built, base)] if base != base_built else [])
+        placed = list(zip(built, [out / name for name in names])) + (
+            [(base_built, base)] if base != base_built else []
+        )
         _check_replaced(placed, request.overwrite)
-        metrics = _metrics(request, source, chain, built, base, base_built, quant, adapter_type, threads,
-                           export_seconds, verification)
-        for path, final in placed:  # an identical file already there stays (adapters stay bound to it)
+        metrics = _metrics(
+            request,
+            source,
+            chain,
+            built,
+            base,
+            base_built,
+            quant,
+            adapter_type,
+            threads,
+            export_seconds,
+            verification,
+        )
+        for (
+            path,
+            final,
+        ) in placed:  # an identical file already there stays (adapters stay bound to it)
             if not final.exists() or sha256_file(final) != sha256_file(path):
                 publish_directory(path, final, replace=True)
-        inputs = {"source": {"kind": "run", "run": str(run)}, "target": TARGET, "quant": quant,
-                  "stages": [stage for stage, _ in chain]}
+        inputs = {
+            "source": {"kind": "run", "run": str(run)},
+            "target": TARGET,
+            "quant": quant,
+            "stages": [stage for stage, _ in chain],
+        }
         write_json_atomic(manifest_path, make_manifest("export", inputs, metrics, started))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -98,10 +137,15 @@ def _validate(request) -> tuple[Path, str, int]:
     """(run, base quant, threads) from the flags; one line for what this target cannot take."""
     path = Path(request.source).expanduser()
     if not (path.is_dir() and (path / "sft" / MANIFEST).is_file()):
-        raise UserError(f"--target {TARGET} exports a run's LoRA adapters, and {request.source} is not a run "
-                        "directory (no sft/manifest.json): pass the run (`--out` of `slm-align sft`)")
-    for flag, given in (("--calibrate", request.calibrate), ("--system", request.system),
-                        ("--ort-format", request.ort_format)):
+        raise UserError(
+            f"--target {TARGET} exports a run's LoRA adapters, and {request.source} is not a run "
+            "directory (no sft/manifest.json): pass the run (`--out` of `slm-align sft`)"
+        )
+    for flag, given in (
+        ("--calibrate", request.calibrate),
+        ("--system", request.system),
+        ("--ort-format", request.ort_format),
+    ):
         if given:
             raise UserError(f"{flag} does not apply to --target {TARGET}: drop it")
     if not 0.0 <= request.min_agreement <= 1.0:
@@ -115,7 +159,11 @@ def _validate(request) -> tuple[Path, str, int]:
         from slm_align.devices import load_profile
 
         threads = threads or load_profile(request.device).threads
-    return path.resolve(), check_gguf_type(request.quant or DEFAULT_BASE_QUANT), threads or os.cpu_count() or 1
+    return (
+        path.resolve(),
+        check_gguf_type(request.quant or DEFAULT_BASE_QUANT),
+        threads or os.cpu_count() or 1,
+    )
 
 
 def adapter_chain(run: Path) -> list[tuple[str, Path]]:
@@ -133,7 +181,9 @@ def run_source(run: Path):
 
     record = read_manifest(run / "sft")["inputs"]["model"]
     if record["kind"] == "gguf" and not Path(record["ref"]).is_file():
-        raise UserError(f"the run's base {record['ref']} is gone; put the .gguf it was trained on back there")
+        raise UserError(
+            f"the run's base {record['ref']} is gone; put the .gguf it was trained on back there"
+        )
     return resolve_source(record["ref"])
 
 
@@ -170,11 +220,15 @@ def _check_replaced(placed: list[tuple[Path, Path]], overwrite: bool) -> None:
     break."""
     for path, final in placed:
         if final.exists() and not overwrite and sha256_file(final) != sha256_file(path):
-            raise UserError(f"{final} exists with other contents; pass --overwrite to replace it (adapters "
-                            "exported for it will no longer load) or choose another --out")
+            raise UserError(
+                f"{final} exists with other contents; pass --overwrite to replace it (adapters "
+                "exported for it will no longer load) or choose another --out"
+            )
 
 
-def _verification(request, run: Path, base: Path, adapters: list[Path], quant: str, threads: int) -> dict:
+def _verification(
+    request, run: Path, base: Path, adapters: list[Path], quant: str, threads: int
+) -> dict:
     """Parity of base + adapters in llama.cpp with ``RUN/merged`` in PyTorch; raises
     :class:`AdapterVerificationFailed` (unless ``force``) when it fails."""
     if not request.verify:
@@ -185,17 +239,31 @@ def _verification(request, run: Path, base: Path, adapters: list[Path], quant: s
 
     file_type = read_fields(base, prefix="general.file_type").get("general.file_type")
     exact = file_type is not None and file_type.value in EXACT_FILE_TYPES
-    with stage_lines("export verification", "base + adapters in llama.cpp against the PyTorch policy") as checking:
+    with stage_lines(
+        "export verification", "base + adapters in llama.cpp against the PyTorch policy"
+    ) as checking:
         merged = resolve_source(str(current_merged(run)))
         model = load_model(merged).to(resolve_device(request.torch_device))
-        backend = LlamaCppBackend(base, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True, adapters=adapters)
-        report = verify(model, load_tokenizer(merged), backend, exact=exact, min_agreement=request.min_agreement,
-                        greedy=exact or quant == "Q8_0").to_dict()
-        checking.figures = f"{'passed' if report['passed'] else 'FAILED'}, {verification_summary(report)}"
+        backend = LlamaCppBackend(
+            base, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True, adapters=adapters
+        )
+        report = verify(
+            model,
+            load_tokenizer(merged),
+            backend,
+            exact=exact,
+            min_agreement=request.min_agreement,
+            greedy=exact or quant == "Q8_0",
+        ).to_dict()
+        checking.figures = (
+            f"{'passed' if report['passed'] else 'FAILED'}, {verification_summary(report)}"
+        )
     if not report["passed"] and not request.force:
-        raise AdapterVerificationFailed(f"adapters not published: base + adapters in llama.cpp differ from "
-                                        f"the PyTorch policy ({_failure(report)}); try --quant F16, or "
-                                        "--force to publish anyway")
+        raise AdapterVerificationFailed(
+            f"adapters not published: base + adapters in llama.cpp differ from "
+            f"the PyTorch policy ({_failure(report)}); try --quant F16, or "
+            "--force to publish anyway"
+        )
     return report
 
 
@@ -207,24 +275,56 @@ def _failure(report: dict) -> str:
     return f"top-1 agreement {report['agreement']:.3f} < {report['min_agreement']}, {perplexity_change(report)}"
 
 
-def _metrics(request, source, chain, built: list[Path], base: Path, base_built: Path, quant: str,
-             adapter_type: str, threads: int, export_seconds: float, verification: dict) -> dict:
+def _metrics(
+    request,
+    source,
+    chain,
+    built: list[Path],
+    base: Path,
+    base_built: Path,
+    quant: str,
+    adapter_type: str,
+    threads: int,
+    export_seconds: float,
+    verification: dict,
+) -> dict:
     """The manifest's record: the base (path, sha256, whether exported here), the ordered adapters
     (file, stage, what each was trained on, sha256, scale, size) and the chain's id."""
     exported = base != base_built
     base_sha = sha256_file(base_built)
-    base_record = {"path": base.name if exported else str(base), "sha256": base_sha,
-                   "bytes": base_built.stat().st_size, "exported": exported, "quant": quant if exported else None,
-                   "source": {"kind": source.kind, "ref": source.ref}}
-    adapters = [{"path": path.name, "stage": stage, "trained_on": "base" if stage == "sft" else "merged sft",
-                 "sha256": sha256_file(path), "bytes": path.stat().st_size, "scale": 1.0}
-                for (stage, _), path in zip(chain, built)]
-    return {"target": TARGET, "quant": quant, "adapter_type": adapter_type, "device": request.device,
-            "threads": threads, "base": base_record, "adapters": adapters,
-            "bytes": sum(adapter["bytes"] for adapter in adapters),
-            "sha256": chain_digest(base_sha, [adapter["sha256"] for adapter in adapters]),
-            "export_seconds": export_seconds, "verification": verification,
-            "forced": bool(request.force and request.verify and not verification["passed"])}
+    base_record = {
+        "path": base.name if exported else str(base),
+        "sha256": base_sha,
+        "bytes": base_built.stat().st_size,
+        "exported": exported,
+        "quant": quant if exported else None,
+        "source": {"kind": source.kind, "ref": source.ref},
+    }
+    adapters = [
+        {
+            "path": path.name,
+            "stage": stage,
+            "trained_on": "base" if stage == "sft" else "merged sft",
+            "sha256": sha256_file(path),
+            "bytes": path.stat().st_size,
+            "scale": 1.0,
+        }
+        for (stage, _), path in zip(chain, built)
+    ]
+    return {
+        "target": TARGET,
+        "quant": quant,
+        "adapter_type": adapter_type,
+        "device": request.device,
+        "threads": threads,
+        "base": base_record,
+        "adapters": adapters,
+        "bytes": sum(adapter["bytes"] for adapter in adapters),
+        "sha256": chain_digest(base_sha, [adapter["sha256"] for adapter in adapters]),
+        "export_seconds": export_seconds,
+        "verification": verification,
+        "forced": bool(request.force and request.verify and not verification["passed"]),
+    }
 
 
 def manifest_files(manifest: dict, folder: Path) -> tuple[Path, list[Path]]:

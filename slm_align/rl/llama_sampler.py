@@ -37,14 +37,19 @@ def save_policy_base(policy, tokenizer, source, folder: Path) -> Path:
     """The policy's base weights (LoRA layers unwrapped, adapters left out) and its tokenizer as a
     plain model directory that the GGUF writer reads."""
     base = policy.get_base_model()
-    state = {name.replace(".base_layer", ""): tensor for name, tensor in base.state_dict().items()
-             if ".lora_" not in name}
+    state = {
+        name.replace(".base_layer", ""): tensor
+        for name, tensor in base.state_dict().items()
+        if ".lora_" not in name
+    }
     base.save_pretrained(folder, state_dict=state, safe_serialization=True)
     save_tokenizer(tokenizer, source, folder)
     return folder
 
 
-def draw(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of (B, V) logits, drawn from softmax(logits / T), and its log-probability there: (B,)
     ids and (B,) log-probabilities.
 
@@ -65,21 +70,38 @@ class LlamaSampler:
     rollout is one sequence of one llama.cpp context, and each step decodes the next token of all of
     them in one batch, so the weights are read once per step, not once per completion."""
 
-    def __init__(self, policy, tokenizer, source, folder: Path, base_type: str = "F16", threads: int = 1,
-                 n_ctx: int = 2048):
+    def __init__(
+        self,
+        policy,
+        tokenizer,
+        source,
+        folder: Path,
+        base_type: str = "F16",
+        threads: int = 1,
+        n_ctx: int = 2048,
+    ):
         try:
             import llama_cpp
         except ImportError:
-            raise UserError("rl.sampler = llama_cpp needs llama-cpp-python: pip install 'slm-align[agent]'") from None
+            raise UserError(
+                "rl.sampler = llama_cpp needs llama-cpp-python: pip install 'slm-align[agent]'"
+            ) from None
         if base_type not in BASE_TYPES:
             raise UserError(f"rl.sampler_base {base_type}: choose one of {', '.join(BASE_TYPES)}")
         self.lib = llama_cpp
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.base_dir = save_policy_base(policy, tokenizer, source, self.folder / "base")
-        self.base_gguf = write_gguf(self.base_dir, self.folder / f"base-{base_type}.gguf", base_type)
-        self.llm = llama_cpp.Llama(model_path=str(self.base_gguf), n_ctx=8, n_threads=threads, verbose=False,
-                                   vocab_only=False)
+        self.base_gguf = write_gguf(
+            self.base_dir, self.folder / f"base-{base_type}.gguf", base_type
+        )
+        self.llm = llama_cpp.Llama(
+            model_path=str(self.base_gguf),
+            n_ctx=8,
+            n_threads=threads,
+            verbose=False,
+            vocab_only=False,
+        )
         self.threads = threads
         self.n_ctx = n_ctx
         """Positions one completion may take (its prompt and its new tokens)."""
@@ -124,7 +146,9 @@ class LlamaSampler:
             params.kv_unified = True
             self._ctx = lib.llama_init_from_model(self.llm.model, params)
             if not self._ctx:
-                raise UserError(f"llama.cpp could not make a context for {sequences} sequences of {self.n_ctx}")
+                raise UserError(
+                    f"llama.cpp could not make a context for {sequences} sequences of {self.n_ctx}"
+                )
             self._sequences = sequences
             if self._adapter is not None:
                 self._apply_adapter()
@@ -144,8 +168,10 @@ class LlamaSampler:
                 batch.seq_id[i][0] = sequence
                 batch.logits[i] = logits
             if lib.llama_decode(ctx, batch) != 0:
-                raise UserError(f"llama.cpp could not decode a batch of {len(entries)} tokens; lower "
-                                "rl.prompts_per_step or rl.max_new_tokens")
+                raise UserError(
+                    f"llama.cpp could not decode a batch of {len(entries)} tokens; lower "
+                    "rl.prompts_per_step or rl.max_new_tokens"
+                )
         finally:
             lib.llama_batch_free(batch)
 
@@ -153,7 +179,9 @@ class LlamaSampler:
         """(len(positions), V) the logits at those positions of the last decoded batch, copied."""
         out = np.empty((len(positions), self.vocab), dtype=np.float32)
         for row, position in enumerate(positions):
-            out[row] = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(ctx, position), shape=(self.vocab,))
+            out[row] = np.ctypeslib.as_array(
+                self.lib.llama_get_logits_ith(ctx, position), shape=(self.vocab,)
+            )
         return torch.from_numpy(out)
 
     def _prompts(self, ctx, encoded: list[list[int]]) -> torch.Tensor:
@@ -164,8 +192,13 @@ class LlamaSampler:
             first.setdefault(tuple(ids), sequence)
         logits: dict[int, torch.Tensor] = {}
         for ids, sequence in first.items():
-            self._decode(ctx, [(token, position, sequence, position == len(ids) - 1)
-                               for position, token in enumerate(ids)])
+            self._decode(
+                ctx,
+                [
+                    (token, position, sequence, position == len(ids) - 1)
+                    for position, token in enumerate(ids)
+                ],
+            )
             logits[sequence] = self._logits(ctx, [len(ids) - 1])[0]
         memory = self.lib.llama_get_memory(ctx)
         for sequence, ids in enumerate(encoded):
@@ -174,8 +207,14 @@ class LlamaSampler:
                 self.lib.llama_memory_seq_cp(memory, source, sequence, -1, -1)
         return torch.stack([logits[first[tuple(ids)]] for ids in encoded])
 
-    def sample(self, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float,
-               seed: Optional[int]) -> Samples:
+    def sample(
+        self,
+        tokenizer,
+        prompts: list[str],
+        max_new_tokens: int,
+        temperature: float,
+        seed: Optional[int],
+    ) -> Samples:
         """One completion per prompt, laid out as :func:`slm_align.generation.sample` lays them out
         (left-padded prompts, completions through their first EOS), with llama.cpp's log-probabilities:
         log softmax(logits / temperature) of each drawn token, the distribution it was drawn from (:func:`draw`)."""
@@ -183,8 +222,10 @@ class LlamaSampler:
         encoded = [tokenizer(p, add_special_tokens=True)["input_ids"] or [eos] for p in prompts]
         longest = max(len(ids) for ids in encoded)
         if longest + max_new_tokens > self.n_ctx:
-            raise UserError(f"a prompt of {longest} tokens and {max_new_tokens} new ones do not fit the llama.cpp "
-                            f"sampler's {self.n_ctx} positions; shorten the prompts or lower max_new_tokens")
+            raise UserError(
+                f"a prompt of {longest} tokens and {max_new_tokens} new ones do not fit the llama.cpp "
+                f"sampler's {self.n_ctx} positions; shorten the prompts or lower max_new_tokens"
+            )
         generator = torch.Generator().manual_seed(seed if seed is not None else 0)
         ctx = self._context(len(prompts))
         logits = self._prompts(ctx, encoded)
@@ -200,7 +241,13 @@ class LlamaSampler:
                 if ids[-1] != eos and len(ids) < max_new_tokens:
                     going.append(sequence)
             if going:
-                self._decode(ctx, [(drawn[s][0][-1], len(encoded[s]) + len(drawn[s][0]) - 1, s, True) for s in going])
+                self._decode(
+                    ctx,
+                    [
+                        (drawn[s][0][-1], len(encoded[s]) + len(drawn[s][0]) - 1, s, True)
+                        for s in going
+                    ],
+                )
                 logits = self._logits(ctx, list(range(len(going))))
             active = going
         return layout(tokenizer, prompts, encoded, drawn, eos)
@@ -215,8 +262,13 @@ class LlamaSampler:
         self.llm.close()
 
 
-def layout(tokenizer, prompts: list[str], encoded: list[list[int]], drawn: list[tuple[list[int], list[float]]],
-           eos: int) -> Samples:
+def layout(
+    tokenizer,
+    prompts: list[str],
+    encoded: list[list[int]],
+    drawn: list[tuple[list[int], list[float]]],
+    eos: int,
+) -> Samples:
     """The completions as :class:`Samples`: (B, P) left-padded prompts, (B, T) right-padded completions
     with their mask (through the first EOS) and log-probabilities (0 past the end), T the longest."""
     pad = tokenizer.pad_token_id
@@ -226,8 +278,18 @@ def layout(tokenizer, prompts: list[str], encoded: list[list[int]], drawn: list[
     prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
     completion_ids = torch.tensor([ids + [pad] * (length - len(ids)) for ids, _ in drawn])
     completion_mask = torch.tensor([[1] * len(ids) + [0] * (length - len(ids)) for ids, _ in drawn])
-    logprobs = torch.tensor([lp + [0.0] * (length - len(lp)) for _, lp in drawn], dtype=torch.float32)
+    logprobs = torch.tensor(
+        [lp + [0.0] * (length - len(lp)) for _, lp in drawn], dtype=torch.float32
+    )
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in drawn]
     truncated = [ids[-1] != eos for ids, _ in drawn]
-    return Samples(list(prompts), texts, prompt_ids, prompt_mask, completion_ids, completion_mask, truncated,
-                   logprobs)
+    return Samples(
+        list(prompts),
+        texts,
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        truncated,
+        logprobs,
+    )
