@@ -187,6 +187,9 @@ class RLStage:
             self._iterate(partial, tracker)
         finally:
             tracker.close()
+            if loop.sampler is not None:  # llama.cpp's context and adapter, and the sampler's files
+                loop.sampler.close()
+                self._sampler_files.cleanup()
         self.last = self._keep_last(partial)
         self.after = self._heldout(adapter=True)
 

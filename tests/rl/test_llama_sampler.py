@@ -95,11 +95,17 @@ def test_a_grpo_iteration_on_llama_cpp_rollouts_logs_the_mismatch_and_trains(sft
 
 def test_train_with_the_llama_cpp_sampler_records_it_and_logs_the_mismatch(sft_run, capsys):  # noqa: F811
     import json
+    import tempfile
+    from pathlib import Path
 
     from slm_align.runs import read_manifest
     from tests.helpers import run_cli
 
+    def sampler_folders():
+        return set(Path(tempfile.gettempdir()).glob("slm-align-sampler-*"))
+
     out, _ = sft_run
+    before = sampler_folders()
     code, _, err = run_cli(capsys, "train", "--algo", "grpo", "--out", out, "--force", "--steps", "2",
                            "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
                            "--report-prompts", "0", "--set", "rl.sampler=llama_cpp", "--set", "rl.eval_prompts=2")
@@ -108,6 +114,7 @@ def test_train_with_the_llama_cpp_sampler_records_it_and_logs_the_mismatch(sft_r
     assert manifest["inputs"]["rl"]["sampler"] == "llama_cpp" and manifest["inputs"]["rl"]["sampler_base"] == "F16"
     lines = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(0.0 <= line["sampler/kl"] < 0.01 for line in lines)
+    assert sampler_folders() == before  # the base GGUF and adapter files are removed with the stage
 
 
 def test_draw_samples_the_softmax_and_returns_the_drawn_tokens_log_probability():
