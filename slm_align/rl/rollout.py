@@ -3,11 +3,12 @@ and reference in fp32."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 
+from slm_align.accelerator import device_of
 from slm_align.config import RLSettings
 from slm_align.envelope.logprobs import forward_logprobs
 from slm_align.envelope.policy import merged_for_sampling
@@ -85,7 +86,11 @@ def draw(policy, tokenizer, prompts: list[str], settings: RLSettings, seed: int,
     with clock.phase("sampler_sync"):
         sampler.refresh(policy)
     with clock.phase("sampling"):
-        return sampler.sample(tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed)
+        drawn = sampler.sample(tokenizer, prompts, settings.max_new_tokens, settings.temperature, seed)
+    device = device_of(policy)  # llama.cpp's tokens come back on the CPU; the policy may train on a GPU
+    return replace(drawn, prompt_ids=drawn.prompt_ids.to(device), prompt_mask=drawn.prompt_mask.to(device),
+                   completion_ids=drawn.completion_ids.to(device), completion_mask=drawn.completion_mask.to(device),
+                   logprobs=drawn.logprobs.to(device))
 
 
 def scoring_passes(policy, value_head: Optional[ValueHead], input_ids, attention, width: int, settings: RLSettings,
