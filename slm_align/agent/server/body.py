@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Optional, Union
 
@@ -121,34 +122,28 @@ def _too_large(limit: int) -> ApiError:
                          "fewer or shorter messages")
 
 
-def json_values(value: Any) -> int:
-    """How many JSON values ``value`` holds, itself and every object, array and scalar within
-    (counted without recursion)."""
-    count = 0
+def nested(value: Any) -> Iterator[Any]:
+    """``value`` and every object, array and scalar within it (walked without recursion)."""
     pending = [value]
     while pending:
         item = pending.pop()
-        count += 1
-        if isinstance(item, (list, dict)):
-            pending.extend(item.values() if isinstance(item, dict) else item)
-    return count
-
-
-def widest_properties(schema: Any) -> int:
-    """The most ``properties`` that one object of the JSON schema ``schema`` declares
-    (counted without recursion)."""
-    widest = 0
-    pending = [schema]
-    while pending:
-        item = pending.pop()
+        yield item
         if isinstance(item, dict):
-            properties = item.get("properties")
-            if isinstance(properties, dict):
-                widest = max(widest, len(properties))
             pending.extend(item.values())
         elif isinstance(item, list):
             pending.extend(item)
-    return widest
+
+
+def json_values(value: Any) -> int:
+    """How many JSON values ``value`` holds, itself and every object, array and scalar within."""
+    return sum(1 for _ in nested(value))
+
+
+def widest_properties(schema: Any) -> int:
+    """The most ``properties`` that one object of the JSON schema ``schema`` declares."""
+    widths = [len(item["properties"]) for item in nested(schema)
+              if isinstance(item, dict) and isinstance(item.get("properties"), dict)]
+    return max(widths, default=0)
 
 
 def depth(value: Any) -> int:
