@@ -63,8 +63,10 @@ class LlamaCppBackend:
         path = Path(path)
         if not path.is_file():
             raise UserError(f"adapter {path} not found; export one with `slm-align export RUN --target gguf-adapter`")
-        check_adapter_base(path, self.artifact)
-        return path, sha256_file(path)
+        digest = sha256_file(path)
+        if digest not in self._loaded:  # a loaded one passed already: a swap back reads no header again
+            check_adapter_base(path, self.artifact)
+        return path, digest
 
     def set_adapters(self, adapters: Sequence[Path]) -> list[dict]:
         """Apply ``adapters`` (LoRA adapter GGUFs, in order, scale 1; none: the base alone) in place of
