@@ -103,27 +103,9 @@ def test_report_to_none_writes_nothing(sft_run):
 
 
 def test_a_killed_and_resumed_dpo_run_reads_back_each_step_once_equal_to_its_jsonl(sft_run, tmp_path, monkeypatch):
-    prefs = write_rows(tmp_path / "prefs.jsonl", learnable_rows(60))
-    recipe = preference_recipe(fresh_run(sft_run, tmp_path / "run"), "dpo", prefs, steps=12, save_steps=4,
-                               eval_every=4)
-    recipe = with_tensorboard(recipe)
-    original = TensorBoardTracker.log
-
-    def log_then_die_at_six(self, step, metrics):
-        original(self, step, metrics)
-        if step == 6:  # killed once step 6 reached the JSONL and TensorBoard; the checkpoint is at step 4
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(TensorBoardTracker, "log", log_then_die_at_six)
-    with pytest.raises(KeyboardInterrupt):
-        run_preference(recipe, tmp_path / "run", force=True)
-    monkeypatch.setattr(TensorBoardTracker, "log", original)
-    run_preference(recipe, tmp_path / "run", force=True, resume=True)
+    _, logged = killed_and_resumed_dpo(sft_run, tmp_path, monkeypatch, TensorBoardTracker, "tensorboard")
     directory = tmp_path / "run" / "tracking" / "dpo"
     assert len(list(directory.glob("events.out.tfevents.*"))) == 2  # the killed attempt's file and the resumed one's
-    logged = [dict(line, step=step) for step, line in
-              enumerate(read_jsonl(tmp_path / "run" / "dpo" / "metrics.jsonl"), start=1)]
-    assert len(logged) == 12 and "heldout/pair_accuracy" in logged[3]
     read_back = tensorboard_scalars(directory)
     assert [step for step, _ in read_back["loss"]] == list(range(1, 13))  # steps 5 and 6 once, the resumed values
     assert_same(jsonl_scalars(logged, str), read_back)
