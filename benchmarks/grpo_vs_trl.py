@@ -34,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sides import add_side_arguments, alternate_sides, medians, print_rows, ran_as_side  # noqa: E402
 
+from slm_align.rl.llama_sampler import BASE_TYPES  # noqa: E402
+
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 OUR_PHASES = ("sampler_sync", "sampling", "reward", "scoring_old", "scoring_ref", "update_forward", "update_backward")
 SIDES = ("ours", "ours_llama", "trl")
@@ -303,7 +305,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="forward passes (both sides)")
     parser.add_argument("--sampler", choices=["torch", "llama_cpp", "both"], default="torch",
                         help="our side's sampler: PyTorch, llama.cpp (rl.sampler = llama_cpp), or both sides")
-    parser.add_argument("--sampler-base", choices=["F32", "F16", "Q8_0"], default="F16",
+    parser.add_argument("--sampler-base", choices=BASE_TYPES, default="F16",
                         help="llama.cpp sampler: the type the policy's base GGUF is written in")
     parser.add_argument("--algo", choices=["grpo", "ppo"], default="grpo",
                         help="ppo: our PPO (value head) alone, its phases per iteration; TRL "

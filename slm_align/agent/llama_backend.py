@@ -96,6 +96,14 @@ class LlamaCppBackend:
         self.llm.reset()
         self.adapters = [{"file": path.name, "sha256": digest} for path, digest in checked]
 
+    def release_unused(self) -> None:
+        """Free the llama.cpp handles of loaded adapters not applied now (a swap back loads them again)."""
+        import llama_cpp
+
+        applied = {entry["sha256"] for entry in self.adapters}
+        for digest in [digest for digest in self._loaded if digest not in applied]:
+            llama_cpp.llama_adapter_lora_free(self._loaded.pop(digest))
+
     def _piece(self, token: int) -> Optional[str]:
         return None if token < 0 else self.detokenize([token])
 

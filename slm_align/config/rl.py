@@ -183,9 +183,9 @@ class RLSettings(Strict):
                                        "column; its typed public methods are the tools.")
     sampler: Literal["torch", "llama_cpp"] = Field(
         "torch", description="What draws the rollouts: PyTorch (the policy's own fp32 forward), or llama.cpp, the "
-        "engine the device runs (single completions; the base as a GGUF once, the LoRA as an adapter GGUF each "
+        "engine the device runs (single completions or agent episodes; the base as a GGUF once, the LoRA as an adapter GGUF each "
         "iteration), its tokens weighed by the truncated importance correction.")
-    sampler_base: Literal["F32", "F16", "Q8_0"] = Field("F16", description="llama.cpp sampler: the type the "
+    sampler_base: Literal["F32", "F16", "Q8_0", "Q4_K_M"] = Field("F16", description="llama.cpp sampler: the type the "
                                                         "policy's base is written in.")
     sampler_cap: float = Field(2.0, gt=0, description="llama.cpp sampler: the cap C of the importance weight "
                                                       "pi_train / pi_sampler.")

@@ -166,6 +166,8 @@ class Episode:
     """The final answer hit the token budget, or the conversation outgrew the context."""
     messages: list[dict]
     environment: Any = None
+    drawn_logprobs: list[float] = field(default_factory=list)
+    """Per id after the prompt: the sampler's log-probability of a sampled id, 0 for an inserted one."""
 
     def view(self) -> dict:
         """What a reward sees of the episode (``episodes=``): each turn's text, the calls and their
@@ -180,43 +182,61 @@ def episode_params(settings: RLSettings, seed: int, index: int) -> SamplingParam
                           max_tokens=settings.max_new_tokens, seed=(seed * 1_000_003 + index) % SEED_SPAN)
 
 
-def run_episode(backend: PolicyBackend, prompt: str, setup: EpisodeSetup, settings: RLSettings,
+def run_episode(backend, prompt: str, setup: EpisodeSetup, settings: RLSettings,
                 params: SamplingParams) -> Episode:
-    """One episode in the runtime's loop; its ids from the runtime's trace."""
+    """One episode in the runtime's loop on ``backend`` (a :class:`PolicyBackend` or an
+    :class:`~slm_align.rl.llama_episodes.ExactLlamaBackend`); its ids from the runtime's trace, each
+    sampled id's log-probability from the backend's rounds."""
     agent = Agent(backend, "policy", tools=setup.tools, sampling=params, grammar=False,
                   max_tool_rounds=settings.max_tool_rounds)
+    backend.rounds = []
     for _ in agent.respond(setup.messages):
         pass
     reply = agent.last
-    ids, sampled, cut = _trace_ids(agent.trace)
+    ids, sampled, logprobs, cut = _trace_ids(agent.trace, backend.rounds)
     rounds = sum(1 for kind, _ in agent.trace if kind == "inserted")
     return Episode(prompt, ids, len(agent.trace[0][1]), sampled, reply.text, reply.tool_calls, rounds,
-                   reply.truncated or cut, agent.messages, setup.environment)
+                   reply.truncated or cut, agent.messages, setup.environment, logprobs)
 
 
-def _trace_ids(trace: list[tuple[str, list[int]]]) -> tuple[list[int], list[bool], bool]:
-    """The episode's ids, which of those after the first prompt were sampled, and whether the trace
-    was cut where the runtime rendered the conversation anew (it outgrew the context): the token
-    contract holds up to there only."""
+def _trace_ids(trace: list[tuple[str, list[int]]],
+               draws: list[list[float]]) -> tuple[list[int], list[bool], list[float], bool]:
+    """The episode's ids, which of those after the first prompt were sampled, their log-probabilities
+    (``draws``: one list per sampled piece, in order; 0 for inserted ids), and whether the trace was
+    cut where the runtime rendered the conversation anew (it outgrew the context): the token contract
+    holds up to there only."""
     ids = list(trace[0][1])
     sampled: list[bool] = []
+    logprobs: list[float] = []
+    rounds = iter(draws)
     for kind, piece in trace[1:]:
         if kind == "prompt":
-            return ids, sampled, True
+            return ids, sampled, logprobs, True
         ids += piece
         sampled += [kind == "sampled"] * len(piece)
-    return ids, sampled, False
+        logprobs += list(next(rounds)) if kind == "sampled" else [0.0] * len(piece)
+        if len(logprobs) != len(sampled):
+            raise RuntimeError("the sampler drew another number of ids than the runtime fed")
+    return ids, sampled, logprobs, False
 
 
 def collect_episodes(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, prompts: list[str],
                      settings: RLSettings, seed: int, tasks: AgentTasks, clock: Optional[PhaseClock] = None,
-                     old_pass: bool = True, reference_pass: bool = True) -> Rollout:
+                     old_pass: bool = True, reference_pass: bool = True, sampler=None) -> Rollout:
     """One episode per prompt (``seed``), scored, with the log-probability passes the algorithm uses
-    (see :func:`~slm_align.rl.rollout.collect`; the same signature besides ``tasks``)."""
+    (see :func:`~slm_align.rl.rollout.collect`; the same signature besides ``tasks``). ``sampler`` (a
+    :class:`~slm_align.rl.llama_sampler.LlamaSampler`): the runtime's llama.cpp backend runs the
+    episodes, the current LoRA swapped in first, and its log-probabilities are kept."""
     clock = clock or PhaseClock()
     policy.eval()
-    with clock.phase("sampling"), merged_for_sampling(policy):
-        episodes = run_episodes(policy, tokenizer, prompts, settings, seed, tasks)
+    if sampler is None:
+        with clock.phase("sampling"), merged_for_sampling(policy):
+            episodes = run_episodes(policy, tokenizer, prompts, settings, seed, tasks)
+    else:
+        with clock.phase("sampler_sync"):
+            sampler.refresh(policy)
+        with clock.phase("sampling"):
+            episodes = backend_episodes(sampler.episodes, prompts, settings, seed, tasks)
     input_ids, attention, width, mask = pack(episodes, tokenizer.pad_token_id, device_of(policy))
     old, ref, values = scoring_passes(policy, value_head, input_ids, attention, width, settings, clock, old_pass,
                                       reference_pass)
@@ -224,17 +244,24 @@ def collect_episodes(policy, value_head: Optional[ValueHead], tokenizer, reward_
     with clock.phase("reward"):
         raw = episode_scores(reward_fn, prompts, episodes)
     scores, mask = truncation_rules(torch.tensor(raw, device=input_ids.device), mask, truncated, settings)
+    drawn = sampler_logprobs(episodes, mask.shape[1], mask.device) if sampler is not None else None
     rollout = Rollout(prompts, [e.answer for e in episodes], input_ids, attention, width, mask, old, ref, values,
-                      scores, truncated)
+                      scores, truncated, sampler_logprobs=drawn)
     rollout.stats = episode_stats(episodes, tasks.tasks)
     return rollout
 
 
 def run_episodes(model, tokenizer, prompts: list[str], settings: RLSettings, seed: int,
                  tasks: AgentTasks) -> list[Episode]:
-    """One episode per prompt on ``model`` (the policy as sampling sees it), episode i drawn with the
-    i-th seed of :func:`episode_params`."""
-    backend = PolicyBackend(model, tokenizer, chat_template=tasks.chat_template)
+    """One episode per prompt on ``model`` (the policy as sampling sees it) through PyTorch
+    (:func:`backend_episodes`)."""
+    return backend_episodes(PolicyBackend(model, tokenizer, chat_template=tasks.chat_template), prompts, settings,
+                            seed, tasks)
+
+
+def backend_episodes(backend, prompts: list[str], settings: RLSettings, seed: int,
+                     tasks: AgentTasks) -> list[Episode]:
+    """One episode per prompt on ``backend``, episode i drawn with the i-th seed of :func:`episode_params`."""
     episodes = []
     with counted("episodes", len(prompts), "agent episodes") as count:  # shown by the gate and held-out reward
         for i, prompt in enumerate(prompts):
@@ -272,6 +299,15 @@ def pack(episodes: list[Episode], pad_id: int, device) -> tuple[torch.Tensor, to
         attention[row, start:width + len(rest)] = 1
         mask[row, :len(rest)] = torch.tensor(episode.sampled, dtype=torch.float32)
     return input_ids.to(device), attention.to(device), width, mask.to(device)
+
+
+def sampler_logprobs(episodes: list[Episode], length: int, device) -> torch.Tensor:
+    """(B, T) the sampler's log-probability of each sampled id, laid out as :func:`pack` lays out the
+    ids (0 on inserted ids and padding, which the mask leaves out)."""
+    out = torch.zeros((len(episodes), length), dtype=torch.float32)
+    for row, episode in enumerate(episodes):
+        out[row, :len(episode.drawn_logprobs)] = torch.tensor(episode.drawn_logprobs, dtype=torch.float32)
+    return out.to(device)
 
 
 def episode_scores(reward_fn, prompts: list[str], episodes: list[Episode]) -> list[float]:

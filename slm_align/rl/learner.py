@@ -88,7 +88,8 @@ class Learner(TrainableRun):
         with self.forward_context():
             if self.episodes is not None:
                 return collect_episodes(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts,
-                                        self.settings, seed, self.episodes, self.clock, old_pass, reference_pass)
+                                        self.settings, seed, self.episodes, self.clock, old_pass, reference_pass,
+                                        self.sampler)
             return collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts, self.settings,
                            seed, self.clock, old_pass, reference_pass, self.sampler)
 

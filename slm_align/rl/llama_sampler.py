@@ -17,20 +17,23 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import Optional
+from typing import Optional, get_args
 
 import numpy as np
 import torch
 
+from slm_align.config import RLSettings
 from slm_align.errors import UserError
-from slm_align.export.gguf import write_gguf
+from slm_align.export.gguf import QUANTIZER_TYPES, quantize_gguf, write_gguf
 from slm_align.export.gguf_adapter import write_lora_gguf
 from slm_align.generation import Samples
 from slm_align.modeling import save_tokenizer
+from slm_align.rl.llama_episodes import EPISODE_CONTEXT, ExactLlamaBackend
 
-BASE_TYPES = ("F32", "F16", "Q8_0")
-"""Types the base GGUF is written in: F32 (no mismatch but rounding), F16 (the issue's "near zero"),
-Q8_0 (what a phone runs; the mismatch the report prints)."""
+BASE_TYPES = get_args(RLSettings.model_fields["sampler_base"].annotation)
+"""Types the base GGUF is written in: F32 (no mismatch but rounding), F16 (near zero), Q8_0 and Q4_K_M
+(what phones run: the mismatch is the quantization's, measured every iteration; Q4_K_M by llama.cpp's
+quantizer from the F16 file)."""
 
 
 def save_policy_base(policy, tokenizer, source, folder: Path) -> Path:
@@ -92,9 +95,11 @@ class LlamaSampler:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.base_dir = save_policy_base(policy, tokenizer, source, self.folder / "base")
-        self.base_gguf = write_gguf(
-            self.base_dir, self.folder / f"base-{base_type}.gguf", base_type
-        )
+        written = "F16" if base_type in QUANTIZER_TYPES else base_type
+        self.base_gguf = write_gguf(self.base_dir, self.folder / f"base-{written}.gguf", written)
+        if written != base_type:
+            self.base_gguf = quantize_gguf(self.base_gguf, self.folder / f"base-{base_type}.gguf", base_type,
+                                           threads)
         self.llm = llama_cpp.Llama(
             model_path=str(self.base_gguf),
             n_ctx=8,
@@ -109,12 +114,25 @@ class LlamaSampler:
         self._adapter = None
         self._ctx = None
         self._sequences = 0
+        self.episodes: Optional[ExactLlamaBackend] = None
+        """The runtime's backend on the same base GGUF when rollouts are agent episodes (:meth:`for_episodes`)."""
+
+    def for_episodes(self, chat_template: str, max_positions: int) -> ExactLlamaBackend:
+        """The runtime's llama.cpp backend over the base GGUF, sampling agent episodes from now on (the
+        adapter of each :meth:`refresh` swapped into it), with at most ``max_positions`` positions
+        (:data:`~slm_align.rl.llama_episodes.EPISODE_CONTEXT` at most)."""
+        self.episodes = ExactLlamaBackend(self.base_gguf, chat_template, self.threads,
+                                          min(max_positions, EPISODE_CONTEXT))
+        return self.episodes
 
     def refresh(self, policy) -> None:
         """Write the policy's LoRA as an adapter GGUF and apply it in place of the last one."""
         adapter_dir = self.folder / "adapter"
         policy.save_pretrained(adapter_dir)
         path = write_lora_gguf(adapter_dir, self.base_dir, self.folder / "adapter.gguf", "F32")
+        if self.episodes is not None:
+            self.episodes.swap_adapter(path)
+            return
         adapter = self.lib.llama_adapter_lora_init(self.llm.model, str(path).encode())
         if not adapter:
             raise UserError(f"llama.cpp could not load the policy's adapter {path}")
@@ -259,6 +277,9 @@ class LlamaSampler:
         if self._adapter is not None:
             self.lib.llama_adapter_lora_free(self._adapter)
             self._adapter = None
+        if self.episodes is not None:
+            self.episodes.llm.close()
+            self.episodes = None
         self.llm.close()
 
 

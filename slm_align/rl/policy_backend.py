@@ -35,7 +35,7 @@ class PolicyBackend:
         self.n_ctx = n_ctx or getattr(config, "max_position_embeddings", None) or 4096
         self.vocab_size = len(tokenizer)
         self.eos_ids = {tokenizer.eos_token_id}
-        self.chat_template = chat_template or tokenizer.chat_template or default_chat_template(tokenizer)
+        self.chat_template = policy_template(tokenizer, chat_template)
         self.chat_template_origin = "policy"
         self.bos_token = tokenizer.bos_token
         self.eos_token = tokenizer.eos_token
@@ -43,6 +43,8 @@ class PolicyBackend:
         """The ids the cache holds."""
         self.drawn_logprobs: list[float] = []
         """The sampler's own log-probability of each token the last :meth:`generate` drew."""
+        self.rounds: list[list[float]] = []
+        """:attr:`drawn_logprobs` of every :meth:`generate` since it was last emptied (an episode's rounds)."""
         self._cache = None
         self._logits: Optional[torch.Tensor] = None
 
@@ -71,8 +73,9 @@ class PolicyBackend:
             raise UserError("the policy samples without a grammar; train with grammar-free tool rounds")
         check_exact(params)
         prompt = list(prompt)
-        generator = torch.Generator(device=self.device).manual_seed(params.seed * 1_000_003 + len(prompt))
+        generator = torch.Generator(device=self.device).manual_seed(round_seed(params.seed, len(prompt)))
         self.drawn_logprobs = []
+        self.rounds.append(self.drawn_logprobs)
         self._start(prompt)
         while True:
             token, logprob = draw_tokens(self._logits.float(), params.temperature, params.top_p,
@@ -100,6 +103,17 @@ class PolicyBackend:
         self._cache = output.past_key_values
         self._logits = output.logits[:, -1]
         self.tokens = self.tokens + ids
+
+
+def policy_template(tokenizer, chosen: Optional[str] = None) -> str:
+    """The template episodes render with: the one chosen, else the tokenizer's own, else ChatML's."""
+    return chosen or tokenizer.chat_template or default_chat_template(tokenizer)
+
+
+def round_seed(seed: int, prompt_length: int) -> int:
+    """The seed of one round's draws: an episode's seed with its prompt's length folded in, so that its
+    rounds draw different numbers (the same numbers would tie a round's tokens to the last one's)."""
+    return seed * 1_000_003 + prompt_length
 
 
 def shared_prefix(cached: list[int], ids: list[int]) -> int:

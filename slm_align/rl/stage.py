@@ -34,7 +34,9 @@ from slm_align.progress import stage_lines
 from slm_align.reward.learned import learned_reward
 from slm_align.rl.episodes import agent_tasks, check_episode_rewards
 from slm_align.rl.grpo import GRPO
+from slm_align.rl.llama_episodes import EPISODE_CONTEXT
 from slm_align.rl.llama_sampler import LlamaSampler
+from slm_align.rl.policy_backend import policy_template
 from slm_align.rl.ppo import PPO
 from slm_align.rl.recovery import EVENTS, WatchedRun, probe_rewards, read_events, restore, scale_shaping
 from slm_align.rl.schedule import iteration_size
@@ -159,14 +161,15 @@ class RLStage:
         settings = self.recipe.rl
         if settings.sampler != "llama_cpp":
             return None
-        if episodes is not None:
-            raise UserError("rl.sampler = llama_cpp draws single completions; agent episodes run on PyTorch's "
-                            "sampler for now: set rl.sampler = torch")
         self._sampler_files = tempfile.TemporaryDirectory(prefix="slm-align-sampler-")
         n_ctx = self.recipe.data.max_length + settings.max_new_tokens + 8
         with stage_lines("llama.cpp sampler", f"the policy's base as {settings.sampler_base} GGUF"):
-            return LlamaSampler(self.policy, self.tokenizer, source, Path(self._sampler_files.name),
-                                settings.sampler_base, torch.get_num_threads(), n_ctx)
+            sampler = LlamaSampler(self.policy, self.tokenizer, source, Path(self._sampler_files.name),
+                                   settings.sampler_base, torch.get_num_threads(), n_ctx)
+        if episodes is not None:  # the runtime's own backend runs the episodes on the same base
+            positions = getattr(self.policy.config, "max_position_embeddings", None) or EPISODE_CONTEXT
+            sampler.for_episodes(policy_template(self.tokenizer, episodes.chat_template), positions)
+        return sampler
 
     def train(self, partial: Path, checkpoint: Optional[str]) -> None:
         """Iterate from the work dir's checkpoint (if any) under the watchdog; held-out

@@ -96,6 +96,31 @@ def test_reward_and_rl_killed_mid_training_resume_to_the_full_step_count(tmp_pat
     assert read_manifest(run / "rl")["metrics"]["steps"] == 12 and steps == list(range(1, 13))
 
 
+def test_grpo_on_the_llama_cpp_sampler_killed_resumes_to_the_unbroken_runs_adapter(tmp_path, tiny_models, stories):
+    """The sampler's base GGUF is made anew on resume and the adapter rewritten from the checkpoint's LoRA:
+    the resumed run draws the same rollouts and ends with the same adapter, bit for bit."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    run, _ = finished_sft_run(tmp_path / "a", tiny_models["llama"], stories, steps=2)
+    shutil.copytree(run / "sft", tmp_path / "b" / "sft")
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('[model]\nsource = "%s"\n[data]\npath = "%s"\nmax_length = 64\n[rl]\nsave_steps = 2\n'
+                      'steps = 4\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = 8\neval_prompts = 2\n'
+                      'sampler = "llama_cpp"\n' % (tiny_models["llama"], stories))
+    args = ["train", "--algo", "grpo", "--reward", "length_window", "--config", recipe, "--force", "--json"]
+    finish(*args, "--out", tmp_path / "a")
+    killed_at(tmp_path, "metrics-line:3", *args, "--out", tmp_path / "b")  # past the checkpoint at step 2
+    assert torch.load(tmp_path / "b" / "rl.partial" / "checkpoint.pt", weights_only=True)["step"] == 2
+    finish(*args, "--out", tmp_path / "b", "--resume")
+    unbroken = load_file(tmp_path / "a" / "rl" / "adapter" / "adapter_model.safetensors")
+    resumed = load_file(tmp_path / "b" / "rl" / "adapter" / "adapter_model.safetensors")
+    assert unbroken.keys() == resumed.keys() and all(torch.equal(unbroken[k], resumed[k]) for k in unbroken)
+    assert any(bool(tensor.abs().sum() > 0) for name, tensor in unbroken.items() if "lora_B" in name)  # it trained
+    assert read_manifest(tmp_path / "b" / "rl")["inputs"]["rl"]["sampler"] == "llama_cpp"
+
+
 def test_kto_killed_between_checkpoints_resumes_bit_identical(tmp_path, tiny_models, stories):
     """KTO scores each training answer under the reference on first use and keeps the scores in
     its checkpoints: a run SIGKILLed after a checkpoint resumes with that partial cache and ends

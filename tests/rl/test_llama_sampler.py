@@ -127,3 +127,25 @@ def test_draw_samples_the_softmax_and_returns_the_drawn_tokens_log_probability()
     counts = torch.bincount(tokens, minlength=4).float() / tokens.numel()
     assert torch.allclose(counts, expected, atol=0.01)  # the tempered distribution, not the raw one
     assert torch.allclose(logprobs, expected.log()[tokens].double(), atol=1e-6)
+
+
+def test_a_q4_k_m_base_is_quantized_and_its_mismatch_measured(tiny_models, tmp_path):
+    """The base llama.cpp's quantizer makes (what a phone runs): its gap to the trainer is the quantization's,
+    larger than F16's and smaller than the adapter's own effect."""
+    from slm_align.gguf_fields import read_fields
+
+    source, tokenizer, policy = lora_policy(tiny_models["llama"])
+    gaps = {}
+    for base_type in ("F16", "Q4_K_M"):
+        sampler = LlamaSampler(policy, tokenizer, source, tmp_path / base_type, base_type, threads=1, n_ctx=256)
+        try:
+            sampler.refresh(policy)
+            samples = sampler.sample(tokenizer, PROMPTS, 16, 1.0, seed=3)
+            mask = samples.completion_mask.float()
+            gaps[base_type] = mean_gap(trainer_logprobs(policy, samples), samples.logprobs, mask)
+            effect = mean_gap(trainer_logprobs(policy, samples, adapter=False), samples.logprobs, mask)
+            file_type = read_fields(sampler.base_gguf, "general.file_type")["general.file_type"].value
+        finally:
+            sampler.close()
+        assert file_type == {"F16": 1, "Q4_K_M": 15}[base_type]
+    assert gaps["Q4_K_M"] > 3 * gaps["F16"] and gaps["Q4_K_M"] < effect / 2, (gaps, effect)
