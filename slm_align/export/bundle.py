@@ -5,7 +5,9 @@ sampling defaults, the tool schemas, the export manifest with its verification f
 ``bundle.json`` (what is where, the artifact digest the app records as ``model_id`` in the
 preference store, every file's sha256) and a README naming the runtime and the calls to make.
 ``--device NAME`` picks target and quantization from the device profile; a run without the artifact
-the device wants is exported first.
+the device wants is exported first. An adapter export (``--target gguf-adapter``) is bundled as its
+base once plus each adapter file, or, with ``--update-from``, as an update holding only the new adapters
+(:mod:`slm_align.export.adapter_bundle`).
 """
 
 from __future__ import annotations
@@ -14,15 +16,19 @@ import json
 import shutil
 import zipfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from slm_align.atomic import atomic_path, publish_directory
 from slm_align.errors import UserError
+from slm_align.export.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
 from slm_align.export.bundle_readme import RUNTIMES, bundle_readme
 from slm_align.runs import MANIFEST, artifact_manifest, file_checksums
 
 BUNDLE_FORMAT = 1
+"""bundle.json's format of a one-artifact bundle; base + adapters bundles are format 2
+(:data:`~slm_align.export.adapter_bundle.ADAPTER_BUNDLE_FORMAT`)."""
 MODEL_DIR = "model"
 
 
@@ -39,6 +45,8 @@ class BundleRequest:
     """Bundle directory (default: bundle-DEVICE, else bundle-ARTIFACT, beside the artifact)."""
     overwrite: bool = False
     """Replace an existing bundle."""
+    update_from: Optional[Path] = None
+    """An adapter export only: the bundle the device has; the update ships only the adapters it lacks."""
 
 
 def device_choice(device: str) -> tuple[str, str]:
@@ -82,69 +90,17 @@ def locate_artifact(request: BundleRequest) -> Path:
         raise UserError(f"{path} not found; pass a run directory or an exported artifact")
     if path.is_dir() and (path / "sft" / MANIFEST).is_file():
         return _run_artifact(path, request.device)
+    return _manifest_artifact(path)
+
+
+def _manifest_artifact(path: Path) -> Path:
+    """The artifact an export manifest given in its place describes (``path`` itself otherwise)."""
+    if path.is_file() and path.name == MANIFEST:
+        return path.parent
+    described = path.with_name(path.name.removesuffix(".json"))
+    if path.is_file() and path.suffix == ".json" and described.exists() and artifact_manifest(described) == path:
+        return described
     return path
-
-
-def _gguf_template(artifact: Path) -> Optional[str]:
-    from gguf import GGUFReader
-
-    field = GGUFReader(artifact).fields.get("tokenizer.chat_template")
-    if field is None:
-        return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
-
-
-def _folder_template(folder: Path) -> Optional[str]:
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    config = folder / "tokenizer_config.json"
-    if config.is_file():
-        return json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-    return None
-
-
-def chat_template_of(artifact: Path) -> Optional[str]:
-    """The chat template written into the artifact (None: a base model without one)."""
-    if artifact.is_dir():
-        return _folder_template(artifact)
-    return _gguf_template(artifact)
-
-
-def _source_folder(manifest: dict) -> Optional[Path]:
-    """The checkpoint folder the artifact was exported from, when it is still there."""
-    origin = manifest.get("inputs", {}).get("source", {})
-    if origin.get("kind") == "run":
-        return Path(origin["run"]) / "merged"
-    if origin.get("kind") == "dir":
-        return Path(origin["path"])
-    return None
-
-
-def tokenizer_file(artifact: Path, manifest: dict) -> Optional[Path]:
-    """tokenizer.json of the artifact folder, else of the checkpoint it came from
-    (a GGUF embeds its own)."""
-    candidates = [artifact / "tokenizer.json"] if artifact.is_dir() else []
-    source = _source_folder(manifest)
-    if source is not None:
-        candidates.append(source / "tokenizer.json")
-    return next((path for path in candidates if path.is_file()), None)
-
-
-def _write_json(path: Path, data) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def _sampling_defaults() -> dict:
-    from slm_align.agent.sampling import SamplingParams
-
-    return SamplingParams().to_dict()
-
-
-def _tool_schemas() -> list[dict]:
-    from slm_align.tools.builtin import default_tools
-
-    return default_tools().specs()
 
 
 def _copy_artifact(artifact: Path, bundle: Path) -> Path:
@@ -172,19 +128,14 @@ def _fill(bundle: Path, artifact: Path, manifest: dict, device: Optional[str]) -
     """Write every file of the bundle into ``bundle``; returns bundle.json's content."""
     _copy_artifact(artifact, bundle)
     template = chat_template_of(artifact)
-    if template is not None:
-        (bundle / "chat_template.jinja").write_text(template, encoding="utf-8")
     tokenizer = tokenizer_file(artifact, manifest)
-    if tokenizer is not None:
-        shutil.copy2(tokenizer, bundle / "tokenizer.json")
-    _write_json(bundle / "sampling.json", _sampling_defaults())
-    _write_json(bundle / "tools.json", _tool_schemas())
-    _write_json(bundle / "export-manifest.json", manifest)
-    _write_json(bundle / "verification.json", manifest.get("metrics", {}).get("verification", {}))
+    write_app_files(bundle, template, tokenizer)
+    write_json(bundle / "export-manifest.json", manifest)
+    write_json(bundle / "verification.json", manifest.get("metrics", {}).get("verification", {}))
     described = _describe(artifact, manifest, device, template, tokenizer)
     (bundle / "README.md").write_text(bundle_readme(described), encoding="utf-8")
     described["files"] = file_checksums(bundle)
-    _write_json(bundle / "bundle.json", described)
+    write_json(bundle / "bundle.json", described)
     return described
 
 
@@ -196,9 +147,23 @@ def _zip(folder: Path, target: Path) -> None:
                 archive.write(file, (Path(folder.name) / file.relative_to(folder)).as_posix())
 
 
-def _default_out(artifact: Path, device: Optional[str]) -> Path:
+def _default_out(artifact: Path, device: Optional[str], update: bool) -> Path:
+    """bundle-DEVICE, else bundle-ARTIFACT, beside the artifact (with ``-update`` for an update)."""
     name = device or artifact.name.removesuffix(".gguf")
-    return artifact.parent / f"bundle-{name}"
+    return artifact.parent / f"bundle-{name}{'-update' if update else ''}"
+
+
+def _filler(artifact: Path, manifest: dict, request: BundleRequest) -> Callable[[Path], dict]:
+    """What writes this export's bundle into a folder (an adapter export's: base + adapters, or an update)."""
+    from slm_align.export.adapter_bundle import adapter_filler, is_adapter_export
+
+    if is_adapter_export(manifest):
+        return adapter_filler(artifact, manifest, request.device, request.update_from)
+    if request.update_from is not None:
+        target = manifest.get("metrics", {}).get("target", "gguf")
+        raise UserError(f"--update-from ships adapters, and {artifact} is a {target} export: bundle an adapter "
+                        "export (`slm-align export RUN --target gguf-adapter`), or drop --update-from")
+    return partial(_fill, artifact=artifact, manifest=manifest, device=request.device)
 
 
 def make_bundle(request: BundleRequest) -> dict:
@@ -208,7 +173,9 @@ def make_bundle(request: BundleRequest) -> dict:
         device_choice(request.device)  # an unknown profile: refused before any work
     artifact = locate_artifact(request)
     manifest = _export_manifest(artifact)
-    out = Path(request.out) if request.out is not None else _default_out(artifact, request.device)
+    fill = _filler(artifact, manifest, request)
+    update = request.update_from is not None
+    out = Path(request.out) if request.out is not None else _default_out(artifact, request.device, update)
     archive = out.with_name(out.name + ".zip")
     if (out.exists() or archive.exists()) and not request.overwrite:
         raise UserError(f"{out} exists; pass --overwrite to replace it or choose another --out")
@@ -217,7 +184,7 @@ def make_bundle(request: BundleRequest) -> dict:
     scratch.parent.mkdir(parents=True, exist_ok=True)
     scratch.mkdir()
     try:
-        described = _fill(scratch, artifact, manifest, request.device)
+        described = fill(scratch)
         publish_directory(scratch, out, replace=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

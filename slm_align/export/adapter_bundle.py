@@ -1,0 +1,233 @@
+"""Bundles of an adapter export (``slm-align export RUN --target gguf-adapter``).
+
+A full bundle holds the base once under ``model/`` and each LoRA adapter as its own file under
+``adapters/``; bundle.json lists them in load order with their sha256 and scale, and ``model_id`` is the
+chain's id (:func:`~slm_align.gguf_adapters.chain_digest`). An update bundle (``--update-from OLD``)
+is for a device that has OLD installed: no base, only the adapters whose sha256 OLD does not list, the
+whole chain in bundle.json (each entry ``shipped`` or not), ``requires_base_sha256`` and
+``replaces_model_id``. :func:`apply_update` turns an installed bundle and an update into the full bundle
+of the new chain.
+
+These bundles are format 2: their ``artifact`` (kept, for old readers, at the base) is not the whole
+model, so a format-1 reader that loaded it alone would answer as the base under the chain's model_id.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import Callable, Optional
+
+from slm_align.atomic import publish_directory
+from slm_align.errors import UserError
+from slm_align.export.adapter_export import TARGET, manifest_files
+from slm_align.export.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
+from slm_align.export.bundle_readme import adapter_bundle_readme, update_bundle_readme
+from slm_align.runs import file_checksums, sha256_file
+
+ADAPTER_BUNDLE_FORMAT = 2
+MODEL_DIR = "model"
+ADAPTERS_DIR = "adapters"
+BUNDLE_JSON = "bundle.json"
+EXPORT_RECORDS = ("export-manifest.json", "verification.json")
+"""What an update replaces in the installed bundle besides bundle.json and the README."""
+UPDATE_KEYS = ("kind", "requires_base_sha256", "replaces_model_id")
+
+
+def is_adapter_export(manifest: dict) -> bool:
+    """Whether an export manifest is an adapter export's (base + adapters)."""
+    return manifest.get("metrics", {}).get("target") == TARGET
+
+
+def _checked_file(path: Path, sha256: str, what: str) -> Path:
+    """``path``, refused in one line when it is gone or no longer has the ``sha256`` the export recorded."""
+    if not path.is_file():
+        raise UserError(f"{what} {path} not found; export the run again (`slm-align export RUN --target {TARGET}`)")
+    found = sha256_file(path)
+    if found != sha256:
+        raise UserError(f"{what} {path} has sha256 {found[:12]}, the export recorded {sha256[:12]}: it changed "
+                        "after export; export the run again")
+    return path
+
+
+def export_files(artifact: Path, manifest: dict) -> tuple[Path, list[Path]]:
+    """(base, adapters in order) of the adapter export whose manifest is beside ``artifact``, each checked
+    against the sha256 the manifest records."""
+    base, adapters = manifest_files(manifest, artifact.parent)
+    metrics = manifest["metrics"]
+    _checked_file(base, metrics["base"]["sha256"], "the base")
+    for path, entry in zip(adapters, metrics["adapters"]):
+        _checked_file(path, entry["sha256"], "the adapter")
+    return base, adapters
+
+
+def _entries(manifest: dict) -> list[dict]:
+    """bundle.json's adapters: path in the bundle, stage, sha256 and scale, in load order."""
+    return [{"path": f"{ADAPTERS_DIR}/{entry['path']}", "stage": entry["stage"], "sha256": entry["sha256"],
+             "scale": entry["scale"]} for entry in manifest["metrics"]["adapters"]]
+
+
+def describe_full(manifest: dict, base_name: str, device: Optional[str], template: Optional[str],
+                  tokenizer: Optional[Path]) -> dict:
+    """bundle.json's fields (all but ``files``) of a full bundle of the adapter export ``manifest``."""
+    metrics = manifest["metrics"]
+    base = f"{MODEL_DIR}/{base_name}"
+    return {"format": ADAPTER_BUNDLE_FORMAT, "kind": "full", "runtime": "llama.cpp", "target": TARGET,
+            "quant": metrics.get("quant"), "device": device, "artifact": base, "base": base,
+            "base_sha256": metrics["base"]["sha256"], "adapters": _entries(manifest), "model_id": metrics["sha256"],
+            "verification_passed": metrics.get("verification", {}).get("passed"),
+            "chat_template": "chat_template.jinja" if template is not None else None,
+            "tokenizer": "tokenizer.json" if tokenizer is not None else "embedded in the base"}
+
+
+def _finish(bundle: Path, described: dict, readme: Callable[[dict], str]) -> dict:
+    """Write the README and bundle.json (with every file's sha256); returns bundle.json's content."""
+    (bundle / "README.md").write_text(readme(described), encoding="utf-8")
+    described["files"] = file_checksums(bundle)
+    write_json(bundle / BUNDLE_JSON, described)
+    return described
+
+
+def _write_records(bundle: Path, manifest: dict) -> None:
+    """The export manifest and its verification, as every bundle carries them."""
+    write_json(bundle / "export-manifest.json", manifest)
+    write_json(bundle / "verification.json", manifest.get("metrics", {}).get("verification", {}))
+
+
+def fill_full(bundle: Path, artifact: Path, manifest: dict, device: Optional[str]) -> dict:
+    """Write a full bundle of the adapter export into ``bundle``: the base once, each adapter, the tokenizer,
+    template, sampling defaults, tool schemas and records; returns bundle.json's content."""
+    base, adapters = export_files(artifact, manifest)
+    (bundle / MODEL_DIR).mkdir()
+    shutil.copy2(base, bundle / MODEL_DIR / base.name)
+    (bundle / ADAPTERS_DIR).mkdir()
+    for adapter in adapters:
+        shutil.copy2(adapter, bundle / ADAPTERS_DIR / adapter.name)
+    template = chat_template_of(base)
+    tokenizer = tokenizer_file(artifact, manifest)
+    write_app_files(bundle, template, tokenizer)
+    _write_records(bundle, manifest)
+    return _finish(bundle, describe_full(manifest, base.name, device, template, tokenizer), adapter_bundle_readme)
+
+
+def read_bundle(folder: Path, role: str) -> dict:
+    """bundle.json of a base + adapters bundle (full or update) at ``folder``; one line, naming ``role``
+    (the flag or argument), for a folder that is not one."""
+    folder = Path(folder).expanduser()
+    described_path = folder / BUNDLE_JSON
+    if not described_path.is_file():
+        raise UserError(f"{role} {folder} is not a bundle (no {BUNDLE_JSON}); pass a directory "
+                        "`slm-align bundle` wrote")
+    try:
+        described = json.loads(described_path.read_text(encoding="utf-8"))
+    except ValueError:
+        raise UserError(f"{described_path} is corrupt; bundle the export again") from None
+    if not isinstance(described, dict) or not described.get("base_sha256") or not described.get("base") or \
+            not isinstance(described.get("adapters"), list):
+        artifact = described.get("artifact") if isinstance(described, dict) else None
+        raise UserError(f"{role} {folder} is a bundle of {artifact}, not of base + adapters; bundle an adapter "
+                        f"export (`slm-align export RUN --target {TARGET}`) in full first")
+    return described
+
+
+def describe_update(manifest: dict, old: dict, device: Optional[str]) -> dict:
+    """bundle.json's fields (all but ``files``) of the update that takes a device with the bundle ``old``
+    to the adapter export ``manifest``; refuses another base, or the chain ``old`` already is."""
+    metrics = manifest["metrics"]
+    if metrics["base"]["sha256"] != old["base_sha256"]:
+        raise UserError(f"the export's base has sha256 {metrics['base']['sha256'][:12]}, the --update-from bundle's "
+                        f"{old['base_sha256'][:12]}: an update keeps the device's base; drop --update-from to "
+                        "make a full bundle")
+    if metrics["sha256"] == old.get("model_id"):
+        raise UserError(f"already shipped: the --update-from bundle is this chain (model_id "
+                        f"{metrics['sha256'][:12]}); nothing new to ship")
+    installed = {entry.get("sha256") for entry in old["adapters"]}
+    adapters = [dict(entry, shipped=entry["sha256"] not in installed) for entry in _entries(manifest)]
+    template = old.get("chat_template")
+    tokenizer = Path(old["tokenizer"]) if old.get("tokenizer") == "tokenizer.json" else None
+    described = describe_full(manifest, old["base"].split("/", 1)[1], device, template, tokenizer)
+    return dict(described, kind="update", adapters=adapters, requires_base_sha256=old["base_sha256"],
+                replaces_model_id=old.get("model_id"))
+
+
+def fill_update(bundle: Path, artifact: Path, manifest: dict, old: dict, device: Optional[str]) -> dict:
+    """Write into ``bundle`` the update (described by :func:`describe_update`): the adapters it ships,
+    the export's records, README and bundle.json; returns bundle.json's content."""
+    described = describe_update(manifest, old, device)
+    _, adapters = export_files(artifact, manifest)
+    (bundle / ADAPTERS_DIR).mkdir()
+    for path, entry in zip(adapters, described["adapters"]):
+        if entry["shipped"]:
+            shutil.copy2(path, bundle / entry["path"])
+    _write_records(bundle, manifest)
+    return _finish(bundle, described, update_bundle_readme)
+
+
+def adapter_filler(artifact: Path, manifest: dict, device: Optional[str],
+                   update_from: Optional[Path]) -> Callable[[Path], dict]:
+    """What writes the bundle of an adapter export into a folder: a full bundle, or (``update_from``) the
+    update for a device that has that bundle, refused here, before anything is written."""
+    if update_from is None:
+        return partial(fill_full, artifact=artifact, manifest=manifest, device=device)
+    old = read_bundle(update_from, "--update-from")
+    describe_update(manifest, old, device)  # refusals first
+    return partial(fill_update, artifact=artifact, manifest=manifest, old=old, device=device)
+
+
+def _installed_adapter(installed: Path, old: dict, sha256: str) -> Path:
+    """The installed bundle's adapter file with ``sha256``; one line when it has none."""
+    for entry in old["adapters"]:
+        if entry.get("sha256") == sha256:
+            return _checked_file(installed / entry["path"], sha256, "the installed adapter")
+    raise UserError(f"the installed bundle {installed} has no adapter of sha256 {sha256[:12]} that the update "
+                    "needs; install the full bundle instead")
+
+
+def _applied(installed: Path, old: dict, update: Path, new: dict, scratch: Path) -> dict:
+    """Fill ``scratch`` with the installed bundle's files, the update's adapters and records; returns the
+    full bundle's bundle.json."""
+    _checked_file(installed / old["base"], new["requires_base_sha256"], "the installed base")
+    kept = (ADAPTERS_DIR, BUNDLE_JSON, "README.md", *EXPORT_RECORDS)
+    shutil.copytree(installed, scratch, ignore=partial(_ignored, installed, kept))
+    (scratch / ADAPTERS_DIR).mkdir()
+    entries = []
+    for entry in new["adapters"]:
+        shipped = entry.pop("shipped")
+        source = update / entry["path"] if shipped else _installed_adapter(installed, old, entry["sha256"])
+        shutil.copy2(_checked_file(source, entry["sha256"], "the adapter"), scratch / entry["path"])
+        entries.append(entry)
+    for name in EXPORT_RECORDS:
+        shutil.copy2(update / name, scratch / name)
+    described = {key: value for key, value in new.items() if key not in (*UPDATE_KEYS, "files")}
+    return _finish(scratch, dict(described, kind="full", adapters=entries), adapter_bundle_readme)
+
+
+def _ignored(root: Path, names: tuple, folder: str, contents: list[str]) -> list[str]:
+    """copytree's ignore: ``names`` at the top of ``root`` only."""
+    return [name for name in contents if Path(folder) == root and name in names]
+
+
+def apply_update(installed: Path, update: Path, out: Path) -> dict:
+    """Write at ``out`` the full bundle that the update bundle ``update`` makes of the ``installed`` one
+    (its base, the adapters the update did not ship, the update's adapters), each file checked against its
+    sha256; refuses (one line) another base, a missing adapter or an existing ``out``. Returns bundle.json."""
+    installed, update, out = Path(installed), Path(update), Path(out)
+    old = read_bundle(installed, "the installed bundle")
+    new = read_bundle(update, "the update")
+    if new.get("kind") != "update":
+        raise UserError(f"{update} is a {new.get('kind')} bundle, not an update; install it as it is")
+    if old["base_sha256"] != new["requires_base_sha256"]:
+        raise UserError(f"the update needs base sha256 {new['requires_base_sha256'][:12]}, {installed} has "
+                        f"{old['base_sha256'][:12]}; install the full bundle instead")
+    if out.exists():
+        raise UserError(f"{out} exists; choose another folder for the updated bundle")
+    scratch = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        described = _applied(installed, old, update, new, scratch)
+        publish_directory(scratch, out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return described
