@@ -93,12 +93,17 @@ def test_without_adapters_any_model_name_is_still_answered(files, tmp_path):
         assert http.get("/v1/ab").status_code == 404
 
 
-def run_ab(http, candidate_up, limit=300):
+def run_ab(http, candidate_up=True, limit=300, verdict=None):
     """Conversations until the A/B test decides: thumbs up for the candidate's answers when
-    ``candidate_up``, down otherwise, the current one's the opposite."""
+    ``candidate_up``, down otherwise, the current one's the opposite; or ``verdict(arm, k)`` for the k-th
+    answer of that arm."""
+    rated = {"current": 0, "candidate": 0}
     for i in range(limit):
         answer = ask(http, conversation=f"conversation-{i}")
-        thumbs(http, answer, (answer["model"] == "candidate") == candidate_up)
+        arm = answer["model"]
+        up = verdict(arm, rated[arm]) if verdict else (arm == "candidate") == candidate_up
+        rated[arm] += 1
+        thumbs(http, answer, up)
         state = http.get("/v1/ab").json()
         if state["state"] != "collecting":
             return state
@@ -134,6 +139,24 @@ def test_a_worse_candidate_reverts_and_gets_no_more_traffic(files, tmp_path):
     assert {answer["model"] for answer in after} == {"current"}
     with PreferenceStore(store) as opened:
         assert [d["decision"] for d in opened.decisions(files["ids"]["a"], files["ids"]["b"])] == ["revert"]
+
+
+def alternating(arm: str, k: int) -> bool:
+    """Every other answer of each arm up, out of step: every pair is discordant and each arm wins half."""
+    return (k % 2 == 0) == (arm == "current")
+
+
+def test_a_candidate_no_different_is_kept_out_and_the_current_one_stays(files, tmp_path):
+    store = tmp_path / "prefs.db"
+    with client(files, store, adapters={"current": [files["a"]]}, candidate=files["b"]) as http:
+        state = run_ab(http, verdict=alternating)
+        after = [ask(http, conversation=f"later-{i}") for i in range(8)]
+    evidence = state["evidence"]
+    assert state["state"] == "keep" and evidence["llr_candidate_better"] < 0 and evidence["llr_current_better"] < 0
+    assert abs(evidence["candidate_wins"] - evidence["current_wins"]) <= 1  # no side is ahead
+    assert {answer["model"] for answer in after} == {"current"}
+    with PreferenceStore(store) as opened:
+        assert [d["decision"] for d in opened.decisions(files["ids"]["a"], files["ids"]["b"])] == ["keep"]
 
 
 def test_feedback_export_keeps_the_arms_apart(files, tmp_path):
