@@ -148,10 +148,19 @@ def rl_prior(recipe: Recipe, out: Path, request: RLRequest, world: World, say: S
         sft_recipe, adapter = sft_prior(recipe, out, request.sft_from, request.resume, say)
         reward_model = reward_model_of(recipe, out, request.sft_from, reward_model, request.rewards,
                                        request.resume, say)
+    note_kept_seed(recipe, sft_recipe, say)
     recipe = sft_recipe.model_copy(update={"rl": recipe.rl})
     report = gate(recipe, out, adapter, reward_model, request.rewards, request.force, say)
     recipe = resolve_algorithm(recipe, report, say)
     return Prior(recipe, adapter, reward_model, report, forced=bool(request.force and not report["passed"]))
+
+
+def note_kept_seed(recipe: Recipe, sft_recipe: Recipe, say: Say) -> None:
+    """Say so when the recipe's seed is not the finished SFT stage's, which RL keeps (its split, held-out
+    prompts and probes): the other seed would otherwise be dropped without a word."""
+    if sft_recipe.seed != recipe.seed:
+        say(f"RL keeps the SFT stage's seed {sft_recipe.seed} (its split and held-out prompts), not seed "
+            f"{recipe.seed}: set rl.seed to seed RL's own draws")
 
 
 def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False, sft_from: Optional[Path] = None,

@@ -168,6 +168,10 @@ class RLSettings(Strict):
                                                               "missing_eos_penalty; 0: off).")
     save_steps: int = Field(10, ge=1, description="Checkpoint every this many "
                                                   "iterations (for --resume).")
+    seed: Optional[int] = Field(None, description="Seeds RL's training draws (the fresh LoRA, the prompt "
+                                "order, the rollouts); None: the recipe's seed. The split, the held-out reward "
+                                "and the watchdog's probes keep the recipe's seed (the SFT stage's, when RL "
+                                "takes a finished one), so runs that differ only here are scored alike.")
     eval_prompts: int = Field(64, ge=1, description="Held-out prompts scored before and after RL.")
     report_prompts: int = Field(200, ge=0, description="Held-out prompts of the evaluation report "
                                                        "`train` ends with (0: no report; "
@@ -183,8 +187,8 @@ class RLSettings(Strict):
                                        "column; its typed public methods are the tools.")
     sampler: Literal["torch", "llama_cpp"] = Field(
         "torch", description="What draws the rollouts: PyTorch (the policy's own fp32 forward), or llama.cpp, the "
-        "engine the device runs (single completions or agent episodes; the base as a GGUF once, the LoRA as an adapter GGUF each "
-        "iteration), its tokens weighed by the truncated importance correction.")
+        "engine the device runs (single completions or agent episodes; the base as a GGUF once, the LoRA as an "
+        "adapter GGUF each iteration), its tokens weighed by the truncated importance correction.")
     sampler_base: Literal["F32", "F16", "Q8_0", "Q4_K_M"] = Field("F16", description="llama.cpp sampler: the type the "
                                                         "policy's base is written in.")
     sampler_cap: float = Field(2.0, gt=0, description="llama.cpp sampler: the cap C of the importance weight "

@@ -92,6 +92,11 @@ def heldout_reward(loop, prompts: list[str], seed: int, adapter: bool) -> float:
     return mean
 
 
+def training_seed(recipe) -> int:
+    """What seeds RL's training draws: ``rl.seed``, else the recipe's seed."""
+    return recipe.rl.seed if recipe.rl.seed is not None else recipe.seed
+
+
 class RLStage:
     """PPO or GRPO as a :class:`~slm_align.runs.Stage`: the learner on every rank, the watchdog,
     held-out reward of the SFT and RL policies, the best probe's adapter published (rank 0)."""
@@ -144,13 +149,14 @@ class RLStage:
         check_episode_rewards(self.reward_fn, episodes)
         if episodes is not None:
             episodes.check_template(self.tokenizer)
-        self.policy = build_policy(source, self.prior.adapter, settings, recipe.seed, recipe.model.trust_remote_code,
+        seed = training_seed(recipe)
+        self.policy = build_policy(source, self.prior.adapter, settings, seed, recipe.model.trust_remote_code,
                                    recipe.model.allow_pickle, device)
         self.value_head = None
         if settings.algo == "ppo":
             self.value_head = ValueHead(self.policy.config.hidden_size).to(device)
         algorithm = ALGORITHMS[settings.algo]
-        self.loop = algorithm(self.policy, self.tokenizer, self.reward_fn, self.prompts.train, settings, recipe.seed,
+        self.loop = algorithm(self.policy, self.tokenizer, self.reward_fn, self.prompts.train, settings, seed,
                               self.value_head, self.world, self.compute.precision, self.compute.gradient_checkpointing)
         self.loop.episodes = episodes
         self.loop.sampler = self._sampler(source, episodes)

@@ -201,6 +201,35 @@ def test_killed_run_resumes_to_the_same_result(sft_run, tmp_path, monkeypatch):
     assert (tmp_path / "b" / "rl" / "plots" / "training_curves.png").stat().st_size > 1000
 
 
+def test_rl_seed_seeds_the_training_draws_and_a_kept_sft_seed_is_said(sft_run, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    out, recipe = sft_run
+    runs = {"default": rl_recipe(recipe, algo="grpo", steps=2), "rl.seed=1": rl_recipe(recipe, algo="grpo", steps=2,
+                                                                                        seed=1)}
+    runs["seed=5"] = runs["default"].model_copy(update={"seed": 5})
+    said, results, adapters = {}, {}, {}
+    for name, settings in runs.items():
+        shutil.copytree(out / "sft", tmp_path / name / "sft")
+        said[name] = []
+        results[name] = run_rl(settings, tmp_path / name, rewards=["tests.rl.test_guards:varied_reward"], force=True,
+                               say=said[name].append)
+        adapters[name] = load_file(tmp_path / name / "rl" / "adapter" / "adapter_model.safetensors")
+
+    def same(a, b):
+        return all(torch.equal(adapters[a][key], adapters[b][key]) for key in adapters[a])
+
+    assert not same("default", "rl.seed=1") and same("default", "seed=5")  # the SFT's seed 0 was kept for seed=5
+    assert results["default"].metrics["heldout_reward_sft"] == results["rl.seed=1"].metrics["heldout_reward_sft"]
+    assert json.loads((tmp_path / "rl.seed=1" / "rl" / "manifest.json").read_text())["inputs"]["rl"]["seed"] == 1
+    assert [line for line in said["seed=5"] if "seed" in line] == [
+        "RL keeps the SFT stage's seed 0 (its split and held-out prompts), not seed 5: set rl.seed to seed RL's own "
+        "draws"]
+    assert not any("seed" in line for line in said["default"] + said["rl.seed=1"])
+
+
 def test_gate_fail_refuses_unless_forced_and_the_manifest_records_it(tmp_path, tokenizer, stories):
     from tests.conftest import save_tiny
 
