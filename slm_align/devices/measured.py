@@ -153,7 +153,7 @@ def profile_data(result: BenchResult, bandwidth_gbs: float, facts, today: Option
         "bandwidth_source": f"measured by slm-align bench with a numpy copy ({BANDWIDTH_MB} MB, "
                             f"best of {BANDWIDTH_REPEATS}, one thread), {today}",
         "runtime": result.kind,
-        "gguf_quant": facts.quant if result.kind == "gguf" and facts.quant in GGUF_TYPES else "Q4_K_M",
+        "gguf_quant": facts.quant if result.kind == "gguf" and facts.quant in GGUF_TYPES else "Q8_0",
         "onnx_preset": _onnx_preset(host.isa, host.machine),
         "notes": f"Written by `slm-align bench {result.artifact}` ({result.threads} threads, "
                  f"{result.prompt_tokens}-token prompt, {result.decode_tokens} decode tokens)."

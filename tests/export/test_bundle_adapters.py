@@ -213,3 +213,22 @@ def test_what_cannot_be_an_update_is_refused_in_one_line(chain_export, old_bundl
         assert "0" * 12 in stderr and described(old_bundle)["base_sha256"][:12] in stderr  # both hashes named
     assert not (tmp_path / "update").exists() and not list(tmp_path.glob("*.zip"))
     assert not list(tmp_path.glob(".*.partial"))
+
+
+def test_a_run_from_a_gguf_ships_to_a_phone_as_that_file_and_its_adapter(llama_cpp_reference, stories, tmp_path,
+                                                                           capsys):
+    """`bundle RUN --device` for a run trained from the user's GGUF: the adapter export (made first), the user's
+    file as the base byte for byte, no merged re-quantization."""
+    from tests.helpers import finished_sft_run
+
+    users = shutil.copy(llama_cpp_reference["llama"], tmp_path / "users-model.gguf")
+    run, _ = finished_sft_run(tmp_path / "run", users, stories, steps=2)
+    code, out, err = run_cli(capsys, "bundle", run, "--device", "iphone-15-pro", "--json")
+    assert code == 0, err
+    described = json.loads(out)
+    bundle = run / "export" / "bundle-iphone-15-pro"
+    assert described["path"] == str(bundle) and described["kind"] == "full"
+    assert (bundle / "model" / "users-model.gguf").read_bytes() == users.read_bytes()
+    assert described["base_sha256"] == sha256_file(users)
+    assert [entry["stage"] for entry in described["adapters"]] == ["sft"]
+    assert sorted(p.name for p in (run / "export").glob("*.gguf*")) == [SFT, f"{SFT}.json"]  # nothing merged
