@@ -16,6 +16,7 @@ completions (llama.cpp keeps it; each completion rewinds to the prompt's end).
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 from pathlib import Path
 from typing import Optional, get_args
 
@@ -26,6 +27,7 @@ from slm_align.config import RLSettings
 from slm_align.errors import UserError
 from slm_align.export.gguf import QUANTIZER_TYPES, quantize_gguf, write_gguf
 from slm_align.export.gguf_adapter import write_lora_gguf
+from slm_align.export.gguf_arch import check_gguf_config
 from slm_align.generation import Samples
 from slm_align.modeling import save_tokenizer
 from slm_align.rl.llama_episodes import EPISODE_CONTEXT, ExactLlamaBackend
@@ -34,6 +36,29 @@ BASE_TYPES = get_args(RLSettings.model_fields["sampler_base"].annotation)
 """Types the base GGUF is written in: F32 (no mismatch but rounding), F16 (near zero), Q8_0 and Q4_K_M
 (what phones run: the mismatch is the quantization's, measured every iteration; Q4_K_M by llama.cpp's
 quantizer from the F16 file)."""
+
+
+def check_sampler(settings: RLSettings, source, trust_remote_code: bool = False) -> None:
+    """Refuse, in one line before any stage runs, ``rl.sampler = "llama_cpp"`` without llama-cpp-python or
+    for a model whose base our GGUF writer cannot write for llama.cpp (a GGUF source loads there already)."""
+    if settings.sampler != "llama_cpp":
+        return
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise UserError("rl.sampler = llama_cpp needs llama-cpp-python: pip install 'slm-align[agent]', or set "
+                        "rl.sampler = torch")
+    if source.kind == "gguf":
+        return
+    from transformers import AutoConfig
+
+    name, options = source.pretrained_args()
+    try:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **options).to_dict()
+    except OSError:  # not readable here (an uncached hub id): loading the model says why, in one line
+        return
+    try:
+        check_gguf_config(config)
+    except UserError as refused:
+        raise UserError(f"rl.sampler = llama_cpp: {refused}; or set rl.sampler = torch") from None
 
 
 def save_policy_base(policy, tokenizer, source, folder: Path) -> Path:

@@ -149,3 +149,32 @@ def test_a_q4_k_m_base_is_quantized_and_its_mismatch_measured(tiny_models, tmp_p
             sampler.close()
         assert file_type == {"F16": 1, "Q4_K_M": 15}[base_type]
     assert gaps["Q4_K_M"] > 3 * gaps["F16"] and gaps["Q4_K_M"] < effect / 2, (gaps, effect)
+
+
+def test_a_sampler_that_cannot_run_is_refused_in_one_line_before_sft(tmp_path, tokenizer, tiny_models, stories,
+                                                                       capsys, monkeypatch):
+    import importlib.util
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.helpers import run_cli
+
+    mistral = tmp_path / "mistral"
+    config = AutoConfig.for_model("mistral", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(mistral)
+    tokenizer.save_pretrained(mistral)
+    args = ["train", "--model", mistral, "--data", stories, "--out", tmp_path / "run", "--set", "rl.sampler=llama_cpp"]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2 and err.count("\n") == 1 and "rl.sampler = llama_cpp: GGUF export does not support " \
+        "architecture 'mistral'" in err and "rl.sampler = torch" in err, err
+    assert not (tmp_path / "run" / "sft").exists() and not (tmp_path / "run" / "sft.partial").exists()
+    found = importlib.util.find_spec
+
+    def without_llama_cpp(name, *rest):
+        return None if name == "llama_cpp" else found(name, *rest)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_llama_cpp)
+    code, _, err = run_cli(capsys, *args[:2], tiny_models["llama"], *args[3:])
+    assert code == 2 and err.count("\n") == 1 and "needs llama-cpp-python" in err, err
+    assert not (tmp_path / "run" / "sft").exists()
