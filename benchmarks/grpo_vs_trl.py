@@ -305,7 +305,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="forward passes (both sides)")
     parser.add_argument("--sampler", choices=["torch", "llama_cpp", "both"], default="torch",
                         help="our side's sampler: PyTorch, llama.cpp (rl.sampler = llama_cpp), or both sides")
-    parser.add_argument("--sampler-base", choices=BASE_TYPES, default="F16",
+    parser.add_argument("--sampler-base", choices=BASE_TYPES, default="source",
                         help="llama.cpp sampler: the type the policy's base GGUF is written in")
     parser.add_argument("--algo", choices=["grpo", "ppo"], default="grpo",
                         help="ppo: our PPO (value head) alone, its phases per iteration; TRL "

@@ -189,8 +189,10 @@ class RLSettings(Strict):
         "torch", description="What draws the rollouts: PyTorch (the policy's own fp32 forward), or llama.cpp, the "
         "engine the device runs (single completions or agent episodes; the base as a GGUF once, the LoRA as an "
         "adapter GGUF each iteration), its tokens weighed by the truncated importance correction.")
-    sampler_base: Literal["F32", "F16", "Q8_0", "Q4_K_M"] = Field("F16", description="llama.cpp sampler: the type the "
-                                                        "policy's base is written in.")
+    sampler_base: Literal["source", "F32", "F16", "Q8_0", "Q4_K_M"] = Field(
+        "source", description="llama.cpp sampler: the base it runs. source: the model's own GGUF when it came "
+        "from one (the SFT adapter applied before the policy's: what the device runs), else F16; or the policy's "
+        "base written in that type.")
     sampler_cap: float = Field(2.0, gt=0, description="llama.cpp sampler: the cap C of the importance weight "
                                                       "pi_train / pi_sampler.")
     sampler_correction: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(

@@ -61,8 +61,8 @@ class ExactLlamaBackend(LlamaCppBackend):
             self.drawn_logprobs.append(tempered_logprob(self.last_logits(), token, params.temperature))
             yield token
 
-    def swap_adapter(self, adapter: Path) -> None:
-        """Apply ``adapter`` alone in place of the last one and free the last one's handle (the
+    def swap_adapters(self, adapters: Sequence[Path]) -> None:
+        """Apply ``adapters`` in place of the last ones and free the handles no longer applied (the
         policy's adapter is rewritten every iteration; keeping each would grow by its size)."""
-        self.set_adapters([adapter])
+        self.set_adapters(adapters)
         self.release_unused()

@@ -107,6 +107,7 @@ class LlamaSampler:
         base_type: str = "F16",
         threads: int = 1,
         n_ctx: int = 2048,
+        sft_adapter: Optional[Path] = None,
     ):
         try:
             import llama_cpp
@@ -119,12 +120,14 @@ class LlamaSampler:
         self.lib = llama_cpp
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.base_dir = save_policy_base(policy, tokenizer, source, self.folder / "base")
-        written = "F16" if base_type in QUANTIZER_TYPES else base_type
-        self.base_gguf = write_gguf(self.base_dir, self.folder / f"base-{written}.gguf", written)
-        if written != base_type:
-            self.base_gguf = quantize_gguf(self.base_gguf, self.folder / f"base-{base_type}.gguf", base_type,
-                                           threads)
+        self.chain: list[Path] = []
+        """Adapter GGUFs applied before the policy's (the SFT adapter, on the user's own GGUF)."""
+        if base_type == "source" and source.kind == "gguf":
+            self.base_gguf = self.shapes_from = Path(source.ref)
+            if sft_adapter is not None:
+                self.chain = [write_lora_gguf(Path(sft_adapter), self.base_gguf, self.folder / "sft.gguf", "F32")]
+        else:
+            self.base_gguf = self._write_base(policy, tokenizer, source, base_type, threads)
         self.llm = llama_cpp.Llama(
             model_path=str(self.base_gguf),
             n_ctx=8,
@@ -137,10 +140,28 @@ class LlamaSampler:
         """Positions one completion may take (its prompt and its new tokens)."""
         self.vocab = self.llm.n_vocab()
         self._adapter = None
+        self._chain_handles = [self._load(path) for path in self.chain]
         self._ctx = None
         self._sequences = 0
         self.episodes: Optional[ExactLlamaBackend] = None
         """The runtime's backend on the same base GGUF when rollouts are agent episodes (:meth:`for_episodes`)."""
+
+    def _write_base(self, policy, tokenizer, source, base_type: str, threads: int) -> Path:
+        """The policy's base (the merged SFT prior) as a GGUF of ``base_type`` ("source": F16), in the folder."""
+        self.shapes_from = save_policy_base(policy, tokenizer, source, self.folder / "base")
+        wanted = "F16" if base_type == "source" else base_type
+        written = "F16" if wanted in QUANTIZER_TYPES else wanted
+        gguf = write_gguf(self.shapes_from, self.folder / f"base-{written}.gguf", written)
+        if written == wanted:
+            return gguf
+        return quantize_gguf(gguf, self.folder / f"base-{wanted}.gguf", wanted, threads)
+
+    def _load(self, path: Path):
+        """A llama.cpp handle of the adapter GGUF at ``path`` on the base."""
+        handle = self.lib.llama_adapter_lora_init(self.llm.model, str(path).encode())
+        if not handle:
+            raise UserError(f"llama.cpp could not load the adapter {path}")
+        return handle
 
     def for_episodes(self, chat_template: str, max_positions: int) -> ExactLlamaBackend:
         """The runtime's llama.cpp backend over the base GGUF, sampling agent episodes from now on (the
@@ -154,13 +175,11 @@ class LlamaSampler:
         """Write the policy's LoRA as an adapter GGUF and apply it in place of the last one."""
         adapter_dir = self.folder / "adapter"
         policy.save_pretrained(adapter_dir)
-        path = write_lora_gguf(adapter_dir, self.base_dir, self.folder / "adapter.gguf", "F32")
+        path = write_lora_gguf(adapter_dir, self.shapes_from, self.folder / "adapter.gguf", "F32")
         if self.episodes is not None:
-            self.episodes.swap_adapter(path)
+            self.episodes.swap_adapters(self.chain + [path])
             return
-        adapter = self.lib.llama_adapter_lora_init(self.llm.model, str(path).encode())
-        if not adapter:
-            raise UserError(f"llama.cpp could not load the policy's adapter {path}")
+        adapter = self._load(path)
         if self._adapter is not None:
             self.lib.llama_adapter_lora_free(self._adapter)
         self._adapter = adapter
@@ -168,9 +187,11 @@ class LlamaSampler:
             self._apply_adapter()
 
     def _apply_adapter(self) -> None:
-        adapters = (self.lib.llama_adapter_lora_p_ctypes * 1)(self._adapter)
-        scales = (ctypes.c_float * 1)(1.0)
-        self.lib.llama_set_adapters_lora(self._ctx, adapters, 1, scales)
+        """The chain, then the policy's adapter, each at scale 1, on the context."""
+        handles = self._chain_handles + [self._adapter]
+        adapters = (self.lib.llama_adapter_lora_p_ctypes * len(handles))(*handles)
+        scales = (ctypes.c_float * len(handles))(*([1.0] * len(handles)))
+        self.lib.llama_set_adapters_lora(self._ctx, adapters, len(handles), scales)
 
     def _context(self, sequences: int):
         """A context for ``sequences`` sequences of :attr:`n_ctx` positions each (made again when a
@@ -299,9 +320,9 @@ class LlamaSampler:
         if self._ctx is not None:
             self.lib.llama_free(self._ctx)
             self._ctx = None
-        if self._adapter is not None:
-            self.lib.llama_adapter_lora_free(self._adapter)
-            self._adapter = None
+        for handle in self._chain_handles + ([self._adapter] if self._adapter is not None else []):
+            self.lib.llama_adapter_lora_free(handle)
+        self._chain_handles, self._adapter = [], None
         if self.episodes is not None:
             self.episodes.llm.close()
             self.episodes = None

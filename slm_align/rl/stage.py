@@ -169,9 +169,9 @@ class RLStage:
             return None
         self._sampler_files = tempfile.TemporaryDirectory(prefix="slm-align-sampler-")
         n_ctx = self.recipe.data.max_length + settings.max_new_tokens + 8
-        with stage_lines("llama.cpp sampler", f"the policy's base as {settings.sampler_base} GGUF"):
+        with stage_lines("llama.cpp sampler", f"the policy's base ({settings.sampler_base})"):
             sampler = LlamaSampler(self.policy, self.tokenizer, source, Path(self._sampler_files.name),
-                                   settings.sampler_base, torch.get_num_threads(), n_ctx)
+                                   settings.sampler_base, torch.get_num_threads(), n_ctx, self.prior.adapter)
         if episodes is not None:  # the runtime's own backend runs the episodes on the same base
             positions = getattr(self.policy.config, "max_position_embeddings", None) or EPISODE_CONTEXT
             sampler.for_episodes(policy_template(self.tokenizer, episodes.chat_template), positions)

@@ -111,7 +111,7 @@ def test_train_with_the_llama_cpp_sampler_records_it_and_logs_the_mismatch(sft_r
                            "--report-prompts", "0", "--set", "rl.sampler=llama_cpp", "--set", "rl.eval_prompts=2")
     assert code == 0, err
     manifest = read_manifest(out / "rl")
-    assert manifest["inputs"]["rl"]["sampler"] == "llama_cpp" and manifest["inputs"]["rl"]["sampler_base"] == "F16"
+    assert manifest["inputs"]["rl"]["sampler"] == "llama_cpp" and manifest["inputs"]["rl"]["sampler_base"] == "source"
     lines = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(0.0 <= line["sampler/kl"] < 0.01 for line in lines)
     assert sampler_folders() == before  # the base GGUF and adapter files are removed with the stage
@@ -178,3 +178,44 @@ def test_a_sampler_that_cannot_run_is_refused_in_one_line_before_sft(tmp_path, t
     code, _, err = run_cli(capsys, *args[:2], tiny_models["llama"], *args[3:])
     assert code == 2 and err.count("\n") == 1 and "needs llama-cpp-python" in err, err
     assert not (tmp_path / "run" / "sft").exists()
+
+
+def test_a_gguf_source_samples_on_that_very_file_with_the_sft_adapter_first(llama_cpp_reference, tiny_models,
+                                                                            tmp_path):
+    """rl.sampler_base = "source" on a run from the user's GGUF (llama.cpp's converter made it): llama.cpp runs
+    that file, untouched, with the SFT adapter and then the policy's; the trainer (SFT merged, LoRA on top)
+    agrees, and would not without the SFT adapter in the chain."""
+    import shutil
+
+    from slm_align.config import RLSettings
+    from slm_align.envelope.policy import build_policy
+    from slm_align.runs import sha256_file
+    from tests.helpers import save_lora
+
+    users = shutil.copy(llama_cpp_reference["llama"], tmp_path / "users.gguf")
+    before = sha256_file(users)
+    sft = save_lora(tiny_models["llama"], tmp_path / "sft", ["q_proj", "v_proj"], seed=3)
+    source = resolve_source(str(users))
+    tokenizer = load_tokenizer(source)
+    policies = {name: build_policy(source, adapter, RLSettings(), seed=0) for name, adapter in
+                (("with sft", sft), ("without", None))}
+    generator = torch.Generator().manual_seed(0)
+    for name, parameter in policies["with sft"].named_parameters():
+        if "lora_B" in name:
+            parameter.data.copy_(0.05 * torch.randn(parameter.shape, generator=generator))
+    lora = {name: tensor for name, tensor in policies["with sft"].state_dict().items() if "lora_" in name}
+    policies["without"].load_state_dict(lora, strict=False)  # the same LoRA on the base without SFT
+    sampler = LlamaSampler(policies["with sft"], tokenizer, source, tmp_path / "sampler", "source", threads=1,
+                           n_ctx=256, sft_adapter=sft)
+    try:
+        sampler.refresh(policies["with sft"])
+        samples = sampler.sample(tokenizer, PROMPTS, 16, 1.0, seed=3)
+        assert sampler.base_gguf == users and len(sampler.chain) == 1
+    finally:
+        sampler.close()
+    mask = samples.completion_mask.float()
+    gap = mean_gap(trainer_logprobs(policies["with sft"], samples), samples.logprobs, mask)
+    without = mean_gap(trainer_logprobs(policies["without"], samples), samples.logprobs, mask)
+    assert gap < 1e-3 and without > 20 * gap, (gap, without)
+    assert sha256_file(users) == before and sorted(p.name for p in (tmp_path / "sampler").iterdir()) == [
+        "adapter", "adapter.gguf", "sft.gguf"]  # no base written: the user's file is the base
