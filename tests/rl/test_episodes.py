@@ -429,7 +429,8 @@ def trained_metrics(run: Path) -> tuple[dict, list[dict]]:
     return manifest, lines
 
 
-def test_train_grpo_on_episodes_from_the_cli_logs_the_agent_metrics(tmp_path, capsys, tiny_models):
+def train_on_tasks(tmp_path, capsys, tiny_models, *extra) -> tuple[Path, str]:
+    """`train` GRPO on agent episodes of the calculator task rows, small; the run and what it printed."""
     from tests.helpers import run_cli
 
     config = tmp_path / "quick.toml"
@@ -437,8 +438,13 @@ def test_train_grpo_on_episodes_from_the_cli_logs_the_agent_metrics(tmp_path, ca
     run = tmp_path / "run"
     code, out, err = run_cli(capsys, "train", "--no-sft", "--model", tiny_models["llama"], "--tasks",
                              task_file(tmp_path / "tasks.jsonl"), "--reward", "task_success", "--reward",
-                             "call_format@0.2", "--algo", "grpo", "--out", run, "--config", config, *SMALL)
+                             "call_format@0.2", "--algo", "grpo", "--out", run, "--config", config, *SMALL, *extra)
     assert code == 0, err
+    return run, out
+
+
+def test_train_grpo_on_episodes_from_the_cli_logs_the_agent_metrics(tmp_path, capsys, tiny_models):
+    run, out = train_on_tasks(tmp_path, capsys, tiny_models)
     manifest, lines = trained_metrics(run)
     assert manifest["metrics"]["episodes"] is True and manifest["inputs"]["rl"]["max_tool_rounds"] == 2
     assert len(lines) == 2

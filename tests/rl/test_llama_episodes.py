@@ -2,7 +2,6 @@
 each sampled id's llama.cpp log-probability is kept, the runtime's inserted ids get none, the trainer's
 scores of the same ids agree, and llama.cpp's chain at the temperature samples what those numbers say."""
 
-import json
 import math
 from dataclasses import replace
 
@@ -20,7 +19,7 @@ from slm_align.rl.llama_sampler import LlamaSampler
 from slm_align.rl.policy_backend import policy_template
 from slm_align.tools.builtin import default_tools
 from tests.helpers import random_lora
-from tests.rl.test_episodes import QUICK, SMALL, half_caller, settings, task_file  # noqa: F401
+from tests.rl.test_episodes import half_caller, settings, train_on_tasks, trained_metrics  # noqa: F401
 
 
 @pytest.fixture()
@@ -107,18 +106,9 @@ def test_each_refresh_swaps_the_adapter_and_frees_the_last(episode_sampler):
 
 
 def test_train_grpo_on_episodes_with_the_llama_cpp_sampler_from_the_cli(tmp_path, capsys, tiny_models):
-    from tests.helpers import run_cli
-
-    config = tmp_path / "quick.toml"
-    config.write_text(QUICK, encoding="utf-8")
-    run = tmp_path / "run"
-    code, _, err = run_cli(capsys, "train", "--no-sft", "--model", tiny_models["llama"], "--tasks",
-                           task_file(tmp_path / "tasks.jsonl"), "--reward", "task_success", "--reward",
-                           "call_format@0.2", "--algo", "grpo", "--out", run, "--config", config, *SMALL,
-                           "--set", "rl.sampler=llama_cpp", "--set", "rl.sampler_base=F32")
-    assert code == 0, err
-    manifest = json.loads((run / "rl" / "manifest.json").read_text())
-    lines = [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    run, _ = train_on_tasks(tmp_path, capsys, tiny_models, "--set", "rl.sampler=llama_cpp", "--set",
+                            "rl.sampler_base=F32")
+    manifest, lines = trained_metrics(run)
     assert manifest["metrics"]["episodes"] is True and manifest["inputs"]["rl"]["sampler"] == "llama_cpp"
     assert len(lines) == 2
     for line in lines:
