@@ -1,8 +1,11 @@
 """RL rollouts sampled by llama.cpp, the engine the device runs, instead of by PyTorch.
 
-The policy's base (the merged SFT prior) is written once as a GGUF (F32, F16 or Q8_0); before each
+The base is the user's own GGUF when the run started from one (``rl.sampler_base = "source"``: the file
+itself, with the SFT adapter applied first, as ``export --target gguf-adapter`` ships it), otherwise the
+policy's base (the merged SFT prior) written once as a GGUF (F32, F16, Q8_0 or Q4_K_M). Before each
 rollout the current LoRA is written as a llama.cpp adapter GGUF (a few hundred KB to a few MB) and
-swapped in on the loaded base, which is never reloaded. Each token is drawn from llama.cpp's own
+swapped in on the loaded base, which is never reloaded. Agent episodes run through the runtime's own
+backend on the same base (:mod:`slm_align.rl.llama_episodes`). Each token is drawn from llama.cpp's own
 logits at the run's temperature, and its log-probability there is kept: the trainer scores the same
 ids in fp32 and :mod:`slm_align.rl.sampler_correction` weighs each token by how much the two engines
 disagree.
@@ -104,7 +107,7 @@ class LlamaSampler:
         tokenizer,
         source,
         folder: Path,
-        base_type: str = "F16",
+        base_type: str = "source",
         threads: int = 1,
         n_ctx: int = 2048,
         sft_adapter: Optional[Path] = None,
