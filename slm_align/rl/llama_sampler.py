@@ -41,6 +41,11 @@ BASE_TYPES = get_args(RLSettings.model_fields["sampler_base"].annotation)
 quantizer from the F16 file)."""
 
 
+CONTEXT_STEP = 64
+"""Positions per sequence of the sampler's context are a multiple of this (a context is made again only when a
+rollout outgrows it)."""
+
+
 def check_sampler(settings: RLSettings, source, trust_remote_code: bool = False) -> None:
     """Refuse, in one line before any stage runs, ``rl.sampler = "llama_cpp"`` without llama-cpp-python or
     for a model whose base our GGUF writer cannot write for llama.cpp (a GGUF source loads there already)."""
@@ -146,6 +151,7 @@ class LlamaSampler:
         self._chain_handles = [self._load(path) for path in self.chain]
         self._ctx = None
         self._sequences = 0
+        self._positions = 0
         self.episodes: Optional[ExactLlamaBackend] = None
         """The runtime's backend on the same base GGUF when rollouts are agent episodes (:meth:`for_episodes`)."""
 
@@ -196,16 +202,20 @@ class LlamaSampler:
         scales = (ctypes.c_float * len(handles))(*([1.0] * len(handles)))
         self.lib.llama_set_adapters_lora(self._ctx, adapters, len(handles), scales)
 
-    def _context(self, sequences: int):
-        """A context for ``sequences`` sequences of :attr:`n_ctx` positions each (made again when a
-        rollout has more sequences than the last), the current adapter on it; its memory cleared."""
+    def _context(self, sequences: int, positions: int):
+        """A context for ``sequences`` sequences of ``positions`` each (rounded up to :data:`CONTEXT_STEP`), made
+        again only when a rollout needs more of either than the last one; the adapters on it, its memory cleared.
+        Sized by the rollout, not by :attr:`n_ctx`: the KV cache of 32 sequences of 1,024 positions is 600 MB on
+        Gemma 3 270M, of 80 positions 47 MB."""
         lib = self.lib
-        if self._ctx is None or sequences > self._sequences:
+        positions = -(-positions // CONTEXT_STEP) * CONTEXT_STEP
+        if self._ctx is None or sequences > self._sequences or positions > self._positions:
+            sequences, positions = max(sequences, self._sequences), max(positions, self._positions)
             if self._ctx is not None:
                 lib.llama_free(self._ctx)
             params = lib.llama_context_default_params()
-            params.n_ctx = self.n_ctx * sequences
-            params.n_batch = max(self.n_ctx, sequences)
+            params.n_ctx = positions * sequences
+            params.n_batch = max(positions, sequences)
             params.n_ubatch = min(params.n_batch, 512)
             params.n_seq_max = sequences
             params.n_threads = self.threads
@@ -213,10 +223,8 @@ class LlamaSampler:
             params.kv_unified = True
             self._ctx = lib.llama_init_from_model(self.llm.model, params)
             if not self._ctx:
-                raise UserError(
-                    f"llama.cpp could not make a context for {sequences} sequences of {self.n_ctx}"
-                )
-            self._sequences = sequences
+                raise UserError(f"llama.cpp could not make a context for {sequences} sequences of {positions}")
+            self._sequences, self._positions = sequences, positions
             if self._adapter is not None:
                 self._apply_adapter()
         lib.llama_memory_clear(lib.llama_get_memory(self._ctx), True)
@@ -294,7 +302,7 @@ class LlamaSampler:
                 f"sampler's {self.n_ctx} positions; shorten the prompts or lower max_new_tokens"
             )
         generator = torch.Generator().manual_seed(seed if seed is not None else 0)
-        ctx = self._context(len(prompts))
+        ctx = self._context(len(prompts), longest + max_new_tokens)
         logits = self._prompts(ctx, encoded)
         drawn: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
         active = list(range(len(prompts)))

@@ -76,7 +76,7 @@ def test_the_same_seed_draws_the_same_completions(tiny_models, tmp_path):
 
 
 def test_a_grpo_iteration_on_llama_cpp_rollouts_logs_the_mismatch_and_trains(sft_run, tmp_path):  # noqa: F811
-    loop = make_loop(sft_run, sampler="llama_cpp", sampler_base="F32")
+    loop = make_loop(sft_run, sampler="llama_cpp", sampler_base="F32", epochs=1, minibatch_size=16)  # one step
     out, recipe = sft_run
     loop.sampler = LlamaSampler(loop.policy, loop.tokenizer, resolve_source(recipe.model.source), tmp_path, "F32",
                                 threads=1, n_ctx=256)
@@ -89,6 +89,7 @@ def test_a_grpo_iteration_on_llama_cpp_rollouts_logs_the_mismatch_and_trains(sft
         assert 0.0 <= figures["sampler/kl"] < 1e-4 and figures["sampler/capped_frac"] == 0.0
         assert figures["sampler/max_log_ratio"] < 0.05
         assert figures["time/sampler_sync"] > 0 and figures["time/sampling"] > 0
+        assert figures["ratio/mean"] == pytest.approx(1.0, abs=1e-6)  # trainer against trainer: the first ratio is 1
     after = lora_state(loop)
     assert any(not torch.equal(before[name], after[name]) for name in before)
 
