@@ -19,9 +19,9 @@ import numpy as np
 
 from slm_align.agent.llama_backend import LlamaCppBackend
 from slm_align.errors import UserError
+from slm_align.rl.episodes import SEED_SPAN
 from slm_align.rl.policy_backend import check_exact, round_seed
 
-SEED_SPAN = 2 ** 32
 EPISODE_CONTEXT = 4096
 """Positions of the episode context (the model's own limit when smaller): the KV cache a phone would
 give one conversation."""

@@ -206,9 +206,9 @@ def test_bad_export_input_is_one_line(capsys, tmp_path, tiny_models, args, expec
 def test_device_profile_chooses_quantization_preset_and_threads(tmp_path, models):
     gguf = run_export(ExportRequest(str(models["llama"]), "gguf", device="rpi5", out=tmp_path, force=True)).metrics
     onnx = run_export(ExportRequest(str(models["llama"]), "onnx", device="rpi5", out=tmp_path, force=True)).metrics
-    assert (gguf["quant"], gguf["threads"], gguf["device"]) == ("Q4_K_M", 4, "rpi5")  # the profile's choices
+    assert (gguf["quant"], gguf["threads"], gguf["device"]) == ("Q8_0", 4, "rpi5")  # the profile's choices
     assert (onnx["quant"], onnx["preset"]) == ("w8", "arm64")  # the default scheme, the profile's preset
-    assert (tmp_path / "model-Q4_K_M.gguf").is_file() and (tmp_path / "onnx-w8" / "model.onnx").is_file()
+    assert (tmp_path / "model-Q8_0.gguf").is_file() and (tmp_path / "onnx-w8" / "model.onnx").is_file()
 
 
 def test_onnx_int4_and_ort_format(tmp_path, models):
