@@ -22,7 +22,6 @@ from slm_align.errors import UserError
 from slm_align.evaluate import evaluate
 from slm_align.export.stage import ExportRequest, artifact_name, run_export
 from slm_align.headroom import GateRefused, check_headroom, reusable_report
-from slm_align.modeling import resolve_source
 from slm_align.preference.stage import PreferenceStage, refuse_data_parallel
 from slm_align.progress import quiet
 from slm_align.reward.stage import run_reward
@@ -176,7 +175,7 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
     world, compute = rl_world(recipe)
     check_divisible(recipe.rl, world)
     check_episode_settings(recipe.rl, recipe.data.tasks is not None, rewards)
-    check_sampler(recipe.rl, resolve_source(recipe.model.source), recipe.model.trust_remote_code)
+    check_sampler(recipe.rl, recipe.model)
     request = RLRequest(sft_from, reward_model, tuple(rewards), force, resume)
     prior = world.on_main(functools.partial(rl_prior, recipe, out, request, world, say))
     return run_stage(RLStage(prior, rewards, world, compute, say), out, resume)

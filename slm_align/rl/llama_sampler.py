@@ -26,13 +26,13 @@ from typing import Optional, get_args
 import numpy as np
 import torch
 
-from slm_align.config import RLSettings
+from slm_align.config import ModelSettings, RLSettings
 from slm_align.errors import UserError
 from slm_align.export.gguf import QUANTIZER_TYPES, quantize_gguf, write_gguf
 from slm_align.export.gguf_adapter import write_lora_gguf
 from slm_align.export.gguf_arch import check_gguf_config
 from slm_align.generation import Samples
-from slm_align.modeling import save_tokenizer
+from slm_align.modeling import resolve_source, save_tokenizer
 from slm_align.rl.llama_episodes import EPISODE_CONTEXT, ExactLlamaBackend
 
 BASE_TYPES = get_args(RLSettings.model_fields["sampler_base"].annotation)
@@ -46,7 +46,7 @@ CONTEXT_STEP = 64
 rollout outgrows it)."""
 
 
-def check_sampler(settings: RLSettings, source, trust_remote_code: bool = False) -> None:
+def check_sampler(settings: RLSettings, model: ModelSettings) -> None:
     """Refuse, in one line before any stage runs, ``rl.sampler = "llama_cpp"`` without llama-cpp-python or
     for a model whose base our GGUF writer cannot write for llama.cpp (a GGUF source loads there already)."""
     if settings.sampler != "llama_cpp":
@@ -54,13 +54,14 @@ def check_sampler(settings: RLSettings, source, trust_remote_code: bool = False)
     if importlib.util.find_spec("llama_cpp") is None:
         raise UserError("rl.sampler = llama_cpp needs llama-cpp-python: pip install 'slm-align[agent]', or set "
                         "rl.sampler = torch")
+    source = resolve_source(model.source)
     if source.kind == "gguf":
         return
     from transformers import AutoConfig
 
     name, options = source.pretrained_args()
     try:
-        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **options).to_dict()
+        config = AutoConfig.from_pretrained(name, trust_remote_code=model.trust_remote_code, **options).to_dict()
     except OSError:  # not readable here (an uncached hub id): loading the model says why, in one line
         return
     try:
