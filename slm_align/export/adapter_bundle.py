@@ -152,10 +152,9 @@ def describe_update(manifest: dict, old: dict, device: Optional[str]) -> dict:
                 replaces_model_id=old.get("model_id"))
 
 
-def fill_update(bundle: Path, artifact: Path, manifest: dict, old: dict, device: Optional[str]) -> dict:
-    """Write into ``bundle`` the update (described by :func:`describe_update`): the adapters it ships,
+def fill_update(bundle: Path, artifact: Path, manifest: dict, described: dict) -> dict:
+    """Write into ``bundle`` the update ``described`` (:func:`describe_update`): the adapters it ships,
     the export's records, README and bundle.json; returns bundle.json's content."""
-    described = describe_update(manifest, old, device)
     _, adapters = export_files(artifact, manifest)
     (bundle / ADAPTERS_DIR).mkdir()
     for path, entry in zip(adapters, described["adapters"]):
@@ -171,9 +170,8 @@ def adapter_filler(artifact: Path, manifest: dict, device: Optional[str],
     update for a device that has that bundle, refused here, before anything is written."""
     if update_from is None:
         return partial(fill_full, artifact=artifact, manifest=manifest, device=device)
-    old = read_bundle(update_from, "--update-from")
-    describe_update(manifest, old, device)  # refusals first
-    return partial(fill_update, artifact=artifact, manifest=manifest, old=old, device=device)
+    described = describe_update(manifest, read_bundle(update_from, "--update-from"), device)  # refusals first
+    return partial(fill_update, artifact=artifact, manifest=manifest, described=described)
 
 
 def _installed_adapter(installed: Path, old: dict, sha256: str) -> Path:
