@@ -13,6 +13,8 @@
    executed for real): task success with its Wilson interval per artifact, and the paired bootstrap interval of
    each difference (episodes - SFT, single-turn - SFT, episodes - single-turn). A difference whose interval
    includes zero is not a gain.
+5. ``--llama-cpp`` adds the episodes arm with ``rl.sampler = llama_cpp`` (the runtime's own llama.cpp backend
+   runs the training episodes) and its differences from SFT and from the PyTorch-sampled episodes arm.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ from slm_align.data.agent_tasks import write_agent_tasks
 from slm_align.quickstart.agent import export_policy
 
 ARMS = {"single-turn": {"rl.episodes": "off"}, "episodes": {"rl.episodes": "on"}}
+LLAMA_ARM = {"episodes-llama.cpp": {"rl.episodes": "on", "rl.sampler": "llama_cpp"}}
+"""--llama-cpp: the episodes arm again with llama.cpp sampling the episodes (the runtime's own backend)."""
+
+
+def arms_of(args: argparse.Namespace) -> dict:
+    """The RL arms this run trains."""
+    return {**ARMS, **(LLAMA_ARM if args.llama_cpp else {})}
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sft-steps", type=int, default=150)
     parser.add_argument("--rl-steps", type=int, default=12)
     parser.add_argument("--algo", default="grpo", choices=("ppo", "grpo"))
+    parser.add_argument("--llama-cpp", action="store_true", help="Also the episodes arm with rl.sampler = llama_cpp.")
     parser.add_argument("--threads", type=int, default=2, help="torch threads.")
     parser.add_argument("--work", type=Path, default=None, help="Working directory (default: a new temporary one).")
     return parser.parse_args()
@@ -78,7 +88,7 @@ def train(args: argparse.Namespace, files: dict, work: Path) -> dict:
     seconds["sft"] = time.time() - started
     artifacts = {"SFT": export_policy(sft_run, work / "export-sft")}
     metrics = {}
-    for name, arm in ARMS.items():
+    for name, arm in arms_of(args).items():
         if not (work / name).exists():
             shutil.copytree(sft_run, work / name)  # the same SFT stage, found finished: both arms start from it
         started = time.time()
@@ -93,7 +103,7 @@ def results_of(report: dict, index: int) -> list[TaskResult]:
     return [TaskResult(**row) for row in report["artifacts"][index]["results"]]
 
 
-def print_report(report: dict, trained: dict) -> None:
+def print_report(report: dict, trained: dict, args: argparse.Namespace) -> None:
     names = list(trained["artifacts"])
     print(f"{'policy':<12} {'success':>8} {'95% CI':>16} {'call rate':>10} {'valid calls':>12} {'rounds':>7}  seconds")
     for index, name in enumerate(names):
@@ -102,10 +112,13 @@ def print_report(report: dict, trained: dict) -> None:
         seconds = trained["seconds"]["sft" if name == "SFT" else name]
         print(f"{name:<12} {row['success_rate']:>8.3f} {f'{low:.3f}..{high:.3f}':>16} {row['call_rate']:>10.3f} "
               f"{row['valid_call_rate'] or 0:>12.3f} {row['rounds_per_task']:>7.2f}  {seconds:.0f}")
-    for name in ARMS:
+    for name in arms_of(args):
         m = trained["metrics"][name]
         print(f"RL {name}: held-out tool_task reward {m['heldout_reward_sft']:.3f} -> {m['heldout_reward_rl']:.3f}")
-    print_differences(report, names, [("episodes", "SFT"), ("single-turn", "SFT"), ("episodes", "single-turn")])
+    pairs = [("episodes", "SFT"), ("single-turn", "SFT"), ("episodes", "single-turn")]
+    if args.llama_cpp:
+        pairs += [("episodes-llama.cpp", "SFT"), ("episodes-llama.cpp", "episodes")]
+    print_differences(report, names, pairs)
 
 
 def print_differences(report: dict, names: list[str], pairs) -> None:
@@ -129,7 +142,7 @@ def main() -> None:
     trained = train(args, files, work)
     report = evaluate_artifacts(files["heldout"], list(trained["artifacts"].values()), max_tool_rounds=2)
     (work / "agent_rl.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    print_report(report, trained)
+    print_report(report, trained, args)
     print(f"\nartifacts and the full report in {work}")
 
 
