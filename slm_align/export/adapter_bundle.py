@@ -6,7 +6,8 @@ chain's id (:func:`~slm_align.gguf_adapters.chain_digest`). An update bundle (``
 is for a device that has OLD installed: no base, only the adapters whose sha256 OLD does not list, the
 whole chain in bundle.json (each entry ``shipped`` or not), ``requires_base_sha256`` and
 ``replaces_model_id``. :func:`apply_update` turns an installed bundle and an update into the full bundle
-of the new chain.
+of the new chain, once a trusted key's signature (:mod:`~slm_align.export.bundle_signing`) and the update's
+paths, files and chain ids (:mod:`~slm_align.export.update_checks`) hold.
 
 These bundles are format 2: their ``artifact`` (kept, for old readers, at the base) is not the whole
 model, so a format-1 reader that loaded it alone would answer as the base under the chain's model_id.
@@ -300,7 +301,12 @@ def apply_update(installed: Path, update: Path, out: Path, trusted_keys: Sequenc
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         described = _applied(installed, old, update, new, scratch)
-        publish_directory(scratch, out)
+        try:
+            publish_directory(scratch, out)
+        except OSError:
+            if out.exists():  # made meanwhile by another writer: left as it is
+                raise UserError(f"{out} exists; choose another folder for the updated bundle") from None
+            raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return described

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from slm_align.errors import UserError
+from slm_align.export import adapter_bundle
 from slm_align.export.adapter_bundle import apply_update
 from slm_align.export.bundle_signing import generate_keys, load_private_key, sign_bundle
 from slm_align.gguf_adapters import chain_digest
@@ -349,3 +350,21 @@ def test_bundle_sign_with_an_unusable_key_is_refused_before_any_work(tmp_path, c
                              "--out", tmp_path / "b")
     assert code == 2 and err.count("\n") == 1 and "no-such-export" not in err, err
     assert not (tmp_path / "b").exists()
+
+
+def test_an_out_made_meanwhile_by_another_writer_is_left_as_it_is(tmp_path, device, keys, monkeypatch):
+    """Two applies to one ``out`` at once: the second finds it made between its check and its rename."""
+    installed, _ = device
+    update = make_update(tmp_path, keys[0])
+    out = tmp_path / "applied" / "v2"
+    real_publish = adapter_bundle.publish_directory
+
+    def racing_publish(built, final):
+        final.mkdir()
+        (final / "theirs.txt").write_text("the other writer's bundle")
+        return real_publish(built, final)
+
+    monkeypatch.setattr(adapter_bundle, "publish_directory", racing_publish)
+    with pytest.raises(UserError, match="exists; choose another folder"):
+        apply_update(installed, update, out, trusted_keys=[keys[1]])
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"] and sorted(os.listdir(out.parent)) == ["v2"]
