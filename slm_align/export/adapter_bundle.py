@@ -6,7 +6,8 @@ chain's id (:func:`~slm_align.gguf_adapters.chain_digest`). An update bundle (``
 is for a device that has OLD installed: no base, only the adapters whose sha256 OLD does not list, the
 whole chain in bundle.json (each entry ``shipped`` or not), ``requires_base_sha256`` and
 ``replaces_model_id``. :func:`apply_update` turns an installed bundle and an update into the full bundle
-of the new chain.
+of the new chain, once a trusted key's signature (:mod:`~slm_align.export.bundle_signing`) and the update's
+paths, files and chain ids (:mod:`~slm_align.export.update_checks`) hold.
 
 These bundles are format 2: their ``artifact`` (kept, for old readers, at the base) is not the whole
 model, so a format-1 reader that loaded it alone would answer as the base under the chain's model_id.
@@ -14,8 +15,13 @@ model, so a format-1 reader that loaded it alone would answer as the base under 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import stat
+import tempfile
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
@@ -25,13 +31,23 @@ from slm_align.errors import UserError
 from slm_align.export.adapter_export import TARGET, manifest_files
 from slm_align.export.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
 from slm_align.export.bundle_readme import adapter_bundle_readme, update_bundle_readme
+from slm_align.export.bundle_signing import SIGNATURE, TrustedKey, check_signature
+from slm_align.export.update_checks import (
+    ADAPTERS_DIR,
+    BUNDLE_JSON,
+    INSTALLED_ROLE,
+    MODEL_DIR,
+    RECORDS,
+    UPDATE_ROLE,
+    check_bundle_fields,
+    check_claims,
+    check_update_files,
+    plain_name,
+)
 from slm_align.runs import file_checksums, sha256_file
 
 ADAPTER_BUNDLE_FORMAT = 2
-MODEL_DIR = "model"
-ADAPTERS_DIR = "adapters"
-BUNDLE_JSON = "bundle.json"
-EXPORT_RECORDS = ("export-manifest.json", "verification.json")
+EXPORT_RECORDS = RECORDS
 """What an update replaces in the installed bundle besides bundle.json and the README."""
 UPDATE_KEYS = ("kind", "requires_base_sha256", "replaces_model_id")
 
@@ -117,6 +133,8 @@ def read_bundle(folder: Path, role: str) -> dict:
     (the flag or argument), for a folder that is not one."""
     folder = Path(folder).expanduser()
     described_path = folder / BUNDLE_JSON
+    if described_path.is_symlink():
+        raise UserError(f"{role} {folder}'s {BUNDLE_JSON} is a symlink; a bundle holds plain files only")
     if not described_path.is_file():
         raise UserError(f"{role} {folder} is not a bundle (no {BUNDLE_JSON}); pass a directory "
                         "`slm-align bundle` wrote")
@@ -170,34 +188,70 @@ def adapter_filler(artifact: Path, manifest: dict, device: Optional[str],
     update for a device that has that bundle, refused here, before anything is written."""
     if update_from is None:
         return partial(fill_full, artifact=artifact, manifest=manifest, device=device)
-    described = describe_update(manifest, read_bundle(update_from, "--update-from"), device)  # refusals first
+    old = read_bundle(update_from, "--update-from")
+    check_bundle_fields(old, "--update-from", update=False)
+    described = describe_update(manifest, old, device)  # refusals first
     return partial(fill_update, artifact=artifact, manifest=manifest, described=described)
+
+
+def copy_verified(source: Path, target: Path, sha256: str, what: str) -> None:
+    """Copy ``source`` to the new file ``target``, hashing the bytes as they are written: what is published
+    is what was checked. Refuses (one line) a source that is missing, a symlink or not a regular file, an
+    existing target (``x`` mode: never through a link), and bytes whose sha256 is not ``sha256``."""
+    try:
+        fd = os.open(source, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise UserError(f"{what} {source} not found; install the full bundle instead") from None
+    except OSError:  # ELOOP: the last component is a symlink
+        raise UserError(f"{what} {source} is a symlink; a bundle holds plain files only: refusing it") from None
+    digest = hashlib.sha256()
+    with os.fdopen(fd, "rb") as reader:
+        if not stat.S_ISREG(os.fstat(reader.fileno()).st_mode):
+            raise UserError(f"{what} {source} is not a regular file; refusing it")
+        with open(target, "xb") as writer:
+            for block in iter(partial(reader.read, 1 << 20), b""):
+                digest.update(block)
+                writer.write(block)
+    if digest.hexdigest() != sha256:
+        raise UserError(f"{what} {source} has sha256 {digest.hexdigest()[:12]}, bundle.json records "
+                        f"{sha256[:12]}: it changed after bundling; refusing the update")
+
+
+def _inside(folder: Path, name: str) -> Path:
+    """``folder``/``name``, refused unless it resolves to a file directly inside ``folder``."""
+    target = folder / name
+    if target.resolve().parent != folder.resolve():
+        raise UserError(f"the adapter name {name[:120]!r} leaves the bundle folder; refusing the update")
+    return target
 
 
 def _installed_adapter(installed: Path, old: dict, sha256: str) -> Path:
     """The installed bundle's adapter file with ``sha256``; one line when it has none."""
     for entry in old["adapters"]:
-        if entry.get("sha256") == sha256:
-            return _checked_file(installed / entry["path"], sha256, "the installed adapter")
+        if entry["sha256"] == sha256:
+            return installed / entry["path"]
     raise UserError(f"the installed bundle {installed} has no adapter of sha256 {sha256[:12]} that the update "
                     "needs; install the full bundle instead")
 
 
 def _applied(installed: Path, old: dict, update: Path, new: dict, scratch: Path) -> dict:
-    """Fill ``scratch`` with the installed bundle's files, the update's adapters and records; returns the
-    full bundle's bundle.json."""
-    _checked_file(installed / old["base"], new["requires_base_sha256"], "the installed base")
-    kept = (ADAPTERS_DIR, BUNDLE_JSON, "README.md", *EXPORT_RECORDS)
-    shutil.copytree(installed, scratch, ignore=partial(_ignored, installed, kept))
+    """Fill ``scratch`` with the installed bundle's files, the update's adapters and records, each checked
+    as it is copied; returns the full bundle's bundle.json."""
+    kept = (ADAPTERS_DIR, BUNDLE_JSON, SIGNATURE, "README.md", *EXPORT_RECORDS)
+    shutil.copytree(installed, scratch, ignore=partial(_ignored, installed, kept), dirs_exist_ok=True)
+    base = scratch / old["base"]
+    if not base.is_file() or sha256_file(base) != new["requires_base_sha256"]:
+        raise UserError(f"the installed base {installed / old['base']} is missing or changed (not sha256 "
+                        f"{new['requires_base_sha256'][:12]}); install the full bundle instead")
     (scratch / ADAPTERS_DIR).mkdir()
     entries = []
     for entry in new["adapters"]:
-        shipped = entry.pop("shipped")
-        source = update / entry["path"] if shipped else _installed_adapter(installed, old, entry["sha256"])
-        shutil.copy2(_checked_file(source, entry["sha256"], "the adapter"), scratch / entry["path"])
-        entries.append(entry)
+        source = update / entry["path"] if entry["shipped"] else _installed_adapter(installed, old, entry["sha256"])
+        target = _inside(scratch / ADAPTERS_DIR, plain_name(entry["path"], ADAPTERS_DIR, UPDATE_ROLE))
+        copy_verified(source, target, entry["sha256"], "the adapter")
+        entries.append({key: value for key, value in entry.items() if key != "shipped"})
     for name in EXPORT_RECORDS:
-        shutil.copy2(update / name, scratch / name)
+        copy_verified(update / name, scratch / name, new["files"][name], f"the update's {name}")
     described = {key: value for key, value in new.items() if key not in (*UPDATE_KEYS, "files")}
     return _finish(scratch, dict(described, kind="full", adapters=entries), adapter_bundle_readme)
 
@@ -207,25 +261,52 @@ def _ignored(root: Path, names: tuple, folder: str, contents: list[str]) -> list
     return [name for name in contents if Path(folder) == root and name in names]
 
 
-def apply_update(installed: Path, update: Path, out: Path) -> dict:
-    """Write at ``out`` the full bundle that the update bundle ``update`` makes of the ``installed`` one
-    (its base, the adapters the update did not ship, the update's adapters), each file checked against its
-    sha256; refuses (one line) another base, a missing adapter or an existing ``out``. Returns bundle.json."""
-    installed, update, out = Path(installed), Path(update), Path(out)
-    old = read_bundle(installed, "the installed bundle")
-    new = read_bundle(update, "the update")
+def _checked_update(installed: Path, update: Path, trusted_keys: Sequence[TrustedKey],
+                    allow_unsigned: bool) -> tuple[dict, dict]:
+    """(installed, update) bundle.json contents, once the update is signed by a trusted key (unless
+    ``allow_unsigned``), well formed, holds adapters only and names the chains it replaces and makes."""
+    if not trusted_keys and not allow_unsigned:
+        raise UserError("no trusted key to check the update against: pass trusted_keys=[PUBLIC_KEY.pem] (the "
+                        "publisher's `slm-align bundle-keygen` public key), or allow_unsigned=True to trust "
+                        "its hashes alone")
+    old = read_bundle(installed, INSTALLED_ROLE)
+    new = read_bundle(update, UPDATE_ROLE)
     if new.get("kind") != "update":
         raise UserError(f"{update} is a {new.get('kind')} bundle, not an update; install it as it is")
-    if old["base_sha256"] != new["requires_base_sha256"]:
-        raise UserError(f"the update needs base sha256 {new['requires_base_sha256'][:12]}, {installed} has "
-                        f"{old['base_sha256'][:12]}; install the full bundle instead")
-    if out.exists():
+    if trusted_keys:
+        check_signature(update, new, trusted_keys, UPDATE_ROLE)
+    check_bundle_fields(old, INSTALLED_ROLE, update=False)
+    check_bundle_fields(new, UPDATE_ROLE, update=True)
+    check_claims(old, new, UPDATE_ROLE)
+    check_update_files(update, new, UPDATE_ROLE)
+    return old, new
+
+
+def apply_update(installed: Path, update: Path, out: Path, trusted_keys: Sequence[TrustedKey] = (),
+                 allow_unsigned: bool = False) -> dict:
+    """Write at ``out`` the full bundle that the update bundle ``update`` makes of the ``installed`` one
+    (its base, the adapters the update did not ship, the update's adapters). Returns bundle.json.
+
+    The update must be signed (``bundle.json.sig``) by one of ``trusted_keys`` (public keys: PEM paths,
+    PEM bytes or key objects); ``allow_unsigned=True`` with no keys trusts its hashes alone, which proves
+    integrity, not origin. Refused in one line, with nothing written: no trusted key, another base or
+    chain, a path that is not a plain name under ``adapters/``, a symlink, a file other than adapters and
+    records, a model_id that is not the chain's, a sha256 that does not hold, an existing ``out``. The new
+    bundle is assembled in a hidden scratch folder beside ``out`` and renamed into place."""
+    installed, update, out = Path(installed).expanduser(), Path(update).expanduser(), Path(out).expanduser()
+    old, new = _checked_update(installed, update, trusted_keys, allow_unsigned)
+    if out.exists() or out.is_symlink():
         raise UserError(f"{out} exists; choose another folder for the updated bundle")
-    scratch = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(scratch, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         described = _applied(installed, old, update, new, scratch)
-        publish_directory(scratch, out)
+        try:
+            publish_directory(scratch, out)
+        except OSError:
+            if out.exists():  # made meanwhile by another writer: left as it is
+                raise UserError(f"{out} exists; choose another folder for the updated bundle") from None
+            raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return described

@@ -7,7 +7,8 @@ preference store, every file's sha256) and a README naming the runtime and the c
 ``--device NAME`` picks target and quantization from the device profile; a run without the artifact
 the device wants is exported first. An adapter export (``--target gguf-adapter``) is bundled as its
 base once plus each adapter file, or, with ``--update-from``, as an update holding only the new adapters
-(:mod:`slm_align.export.adapter_bundle`).
+(:mod:`slm_align.export.adapter_bundle`). ``--sign KEY.pem`` adds ``bundle.json.sig``, an Ed25519 signature
+over bundle.json (:mod:`slm_align.export.bundle_signing`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from slm_align.export.adapter_export import TARGET as ADAPTER_TARGET
 from slm_align.export.adapter_export import adapter_chain, run_source
 from slm_align.export.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
 from slm_align.export.bundle_readme import RUNTIMES, bundle_readme
+from slm_align.export.bundle_signing import load_private_key, sign_bundle
 from slm_align.export.stage import ExportRequest, artifact_name, run_export
 from slm_align.runs import MANIFEST, artifact_manifest, file_checksums
 
@@ -51,6 +53,8 @@ class BundleRequest:
     """Replace an existing bundle."""
     update_from: Optional[Path] = None
     """An adapter export only: the bundle the device has; the update ships only the adapters it lacks."""
+    sign: Optional[Path] = None
+    """An Ed25519 private key (PEM): bundle.json.sig, its signature over bundle.json, goes in the bundle."""
 
 
 def device_choice(device: str) -> tuple[str, str]:
@@ -179,6 +183,7 @@ def make_bundle(request: BundleRequest) -> dict:
     with ``path`` and ``zip``."""
     if request.device is not None:
         device_choice(request.device)  # an unknown profile: refused before any work
+    key = load_private_key(request.sign) if request.sign is not None else None  # a bad key: before any work
     artifact = locate_artifact(request)
     manifest = _export_manifest(artifact)
     fill = _filler(artifact, manifest, request)
@@ -193,8 +198,9 @@ def make_bundle(request: BundleRequest) -> dict:
     scratch.mkdir()
     try:
         described = fill(scratch)
+        signed = {} if key is None else {"signed_by": sign_bundle(scratch, key)}
         publish_directory(scratch, out, replace=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     _zip(out, archive)
-    return dict(described, path=str(out), zip=str(archive))
+    return dict(described, path=str(out), zip=str(archive), **signed)

@@ -12,8 +12,8 @@ import torch
 
 from tests.helpers import run_cli, tree_digest
 
-COMMANDS = ["quickstart", "sft", "check-headroom", "train", "evaluate", "merge", "export", "bundle", "chat",
-            "feedback export", "devices list", "devices show", "devices fit", "bench", "serve",
+COMMANDS = ["quickstart", "sft", "check-headroom", "train", "evaluate", "merge", "export", "bundle", "bundle-keygen",
+            "chat", "feedback export", "devices list", "devices show", "devices fit", "bench", "serve",
             "tasks make", "evaluate-agent", "env"]
 
 

@@ -126,11 +126,16 @@ def folder_bytes(folder):
 
 def test_an_update_holds_only_the_new_adapter_and_applies_to_the_installed_bundle(
         chain_export, old_bundle, full_bundle, tmp_path, capsys):
+    """Signed with `--sign` (issue 45): apply_update now refuses an update no trusted key signed."""
+    code, stdout, stderr = run_cli(capsys, "bundle-keygen", "--out", tmp_path / "keys")
+    assert code == 0, stderr
     code, stdout, stderr = run_cli(capsys, "bundle", chain_export / DPO, "--update-from", old_bundle,
-                                   "--out", tmp_path / "v2-update", "--json")
+                                   "--out", tmp_path / "v2-update", "--json",
+                                   "--sign", tmp_path / "keys" / "bundle-signing-key.pem")
     assert code == 0, stderr
     update = tmp_path / "v2-update"
-    assert bundled_files(update) == UPDATE_FILES  # no base, no SFT adapter: the device has both
+    assert bundled_files(update) == UPDATE_FILES | {"bundle.json.sig"}  # no base, no SFT adapter: the device has both
+    assert len(json.loads(stdout)["signed_by"]) == 64
     assert (update / "adapters" / DPO).read_bytes() == (chain_export / DPO).read_bytes()
     info, old = described(update), described(old_bundle)
     assert json.loads(stdout)["path"] == str(update) and info["kind"] == "update"
@@ -139,25 +144,29 @@ def test_an_update_holds_only_the_new_adapter_and_applies_to_the_installed_bundl
     assert [(entry["path"], entry["shipped"]) for entry in info["adapters"]] == [
         (f"adapters/{SFT}", False), (f"adapters/{DPO}", True)]
     assert old["adapters"][0]["sha256"] == info["adapters"][0]["sha256"]  # the same SFT adapter, already there
-    assert_digests_hold(update)
+    files = described(update)["files"]
+    assert set(files) == bundled_files(update) - {"bundle.json", "bundle.json.sig"}  # all but the two it signs
+    assert all(sha256_file(update / name) == digest for name, digest in files.items())
     assert "Copy `adapters/*` beside the installed bundle's adapters" in (update / "README.md").read_text()
     sizes = {"full": folder_bytes(full_bundle), "update": folder_bytes(update),
              "full zip": full_bundle.with_name("v2.zip").stat().st_size,
              "update zip": (tmp_path / "v2-update.zip").stat().st_size}
     print("bundle bytes:", sizes)
     assert sizes["update"] * 5 < sizes["full"] and sizes["update zip"] * 5 < sizes["full zip"]
-    applied = apply_update(old_bundle, update, tmp_path / "v2-applied")
+    applied = apply_update(old_bundle, update, tmp_path / "v2-applied",
+                           trusted_keys=[tmp_path / "keys" / "bundle-signing-key.pub.pem"])
     assert applied == described(full_bundle)  # the installed bundle + the update = the full bundle of the round
     assert tree_digest(tmp_path / "v2-applied") == tree_digest(full_bundle)
 
 
 def test_an_update_with_a_changed_adapter_is_not_applied(chain_export, old_bundle, tmp_path):
+    """The hashes alone (allow_unsigned: no trusted key) still catch an accidental change."""
     update = tmp_path / "update"
     make_bundle(BundleRequest(str(chain_export / DPO), out=update, update_from=old_bundle))
     damaged = update / "adapters" / DPO
     damaged.write_bytes(damaged.read_bytes()[:-1] + b"\0")
     with pytest.raises(UserError, match="has sha256"):
-        apply_update(old_bundle, update, tmp_path / "applied")
+        apply_update(old_bundle, update, tmp_path / "applied", allow_unsigned=True)
     assert not (tmp_path / "applied").exists() and not list(tmp_path.glob(".*.partial"))
 
 
