@@ -15,7 +15,9 @@ import jsonschema
 import pytest
 
 import slm_align
+from slm_align.chat_templates import CHATML_TEMPLATE
 from slm_align.data import function_tasks as function_tasks_module
+from slm_align.data.agent_chats import conversation_text
 from slm_align.data.function_library import draw_request, function_named, library, template_problems, tool_schema
 from slm_align.data.function_tasks import (
     CATEGORIES,
@@ -28,6 +30,7 @@ from slm_align.data.function_tasks import (
 )
 from slm_align.data.function_values import draw, pools
 from slm_align.errors import UserError
+from slm_align.tools.parse import read_calls
 from tests.helpers import run_cli
 
 
@@ -320,3 +323,13 @@ def test_the_cli_and_the_public_function_write_the_family(tmp_path, capsys):
     assert again["train"].read_bytes() == (tmp_path / "fn" / "train.jsonl").read_bytes()
     code, _, err = run_cli(capsys, "tasks", "make", "--kind", "functions", "--out", tmp_path / "fn")
     assert code == 2 and "already exist" in err
+
+
+def test_sft_calls_render_and_read_back_as_the_runtime_reads_them(rows):
+    for chat in rows["sft"][:300]:
+        answer = chat["messages"][-1]
+        text = conversation_text(chat["messages"], CHATML_TEMPLATE)
+        _, calls = read_calls(text.rsplit("<|im_start|>assistant", 1)[1])
+        expected = [{"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+                    for call in answer.get("tool_calls", [])]
+        assert calls == expected
