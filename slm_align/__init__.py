@@ -42,6 +42,7 @@ _EXPORTS = {
     "run_quickstart": "slm_align.quickstart",
     "Agent": "slm_align.agent.runtime",
     "default_tools": "slm_align.tools.builtin",
+    "write_function_tasks": "slm_align.data.function_tasks",
 }
 
 __all__ = [
@@ -62,11 +63,13 @@ __all__ = [
     "run_reward",
     "run_rl",
     "run_sft",
+    "write_function_tasks",
 ]
 
 if TYPE_CHECKING:
     from slm_align.agent.runtime import Agent
     from slm_align.config import Recipe, load_recipe
+    from slm_align.data.function_tasks import write_function_tasks
     from slm_align.errors import UserError
     from slm_align.evaluate import evaluate as run_evaluation
     from slm_align.export.merge import merge_run

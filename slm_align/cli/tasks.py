@@ -1,8 +1,9 @@
-"""Tool-use tasks: write the bundled calculator task (``tasks make``) and judge exported models on
-task rows in the agent runtime (``evaluate-agent``)."""
+"""Tool-use tasks: write the bundled calculator task or the function-calling family
+(``tasks make``) and judge exported models on task rows in the agent runtime (``evaluate-agent``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -11,49 +12,86 @@ from rich.table import Table
 
 from slm_align.cli.options import JsonFlag
 from slm_align.cli.render import emit, stdout
+from slm_align.data.function_tasks import CATEGORIES
+from slm_align.errors import UserError
 
 commands = typer.Typer()
 tasks_app = typer.Typer(
     no_args_is_help=True, rich_markup_mode="markdown",
-    help="Tool-use task data: the bundled calculator task (SFT chats, RL "
-         "task rows, held-out rows).",
+    help="Tool-use task data: the bundled calculator task or the function-calling family (SFT "
+         "chats, RL task rows, held-out rows).",
     epilog="Examples:\n\n  slm-align tasks make --out data/calc\n\n"
-           "  slm-align tasks make --out data/calc --train 800 --heldout 200 --seed 1 --json")
+           "  slm-align tasks make --kind functions --out data/functions --seed 1 --json")
 commands.add_typer(tasks_app, name="tasks")
+
+KINDS = {"calculator": (400, 100), "functions": (1000, 250)}
+"""Task kinds and their default (training, held-out) counts."""
 
 
 @tasks_app.command("make", epilog="Examples:\n\n  slm-align tasks make --out data/calc\n\n  "
                                   "slm-align tasks make --out data/calc --train 800 --heldout 200 "
-                                  "--seed 1 --json\n\nThen: slm-align train --data "
-                                  "data/calc/sft.jsonl ... and slm-align evaluate-agent "
+                                  "--seed 1 --json\n\n  slm-align tasks make --kind functions --out "
+                                  "data/functions --train 2000 --heldout 400\n\nThen: slm-align train "
+                                  "--data data/calc/sft.jsonl ... and slm-align evaluate-agent "
                                   "data/calc/heldout.jsonl --artifact model.gguf")
 def tasks_make(
     out: Path = typer.Option(..., "--out", "--output-dir", help="Directory for sft.jsonl, "
                              "train.jsonl and heldout.jsonl."),
-    train: int = typer.Option(400, "--train", min=1, help="Training tasks (each gives two SFT chats)."),
-    heldout: int = typer.Option(100, "--heldout", min=0, help="Held-out tasks for evaluation."),
+    kind: str = typer.Option("calculator", "--kind", help="calculator (arithmetic and unit "
+                             "questions) or functions (BFCL-style function calling over a library "
+                             "of app functions; held-out rows use functions training never saw)."),
+    train: Optional[int] = typer.Option(None, "--train", min=1, help="Training tasks (default 400 "
+                                        "for calculator, each two SFT chats; 1000 for functions, "
+                                        "at most 20000)."),
+    heldout: Optional[int] = typer.Option(None, "--heldout", min=0, help="Held-out tasks for "
+                                          "evaluation (default 100 for calculator; 250 for "
+                                          "functions, at most 5000)."),
     seed: int = typer.Option(0, "--seed", help="Generation seed: the same seed "
                                                "writes the same files."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace files already in --out."),
     memory_share: float = typer.Option(0.0, "--memory-share", min=0.0, max=1.0,
                                        help="Share of training tasks whose SFT chat answers from memory, "
-                                            "without the tool (a teacher's habit RL can correct)."),
+                                            "without the tool (a teacher's habit RL can correct; "
+                                            "calculator only)."),
     as_json: bool = JsonFlag,
 ) -> None:
-    """Write the bundled calculator task: arithmetic and unit questions, split
-    with no shared question."""
+    """Write a bundled tool-use task: the calculator's arithmetic and unit questions, split
+    with no shared question, or the function-calling family (simple, multiple, parallel,
+    parallel_multiple and irrelevance rows), split by function."""
     from slm_align.data.agent_tasks import write_agent_tasks
+    from slm_align.data.function_tasks import write_function_tasks
 
-    paths = write_agent_tasks(out, train, heldout, seed, overwrite=overwrite, memory_share=memory_share)
+    if kind not in KINDS:
+        raise UserError(f"--kind {kind!r} is not a task kind; use one of {', '.join(KINDS)}")
+    if kind != "calculator" and memory_share:
+        raise UserError("--memory-share applies to --kind calculator only; leave it out")
+    train = KINDS[kind][0] if train is None else train
+    heldout = KINDS[kind][1] if heldout is None else heldout
+    if kind == "functions":
+        paths = write_function_tasks(out, train=train, heldout=heldout, seed=seed, overwrite=overwrite)
+    else:
+        paths = write_agent_tasks(out, train, heldout, seed, overwrite=overwrite,
+                                  memory_share=memory_share)
     counts = {name: sum(1 for _ in path.open(encoding="utf-8")) for name, path in paths.items()}
-    result = {"files": {name: str(path) for name, path in paths.items()}, "rows": counts, "seed": seed,
-              "memory_share": memory_share}
+    result = {"kind": kind, "files": {name: str(path) for name, path in paths.items()}, "rows": counts,
+              "seed": seed, "memory_share": memory_share}
+    if kind == "functions":
+        result["categories"] = _categories(paths)
 
     def human() -> None:
         for name, path in paths.items():
             stdout.print(f"{name}: {path} ({counts[name]} rows)")
 
     emit(as_json, result, human)
+
+
+def _categories(paths: dict) -> dict:
+    """Rows per category of the train and held-out files."""
+    counted = {}
+    for name in ("train", "heldout"):
+        categories = [json.loads(line)["category"] for line in paths[name].open(encoding="utf-8")]
+        counted[name] = {category: categories.count(category) for category in CATEGORIES}
+    return counted
 
 
 FAILURE_LABELS = {"no_call": "no call", "malformed_call": "malformed", "wrong_tool": "wrong tool",
