@@ -206,7 +206,8 @@ def test_function_call_match_reads_calls_with_the_runtime_parser():
 def test_on_episodes_the_first_reply_is_the_answer():
     call = {"type": "function", "function": {"name": "timer", "arguments": {"minutes": 5}}}
     again = {"type": "function", "function": {"name": "timer", "arguments": {"minutes": 7}}}
-    messages = [{"role": "user", "content": "5 minute timer"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+    messages = [{"role": "user", "content": "5 minute timer"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "content": "Error: timer cannot be run here"},
                 {"role": "assistant", "content": "", "tool_calls": [again]},
                 {"role": "tool", "content": "Error"}, {"role": "assistant", "content": "Done."}]
