@@ -124,8 +124,11 @@ def _title(report: dict) -> str:
     decoding = "greedy"
     if samples > 1:
         decoding = f"{samples} samples each at temperature {report['temperature']:g}"
-    rounds = report["max_tool_rounds"]
-    return f"Agent tasks ({report['n_tasks']} tasks, {decoding}, up to {rounds} tool rounds)"
+    rounds = f"up to {report['max_tool_rounds']} tool rounds"
+    categories = report["artifacts"][0].get("by_category") if report["artifacts"] else None
+    if categories and sum(group["episodes"] for group in categories.values()) == report["artifacts"][0]["episodes"]:
+        rounds = "function rows: calls judged, none run"
+    return f"Agent tasks ({report['n_tasks']} tasks, {decoding}, {rounds})"
 
 
 def artifact_labels(artifacts: list[str]) -> list[str]:

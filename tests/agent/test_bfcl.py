@@ -187,3 +187,39 @@ def test_bad_bfcl_input_is_one_line_and_exit_2(gguf, tmp_path, capsys, monkeypat
     monkeypatch.setattr(bfcl.importlib.util, "find_spec", without_bfcl)
     code, _, err = run_cli(capsys, "evaluate-agent", "--bfcl", "multiple", "--artifact", gguf)
     assert code == 2 and "pip install --no-deps bfcl-eval==2026.3.23" in err and err.count("\n") == 1, err
+
+
+@needs_bfcl
+def test_our_verdicts_equal_bfcls_own_checker_on_every_entry(monkeypatch):
+    """bfcl-eval's ast_checker, run in this process as benchmarks/bfcl_official_runner.py runs it (its
+    model_config, which imports every API client for one flag, replaced by that flag), against ours on the
+    synthetic replies of benchmarks/bfcl_outputs.py to all 1,240 entries."""
+    import sys
+
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    import bfcl_official_runner as runner
+    from bfcl_outputs import variants
+
+    from slm_align.rewards.function_match import check_calls
+
+    monkeypatch.delitem(sys.modules, "bfcl_eval.eval_checker.ast_eval.ast_checker", raising=False)
+    monkeypatch.setitem(sys.modules, "bfcl_eval.constants.model_config", None)
+    runner.install_model_config()
+    from bfcl_eval.constants.enums import Language
+    from bfcl_eval.eval_checker.ast_eval.ast_checker import ast_checker
+
+    empty = runner.utils_functions({"is_empty_output", "is_function_calling_format_output"})["is_empty_output"]
+    differing, replies = [], 0
+    for row in load_bfcl(CATEGORIES):
+        for kind, calls in variants(row).items():
+            output = [{call["name"]: call["arguments"]} for call in calls]
+            if row["category"] == "irrelevance":
+                theirs = empty(output)
+            else:
+                theirs = ast_checker(row["functions"], output, row["ground_truth"], Language.PYTHON, row["category"],
+                                     runner.MODEL)["valid"]
+            replies += 1
+            if theirs != check_calls(calls, row["ground_truth"], row["functions"], row["category"]).ok:
+                differing.append(f"{row['id']}:{kind}")
+    assert replies == 9093 and differing == []

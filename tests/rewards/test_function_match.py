@@ -76,8 +76,17 @@ def test_standardize_string_removes_bfcl_punctuation_only():
     assert standardize_string("a:b") == "a:b"
 
 
+def test_a_bool_is_no_integer_even_where_it_equals_one():
+    truth = {"weather.forecast": {"city": ["NYC"], "days": [1]}}
+    assert check_calls([{"name": NAME, "arguments": {"city": "NYC", "days": 1}}], [truth], [WEATHER]).ok
+    assert not check_calls([{"name": NAME, "arguments": {"city": "NYC", "days": True}}], [truth], [WEATHER]).ok
+
+
 def test_required_optional_and_unknown_arguments():
     assert not verdict({"city": "NYC"}).ok  # days is required
+    loose = {"weather.forecast": {"city": ["NYC"], "days": [3, ""]}}  # the answer would let it go; the function not
+    missing = check_calls([{"name": NAME, "arguments": {"city": "NYC"}}], [loose], [WEATHER])
+    assert not missing.ok and "required" in missing.reason
     assert ok({**BASE, "threshold": 20.5}) and ok(BASE)  # optional ("" allowed): given its value, or omitted
     assert not ok({**BASE, "threshold": 21.5})  # given, it must be an allowed value
     unknown = verdict({**BASE, "country": "US"})
@@ -238,3 +247,23 @@ def test_a_ground_truth_naming_no_offered_function_is_refused():
 def test_reply_calls_marks_unreadable_calls():
     assert reply_calls('<tool_call>{"name": "a", "arguments": [1]}</tool_call>') == [{"name": "a", "arguments": None}]
     assert reply_calls("no call here") == []
+
+
+def test_train_wiring_reads_function_rows_and_scores_with_their_columns(tmp_path, tokenizer):
+    """What `train --reward function_call_match` runs: the task reader renders each row's messages with
+    its tools, the columns reach the reward, and the rows' columns satisfy its requirements."""
+    from slm_align.data.tasks import read_tasks
+    from slm_align.rewards.columns import check_columns, with_columns
+
+    rows = [{"messages": [{"role": "user", "content": "5 minute timer"}], "tools": TOOLS, "category": "simple",
+             "ground_truth": [{"timer": {"minutes": [5]}}]},
+            {"messages": [{"role": "user", "content": "Hello"}], "tools": TOOLS, "category": "irrelevance",
+             "ground_truth": []}]
+    path = tmp_path / "functions.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tasks = read_tasks(path, tokenizer)
+    reward = with_columns(load_reward_fn("function_call_match")[1], tasks)
+    check_columns(reward, tasks.column_names())
+    call = '<tool_call>{"name": "timer", "arguments": {"minutes": 5}}</tool_call>'
+    assert reward(tasks.prompts, [call, call]) == [1.0, 0.0]
+    assert reward(tasks.prompts, ["Sure.", "Hi there!"]) == [0.0, 1.0]
