@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from slm_align.agent import function_eval
+from slm_align.agent.bfcl import load_bfcl, parse_categories
 from slm_align.agent.bounds import accepted, bounds, typed
 from slm_align.agent.runtime import Agent, fold_seed, load_model
 from slm_align.agent.sampling import SamplingParams
@@ -77,6 +79,10 @@ class TaskResult:
     """The sample's index for the task (0 when greedy)."""
     seed: Optional[int] = None
     """The sampler's seed (None when greedy)."""
+    group: str = ""
+    """A function row's category (BFCL's, or the generated rows'); "" for other tasks."""
+    reason: str = ""
+    """Why a function row's calls failed BFCL's rules ("" otherwise)."""
 
     @property
     def success(self) -> bool:
@@ -117,13 +123,17 @@ def check_row(where: str, row) -> None:
 
 
 def load_tasks(path: Union[str, Path], limit: Optional[int] = None) -> list[dict]:
-    """Task rows with a prompt and an answer; a missing file or column, or an empty answer, is a
-    one-line UserError."""
+    """Task rows with a prompt and an answer, or function rows (with ``ground_truth``: see
+    :mod:`slm_align.agent.function_eval`); a missing file or column, an empty answer, or a ground
+    truth naming no offered function is a one-line UserError."""
     from slm_align.data.readers import iter_rows
 
     rows = []
     for where, row in iter_rows(Path(path)):
-        check_row(where, row)
+        if function_eval.is_function_row(row):
+            function_eval.check_function_row(where, row)
+        else:
+            check_row(where, row)
         rows.append(row)
         if limit is not None and len(rows) >= limit:
             break
@@ -212,14 +222,41 @@ def _counter(agent: Agent) -> _CountingBackend:
     return agent.backend
 
 
+def run_function_task(agent: Agent, row: dict, task: int = 0, sample: int = 0,
+                      sampling: Optional[dict] = None) -> TaskResult:
+    """One function row in ``agent``: one reply to the row's messages with its tools offered (the
+    agent's own tools and rounds are put back after), its calls judged by BFCL's rules."""
+    messages = function_eval.function_messages(row)
+    counter = _counter(agent)
+    generated = counter.generated
+    tools, rounds = agent.tools, agent.max_tool_rounds
+    agent.tools, agent.max_tool_rounds = function_eval.function_registry(row), 0
+    try:
+        for _ in agent.respond(messages, **(sampling or {})):
+            pass
+    finally:
+        agent.tools, agent.max_tool_rounds = tools, rounds
+    text = agent.last.text
+    verdict, calls = function_eval.judge_reply(row, text)
+    return TaskResult(question=messages[-1].get("content", ""), answer=function_eval.answer_text(row),
+                      reply=text, category="success" if verdict.ok else verdict.failure, calls=len(calls),
+                      valid_calls=function_eval.valid_calls(row, calls), rounds=0,
+                      tokens=counter.generated - generated, task=task, sample=sample,
+                      seed=(sampling or {}).get("seed"), group=str(row.get("category") or ""),
+                      reason=verdict.reason)
+
+
 def run_task(agent: Agent, row: dict, task: int = 0, sample: int = 0,
              sampling: Optional[dict] = None) -> TaskResult:
     """One episode of a task in ``agent``: the turn runs to its final answer, then is classified.
 
     ``sampling`` overrides the agent's sampling settings (``temperature``, ``seed``); without it
     the agent's own (greedy, from :func:`open_agent`). Rounds are the turn's completions before
-    its final answer, tokens those generated over all of them, counted around the backend.
+    its final answer, tokens those generated over all of them, counted around the backend. A
+    function row: :func:`run_function_task`.
     """
+    if function_eval.is_function_row(row):
+        return run_function_task(agent, row, task, sample, sampling)
     messages = task_messages(row)
     counter = _counter(agent)
     generated, generations = counter.generated, counter.generations
@@ -326,6 +363,7 @@ def summarize(results: Sequence[TaskResult], samples: int = DEFAULT_SAMPLES, see
         "tokens_per_task": statistics.fmean(r.tokens for r in results),
         **failure_figures(results),
         **pass_figures(results, samples, seed),
+        "by_category": function_eval.category_figures(results),
     }
 
 
@@ -354,18 +392,41 @@ def episode_settings(samples: int, temperature: float, seed: int) -> dict:
             "intervals": dict(INTERVALS)}
 
 
-def evaluate_artifacts(tasks: Union[str, Path], artifacts: Sequence[Union[str, Path]], limit: Optional[int] = None,
-                       max_tokens: int = DEFAULT_MAX_TOKENS, max_tool_rounds: int = DEFAULT_TOOL_ROUNDS,
-                       seed: int = 0, samples: int = DEFAULT_SAMPLES,
-                       temperature: float = DEFAULT_TEMPERATURE) -> dict:
-    """Every artifact on the same task rows; the report: how the episodes ran, per artifact its
+def compare_by_category(baseline: Sequence[TaskResult], candidate: Sequence[TaskResult], seed: int = 0,
+                        samples: int = DEFAULT_SAMPLES) -> Optional[dict]:
+    """:func:`compare` within each row category of function rows (None without categories)."""
+    groups = list(dict.fromkeys(r.group for r in baseline if r.group))
+    if not groups:
+        return None
+    return {group: compare([r for r in baseline if r.group == group], [r for r in candidate if r.group == group],
+                           seed, samples) for group in groups}
+
+
+def task_rows(tasks: Union[str, Path, None], bfcl: Optional[str], limit: Optional[int]) -> tuple[list[dict], str]:
+    """The task rows and what they are called in the report: a task file's rows, or with ``bfcl``
+    (``simple_python,multiple,...``) BFCL v4's entries of those categories, ``limit`` of each."""
+    if (tasks is None) == (bfcl is None):
+        raise UserError("pass a task file or --bfcl CATEGORIES (e.g. --bfcl simple_python,irrelevance), "
+                        "one of the two")
+    if bfcl is not None:
+        categories = parse_categories(bfcl)
+        return load_bfcl(categories, limit), f"BFCL v4: {','.join(categories)}"
+    return load_tasks(tasks, limit), str(tasks)
+
+
+def evaluate_artifacts(tasks: Union[str, Path, None], artifacts: Sequence[Union[str, Path]],
+                       limit: Optional[int] = None, max_tokens: int = DEFAULT_MAX_TOKENS,
+                       max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, seed: int = 0, samples: int = DEFAULT_SAMPLES,
+                       temperature: float = DEFAULT_TEMPERATURE, bfcl: Optional[str] = None) -> dict:
+    """Every artifact on the same task rows (a task file, or BFCL's categories ``bfcl`` with
+    ``limit`` entries of each); the report: how the episodes ran, per artifact its
     :func:`summarize` figures and per-episode ``results``, and each artifact after the first
-    compared with the first (:func:`compare`). Settings and artifacts are checked before any
-    episode runs."""
+    compared with the first (:func:`compare`, and per category for function rows). Settings, rows
+    and artifacts are checked before any episode runs."""
     check_settings(samples, temperature, max_tool_rounds, max_tokens)
     if not artifacts:
         raise UserError("pass at least one --artifact (a .gguf file or an ONNX export directory)")
-    rows = load_tasks(tasks, limit)
+    rows, name = task_rows(tasks, bfcl, limit)
     agents = [open_agent(artifact, max_tokens, max_tool_rounds) for artifact in artifacts]  # all load, or none runs
     with stage_lines("evaluate-agent", f"{len(agents)} model(s) on {len(rows)} tasks x {samples} "
                                        f"episode(s)") as stage:
@@ -373,12 +434,13 @@ def evaluate_artifacts(tasks: Union[str, Path], artifacts: Sequence[Union[str, P
                 for agent, artifact in zip(agents, artifacts)]
         summaries = [summarize(results, samples, seed) for results in runs]
         stage.figures = "task success " + ", ".join(f"{summary['success_rate']:.3f}" for summary in summaries)
-    report = {"tasks": str(tasks), "n_tasks": len(rows), "max_tokens": max_tokens,
+    report = {"tasks": name, "n_tasks": len(rows), "max_tokens": max_tokens,
               "max_tool_rounds": max_tool_rounds, **episode_settings(samples, temperature, seed),
               "artifacts": [], "comparisons": []}
     for artifact, results, summary in zip(artifacts, runs, summaries):
         report["artifacts"].append({"artifact": str(artifact), **summary, "results": [asdict(r) for r in results]})
     for artifact, results in zip(artifacts[1:], runs[1:]):
         report["comparisons"].append({"baseline": str(artifacts[0]), "candidate": str(artifact),
-                                      **compare(runs[0], results, seed, samples)})
+                                      **compare(runs[0], results, seed, samples),
+                                      "by_category": compare_by_category(runs[0], results, seed, samples)})
     return report

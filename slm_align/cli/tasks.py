@@ -105,14 +105,22 @@ TOP_FAILURES = 2
                   "slm-align evaluate-agent data/calc/heldout.jsonl --artifact sft/model-Q8_0.gguf "
                   "--artifact rl/model-Q8_0.gguf --limit 50 --out agent-report.json --json\n\n  "
                   "slm-align evaluate-agent data/calc/heldout.jsonl --artifact rl/model-Q8_0.gguf "
-                  "--samples 5 --temperature 0.7 --max-tool-rounds 2   # pass@5 and pass@1")
+                  "--samples 5 --temperature 0.7 --max-tool-rounds 2   # pass@5 and pass@1\n\n  "
+                  "slm-align evaluate-agent --bfcl simple_python,multiple,parallel,parallel_multiple,"
+                  "irrelevance --artifact model.gguf --limit 50 --max-new-tokens 256")
 def evaluate_agent(
-    tasks: Path = typer.Argument(..., help="Task rows with prompt and answer (jsonl, json, "
-                                           "csv, parquet, datasets)."),
+    tasks: Optional[Path] = typer.Argument(None, help="Task rows with prompt and answer, or function "
+                                                      "rows with tools and ground_truth (jsonl, json, "
+                                                      "csv, parquet, datasets); or --bfcl."),
     artifact: list[Path] = typer.Option(..., "--artifact", help="Exported model (.gguf or ONNX "
                                                                "directory); repeat to compare: "
                                                                "each is compared with the first."),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Use the first N tasks only."),
+    bfcl: Optional[str] = typer.Option(None, "--bfcl", help="Instead of a task file, BFCL v4's own "
+                                       "entries of these categories (comma-separated: simple_python, "
+                                       "multiple, parallel, parallel_multiple, irrelevance), from the "
+                                       "package bfcl-eval, scored by BFCL's AST rules."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Use the first N tasks only "
+                                        "(with --bfcl: of each category)."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens", min=1, help="Most tokens per model reply."),
     max_tool_rounds: int = typer.Option(3, "--max-tool-rounds", help="Tool rounds an episode may "
                                         "take before its final answer (an integer >= 0)."),
@@ -132,16 +140,17 @@ def evaluate_agent(
     """Run exported models in the agent runtime, with real tools, on held-out tasks:
     success with its Wilson interval, call and valid-call rates, rounds, tokens and failures
     per model (with --samples k: pass@k and pass@1), and paired bootstrap intervals of the
-    success difference."""
+    success difference. Function rows and --bfcl: calls judged by BFCL's rules, accuracy per
+    category."""
     from slm_align.agent.task_eval import evaluate_artifacts
     from slm_align.atomic import write_json_atomic
     from slm_align.runs import check_out_file
 
     if out is not None:  # before any work: a refused --out writes nothing, and never replaces an input
-        check_out_file(out, [tasks, *artifact], overwrite)
+        check_out_file(out, [path for path in (tasks, *artifact) if path is not None], overwrite)
     report = evaluate_artifacts(tasks, artifact, limit=limit, max_tokens=max_new_tokens,
                                 max_tool_rounds=max_tool_rounds, seed=seed, samples=samples,
-                                temperature=temperature)
+                                temperature=temperature, bfcl=bfcl)
     if out is not None:
         write_json_atomic(out, report)
     emit(as_json, report, lambda: print_agent_report(report))
@@ -153,8 +162,11 @@ def _title(report: dict) -> str:
     decoding = "greedy"
     if samples > 1:
         decoding = f"{samples} samples each at temperature {report['temperature']:g}"
-    rounds = report["max_tool_rounds"]
-    return f"Agent tasks ({report['n_tasks']} tasks, {decoding}, up to {rounds} tool rounds)"
+    rounds = f"up to {report['max_tool_rounds']} tool rounds"
+    categories = report["artifacts"][0].get("by_category") if report["artifacts"] else None
+    if categories and sum(group["episodes"] for group in categories.values()) == report["artifacts"][0]["episodes"]:
+        rounds = "function rows: calls judged, none run"
+    return f"Agent tasks ({report['n_tasks']} tasks, {decoding}, {rounds})"
 
 
 def artifact_labels(artifacts: list[str]) -> list[str]:
@@ -217,9 +229,28 @@ def print_agent_report(report: dict) -> None:
     for row in report["artifacts"]:
         table.add_row(*_row(labels[row["artifact"]], row, samples))
     stdout.print(table)
+    print_categories(report, labels)
     figure = "success" if samples == 1 else "pass@1"
     for comparison in report["comparisons"]:
-        low, high = comparison["ci95"]
-        stdout.print(f"{labels[comparison['candidate']]} vs {labels[comparison['baseline']]}: "
-                     f"{figure} {comparison['success_delta']:+.3f} (95% CI {low:+.3f} to "
-                     f"{high:+.3f}): {comparison['verdict']}")
+        pairs = [("", comparison), *(comparison.get("by_category") or {}).items()]
+        for category, delta in pairs:
+            low, high = delta["ci95"]
+            stdout.print(f"{labels[comparison['candidate']]} vs {labels[comparison['baseline']]}"
+                         f"{' on ' + category if category else ''}: {figure} {delta['success_delta']:+.3f} "
+                         f"(95% CI {low:+.3f} to {high:+.3f}): {delta['verdict']}")
+
+
+def print_categories(report: dict, labels: dict) -> None:
+    """Function rows: accuracy [Wilson 95% CI] per category (rows) and artifact (columns)."""
+    rows = [row for row in report["artifacts"] if row.get("by_category")]
+    if not rows:
+        return
+    table = Table(title="Function calling by category (BFCL's rules)")
+    table.add_column("category")
+    for row in rows:
+        table.add_column(f"{labels[row['artifact']]}\naccuracy [95% CI]", overflow="fold")
+    for category, first in rows[0]["by_category"].items():
+        cells = [_interval(row["by_category"][category]["accuracy"], row["by_category"][category]["ci95"])
+                 for row in rows]
+        table.add_row(f"{category} ({first['episodes']})", *cells)
+    stdout.print(table)

@@ -11,6 +11,7 @@ from slm_align.errors import UserError
 from slm_align.named import import_named
 from slm_align.rewards.answers import exact_answer
 from slm_align.rewards.episodes import call_format, environment_reward, task_success
+from slm_align.rewards.function_calls import function_call_graded, function_call_match
 from slm_align.rewards.protocol import CombinedReward, RewardFn
 from slm_align.rewards.tool_calls import json_tool_call, tool_task
 
@@ -35,7 +36,9 @@ length_window.columns = frozenset()
 BUILTINS: dict[str, RewardFn] = {"length_window": length_window, "exact_answer": exact_answer,
                                  "json_tool_call": json_tool_call, "tool_task": tool_task,
                                  "task_success": task_success, "call_format": call_format,
-                                 "environment_reward": environment_reward}
+                                 "environment_reward": environment_reward,
+                                 "function_call_match": function_call_match,
+                                 "function_call_graded": function_call_graded}
 
 
 def load_reward_fn(spec: str) -> tuple[str, RewardFn, float]:
