@@ -28,7 +28,7 @@ input, what it would cost: ``encode``/``decode`` take linear codecs only (``puny
 wrapping long words and stripping with a set of characters are bounded in characters scanned
 (:data:`TEMPLATE_SCAN`), and filters that run Python code per item (``sort``, ``unique``, ``map``,
 ...) take a step per item (n log n for a sort) before they start. A render so ends within about
-:data:`TEMPLATE_SECONDS` plus one such operation (well under a second).
+:data:`TEMPLATE_SECONDS` plus one such operation (about a second at most).
 
 The package: :mod:`~slm_align.template_sandbox.budget` (the bounds, a render's allowance),
 :mod:`~slm_align.template_sandbox.checks` (single operations), and here the environment and the

@@ -26,10 +26,10 @@ a real template are a few times its text."""
 TEMPLATE_INT_BITS = 16_384
 """Bits of an integer made by ``*`` or ``**`` (Python prints no integer of more than 4,300 digits,
 about 14,300 bits)."""
-TEMPLATE_SCAN = 1_000_000_000
+TEMPLATE_SCAN = 500_000_000
 """Characters one built-in call may compare or copy where its work grows faster than its input (a strip
 with a set of characters looks each stripped one up in the set; wrapping a word longer than the width
-copies what is left of it for each line): about half a second."""
+copies what is left of it for each line): half a second at most."""
 TIME_CHECK_EVERY = 4096
 """Items measured between two clock readings while a large value is sized."""
 

@@ -42,6 +42,10 @@ STRFTIME_CHARS = 256
 STRFTIME_DIRECTIVE = re.compile(r"%([-_0^#]*)(\d*)(.?)", re.DOTALL)
 URLIZE_CHARS = 100_000
 """Characters ``urlize`` may read: it runs regular expressions per word, about 4 µs a character."""
+WRAP_STEPS = 4
+"""Steps a word costs ``wordwrap`` (textwrap runs Python code per word and per space: about 3 µs)."""
+WORD_START = re.compile(r"[-\s({\[<]+")
+"""Where Jinja's ``title`` filter starts a word."""
 ESCAPED_EXTRA = {"&": 4, "<": 3, ">": 3, '"': 4, "'": 4}
 """Characters HTML escaping adds for each of these (``&`` -> ``&amp;``)."""
 SORTING = frozenset({"sort", "dictsort", "groupby"})
@@ -242,13 +246,16 @@ def _batch_or_slice(budget: Budget, call: FilterCall) -> None:
 
 
 def _wordwrap(budget: Budget, call: FilterCall) -> None:
-    """The wrapped text's size; and textwrap's work on words longer than the width: it copies what is
-    left of such a word for each line it cuts (``('a' * 10**6) | wordwrap(1)`` took 21 s)."""
+    """The wrapped text's size; textwrap's Python code per word (:data:`WRAP_STEPS` steps each); and its
+    work on words longer than the width: it copies what is left of such a word for each line it cuts
+    (``('a' * 10**6) | wordwrap(1)`` took 21 s)."""
     text = str(call.value)
     width = max(1, whole(call.arg(1, "width", 79)))
     lines = len(text) // width + text.count(" ") + text.count("\n") + 1
     check_size(len(text) + min(lines, len(text) + 1) * len(str(call.arg(3, "wrapstring") or "\n")))
-    longest = max(map(len, text.split()), default=0)
+    words = text.split()
+    budget.charge(WRAP_STEPS * len(words))
+    longest = max(map(len, words), default=0)
     if longest > width:
         check_scan(len(text) * longest // width, "wraps words longer than the width")
 
@@ -289,6 +296,17 @@ def _urlencode(budget: Budget, call: FilterCall) -> None:
         check_size(3 * len(call.value.encode("utf-8", "surrogatepass")))
 
 
+def _title(budget: Budget, call: FilterCall) -> None:
+    """Jinja's ``title`` capitalises word by word in Python: three steps a word."""
+    budget.charge(3 * len(WORD_START.findall(str(call.value))))
+
+
+def _striptags(budget: Budget, call: FilterCall) -> None:
+    """markupsafe's ``striptags`` cuts tags and unescapes entities one by one in Python: two steps each."""
+    text = str(call.value)
+    budget.charge(2 * (text.count("<") + text.count("&")))
+
+
 def _urlize(budget: Budget, call: FilterCall) -> None:
     if len(str(call.value)) > URLIZE_CHARS:
         raise TemplateLimit(f"it urlizes more than {URLIZE_CHARS:,} characters")
@@ -298,7 +316,7 @@ FILTER_CHECKS: dict[str, Callable[[Budget, FilterCall], None]] = {
     "center": _center, "indent": _indent, "replace": _replace, "format": _format, "join": _join,
     "batch": _batch_or_slice, "slice": _batch_or_slice, "wordwrap": _wordwrap, "round": _round, "tojson": _tojson,
     "pprint": _pprint, "trim": _trim, "escape": _escape, "e": _escape, "forceescape": _escape,
-    "urlencode": _urlencode, "urlize": _urlize,
+    "urlencode": _urlencode, "urlize": _urlize, "title": _title, "striptags": _striptags,
 }
 """The checks of the filters whose one call can make a large value or run long, by filter name."""
 
