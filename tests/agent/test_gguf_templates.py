@@ -66,7 +66,7 @@ def compiled(monkeypatch):
     return seen
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["bomb", "named"])
 def test_opening_a_gguf_compiles_none_of_its_templates_and_keeps_their_text(ggufs, compiled, name):
     from slm_align.agent.llama_backend import LlamaCppBackend
@@ -86,7 +86,7 @@ def chat_cli(capsys, monkeypatch, typed, *args):
     return run_cli(capsys, "chat", *args)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_bomb_in_the_models_template_is_refused_in_one_line_by_chat_evaluate_agent_and_serve(
         capsys, monkeypatch, ggufs, compiled, tmp_path):
     problem = "the model's own chat template was stopped: it made an integer of more than 16,384 bits"
@@ -102,7 +102,7 @@ def test_a_bomb_in_the_models_template_is_refused_in_one_line_by_chat_evaluate_a
     assert all(source == BOMB for _, source in compiled)  # the default one; the named one never
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_template_replaced_by_chat_template_chatml_is_never_compiled(capsys, monkeypatch, ggufs, compiled):
     code, out, err = chat_cli(capsys, monkeypatch, "hello\n", ggufs["bomb"], "--chat-template", "chatml",
                               "--max-new-tokens", "4", "--json")
@@ -114,7 +114,7 @@ def test_a_template_replaced_by_chat_template_chatml_is_never_compiled(capsys, m
     assert compiled and BOMB not in {source for _, source in compiled}
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_named_templates_are_never_compiled_and_the_default_one_serves(capsys, monkeypatch, ggufs, compiled):
     code, out, err = chat_cli(capsys, monkeypatch, "hello\n", ggufs["named"], "--max-new-tokens", "4", "--json")
     assert code == 0 and "reply" in json.loads(out), err
