@@ -23,6 +23,7 @@ from typing import Optional
 
 from slm_align.errors import UserError
 from slm_align.template_sandbox import TEMPLATE_CHARS, TemplateLimit, bounded_environment, render_bounded
+from slm_align.template_sandbox.checks import check_strftime
 from slm_align.tools.calls import ToolCall
 from slm_align.tools.parse import call_text
 
@@ -151,6 +152,7 @@ def _raise(message: str):
 
 
 def _strftime_now(fmt: str) -> str:
+    check_strftime(fmt)  # a short pattern without field widths: '%1000Y' * 660000 made 3.2 GB
     return datetime.now().strftime(fmt)
 
 

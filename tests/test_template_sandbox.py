@@ -46,6 +46,23 @@ STOPPED = [
     ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", f"text grew past {TEMPLATE_CHARS:,} characters"),
     ("{% set s = 'x' * 3000000 %}{% for i in range(1000) %}{% set t = s|upper %}{% endfor %}",
      "characters in all"),
+    # single built-in calls, checked before they run: what they would make, what they would cost
+    ("{{ strftime_now('%1000Y' * 660000) }}", "formats a date with a pattern of more than 256 characters"),
+    ("{{ strftime_now('%1000Y') }}", "formats a date with a field width"),
+    ("{{ ('\u00e9' * 20000).encode('punycode') }}", "it calls encode('punycode'); only utf-8"),
+    ("{{ 'abc'.encode('utf-8').decode('idna') }}", "it calls decode('idna')"),
+    ("{{ 'abc'.encode('ascii', 'namereplace') }}", "errors='namereplace'"),
+    ("{{ ('a' * 1000000)|wordwrap(1) }}", "wraps words longer than the width: more than 500,000,000"),
+    ("{{ ('a' * 2000000).strip('b' * 1000 + 'a') }}", "strips a set of characters"),
+    ("{{ ('a' * 2000000)|trim('b' * 1000 + 'a') }}", "strips a set of characters"),
+    ("{{ (('a' * 4000000).encode('utf-8') * 2)|length }}", "a value of more than"),  # bytes count as characters
+    ("{{ 'a'.encode('utf-8').center(5000000)|length }}", "a value of more than"),
+    ("{{ (2).to_bytes(5000000, 'big')|length }}", "a value of more than"),
+    ("{% set s = 'ab' * 300000 %}{{ s|sort|length }}", f"more than {TEMPLATE_STEPS:,} steps"),  # n log n
+    ("{% set s = 'ab' * 600000 %}{{ s|unique|list|length }}", f"more than {TEMPLATE_STEPS:,} steps"),
+    ("{{ ('x.com ' * 20000)|urlize|length }}", "urlizes more than 100,000 characters"),
+    ("{{ ('a ' * 1500000)|title|length }}", f"more than {TEMPLATE_STEPS:,} steps"),  # Python per word
+    ("{{ ('<a>' * 1100000)|striptags|length }}", f"more than {TEMPLATE_STEPS:,} steps"),
 ]
 
 
@@ -107,6 +124,25 @@ def test_real_templates_render_as_before(name):
         expected = plain_render(source, messages=messages, tools=tools, bos_token="<s>", eos_token="</s>",
                                 add_generation_prompt=True)
         assert render(source, messages, "<s>", "</s>", tools) == expected
+
+
+HELD = [
+    "{{ strftime_now('%d %b %Y') }} {{ strftime_now('%%10Y %-d') }}",
+    "{{ 'h\u00e9llo'.encode('utf-8')|length }}{{ 'x'.encode('latin-1').decode('ascii') }}"
+    "{{ 'ab'.encode('utf-16-le').decode('utf-16-le', 'replace') }}{{ 'ab'.encode('utf-8').hex() }}",
+    "{{ ('lorem ipsum dolor ' * 100)|wordwrap(7) }}{{ ('a b ' * 10000)|wordwrap(1)|length }}",
+    "{{ ('  x  ')|trim }}{{ 'xxhixx'.strip('x') }}{{ ('ab' * 1000).lstrip('ab') }}",
+    "{{ range(1000)|list|reverse|sort|join(',') }}{{ messages|map(attribute='role')|unique|join(',') }}",
+    "{{ ('a b-c (d) ' * 1000)|title }}{{ ('<b>x</b> &amp; ' * 1000)|striptags }}",
+    "{{ (5).to_bytes(2, 'big')|length }}{{ messages|selectattr('role', 'equalto', 'user')|list|length }}",
+]
+"""Built-in calls within their bounds: rendered as Jinja's own sandbox renders them."""
+
+
+@pytest.mark.parametrize("source", HELD)
+def test_built_in_calls_within_their_bounds_render_as_before(source):
+    variables = {"messages": MESSAGES, "tools": None, "bos_token": "", "eos_token": "", "add_generation_prompt": True}
+    assert render(source, MESSAGES, None, None) == plain_render(source, **variables)
 
 
 SMALL_JINJA = ("{% for m in messages %}{{ loop.index }}:{{ m.role|upper }}={{ m['content']|trim }}"

@@ -8,6 +8,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from slm_align.agent.llama_open import TEMPLATE_KEY, open_llama
 from slm_align.errors import UserError
 
 
@@ -21,7 +22,7 @@ class LlamaCppBackend:
     def __init__(self, artifact: Path, threads: Optional[int] = None, n_ctx: Optional[int] = None,
                  all_logits: bool = False, adapters: Sequence[Path] = ()):
         try:
-            from llama_cpp import Llama
+            import llama_cpp  # noqa: F401 (present: the file is opened below)
         except ImportError:
             raise UserError("GGUF artifacts need llama-cpp-python: pip "
                             "install 'slm-align[agent]'") from None
@@ -35,9 +36,8 @@ class LlamaCppBackend:
         self._loaded: dict[str, object] = {}
         checked = [self._check_adapter(path) for path in adapters]  # refused before llama.cpp reads a byte
         try:
-            self.llm = Llama(model_path=str(artifact), n_ctx=n_ctx or 0, n_threads=threads,
-                             n_threads_batch=threads, n_batch=512,
-                             logits_all=all_logits, verbose=False)
+            self.llm = open_llama(artifact, n_ctx=n_ctx or 0, n_threads=threads, n_threads_batch=threads,
+                                  n_batch=512, logits_all=all_logits, verbose=False)
         except ValueError as exc:
             raise UserError(f"llama.cpp cannot load {artifact} ({exc}); "
                             "the file is corrupt or not a GGUF model") from None
@@ -45,7 +45,7 @@ class LlamaCppBackend:
         self.n_ctx = min(self.llm.n_ctx(), len(self.llm.input_ids))  # llama.cpp pads the context it allocates
         self.vocab_size = self.llm.n_vocab()
         meta = self.llm.metadata
-        self.chat_template = meta.get("tokenizer.chat_template")
+        self.chat_template = self.llm.chat_templates.get(TEMPLATE_KEY)  # compiled only in our sandbox
         self.chat_template_origin = "artifact" if self.chat_template else None
         self.eos_ids = {self.llm.token_eos()}
         if "tokenizer.ggml.eot_token_id" in meta:

@@ -26,6 +26,7 @@ from typing import Optional, get_args
 import numpy as np
 import torch
 
+from slm_align.agent.llama_open import open_llama
 from slm_align.config import ModelSettings, RLSettings
 from slm_align.errors import UserError
 from slm_align.export.gguf import QUANTIZER_TYPES, quantize_gguf, write_gguf
@@ -137,8 +138,8 @@ class LlamaSampler:
                 self.chain = [write_lora_gguf(Path(sft_adapter), self.base_gguf, self.folder / "sft.gguf", "F32")]
         else:
             self.base_gguf = self._write_base(policy, tokenizer, source, base_type, threads)
-        self.llm = llama_cpp.Llama(
-            model_path=str(self.base_gguf),
+        self.llm = open_llama(
+            self.base_gguf,
             n_ctx=8,
             n_threads=threads,
             verbose=False,

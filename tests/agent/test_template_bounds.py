@@ -24,6 +24,9 @@ BAD_TEMPLATES = {
     "float-repeat": ("{{ 'A' * 1e11 }}", "TypeError: can't multiply sequence by non-int of type 'float'"),
     "huge-repeat": ("{{ 'A' * 100000000000 }}", "was stopped: it made a value of more than 4,000,000 characters"),
     "syntax": ("{% for m in messages %}{{ m.content }}", "is not a valid Jinja template"),
+    "strftime": ("{{ strftime_now('%1000Y' * 660000) }}", "was stopped: it formats a date with a pattern of more"),
+    "punycode": ("{{ ('\u00e9' * 20000).encode('punycode') }}", "was stopped: it calls encode('punycode')"),
+    "wordwrap": ("{{ ('a' * 1000000)|wordwrap(1) }}", "was stopped: it wraps words longer than the width"),
 }
 SPIN = "spin"
 """The message content on which :data:`PICKY` loops; BOOM the one on which it fails."""
