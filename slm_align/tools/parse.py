@@ -25,10 +25,11 @@ from slm_align.tools.calls import Observation
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 _FENCED = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 FORMAT_HINT = 'write <tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>'
-MAX_DEPTH = 32
-"""Deepest nesting of arrays and objects in a call (the call object itself is level 1). Python's json
-decoder recurses, and raises RecursionError at about 1,000 levels; the schema check, ``json.dumps`` and
-the template's ``tojson`` recurse too: a model's reply must not reach them."""
+MAX_DEPTH = 64
+"""Deepest nesting of arrays and objects in a call (the call object itself is level 1; ``serve`` bounds a
+request's call arguments at 64 levels too). Python's json decoder recurses, and raises RecursionError at
+about 1,000 levels; the schema check, ``json.dumps`` and the template's ``tojson`` recurse too: a model's
+reply must not take them deeper."""
 MAX_NUMBER_CHARS = 1000
 """Longest number literal in a call. Python refuses to turn more than 4,300 digits into an int
 (ValueError) and takes quadratic time below that."""
