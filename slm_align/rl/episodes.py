@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -28,6 +29,7 @@ from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams
 from slm_align.chat_templates import default_chat_template, require_tool_template
 from slm_align.config import RLSettings
+from slm_align.data.readers import iter_rows
 from slm_align.data.tasks import TaskSet
 from slm_align.envelope.policy import merged_for_sampling
 from slm_align.envelope.value_head import ValueHead
@@ -40,7 +42,7 @@ from slm_align.rl.phases import PhaseClock
 from slm_align.rl.policy_backend import PolicyBackend
 from slm_align.rl.rollout import Rollout, scoring_passes, truncation_rules
 from slm_align.tools.builtin import default_tools
-from slm_align.tools.environment import load_environment, open_environment
+from slm_align.tools.environment import check_allowed, load_environment, open_environment
 from slm_align.tools.registry import ToolRegistry
 from slm_align.tools.specs import registry_for_row
 
@@ -70,8 +72,11 @@ class AgentTasks:
     """The template episodes render with (None: the tokenizer's own, else ChatML's)."""
     executables: ToolRegistry = field(default_factory=default_tools)
     """The tools that run a row's named tool schemas (the built-ins)."""
+    allowed_modules: Sequence[str] = ()
+    """``--environment-module``: the modules whose classes a row's own ``environment`` may name."""
 
     def __post_init__(self):
+        check_row_environments(self.tasks.columns, allowed_modules(self.allowed_modules, self.environment))
         for spec in self.environment_specs():
             load_environment(spec)  # refused in one line before any training
 
@@ -111,7 +116,34 @@ def agent_tasks(settings: RLSettings, tasks: Optional[TaskSet]) -> Optional[Agen
         return None
     names = set(tasks.all_column_names())
     wanted = settings.episodes == "on" or bool(settings.environment) or bool(names & {"tools", "environment"})
-    return AgentTasks(tasks, settings.environment) if wanted else None
+    if not wanted:
+        return None
+    return AgentTasks(tasks, settings.environment, allowed_modules=tuple(settings.environment_modules))
+
+
+def allowed_modules(named: Sequence[str], environment: Optional[str]) -> tuple[str, ...]:
+    """The modules task rows may name an environment from: those the user allowed
+    (``--environment-module``) and the module of ``--environment``, which the user named."""
+    return tuple(named) + ((environment.partition(":")[0],) if environment else ())
+
+
+def check_row_environments(rows: Sequence[dict], allowed: Sequence[str], where: str = "task row") -> None:
+    """Refuse, in one line and before any import, a row whose ``environment`` names a class in a module
+    not in ``allowed`` (:func:`~slm_align.tools.environment.check_allowed`)."""
+    for index, row in enumerate(rows, 1):
+        if isinstance(row, dict) and row.get("environment") is not None:
+            check_allowed(row["environment"], allowed, f"{where} {index}")
+
+
+def check_task_file(settings: RLSettings, path) -> None:
+    """:func:`check_row_environments` on a local task file's rows, before any stage runs (episodes
+    off: no environment is imported; a dataset named by hub id is checked when its rows are read)."""
+    if path is None or settings.episodes == "off" or not Path(path).exists():
+        return
+    allowed = allowed_modules(settings.environment_modules, settings.environment)
+    for where, row in iter_rows(Path(path)):
+        if isinstance(row, dict) and row.get("environment") is not None:
+            check_allowed(row["environment"], allowed, where)
 
 
 def check_episode_settings(settings: RLSettings, has_tasks: bool, rewards: Sequence[str] = ()) -> None:
