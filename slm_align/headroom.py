@@ -25,7 +25,7 @@ from slm_align.modeling import load_adapter, load_model, load_tokenizer, require
 from slm_align.perplexity import perplexity
 from slm_align.progress import stage_lines
 from slm_align.reward.learned import learned_reward
-from slm_align.rl.episodes import agent_tasks, episode_scores, run_episodes
+from slm_align.rl.episodes import agent_tasks, check_task_file, episode_scores, run_episodes
 from slm_align.runs import artifact_digest, digest, stage_identity
 from slm_align.sft import recipe_from_sft
 
@@ -251,6 +251,7 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
     started = time.time()
     device = resolve_device(recipe.compute.device)
     recipe, adapter, reward_model = gate_subject(recipe, run, adapter, reward_model)
+    check_task_file(recipe.rl, recipe.data.tasks)  # environments named by rows: allowed ones only, before any import
     if adapter is not None:
         require_adapter(adapter, recipe.model.allow_pickle)  # before anything loads
     model_source = resolve_source(recipe.model.source)

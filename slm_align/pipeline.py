@@ -25,7 +25,7 @@ from slm_align.headroom import GateRefused, check_headroom, reusable_report
 from slm_align.preference.stage import PreferenceStage, refuse_data_parallel
 from slm_align.progress import quiet
 from slm_align.reward.stage import run_reward
-from slm_align.rl.episodes import check_episode_settings
+from slm_align.rl.episodes import check_episode_settings, check_task_file
 from slm_align.rl.llama_sampler import check_sampler
 from slm_align.rl.stage import Prior, RLStage, check_divisible, rl_world
 from slm_align.runs import StageResult, artifact_manifest, read_manifest, run_stage
@@ -175,6 +175,7 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
     world, compute = rl_world(recipe)
     check_divisible(recipe.rl, world)
     check_episode_settings(recipe.rl, recipe.data.tasks is not None, rewards)
+    check_task_file(recipe.rl, recipe.data.tasks)  # environments named by rows: allowed ones only, before any import
     check_sampler(recipe.rl, recipe.model)
     request = RLRequest(sft_from, reward_model, tuple(rewards), force, resume)
     prior = world.on_main(functools.partial(rl_prior, recipe, out, request, world, say))

@@ -118,6 +118,7 @@ REWARD = (
     Flag("--center", "reward.center_coefficient"),
 )
 MAX_NEW_TOKENS = Flag("--max-new-tokens", "rl.max_new_tokens", aliases=("--max-completion-length",))
+ENVIRONMENT_MODULE = Flag("--environment-module", "rl.environment_modules", repeat=True, note="Repeatable.")
 RL = (
     Flag("--algo", "rl.algo"),
     Flag("--no-sft", "rl.from_sft", sets=False, help="Start RL from the model as given (already "
@@ -149,6 +150,7 @@ RL = (
     Flag("--episodes", "rl.episodes"),
     Flag("--max-tool-rounds", "rl.max_tool_rounds"),
     Flag("--environment", "rl.environment"),
+    ENVIRONMENT_MODULE,
 )
 TRACKING = (
     Flag("--report-to", "tracking.report_to"),
@@ -202,7 +204,7 @@ def sft(
                          "slm-align check-headroom --run runs/demo --max-ppl 15 --json\n\n  "
                          "slm-align check-headroom --run runs/demo --reward "
                          "mypkg.rewards:politeness@0.5")
-@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY, [DEVICE])
+@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY, [DEVICE, ENVIRONMENT_MODULE])
 def check_headroom(
     run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with --model)."),

@@ -3,11 +3,15 @@ bounds and a description (the CLI's help comes from it)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from slm_align.config.base import LoraSettings, Strict
+
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+"""A dotted module name (``rl.environment_modules``, ``--environment-module``)."""
 
 
 class EnvelopeSettings(Strict):
@@ -185,6 +189,11 @@ class RLSettings(Strict):
     environment: Optional[str] = Field(None, description="Agent episodes: the environment class "
                                        "(module:Class) of every task row without an 'environment' "
                                        "column; its typed public methods are the tools.")
+    environment_modules: list[str] = Field(
+        default_factory=list, description="Agent episodes: the modules (dotted names; a package allows its "
+        "submodules) whose classes a task row's 'environment' column may name. Importing a module runs its code, "
+        "so a row naming any other module is refused before anything is imported; --environment's own module "
+        "needs no entry.")
     sampler: Literal["torch", "llama_cpp"] = Field(
         "torch", description="What draws the rollouts: PyTorch (the policy's own fp32 forward), or llama.cpp, the "
         "engine the device runs (single completions or agent episodes; the base as a GGUF once, the LoRA as an "
@@ -227,6 +236,15 @@ class RLSettings(Strict):
                                      f"(rl.{section}.{key})")
             data[section] = {**nested, **flat}
         return data
+
+    @field_validator("environment_modules")
+    @classmethod
+    def _module_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not MODULE_NAME.fullmatch(name):
+                raise ValueError(f"environment module {name!r} is not a module name; give a dotted name such "
+                                 "as my_envs or my_pkg.envs")
+        return value
 
     @field_validator("report_prompts")
     @classmethod

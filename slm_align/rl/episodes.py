@@ -7,12 +7,19 @@ the ids the runtime inserted after them (the template's text around the tool res
 the runtime fed them (``Agent.trace``): nothing is tokenised again. Only sampled ids train: the
 rollout's mask is 1 on them and 0 on inserted ids, so log-probabilities, ratios, KL, entropy, values
 and GAE count sampled positions only.
+
+Where the runtime renders a round's prompt anew instead of extending the ids (the conversation outgrew the
+context; a template that drops earlier calls or reasoning makes the new rendering shorter than the ids
+fed), the trained sequence stops there and the final answer's ids are not in it: the answer's reward
+would land on the calls' tokens. Such an episode (``rerendered``) trains nothing (its mask row is 0) and
+is counted in ``episode/rerendered``.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -22,6 +29,7 @@ from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams
 from slm_align.chat_templates import default_chat_template, require_tool_template
 from slm_align.config import RLSettings
+from slm_align.data.readers import iter_rows
 from slm_align.data.tasks import TaskSet
 from slm_align.envelope.policy import merged_for_sampling
 from slm_align.envelope.value_head import ValueHead
@@ -34,7 +42,7 @@ from slm_align.rl.phases import PhaseClock
 from slm_align.rl.policy_backend import PolicyBackend
 from slm_align.rl.rollout import Rollout, scoring_passes, truncation_rules
 from slm_align.tools.builtin import default_tools
-from slm_align.tools.environment import load_environment, open_environment
+from slm_align.tools.environment import check_allowed, load_environment, open_environment
 from slm_align.tools.registry import ToolRegistry
 from slm_align.tools.specs import registry_for_row
 
@@ -64,8 +72,11 @@ class AgentTasks:
     """The template episodes render with (None: the tokenizer's own, else ChatML's)."""
     executables: ToolRegistry = field(default_factory=default_tools)
     """The tools that run a row's named tool schemas (the built-ins)."""
+    allowed_modules: Sequence[str] = ()
+    """``--environment-module``: the modules whose classes a row's own ``environment`` may name."""
 
     def __post_init__(self):
+        check_row_environments(self.tasks.columns, allowed_modules(self.allowed_modules, self.environment))
         for spec in self.environment_specs():
             load_environment(spec)  # refused in one line before any training
 
@@ -105,7 +116,34 @@ def agent_tasks(settings: RLSettings, tasks: Optional[TaskSet]) -> Optional[Agen
         return None
     names = set(tasks.all_column_names())
     wanted = settings.episodes == "on" or bool(settings.environment) or bool(names & {"tools", "environment"})
-    return AgentTasks(tasks, settings.environment) if wanted else None
+    if not wanted:
+        return None
+    return AgentTasks(tasks, settings.environment, allowed_modules=tuple(settings.environment_modules))
+
+
+def allowed_modules(named: Sequence[str], environment: Optional[str]) -> tuple[str, ...]:
+    """The modules task rows may name an environment from: those the user allowed
+    (``--environment-module``) and the module of ``--environment``, which the user named."""
+    return tuple(named) + ((environment.partition(":")[0],) if environment else ())
+
+
+def check_row_environments(rows: Sequence[dict], allowed: Sequence[str], where: str = "task row") -> None:
+    """Refuse, in one line and before any import, a row whose ``environment`` names a class in a module
+    not in ``allowed`` (:func:`~slm_align.tools.environment.check_allowed`)."""
+    for index, row in enumerate(rows, 1):
+        if isinstance(row, dict) and row.get("environment") is not None:
+            check_allowed(row["environment"], allowed, f"{where} {index}")
+
+
+def check_task_file(settings: RLSettings, path) -> None:
+    """:func:`check_row_environments` on a local task file's rows, before any stage runs (episodes
+    off: no environment is imported; a dataset named by hub id is checked when its rows are read)."""
+    if path is None or settings.episodes == "off" or not Path(path).exists():
+        return
+    allowed = allowed_modules(settings.environment_modules, settings.environment)
+    for where, row in iter_rows(Path(path)):
+        if isinstance(row, dict) and row.get("environment") is not None:
+            check_allowed(row["environment"], allowed, where)
 
 
 def check_episode_settings(settings: RLSettings, has_tasks: bool, rewards: Sequence[str] = ()) -> None:
@@ -168,6 +206,9 @@ class Episode:
     environment: Any = None
     drawn_logprobs: list[float] = field(default_factory=list)
     """Per id after the prompt: the sampler's log-probability of a sampled id, 0 for an inserted one."""
+    rerendered: bool = False
+    """A round's prompt was rendered anew rather than extended: ``ids`` stop before it and hold
+    none of the final answer's ids, so the episode trains nothing (:func:`pack`)."""
 
     def view(self) -> dict:
         """What a reward sees of the episode (``episodes=``): each turn's text, the calls and their
@@ -194,9 +235,9 @@ def run_episode(backend, prompt: str, setup: EpisodeSetup, settings: RLSettings,
         pass
     reply = agent.last
     ids, sampled, logprobs, cut = _trace_ids(agent.trace, backend.rounds)
-    rounds = sum(1 for kind, _ in agent.trace if kind == "inserted")
+    rounds = sum(1 for kind, _ in agent.trace[1:] if kind != "sampled")  # a round's prompt extended or anew
     return Episode(prompt, ids, len(agent.trace[0][1]), sampled, reply.text, reply.tool_calls, rounds,
-                   reply.truncated or cut, agent.messages, setup.environment, logprobs)
+                   reply.truncated or cut, agent.messages, setup.environment, logprobs, rerendered=cut)
 
 
 def _trace_ids(trace: list[tuple[str, list[int]]],
@@ -285,7 +326,9 @@ def episode_rewards(policy, tokenizer, reward_fn, prompts: list[str], settings: 
 
 def pack(episodes: list[Episode], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """``(input_ids, attention_mask, prompt_width, mask)``: prompts left-padded to the widest, the
-    rest right-padded; ``mask`` (B, T) is 1 on sampled ids only."""
+    rest right-padded; ``mask`` (B, T) is 1 on sampled ids only, and 0 on the whole row of an episode
+    whose context was rendered anew (``rerendered``: its answer, which the reward scores, is not in
+    the row)."""
     width = max(e.prompt_length for e in episodes)
     length = max(len(e.ids) - e.prompt_length for e in episodes)
     input_ids = torch.full((len(episodes), width + length), pad_id, dtype=torch.long)
@@ -297,7 +340,8 @@ def pack(episodes: list[Episode], pad_id: int, device) -> tuple[torch.Tensor, to
         start = width - len(prompt)
         input_ids[row, start:width + len(rest)] = torch.tensor(prompt + rest)
         attention[row, start:width + len(rest)] = 1
-        mask[row, :len(rest)] = torch.tensor(episode.sampled, dtype=torch.float32)
+        if not episode.rerendered:
+            mask[row, :len(rest)] = torch.tensor(episode.sampled, dtype=torch.float32)
     return input_ids.to(device), attention.to(device), width, mask.to(device)
 
 
@@ -323,12 +367,14 @@ def episode_scores(reward_fn, prompts: list[str], episodes: list[Episode]) -> li
 
 def episode_stats(episodes: list[Episode], tasks: TaskSet) -> dict[str, float]:
     """The iteration's agent metrics: the share of episodes that called a tool, the share of calls
-    that parsed, validated and ran, tool rounds per episode, and, when the rows have an ``answer``,
-    the share of episodes whose final answer is right (the runtime's success rule)."""
+    that parsed, validated and ran, tool rounds per episode, the share of episodes left untrained
+    because a round's context was rendered anew, and, when the rows have an ``answer``, the share of
+    episodes whose final answer is right (the runtime's success rule)."""
     calls = [call for e in episodes for call in e.calls]
     stats = {"episode/call_rate": sum(1 for e in episodes if e.calls) / len(episodes),
              "episode/valid_call_rate": sum(1 for c in calls if c["ok"]) / len(calls) if calls else float("nan"),
-             "episode/rounds": sum(e.rounds for e in episodes) / len(episodes)}
+             "episode/rounds": sum(e.rounds for e in episodes) / len(episodes),
+             "episode/rerendered": sum(e.rerendered for e in episodes) / len(episodes)}
     answers = [tasks.row(e.prompt).get("answer") for e in episodes]
     if all(answer is not None for answer in answers):
         verdicts = [classify(e.calls, e.answer, str(answer), tasks.row(e.prompt).get("tool"))

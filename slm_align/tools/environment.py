@@ -11,12 +11,17 @@ instances as ``environments=`` and may call ``get_reward()``. A tool that raises
 
 Bad input is refused before any training: a class that cannot be imported, is not a class, has no
 ``reset``, or has a public method without type hints.
+
+Data never runs code by itself: importing a module runs its code, so a task row's ``environment`` may
+name a class only from a module the user allowed (``--environment-module NAME``, the recipe's
+``rl.environment_modules``; ``--environment``'s own module is allowed by being named). Any other is
+refused in one line before anything is imported (:func:`check_allowed`).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from slm_align.errors import UserError
 from slm_align.named import import_named
@@ -26,6 +31,30 @@ RESERVED = ("reset", "get_reward")
 """Methods of an environment that are not tools."""
 TOOL_TIMEOUT_S = 30.0
 """Longest an environment's method may run before its call becomes an error observation."""
+
+
+def module_allowed(module: str, allowed: Sequence[str]) -> bool:
+    """``module`` is one of ``allowed`` or inside one of them (a package allows its submodules)."""
+    return any(module == name or module.startswith(name + ".") for name in allowed)
+
+
+def check_allowed(spec: Any, allowed: Sequence[str], where: str = "a task row") -> None:
+    """Refuse, in one line and before any import, an environment named by task data (``spec``, the
+    ``environment`` column of the row ``where``) whose module is not in ``allowed``."""
+    if not isinstance(spec, str):
+        raise UserError(f"{where}: 'environment' must be text naming module:Class, not {type(spec).__name__}")
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise UserError(f"{where}: environment {_shown(spec)}: name it as module:Class (e.g. my_envs:Calculator)")
+    if not module_allowed(module, allowed):
+        raise UserError(f"{where} names the environment {_shown(spec)} from module {_shown(module)}, which is not "
+                        f"allowed (importing a module runs its code): pass --environment-module {_shown(module)} "
+                        "(or rl.environment_modules in the recipe) if you trust it")
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """``text`` on one line (repr's escapes), cut to ``limit`` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")[1:-1]
 
 
 def load_environment(spec: str) -> type:

@@ -162,6 +162,8 @@ class ToolRegistry:
         arguments = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(arguments, str):  # OpenAI clients send arguments as a JSON string
             arguments = decode_json(arguments)
+        if isinstance(arguments, Observation):
+            return Observation.failure(name, arguments.error)
         if not isinstance(arguments, dict):
             return Observation.failure(name, f"\"arguments\" of {name} must be a JSON object "
                                              f"such as {self._example(name)}")

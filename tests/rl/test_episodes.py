@@ -29,6 +29,7 @@ from slm_align.rl.episodes import (
     check_episode_rewards,
     check_episode_settings,
     episode_params,
+    episode_stats,
     pack,
     run_episode,
 )
@@ -76,11 +77,12 @@ class Scripted(torch.nn.Module):
         return None
 
     def forward(self, input_ids, attention_mask=None, past_key_values=None, logits_to_keep=0, **kwargs):
+        cached = past_key_values.get_seq_length() if past_key_values is not None else 0  # before the forward adds
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
                          logits_to_keep=logits_to_keep, **kwargs)
         rows = input_ids.tolist()
-        if past_key_values is not None and past_key_values.get_seq_length() > 0:
-            rows = [self.history[:past_key_values.get_seq_length()] + rows[0]]
+        if cached > 0:  # the ids the cache holds (cropped to a prefix when a prompt was rendered anew)
+            rows = [self.history[:cached] + rows[0]]
         if len(rows) == 1 and kwargs.get("use_cache"):
             self.history = rows[0]
         logits = out.logits.clone()
@@ -180,6 +182,52 @@ def test_an_episode_is_the_runtimes_loop_and_its_ids_are_those_fed(tiny_models, 
     assert tokenizer.decode(sampled, skip_special_tokens=False) == f"{CALL}{end}{ANSWER}{end}"
 
 
+REASONING = "I add two and three with the calculator, one step after the other, to be sure of the sum. " * 3
+CALL_SHOWN = '"arguments": {"expression": "2+3"}'
+"""What both the sampled call and a template's own rendering of it hold: a call counts as made once it is in the
+context, in whichever form."""
+
+
+def reasoning_dropped() -> str:
+    """Qwen2.5's template without the text of earlier call turns (the reasoning before a call), as templates that
+    strip earlier reasoning (Qwen3's, DeepSeek-R1's) render history."""
+    full = template("qwen2.5-instruct.jinja")
+    text = """        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+"""
+    assert full.count(text) == 1
+    return full.replace(text, "")
+
+
+def reasoning_episode(tiny_models, tokenizer, n_ctx: int):
+    """The scripted policy reasons, calls the calculator and answers, in a context of ``n_ctx`` positions."""
+    backend = Recording(tiny(tiny_models), tokenizer, chat_template=reasoning_dropped(), n_ctx=n_ctx)
+    end = min(turn_end(backend) or {tokenizer.eos_token_id})
+    backend.model = Scripted(backend.model, tokenizer, opening_of(backend), end, [REASONING + CALL])
+    backend.model.calls = [CALL_SHOWN]
+    setup = EpisodeSetup([{"role": "user", "content": "What is 2+3?"}], calculator_only())
+    rl = settings(max_tool_rounds=2, max_new_tokens=160)
+    return run_episode(backend, "What is 2+3?", setup, rl, episode_params(rl, 0, 0))
+
+
+def test_an_episode_whose_context_is_rendered_anew_trains_nothing_and_is_counted(tiny_models, tokenizer):
+    """Where the extended ids outgrow the context but the template's rendering (the reasoning dropped) fits, the
+    runtime renders the prompt anew: the trained ids stop before the answer the reward scores, so the episode's
+    mask row is 0, not 1 on the call's tokens, and ``episode/rerendered`` counts it."""
+    roomy = reasoning_episode(tiny_models, tokenizer, 4096)
+    assert not roomy.rerendered and roomy.answer == ANSWER and roomy.rounds == 1
+    inserted = roomy.sampled.index(False)
+    answer_starts = roomy.prompt_length + roomy.sampled.index(True, inserted)  # the second round's prompt length
+    tight = reasoning_episode(tiny_models, tokenizer, answer_starts + 160 - 1)  # one position short of extending
+    assert tight.rerendered and tight.answer == ANSWER and tight.rounds == 1
+    assert len(tight.ids) < len(roomy.ids) and tight.ids == roomy.ids[:len(tight.ids)]  # cut where it was rendered
+    _, attention, width, mask = pack([roomy, tight], tokenizer.pad_token_id, "cpu")
+    assert mask[0].sum() == sum(roomy.sampled) and mask[1].sum() == 0 and attention[1, width:].sum() > 0
+    stats = episode_stats([roomy, tight], TaskSet(["What is 2+3?"], [{}]))
+    assert stats["episode/rerendered"] == 0.5 and stats["episode/rounds"] == 1.0
+
+
 def test_a_template_that_cannot_show_tool_results_is_refused_before_any_episode(tokenizer):
     tasks = AgentTasks(TaskSet(["What is 2+3?"], [{"answer": "5"}]), chat_template=template("gemma-3-it.jinja"))
     with pytest.raises(UserError, match="cannot show tool results"):
@@ -254,7 +302,7 @@ EXPLODE = '<tool_call>{"name": "explode", "arguments": {"amount": 1}}</tool_call
 
 def environment_tasks(**row) -> AgentTasks:
     columns = {"answer": "4", "environment": "tests.rl.test_episodes:Counter", "start": 0, **row}
-    return AgentTasks(TaskSet(["Count."], [columns]))
+    return AgentTasks(TaskSet(["Count."], [columns]), allowed_modules=("tests.rl", "no_such_module"))
 
 
 def test_an_environment_is_reset_per_episode_and_its_methods_are_the_tools(tiny_models, tokenizer):

@@ -2,6 +2,8 @@
 each iteration; its log-probabilities are the trainer's up to the engines' rounding, and a GRPO
 iteration on them logs the mismatch and trains."""
 
+import math
+
 import pytest
 import torch
 
@@ -128,6 +130,32 @@ def test_draw_samples_the_softmax_and_returns_the_drawn_tokens_log_probability()
     counts = torch.bincount(tokens, minlength=4).float() / tokens.numel()
     assert torch.allclose(counts, expected, atol=0.01)  # the tempered distribution, not the raw one
     assert torch.allclose(logprobs, expected.log()[tokens].double(), atol=1e-6)
+
+
+def uniform_at(u: float):
+    """``torch.rand`` that returns ``u`` as a generator of the dtype asked for can: rounded to that dtype,
+    and below 1 (a float32 uniform number stops at 1 - 6e-8)."""
+
+    def rand(*size, dtype=None, device=None, generator=None):
+        dtype = dtype or torch.float32
+        below_one = torch.nextafter(torch.tensor(1.0, dtype=dtype), torch.tensor(0.0, dtype=dtype))
+        return torch.full(size, float(torch.minimum(torch.tensor(u, dtype=dtype), below_one)), dtype=dtype)
+
+    return rand
+
+
+@pytest.mark.parametrize("u, token", [(0.5, 0), (1 - 2e-9, 0), (1 - 5e-10, 1), (1 - 1e-12, 1)])
+def test_a_tail_token_after_nearly_all_the_mass_is_drawn_at_its_uniform_numbers(monkeypatch, u, token):
+    """p = (1 - 1e-9, 1e-9): the tail token owns the uniform numbers u in [1 - 1e-9, 1). A float32 running sum
+    is 1.0 already at the first token and a float32 u never passes 1 - 6e-8: the tail token was never drawn."""
+    from slm_align.rl.llama_sampler import draw
+
+    tail = 1e-9
+    logits = torch.tensor([[math.log1p(-tail), math.log(tail)]])
+    monkeypatch.setattr(torch, "rand", uniform_at(u))
+    tokens, logprobs = draw(logits, 1.0, torch.Generator().manual_seed(0))
+    assert tokens.tolist() == [token]
+    assert logprobs[0].item() == pytest.approx(math.log([1 - tail, tail][token]), abs=1e-6)
 
 
 def test_a_q4_k_m_base_is_quantized_and_its_mismatch_measured(tiny_models, tmp_path):
