@@ -54,12 +54,31 @@ def test_one_loud_device_is_capped(tmp_path):
     assert fleet_decision([loud, quiet], max_per_device=400)["decision"] == "promote"  # the cap is what holds
 
 
+def test_devices_may_send_their_observations_instead_of_their_stores(tmp_path, capsys):
+    """`feedback ab prefs.db --observations FILE` writes a device's evidence without text; the fleet reads
+    those files (mixed with stores) to the same decision."""
+    stores = [device(tmp_path / f"d{i}.db", 20) for i in range(6)]
+    files = []
+    for i, store in enumerate(stores[:4]):
+        files.append(tmp_path / f"d{i}.ab.jsonl")
+        code, out, _ = run_cli(capsys, "feedback", "ab", store, "--observations", files[-1], "--json")
+        assert code == 0 and json.loads(out)["observations"]["rows"] == 20
+    rows = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert set(rows[0]) == {"current_id", "candidate_id", "arm", "up", "conversation", "at", "client"}
+    assert oct(files[0].stat().st_mode & 0o777) == oct(0o600)
+    assert fleet_decision(files + stores[4:]) == fleet_decision(stores)
+    code, out, err = run_cli(capsys, "feedback", "ab", stores[0], "--observations", files[0])
+    assert code == 2 and "exists" in err and err.count("\n") == 1
+
+
 def test_a_file_that_is_not_a_store_is_one_line_and_exit_2(tmp_path, capsys):
     store = device(tmp_path / "d.db", 4)
     export = tmp_path / "prefs.jsonl"
     export.write_text('{"prompt": []}\n')
-    for args, expected in (([store, export], "is not a SQLite database"), ([store, store], "named twice"),
-                           ([store, tmp_path / "missing.db"], "not found")):
+    for args, expected in (([store, export], "prefs.jsonl line 1 is not an A/B observation"),
+                           ([store, store], "named twice"), ([store, tmp_path / "missing.db"], "not found"),
+                           ([store, store.with_name("x.db"), "--observations", tmp_path / "o.jsonl"],
+                            "pass one store")):
         code, out, err = run_cli(capsys, "feedback", "ab", *args)
         assert code == 2 and out == "" and err.count("\n") == 1 and expected in err, err
     assert export.read_text() == '{"prompt": []}\n'
