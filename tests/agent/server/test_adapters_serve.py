@@ -4,9 +4,11 @@ promotes or reverts itself, the decision and its evidence recorded in the store.
 
 import json
 import logging
+from collections import deque
 
 import pytest
 
+from slm_align.ab_test import SequentialTest
 from slm_align.agent.feedback_export import export_preferences, unpaired_path
 from slm_align.agent.store import PreferenceStore
 from slm_align.export.gguf import write_gguf
@@ -99,18 +101,15 @@ def peers(http, n=60):
             for k in range(n)]
 
 
-def run_ab(http, candidate_up=True, limit=300, verdict=None):
+def run_ab(http, candidate_up=True, limit=300, verdict=None, clients=60):
     """Conversations from many clients until the A/B test decides: thumbs up for the candidate's answers
-    when ``candidate_up``, down otherwise, the current one's the opposite; or ``verdict(arm, k)`` for the
-    k-th answer of that arm."""
-    rated = {"current": 0, "candidate": 0}
-    clients = peers(http)
+    when ``candidate_up``, down otherwise, the current one's the opposite; or ``verdict(arm)`` for each."""
+    peer = peers(http, clients)
     for i in range(limit):
-        answer = ask(clients[i % len(clients)], conversation=f"conversation-{i}")
+        answer = ask(peer[i % clients], conversation=f"conversation-{i}")
         arm = answer["model"]
-        up = verdict(arm, rated[arm]) if verdict else (arm == "candidate") == candidate_up
-        rated[arm] += 1
-        thumbs(clients[i % len(clients)], answer, up)
+        up = verdict(arm) if verdict else (arm == "candidate") == candidate_up
+        thumbs(peer[i % clients], answer, up)
         state = http.get("/v1/ab").json()
         if state["state"] != "collecting":
             return state
@@ -148,19 +147,38 @@ def test_a_worse_candidate_reverts_and_gets_no_more_traffic(files, tmp_path):
         assert [d["decision"] for d in opened.decisions(files["ids"]["a"], files["ids"]["b"])] == ["revert"]
 
 
-def alternating(arm: str, k: int) -> bool:
-    """Every other answer of each arm up, out of step: every pair is discordant and each arm wins half."""
-    return (k % 2 == 0) == (arm == "current")
+class Balanced:
+    """Verdicts under which the arms win the trial's discordant pairs in turn, whatever the order the server
+    routes conversations in: a replica of its pairing (:func:`slm_align.ab_test.pairs_in_time`) tells which
+    waiting conversation a new one pairs with; a waiting one's verdict alternates, and a new one makes its pair
+    discordant only when that gives the arm whose turn it is the win (else concordant: no winner)."""
+
+    def __init__(self, window=SequentialTest().window):
+        self.waiting = {arm: deque(maxlen=window) for arm in ("current", "candidate")}
+        self.turn = "candidate"
+        self.waiters = 0
+
+    def __call__(self, arm: str) -> bool:
+        other = "candidate" if arm == "current" else "current"
+        if not self.waiting[other]:
+            self.waiters += 1
+            self.waiting[arm].append(self.waiters % 2 == 0)
+            return self.waiting[arm][-1]
+        waiter_up = self.waiting[other].popleft()
+        if (other if waiter_up else arm) != self.turn:
+            return waiter_up
+        self.turn = "current" if self.turn == "candidate" else "candidate"
+        return not waiter_up
 
 
 def test_a_candidate_no_different_is_kept_out_and_the_current_one_stays(files, tmp_path):
     store = tmp_path / "prefs.db"
     with client(files, store, adapters={"current": [files["a"]]}, candidate=files["b"]) as http:
-        state = run_ab(http, verdict=alternating)
+        state = run_ab(http, verdict=Balanced(), limit=900, clients=100)
         after = [ask(http, conversation=f"later-{i}") for i in range(8)]
     evidence = state["evidence"]
     assert state["state"] == "keep" and evidence["llr_candidate_better"] < 0 and evidence["llr_current_better"] < 0
-    assert abs(evidence["candidate_wins"] - evidence["current_wins"]) <= 2  # no side is ahead (time-order pairs)
+    assert abs(evidence["candidate_wins"] - evidence["current_wins"]) <= 1  # no side is ahead
     assert {answer["model"] for answer in after} == {"current"}
     with PreferenceStore(store) as opened:
         assert [d["decision"] for d in opened.decisions(files["ids"]["a"], files["ids"]["b"])] == ["keep"]
