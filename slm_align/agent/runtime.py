@@ -7,6 +7,7 @@ and preference collection.
 
     agent = Agent.load("base-F16.gguf", adapters=["adapter-sft-F16.gguf"])   # a shipped round
     agent.set_adapters(["adapter-sft-F16.gguf", "adapter-dpo-F16.gguf"])    # the next, base kept
+    agent = Agent.load("base-F16.gguf", adapters=[...], candidate=[...], store="prefs.db")   # an A/B test
 
 No torch, no transformers: llama.cpp or onnxruntime does the arithmetic,
 ``tokenizers`` and ``jinja2`` the text.
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
+from slm_align.ab_test import SequentialTest
+from slm_align.agent.ab_trial import DeviceRouter
 from slm_align.agent.backend import Backend, artifact_kind
 from slm_align.agent.logprobs import token_logprobs
 from slm_align.agent.open_artifact import open_backend
@@ -188,21 +191,30 @@ class Agent:
         """Record each answer token's log-probability and this many likeliest
         alternatives (None: don't)."""
         self._stops: Optional[tuple] = None
+        self.ab: Optional[DeviceRouter] = None  # routes each new conversation (Agent.load(..., candidate=...))
         self.reset()
 
     @classmethod
     def load(cls, artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
              n_ctx: Optional[int] = None, store: Union[str, Path, None] = None, chat_template: Optional[str] = None,
-             adapters: Sequence[Union[str, Path]] = (), **options) -> "Agent":
+             adapters: Sequence[Union[str, Path]] = (), candidate: Sequence[Union[str, Path]] = (),
+             candidate_share: float = 0.5, ab_test: SequentialTest = SequentialTest(), client: Optional[str] = None,
+             **options) -> "Agent":
         """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context
         from its profile; ``chat_template`` ("chatml" or a Jinja file) replaces the model's own;
-        ``adapters``: LoRA adapter GGUFs made for a GGUF base (see :func:`load_model`)."""
+        ``adapters``: LoRA adapter GGUFs made for a GGUF base (see :func:`load_model`); ``candidate``:
+        adapters A/B-tested against them on ``candidate_share`` of the conversations, decided in ``store``
+        (see :class:`~slm_align.agent.ab_trial.DeviceRouter`; ``client``: the app's user)."""
         model = load_model(artifact, device, threads, n_ctx, chat_template, adapters)
         if store is not None and not hasattr(store, "record_turn"):
             from slm_align.agent.store import PreferenceStore
 
             store = PreferenceStore(Path(store))
-        return cls(model.backend, model.sha256, store=store, **options)
+        agent = cls(model.backend, model.sha256, store=store, **options)
+        if candidate:
+            agent.ab = DeviceRouter(agent, adapters, candidate, candidate_share, ab_test, client)
+            agent.reset()  # the first conversation, routed
+        return agent
 
     @property
     def adapters(self) -> list[dict]:
@@ -227,7 +239,7 @@ class Agent:
     def reset(self) -> None:
         """Start a new conversation (the system prompt stays)."""
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
-        self.conversation_id = uuid.uuid4().hex
+        self.conversation_id = self.ab.begin(self) if self.ab else uuid.uuid4().hex
         self.last: Optional[Reply] = None
         self._last_prompt: list[dict] = []
         self.trace: list[tuple[str, list[int]]] = []
@@ -251,6 +263,8 @@ class Agent:
         self.messages = messages
         self.conversation_id = data.get("id", uuid.uuid4().hex)
         self.last = None
+        if self.ab:
+            self.ab.enter(self, self.conversation_id)
 
     # prompting
     def _prompt_tokens(self, messages: list[dict], max_tokens: int) -> tuple[list[int], list[dict]]:
@@ -428,6 +442,8 @@ class Agent:
                 recorded["adapters"] = self.adapters
             turn_id = self.store.record_turn(self.conversation_id, window, text, self.model_id, recorded,
                                              self.consent, token=token)
+            if self.ab:
+                self.ab.recorded(self, turn_id)
         self.last = Reply(text, calls, turn_id, token, truncated=self._truncated, prompt_tokens=self._usage[0],
                           tokens=self._usage[1], logprobs=self._token_logprobs)
 
@@ -444,6 +460,8 @@ class Agent:
         ``choice`` (with ``other``)."""
         last = self._require_last()
         record_feedback(self.store, last.turn_id, kind, text, other, preferred, token=last.turn_token)
+        if self.ab:
+            self.ab.evaluate()
 
     def alternative(self, messages: Optional[list[dict]] = None, seed: Optional[int] = None, **sampling) -> str:
         """A second candidate for the last answer (or for the prompt ``messages`` of

@@ -19,7 +19,9 @@ presents with feedback on it (:meth:`PreferenceStore.turn_by_token`); ids are se
 guess, tokens are not. Turns recorded before version 2 have none and take no token-checked feedback.
 
 A/B decisions: a server A/B-testing a candidate adapter (``serve --candidate``) records each decision it
-reaches, with its evidence, in ``ab_decisions`` (schema version 3; :meth:`PreferenceStore.record_decision`).
+reaches, with its evidence, in ``ab_decisions`` (schema version 3; :meth:`PreferenceStore.record_decision`);
+the trials and the turns each routed are in ``ab_trials`` and ``ab_turns`` (schema version 4; see
+:mod:`slm_align.agent.store_ab`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from slm_align.agent.store_ab import TrialRecords
 from slm_align.agent.store_schema import AB_DECISIONS, migrate, schema_version
 from slm_align.errors import UserError
 
@@ -206,7 +209,7 @@ def _turn(row: sqlite3.Row, feedback: tuple[Feedback, ...]) -> Turn:
                 row["completion"], json.loads(row["sampling"]), bool(row["consent"]), feedback, row["token"])
 
 
-class PreferenceStore:
+class PreferenceStore(TrialRecords):
     """Turns and feedback in one SQLite file. Thread-safe: one connection,
     every call under one lock.
 
@@ -356,16 +359,6 @@ class PreferenceStore:
             rows = self._conn.execute("SELECT * FROM ab_decisions WHERE current_id = ? AND candidate_id = ? "
                                       "ORDER BY id", (current_id.lower(), candidate_id.lower())).fetchall()
         return [{**dict(row), "evidence": json.loads(row["evidence"])} for row in rows]
-
-    def thumbs_of(self, model_id: str) -> list[bool]:
-        """The thumbs given to turns ``model_id`` answered (True: up), each turn's latest, in the order
-        those verdicts were given: one arm's ratings for an A/B test."""
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT f.kind FROM feedback f JOIN turns t ON t.id = f.turn_id WHERE t.model_id = ? "
-                "AND f.id = (SELECT MAX(id) FROM feedback WHERE turn_id = f.turn_id AND kind IN ('up', 'down')) "
-                "ORDER BY f.id", (model_id.lower(),)).fetchall()
-        return [row[0] == "up" for row in rows]
 
     def _require_turn(self, conn: sqlite3.Connection, turn_id: Any) -> None:
         known = (isinstance(turn_id, int) and not isinstance(turn_id, bool) and 0 < turn_id <= MAX_TURN_ID

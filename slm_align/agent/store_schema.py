@@ -7,7 +7,7 @@ import sqlite3
 
 from slm_align.errors import UserError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA_V1 = """
 CREATE TABLE turns (
@@ -54,10 +54,30 @@ CREATE INDEX turns_by_model ON turns (model_id);
 """The decisions of A/B tests between two adapters (``serve --candidate``), appended; turns indexed by
 ``model_id`` (an arm's turns are read after every feedback)."""
 
+_V4_AB_TRIALS = """
+CREATE TABLE ab_trials (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    created_at   TEXT    NOT NULL,
+    current_id   TEXT    NOT NULL,                   -- model_id of the arm serving before the test
+    candidate_id TEXT    NOT NULL,                   -- model_id of the candidate arm
+    share        REAL    NOT NULL,                   -- the candidate's share of routed conversations
+    key          TEXT    NOT NULL                    -- hex: signs the trial's conversation ids (secret)
+);
+CREATE TABLE ab_turns (
+    turn_id      INTEGER PRIMARY KEY REFERENCES turns (id) ON DELETE CASCADE,
+    trial_id     INTEGER NOT NULL REFERENCES ab_trials (id),
+    arm          TEXT    NOT NULL CHECK (arm IN ('current', 'candidate')),
+    client       TEXT    NOT NULL                    -- a pseudonym of who sent the turn
+);
+CREATE INDEX ab_turns_by_trial ON ab_turns (trial_id);
+"""
+"""A/B trials and the turns each routed (schema version 4): only those count in the test, one observation
+per conversation; turns asked of an arm by name, or recorded before the trial, are not in ``ab_turns``."""
+
 AB_DECISIONS = ("promote", "revert", "keep")
 
 # MIGRATIONS[v - 1] takes a database from version v - 1 to version v (statements split on ';').
-MIGRATIONS: tuple[str, ...] = (_SCHEMA_V1, _V2_TURN_TOKENS, _V3_AB_DECISIONS)
+MIGRATIONS: tuple[str, ...] = (_SCHEMA_V1, _V2_TURN_TOKENS, _V3_AB_DECISIONS, _V4_AB_TRIALS)
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -74,6 +94,8 @@ def schema_version(conn: sqlite3.Connection) -> int:
 _TURN_COLUMNS = ("id", "conversation_id", "created_at", "model_id", "messages", "completion", "sampling", "consent")
 _FEEDBACK_COLUMNS = ("id", "turn_id", "kind", "other_completion", "preferred", "edited_text", "created_at")
 _DECISION_COLUMNS = ("id", "created_at", "current_id", "candidate_id", "decision", "evidence")
+_TRIAL_COLUMNS = ("id", "created_at", "current_id", "candidate_id", "share", "key")
+_ROUTED_COLUMNS = ("turn_id", "trial_id", "arm", "client")
 SPEC = "docs/feedback-store.md"
 """The written schema a writer outside slm-align (a native app) follows."""
 
@@ -84,6 +106,9 @@ def required_columns(version: int) -> dict[str, tuple[str, ...]]:
     tables = {"turns": turns, "feedback": _FEEDBACK_COLUMNS}
     if version >= 3:
         tables["ab_decisions"] = _DECISION_COLUMNS
+    if version >= 4:
+        tables["ab_trials"] = _TRIAL_COLUMNS
+        tables["ab_turns"] = _ROUTED_COLUMNS
     return tables
 
 
@@ -92,7 +117,7 @@ def _check_layout(conn: sqlite3.Connection, version: int) -> None:
     foreign writer's slip)."""
     tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if version == 0:
-        if tables & {"turns", "feedback", "ab_decisions"}:
+        if tables & {"turns", "feedback", "ab_decisions", "ab_trials", "ab_turns"}:
             raise UserError("preference DB has tables but schema version 0; its writer must set "
                             f"PRAGMA user_version = {SCHEMA_VERSION} after creating them (see {SPEC})")
         return

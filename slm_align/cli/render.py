@@ -181,6 +181,15 @@ def print_feedback_export(result: dict, scrubbed: bool) -> None:
                  f"{result['skipped_without_consent']} turns without consent skipped" + scrub)
 
 
+def print_fleet_ab(result: dict) -> None:
+    """One line: the fleet's A/B decision and what it rests on."""
+    evidence = result["evidence"]
+    stdout.print(f"[bold]A/B[/] {result['decision']}: candidate {result['candidate_id'][:12]} against "
+                 f"{result['current_id'][:12]} over {result['devices']} devices, {evidence['conversations']} "
+                 f"conversations ({evidence['capped']} over a cap); discordant pairs won "
+                 f"{evidence['candidate_wins']} to {evidence['current_wins']}")
+
+
 def print_serving(info: dict) -> None:
     """One line: the model served and where."""
     key = ", key required" if info["api_key"] else ""

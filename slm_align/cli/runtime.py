@@ -13,12 +13,12 @@ from rich.console import Console
 
 from slm_align.agent.settings import Sampling
 from slm_align.cli.options import ChatTemplateOpt, CtxOpt, JsonFlag, ThreadsOpt, typed_flags
-from slm_align.cli.render import emit, print_feedback_export, print_serving
+from slm_align.cli.render import emit, print_feedback_export, print_fleet_ab, print_serving
 from slm_align.errors import UserError
 
 commands = typer.Typer()
-feedback_app = typer.Typer(help="On-device preferences: export them for the next training round.",
-                           no_args_is_help=True)
+feedback_app = typer.Typer(help="On-device preferences: export them for the next training round; decide a "
+                                "fleet's A/B test.", no_args_is_help=True)
 
 
 @commands.command(epilog="Examples:\n\n  slm-align chat runs/demo/export/model-Q8_0.gguf --store "
@@ -211,3 +211,32 @@ def feedback_export(
 
     result = export_preferences(db, out, scrub=scrub, overwrite=overwrite)
     emit(as_json, result, lambda: print_feedback_export(result, scrub))
+
+
+@feedback_app.command("ab", epilog="Examples:\n\n  slm-align feedback ab devices/*/prefs.db\n\n"
+                                    "  slm-align feedback ab a.db b.db --candidate 3f2a... --json\n\n"
+                                    "  slm-align feedback ab prefs.db --observations device-17.ab.jsonl"
+                                    "   # a device's evidence, no text")
+def feedback_ab(
+    stores: list[Path] = typer.Argument(..., help="Preference stores of the devices (or servers) that ran the "
+                                                  "A/B test; each is one device."),
+    candidate: Optional[str] = typer.Option(None, "--candidate", help="The candidate's model_id, when the stores "
+                                                                     "hold trials of several candidates."),
+    max_per_device: int = typer.Option(20, "--max-per-device", help="Most conversations one device counts with "
+                                                                    "(below the minimum of 40: one device alone "
+                                                                    "never decides)."),
+    observations: Optional[Path] = typer.Option(None, "--observations", help="With one store: also write its A/B "
+                                                "observations (no text) to this new file, which a fleet decision "
+                                                "reads like the store."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Decide an A/B test for a fleet: every device's routed conversations pooled into one sequential test,
+    each device's weight capped (promote, revert, keep, or collecting)."""
+    from slm_align.agent.ab_fleet import fleet_decision, write_observations
+
+    if observations is not None and len(stores) != 1:
+        raise UserError("--observations writes one device's evidence: pass one store with it")
+    result = fleet_decision(stores, candidate, max_per_device)
+    if observations is not None:
+        result["observations"] = {"out": str(observations), "rows": write_observations(stores[0], observations)}
+    emit(as_json, result, lambda: print_fleet_ab(result))

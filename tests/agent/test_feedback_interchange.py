@@ -198,7 +198,7 @@ def token_column_missing(sql: str) -> str:
 @pytest.mark.parametrize("edit, message", [
     (newer_version, f"schema version {SCHEMA_VERSION + 1} is newer than this slm-align supports"),
     (version_forgotten, "has tables but schema version 0; its writer must set "
-                        "PRAGMA user_version = 3"),
+                        "PRAGMA user_version = 4"),
     (token_column_missing, "table turns lacks column(s) token"),
 ])
 def test_a_store_of_a_schema_the_code_does_not_know_is_refused_in_one_line(tmp_path, capsys, edit, message):

@@ -9,8 +9,9 @@ server-sent events, client-side function tools), ``GET /v1/models``, ``POST /v1/
 ``POST /v1/alternative``, ``GET /v1/ab`` (the A/B test of a candidate adapter), ``GET /health`` and the
 chat page at ``/``. Answers carry a
 non-standard ``x_turn_id`` and ``x_turn_token``: the turn's id in the preference store, and the
-unguessable token that feedback and alternatives on it must present; a request may carry
-``x_conversation_id`` to group its turns.
+unguessable token that feedback and alternatives on it must present, and ``x_conversation_id``: the
+conversation's id, signed by the server, which the conversation's next request passes back to group its
+turns (an id the server did not sign gets a new one; see :mod:`slm_align.agent.server.adapters`).
 
 One model, one thread: every generation runs on a single worker thread, in arrival order; at most
 ``max_queue`` requests wait behind the running one and later ones get 503. Bad requests get an

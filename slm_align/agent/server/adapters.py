@@ -4,28 +4,31 @@
 
 Names: the base's file name is the base alone, each ``--adapter`` NAME its adapters (in order),
 ``candidate`` the candidate's, and :data:`DEFAULT` (or no ``model`` at all) whatever the server routes
-the conversation to: the current set (the first ``--adapter``, else the base) or, for a stable share of
+the conversation to: the current set (the first ``--adapter``, else the base) or, for a share of
 conversations while the A/B test collects, the candidate. A server with no adapters ignores ``model``, as
 it always did; one with adapters refuses an unknown name with a 400 that lists the known ones.
 
-The A/B test (:func:`slm_align.ab_test.decide`) pairs the two arms' thumbs from the store: an arm's turns
-are those recorded under its ``model_id`` (the chain digest of the base and its adapters). After each
+Conversation ids are the server's: a request's ``x_conversation_id`` counts only if this server signed it
+(:class:`~slm_align.agent.ab_trial.ConversationIds`), else the conversation gets a new id, returned with the
+answer. The A/B test (:class:`~slm_align.agent.ab_trial.ABTrial`) counts only the turns it routed (``model``
+left out or :data:`DEFAULT`), one observation per conversation, at most ``max_per_client`` conversations per
+client (a pseudonym of the peer's address); ``model: "candidate"`` is answered but never counted. After each
 feedback the server decides again; a decision (promote, revert, keep) is recorded in the store with its
 evidence and logged in one line. After promote the candidate is the current set for every conversation;
 after revert or keep the current set stays and routing sends the candidate nothing more. A server
-restarted with the same two sets keeps to the latest decision recorded between them.
+restarted with the same two sets resumes the same trial and keeps to its latest decision.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
-from slm_align.ab_test import Evidence, SequentialTest, decide
+from slm_align.ab_test import Evidence, SequentialTest
+from slm_align.agent.ab_trial import ABTrial, ConversationIds
 from slm_align.agent.runtime import Model
 from slm_align.agent.server.errors import bad
 from slm_align.agent.store import PreferenceStore
@@ -55,36 +58,23 @@ class AdapterSet:
 
 @dataclass
 class Trial:
-    """The A/B test's state: collecting until its first decision, then that decision."""
+    """The A/B test between two adapter sets: the store's trial, and the sets its arms name."""
 
     current: AdapterSet
     """The set serving before the test (stays the arm compared even once the candidate is promoted)."""
     candidate: AdapterSet
-    share: float
-    """The share of conversations routed to the candidate while collecting."""
-    test: SequentialTest
-    state: str = "collecting"
-    evidence: Optional[dict] = None
-    """The latest evaluation's :meth:`Evidence.to_dict` (None before any feedback)."""
+    records: ABTrial
 
-    def takes(self, conversation_id: str) -> bool:
-        """Whether the conversation goes to the candidate: a stable share, by the hash of its id."""
-        digest = hashlib.sha256(conversation_id.encode("utf-8")).digest()
-        return self.state == "collecting" and int.from_bytes(digest[:8], "big") / 2 ** 64 < self.share
+    @property
+    def state(self) -> str:
+        return self.records.state
 
     def as_dict(self) -> dict:
         """The state for ``GET /v1/ab``."""
         return {"object": "ab_test", "state": self.state, "current": self.current.name,
                 "candidate": self.candidate.name, "current_model_id": self.current.model_id,
-                "candidate_model_id": self.candidate.model_id, "candidate_share": self.share,
-                "evidence": self.evidence}
-
-
-def check_share(share: float) -> float:
-    """The candidate's share of conversations: above 0 and below 1 (else neither arm gets ratings)."""
-    if not 0 < share < 1:
-        raise UserError(f"--candidate-share {share}: must be above 0 and below 1 (0.5: half the conversations)")
-    return share
+                "candidate_model_id": self.candidate.model_id, "candidate_share": self.records.share,
+                "evidence": self.records.evidence}
 
 
 class AdapterRouter:
@@ -103,6 +93,8 @@ class AdapterRouter:
         self.trial: Optional[Trial] = None
         if candidate:
             self.trial = self._trial(candidate, candidate_share, test)
+        self.ids = self.trial.records.ids if self.trial is not None else ConversationIds()
+        """Signs the conversation ids the server hands out (the trial's key, kept in the store)."""
         self.applied: Optional[str] = None
         self._lock = threading.Lock()
         if len(self.sets) > 1:
@@ -127,21 +119,22 @@ class AdapterRouter:
         return AdapterSet(name, tuple(Path(path) for path in paths), digest)
 
     def _trial(self, candidate: Sequence[PathLike], share: float, test: SequentialTest) -> Trial:
-        """The A/B test of ``candidate`` against the current set, resumed from the store's latest decision."""
+        """The A/B test of ``candidate`` against the current set, resumed from the store's latest trial."""
         if self.store is None:
             raise UserError("an A/B test decides on the users' thumbs; pass --store FILE with --candidate")
         arm = self._checked(CANDIDATE, candidate)
         if arm.model_id == self.current.model_id:
             raise UserError(f"the candidate is the current adapter set {self.current.name!r}; pass a new adapter")
         self.sets[CANDIDATE] = arm
-        trial = Trial(self.current, arm, check_share(share), test)
-        earlier = self.store.decisions(self.current.model_id, arm.model_id)
-        if earlier:
-            trial.state, trial.evidence = earlier[-1]["decision"], earlier[-1]["evidence"]
-            self._settle(trial)
+        trial = Trial(self.current, arm, ABTrial(self.store, self.current.model_id, arm.model_id, share, test))
+        self._settle(trial)
         return trial
 
     # which set answers (in the event loop or a worker thread)
+    def conversation(self, conversation_id: Optional[str]) -> str:
+        """The request's conversation id if this server signed it, else a new signed one."""
+        return self.ids.accept(conversation_id)
+
     def pick(self, requested: Optional[str], conversation_id: Optional[str] = None) -> AdapterSet:
         """The set named by the request's ``model``, or (omitted, :data:`DEFAULT`, or any name when the
         server has no adapters) the one the conversation is routed to (no conversation: the current
@@ -154,10 +147,17 @@ class AdapterRouter:
                       f"{DEFAULT!r} for the current adapter)")
         return self.sets[requested]
 
+    def routed_arm(self, requested: Optional[str], conversation_id: Optional[str]) -> Optional[str]:
+        """The trial's arm for a request it routes ('current' or 'candidate'; None: no trial collecting,
+        or the request named its adapter set)."""
+        if self.trial is None or (len(self.sets) > 1 and requested not in (None, DEFAULT)):
+            return None
+        return self.trial.records.arm(conversation_id)
+
     def route(self, conversation_id: Optional[str]) -> AdapterSet:
         """The current set, or the candidate for its share of conversations while the A/B test collects."""
         with self._lock:
-            if self.trial is not None and conversation_id is not None and self.trial.takes(conversation_id):
+            if self.trial is not None and self.trial.records.arm(conversation_id) == "candidate":
                 return self.trial.candidate
             return self.current
 
@@ -172,27 +172,26 @@ class AdapterRouter:
             self.model.backend.set_adapters(list(chosen.paths))
             self.applied = chosen.name
 
-    # the A/B test (after each feedback, on a worker thread)
+    # the A/B test (after each answer and feedback, on a worker thread)
+    def record(self, turn_id: Optional[int], arm: Optional[str], client: str) -> None:
+        """Name an answered turn as routed by the trial (``client``: the peer's address, kept as a pseudonym)."""
+        if self.trial is not None:
+            self.trial.records.record(turn_id, arm, self.trial.records.ids.pseudonym(client))
+
     def evaluate(self) -> Optional[Evidence]:
-        """Decide again on both arms' thumbs; a new decision is recorded, logged and acted on. Returns
+        """Decide again on the trial's observations; a new decision is logged and acted on. Returns
         the evidence (None without an A/B test still collecting)."""
         trial = self.trial
-        if trial is None or trial.state != "collecting":
+        if trial is None:
             return None
-        evidence = decide(self.store.thumbs_of(trial.current.model_id), self.store.thumbs_of(trial.candidate.model_id),
-                          trial.test)
+        evidence = trial.records.evaluate()
+        if evidence is None or evidence.decision == "collecting":
+            return evidence
         with self._lock:
-            if trial.state != "collecting":  # another feedback decided meanwhile
-                return evidence
-            trial.evidence = evidence.to_dict()
-            if evidence.decision == "collecting":
-                return evidence
-            self.store.record_decision(trial.current.model_id, trial.candidate.model_id, evidence.decision,
-                                       trial.evidence)
-            trial.state = evidence.decision
             self._settle(trial)
-        LOG.info("A/B test: %s the candidate (%s) against %r: candidate %d/%d up, current %d/%d up, "
-                 "discordant pairs won %d to %d", evidence.decision, trial.candidate.model_id[:12], trial.current.name,
+        LOG.info("A/B test: %s the candidate (%s) against %r: %d conversations from %d clients, candidate %d/%d "
+                 "up, current %d/%d up, discordant pairs won %d to %d", evidence.decision,
+                 trial.candidate.model_id[:12], trial.current.name, evidence.conversations, evidence.clients,
                  evidence.candidate_up, evidence.candidate_rated, evidence.current_up, evidence.current_rated,
                  evidence.candidate_wins, evidence.current_wins)
         return evidence

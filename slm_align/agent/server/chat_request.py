@@ -45,6 +45,10 @@ class ChatRequest:
     """``parallel_tool_calls`` false: at most one call goes back."""
     model: Optional[str] = None
     """The request's ``model``: which adapter set answers (see :mod:`slm_align.agent.server.adapters`)."""
+    arm: Optional[str] = None
+    """The A/B test's arm when the trial routed the request ('current' or 'candidate'; None: not routed)."""
+    client: str = ""
+    """Who sent it (the peer's address): the A/B test counts each client's conversations up to a cap."""
 
 
 def parse_chat(body: dict, limits: Limits, backend_kind: str = "gguf") -> ChatRequest:

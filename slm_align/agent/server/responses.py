@@ -22,11 +22,13 @@ class Meta:
     id: str
     created: int
     model: str
+    conversation_id: Optional[str] = None
+    """The conversation's id, as the server signed it: the next turn passes it as ``x_conversation_id``."""
 
     @classmethod
-    def new(cls, model: str) -> "Meta":
+    def new(cls, model: str, conversation_id: Optional[str] = None) -> "Meta":
         """A fresh completion id, stamped now."""
-        return cls(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model)
+        return cls(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, conversation_id)
 
 
 def usage(outcome: Outcome) -> dict:
@@ -37,14 +39,15 @@ def usage(outcome: Outcome) -> dict:
 
 def completion_body(meta: Meta, outcome: Outcome) -> dict:
     """A ``chat.completion`` object, plus ``x_turn_id`` and ``x_turn_token`` (feedback on
-    the turn presents both)."""
+    the turn presents both) and ``x_conversation_id`` (the next turn of the conversation passes it)."""
     message = {"role": "assistant", "content": outcome.content}
     if outcome.tool_calls:
         message["tool_calls"] = outcome.tool_calls
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
             "choices": [{"index": 0, "message": message, "logprobs": _logprobs(outcome),
                          "finish_reason": outcome.finish_reason}],
-            "usage": usage(outcome), "x_turn_id": outcome.turn_id, "x_turn_token": outcome.turn_token}
+            "usage": usage(outcome), "x_turn_id": outcome.turn_id, "x_turn_token": outcome.turn_token,
+            "x_conversation_id": meta.conversation_id}
 
 
 def _logprobs(outcome: Outcome) -> Optional[dict]:
@@ -78,7 +81,8 @@ async def sse_stream(first: Any, rest: AsyncIterator, meta: Meta, chat: ChatRequ
         yield sse(chunk(meta, {"content": item.content}))
     if item.tool_calls:
         yield sse(chunk(meta, {"tool_calls": [{"index": i, **call} for i, call in enumerate(item.tool_calls)]}))
-    yield sse(chunk(meta, {}, item.finish_reason, x_turn_id=item.turn_id, x_turn_token=item.turn_token))
+    yield sse(chunk(meta, {}, item.finish_reason, x_turn_id=item.turn_id, x_turn_token=item.turn_token,
+                    x_conversation_id=meta.conversation_id))
     if chat.include_usage:
         yield sse({**chunk(meta, {}), "choices": [], "usage": usage(item)})
     yield sse("[DONE]")

@@ -44,12 +44,12 @@ async def chat_completions(request: Request):
     """
     service = _service(request)
     chat = await run_in_threadpool(parse_chat, await _body(request), service.limits, service.model.backend.kind)
-    chosen = service.choose(chat)
+    chosen = service.choose(chat, request.client.host if request.client else "")
     events = service.worker.run(partial(service.answer, chat, chosen), request.receive)
     first = await anext(events, None)  # a full queue or a prompt too long is refused here, before any byte is sent
     if first is None:
         return client_left()
-    meta = Meta.new(chosen.name)
+    meta = Meta.new(chosen.name, chat.conversation_id)
     if chat.stream:
         return StreamingResponse(sse_stream(first, events, meta, chat), media_type="text/event-stream",
                                  headers=SSE_HEADERS)

@@ -59,10 +59,12 @@ class Service:
         self.router = router or AdapterRouter(model)
         """The adapter sets and which one answers each request."""
 
-    def choose(self, chat: ChatRequest) -> AdapterSet:
+    def choose(self, chat: ChatRequest, client: str = "") -> AdapterSet:
         """The adapter set that answers ``chat`` (a 400 for an unknown ``model``); a request without a
-        conversation id gets a new one first (routing goes by it)."""
-        chat.conversation_id = chat.conversation_id or uuid.uuid4().hex
+        conversation id this server signed gets a new one first (routing goes by it)."""
+        chat.conversation_id = self.router.conversation(chat.conversation_id)
+        chat.client = client
+        chat.arm = self.router.routed_arm(chat.model, chat.conversation_id)
         return self.router.pick(chat.model, chat.conversation_id)
 
     # chat (on the model thread)
@@ -79,6 +81,7 @@ class Service:
         outcome = Outcome(content=reply.text, finish_reason="length" if reply.truncated else "stop",
                           turn_id=reply.turn_id, turn_token=reply.turn_token, prompt_tokens=reply.prompt_tokens,
                           streamed=not held_back, completion_tokens=reply.tokens, logprobs=reply.logprobs)
+        self.router.record(reply.turn_id, chat.arm, chat.client)
         yield client_calls(outcome, chat.client_tools, chat.single_call) if held_back else outcome
 
     def _agent(self, chat: ChatRequest, cancel: threading.Event) -> Agent:

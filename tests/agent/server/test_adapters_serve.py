@@ -4,9 +4,11 @@ promotes or reverts itself, the decision and its evidence recorded in the store.
 
 import json
 import logging
+from collections import deque
 
 import pytest
 
+from slm_align.ab_test import SequentialTest
 from slm_align.agent.feedback_export import export_preferences, unpaired_path
 from slm_align.agent.store import PreferenceStore
 from slm_align.export.gguf import write_gguf
@@ -93,17 +95,21 @@ def test_without_adapters_any_model_name_is_still_answered(files, tmp_path):
         assert http.get("/v1/ab").status_code == 404
 
 
-def run_ab(http, candidate_up=True, limit=300, verdict=None):
-    """Conversations until the A/B test decides: thumbs up for the candidate's answers when
-    ``candidate_up``, down otherwise, the current one's the opposite; or ``verdict(arm, k)`` for the k-th
-    answer of that arm."""
-    rated = {"current": 0, "candidate": 0}
+def peers(http, n=60):
+    """Clients of the same server from ``n`` addresses (the A/B test caps each one)."""
+    return [TestClient(http.app, base_url="http://localhost", client=(f"10.0.{k // 250}.{k % 250}", 40000))
+            for k in range(n)]
+
+
+def run_ab(http, candidate_up=True, limit=300, verdict=None, clients=60):
+    """Conversations from many clients until the A/B test decides: thumbs up for the candidate's answers
+    when ``candidate_up``, down otherwise, the current one's the opposite; or ``verdict(arm)`` for each."""
+    peer = peers(http, clients)
     for i in range(limit):
-        answer = ask(http, conversation=f"conversation-{i}")
+        answer = ask(peer[i % clients], conversation=f"conversation-{i}")
         arm = answer["model"]
-        up = verdict(arm, rated[arm]) if verdict else (arm == "candidate") == candidate_up
-        rated[arm] += 1
-        thumbs(http, answer, up)
+        up = verdict(arm) if verdict else (arm == "candidate") == candidate_up
+        thumbs(peer[i % clients], answer, up)
         state = http.get("/v1/ab").json()
         if state["state"] != "collecting":
             return state
@@ -141,15 +147,34 @@ def test_a_worse_candidate_reverts_and_gets_no_more_traffic(files, tmp_path):
         assert [d["decision"] for d in opened.decisions(files["ids"]["a"], files["ids"]["b"])] == ["revert"]
 
 
-def alternating(arm: str, k: int) -> bool:
-    """Every other answer of each arm up, out of step: every pair is discordant and each arm wins half."""
-    return (k % 2 == 0) == (arm == "current")
+class Balanced:
+    """Verdicts under which the arms win the trial's discordant pairs in turn, whatever the order the server
+    routes conversations in: a replica of its pairing (:func:`slm_align.ab_test.pairs_in_time`) tells which
+    waiting conversation a new one pairs with; a waiting one's verdict alternates, and a new one makes its pair
+    discordant only when that gives the arm whose turn it is the win (else concordant: no winner)."""
+
+    def __init__(self, window=SequentialTest().window):
+        self.waiting = {arm: deque(maxlen=window) for arm in ("current", "candidate")}
+        self.turn = "candidate"
+        self.waiters = 0
+
+    def __call__(self, arm: str) -> bool:
+        other = "candidate" if arm == "current" else "current"
+        if not self.waiting[other]:
+            self.waiters += 1
+            self.waiting[arm].append(self.waiters % 2 == 0)
+            return self.waiting[arm][-1]
+        waiter_up = self.waiting[other].popleft()
+        if (other if waiter_up else arm) != self.turn:
+            return waiter_up
+        self.turn = "current" if self.turn == "candidate" else "candidate"
+        return not waiter_up
 
 
 def test_a_candidate_no_different_is_kept_out_and_the_current_one_stays(files, tmp_path):
     store = tmp_path / "prefs.db"
     with client(files, store, adapters={"current": [files["a"]]}, candidate=files["b"]) as http:
-        state = run_ab(http, verdict=alternating)
+        state = run_ab(http, verdict=Balanced(), limit=900, clients=100)
         after = [ask(http, conversation=f"later-{i}") for i in range(8)]
     evidence = state["evidence"]
     assert state["state"] == "keep" and evidence["llr_candidate_better"] < 0 and evidence["llr_current_better"] < 0
@@ -157,6 +182,60 @@ def test_a_candidate_no_different_is_kept_out_and_the_current_one_stays(files, t
     assert {answer["model"] for answer in after} == {"current"}
     with PreferenceStore(store) as opened:
         assert [d["decision"] for d in opened.decisions(files["ids"]["a"], files["ids"]["b"])] == ["keep"]
+
+
+def test_one_client_naming_the_arms_decides_nothing(files, tmp_path):
+    """Issue 45's reproduction: 14 x (model candidate + up) and 14 x (model current + down) from one client
+    gave promote after 56 requests. Named arms are answered but never counted; routed ones from one
+    client stop counting at its cap."""
+    store = tmp_path / "prefs.db"
+    with client(files, store, adapters={"current": [files["a"]]}, candidate=files["b"]) as http:
+        for _ in range(14):
+            thumbs(http, ask(http, model="candidate"), True)
+            thumbs(http, ask(http, model="current"), False)
+        named = http.get("/v1/ab").json()
+        for _ in range(200):  # routed, rated by arm: the attack within the server's own routing
+            answer = ask(http)
+            thumbs(http, answer, answer["model"] == "candidate")
+        routed = http.get("/v1/ab").json()
+    assert named["state"] == "collecting" and named["evidence"]["conversations"] == 0
+    assert routed["state"] == "collecting" and routed["evidence"]["conversations"] == 10
+    assert routed["evidence"]["clients"] == 1 and routed["evidence"]["capped"] == 190
+    with PreferenceStore(store) as opened:
+        assert opened.decisions(files["ids"]["a"], files["ids"]["b"]) == []
+
+
+def test_the_server_assigns_signed_conversation_ids(files, tmp_path):
+    """A client's own x_conversation_id values (chosen to hash into one arm) are replaced by the server's;
+    the id it hands out routes every later turn of the conversation alike."""
+    with client(files, tmp_path / "prefs.db", adapters={"current": [files["a"]]}, candidate=files["b"]) as http:
+        chosen = [ask(http, conversation=f"pick-{i}") for i in range(20)]
+        ids = [answer["x_conversation_id"] for answer in chosen]
+        again = [ask(http, conversation=conversation) for conversation in ids]
+        forged = ask(http, conversation=ids[0][:-1] + ("0" if ids[0][-1] != "0" else "1"))
+    assert all(conversation != f"pick-{i}" for i, conversation in enumerate(ids)) and len(set(ids)) == 20
+    assert [answer["x_conversation_id"] for answer in again] == ids
+    assert [answer["model"] for answer in again] == [answer["model"] for answer in chosen]
+    assert {answer["model"] for answer in chosen} == {"current", "candidate"}
+    assert forged["x_conversation_id"] not in ids
+
+
+def test_thumbs_from_before_the_trial_do_not_count(files, tmp_path):
+    """14 downs on the current set recorded before the trial, then candidate ups only: the current arm
+    has no evidence from the trial, and the earlier thumbs are not in it."""
+    store = tmp_path / "prefs.db"
+    with client(files, store, adapters={"current": [files["a"]]}) as http:
+        for _ in range(14):
+            thumbs(http, ask(http), False)
+    with client(files, store, adapters={"current": [files["a"]]}, candidate=files["b"]) as http:
+        for other in peers(http, 40):
+            answer = ask(other)
+            if answer["model"] == "candidate":
+                thumbs(other, answer, True)
+        state = http.get("/v1/ab").json()
+    assert state["state"] == "collecting"
+    assert state["evidence"]["current_rated"] == 0 == state["evidence"]["pairs"]
+    assert state["evidence"]["conversations"] > 0
 
 
 def test_feedback_export_keeps_the_arms_apart(files, tmp_path):
