@@ -8,6 +8,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from slm_align.devices.host import default_threads
 from slm_align.errors import UserError
 
 
@@ -34,6 +35,7 @@ class LlamaCppBackend:
         """The adapters applied now, in order: ``{"file": name, "sha256": digest}`` each."""
         self._loaded: dict[str, object] = {}
         checked = [self._check_adapter(path) for path in adapters]  # refused before llama.cpp reads a byte
+        threads = threads or default_threads()  # llama.cpp's own: half the CPUs, busy or not
         try:
             self.llm = Llama(model_path=str(artifact), n_ctx=n_ctx or 0, n_threads=threads,
                              n_threads_batch=threads, n_batch=512,
