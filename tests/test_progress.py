@@ -206,6 +206,17 @@ def test_train_with_json_keeps_stdout_to_the_json_and_says_each_stage(logged):
     assert any(line.startswith("RL (grpo): step 1/2") for line in lines)
 
 
+def test_each_rl_step_says_its_sampling_and_its_update_in_a_log(logged):
+    """Inside a GRPO iteration, at cadence 0: its sampled tokens and its minibatches, with the step's number;
+    before issue 44 a log heard nothing between two iterations."""
+    lines = progress_lines(logged[1]["train"][2])
+    for step in (1, 2):
+        assert any(line.startswith(f"RL (grpo) step {step}/2: sampling 1/8 tokens of ") for line in lines), step
+        update = [line for line in lines if line.startswith(f"RL (grpo) step {step}/2: update ")]
+        done = len(update)  # one line per minibatch at cadence 0, the last one k/k
+        assert done and update[-1].startswith(f"RL (grpo) step {step}/2: update {done}/{done} minibatches"), update
+
+
 def test_the_gate_counts_documents_and_samples_and_ends_with_its_figures(logged):
     out, runs = logged
     gate = json.loads((out / "headroom.json").read_text())
