@@ -9,7 +9,10 @@ writes plain lines instead of bars: its start (what it will do and how much), it
 
 A stage without optimizer steps (the gate, an evaluation, an export's verification) runs inside
 :func:`stage_lines`; the loops it runs count their items with :func:`counted` (documents scored, tokens sampled,
-prompts decoded), which shows as a bar on a terminal and as a line every cadence in a log.
+prompts decoded), which shows as a bar on a terminal and as a line every cadence in a log. A step of a
+training loop (an RL iteration, minutes long on a real model) runs inside :func:`within_step`: the
+loops it counts (its rollouts) speak through the loop's own bar or lines, so that a log hears from a
+long step at least once a cadence while its work advances.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class _Task:
     started: float  # time.monotonic() at its start (elapsed and remaining time)
     unit: str = "steps"  # what it counts: steps ("step k/N") or anything else ("k/N documents")
     ends_at_total: bool = True  # its end line comes with its last unit (else: when it is removed)
+    ends: bool = True  # it says its start, its last unit and its end (else only its cadence lines)
     done: bool = False  # its end was reached: no more lines
 
 
@@ -107,12 +111,13 @@ class LineProgress:
             self._finish(task)
 
     def add_task(self, description: str, total: Optional[float] = None, completed: float = 0, status: str = "",
-                 unit: str = "steps", ends_at_total: bool = True, **_) -> int:
-        """Start a task: its start line (how much it will do) when ``ends``; its id. A task that does
-        more after its last unit (a training stage's final evaluation) passes ``ends_at_total=False``
-        and says its end when removed."""
-        self.tasks.append(_Task(description, total, completed, status, time.monotonic(), unit, ends_at_total))
-        if self.ends:
+                 unit: str = "steps", ends_at_total: bool = True, ends: Optional[bool] = None, **_) -> int:
+        """Start a task: its start line (how much it will do) when ``ends`` (default: the
+        progress's); its id. A task that does more after its last unit (a training stage's final
+        evaluation) passes ``ends_at_total=False`` and says its end when removed."""
+        ends = self.ends if ends is None else ends
+        self.tasks.append(_Task(description, total, completed, status, time.monotonic(), unit, ends_at_total, ends))
+        if ends:
             resumed = f", resuming at {completed:g}" if completed else ""
             self._say(f"{description}: start, "
                       f"{total:g} {unit}{resumed}" if total else f"{description}: start")
@@ -132,7 +137,7 @@ class LineProgress:
         if status is not None:
             task.status = status
         now = time.monotonic()
-        last = self.ends and task.total is not None and task.completed >= task.total
+        last = task.ends and task.total is not None and task.completed >= task.total
         if last or now - self.said >= cadence():
             self._say(self._progress_text(task, now))
         if last and task.ends_at_total:
@@ -162,7 +167,7 @@ class LineProgress:
         if task.done:
             return
         task.done = True
-        if self.ends:
+        if task.ends:
             took = duration(time.monotonic() - task.started)
             self._say(f"{task.description}: done, {task.completed:g} {task.unit} in {took}")
 
@@ -289,6 +294,18 @@ def _running(stage: Stage) -> Iterator[None]:
         _STAGE.reset(token)
 
 
+@contextmanager
+def within_step(progress: Union[Progress, LineProgress], name: str) -> Iterator[None]:
+    """Run one step of a training loop whose bar or lines are ``progress``: the loops the step
+    counts (:func:`counted`: an RL iteration's rollouts) show as ``name: what`` in the same bar or
+    lines, so that a log gets a line at least once a cadence while the step's work advances (RL on
+    SmolLM2 took 2-3.5 minutes an iteration and said nothing between iterations: issue 44)."""
+    stage = Stage(name, None)
+    stage._progress = progress  # the loop's own: opened and closed by the loop, not by the step
+    with _running(stage):
+        yield
+
+
 @dataclass
 class Count:
     """One counted loop's progress (see :func:`counted`); inactive outside a stage."""
@@ -315,15 +332,15 @@ class Count:
 def counted(what: str, total: float, unit: str) -> Iterator[Count]:
     """A loop of the running stage that does ``total`` ``unit`` (documents, tokens, prompts):
     ``what`` it does and ``k/total`` shown in the stage's bar, or in its line every cadence with
-    elapsed and remaining time. Outside a stage (an RL iteration's rollouts, the reward stage's own
-    accuracy) the count is inactive and shows nothing."""
+    elapsed and remaining time. Outside a stage or a step (:func:`within_step`: an RL iteration's
+    rollouts; the reward stage's own accuracy) the count is inactive and shows nothing."""
     stage = _STAGE.get()
     if stage is None or total <= 0:
         yield Count(None, None)
         return
     progress = stage.progress
     task = progress.add_task(f"{stage.name}: {what}",
-                             total=total, completed=0, status="", unit=unit)
+                             total=total, completed=0, status="", unit=unit, ends=False)
     try:
         yield Count(progress, task)
     finally:

@@ -206,6 +206,17 @@ def test_train_with_json_keeps_stdout_to_the_json_and_says_each_stage(logged):
     assert any(line.startswith("RL (grpo): step 1/2") for line in lines)
 
 
+def test_each_rl_step_says_its_sampling_and_its_update_in_a_log(logged):
+    """Inside a GRPO iteration, at cadence 0: its sampled tokens and its minibatches, with the step's number;
+    before issue 44 a log heard nothing between two iterations."""
+    lines = progress_lines(logged[1]["train"][2])
+    for step in (1, 2):
+        assert any(line.startswith(f"RL (grpo) step {step}/2: sampling 1/8 tokens of ") for line in lines), step
+        update = [line for line in lines if line.startswith(f"RL (grpo) step {step}/2: update ")]
+        done = len(update)  # one line per minibatch at cadence 0, the last one k/k
+        assert done and update[-1].startswith(f"RL (grpo) step {step}/2: update {done}/{done} minibatches"), update
+
+
 def test_the_gate_counts_documents_and_samples_and_ends_with_its_figures(logged):
     out, runs = logged
     gate = json.loads((out / "headroom.json").read_text())
@@ -297,3 +308,79 @@ def test_quiet_train_and_export_print_nothing_but_errors(logged, capsys, every_s
     assert code == 2 and stdout == "" and stderr.startswith("error: ") and stderr.count("\n") == 1
     code, stdout, stderr = run_cli(capsys, *TRAIN, "--data", out / "missing.txt", "--out", out / "other", "--quiet")
     assert code == 2 and stdout == "" and stderr.startswith("error: ") and stderr.count("\n") == 1
+
+
+class FakeClock:
+    """The ``time`` of :mod:`slm_align.progress` on a clock the test moves: ``monotonic()`` is the
+    seconds the test set, ``strftime`` the real one."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    @staticmethod
+    def strftime(pattern: str) -> str:
+        return time.strftime(pattern)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(progress_module, "time", fake)
+    monkeypatch.setenv(CADENCE_ENV, "30")
+    return fake
+
+
+def test_a_long_step_says_a_line_every_cadence_while_its_rollouts_advance(capsys, clock):
+    """An RL iteration of 8 episodes of 10 s each: without a word until its end before, now its
+    count, elapsed and remaining time once 30 s have passed (fake clock), and no start or end
+    lines of its own."""
+    from slm_align.progress import within_step
+
+    with LineProgress() as progress:
+        task = progress.add_task("RL (grpo)", total=2, completed=0, status="")
+        with within_step(progress, "RL (grpo) step 1/2"):
+            with counted("episodes", 8, "agent episodes") as count:
+                for _ in range(8):
+                    clock.now += 10
+                    count.advance(status="reward 0.5")
+        clock.now += 5
+        progress.update(task, completed=1, status="reward 0.500")  # 25 s after the last line: quiet
+    lines = progress_lines(capsys.readouterr().err)
+    assert lines[0] == "RL (grpo): start, 2 steps"
+    assert lines[1:3] == ["RL (grpo) step 1/2: episodes 3/8 agent episodes (reward 0.5), 30s elapsed, about 50s left",
+                          "RL (grpo) step 1/2: episodes 6/8 agent episodes (reward 0.5), 1m00s elapsed, about 20s left"]
+    assert lines[3].startswith("RL (grpo): done, 1 steps in ") and len(lines) == 4
+
+
+def test_train_steps_lets_each_steps_rollouts_speak(capsys, clock, tmp_path):
+    """The envelope's step loop (PPO, GRPO, DPO, KTO) runs each step within the loop's lines: a step of
+    40 s of sampling says a line at its 30th second, with the step's number."""
+    from slm_align.envelope.loop import train_steps
+    from slm_align.tracking import Tracker
+
+    class Run:
+        step = 0
+
+    run = Run()
+
+    def next_step() -> dict:
+        with counted("sampling", 4, "tokens of 2 completions") as count:
+            for _ in range(4):
+                clock.now += 10
+                count.advance()
+        run.step += 1
+        return {"reward": 0.0}
+
+    class World:
+        main = True
+
+    train_steps(run, next_step, 2, tmp_path, title="RL (grpo)", status=lambda metrics: "", save_every=10,
+                state=dict, world=World(), tracker=Tracker())
+    lines = progress_lines(capsys.readouterr().err)
+    heartbeats = [line for line in lines if ": sampling " in line]
+    assert [line.split(",")[0] for line in heartbeats] == [
+        "RL (grpo) step 1/2: sampling 3/4 tokens of 2 completions",
+        "RL (grpo) step 2/2: sampling 2/4 tokens of 2 completions"]  # 30 s after the first, and again

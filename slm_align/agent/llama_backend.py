@@ -9,6 +9,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from slm_align.agent.llama_open import TEMPLATE_KEY, open_llama
+from slm_align.devices.host import default_threads
 from slm_align.errors import UserError
 
 
@@ -35,6 +36,7 @@ class LlamaCppBackend:
         """The adapters applied now, in order: ``{"file": name, "sha256": digest}`` each."""
         self._loaded: dict[str, object] = {}
         checked = [self._check_adapter(path) for path in adapters]  # refused before llama.cpp reads a byte
+        threads = threads or default_threads()  # llama.cpp's own: half the CPUs, busy or not
         try:
             self.llm = open_llama(artifact, n_ctx=n_ctx or 0, n_threads=threads, n_threads_batch=threads,
                                   n_batch=512, logits_all=all_logits, verbose=False)

@@ -15,6 +15,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from slm_align.agent.decode import numpy_generate
+from slm_align.devices.host import default_threads
 from slm_align.errors import UserError
 
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -55,8 +56,7 @@ class OnnxBackend:
             raise UserError(f"{artifact} is not an ONNX export (needs model.onnx and tokenizer.json); "
                             "create one with `slm-align export --target onnx`")
         options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
+        options.intra_op_num_threads = threads or default_threads()  # onnxruntime's own: every physical core
         self.session = ort.InferenceSession(str(model_file), options, providers=["CPUExecutionProvider"])
         self.tokenizer = Tokenizer.from_file(str(artifact / "tokenizer.json"))
         self._read_settings(artifact, n_ctx)

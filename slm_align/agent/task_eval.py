@@ -163,15 +163,15 @@ def _expected_tool(row: dict) -> Optional[str]:
 
 
 def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
-               max_tool_rounds: int = DEFAULT_TOOL_ROUNDS) -> Agent:
-    """A greedy agent with the built-in tools on ``artifact``; one that does
-    not load is a UserError."""
+               max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, threads: Optional[int] = None) -> Agent:
+    """A greedy agent with the built-in tools on ``artifact`` (``threads``: its backend's, default
+    :func:`~slm_align.devices.host.default_threads`); one that does not load is a UserError."""
     artifact = Path(artifact)
     if not artifact.exists():
         raise UserError(f"artifact {artifact} not found; pass a .gguf file or "
                         "an ONNX export directory")
     try:
-        model = load_model(artifact)
+        model = load_model(artifact, threads=threads)
     except UserError:
         raise
     except Exception as exc:  # llama.cpp and onnxruntime raise their own types for a damaged file
@@ -417,17 +417,19 @@ def task_rows(tasks: Union[str, Path, None], bfcl: Optional[str], limit: Optiona
 def evaluate_artifacts(tasks: Union[str, Path, None], artifacts: Sequence[Union[str, Path]],
                        limit: Optional[int] = None, max_tokens: int = DEFAULT_MAX_TOKENS,
                        max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, seed: int = 0, samples: int = DEFAULT_SAMPLES,
-                       temperature: float = DEFAULT_TEMPERATURE, bfcl: Optional[str] = None) -> dict:
+                       temperature: float = DEFAULT_TEMPERATURE, bfcl: Optional[str] = None,
+                       threads: Optional[int] = None) -> dict:
     """Every artifact on the same task rows (a task file, or BFCL's categories ``bfcl`` with
     ``limit`` entries of each); the report: how the episodes ran, per artifact its
     :func:`summarize` figures and per-episode ``results``, and each artifact after the first
     compared with the first (:func:`compare`, and per category for function rows). Settings, rows
-    and artifacts are checked before any episode runs."""
+    and artifacts are checked before any episode runs. ``threads``: each backend's CPU threads."""
     check_settings(samples, temperature, max_tool_rounds, max_tokens)
     if not artifacts:
         raise UserError("pass at least one --artifact (a .gguf file or an ONNX export directory)")
     rows, name = task_rows(tasks, bfcl, limit)
-    agents = [open_agent(artifact, max_tokens, max_tool_rounds) for artifact in artifacts]  # all load, or none runs
+    agents = [open_agent(artifact, max_tokens, max_tool_rounds, threads)  # all load, or none runs
+              for artifact in artifacts]
     with stage_lines("evaluate-agent", f"{len(agents)} model(s) on {len(rows)} tasks x {samples} "
                                        f"episode(s)") as stage:
         runs = [run_episodes(agent, rows, samples, temperature, seed, label="/".join(Path(artifact).parts[-2:]))

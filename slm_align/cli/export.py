@@ -11,12 +11,14 @@ from slm_align.cli.options import (
     ALLOW_PICKLE,
     DEVICE,
     OUT_NAMES,
+    THREADS,
     ChatTemplateOpt,
     ConfigOpt,
     JsonFlag,
     ThreadsOpt,
     recipe_flags,
     recipe_from,
+    use_threads,
 )
 from slm_align.cli.render import emit, print_export, print_merge
 
@@ -27,7 +29,7 @@ commands = typer.Typer()
                          "runs/demo/merged/\n\n  slm-align merge --run runs/demo --out "
                          "models/story-rl --overwrite --json\n\n  slm-align merge --run runs/demo "
                          "--set model.allow_pickle=true   # a .bin base")
-@recipe_flags([DEVICE, ALLOW_PICKLE])
+@recipe_flags([DEVICE, THREADS, ALLOW_PICKLE])
 def merge(
     run: Path = typer.Option(..., "--run", "-r", help="Run directory with a finished SFT "
                                                       "stage (RL used if present)."),
@@ -104,6 +106,7 @@ def export(
     (`ollama create NAME -f model-Q8_0.Modelfile`)."""
     from slm_align.export.stage import ExportRequest, run_export
 
+    use_threads(threads)  # PyTorch's side (conversion, parity); llama.cpp's from the request
     request = ExportRequest(source, target=target, quant=quant, device=device, out=out, verify=not no_verify,
                             overwrite=overwrite, force=force, min_agreement=min_agreement, ort_format=ort_format,
                             threads=threads, preset=preset, system=system, torch_device=torch_device,

@@ -27,6 +27,7 @@ from pydantic.fields import FieldInfo
 
 from slm_align.agent.bounds import Typed, accepted, members, of_field, refusal, typed
 from slm_align.config import Recipe, load_recipe
+from slm_align.devices.host import default_threads
 from slm_align.errors import UserError
 from slm_align.recipe_overrides import merged_overrides, refuse_other_algorithm
 
@@ -53,8 +54,6 @@ def threads_within_cores(value: Optional[int]) -> Optional[int]:
     return value
 
 
-ThreadsOpt = typer.Option(None, "--threads", min=1, callback=threads_within_cores,
-                          help="Threads (default: the device profile's, else this host's cores).")
 CtxOpt = typer.Option(None, *CTX_NAMES, min=16, help="Context window in tokens.")
 SetOpt = typer.Option([], "--set", help="Any recipe setting as KEY=VALUE, typed and checked like "
                       "the TOML (--set sft.lora.r=32 --set rl.grpo.loss_type=dr_grpo); repeatable; "
@@ -183,7 +182,8 @@ class Flag:
     given. ``repeat``: given several times, collected into a list. ``parse``: turns the flag's text
     into the value. ``help``: own help, only for a flag whose meaning is not the field's (a switch
     that turns a guard off). ``aliases``: other names users know (TRL's ``--num-generations``),
-    accepted as they are, no note. Its ``--help`` panel is its key's section's (:func:`panel_of`).
+    accepted as they are, no note. ``minimum`` and ``callback``: checks at parse time, before the
+    recipe is read. Its ``--help`` panel is its key's section's (:func:`panel_of`).
     """
 
     name: str
@@ -195,6 +195,8 @@ class Flag:
     note: str = ""
     help: Optional[str] = None
     aliases: tuple[str, ...] = ()
+    minimum: Optional[int] = None
+    callback: Optional[Callable[[Any], Any]] = None
 
     @property
     def param(self) -> str:
@@ -225,7 +227,9 @@ class Flag:
                                 rich_help_panel=panel)
         if self.repeat:
             return typer.Option([], *names, help=self.help or recipe_help(self.key, self.note), rich_help_panel=panel)
-        return recipe_option(self.key, *names, note=self.note, rich_help_panel=panel)
+        checks = {"min": self.minimum, "callback": self.callback}
+        checks = {name: check for name, check in checks.items() if check is not None}
+        return recipe_option(self.key, *names, note=self.note, rich_help_panel=panel, **checks)
 
     def override(self, given: Any) -> Any:
         """The ``load_recipe`` override for the flag's parsed value; None when it was not given."""
@@ -249,6 +253,28 @@ command that loads them."""
 
 DEVICE = Flag("--device", "compute.device")
 """Where a command computes; every command that loads a model for torch takes it."""
+
+THREADS = Flag("--threads", "compute.threads", minimum=1, callback=threads_within_cores)
+"""CPU threads of every command that computes: a recipe flag of the training commands, and
+:data:`ThreadsOpt` (the same option) of the others."""
+ThreadsOpt = THREADS.option()
+
+
+def use_threads(threads: Optional[int]) -> int:
+    """Give this process's PyTorch ``threads`` CPU threads (else :func:`default_threads`), once, at
+    a command's start, before any model loads; the number. PyTorch's inter-op pool gets as many
+    where torch still allows it (it refuses once inter-op work has run, or the second time in one
+    process). llama.cpp takes the number from each backend (``n_threads``, ``n_threads_batch``):
+    the RL sampler reads it back from torch."""
+    import torch
+
+    chosen = threads or default_threads()
+    torch.set_num_threads(chosen)
+    try:
+        torch.set_num_interop_threads(chosen)
+    except RuntimeError:  # inter-op work has run, or it was set before in this process: leave it
+        pass
+    return chosen
 
 
 def _signature_replacing(command: Callable, name: str, replacement: list[inspect.Parameter]) -> inspect.Signature:
@@ -296,6 +322,8 @@ def recipe_flags(*tables: Sequence[Flag]) -> Callable[[Callable], Callable]:
                 algo = recipe_from(given.get("config"), settings).rl.algo
                 given_flags = {flag.key: flag.name for flag in flags if named[flag.key] is not None}
                 refuse_other_algorithm(algo, settings, given_flags)
+            if THREADS.key in named:  # the command computes: its threads are set before its work
+                use_threads(recipe_from(given.get("config"), settings).compute.threads)
             return command(settings=settings, **given)
 
         set_values = inspect.Parameter("set_values", inspect.Parameter.KEYWORD_ONLY, default=SetOpt,

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from slm_align.cli.options import JsonFlag
+from slm_align.cli.options import JsonFlag, ThreadsOpt
 from slm_align.cli.render import emit, stdout
 from slm_align.data.function_tasks import CATEGORIES
 from slm_align.errors import UserError
@@ -135,6 +135,7 @@ def evaluate_agent(
                                                            "(per-episode results) here."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file (never an "
                                                               "input)."),
+    threads: Optional[int] = ThreadsOpt,
     as_json: bool = JsonFlag,
 ) -> None:
     """Run exported models in the agent runtime, with real tools, on held-out tasks:
@@ -150,7 +151,7 @@ def evaluate_agent(
         check_out_file(out, [path for path in (tasks, *artifact) if path is not None], overwrite)
     report = evaluate_artifacts(tasks, artifact, limit=limit, max_tokens=max_new_tokens,
                                 max_tool_rounds=max_tool_rounds, seed=seed, samples=samples,
-                                temperature=temperature, bfcl=bfcl)
+                                temperature=temperature, bfcl=bfcl, threads=threads)
     if out is not None:
         write_json_atomic(out, report)
     emit(as_json, report, lambda: print_agent_report(report))

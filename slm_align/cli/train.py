@@ -11,12 +11,15 @@ from slm_align.cli.options import (
     ALLOW_PICKLE,
     DEVICE,
     OUT_NAMES,
+    THREADS,
     ConfigOpt,
     Flag,
     JsonFlag,
+    ThreadsOpt,
     recipe_flags,
     recipe_from,
     recipe_option,
+    use_threads,
 )
 from slm_align.cli.render import (
     emit,
@@ -80,6 +83,7 @@ SAFETY = (
 )
 COMPUTE = (
     DEVICE,
+    THREADS,
     Flag("--precision", "compute.precision"),
     Flag("--gradient-checkpointing", "compute.gradient_checkpointing", sets=True),
     Flag("--load-in-4bit", "compute.load_in_4bit", sets=True),
@@ -204,7 +208,7 @@ def sft(
                          "slm-align check-headroom --run runs/demo --max-ppl 15 --json\n\n  "
                          "slm-align check-headroom --run runs/demo --reward "
                          "mypkg.rewards:politeness@0.5")
-@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY, [DEVICE, ENVIRONMENT_MODULE])
+@recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY, [DEVICE, ENVIRONMENT_MODULE, THREADS])
 def check_headroom(
     run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with --model)."),
@@ -238,12 +242,14 @@ def quickstart(
     reward_steps: int = typer.Option(100, min=1, help="Reward-model optimizer steps."),
     rl_steps: int = typer.Option(20, min=1, help="PPO iterations."),
     device: Optional[str] = recipe_option("compute.device", "--device"),
+    threads: Optional[int] = ThreadsOpt,
     as_json: bool = JsonFlag,
 ) -> None:
     """Walk the loop on the bundled model: align it on the demo stories, then make it a better calculator agent
     (tool tasks, SFT, GRPO on episodes, both judged by evaluate-agent); each stage's figures and seconds."""
     from slm_align.quickstart import run_quickstart
 
+    use_threads(threads)
     say = None if as_json else stdout.print
     result = run_quickstart(out, sft_steps=sft_steps, reward_steps=reward_steps, rl_steps=rl_steps, say=say,
                             device=device or "auto")
@@ -323,7 +329,7 @@ SUMMARY_PRINTERS = {"sft": print_sft, "reward": print_reward, "rl": print_rl}
                          "100\n\n  slm-align evaluate --run runs/demo --reward length_window@0.5 "
                          "--json\n\n  slm-align evaluate --run runs/demo --set rl.temperature=0.7 "
                          "--set headroom.max_documents=50")
-@recipe_flags(SAMPLING, TASKS, [DEVICE, ALLOW_PICKLE])
+@recipe_flags(SAMPLING, TASKS, [DEVICE, THREADS, ALLOW_PICKLE])
 def evaluate(
     run: Path = typer.Option(..., "--run", "-r", help="Run directory (SFT required; RL and "
                                                       "reward used if present)."),

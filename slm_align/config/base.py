@@ -39,6 +39,11 @@ class ComputeSettings(Strict):
                                          "about a third more compute.")
     load_in_4bit: bool = Field(False, description="QLoRA: NF4 4-bit base weights (bitsandbytes) "
                                "for SFT; CUDA only (refused elsewhere and by the other stages).")
+    threads: Optional[int] = Field(None, ge=1, description="CPU threads of PyTorch and llama.cpp "
+                                   "(n_threads, n_threads_batch). Default: a device profile's "
+                                   "where a runtime command names one; else OMP_NUM_THREADS when "
+                                   "set; else the cores this process may use less the 1-minute "
+                                   "load average, at least 1, at most 16.")
     deepspeed: Optional[str] = Field(None, description="DeepSpeed config of the Trainer stages "
                                      "(SFT, reward model), passed to TrainingArguments: zero2 (the "
                                      "bundled ZeRO-2 config) or a JSON file; CUDA and pip install "

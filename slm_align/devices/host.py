@@ -5,6 +5,7 @@ neither torch nor transformers.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import re
@@ -14,12 +15,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 BANDWIDTH_MB = 256            # size of the array the bandwidth probe copies
 BANDWIDTH_REPEATS = 5         # copies; the best one counts
+MAX_DEFAULT_THREADS = 16      # the most threads a command takes unless told (see free_threads)
 # ISA flags as /proc/cpuinfo names them -> the device-profile vocabulary (profiles.ISA_FEATURES)
 X86_FLAGS = {"sse4_2": "sse4", "avx": "avx", "avx2": "avx2", "avx512f": "avx512", "avx512_vnni": "avx512_vnni",
              "avx_vnni": "avx_vnni", "amx_int8": "amx"}
@@ -134,10 +136,53 @@ def host_facts() -> HostFacts:
                      isa=profile_isa(flags))
 
 
-def default_threads() -> int:
+def usable_cores() -> int:
     """Physical cores this process may use (llama.cpp's advice: hyperthreads
     do not speed up decode)."""
     return max(1, min(physical_cores(_read("/proc/cpuinfo")), logical_cpus()))
+
+
+def free_threads(cores: int, load: float, omp_num_threads: Optional[str] = None,
+                 cap: int = MAX_DEFAULT_THREADS) -> int:
+    """The default number of CPU threads of a command: ``OMP_NUM_THREADS`` when the user set it to
+    a whole number >= 1 (the first of a nested list such as ``4,2``); else the ``cores`` this
+    process may use less the host's 1-minute ``load`` average, rounded to the nearest whole core,
+    at least 1 and at most ``cap``.
+
+    Why not one thread per core: a thread that finds no free core waits its turn, and every
+    operation's barrier waits for the slowest thread, so one thread too many costs far more than
+    one core. On a 2-core host with another job running, PyTorch greedy decoding of SmolLM2-135M ran
+    at 0.8-2.4 tokens/s with 2 threads against about 17 with 1, and llama.cpp's bench at 5.2 against
+    50.1 (issue 44). The load average counts the jobs running or waiting to run, so cores less load
+    are the cores nobody else is using. ``OMP_NUM_THREADS`` is the user's own choice, the variable
+    PyTorch and OpenMP read, and is taken as it is; a value that is no whole number >= 1 is ignored,
+    as OpenMP ignores it. The cap is a judgement, not a measurement: decoding a small model is bound
+    by memory bandwidth, which a few threads fill, while each thread more adds to every barrier.
+    Written here rather than taken from a library: neither PyTorch (one thread per physical core)
+    nor llama.cpp (half the logical CPUs) looks at the load.
+    """
+    if omp_num_threads is not None:
+        first = omp_num_threads.split(",")[0].strip()
+        if first.isdigit() and int(first) >= 1:
+            return int(first)
+    free = int(cores - load + 0.5)
+    return max(1, min(cap, free))
+
+
+def load_average() -> float:
+    """The host's 1-minute load average (0 where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows; a platform that cannot tell
+        return 0.0
+
+
+@functools.cache
+def default_threads() -> int:
+    """This process's default thread count (:func:`free_threads` of this host now), decided once,
+    at its first use: a command asks before it computes, so the load it adds itself later (a
+    training stage before an evaluation in the same run) never counts against it."""
+    return free_threads(usable_cores(), load_average(), os.environ.get("OMP_NUM_THREADS"))
 
 
 def measure_bandwidth(megabytes: int = BANDWIDTH_MB, repeats: int = BANDWIDTH_REPEATS) -> float:

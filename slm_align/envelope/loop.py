@@ -16,7 +16,7 @@ import torch
 
 from slm_align.atomic import atomic_path
 from slm_align.envelope.world import World
-from slm_align.progress import new_progress
+from slm_align.progress import new_progress, within_step
 from slm_align.runs import keep_first_lines
 from slm_align.tracking import Tracker
 
@@ -69,7 +69,8 @@ def train_steps(run: Stepped, next_step: Callable[[], dict], total: int, partial
     with new_progress() as progress:
         task = progress.add_task(title, total=total, completed=run.step, status="")
         while run.step < total and not stopped():
-            metrics = next_step()
+            with within_step(progress, f"{title} step {run.step + 1}/{total}"):
+                metrics = next_step()
             progress.update(task, completed=run.step, status=status(metrics))
             if not world.main:
                 continue

@@ -21,7 +21,6 @@ which the runtime records as ``model_id`` for every answer base + adapters give.
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 from slm_align.accelerator import resolve_device
 from slm_align.atomic import publish_directory, write_json_atomic
 from slm_align.chat_templates import chosen_chat_template, default_chat_template
+from slm_align.devices.host import default_threads
 from slm_align.errors import UserError
 from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.gguf_adapter import write_lora_gguf
@@ -162,7 +162,7 @@ def _validate(request) -> tuple[Path, str, int]:
     return (
         path.resolve(),
         check_gguf_type(request.quant or DEFAULT_BASE_QUANT),
-        threads or os.cpu_count() or 1,
+        threads or default_threads(),
     )
 
 

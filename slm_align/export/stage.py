@@ -13,7 +13,6 @@ nothing unless ``force``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Optional
 from slm_align.accelerator import resolve_device
 from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
 from slm_align.chat_templates import chosen_chat_template, default_chat_template
+from slm_align.devices.host import default_threads
 from slm_align.errors import UserError
 from slm_align.export.executorch import check_executorch_architecture, check_executorch_quant, write_executorch
 from slm_align.export.genai import check_genai_architecture, genai_tokenizer_report, write_genai_config
@@ -132,7 +132,7 @@ def _device_settings(request: ExportRequest) -> tuple[str, str, int]:
         quant = quant or (profile.gguf_quant if request.target == "gguf" else None)  # ONNX: w8
         preset = preset or profile.onnx_preset
         threads = threads or profile.threads
-    return quant or DEFAULT_QUANT[request.target], preset or host_preset(), threads or os.cpu_count() or 1
+    return quant or DEFAULT_QUANT[request.target], preset or host_preset(), threads or default_threads()
 
 
 def _validate(request: ExportRequest) -> tuple[str, str, int]:

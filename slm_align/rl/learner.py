@@ -26,6 +26,7 @@ from slm_align.envelope.seeds import derive_seed
 from slm_align.envelope.value_head import ValueHead
 from slm_align.envelope.world import World
 from slm_align.errors import UserError
+from slm_align.progress import counted
 from slm_align.rl.advantages import masked_mean
 from slm_align.rl.episodes import AgentTasks, collect_episodes, episode_rewards
 from slm_align.rl.phases import PhaseClock
@@ -130,13 +131,17 @@ class Learner(TrainableRun):
     # ---- the pieces of a minibatch -----------------------------------------------------------
     def minibatches(self, batch: Rollout, step: int) -> Iterator[torch.Tensor]:
         """The (b,) rows of each minibatch of an iteration: ``epochs`` passes over the rollout,
-        each a seeded shuffle ("minibatch_order" at step and epoch) cut into ``minibatch_size``."""
+        each a seeded shuffle ("minibatch_order" at step and epoch) cut into ``minibatch_size``;
+        counted (:func:`~slm_align.progress.counted`) as the step's update."""
         size = self.settings.minibatch_size
-        for epoch in range(self.settings.epochs):
-            seed = derive_seed(self.seed, "minibatch_order", step, epoch=epoch)
-            order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
-            for start in range(0, batch.size, size):
-                yield order[start:start + size]
+        total = self.settings.epochs * -(-batch.size // size)
+        with counted("update", total, "minibatches") as count:
+            for epoch in range(self.settings.epochs):
+                seed = derive_seed(self.seed, "minibatch_order", step, epoch=epoch)
+                order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
+                for start in range(0, batch.size, size):
+                    yield order[start:start + size]
+                    count.advance()
 
     def policy_forward(self, batch: Rollout, rows: torch.Tensor) -> PolicyForward:
         """``rows`` of the rollout under the current policy, timed as "update_forward": first the

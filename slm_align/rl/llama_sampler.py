@@ -34,6 +34,7 @@ from slm_align.export.gguf_adapter import write_lora_gguf
 from slm_align.export.gguf_arch import check_gguf_config
 from slm_align.generation import Samples, draw_tokens
 from slm_align.modeling import resolve_source, save_tokenizer
+from slm_align.progress import counted
 from slm_align.rl.llama_episodes import EPISODE_CONTEXT, ExactLlamaBackend
 
 BASE_TYPES = get_args(RLSettings.model_fields["sampler_base"].annotation)
@@ -138,6 +139,7 @@ class LlamaSampler:
             self.base_gguf,
             n_ctx=8,
             n_threads=threads,
+            n_threads_batch=threads,
             verbose=False,
             vocab_only=False,
         )
@@ -304,25 +306,27 @@ class LlamaSampler:
         logits = self._prompts(ctx, encoded)
         drawn: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
         active = list(range(len(prompts)))
-        while active:
-            tokens, chosen = draw(logits, temperature, generator)
-            going = []
-            for row, sequence in enumerate(active):
-                ids, logprobs = drawn[sequence]
-                ids.append(int(tokens[row]))
-                logprobs.append(float(chosen[row]))
-                if ids[-1] != eos and len(ids) < max_new_tokens:
-                    going.append(sequence)
-            if going:
-                self._decode(
-                    ctx,
-                    [
-                        (drawn[s][0][-1], len(encoded[s]) + len(drawn[s][0]) - 1, s, True)
-                        for s in going
-                    ],
-                )
-                logits = self._logits(ctx, list(range(len(going))))
-            active = going
+        with counted("sampling", max_new_tokens, f"tokens of {len(prompts)} completions") as count:
+            while active:
+                tokens, chosen = draw(logits, temperature, generator)
+                going = []
+                for row, sequence in enumerate(active):
+                    ids, logprobs = drawn[sequence]
+                    ids.append(int(tokens[row]))
+                    logprobs.append(float(chosen[row]))
+                    if ids[-1] != eos and len(ids) < max_new_tokens:
+                        going.append(sequence)
+                if going:
+                    self._decode(
+                        ctx,
+                        [
+                            (drawn[s][0][-1], len(encoded[s]) + len(drawn[s][0]) - 1, s, True)
+                            for s in going
+                        ],
+                    )
+                    logits = self._logits(ctx, list(range(len(going))))
+                active = going
+                count.advance()
         return layout(tokenizer, prompts, encoded, drawn, eos)
 
     def close(self) -> None:

@@ -260,8 +260,8 @@ def test_evaluate_agent_end_to_end_on_the_bundled_export(gguf, tmp_path, capsys,
     shutil.copyfile(gguf, solver)
     script = [reply for task in tasks for reply in (tool_call_text(task["expression"]), f"It is {task['answer']}.")]
 
-    def load(artifact):
-        model = load_model(artifact)
+    def load(artifact, **options):
+        model = load_model(artifact, **options)
         if Path(artifact) == solver:
             model.backend = ScriptedBackend(model.backend, script)
         return model
@@ -344,8 +344,8 @@ def test_samples_2_runs_each_task_twice_with_seeded_sampling_and_reports_pass_at
               call[2], f"It is {tasks[2]['answer']}.", call[2], f"{tasks[2]['answer']}"]  # task 2: success twice
     backends = []
 
-    def scripted(artifact):
-        model = load_model(artifact)
+    def scripted(artifact, **options):
+        model = load_model(artifact, **options)
         model.backend = ScriptedBackend(model.backend, script)
         backends.append(model.backend)
         return model
