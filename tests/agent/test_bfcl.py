@@ -98,8 +98,8 @@ def truth_reply(row: dict) -> str:
 def scripted_loader(solver: Path, replies):
     from slm_align.agent.runtime import load_model
 
-    def load(artifact):
-        model = load_model(artifact)
+    def load(artifact, **options):
+        model = load_model(artifact, **options)
         if Path(artifact) == solver:
             model.backend = ScriptedBackend(model.backend, replies)
         return model
