@@ -96,7 +96,8 @@ def keep_events_until(path: Path, step: int) -> None:
 
 class WatchedRun:
     """One run's watchdog at work: probes, triggers and their actions on the learner,
-    events written by rank 0."""
+    events written by rank 0. ``probe(offset)`` gives the probe's per-prompt rewards of the current
+    adapter with seed offset ``offset`` (:func:`fresh_seed`; 0: the probe every iteration shares)."""
 
     def __init__(self, watchdog: Watchdog, probe, partial: Path, world: World, say, base_beta: float):
         self.watchdog = watchdog
