@@ -240,7 +240,7 @@ def rate_fell(start: Counts, recent: Counts, floor: float, level: float, label: 
     :func:`~slm_align.stats.two_proportion_z`); only with at least :data:`MIN_START_CALLS`
     successes in the start window. ``floor`` 0: off; ``label`` names the rate in the reason.
 
-    Rates compared raw, without the test, fired on 70% of simulated 200-iteration runs of a policy
+    Rates compared raw, without the test, fired on 73% of simulated 200-iteration runs of a policy
     that calls in 8% of 32 episodes an iteration and never changes (tests/rl/test_watchdog.py).
     """
     (x_s, n_s), (x_r, n_r) = start, recent
