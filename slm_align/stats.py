@@ -145,3 +145,34 @@ def student_t_quantile(tail: float, df: int) -> float:
         else:
             high = middle
     return math.sqrt(df) * math.tan((low + high) / 2)
+
+
+def spending_weight(look: int) -> float:
+    """w_k = 6 / (pi^2 k^2), the share of a test's level spent on its k-th look (k = 1, 2, ...).
+
+    The weights sum to one over infinitely many looks (Euler's sum_k 1/k^2 = pi^2/6), so tests at
+    levels alpha * w_k keep the chance that any look ever fires at most alpha by Bonferroni's
+    (Boole's) inequality, however long the run: alpha spent over an open-ended sequence of looks,
+    the union-bound construction of the confidence sequences of Darling & Robbins (1967, "Confidence
+    sequences for mean, variance, and median", PNAS 58:66-68). Three quarters of the level go to the
+    first two looks (0.61, 0.15), then it thins out: ``look`` counts over the whole run.
+    """
+    if look < 1:
+        raise ValueError(f"looks count from 1 (got {look})")
+    return 6.0 / (math.pi ** 2 * look ** 2)
+
+
+def two_proportion_z(successes_a: int, total_a: int, successes_b: int, total_b: int) -> float:
+    """The pooled two-proportion z statistic of p_a > p_b (Agresti 2013, "Categorical Data
+    Analysis", 3rd ed., 3.1.3): z = (p_a - p_b) / sqrt(p (1 - p) (1/n_a + 1/n_b)) with
+    p_i = x_i / n_i and the pooled p = (x_a + x_b) / (n_a + n_b); 0 when either total is 0 or p is 0
+    or 1 (no spread: nothing to tell apart). Written here rather than taken from statsmodels,
+    which the torch-free wing does not install, for three lines of arithmetic.
+    """
+    if total_a == 0 or total_b == 0:
+        return 0.0
+    pooled = (successes_a + successes_b) / (total_a + total_b)
+    spread = pooled * (1 - pooled) * (1 / total_a + 1 / total_b)
+    if spread <= 0:
+        return 0.0
+    return (successes_a / total_a - successes_b / total_b) / math.sqrt(spread)

@@ -15,8 +15,10 @@ from slm_align.stats import (
     paired_win_rate,
     pass_at_k,
     sign_flip_p_value,
+    spending_weight,
     student_t_quantile,
     student_t_tail,
+    two_proportion_z,
 )
 
 
@@ -119,3 +121,28 @@ def test_bootstrap_mean_interval_is_the_one_sample_percentile_interval():
     means.sort()
     assert (low, high) == (means[50], means[1949])
     assert bootstrap_mean_ci([1.0] * 5) == (1.0, 1.0)
+
+
+def test_spending_weights_sum_to_one_over_an_open_ended_run():
+    assert spending_weight(1) == pytest.approx(6 / math.pi ** 2)
+    assert spending_weight(3) == pytest.approx(spending_weight(1) / 9)
+    assert math.fsum(spending_weight(k) for k in range(1, 200_001)) == pytest.approx(1.0, abs=1e-5)
+    with pytest.raises(ValueError):
+        spending_weight(0)
+
+
+def test_two_proportion_z_is_the_pooled_statistic():
+    # 40 of 100 against 20 of 100: pooled 0.3, se sqrt(0.3 x 0.7 x 0.02) = 0.0648, z = 0.2 / 0.0648
+    assert two_proportion_z(40, 100, 20, 100) == pytest.approx(3.086, abs=1e-3)
+    assert two_proportion_z(20, 100, 40, 100) == pytest.approx(-3.086, abs=1e-3)
+    assert two_proportion_z(0, 50, 0, 50) == 0.0 and two_proportion_z(5, 0, 1, 10) == 0.0
+
+
+def test_a_pooled_two_proportion_test_keeps_its_level_on_equal_rates():
+    rng = random.Random(0)
+    fired = 0
+    for _ in range(4000):
+        a = sum(rng.random() < 0.1 for _ in range(160))
+        b = sum(rng.random() < 0.1 for _ in range(160))
+        fired += two_proportion_z(a, 160, b, 160) > 1.645
+    assert 0.03 < fired / 4000 < 0.07  # one-sided 5%

@@ -71,8 +71,10 @@ class WatchdogSettings(Strict):
                                  "groups above the first window's plus this (0: off).")
     call_rate_floor: float = Field(0.5, ge=0, lt=1, description="Tool-use collapse (agent "
                                    "episodes): window share of episodes with a tool call below "
-                                   "this fraction of the first window's (0: off); watched only when "
-                                   "the first window's share is above 0.05.")
+                                   "this fraction of the first window's and significantly so (a pooled "
+                                   "two-proportion test on the counts, corrected for the looks: at most "
+                                   "5% false alarms over a run) (0: off); watched once the first window "
+                                   "holds 10 episodes that called.")
     valid_call_floor: float = Field(0.5, ge=0, lt=1, description="Tool-use collapse: window share "
                                     "of tool calls that parse and validate against the tool's "
                                     "schema below this fraction of the first window's (0: off).")
@@ -166,7 +168,8 @@ class RLSettings(Strict):
     clip_eps: float = Field(0.2, gt=0, lt=1, description="Ratio clip (PPO, and GRPO's lower bound).")
     mask_truncated: bool = Field(False, description="Give truncated completions no gradient.")
     length_penalty: float = Field(0.0, ge=0, description="Soft penalty per token past "
-                                                         "80% of max_new_tokens.")
+                                                         "80% of max_new_tokens (in each round of an "
+                                                         "agent episode).")
     missing_eos_penalty: float = Field(0.0, ge=0, description="Subtract from the score of a "
                                                               "completion without EOS (TRL's "
                                                               "missing_eos_penalty; 0: off).")

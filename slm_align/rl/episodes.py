@@ -209,6 +209,9 @@ class Episode:
     rerendered: bool = False
     """A round's prompt was rendered anew rather than extended: ``ids`` stop before it and hold
     none of the final answer's ids, so the episode trains nothing (:func:`pack`)."""
+    round_tokens: list[int] = field(default_factory=list)
+    """The ids the policy sampled in each round (its tool rounds, then the final answer), as far as
+    ``ids`` go: what lengths count (the runtime's inserted tool results count for nothing)."""
 
     def view(self) -> dict:
         """What a reward sees of the episode (``episodes=``): each turn's text, the calls and their
@@ -237,7 +240,20 @@ def run_episode(backend, prompt: str, setup: EpisodeSetup, settings: RLSettings,
     ids, sampled, logprobs, cut = _trace_ids(agent.trace, backend.rounds)
     rounds = sum(1 for kind, _ in agent.trace[1:] if kind != "sampled")  # a round's prompt extended or anew
     return Episode(prompt, ids, len(agent.trace[0][1]), sampled, reply.text, reply.tool_calls, rounds,
-                   reply.truncated or cut, agent.messages, setup.environment, logprobs, rerendered=cut)
+                   reply.truncated or cut, agent.messages, setup.environment, logprobs, rerendered=cut,
+                   round_tokens=round_tokens(agent.trace))
+
+
+def round_tokens(trace: list[tuple[str, list[int]]]) -> list[int]:
+    """The ids sampled in each round of a runtime trace, up to where the runtime rendered the
+    conversation anew (:func:`_trace_ids` keeps the ids up to there only)."""
+    counts = []
+    for kind, piece in trace[1:]:
+        if kind == "prompt":
+            break
+        if kind == "sampled":
+            counts.append(len(piece))
+    return counts
 
 
 def _trace_ids(trace: list[tuple[str, list[int]]],
@@ -284,10 +300,11 @@ def collect_episodes(policy, value_head: Optional[ValueHead], tokenizer, reward_
     truncated = torch.tensor([e.truncated for e in episodes], device=input_ids.device)
     with clock.phase("reward"):
         raw = episode_scores(reward_fn, prompts, episodes)
-    scores, mask = truncation_rules(torch.tensor(raw, device=input_ids.device), mask, truncated, settings)
+    rounds = [e.round_tokens for e in episodes]
+    scores, mask = truncation_rules(torch.tensor(raw, device=input_ids.device), mask, truncated, settings, rounds)
     drawn = sampler_logprobs(episodes, mask.shape[1], mask.device) if sampler is not None else None
     rollout = Rollout(prompts, [e.answer for e in episodes], input_ids, attention, width, mask, old, ref, values,
-                      scores, truncated, sampler_logprobs=drawn)
+                      scores, truncated, sampler_logprobs=drawn, round_tokens=rounds)
     rollout.stats = episode_stats(episodes, tasks.tasks)
     return rollout
 
@@ -367,12 +384,17 @@ def episode_scores(reward_fn, prompts: list[str], episodes: list[Episode]) -> li
 
 def episode_stats(episodes: list[Episode], tasks: TaskSet) -> dict[str, float]:
     """The iteration's agent metrics: the share of episodes that called a tool, the share of calls
-    that parsed, validated and ran, tool rounds per episode, the share of episodes left untrained
-    because a round's context was rendered anew, and, when the rows have an ``answer``, the share of
-    episodes whose final answer is right (the runtime's success rule)."""
+    that parsed, validated and ran, and the counts behind both (the watchdog tests counts, not
+    rates), tool rounds per episode, the share of episodes left untrained because a round's
+    context was rendered anew, and, when the rows have an ``answer``, the share of episodes whose
+    final answer is right (the runtime's success rule)."""
     calls = [call for e in episodes for call in e.calls]
-    stats = {"episode/call_rate": sum(1 for e in episodes if e.calls) / len(episodes),
-             "episode/valid_call_rate": sum(1 for c in calls if c["ok"]) / len(calls) if calls else float("nan"),
+    calling = sum(1 for e in episodes if e.calls)
+    valid = sum(1 for c in calls if c["ok"])
+    stats = {"episode/call_rate": calling / len(episodes),
+             "episode/valid_call_rate": valid / len(calls) if calls else float("nan"),
+             "episode/count": float(len(episodes)), "episode/with_calls": float(calling),
+             "episode/calls": float(len(calls)), "episode/valid_calls": float(valid),
              "episode/rounds": sum(e.rounds for e in episodes) / len(episodes),
              "episode/rerendered": sum(e.rerendered for e in episodes) / len(episodes)}
     answers = [tasks.row(e.prompt).get("answer") for e in episodes]

@@ -240,10 +240,11 @@ def _mean(results: list[dict], key: str) -> Optional[float]:
 
 def rollout_metrics(batch: Rollout, results: list[dict], kl: Optional[float],
                     seconds: float) -> dict:
-    """The metrics both algorithms log: reward, KL, lengths, the minibatch statistics averaged."""
+    """The metrics both algorithms log: reward, KL, lengths (``completion/length``: tokens sampled per
+    round, :attr:`~slm_align.rl.rollout.Rollout.round_lengths`), the minibatch statistics averaged."""
     lengths = batch.lengths.float()
     metrics = {**batch.stats, "reward/mean": float(batch.scores.mean()), "reward/std": float(batch.scores.std()),
-               "kl": kl, "completion/length": float(lengths.mean()),
+               "kl": kl, "completion/length": float(batch.round_lengths.mean()),
                "completion/truncated_frac": float(batch.truncated.float().mean()),
                "ratio/max": max(r["ratio/max"] for r in results), "step_time": seconds,
                "tokens_per_s": float(lengths.sum()) / seconds if seconds else 0.0}

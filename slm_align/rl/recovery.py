@@ -5,7 +5,8 @@ raised, and each event said, logged and recorded.
 The probe samples one completion per held-out prompt with the recipe's seed inside a forked RNG, so
 a run with the watchdog trains on exactly the draws of a run without it until the first event. It
 scores with the reward's base weights: the call-format shaping changes what training is paid, not
-the yardstick of the best adapter.
+the yardstick of the best adapter. A reward drop is confirmed by probing the current adapter on
+fresh seeds (offsets 1, 2, ... of :func:`fresh_seed`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ from slm_align.rl.watchdog_text import event_line
 from slm_align.tracking import Tracker
 
 EVENTS = "events.jsonl"
+FRESH_STRIDE = 104_729
+"""The distance between the seeds of the probe's fresh draws (a prime, so that they fall on no
+seed the run derives by small steps)."""
+
+
+def fresh_seed(seed: int, offset: int) -> int:
+    """The probe's seed for draw ``offset``: 0 is the probe every iteration shares, 1, 2, ... the
+    fresh ones of a reward-drop confirmation."""
+    return seed + FRESH_STRIDE * offset
 
 
 def probe_rewards(loop, prompts: list[str], seed: int) -> list[float]:
@@ -86,7 +96,8 @@ def keep_events_until(path: Path, step: int) -> None:
 
 class WatchedRun:
     """One run's watchdog at work: probes, triggers and their actions on the learner,
-    events written by rank 0."""
+    events written by rank 0. ``probe(offset)`` gives the probe's per-prompt rewards of the current
+    adapter with seed offset ``offset`` (:func:`fresh_seed`; 0: the probe every iteration shares)."""
 
     def __init__(self, watchdog: Watchdog, probe, partial: Path, world: World, say, base_beta: float):
         self.watchdog = watchdog
@@ -109,16 +120,26 @@ class WatchedRun:
         apply_scales(loop, self.watchdog, self.base_beta)
         if self.watchdog.best_step is None:
             started = time.perf_counter()
-            self.watchdog.record_probe(loop.step, self._probe(loop), lambda: capture(loop))
+            self.watchdog.record_probe(loop.step, self._probe(loop), lambda: capture(loop), self._reprobe(loop))
             self.seconds += time.perf_counter() - started
 
-    def _probe(self, loop) -> list[float]:
-        """The probe's per-prompt rewards, scored with the reward's base weights."""
+    def _probe(self, loop, offset: int = 0) -> list[float]:
+        """The probe's per-prompt rewards with seed ``offset`` (:func:`fresh_seed`), scored with the
+        reward's base weights."""
         scale_shaping(loop, 1.0)
         try:
-            return self.probe()
+            return self.probe(offset)
         finally:
             scale_shaping(loop, self.watchdog.shaping_scale)
+
+    def _reprobe(self, loop):
+        """``reprobe(offset)`` for :meth:`Watchdog.record_probe`: the current adapter's probe with
+        the fresh seed ``offset``."""
+
+        def reprobe(offset: int) -> list[float]:
+            return self._probe(loop, offset)
+
+        return reprobe
 
     def after_step(self, loop, metrics: dict) -> None:
         """After an iteration: observe, probe when due (its mean joins ``metrics``),
@@ -134,7 +155,7 @@ class WatchedRun:
         if watchdog.probe_due(loop.step, loop.settings.steps):
             rewards = self._probe(loop)
             if flagged is None:  # an iteration a window flags is never the one published or returned to
-                watchdog.record_probe(loop.step, rewards, lambda: capture(loop))
+                watchdog.record_probe(loop.step, rewards, lambda: capture(loop), self._reprobe(loop))
             metrics["watchdog/probe_reward"] = sum(rewards) / len(rewards)
         trigger = self.world.share(watchdog.check())
         if trigger is None:

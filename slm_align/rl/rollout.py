@@ -35,6 +35,7 @@ class Rollout:
     all_equal: int = 0  # GRPO: groups whose first draw's rewards were all equal (no signal)
     stats: dict = field(default_factory=dict)  # metrics of the rollout itself (agent episodes': call rate, ...)
     sampler_logprobs: Optional[torch.Tensor] = None  # (B, T) another engine's log-probs of its tokens (llama.cpp)
+    round_tokens: Optional[list[list[int]]] = None  # per row, tokens sampled in each round (agent episodes)
 
     @property
     def size(self) -> int:
@@ -45,6 +46,17 @@ class Rollout:
     def lengths(self) -> torch.Tensor:
         """(B,) completion tokens of each row (EOS included, padding not)."""
         return self.attention_mask[:, self.prompt_width:].sum(-1)
+
+    @property
+    def round_lengths(self) -> torch.Tensor:
+        """(B,) float tokens sampled per round of each row: :attr:`lengths` for single completions
+        (one round), for an agent episode its sampled tokens over its rounds (tool rounds and the
+        answer), the tool results the runtime inserted not counted: the ``completion/length`` the
+        watchdog watches, which an agent that learns to call tools does not inflate."""
+        if self.round_tokens is None:
+            return self.lengths.float()
+        per_round = [sum(rounds) / len(rounds) if rounds else 0.0 for rounds in self.round_tokens]
+        return torch.tensor(per_round, dtype=torch.float32, device=self.scores.device)
 
 
 def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, prompts: list[str],
@@ -111,18 +123,31 @@ def scoring_passes(policy, value_head: Optional[ValueHead], input_ids, attention
     return old, ref, values
 
 
-def truncation_rules(scores: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor,
-                     settings: RLSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the recipe does to long and truncated rows: the scores (B,) less the length penalty (per
-    sampled token past 80% of the budget, the tokens counted on ``mask`` (B, T)) and the missing-EOS
-    penalty, and the mask with truncated rows zeroed under ``mask_truncated``."""
+def truncation_rules(scores: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor, settings: RLSettings,
+                     round_tokens: Optional[list[list[int]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the recipe does to long and truncated rows: the scores (B,) less the length penalty and
+    the missing-EOS penalty, and the mask with truncated rows zeroed under ``mask_truncated``.
+
+    The length penalty is ``length_penalty`` per sampled token past 80% of ``max_new_tokens`` in each
+    round (:func:`tokens_over`): one completion's tokens counted on ``mask`` (B, T), an agent
+    episode's per round in ``round_tokens``, since the budget is each round's."""
     if settings.length_penalty:
-        lengths = mask.sum(-1)
-        scores = scores - settings.length_penalty * (lengths - 0.8 * settings.max_new_tokens).clamp(min=0)
+        over = tokens_over(mask, round_tokens, 0.8 * settings.max_new_tokens)
+        scores = scores - settings.length_penalty * over
     scores = scores - settings.missing_eos_penalty * truncated.float()
     if settings.mask_truncated:
         mask = mask * (~truncated).float().unsqueeze(-1)
     return scores, mask
+
+
+def tokens_over(mask: torch.Tensor, round_tokens: Optional[list[list[int]]], allowed: float) -> torch.Tensor:
+    """(B,) sampled tokens past ``allowed`` per round, summed over each row's rounds:
+    sum_r max(0, n_r - allowed). ``round_tokens`` None: one round of ``mask.sum(-1)`` tokens per row
+    ((B, T) mask); else the tokens of each round of each row (an agent episode's)."""
+    if round_tokens is None:
+        return (mask.sum(-1) - allowed).clamp(min=0)
+    over = [sum(max(0.0, count - allowed) for count in rounds) for rounds in round_tokens]
+    return torch.tensor(over, dtype=mask.dtype, device=mask.device)
 
 
 def _logprobs_and_values(policy, input_ids, attention, width: int, settings: RLSettings, value_head=None):
@@ -169,6 +194,7 @@ def _row(r: Rollout, i: int, width: int, length: int, pad_id: int) -> dict:
         "sampler_logprobs": _padded_tokens(r.sampler_logprobs, i, length),
         "scores": r.scores[i:i + 1], "truncated": r.truncated[i:i + 1],
         "prompt": r.prompts[i], "completion": r.completions[i],
+        "round_tokens": r.round_tokens[i] if r.round_tokens is not None else [int(r.lengths[i])],
     }
 
 
@@ -197,8 +223,10 @@ def replace_rows(batch: Rollout, rows: list[int], replacement: Rollout, pad_id: 
             merged.append(_row(replacement, next(replacements), width, length, pad_id))
         else:
             merged.append(_row(batch, i, width, length, pad_id))
+    episodes = batch.round_tokens is not None or replacement.round_tokens is not None
     return Rollout([r["prompt"] for r in merged], [r["completion"] for r in merged], _stack(merged, "input_ids"),
                    _stack(merged, "attention_mask"), width, _stack(merged, "mask"), _stack(merged, "old_logprobs"),
                    _stack(merged, "ref_logprobs"), _stack(merged, "values"), _stack(merged, "scores"),
                    _stack(merged, "truncated"), stats=dict(batch.stats),
-                   sampler_logprobs=_stack(merged, "sampler_logprobs"))
+                   sampler_logprobs=_stack(merged, "sampler_logprobs"),
+                   round_tokens=[r["round_tokens"] for r in merged] if episodes else None)

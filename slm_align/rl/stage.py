@@ -38,7 +38,15 @@ from slm_align.rl.llama_episodes import EPISODE_CONTEXT
 from slm_align.rl.llama_sampler import LlamaSampler
 from slm_align.rl.policy_backend import policy_template
 from slm_align.rl.ppo import PPO
-from slm_align.rl.recovery import EVENTS, WatchedRun, probe_rewards, read_events, restore, scale_shaping
+from slm_align.rl.recovery import (
+    EVENTS,
+    WatchedRun,
+    fresh_seed,
+    probe_rewards,
+    read_events,
+    restore,
+    scale_shaping,
+)
 from slm_align.rl.schedule import iteration_size
 from slm_align.rl.watchdog import Watchdog
 from slm_align.runs import artifact_digest, stage_identity
@@ -267,10 +275,10 @@ class RLStage:
         prompts = self.prompts.heldout[-settings.probe_prompts:]
         loop = self.loop
 
-        def probe() -> list[float]:
-            """Per-prompt rewards of the current adapter on the probe
-            prompts (the recipe's seed)."""
-            return probe_rewards(loop, prompts, recipe.seed)
+        def probe(offset: int = 0) -> list[float]:
+            """Per-prompt rewards of the current adapter on the probe prompts (the recipe's seed,
+            or a fresh one for ``offset`` > 0)."""
+            return probe_rewards(loop, prompts, fresh_seed(recipe.seed, offset))
 
         return WatchedRun(Watchdog(settings), probe, partial, self.world, self.say, recipe.rl.grpo.beta)
 

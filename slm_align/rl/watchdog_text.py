@@ -49,9 +49,8 @@ def report_section(record: Optional[dict], events: list[dict]) -> list[str]:
     if not record.get("enabled"):
         return lines + [f"The collapse watchdog was off (`--watchdog off`): the last adapter "
                         f"(iteration {record['published_step']}) is published.", ""]
-    lines.append(f"Published: the adapter of iteration {record['published_step']} (the latest "
-                 f"held-out probe not significantly below the peak, iteration "
-                 f"{record['peak_step']} at mean reward {record['best_reward']:.3f}); the last "
+    lines.append(f"Published: the adapter of iteration {record['published_step']} (the peak of "
+                 f"the held-out probe, mean reward {record['best_reward']:.3f}); the last "
                  f"iteration's adapter is kept as `rl/adapter-last`.")
     if record.get("stopped_early"):
         lines.append(f"Stopped early: {record['stopped_early']}.")

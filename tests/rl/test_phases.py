@@ -58,8 +58,8 @@ def test_every_iteration_logs_its_phases_and_they_fit_in_the_iteration(sft_run, 
         assert sum(timed) <= metrics["step_time"]
 
 
-def flat_probe() -> list[float]:
-    """A watchdog probe that always scores 0."""
+def flat_probe(offset: int = 0) -> list[float]:
+    """A watchdog probe that always scores 0 (on any seed ``offset``)."""
     return [0.0]
 
 

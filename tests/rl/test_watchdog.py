@@ -7,14 +7,17 @@ evaluation report included."""
 import copy
 import importlib
 import json
+import math
 import random
 import shutil
 import statistics
 from pathlib import Path
+from statistics import NormalDist
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from slm_align.config import WatchdogSettings
 from slm_align.envelope.world import World
@@ -27,11 +30,13 @@ from slm_align.rl.recovery import WatchedRun, read_events
 from slm_align.rl.watchdog import (
     Trigger,
     Watchdog,
+    confirm_level,
     entropy_collapse,
     kl_runaway,
     mismatch_runaway,
     paired_drop,
     reward_dropped,
+    tool_level,
 )
 from slm_align.rl.watchdog_text import event_line, published_line, report_section
 from tests.helpers import finished_sft_run, run_cli
@@ -91,10 +96,21 @@ def test_detector_thresholds_and_off_switches():
     assert mismatch_runaway([1.0, 1.0], max_sampler_kl=0.0) is None  # 0: off
 
 
-def episodes(calls: list[float], valid: list[float]) -> list[dict]:
-    """Per-iteration metrics of agent episodes: call rate and valid-call rate."""
-    return [{"episode/call_rate": c, "episode/valid_call_rate": v, "episode/success": 0.5}
-            for c, v in zip(calls, valid)]
+def episode_metrics(count: int, calling: int, calls: int, valid: int) -> dict:
+    """One iteration's agent metrics from its counts, as ``episode_stats`` logs them."""
+    return {"episode/call_rate": calling / count, "episode/valid_call_rate": valid / calls if calls else float("nan"),
+            "episode/count": float(count), "episode/with_calls": float(calling), "episode/calls": float(calls),
+            "episode/valid_calls": float(valid), "episode/success": 0.5}
+
+
+def episodes(calls: list[float], valid: list[float], count: int = 32) -> list[dict]:
+    """Per-iteration metrics of ``count`` agent episodes at the given call rates and valid-call
+    rates (one call per calling episode; a NaN valid rate: no call validated)."""
+    rows = []
+    for c, v in zip(calls, valid):
+        calling = round(c * count)
+        rows.append(episode_metrics(count, calling, calling, round((0.0 if v != v else v) * calling)))
+    return rows
 
 
 def feed_metrics(watchdog: Watchdog, rows: list[dict]):
@@ -130,14 +146,55 @@ def test_tool_use_collapse_ignores_noise_absent_metrics_and_a_policy_that_barely
     assert feed_metrics(Watchdog(settings), noise) == (None, None)
     single_turn = [{"entropy": e} for e in noisy(2.0, 0.2, 40)]  # no episode metrics: not watched
     assert feed_metrics(Watchdog(settings), single_turn) == (None, None)
-    only_valid = [{"episode/valid_call_rate": v} for v in [0.9] * 6 + [0.1] * 6]  # no call rate
+    only_valid = [{"episode/valid_call_rate": v} for v in [0.9] * 6 + [0.1] * 6]  # rates, no counts
     assert feed_metrics(Watchdog(settings), only_valid) == (None, None)
-    barely = episodes([0.04, 0.02, 0.03] + [0.0] * 10, [1.0] * 3 + [0.0] * 10)  # start <= 0.05
+    barely = episodes([0.04, 0.02, 0.03] + [0.0] * 10, [1.0] * 3 + [0.0] * 10)  # 3 calls: under 10
     assert feed_metrics(Watchdog(settings), barely) == (None, None)
     falling = episodes([0.6] * 3 + [0.0] * 10, [0.9] * 3 + [0.0] * 10)
     off = settings.model_copy(update=dict(call_rate_floor=0.0, valid_call_floor=0.0))
     assert feed_metrics(Watchdog(off), falling) == (None, None)  # 0: off
     assert feed_metrics(Watchdog(settings), falling)[0].detector == "tool_use_collapse"
+
+
+def tool_iteration(rng: random.Random, rate: float, valid: float, count: int = 32) -> dict:
+    """One iteration of ``count`` simulated episodes: each calls a tool (once) with chance
+    ``rate``, and each call validates with chance ``valid``."""
+    calling = sum(rng.random() < rate for _ in range(count))
+    return episode_metrics(count, calling, calling, sum(rng.random() < valid for _ in range(calling)))
+
+
+def tool_run(seed: int, rate: float, valid: float, steps: int = 200, after: float = 0.0, at: int = 10 ** 9):
+    """The first trigger's (detector, iteration) of a simulated agent run under the default watchdog,
+    its call rate ``rate`` up to iteration ``at`` and ``after`` past it; (None, None) if none."""
+    rng = random.Random(seed)
+    rows = [tool_iteration(rng, rate if i <= at else after, valid) for i in range(1, steps + 1)]
+    trigger, when = feed_metrics(Watchdog(WatchdogSettings()), rows)
+    return (trigger.detector if trigger else None), when
+
+
+@pytest.mark.parametrize("rate, valid", [(0.08, 0.9), (0.15, 0.9), (0.3, 0.3)])
+def test_a_steady_tool_use_rate_rarely_raises_a_collapse(rate, valid):
+    # 32 episodes an iteration, rates that never change: the raw ratios against the first window
+    # fired in 73%, 36% and 72% of these 200-iteration runs; the counts' test, 1.5%, 1% and 1%
+    fired = [tool_run(seed, rate, valid)[0] for seed in range(200)]
+    assert fired.count("tool_use_collapse") / len(fired) < 0.05
+
+
+def test_a_steady_tool_use_rate_rarely_raises_a_collapse_in_a_long_run():
+    fired = [tool_run(seed, 0.08, 0.9, steps=1000)[0] for seed in range(60)]  # raw ratios: 87%
+    assert fired.count("tool_use_collapse") / len(fired) < 0.05
+
+
+def test_a_real_tool_use_collapse_is_still_caught_within_a_window():
+    runs = [tool_run(seed, 0.3, 0.9, after=0.05, at=100) for seed in range(100)]
+    caught = [at for detector, at in runs if detector == "tool_use_collapse" and at > 100]
+    assert len(caught) / len(runs) >= 0.95 and statistics.median(caught) <= 105
+
+
+def test_tool_levels_spend_alpha_over_the_looks_of_a_run():
+    levels = [tool_level(look, 5) for look in range(1, 50_001)]
+    assert levels[:5] == [levels[0]] * 5 and levels[5] == pytest.approx(levels[0] / 4)  # blocks of W looks
+    assert 2 * sum(levels) < 0.05  # both rates, every look: at most 5%
 
 
 def test_a_state_written_before_the_tool_use_metrics_were_watched_resumes():
@@ -159,22 +216,53 @@ def test_paired_drop_is_mean_and_standard_error_of_the_differences():
     assert not reward_dropped([1.0, 2.0, 3.0], [0.0, 2.0, 1.0], margin=1.5, z=0.5)
 
 
-def test_reward_drop_needs_patience_probes_in_a_row_and_tracks_the_best():
+class Reprobes:
+    """``reprobe(offset)`` for :meth:`Watchdog.record_probe` on hand-written rewards: the current
+    adapter's fresh probe is ``now``; the offsets asked for are kept."""
+
+    def __init__(self, now=None):
+        self.now = now
+        self.calls = []
+
+    def __call__(self, offset: int) -> list[float]:
+        self.calls.append(offset)
+        return self.now
+
+
+def test_reward_drop_needs_patience_probes_in_a_row_confirmed_on_fresh_seeds():
     watchdog = Watchdog(WatchdogSettings(reward_patience=2))
     best = noisy(1.0, 0.2, 16, seed=1)
-    assert watchdog.record_probe(0, [0.0] * 16, lambda: "start")
-    assert watchdog.record_probe(5, best, lambda: "best")
-    watchdog.record_probe(10, [b - 0.5 for b in best], lambda: "never")
+    reprobe = Reprobes(now=[b - 0.3 if i % 2 else b + 0.25 for i, b in enumerate(best)])  # as the peak did
+    assert watchdog.record_probe(0, [0.0] * 16, lambda: "start", reprobe)
+    assert watchdog.record_probe(5, best, lambda: "best", reprobe)
+    watchdog.record_probe(10, [b - 0.5 for b in best], lambda: "never", reprobe)
     assert watchdog.check() is None  # one probe below: not yet
     within_noise = [b - 0.3 if i % 2 else b + 0.25 for i, b in enumerate(best)]  # mean drop 0.025, se 0.07
-    # not a drop: the count starts over, and this later, as-good adapter is the one to publish
-    assert watchdog.record_probe(15, within_noise, lambda: "later")
-    watchdog.record_probe(20, [b - 0.5 for b in best], lambda: "never")
-    assert watchdog.check() is None
-    watchdog.record_probe(25, [b - 0.6 for b in best], lambda: "never")
+    # not a drop: the count starts over; and not the peak, so not kept either
+    assert not watchdog.record_probe(15, within_noise, lambda: "later", reprobe)
+    watchdog.record_probe(20, [b - 0.5 for b in best], lambda: "never", reprobe)
+    assert watchdog.check() is None and reprobe.calls == []
+    # two in a row below the peak: confirmed on fresh seeds, where the adapter draws as the peak did
+    watchdog.record_probe(25, [b - 0.6 for b in best], lambda: "never", reprobe)
+    assert reprobe.calls == [1, 2, 3, 4] and watchdog.check() is None  # the screen's false alarm
+    assert watchdog.confirmations == 1 and watchdog.below == 0  # counted, and the count starts over
+    reprobe.now = [b - 0.5 for b in best]  # now it really fell
+    watchdog.record_probe(30, [b - 0.5 for b in best], lambda: "never", reprobe)
+    watchdog.record_probe(35, [b - 0.6 for b in best], lambda: "never", reprobe)
+    assert reprobe.calls == list(range(1, 9))  # fresh seeds again
     trigger = watchdog.check()
     assert trigger.detector == "reward_drop" and "peak (iteration 5" in trigger.why
-    assert watchdog.peak_step == 5 and watchdog.best_step == 15 and watchdog.best_state == "later"
+    assert trigger.value == pytest.approx(0.5) and "confirmed on fresh seeds" in trigger.why
+    assert watchdog.peak_step == watchdog.best_step == 5 and watchdog.best_state == "best"
+    watchdog.respond(35, trigger)
+    assert watchdog.check() is None  # the rollback starts over
+
+
+def test_confirmation_levels_spend_alpha_over_the_run():
+    levels = [confirm_level(2.0, j) for j in range(1, 10_001)]
+    assert levels[0] == pytest.approx(0.02275 * 6 / math.pi ** 2, rel=1e-3)
+    assert sum(levels) < NormalDist().cdf(-2.0)  # all of them together: at most alpha
+    assert levels == sorted(levels, reverse=True)
 
 
 def bernoulli(rate: float):
@@ -187,32 +275,56 @@ def gaussian(mean: float):
     return lambda rng: [rng.gauss(mean, 1.0) for _ in range(16)]
 
 
-def simulated_run(before, after, seed: int, drop_at: int = 10 ** 9, steps: int = 200):
+def simulated_watchdog(before, after, seed: int, drop_at: int = 10 ** 9, steps: int = 200):
     """A run of ``steps`` iterations under the default watchdog with no model: healthy entropy each
     iteration, and at each probe (the start, every ``eval_every``, the end) 16 per-prompt rewards
-    drawn afresh from ``before`` up to iteration ``drop_at`` and from ``after`` past it. The first
-    trigger's detector and iteration, or (None, None)."""
+    drawn afresh from ``before`` up to iteration ``drop_at`` and from ``after`` past it; the kept
+    adapter is the policy of its iteration, and a fresh-seed probe draws from it afresh. The first
+    trigger's detector and iteration, or (None, None), and the watchdog."""
     rng = random.Random(seed)
     watchdog = Watchdog(WatchdogSettings())
-    watchdog.record_probe(0, before(rng), lambda: "kept")
+    current = {"policy": before}
+
+    def reprobe(offset: int) -> list[float]:
+        return current["policy"](rng)
+
+    watchdog.record_probe(0, before(rng), lambda: before, reprobe)
     for done in range(1, steps + 1):
+        current["policy"] = before if done <= drop_at else after
         watchdog.observe({"entropy": rng.uniform(1.8, 2.2)})
         if watchdog.probe_due(done, steps):
-            watchdog.record_probe(done, (before if done <= drop_at else after)(rng), lambda: "kept")
+            policy = current["policy"]
+            watchdog.record_probe(done, policy(rng), lambda policy=policy: policy, reprobe)
         trigger = watchdog.check()
         if trigger is not None:
-            return trigger.detector, done
-    return None, None
+            return trigger.detector, done, watchdog
+    return None, None, watchdog
+
+
+def simulated_run(before, after, seed: int, drop_at: int = 10 ** 9, steps: int = 200):
+    """The first trigger's detector and iteration of :func:`simulated_watchdog`, or (None, None)."""
+    return simulated_watchdog(before, after, seed, drop_at, steps)[:2]
 
 
 @pytest.mark.parametrize("policy", [bernoulli(0.4), gaussian(0.0)], ids=["bernoulli-0.4", "gaussian"])
-def test_a_policy_that_never_changes_is_rarely_rolled_back(policy):
-    # 41 probes of one unchanging policy: the peak is the best of many noisy draws, which the
-    # threshold corrects for (tested against the peak at z = 2 alone, 75% and 71% of these runs
-    # were rolled back; 1.8% and 2.4% with the correction)
-    fired = [simulated_run(policy, policy, seed)[0] for seed in range(500)]
-    assert fired.count("reward_drop") / len(fired) < 0.05
+def test_a_policy_that_never_changes_is_rarely_rolled_back_even_in_a_long_run(policy):
+    # 201 probes of one unchanging policy over 1,000 iterations: the Bonferroni screen alone
+    # rolled back 9.0% and 5.6% of these runs (3.5% at 200 iterations); confirmed on fresh seeds
+    # at levels spent over the run, 0.3% and 0%
+    fired = [simulated_run(policy, policy, seed, steps=1000)[0] for seed in range(200)]
+    assert fired.count("reward_drop") / len(fired) < 0.03
     assert set(fired) <= {None, "reward_drop"}
+
+
+@pytest.mark.parametrize("after", [bernoulli(0.3), bernoulli(0.2)], ids=["to-0.3", "to-0.2"])
+def test_after_a_real_drop_the_adapter_kept_is_from_before_it(after):
+    # success 0.5, then worse from iteration 100 of 200: the published (and rollback) adapter was
+    # one from after the drop in 92% (to 0.3) and 76% (to 0.2) of these runs when any probe not
+    # significantly below the peak took its place
+    runs = [simulated_watchdog(bernoulli(0.5), after, seed, drop_at=100)[2] for seed in range(300)]
+    post_drop = [w.best_step for w in runs if w.best_step > 100]
+    assert len(post_drop) / len(runs) < 0.05
+    assert all(w.best_step == w.peak_step for w in runs)
 
 
 @pytest.mark.parametrize("before, after", [(bernoulli(0.5), bernoulli(0.1)),
@@ -225,18 +337,21 @@ def test_a_real_drop_in_the_middle_of_a_run_is_caught(before, after):
     assert statistics.median(caught) <= 125  # within five probes of the drop, half the time
 
 
-def test_a_trained_adapter_as_good_as_the_start_is_published_not_the_untrained_one():
+def test_the_peak_is_published_a_tie_goes_to_the_trained_adapter_a_lower_probe_never():
     watchdog = Watchdog(WatchdogSettings())
+    reprobe = Reprobes()
     start = noisy(0.5, 0.2, 16, seed=2)
-    assert watchdog.record_probe(0, start, lambda: "untrained")
+    assert watchdog.record_probe(0, start, lambda: "untrained", reprobe)
+    assert watchdog.record_probe(5, list(reversed(start)), lambda: "trained", reprobe)  # as good
+    assert watchdog.best_step == watchdog.peak_step == 5 and watchdog.best_state == "trained"
     slightly_lower = [value - 0.06 if i % 2 else value + 0.05 for i, value in enumerate(start)]  # within noise
-    assert watchdog.record_probe(5, slightly_lower, lambda: "trained")
-    assert watchdog.best_step == 5 and watchdog.peak_step == 0 and watchdog.best_state == "trained"
+    assert not watchdog.record_probe(10, slightly_lower, lambda: "lower", reprobe)
+    assert watchdog.best_step == 5 and watchdog.best_state == "trained" and reprobe.calls == []
 
 
 def test_respond_rolls_back_until_recoveries_are_spent_then_stops():
     watchdog = Watchdog(WatchdogSettings(window=2, max_recoveries=2, lr_factor=0.5, kl_factor=2.0))
-    watchdog.record_probe(0, [1.0], lambda: "best")
+    watchdog.record_probe(0, [1.0], lambda: "best", Reprobes())
     for value in (1.0, 1.0, 20.0, 20.0):
         watchdog.observe({"kl": value})
     trigger = watchdog.check()
@@ -253,7 +368,7 @@ def test_respond_rolls_back_until_recoveries_are_spent_then_stops():
 def test_state_survives_a_checkpoint_bit_for_bit(tmp_path):
     settings = WatchdogSettings(window=3)
     watchdog = Watchdog(settings)
-    watchdog.record_probe(0, noisy(0.5, 0.5, 8), lambda: {"w": torch.randn(3, 3)})
+    watchdog.record_probe(0, noisy(0.5, 0.5, 8), lambda: {"w": torch.randn(3, 3)}, Reprobes())
     for value in noisy(2.0, 0.3, 7):
         watchdog.observe({"entropy": value, "kl": value / 3, "completion/length": value * 10})
     torch.save({"watchdog": watchdog.state_dict()}, tmp_path / "c.pt")
@@ -276,7 +391,7 @@ def test_events_reach_the_report_and_the_curves(tmp_path):
     record = {"enabled": True, "published_step": 2, "peak_step": 1, "best_reward": 0.5, "stopped_early": None}
     section = "\n".join(report_section(record, [event]))
     assert "## Watchdog" in section and "| 3 | kl_runaway | 12.5 | 10 | rollback | 0.0005 |" in section
-    assert "adapter of iteration 2" in section and "iteration 1 at mean reward 0.500" in section
+    assert "adapter of iteration 2 (the peak of the held-out probe, mean reward 0.500)" in section
     assert "adapter-last" in section
     off = "\n".join(report_section({"enabled": False, "published_step": 8}, []))
     assert "was off" in off and "the last adapter (iteration 8)" in off
@@ -330,7 +445,7 @@ def test_combined_reward_scales_a_term_relative_to_its_weight_at_construction():
 
 def test_a_tool_use_rollback_doubles_the_shaping_scale_and_survives_a_checkpoint(tmp_path):
     watchdog = Watchdog(WatchdogSettings(window=2, max_recoveries=3))
-    watchdog.record_probe(0, [0.5, 0.6], lambda: "best")
+    watchdog.record_probe(0, [0.5, 0.6], lambda: "best", Reprobes())
     trigger, _ = feed_metrics(watchdog, episodes([0.6, 0.6, 0.1, 0.1], [0.9] * 4))
     first = watchdog.respond(4, trigger)
     assert first["action"] == "rollback" and first["shaping_scale"] == 2.0 and first["lr_scale"] == 0.5
@@ -365,7 +480,7 @@ def test_a_tool_use_collapse_in_a_run_weighs_up_call_format_but_probes_with_base
     loop = FakeLearner(with_columns(shaped_reward(), tasks=no_columns))
     probes, said = [], []
 
-    def probe() -> list[float]:
+    def probe(offset: int = 0) -> list[float]:
         probes.append(loop.reward_fn(["p"] * 4, ["c"] * 4))
         return probes[-1]
 
@@ -644,8 +759,12 @@ def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp
     assert record["detectors"] == ["length_inflation"] and record["stopped_early"].startswith("length_inflation")
     assert manifest_of(stage)["metrics"]["steps"] == events[0]["step"] < 8  # stopped early
     published = record["published_step"]
-    assert 1 <= published < events[0]["step"]
-    assert adapter_bytes(stage / "adapter") == adapter_bytes(snapshots["adapters"] / str(published))
+    assert published == record["peak_step"] < events[0]["step"]  # the peak probe, never a flagged iteration
+    if published:
+        assert adapter_bytes(stage / "adapter") == adapter_bytes(snapshots["adapters"] / str(published))
+    else:  # the probe at iteration 3 fell short of the start's: the fresh LoRA (B = 0) is the peak
+        weights = load_file(stage / "adapter" / "adapter_model.safetensors")
+        assert all(not tensor.any() for name, tensor in weights.items() if "lora_B" in name)
     assert adapter_bytes(stage / "adapter-last") == adapter_bytes(snapshots["adapters"] / str(events[0]["step"]))
 
 
