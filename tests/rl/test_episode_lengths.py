@@ -37,7 +37,7 @@ def episode_of(trace: list[tuple[str, list[int]]]) -> Episode:
     ids, sampled, logprobs, cut = _trace_ids(trace, draws)
     inserted = sum(1 for kind, _ in trace if kind == "inserted")
     return Episode("p", ids, len(trace[0][1]), sampled, "answer", [], inserted, cut, [], None, logprobs,
-                   round_tokens(trace))
+                   rerendered=cut, round_tokens=round_tokens(trace))
 
 
 def rollout_of(episodes: list[Episode]) -> Rollout:
