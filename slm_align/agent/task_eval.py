@@ -154,13 +154,10 @@ def _expected_tool(row: dict) -> Optional[str]:
 
 def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
                max_tool_rounds: int = DEFAULT_TOOL_ROUNDS) -> Agent:
-    """A greedy agent with the built-in tools on ``artifact``; one that does
-    not load is a UserError."""
-    artifact = Path(artifact)
-    if not artifact.exists():
-        raise UserError(f"artifact {artifact} not found; pass a .gguf file or "
-                        "an ONNX export directory")
-    try:
+    """A greedy agent with the built-in tools on ``artifact`` (any form of
+    :func:`~slm_align.agent.artifact_forms.resolve_artifact`: a model, base + adapters, an adapter
+    export's manifest, a bundle); one that does not load is a UserError."""
+    try:  # a missing path or an unknown form is refused by load_model's resolve_artifact
         model = load_model(artifact)
     except UserError:
         raise

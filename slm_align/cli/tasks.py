@@ -110,8 +110,9 @@ def evaluate_agent(
     tasks: Path = typer.Argument(..., help="Task rows with prompt and answer (jsonl, json, "
                                            "csv, parquet, datasets)."),
     artifact: list[Path] = typer.Option(..., "--artifact", help="Exported model (.gguf or ONNX "
-                                                               "directory); repeat to compare: "
-                                                               "each is compared with the first."),
+                                        "directory), a base with its adapters (BASE.gguf+ADAPTER.gguf), "
+                                        "an adapter export's manifest (adapter-*.gguf.json) or a bundle "
+                                        "folder; repeat to compare: each is compared with the first."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Use the first N tasks only."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens", min=1, help="Most tokens per model reply."),
     max_tool_rounds: int = typer.Option(3, "--max-tool-rounds", help="Tool rounds an episode may "
