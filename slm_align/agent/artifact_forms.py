@@ -44,10 +44,19 @@ class ArtifactForm:
     """The chain id a manifest or bundle records (None: nothing recorded to check against)."""
 
 
+def gguf_type(path: Path) -> Optional[str]:
+    """The ``general.type`` a .gguf's header records (``adapter``; ``model`` when it records none, GGUF's
+    default); None for a file that is no readable GGUF (llama.cpp then refuses it in its own words)."""
+    try:
+        field = read_fields(Path(path), prefix="general.type").get("general.type")
+    except (UserError, OSError):
+        return None
+    return "model" if field is None else field.value
+
+
 def is_adapter_gguf(path: Path) -> bool:
     """Whether the .gguf at ``path`` says in its header that it is an adapter (``general.type``)."""
-    field = read_fields(Path(path), prefix="general.type").get("general.type")
-    return field is not None and field.value == "adapter"
+    return gguf_type(path) == "adapter"
 
 
 def refuse_adapter_alone(path: Path) -> None:
@@ -69,7 +78,7 @@ def resolve_artifact(spec: Union[str, Path]) -> ArtifactForm:
     if "+" in text and not path.exists():
         return _joined(text)
     if not path.exists():
-        raise UserError(f"artifact {path} not found; pass {FORMS}")
+        return ArtifactForm(path)  # the backend's own refusal names what it opens
     if path.is_dir() and (path / BUNDLE_JSON).is_file():
         return _bundle(path)
     if path.is_file() and path.suffix.lower() == ".json":
@@ -88,7 +97,7 @@ def _joined(text: str) -> ArtifactForm:
                             "adapter GGUFs with '+', e.g. base-F16.gguf+adapter-sft-F16.gguf")
     refuse_adapter_alone(parts[0])
     for adapter in parts[1:]:
-        if not is_adapter_gguf(adapter):
+        if gguf_type(adapter) not in ("adapter", None):
             raise UserError(f"artifact {text}: {adapter} is a model, not a LoRA adapter; only the "
                             "first path is the base, those after '+' are its adapters")
     return ArtifactForm(parts[0], tuple(parts[1:]))

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from slm_align.agent.artifact_forms import FORMS
 from slm_align.agent.bounds import accepted, bounds, typed
 from slm_align.agent.runtime import Agent, fold_seed, load_model
 from slm_align.agent.sampling import SamplingParams
@@ -157,7 +158,9 @@ def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
     """A greedy agent with the built-in tools on ``artifact`` (any form of
     :func:`~slm_align.agent.artifact_forms.resolve_artifact`: a model, base + adapters, an adapter
     export's manifest, a bundle); one that does not load is a UserError."""
-    try:  # a missing path or an unknown form is refused by load_model's resolve_artifact
+    if "+" not in str(artifact) and not Path(artifact).exists():
+        raise UserError(f"artifact {artifact} not found; pass {FORMS}")
+    try:  # an unknown form is refused by load_model's resolve_artifact
         model = load_model(artifact)
     except UserError:
         raise

@@ -100,3 +100,11 @@ def test_a_damaged_file_and_wrong_joins_are_refused_in_one_line(round_files, tmp
     not_ours.write_text(json.dumps({"metrics": {"target": "gguf"}}))
     with pytest.raises(UserError, match="not an adapter export's manifest"):
         resolve_artifact(not_ours)
+
+
+def test_serve_refuses_a_chain_given_as_one_artifact(round_files):
+    pytest.importorskip("starlette")
+    from slm_align.agent.server.app import create_app
+
+    with pytest.raises(UserError, match="serve takes the base GGUF and each adapter set as --adapter"):
+        create_app(round_files["manifest"])
