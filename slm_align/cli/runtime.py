@@ -214,8 +214,9 @@ def feedback_export(
 
 
 @feedback_app.command("collect", epilog="Examples:\n\n  slm-align feedback collect fleet/*.db --out "
-                                         "round2\n\n  slm-align feedback collect fleet/*.db exports/*.jsonl "
-                                         "--out round2 --max-rows-per-device 200 --json")
+                                         "round2\n\n  slm-align feedback collect phone-1.db phone-2.jsonl "
+                                         "phone-2.unpaired.jsonl --out round2 --max-rows-per-device 200 "
+                                         "--json")
 def feedback_collect(
     inputs: list[Path] = typer.Argument(..., help="Devices' preference stores and `feedback export` files "
                                                   "(.jsonl); each file's name up to its first dot names "
