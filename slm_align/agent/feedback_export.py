@@ -61,7 +61,7 @@ def latest_verdicts(turn: Turn) -> list[Feedback]:
     return sorted(latest.values(), key=lambda f: f.id)
 
 
-def _row(turn: Turn, feedback: Feedback) -> dict[str, Any] | None:
+def verdict_row(turn: Turn, feedback: Feedback) -> dict[str, Any] | None:
     """One TRL row for a verdict; None when chosen and rejected would be the same text."""
     if feedback.kind in ("up", "down"):
         return {"prompt": turn.messages, "completion": _assistant(turn.completion), "label": feedback.kind == "up",
@@ -158,7 +158,7 @@ def collect_rows(turns: Iterable[Turn], scrub: bool = True) -> tuple[list[dict],
             if not turn.consent:
                 counts["skipped_without_consent"] += 1
                 continue
-            row = _row(turn, feedback)
+            row = verdict_row(turn, feedback)
             if row is None:
                 counts["skipped_identical"] += 1
                 continue

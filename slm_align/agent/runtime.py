@@ -24,6 +24,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 from slm_align.ab_test import SequentialTest
 from slm_align.agent.ab_trial import DeviceRouter
+from slm_align.agent.artifact_forms import check_chain_id, resolve_artifact
 from slm_align.agent.backend import Backend, artifact_kind
 from slm_align.agent.logprobs import token_logprobs
 from slm_align.agent.open_artifact import open_backend
@@ -86,7 +87,9 @@ class Model:
 def load_model(artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
                n_ctx: Optional[int] = None, chat_template: Optional[str] = None,
                adapters: Sequence[Union[str, Path]] = ()) -> Model:
-    """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context
+    """Open a .gguf file, an ONNX export directory or another form of
+    :func:`~slm_align.agent.artifact_forms.resolve_artifact` (base + adapters, an adapter export's
+    manifest, a bundle); ``device`` takes threads and context
     from its profile; ``chat_template`` ("chatml" or a Jinja file) replaces the model's
     own (base models have none); ``adapters``: LoRA adapter GGUFs applied to a GGUF base in order,
     each refused in one line unless it was made for this base.
@@ -94,7 +97,11 @@ def load_model(artifact: Union[str, Path], device: Optional[str] = None, threads
     The artifact is hashed and checked against its export manifest first: a parser (llama.cpp's,
     onnxruntime's) never reads a file that changed after export.
     """
-    artifact = Path(artifact)
+    form = resolve_artifact(artifact)
+    if adapters and form.adapters:
+        raise UserError(f"{artifact} already names its adapters; pass either it or a base with "
+                        "adapters, not both")
+    artifact, adapters = form.model, (form.adapters or tuple(Path(a) for a in adapters))
     kind = artifact_kind(artifact)
     if adapters and kind != "gguf":
         raise UserError(f"adapters apply to a GGUF base in llama.cpp; {artifact} is an ONNX export: "
@@ -102,9 +109,11 @@ def load_model(artifact: Union[str, Path], device: Optional[str] = None, threads
     sha256 = artifact_id(artifact)
     if device is not None:
         threads, n_ctx = device_settings(artifact, device, threads, n_ctx)
-    backend = open_backend(artifact, threads=threads, n_ctx=n_ctx, adapters=[Path(a) for a in adapters])
+    backend = open_backend(artifact, threads=threads, n_ctx=n_ctx, adapters=list(adapters))
     use_chat_template(backend, chat_template)
+    check_chain_id(form, sha256, backend)
     return Model(backend, sha256, artifact.name)
+
 
 
 def fold_seed(seed: int) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from slm_align.agent import function_eval
+from slm_align.agent.artifact_forms import FORMS
 from slm_align.agent.bfcl import load_bfcl, parse_categories
 from slm_align.agent.bounds import accepted, bounds, typed
 from slm_align.agent.runtime import Agent, fold_seed, load_model
@@ -164,13 +165,13 @@ def _expected_tool(row: dict) -> Optional[str]:
 
 def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
                max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, threads: Optional[int] = None) -> Agent:
-    """A greedy agent with the built-in tools on ``artifact`` (``threads``: its backend's, default
+    """A greedy agent with the built-in tools on ``artifact`` (any form of
+    :func:`~slm_align.agent.artifact_forms.resolve_artifact`: a model, base + adapters, an adapter
+    export's manifest, a bundle; ``threads``: its backend's, default
     :func:`~slm_align.devices.host.default_threads`); one that does not load is a UserError."""
-    artifact = Path(artifact)
-    if not artifact.exists():
-        raise UserError(f"artifact {artifact} not found; pass a .gguf file or "
-                        "an ONNX export directory")
-    try:
+    if "+" not in str(artifact) and not Path(artifact).exists():
+        raise UserError(f"artifact {artifact} not found; pass {FORMS}")
+    try:  # an unknown form is refused by load_model's resolve_artifact
         model = load_model(artifact, threads=threads)
     except UserError:
         raise

@@ -17,7 +17,7 @@ from slm_align.cli.render import emit, print_feedback_export, print_fleet_ab, pr
 from slm_align.errors import UserError
 
 commands = typer.Typer()
-feedback_app = typer.Typer(help="On-device preferences: export them for the next training round; decide a "
+feedback_app = typer.Typer(help="On-device preferences: export or collect them for the next round; decide a "
                                 "fleet's A/B test.", no_args_is_help=True)
 
 
@@ -240,3 +240,34 @@ def feedback_ab(
     if observations is not None:
         result["observations"] = {"out": str(observations), "rows": write_observations(stores[0], observations)}
     emit(as_json, result, lambda: print_fleet_ab(result))
+
+
+@feedback_app.command("collect", epilog="Examples:\n\n  slm-align feedback collect fleet/*.db --out "
+                                         "round2\n\n  slm-align feedback collect phone-1.db phone-2.jsonl "
+                                         "phone-2.unpaired.jsonl --out round2 --max-rows-per-device 200 "
+                                         "--json")
+def feedback_collect(
+    inputs: list[Path] = typer.Argument(..., help="Devices' preference stores and `feedback export` files "
+                                                  "(.jsonl); each file's name up to its first dot names "
+                                                  "its device."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for the next round's rows: pairs.jsonl, "
+                                                      "unpaired.jsonl, Parquet shards, summary.json."),
+    max_rows_per_device: int = typer.Option(1000, "--max-rows-per-device",
+                                            help="A device's most rows (first come, first kept): one "
+                                                 "device cannot make a round."),
+    shard_rows: int = typer.Option(50_000, "--shard-rows", min=1, help="Most rows per Parquet shard."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out folder."),
+    as_json: bool = JsonFlag,
+) -> None:
+    """Merge many devices' feedback into the next round: consented rows only, scrubbed again, one row
+    per device and turn, each device capped, each row with its device, model_id and arm."""
+    from slm_align.agent.feedback_collect import collect_feedback, summary_lines
+
+    summary = collect_feedback(inputs, out, max_rows_per_device=max_rows_per_device,
+                               shard_rows=shard_rows, overwrite=overwrite)
+    for line in summary_lines(summary):
+        print(line, file=sys.stderr)
+    emit(as_json, summary, lambda: print(
+        f"feedback collect -> {summary['out']}: {summary['rows']['pairs']} pairs, "
+        f"{summary['rows']['unpaired']} rated answers from {summary['devices']} device(s), "
+        f"{len(summary['per_model'])} model(s); {summary['scrubbed_replacements']} details scrubbed"))

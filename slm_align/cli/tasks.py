@@ -113,8 +113,9 @@ def evaluate_agent(
                                                       "rows with tools and ground_truth (jsonl, json, "
                                                       "csv, parquet, datasets); or --bfcl."),
     artifact: list[Path] = typer.Option(..., "--artifact", help="Exported model (.gguf or ONNX "
-                                                               "directory); repeat to compare: "
-                                                               "each is compared with the first."),
+                                        "directory), a base with its adapters (BASE.gguf+ADAPTER.gguf), "
+                                        "an adapter export's manifest (adapter-*.gguf.json) or a bundle "
+                                        "folder; repeat to compare: each is compared with the first."),
     bfcl: Optional[str] = typer.Option(None, "--bfcl", help="Instead of a task file, BFCL v4's own "
                                        "entries of these categories (comma-separated: simple_python, "
                                        "multiple, parallel, parallel_multiple, irrelevance), from the "

@@ -66,6 +66,9 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
 
     settings = Limits(**limits)
     model = load_model(artifact, device, threads, n_ctx, chat_template)
+    if getattr(model.backend, "adapters", ()):  # the router owns the adapters: a chain given as one artifact
+        raise UserError(f"{artifact} names a base with adapters; serve takes the base GGUF and each adapter "
+                        "set as --adapter NAME=FILE (the candidate as --candidate)")
     check_chat_template(model.backend)  # refused at startup, not by every request holding the model thread
     store = PreferenceStore(Path(store_path)) if store_path is not None else None
     candidates = [candidate] if isinstance(candidate, (str, Path)) else list(candidate or ())
