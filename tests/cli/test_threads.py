@@ -138,12 +138,16 @@ class FakeLlama:
 
 @pytest.fixture
 def fake_llama(monkeypatch, tmp_path):
+    from slm_align.agent.llama_open import template_free_llama
+
     llama_cpp = pytest.importorskip("llama_cpp")
     monkeypatch.setattr(llama_cpp, "Llama", FakeLlama)
+    template_free_llama.cache_clear()  # the opener subclasses llama_cpp.Llama once: subclass the fake
     FakeLlama.seen = []
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    return gguf
+    yield gguf
+    template_free_llama.cache_clear()  # and the real one again after
 
 
 def test_threads_reach_llama_cpp_in_every_runtime_command(capsys, monkeypatch, tmp_path, fake_llama):
