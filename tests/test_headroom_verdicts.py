@@ -10,7 +10,7 @@ import pytest
 
 from slm_align.config import load_recipe
 from slm_align.headroom import REMEDY_PPL, REMEDY_SPREAD, GateRefused
-from tests.helpers import run_cli
+from tests.helpers import finished_rl_stage, run_cli
 
 
 def _failed_report() -> dict:
@@ -83,36 +83,13 @@ def recorded_ppl(record: bytes) -> float:
     return json.loads(record)["figures"][0]["value"]
 
 
-def _finished_rl_stage(run: Path) -> None:
-    """An RL stage as train publishes it: a LoRA on the merged SFT prior whose B matrices moved."""
-    import time
-
-    import torch
-
-    from slm_align.config import LoraSettings
-    from slm_align.modeling import attach_lora, merged_policy, resolve_source, save_adapter
-    from slm_align.runs import make_manifest, partial_dir, publish
-    from slm_align.sft import recipe_from_sft
-
-    recipe, sft = recipe_from_sft(run, load_recipe())
-    policy = attach_lora(merged_policy(resolve_source(recipe.model.source), sft), LoraSettings(r=4), seed=0)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in policy.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
-    partial = partial_dir(run / "rl")
-    save_adapter(policy, partial / "adapter")
-    publish(partial, run / "rl", make_manifest("rl", {}, {}, time.time()))
-
-
 def test_check_headroom_judges_the_rl_policy_the_same_way(capsys, refused_run):
     record = (refused_run / "headroom.json").read_bytes()
     code, _, err = run_cli(capsys, "check-headroom", "--run", refused_run, "--stage", "rl")
     assert code == 2 and err.count("\n") == 1 and "no finished rl stage" in err and "--stage sft" in err
     code, _, err = run_cli(capsys, "check-headroom", "--run", refused_run, "--stage", "ppo")
     assert code == 2 and err.count("\n") == 1 and "--stage ppo: choose sft, rl, dpo, kto" in err
-    _finished_rl_stage(refused_run)
+    finished_rl_stage(refused_run)
     code, stdout, _ = run_cli(capsys, "check-headroom", "--run", refused_run, "--stage", "rl", "--json")
     report = json.loads(stdout)
     sft_ppl = json.loads(record)["figures"][0]["value"]
