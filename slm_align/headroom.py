@@ -216,9 +216,10 @@ def _prior(recipe: Recipe, model_source, device: str, adapters: tuple[Optional[P
         model = load_adapter(model, aligned, recipe.model.allow_pickle)
     if sft is None and aligned is None:
         return model
-    context = "prior_ppl" if aligned is not None else "base_ppl"
+    context = "prior" if aligned is not None else "base"
     with model.disable_adapter():
-        info[context] = perplexity(model, encoded, pad_id, recipe.headroom.batch_size, "context perplexity").ppl
+        info[f"{context}_ppl"] = perplexity(model, encoded, pad_id, recipe.headroom.batch_size,
+                                            f"{context} perplexity").ppl
     return model
 
 

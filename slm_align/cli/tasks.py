@@ -179,6 +179,9 @@ def print_agent_report(report: dict) -> None:
     for row in report["artifacts"]:
         table.add_row(*_row(labels[row["artifact"]], row, samples))
     stdout.print(table)
+    for row in report["artifacts"]:
+        if "tools_shown" in row:
+            stdout.print(f"tools shown to {labels[row['artifact']]} by: {row['tools_shown']}")
     figure = "success" if samples == 1 else "pass@1"
     for comparison in report["comparisons"]:
         low, high = comparison["ci95"]
