@@ -54,7 +54,7 @@ class PromptFitter:
     """Builds the prompt for one conversation; caches each content's tokens and
     each template piece's."""
 
-    def __init__(self, backend, tools: Optional[list[dict]] = None, describe_tools: bool = True):
+    def __init__(self, backend, tools: Optional[list[dict]] = None, describe_tools: bool = False):
         self.backend = backend
         self.control = ControlText(backend)
         self.tools = self.control.neutral(tools)

@@ -166,7 +166,7 @@ class Agent:
                  tools: Optional[ToolRegistry] = None, sampling: Optional[SamplingParams] = None,
                  store=None, consent: bool = False, max_tool_rounds: int = 4, grammar: bool = True,
                  cancel: Optional[threading.Event] = None, answer_grammar: Optional[str] = None,
-                 logprobs: Optional[int] = None, describe_tools: bool = True):
+                 logprobs: Optional[int] = None, describe_tools: bool = False):
         if answer_grammar and backend.kind != "gguf":
             raise UserError("constrained answers (a grammar) need a GGUF model: llama.cpp samples "
                             "under grammars, onnxruntime does not")
@@ -191,7 +191,8 @@ class Agent:
         self.describe_tools = describe_tools
         """Write the tools into the system message when the chat template drops them (the runtime's
         fallback, :func:`~slm_align.chat_templates.tools_system_text`, as SFT chats and task prompts
-        render them); False shows the template's rendering alone."""
+        render them: RL's episodes and evaluate-agent turn it on); off, the template's rendering alone
+        (``chat`` and ``serve``, whose clients may send more tools than a small context holds)."""
         self._stops: Optional[tuple] = None
         self.reset()
 
@@ -361,7 +362,7 @@ class Agent:
                 return
             turn = self._act(text, parsed, calls)
             prompt = self._after_round(prompt, turn, params)
-        if self.tools:  # no round left: a call would run nothing, and its text never reaches the user
+        if self.tools and self.max_tool_rounds:  # no round left: a call would run nothing, never shown as text
             text = "".join(self._generate(prompt, params, self.answer_grammar))
             self.trace.append(("sampled", list(self._sampled)))
             text = user_answer(text, self.tools.parse_calls(text))

@@ -10,7 +10,7 @@ from slm_align.agent.prompt import PromptFitter, turn_end
 from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.template import use_chat_template
-from slm_align.chat_templates import render, shown_tools, template_form, template_traits
+from slm_align.chat_templates import render, template_form, template_traits
 from slm_align.errors import UserError
 from slm_align.tools.builtin import default_tools
 from tests.helpers import export_bundled
@@ -70,8 +70,7 @@ def test_the_call_is_stored_once_and_rendered_as_the_template_renders_openai_mes
     tools = default_tools().specs()
     ids, window = PromptFitter(backend, tools).fit(conversation, max_tokens=16)
     runtime = backend.detokenize(ids)
-    own = render(text, shown_tools(text, template_form(conversation, template_traits(text)), tools), None, None,
-                 tools)  # a template that drops the tools gets the runtime's fallback (SmolLM2-135M's does)
+    own = render(text, template_form(conversation, template_traits(text)), None, None, tools)
     assert runtime == own and window == conversation
     assert runtime.count(EXPRESSION) == 1  # the call once, whichever way the template shows it
     if template_traits(text).renders_tool_calls:  # the template's own rendering of OpenAI's messages, untouched

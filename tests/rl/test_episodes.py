@@ -165,7 +165,7 @@ def test_an_episode_is_the_runtimes_loop_and_its_ids_are_those_fed(tiny_models, 
     # The same messages through the runtime's own Agent (the scripted model, a fresh cache) feed the same ids.
     rl = settings(max_new_tokens=96)
     agent = Agent(backend, "policy", tools=calculator_only(), sampling=episode_params(rl, 0, 0), grammar=False,
-                  max_tool_rounds=2)
+                  max_tool_rounds=2, describe_tools=True)  # as RL runs it: a template that drops tools gets the fallback
     backend.reset()
     list(agent.respond([{"role": "user", "content": "What is 2+3?"}]))
     fed = [i for _, piece in agent.trace for i in piece]
@@ -357,7 +357,8 @@ def half_caller(tmp_path_factory, tiny_models, tokenizer):
 
     model = tiny(tiny_models)
     backend = PolicyBackend(model, tokenizer)
-    prompt, _ = PromptFitter(backend, default_tools().specs()).fit([{"role": "user", "content": "What is 2+3?"}], 64)
+    prompt, _ = PromptFitter(backend, default_tools().specs(), describe_tools=True).fit(
+        [{"role": "user", "content": "What is 2+3?"}], 64)  # as RL's episodes render it
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     replies = [tokenizer(text, add_special_tokens=False)["input_ids"] + [end] for text in (CALL, "5")]
     width = max(len(reply) for reply in replies)
@@ -384,7 +385,8 @@ def call_probability(loop, tokenizer) -> float:
     from slm_align.agent.prompt import PromptFitter
 
     backend = PolicyBackend(loop.policy, tokenizer)
-    prompt, _ = PromptFitter(backend, default_tools().specs()).fit([{"role": "user", "content": "What is 2+3?"}], 64)
+    prompt, _ = PromptFitter(backend, default_tools().specs(), describe_tools=True).fit(
+        [{"role": "user", "content": "What is 2+3?"}], 64)  # as RL's episodes render it
     loop.policy.eval()
     with torch.no_grad():
         logits = loop.policy(input_ids=torch.tensor([prompt])).logits[0, -1].float()
