@@ -165,7 +165,7 @@ def test_an_episode_is_the_runtimes_loop_and_its_ids_are_those_fed(tiny_models, 
     # The same messages through the runtime's own Agent (the scripted model, a fresh cache) feed the same ids.
     rl = settings(max_new_tokens=96)
     agent = Agent(backend, "policy", tools=calculator_only(), sampling=episode_params(rl, 0, 0), grammar=False,
-                  max_tool_rounds=2, describe_tools=True)  # as RL runs it: a template that drops tools gets the fallback
+                  max_tool_rounds=2, describe_tools=True)  # as RL runs it (the tools fallback)
     backend.reset()
     list(agent.respond([{"role": "user", "content": "What is 2+3?"}]))
     fed = [i for _, piece in agent.trace for i in piece]
