@@ -25,7 +25,7 @@ from slm_align.errors import UserError
 from slm_align.template_sandbox import TEMPLATE_CHARS, TemplateLimit, bounded_environment, render_bounded
 from slm_align.template_sandbox.checks import check_strftime
 from slm_align.tools.calls import ToolCall
-from slm_align.tools.parse import call_text
+from slm_align.tools.parse import FORMAT_HINT, call_text
 
 # ChatML, used when a model has no chat template of its own (and by the bundled model).
 CHATML_TEMPLATE = (
@@ -299,3 +299,69 @@ def _arguments(arguments) -> dict:
         except ValueError:
             return {"arguments": arguments}
     return arguments if isinstance(arguments, dict) else {}
+
+
+# The runtime's fallback for a template that drops ``tools``: the tools in the system message.
+FALLBACK_HEADER = "Tools you can call (to call one, {hint}; its result comes back to you):"
+"""Opens :func:`tools_system_text`."""
+
+
+def _type(schema: dict) -> str:
+    """A JSON schema's type in a few characters: its enum values, ``array of T``, or its type."""
+    if "enum" in schema:
+        return " | ".join(json.dumps(value, ensure_ascii=False) for value in schema["enum"])
+    kind = schema.get("type", "any")
+    if kind == "array":
+        return f"array of {_type(schema.get('items') or {})}"
+    return " | ".join(kind) if isinstance(kind, list) else str(kind)
+
+
+def tool_line(spec: dict) -> str:
+    """One offered tool (an OpenAI function schema) as a signature line: ``- name(param: type = default,
+    other: type (optional)): description``."""
+    function = spec.get("function", spec)
+    parameters = function.get("parameters") or {}
+    required = set(parameters.get("required") or ())
+    parts = []
+    for name, schema in (parameters.get("properties") or {}).items():
+        part = f"{name}: {_type(schema)}"
+        if "default" in schema:
+            part += f" = {json.dumps(schema['default'], ensure_ascii=False)}"
+        elif name not in required:
+            part += " (optional)"
+        parts.append(part)
+    line = f"- {function['name']}({', '.join(parts)})"
+    description = function.get("description")
+    return f"{line}: {description}" if description else line
+
+
+def tools_system_text(tools: list[dict]) -> str:
+    """The offered tools as a system message's text: :data:`FALLBACK_HEADER`, then one
+    :func:`tool_line` per tool.
+
+    Written by hand, not as the tools' JSON schemas (the Hermes form tool-aware templates write):
+    a signature line per tool costs a third of the tokens, which a small model's context needs
+    (the bundled model's 512 tokens do not hold two schemas and a question).
+    """
+    return "\n".join([FALLBACK_HEADER.format(hint=FORMAT_HINT), *(tool_line(tool) for tool in tools)])
+
+
+def with_tools_described(messages: list[dict], tools: Optional[list[dict]]) -> list[dict]:
+    """``messages`` with :func:`tools_system_text` in front of the system message's content (a
+    system message first when there is none); unchanged without tools."""
+    if not tools:
+        return messages
+    described = tools_system_text(tools)
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=f"{described}\n\n{messages[0]['content']}")
+        return [first] + messages[1:]
+    return [{"role": "system", "content": described}] + messages
+
+
+def shown_tools(template: str, messages: list[dict], tools: Optional[list[dict]]) -> list[dict]:
+    """``messages`` as every renderer shows them with ``tools``: unchanged when ``template`` renders
+    ``tools`` itself (or there are none), else with the fallback (:func:`with_tools_described`), the
+    same for SFT chats, task prompts, RL episodes and the runtime."""
+    if not tools or template_traits(template).renders_tools:
+        return messages
+    return with_tools_described(messages, tools)

@@ -21,7 +21,7 @@ from slm_align.envelope.world import World
 from slm_align.errors import UserError
 from slm_align.evaluate import evaluate
 from slm_align.export.stage import ExportRequest, artifact_name, run_export
-from slm_align.headroom import GateRefused, check_headroom, reusable_report
+from slm_align.headroom import GateRefused, check_headroom, record_report, refusal, reusable_report
 from slm_align.preference.stage import PreferenceStage, refuse_data_parallel
 from slm_align.progress import quiet
 from slm_align.reward.stage import run_reward
@@ -80,12 +80,12 @@ def gate(recipe: Recipe, out: Path, adapter: Optional[Path], reward_model: Optio
     report = reusable_report(recipe, out, adapter, reward_model, rewards)
     if report is None:
         report = check_headroom(recipe, run=out, adapter=adapter, reward_model=reward_model, rewards=rewards).to_dict()
+        record_report(report, recipe, out, adapter, reward_model, rewards)
     else:
         say(f"headroom gate: {report['verdict']} (reused {Path(out) / 'headroom.json'}, "
             "measured with these inputs)")
     if not report["passed"] and not force:
-        raise GateRefused(f"headroom gate FAIL ({'; '.join(report['reasons'])}): {' '.join(report['remedies'])} "
-                          "Pass --force to train anyway (recorded in the manifest).")
+        raise GateRefused(refusal("headroom gate", report))
     return report
 
 

@@ -43,6 +43,30 @@ def finished_sft_run(out: Path, model_dir: Path, corpus: Path, steps: int):
     return out, recipe
 
 
+def finished_rl_stage(run: Path) -> None:
+    """An RL stage's adapter as train publishes it (a LoRA on the merged SFT prior whose B matrices
+    moved), with an empty manifest: for what reads the adapter, not RL's metrics."""
+    import time
+
+    import torch
+
+    from slm_align.config import LoraSettings, load_recipe
+    from slm_align.modeling import attach_lora, merged_policy, resolve_source, save_adapter
+    from slm_align.runs import make_manifest, partial_dir, publish
+    from slm_align.sft import recipe_from_sft
+
+    recipe, sft = recipe_from_sft(run, load_recipe())
+    policy = attach_lora(merged_policy(resolve_source(recipe.model.source), sft), LoraSettings(r=4), seed=0)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    partial = partial_dir(run / "rl")
+    save_adapter(policy, partial / "adapter")
+    publish(partial, run / "rl", make_manifest("rl", {}, {}, time.time()))
+
+
 def tree_digest(path: Path) -> str:
     """sha256 over every file's relative path and bytes below ``path`` (equal
     digests: nothing changed)."""

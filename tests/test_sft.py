@@ -81,8 +81,9 @@ def test_headroom_reports_sft_and_base_perplexity(tmp_path, tiny_models, stories
     recipe = recipe_for(tiny_models["qwen2"], stories, **{"sft.max_steps": 6})
     run_sft(recipe, tmp_path)
     report = check_headroom(load_recipe(overrides={"headroom.max_ppl": 1e9}), run=tmp_path)
-    saved = json.loads((tmp_path / "headroom.json").read_text())
+    saved = report.to_dict()
     assert report.passed and saved["verdict"] == "PASS"
     assert saved["info"]["base_ppl"] > saved["figures"][0]["value"]  # SFT lowered held-out perplexity
+    assert not (tmp_path / "headroom.json").exists()  # the run's record is train's gate's, never a check's
     failing = check_headroom(load_recipe(overrides={"headroom.max_ppl": 2.0}), run=tmp_path).to_dict()
     assert failing["verdict"] == "FAIL" and "raise the LoRA rank" in failing["remedies"][0]

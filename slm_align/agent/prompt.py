@@ -25,7 +25,7 @@ from functools import partial
 from typing import Optional
 
 from slm_align.agent.control_text import ControlText
-from slm_align.chat_templates import render, template_form, template_traits
+from slm_align.chat_templates import render, template_form, template_traits, with_tools_described
 from slm_align.errors import UserError
 
 MARK = "\ue000{}\ue001"
@@ -54,10 +54,12 @@ class PromptFitter:
     """Builds the prompt for one conversation; caches each content's tokens and
     each template piece's."""
 
-    def __init__(self, backend, tools: Optional[list[dict]] = None):
+    def __init__(self, backend, tools: Optional[list[dict]] = None, describe_tools: bool = False):
         self.backend = backend
         self.control = ControlText(backend)
         self.tools = self.control.neutral(tools)
+        self.described = describe_tools and bool(tools) and drops_tools(backend)
+        """The tools are written into the system message (:func:`tools_shown`), the template dropping them."""
         self._contents: dict[int, list[int]] = {}
         self._template: dict[str, list[int]] = {}
         self._messages: dict[int, dict] = {}
@@ -164,6 +166,8 @@ class PromptFitter:
         return {key: content if key == "content" else rest[key] for key in messages[index]}
 
     def _text(self, window: list[dict]) -> str:
+        if self.described:  # the runtime's fallback: the same (protected) tools, in the system message
+            window = with_tools_described(window, self.tools)
         return render(self.backend.chat_template, window, self.backend.bos_token, self.backend.eos_token, self.tools,
                       origin=template_origin(self.backend))
 
@@ -177,6 +181,23 @@ class PromptFitter:
             content = messages[index]["content"]
             self._contents[index] = self.backend.tokenize(content, add_special=False, special=False) if content else []
         return self._contents[index]
+
+
+def drops_tools(backend) -> bool:
+    """Whether the backend's chat template leaves the offered ``tools`` out of the prompt (ChatML,
+    Gemma's turns, many base models' own)."""
+    return not template_traits(backend.chat_template, template_origin(backend)).renders_tools
+
+
+def tools_shown(backend, describe_tools: bool) -> str:
+    """How a model is shown the offered tools: by its chat template, by the runtime's fallback (the
+    template drops them and ``describe_tools``; :func:`~slm_align.chat_templates.tools_system_text`
+    in the system message), or not at all."""
+    if not drops_tools(backend):
+        return "chat template"
+    if describe_tools:
+        return "runtime fallback (its chat template drops tools)"
+    return "not shown (its chat template drops tools)"
 
 
 def template_origin(backend) -> Optional[str]:

@@ -32,6 +32,7 @@ from slm_align.agent.prompt import PromptFitter, next_prompt, template_origin, t
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.store import new_token
 from slm_align.agent.template import use_chat_template
+from slm_align.agent.tool_text import user_answer
 from slm_align.chat_templates import require_tool_template
 from slm_align.errors import UserError
 from slm_align.gguf_adapters import chain_digest
@@ -177,7 +178,7 @@ class Agent:
                  tools: Optional[ToolRegistry] = None, sampling: Optional[SamplingParams] = None,
                  store=None, consent: bool = False, max_tool_rounds: int = 4, grammar: bool = True,
                  cancel: Optional[threading.Event] = None, answer_grammar: Optional[str] = None,
-                 logprobs: Optional[int] = None):
+                 logprobs: Optional[int] = None, describe_tools: bool = False):
         if answer_grammar and backend.kind != "gguf":
             raise UserError("constrained answers (a grammar) need a GGUF model: llama.cpp samples "
                             "under grammars, onnxruntime does not")
@@ -199,6 +200,11 @@ class Agent:
         self.logprobs = logprobs
         """Record each answer token's log-probability and this many likeliest
         alternatives (None: don't)."""
+        self.describe_tools = describe_tools
+        """Write the tools into the system message when the chat template drops them (the runtime's
+        fallback, :func:`~slm_align.chat_templates.tools_system_text`, as SFT chats and task prompts
+        render them: RL's episodes and evaluate-agent turn it on); off, the template's rendering alone
+        (``chat`` and ``serve``, whose clients may send more tools than a small context holds)."""
         self._stops: Optional[tuple] = None
         self.ab: Optional[DeviceRouter] = None  # routes each new conversation (Agent.load(..., candidate=...))
         self.reset()
@@ -280,7 +286,7 @@ class Agent:
         """The prompt's ids, dropping the oldest turns (never the system prompt) until the reply
         fits; message contents are tokenised once each, as plain text (see
         :mod:`slm_align.agent.prompt`)."""
-        fitter = PromptFitter(self.backend, self.tools.specs() if self.tools else None)
+        fitter = PromptFitter(self.backend, self.tools.specs() if self.tools else None, self.describe_tools)
         return fitter.fit(messages, max_tokens)
 
     def _generate(self, prompt: list[int], sampling: SamplingParams, grammar: Optional[str],
@@ -379,6 +385,13 @@ class Agent:
                 return
             turn = self._act(text, parsed, calls)
             prompt = self._after_round(prompt, turn, params)
+        if self.tools and self.max_tool_rounds:  # no round left: a call would run nothing, never shown as text
+            text = "".join(self._generate(prompt, params, self.answer_grammar))
+            self.trace.append(("sampled", list(self._sampled)))
+            text = user_answer(text, self.tools.parse_calls(text))
+            yield text
+            self._finish(text, window + self.messages[start:], calls, params)
+            return
         pieces = []
         for piece in self._generate(prompt, params, self.answer_grammar):
             pieces.append(piece)
@@ -391,7 +404,7 @@ class Agent:
         after the assistant's turn ``turn`` (its closing, the tool results, the next opening);
         rendered anew, oldest turns cut, when that outgrows the context."""
         glue = self.messages[:turn] + [{"role": "assistant", "content": ""}] + self.messages[turn + 1:]
-        inserted = PromptFitter(self.backend, self.tools.specs()).after(glue, turn)
+        inserted = PromptFitter(self.backend, self.tools.specs(), self.describe_tools).after(glue, turn)
         following = next_prompt(prompt, self._sampled, inserted)
         if len(following) + params.max_tokens <= self.backend.n_ctx:
             self.trace.append(("inserted", following[len(prompt) + len(self._sampled):]))

@@ -2,7 +2,7 @@
 
 Each task row holds a chat ``prompt`` (or a string), an ``answer`` and optionally the
 ``tool`` it needs (as ``slm-align tasks make`` writes them). Every artifact answers every
-task in :class:`Agent` with :func:`default_tools`, in episodes of up to ``max_tool_rounds`` tool
+task in :class:`Agent` with its own tools (:func:`task_tools`), in episodes of up to ``max_tool_rounds`` tool
 rounds and a final answer: once greedily (``samples`` 1), or ``samples`` times sampled at
 ``temperature`` with a seed per task and sample (:func:`sample_seed`). A finished episode is
 classified as ``success`` or one failure (``no_call``, ``malformed_call``, ``wrong_tool``,
@@ -28,6 +28,7 @@ from slm_align.agent import function_eval
 from slm_align.agent.artifact_forms import FORMS
 from slm_align.agent.bfcl import load_bfcl, parse_categories
 from slm_align.agent.bounds import accepted, bounds, typed
+from slm_align.agent.prompt import tools_shown
 from slm_align.agent.runtime import Agent, fold_seed, load_model
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.settings import Temperature
@@ -37,6 +38,8 @@ from slm_align.progress import counted, stage_lines
 from slm_align.rewards.episodes import CATEGORIES, classify
 from slm_align.stats import bootstrap_ci, bootstrap_mean_ci, mean_delta, pass_at_k, wilson_interval
 from slm_align.tools.builtin import default_tools
+from slm_align.tools.registry import ToolRegistry
+from slm_align.tools.specs import registry_for_row
 
 FAILURES = CATEGORIES[1:]
 DEFAULT_MAX_TOKENS = 96
@@ -163,6 +166,14 @@ def _expected_tool(row: dict) -> Optional[str]:
     return None
 
 
+def task_tools(row: dict) -> ToolRegistry:
+    """The tools a task offers, as RL's episodes offer them: its ``tools`` schemas, each running the
+    built-in of that name (:func:`~slm_align.tools.specs.registry_for_row`); the built-ins without."""
+    if row.get("tools"):
+        return registry_for_row(row["tools"], default_tools())
+    return default_tools()
+
+
 def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
                max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, threads: Optional[int] = None) -> Agent:
     """A greedy agent with the built-in tools on ``artifact`` (any form of
@@ -181,7 +192,7 @@ def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
     check_chat_template(model.backend)
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return Agent(_CountingBackend(model.backend), model.sha256, tools=default_tools(), sampling=sampling,
-                 max_tool_rounds=max_tool_rounds)
+                 max_tool_rounds=max_tool_rounds, describe_tools=True)  # every artifact is shown the tools
 
 
 def _integer(value, least: int) -> bool:
@@ -259,6 +270,7 @@ def run_task(agent: Agent, row: dict, task: int = 0, sample: int = 0,
     if function_eval.is_function_row(row):
         return run_function_task(agent, row, task, sample, sampling)
     messages = task_messages(row)
+    agent.tools = task_tools(row)
     counter = _counter(agent)
     generated, generations = counter.generated, counter.generations
     for _ in agent.respond(messages, **(sampling or {})):
@@ -440,8 +452,10 @@ def evaluate_artifacts(tasks: Union[str, Path, None], artifacts: Sequence[Union[
     report = {"tasks": name, "n_tasks": len(rows), "max_tokens": max_tokens,
               "max_tool_rounds": max_tool_rounds, **episode_settings(samples, temperature, seed),
               "artifacts": [], "comparisons": []}
-    for artifact, results, summary in zip(artifacts, runs, summaries):
-        report["artifacts"].append({"artifact": str(artifact), **summary, "results": [asdict(r) for r in results]})
+    for agent, artifact, results, summary in zip(agents, artifacts, runs, summaries):
+        shown = tools_shown(agent.backend, agent.describe_tools)
+        report["artifacts"].append({"artifact": str(artifact), "tools_shown": shown, **summary,
+                                    "results": [asdict(r) for r in results]})
     for artifact, results in zip(artifacts[1:], runs[1:]):
         report["comparisons"].append({"baseline": str(artifacts[0]), "candidate": str(artifact),
                                       **compare(runs[0], results, seed, samples),

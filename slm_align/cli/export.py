@@ -33,7 +33,10 @@ commands = typer.Typer()
 def merge(
     run: Path = typer.Option(..., "--run", "-r", help="Run directory with a finished SFT "
                                                       "stage (RL used if present)."),
-    out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default: RUN/merged)."),
+    out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default: RUN/merged, "
+                                       "or RUN/merged-STAGE with --stage)."),
+    stage: Optional[str] = typer.Option(None, "--stage", help="The run's policy to fold in: sft, rl, dpo "
+                                        "or kto (default: the latest finished stage)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
@@ -43,7 +46,7 @@ def merge(
     that loads without peft."""
     from slm_align.export.merge import merge_run
 
-    summary = merge_run(recipe_from(config, settings), run, out, overwrite).summary()
+    summary = merge_run(recipe_from(config, settings), run, out, overwrite, stage=stage).summary()
     emit(as_json, summary, lambda: print_merge(summary))
 
 
@@ -55,6 +58,8 @@ def merge(
                          "--target executorch  # ExecuTorch model.pte (fp32, XNNPACK)\n\n  "
                          "slm-align export runs/demo --target gguf-adapter  # the round's LoRA "
                          "for llama.cpp, beside its base\n\n  "
+                         "slm-align export runs/demo --stage sft  # the SFT policy, into "
+                         "runs/demo/export-sft/ beside the RL one\n\n  "
                          "slm-align export ./SmolLM2-135M --target onnx --quant fp32 --out "
                          "exports/ --json\n\n  slm-align export runs/demo --system 'You tell short "
                          "stories.'  # the Modelfile's SYSTEM\n\n  slm-align export "
@@ -78,7 +83,9 @@ def export(
                                         "int8 (dynamic), fp32. ExecuTorch: fp32 only."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (see `slm-align devices list`)."),
     out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default "
-                                       "RUN/export or ./export)."),
+                                       "RUN/export, RUN/export-STAGE with --stage, or ./export)."),
+    stage: Optional[str] = typer.Option(None, "--stage", help="A run's policy to export: sft (the "
+                                        "prior), rl, dpo or kto (default: the latest finished stage)."),
     preset: Optional[str] = typer.Option(None, help="ONNX int8 preset: arm64, "
                                                     "avx2, avx512, avx512_vnni."),
     ort_format: bool = typer.Option(False, "--ort-format", help="ONNX: also write model.ort for mobile builds."),
@@ -110,6 +117,6 @@ def export(
     request = ExportRequest(source, target=target, quant=quant, device=device, out=out, verify=not no_verify,
                             overwrite=overwrite, force=force, min_agreement=min_agreement, ort_format=ort_format,
                             threads=threads, preset=preset, system=system, torch_device=torch_device,
-                            chat_template=chat_template, calibrate=calibrate)
+                            chat_template=chat_template, calibrate=calibrate, stage=stage)
     summary = run_export(request).summary()
     emit(as_json, summary, lambda: print_export(summary))

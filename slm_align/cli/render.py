@@ -54,15 +54,18 @@ def print_sft(summary: dict) -> None:
 def print_headroom(report: dict) -> None:
     """The headroom gate's figures against their thresholds, the verdict
     and a remedy per failure."""
-    table = Table(title="Headroom gate")
+    info = report["info"]
+    stage = info.get("stage", "sft")
+    table = Table(title="Headroom gate" if stage == "sft" else f"Headroom gate on the {stage} policy")
     for column in ("figure", "value", "threshold", "result"):
         table.add_column(column)
     for f in report["figures"]:
         table.add_row(f["name"], f"{f['value']:.3f}", f"{f['comparison']} {f['threshold']:g}",
                       "[green]pass[/]" if f["passed"] else "[red]FAIL[/]")
-    info = report["info"]
     if "base_ppl" in info:
         table.add_row("base model perplexity (context)", f"{info['base_ppl']:.3f}", "", "")
+    if "prior_ppl" in info:
+        table.add_row("SFT prior perplexity (context)", f"{info['prior_ppl']:.3f}", "", "")
     for key in ("reward", "reward_accuracy", "reward_spread"):
         if isinstance(info.get(key), str):
             table.add_row(key.replace("_", " "), info[key], "", "")
@@ -73,6 +76,8 @@ def print_headroom(report: dict) -> None:
                       f"{spread['all_equal_share']:.0%}",
                       "", "")
     stdout.print(table)
+    if "measured_as" in info:
+        stdout.print(f"measured as {info['measured_as']} (its tasks, reward and settings); nothing written")
     color = "green" if report["passed"] else "red"
     stdout.print(f"verdict: [bold {color}]{report['verdict']}[/]")
     if "recommendation" in info:

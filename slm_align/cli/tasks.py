@@ -232,6 +232,9 @@ def print_agent_report(report: dict) -> None:
         table.add_row(*_row(labels[row["artifact"]], row, samples))
     stdout.print(table)
     print_categories(report, labels)
+    for row in report["artifacts"]:
+        if "tools_shown" in row:
+            stdout.print(f"tools shown to {labels[row['artifact']]} by: {row['tools_shown']}")
     figure = "success" if samples == 1 else "pass@1"
     for comparison in report["comparisons"]:
         pairs = [("", comparison), *(comparison.get("by_category") or {}).items()]

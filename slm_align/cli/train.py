@@ -202,34 +202,51 @@ def sft(
 
 
 @commands.command("check-headroom",
-                  epilog="Exit code 0 on PASS, 1 on FAIL, 2 on bad input.\n\nExamples:\n\n  "
-                         "slm-align check-headroom --run runs/demo\n\n  slm-align check-headroom "
+                  epilog="Exit code 0 on PASS, 1 on FAIL, 2 on bad input. Writes nothing: the report is "
+                         "printed (--json: on stdout); the run's headroom.json stays train's record.\n\n"
+                         "Examples:\n\n  "
+                         "slm-align check-headroom --run runs/demo   # what train measured: its tasks and reward\n\n  "
+                         "slm-align check-headroom --run runs/demo --stage rl   # the RL policy, judged the same "
+                         "way\n\n  slm-align check-headroom "
                          "--model ./base --adapter runs/demo/sft/adapter --data eval.jsonl\n\n  "
                          "slm-align check-headroom --run runs/demo --max-ppl 15 --json\n\n  "
                          "slm-align check-headroom --run runs/demo --reward "
                          "mypkg.rewards:politeness@0.5")
 @recipe_flags(SOURCE, TASKS, HEADROOM, SAFETY, [DEVICE, ENVIRONMENT_MODULE, THREADS])
 def check_headroom(
-    run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage."),
+    run: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory with a finished SFT stage: "
+                                       "measured as its train's gate measured it (tasks, reward, episode and "
+                                       "gate settings recorded in its headroom.json); flags replace them."),
+    stage: str = typer.Option("sft", "--stage", help="The policy judged: sft (the prior train gates), rl, dpo "
+                              "or kto (the run's finished stage, on the merged SFT prior)."),
     adapter: Optional[Path] = typer.Option(None, "--adapter", help="SFT adapter directory (with --model)."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
-    reward_model: Optional[Path] = typer.Option(None, help="Reward model dir (default: "
-                                                           "the run's reward/model)."),
+    reward_model: Optional[Path] = typer.Option(None, help="Reward model dir (default: the run's recorded "
+                                                           "one, else its reward/model)."),
     reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight] or a built-in "
                                                           "(length_window, exact_answer, "
-                                                          "json_tool_call); repeatable."),
+                                                          "json_tool_call); repeatable; with --run it replaces "
+                                                          "the recorded reward, as train takes it."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Measure whether RL has headroom: SFT perplexity, reward accuracy and reward
     spread against thresholds."""
+    from slm_align.headroom import aligned_adapter, as_recorded
     from slm_align.headroom import check_headroom as measure_headroom
 
     if run is not None and settings["model.source"] is not None:
         raise UserError("pass either --run or --model, not both")
+    aligned_adapter(run, stage)  # a stage the run has not finished: refused before anything loads
+    request = None
+    if run is not None:
+        settings, reward, reward_model, request = as_recorded(run, settings, reward, reward_model)
     recipe = recipe_from(config, settings)
     require_data(recipe.data, from_run=run is not None and recipe.rl.from_sft, tasks_stand_in=True)
-    report = measure_headroom(recipe, run=run, adapter=adapter, reward_model=reward_model, rewards=reward).to_dict()
+    report = measure_headroom(recipe, run=run, adapter=adapter, reward_model=reward_model, rewards=reward,
+                              stage=stage).to_dict()
+    if request is not None:
+        report["info"]["measured_as"] = f"the gate of train in {run / 'headroom.json'}"
     emit(as_json, report, lambda: print_headroom(report))
     raise typer.Exit(0 if report["passed"] else 1)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-from slm_align.chat_templates import default_chat_template, template_form, template_traits
+from slm_align.chat_templates import default_chat_template, shown_tools, template_form, template_traits
 from slm_align.data.examples import Example
 from slm_align.errors import UserError
 
@@ -65,6 +65,7 @@ def render_chat(messages, tokenizer, add_generation_prompt: bool = False, tools=
     (:func:`slm_align.chat_templates.template_form`)."""
     template = tokenizer.chat_template or default_chat_template(tokenizer)
     rows = template_form([dict(m) for m in messages], template_traits(template))
+    rows = shown_tools(template, rows, list(tools) if tools else None)  # a template that drops tools: the fallback
     return tokenizer.apply_chat_template(rows, tools=list(tools) if tools else None, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
                                          chat_template=template)

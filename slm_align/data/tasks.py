@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from slm_align.chat_templates import default_chat_template, template_form, template_traits
+from slm_align.chat_templates import default_chat_template, shown_tools, template_form, template_traits
 from slm_align.data.readers import iter_rows
 from slm_align.data.splits import seeded_rank
 from slm_align.errors import UserError
@@ -224,7 +224,7 @@ def render_conversation(where: str, messages: list[dict], tools: Optional[list[d
                         "with its chat template")
     template = tokenizer.chat_template or default_chat_template(tokenizer)
     try:
-        formed = template_form(messages, template_traits(template))
+        formed = shown_tools(template, template_form(messages, template_traits(template)), tools)
         return tokenizer.apply_chat_template(formed, tools=tools or None, add_generation_prompt=True,
                                              tokenize=False, chat_template=template)
     except Exception as exc:  # jinja2 and transformers raise several types for a conversation a template refuses

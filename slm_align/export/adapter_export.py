@@ -24,6 +24,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Optional
 
 from slm_align.accelerator import resolve_device
 from slm_align.atomic import publish_directory, write_json_atomic
@@ -63,7 +64,7 @@ def run_adapter_export(request) -> StageResult:
     ``request`` (target ``gguf-adapter``); returns the manifest's path and metrics."""
     started = time.time()
     run, quant, threads = _validate(request)
-    chain = adapter_chain(run)
+    chain = adapter_chain(run, request.stage)
     source = run_source(run)
     if source.kind == "gguf" and request.chat_template is not None:
         raise UserError(
@@ -166,10 +167,11 @@ def _validate(request) -> tuple[Path, str, int]:
     )
 
 
-def adapter_chain(run: Path) -> list[tuple[str, Path]]:
-    """``[(stage, adapter dir)]`` in the order they apply: SFT, then the latest aligned stage if any."""
+def adapter_chain(run: Path, stage: Optional[str] = None) -> list[tuple[str, Path]]:
+    """``[(stage, adapter dir)]`` in the order they apply: SFT, then ``stage`` (``sft``: none; None:
+    the latest aligned stage if any)."""
     chain = [("sft", run / "sft" / "adapter")]
-    aligned = merged_stage(run)
+    aligned = merged_stage(run, stage)
     if aligned is not None:
         chain.append((aligned, run / aligned / "adapter"))
     return chain
@@ -242,7 +244,7 @@ def _verification(
     with stage_lines(
         "export verification", "base + adapters in llama.cpp against the PyTorch policy"
     ) as checking:
-        merged = resolve_source(str(current_merged(run)))
+        merged = resolve_source(str(current_merged(run, request.stage)))
         model = load_model(merged).to(resolve_device(request.torch_device))
         backend = LlamaCppBackend(
             base, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True, adapters=adapters

@@ -29,6 +29,7 @@ from slm_align.modeling import (
     save_tokenizer,
 )
 from slm_align.runs import (
+    ALIGNED_STAGES,
     MANIFEST,
     StageResult,
     aligned_stages,
@@ -40,50 +41,73 @@ from slm_align.runs import (
 )
 from slm_align.sft import recipe_from_sft
 
-
-def merged_stage(run: Path) -> Optional[str]:
-    """The aligned stage whose adapter a merge folds in: the run's most recently finished of RL, DPO
-    and KTO (None: the SFT prior alone)."""
-    stages = aligned_stages(run)
-    return stages[-1] if stages else None
+POLICY_STAGES = ("sft", *ALIGNED_STAGES)
+"""The policies a run can be merged and exported as: the SFT prior, or an aligned stage on it."""
 
 
-def merged_is_current(run: Path) -> bool:
-    """Whether ``run/merged`` folds in the run's latest aligned stage (a DPO round after an
-    export makes it stale)."""
-    manifest = read_manifest(run / "merged")
+def merged_stage(run: Path, stage: Optional[str] = None) -> Optional[str]:
+    """The aligned stage whose adapter a merge folds in: ``stage`` when given (None for ``sft``, the
+    prior alone; a stage the run has not finished is refused in one line), else the run's most
+    recently finished of RL, DPO and KTO (None: the SFT prior alone)."""
+    if stage is None:
+        stages = aligned_stages(run)
+        return stages[-1] if stages else None
+    if stage not in POLICY_STAGES:
+        raise UserError(f"--stage {stage}: choose {', '.join(POLICY_STAGES)}")
+    if stage == "sft":
+        return None
+    if stage not in aligned_stages(run):
+        raise UserError(f"run {run} has no finished {stage} stage (no {stage}/adapter with its manifest); "
+                        f"train it first, or choose --stage {' or '.join(['sft', *aligned_stages(run)])}")
+    return stage
+
+
+def merged_dir(run: Path, stage: Optional[str] = None) -> Path:
+    """Where a run's merged policy lies: ``RUN/merged`` (the latest stage), or ``RUN/merged-STAGE``
+    for a stage named, so that merges of different stages never replace each other."""
+    return Path(run) / ("merged" if stage is None else f"merged-{stage}")
+
+
+def merged_is_current(run: Path, stage: Optional[str] = None) -> bool:
+    """Whether the merged directory of ``stage`` (:func:`merged_dir`) folds in the stage it should
+    (for none named, the run's latest: a DPO round after an export makes it stale)."""
+    merged = merged_dir(run, stage)
+    manifest = read_manifest(merged)
     if manifest is None:
         return False
-    stage = merged_stage(run)
-    if manifest["inputs"].get("aligned_stage") != stage:
+    aligned = merged_stage(run, stage)
+    if manifest["inputs"].get("aligned_stage") != aligned:
         return False
-    if stage is None:
+    if aligned is None:
         return True
-    return (run / "merged" / MANIFEST).stat().st_mtime_ns >= (run / stage / MANIFEST).stat().st_mtime_ns
+    return (merged / MANIFEST).stat().st_mtime_ns >= (run / aligned / MANIFEST).stat().st_mtime_ns
 
 
-def current_merged(run: Path) -> Path:
-    """``run/merged``, merged anew (default recipe) unless it folds in the run's latest stage."""
+def current_merged(run: Path, stage: Optional[str] = None) -> Path:
+    """The run's merged directory for ``stage`` (:func:`merged_dir`), merged anew (default recipe)
+    unless it folds in what it should."""
     run = Path(run)
-    if not merged_is_current(run):
+    if not merged_is_current(run, stage):
         from slm_align.config import load_recipe
 
-        merge_run(load_recipe(None, {}), run, run / "merged", overwrite=True)
-    return run / "merged"
+        merge_run(load_recipe(None, {}), run, merged_dir(run, stage), overwrite=True, stage=stage)
+    return merged_dir(run, stage)
 
 
-def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: bool = False) -> StageResult:
-    """Write ``out`` (default ``run/merged``) from the run's base model, SFT adapter and the adapter
-    of its latest aligned stage (RL, DPO or KTO; if any). Both adapters are checked before anything
-    loads (a pickle-only one needs ``model.allow_pickle``)."""
+def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: bool = False,
+              stage: Optional[str] = None) -> StageResult:
+    """Write ``out`` (default :func:`merged_dir`: ``run/merged``, or ``run/merged-STAGE``) from the
+    run's base model, SFT adapter and the adapter of ``stage`` (``sft``: none; not given: the latest
+    aligned stage, RL, DPO or KTO, if any). Both adapters are checked before anything loads (a
+    pickle-only one needs ``model.allow_pickle``)."""
     started = time.time()
     device = resolve_device(recipe.compute.device)  # a device that is not there: refused before any work
     run = Path(run)
-    out = check_out_dir(Path(out) if out is not None else run / "merged")
+    aligned = merged_stage(run, stage)
+    out = check_out_dir(Path(out) if out is not None else merged_dir(run, stage))
     if out.exists() and not overwrite:
         raise UserError(f"{out} exists; pass --overwrite to replace it or choose another --out")
     recipe, sft_adapter = recipe_from_sft(run, recipe)
-    aligned = merged_stage(run)
     adapters = [sft_adapter] + ([run / aligned / "adapter"] if aligned is not None else [])
     for adapter in adapters:
         require_adapter(adapter, recipe.model.allow_pickle)
@@ -106,7 +130,7 @@ def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: 
               "aligned_adapter": str(run / aligned / "adapter") if aligned is not None else None}
     metrics = {"parameters": sum(p.numel() for p in model.parameters()), "default_chat_template": default_template,
                "architecture": model.config.model_type, "model_card": CARD}
-    (partial / CARD).write_text(merged_card(run, out.name), encoding="utf-8")
+    (partial / CARD).write_text(merged_card(run, out.name, "sft" if aligned is None else aligned), encoding="utf-8")
     if out.exists():
         shutil.rmtree(out)
     publish(partial, out, make_manifest("merge", inputs, metrics, started))

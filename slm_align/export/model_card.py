@@ -46,11 +46,13 @@ class RunRecords:
     """The DPO or KTO stage's manifest when that is the aligned stage the merge folds in."""
 
 
-def read_run(run: Path) -> RunRecords:
+def read_run(run: Path, stage: Optional[str] = None) -> RunRecords:
     """The manifests and reports of ``run``; of its aligned stages, only the one a merge
-    folds in (the latest)."""
+    folds in: ``stage`` (``sft``: none), else the latest."""
     stages = aligned_stages(run)
     latest = stages[-1] if stages else None
+    if stage is not None:
+        latest = stage if stage in stages else None
     rl = _read_json(run / "rl" / MANIFEST) if latest == "rl" else None
     preference = _read_json(run / latest / MANIFEST) if latest in ("dpo", "kto") else None
     return RunRecords(run=run, sft=_read_json(run / "sft" / MANIFEST), headroom=_read_json(run / "headroom.json"),
@@ -363,14 +365,21 @@ def card_blocked(directory: Path) -> Optional[str]:
     return None
 
 
-def merged_card(run: Path, name: str) -> str:
-    """The card of a run's merged directory."""
-    return compose(name, read_run(run), "transformers", ["safetensors"], [], merged_usage(name))
+def merged_card(run: Path, name: str, stage: Optional[str] = None) -> str:
+    """The card of a run's merged directory (of ``stage``: ``sft`` or an aligned stage; None: the latest)."""
+    return compose(name, read_run(run, stage), "transformers", ["safetensors"], [], merged_usage(name))
 
 
 def _records(source: Optional[Path]) -> Optional[RunRecords]:
+    """The records of the run behind ``source``; of a merged directory's run, those of the stage it
+    folds in."""
     run = run_of(source)
-    return read_run(run) if run is not None else None
+    if run is None:
+        return None
+    merged = _read_json(source / MANIFEST) if source != run else None
+    if merged is None:
+        return read_run(run)
+    return read_run(run, merged["inputs"].get("aligned_stage") or "sft")
 
 
 def gguf_card(out: Path, source: Optional[Path], published: tuple[str, dict]) -> str:

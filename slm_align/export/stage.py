@@ -28,6 +28,7 @@ from slm_align.export.executorch import check_executorch_architecture, check_exe
 from slm_align.export.genai import check_genai_architecture, genai_tokenizer_report, write_genai_config
 from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.gguf_arch import check_gguf_config
+from slm_align.export.merge import current_merged, merged_dir, merged_stage
 from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
 from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
@@ -106,6 +107,9 @@ class ExportRequest:
     chat_template: Optional[str] = None
     """"chatml" or a Jinja file: written into the artifact in place of the model's own
     (recorded in the manifest)."""
+    stage: Optional[str] = None
+    """A run's policy to export: ``sft`` (the prior), ``rl``, ``dpo`` or ``kto`` (that stage on the
+    merged prior), into ``RUN/export-STAGE`` by default; None: the run's latest, into ``RUN/export``."""
 
 
 def _chat_template(option: Optional[str], tokenizer) -> tuple[Optional[str], str]:
@@ -180,12 +184,10 @@ def _locate(source: str, target: str) -> dict:
 
 
 def _checkpoint(origin: dict, scratch: Path) -> Path:
-    """A plain HF directory for ``origin``: the run merged, the directory itself, or a
+    """A plain HF directory for ``origin``: the run merged (its ``stage``), the directory itself, or a
     .gguf/hub model saved."""
     if origin["kind"] == "run":
-        from slm_align.export.merge import current_merged
-
-        return current_merged(Path(origin["run"]))
+        return current_merged(Path(origin["run"]), origin.get("stage"))
     if origin["kind"] == "dir":
         return Path(origin["path"])
     from slm_align.modeling import ModelSource, load_model, load_tokenizer, save_tokenizer
@@ -197,9 +199,25 @@ def _checkpoint(origin: dict, scratch: Path) -> Path:
     return checkpoint
 
 
-def _default_out(source: str) -> Path:
+def _default_out(source: str, stage: Optional[str] = None) -> Path:
+    """``RUN/export`` (``RUN/export-STAGE`` for a stage named: stages never replace each other's
+    artifacts), else ``./export``."""
     path = Path(source).expanduser()
-    return path / "export" if path.is_dir() and _is_run(path) else Path("export")
+    if not (path.is_dir() and _is_run(path)):
+        return Path("export")
+    return path / ("export" if stage is None else f"export-{stage}")
+
+
+def _check_stage(request: ExportRequest, origin: dict) -> dict:
+    """``origin`` with the run's ``stage`` to export; ``--stage`` on what is not a run, or a stage
+    the run has not finished, refused in one line before any work."""
+    if request.stage is None:
+        return origin
+    if origin["kind"] != "run":
+        raise UserError(f"--stage {request.stage} picks a policy of a run; {request.source} is not a run "
+                        "directory (no sft/manifest.json): drop --stage")
+    merged_stage(Path(origin["run"]), request.stage)
+    return dict(origin, stage=request.stage)
 
 
 def artifact_name(target: str, quant: str) -> str:
@@ -374,9 +392,18 @@ def _probe_advice(request: ExportRequest, quant: str, preset: str, threads: int,
     return f"--quant {higher} fails too ({_failure(found)}); try a higher precision, or --force to publish anyway"
 
 
+def _exported_stage(origin: dict) -> Optional[str]:
+    """The run's stage an artifact holds (``sft``, ``rl``, ``dpo``, ``kto``); None for no run."""
+    if origin["kind"] != "run":
+        return None
+    return origin.get("stage") or merged_stage(Path(origin["run"])) or "sft"
+
+
 def _source_path(origin: dict) -> Optional[Path]:
     """The local run or directory exported (a model card reads the run's records
     from it); None otherwise."""
+    if origin["kind"] == "run" and origin.get("stage") is not None:
+        return merged_dir(Path(origin["run"]), origin["stage"])  # its card is that stage's
     if origin["kind"] == "run":
         return Path(origin["run"])
     if origin["kind"] == "dir":
@@ -406,13 +433,13 @@ def run_export(request: ExportRequest) -> StageResult:
         return run_adapter_export(request)
     started = time.time()
     quant, preset, threads = _validate(request)
-    origin = _locate(request.source, request.target)
+    origin = _check_stage(request, _locate(request.source, request.target))
     if request.target == "genai":
         check_genai_architecture(_model_type(origin))  # GPT-NeoX, GPT-2: refused before any work
     if request.target == "executorch":
         check_executorch_architecture(_model_type(origin))
     _check_calibrate(request, quant, origin)
-    out = check_out_dir(Path(request.out) if request.out is not None else _default_out(request.source))
+    out = check_out_dir(Path(request.out) if request.out is not None else _default_out(request.source, request.stage))
     final = out / artifact_name(request.target, quant)
     if final.exists() and not request.overwrite:
         raise UserError(f"{final} exists; pass --overwrite to replace it or choose another --out")
@@ -459,7 +486,7 @@ def run_export(request: ExportRequest) -> StageResult:
             metrics["model_card"] = {"path": CARD, "note": None}
             (built / CARD).write_text(onnx_card(final.name, metrics, _source_path(origin)), encoding="utf-8")
         inputs = {"source": origin, "target": request.target, "quant": quant, "ort_format": request.ort_format,
-                  "calibrate": request.calibrate}
+                  "calibrate": request.calibrate, "stage": _exported_stage(origin)}
         _publish(built, final, make_manifest("export", inputs, metrics, started))
         for path, text in companions.items():
             write_text_atomic(path, text)

@@ -22,7 +22,7 @@ from slm_align.envelope.loop import load_checkpoint, train_steps
 from slm_align.envelope.policy import build_policy
 from slm_align.envelope.world import World, launched
 from slm_align.errors import UserError
-from slm_align.headroom import Figure, GateRefused, HeadroomReport
+from slm_align.headroom import Figure, GateRefused, HeadroomReport, refusal
 from slm_align.modeling import load_tokenizer, resolve_source, save_adapter
 from slm_align.plots import plot_curves
 from slm_align.preference.algorithms import preference_learner
@@ -96,8 +96,7 @@ class PreferenceStage:
         self.say(f"{self.algo} gate: {gate['verdict']}" + (f" ({'; '.join(gate['reasons'])})" if gate["reasons"]
                                                             else ""))
         if not gate["passed"] and not self.force:
-            raise GateRefused(f"{self.algo} gate FAIL ({'; '.join(gate['reasons'])}): {' '.join(gate['remedies'])} "
-                              "Pass --force to train anyway (recorded in the manifest).")
+            raise GateRefused(refusal(f"{self.algo} gate", gate))
 
     def train(self, partial: Path, checkpoint: Optional[str]) -> None:
         """The remaining steps from the work dir's checkpoint (if any); held-out

@@ -100,3 +100,4 @@ def exact_answer(prompts, completions, answer: Optional[Sequence[Any]] = None,
 
 
 exact_answer.columns = frozenset({"answer"})
+exact_answer.bounds = (0.0, 1.0)  # worst and best score (the gate reads them)

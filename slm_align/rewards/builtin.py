@@ -32,6 +32,7 @@ def length_window(prompts, completions, min_words: int = 20, max_words: int = 80
 
 
 length_window.columns = frozenset()
+length_window.bounds = (0.0, 1.0)  # worst and best score (the gate reads them)
 
 BUILTINS: dict[str, RewardFn] = {"length_window": length_window, "exact_answer": exact_answer,
                                  "json_tool_call": json_tool_call, "tool_task": tool_task,

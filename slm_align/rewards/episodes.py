@@ -67,6 +67,7 @@ def task_success(prompts, completions, answer: Sequence[Any], episodes: Optional
 
 
 task_success.columns = frozenset({"answer"})
+task_success.bounds = (0.0, 1.0)  # worst and best score (the gate reads them)
 
 
 def call_format(prompts, completions, episodes: Optional[Sequence[dict]] = None, **_) -> list[float]:
@@ -86,6 +87,7 @@ def call_format(prompts, completions, episodes: Optional[Sequence[dict]] = None,
 
 
 call_format.columns = frozenset()
+call_format.bounds = (0.0, 1.0)  # worst and best score (the gate reads them)
 call_format.needs = "episodes"
 
 

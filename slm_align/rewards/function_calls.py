@@ -128,3 +128,7 @@ def function_call_graded(prompts, completions, ground_truth: Sequence[Any], tool
 
 
 function_call_graded.columns = frozenset({"ground_truth", "tools"})
+
+
+function_call_match.bounds = (0.0, 1.0)  # worst and best score (the gate reads them)
+function_call_graded.bounds = (0.0, 1.0)  # worst and best score (the gate reads them)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from slm_align.errors import UserError
 
@@ -42,6 +42,25 @@ def call_reward(fn: RewardFn, prompts, completions, **context) -> Sequence[float
     """``fn(prompts, completions, **context)``, leaving out the keywords
     (columns) it does not take."""
     return fn(prompts, completions, **_accepted(fn, context))
+
+
+def reward_bounds(fn: RewardFn) -> Optional[tuple[float, float]]:
+    """A reward's worst and best score: its ``bounds`` attribute (the built-ins have one), for a
+    :class:`CombinedReward` the weighted sum of its terms' (a negative weight swaps a term's ends);
+    None when any is unknown (a learned reward model, a user function without ``bounds``)."""
+    terms = getattr(fn, "terms", None)
+    if terms is None:
+        bounds = getattr(fn, "bounds", None)
+        return None if bounds is None else (float(bounds[0]), float(bounds[1]))
+    low = high = 0.0
+    for _, term, weight in terms:
+        bounds = reward_bounds(term)
+        if bounds is None:
+            return None
+        ends = sorted((weight * bounds[0], weight * bounds[1]))
+        low += ends[0]
+        high += ends[1]
+    return low, high
 
 
 def reward_name(fn: RewardFn) -> str:

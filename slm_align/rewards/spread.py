@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 # Rewards closer than this count as equal (as an all-equal GRPO group:
 # slm_align.rl.advantages.ZERO_STD).
@@ -95,3 +95,61 @@ def recommend(spread: Spread, max_all_equal_share: float, group_size: int) -> di
     why = (f"PPO: {measured}; GRPO would learn nothing from them, PPO's learned value baseline "
            f"still does; {larger}")
     return {"algo": "ppo", "why": why}
+
+
+SOLVED = 0.9
+"""A flat spread whose mean reward lies at least this far up the reward's range (0 its worst, 1 its
+best) is read as "the samples succeed"; at most ``1 - SOLVED`` up, as "they fail"."""
+
+CASE_REMEDIES = {
+    "solved": ("SFT already solves the task, so RL has nothing left to learn: evaluate the SFT policy "
+               "(evaluate, or export and evaluate-agent), or train RL on harder tasks or from fewer SFT steps"),
+    "unreached": ("the prior cannot reach the reward, so RL never sees a success to follow: train SFT "
+                  "longer or on more or better demonstrations, or start from a larger base model"),
+    "flat": ("the reward barely varies over the policy's samples, so RL has nothing to follow: use a more "
+             "discriminative reward (another reward model, a graded --reward, or more samples per prompt)"),
+}
+"""What to do in each case of a flat within-prompt spread (:func:`flat_case`)."""
+
+
+@dataclass(frozen=True)
+class FlatCase:
+    """Why the rewards of a prompt's samples do not vary: ``case`` is ``"solved"`` (nearly every
+    sample earns the reward's best), ``"unreached"`` (its worst) or ``"flat"`` (in between, or on a
+    reward whose range is unknown)."""
+
+    case: str
+    position: Optional[float]
+    """Mean reward as a share of the reward's range (0 worst, 1 best); None when the range is unknown."""
+    seen: str
+    """What the gate saw, in words."""
+
+    @property
+    def remedy(self) -> str:
+        return f"{self.seen}: {CASE_REMEDIES[self.case]}"
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), remedy=self.remedy)
+
+
+def flat_case(scores: Sequence[float], bounds: Optional[tuple[float, float]]) -> FlatCase:
+    """Which case a flat spread is: where the mean of ``scores`` lies in ``bounds`` (the reward's
+    worst and best score, None when unknown, as for a learned reward model).
+
+    position = (mean(scores) - low) / (high - low); "solved" when position >= :data:`SOLVED`,
+    "unreached" when position <= 1 - :data:`SOLVED`, else "flat". Without bounds the observed
+    scores cannot say whether a sample succeeded, so the case is "flat".
+    """
+    mean = statistics.fmean(scores)
+    if bounds is None or bounds[1] - bounds[0] <= EQUAL:
+        return FlatCase("flat", None, f"mixed but flat (mean reward {mean:.3g} over {len(scores)} samples; "
+                                      "the reward's range is unknown)")
+    low, high = bounds
+    position = (mean - low) / (high - low)
+    at_best = sum(1 for score in scores if score >= high - EQUAL)
+    seen = f"{at_best}/{len(scores)} samples at the reward's best {high:g}, mean {mean:.3g}, worst {low:g}"
+    if position >= SOLVED:
+        return FlatCase("solved", position, f"all samples succeed ({seen})")
+    if position <= 1 - SOLVED:
+        return FlatCase("unreached", position, f"all samples fail ({seen})")
+    return FlatCase("flat", position, f"mixed but flat ({seen})")

@@ -77,6 +77,7 @@ def json_tool_call(prompts, completions, schema: Optional[dict] = None, tools: O
 
 
 json_tool_call.columns = frozenset()
+json_tool_call.bounds = (0.0, 1.0)  # worst and best score (the gate reads them)
 
 
 TOOL_TASK_SCORES = {"no_call": 0.0, "malformed": 0.25, "wrong_tool": 0.5, "wrong_answer": 0.75, "solved": 1.0}
@@ -177,3 +178,4 @@ def tool_task(prompts, completions, answer: Optional[Sequence[Any]] = None, tool
 
 
 tool_task.columns = frozenset({"answer"})
+tool_task.bounds = (0.0, 1.0)  # worst and best score (the gate reads them)

@@ -232,7 +232,7 @@ def run_episode(backend, prompt: str, setup: EpisodeSetup, settings: RLSettings,
     :class:`~slm_align.rl.llama_episodes.ExactLlamaBackend`); its ids from the runtime's trace, each
     sampled id's log-probability from the backend's rounds."""
     agent = Agent(backend, "policy", tools=setup.tools, sampling=params, grammar=False,
-                  max_tool_rounds=settings.max_tool_rounds)
+                  max_tool_rounds=settings.max_tool_rounds, describe_tools=True)  # as SFT chats and evaluate-agent
     backend.rounds = []
     for _ in agent.respond(setup.messages):
         pass

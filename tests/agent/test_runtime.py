@@ -13,6 +13,7 @@ import pytest
 from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams, apply_penalties, candidates, sample_token
 from slm_align.agent.store import PreferenceStore
+from slm_align.chat_templates import CHATML_TEMPLATE
 from slm_align.errors import UserError
 from slm_align.tools.builtin import default_tools
 from tests.helpers import export_bundled, finished_sft_run, most_repeated_name, run_cli
@@ -250,3 +251,47 @@ def test_device_profile_sets_threads_and_a_context_that_fits(artifacts):
     assert agent.backend.n_ctx == min(fit.max_context, 4096)
     with pytest.raises(UserError, match="unknown device|not found|no device"):
         Agent.load(artifacts["gguf"], device="toaster")
+
+
+def test_a_call_with_no_round_left_never_reaches_the_user_as_call_text(artifacts):
+    from slm_align.agent.tool_text import UNANSWERED
+
+    broken = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+"}}</tool_call>'
+    agent = Agent.load(artifacts["onnx"], sampling=SCRIPTED, tools=default_tools(), max_tool_rounds=1)
+    agent.backend = ScriptedBackend(agent.backend, [broken, "Let me try again. " + broken])
+    pieces = list(agent.stream("Add one and nothing."))
+    assert "".join(pieces) == agent.last.text == f"Let me try again. {UNANSWERED}"
+    assert agent.last.tool_calls[0]["ok"] is False and agent.messages[-1]["content"] == agent.last.text
+    bare = '{"name": "calculator", "arguments": {"expression": "1+1"}}'  # a bare call as the whole answer
+    agent.backend = ScriptedBackend(agent.backend.inner, [broken, bare])
+    assert agent.chat("Add.").text == UNANSWERED and "calculator" not in agent.last.text
+    agent.backend = ScriptedBackend(agent.backend.inner, [broken, "It is 2."])  # a plain answer stays as written
+    assert agent.chat("Add.").text == "It is 2."
+
+
+def test_a_template_that_drops_tools_gets_the_runtimes_fallback_when_asked(artifacts, tmp_path):
+    from slm_align.agent.prompt import tools_shown
+    from slm_align.chat_templates import tools_system_text
+
+    fallback = tools_system_text(default_tools().specs())
+    seen = {}
+    for describe in (False, True):
+        agent = Agent.load(artifacts["onnx"], sampling=GREEDY, tools=default_tools(), system="Be brief.",
+                           describe_tools=describe)
+        agent.backend = ScriptedBackend(agent.backend, ["It is 2."])
+        assert agent.chat("What is 1+1?").text == "It is 2."
+        seen[describe] = agent.backend.prompts[0]
+        assert tools_shown(agent.backend, describe) == ("runtime fallback (its chat template drops tools)"
+                                                        if describe else "not shown (its chat template drops tools)")
+    assert '"calculator"' not in seen[False]  # ChatML leaves the tools out
+    assert seen[True] == seen[False].replace("system\nBe brief.", f"system\n{fallback}\n\nBe brief.")
+    listing = tmp_path / "tools.jinja"
+    listing.write_text("{% if tools %}{{ '<|im_start|>system\\nTools:' }}{% for tool in tools %}{{ ' ' + "
+                       "tool['function']['name'] }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}" + CHATML_TEMPLATE)
+    agent = Agent.load(artifacts["onnx"], sampling=GREEDY, tools=default_tools(), describe_tools=True,
+                       chat_template=str(listing))
+    agent.backend = ScriptedBackend(agent.backend, ["It is 2."])
+    agent.chat("What is 1+1?")
+    assert "Tools: calculator current_time" in agent.backend.prompts[0]  # listed by the template alone
+    assert fallback.split("\n")[0] not in agent.backend.prompts[0]
+    assert tools_shown(agent.backend, True) == "chat template"

@@ -20,7 +20,7 @@ from slm_align.agent.task_eval import (
     sample_seed,
     summarize,
 )
-from slm_align.chat_templates import CHATML_TEMPLATE, render, template_form, template_traits
+from slm_align.chat_templates import CHATML_TEMPLATE, render, shown_tools, template_form, template_traits
 from slm_align.data.agent_tasks import (
     leaks,
     make_tasks,
@@ -172,15 +172,20 @@ def test_sft_rows_render_as_the_runtime_renders(gguf, tokenizer):
     backend = agent.backend.inner.inner
     tools = agent.tools.specs()
     traits = template_traits(backend.chat_template)
-    runtime_text = render(backend.chat_template, template_form(agent.messages, traits), backend.bos_token,
+
+    def shown(messages):  # ChatML drops tools: SFT and the runtime both show the fallback
+        return shown_tools(backend.chat_template, messages, tools)
+
+    assert shown([]) != []
+    runtime_text = render(backend.chat_template, shown(template_form(agent.messages, traits)), backend.bos_token,
                           backend.eos_token, tools, add_generation_prompt=False)
     for row, turns in ((answer_row, agent.messages), (call_row, agent.messages[:2])):
         example = row_to_example("sft", row)
         prompt, completion = render_example(example, tokenizer)  # what SFT trains on
-        expected = render(backend.chat_template, template_form(turns, traits), backend.bos_token,
+        expected = render(backend.chat_template, shown(template_form(turns, traits)), backend.bos_token,
                           backend.eos_token, tools, add_generation_prompt=False)
         assert prompt + completion == expected
-        model_prompt = render(backend.chat_template, template_form(turns[:-1], traits), backend.bos_token,
+        model_prompt = render(backend.chat_template, shown(template_form(turns[:-1], traits)), backend.bos_token,
                               backend.eos_token, tools)
         assert prompt == model_prompt  # the text the model continues at inference
     assert runtime_text.endswith(final + "<|im_end|>\n")
@@ -241,7 +246,8 @@ def test_task_eval_counts_on_a_scripted_backend(gguf):
     assert [r.category for r in results] == ["success", "no_call", "malformed_call", "wrong_tool", "wrong_answer"]
     summary = summarize(results)
     assert summary["success_rate"] == 0.2 and summary["call_rate"] == 0.8
-    assert summary["valid_call_rate"] == 3 / 4 and summary["rounds_per_task"] == 4 / 5
+    # the row offers the calculator alone: its current_time call fails, as in RL's episodes
+    assert summary["valid_call_rate"] == 2 / 4 and summary["rounds_per_task"] == 4 / 5
     assert summary["failures"] == {"no_call": 1, "malformed_call": 1, "wrong_tool": 1, "wrong_answer": 1}
     assert all(r.tokens > 0 for r in results) and results[0].tokens > results[1].tokens
 
@@ -484,3 +490,42 @@ def test_evaluate_agent_in_a_log_says_its_start_progress_and_end(gguf, tmp_path,
     assert counts[-1].endswith(f"(success {successes}/3)")  # success so far, said with each count
     assert lines[-1].startswith("evaluate-agent: done in ")
     assert lines[-1].endswith(f"task success {report['artifacts'][0]['success_rate']:.3f}")
+
+
+TOOLS_TEMPLATE = (  # ChatML that lists the tools' names in a system turn of its own (the context is small)
+    "{% if tools %}{{ '<|im_start|>system\\nTools:' }}{% for tool in tools %}{{ ' ' + tool['function']['name'] }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_every_artifact_is_shown_the_tools_and_the_report_says_how(gguf, tmp_path, monkeypatch):
+    """The bundled export's ChatML drops ``tools``: the runtime's fallback writes them into the system
+    message; a copy whose template lists them is shown them by its template, without the fallback."""
+    from slm_align.agent.runtime import load_model
+    from slm_align.chat_templates import FALLBACK_HEADER, tools_system_text
+
+    heldout = tmp_path / "tasks.jsonl"
+    heldout.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5",
+                                   "tool": "calculator"}) + "\n")
+    listed = tmp_path / "listed.gguf"
+    shutil.copyfile(gguf, listed)
+    backends = {}
+
+    def load(artifact):
+        model = load_model(artifact)
+        if Path(artifact) == listed:
+            model.backend.chat_template, model.backend.chat_template_origin = TOOLS_TEMPLATE, "tools.jinja"
+        model.backend = backends[Path(artifact)] = ScriptedBackend(model.backend, ["It is 5."])
+        return model
+
+    monkeypatch.setattr(task_eval, "load_model", load)
+    report = task_eval.evaluate_artifacts(heldout, [gguf, listed], max_tokens=24)
+    shown = [row["tools_shown"] for row in report["artifacts"]]
+    assert shown == ["runtime fallback (its chat template drops tools)", "chat template"]
+    prompts = {path: backend.inner.detokenize(backend.prompts[0]) for path, backend in backends.items()}
+    header = FALLBACK_HEADER.split(" (")[0]
+    fallback = tools_system_text(default_tools().specs())
+    assert prompts[Path(gguf)].startswith(f"<|im_start|>system\n{fallback}<|im_end|>")
+    assert "Tools: calculator current_time" in prompts[Path(listed)] and header not in prompts[Path(listed)]
+    assert all(row["successes"] == 1 for row in report["artifacts"])

@@ -40,8 +40,11 @@ def chat_row(question, answer, tools=(CALCULATOR,)):
 
 
 def expected_prompt(tokenizer, question, tools=None):
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tools=tools, tokenize=False,
-                                         add_generation_prompt=True)
+    """transformers' rendering, with the runtime's fallback for the tools when the template drops them."""
+    from slm_align.chat_templates import shown_tools
+
+    messages = shown_tools(tokenizer.chat_template, [{"role": "user", "content": question}], tools)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
 
 def test_prompt_and_answer_jsonl_keeps_every_other_column(tmp_path):
@@ -100,8 +103,8 @@ def test_parquet_with_tools_of_different_shapes(tmp_path, tokenizer):
     rows = [chat_row("What is 3 * 4?", "12"), chat_row("What time is it?", "noon", [CLOCK])]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
     tasks = read_tasks(tmp_path / "t.parquet", tokenizer)
-    assert tasks.prompts == [expected_prompt(tokenizer, q) for q in ("What is 3 * 4?",
-                                                                     "What time is it?")]
+    assert tasks.prompts == [expected_prompt(tokenizer, q, tools) for q, tools in (("What is 3 * 4?", [CALCULATOR]),
+                                                                                   ("What time is it?", [CLOCK]))]
     # parquet merges both tools' schemas into one struct, filling the other's keys
     # with None: they are removed
     assert [row["tools"] for row in tasks.columns] == [[CALCULATOR], [CLOCK]]

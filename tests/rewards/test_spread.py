@@ -85,3 +85,64 @@ def test_the_gate_passes_a_reward_that_varies_within_prompts(stories):
     assert figure["value"] > 0.1 and figure["passed"]
     assert report["info"]["reward_spread"]["all_equal_share"] < 0.5
     json.dumps(report)  # headroom.json holds it
+
+
+def always_right(prompts, completions, **_):
+    """Every sample succeeds: the policy already solves the task."""
+    return [1.0] * len(completions)
+
+
+always_right.bounds = (0.0, 1.0)
+
+
+def always_wrong(prompts, completions, **_):
+    """Every sample fails: the prior never reaches the reward."""
+    return [0.0] * len(completions)
+
+
+always_wrong.bounds = (0.0, 1.0)
+
+
+def test_a_flat_spread_is_read_as_solved_unreached_or_flat():
+    from slm_align.rewards.spread import flat_case
+
+    solved = flat_case([1.0] * 15 + [0.0], (0.0, 1.0))  # mean 0.94: nearly every sample succeeds
+    assert solved.case == "solved" and solved.position == pytest.approx(15 / 16)
+    assert solved.remedy.startswith("all samples succeed (15/16 samples at the reward's best 1")
+    assert "SFT already solves the task" in solved.remedy and "fewer SFT steps" in solved.remedy
+    unreached = flat_case([0.0] * 15 + [1.0], (0.0, 1.0))
+    assert unreached.case == "unreached" and unreached.remedy.startswith("all samples fail (1/16")
+    assert "cannot reach the reward" in unreached.remedy and "larger base model" in unreached.remedy
+    mixed = flat_case([0.0] * 8 + [1.0] * 8, (0.0, 1.0))  # prompts all right or all wrong: flat within
+    assert mixed.case == "flat" and "does not" not in mixed.remedy and "more discriminative" in mixed.remedy
+    # the reward's own range decides, not the scores seen: 1.0 is the middle of a 0..2 reward
+    assert flat_case([1.0] * 16, (0.0, 2.0)).case == "flat"
+    assert flat_case([2.0] * 16, (0.0, 2.0)).case == "solved"
+    unknown = flat_case([3.5] * 16, None)  # a learned reward model: success cannot be told
+    assert unknown.case == "flat" and unknown.position is None and "range is unknown" in unknown.remedy
+
+
+def test_reward_bounds_add_up_over_weighted_terms():
+    from slm_align.rewards.builtin import combine
+    from slm_align.rewards.protocol import reward_bounds
+
+    assert reward_bounds(combine(["task_success", "call_format@0.2"])) == pytest.approx((0.0, 1.2))
+    assert reward_bounds(combine(["exact_answer@-0.5", "length_window"])) == pytest.approx((-0.5, 1.0))
+    assert reward_bounds(combine(["tests.rewards.test_spread:prompt_only"])) is None  # no bounds: unknown
+    assert reward_bounds(combine(["tool_task", "tests.rewards.test_spread:prompt_only"])) is None
+
+
+@pytest.mark.parametrize("reward, case, words", [
+    ("always_right", "solved", "all samples succeed (24/24 samples at the reward's best 1"),
+    ("always_wrong", "unreached", "all samples fail (0/24 samples at the reward's best 1"),
+    ("prompt_only", "flat", "mixed but flat"),
+])
+def test_the_gate_says_which_case_its_flat_spread_is(stories, reward, case, words):
+    report = _gate(stories, f"tests.rewards.test_spread:{reward}")
+    assert not report["passed"] and report["info"]["spread_case"]["case"] == case
+    remedy = report["remedies"][-1]
+    assert remedy.startswith(words) and remedy == report["info"]["spread_case"]["remedy"]
+    other_remedies = {"solved": "SFT already solves", "unreached": "cannot reach the reward",
+                      "flat": "more discriminative reward"}
+    for other, text in other_remedies.items():
+        assert (text in remedy) == (other == case)

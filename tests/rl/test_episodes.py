@@ -167,7 +167,7 @@ def test_an_episode_is_the_runtimes_loop_and_its_ids_are_those_fed(tiny_models, 
     # The same messages through the runtime's own Agent (the scripted model, a fresh cache) feed the same ids.
     rl = settings(max_new_tokens=96)
     agent = Agent(backend, "policy", tools=calculator_only(), sampling=episode_params(rl, 0, 0), grammar=False,
-                  max_tool_rounds=2)
+                  max_tool_rounds=2, describe_tools=True)  # as RL runs it (the tools fallback)
     backend.reset()
     list(agent.respond([{"role": "user", "content": "What is 2+3?"}]))
     fed = [i for _, piece in agent.trace for i in piece]
@@ -256,7 +256,7 @@ def test_unscripted_sampling_is_the_policys_own_distribution(tiny_models, tokeni
     with torch.no_grad():
         logprobs, _, _ = forward_logprobs(backend.model, input_ids, attention, width, 1.0)
     drawn = torch.tensor([logprob for _, logprob in backend.drawn])
-    assert len(drawn) >= 5 and drawn.std() > 0.1  # real draws, not forced ones
+    assert len(drawn) >= 5 and drawn.std() > 0.05  # real draws, not forced ones (a random model's spread little)
     assert torch.allclose(logprobs[mask.bool()], drawn, atol=1e-4)
 
 
@@ -383,8 +383,13 @@ def test_a_grpo_iteration_on_episodes_trains_the_sampled_ids_only(tiny_models, t
     loop.episodes = AgentTasks(tasks)
     before = {name: p.detach().clone() for name, p in loop.named_params}
     batch = loop.collect_rollout(loop.prompts_for(0), seed=0, old_pass=False, reference_pass=False)
-    assert batch.stats["episode/call_rate"] == 0.0 and batch.stats["episode/success"] == 0.0
-    assert torch.equal(batch.mask, batch.attention_mask[:, batch.prompt_width:].float())  # no call: all sampled
+    assert batch.stats["episode/success"] == 0.0
+    sampled = batch.attention_mask[:, batch.prompt_width:].float()
+    assert torch.all(batch.mask <= sampled)  # only ids after the prompt can train
+    if batch.stats["episode/call_rate"] == 0.0:  # no call: every id after the prompt was sampled
+        assert torch.equal(batch.mask, sampled)
+    else:  # a random draw read as a call (the prompt lists the tools): the runtime's inserted ids do not train
+        assert batch.mask.sum() < sampled.sum()
     metrics = loop.run_step(0)
     assert metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-6)  # the first ratio of an iteration is exactly 1
     assert "episode/call_rate" in metrics and "episode/rounds" in metrics
@@ -400,7 +405,8 @@ def half_caller(tmp_path_factory, tiny_models, tokenizer):
 
     model = tiny(tiny_models)
     backend = PolicyBackend(model, tokenizer)
-    prompt, _ = PromptFitter(backend, default_tools().specs()).fit([{"role": "user", "content": "What is 2+3?"}], 64)
+    prompt, _ = PromptFitter(backend, default_tools().specs(), describe_tools=True).fit(
+        [{"role": "user", "content": "What is 2+3?"}], 64)  # as RL's episodes render it
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     replies = [tokenizer(text, add_special_tokens=False)["input_ids"] + [end] for text in (CALL, "5")]
     width = max(len(reply) for reply in replies)
@@ -427,7 +433,8 @@ def call_probability(loop, tokenizer) -> float:
     from slm_align.agent.prompt import PromptFitter
 
     backend = PolicyBackend(loop.policy, tokenizer)
-    prompt, _ = PromptFitter(backend, default_tools().specs()).fit([{"role": "user", "content": "What is 2+3?"}], 64)
+    prompt, _ = PromptFitter(backend, default_tools().specs(), describe_tools=True).fit(
+        [{"role": "user", "content": "What is 2+3?"}], 64)  # as RL's episodes render it
     loop.policy.eval()
     with torch.no_grad():
         logits = loop.policy(input_ids=torch.tensor([prompt])).logits[0, -1].float()
