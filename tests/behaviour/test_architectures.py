@@ -201,7 +201,10 @@ def trained_runs(tmp_path_factory, tiny_models, stories):
         recipe.write_text('[data]\nmax_length = 64\n[sft]\nmax_steps = 2\nbatch_size = '
                           '4\n[reward]\nmax_steps = 2\nbatch_size = 4\n[rl]\nsteps = '
                           '1\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = '
-                          '8\neval_prompts = 2\nreport_prompts = 4\n[headroom]\nmax_documents = '
+                          '8\neval_prompts = 2\nreport_prompts = 4\n'
+                          # the watchdog publishes its peak probe, on a random tiny model often step 0's
+                          # untrained adapter: off here, the last step's adapter shows the update reached LoRA
+                          '[rl.watchdog]\nenabled = false\n[headroom]\nmax_documents = '
                           '8\nspread_prompts = 2\nmax_new_tokens = 8\n')
         with pytest.raises(SystemExit) as done:
             main(["train", "--algo", "ppo", "--model", str(tiny_models[arch]), "--data", str(stories), "--out",
