@@ -286,3 +286,16 @@ def test_an_existing_out_is_kept_unless_overwrite(gguf, tasks, rows, tmp_path, c
     assert code == 0, err
     assert sorted(path.name for path in out.iterdir()) == ["device-001.db", "summary.json"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["field"]  # no scratch folder left
+
+
+def test_agent_load_ab_tests_the_candidate_against_the_artifacts_own_adapters(files, tmp_path):
+    """``Agent.load(BASE+ADAPTER, candidate=...)``: the current arm is the base with its adapter, not the bare
+    base (as ``adapters=`` gives it)."""
+    from slm_align.agent.runtime import Agent
+
+    agent = Agent.load(f"{files['base']}+{files['current']}", threads=1, n_ctx=256, candidate=[files["candidate"]],
+                       store=tmp_path / "prefs.db", consent=True)
+    base = sha256_file(files["base"])
+    assert agent.ab.trial.current_id == chain_digest(base, [sha256_file(files["current"])])
+    assert agent.ab.trial.candidate_id == chain_digest(base, [sha256_file(files["candidate"])])
+    agent.store.close()
