@@ -43,6 +43,7 @@ _EXPORTS = {
     "Agent": "slm_align.agent.runtime",
     "default_tools": "slm_align.tools.builtin",
     "write_function_tasks": "slm_align.data.function_tasks",
+    "simulate_field": "slm_align.agent.field",
 }
 
 __all__ = [
@@ -63,10 +64,12 @@ __all__ = [
     "run_reward",
     "run_rl",
     "run_sft",
+    "simulate_field",
     "write_function_tasks",
 ]
 
 if TYPE_CHECKING:
+    from slm_align.agent.field import simulate_field
     from slm_align.agent.runtime import Agent
     from slm_align.config import Recipe, load_recipe
     from slm_align.data.function_tasks import write_function_tasks

@@ -227,7 +227,8 @@ class Agent:
             store = PreferenceStore(Path(store))
         agent = cls(model.backend, model.sha256, store=store, **options)
         if candidate:
-            agent.ab = DeviceRouter(agent, adapters, candidate, candidate_share, ab_test, client)
+            current = adapters or resolve_artifact(artifact).adapters  # a manifest's, a bundle's, BASE+A's
+            agent.ab = DeviceRouter(agent, current, candidate, candidate_share, ab_test, client)
             agent.reset()  # the first conversation, routed
         return agent
 

@@ -29,7 +29,7 @@ from slm_align.agent.artifact_forms import FORMS
 from slm_align.agent.bfcl import load_bfcl, parse_categories
 from slm_align.agent.bounds import accepted, bounds, typed
 from slm_align.agent.prompt import tools_shown
-from slm_align.agent.runtime import Agent, fold_seed, load_model
+from slm_align.agent.runtime import Agent, Model, fold_seed, load_model
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.settings import Temperature
 from slm_align.agent.template import check_chat_template
@@ -174,14 +174,17 @@ def task_tools(row: dict) -> ToolRegistry:
     return default_tools()
 
 
-def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
-               max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, threads: Optional[int] = None) -> Agent:
-    """A greedy agent with the built-in tools on ``artifact`` (any form of
-    :func:`~slm_align.agent.artifact_forms.resolve_artifact`: a model, base + adapters, an adapter
-    export's manifest, a bundle; ``threads``: its backend's, default
-    :func:`~slm_align.devices.host.default_threads`); one that does not load is a UserError."""
+def check_artifact_exists(artifact: Union[str, Path]) -> None:
+    """Refuse (one line) an artifact path that does not exist (a ``BASE+ADAPTER`` chain is checked
+    part by part when it is resolved)."""
     if "+" not in str(artifact) and not Path(artifact).exists():
         raise UserError(f"artifact {artifact} not found; pass {FORMS}")
+
+
+def load_checked(artifact: Union[str, Path], threads: Optional[int] = None) -> Model:
+    """The opened ``artifact`` (any form of :func:`~slm_align.agent.artifact_forms.resolve_artifact`)
+    with a chat template that renders; a missing, damaged or unknown artifact is a one-line UserError."""
+    check_artifact_exists(artifact)
     try:  # an unknown form is refused by load_model's resolve_artifact
         model = load_model(artifact, threads=threads)
     except UserError:
@@ -190,6 +193,16 @@ def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
         raise UserError(f"artifact {artifact} does not load ({type(exc).__name__}: "
                         f"{exc}); export it again") from None
     check_chat_template(model.backend)
+    return model
+
+
+def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
+               max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, threads: Optional[int] = None) -> Agent:
+    """A greedy agent with the built-in tools on ``artifact`` (any form of
+    :func:`~slm_align.agent.artifact_forms.resolve_artifact`: a model, base + adapters, an adapter
+    export's manifest, a bundle; ``threads``: its backend's, default
+    :func:`~slm_align.devices.host.default_threads`); one that does not load is a UserError."""
+    model = load_checked(artifact, threads)
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return Agent(_CountingBackend(model.backend), model.sha256, tools=default_tools(), sampling=sampling,
                  max_tool_rounds=max_tool_rounds, describe_tools=True)  # every artifact is shown the tools

@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 from typer.exceptions import TyperException
 
-from slm_align.cli import bundle, config_cmd, devices, env_cmd, export, runtime, tasks, train
+from slm_align.cli import bundle, config_cmd, devices, env_cmd, export, field, runtime, tasks, train
 from slm_align.cli.aliases import current_spellings
 from slm_align.errors import EXIT_USER_ERROR, UserError, storage_error
 
@@ -28,6 +28,7 @@ app.add_typer(devices.commands)
 app.add_typer(tasks.commands)
 app.add_typer(env_cmd.commands)
 app.add_typer(runtime.feedback_app, name="feedback")
+app.add_typer(field.field_app, name="field")
 app.add_typer(devices.devices_app, name="devices")
 app.add_typer(config_cmd.config_app, name="config")
 

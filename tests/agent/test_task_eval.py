@@ -512,8 +512,8 @@ def test_every_artifact_is_shown_the_tools_and_the_report_says_how(gguf, tmp_pat
     shutil.copyfile(gguf, listed)
     backends = {}
 
-    def load(artifact):
-        model = load_model(artifact)
+    def load(artifact, **options):
+        model = load_model(artifact, **options)
         if Path(artifact) == listed:
             model.backend.chat_template, model.backend.chat_template_origin = TOOLS_TEMPLATE, "tools.jinja"
         model.backend = backends[Path(artifact)] = ScriptedBackend(model.backend, ["It is 5."])

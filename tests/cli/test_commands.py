@@ -14,7 +14,7 @@ from tests.helpers import run_cli, tree_digest
 
 COMMANDS = ["quickstart", "sft", "check-headroom", "train", "evaluate", "merge", "export", "bundle", "bundle-keygen",
             "chat", "feedback export", "devices list", "devices show", "devices fit", "bench", "serve",
-            "tasks make", "evaluate-agent", "env"]
+            "tasks make", "evaluate-agent", "env", "field simulate"]
 
 
 
