@@ -31,7 +31,7 @@ def devices_list(as_json: bool = JsonFlag) -> None:
     rows = [{"name": p.name, "device": p.display_name, "ram_gb": p.ram_gb, "bandwidth_gbs": p.bandwidth_gbs,
              "runtime": p.runtime, "quant": p.gguf_quant, "reference_points": len(p.reference)}
             for p in map(load_profile, list_profiles())]
-    emit(as_json, {"devices": rows}, lambda: stdout.print(rows_table("Device profiles", rows)))
+    emit(as_json, {"devices": rows}, lambda: stdout.print(rows_table("Device profiles", rows, whole=("name", "quant"))))
 
 
 @devices_app.command("show", epilog="Examples:\n\n  slm-align devices show rpi5\n\n"
