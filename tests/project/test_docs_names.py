@@ -340,3 +340,16 @@ def test_option_names_come_from_the_commands(root):
     fit = dict(commands(root))[("devices", "fit")]
     assert {"--device", "--quant", "--json", "--help"} <= option_names(fit)
     assert "--reward" not in option_names(fit) and profile_flag(fit)
+
+
+def test_the_calculator_task_is_trained_on_one_reward_everywhere(root):
+    """README and docs/tool-use.md show the same worked example the quickstart runs: one reward name for it
+    (the README said task_success where docs/tool-use.md said tool_task)."""
+    from slm_align.quickstart.agent import REWARD
+
+    shown = {}
+    for mention in all_mentions(root):
+        if mention.tokens[:1] == ("train",) and "data/calc/train.jsonl" in values(mention.tokens, "--tasks"):
+            shown[mention.where] = reward_names(mention)[:1]
+    assert any(where.startswith("README.md") for where in shown) and any("tool-use" in where for where in shown)
+    assert {where: names for where, names in shown.items() if names != [REWARD]} == {}
