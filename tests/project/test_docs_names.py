@@ -353,3 +353,15 @@ def test_the_calculator_task_is_trained_on_one_reward_everywhere(root):
             shown[mention.where] = reward_names(mention)[:1]
     assert any(where.startswith("README.md") for where in shown) and any("tool-use" in where for where in shown)
     assert {where: names for where, names in shown.items() if names != [REWARD]} == {}
+
+
+def test_every_package_path_the_docs_name_exists():
+    """``slm_align/config.py`` stayed in the docs after config became a package: a path under slm_align/
+    in README.md or docs/ names a file or folder that is there (a ``*`` matches as a glob)."""
+    missing = []
+    for page in markdown_pages():
+        for match in re.finditer(r"`(slm_align/[\w/.*-]+)", page.read_text(encoding="utf-8")):
+            path = match.group(1).rstrip(".")
+            if not (list(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()):
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, "\n".join(missing)
