@@ -142,8 +142,10 @@ def test_algo_auto_follows_the_gates_advice_and_says_why(tmp_path):
     advice = {"algo": "grpo", "why": "within-prompt spread 0.31: GRPO"}
     chosen = pipeline.resolve_algorithm(load_recipe(overrides={"rl.algo": "auto"}), gate_report(True, advice), say)
     assert chosen.rl.algo == "grpo" and lines == ["gate advice: within-prompt spread 0.31: GRPO"]
-    kept = pipeline.resolve_algorithm(load_recipe(overrides={"rl.algo": "ppo"}), gate_report(True, advice), say)
-    assert kept.rl.algo == "ppo"
+    for algo, other in (("ppo", "grpo"), ("grpo", "ppo")):  # a chosen algorithm stays, whatever the advice
+        kept = pipeline.resolve_algorithm(load_recipe(overrides={"rl.algo": algo}),
+                                          gate_report(True, dict(advice, algo=other)), say)
+        assert kept.rl.algo == algo
     with pytest.raises(UserError, match="--algo auto follows the gate's advice"):
         pipeline.resolve_algorithm(load_recipe(overrides={"rl.algo": "auto"}), gate_report(True), say)
 
