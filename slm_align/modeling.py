@@ -278,10 +278,11 @@ def gguf_directory(source: ModelSource) -> ModelSource:
 
 @contextmanager
 def _gguf_bar_off() -> Iterator[None]:
-    """transformers' GGUF loader draws its own tqdm bar ("Converting and de-quantizing GGUF tensors...")
-    whatever ``hf_logging.disable_progress_bar()`` says (it calls tqdm without ``disable``), which a log
-    gets as carriage-return lines. For the call, the loader's ``tqdm`` is tqdm with ``disable=True``: the
-    stage that loads the model shows its own progress (:mod:`slm_align.progress`)."""
+    """transformers' GGUF loader draws its own tqdm bar ("Converting and de-quantizing GGUF
+    tensors...") whatever ``hf_logging.disable_progress_bar()`` says (it calls tqdm without
+    ``disable``), which a log gets as carriage-return lines. For the call, the loader's ``tqdm`` is
+    tqdm with ``disable=True``: the stage that loads the model shows its own progress
+    (:mod:`slm_align.progress`)."""
     from transformers import modeling_gguf_pytorch_utils as gguf_loading
 
     drawn = gguf_loading.tqdm

@@ -33,8 +33,9 @@ def size(num_bytes: float) -> str:
 
 
 def rows_table(title: str, rows: list[dict], whole: tuple[str, ...] = ()) -> Table:
-    """A table with one column per key of the rows (underscores shown as spaces); the ``whole`` columns are
-    never wrapped nor cut (names one types, such as a profile's); the others give way on a narrow terminal."""
+    """A table with one column per key of the rows (underscores shown as spaces); the ``whole``
+    columns are never wrapped nor cut (names one types, such as a profile's); the others give way
+    on a narrow terminal."""
     table = Table(title=title)
     for column in (rows[0] if rows else {}):
         widest = max(len(str(row[column])) for row in rows)

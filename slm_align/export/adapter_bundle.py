@@ -89,9 +89,10 @@ def _entries(manifest: dict) -> list[dict]:
 
 
 def base_file_type(base: Path) -> Optional[str]:
-    """The weight type of a GGUF base as llama.cpp names it, read from its header's ``general.file_type``
-    (3 -> ``Q4_1``, 7 -> ``Q8_0``): what the base is, whatever type the adapters were exported in. None
-    when the file does not say or says a number gguf-py does not know."""
+    """The weight type of a GGUF base as llama.cpp names it, read from its header's
+    ``general.file_type`` (3 -> ``Q4_1``, 7 -> ``Q8_0``): what the base is, whatever type the
+    adapters were exported in. None when the file does not say or says a number gguf-py does not
+    know."""
     field = read_fields(base, prefix="general.file_type").get("general.file_type")
     if field is None:
         return None
@@ -105,12 +106,13 @@ def base_file_type(base: Path) -> Optional[str]:
 def describe_full(manifest: dict, base_name: str, device: Optional[str], template: Optional[str],
                   tokenizer: Optional[Path], base_quant: Optional[str] = None) -> dict:
     """bundle.json's fields (all but ``files``) of a full bundle of the adapter export ``manifest``;
-    ``base_quant``: the base's own weight type (:func:`base_file_type`), apart from ``quant``, the export's."""
+    ``base_quant``: the base's own weight type (:func:`base_file_type`), apart from ``quant``, the
+    export's."""
     metrics = manifest["metrics"]
     base = f"{MODEL_DIR}/{base_name}"
     return {"format": ADAPTER_BUNDLE_FORMAT, "kind": "full", "runtime": "llama.cpp", "target": TARGET,
-            "quant": metrics.get("quant"), "base_quant": base_quant, "device": device, "artifact": base,
-            "base": base,
+            "quant": metrics.get("quant"), "base_quant": base_quant, "device": device,
+            "artifact": base, "base": base,
             "base_sha256": metrics["base"]["sha256"], "adapters": _entries(manifest), "model_id": metrics["sha256"],
             "verification_passed": metrics.get("verification", {}).get("passed"),
             "chat_template": "chat_template.jinja" if template is not None else None,
@@ -144,7 +146,8 @@ def fill_full(bundle: Path, artifact: Path, manifest: dict, device: Optional[str
     tokenizer = tokenizer_file(artifact, manifest)
     write_app_files(bundle, template, tokenizer)
     _write_records(bundle, manifest)
-    described = describe_full(manifest, base.name, device, template, tokenizer, base_file_type(base))
+    described = describe_full(manifest, base.name, device, template, tokenizer,
+                              base_file_type(base))
     return _finish(bundle, described, adapter_bundle_readme)
 
 

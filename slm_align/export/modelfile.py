@@ -118,7 +118,8 @@ COMPARISONS = {"eq": "==", "ne": "!=", "gt": ">", "gteq": ">=", "lt": "<", "lteq
 def _source(node: nodes.Node) -> Optional[str]:
     """A Jinja expression written back as template text (``loop.first and messages[0]['role'] !=
     'system'``), for a message that names what did not translate; None for a kind it does not write.
-    Jinja keeps no source text per node (only line numbers), so the common kinds are written here."""
+    Jinja keeps no source text per node (only line numbers), so the common kinds are written
+    here."""
     if isinstance(node, nodes.Name):
         return node.name
     if isinstance(node, nodes.Const):
@@ -136,7 +137,8 @@ def _source(node: nodes.Node) -> Optional[str]:
     if isinstance(node, nodes.Call):
         return f"{inner}(...)"
     if isinstance(node, nodes.Compare):
-        operations = " ".join(f"{COMPARISONS.get(op.op, op.op)} {_source(op.expr)}" for op in node.ops)
+        operations = " ".join(f"{COMPARISONS.get(op.op, op.op)} {_source(op.expr)}"
+                              for op in node.ops)
         return f"{_source(node.expr)} {operations}"
     if isinstance(node, (nodes.And, nodes.Or)):
         word = "and" if isinstance(node, nodes.And) else "or"
@@ -147,8 +149,9 @@ def _source(node: nodes.Node) -> Optional[str]:
 
 
 def _describe(node: nodes.Node) -> str:
-    """A short name for a Jinja node in a message: its variable path, filter, or the expression as written
-    (``"loop.first and messages[0]['role'] != 'system'"``); a kind of node in words when it cannot be written."""
+    """A short name for a Jinja node in a message: its variable path, filter, or the expression as
+    written (``"loop.first and messages[0]['role'] != 'system'"``); a kind of node in words when it
+    cannot be written."""
     path = _path(node)
     if path is not None:
         return f"'{path}'"
