@@ -365,3 +365,26 @@ def test_every_package_path_the_docs_name_exists():
             if not (list(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()):
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert not missing, "\n".join(missing)
+
+
+def test_the_reward_table_lists_exactly_the_registry():
+    from slm_align.rewards.builtin import BUILTINS
+
+    page = (ROOT / "docs" / "reward-functions.md").read_text(encoding="utf-8")
+    table = page.split("| built-in |", 1)[1].split("\n\n", 1)[0]
+    assert re.findall(r"^\| `(\w+)` \|", table, flags=re.MULTILINE) == list(BUILTINS)
+
+
+def test_the_shipping_table_names_every_profile_and_the_type_they_pick():
+    """docs/shipping.md's "which to pick" table names the profiles per kind of device and says the GGUF
+    type the profiles pick for a merged export."""
+    from slm_align.devices import list_profiles, load_profile
+    from slm_align.devices.estimate import preferred_quant
+
+    page = (ROOT / "docs" / "shipping.md").read_text(encoding="utf-8")
+    table = page.split("| device | GGUF", 1)[1].split("\n\n", 1)[0]
+    named = [name for group in re.findall(r"^\| [\w /]+ \(([\w, -]+)\)", table, flags=re.MULTILINE)
+             for name in group.split(", ")]
+    assert sorted(named) == sorted(list_profiles())
+    picked = {preferred_quant(load_profile(name)) for name in named if load_profile(name).runtime == "gguf"}
+    assert picked == set(re.findall(r"a merged export: `(\w+)`, the profiles' type", table))
