@@ -134,7 +134,7 @@ def resolve(tokens: tuple[str, ...], root: Command) -> tuple[Optional[Command], 
     for token in tokens:
         if not hasattr(command, "commands"):
             break
-        if token.startswith("-") or token in ("--help",):
+        if token.startswith("-"):  # an option of the group (``slm-align --quiet train``)
             continue
         sub = command.commands.get(token)
         if sub is None:
