@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from slm_align.config import LoraSettings
 from slm_align.errors import UserError
@@ -274,6 +276,23 @@ def gguf_directory(source: ModelSource) -> ModelSource:
     return ModelSource("dir", str(gguf_cache.materialize(path, read_model, read_tokenizer, write_tokenizer)))
 
 
+@contextmanager
+def _gguf_bar_off() -> Iterator[None]:
+    """transformers' GGUF loader draws its own tqdm bar ("Converting and de-quantizing GGUF
+    tensors...") whatever ``hf_logging.disable_progress_bar()`` says (it calls tqdm without
+    ``disable``), which a log gets as carriage-return lines. For the call, the loader's ``tqdm`` is
+    tqdm with ``disable=True``: the stage that loads the model shows its own progress
+    (:mod:`slm_align.progress`)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
+
+    drawn = gguf_loading.tqdm
+    gguf_loading.tqdm = partial(drawn, disable=True)
+    try:
+        yield
+    finally:
+        gguf_loading.tqdm = drawn
+
+
 def _load_pretrained(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
                      quantization=None):
     """``from_pretrained`` of a directory, hub id or .gguf file, with one-line errors."""
@@ -281,7 +300,7 @@ def _load_pretrained(source: ModelSource, trust_remote_code: bool = False, allow
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # long stages show their own progress
+    hf_logging.disable_progress_bar()  # long stages show their own progress (and _gguf_bar_off)
     name, kwargs = source.pretrained_args()
     if source.kind == "dir":
         _check_directory(Path(source.ref), allow_pickle)
@@ -293,9 +312,10 @@ def _load_pretrained(source: ModelSource, trust_remote_code: bool = False, allow
             kwargs["config"] = gguf_config(Path(source.ref))
         if quantization is not None:
             kwargs["quantization_config"] = quantization
-        model = AutoModelForCausalLM.from_pretrained(
-            name, dtype=torch.float32, trust_remote_code=trust_remote_code,
-            use_safetensors=None if (allow_pickle or source.kind == "gguf") else True, **kwargs)
+        with _gguf_bar_off():
+            model = AutoModelForCausalLM.from_pretrained(
+                name, dtype=torch.float32, trust_remote_code=trust_remote_code,
+                use_safetensors=None if (allow_pickle or source.kind == "gguf") else True, **kwargs)
     except UserError:
         raise
     except Exception as exc:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from slm_align.config import load_recipe
-from slm_align.headroom import REMEDY_PPL, REMEDY_SPREAD, GateRefused
+from slm_align.headroom import REMEDY_PPL, REMEDY_SPREAD, GateRefused, refusal
+from slm_align.rewards.spread import CASE_REMEDIES, FlatCase
 from tests.helpers import finished_rl_stage, run_cli
 
 
@@ -31,6 +32,16 @@ def test_the_refusal_is_sentences_not_run_together(monkeypatch, tmp_path):
     assert f"{ppl}. {spread}. Pass --force to train anyway" in message
     assert ") Pass" not in message and "model the" not in message  # "... base model the reward ..." before
     assert slm_align.pipeline.gate(load_recipe(), tmp_path, None, None, [], force=True)["passed"] is False
+
+
+@pytest.mark.parametrize("case", sorted(CASE_REMEDIES))
+def test_each_spread_case_ends_its_sentence_before_the_force_advice(case):
+    """The flat case's remedy ends in a parenthesis ("... more samples per prompt)"): the refusal closes it
+    with a full stop before "Pass --force" ("functions) Pass --force" ran two sentences together)."""
+    remedy = FlatCase(case, None, "what the gate saw").remedy
+    message = refusal("headroom gate", {"reasons": ["reward spread 0 is not >= 0.1"], "remedies": [remedy]})
+    assert message.endswith(f"{remedy[0].upper()}{remedy[1:].rstrip('.')}. Pass --force to train anyway "
+                            "(recorded in the manifest).")
 
 
 def _tasks(path: Path, n: int = 24) -> Path:

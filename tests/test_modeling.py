@@ -99,3 +99,20 @@ def test_default_chat_template_speaks_gemma_to_a_gemma_vocabulary(tokenizer):
     assert text == ("<start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>user\nHi<end_of_turn>\n"
                     "<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>model\n")
     assert gemma("<start_of_turn>user")["input_ids"][:1] == [gemma.convert_tokens_to_ids("<start_of_turn>")]
+
+
+def test_a_gguf_source_loads_without_a_library_progress_bar_in_the_log(tmp_path, tiny_models, capfd):
+    """transformers' GGUF loader drew a tqdm bar of its own ("Converting and de-quantizing GGUF tensors...")
+    into stderr, which a log (not a terminal) got as carriage-return lines."""
+    from transformers import modeling_gguf_pytorch_utils
+
+    from slm_align.export.gguf import write_gguf
+
+    drawn = modeling_gguf_pytorch_utils.tqdm
+    gguf = write_gguf(tiny_models["llama"], tmp_path / "tiny-F32.gguf", "F32")
+    capfd.readouterr()
+    model = load_model(resolve_source(str(gguf)))
+    err = capfd.readouterr().err
+    assert model.config.model_type == "llama"
+    assert "GGUF tensors" not in err and "\r" not in err and "it/s" not in err
+    assert modeling_gguf_pytorch_utils.tqdm is drawn  # the loader's own bar is back for other callers

@@ -14,7 +14,8 @@ from slm_align.cli.render import emit
 
 commands = typer.Typer()
 
-EPILOG = ("Examples:\n\n  slm-align bundle runs/demo --device iphone-15-pro   # exports Q4_K_M first if needed\n\n"
+EPILOG = ("Examples:\n\n  slm-align bundle runs/demo --device iphone-15-pro   "
+          "# exports the profile's Q8_0 first if needed\n\n"
           "  slm-align bundle runs/demo/export/model-Q8_0.gguf --out app/model-bundle --json\n\n"
           "  slm-align bundle runs/demo/export/adapter-dpo-F16.gguf --out app/v2   # base once + each adapter\n\n"
           "  slm-align bundle runs/demo/export/adapter-dpo-F16.gguf --update-from app/v1 --out app/v2-update"

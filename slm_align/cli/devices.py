@@ -3,6 +3,7 @@ this host (``bench``)."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -31,7 +32,8 @@ def devices_list(as_json: bool = JsonFlag) -> None:
     rows = [{"name": p.name, "device": p.display_name, "ram_gb": p.ram_gb, "bandwidth_gbs": p.bandwidth_gbs,
              "runtime": p.runtime, "quant": p.gguf_quant, "reference_points": len(p.reference)}
             for p in map(load_profile, list_profiles())]
-    emit(as_json, {"devices": rows}, lambda: stdout.print(rows_table("Device profiles", rows)))
+    table = partial(rows_table, "Device profiles", rows, whole=("name", "quant"))  # names one types
+    emit(as_json, {"devices": rows}, lambda: stdout.print(table()))
 
 
 @devices_app.command("show", epilog="Examples:\n\n  slm-align devices show rpi5\n\n"

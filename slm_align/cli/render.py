@@ -32,11 +32,15 @@ def size(num_bytes: float) -> str:
     return f"{num_bytes / 2**20:.0f} MiB"
 
 
-def rows_table(title: str, rows: list[dict]) -> Table:
-    """A table with one column per key of the rows (underscores shown as spaces)."""
+def rows_table(title: str, rows: list[dict], whole: tuple[str, ...] = ()) -> Table:
+    """A table with one column per key of the rows (underscores shown as spaces); the ``whole``
+    columns are never wrapped nor cut (names one types, such as a profile's); the others give way
+    on a narrow terminal."""
     table = Table(title=title)
     for column in (rows[0] if rows else {}):
-        table.add_column(column.replace("_", " "))
+        widest = max(len(str(row[column])) for row in rows)
+        table.add_column(column.replace("_", " "), no_wrap=column in whole,
+                         min_width=widest if column in whole else None)
     for row in rows:
         table.add_row(*(str(value) for value in row.values()))
     return table

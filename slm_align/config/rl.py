@@ -195,8 +195,8 @@ class RLSettings(Strict):
     environment_modules: list[str] = Field(
         default_factory=list, description="Agent episodes: the modules (dotted names; a package allows its "
         "submodules) whose classes a task row's 'environment' column may name. Importing a module runs its code, "
-        "so a row naming any other module is refused before anything is imported; --environment's own module "
-        "needs no entry.")
+        "so a row naming any other module is refused before anything is imported; the module of "
+        "the default environment class (rl.environment) needs no entry.")
     sampler: Literal["torch", "llama_cpp"] = Field(
         "torch", description="What draws the rollouts: PyTorch (the policy's own fp32 forward), or llama.cpp, the "
         "engine the device runs (single completions or agent episodes; the base as a GGUF once, the LoRA as an "

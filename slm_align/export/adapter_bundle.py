@@ -26,6 +26,8 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
+import gguf
+
 from slm_align.atomic import publish_directory
 from slm_align.errors import UserError
 from slm_align.export.adapter_export import TARGET, manifest_files
@@ -44,6 +46,7 @@ from slm_align.export.update_checks import (
     check_update_files,
     plain_name,
 )
+from slm_align.gguf_fields import read_fields
 from slm_align.runs import file_checksums, sha256_file
 
 ADAPTER_BUNDLE_FORMAT = 2
@@ -85,13 +88,31 @@ def _entries(manifest: dict) -> list[dict]:
              "scale": entry["scale"]} for entry in manifest["metrics"]["adapters"]]
 
 
+def base_file_type(base: Path) -> Optional[str]:
+    """The weight type of a GGUF base as llama.cpp names it, read from its header's
+    ``general.file_type`` (3 -> ``Q4_1``, 7 -> ``Q8_0``): what the base is, whatever type the
+    adapters were exported in. None when the file does not say or says a number gguf-py does not
+    know."""
+    field = read_fields(base, prefix="general.file_type").get("general.file_type")
+    if field is None:
+        return None
+    try:
+        name = gguf.LlamaFileType(int(field.value)).name
+    except ValueError:
+        return None
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
 def describe_full(manifest: dict, base_name: str, device: Optional[str], template: Optional[str],
-                  tokenizer: Optional[Path]) -> dict:
-    """bundle.json's fields (all but ``files``) of a full bundle of the adapter export ``manifest``."""
+                  tokenizer: Optional[Path], base_quant: Optional[str] = None) -> dict:
+    """bundle.json's fields (all but ``files``) of a full bundle of the adapter export ``manifest``;
+    ``base_quant``: the base's own weight type (:func:`base_file_type`), apart from ``quant``, the
+    export's."""
     metrics = manifest["metrics"]
     base = f"{MODEL_DIR}/{base_name}"
     return {"format": ADAPTER_BUNDLE_FORMAT, "kind": "full", "runtime": "llama.cpp", "target": TARGET,
-            "quant": metrics.get("quant"), "device": device, "artifact": base, "base": base,
+            "quant": metrics.get("quant"), "base_quant": base_quant, "device": device,
+            "artifact": base, "base": base,
             "base_sha256": metrics["base"]["sha256"], "adapters": _entries(manifest), "model_id": metrics["sha256"],
             "verification_passed": metrics.get("verification", {}).get("passed"),
             "chat_template": "chat_template.jinja" if template is not None else None,
@@ -125,7 +146,9 @@ def fill_full(bundle: Path, artifact: Path, manifest: dict, device: Optional[str
     tokenizer = tokenizer_file(artifact, manifest)
     write_app_files(bundle, template, tokenizer)
     _write_records(bundle, manifest)
-    return _finish(bundle, describe_full(manifest, base.name, device, template, tokenizer), adapter_bundle_readme)
+    described = describe_full(manifest, base.name, device, template, tokenizer,
+                              base_file_type(base))
+    return _finish(bundle, described, adapter_bundle_readme)
 
 
 def read_bundle(folder: Path, role: str) -> dict:
@@ -165,7 +188,8 @@ def describe_update(manifest: dict, old: dict, device: Optional[str]) -> dict:
     adapters = [dict(entry, shipped=entry["sha256"] not in installed) for entry in _entries(manifest)]
     template = old.get("chat_template")
     tokenizer = Path(old["tokenizer"]) if old.get("tokenizer") == "tokenizer.json" else None
-    described = describe_full(manifest, old["base"].split("/", 1)[1], device, template, tokenizer)
+    described = describe_full(manifest, old["base"].split("/", 1)[1], device, template, tokenizer,
+                              old.get("base_quant"))
     return dict(described, kind="update", adapters=adapters, requires_base_sha256=old["base_sha256"],
                 replaces_model_id=old.get("model_id"))
 

@@ -165,6 +165,13 @@ specifies, with `model_id` = `{model_id}`
 """
 
 
+def _base_type(described: dict) -> str:
+    """``GGUF, Q4_1``: the base's own weight type, read from its file (never the adapters' export
+    type); ``GGUF`` alone for a bundle.json written before it was recorded."""
+    base_quant = described.get("base_quant")
+    return f"GGUF, {base_quant}" if base_quant else "GGUF"
+
+
 def adapter_bundle_readme(described: dict) -> str:
     """The README of a full base + adapters bundle described by ``described`` (bundle.json's fields)."""
     device = described["device"] or "any device"
@@ -175,7 +182,8 @@ Runtime: **llama.cpp**. {RUNTIMES['gguf']['packages']}
 
 ## Files
 
-- `{described['base']}`: the base model (GGUF, {described['quant']}, sha256 {described['base_sha256'][:12]})
+- `{described['base']}`: the base model ({_base_type(described)}, \
+sha256 {described['base_sha256'][:12]})
 {_adapter_lines(described)}
 - `tokenizer.json`: the tokenizer ({described['tokenizer']})
 - `chat_template.jinja`: the chat template (Jinja, Hugging Face conventions; absent for a base model)

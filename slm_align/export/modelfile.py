@@ -110,14 +110,57 @@ def _path(node: nodes.Node) -> Optional[str]:
     return None
 
 
+COMPARISONS = {"eq": "==", "ne": "!=", "gt": ">", "gteq": ">=", "lt": "<", "lteq": "<=", "in": "in",
+               "notin": "not in"}
+"""Jinja's comparison operators as written in a template."""
+
+
+def _source(node: nodes.Node) -> Optional[str]:
+    """A Jinja expression written back as template text (``loop.first and messages[0]['role'] !=
+    'system'``), for a message that names what did not translate; None for a kind it does not write.
+    Jinja keeps no source text per node (only line numbers), so the common kinds are written
+    here."""
+    if isinstance(node, nodes.Name):
+        return node.name
+    if isinstance(node, nodes.Const):
+        return repr(node.value)
+    inner = _source(node.node) if isinstance(node, (nodes.Getattr, nodes.Getitem, nodes.Filter,
+                                                     nodes.Test, nodes.Not, nodes.Call)) else None
+    if isinstance(node, nodes.Getattr):
+        return f"{inner}.{node.attr}"
+    if isinstance(node, nodes.Getitem):
+        return f"{inner}[{_source(node.arg) or '...'}]"
+    if isinstance(node, nodes.Filter):
+        return f"{inner} | {node.name}"
+    if isinstance(node, nodes.Test):
+        return f"{inner} is {node.name}"
+    if isinstance(node, nodes.Call):
+        return f"{inner}(...)"
+    if isinstance(node, nodes.Compare):
+        operations = " ".join(f"{COMPARISONS.get(op.op, op.op)} {_source(op.expr)}"
+                              for op in node.ops)
+        return f"{_source(node.expr)} {operations}"
+    if isinstance(node, (nodes.And, nodes.Or)):
+        word = "and" if isinstance(node, nodes.And) else "or"
+        return f"{_source(node.left)} {word} {_source(node.right)}"
+    if isinstance(node, nodes.Not):
+        return f"not {_source(node.node)}"
+    return None
+
+
 def _describe(node: nodes.Node) -> str:
-    """A short name for a Jinja node in a message: its variable path, filter or kind."""
+    """A short name for a Jinja node in a message: its variable path, filter, or the expression as
+    written (``"loop.first and messages[0]['role'] != 'system'"``); a kind of node in words when it
+    cannot be written."""
     path = _path(node)
     if path is not None:
         return f"'{path}'"
     if isinstance(node, nodes.Filter):
         return f"filter '{node.name}'"
-    return type(node).__name__
+    source = _source(node)
+    if source is not None:
+        return f'the condition "{source}"'
+    return f"a Jinja {type(node).__name__} expression"
 
 
 def _output(node: nodes.Output, scope: _Scope) -> str:

@@ -92,6 +92,20 @@ def test_templates_beyond_the_subset_are_refused_with_the_reason(case):
         translate_template(source)
 
 
+def test_a_condition_that_does_not_translate_is_named_as_the_template_writes_it():
+    """SmolLM2's template adds its default system prompt under ``loop.first and messages[0]['role'] != 'system'``:
+    the note names that condition, not Jinja's node class ("tests And")."""
+    from pathlib import Path
+
+    smollm2 = (Path(__file__).parents[1] / "fixtures" / "chat_templates" / "smollm2-135m-instruct.jinja").read_text()
+    note = build_modelfile("model-Q4_1.gguf", smollm2, {}).note
+    assert "the chat template tests the condition \"loop.first and messages[0]['role'] != 'system'\", which has " \
+        "no Ollama translation here" in note
+    with pytest.raises(Untranslatable, match=re.escape('the condition "not messages[0].role is defined or x > 2"')):
+        translate_template("{% for m in messages %}{% if not messages[0].role is defined or x > 2 %}A{% endif %}"
+                           "{% endfor %}")
+
+
 def test_an_untranslatable_template_leaves_out_template_and_says_so_in_one_line():
     modelfile = build_modelfile("model-Q8_0.gguf", UNTRANSLATABLE["bos token"][0], {"num_ctx": 512})
     assert modelfile.text == "FROM ./model-Q8_0.gguf\nPARAMETER num_ctx 512\n"

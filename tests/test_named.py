@@ -1,0 +1,23 @@
+"""``module:attribute`` on the command line (slm_align.named): imported, or refused in one line naming what
+is wrong."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from slm_align.errors import UserError
+from slm_align.named import import_named
+
+
+def test_a_named_object_is_imported_or_refused_in_one_line(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text("def brevity(completions, **kwargs):\n    return [1.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    brevity = import_named("my_rewards:brevity", "reward")
+    assert brevity(["x"]) == [1.0] and sys.modules["my_rewards"].brevity is brevity
+    with pytest.raises(UserError, match=r"^reward my_rewards:missing: module my_rewards has no missing$"):
+        import_named("my_rewards:missing", "reward")
+    with pytest.raises(UserError, match=r"^--environment no_such_mod:Env: cannot import module no_such_mod "
+                                        r"\(.*\); is it on PYTHONPATH\?$"):
+        import_named("no_such_mod:Env", "--environment")
