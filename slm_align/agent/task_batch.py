@@ -60,7 +60,7 @@ def run_batched(agent: Agent, items: Sequence[Item], batch: int, wrap: Callable,
 
     decoder = LlamaBatchDecoder(backend, min(batch, len(items)))
     try:
-        with Engine(decoder) as engine:
+        with Engine(decoder, keep_caches=True) as engine:  # episodes open alike: the system prompt's ids are reused
             return run_many(engine, items, one)
     finally:
         decoder.close()

@@ -62,10 +62,20 @@ def conversation(backend, index: int, temperature: float, tools=None, logits: bo
     return recorder
 
 
-def batched(backend, slots: int, items, work):
-    decoder = LlamaBatchDecoder(backend, slots)
+class Feeding(LlamaBatchDecoder):
+    """Counts the ids its steps decode."""
+
+    fed = 0
+
+    def step(self, feeds):
+        self.fed += sum(len(ids) for ids in feeds.values())
+        return super().step(feeds)
+
+
+def batched(backend, slots: int, items, work, keep_caches: bool = False):
+    decoder = Feeding(backend, slots)
     try:
-        with Engine(decoder) as engine:
+        with Engine(decoder, keep_caches) as engine:
             results = run_many(engine, items, work)
         return results, engine, decoder
     finally:
@@ -193,3 +203,11 @@ def test_each_slot_samples_under_its_own_grammar(backend):
 def test_a_batch_llama_cpp_cannot_hold_is_refused_in_one_line(backend):
     with pytest.raises(UserError, match="--batch must be between 1 and"):
         LlamaBatchDecoder(backend, 0)
+
+
+def test_a_slot_that_keeps_its_cache_feeds_only_what_the_next_conversation_does_not_share(backend):
+    alone = [conversation(backend, i, 0.0).rounds for i in range(6)]
+    emptied, _, cold = batched(backend, 2, range(6), lambda lane, i: conversation(lane, i, 0.0).rounds)
+    kept, _, warm = batched(backend, 2, range(6), lambda lane, i: conversation(lane, i, 0.0).rounds, keep_caches=True)
+    assert emptied == kept == alone
+    assert warm.fed < cold.fed - 4 * 20  # four later conversations reused at least the system prompt's ids
