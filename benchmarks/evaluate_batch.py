@@ -69,6 +69,12 @@ def arm(tasks: Path, model: Path, batch: int, args: argparse.Namespace) -> dict:
             "successes": row["successes"], "tokens": tokens, "replies": [r["reply"] for r in row["results"]]}
 
 
+def print_arm(result: dict) -> None:
+    name = "one at a time" if result["batch"] == 1 else f"--batch {result['batch']}"
+    print(f"{name:<22}{result['seconds']:>9.1f}{result['episodes'] / result['seconds']:>12.2f}"
+          f"{result['tokens'] / result['seconds']:>10.1f}{result['successes']:>11}{result['load']:>10.2f}", flush=True)
+
+
 def main() -> None:
     args = parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="evaluate-batch-"))
@@ -76,15 +82,13 @@ def main() -> None:
     model = args.model or smollm2_q8_0(work)
     tasks = work / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(row) + "\n" for row in make_tasks(args.tasks, seed=11)))
-    alone = arm(tasks, model, 1, args)
-    together = arm(tasks, model, args.batch, args)
     print(f"evaluate-agent on {args.tasks} calculator tasks, {model.name}, {args.threads} thread(s), greedy, "
           f"--max-new-tokens {args.max_new_tokens}")
-    print(f"{'arm':<22}{'seconds':>9}{'episodes/s':>12}{'tokens/s':>10}{'successes':>11}{'load avg':>10}")
-    for result in (alone, together):
-        name = "one at a time" if result["batch"] == 1 else f"--batch {result['batch']}"
-        print(f"{name:<22}{result['seconds']:>9.1f}{result['episodes'] / result['seconds']:>12.2f}"
-              f"{result['tokens'] / result['seconds']:>10.1f}{result['successes']:>11}{result['load']:>10.2f}")
+    print(f"{'arm':<22}{'seconds':>9}{'episodes/s':>12}{'tokens/s':>10}{'successes':>11}{'load avg':>10}", flush=True)
+    together = arm(tasks, model, args.batch, args)
+    print_arm(together)
+    alone = arm(tasks, model, 1, args)
+    print_arm(alone)
     same = sum(a == b for a, b in zip(alone["replies"], together["replies"]))
     print(f"speed-up {alone['seconds'] / together['seconds']:.2f}x; same successes: "
           f"{alone['successes'] == together['successes']}; same replies: {same}/{len(alone['replies'])}")
