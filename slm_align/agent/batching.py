@@ -81,8 +81,13 @@ class _Request:
 class Engine:
     """Steps a :class:`Decoder` for the lanes waiting on it, from a thread of its own."""
 
-    def __init__(self, decoder: Decoder):
+    def __init__(self, decoder: Decoder, keep_caches: bool = False):
         self.decoder = decoder
+        self.keep_caches = keep_caches
+        """A freed slot keeps its cache for the next lane on it, whose prompt then feeds only what it does
+        not share with it (conversations that open alike: one system prompt and tools); a lane that ended
+        in an error always empties its slot. Off: every freed slot is emptied."""
+        self._cached: dict[int, list[int]] = {}
         self.steps = 0
         """Forwards run (:meth:`Decoder.step` calls)."""
         self.stepped_rows = 0
@@ -101,19 +106,26 @@ class Engine:
     @contextmanager
     def lane(self) -> Iterator["Lane"]:
         """A free slot as a :class:`Lane`, waiting for one when all are taken (admission); the slot's cache
-        is emptied and the slot freed on the way out, whatever happened inside."""
+        is emptied (unless :attr:`keep_caches`) and the slot freed on the way out, whatever happened inside."""
         with self._lock:
             self._lock.wait_for(self._has_free_slot)
             if self._closed:
                 raise RuntimeError("the engine is closed")
             slot = self._free.pop()
+        lane = Lane(self, slot)
+        lane.tokens = self._cached.pop(slot, [])
+        failed = True
         try:
-            yield Lane(self, slot)
+            yield lane
+            failed = False
         finally:
             with self._decoding, self._lock:
                 self._active.discard(slot)
                 self._waiting.pop(slot, None)
-                self.decoder.crop(slot, 0)
+                if self.keep_caches and not failed:
+                    self._cached[slot] = lane.tokens
+                else:
+                    self.decoder.crop(slot, 0)
                 self._free.append(slot)
                 self._lock.notify_all()
 

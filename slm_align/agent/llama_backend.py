@@ -98,6 +98,11 @@ class LlamaCppBackend:
         self.llm.reset()
         self.adapters = [{"file": path.name, "sha256": digest} for path, digest in checked]
 
+    def adapter_handles(self) -> list:
+        """llama.cpp's handles of the adapters applied now, in order (another context on this model
+        applies the same ones: :class:`~slm_align.agent.llama_batch.LlamaBatchDecoder`)."""
+        return [self._loaded[entry["sha256"]] for entry in self.adapters]
+
     def release_unused(self) -> None:
         """Free the llama.cpp handles of loaded adapters not applied now (a swap back loads them again)."""
         import llama_cpp

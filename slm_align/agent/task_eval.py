@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from slm_align.agent import function_eval
+from slm_align.agent import function_eval, task_batch
 from slm_align.agent.artifact_forms import FORMS
 from slm_align.agent.bfcl import load_bfcl, parse_categories
 from slm_align.agent.bounds import accepted, bounds, typed
@@ -219,7 +219,8 @@ def _temperature(value) -> bool:
     return number and TEMPERATURE_LIMITS["ge"] <= value <= TEMPERATURE_LIMITS["le"]
 
 
-def check_settings(samples: int, temperature: float, max_tool_rounds: int, max_tokens: int) -> None:
+def check_settings(samples: int, temperature: float, max_tool_rounds: int, max_tokens: int,
+                   batch: int = 1) -> None:
     """Refuse a setting out of its bounds, in one line naming the flag and what it accepts."""
     if not _integer(samples, 1):
         raise UserError(f"--samples must be an integer >= 1 (episodes per task; 1 answers "
@@ -231,6 +232,8 @@ def check_settings(samples: int, temperature: float, max_tool_rounds: int, max_t
                         f"answer), got {max_tool_rounds}")
     if not _integer(max_tokens, 1):
         raise UserError(f"--max-new-tokens must be an integer >= 1, got {max_tokens}")
+    if not _integer(batch, 1):
+        raise UserError(f"--batch must be an integer >= 1 (episodes decoded together), got {batch}")
 
 
 def sample_seed(seed: int, task: int, sample: int) -> int:
@@ -300,19 +303,30 @@ def run_task(agent: Agent, row: dict, task: int = 0, sample: int = 0,
 
 
 def run_episodes(agent: Agent, rows: Sequence[dict], samples: int = DEFAULT_SAMPLES,
-                 temperature: float = DEFAULT_TEMPERATURE, seed: int = 0, label: str = "episodes") -> list[TaskResult]:
+                 temperature: float = DEFAULT_TEMPERATURE, seed: int = 0, label: str = "episodes",
+                 batch: int = 1) -> list[TaskResult]:
     """Every task once greedily (``samples`` 1), or ``samples`` times at ``temperature`` with the
     seeds of :func:`sample_seed`; the results task by task, samples in order. Counted as ``label``
-    in the running stage's progress."""
+    in the running stage's progress. ``batch``: episodes decoded together on a GGUF model
+    (:mod:`~slm_align.agent.task_batch`; the same results as one at a time)."""
     plan = [(task, row, sample) for task, row in enumerate(rows) for sample in range(samples)]
-    results = []
+    done: list[TaskResult] = []
+
+    def episode(runner: Agent, step: tuple) -> TaskResult:
+        task, row, sample = step
+        sampling = None if samples == 1 else {"temperature": temperature, "seed": sample_seed(seed, task, sample)}
+        return run_task(runner, row, task, sample, sampling)
+
     with counted(label, len(plan), "episodes") as count:
-        for task, row, sample in plan:
-            sampling = None if samples == 1 else {"temperature": temperature, "seed": sample_seed(seed, task, sample)}
-            results.append(run_task(agent, row, task, sample, sampling))
-            successes = sum(result.success for result in results)
-            count.advance(status=f"success {successes}/{len(results)}")
-    return results
+        def tally(result: TaskResult) -> None:
+            done.append(result)
+            count.advance(status=f"success {sum(r.success for r in done)}/{len(done)}")
+
+        if task_batch.batches(agent, batch):
+            return task_batch.run_batched(agent, plan, batch, _CountingBackend, episode, tally)
+        for step in plan:
+            tally(episode(agent, step))
+    return done
 
 
 def successes_by_task(results: Sequence[TaskResult]) -> list[list[bool]]:
@@ -444,13 +458,14 @@ def evaluate_artifacts(tasks: Union[str, Path, None], artifacts: Sequence[Union[
                        limit: Optional[int] = None, max_tokens: int = DEFAULT_MAX_TOKENS,
                        max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, seed: int = 0, samples: int = DEFAULT_SAMPLES,
                        temperature: float = DEFAULT_TEMPERATURE, bfcl: Optional[str] = None,
-                       threads: Optional[int] = None) -> dict:
+                       threads: Optional[int] = None, batch: int = task_batch.DEFAULT_BATCH) -> dict:
     """Every artifact on the same task rows (a task file, or BFCL's categories ``bfcl`` with
     ``limit`` entries of each); the report: how the episodes ran, per artifact its
     :func:`summarize` figures and per-episode ``results``, and each artifact after the first
     compared with the first (:func:`compare`, and per category for function rows). Settings, rows
-    and artifacts are checked before any episode runs. ``threads``: each backend's CPU threads."""
-    check_settings(samples, temperature, max_tool_rounds, max_tokens)
+    and artifacts are checked before any episode runs. ``threads``: each backend's CPU threads;
+    ``batch``: a GGUF model's episodes decoded together (ONNX: one at a time)."""
+    check_settings(samples, temperature, max_tool_rounds, max_tokens, batch)
     if not artifacts:
         raise UserError("pass at least one --artifact (a .gguf file or an ONNX export directory)")
     rows, name = task_rows(tasks, bfcl, limit)
@@ -458,7 +473,7 @@ def evaluate_artifacts(tasks: Union[str, Path, None], artifacts: Sequence[Union[
               for artifact in artifacts]
     with stage_lines("evaluate-agent", f"{len(agents)} model(s) on {len(rows)} tasks x {samples} "
                                        f"episode(s)") as stage:
-        runs = [run_episodes(agent, rows, samples, temperature, seed, label="/".join(Path(artifact).parts[-2:]))
+        runs = [run_episodes(agent, rows, samples, temperature, seed, "/".join(Path(artifact).parts[-2:]), batch)
                 for agent, artifact in zip(agents, artifacts)]
         summaries = [summarize(results, samples, seed) for results in runs]
         stage.figures = "task success " + ", ".join(f"{summary['success_rate']:.3f}" for summary in summaries)

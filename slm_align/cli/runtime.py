@@ -162,6 +162,8 @@ def serve(
                                                    "it promotes or reverts itself. Repeat to chain."),
     candidate_share: float = typer.Option(0.5, "--candidate-share", help="Share of conversations the "
                                           "candidate answers while the A/B test collects."),
+    batch: int = typer.Option(8, "--batch", help="Requests of a GGUF model decoded together in one llama.cpp "
+                              "context (1: one at a time; ONNX models and adapter sets answer one at a time)."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Serve an exported model: an OpenAI-compatible API (/v1/chat/completions, and /v1/completions
@@ -171,7 +173,7 @@ def serve(
     run_server(artifact, host=host, port=port, api_key=api_key, insecure=insecure, store_path=store, consent=consent,
                tools=tools, device=device, threads=threads, n_ctx=n_ctx, allowed_hosts=allow_host,
                chat_template=chat_template, adapters=named_adapters(adapter or ()), candidate=candidate or (),
-               candidate_share=candidate_share,
+               candidate_share=candidate_share, batch=batch,
                announce=lambda info: emit(as_json, info, lambda: print_serving(info)))
 
 

@@ -136,6 +136,9 @@ def evaluate_agent(
                                                            "(per-episode results) here."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file (never an "
                                                               "input)."),
+    batch: int = typer.Option(8, "--batch", help="Episodes of a GGUF model decoded together in one "
+                              "llama.cpp context (continuous batching; the same results as 1, one at "
+                              "a time). ONNX models run one at a time."),
     threads: Optional[int] = ThreadsOpt,
     as_json: bool = JsonFlag,
 ) -> None:
@@ -152,7 +155,7 @@ def evaluate_agent(
         check_out_file(out, [path for path in (tasks, *artifact) if path is not None], overwrite)
     report = evaluate_artifacts(tasks, artifact, limit=limit, max_tokens=max_new_tokens,
                                 max_tool_rounds=max_tool_rounds, seed=seed, samples=samples,
-                                temperature=temperature, bfcl=bfcl, threads=threads)
+                                temperature=temperature, bfcl=bfcl, threads=threads, batch=batch)
     if out is not None:
         write_json_atomic(out, report)
     emit(as_json, report, lambda: print_agent_report(report))

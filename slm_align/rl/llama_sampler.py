@@ -26,6 +26,7 @@ from typing import Optional, get_args
 import numpy as np
 import torch
 
+from slm_align.agent.llama_batch import decode_entries, row_logits
 from slm_align.agent.llama_open import open_llama
 from slm_align.config import ModelSettings, RLSettings
 from slm_align.errors import UserError
@@ -231,33 +232,19 @@ class LlamaSampler:
         return self._ctx
 
     def _decode(self, ctx, entries: list[tuple[int, int, int, bool]]) -> None:
-        """Decode (token, position, sequence, wants logits) entries in one llama.cpp batch."""
-        lib = self.lib
-        batch = lib.llama_batch_init(len(entries), 0, 1)
+        """Decode (token, position, sequence, wants logits) entries in one llama.cpp batch
+        (:func:`~slm_align.agent.llama_batch.decode_entries`)."""
         try:
-            batch.n_tokens = len(entries)
-            for i, (token, position, sequence, logits) in enumerate(entries):
-                batch.token[i] = token
-                batch.pos[i] = position
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = sequence
-                batch.logits[i] = logits
-            if lib.llama_decode(ctx, batch) != 0:
-                raise UserError(
-                    f"llama.cpp could not decode a batch of {len(entries)} tokens; lower "
-                    "rl.prompts_per_step or rl.max_new_tokens"
-                )
-        finally:
-            lib.llama_batch_free(batch)
+            decode_entries(self.lib, ctx, entries)
+        except UserError:
+            raise UserError(
+                f"llama.cpp could not decode a batch of {len(entries)} tokens; lower "
+                "rl.prompts_per_step or rl.max_new_tokens"
+            ) from None
 
     def _logits(self, ctx, positions: list[int]) -> torch.Tensor:
         """(len(positions), V) the logits at those positions of the last decoded batch, copied."""
-        out = np.empty((len(positions), self.vocab), dtype=np.float32)
-        for row, position in enumerate(positions):
-            out[row] = np.ctypeslib.as_array(
-                self.lib.llama_get_logits_ith(ctx, position), shape=(self.vocab,)
-            )
-        return torch.from_numpy(out)
+        return torch.from_numpy(np.stack([row_logits(self.lib, ctx, position, self.vocab) for position in positions]))
 
     def _prompts(self, ctx, encoded: list[list[int]]) -> torch.Tensor:
         """Evaluate each distinct prompt once on the first sequence that has it, copy its cache to the

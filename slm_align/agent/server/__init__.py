@@ -13,8 +13,10 @@ unguessable token that feedback and alternatives on it must present, and ``x_con
 conversation's id, signed by the server, which the conversation's next request passes back to group its
 turns (an id the server did not sign gets a new one; see :mod:`slm_align.agent.server.adapters`).
 
-One model, one thread: every generation runs on a single worker thread, in arrival order; at most
-``max_queue`` requests wait behind the running one and later ones get 503. Bad requests get an
+One model, many requests at once: a GGUF model's requests (``batch`` of them, default 8) decode together,
+each on a thread of its own and a sequence of one batched llama.cpp context (:mod:`slm_align.agent.batching`);
+ONNX models and adapter sets run one request at a time on one thread. At most ``max_queue`` requests wait
+behind the running ones and later ones get 503. Bad requests get an
 OpenAI-style ``{"error": {"message", "type"}}`` with a 4xx status and the server keeps serving.
 
 Torch-free like the rest of ``slm_align.agent``: Starlette here, uvicorn only inside :func:`serve`.
@@ -22,7 +24,7 @@ Torch-free like the rest of ``slm_align.agent``: Starlette here, uvicorn only in
 Modules: ``body`` (reading a body as JSON within the limits, the models' ground), ``chat_body``,
 ``feedback_body`` and ``completions`` (the request bodies as pydantic models), ``refusals`` (their
 validation errors as 400s), ``chat_request`` (the validated chat request the service answers),
-``worker`` (the model thread), ``service`` (what the routes share, answering on the model thread),
+``worker`` (the model threads), ``service`` (what the routes share, answering on the model threads),
 ``responses`` (OpenAI's response shapes), ``routes`` (the routes and the API-key guard), ``guard``
 (the Host/Origin check against DNS rebinding), ``adapters`` (which LoRA adapters answer a request, and the
 A/B test of a candidate), ``app`` (``create_app`` and ``serve``), ``errors``.

@@ -20,7 +20,7 @@ from slm_align.agent.server.completions import COMPLETION_ROUTES
 from slm_align.agent.server.errors import HANDLERS
 from slm_align.agent.server.guard import HostGuard, is_loopback
 from slm_align.agent.server.routes import ROUTES, BearerAuth
-from slm_align.agent.server.service import Service
+from slm_align.agent.server.service import DEFAULT_BATCH, Service
 from slm_align.agent.store import PreferenceStore
 from slm_align.agent.template import check_chat_template
 from slm_align.errors import UserError
@@ -39,7 +39,7 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
                allowed_hosts: Sequence[str] = (), chat_template: Optional[str] = None,
                adapters: Optional[Mapping[str, Sequence[Union[str, Path]]]] = None,
                candidate: Union[str, Path, Sequence[Union[str, Path]], None] = None, candidate_share: float = 0.5,
-               ab_test: SequentialTest = SequentialTest(), **limits: int) -> Starlette:
+               ab_test: SequentialTest = SequentialTest(), batch: int = DEFAULT_BATCH, **limits: int) -> Starlette:
     """The server as an ASGI app (run it with uvicorn or :func:`serve`).
 
     Args:
@@ -60,11 +60,15 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
         candidate: An adapter GGUF (or a list, applied in order) to A/B-test against the current set on the
         users' thumbs (needs ``store_path``); candidate_share: the share of conversations it gets;
         ab_test: the sequential test's settings.
+        batch: Requests of a GGUF model decoded together (one llama.cpp context, a sequence each; 1: one
+        at a time on one model thread, as ONNX models and adapter sets always are).
         limits: Any :class:`Limits` field (max_body_bytes, max_queue, max_messages, ...).
     """
     from slm_align.tools.builtin import default_tools
 
     settings = Limits(**limits)
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise UserError(f"--batch must be an integer >= 1 (requests decoded together), got {batch}")
     model = load_model(artifact, device, threads, n_ctx, chat_template)
     if getattr(model.backend, "adapters", ()):  # the router owns the adapters: a chain given as one artifact
         raise UserError(f"{artifact} names a base with adapters; serve takes the base GGUF and each adapter "
@@ -78,7 +82,7 @@ def create_app(artifact: Union[str, Path], store_path: Union[str, Path, None] = 
         if store is not None:
             store.close()
         raise
-    service = Service(model, store, consent, default_tools(notes) if tools else None, settings, router)
+    service = Service(model, store, consent, default_tools(notes) if tools else None, settings, router, batch)
 
     @asynccontextmanager
     async def lifespan(app):

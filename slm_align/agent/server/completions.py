@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from slm_align.agent.runtime import Agent, Model, Reply
+from slm_align.agent.runtime import Agent, Reply
 from slm_align.agent.server.body import (
     Body,
     NonEmpty,
@@ -76,14 +76,15 @@ class CompletionBody(Body):
                               stop=stop_list(self.stop), seed=request_seed(self.seed))
 
 
-def continuation(model: Model, prompt: str, sampling: SamplingParams, apply: Callable[[], None],
+def continuation(service, prompt: str, sampling: SamplingParams, apply: Callable[[], None],
                  cancel: threading.Event) -> Iterator[Union[str, Reply]]:
-    """On the model thread: ``apply`` the request's adapters, then the pieces of ``prompt``'s
-    continuation, then its :class:`Reply`."""
-    apply()
-    agent = Agent(model.backend, model.sha256, sampling=sampling, cancel=cancel)
-    yield from agent.complete(prompt)
-    yield agent.last
+    """On a model thread: ``apply`` the request's adapters, then the pieces of ``prompt``'s
+    continuation, then its :class:`Reply` (on a lane of the batched engine when there is one)."""
+    with service.lease() as backend:
+        apply()
+        agent = Agent(backend, service.model.sha256, sampling=sampling, cancel=cancel)
+        yield from agent.complete(prompt)
+        yield agent.last
 
 
 def finish_reason(reply: Reply) -> str:
@@ -126,7 +127,7 @@ async def completions(request: Request):
     body = await read_json(request, service.limits.max_body_bytes)
     wanted = validate(CompletionBody, body, service.limits)
     chosen = service.router.pick(requested_model(body))  # nothing recorded: no A/B routing
-    job = partial(continuation, service.model, wanted.prompt, wanted.sampling(), partial(service.router.apply, chosen))
+    job = partial(continuation, service, wanted.prompt, wanted.sampling(), partial(service.router.apply, chosen))
     events = service.worker.run(job, request.receive)
     first = await anext(events, None)  # a full queue or a prompt too long is refused here, before any byte is sent
     if first is None:

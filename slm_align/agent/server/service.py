@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Iterator, Optional, Union
 
+from slm_align.agent.batching import Engine
+from slm_align.agent.llama_backend import LlamaCppBackend
+from slm_align.agent.llama_batch import LlamaBatchDecoder
 from slm_align.agent.runtime import Agent, Model, record_feedback
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.server.adapters import AdapterRouter, AdapterSet
@@ -44,20 +48,45 @@ class Outcome:
     """OpenAI's ``logprobs.content`` when the request asked for ``logprobs``."""
 
 
+DEFAULT_BATCH = 8
+"""Requests decoded together by default (``serve --batch``)."""
+
+
 class Service:
-    """Everything the routes share: the model, its thread, the store, the
-    server-side tools and the limits."""
+    """Everything the routes share: the model, its threads, the store, the
+    server-side tools and the limits.
+
+    With ``batch`` > 1, a GGUF model and one adapter set, up to ``batch`` requests decode together:
+    each runs on a worker thread of its own, on a lane of a batched llama.cpp engine
+    (:mod:`slm_align.agent.batching`); otherwise one model thread answers them in turn, as before
+    (ONNX, and adapter sets or an A/B test: llama.cpp applies adapters to a whole context)."""
 
     def __init__(self, model: Model, store: Optional[PreferenceStore], consent: bool,
-                 tools: Optional[ToolRegistry], limits: Limits, router: Optional[AdapterRouter] = None):
+                 tools: Optional[ToolRegistry], limits: Limits, router: Optional[AdapterRouter] = None,
+                 batch: int = 1):
         self.model = model
         self.store = store
         self.consent = consent
         self.tools = tools
         self.limits = limits
-        self.worker = ModelWorker(limits.max_queue)
         self.router = router or AdapterRouter(model)
         """The adapter sets and which one answers each request."""
+        self.engine: Optional[Engine] = None
+        """The batched engine requests decode on (None: the model's backend, one request at a time)."""
+        if batch > 1 and isinstance(model.backend, LlamaCppBackend) and len(self.router.sets) == 1:
+            self.engine = Engine(LlamaBatchDecoder(model.backend, batch))
+        self.worker = ModelWorker(limits.max_queue, workers=batch if self.engine else 1)
+
+    @contextmanager
+    def lease(self, logits: bool = False) -> Iterator:
+        """The backend a job decodes on: a lane of the engine (its slot freed when the job ends,
+        is cancelled or fails), or the model's backend; ``logits``: its draws keep their logits."""
+        if self.engine is None:
+            yield self.model.backend
+            return
+        with self.engine.lane() as lane:
+            lane.want_logits = logits
+            yield lane
 
     def choose(self, chat: ChatRequest, client: str = "") -> AdapterSet:
         """The adapter set that answers ``chat`` (a 400 for an unknown ``model``); a request without a
@@ -71,12 +100,13 @@ class Service:
     def answer(self, chat: ChatRequest, chosen: AdapterSet, cancel: threading.Event) -> Iterator[Union[str, Outcome]]:
         """Text pieces of the answer by the ``chosen`` adapter set (unless held back for client tools),
         then its :class:`Outcome`; generation stops at the next token once ``cancel`` is set."""
-        self.router.apply(chosen)
-        agent = self._agent(chat, cancel)
-        held_back = chat.client_tools is not None
-        for piece in agent.respond(chat.messages):
-            if not held_back:
-                yield piece
+        with self.lease(logits=chat.logprobs is not None) as backend:
+            self.router.apply(chosen)
+            agent = self._agent(chat, cancel, backend)
+            held_back = chat.client_tools is not None
+            for piece in agent.respond(chat.messages):
+                if not held_back:
+                    yield piece
         reply = agent.last
         outcome = Outcome(content=reply.text, finish_reason="length" if reply.truncated else "stop",
                           turn_id=reply.turn_id, turn_token=reply.turn_token, prompt_tokens=reply.prompt_tokens,
@@ -84,11 +114,11 @@ class Service:
         self.router.record(reply.turn_id, chat.arm, chat.client)
         yield client_calls(outcome, chat.client_tools, chat.single_call) if held_back else outcome
 
-    def _agent(self, chat: ChatRequest, cancel: threading.Event) -> Agent:
-        """A fresh agent on the shared backend: client tools are returned, server
+    def _agent(self, chat: ChatRequest, cancel: threading.Event, backend) -> Agent:
+        """A fresh agent on ``backend`` (the shared one, or a lane): client tools are returned, server
         tools run in its loop."""
         tools = chat.client_tools or (self.tools if chat.server_tools else None)
-        agent = Agent(self.model.backend, self.model.sha256, tools=tools, sampling=chat.sampling, store=self.store,
+        agent = Agent(backend, self.model.sha256, tools=tools, sampling=chat.sampling, store=self.store,
                       consent=self.consent, max_tool_rounds=0 if chat.client_tools else 4, cancel=cancel,
                       answer_grammar=chat.answer_grammar, logprobs=chat.logprobs)
         agent.conversation_id = chat.conversation_id or agent.conversation_id
@@ -107,9 +137,11 @@ class Service:
     def alternative(self, turn: Turn, seed: Optional[int], cancel: threading.Event) -> Iterator[str]:
         """A second answer to the turn's prompt, sampled as the runtime samples
         every second candidate."""
-        self.router.apply(self.router.for_model_id(turn.model_id))
-        agent = Agent(self.model.backend, self.model.sha256, sampling=stored_sampling(turn.sampling), cancel=cancel)
-        yield agent.alternative(turn.messages, seed=seed)
+        with self.lease() as backend:
+            self.router.apply(self.router.for_model_id(turn.model_id))
+            agent = Agent(backend, self.model.sha256, sampling=stored_sampling(turn.sampling), cancel=cancel)
+            text = agent.alternative(turn.messages, seed=seed)
+        yield text
 
     def feedback(self, verdict: FeedbackBody) -> int:
         """Write the verdict as the runtime's agents do (a 404 unless the turn's token is
@@ -128,8 +160,11 @@ class Service:
         return self.store
 
     def close(self) -> None:
-        """Stop the model thread and close the store."""
+        """Stop the model threads (and the engine) and close the store."""
         self.worker.close()
+        if self.engine is not None:
+            self.engine.close()
+            self.engine.decoder.close()
         if self.store is not None:
             self.store.close()
 

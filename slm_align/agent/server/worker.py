@@ -54,12 +54,13 @@ async def until_disconnect(receive: Receive) -> None:
 
 
 class ModelWorker:
-    """One thread runs every generation in arrival order; at most
-    ``max_queue`` requests wait for it."""
+    """``workers`` threads (one unless requests decode together on a batched engine) run the
+    generations in arrival order; at most ``max_queue`` requests wait for them."""
 
-    def __init__(self, max_queue: int):
+    def __init__(self, max_queue: int, workers: int = 1):
         self.max_queue = max_queue
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slm-align-model")
+        self.workers = workers
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slm-align-model")
         self._lock = threading.Lock()
         self.active = 0
         """Requests running or waiting."""
@@ -71,7 +72,7 @@ class ModelWorker:
 
     def _admit(self) -> None:
         with self._lock:
-            if self.active > self.max_queue:
+            if self.active >= self.max_queue + self.workers:
                 raise ApiError(503, f"the model is busy ({self.active} requests running or "
                                f"queued); retry shortly",
                                "server_overloaded", {"Retry-After": "1"})
@@ -126,7 +127,8 @@ class ModelWorker:
         always release its place."""
         try:
             if not handoff.cancel.is_set():
-                self.started += 1
+                with self._lock:
+                    self.started += 1
                 self._produce(job(handoff.cancel), handoff)
         except Cancelled:
             pass
