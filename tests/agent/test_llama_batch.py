@@ -179,10 +179,10 @@ def test_a_tool_that_raises_in_one_conversation_leaves_the_others_unchanged(back
     assert all(len(rounds) == 2 and rounds[1] for _, rounds in stormy)  # a decoded answer after the tool
 
 
-def grammar_round(backend, index: int) -> list[int]:
+def grammar_round(backend, index: int, temperature: float = 0.9) -> list[int]:
     """A round of conversation ``index``: even ones under a digits-only grammar, odd ones free."""
     prompt = backend.tokenize(QUESTIONS[index])
-    params = SamplingParams(temperature=0.9, seed=7 + index, max_tokens=12)
+    params = SamplingParams(temperature=temperature, seed=7 + index, max_tokens=12)
     out = []
     for token in backend.generate(prompt, params, DIGITS if index % 2 == 0 else None):
         out.append(token)
@@ -198,6 +198,16 @@ def test_each_slot_samples_under_its_own_grammar(backend):
     for index, ids in enumerate(together):
         text = backend.detokenize(ids).split("<|")[0]  # the grammar ends where the model's end tokens begin
         assert bool(re.fullmatch(r"[0-9]+\.", text)) == (index % 2 == 0)
+
+
+def test_greedy_draws_under_a_grammar_check_one_token_and_equal_the_whole_chain(backend):
+    """At temperature 0 the decoder tries the likeliest token against the grammar before it constrains the
+    whole vocabulary: the tokens must be the whole chain's (today's backend), both ways taken."""
+    alone = [grammar_round(backend, i, 0.0) for i in range(6)]
+    together, _, decoder = batched(backend, 6, range(6), lambda lane, i: grammar_round(lane, i, 0.0))
+    assert together == alone
+    settled, handed_on = decoder.grammar_checks
+    assert settled > 0 and handed_on > 0
 
 
 def test_a_batch_llama_cpp_cannot_hold_is_refused_in_one_line(backend):
