@@ -20,7 +20,7 @@ from slm_align.config import Recipe
 from slm_align.envelope.world import World
 from slm_align.errors import UserError
 from slm_align.evaluate import evaluate
-from slm_align.export.stage import ExportRequest, artifact_name, run_export
+from slm_align.export.publishing.stage import ExportRequest, artifact_name, run_export
 from slm_align.headroom import GateRefused, check_headroom, record_report, refusal, reusable_report
 from slm_align.preference.stage import PreferenceStage, refuse_data_parallel
 from slm_align.progress import quiet

@@ -63,7 +63,7 @@ def pause_after_metrics_line(marker: Path, lines: int) -> None:
 
 
 def pause_after_gguf_written(marker: Path, _: int) -> None:
-    from slm_align.export import stage
+    from slm_align.export.publishing import stage
 
     write = stage.write_gguf
 

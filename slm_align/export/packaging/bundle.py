@@ -7,8 +7,8 @@ preference store, every file's sha256) and a README naming the runtime and the c
 ``--device NAME`` picks target and quantization from the device profile; a run without the artifact
 the device wants is exported first. An adapter export (``--target gguf-adapter``) is bundled as its
 base once plus each adapter file, or, with ``--update-from``, as an update holding only the new adapters
-(:mod:`slm_align.export.adapter_bundle`). ``--sign KEY.pem`` adds ``bundle.json.sig``, an Ed25519 signature
-over bundle.json (:mod:`slm_align.export.bundle_signing`).
+(:mod:`slm_align.export.packaging.adapter_bundle`). ``--sign KEY.pem`` adds ``bundle.json.sig``, an Ed25519 signature
+over bundle.json (:mod:`slm_align.export.packaging.bundle_signing`).
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ from typing import Callable, Optional
 
 from slm_align.atomic import atomic_path, publish_directory
 from slm_align.errors import UserError
-from slm_align.export.adapter_bundle import adapter_filler, is_adapter_export
-from slm_align.export.adapter_export import TARGET as ADAPTER_TARGET
-from slm_align.export.adapter_export import adapter_chain, run_source
-from slm_align.export.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
-from slm_align.export.bundle_readme import RUNTIMES, bundle_readme
-from slm_align.export.bundle_signing import load_private_key, sign_bundle
-from slm_align.export.stage import ExportRequest, artifact_name, run_export
+from slm_align.export.packaging.adapter_bundle import adapter_filler, is_adapter_export
+from slm_align.export.packaging.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
+from slm_align.export.packaging.bundle_readme import RUNTIMES, bundle_readme
+from slm_align.export.packaging.bundle_signing import load_private_key, sign_bundle
+from slm_align.export.publishing.adapter_export import TARGET as ADAPTER_TARGET
+from slm_align.export.publishing.adapter_export import adapter_chain, run_source
+from slm_align.export.publishing.stage import ExportRequest, artifact_name, run_export
 from slm_align.runs import MANIFEST, artifact_manifest, file_checksums
 
 BUNDLE_FORMAT = 1
 """bundle.json's format of a one-artifact bundle; base + adapters bundles are format 2
-(:data:`~slm_align.export.adapter_bundle.ADAPTER_BUNDLE_FORMAT`)."""
+(:data:`~slm_align.export.packaging.adapter_bundle.ADAPTER_BUNDLE_FORMAT`)."""
 MODEL_DIR = "model"
 
 

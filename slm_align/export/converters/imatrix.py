@@ -28,7 +28,7 @@ def activation_importance(model, texts_ids: Sequence[Sequence[int]]) -> dict[str
     name, over ``texts_ids``."""
     import torch
 
-    from slm_align.export.parity import _token_batch
+    from slm_align.export.publishing.parity import _token_batch
 
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}

@@ -6,8 +6,8 @@ chain's id (:func:`~slm_align.gguf_adapters.chain_digest`). An update bundle (``
 is for a device that has OLD installed: no base, only the adapters whose sha256 OLD does not list, the
 whole chain in bundle.json (each entry ``shipped`` or not), ``requires_base_sha256`` and
 ``replaces_model_id``. :func:`apply_update` turns an installed bundle and an update into the full bundle
-of the new chain, once a trusted key's signature (:mod:`~slm_align.export.bundle_signing`) and the update's
-paths, files and chain ids (:mod:`~slm_align.export.update_checks`) hold.
+of the new chain, once a trusted key's signature (:mod:`~slm_align.export.packaging.bundle_signing`) and the update's
+paths, files and chain ids (:mod:`~slm_align.export.packaging.update_checks`) hold.
 
 These bundles are format 2: their ``artifact`` (kept, for old readers, at the base) is not the whole
 model, so a format-1 reader that loaded it alone would answer as the base under the chain's model_id.
@@ -28,11 +28,10 @@ from typing import Callable, Optional
 
 from slm_align.atomic import publish_directory
 from slm_align.errors import UserError
-from slm_align.export.adapter_export import TARGET, manifest_files
-from slm_align.export.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
-from slm_align.export.bundle_readme import adapter_bundle_readme, update_bundle_readme
-from slm_align.export.bundle_signing import SIGNATURE, TrustedKey, check_signature
-from slm_align.export.update_checks import (
+from slm_align.export.packaging.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
+from slm_align.export.packaging.bundle_readme import adapter_bundle_readme, update_bundle_readme
+from slm_align.export.packaging.bundle_signing import SIGNATURE, TrustedKey, check_signature
+from slm_align.export.packaging.update_checks import (
     ADAPTERS_DIR,
     BUNDLE_JSON,
     INSTALLED_ROLE,
@@ -44,6 +43,7 @@ from slm_align.export.update_checks import (
     check_update_files,
     plain_name,
 )
+from slm_align.export.publishing.adapter_export import TARGET, manifest_files
 from slm_align.runs import file_checksums, sha256_file
 
 ADAPTER_BUNDLE_FORMAT = 2

@@ -19,7 +19,7 @@ from slm_align.accelerator import resolve_device
 from slm_align.chat_templates import default_chat_template
 from slm_align.config import Recipe
 from slm_align.errors import UserError
-from slm_align.export.model_card import CARD, merged_card
+from slm_align.export.publishing.model_card import CARD, merged_card
 from slm_align.modeling import (
     load_adapter,
     load_tokenizer,

@@ -24,15 +24,24 @@ from slm_align.atomic import publish_directory, write_json_atomic, write_text_at
 from slm_align.chat_templates import chosen_chat_template, default_chat_template
 from slm_align.devices.host import default_threads
 from slm_align.errors import UserError
-from slm_align.export.executorch import check_executorch_architecture, check_executorch_quant, write_executorch
-from slm_align.export.genai import check_genai_architecture, genai_tokenizer_report, write_genai_config
+from slm_align.export.converters.executorch import (
+    check_executorch_architecture,
+    check_executorch_quant,
+    write_executorch,
+)
+from slm_align.export.converters.genai import check_genai_architecture, genai_tokenizer_report, write_genai_config
+from slm_align.export.converters.merge import current_merged, merged_dir, merged_stage
+from slm_align.export.converters.onnx import check_onnx_quant, host_preset, write_onnx
 from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.gguf_arch import check_gguf_config
-from slm_align.export.merge import current_merged, merged_dir, merged_stage
-from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
-from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
-from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
-from slm_align.export.parity import perplexity_change, verification_summary
+from slm_align.export.publishing.model_card import CARD, card_blocked, gguf_card, onnx_card
+from slm_align.export.publishing.modelfile import (
+    build_modelfile,
+    check_system_prompt,
+    default_parameters,
+    modelfile_path,
+)
+from slm_align.export.publishing.parity import perplexity_change, verification_summary
 from slm_align.modeling import DEFAULT_MODEL_DIR
 from slm_align.progress import stage_lines
 from slm_align.runs import (
@@ -286,7 +295,7 @@ def _importance(request: ExportRequest, origin: dict, quant: str, checkpoint: Pa
     """The importance matrix from the run's held-out texts (``matrix`` None without --calibrate)."""
     if not request.calibrate:
         return {"matrix": None, "texts": 0}
-    from slm_align.export.calibration import run_importance
+    from slm_align.export.converters.calibration import run_importance
 
     matrix, texts = run_importance(Path(origin["run"]), checkpoint)
     return {"matrix": matrix, "texts": texts}
@@ -295,7 +304,7 @@ def _importance(request: ExportRequest, origin: dict, quant: str, checkpoint: Pa
 def _open_artifact(target: str, artifact: Path, threads: int):
     """The backend verification runs ``artifact`` on: onnxruntime-genai's decoder for a genai
     folder, ExecuTorch's runtime for a .pte."""
-    from slm_align.export.parity import VERIFY_CONTEXT
+    from slm_align.export.publishing.parity import VERIFY_CONTEXT
 
     if target == "executorch":
         from slm_align.agent.executorch_backend import ExecutorchBackend
@@ -312,10 +321,10 @@ def _open_artifact(target: str, artifact: Path, threads: int):
 
 def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agreement: float,
             torch_device: str = "auto", target: str = "gguf") -> dict:
-    """Parity with PyTorch (:func:`~slm_align.export.parity.verify`); a genai folder also needs
+    """Parity with PyTorch (:func:`~slm_align.export.publishing.parity.verify`); a genai folder also needs
     genai's own tokenizer to split the verification texts and chats as the model's tokenizer does
-    (:func:`~slm_align.export.genai.genai_tokenizer_report`)."""
-    from slm_align.export.parity import HELDOUT_TEXT, RAW_TEXTS, USER_MESSAGES, verify
+    (:func:`~slm_align.export.converters.genai.genai_tokenizer_report`)."""
+    from slm_align.export.publishing.parity import HELDOUT_TEXT, RAW_TEXTS, USER_MESSAGES, verify
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
@@ -428,7 +437,7 @@ def _gguf_companions(request: ExportRequest, final: Path, checkpoint: Path, chat
 def run_export(request: ExportRequest) -> StageResult:
     """Export, verify and publish one artifact; returns its path and the manifest's metrics."""
     if request.target == "gguf-adapter":
-        from slm_align.export.adapter_export import run_adapter_export
+        from slm_align.export.publishing.adapter_export import run_adapter_export
 
         return run_adapter_export(request)
     started = time.time()

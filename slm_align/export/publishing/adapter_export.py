@@ -2,7 +2,7 @@
 GGUFs, beside the base they apply to, bound to it by hash and parity-checked as base + adapters.
 
 The chain is the run's SFT adapter (trained on the base) and, when the run has a later aligned stage
-(the latest of RL, DPO and KTO: :func:`~slm_align.export.merge.merged_stage`), that stage's adapter
+(the latest of RL, DPO and KTO: :func:`~slm_align.export.converters.merge.merged_stage`), that stage's adapter
 (trained on the merged SFT weights after merge-and-reinit). Both deltas are additive, so
 ``base + dSFT + dStage`` is the merged policy: both files apply, in order, to the ORIGINAL base.
 
@@ -13,7 +13,7 @@ rounds while it is byte-identical. Each adapter file records the base's sha256
 (:func:`~slm_align.gguf_adapters.check_adapter_base` refuses another base).
 
 Everything is built in a scratch folder, verified (llama.cpp with the base and every adapter applied
-against ``RUN/merged`` in PyTorch: :func:`~slm_align.export.parity.verify`), and only then renamed
+against ``RUN/merged`` in PyTorch: :func:`~slm_align.export.publishing.parity.verify`), and only then renamed
 into place; the manifest ``adapter-<STAGE>-<TYPE>.gguf.json`` comes last, so its presence says the
 chain is whole. Its ``metrics.sha256`` is the chain's id (:func:`~slm_align.gguf_adapters.chain_digest`),
 which the runtime records as ``model_id`` for every answer base + adapters give.
@@ -31,10 +31,10 @@ from slm_align.atomic import publish_directory, write_json_atomic
 from slm_align.chat_templates import chosen_chat_template, default_chat_template
 from slm_align.devices.host import default_threads
 from slm_align.errors import UserError
+from slm_align.export.converters.merge import current_merged, merged_stage
 from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.gguf_adapter import write_lora_gguf
-from slm_align.export.merge import current_merged, merged_stage
-from slm_align.export.parity import perplexity_change, verification_summary
+from slm_align.export.publishing.parity import perplexity_change, verification_summary
 from slm_align.gguf_adapters import chain_digest
 from slm_align.gguf_fields import read_fields
 from slm_align.progress import stage_lines
@@ -60,8 +60,9 @@ class AdapterVerificationFailed(UserError):
 
 
 def run_adapter_export(request) -> StageResult:
-    """Export, verify and publish a run's adapter chain for the :class:`~slm_align.export.stage.ExportRequest`
-    ``request`` (target ``gguf-adapter``); returns the manifest's path and metrics."""
+    """Export, verify and publish a run's adapter chain for the
+    :class:`~slm_align.export.publishing.stage.ExportRequest` ``request`` (target ``gguf-adapter``); returns the
+    manifest's path and metrics."""
     started = time.time()
     run, quant, threads = _validate(request)
     chain = adapter_chain(run, request.stage)
@@ -236,7 +237,7 @@ def _verification(
     if not request.verify:
         return {"skipped": True}
     from slm_align.agent.llama_backend import LlamaCppBackend
-    from slm_align.export.parity import VERIFY_CONTEXT, verify
+    from slm_align.export.publishing.parity import VERIFY_CONTEXT, verify
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
     file_type = read_fields(base, prefix="general.file_type").get("general.file_type")
