@@ -65,11 +65,11 @@ def gguf_importance(model_dir: Path, importance: dict[str, np.ndarray]) -> dict[
     tied = config.get("tie_word_embeddings", True)
     named = {}
     for module, values in importance.items():
-        target = names.get_name(f"{module}.weight", try_suffixes=(".weight",))
-        if target == "output.weight" and tied:
-            target = "token_embd.weight"
-        if target is not None:
-            named[target] = values
+        tensor = names.get_name(f"{module}.weight", try_suffixes=(".weight",))
+        if tensor == "output.weight" and tied:
+            tensor = "token_embd.weight"
+        if tensor is not None:
+            named[tensor] = values
     return named
 
 

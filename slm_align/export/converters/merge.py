@@ -4,13 +4,13 @@ SFT adapter first (into the base), then the adapter of the run's latest aligned 
 DPO or KTO, each trained on top of the merged SFT weights). The output has safetensors
 weights, the tokenizer with a chat template (ChatML when the model has none, recorded in the
 manifest; a GGUF base's own tokenizer fields too, as ``tokenizer.gguf``), a generation
-config, a model card (README.md, from the run's records) and ``manifest.json``. Written to
-``OUT.partial`` and renamed when complete.
+config, a model card (README.md, from the run's records) and ``manifest.json``. Written to a scratch
+folder beside ``OUT`` and renamed when complete (:func:`~slm_align.runs.publish_artifact`); an existing
+merge is reused by one rule, its recorded inputs hash (the stages folded in, by content).
 """
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -30,14 +30,12 @@ from slm_align.modeling import (
 )
 from slm_align.runs import (
     ALIGNED_STAGES,
-    MANIFEST,
+    Artifact,
     StageResult,
     aligned_stages,
     check_out_dir,
-    make_manifest,
-    partial_dir,
-    publish,
-    read_manifest,
+    publish_artifact,
+    stage_identity,
 )
 from slm_align.sft import recipe_from_sft
 
@@ -68,70 +66,80 @@ def merged_dir(run: Path, stage: Optional[str] = None) -> Path:
     return Path(run) / ("merged" if stage is None else f"merged-{stage}")
 
 
-def merged_is_current(run: Path, stage: Optional[str] = None) -> bool:
-    """Whether the merged directory of ``stage`` (:func:`merged_dir`) folds in the stage it should
-    (for none named, the run's latest: a DPO round after an export makes it stale)."""
-    merged = merged_dir(run, stage)
-    manifest = read_manifest(merged)
-    if manifest is None:
-        return False
-    aligned = merged_stage(run, stage)
-    if manifest["inputs"].get("aligned_stage") != aligned:
-        return False
-    if aligned is None:
-        return True
-    return (merged / MANIFEST).stat().st_mtime_ns >= (run / aligned / MANIFEST).stat().st_mtime_ns
+def policy_identity(run: Path, aligned: Optional[str]) -> dict:
+    """What a run's policy is made of, by content: the identity (:func:`~slm_align.runs.stage_identity`)
+    of its SFT stage and of the aligned stage folded in, so that a stage trained again makes its merge
+    and exports stale while a file merely touched does not."""
+    stages = ["sft"] + ([aligned] if aligned is not None else [])
+    return {name: stage_identity(Path(run) / name) for name in stages}
 
 
 def current_merged(run: Path, stage: Optional[str] = None) -> Path:
     """The run's merged directory for ``stage`` (:func:`merged_dir`), merged anew (default recipe)
-    unless it folds in what it should."""
-    run = Path(run)
-    if not merged_is_current(run, stage):
-        from slm_align.config import load_recipe
+    unless it was made from what it should fold in now (its recorded inputs hash)."""
+    from slm_align.config import load_recipe
 
-        merge_run(load_recipe(None, {}), run, merged_dir(run, stage), overwrite=True, stage=stage)
+    run = Path(run)
+    merge_run(load_recipe(None, {}), run, merged_dir(run, stage), overwrite=True, stage=stage, reuse=True)
     return merged_dir(run, stage)
 
 
+class MergedModel(Artifact):
+    """The run's base with its SFT adapter and the aligned stage's folded in, as a plain HF directory."""
+
+    stage = "merge"
+
+    def __init__(self, recipe: Recipe, run: Path, out: Path, aligned: Optional[str], started: float):
+        self.run, self.final, self.aligned, self.started = run, out, aligned, started
+        self.recipe, self.sft_adapter = recipe_from_sft(run, recipe)
+        self.adapters = [self.sft_adapter] + ([run / aligned / "adapter"] if aligned is not None else [])
+        self.source = resolve_source(self.recipe.model.source)
+
+    def inputs(self) -> dict:
+        aligned_adapter = str(self.adapters[1]) if self.aligned is not None else None
+        return {"base": self.source.ref, "sft_adapter": str(self.sft_adapter), "aligned_stage": self.aligned,
+                "aligned_adapter": aligned_adapter, "policy": policy_identity(self.run, self.aligned)}
+
+    def build(self, scratch: Path) -> Path:
+        """Both adapters checked before anything loads (a pickle-only one needs ``model.allow_pickle``)."""
+        model_settings = self.recipe.model
+        for adapter in self.adapters:
+            require_adapter(adapter, model_settings.allow_pickle)
+        tokenizer = load_tokenizer(self.source, model_settings.trust_remote_code)
+        model = merged_policy(self.source, self.sft_adapter, model_settings.trust_remote_code,
+                              model_settings.allow_pickle)
+        model = model.to(resolve_device(self.recipe.compute.device))
+        if self.aligned is not None:
+            model = load_adapter(model, self.adapters[1], model_settings.allow_pickle).merge_and_unload()
+        self.default_template = tokenizer.chat_template is None
+        if self.default_template:
+            tokenizer.chat_template = default_chat_template(tokenizer)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(scratch, safe_serialization=True)
+        save_tokenizer(tokenizer, self.source, scratch)
+        self.model = model
+        card = merged_card(self.run, self.final.name, "sft" if self.aligned is None else self.aligned)
+        (scratch / CARD).write_text(card, encoding="utf-8")
+        return scratch
+
+    def verify(self, built: Path) -> dict:
+        model = self.model
+        return {"parameters": sum(p.numel() for p in model.parameters()),
+                "default_chat_template": self.default_template, "architecture": model.config.model_type,
+                "model_card": CARD}
+
+
 def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: bool = False,
-              stage: Optional[str] = None) -> StageResult:
+              stage: Optional[str] = None, reuse: bool = False) -> StageResult:
     """Write ``out`` (default :func:`merged_dir`: ``run/merged``, or ``run/merged-STAGE``) from the
     run's base model, SFT adapter and the adapter of ``stage`` (``sft``: none; not given: the latest
-    aligned stage, RL, DPO or KTO, if any). Both adapters are checked before anything loads (a
-    pickle-only one needs ``model.allow_pickle``)."""
+    aligned stage, RL, DPO or KTO, if any). With ``reuse``, a merge there made from the same inputs
+    (the same stages, by content) is kept as it is."""
     started = time.time()
-    device = resolve_device(recipe.compute.device)  # a device that is not there: refused before any work
+    resolve_device(recipe.compute.device)  # a device that is not there: refused before any work
     run = Path(run)
     aligned = merged_stage(run, stage)
     out = check_out_dir(Path(out) if out is not None else merged_dir(run, stage))
-    if out.exists() and not overwrite:
-        raise UserError(f"{out} exists; pass --overwrite to replace it or choose another --out")
-    recipe, sft_adapter = recipe_from_sft(run, recipe)
-    adapters = [sft_adapter] + ([run / aligned / "adapter"] if aligned is not None else [])
-    for adapter in adapters:
-        require_adapter(adapter, recipe.model.allow_pickle)
-    source = resolve_source(recipe.model.source)
-    tokenizer = load_tokenizer(source, recipe.model.trust_remote_code)
-    model = merged_policy(source, sft_adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
-    model = model.to(device)
-    if aligned is not None:
-        model = load_adapter(model, run / aligned / "adapter", recipe.model.allow_pickle).merge_and_unload()
-    default_template = tokenizer.chat_template is None
-    if default_template:
-        tokenizer.chat_template = default_chat_template(tokenizer)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    partial = partial_dir(out)
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, safe_serialization=True)
-    save_tokenizer(tokenizer, source, partial)
-    inputs = {"base": source.ref, "sft_adapter": str(sft_adapter), "aligned_stage": aligned,
-              "aligned_adapter": str(run / aligned / "adapter") if aligned is not None else None}
-    metrics = {"parameters": sum(p.numel() for p in model.parameters()), "default_chat_template": default_template,
-               "architecture": model.config.model_type, "model_card": CARD}
-    (partial / CARD).write_text(merged_card(run, out.name, "sft" if aligned is None else aligned), encoding="utf-8")
-    if out.exists():
-        shutil.rmtree(out)
-    publish(partial, out, make_manifest("merge", inputs, metrics, started))
-    return StageResult(out, skipped=False, metrics=metrics)
+    merged = MergedModel(recipe, run, out, aligned, started)
+    return publish_artifact(merged, overwrite=overwrite, reuse=reuse)

@@ -13,15 +13,15 @@ rounds while it is byte-identical. Each adapter file records the base's sha256
 (:func:`~slm_align.gguf_adapters.check_adapter_base` refuses another base).
 
 Everything is built in a scratch folder, verified (llama.cpp with the base and every adapter applied
-against ``RUN/merged`` in PyTorch: :func:`~slm_align.export.publishing.parity.verify`), and only then renamed
-into place; the manifest ``adapter-<STAGE>-<TYPE>.gguf.json`` comes last, so its presence says the
-chain is whole. Its ``metrics.sha256`` is the chain's id (:func:`~slm_align.gguf_adapters.chain_digest`),
-which the runtime records as ``model_id`` for every answer base + adapters give.
+against ``RUN/merged`` in PyTorch: :func:`~slm_align.export.publishing.parity.verify`), and only then
+renamed into place (:func:`~slm_align.runs.publish_artifact`); the manifest
+``adapter-<STAGE>-<TYPE>.gguf.json`` comes last, so its presence says the chain is whole. Its
+``metrics.sha256`` is the chain's id (:func:`~slm_align.gguf_adapters.chain_digest`), which the runtime
+records as ``model_id`` for every answer base + adapters give.
 """
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -31,21 +31,14 @@ from slm_align.atomic import publish_directory, write_json_atomic
 from slm_align.chat_templates import chosen_chat_template, default_chat_template
 from slm_align.devices.host import default_threads
 from slm_align.errors import UserError
-from slm_align.export.converters.merge import current_merged, merged_stage
+from slm_align.export.converters.merge import current_merged, merged_stage, policy_identity
 from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
 from slm_align.export.gguf_adapter import write_lora_gguf
 from slm_align.export.publishing.parity import perplexity_change, verification_summary
 from slm_align.gguf_adapters import chain_digest
 from slm_align.gguf_fields import read_fields
 from slm_align.progress import stage_lines
-from slm_align.runs import (
-    MANIFEST,
-    StageResult,
-    check_out_dir,
-    make_manifest,
-    read_manifest,
-    sha256_file,
-)
+from slm_align.runs import MANIFEST, Artifact, StageResult, check_out_dir, publish_artifact, read_manifest, sha256_file
 
 TARGET = "gguf-adapter"
 DEFAULT_BASE_QUANT = "F16"
@@ -59,95 +52,84 @@ class AdapterVerificationFailed(UserError):
     exit_code = 1
 
 
-def run_adapter_export(request) -> StageResult:
+def run_adapter_export(request, reuse: bool = False) -> StageResult:
     """Export, verify and publish a run's adapter chain for the
-    :class:`~slm_align.export.publishing.stage.ExportRequest` ``request`` (target ``gguf-adapter``); returns the
-    manifest's path and metrics."""
+    :class:`~slm_align.export.publishing.request.ExportRequest` ``request`` (target ``gguf-adapter``);
+    returns the manifest's path and metrics (with ``reuse``, a chain there made from the same inputs is
+    returned as it is)."""
     started = time.time()
     run, quant, threads = _validate(request)
     chain = adapter_chain(run, request.stage)
     source = run_source(run)
     if source.kind == "gguf" and request.chat_template is not None:
-        raise UserError(
-            f"the base is your own {Path(source.ref).name}, which is left untouched: drop "
-            "--chat-template here and pass it to `slm-align chat` instead"
-        )
-    adapter_type = "F32" if quant == "F32" else "F16"
-    names = [f"adapter-{stage}-{adapter_type}.gguf" for stage, _ in chain]
+        raise UserError(f"the base is your own {Path(source.ref).name}, which is left untouched: drop "
+                        "--chat-template here and pass it to `slm-align chat` instead")
     out = check_out_dir(Path(request.out) if request.out is not None else run / "export")
-    manifest_path = out / f"{names[-1]}.json"
-    if (manifest_path.exists() or (out / names[-1]).exists()) and not request.overwrite:
-        raise UserError(
-            f"{out / names[-1]} exists; pass --overwrite to replace it or choose another --out"
-        )
-    scratch = out / f".{names[-1]}.partial"
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    try:
-        with stage_lines(
-            "export", f"{TARGET} {' + '.join(stage for stage, _ in chain)} of {run}"
-        ) as stage:
-            base, base_built = _base(request, source, quant, threads, out, scratch)
-            shapes_from = (
-                Path(source.ref) if source.kind in ("gguf", "dir") else scratch / "checkpoint"
-            )
-            built = [
-                write_lora_gguf(
-                    adapter_dir, shapes_from, scratch / name, adapter_type, base_gguf=base_built
-                )
-                for (_, adapter_dir), name in zip(chain, names)
-            ]
-            stage.figures = " + ".join(f"{path.stat().st_size / 1e6:.2f} MB" for path in built)
-        export_seconds = round(time.time() - started, 2)
-        verification = _verification(request, run, base_built, built, quant, threads)
-        placed = list(zip(built, [out / name for name in names])) + (
-            [(base_built, base)] if base != base_built else []
-        )
-        _check_replaced(placed, request.overwrite)
-        metrics = _metrics(
-            request,
-            source,
-            chain,
-            built,
-            base,
-            base_built,
-            quant,
-            adapter_type,
-            threads,
-            export_seconds,
-            verification,
-        )
-        for (
-            path,
-            final,
-        ) in placed:  # an identical file already there stays (adapters stay bound to it)
+    exported = AdapterChain(request, run, chain, source, (quant, threads), out, started)
+    result = publish_artifact(exported, overwrite=request.overwrite, reuse=reuse)
+    return StageResult(exported.manifest_path, skipped=result.skipped, metrics=result.metrics)
+
+
+class AdapterChain(Artifact):
+    """A run's adapters (in ``chain`` order) as GGUF adapter files in ``out`` beside the base they bind
+    to; ``final`` is the last adapter, its manifest ``adapter-<STAGE>-<TYPE>.gguf.json`` beside it."""
+
+    def __init__(self, request, run: Path, chain: list[tuple[str, Path]], source, settings: tuple[str, int],
+                 out: Path, started: float):
+        self.request, self.run, self.chain, self.source, self.out = request, run, chain, source, out
+        self.quant, self.threads = settings
+        self.adapter_type = "F32" if self.quant == "F32" else "F16"
+        self.names = [f"adapter-{stage}-{self.adapter_type}.gguf" for stage, _ in chain]
+        self.final = out / self.names[-1]
+        self.manifest_path = out / f"{self.names[-1]}.json"
+        self.started = started
+
+    def inputs(self) -> dict:
+        return {"source": {"kind": "run", "run": str(self.run)}, "target": TARGET, "quant": self.quant,
+                "stages": [stage for stage, _ in self.chain],
+                "policy": policy_identity(self.run, merged_stage(self.run, self.request.stage))}
+
+    def build(self, scratch: Path) -> Path:
+        """The base (unless it is the user's .gguf) and every adapter, in ``scratch``."""
+        stages = " + ".join(stage for stage, _ in self.chain)
+        with stage_lines("export", f"{TARGET} {stages} of {self.run}") as stage:
+            self.base, self.base_built = _base(self.request, self.source, self.quant, self.threads, self.out,
+                                               scratch)
+            kind = self.source.kind
+            shapes_from = Path(self.source.ref) if kind in ("gguf", "dir") else scratch / "checkpoint"
+            self.built = [write_lora_gguf(adapter_dir, shapes_from, scratch / name, self.adapter_type,
+                                          base_gguf=self.base_built)
+                          for (_, adapter_dir), name in zip(self.chain, self.names)]
+            stage.figures = " + ".join(f"{path.stat().st_size / 1e6:.2f} MB" for path in self.built)
+        self.export_seconds = round(time.time() - self.started, 2)
+        return scratch
+
+    def verify(self, built: Path) -> dict:
+        """Parity of base + adapters; no file of the chain replaced by other bytes without --overwrite."""
+        verification = _verification(self.request, self.run, self.base_built, self.built, self.quant, self.threads)
+        self.placed = list(zip(self.built, [self.out / name for name in self.names]))
+        if self.base != self.base_built:
+            self.placed.append((self.base_built, self.base))
+        _check_replaced(self.placed, self.request.overwrite)
+        return _metrics(self, verification)
+
+    def place(self, built: Path, manifest: Optional[dict]) -> None:
+        """Each file renamed into place (an identical one already there stays: adapters stay bound to
+        it), the manifest last: its presence says the chain is whole."""
+        for path, final in self.placed:
             if not final.exists() or sha256_file(final) != sha256_file(path):
                 publish_directory(path, final, replace=True)
-        inputs = {
-            "source": {"kind": "run", "run": str(run)},
-            "target": TARGET,
-            "quant": quant,
-            "stages": [stage for stage, _ in chain],
-        }
-        write_json_atomic(manifest_path, make_manifest("export", inputs, metrics, started))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return StageResult(manifest_path, skipped=False, metrics=metrics)
+        write_json_atomic(self.manifest_path, manifest)
 
 
 def _validate(request) -> tuple[Path, str, int]:
     """(run, base quant, threads) from the flags; one line for what this target cannot take."""
     path = Path(request.source).expanduser()
     if not (path.is_dir() and (path / "sft" / MANIFEST).is_file()):
-        raise UserError(
-            f"--target {TARGET} exports a run's LoRA adapters, and {request.source} is not a run "
-            "directory (no sft/manifest.json): pass the run (`--out` of `slm-align sft`)"
-        )
-    for flag, given in (
-        ("--calibrate", request.calibrate),
-        ("--system", request.system),
-        ("--ort-format", request.ort_format),
-    ):
+        raise UserError(f"--target {TARGET} exports a run's LoRA adapters, and {request.source} is not a run "
+                        "directory (no sft/manifest.json): pass the run (`--out` of `slm-align sft`)")
+    for flag, given in (("--calibrate", request.calibrate), ("--system", request.system),
+                        ("--ort-format", request.ort_format)):
         if given:
             raise UserError(f"{flag} does not apply to --target {TARGET}: drop it")
     if not 0.0 <= request.min_agreement <= 1.0:
@@ -161,11 +143,7 @@ def _validate(request) -> tuple[Path, str, int]:
         from slm_align.devices import load_profile
 
         threads = threads or load_profile(request.device).threads
-    return (
-        path.resolve(),
-        check_gguf_type(request.quant or DEFAULT_BASE_QUANT),
-        threads or default_threads(),
-    )
+    return path.resolve(), check_gguf_type(request.quant or DEFAULT_BASE_QUANT), threads or default_threads()
 
 
 def adapter_chain(run: Path, stage: Optional[str] = None) -> list[tuple[str, Path]]:
@@ -184,9 +162,7 @@ def run_source(run: Path):
 
     record = read_manifest(run / "sft")["inputs"]["model"]
     if record["kind"] == "gguf" and not Path(record["ref"]).is_file():
-        raise UserError(
-            f"the run's base {record['ref']} is gone; put the .gguf it was trained on back there"
-        )
+        raise UserError(f"the run's base {record['ref']} is gone; put the .gguf it was trained on back there")
     return resolve_source(record["ref"])
 
 
@@ -223,15 +199,11 @@ def _check_replaced(placed: list[tuple[Path, Path]], overwrite: bool) -> None:
     break."""
     for path, final in placed:
         if final.exists() and not overwrite and sha256_file(final) != sha256_file(path):
-            raise UserError(
-                f"{final} exists with other contents; pass --overwrite to replace it (adapters "
-                "exported for it will no longer load) or choose another --out"
-            )
+            raise UserError(f"{final} exists with other contents; pass --overwrite to replace it (adapters "
+                            "exported for it will no longer load) or choose another --out")
 
 
-def _verification(
-    request, run: Path, base: Path, adapters: list[Path], quant: str, threads: int
-) -> dict:
+def _verification(request, run: Path, base: Path, adapters: list[Path], quant: str, threads: int) -> dict:
     """Parity of base + adapters in llama.cpp with ``RUN/merged`` in PyTorch; raises
     :class:`AdapterVerificationFailed` (unless ``force``) when it fails."""
     if not request.verify:
@@ -242,31 +214,18 @@ def _verification(
 
     file_type = read_fields(base, prefix="general.file_type").get("general.file_type")
     exact = file_type is not None and file_type.value in EXACT_FILE_TYPES
-    with stage_lines(
-        "export verification", "base + adapters in llama.cpp against the PyTorch policy"
-    ) as checking:
+    checks = "base + adapters in llama.cpp against the PyTorch policy"
+    with stage_lines("export verification", checks) as checking:
         merged = resolve_source(str(current_merged(run, request.stage)))
         model = load_model(merged).to(resolve_device(request.torch_device))
-        backend = LlamaCppBackend(
-            base, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True, adapters=adapters
-        )
-        report = verify(
-            model,
-            load_tokenizer(merged),
-            backend,
-            exact=exact,
-            min_agreement=request.min_agreement,
-            greedy=exact or quant == "Q8_0",
-        ).to_dict()
-        checking.figures = (
-            f"{'passed' if report['passed'] else 'FAILED'}, {verification_summary(report)}"
-        )
+        backend = LlamaCppBackend(base, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True, adapters=adapters)
+        report = verify(model, load_tokenizer(merged), backend, exact=exact, min_agreement=request.min_agreement,
+                        greedy=exact or quant == "Q8_0").to_dict()
+        checking.figures = f"{'passed' if report['passed'] else 'FAILED'}, {verification_summary(report)}"
     if not report["passed"] and not request.force:
-        raise AdapterVerificationFailed(
-            f"adapters not published: base + adapters in llama.cpp differ from "
-            f"the PyTorch policy ({_failure(report)}); try --quant F16, or "
-            "--force to publish anyway"
-        )
+        raise AdapterVerificationFailed(f"adapters not published: base + adapters in llama.cpp differ from "
+                                        f"the PyTorch policy ({_failure(report)}); try --quant F16, or "
+                                        "--force to publish anyway")
     return report
 
 
@@ -278,56 +237,25 @@ def _failure(report: dict) -> str:
     return f"top-1 agreement {report['agreement']:.3f} < {report['min_agreement']}, {perplexity_change(report)}"
 
 
-def _metrics(
-    request,
-    source,
-    chain,
-    built: list[Path],
-    base: Path,
-    base_built: Path,
-    quant: str,
-    adapter_type: str,
-    threads: int,
-    export_seconds: float,
-    verification: dict,
-) -> dict:
+def _metrics(chain: AdapterChain, verification: dict) -> dict:
     """The manifest's record: the base (path, sha256, whether exported here), the ordered adapters
     (file, stage, what each was trained on, sha256, scale, size) and the chain's id."""
+    base, base_built, request = chain.base, chain.base_built, chain.request
     exported = base != base_built
     base_sha = sha256_file(base_built)
-    base_record = {
-        "path": base.name if exported else str(base),
-        "sha256": base_sha,
-        "bytes": base_built.stat().st_size,
-        "exported": exported,
-        "quant": quant if exported else None,
-        "source": {"kind": source.kind, "ref": source.ref},
-    }
-    adapters = [
-        {
-            "path": path.name,
-            "stage": stage,
-            "trained_on": "base" if stage == "sft" else "merged sft",
-            "sha256": sha256_file(path),
-            "bytes": path.stat().st_size,
-            "scale": 1.0,
-        }
-        for (stage, _), path in zip(chain, built)
-    ]
-    return {
-        "target": TARGET,
-        "quant": quant,
-        "adapter_type": adapter_type,
-        "device": request.device,
-        "threads": threads,
-        "base": base_record,
-        "adapters": adapters,
-        "bytes": sum(adapter["bytes"] for adapter in adapters),
-        "sha256": chain_digest(base_sha, [adapter["sha256"] for adapter in adapters]),
-        "export_seconds": export_seconds,
-        "verification": verification,
-        "forced": bool(request.force and request.verify and not verification["passed"]),
-    }
+    base_record = {"path": base.name if exported else str(base), "sha256": base_sha,
+                   "bytes": base_built.stat().st_size, "exported": exported,
+                   "quant": chain.quant if exported else None,
+                   "source": {"kind": chain.source.kind, "ref": chain.source.ref}}
+    adapters = [{"path": path.name, "stage": stage, "trained_on": "base" if stage == "sft" else "merged sft",
+                 "sha256": sha256_file(path), "bytes": path.stat().st_size, "scale": 1.0}
+                for (stage, _), path in zip(chain.chain, chain.built)]
+    return {"target": TARGET, "quant": chain.quant, "adapter_type": chain.adapter_type, "device": request.device,
+            "threads": chain.threads, "base": base_record, "adapters": adapters,
+            "bytes": sum(adapter["bytes"] for adapter in adapters),
+            "sha256": chain_digest(base_sha, [adapter["sha256"] for adapter in adapters]),
+            "export_seconds": chain.export_seconds, "verification": verification,
+            "forced": bool(request.force and request.verify and not verification["passed"])}
 
 
 def manifest_files(manifest: dict, folder: Path) -> tuple[Path, list[Path]]:
