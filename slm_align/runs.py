@@ -6,10 +6,11 @@ inputs hash, scratch, verify, atomic rename)."""
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import json
+import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -417,10 +418,33 @@ def reusable(final: Path, inputs: dict) -> Optional[dict]:
     return manifest
 
 
+def _writer_gone(scratch: Path) -> bool:
+    """Whether the process that made ``scratch`` (``.NAME.PID.partial``) has ended (it was killed mid-way).
+    Unknown where a process cannot be probed without a signal (Windows): kept."""
+    pid = scratch.name.removesuffix(".partial").rpartition(".")[2]
+    if os.name == "nt" or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def scratch_beside(final: Path) -> Path:
-    """A new hidden scratch folder ``.NAME.XXXX.partial`` beside ``final`` (its own per writer)."""
-    Path(final).parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{Path(final).name}.", suffix=".partial", dir=Path(final).parent))
+    """A new hidden scratch folder ``.NAME.PID.partial`` beside ``final``, its own per writing process; what a
+    killed writer left there is removed first (a live one's is left alone)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in final.parent.glob(f".{glob.escape(final.name)}.*.partial"):
+        if _writer_gone(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+    scratch = final.with_name(f".{final.name}.{os.getpid()}.partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    return scratch
 
 
 def publish_artifact(artifact: Artifact, overwrite: bool = False, reuse: bool = False,

@@ -105,7 +105,18 @@ def test_a_crash_between_scratch_and_publish_leaves_the_old_artifact_whole(publi
     assert json.loads((final / "manifest.json").read_text())["files"]["data.txt"] == sha256_file(final / "data.txt")
     assert len(leftovers(final.parent)) == 1  # the killed writer's scratch, hidden beside it
     assert not publish_artifact(Folder(final, source), overwrite=True).skipped  # the next writer is not blocked
-    assert (final / "data.txt").read_text() == "new"
+    assert (final / "data.txt").read_text() == "new" and leftovers(final.parent) == []  # and clears it
+
+
+def test_a_live_writers_scratch_is_left_alone(published):
+    final, source = published
+    live = final.with_name(f".{final.name}.1.partial")  # pid 1 never ends while the machine runs
+    live.mkdir()
+    dead = final.with_name(f".{final.name}.999999999.partial")
+    dead.mkdir()
+    source.write_text("new")
+    publish_artifact(Folder(final, source), overwrite=True)
+    assert leftovers(final.parent) == [live.name]
 
 
 def test_reuse_happens_iff_the_recorded_inputs_hash_matches(published):
