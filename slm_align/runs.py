@@ -405,7 +405,8 @@ class Artifact:
 
 def reusable(final: Path, inputs: dict) -> Optional[dict]:
     """The manifest of the artifact at ``final`` when it was made from exactly ``inputs`` (its recorded
-    inputs hash is theirs) and is still there; None otherwise. The one reuse rule of every artifact."""
+    inputs hash is theirs) and is still there, its files intact; None otherwise. The one reuse rule of
+    every artifact."""
     path = artifact_manifest(final)
     if not (Path(final).exists() and path.is_file()):
         return None
@@ -414,6 +415,10 @@ def reusable(final: Path, inputs: dict) -> Optional[dict]:
     except (OSError, ValueError):
         return None
     if not isinstance(manifest, dict) or manifest.get("inputs_hash") != inputs_digest(inputs):
+        return None
+    try:
+        verify_checksums(final, manifest)  # a damaged folder is made again, never reused
+    except UserError:
         return None
     return manifest
 

@@ -128,6 +128,9 @@ def test_reuse_happens_iff_the_recorded_inputs_hash_matches(published):
     os.utime(final / "data.txt", ns=(stamp - 10**12, stamp - 10**12))
     touched = Folder(final, source)
     assert publish_artifact(touched, reuse=True).skipped and touched.builds == 0
+    (final / "data.txt").write_text("bad")  # damaged after publishing: made again, never reused
+    damaged = Folder(final, source)
+    assert not publish_artifact(damaged, overwrite=True, reuse=True).skipped and damaged.builds == 1
     source.write_text("changed")  # one input changes: made again
     changed = Folder(final, source)
     result = publish_artifact(changed, overwrite=True, reuse=True)
