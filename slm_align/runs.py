@@ -1,7 +1,7 @@
 """Run directories: atomic files, stage manifests, the "already done with these inputs" check,
-:func:`run_stage`, the one skeleton every training stage runs in (done? work dir, resume, barrier, publish,
-manifest), and :func:`publish_artifact`, the one skeleton every artifact is published through (reuse by
-inputs hash, scratch, verify, atomic rename)."""
+:func:`run_stage`, the one skeleton every training stage runs in (done? work dir, resume, barrier,
+publish, manifest), and :func:`publish_artifact`, the one skeleton every artifact is published
+through (reuse by inputs hash, scratch, verify, atomic rename)."""
 
 from __future__ import annotations
 
@@ -363,12 +363,14 @@ def run_stage(stage: Stage, run: Path, resume: bool = False) -> StageResult:
 
 
 class Artifact:
-    """One artifact :func:`publish_artifact` publishes at ``final`` (an export target's file or folder, an
-    adapter chain, a merged model, a bundle, an applied update); subclasses say what it is made of
-    (``inputs``), how it is built (``build``), checked (``verify``) and placed (``place``)."""
+    """One artifact :func:`publish_artifact` publishes at ``final`` (an export target's file or
+    folder, an adapter chain, a merged model, a bundle, an applied update); subclasses say what it
+    is made of (``inputs``), how it is built (``build``), checked (``verify``) and placed
+    (``place``)."""
 
     final: Path
-    """Where it is published; the scratch folder is made beside it (same filesystem: the rename is atomic)."""
+    """Where it is published; the scratch folder is made beside it (same filesystem: the rename is
+    atomic)."""
     stage = "export"
     """The manifest's ``stage`` field."""
     started: Optional[float] = None
@@ -383,14 +385,16 @@ class Artifact:
 
     def taken(self) -> bool:
         """Whether publishing would replace something (``final``, a link there, or its manifest)."""
-        return self.final.exists() or self.final.is_symlink() or artifact_manifest(self.final).exists()
+        final = self.final
+        return final.exists() or final.is_symlink() or artifact_manifest(final).exists()
 
     def build(self, scratch: Path) -> Path:
         """Write the artifact inside ``scratch``; returns its path there."""
         raise NotImplementedError
 
     def verify(self, built: Path) -> dict:
-        """Check ``built``; raise (a UserError) to publish nothing, else return the manifest's metrics."""
+        """Check ``built``; raise (a UserError) to publish nothing, else return the manifest's
+        metrics."""
         return {}
 
     def place(self, built: Path, manifest: Optional[dict]) -> None:
@@ -404,9 +408,9 @@ class Artifact:
 
 
 def reusable(final: Path, inputs: dict) -> Optional[dict]:
-    """The manifest of the artifact at ``final`` when it was made from exactly ``inputs`` (its recorded
-    inputs hash is theirs) and is still there, its files intact; None otherwise. The one reuse rule of
-    every artifact."""
+    """The manifest of the artifact at ``final`` when it was made from exactly ``inputs`` (its
+    recorded inputs hash is theirs) and is still there, its files intact; None otherwise. The one
+    reuse rule of every artifact."""
     path = artifact_manifest(final)
     if not (Path(final).exists() and path.is_file()):
         return None
@@ -424,8 +428,8 @@ def reusable(final: Path, inputs: dict) -> Optional[dict]:
 
 
 def _writer_gone(scratch: Path) -> bool:
-    """Whether the process that made ``scratch`` (``.NAME.PID.partial``) has ended (it was killed mid-way).
-    Unknown where a process cannot be probed without a signal (Windows): kept."""
+    """Whether the process that made ``scratch`` (``.NAME.PID.partial``) has ended (it was killed
+    mid-way). Unknown where a process cannot be probed without a signal (Windows): kept."""
     pid = scratch.name.removesuffix(".partial").rpartition(".")[2]
     if os.name == "nt" or not pid.isdigit():
         return False
@@ -439,8 +443,8 @@ def _writer_gone(scratch: Path) -> bool:
 
 
 def scratch_beside(final: Path) -> Path:
-    """A new hidden scratch folder ``.NAME.PID.partial`` beside ``final``, its own per writing process; what a
-    killed writer left there is removed first (a live one's is left alone)."""
+    """A new hidden scratch folder ``.NAME.PID.partial`` beside ``final``, its own per writing
+    process; what a killed writer left there is removed first (a live one's is left alone)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     for leftover in final.parent.glob(f".{glob.escape(final.name)}.*.partial"):
@@ -454,11 +458,11 @@ def scratch_beside(final: Path) -> Path:
 
 def publish_artifact(artifact: Artifact, overwrite: bool = False, reuse: bool = False,
                      manifest: bool = True) -> StageResult:
-    """Reuse ``artifact`` when ``reuse`` and its recorded inputs hash equals the new one (:func:`reusable`);
-    else refuse an existing one unless ``overwrite``, build it in a scratch folder beside ``final``, verify
-    it, and publish it by atomic rename (with its manifest unless ``manifest`` is off). A failed build or
-    verification, or a crash before the rename, leaves what was at ``final`` whole; the scratch folder is
-    removed in every case but a killed process."""
+    """Reuse ``artifact`` when ``reuse`` and its recorded inputs hash equals the new one
+    (:func:`reusable`); else refuse an existing one unless ``overwrite``, build it in a scratch
+    folder beside ``final``, verify it, and publish it by atomic rename (with its manifest unless
+    ``manifest`` is off). A failed build or verification, or a crash before the rename, leaves what
+    was at ``final`` whole; the scratch folder is removed in every case but a killed process."""
     started = artifact.started or time.time()
     inputs = artifact.inputs()
     found = reusable(artifact.final, inputs) if reuse else None

@@ -1,13 +1,12 @@
 """Fold a run's adapters into the base weights: a plain HF directory that loads without peft.
 
-SFT adapter first (into the base), then the adapter of the run's latest aligned stage (RL,
-DPO or KTO, each trained on top of the merged SFT weights). The output has safetensors
-weights, the tokenizer with a chat template (ChatML when the model has none, recorded in the
-manifest; a GGUF base's own tokenizer fields too, as ``tokenizer.gguf``), a generation
-config, a model card (README.md, from the run's records) and ``manifest.json``. Written to a scratch
-folder beside ``OUT`` and renamed when complete (:func:`~slm_align.runs.publish_artifact`); an existing
-merge is reused by one rule, its recorded inputs hash (the stages folded in, by content).
-"""
+SFT adapter first (into the base), then the adapter of the run's latest aligned stage (RL, DPO or
+KTO, each trained on top of the merged SFT weights). The output has safetensors weights, the
+tokenizer with a chat template (ChatML when the model has none, recorded in the manifest; a GGUF
+base's own tokenizer fields too, as ``tokenizer.gguf``), a generation config, a model card
+(README.md, from the run's records) and ``manifest.json``. Written to a scratch folder beside
+``OUT`` and renamed when complete (:func:`~slm_align.runs.publish_artifact`); an existing merge is
+reused by one rule, its recorded inputs hash (the stages folded in, by content)."""
 
 from __future__ import annotations
 
@@ -67,9 +66,10 @@ def merged_dir(run: Path, stage: Optional[str] = None) -> Path:
 
 
 def policy_identity(run: Path, aligned: Optional[str]) -> dict:
-    """What a run's policy is made of, by content: the identity (:func:`~slm_align.runs.stage_identity`)
-    of its SFT stage and of the aligned stage folded in, so that a stage trained again makes its merge
-    and exports stale while a file merely touched does not."""
+    """What a run's policy is made of, by content: the identity
+    (:func:`~slm_align.runs.stage_identity`) of its SFT stage and of the aligned stage folded in, so
+    that a stage trained again makes its merge and exports stale while a file merely touched does
+    not."""
     stages = ["sft"] + ([aligned] if aligned is not None else [])
     return {name: stage_identity(Path(run) / name) for name in stages}
 
@@ -80,28 +80,35 @@ def current_merged(run: Path, stage: Optional[str] = None) -> Path:
     from slm_align.config import load_recipe
 
     run = Path(run)
-    merge_run(load_recipe(None, {}), run, merged_dir(run, stage), overwrite=True, stage=stage, reuse=True)
+    merge_run(load_recipe(None, {}), run, merged_dir(run, stage), overwrite=True, stage=stage,
+              reuse=True)
     return merged_dir(run, stage)
 
 
 class MergedModel(Artifact):
-    """The run's base with its SFT adapter and the aligned stage's folded in, as a plain HF directory."""
+    """The run's base with its SFT adapter and the aligned stage's folded in, as a plain HF
+    directory."""
 
     stage = "merge"
 
-    def __init__(self, recipe: Recipe, run: Path, out: Path, aligned: Optional[str], started: float):
+    def __init__(self, recipe: Recipe, run: Path, out: Path, aligned: Optional[str],
+                 started: float):
         self.run, self.final, self.aligned, self.started = run, out, aligned, started
         self.recipe, self.sft_adapter = recipe_from_sft(run, recipe)
-        self.adapters = [self.sft_adapter] + ([run / aligned / "adapter"] if aligned is not None else [])
+        self.adapters = [self.sft_adapter]
+        if aligned is not None:
+            self.adapters.append(run / aligned / "adapter")
         self.source = resolve_source(self.recipe.model.source)
 
     def inputs(self) -> dict:
         aligned_adapter = str(self.adapters[1]) if self.aligned is not None else None
-        return {"base": self.source.ref, "sft_adapter": str(self.sft_adapter), "aligned_stage": self.aligned,
-                "aligned_adapter": aligned_adapter, "policy": policy_identity(self.run, self.aligned)}
+        return {"base": self.source.ref, "sft_adapter": str(self.sft_adapter),
+                "aligned_stage": self.aligned, "aligned_adapter": aligned_adapter,
+                "policy": policy_identity(self.run, self.aligned)}
 
     def build(self, scratch: Path) -> Path:
-        """Both adapters checked before anything loads (a pickle-only one needs ``model.allow_pickle``)."""
+        """Both adapters checked before anything loads (a pickle-only one needs
+        ``model.allow_pickle``)."""
         model_settings = self.recipe.model
         for adapter in self.adapters:
             require_adapter(adapter, model_settings.allow_pickle)
@@ -110,7 +117,8 @@ class MergedModel(Artifact):
                               model_settings.allow_pickle)
         model = model.to(resolve_device(self.recipe.compute.device))
         if self.aligned is not None:
-            model = load_adapter(model, self.adapters[1], model_settings.allow_pickle).merge_and_unload()
+            aligned = load_adapter(model, self.adapters[1], model_settings.allow_pickle)
+            model = aligned.merge_and_unload()
         self.default_template = tokenizer.chat_template is None
         if self.default_template:
             tokenizer.chat_template = default_chat_template(tokenizer)
@@ -119,15 +127,16 @@ class MergedModel(Artifact):
         model.save_pretrained(scratch, safe_serialization=True)
         save_tokenizer(tokenizer, self.source, scratch)
         self.model = model
-        card = merged_card(self.run, self.final.name, "sft" if self.aligned is None else self.aligned)
+        stage = "sft" if self.aligned is None else self.aligned
+        card = merged_card(self.run, self.final.name, stage)
         (scratch / CARD).write_text(card, encoding="utf-8")
         return scratch
 
     def verify(self, built: Path) -> dict:
         model = self.model
         return {"parameters": sum(p.numel() for p in model.parameters()),
-                "default_chat_template": self.default_template, "architecture": model.config.model_type,
-                "model_card": CARD}
+                "default_chat_template": self.default_template,
+                "architecture": model.config.model_type, "model_card": CARD}
 
 
 def merge_run(recipe: Recipe, run: Path, out: Optional[Path] = None, overwrite: bool = False,

@@ -2,23 +2,23 @@
 GGUFs, beside the base they apply to, bound to it by hash and parity-checked as base + adapters.
 
 The chain is the run's SFT adapter (trained on the base) and, when the run has a later aligned stage
-(the latest of RL, DPO and KTO: :func:`~slm_align.export.converters.merge.merged_stage`), that stage's adapter
-(trained on the merged SFT weights after merge-and-reinit). Both deltas are additive, so
-``base + dSFT + dStage`` is the merged policy: both files apply, in order, to the ORIGINAL base.
+(the latest of RL, DPO and KTO: :func:`~slm_align.export.converters.merge.merged_stage`), that
+stage's adapter (trained on the merged SFT weights after merge-and-reinit). Both deltas are
+additive, so ``base + dSFT + dStage`` is the merged policy: both files apply, in order, to the
+ORIGINAL base.
 
 The base is the run's own source when that was a .gguf (the user's file, referenced by path and
-sha256, never copied or changed: the adapters were trained on its dequantized weights); otherwise one
-``base-<QUANT>.gguf`` (F16 unless ``--quant``) exported into the output folder and reused by later
-rounds while it is byte-identical. Each adapter file records the base's sha256
+sha256, never copied or changed: the adapters were trained on its dequantized weights); otherwise
+one ``base-<QUANT>.gguf`` (F16 unless ``--quant``) exported into the output folder and reused by
+later rounds while it is byte-identical. Each adapter file records the base's sha256
 (:func:`~slm_align.gguf_adapters.check_adapter_base` refuses another base).
 
 Everything is built in a scratch folder, verified (llama.cpp with the base and every adapter applied
-against ``RUN/merged`` in PyTorch: :func:`~slm_align.export.publishing.parity.verify`), and only then
-renamed into place (:func:`~slm_align.runs.publish_artifact`); the manifest
+against ``RUN/merged`` in PyTorch: :func:`~slm_align.export.publishing.parity.verify`), and only
+then renamed into place (:func:`~slm_align.runs.publish_artifact`); the manifest
 ``adapter-<STAGE>-<TYPE>.gguf.json`` comes last, so its presence says the chain is whole. Its
-``metrics.sha256`` is the chain's id (:func:`~slm_align.gguf_adapters.chain_digest`), which the runtime
-records as ``model_id`` for every answer base + adapters give.
-"""
+``metrics.sha256`` is the chain's id (:func:`~slm_align.gguf_adapters.chain_digest`), which the
+runtime records as ``model_id`` for every answer base + adapters give."""
 
 from __future__ import annotations
 
@@ -38,7 +38,15 @@ from slm_align.export.publishing.parity import perplexity_change, verification_s
 from slm_align.gguf_adapters import chain_digest
 from slm_align.gguf_fields import read_fields
 from slm_align.progress import stage_lines
-from slm_align.runs import MANIFEST, Artifact, StageResult, check_out_dir, publish_artifact, read_manifest, sha256_file
+from slm_align.runs import (
+    MANIFEST,
+    Artifact,
+    StageResult,
+    check_out_dir,
+    publish_artifact,
+    read_manifest,
+    sha256_file,
+)
 
 TARGET = "gguf-adapter"
 DEFAULT_BASE_QUANT = "F16"
@@ -54,16 +62,16 @@ class AdapterVerificationFailed(UserError):
 
 def run_adapter_export(request, reuse: bool = False) -> StageResult:
     """Export, verify and publish a run's adapter chain for the
-    :class:`~slm_align.export.publishing.request.ExportRequest` ``request`` (target ``gguf-adapter``);
-    returns the manifest's path and metrics (with ``reuse``, a chain there made from the same inputs is
-    returned as it is)."""
+    :class:`~slm_align.export.publishing.request.ExportRequest` ``request`` (target
+    ``gguf-adapter``); returns the manifest's path and metrics (with ``reuse``, a chain there made
+    from the same inputs is returned as it is)."""
     started = time.time()
     run, quant, threads = _validate(request)
     chain = adapter_chain(run, request.stage)
     source = run_source(run)
     if source.kind == "gguf" and request.chat_template is not None:
-        raise UserError(f"the base is your own {Path(source.ref).name}, which is left untouched: drop "
-                        "--chat-template here and pass it to `slm-align chat` instead")
+        raise UserError(f"the base is your own {Path(source.ref).name}, which is left untouched: "
+                        "drop --chat-template here and pass it to `slm-align chat` instead")
     out = check_out_dir(Path(request.out) if request.out is not None else run / "export")
     exported = AdapterChain(request, run, chain, source, (quant, threads), out, started)
     result = publish_artifact(exported, overwrite=request.overwrite, reuse=reuse)
@@ -71,11 +79,12 @@ def run_adapter_export(request, reuse: bool = False) -> StageResult:
 
 
 class AdapterChain(Artifact):
-    """A run's adapters (in ``chain`` order) as GGUF adapter files in ``out`` beside the base they bind
-    to; ``final`` is the last adapter, its manifest ``adapter-<STAGE>-<TYPE>.gguf.json`` beside it."""
+    """A run's adapters (in ``chain`` order) as GGUF adapter files in ``out`` beside the base they
+    bind to; ``final`` is the last adapter, its manifest ``adapter-<STAGE>-<TYPE>.gguf.json`` beside
+    it."""
 
-    def __init__(self, request, run: Path, chain: list[tuple[str, Path]], source, settings: tuple[str, int],
-                 out: Path, started: float):
+    def __init__(self, request, run: Path, chain: list[tuple[str, Path]], source,
+                 settings: tuple[str, int], out: Path, started: float):
         self.request, self.run, self.chain, self.source, self.out = request, run, chain, source, out
         self.quant, self.threads = settings
         self.adapter_type = "F32" if self.quant == "F32" else "F16"
@@ -85,28 +94,31 @@ class AdapterChain(Artifact):
         self.started = started
 
     def inputs(self) -> dict:
-        return {"source": {"kind": "run", "run": str(self.run)}, "target": TARGET, "quant": self.quant,
-                "stages": [stage for stage, _ in self.chain],
+        return {"source": {"kind": "run", "run": str(self.run)}, "target": TARGET,
+                "quant": self.quant, "stages": [stage for stage, _ in self.chain],
                 "policy": policy_identity(self.run, merged_stage(self.run, self.request.stage))}
 
     def build(self, scratch: Path) -> Path:
         """The base (unless it is the user's .gguf) and every adapter, in ``scratch``."""
         stages = " + ".join(stage for stage, _ in self.chain)
         with stage_lines("export", f"{TARGET} {stages} of {self.run}") as stage:
-            self.base, self.base_built = _base(self.request, self.source, self.quant, self.threads, self.out,
-                                               scratch)
-            kind = self.source.kind
-            shapes_from = Path(self.source.ref) if kind in ("gguf", "dir") else scratch / "checkpoint"
-            self.built = [write_lora_gguf(adapter_dir, shapes_from, scratch / name, self.adapter_type,
-                                          base_gguf=self.base_built)
+            self.base, self.base_built = _base(self.request, self.source, self.quant, self.threads,
+                                               self.out, scratch)
+            shapes_from = scratch / "checkpoint"
+            if self.source.kind in ("gguf", "dir"):
+                shapes_from = Path(self.source.ref)
+            self.built = [write_lora_gguf(adapter_dir, shapes_from, scratch / name,
+                                          self.adapter_type, base_gguf=self.base_built)
                           for (_, adapter_dir), name in zip(self.chain, self.names)]
             stage.figures = " + ".join(f"{path.stat().st_size / 1e6:.2f} MB" for path in self.built)
         self.export_seconds = round(time.time() - self.started, 2)
         return scratch
 
     def verify(self, built: Path) -> dict:
-        """Parity of base + adapters; no file of the chain replaced by other bytes without --overwrite."""
-        verification = _verification(self.request, self.run, self.base_built, self.built, self.quant, self.threads)
+        """Parity of base + adapters; no file of the chain replaced by other bytes without
+        --overwrite."""
+        verification = _verification(self.request, self.run, self.base_built, self.built,
+                                     self.quant, self.threads)
         self.placed = list(zip(self.built, [self.out / name for name in self.names]))
         if self.base != self.base_built:
             self.placed.append((self.base_built, self.base))
@@ -114,8 +126,8 @@ class AdapterChain(Artifact):
         return _metrics(self, verification)
 
     def place(self, built: Path, manifest: Optional[dict]) -> None:
-        """Each file renamed into place (an identical one already there stays: adapters stay bound to
-        it), the manifest last: its presence says the chain is whole."""
+        """Each file renamed into place (an identical one already there stays: adapters stay bound
+        to it), the manifest last: its presence says the chain is whole."""
         for path, final in self.placed:
             if not final.exists() or sha256_file(final) != sha256_file(path):
                 publish_directory(path, final, replace=True)
@@ -126,8 +138,9 @@ def _validate(request) -> tuple[Path, str, int]:
     """(run, base quant, threads) from the flags; one line for what this target cannot take."""
     path = Path(request.source).expanduser()
     if not (path.is_dir() and (path / "sft" / MANIFEST).is_file()):
-        raise UserError(f"--target {TARGET} exports a run's LoRA adapters, and {request.source} is not a run "
-                        "directory (no sft/manifest.json): pass the run (`--out` of `slm-align sft`)")
+        raise UserError(f"--target {TARGET} exports a run's LoRA adapters, and {request.source} "
+                        "is not a run directory (no sft/manifest.json): pass the run (`--out` of "
+                        "`slm-align sft`)")
     for flag, given in (("--calibrate", request.calibrate), ("--system", request.system),
                         ("--ort-format", request.ort_format)):
         if given:
@@ -143,7 +156,8 @@ def _validate(request) -> tuple[Path, str, int]:
         from slm_align.devices import load_profile
 
         threads = threads or load_profile(request.device).threads
-    return path.resolve(), check_gguf_type(request.quant or DEFAULT_BASE_QUANT), threads or default_threads()
+    quant = check_gguf_type(request.quant or DEFAULT_BASE_QUANT)
+    return path.resolve(), quant, threads or default_threads()
 
 
 def adapter_chain(run: Path, stage: Optional[str] = None) -> list[tuple[str, Path]]:
@@ -162,13 +176,15 @@ def run_source(run: Path):
 
     record = read_manifest(run / "sft")["inputs"]["model"]
     if record["kind"] == "gguf" and not Path(record["ref"]).is_file():
-        raise UserError(f"the run's base {record['ref']} is gone; put the .gguf it was trained on back there")
+        raise UserError(f"the run's base {record['ref']} is gone; put the .gguf it was trained on "
+                        "back there")
     return resolve_source(record["ref"])
 
 
 def _base(request, source, quant: str, threads: int, out: Path, scratch: Path) -> tuple[Path, Path]:
     """(where the base will be, the file to bind and verify now): the user's .gguf twice, or
-    ``out/base-QUANT.gguf`` and its build in ``scratch`` (the same bytes when one is already there)."""
+    ``out/base-QUANT.gguf`` and its build in ``scratch`` (the same bytes when one is already there).
+    """
     if source.kind == "gguf":
         return Path(source.ref), Path(source.ref)
     from slm_align.modeling import load_model, load_tokenizer, save_tokenizer
@@ -195,15 +211,17 @@ def _base(request, source, quant: str, threads: int, out: Path, scratch: Path) -
 
 def _check_replaced(placed: list[tuple[Path, Path]], overwrite: bool) -> None:
     """Refuse (without --overwrite) to replace an existing file of the chain (``(built, final)``
-    pairs) with different bytes: adapters bound to an old base, or an earlier round's manifest, would
-    break."""
+    pairs) with different bytes: adapters bound to an old base, or an earlier round's manifest,
+    would break."""
     for path, final in placed:
         if final.exists() and not overwrite and sha256_file(final) != sha256_file(path):
-            raise UserError(f"{final} exists with other contents; pass --overwrite to replace it (adapters "
-                            "exported for it will no longer load) or choose another --out")
+            raise UserError(f"{final} exists with other contents; pass --overwrite to replace it "
+                            "(adapters exported for it will no longer load) or choose another "
+                            "--out")
 
 
-def _verification(request, run: Path, base: Path, adapters: list[Path], quant: str, threads: int) -> dict:
+def _verification(request, run: Path, base: Path, adapters: list[Path], quant: str,
+                  threads: int) -> dict:
     """Parity of base + adapters in llama.cpp with ``RUN/merged`` in PyTorch; raises
     :class:`AdapterVerificationFailed` (unless ``force``) when it fails."""
     if not request.verify:
@@ -218,14 +236,17 @@ def _verification(request, run: Path, base: Path, adapters: list[Path], quant: s
     with stage_lines("export verification", checks) as checking:
         merged = resolve_source(str(current_merged(run, request.stage)))
         model = load_model(merged).to(resolve_device(request.torch_device))
-        backend = LlamaCppBackend(base, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True, adapters=adapters)
-        report = verify(model, load_tokenizer(merged), backend, exact=exact, min_agreement=request.min_agreement,
+        backend = LlamaCppBackend(base, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True,
+                                  adapters=adapters)
+        report = verify(model, load_tokenizer(merged), backend, exact=exact,
+                        min_agreement=request.min_agreement,
                         greedy=exact or quant == "Q8_0").to_dict()
-        checking.figures = f"{'passed' if report['passed'] else 'FAILED'}, {verification_summary(report)}"
+        verdict = "passed" if report["passed"] else "FAILED"
+        checking.figures = f"{verdict}, {verification_summary(report)}"
     if not report["passed"] and not request.force:
-        raise AdapterVerificationFailed(f"adapters not published: base + adapters in llama.cpp differ from "
-                                        f"the PyTorch policy ({_failure(report)}); try --quant F16, or "
-                                        "--force to publish anyway")
+        raise AdapterVerificationFailed("adapters not published: base + adapters in llama.cpp "
+                                        f"differ from the PyTorch policy ({_failure(report)}); "
+                                        "try --quant F16, or --force to publish anyway")
     return report
 
 
@@ -234,7 +255,8 @@ def _failure(report: dict) -> str:
         return "the base's tokenizer splits text differently"
     if report["divergences"]:
         return f"greedy decoding diverged on {len(report['divergences'])} prompt(s)"
-    return f"top-1 agreement {report['agreement']:.3f} < {report['min_agreement']}, {perplexity_change(report)}"
+    return (f"top-1 agreement {report['agreement']:.3f} < {report['min_agreement']}, "
+            f"{perplexity_change(report)}")
 
 
 def _metrics(chain: AdapterChain, verification: dict) -> dict:
@@ -247,11 +269,13 @@ def _metrics(chain: AdapterChain, verification: dict) -> dict:
                    "bytes": base_built.stat().st_size, "exported": exported,
                    "quant": chain.quant if exported else None,
                    "source": {"kind": chain.source.kind, "ref": chain.source.ref}}
-    adapters = [{"path": path.name, "stage": stage, "trained_on": "base" if stage == "sft" else "merged sft",
+    adapters = [{"path": path.name, "stage": stage,
+                 "trained_on": "base" if stage == "sft" else "merged sft",
                  "sha256": sha256_file(path), "bytes": path.stat().st_size, "scale": 1.0}
                 for (stage, _), path in zip(chain.chain, chain.built)]
-    return {"target": TARGET, "quant": chain.quant, "adapter_type": chain.adapter_type, "device": request.device,
-            "threads": chain.threads, "base": base_record, "adapters": adapters,
+    return {"target": TARGET, "quant": chain.quant, "adapter_type": chain.adapter_type,
+            "device": request.device, "threads": chain.threads, "base": base_record,
+            "adapters": adapters,
             "bytes": sum(adapter["bytes"] for adapter in adapters),
             "sha256": chain_digest(base_sha, [adapter["sha256"] for adapter in adapters]),
             "export_seconds": chain.export_seconds, "verification": verification,

@@ -1,12 +1,12 @@
 """One model exported to one target and published through :func:`~slm_align.runs.publish_artifact`.
 
-The artifact is built in a scratch folder beside its final name, verified against the PyTorch model, and
-only then renamed into place with its manifest (``model-Q8_0.gguf`` + ``model-Q8_0.gguf.json``, or
-``onnx-w8/`` / ``genai-w8/`` / ``executorch-fp32/`` with ``manifest.json`` inside). What differs by format
-(types, converter, runtime, companions) is asked of the target
-(:class:`~slm_align.export.targets.base.ExportTarget`). A failed verification publishes nothing unless
-``force``; an artifact made from the same inputs is reused only when the caller asks for reuse.
-"""
+The artifact is built in a scratch folder beside its final name, verified against the PyTorch model,
+and only then renamed into place with its manifest (``model-Q8_0.gguf`` + ``model-Q8_0.gguf.json``,
+or ``onnx-w8/`` / ``genai-w8/`` / ``executorch-fp32/`` with ``manifest.json`` inside). What differs
+by format (types, converter, runtime, companions) is asked of the target
+(:class:`~slm_align.export.targets.base.ExportTarget`). A failed verification publishes nothing
+unless ``force``; an artifact made from the same inputs is reused only when the caller asks for
+reuse."""
 
 from __future__ import annotations
 
@@ -43,15 +43,19 @@ def _chat_template(option: Optional[str], tokenizer) -> tuple[Optional[str], str
 
 
 def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+    if not path.is_dir():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 class ModelExport(Artifact):
-    """``request``'s model as ``target``'s artifact at ``final``, with the (quant, preset, threads) chosen."""
+    """``request``'s model as ``target``'s artifact at ``final``, with the (quant, preset, threads)
+    chosen."""
 
-    def __init__(self, request: ExportRequest, target, settings: tuple[str, str, int], origin: dict, final: Path,
-                 started: float):
-        self.request, self.target, self.origin, self.final, self.started = request, target, origin, final, started
+    def __init__(self, request: ExportRequest, target, settings: tuple[str, str, int], origin: dict,
+                 final: Path, started: float):
+        self.request, self.target, self.origin = request, target, origin
+        self.final, self.started = final, started
         self.quant, self.preset, self.threads = settings
         self.checkpoint: Optional[Path] = None
 
@@ -68,7 +72,8 @@ class ModelExport(Artifact):
                 "ort_format": self.request.ort_format, "importance": self.importance["matrix"]}
 
     def template_text(self) -> Optional[str]:
-        """The chat template the artifact carries: the one written into it, else the checkpoint's own."""
+        """The chat template the artifact carries: the one written into it, else the checkpoint's
+        own."""
         return self.template or self.checkpoint_template
 
     def source_path(self) -> Optional[Path]:
@@ -82,7 +87,8 @@ class ModelExport(Artifact):
         tokenizer = load_tokenizer(resolve_source(str(self.checkpoint)))
         self.checkpoint_template = tokenizer.chat_template
         self.template, self.template_origin = _chat_template(self.request.chat_template, tokenizer)
-        with stage_lines("export", f"{self.request.target} {self.quant} of {self.request.source}") as stage:
+        what = f"{self.request.target} {self.quant} of {self.request.source}"
+        with stage_lines("export", what) as stage:
             self.importance = self._importance()
             built = self.target.build(self.checkpoint, scratch, self.quant, self.settings())
             stage.figures = f"{_size(built) / 1e6:.1f} MB"
@@ -90,7 +96,8 @@ class ModelExport(Artifact):
         return built
 
     def _importance(self) -> dict:
-        """The importance matrix from the run's held-out texts (``matrix`` None without --calibrate)."""
+        """The importance matrix from the run's held-out texts (``matrix`` None without
+        --calibrate)."""
         if not self.request.calibrate:
             return {"matrix": None, "texts": 0}
         from slm_align.export.converters.calibration import run_importance
@@ -99,15 +106,16 @@ class ModelExport(Artifact):
         return {"matrix": matrix, "texts": texts}
 
     def verify(self, built: Path) -> dict:
-        """Parity with PyTorch (a failure refused with the next-higher type's verdict unless ``force``);
-        returns the manifest's metrics, the target's companions recorded."""
+        """Parity with PyTorch (a failure refused with the next-higher type's verdict unless
+        ``force``); returns the manifest's metrics, the target's companions recorded."""
         request = self.request
         verification = {"skipped": True}
         if request.verify:
             checks = "tokenizer, greedy decoding and top-1 agreement against PyTorch"
             with stage_lines("export verification", checks) as checking:
-                verification = verify_artifact(self.target, self.checkpoint, built, self.quant, self.threads,
-                                               request.min_agreement, request.torch_device)
+                verification = verify_artifact(self.target, self.checkpoint, built, self.quant,
+                                               self.threads, request.min_agreement,
+                                               request.torch_device)
                 verdict = "passed" if verification["passed"] else "FAILED"
                 checking.figures = f"{verdict}, {verification_summary(verification)}"
         if request.verify and not verification["passed"] and not request.force:
@@ -120,10 +128,12 @@ class ModelExport(Artifact):
 
     def _metrics(self, built: Path, verification: dict) -> dict:
         request = self.request
-        return {"target": request.target, "quant": self.quant, "preset": self.target.onnx_preset(self.preset),
-                "device": request.device, "threads": self.threads, "bytes": _size(built),
-                "sha256": artifact_digest(built), "export_seconds": self.export_seconds,
-                "default_chat_template": self.template_origin == "default", "chat_template": self.template_origin,
+        return {"target": request.target, "quant": self.quant,
+                "preset": self.target.onnx_preset(self.preset), "device": request.device,
+                "threads": self.threads, "bytes": _size(built), "sha256": artifact_digest(built),
+                "export_seconds": self.export_seconds,
+                "default_chat_template": self.template_origin == "default",
+                "chat_template": self.template_origin,
                 "verification": verification,
                 "forced": bool(request.force and request.verify and not verification["passed"]),
                 "calibration_texts": self.importance["texts"]}
@@ -156,7 +166,7 @@ def _validate(request: ExportRequest, target) -> tuple[str, str, int]:
         raise UserError(f"--min-agreement {request.min_agreement}: must be between 0 and 1")
     target.check_system(request.system)
     if request.chat_template is not None:
-        chosen_chat_template(request.chat_template)  # a missing or broken file: refused before any work
+        chosen_chat_template(request.chat_template)  # a missing or broken file: refused now
     if request.verify:
         resolve_device(request.torch_device)  # a device that is not there: refused before any work
     quant, preset, threads = _device_settings(request, target)
@@ -165,8 +175,8 @@ def _validate(request: ExportRequest, target) -> tuple[str, str, int]:
 
 
 def _check_calibrate(request: ExportRequest, target, quant: str, origin: dict) -> None:
-    """``--calibrate`` needs a run (its held-out texts) and a type llama.cpp's quantizer makes; one line
-    if not."""
+    """``--calibrate`` needs a run (its held-out texts) and a type llama.cpp's quantizer makes; one
+    line if not."""
     if not request.calibrate:
         return
     if not target.calibrates(quant):
@@ -178,14 +188,17 @@ def _check_calibrate(request: ExportRequest, target, quant: str, origin: dict) -
 
 
 def export_model(request: ExportRequest, target, reuse: bool = False) -> StageResult:
-    """Export, verify and publish one artifact of ``target``; returns its path and the manifest's metrics
-    (with ``reuse``, an artifact there made from the same inputs is returned as it is)."""
+    """Export, verify and publish one artifact of ``target``; returns its path and the manifest's
+    metrics (with ``reuse``, an artifact there made from the same inputs is returned as it is)."""
     started = time.time()
     settings = _validate(request, target)
-    origin = sources.check_stage(request.stage, request.source, sources.locate(request.source, target.check_config))
+    located = sources.locate(request.source, target.check_config)
+    origin = sources.check_stage(request.stage, request.source, located)
     target.check_architecture(partial(sources.model_type, origin))
     _check_calibrate(request, target, settings[0], origin)
-    out = request.out if request.out is not None else sources.default_out(request.source, request.stage)
+    out = request.out
+    if out is None:
+        out = sources.default_out(request.source, request.stage)
     final = check_out_dir(Path(out)) / target.artifact_name(settings[0])
     export = ModelExport(request, target, settings, origin, final, started)
     return publish_artifact(export, overwrite=request.overwrite, reuse=reuse)

@@ -1,5 +1,5 @@
-"""What an export reads: where its source is and what it is (a run, a model directory, a .gguf or hub
-model), the HF checkpoint it converts, and what its manifest records of it."""
+"""What an export reads: where its source is and what it is (a run, a model directory, a .gguf or
+hub model), the HF checkpoint it converts, and what its manifest records of it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import Optional
 
 from slm_align.errors import UserError
-from slm_align.export.converters.merge import current_merged, merged_dir, merged_stage, policy_identity
+from slm_align.export.converters.merge import (
+    current_merged,
+    merged_dir,
+    merged_stage,
+    policy_identity,
+)
 from slm_align.modeling import DEFAULT_MODEL_DIR
 from slm_align.runs import MANIFEST, read_manifest
 
@@ -18,8 +23,8 @@ def is_run(path: Path) -> bool:
 
 
 def locate(source: str, check_config) -> dict:
-    """Where ``source`` is and what it is, refused in one line when it cannot be exported (``check_config``
-    sees a model directory's config.json); writes nothing."""
+    """Where ``source`` is and what it is, refused in one line when it cannot be exported
+    (``check_config`` sees a model directory's config.json); writes nothing."""
     path = Path(source).expanduser()
     if path.is_dir() and is_run(path):
         return {"kind": "run", "run": str(path.resolve())}
@@ -29,16 +34,16 @@ def locate(source: str, check_config) -> dict:
     if resolved.kind != "dir":
         return {"kind": resolved.kind, "ref": resolved.ref}
     if not (Path(resolved.ref) / "tokenizer.json").is_file():
-        raise UserError(f"{resolved.ref} has no tokenizer.json; save the model's fast tokenizer beside the weights "
-                        "(tokenizer.save_pretrained) before exporting")
+        raise UserError(f"{resolved.ref} has no tokenizer.json; save the model's fast tokenizer "
+                        "beside the weights (tokenizer.save_pretrained) before exporting")
     load_tokenizer(resolved)  # a broken tokenizer is refused here, in one line
     check_config(json.loads((Path(resolved.ref) / "config.json").read_text(encoding="utf-8")))
     return {"kind": "dir", "path": resolved.ref}
 
 
 def check_stage(stage: Optional[str], source: str, origin: dict) -> dict:
-    """``origin`` with the run's ``stage`` to export; ``--stage`` on what is not a run, or a stage the run
-    has not finished, refused in one line before any work."""
+    """``origin`` with the run's ``stage`` to export; ``--stage`` on what is not a run, or a stage
+    the run has not finished, refused in one line before any work."""
     if stage is None:
         return origin
     if origin["kind"] != "run":
@@ -49,8 +54,8 @@ def check_stage(stage: Optional[str], source: str, origin: dict) -> dict:
 
 
 def checkpoint(origin: dict, scratch: Path) -> Path:
-    """A plain HF directory for ``origin``: the run merged (its ``stage``), the directory itself, or a
-    .gguf/hub model saved."""
+    """A plain HF directory for ``origin``: the run merged (its ``stage``), the directory itself, or
+    a .gguf/hub model saved."""
     if origin["kind"] == "run":
         return current_merged(Path(origin["run"]), origin.get("stage"))
     if origin["kind"] == "dir":
@@ -98,11 +103,12 @@ def exported_stage(origin: dict) -> Optional[str]:
 
 
 def source_identity(origin: dict) -> Optional[dict]:
-    """What a run's export is made of, by content (its SFT and exported stage's identities, so a stage
-    trained again is exported again); None for a model that is not a run."""
+    """What a run's export is made of, by content (its SFT and exported stage's identities, so a
+    stage trained again is exported again); None for a model that is not a run."""
     if origin["kind"] != "run":
         return None
-    return policy_identity(Path(origin["run"]), merged_stage(Path(origin["run"]), origin.get("stage")))
+    run = Path(origin["run"])
+    return policy_identity(run, merged_stage(run, origin.get("stage")))
 
 
 def source_path(origin: dict) -> Optional[Path]:

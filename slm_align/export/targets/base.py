@@ -1,11 +1,11 @@
-"""An export target: what it converts, how it is verified, what it publishes; and the registry that maps
-``--target NAME`` to one.
+"""An export target: what it converts, how it is verified, what it publishes; and the registry that
+maps ``--target NAME`` to one.
 
-The publish sequence (scratch, verify, atomic rename, reuse by inputs hash) is not here: every target runs
-in :func:`~slm_align.runs.publish_artifact` through
-:class:`~slm_align.export.publishing.model_export.ModelExport`, which asks the target only what differs.
-Adding a target is one file with one subclass plus one :func:`register` line in ``targets/__init__.py``.
-"""
+The publish sequence (scratch, verify, atomic rename, reuse by inputs hash) is not here: every
+target runs in :func:`~slm_align.runs.publish_artifact` through
+:class:`~slm_align.export.publishing.model_export.ModelExport`, which asks the target only what
+differs. Adding a target is one file with one subclass plus one :func:`register` line in
+``targets/__init__.py``."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from slm_align.runs import StageResult
 
 
 class ExportTarget:
-    """The defaults of a target that writes a folder (ONNX-like): subclasses set the names and override
-    what their format does differently."""
+    """The defaults of a target that writes a folder (ONNX-like): subclasses set the names and
+    override what their format does differently."""
 
     name: str = ""
     """``--target NAME``."""
@@ -29,7 +29,7 @@ class ExportTarget:
     ladder: tuple[str, ...] = ()
     """The types a refusal probes next, lowest precision first."""
     gguf_run_target: Optional[str] = None
-    """What a run trained from a .gguf is shipped as instead, when not this target (``bundle --device``)."""
+    """What a run trained from a .gguf ships as instead of this target (``bundle --device``)."""
 
     def run(self, request: ExportRequest, reuse: bool = False) -> StageResult:
         """Export, verify and publish ``request``: the model export skeleton, asking this target."""
@@ -50,10 +50,11 @@ class ExportTarget:
                             "--target gguf writes")
 
     def check_config(self, config: dict) -> None:
-        """Refuse, before any work, a model directory (its config.json) the target cannot convert."""
+        """Refuse, before any work, a model directory (config.json) the target cannot convert."""
 
     def check_architecture(self, model_type: Callable[[], Optional[str]]) -> None:
-        """Refuse, before any work, an architecture the target's runtime cannot run (read on demand)."""
+        """Refuse, before any work, an architecture the target's runtime cannot run (read on
+        demand)."""
 
     def calibrates(self, quant: str) -> bool:
         """Whether ``--calibrate`` (an importance matrix) weighs the rounding of ``quant``."""
@@ -67,8 +68,9 @@ class ExportTarget:
         return None
 
     def build(self, checkpoint: Path, scratch: Path, quant: str, settings: dict) -> Path:
-        """Write the artifact of ``checkpoint`` inside ``scratch`` and return its path there. ``settings``:
-        ``preset``, ``threads``, ``template`` (None: the checkpoint's own), ``ort_format``, ``importance``."""
+        """Write the artifact of ``checkpoint`` inside ``scratch`` and return its path there.
+        ``settings``: ``preset``, ``threads``, ``template`` (None: the checkpoint's own),
+        ``ort_format``, ``importance``."""
         raise NotImplementedError
 
     def open_backend(self, artifact: Path, threads: int, n_ctx: int):
@@ -81,12 +83,14 @@ class ExportTarget:
         """Checks of the runtime's own beside parity (added to ``report``, ``passed`` updated)."""
 
     def companions(self, export, built: Path, metrics: dict) -> dict[Path, str]:
-        """What goes with the artifact: a folder holds its model card (written into ``built`` now); the
-        files written beside it once it is published are returned by path. Each recorded in ``metrics``."""
+        """What goes with the artifact: a folder holds its model card (written into ``built`` now);
+        the files written beside it once it is published are returned by path. Each recorded in
+        ``metrics``."""
         from slm_align.export.publishing.model_card import CARD, onnx_card
 
         metrics["model_card"] = {"path": CARD, "note": None}
-        (built / CARD).write_text(onnx_card(export.final.name, metrics, export.source_path()), encoding="utf-8")
+        card = onnx_card(export.final.name, metrics, export.source_path())
+        (built / CARD).write_text(card, encoding="utf-8")
         return {}
 
 
@@ -95,7 +99,8 @@ REGISTRY: dict[str, ExportTarget] = {}
 
 
 def register(target: ExportTarget) -> ExportTarget:
-    """Make ``target`` reachable as ``--target NAME``; a name registered twice is a programming error."""
+    """Make ``target`` reachable as ``--target NAME``; a name registered twice is a programming
+    error."""
     if target.name in REGISTRY:
         raise ValueError(f"export target {target.name} is registered twice")
     REGISTRY[target.name] = target

@@ -1,5 +1,5 @@
-"""``--target executorch``: an fp32 ``model.pte`` (XNNPACK delegate, static KV cache), verified through
-ExecuTorch's Python runtime."""
+"""``--target executorch``: an fp32 ``model.pte`` (XNNPACK delegate, static KV cache), verified
+through ExecuTorch's Python runtime."""
 
 from __future__ import annotations
 

@@ -1,12 +1,16 @@
-"""``--target genai``: the ONNX export plus its ``genai_config.json``, verified through onnxruntime-genai
-itself, its own tokenizer included."""
+"""``--target genai``: the ONNX export plus its ``genai_config.json``, verified through
+onnxruntime-genai itself, its own tokenizer included."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable, Optional
 
-from slm_align.export.converters.genai import check_genai_architecture, genai_tokenizer_report, write_genai_config
+from slm_align.export.converters.genai import (
+    check_genai_architecture,
+    genai_tokenizer_report,
+    write_genai_config,
+)
 from slm_align.export.targets.onnx import OnnxTarget
 
 
@@ -29,13 +33,14 @@ class GenaiTarget(OnnxTarget):
         return GenaiBackend(artifact, threads=threads, n_ctx=n_ctx)
 
     def check_backend(self, report: dict, backend, tokenizer, artifact: Path) -> None:
-        """genai's own tokenizer must split the verification texts and render the chats as the model's
-        does (:func:`~slm_align.export.converters.genai.genai_tokenizer_report`)."""
+        """genai's own tokenizer must split the verification texts and render the chats as the
+        model's does (:func:`~slm_align.export.converters.genai.genai_tokenizer_report`)."""
         from transformers import AutoTokenizer
 
         from slm_align.export.publishing.parity import HELDOUT_TEXT, RAW_TEXTS, USER_MESSAGES
 
         chats = [[{"role": "user", "content": message}] for message in USER_MESSAGES]
-        report.update(genai_tokenizer_report(backend.model, tokenizer, list(RAW_TEXTS) + [HELDOUT_TEXT], chats,
-                                             AutoTokenizer.from_pretrained(artifact)))
+        texts = list(RAW_TEXTS) + [HELDOUT_TEXT]
+        own = AutoTokenizer.from_pretrained(artifact)
+        report.update(genai_tokenizer_report(backend.model, tokenizer, texts, chats, own))
         report["passed"] = report["passed"] and report["genai_tokenizer_match"]

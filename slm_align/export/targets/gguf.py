@@ -1,4 +1,5 @@
-"""``--target gguf``: one llama.cpp GGUF file, with an Ollama Modelfile and the folder's model card beside it."""
+"""``--target gguf``: one llama.cpp GGUF file, with an Ollama Modelfile and the folder's model card
+beside it."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class GgufTarget(ExportTarget):
         return f"model-{quant}.gguf"
 
     def build(self, checkpoint: Path, scratch: Path, quant: str, settings: dict) -> Path:
-        """F32 first, then llama.cpp's quantizer for its types (weighed by the importance matrix if any)."""
+        """F32 first, then llama.cpp's quantizer for its types (weighed by the importance matrix if
+        any)."""
         built = scratch / self.artifact_name(quant)
         template = settings["template"]
         if quant not in QUANTIZER_TYPES:
@@ -56,12 +58,14 @@ class GgufTarget(ExportTarget):
     def companions(self, export, built: Path, metrics: dict) -> dict[Path, str]:
         """The Ollama Modelfile and the folder's model card (unless the folder holds another's)."""
         final = export.final
-        modelfile = build_modelfile(final.name, export.template_text(), default_parameters(export.checkpoint),
+        parameters = default_parameters(export.checkpoint)
+        modelfile = build_modelfile(final.name, export.template_text(), parameters,
                                     export.request.system)
         metrics["modelfile"] = {"path": modelfile_path(final).name, "note": modelfile.note}
         companions = {modelfile_path(final): modelfile.text}
         blocked = card_blocked(final.parent)
         metrics["model_card"] = {"path": CARD, "note": blocked}
         if blocked is None:
-            companions[final.parent / CARD] = gguf_card(final.parent, export.source_path(), (final.name, metrics))
+            card = gguf_card(final.parent, export.source_path(), (final.name, metrics))
+            companions[final.parent / CARD] = card
         return companions

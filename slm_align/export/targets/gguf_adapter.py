@@ -1,5 +1,6 @@
-"""``--target gguf-adapter``: a run's LoRA adapters as llama.cpp adapter GGUFs bound by hash to their base
-(:mod:`slm_align.export.publishing.adapter_export`, which runs the same publish skeleton)."""
+"""``--target gguf-adapter``: a run's LoRA adapters as llama.cpp adapter GGUFs bound by hash to
+their base (:mod:`slm_align.export.publishing.adapter_export`, which runs the same publish
+skeleton)."""
 
 from __future__ import annotations
 
