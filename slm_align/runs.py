@@ -384,9 +384,8 @@ class Artifact:
         return {}
 
     def taken(self) -> bool:
-        """Whether publishing would replace something (``final``, a link there, or its manifest)."""
-        final = self.final
-        return final.exists() or final.is_symlink() or artifact_manifest(final).exists()
+        """Whether publishing would replace something (``final``, or a link there)."""
+        return self.final.exists() or self.final.is_symlink()
 
     def build(self, scratch: Path) -> Path:
         """Write the artifact inside ``scratch``; returns its path there."""

@@ -289,9 +289,6 @@ class AppliedUpdate(Artifact):
     def __init__(self, installed: Path, update: Path, out: Path, old: dict, new: dict):
         self.installed, self.update, self.final, self.old, self.new = installed, update, out, old, new
 
-    def taken(self) -> bool:
-        return self.final.exists() or self.final.is_symlink()
-
     def build(self, scratch: Path) -> Path:
         self.described = _applied(self.installed, self.old, self.update, self.new, scratch)
         return scratch

@@ -93,6 +93,9 @@ class AdapterChain(Artifact):
         self.manifest_path = out / f"{self.names[-1]}.json"
         self.started = started
 
+    def taken(self) -> bool:
+        return self.final.exists() or self.manifest_path.exists()
+
     def inputs(self) -> dict:
         return {"source": {"kind": "run", "run": str(self.run)}, "target": TARGET,
                 "quant": self.quant, "stages": [stage for stage, _ in self.chain],
