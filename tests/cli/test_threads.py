@@ -167,13 +167,15 @@ def test_threads_reach_llama_cpp_in_every_runtime_command(capsys, monkeypatch, t
 
 
 def test_exports_quantize_and_verify_with_the_default_threads(monkeypatch, tmp_path):
-    import slm_align.export.publishing.stage
+    from slm_align.export.publishing import model_export
     from slm_align.export.publishing.stage import ExportRequest
+    from slm_align.export.targets import target_named
 
-    monkeypatch.setattr(slm_align.export.publishing.stage, "default_threads", lambda: 3)
-    assert slm_align.export.publishing.stage._device_settings(ExportRequest(str(tmp_path), target="gguf"))[2] == 3
+    gguf = target_named("gguf")
+    monkeypatch.setattr(model_export, "default_threads", lambda: 3)
+    assert model_export._device_settings(ExportRequest(str(tmp_path), target="gguf"), gguf)[2] == 3
     request = ExportRequest(str(tmp_path), target="gguf", threads=2)
-    assert slm_align.export.publishing.stage._device_settings(request)[2] == 2
+    assert model_export._device_settings(request, gguf)[2] == 2
 
 
 THREADS_COMMANDS = [["sft"], ["train"], ["check-headroom"], ["evaluate", "--run", "r"], ["merge", "--run", "r"],
