@@ -95,7 +95,7 @@ def train_trl(recipe, files: dict, work: Path, learning_rate: float) -> tuple[Pa
     from trl import GRPOConfig, GRPOTrainer
 
     from slm_align.data.tasks import read_tasks
-    from slm_align.export.merge import merge_run
+    from slm_align.export.converters.merge import merge_run
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
     from slm_align.rewards.tool_calls import tool_task
 

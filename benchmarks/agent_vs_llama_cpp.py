@@ -94,7 +94,7 @@ def default_models(work: Path) -> list[Path]:
     sys.path.insert(0, str(Path(__file__).parent))
     from export_and_decode import smollm2_shaped
 
-    from slm_align.export.stage import ExportRequest, run_export
+    from slm_align.export.publishing.stage import ExportRequest, run_export
     from slm_align.modeling import DEFAULT_MODEL_DIR
 
     bundled = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "gguf", "Q8_0", out=work / "bundled")).stage_dir

@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--onnx-quant", default="int8")
     args = parser.parse_args()
 
-    from slm_align.export.stage import ExportRequest, run_export
+    from slm_align.export.publishing.stage import ExportRequest, run_export
 
     work = Path(tempfile.mkdtemp(prefix="slm-bench-"))
     model_dir = Path(args.model) if args.model else smollm2_shaped(work / "model")

@@ -64,7 +64,7 @@ def record_feedback(artifact: Path, store: Path, turns: int, max_tokens: int = 1
 
 def export_run(run: Path, out: Path) -> Path:
     """The run (its latest aligned stage merged) as an F32 GGUF in ``out``."""
-    from slm_align.export.stage import ExportRequest, run_export
+    from slm_align.export.publishing.stage import ExportRequest, run_export
 
     return run_export(ExportRequest(str(run), "gguf", "F32", out=out, verify=False)).stage_dir
 

@@ -191,7 +191,7 @@ def run_side(args) -> dict:
 def export_pair(args) -> None:
     """The GGUF and genai folder of --model (default: the real Gemma 3 270M),
     exported and verified."""
-    from slm_align.export.stage import ExportRequest, run_export
+    from slm_align.export.publishing.stage import ExportRequest, run_export
 
     source = args.model
     if source is None:

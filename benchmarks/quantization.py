@@ -13,7 +13,7 @@ super-blocks need, so llama.cpp stores 90 of its 236 tensors in a fallback type 
 q/k/gate/up, q8_0 for the q6_K ones; IQ4_XS: iq4_nl).
 
 A type ending in +imatrix (the default list has Q4_K_M, Q4_0 and IQ4_XS so) is llama.cpp's quantizer
-weighted by an importance matrix (slm_align/export/imatrix.py) from --calibration-texts other
+weighted by an importance matrix (slm_align/export/converters/imatrix.py) from --calibration-texts other
 paragraphs than the measured ones: what calibration buys at 4 bits.
 
 Each artifact is built by the export's own functions (write_gguf/quantize_gguf,
@@ -74,7 +74,7 @@ def checkpoint_of(model: str, work: Path) -> Path:
 
 def reference(checkpoint: Path, texts: list[str], tokens: int) -> tuple[list, list]:
     """The held-out token ids and PyTorch's logits over each."""
-    from slm_align.export.parity import _torch_logits
+    from slm_align.export.publishing.parity import _torch_logits
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
@@ -101,7 +101,7 @@ def measure(artifact: Path, ids: list, references: list, threads: int, decode: i
     """Size, pooled top-1 agreement and perplexity over the held-out texts,
     greedy tokens per second."""
     from slm_align.agent.open_artifact import open_backend
-    from slm_align.export.parity import VERIFY_CONTEXT, artifact_logits, compare_logits
+    from slm_align.export.publishing.parity import VERIFY_CONTEXT, artifact_logits, compare_logits
 
     backend = open_backend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True)
     compared = [compare_logits(ref, artifact_logits(backend, one), one) for one, ref in zip(ids, references)]
@@ -124,7 +124,7 @@ def pool(compared: list[dict], ids: list) -> dict:
 def importance_of(checkpoint: Path, texts: int, tokens: int) -> dict:
     """llama.cpp's importance matrix from ``texts`` prose paragraphs other
     than the measured ones."""
-    from slm_align.export.imatrix import activation_importance, gguf_importance
+    from slm_align.export.converters.imatrix import activation_importance, gguf_importance
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
@@ -154,7 +154,7 @@ def gguf_artifacts(checkpoint: Path, work: Path, types: list[str], threads: int,
 def onnx_artifacts(checkpoint: Path, work: Path, schemes: list[str], preset: str):
     """(scheme, directory) of each ONNX scheme: optimum's fp32 export once, each scheme
     quantized from a copy."""
-    from slm_align.export.onnx import quantize_onnx, write_onnx
+    from slm_align.export.converters.onnx import quantize_onnx, write_onnx
 
     exported = work / "onnx-export"
     write_onnx(checkpoint, exported, "fp32")
@@ -212,7 +212,7 @@ def _split(spec: str) -> list[str]:
 
 def main() -> int:
     args = _arguments()
-    from slm_align.export.onnx import host_preset
+    from slm_align.export.converters.onnx import host_preset
 
     with tempfile.TemporaryDirectory(prefix="quant-bench-") as scratch:
         work = Path(scratch)
@@ -237,7 +237,7 @@ def main() -> int:
 
 
 def _torch_perplexity(ids: list, references: list) -> float:
-    from slm_align.export.parity import compare_logits
+    from slm_align.export.publishing.parity import compare_logits
 
     return pool([compare_logits(ref, ref, one) for one, ref in zip(ids, references)], ids)["torch_perplexity"]
 

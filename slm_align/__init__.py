@@ -36,9 +36,9 @@ _EXPORTS = {
     "run_rl": "slm_align.pipeline",
     "run_preference": "slm_align.pipeline",
     "run_evaluation": "slm_align.evaluate:evaluate",
-    "merge_run": "slm_align.export.merge",
-    "ExportRequest": "slm_align.export.stage",
-    "run_export": "slm_align.export.stage",
+    "merge_run": "slm_align.export.converters.merge",
+    "ExportRequest": "slm_align.export.publishing.stage",
+    "run_export": "slm_align.export.publishing.stage",
     "run_quickstart": "slm_align.quickstart",
     "Agent": "slm_align.agent.runtime",
     "default_tools": "slm_align.tools.builtin",
@@ -75,8 +75,8 @@ if TYPE_CHECKING:
     from slm_align.data.function_tasks import write_function_tasks
     from slm_align.errors import UserError
     from slm_align.evaluate import evaluate as run_evaluation
-    from slm_align.export.merge import merge_run
-    from slm_align.export.stage import ExportRequest, run_export
+    from slm_align.export.converters.merge import merge_run
+    from slm_align.export.publishing.stage import ExportRequest, run_export
     from slm_align.headroom import check_headroom
     from slm_align.pipeline import run_preference, run_rl
     from slm_align.quickstart import run_quickstart

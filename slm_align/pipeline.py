@@ -10,7 +10,6 @@ with the same inputs, so a run interrupted anywhere continues where it stopped. 
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -20,7 +19,7 @@ from slm_align.config import Recipe
 from slm_align.envelope.world import World
 from slm_align.errors import UserError
 from slm_align.evaluate import evaluate
-from slm_align.export.stage import ExportRequest, artifact_name, run_export
+from slm_align.export.publishing.stage import ExportRequest, run_export
 from slm_align.headroom import GateRefused, check_headroom, record_report, refusal, reusable_report
 from slm_align.preference.stage import PreferenceStage, refuse_data_parallel
 from slm_align.progress import quiet
@@ -28,7 +27,7 @@ from slm_align.reward.stage import run_reward
 from slm_align.rl.episodes import check_episode_settings, check_task_file
 from slm_align.rl.llama_sampler import check_sampler
 from slm_align.rl.stage import Prior, RLStage, check_divisible, rl_world
-from slm_align.runs import StageResult, artifact_manifest, read_manifest, run_stage
+from slm_align.runs import StageResult, read_manifest, run_stage
 from slm_align.sft import STAGE as SFT
 from slm_align.sft import recipe_from_sft, run_sft
 from slm_align.tracking import require_library
@@ -240,8 +239,7 @@ def export_once(source: Path, target: str, quant: str, out: Optional[Path] = Non
     """Export ``source`` (a run: its latest policy, merged) to ``target`` at ``quant`` (parity-checked) into
     ``out`` (default ``source/export``), or the artifact an earlier call made there."""
     out = Path(out) if out is not None else Path(source) / "export"
-    final = out / artifact_name(target, quant)
-    manifest = artifact_manifest(final)
-    if manifest.is_file():
-        return {"dir": str(final), "skipped": True, "metrics": json.loads(manifest.read_text())["metrics"]}
-    return run_export(ExportRequest(str(source), target, quant, out=out)).summary()
+    result = run_export(ExportRequest(str(source), target, quant, out=out, overwrite=True), reuse=True)
+    if result.skipped:
+        return {"dir": str(result.stage_dir), "skipped": True, "metrics": result.metrics}
+    return result.summary()

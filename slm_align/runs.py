@@ -1,12 +1,15 @@
-"""Run directories: atomic files, stage manifests, the "already done with these inputs" check, and
-:func:`run_stage`, the one skeleton every training stage runs in (done? work dir, resume, barrier, publish,
-manifest)."""
+"""Run directories: atomic files, stage manifests, the "already done with these inputs" check,
+:func:`run_stage`, the one skeleton every training stage runs in (done? work dir, resume, barrier,
+publish, manifest), and :func:`publish_artifact`, the one skeleton every artifact is published
+through (reuse by inputs hash, scratch, verify, atomic rename)."""
 
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -161,10 +164,10 @@ def check_out_file(out: Path, inputs: Sequence[Path] = (), overwrite: bool = Fal
     a folder that exists, and not an existing file unless ``overwrite``. Checked before any work, so a refused
     command writes nothing."""
     out = Path(out)
-    target = out.resolve()
+    resolved = out.resolve()
     for given in inputs:
         source = Path(given).resolve()
-        if target == source or source in target.parents:
+        if resolved == source or source in resolved.parents:
             raise UserError(f"--out {out} is an input of this command ({given}); pass another path")
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; pass a file path")
@@ -357,3 +360,121 @@ def run_stage(stage: Stage, run: Path, resume: bool = False) -> StageResult:
     publish(partial, stage_dir, make_manifest(stage.name, inputs, metrics, started), keep=stage.keep)
     world.barrier()
     return StageResult(stage_dir, skipped=False, metrics=metrics)
+
+
+class Artifact:
+    """One artifact :func:`publish_artifact` publishes at ``final`` (an export target's file or
+    folder, an adapter chain, a merged model, a bundle, an applied update); subclasses say what it
+    is made of (``inputs``), how it is built (``build``), checked (``verify``) and placed
+    (``place``)."""
+
+    final: Path
+    """Where it is published; the scratch folder is made beside it (same filesystem: the rename is
+    atomic)."""
+    stage = "export"
+    """The manifest's ``stage`` field."""
+    started: Optional[float] = None
+    """When the command began (the manifest's ``seconds`` count from it; None: from publishing)."""
+    exists_advice = "pass --overwrite to replace it or choose another --out"
+    """What the one-line refusal of an existing ``final`` tells the user to do."""
+
+    def inputs(self) -> dict:
+        """Everything that decides the artifact's bytes: its manifest records their digest, and an
+        artifact whose recorded digest is this one is reused as it is (file times play no part)."""
+        return {}
+
+    def taken(self) -> bool:
+        """Whether publishing would replace something (``final``, or a link there)."""
+        return self.final.exists() or self.final.is_symlink()
+
+    def build(self, scratch: Path) -> Path:
+        """Write the artifact inside ``scratch``; returns its path there."""
+        raise NotImplementedError
+
+    def verify(self, built: Path) -> dict:
+        """Check ``built``; raise (a UserError) to publish nothing, else return the manifest's
+        metrics."""
+        return {}
+
+    def place(self, built: Path, manifest: Optional[dict]) -> None:
+        """Publish ``built`` at ``final``: the manifest first (inside a folder, with every file's
+        checksum; beside a file), then one atomic rename over what was there."""
+        if manifest is not None and built.is_dir():
+            write_json_atomic(built / MANIFEST, dict(manifest, files=file_checksums(built)))
+        elif manifest is not None:
+            write_json_atomic(artifact_manifest(self.final), manifest)
+        publish_directory(built, self.final, replace=True)
+
+
+def reusable(final: Path, inputs: dict) -> Optional[dict]:
+    """The manifest of the artifact at ``final`` when it was made from exactly ``inputs`` (its
+    recorded inputs hash is theirs) and is still there, its files intact; None otherwise. The one
+    reuse rule of every artifact."""
+    path = artifact_manifest(final)
+    if not (Path(final).exists() and path.is_file()):
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("inputs_hash") != inputs_digest(inputs):
+        return None
+    try:
+        verify_checksums(final, manifest)  # a damaged folder is made again, never reused
+    except UserError:
+        return None
+    return manifest
+
+
+def _writer_gone(scratch: Path) -> bool:
+    """Whether the process that made ``scratch`` (``.NAME.PID.partial``) has ended (it was killed
+    mid-way). Unknown where a process cannot be probed without a signal (Windows): kept."""
+    pid = scratch.name.removesuffix(".partial").rpartition(".")[2]
+    if os.name == "nt" or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def scratch_beside(final: Path) -> Path:
+    """A new hidden scratch folder ``.NAME.PID.partial`` beside ``final``, its own per writing
+    process; what a killed writer left there is removed first (a live one's is left alone)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in final.parent.glob(f".{glob.escape(final.name)}.*.partial"):
+        if _writer_gone(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+    scratch = final.with_name(f".{final.name}.{os.getpid()}.partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    return scratch
+
+
+def publish_artifact(artifact: Artifact, overwrite: bool = False, reuse: bool = False,
+                     manifest: bool = True) -> StageResult:
+    """Reuse ``artifact`` when ``reuse`` and its recorded inputs hash equals the new one
+    (:func:`reusable`); else refuse an existing one unless ``overwrite``, build it in a scratch
+    folder beside ``final``, verify it, and publish it by atomic rename (with its manifest unless
+    ``manifest`` is off). A failed build or verification, or a crash before the rename, leaves what
+    was at ``final`` whole; the scratch folder is removed in every case but a killed process."""
+    started = artifact.started or time.time()
+    inputs = artifact.inputs()
+    found = reusable(artifact.final, inputs) if reuse else None
+    if found is not None:
+        return StageResult(artifact.final, skipped=True, metrics=found.get("metrics", {}))
+    if artifact.taken() and not overwrite:
+        raise UserError(f"{artifact.final} exists; {artifact.exists_advice}")
+    scratch = scratch_beside(artifact.final)
+    try:
+        built = artifact.build(scratch)
+        metrics = artifact.verify(built)
+        record = make_manifest(artifact.stage, inputs, metrics, started) if manifest else None
+        artifact.place(built, record)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return StageResult(artifact.final, skipped=False, metrics=metrics)

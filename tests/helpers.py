@@ -16,7 +16,7 @@ ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "gpt2"]
 def export_bundled(out: Path, *kinds: tuple[str, str]) -> dict[str, Path]:
     """The bundled model exported without verification (fast) as each ``(target,
     quant)``, keyed by target."""
-    from slm_align.export.stage import ExportRequest, run_export
+    from slm_align.export.publishing.stage import ExportRequest, run_export
 
     return {target: run_export(ExportRequest(str(DEFAULT_MODEL_DIR), target, quant, out=out, verify=False)).stage_dir
             for target, quant in kinds}
@@ -124,7 +124,7 @@ def stepwise_agreement(artifact: Path, model_dir: Path) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slm_align.agent.open_artifact import open_backend
-    from slm_align.export.parity import HELDOUT_TEXT
+    from slm_align.export.publishing.parity import HELDOUT_TEXT
 
     backend = open_backend(artifact)
     ids = AutoTokenizer.from_pretrained(model_dir)(HELDOUT_TEXT)["input_ids"][: backend.n_ctx]

@@ -63,9 +63,9 @@ def pause_after_metrics_line(marker: Path, lines: int) -> None:
 
 
 def pause_after_gguf_written(marker: Path, _: int) -> None:
-    from slm_align.export import stage
+    from slm_align.export.targets import gguf
 
-    write = stage.write_gguf
+    write = gguf.write_gguf
 
     @functools.wraps(write)
     def written(*args, **kwargs):
@@ -73,7 +73,7 @@ def pause_after_gguf_written(marker: Path, _: int) -> None:
         wait_for_kill(marker)
         return result
 
-    stage.write_gguf = written
+    gguf.write_gguf = written
 
 
 POINTS = {"trainer-start": pause_at_trainer_start, "trainer-checkpoint": pause_after_trainer_checkpoint,

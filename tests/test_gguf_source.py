@@ -10,7 +10,7 @@ import torch
 from slm_align.cli import main
 from slm_align.errors import UserError
 from slm_align.export.gguf import quantize_gguf, write_gguf
-from slm_align.export.stage import ExportRequest, run_export
+from slm_align.export.publishing.stage import ExportRequest, run_export
 from slm_align.gguf_fields import read_fields
 from slm_align.gguf_tokenizer import PROBE_TEXTS, SIDECAR
 from slm_align.modeling import (

@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from slm_align import progress as progress_module
-from slm_align.export.parity import perplexity_change
+from slm_align.export.publishing.parity import perplexity_change
 from slm_align.progress import CADENCE_ENV, LineProgress, counted, duration, stage_lines
 from slm_align.runs import artifact_manifest
 from tests.helpers import run_cli

@@ -6,7 +6,7 @@ drops the tail); we read the logits of every appended position from its ``logits
 same sampling loop, greedy check and teacher-forced comparison run on it as on the other backends.
 Text goes through ``tokenizer.json`` with the ``tokenizers`` library like
 :class:`~slm_align.agent.onnx_backend.OnnxBackend`; genai's own tokenizer is checked against it when
-the folder is exported (:func:`slm_align.export.genai.genai_tokenizer_report`).
+the folder is exported (:func:`slm_align.export.converters.genai.genai_tokenizer_report`).
 """
 
 from __future__ import annotations

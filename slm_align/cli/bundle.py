@@ -63,7 +63,7 @@ def bundle(
     tool schemas, the export manifest and its verification, and a README naming the runtime
     and the calls to make. An adapter export ships its base once and each adapter as its own file;
     an update ships only new adapters."""
-    from slm_align.export.bundle import BundleRequest, make_bundle
+    from slm_align.export.packaging.bundle import BundleRequest, make_bundle
 
     request = BundleRequest(source, device=device, out=out, overwrite=overwrite, update_from=update_from,
                             sign=sign)
@@ -88,7 +88,7 @@ def bundle_keygen(
     """A new Ed25519 key pair for signing bundles: the private key (PEM, readable by you only) for
     `slm-align bundle --sign`, the public key for the devices that apply updates
     (`apply_update(..., trusted_keys=[...])`)."""
-    from slm_align.export.bundle_signing import generate_keys, key_id, load_public_key
+    from slm_align.export.packaging.bundle_signing import generate_keys, key_id, load_public_key
 
     private, public = generate_keys(out)
     result = {"private_key": str(private), "public_key": str(public), "key_id": key_id(load_public_key(public))}

@@ -44,7 +44,7 @@ def merge(
 ) -> None:
     """Fold the SFT and RL adapters into the base weights: a plain HF directory
     that loads without peft."""
-    from slm_align.export.merge import merge_run
+    from slm_align.export.converters.merge import merge_run
 
     summary = merge_run(recipe_from(config, settings), run, out, overwrite, stage=stage).summary()
     emit(as_json, summary, lambda: print_merge(summary))
@@ -111,7 +111,7 @@ def export(
     """Merge and export to GGUF, ONNX, an onnxruntime-genai folder or an ExecuTorch program,
     quantized for a device, verified against the PyTorch model; beside a GGUF an Ollama Modelfile
     (`ollama create NAME -f model-Q8_0.Modelfile`)."""
-    from slm_align.export.stage import ExportRequest, run_export
+    from slm_align.export.publishing.stage import ExportRequest, run_export
 
     use_threads(threads)  # PyTorch's side (conversion, parity); llama.cpp's from the request
     request = ExportRequest(source, target=target, quant=quant, device=device, out=out, verify=not no_verify,

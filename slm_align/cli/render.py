@@ -161,7 +161,7 @@ def print_merge(summary: dict) -> None:
 
 def print_export(summary: dict) -> None:
     """The artifact's size and time, then the verification against PyTorch."""
-    from slm_align.export.parity import verification_summary
+    from slm_align.export.publishing.parity import verification_summary
 
     m = summary["metrics"]
     stdout.print(f"[bold]export[/] -> {summary['dir']}: {m['target']} {m['quant']}, "

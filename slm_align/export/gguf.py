@@ -22,6 +22,7 @@ import numpy as np
 
 from slm_align.atomic import atomic_path
 from slm_align.errors import UserError
+from slm_align.export.converters.imatrix import imatrix_array
 from slm_align.export.gguf_arch import (
     ARCHITECTURES,
     attention_head_dim,
@@ -31,7 +32,6 @@ from slm_align.export.gguf_arch import (
 )
 from slm_align.export.gguf_vocab import add_vocab
 from slm_align.export.gguf_vocab import pre_tokenizer_name as pre_tokenizer_name  # re-exported
-from slm_align.export.imatrix import imatrix_array
 
 WRITTEN_TYPES = ("F32", "F16", "Q8_0")
 # llama.cpp's quantizer types we expose (names as llama.cpp's `llama-quantize` prints them).

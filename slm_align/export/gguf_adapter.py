@@ -58,7 +58,7 @@ _PEFT_PREFIX = "base_model.model."
 _UNSUPPORTED = {
     "use_dora": "DoRA (use_dora): llama.cpp applies plain LoRA, not DoRA's magnitude vectors",
     "modules_to_save": "modules_to_save (fully trained modules): merge the adapter and export "
-    "--target gguf instead",
+                       "--target gguf instead",
     "lora_bias": "a LoRA bias on B (lora_bias)",
     "trainable_token_indices": "trained token embeddings (trainable_token_indices)",
     "target_parameters": "LoRA on parameters (target_parameters)",
@@ -68,23 +68,18 @@ _UNSUPPORTED = {
 }
 
 
-def write_lora_gguf(
-    adapter_dir: Path,
-    base: Path,
-    out_path: Path,
-    file_type: str = "F32",
-    base_gguf: Optional[Path] = None,
-) -> Path:
-    """Write the peft adapter in ``adapter_dir`` (adapter_config.json + adapter_model.safetensors) as a
-    llama.cpp LoRA GGUF at ``out_path`` (F32 or F16), for ``base``: the HF directory it was trained on or
-    a .gguf of it. ``base_gguf`` (default: ``base`` when it is a .gguf) is the file the adapter will be
-    applied to: its tensors are checked now and its sha256 recorded for :func:`check_adapter_base`."""
+def write_lora_gguf(adapter_dir: Path, base: Path, out_path: Path, file_type: str = "F32",
+                    base_gguf: Optional[Path] = None) -> Path:
+    """Write the peft adapter in ``adapter_dir`` (adapter_config.json + adapter_model.safetensors)
+    as a llama.cpp LoRA GGUF at ``out_path`` (F32 or F16), for ``base``: the HF directory it was
+    trained on or a .gguf of it. ``base_gguf`` (default: ``base`` when it is a .gguf) is the file
+    the adapter will be applied to: its tensors are checked now and its sha256 recorded for
+    :func:`check_adapter_base`."""
     import gguf
 
     if file_type not in ADAPTER_TYPES:
-        raise UserError(
-            f"a LoRA adapter GGUF is written as {' or '.join(ADAPTER_TYPES)}, not {file_type}"
-        )
+        raise UserError(f"a LoRA adapter GGUF is written as {' or '.join(ADAPTER_TYPES)}, not "
+                        f"{file_type}")
     adapter_dir, base = Path(adapter_dir), Path(base)
     settings, state = read_peft_adapter(adapter_dir)
     model_type, config, shapes = base_tensors(base)
@@ -92,18 +87,14 @@ def write_lora_gguf(
         base_gguf = base
     tensors = llama_cpp_lora(state, settings, model_type, config, shapes)
     if base_gguf is not None:
-        check_fits(
-            {name: (b.shape[0], a.shape[1]) for name, (a, b) in tensors.items()},
-            gguf_arch_name(model_type),
-            Path(base_gguf),
-        )
+        shapes_made = {name: (b.shape[0], a.shape[1]) for name, (a, b) in tensors.items()}
+        check_fits(shapes_made, gguf_arch_name(model_type), Path(base_gguf))
     with atomic_path(Path(out_path)) as tmp:
         writer = gguf.GGUFWriter(str(tmp), gguf_arch_name(model_type))
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_name(adapter_dir.name)
-        writer.add_file_type(
-            gguf.LlamaFileType.ALL_F32 if file_type == "F32" else gguf.LlamaFileType.MOSTLY_F16
-        )
+        f32 = file_type == "F32"
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32 if f32 else gguf.LlamaFileType.MOSTLY_F16)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(settings.get("lora_alpha") or 0.0))
         if base_gguf is not None:
@@ -122,35 +113,29 @@ def write_lora_gguf(
 def read_peft_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
     """A saved peft adapter's config and its tensors in float32 (refused: no adapter, pickle only,
     not LoRA, or a LoRA feature llama.cpp cannot apply)."""
-    config_path, weights = (
-        adapter_dir / "adapter_config.json",
-        adapter_dir / "adapter_model.safetensors",
-    )
+    config_path = adapter_dir / "adapter_config.json"
+    weights = adapter_dir / "adapter_model.safetensors"
     if not config_path.is_file() or not weights.is_file():
-        raise UserError(
-            f"adapter {adapter_dir} needs adapter_config.json and adapter_model.safetensors; "
-            "pass the adapter directory of a finished run (save it with safetensors)"
-        )
+        raise UserError(f"adapter {adapter_dir} needs adapter_config.json and "
+                        "adapter_model.safetensors; pass the adapter directory of a finished run "
+                        "(save it with safetensors)")
     settings = json.loads(config_path.read_text(encoding="utf-8"))
     if settings.get("peft_type", "LORA") != "LORA":
-        raise UserError(
-            f"adapter {adapter_dir} is a {settings['peft_type']} adapter; llama.cpp applies LoRA only"
-        )
+        raise UserError(f"adapter {adapter_dir} is a {settings['peft_type']} adapter; llama.cpp "
+                        "applies LoRA only")
     for key, what in _UNSUPPORTED.items():
         if settings.get(key):
-            raise UserError(
-                f"adapter {adapter_dir} uses {what}, which a llama.cpp adapter cannot carry"
-            )
+            raise UserError(f"adapter {adapter_dir} uses {what}, which a llama.cpp adapter cannot "
+                            "carry")
     if settings.get("bias", "none") != "none":
-        raise UserError(
-            f"adapter {adapter_dir} trains biases (bias={settings['bias']}), which a llama.cpp "
-            "adapter cannot carry; train with bias='none' or merge and export --target gguf"
-        )
+        raise UserError(f"adapter {adapter_dir} trains biases (bias={settings['bias']}), which a "
+                        "llama.cpp adapter cannot carry; train with bias='none' or merge and "
+                        "export --target gguf")
     return settings, _load_float32(weights)
 
 
 def _load_float32(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file in float32 (bfloat16, which numpy lacks, through torch)."""
+    """Every tensor of a safetensors file as float32 (bfloat16, which numpy lacks, via torch)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="numpy") as handle:
@@ -165,14 +150,13 @@ def _load_float32(path: Path) -> dict[str, np.ndarray]:
 
 def base_tensors(base: Path) -> tuple[str, dict, dict[str, tuple[int, ...]]]:
     """The base's HF model type, its (normalized) config and the shapes of the tensors our converter
-    writes for it, by GGUF name (numpy order), from an HF directory's headers or a .gguf's header."""
+    writes for it, by GGUF name (numpy order), from an HF directory's headers or a .gguf's header.
+    """
     if base.suffix == ".gguf" and base.is_file():
         return _gguf_base(base)
     if not (base / "config.json").is_file():
-        raise UserError(
-            f"base model {base} not found (no config.json, not a .gguf); pass the model the "
-            "adapter was trained on"
-        )
+        raise UserError(f"base model {base} not found (no config.json, not a .gguf); pass the "
+                        "model the adapter was trained on")
     from safetensors import safe_open
 
     config = json.loads((base / "config.json").read_text(encoding="utf-8"))
@@ -189,9 +173,8 @@ def base_tensors(base: Path) -> tuple[str, dict, dict[str, tuple[int, ...]]]:
                     shape = tuple(handle.get_slice(key).get_shape())
                     shapes[name] = shape[::-1] if is_conv1d_weight(model_type, key) else shape
     if not shapes:
-        raise UserError(
-            f"base model {base} has no .safetensors weights; save it with save_pretrained first"
-        )
+        raise UserError(f"base model {base} has no .safetensors weights; save it with "
+                        "save_pretrained first")
     return model_type, config, shapes
 
 
@@ -201,49 +184,39 @@ def _gguf_base(path: Path) -> tuple[str, dict, dict[str, tuple[int, ...]]]:
     arch = fields["general.architecture"].value if "general.architecture" in fields else None
     by_arch = {gguf_arch_name(model_type): model_type for model_type in ARCHITECTURES}
     if arch not in by_arch:
-        raise UserError(
-            f"base {path} is a '{arch}' GGUF; LoRA adapters are written for "
-            f"{', '.join(sorted(by_arch))}"
-        )
+        raise UserError(f"base {path} is a '{arch}' GGUF; LoRA adapters are written for "
+                        f"{', '.join(sorted(by_arch))}")
     heads = fields[f"{arch}.attention.head_count"].value
     kv_field = fields.get(f"{arch}.attention.head_count_kv")
-    config = {
-        "model_type": by_arch[arch],
-        "num_hidden_layers": fields[f"{arch}.block_count"].value,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_field.value if kv_field else heads,
-    }
+    config = {"model_type": by_arch[arch], "num_hidden_layers": fields[f"{arch}.block_count"].value,
+              "num_attention_heads": heads,
+              "num_key_value_heads": kv_field.value if kv_field else heads}
     return by_arch[arch], config, shapes
 
 
 def lora_pairs(state: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """peft's saved tensors as ``{HF weight name: (A (r, in), B (out, r))}``; anything else refused."""
+    """peft's tensors as ``{HF weight name: (A (r, in), B (out, r))}``; anything else refused."""
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for key, value in state.items():
         if ".lora_embedding_" in key:
-            raise UserError(
-                f"the adapter adapts an embedding ({_module(key)}); llama.cpp applies LoRA to "
-                "matrix products only: train without the embedding in target_modules"
-            )
+            raise UserError(f"the adapter adapts an embedding ({_module(key)}); llama.cpp applies "
+                            "LoRA to matrix products only: train without the embedding in "
+                            "target_modules")
         if ".lora_magnitude_vector" in key:
-            raise UserError(
-                f"the adapter is DoRA ({_module(key)}); llama.cpp applies plain LoRA only"
-            )
+            raise UserError(f"the adapter is DoRA ({_module(key)}); llama.cpp applies plain LoRA "
+                            "only")
         if key.endswith(".base_layer.weight"):
             continue  # the frozen base weight of a targeted head, which peft saves beside the LoRA
         match = re.fullmatch(r"(.+)\.lora_([AB])\.weight", key)
         if match is None:
-            raise UserError(
-                f"the adapter holds {key}, which is not a LoRA A/B matrix (a fully trained "
-                "module or bias); a llama.cpp adapter cannot carry it"
-            )
+            raise UserError(f"the adapter holds {key}, which is not a LoRA A/B matrix (a fully "
+                            "trained module or bias); a llama.cpp adapter cannot carry it")
         name = match.group(1).removeprefix(_PEFT_PREFIX) + ".weight"
         pairs.setdefault(name, {})[match.group(2)] = value
     for name, pair in pairs.items():
         if set(pair) != {"A", "B"} or pair["A"].ndim != 2:
-            raise UserError(
-                f"the adapter's {name} is not a pair of 2-D A and B matrices; save it with peft again"
-            )
+            raise UserError(f"the adapter's {name} is not a pair of 2-D A and B matrices; save it "
+                            "with peft again")
     return {name: (pair["A"], pair["B"]) for name, pair in pairs.items()}
 
 
@@ -263,16 +236,12 @@ def peft_scale(settings: dict, module: str, rank: int) -> float:
     return alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
 
 
-def llama_cpp_lora(
-    state: dict[str, np.ndarray],
-    settings: dict,
-    model_type: str,
-    config: dict,
-    shapes: dict[str, tuple[int, ...]],
-) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def llama_cpp_lora(state: dict[str, np.ndarray], settings: dict, model_type: str, config: dict,
+                   shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``{GGUF weight name: (A, B)}`` as llama.cpp applies them to our converted base: B's rows
     reordered as the weight's, peft's scaling beyond ``alpha / r`` folded into B, each pair checked
-    against the base's tensor ``shapes`` (a target the base lacks, such as a tied head, is refused)."""
+    against the base's tensor ``shapes`` (a target the base lacks, such as a tied head, is refused).
+    """
     namer, reorder = gguf_namer(model_type, config), row_reordering(model_type, config)
     alpha = settings.get("lora_alpha") or 0.0
     tensors = {}
@@ -280,33 +249,25 @@ def llama_cpp_lora(
         module = hf_name.removesuffix(".weight")
         name = namer(hf_name)
         if name is None:
-            raise UserError(
-                f"the adapter adapts {module}, which has no tensor in llama.cpp's "
-                f"{model_type} graph; pass the base it was trained on"
-            )
+            raise UserError(f"the adapter adapts {module}, which has no tensor in llama.cpp's "
+                            f"{model_type} graph; pass the base it was trained on")
         if name == "token_embd.weight":
-            raise UserError(
-                f"the adapter adapts the token embedding ({module}); llama.cpp applies LoRA "
-                "to matrix products only"
-            )
+            raise UserError(f"the adapter adapts the token embedding ({module}); llama.cpp "
+                            "applies LoRA to matrix products only")
         if name not in shapes:
             tied = " (the head is tied to the embeddings)" if name == "output.weight" else ""
-            raise UserError(
-                f"the adapter adapts {module}, which the base has no separate weight for{tied}; "
-                "llama.cpp cannot apply it: train without it in target_modules"
-            )
+            raise UserError(f"the adapter adapts {module}, which the base has no separate weight "
+                            f"for{tied}; llama.cpp cannot apply it: train without it in "
+                            "target_modules")
         if shapes[name] != (b.shape[0], a.shape[1]):
-            raise UserError(
-                f"the adapter's {module} is {b.shape[0]}x{a.shape[1]}, the base's is "
-                f"{'x'.join(map(str, shapes[name]))}; pass the base it was trained on"
-            )
+            raise UserError(f"the adapter's {module} is {b.shape[0]}x{a.shape[1]}, the base's is "
+                            f"{'x'.join(map(str, shapes[name]))}; pass the base it was trained on")
         rank = a.shape[0]
         llama_scale = alpha / rank if alpha else 1.0
         factor = peft_scale(settings, module, rank) / llama_scale
         b = reorder(hf_name, b)
         tensors[name] = (a, b if factor == 1.0 else b * np.float32(factor))
     if not tensors:
-        raise UserError(
-            "the adapter holds no LoRA matrices; pass the adapter directory of a finished run"
-        )
+        raise UserError("the adapter holds no LoRA matrices; pass the adapter directory of a "
+                        "finished run")
     return tensors

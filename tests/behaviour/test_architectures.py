@@ -14,7 +14,7 @@ import torch
 
 from slm_align.errors import UserError
 from slm_align.export.gguf import write_gguf
-from slm_align.export.parity import HELDOUT_TEXT
+from slm_align.export.publishing.parity import HELDOUT_TEXT
 from slm_align.modeling import (
     build_tiny_model,
     load_model,

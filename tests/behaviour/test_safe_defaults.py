@@ -14,7 +14,7 @@ import pytest
 from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams
 from slm_align.config import load_recipe
-from slm_align.export.stage import ExportRequest, run_export
+from slm_align.export.publishing.stage import ExportRequest, run_export
 from tests.helpers import finished_sft_run, run_cli
 
 

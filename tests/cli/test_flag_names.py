@@ -109,7 +109,7 @@ def test_ctx_size_and_the_old_context_reach_devices_fit(capsys, tiny_models):
 
 
 def test_imatrix_is_llama_cpp_s_name_for_calibrate(capsys, monkeypatch, tmp_path):
-    import slm_align.export.stage
+    import slm_align.export.publishing.stage
 
     seen = {}
 
@@ -117,7 +117,7 @@ def test_imatrix_is_llama_cpp_s_name_for_calibrate(capsys, monkeypatch, tmp_path
         seen["request"] = request
         raise Reached
 
-    monkeypatch.setattr(slm_align.export.stage, "run_export", fake_export)
+    monkeypatch.setattr(slm_align.export.publishing.stage, "run_export", fake_export)
     with pytest.raises(Reached):
         run_cli(capsys, "export", tmp_path, "--target", "gguf", "--quant", "Q4_K_M", "--imatrix")
     assert seen["request"].calibrate is True

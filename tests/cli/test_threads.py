@@ -76,8 +76,8 @@ def _stand_in(monkeypatch, module, name, seen):
 def _commands(tmp_path):
     """(command line, module, the function it calls to do its work) of each torch command."""
     import slm_align.evaluate
-    import slm_align.export.merge
-    import slm_align.export.stage
+    import slm_align.export.converters.merge
+    import slm_align.export.publishing.stage
     import slm_align.headroom
     import slm_align.pipeline
     import slm_align.quickstart
@@ -89,8 +89,8 @@ def _commands(tmp_path):
         (["train", "--data", "demo", "--out", run], slm_align.pipeline, "train"),
         (["check-headroom", "--run", run], slm_align.headroom, "check_headroom"),
         (["evaluate", "--run", run], slm_align.evaluate, "evaluate"),
-        (["merge", "--run", run], slm_align.export.merge, "merge_run"),
-        (["export", run], slm_align.export.stage, "run_export"),
+        (["merge", "--run", run], slm_align.export.converters.merge, "merge_run"),
+        (["export", run], slm_align.export.publishing.stage, "run_export"),
         (["quickstart", "--out", run], slm_align.quickstart, "run_quickstart"),
     ]
 
@@ -167,13 +167,15 @@ def test_threads_reach_llama_cpp_in_every_runtime_command(capsys, monkeypatch, t
 
 
 def test_exports_quantize_and_verify_with_the_default_threads(monkeypatch, tmp_path):
-    import slm_align.export.stage
-    from slm_align.export.stage import ExportRequest
+    from slm_align.export.publishing import model_export
+    from slm_align.export.publishing.stage import ExportRequest
+    from slm_align.export.targets import target_named
 
-    monkeypatch.setattr(slm_align.export.stage, "default_threads", lambda: 3)
-    assert slm_align.export.stage._device_settings(ExportRequest(str(tmp_path), target="gguf"))[2] == 3
+    gguf = target_named("gguf")
+    monkeypatch.setattr(model_export, "default_threads", lambda: 3)
+    assert model_export._device_settings(ExportRequest(str(tmp_path), target="gguf"), gguf)[2] == 3
     request = ExportRequest(str(tmp_path), target="gguf", threads=2)
-    assert slm_align.export.stage._device_settings(request)[2] == 2
+    assert model_export._device_settings(request, gguf)[2] == 2
 
 
 THREADS_COMMANDS = [["sft"], ["train"], ["check-headroom"], ["evaluate", "--run", "r"], ["merge", "--run", "r"],

@@ -12,7 +12,7 @@ from slm_align.agent.llama_backend import LlamaCppBackend
 from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.store import PreferenceStore
-from slm_align.export.parity import HELDOUT_TEXT
+from slm_align.export.publishing.parity import HELDOUT_TEXT
 from slm_align.gguf_adapters import BASE_SHA256_KEY, chain_digest
 from slm_align.gguf_fields import read_fields
 from slm_align.pipeline import run_preference

@@ -8,8 +8,8 @@ from typing import Optional
 
 import gguf
 
-from slm_align.export.adapter_bundle import base_file_type, describe_full, describe_update
-from slm_align.export.bundle_readme import adapter_bundle_readme
+from slm_align.export.packaging.adapter_bundle import base_file_type, describe_full, describe_update
+from slm_align.export.packaging.bundle_readme import adapter_bundle_readme
 
 SHA = "ab" * 32
 

@@ -38,7 +38,7 @@ def test_export_target_executorch_publishes_a_verified_program_that_decodes_as_p
     from executorch.runtime import Runtime
     from transformers import AutoTokenizer
 
-    from slm_align.export.executorch import MAX_CACHE_LEN
+    from slm_align.export.converters.executorch import MAX_CACHE_LEN
 
     code, out, err = run_cli(capsys, "export", tiny_models["llama"], "--target", "executorch", "--threads", "1",
                              "--out", tmp_path / "out", "--json")
@@ -88,7 +88,7 @@ def test_bad_architecture_or_quant_is_refused_in_one_line_before_any_work(tiny_m
 
 def test_a_model_torch_export_cannot_take_is_refused_in_one_line_and_nothing_is_kept(tiny_models, tmp_path, capsys,
                                                                                    monkeypatch):
-    import slm_align.export.executorch as executorch
+    import slm_align.export.converters.executorch as executorch
 
     def fail(model, max_cache_len):
         raise RuntimeError("Unsupported: data-dependent control flow\n  a long trace")
@@ -115,7 +115,7 @@ def assert_exact_program(result) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gpt_neox", "gpt2"])
 def test_other_architectures_are_published_only_when_they_decode_exactly_as_pytorch(tiny_models, tmp_path, arch):
-    from slm_align.export.stage import ExportRequest, run_export
+    from slm_align.export.publishing.stage import ExportRequest, run_export
 
     result = run_export(ExportRequest(str(tiny_models[arch]), "executorch", out=tmp_path, threads=1))
     assert result.stage_dir == tmp_path / "executorch-fp32"
@@ -126,7 +126,7 @@ def test_other_architectures_are_published_only_when_they_decode_exactly_as_pyto
 def test_the_bundled_model_exports_to_executorch_and_decodes_greedily_as_pytorch(tmp_path):
     from transformers import AutoTokenizer
 
-    from slm_align.export.stage import ExportRequest, run_export
+    from slm_align.export.publishing.stage import ExportRequest, run_export
     from slm_align.modeling import DEFAULT_MODEL_DIR
 
     result = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "executorch", out=tmp_path, threads=1))

@@ -8,8 +8,8 @@ import pytest
 
 from slm_align.agent.sampling import SamplingParams
 from slm_align.errors import UserError
-from slm_align.export.genai import genai_config, genai_greedy, genai_tokens, write_genai_config
-from slm_align.export.stage import ExportRequest, run_export
+from slm_align.export.converters.genai import genai_config, genai_greedy, genai_tokens, write_genai_config
+from slm_align.export.publishing.stage import ExportRequest, run_export
 from tests.helpers import torch_greedy
 
 og = pytest.importorskip("onnxruntime_genai")
@@ -82,7 +82,7 @@ def test_export_target_genai_of_a_run_through_the_cli_publishes_a_verified_folde
 @pytest.mark.parametrize("quant", ["int4", "w8"])
 def test_a_quantized_genai_folder_is_published_on_top1_agreement(tiny_models, tmp_path, quant):
     from slm_align.agent.genai_backend import GenaiBackend
-    from slm_align.export.parity import top1_agreement
+    from slm_align.export.publishing.parity import top1_agreement
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
     result = run_export(ExportRequest(str(tiny_models["llama"]), "genai", quant, out=tmp_path, threads=1))

@@ -42,3 +42,40 @@ def test_merged_checkpoint_loads_without_peft_and_matches_the_policy(capsys, tmp
         main(["merge", "--run", str(out)])
     assert again.value.code == 2 and "--overwrite" in capsys.readouterr().err
     assert (merged_dir / "model.safetensors").read_bytes() == before
+
+
+def plain_card(run, name, stage) -> str:
+    return f"# {name}\n"
+
+
+def test_a_merge_is_reused_by_its_inputs_hash_not_by_file_times(tmp_path, tiny_models, stories, monkeypatch):
+    """Touching the stages' files keeps the merge; a stage made again (another identity) redoes it."""
+    import os
+    import time
+
+    from slm_align.export.converters import merge
+    from slm_align.export.converters.merge import current_merged
+    from slm_align.runs import make_manifest, publish
+    from tests.helpers import finished_rl_stage
+
+    def record_rl(inputs: dict) -> None:
+        publish(run / "rl", run / "rl-again", make_manifest("rl", inputs, {}, time.time()))
+        (run / "rl-again").rename(run / "rl")
+
+    monkeypatch.setattr(merge, "merged_card", plain_card)  # the card reads RL figures this stage lacks
+    run, _ = finished_sft_run(tmp_path / "run", tiny_models["llama"], stories, steps=2)
+    finished_rl_stage(run)
+    record_rl({"round": 1})
+    merged = current_merged(run)
+    first = json.loads((merged / "manifest.json").read_text())
+    later = (merged / "manifest.json").stat().st_mtime_ns + 10**10
+    for path in [*(run / "rl").rglob("*"), *(run / "sft").rglob("*")]:
+        os.utime(path, ns=(later, later))  # newer than the merge: the old rule merged again
+    assert current_merged(run) == merged
+    assert json.loads((merged / "manifest.json").read_text()) == first  # reused as it is
+    record_rl({"round": 2})  # the same adapter, recorded as another stage
+    current_merged(run)
+    again = json.loads((merged / "manifest.json").read_text())
+    assert again["inputs_hash"] != first["inputs_hash"]
+    assert again["inputs"]["policy"]["rl"] != first["inputs"]["policy"]["rl"]
+    assert again["inputs"]["policy"]["sft"] == first["inputs"]["policy"]["sft"]

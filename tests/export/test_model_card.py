@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from slm_align.data.readers import fingerprint
-from slm_align.export.model_card import MARKER, base_model
-from slm_align.export.parity import perplexity_change
+from slm_align.export.publishing.model_card import MARKER, base_model
+from slm_align.export.publishing.parity import perplexity_change
 from slm_align.modeling import DEFAULT_MODEL_DIR
 from tests.helpers import export_bundled, finished_sft_run, run_cli
 

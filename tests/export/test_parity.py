@@ -4,7 +4,7 @@ agreement for quantized ones."""
 import numpy as np
 import pytest
 
-from slm_align.export.parity import _torch_logits, verify
+from slm_align.export.publishing.parity import _torch_logits, verify
 from slm_align.modeling import build_tiny_model
 
 

@@ -9,7 +9,7 @@ import json
 import onnx
 import pytest
 
-from slm_align.export.stage import ExportRequest, VerificationFailed, next_higher, run_export
+from slm_align.export.publishing.stage import ExportRequest, VerificationFailed, next_higher, run_export
 from slm_align.modeling import DEFAULT_MODEL_DIR
 
 pytest.importorskip("onnxruntime")
@@ -107,7 +107,7 @@ def test_refusal_reports_perplexity_and_names_the_next_higher_scheme(tmp_path, t
 
 def test_perplexity_change_is_printed_beside_agreement(capsys):
     from slm_align.cli.render import print_export
-    from slm_align.export.parity import perplexity_change
+    from slm_align.export.publishing.parity import perplexity_change
 
     verification = {"tokenizer_match": True, "prompts": 0, "ties": [], "passed": True, "agreement": 0.95,
                     "agreement_positions": 141, "torch_perplexity": 20.0, "perplexity": 22.5}
@@ -133,8 +133,8 @@ def test_importance_matrix_reaches_llama_cpp_quantizer(tmp_path, tiny_models):
     llama.cpp's quantizer uses it."""
     import gguf
 
+    from slm_align.export.converters.imatrix import activation_importance, gguf_importance
     from slm_align.export.gguf import quantize_gguf, write_gguf
-    from slm_align.export.imatrix import activation_importance, gguf_importance
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(tiny_models["llama"]))
@@ -163,7 +163,7 @@ def sft_run(tmp_path_factory, tiny_models, stories):
 def test_calibration_texts_are_held_out_never_training_or_evaluation(sft_run):
     from slm_align.config import load_recipe
     from slm_align.data.corpus import load_corpus
-    from slm_align.export.calibration import calibration_texts, plain_text
+    from slm_align.export.converters.calibration import calibration_texts, plain_text
     from slm_align.sft import recipe_from_sft
 
     recipe, _ = recipe_from_sft(sft_run, load_recipe(None, {}))

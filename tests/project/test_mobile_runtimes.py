@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from slm_align.export.stage import ExportRequest, run_export
+from slm_align.export.publishing.stage import ExportRequest, run_export
 
 pytest.importorskip("onnxruntime_genai")
 pytest.importorskip("llama_cpp")

@@ -22,7 +22,7 @@ def test_every_public_name_resolves_to_its_definition():
 
     from slm_align.agent.runtime import Agent
     from slm_align.evaluate import evaluate
-    from slm_align.export.stage import run_export
+    from slm_align.export.publishing.stage import run_export
 
     assert slm_align.Agent is Agent
     assert slm_align.run_evaluation is evaluate

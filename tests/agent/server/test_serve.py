@@ -20,7 +20,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from slm_align.agent.runtime import Agent  # noqa: E402
 from slm_align.agent.sampling import SamplingParams  # noqa: E402
 from slm_align.agent.server import create_app, is_loopback  # noqa: E402
-from slm_align.export.stage import ExportRequest, run_export  # noqa: E402
+from slm_align.export.publishing.stage import ExportRequest, run_export  # noqa: E402
 from slm_align.modeling import DEFAULT_MODEL_DIR  # noqa: E402
 from tests.helpers import most_repeated_name, run_cli  # noqa: E402
 

@@ -28,7 +28,7 @@ def activation_importance(model, texts_ids: Sequence[Sequence[int]]) -> dict[str
     name, over ``texts_ids``."""
     import torch
 
-    from slm_align.export.parity import _token_batch
+    from slm_align.export.publishing.parity import _token_batch
 
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
@@ -65,11 +65,11 @@ def gguf_importance(model_dir: Path, importance: dict[str, np.ndarray]) -> dict[
     tied = config.get("tie_word_embeddings", True)
     named = {}
     for module, values in importance.items():
-        target = names.get_name(f"{module}.weight", try_suffixes=(".weight",))
-        if target == "output.weight" and tied:
-            target = "token_embd.weight"
-        if target is not None:
-            named[target] = values
+        tensor = names.get_name(f"{module}.weight", try_suffixes=(".weight",))
+        if tensor == "output.weight" and tied:
+            tensor = "token_embd.weight"
+        if tensor is not None:
+            named[tensor] = values
     return named
 
 

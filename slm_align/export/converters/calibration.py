@@ -49,7 +49,7 @@ def calibration_texts(run: Path, limit: int = MAX_TEXTS) -> list[str]:
 def run_importance(run: Path, checkpoint: Path) -> tuple[dict, int]:
     """llama.cpp's importance matrix of ``checkpoint`` over ``run``'s calibration texts (by GGUF
     tensor name), and how many texts it saw."""
-    from slm_align.export.imatrix import activation_importance, gguf_importance
+    from slm_align.export.converters.imatrix import activation_importance, gguf_importance
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))

@@ -266,14 +266,11 @@ def translate_template(source: str) -> Translation:
                        turn_end=_marker_after(scope.emitted, ".Content"))
 
 
-def check_system_prompt(system: Optional[str], target: str) -> None:
-    """Refuse a system prompt the Modelfile cannot carry: for ONNX, or holding the
-    Modelfile's triple quote."""
+def check_system_prompt(system: Optional[str]) -> None:
+    """Refuse a system prompt the Modelfile cannot carry: one holding the Modelfile's triple quote (a
+    target without a Modelfile refuses any: :meth:`~slm_align.export.targets.base.ExportTarget.check_system`)."""
     if system is None:
         return
-    if target != "gguf":
-        raise UserError("--system sets the system prompt of the Ollama Modelfile, which only "
-                        "--target gguf writes")
     if '"""' in system:
         raise UserError('--system holds """, which a Modelfile cannot quote; '
                         'leave it out of the prompt')

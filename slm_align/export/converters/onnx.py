@@ -2,7 +2,7 @@
 
 ``fp32`` is optimum's graph as exported. ``int8`` is dynamic quantization (weights and activations)
 with the preset of the target CPU (arm64, avx2, avx512, avx512_vnni). ``w8`` (the default) and
-``int4`` are weight-only schemes on onnxruntime's MatMulNBits (:mod:`slm_align.export.onnx_quant`).
+``int4`` are weight-only schemes on onnxruntime's MatMulNBits (:mod:`slm_align.export.converters.onnx_quant`).
 ``--ort-format`` additionally converts the graph to the ORT format that onnxruntime's reduced mobile
 builds read. The tokenizer files and the chat template travel with the model.
 """
@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from slm_align.errors import UserError
-from slm_align.export.onnx_quant import SCHEMES, quantize_weight_only
+from slm_align.export.converters.onnx_quant import SCHEMES, quantize_weight_only
 
 ONNX_QUANTS = tuple(SCHEMES)
 ONNX_PRESETS = ("arm64", "avx2", "avx512", "avx512_vnni")
@@ -73,7 +73,7 @@ def _int8(out_dir: Path, preset: str) -> None:
 
 def quantize_onnx(out_dir: Path, quant: str, preset: str) -> None:
     """Quantize ``out_dir``'s fp32 ``model.onnx`` in place by ``quant`` (see
-    :mod:`slm_align.export.onnx_quant`)."""
+    :mod:`slm_align.export.converters.onnx_quant`)."""
     if quant == "fp32":
         return
     if quant == "int8":

@@ -1,6 +1,6 @@
 """The files every device bundle carries beside the model: the chat template and tokenizer of the artifact,
-the sampling defaults and the default tools' schemas (shared by :mod:`slm_align.export.bundle` and
-:mod:`slm_align.export.adapter_bundle`)."""
+the sampling defaults and the default tools' schemas (shared by :mod:`slm_align.export.packaging.bundle` and
+:mod:`slm_align.export.packaging.adapter_bundle`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What an update bundle may hold and claim, checked before :func:`~slm_align.export.adapter_bundle.apply_update`
-writes anything (issue 45, items 1 and 2).
+"""What an update bundle may hold and claim, checked before
+:func:`~slm_align.export.packaging.adapter_bundle.apply_update` writes anything (issue 45, items 1 and 2).
 
 An update adds adapters: its files are ``adapters/NAME`` (plain names: no ``..``, no folder, not absolute), its
 export records and README, each listed in bundle.json's ``files``; nothing else, no symlink, nothing unlisted.
@@ -17,7 +17,7 @@ import stat
 from pathlib import Path, PurePosixPath
 
 from slm_align.errors import UserError
-from slm_align.export.bundle_signing import SIGNATURE
+from slm_align.export.packaging.bundle_signing import SIGNATURE
 from slm_align.gguf_adapters import chain_digest
 
 ADAPTERS_DIR = "adapters"

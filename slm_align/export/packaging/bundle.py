@@ -5,10 +5,11 @@ sampling defaults, the tool schemas, the export manifest with its verification f
 ``bundle.json`` (what is where, the artifact digest the app records as ``model_id`` in the
 preference store, every file's sha256) and a README naming the runtime and the calls to make.
 ``--device NAME`` picks target and quantization from the device profile; a run without the artifact
-the device wants is exported first. An adapter export (``--target gguf-adapter``) is bundled as its
-base once plus each adapter file, or, with ``--update-from``, as an update holding only the new adapters
-(:mod:`slm_align.export.adapter_bundle`). ``--sign KEY.pem`` adds ``bundle.json.sig``, an Ed25519 signature
-over bundle.json (:mod:`slm_align.export.bundle_signing`).
+the device wants is exported first (one it has, made from the same inputs, is reused). An adapter
+export (``--target gguf-adapter``) is bundled as its base once plus each adapter file, or, with
+``--update-from``, as an update holding only the new adapters
+(:mod:`slm_align.export.packaging.adapter_bundle`). ``--sign KEY.pem`` adds ``bundle.json.sig``, an
+Ed25519 signature over bundle.json (:mod:`slm_align.export.packaging.bundle_signing`).
 """
 
 from __future__ import annotations
@@ -21,20 +22,20 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
-from slm_align.atomic import atomic_path, publish_directory
+from slm_align.atomic import atomic_path
 from slm_align.errors import UserError
-from slm_align.export.adapter_bundle import adapter_filler, is_adapter_export
-from slm_align.export.adapter_export import TARGET as ADAPTER_TARGET
-from slm_align.export.adapter_export import adapter_chain, run_source
-from slm_align.export.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
-from slm_align.export.bundle_readme import RUNTIMES, bundle_readme
-from slm_align.export.bundle_signing import load_private_key, sign_bundle
-from slm_align.export.stage import ExportRequest, artifact_name, run_export
-from slm_align.runs import MANIFEST, artifact_manifest, file_checksums
+from slm_align.export.packaging.adapter_bundle import adapter_filler, is_adapter_export
+from slm_align.export.packaging.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
+from slm_align.export.packaging.bundle_readme import RUNTIMES, bundle_readme
+from slm_align.export.packaging.bundle_signing import load_private_key, sign_bundle
+from slm_align.export.publishing.adapter_export import run_source
+from slm_align.export.publishing.stage import ExportRequest, run_export
+from slm_align.export.targets import target_named
+from slm_align.runs import MANIFEST, Artifact, artifact_manifest, file_checksums, publish_artifact
 
 BUNDLE_FORMAT = 1
 """bundle.json's format of a one-artifact bundle; base + adapters bundles are format 2
-(:data:`~slm_align.export.adapter_bundle.ADAPTER_BUNDLE_FORMAT`)."""
+(:data:`~slm_align.export.packaging.adapter_bundle.ADAPTER_BUNDLE_FORMAT`)."""
 MODEL_DIR = "model"
 
 
@@ -75,14 +76,11 @@ def _run_artifact(run: Path, device: Optional[str]) -> Path:
         raise UserError(f"{run} is a run: pass --device NAME to pick the artifact (see `slm-align devices list`), "
                         "or pass an exported artifact")
     target, quant = device_choice(device)
-    if target == "gguf" and run_source(run).kind == "gguf":
-        target, quant = ADAPTER_TARGET, "F16"
-        artifact = run / "export" / f"adapter-{adapter_chain(run)[-1][0]}-F16.gguf"
-    else:
-        artifact = run / "export" / artifact_name(target, quant)
-    if artifact_manifest(artifact).is_file():
-        return artifact
-    result = run_export(ExportRequest(str(run), target=target, quant=quant, device=device))
+    shipped_as = target_named(target).gguf_run_target
+    if shipped_as is not None and run_source(run).kind == "gguf":
+        target, quant = shipped_as, "F16"
+    result = run_export(ExportRequest(str(run), target=target, quant=quant, device=device, overwrite=True),
+                        reuse=True)  # made from other inputs (a stage trained again): exported anew
     return _manifest_artifact(Path(result.stage_dir))
 
 
@@ -178,6 +176,23 @@ def _filler(artifact: Path, manifest: dict, request: BundleRequest) -> Callable[
     return partial(_fill, artifact=artifact, manifest=manifest, device=request.device)
 
 
+class Bundle(Artifact):
+    """The bundle folder ``final`` that ``fill`` writes (signed with ``key`` when given); its zip is made
+    beside it once it is published."""
+
+    def __init__(self, out: Path, fill: Callable[[Path], dict], key):
+        self.final, self.fill, self.key = out, fill, key
+        self.archive = out.with_name(out.name + ".zip")
+
+    def taken(self) -> bool:
+        return self.final.exists() or self.archive.exists()
+
+    def build(self, scratch: Path) -> Path:
+        self.described = self.fill(scratch)
+        self.signed = {} if self.key is None else {"signed_by": sign_bundle(scratch, self.key)}
+        return scratch
+
+
 def make_bundle(request: BundleRequest) -> dict:
     """Write the bundle directory and its zip; returns bundle.json's content
     with ``path`` and ``zip``."""
@@ -189,18 +204,7 @@ def make_bundle(request: BundleRequest) -> dict:
     fill = _filler(artifact, manifest, request)
     update = request.update_from is not None
     out = Path(request.out) if request.out is not None else _default_out(artifact, request.device, update)
-    archive = out.with_name(out.name + ".zip")
-    if (out.exists() or archive.exists()) and not request.overwrite:
-        raise UserError(f"{out} exists; pass --overwrite to replace it or choose another --out")
-    scratch = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.parent.mkdir(parents=True, exist_ok=True)
-    scratch.mkdir()
-    try:
-        described = fill(scratch)
-        signed = {} if key is None else {"signed_by": sign_bundle(scratch, key)}
-        publish_directory(scratch, out, replace=True)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    _zip(out, archive)
-    return dict(described, path=str(out), zip=str(archive), **signed)
+    bundle = Bundle(out, fill, key)
+    publish_artifact(bundle, overwrite=request.overwrite, manifest=False)
+    _zip(out, bundle.archive)
+    return dict(bundle.described, path=str(out), zip=str(bundle.archive), **bundle.signed)

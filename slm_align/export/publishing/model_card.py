@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from slm_align.export.parity import perplexity_change
+from slm_align.export.publishing.parity import perplexity_change
 from slm_align.modeling import DEFAULT_MODEL_DIR, looks_like_hub_id
 from slm_align.runs import MANIFEST, MODEL_CARD, aligned_stages
 from slm_align.sft import recorded_data_path

@@ -6,8 +6,8 @@ chain's id (:func:`~slm_align.gguf_adapters.chain_digest`). An update bundle (``
 is for a device that has OLD installed: no base, only the adapters whose sha256 OLD does not list, the
 whole chain in bundle.json (each entry ``shipped`` or not), ``requires_base_sha256`` and
 ``replaces_model_id``. :func:`apply_update` turns an installed bundle and an update into the full bundle
-of the new chain, once a trusted key's signature (:mod:`~slm_align.export.bundle_signing`) and the update's
-paths, files and chain ids (:mod:`~slm_align.export.update_checks`) hold.
+of the new chain, once a trusted key's signature (:mod:`~slm_align.export.packaging.bundle_signing`) and the update's
+paths, files and chain ids (:mod:`~slm_align.export.packaging.update_checks`) hold.
 
 These bundles are format 2: their ``artifact`` (kept, for old readers, at the base) is not the whole
 model, so a format-1 reader that loaded it alone would answer as the base under the chain's model_id.
@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import stat
-import tempfile
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -30,11 +29,10 @@ import gguf
 
 from slm_align.atomic import publish_directory
 from slm_align.errors import UserError
-from slm_align.export.adapter_export import TARGET, manifest_files
-from slm_align.export.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
-from slm_align.export.bundle_readme import adapter_bundle_readme, update_bundle_readme
-from slm_align.export.bundle_signing import SIGNATURE, TrustedKey, check_signature
-from slm_align.export.update_checks import (
+from slm_align.export.packaging.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
+from slm_align.export.packaging.bundle_readme import adapter_bundle_readme, update_bundle_readme
+from slm_align.export.packaging.bundle_signing import SIGNATURE, TrustedKey, check_signature
+from slm_align.export.packaging.update_checks import (
     ADAPTERS_DIR,
     BUNDLE_JSON,
     INSTALLED_ROLE,
@@ -46,8 +44,9 @@ from slm_align.export.update_checks import (
     check_update_files,
     plain_name,
 )
+from slm_align.export.publishing.adapter_export import TARGET, manifest_files
 from slm_align.gguf_fields import read_fields
-from slm_align.runs import file_checksums, sha256_file
+from slm_align.runs import Artifact, file_checksums, publish_artifact, sha256_file
 
 ADAPTER_BUNDLE_FORMAT = 2
 EXPORT_RECORDS = RECORDS
@@ -306,6 +305,28 @@ def _checked_update(installed: Path, update: Path, trusted_keys: Sequence[Truste
     return old, new
 
 
+class AppliedUpdate(Artifact):
+    """The full bundle an update makes of the installed one, at ``final`` (never replaced)."""
+
+    exists_advice = "choose another folder for the updated bundle"
+
+    def __init__(self, installed: Path, update: Path, out: Path, old: dict, new: dict):
+        self.installed, self.update, self.final, self.old, self.new = installed, update, out, old, new
+
+    def build(self, scratch: Path) -> Path:
+        self.described = _applied(self.installed, self.old, self.update, self.new, scratch)
+        return scratch
+
+    def place(self, built: Path, manifest: Optional[dict]) -> None:
+        """Renamed into place unless ``final`` was made meanwhile by another writer (left as it is)."""
+        try:
+            publish_directory(built, self.final)
+        except OSError:
+            if self.final.exists():
+                raise UserError(f"{self.final} exists; {self.exists_advice}") from None
+            raise
+
+
 def apply_update(installed: Path, update: Path, out: Path, trusted_keys: Sequence[TrustedKey] = (),
                  allow_unsigned: bool = False) -> dict:
     """Write at ``out`` the full bundle that the update bundle ``update`` makes of the ``installed`` one
@@ -316,21 +337,10 @@ def apply_update(installed: Path, update: Path, out: Path, trusted_keys: Sequenc
     integrity, not origin. Refused in one line, with nothing written: no trusted key, another base or
     chain, a path that is not a plain name under ``adapters/``, a symlink, a file other than adapters and
     records, a model_id that is not the chain's, a sha256 that does not hold, an existing ``out``. The new
-    bundle is assembled in a hidden scratch folder beside ``out`` and renamed into place."""
+    bundle is assembled in a hidden scratch folder beside ``out`` and renamed into place
+    (:func:`~slm_align.runs.publish_artifact`)."""
     installed, update, out = Path(installed).expanduser(), Path(update).expanduser(), Path(out).expanduser()
     old, new = _checked_update(installed, update, trusted_keys, allow_unsigned)
-    if out.exists() or out.is_symlink():
-        raise UserError(f"{out} exists; choose another folder for the updated bundle")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
-        described = _applied(installed, old, update, new, scratch)
-        try:
-            publish_directory(scratch, out)
-        except OSError:
-            if out.exists():  # made meanwhile by another writer: left as it is
-                raise UserError(f"{out} exists; choose another folder for the updated bundle") from None
-            raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return described
+    applied = AppliedUpdate(installed, update, out, old, new)
+    publish_artifact(applied, manifest=False)
+    return applied.described

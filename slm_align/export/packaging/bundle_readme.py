@@ -227,8 +227,9 @@ base + adapters bundle whose `bundle.json` has `base_sha256` = `{described['requ
    against this `bundle.json`.
 3. Load the base and the adapters in the order above (the calls are those of the installed bundle's README,
    with this list), and replace the installed `bundle.json`, `export-manifest.json` and `verification.json`
-   with these. With slm-align: `slm_align.export.adapter_bundle.apply_update(INSTALLED, UPDATE, OUT)` writes the
-   full bundle the two make, each sha256 checked.
+   with these. With slm-align:
+   `slm_align.export.packaging.adapter_bundle.apply_update(INSTALLED, UPDATE, OUT)` writes the full bundle
+   the two make, each sha256 checked.
 
 ## With slm-align
 

@@ -1,0 +1,1 @@
+"""Export converters: a merged checkpoint, ONNX, onnxruntime-genai and ExecuTorch writers, calibration."""

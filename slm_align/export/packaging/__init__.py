@@ -1,0 +1,1 @@
+"""Packaging for devices: bundles, their files, README, signatures and adapter updates."""
