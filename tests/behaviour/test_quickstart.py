@@ -16,13 +16,13 @@ from slm_align.cli import main
 from slm_align.quickstart.agent import DEMONSTRATIONS, AgentSizes
 from tests.quickstart_transcript import readme_figures, run_figures
 
-pytestmark = pytest.mark.slow  # the whole quickstart trains first: about 4 minutes on 2 idle cores
-THREADS = "2"
-"""The README's transcript ran with two threads (a float sum's order, hence the figures, may follow them)."""
+pytestmark = pytest.mark.slow  # the whole quickstart trains first: a few minutes on 2 idle cores
+THREADS = "1"
+"""The README's transcript ran with one thread (a float sum's order, hence the figures, may follow the threads)."""
 
 
 def quickstart_json(out: Path) -> tuple[int, dict]:
-    """``slm-align quickstart --out OUT --threads 2 --json``: its exit code and its result."""
+    """``slm-align quickstart --out OUT --threads 1 --json``: its exit code and its result."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as done:
         main(["quickstart", "--out", str(out), "--threads", THREADS, "--json"])
