@@ -255,23 +255,24 @@ def check_headroom(
                          "quickstart --out runs/qs --json")
 def quickstart(
     out: Path = typer.Option(Path("runs/quickstart"), *OUT_NAMES, help=RUN_DIR_HELP),
-    sft_steps: int = typer.Option(150, min=1, help="SFT optimizer steps on the bundled model."),
-    reward_steps: int = typer.Option(100, min=1, help="Reward-model optimizer steps."),
-    rl_steps: int = typer.Option(20, min=1, help="PPO iterations."),
+    sft_steps: Optional[int] = typer.Option(None, min=1, help="SFT optimizer steps on the few "
+                                            "demonstrations (default 60)."),
+    rl_steps: Optional[int] = typer.Option(None, min=1, help="GRPO iterations on the checked prompts "
+                                           "(default 10)."),
     device: Optional[str] = recipe_option("compute.device", "--device"),
     threads: Optional[int] = ThreadsOpt,
     as_json: bool = JsonFlag,
 ) -> None:
-    """Walk the loop on the bundled model: align it on the demo stories, then make it a better calculator agent
-    (tool tasks, SFT, GRPO on episodes, both judged by evaluate-agent); each stage's figures and seconds."""
+    """Walk the loop on the bundled model: function calling from a few demonstrations (SFT), then from checks
+    alone (GRPO on many prompts), the base, SFT and RL exports judged by evaluate-agent on held-out functions
+    with the paired interval RL - SFT; each stage's figures and seconds."""
     from slm_align.quickstart import run_quickstart
 
     use_threads(threads)
     say = None if as_json else stdout.print
-    result = run_quickstart(out, sft_steps=sft_steps, reward_steps=reward_steps, rl_steps=rl_steps, say=say,
-                            device=device or "auto")
+    result = run_quickstart(out, sft_steps=sft_steps, rl_steps=rl_steps, say=say, device=device or "auto")
     emit(as_json, result, lambda: None)
-    raise typer.Exit(0 if result["headroom"]["passed"] else 1)
+    raise typer.Exit(0)
 
 
 @commands.command(epilog="Examples:\n\n  slm-align train --algo grpo --data stories.txt --out "
