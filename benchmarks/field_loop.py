@@ -50,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heldout", type=int, default=120, help="Held-out tasks: half the field's, half the "
                         "evaluation's.")
     parser.add_argument("--sft-steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=8, help="SFT chats and preference rows per step.")
     parser.add_argument("--algo", default="kto", choices=("kto", "dpo"))
     parser.add_argument("--pref-steps", type=int, default=40)
     parser.add_argument("--pref-lr", type=float, default=None, help="Default: the recipe's.")
@@ -113,7 +114,8 @@ def split_tasks(args: argparse.Namespace, work: Path) -> dict:
 
 def recipe_for(args: argparse.Namespace, files: dict, preferences=()):
     overrides = {"model.source": model_source(args.model), "data.path": str(files["sft"]),
-                 "sft.max_steps": args.sft_steps, "sft.batch_size": 8, "seed": args.seed,
+                 "sft.max_steps": args.sft_steps, "sft.batch_size": args.batch_size, "seed": args.seed,
+                 "preference.batch_size": args.batch_size,
                  "rl.algo": args.algo, "preference.steps": args.pref_steps,
                  "reward.preferences": [str(path) for path in preferences]}
     if args.pref_lr is not None:
