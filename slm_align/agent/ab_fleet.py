@@ -48,19 +48,25 @@ def _pair(trials: list[dict], candidate_id: Optional[str]) -> tuple[str, str]:
                     "MODEL_ID to pick one")
 
 
+def fleet_test(max_per_device: int = MAX_PER_DEVICE, test: SequentialTest = SequentialTest()) -> SequentialTest:
+    """The sequential test a fleet decides with: ``test`` with each device (source) capped."""
+    if max_per_device < 1:
+        raise UserError(f"--max-per-device {max_per_device}: must be 1 or more")
+    return replace(test, max_per_source=max_per_device)
+
+
 def fleet_decision(stores: Sequence[os.PathLike], candidate_id: Optional[str] = None,
                    max_per_device: int = MAX_PER_DEVICE, test: SequentialTest = SequentialTest()) -> dict:
     """The pooled decision over ``stores`` (each a device's preference store, read as is): ``{decision,
     current_id, candidate_id, devices, evidence}``. A file that is not a store is refused in one line."""
-    if max_per_device < 1:
-        raise UserError(f"--max-per-device {max_per_device}: must be 1 or more")
+    capped = fleet_test(max_per_device, test)
     if len({Path(path).resolve() for path in stores}) != len(stores):
         raise UserError("a store is named twice; pass each device's store once (it would count twice)")
     found = [each for index, path in enumerate(stores) for each in read_source(Path(path), str(index))]
     current_id, candidate_id = _pair([trial for trial, _ in found], candidate_id)
     observations = [each for trial, seen in found if (trial["current_id"], trial["candidate_id"])
                     == (current_id, candidate_id) for each in seen]
-    evidence = decide(observations, replace(test, max_per_source=max_per_device))
+    evidence = decide(observations, capped)
     devices = len({each.source for each in observations})
     return {"decision": evidence.decision, "current_id": current_id, "candidate_id": candidate_id,
             "devices": devices, "stores": len(stores), "max_per_device": max_per_device,

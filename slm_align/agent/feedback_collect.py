@@ -10,8 +10,8 @@ provenance: ``device``, ``model_id``, ``arm``.
 Output folder ``OUT``: ``pairs.jsonl`` (DPO: prompt, chosen, rejected) and ``unpaired.jsonl`` (KTO: prompt,
 completion, label), always; with pyarrow (``slm-align[train]``; optional, so the device wing stays light)
 the same rows as Parquet shards ``pairs/part-00000.parquet``... of at most ``shard_rows`` rows each, with one
-fixed schema (each message: role, content, and its tool calls as JSON text); ``summary.json``. Task rows with
-their outcome are not written: stores record none today.
+fixed schema (each message: role, content, and its tool calls as JSON text; the offered ``tools`` as JSON
+text); ``summary.json``. Task rows with their outcome are not written: stores record none today.
 
 Streaming: stores are read through SQL cursors, rows are written as they come (a Parquet shard is the most
 held), and the (device, turn) dedupe lives in an on-disk SQLite index, so memory does not grow with the
@@ -59,7 +59,7 @@ def parquet_schema(kind: str):
     answer_columns = [(name, messages) for name in KINDS[kind]]
     label = [("label", pa.bool_())] if kind == "unpaired" else []
     return pa.schema([("prompt", messages), *answer_columns, *label, ("model_id", pa.string()),
-                      ("device", pa.string()), ("arm", pa.string())])
+                      ("device", pa.string()), ("arm", pa.string()), ("tools", pa.string())])
 
 
 def _flat_message(message: dict) -> dict:
@@ -72,8 +72,11 @@ def _flat_message(message: dict) -> dict:
 
 
 def _flat_row(row: dict) -> dict:
-    return {key: [_flat_message(m) for m in value] if isinstance(value, list) else value
-            for key, value in row.items()}
+    """A row in the shards' schema: messages flattened, the offered tools as JSON text (None without)."""
+    flat = {key: [_flat_message(m) for m in value] if isinstance(value, list) else value
+            for key, value in row.items() if key != "tools"}
+    flat["tools"] = json.dumps(row["tools"], ensure_ascii=False) if row.get("tools") else None
+    return flat
 
 
 class _Shards:

@@ -9,7 +9,8 @@ Two JSONL files, because the two kinds of rows feed different trainers and the r
   is chosen) and 'edit' feedback (the user's edit is chosen over the model's answer). The importer
   reads this file directly; so does TRL's DPO/reward trainers.
 - every row also carries ``model_id``: the sha256 of the artifact the feedback was given to, so that
-  ``train --algo dpo|kto`` can refuse feedback about a model the run did not export.
+  ``train --algo dpo|kto`` can refuse feedback about a model the run did not export; and ``tools``
+  (TRL's column) when the turn's prompt offered tools, so that training renders the prompt as answered.
 - ``OUT`` with ``.unpaired.jsonl`` for ``.jsonl`` (e.g. ``prefs.unpaired.jsonl``): unpaired rows
   ``{"prompt": [messages], "completion": [{"role": "assistant", ...}], "label": true|false}`` from
   thumbs up/down (TRL's KTO format).
@@ -61,11 +62,18 @@ def latest_verdicts(turn: Turn) -> list[Feedback]:
     return sorted(latest.values(), key=lambda f: f.id)
 
 
+def _tools(turn: Turn) -> dict[str, Any]:
+    """``{"tools": [...]}`` when the turn's prompt offered tools (its sampling record names them), else
+    nothing: TRL's ``tools`` column, so that training renders the prompt the model answered."""
+    tools = turn.sampling.get("tools") if isinstance(turn.sampling, dict) else None
+    return {"tools": tools} if isinstance(tools, list) and tools else {}
+
+
 def verdict_row(turn: Turn, feedback: Feedback) -> dict[str, Any] | None:
     """One TRL row for a verdict; None when chosen and rejected would be the same text."""
     if feedback.kind in ("up", "down"):
         return {"prompt": turn.messages, "completion": _assistant(turn.completion), "label": feedback.kind == "up",
-                "model_id": turn.model_id}
+                "model_id": turn.model_id, **_tools(turn)}
     if feedback.kind == "choice":
         pair = (turn.completion, feedback.other_completion)
         chosen, rejected = pair if feedback.preferred == "this" else pair[::-1]
@@ -75,7 +83,7 @@ def verdict_row(turn: Turn, feedback: Feedback) -> dict[str, Any] | None:
     if chosen.strip() == rejected.strip():
         return None
     return {"prompt": turn.messages, "chosen": _assistant(chosen), "rejected": _assistant(rejected),
-            "model_id": turn.model_id}
+            "model_id": turn.model_id, **_tools(turn)}
 
 
 def _scrub_value(value: Any, key: str = "") -> tuple[Any, int]:

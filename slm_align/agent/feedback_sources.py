@@ -64,6 +64,8 @@ def turn_key(row: dict) -> str:
         content = ["pair", row["model_id"], row["prompt"], row["chosen"], row["rejected"]]
     else:
         content = ["verdict", row["model_id"], row["prompt"], row["completion"]]
+    if row.get("tools"):  # the same words under other tools offered are another turn
+        content.append(row["tools"])
     return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -142,7 +144,8 @@ def _export_row(value: Any) -> Optional[dict]:
     if not pair and not verdict:
         return None
     keys = ("prompt", "chosen", "rejected", "model_id") if pair else ("prompt", "completion", "label", "model_id")
-    return {key: value[key] for key in keys}
+    tools = {"tools": value["tools"]} if isinstance(value.get("tools"), list) and value["tools"] else {}
+    return {**{key: value[key] for key in keys}, **tools}
 
 
 def export_rows(path: Path, counts: dict) -> Iterator[Candidate]:

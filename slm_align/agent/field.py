@@ -32,13 +32,13 @@ import json
 import random
 import shutil
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from slm_align.ab_test import SequentialTest
 from slm_align.agent.ab_trial import DeviceRouter, check_share
-from slm_align.agent.artifact_forms import resolve_artifact
+from slm_align.agent.artifact_forms import ArtifactForm, is_adapter_gguf, resolve_artifact
 from slm_align.agent.runtime import Agent, Model, fold_seed
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.store import PreferenceStore
@@ -54,7 +54,7 @@ from slm_align.agent.task_eval import (
 from slm_align.atomic import publish_directory
 from slm_align.errors import UserError
 from slm_align.progress import counted, stage_lines
-from slm_align.runs import check_out_dir
+from slm_align.runs import check_out_dir, sha256_file
 from slm_align.stats import wilson_interval
 from slm_align.tools.builtin import default_tools
 
@@ -77,7 +77,8 @@ class FieldSettings:
     unrated: float = DEFAULT_UNRATED
     """Share of turns left without a rating."""
     candidate: tuple = ()
-    """Adapter GGUFs A/B-tested against the artifact's adapters (none: no A/B test)."""
+    """Adapter GGUFs A/B-tested against the artifact's adapters (none: no A/B test), or one manifest,
+    bundle or BASE+ADAPTER chain on the same base (:func:`candidate_chain`)."""
     candidate_share: float = 0.5
     seed: int = 0
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -97,9 +98,9 @@ class FieldSettings:
         if self.candidate:
             check_share(self.candidate_share)
         for path in self.candidate:
-            if not Path(path).is_file():
+            if not Path(path).exists() and "+" not in str(path):
                 raise UserError(f"candidate adapter {path} not found; pass a LoRA adapter GGUF made for the "
-                                "artifact's base (`export --target gguf-adapter`)")
+                                "artifact's base (`export --target gguf-adapter`), or its manifest or bundle")
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,26 @@ def assign_tasks(rows: int, turns: int, rng: random.Random) -> list[int]:
         rng.shuffle(block)
         picks.extend(block)
     return picks[:turns]
+
+
+def candidate_chain(candidate: Sequence[Union[str, Path]], current: ArtifactForm) -> tuple[Path, ...]:
+    """The candidate's adapters, applied in order on the artifact's base: adapter GGUFs as given, or the
+    adapters of one artifact form (an adapter export's manifest, a bundle folder, ``BASE+ADAPTER...``)
+    whose base is the artifact's own (same sha256): a round's update A/B-tested as it ships."""
+    paths = [Path(str(path)) for path in candidate]
+    if not paths or all(path.is_file() and is_adapter_gguf(path) for path in paths):
+        return tuple(paths)
+    if len(paths) > 1:
+        raise UserError("pass one --candidate that is a manifest, bundle or BASE+ADAPTER chain, or only "
+                        "adapter GGUFs (repeat --candidate to chain them)")
+    form = resolve_artifact(candidate[0])
+    if not form.adapters:
+        raise UserError(f"--candidate {candidate[0]} holds no adapter; pass an adapter export's manifest, "
+                        "a base + adapters bundle or adapter GGUFs")
+    if sha256_file(form.model) != sha256_file(current.model):
+        raise UserError(f"--candidate {candidate[0]} is made for another base than --artifact ({form.model} "
+                        f"is not {current.model}); export the candidate from the same base")
+    return form.adapters
 
 
 def device_name(device: int, devices: int) -> str:
@@ -240,8 +261,10 @@ def simulate_field(artifact: Union[str, Path], tasks: Union[str, Path], out: Uni
     check_artifact_exists(artifact)
     check_out(out, [Path(tasks), *[Path(p) for p in str(artifact).split("+")], *map(Path, candidate)], overwrite)
     rows = load_tasks(tasks, limit)
+    form = resolve_artifact(artifact)
+    settings = replace(settings, candidate=candidate_chain(candidate, form))
     model = load_checked(artifact, threads)
-    current = resolve_artifact(artifact).adapters
+    current = form.adapters
     scratch = out.with_name(f".{out.name}.partial")
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)

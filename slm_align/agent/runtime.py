@@ -463,6 +463,8 @@ class Agent:
             recorded = {**params.to_dict(), "chat_template": self.backend.chat_template_origin}
             if self.adapters:
                 recorded["adapters"] = self.adapters
+            if self.tools and len(self.tools):  # what the prompt offered: the next round trains on it
+                recorded["tools"] = self.tools.specs()
             turn_id = self.store.record_turn(self.conversation_id, window, text, self.model_id, recorded,
                                              self.consent, token=token)
             if self.ab:

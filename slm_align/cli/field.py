@@ -34,9 +34,10 @@ def simulate(
                                          "one task drawn for that device."),
     noise: float = typer.Option(0.1, "--noise", help="Share of rated turns whose thumb is flipped (0 to 1)."),
     unrated: float = typer.Option(0.3, "--unrated", help="Share of turns the user does not rate (0 to 1)."),
-    candidate: Optional[list[Path]] = typer.Option(None, "--candidate", help="LoRA adapter GGUF to A/B-test "
-                                                   "against the artifact's adapters on every device, as the "
-                                                   "embedded runtime does; repeat to chain."),
+    candidate: Optional[list[str]] = typer.Option(None, "--candidate", help="LoRA adapter GGUF to A/B-test "
+                                                  "against the artifact's adapters on every device, as the "
+                                                  "embedded runtime does (repeat to chain); or one adapter "
+                                                  "export's manifest or bundle folder on the same base."),
     candidate_share: float = typer.Option(0.5, "--candidate-share", help="Share of conversations the "
                                           "candidate answers while a device's A/B test collects."),
     seed: int = typer.Option(0, "--seed", help="Seed of each device's tasks, its user's ratings and "

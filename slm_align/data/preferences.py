@@ -9,8 +9,9 @@ Accepted rows (any corpus format that :mod:`slm_align.data.readers` reads):
   with message lists); within one prompt, every good completion is paired with every bad one (at
   most :data:`MAX_PAIRS_PER_PROMPT`).
 
-This is also the format ``slm-align feedback export`` writes for the next round.
-Extra columns are ignored.
+A ``tools`` column (TRL's: the tools the prompt offered, a list or JSON text) renders the prompt with
+them, as the runtime showed them. This is also the format ``slm-align feedback export`` writes for the
+next round. Other extra columns are ignored.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from slm_align.data.pairs import Pair
 from slm_align.data.prompts import chat_message, chat_turn
 from slm_align.data.readers import iter_rows
 from slm_align.errors import UserError
+from slm_align.tools.specs import normalise_tools
 
 MAX_PAIRS_PER_PROMPT = 8
 
@@ -44,15 +46,17 @@ def _render_chat(where: str, row: dict, tokenizer) -> Pair:
     if "prompt" not in row and chosen[:-1] != rejected[:-1]:
         raise UserError(f"{where}: without a 'prompt' column, chosen and rejected must "
                         "share all but the last turn")
-    prompt_text, chosen_text = chat_turn(prompt, chosen[-1], tokenizer)
-    return Pair(prompt_text, chosen_text, chat_turn(prompt, rejected[-1], tokenizer)[1])
+    tools = normalise_tools(where, row.get("tools"))
+    prompt_text, chosen_text = chat_turn(prompt, chosen[-1], tokenizer, tools)
+    return Pair(prompt_text, chosen_text, chat_turn(prompt, rejected[-1], tokenizer, tools)[1])
 
 
 def _unpaired(where: str, row: dict, tokenizer) -> tuple[str, str]:
     """(prompt, completion) as text; TRL's conversational form goes through the chat template."""
     if isinstance(row["prompt"], list) or isinstance(row["completion"], list):
         completion = _messages(where, row["completion"], "completion")
-        return chat_turn(_messages(where, row["prompt"], "prompt"), completion[-1], tokenizer)
+        tools = normalise_tools(where, row.get("tools"))
+        return chat_turn(_messages(where, row["prompt"], "prompt"), completion[-1], tokenizer, tools)
     return _text(where, row, "prompt"), _text(where, row, "completion")
 
 

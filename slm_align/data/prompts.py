@@ -7,6 +7,7 @@ the prompt. Chat rows use the tokenizer's chat template with the generation prom
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Optional
 
@@ -55,7 +56,20 @@ def chat_message(where: str, message: Any) -> dict:
     if not isinstance(content, str):
         raise UserError(f"{where}: each message needs a 'role' and a text 'content'")
     kept = {key: message[key] for key in MESSAGE_KEYS if message.get(key) is not None}
+    if isinstance(kept.get("tool_calls"), str):  # JSON text: the Parquet shards of `feedback collect`
+        kept["tool_calls"] = _json_calls(where, kept["tool_calls"])
     return dict(kept, role=str(message["role"]), content=content)
+
+
+def _json_calls(where: str, text: str) -> list:
+    """A message's tool calls stored as JSON text, decoded; one line when it is not a JSON list."""
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        calls = None
+    if not isinstance(calls, list):
+        raise UserError(f"{where}: a message's 'tool_calls' is text but not a JSON list of calls")
+    return calls
 
 
 def render_chat(messages, tokenizer, add_generation_prompt: bool = False, tools=None) -> str:

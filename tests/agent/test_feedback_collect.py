@@ -184,3 +184,31 @@ def test_collecting_many_stores_streams_in_bounded_memory(tmp_path, monkeypatch)
     many, many_bytes = peak_collecting(stores, tmp_path / "many")
     assert many_bytes == 5 * few_bytes and many_bytes - few_bytes > 600_000
     assert many < few * 1.3 + 100_000, (few, many)  # 2,400 more rows held would add megabytes
+
+
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "Compute.", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+def test_train_reads_the_parquet_shards_as_the_jsonl_with_the_tools_offered(tmp_path):
+    """The next round's rows keep the tools each prompt offered, and DPO/KTO read a shard (tool calls and
+    tools as JSON text) as they read the JSONL: the same prompt, the tools shown, the earlier call rendered."""
+    pytest.importorskip("pyarrow")
+    from slm_align.data.preferences import read_preference_rows
+    from slm_align.modeling import DEFAULT_MODEL_DIR, load_tokenizer, resolve_source
+
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}
+    messages = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "calculator", "content": "5"}]
+    with PreferenceStore(tmp_path / "phone-1.db") as store:
+        store.thumbs(store.record_turn("c1", messages, "It is 5.", MODEL_A, {"tools": [CALCULATOR]}, True), True)
+        store.thumbs(store.record_turn("c2", prompt("Hi"), "Hello.", MODEL_A, {"temperature": 0.0}, True), False)
+    collect_feedback([tmp_path / "phone-1.db"], tmp_path / "round2")
+    rows = [json.loads(line) for line in (tmp_path / "round2" / "unpaired.jsonl").read_text().splitlines()]
+    assert [row.get("tools") for row in rows] == [[CALCULATOR], None]
+    tokenizer = load_tokenizer(resolve_source(str(DEFAULT_MODEL_DIR)))
+    jsonl = read_preference_rows(tmp_path / "round2" / "unpaired.jsonl", tokenizer).labelled
+    shard = read_preference_rows(tmp_path / "round2" / "unpaired" / "part-00000.parquet", tokenizer).labelled
+    assert shard == jsonl
+    assert "calculator(expression" in jsonl[0].prompt and '"expression": "2+3"' in jsonl[0].prompt
+    assert "calculator" not in jsonl[1].prompt

