@@ -67,7 +67,8 @@ def prompts_for(n: int) -> list[str]:
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
-def run_ours(args) -> dict:
+def build_ours(args):
+    """Our GRPO (or PPO) loop at the benchmark's settings, ready for ``run_step``."""
     import torch
 
     from slm_align.accelerator import resolve_device
@@ -84,6 +85,7 @@ def run_ours(args) -> dict:
     settings = RLSettings(algo=args.algo, prompts_per_step=args.prompts, group_size=args.group_size,
                           max_new_tokens=args.max_new_tokens, epochs=args.epochs, minibatch_size=args.minibatch,
                           grpo=GRPOSettings(beta=args.beta, loss_type="grpo"), learning_rate=1e-5,
+                          old_logprobs=args.old_logprobs,
                           lora=LoraSettings(r=LORA["r"], alpha=LORA["lora_alpha"], dropout=0.0,
                                             target_modules=LORA["target_modules"]))
     if args.side == "ours_llama":
@@ -104,6 +106,11 @@ def run_ours(args) -> dict:
         folder = tempfile.mkdtemp(prefix="grpo-bench-sampler-")
         loop.sampler = LlamaSampler(policy, tokenizer, source, Path(folder), args.sampler_base, threads=args.threads,
                                     n_ctx=1024)
+    return loop
+
+
+def run_ours(args) -> dict:
+    loop = build_ours(args)
     times = []
     cpu = []
     logged = []
@@ -310,6 +317,11 @@ def main() -> None:
     parser.add_argument("--algo", choices=["grpo", "ppo"], default="grpo",
                         help="ppo: our PPO (value head) alone, its phases per iteration; TRL "
                              "1.x has no PPO trainer")
+    parser.add_argument("--old-logprobs", choices=["sampler", "recompute"], default="sampler",
+                        help="our side's old log-probabilities: the sampler's, or a pass of their own (as before "
+                             "2026-12-07, and as TRL)")
+    parser.add_argument("--together", action="store_true",
+                        help="run each round's sides at the same time (a busy host: compare CPU seconds)")
     add_side_arguments(parser, SIDES)
     args = parser.parse_args()
     if ran_as_side(args, run_ours, run_trl):
@@ -318,7 +330,7 @@ def main() -> None:
         print_ours_alone(alternate_sides(__file__, sys.argv[1:], args.repeats, sides=("ours",)), args)
         return
     ours = {"torch": ("ours",), "llama_cpp": ("ours_llama",), "both": ("ours", "ours_llama")}[args.sampler]
-    runs = alternate_sides(__file__, sys.argv[1:], args.repeats, sides=ours + ("trl",))
+    runs = alternate_sides(__file__, sys.argv[1:], args.repeats, sides=ours + ("trl",), together=args.together)
     rows = (("seconds_per_iteration", "seconds per iteration", ".2f"),
             ("cpu_seconds_per_iteration", "CPU seconds per iteration", ".2f"),
             ("peak_rss_mb", "peak RSS (MB)", ".0f"), ("completion_tokens", "completion tokens (mean)", ".1f"),

@@ -15,17 +15,23 @@ SIDES = ("ours", "trl")
 
 
 def alternate_sides(script: str, argv: list[str], repeats: int,
-                    sides: tuple[str, ...] = SIDES) -> dict[str, list[dict]]:
-    """Run ``script --side S argv`` ``repeats`` times for each of ``sides``, alternating;
-    each run's last stdout line is its JSON result. A failing side stops the benchmark
-    with its last error line."""
+                    sides: tuple[str, ...] = SIDES, together: bool = False) -> dict[str, list[dict]]:
+    """Run ``script --side S argv`` ``repeats`` times for each of ``sides``, alternating (``together``:
+    the sides of a round at the same time, each its own process, so that a busy host's load falls on
+    all alike; compare their CPU seconds then); each run's last stdout line is its JSON result. A
+    failing side stops the benchmark with its last error line."""
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for _ in range(repeats):
-        for side in sides:
-            done = subprocess.run([sys.executable, script, "--side", side] + argv, capture_output=True, text=True)
-            if done.returncode != 0:
-                sys.exit(f"{side} failed: {done.stderr.strip().splitlines()[-1]}")
-            runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+        rounds = [sides] if together else [(side,) for side in sides]
+        for group in rounds:
+            started = {side: subprocess.Popen([sys.executable, script, "--side", side] + argv,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                       for side in group}
+            for side, process in started.items():
+                out, err = process.communicate()
+                if process.returncode != 0:
+                    sys.exit(f"{side} failed: {err.strip().splitlines()[-1]}")
+                runs[side].append(json.loads(out.strip().splitlines()[-1]))
     return runs
 
 

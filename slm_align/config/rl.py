@@ -210,6 +210,10 @@ class RLSettings(Strict):
     sampler_correction: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
         "token_truncate", description="llama.cpp sampler: a weight per token or per completion, truncated at the "
         "cap or zero above it (as TRL's vllm_importance_sampling_mode).")
+    old_logprobs: Literal["sampler", "recompute"] = Field(
+        "sampler", description="GRPO with several minibatches per epoch, PyTorch sampling in fp32: the old "
+        "log-probabilities are the sampler's own (no pass of their own; they differ from a recomputation by fp32 "
+        "rounding), or recomputed in a forward pass as TRL does.")
     ppo: PPOSettings = Field(default_factory=PPOSettings, description="PPO's own settings.")
     grpo: GRPOSettings = Field(default_factory=GRPOSettings, description="GRPO's own settings.")
     lora: LoraSettings = Field(default_factory=lambda: LoraSettings(r=16, alpha=32.0, dropout=0.0),

@@ -140,13 +140,18 @@ class FusedLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weight, targets, temperature, with_entropy):
         logp = _scaled_logp(nn.functional.linear(rows, weight), temperature)
-        logprob, entropy = _picked(logp, targets, with_entropy)
-        if entropy is None:
+        logprob = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        if with_entropy:  # p once: the entropy and the gradient both read it
+            probs = logp.exp()
+            entropy = -logp.mul_(probs).sum(-1)  # -sum_v p_v log p_v, in the log-softmax's place
+        else:
+            probs = logp.exp_()
             entropy = logprob.new_zeros(0)  # an autograd Function returns tensors only
-        residual = logp.exp_().neg_()  # the log-softmax is not needed any more: -p, in its place
+        del logp
+        residual = probs.neg_()  # -p, in its place
         residual.scatter_add_(-1, targets.unsqueeze(-1), torch.ones_like(logprob).unsqueeze(-1))  # onehot(y) - p
         gradient = (residual.to(weight.dtype) @ weight).float()  # (n, H): W[y] - p W, as autograd orders it
-        del residual, logp
+        del residual, probs
         if temperature != 1.0:
             gradient = gradient / temperature
         ctx.save_for_backward(gradient)

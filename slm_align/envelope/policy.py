@@ -72,8 +72,9 @@ def merged_for_sampling(model):
 
     Sampling through peft's LoRA path costs about a quarter more time on small models; the
     original weights are cloned and copied back (not un-merged by subtraction, which would
-    drift), so the reference is untouched. Log-probabilities for the update are always
-    recomputed through the LoRA path. A target whose weight another module shares (a tied head
+    drift), so the reference is untouched. The update's own log-probabilities always go through
+    the LoRA path; GRPO's old ones may be the sampler's (``rl.old_logprobs``), equal to fp32
+    rounding. A target whose weight another module shares (a tied head
     and embedding) cannot take its delta without changing the other: then sampling stays on the
     LoRA path, slower and exact.
     """

@@ -52,10 +52,20 @@ class GRPO(Learner):
         pass otherwise (TRL skips it at beta 0 too)."""
         return self.settings.grpo.beta > 0 or self.kl_watched
 
+    def old_from_sampler(self) -> bool:
+        """Whether the old log-probabilities, when needed, are the ones PyTorch's sampler drew each
+        token with (:func:`~slm_align.rl.rollout.sampled_old_logprobs`) instead of a pass of their own:
+        ``rl.old_logprobs = "sampler"`` (the default), PyTorch samples (llama.cpp's are another
+        engine's), in fp32 (under bf16 autocast the cached decode and a full forward round apart by
+        more than fp32 does)."""
+        fp32 = self.precision == "fp32" and not torch.is_autocast_enabled(self.device.type)
+        return self.settings.old_logprobs == "sampler" and self.sampler is None and fp32
+
     def sample(self, prompts: list[str], seed: int) -> Rollout:
         """One completion per prompt (``seed``), scored, with the log-probability passes GRPO
         uses."""
-        return self.collect_rollout(prompts, seed, self.needs_old_pass(), self.needs_reference())
+        return self.collect_rollout(prompts, seed, self.needs_old_pass(), self.needs_reference(),
+                                    self.old_from_sampler())
 
     def rollout(self, step: int) -> Rollout:
         """The groups of an iteration (B = prompts x G rows), all-equal ones drawn once more when

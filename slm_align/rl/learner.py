@@ -83,16 +83,18 @@ class Learner(TrainableRun):
         completion per prompt)."""
 
     def collect_rollout(self, prompts: list[str], seed: int, old_pass: bool = True,
-                        reference_pass: bool = True) -> Rollout:
+                        reference_pass: bool = True, old_from_sampler: bool = False) -> Rollout:
         """One completion (or, with agent tasks, one episode) per prompt, scored, with the old and
-        reference log-probabilities the algorithm asks for (values under PPO), timed on the clock."""
+        reference log-probabilities the algorithm asks for (values under PPO), timed on the clock;
+        ``old_from_sampler``: single completions sampled by PyTorch take their old log-probabilities
+        from the sampler (:func:`~slm_align.rl.rollout.sampled_old_logprobs`)."""
         with self.forward_context():
             if self.episodes is not None:
                 return collect_episodes(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts,
                                         self.settings, seed, self.episodes, self.clock, old_pass, reference_pass,
                                         self.sampler)
             return collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts, self.settings,
-                           seed, self.clock, old_pass, reference_pass, self.sampler)
+                           seed, self.clock, old_pass, reference_pass, self.sampler, old_from_sampler)
 
     def sample_rewards(self, prompts: list[str], seed: int, adapter: bool = True) -> list[float]:
         """The reward of one completion (or episode) per prompt sampled with ``seed``, the RL adapter on

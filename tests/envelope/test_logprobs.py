@@ -4,6 +4,8 @@ ratio of a chunked update stays exactly 1."""
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from slm_align.config import LoraSettings, RLSettings
 from slm_align.envelope.logprobs import _model_logprobs, forward_logprobs, plain_head, token_logprobs
@@ -87,3 +89,66 @@ def test_the_fused_path_keeps_no_vocabulary_sized_tensor_and_weighs_each_row_by_
     unfused, _ = token_logprobs(hidden, head, targets, 0.7, False, chunk=4)
     unfused.sum().backward()
     assert head.weight.grad is not None and head.weight.grad.abs().max() > 0
+
+
+class VocabularyRows(TorchDispatchMode):
+    """Records the most rows any tensor an operator produced had with the vocabulary as its last
+    dimension (views left out: the head's transposed weight is not a new tensor)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for tensor in pytree.tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1 and tensor.shape[-1] == self.vocab:
+                    self.most = max(self.most, tensor.numel() // self.vocab)
+        return out
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 64])
+def test_each_chunk_size_gives_the_whole_heads_values_and_gradients_and_never_more_rows(tiny_models, tokenizer,
+                                                                                        chunk):
+    policy = policy_with_trained_lora(tiny_models["gemma3_text"])
+    ids, mask, width = left_padded(tokenizer)  # 3 rows x T completion positions: 7 divides none of them evenly
+    vocab = plain_head(policy).weight.shape[0]
+    whole = _model_logprobs(policy, ids, mask, width, 0.7, None, True)
+    seen = VocabularyRows(vocab)
+    with seen:
+        chunked = forward_logprobs(policy, ids, mask, width, 0.7, None, chunk=chunk)
+        completion = mask[:, width:].float()
+        lora = [p for n, p in policy.named_parameters() if "lora_B" in n]
+        grads = torch.autograd.grad((chunked[0] * completion).sum(), lora)
+    positions = completion.numel()
+    assert positions % 7 and 0 < seen.most <= min(chunk, positions)  # one chunk's logits at a time, never B x T
+    torch.testing.assert_close(chunked[0], whole[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(chunked[1], whole[1], rtol=1e-6, atol=1e-6)
+    expected = torch.autograd.grad((whole[0] * completion).sum(), lora)
+    for ours, theirs in zip(grads, expected):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    assert any(g.abs().max() > 0 for g in grads)
+
+
+def test_the_row_recorder_sees_the_whole_heads_logits(tiny_models, tokenizer):
+    policy = policy_with_trained_lora(tiny_models["gemma3_text"])
+    ids, mask, width = left_padded(tokenizer)
+    seen = VocabularyRows(plain_head(policy).weight.shape[0])
+    with seen, torch.no_grad():
+        _model_logprobs(policy, ids, mask, width, 0.7, None, False)
+    assert seen.most >= mask[:, width:].numel()  # B x T rows at once: what the chunked path never holds
+
+
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_scoring_without_gradient_holds_one_chunk_of_logits(tiny_models, tokenizer, chunk):
+    policy = policy_with_trained_lora(tiny_models["gemma3_text"])
+    ids, mask, width = left_padded(tokenizer)
+    seen = VocabularyRows(plain_head(policy).weight.shape[0])
+    with seen, torch.no_grad():  # the old and reference passes' way
+        scored, entropy, _ = forward_logprobs(policy, ids, mask, width, 1.0, None, with_entropy=False, chunk=chunk)
+    assert entropy is None and 0 < seen.most <= chunk
+    with torch.no_grad():
+        whole, _, _ = _model_logprobs(policy, ids, mask, width, 1.0, None, False)
+    torch.testing.assert_close(scored, whole, rtol=1e-6, atol=1e-6)

@@ -52,9 +52,10 @@ def test_every_iteration_logs_its_phases_and_they_fit_in_the_iteration(sft_run, 
     for step in range(2):
         metrics = loop.run_step(step)
         timed = [metrics[f"time/{name}"] for name in PHASES]
-        ran = [metrics[f"time/{name}"] for name in PHASES if name != "sampler_sync"]  # PyTorch samples here
-        assert all(seconds > 0 for seconds in ran)  # every phase ran (beta > 0, two epochs: both passes)
-        assert metrics["time/sampler_sync"] == 0.0
+        idle = {"sampler_sync"} | ({"scoring_old"} if algo == "grpo" else set())  # PyTorch samples here, and
+        ran = [metrics[f"time/{name}"] for name in PHASES if name not in idle]  # GRPO's old log-probs are its
+        assert all(seconds > 0 for seconds in ran)  # every other phase ran (beta > 0, two epochs: the passes)
+        assert all(metrics[f"time/{name}"] == 0.0 for name in idle)
         assert sum(timed) <= metrics["step_time"]
 
 
@@ -73,9 +74,12 @@ class ForcedPasses(GRPO):
     def needs_reference(self) -> bool:
         return True
 
+    def old_from_sampler(self) -> bool:
+        return False
+
 
 def test_no_reference_pass_at_beta_zero_unless_the_watchdog_reads_the_kl(sft_run, tmp_path):  # noqa: F811
-    skipping = make_loop(sft_run, grpo={"beta": 0.0})
+    skipping = make_loop(sft_run, grpo={"beta": 0.0}, old_logprobs="recompute")  # old log-probs as forced's
     metrics = skipping.run_step(0)
     assert metrics["time/scoring_ref"] == 0.0 and metrics["kl"] is None
     forced = make_loop(sft_run, loop_class=ForcedPasses, grpo={"beta": 0.0})
@@ -134,3 +138,45 @@ def test_a_rolled_back_first_epoch_without_an_old_pass_leaves_the_rollout_policy
     loop.fault = False
     second = loop.minibatch(batch, torch.arange(16), adv)  # epoch 2 starts from the unchanged policy
     assert second["ratio/mean"] == 1.0 and second["ratio/max"] == 1.0
+
+
+def test_with_two_minibatches_an_epoch_grpo_takes_the_samplers_log_probs_as_old_and_updates_as_with_a_pass(
+        sft_run):  # noqa: F811
+    sampled = make_loop(sft_run)  # 4 prompts x G=4 in minibatches of 8: the second is scored after a step
+    batch = sampled.rollout(0)
+    assert sampled.clock.metrics()["time/scoring_old"] == 0.0 and batch.sampler_logprobs is None
+    forced = make_loop(sft_run, loop_class=ForcedPasses)
+    recomputed = forced.rollout(0)
+    assert forced.clock.metrics()["time/scoring_old"] > 0
+    assert torch.equal(batch.input_ids, recomputed.input_ids)  # the same draws
+    tokens = batch.attention_mask[:, batch.prompt_width:] > 0
+    difference = (batch.old_logprobs - recomputed.old_logprobs)[tokens].abs().max()
+    assert 0 < difference < 1e-5  # the same log-probabilities but for fp32 rounding (a cached, merged decode)
+    assert (batch.old_logprobs[~tokens] == 0).all()
+    first = sampled.minibatch(batch, torch.arange(8), sampled.advantages(batch))
+    assert abs(first["ratio/mean"] - 1.0) < 1e-5 and first["skipped"] == 0
+    before = lora_state(make_loop(sft_run))
+    again = make_loop(sft_run)
+    again_metrics = again.run_step(0)
+    forced = make_loop(sft_run, loop_class=ForcedPasses)
+    forced_metrics = forced.run_step(0)
+    assert again_metrics["time/scoring_old"] == 0.0 and forced_metrics["time/scoring_old"] > 0
+    ours = lora_state(again)
+    theirs = lora_state(forced)
+    moved = max(float((theirs[name] - before[name]).abs().max()) for name in theirs)
+    apart = max(float((ours[name] - theirs[name]).abs().max()) for name in theirs)
+    assert moved > 0 and apart < 1e-3 * moved  # four steps each: the updates agree to fp32 rounding
+    assert abs(again_metrics["kl"] - forced_metrics["kl"]) < 1e-4
+
+
+@pytest.mark.parametrize("change", ["recompute", "bf16", "llama_cpp"])
+def test_the_old_pass_runs_when_asked_under_bf16_and_for_another_engines_samples(sft_run, change):  # noqa: F811
+    assert make_loop(sft_run).old_from_sampler()  # the default: PyTorch samples in fp32
+    loop = make_loop(sft_run, old_logprobs="recompute" if change == "recompute" else "sampler")
+    if change == "bf16":
+        loop.precision = "bf16"
+    if change == "llama_cpp":
+        loop.sampler = object()  # any sampler other than PyTorch's: its log-probs are another engine's
+    assert not loop.old_from_sampler()
+    if change == "recompute":
+        assert loop.run_step(0)["time/scoring_old"] > 0
