@@ -39,18 +39,23 @@ class SlotCache:
     def __init__(self):
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.length = 0
+        self.ids: list[int] = []
+        """The ids whose keys and values it holds."""
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
 
     def crop(self, keep: int) -> None:
-        self.length = min(self.length, keep)
+        self.ids = self.ids[:keep]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv_heads, length, head_dim) keys and values of one layer (views)."""
         return self.keys[index][:, :self.length], self.values[index][:, :self.length]
 
-    def append(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-        """Append per layer (kv_heads, n, head_dim) keys and values after ``length``."""
-        count = keys[0].shape[1]
+    def append(self, ids: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Append ``ids``' per layer (kv_heads, n, head_dim) keys and values after ``length``."""
+        count = len(ids)
         if not self.keys:
             self.keys = [k.new_empty(k.shape[0], 0, k.shape[2]) for k in keys]
             self.values = [v.new_empty(v.shape[0], 0, v.shape[2]) for v in values]
@@ -60,7 +65,13 @@ class SlotCache:
         for index, (k, v) in enumerate(zip(keys, values)):
             self.keys[index][:, self.length:end] = k
             self.values[index][:, self.length:end] = v
-        self.length = end
+        self.ids = self.ids + list(ids)
+
+    def copy_from(self, other: "SlotCache", end: int) -> None:
+        """Append ``other``'s positions from this cache's length up to ``end`` (the ids before agree)."""
+        start = self.length
+        pairs = [other.layer(index) for index in range(len(other.keys))]
+        self.append(other.ids[start:end], [k[:, start:end] for k, _ in pairs], [v[:, start:end] for _, v in pairs])
 
     def _grow(self, needed: int) -> None:
         capacity = max(needed, 2 * self.keys[0].shape[1], 64)
@@ -107,8 +118,14 @@ class PolicyDecoder:
         self.caches = [SlotCache() for _ in range(slots)]
         self.samplers: dict[int, _Sampler] = {}
         self.forwards = 0
-        self._tokenizing = threading.Lock()
         """Model forwards run (a step's decode rows share one; each prefill is one)."""
+        self.shared_prefills = 0
+        """Prefills copied from a slot that computed the same ids (:meth:`_prefill`)."""
+        self._tokenizing = threading.Lock()
+        self._prefills: dict[tuple[int, tuple[int, ...]], tuple[int, torch.Tensor]] = {}
+        """(cached length, ids after the prefill) -> (the slot that computed it, its last logits)."""
+        self._batch: Optional[tuple[tuple[int, ...], DynamicCache, torch.Tensor]] = None
+        """The last decode forward's slots, its cache and attention mask, reused while those slots decode on."""
 
     def tokenize(self, text: str, add_special: bool = True, special: bool = True) -> list[int]:
         """The tokenizer's ids of ``text``; without ``special`` special-token text stays characters. One thread
@@ -122,7 +139,19 @@ class PolicyDecoder:
             return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def crop(self, slot: int, keep: int) -> None:
+        if keep >= self.caches[slot].length:
+            return
         self.caches[slot].crop(keep)
+        self._forget(slot, keep)
+
+    def _forget(self, slot: int, keep: int = 0) -> None:
+        """The slot's cache beyond ``keep`` changes: the prefills it computed past there and the batch it is
+        in no longer stand."""
+        stale = [key for key, (source, _) in self._prefills.items() if source == slot and len(key[1]) > keep]
+        for key in stale:
+            del self._prefills[key]
+        if self._batch is not None and slot in self._batch[0]:
+            self._batch = None
 
     def begin(self, slot: int, params, grammar: Optional[str], prompt: Sequence[int], logits: bool) -> None:
         """The slot's round: exact sampling only (as the one-conversation backend), its generator seeded by
@@ -138,14 +167,30 @@ class PolicyDecoder:
         """Prefill the slots fed several ids (or starting empty) one by one, decode the rest in one forward;
         each slot's draw from its own sampler."""
         logits: dict[int, torch.Tensor] = {}
-        decoding = [slot for slot, ids in feeds.items() if len(ids) == 1 and self.caches[slot].length > 0]
+        decoding = sorted(slot for slot, ids in feeds.items() if len(ids) == 1 and self.caches[slot].length > 0)
         for slot, ids in feeds.items():
             if slot not in decoding:
-                logits[slot] = self._forward([slot], [list(ids)])[0]
+                logits[slot] = self._prefill(slot, list(ids))
         if decoding:
             rows = self._forward(decoding, [feeds[slot] for slot in decoding])
             logits.update(zip(decoding, rows))
         return {slot: self._draw(slot, logits[slot]) for slot in feeds}
+
+    def _prefill(self, slot: int, ids: list[int]) -> torch.Tensor:
+        """Feed ``ids`` to the slot alone; or, when another slot computed the same ids from the same cached
+        length (a group's episodes share their prompt), copy its keys, values and logits: the numbers this
+        forward would give, bit for bit, without running it."""
+        self._forget(slot, self.caches[slot].length)
+        cache = self.caches[slot]
+        key = (cache.length, tuple(cache.ids + ids))
+        source, logits = self._prefills.get(key, (None, None))
+        if source is not None and self.caches[source].ids[:len(key[1])] == list(key[1]):
+            cache.copy_from(self.caches[source], len(key[1]))
+            self.shared_prefills += 1
+            return logits
+        logits = self._forward([slot], [ids])[0]
+        self._prefills[key] = (slot, logits)
+        return logits
 
     def _draw(self, slot: int, logits: torch.Tensor) -> Draw:
         """One token from the slot's sampler over its (V,) logits, as PolicyBackend draws it."""
@@ -162,17 +207,33 @@ class PolicyDecoder:
         lengths = [self.caches[slot].length for slot in slots]
         width = max(lengths)
         count = len(feeds[0])
-        cache = self._gathered(slots, lengths, width)
-        attention = torch.zeros((len(slots), width + count), dtype=torch.long, device=self.device)
-        for row, length in enumerate(lengths):
-            attention[row, width - length:] = 1
+        cache, attention = self._batched(slots, lengths, width, count)
         positions = torch.tensor([[length + j for j in range(count)] for length in lengths], device=self.device)
         inputs = torch.tensor(feeds, device=self.device)
         output = self.model(input_ids=inputs, attention_mask=attention, position_ids=positions,
                             past_key_values=cache, use_cache=True, logits_to_keep=1)
         self.forwards += 1
-        self._keep(slots, output.past_key_values, count)
+        self._keep(slots, feeds, output.past_key_values)
+        self._batch = (tuple(slots), output.past_key_values, attention) if count == 1 else None
         return list(output.logits[:, -1])
+
+    def _batched(self, slots: list[int], lengths: list[int], width: int,
+                 count: int) -> tuple[Optional[DynamicCache], torch.Tensor]:
+        """The slots' caches as one left-padded cache and its (B, width + count) attention mask. When the
+        slots decode again after the last decode forward, or some of them (the others stopped), its cache and
+        mask one column on (their rows); else gathered anew."""
+        if count == 1 and self._batch is not None and set(slots) <= set(self._batch[0]):
+            batched, cache, attention = self._batch
+            if tuple(slots) != batched:
+                rows = torch.tensor([batched.index(slot) for slot in slots], device=self.device)
+                cache.batch_select_indices(rows)
+                attention = attention[rows]
+            ones = torch.ones((len(slots), 1), dtype=attention.dtype, device=self.device)
+            return cache, torch.cat([attention, ones], dim=1)
+        attention = torch.zeros((len(slots), width + count), dtype=torch.long, device=self.device)
+        for row, length in enumerate(lengths):
+            attention[row, width - length:] = 1
+        return self._gathered(slots, lengths, width), attention
 
     def _gathered(self, slots: list[int], lengths: list[int], width: int) -> Optional[DynamicCache]:
         """The slots' caches as one (B, kv_heads, width, head_dim) DynamicCache, each row left-padded."""
@@ -186,12 +247,13 @@ class PolicyDecoder:
             layers.append((keys, values))
         return DynamicCache(layers)
 
-    def _keep(self, slots: list[int], cache, count: int) -> None:
-        """Append the forward's new keys and values (its last ``count`` positions) to each slot's cache."""
+    def _keep(self, slots: list[int], feeds: list[list[int]], cache) -> None:
+        """Append the forward's new keys and values (the positions of ``feeds``, its last) to each slot's cache."""
+        count = len(feeds[0])
         keys = [layer.keys[:, :, -count:] for layer in cache.layers]
         values = [layer.values[:, :, -count:] for layer in cache.layers]
         for row, slot in enumerate(slots):
-            self.caches[slot].append([k[row] for k in keys], [v[row] for v in values])
+            self.caches[slot].append(feeds[row], [k[row] for k in keys], [v[row] for v in values])
 
 
 def _left_padded(tensor: torch.Tensor, width: int) -> torch.Tensor:

@@ -55,25 +55,28 @@ def model(tiny_models):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_an_episode_is_the_same_alone_and_in_a_batch_of_16(model, tokenizer, temperature):
+    """16 episodes, 8 prompts of different lengths twice each (a group's episodes share their prompt)."""
+    prompts = PROMPTS[:8] * 2
     rl = settings(max_new_tokens=20)
     tasks = tasks_of(PROMPTS)
     decoder = PolicyDecoder(model, tokenizer, slots=16)
 
     def episode(lane, index):
-        return run_episode(lane, PROMPTS[index], tasks.open(PROMPTS[index]), rl, params_of(temperature, index))
+        return run_episode(lane, prompts[index], tasks.open(prompts[index]), rl, params_of(temperature, index))
 
     with Engine(decoder) as engine:
-        batched = run_many(engine, list(range(len(PROMPTS))), episode)
+        batched = run_many(engine, list(range(len(prompts))), episode)
     assert engine.stepped_rows > 2 * engine.steps  # rows shared forwards
-    for index, prompt in enumerate(PROMPTS):
+    assert decoder.shared_prefills > 0  # a prompt computed once for both of its episodes
+    for index, prompt in enumerate(prompts):
         alone = run_episode(PolicyBackend(model, tokenizer), prompt, tasks.open(prompt), rl,
                             params_of(temperature, index))
         assert batched[index].ids == alone.ids and batched[index].sampled == alone.sampled
         assert batched[index].round_tokens == alone.round_tokens
         assert torch.allclose(torch.tensor(batched[index].drawn_logprobs), torch.tensor(alone.drawn_logprobs),
                               atol=1e-4)
-    if temperature > 0:  # real draws: the episodes differ from one another
-        assert len({tuple(e.ids[e.prompt_length:]) for e in batched}) > 8
+    if temperature > 0:  # real draws: the two episodes of a prompt differ (their own seeds)
+        assert len({tuple(e.ids[e.prompt_length:]) for e in batched}) > 12
 
 
 def test_rl_episodes_keep_episode_i_seed_i_through_the_engine(model, tokenizer):
