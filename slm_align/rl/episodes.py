@@ -298,7 +298,7 @@ def collect_episodes(policy, value_head: Optional[ValueHead], tokenizer, reward_
         with clock.phase("sampler_sync"):
             sampler.refresh(policy)
         with clock.phase("sampling"):
-            episodes = backend_episodes(sampler.episodes, prompts, settings, seed, tasks)
+            episodes = backend_episodes(sampler.episode_runner(len(prompts)), prompts, settings, seed, tasks)
     input_ids, attention, width, mask = pack(episodes, tokenizer.pad_token_id, device_of(policy))
     old, ref, values = scoring_passes(policy, value_head, input_ids, attention, width, settings, clock, old_pass,
                                       reference_pass)
