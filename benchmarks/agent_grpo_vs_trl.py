@@ -192,8 +192,9 @@ def print_table(runs: dict[str, list[dict]], args) -> None:
     table = medians(runs, keys)
     ours = [side for side in runs if side != "trl"]
     print(f"agent GRPO ({args.model}, SFT {args.sft_steps} steps), {args.prompts} prompts x G{args.group_size}, "
-          f"48 new tokens, 1 tool round, {args.threads} threads, {args.iterations} timed iterations; "
-          f"median of {args.repeats} runs per side, alternating")
+          f"48 new tokens, 1 tool round, {args.threads} threads, {args.iterations} timed iterations"
+          + ("; the sides run at the same time" if args.together else
+             f"; median of {args.repeats} runs per side, alternating"))
     print(f"{'':28}" + "".join(f"{SIDE_NAMES[side]:>18}" for side in runs)
           + "".join(f"{SIDE_NAMES[side] + ' / TRL':>26}" for side in ours))
     for key in keys:
