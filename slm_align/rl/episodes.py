@@ -18,6 +18,7 @@ is counted in ``episode/rerendered``.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -25,6 +26,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from slm_align.accelerator import device_of
+from slm_align.agent.batching import Engine, run_many
 from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams
 from slm_align.chat_templates import default_chat_template, require_tool_template
@@ -39,7 +41,7 @@ from slm_align.rewards.builtin import load_reward_fn
 from slm_align.rewards.columns import named_terms
 from slm_align.rewards.episodes import classify
 from slm_align.rl.phases import PhaseClock
-from slm_align.rl.policy_backend import PolicyBackend
+from slm_align.rl.policy_decoder import PolicyDecoder
 from slm_align.rl.rollout import Rollout, scoring_passes, truncation_rules
 from slm_align.tools.builtin import default_tools
 from slm_align.tools.environment import check_allowed, load_environment, open_environment
@@ -47,6 +49,8 @@ from slm_align.tools.registry import ToolRegistry
 from slm_align.tools.specs import registry_for_row
 
 SEED_SPAN = 2 ** 32
+MAX_SLOTS = 64
+"""Most episodes one PyTorch forward decodes together (the rest wait for a slot)."""
 
 
 @dataclass
@@ -228,7 +232,8 @@ def episode_params(settings: RLSettings, seed: int, index: int) -> SamplingParam
 
 def run_episode(backend, prompt: str, setup: EpisodeSetup, settings: RLSettings,
                 params: SamplingParams) -> Episode:
-    """One episode in the runtime's loop on ``backend`` (a :class:`PolicyBackend` or an
+    """One episode in the runtime's loop on ``backend`` (a :class:`PolicyBackend`, a
+    :class:`~slm_align.agent.batching.Lane` of an engine over a :class:`PolicyDecoder`, or an
     :class:`~slm_align.rl.llama_episodes.ExactLlamaBackend`); its ids from the runtime's trace, each
     sampled id's log-probability from the backend's rounds."""
     agent = Agent(backend, "policy", tools=setup.tools, sampling=params, grammar=False,
@@ -293,7 +298,7 @@ def collect_episodes(policy, value_head: Optional[ValueHead], tokenizer, reward_
         with clock.phase("sampler_sync"):
             sampler.refresh(policy)
         with clock.phase("sampling"):
-            episodes = backend_episodes(sampler.episodes, prompts, settings, seed, tasks)
+            episodes = backend_episodes(sampler.episode_runner(len(prompts)), prompts, settings, seed, tasks)
     input_ids, attention, width, mask = pack(episodes, tokenizer.pad_token_id, device_of(policy))
     old, ref, values = scoring_passes(policy, value_head, input_ids, attention, width, settings, clock, old_pass,
                                       reference_pass)
@@ -311,22 +316,51 @@ def collect_episodes(policy, value_head: Optional[ValueHead], tokenizer, reward_
 
 def run_episodes(model, tokenizer, prompts: list[str], settings: RLSettings, seed: int,
                  tasks: AgentTasks) -> list[Episode]:
-    """One episode per prompt on ``model`` (the policy as sampling sees it) through PyTorch
-    (:func:`backend_episodes`)."""
-    return backend_episodes(PolicyBackend(model, tokenizer, chat_template=tasks.chat_template), prompts, settings,
-                            seed, tasks)
+    """One episode per prompt on ``model`` (the policy as sampling sees it) through PyTorch, all of them at
+    once: a :class:`~slm_align.rl.policy_decoder.PolicyDecoder` with a slot per episode (at most
+    :data:`MAX_SLOTS`) stepped by one engine (:func:`backend_episodes`)."""
+    decoder = PolicyDecoder(model, tokenizer, slots=max(1, min(len(prompts), MAX_SLOTS)),
+                            chat_template=tasks.chat_template)
+    return backend_episodes(decoder, prompts, settings, seed, tasks)
 
 
 def backend_episodes(backend, prompts: list[str], settings: RLSettings, seed: int,
                      tasks: AgentTasks) -> list[Episode]:
-    """One episode per prompt on ``backend``, episode i drawn with the i-th seed of :func:`episode_params`."""
-    episodes = []
+    """One episode per prompt, episode i drawn with the i-th seed of :func:`episode_params`. ``backend``: a
+    batching :class:`~slm_align.agent.batching.Decoder` (every episode on a lane of one
+    :class:`~slm_align.agent.batching.Engine`, as many at once as it has slots), or a one-conversation
+    backend (the episodes one after another)."""
     with counted("episodes", len(prompts), "agent episodes") as count:  # shown by the gate and held-out reward
+        if is_decoder(backend):
+            return _engine_episodes(backend, prompts, settings, seed, tasks, count)
+        episodes = []
         for i, prompt in enumerate(prompts):
             params = episode_params(settings, seed, i)
             episodes.append(run_episode(backend, prompt, tasks.open(prompt), settings, params))
             count.advance()
-    return episodes
+        return episodes
+
+
+def is_decoder(backend) -> bool:
+    """``backend`` steps many slots (a :class:`~slm_align.agent.batching.Decoder`), not one conversation."""
+    return hasattr(backend, "step") and hasattr(backend, "slots")
+
+
+def _engine_episodes(decoder, prompts: list[str], settings: RLSettings, seed: int, tasks: AgentTasks,
+                     count) -> list[Episode]:
+    """The episodes on lanes of one engine over ``decoder`` (:func:`~slm_align.agent.batching.run_many`)."""
+    lock = threading.Lock()
+
+    def one(lane, item: tuple[int, str]) -> Episode:
+        index, prompt = item
+        return run_episode(lane, prompt, tasks.open(prompt), settings, episode_params(settings, seed, index))
+
+    def advance() -> None:
+        with lock:
+            count.advance()
+
+    with Engine(decoder) as engine:
+        return run_many(engine, list(enumerate(prompts)), one, on_done=advance)
 
 
 def episode_rewards(policy, tokenizer, reward_fn, prompts: list[str], settings: RLSettings, seed: int,

@@ -66,3 +66,43 @@ class ExactLlamaBackend(LlamaCppBackend):
         policy's adapter is rewritten every iteration; keeping each would grow by its size)."""
         self.set_adapters(adapters)
         self.release_unused()
+
+
+class ExactLlamaDecoder:
+    """A batching llama.cpp :class:`~slm_align.agent.batching.Decoder` (many episodes in one context, each slot
+    its own sampler chain) made to sample as :class:`ExactLlamaBackend` does: the temperature only, each round's
+    chain seeded ``round_seed(params.seed, len(prompt))``, and every draw's log-probability kept
+    (:attr:`~slm_align.agent.batching.Draw.logprob`, :func:`tempered_logprob` of the logits it was drawn from).
+    The model's facts are the wrapped decoder's."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self._temperatures: dict[int, float] = {}
+        self._want_logits: dict[int, bool] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.decoder, name)  # slots, kind, n_ctx, tokenize, ...: the wrapped decoder's
+
+    def crop(self, slot: int, keep: int) -> None:
+        self.decoder.crop(slot, keep)
+
+    def begin(self, slot: int, params, grammar: Optional[str], prompt: Sequence[int], logits: bool) -> None:
+        """Refuse what is not exact (a grammar, top-k, min-p, penalties, top-p); the slot's chain seeded per
+        round and asked for its logits (the log-probability needs them)."""
+        if grammar is not None:
+            raise UserError("the policy samples without a grammar; train with grammar-free tool rounds")
+        check_exact(params)
+        if params.top_p < 1.0:
+            raise UserError(f"RL episodes on llama.cpp sample at the temperature only; drop top_p {params.top_p}")
+        self._temperatures[slot] = params.temperature
+        self._want_logits[slot] = logits
+        seeded = replace(params, seed=round_seed(params.seed, len(prompt)) % SEED_SPAN)
+        self.decoder.begin(slot, seeded, None, prompt, True)
+
+    def step(self, feeds: dict[int, list[int]]) -> dict:
+        draws = self.decoder.step(feeds)
+        for slot, draw in draws.items():
+            draw.logprob = tempered_logprob(draw.logits, draw.token, self._temperatures[slot])
+            if not self._want_logits[slot]:
+                draw.logits = None
+        return draws

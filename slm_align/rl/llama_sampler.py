@@ -36,7 +36,12 @@ from slm_align.export.gguf_arch import check_gguf_config
 from slm_align.generation import Samples, draw_tokens
 from slm_align.modeling import resolve_source, save_tokenizer
 from slm_align.progress import counted
-from slm_align.rl.llama_episodes import EPISODE_CONTEXT, ExactLlamaBackend
+from slm_align.rl.llama_episodes import EPISODE_CONTEXT, ExactLlamaBackend, ExactLlamaDecoder
+
+try:
+    from slm_align.agent.llama_batch import LlamaBatchDecoder
+except ImportError:  # llama.cpp's many-sequence decoder (issue 44) not in this tree: episodes one at a time
+    LlamaBatchDecoder = None
 
 BASE_TYPES = get_args(RLSettings.model_fields["sampler_base"].annotation)
 """Types the base GGUF is written in: F32 (no mismatch but rounding), F16 (near zero), Q8_0 and Q4_K_M
@@ -155,6 +160,7 @@ class LlamaSampler:
         self._positions = 0
         self.episodes: Optional[ExactLlamaBackend] = None
         """The runtime's backend on the same base GGUF when rollouts are agent episodes (:meth:`for_episodes`)."""
+        self._episode_decoder: Optional[ExactLlamaDecoder] = None
 
     def _write_base(self, policy, tokenizer, source, base_type: str, threads: int) -> Path:
         """The policy's base (the merged SFT prior) as a GGUF of ``base_type`` ("source": F16), in the folder."""
@@ -181,6 +187,22 @@ class LlamaSampler:
                                           min(max_positions, EPISODE_CONTEXT))
         return self.episodes
 
+    def episode_runner(self, count: int):
+        """What runs ``count`` agent episodes: a batching decoder over :attr:`episodes`' model (every episode a
+        sequence of one context, stepped together by the engine) when llama.cpp batching is here, else
+        :attr:`episodes` itself (one episode after another)."""
+        if LlamaBatchDecoder is None:
+            return self.episodes
+        if self._episode_decoder is None or self._episode_decoder.slots < count:
+            self._close_episode_decoder()
+            self._episode_decoder = ExactLlamaDecoder(LlamaBatchDecoder(self.episodes, count))
+        return self._episode_decoder
+
+    def _close_episode_decoder(self) -> None:
+        if self._episode_decoder is not None:
+            self._episode_decoder.decoder.close()
+            self._episode_decoder = None
+
     def refresh(self, policy) -> None:
         """Write the policy's LoRA as an adapter GGUF and apply it in place of the last one."""
         adapter_dir = self.folder / "adapter"
@@ -188,6 +210,8 @@ class LlamaSampler:
         path = write_lora_gguf(adapter_dir, self.shapes_from, self.folder / "adapter.gguf", "F32")
         if self.episodes is not None:
             self.episodes.swap_adapters(self.chain + [path])
+            if self._episode_decoder is not None:
+                self._episode_decoder.decoder.apply_adapters()
             return
         adapter = self._load(path)
         if self._adapter is not None:
@@ -323,6 +347,7 @@ class LlamaSampler:
         for handle in self._chain_handles + ([self._adapter] if self._adapter is not None else []):
             self.lib.llama_adapter_lora_free(handle)
         self._chain_handles, self._adapter = [], None
+        self._close_episode_decoder()
         if self.episodes is not None:
             self.episodes.llm.close()
             self.episodes = None

@@ -45,10 +45,14 @@ def trainer_scores(policy, episodes, tokenizer, adapter=True):
             return forward_logprobs(policy, input_ids, attention, width, 1.0)[0], mask
 
 
-def test_llama_cpp_episodes_are_scored_by_the_trainer_token_for_token(episode_sampler):
+@pytest.mark.parametrize("runner", ["backend", "episode_runner"])
+def test_llama_cpp_episodes_are_scored_by_the_trainer_token_for_token(episode_sampler, runner):
+    """On the runtime's backend one episode after another, and on what RL runs them on (a batching decoder over
+    the same model once llama.cpp batching is in the tree, every episode a sequence of one context)."""
     policy, tokenizer, sampler = episode_sampler
     tasks = AgentTasks(TaskSet(["What is 2+3?"] * 8, [{"answer": "5"}] * 8))
-    episodes = backend_episodes(sampler.episodes, ["What is 2+3?"] * 8, settings(max_new_tokens=32), 0, tasks)
+    backend = sampler.episodes if runner == "backend" else sampler.episode_runner(8)
+    episodes = backend_episodes(backend, ["What is 2+3?"] * 8, settings(max_new_tokens=32), 0, tasks)
     assert any(e.rounds >= 1 for e in episodes)  # some called the calculator: inserted ids between the rounds
     logprobs, mask = trainer_scores(policy, episodes, tokenizer)
     drawn = sampler_logprobs(episodes, mask.shape[1], "cpu")
