@@ -59,7 +59,7 @@ def prepare(args, work: Path) -> Path:
     """The task files and the merged SFT start (reused when ``work`` has them)."""
     from slm_align import run_sft
     from slm_align.data.agent_tasks import write_agent_tasks
-    from slm_align.export.merge import merge_run
+    from slm_align.export.converters.merge import merge_run
 
     merged = work / "sft-merged"
     if merged.exists():

@@ -38,9 +38,10 @@ from slm_align.agent.ab_fleet import fleet_decision
 from slm_align.agent.feedback_collect import collect_feedback
 from slm_align.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.data.function_tasks import write_function_tasks
-from slm_align.export.adapter_bundle import apply_update
-from slm_align.export.bundle import BundleRequest, make_bundle
-from slm_align.export.stage import ExportRequest, run_export
+from slm_align.export.packaging.adapter_bundle import apply_update
+from slm_align.export.packaging.bundle import BundleRequest, make_bundle
+from slm_align.export.publishing.request import ExportRequest
+from slm_align.export.publishing.stage import run_export
 from slm_align.pipeline import run_preference
 
 

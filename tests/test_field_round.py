@@ -12,7 +12,7 @@ import json
 import pytest
 
 from slm_align.data.function_tasks import function_tasks
-from slm_align.export.adapter_bundle import apply_update
+from slm_align.export.packaging.adapter_bundle import apply_update
 from tests.agent.test_field_simulate import LONG, by_questions, right_questions, scripted
 from tests.helpers import run_cli
 

@@ -26,7 +26,7 @@ from typing import Optional, get_args
 import numpy as np
 import torch
 
-from slm_align.agent.llama_batch import decode_entries, row_logits
+from slm_align.agent.llama_batch import LlamaBatchDecoder, decode_entries, row_logits
 from slm_align.agent.llama_open import open_llama
 from slm_align.config import ModelSettings, RLSettings
 from slm_align.errors import UserError
@@ -37,11 +37,6 @@ from slm_align.generation import Samples, draw_tokens
 from slm_align.modeling import resolve_source, save_tokenizer
 from slm_align.progress import counted
 from slm_align.rl.llama_episodes import EPISODE_CONTEXT, ExactLlamaBackend, ExactLlamaDecoder
-
-try:
-    from slm_align.agent.llama_batch import LlamaBatchDecoder
-except ImportError:  # llama.cpp's many-sequence decoder (issue 44) not in this tree: episodes one at a time
-    LlamaBatchDecoder = None
 
 BASE_TYPES = get_args(RLSettings.model_fields["sampler_base"].annotation)
 """Types the base GGUF is written in: F32 (no mismatch but rounding), F16 (near zero), Q8_0 and Q4_K_M
@@ -189,10 +184,7 @@ class LlamaSampler:
 
     def episode_runner(self, count: int):
         """What runs ``count`` agent episodes: a batching decoder over :attr:`episodes`' model (every episode a
-        sequence of one context, stepped together by the engine) when llama.cpp batching is here, else
-        :attr:`episodes` itself (one episode after another)."""
-        if LlamaBatchDecoder is None:
-            return self.episodes
+        sequence of one context, stepped together by the engine)."""
         if self._episode_decoder is None or self._episode_decoder.slots < count:
             self._close_episode_decoder()
             self._episode_decoder = ExactLlamaDecoder(LlamaBatchDecoder(self.episodes, count))

@@ -9,12 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from slm_align.export.stage import ExportRequest, run_export
 
 from slm_align.agent.runtime import Agent
 from slm_align.agent.sampling import SamplingParams
 from slm_align.agent.server import create_app
 from slm_align.errors import UserError
+from slm_align.export.publishing.request import ExportRequest
+from slm_align.export.publishing.stage import run_export
 from slm_align.modeling import DEFAULT_MODEL_DIR
 from tests.agent.server.test_serve import Running, wait_until
 
