@@ -52,7 +52,7 @@ PHASE_ROWS = (("sampler_sync", "sampler: adapter swap"), ("sampling", "sampling"
 
 def reward(prompts, completions, **_):
     """Same reward on both sides: 1 inside a 20-40 word window (a verifiable, cheap reward)."""
-    from slm_align.rewards.builtin import length_window
+    from slm_align.ondevice.rewards.builtin import length_window
 
     return length_window(prompts, completions, min_words=20, max_words=40)
 

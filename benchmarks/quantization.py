@@ -90,7 +90,7 @@ def _size_mb(path: Path) -> float:
 
 
 def _decode_speed(backend, prompt: list[int], steps: int) -> float:
-    from slm_align.agent.decode import greedy
+    from slm_align.ondevice.agent.decode import greedy
 
     started = time.perf_counter()
     greedy(backend, prompt, steps, stop_at_eos=False)
@@ -100,8 +100,8 @@ def _decode_speed(backend, prompt: list[int], steps: int) -> float:
 def measure(artifact: Path, ids: list, references: list, threads: int, decode: int) -> dict:
     """Size, pooled top-1 agreement and perplexity over the held-out texts,
     greedy tokens per second."""
-    from slm_align.agent.open_artifact import open_backend
     from slm_align.export.parity import VERIFY_CONTEXT, artifact_logits, compare_logits
+    from slm_align.ondevice.agent.open_artifact import open_backend
 
     backend = open_backend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True)
     compared = [compare_logits(ref, artifact_logits(backend, one), one) for one, ref in zip(ids, references)]
@@ -136,7 +136,7 @@ def importance_of(checkpoint: Path, texts: int, tokens: int) -> dict:
 def gguf_artifacts(checkpoint: Path, work: Path, types: list[str], threads: int, importance: dict):
     """(type, path) of each GGUF type, built as the export builds it (llama.cpp's quantizer from our
     F32 file); a type ending in +imatrix is weighted by ``importance``."""
-    from slm_align.export.gguf import QUANTIZER_TYPES, quantize_gguf, write_gguf
+    from slm_align.ondevice.gguf.writer import QUANTIZER_TYPES, quantize_gguf, write_gguf
 
     full = write_gguf(checkpoint, work / "f32.gguf", "F32")
     for name in types:

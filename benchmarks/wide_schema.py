@@ -94,9 +94,9 @@ def during_request(url: str, body: dict) -> dict:
 
 def checked_as_gguf(body: dict) -> dict:
     """Seconds to check ``body`` as a GGUF server does with ``tool_choice`` "required" (grammar included)."""
-    from slm_align.agent.server.body import Limits
-    from slm_align.agent.server.chat_request import parse_chat
-    from slm_align.agent.server.errors import ApiError
+    from slm_align.ondevice.agent.server.body import Limits
+    from slm_align.ondevice.agent.server.chat_request import parse_chat
+    from slm_align.ondevice.agent.server.errors import ApiError
 
     started = time.perf_counter()
     try:
@@ -124,7 +124,7 @@ def main() -> None:
         process.terminate()
         process.wait()
     try:
-        from slm_align.agent.server.body import MAX_SCHEMA_PROPERTIES
+        from slm_align.ondevice.agent.server.body import MAX_SCHEMA_PROPERTIES
     except ImportError:  # the code before the bound
         MAX_SCHEMA_PROPERTIES = None
     print(json.dumps({"checked_as_gguf": "wide", **checked_as_gguf(body)}))

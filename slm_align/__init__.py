@@ -40,10 +40,10 @@ _EXPORTS = {
     "ExportRequest": "slm_align.export.stage",
     "run_export": "slm_align.export.stage",
     "run_quickstart": "slm_align.quickstart",
-    "Agent": "slm_align.agent.runtime",
-    "default_tools": "slm_align.tools.builtin",
+    "Agent": "slm_align.ondevice.agent.runtime",
+    "default_tools": "slm_align.ondevice.tools.builtin",
     "write_function_tasks": "slm_align.data.function_tasks",
-    "simulate_field": "slm_align.agent.field",
+    "simulate_field": "slm_align.ondevice.agent.field",
 }
 
 __all__ = [
@@ -69,8 +69,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from slm_align.agent.field import simulate_field
-    from slm_align.agent.runtime import Agent
     from slm_align.config import Recipe, load_recipe
     from slm_align.data.function_tasks import write_function_tasks
     from slm_align.errors import UserError
@@ -78,12 +76,14 @@ if TYPE_CHECKING:
     from slm_align.export.merge import merge_run
     from slm_align.export.stage import ExportRequest, run_export
     from slm_align.headroom import check_headroom
+    from slm_align.ondevice.agent.field import simulate_field
+    from slm_align.ondevice.agent.runtime import Agent
+    from slm_align.ondevice.tools.builtin import default_tools
     from slm_align.pipeline import run_preference, run_rl
     from slm_align.quickstart import run_quickstart
     from slm_align.reward.stage import run_reward
     from slm_align.runs import StageResult
     from slm_align.sft import run_sft
-    from slm_align.tools.builtin import default_tools
 
 
 def __getattr__(name: str):

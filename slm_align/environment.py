@@ -112,7 +112,7 @@ def accelerators(torch_info: Optional[dict], llama_info: Optional[dict], provide
 
 def collect_environment() -> dict[str, Any]:
     """The whole report as a JSON-ready dict."""
-    from slm_align.devices.host import host_facts
+    from slm_align.ondevice.devices.host import host_facts
 
     host = host_facts()
     torch_info = torch_facts()

@@ -22,11 +22,11 @@ from slm_align.data.prompt_source import prompt_source
 from slm_align.data.readers import fingerprint
 from slm_align.errors import UserError
 from slm_align.modeling import load_adapter, load_model, load_tokenizer, require_adapter, resolve_source
+from slm_align.ondevice.rewards.protocol import reward_bounds
+from slm_align.ondevice.rewards.spread import CASE_REMEDIES, flat_case, measure_spread, recommend
 from slm_align.perplexity import perplexity
 from slm_align.progress import stage_lines
 from slm_align.reward.learned import learned_reward
-from slm_align.rewards.protocol import reward_bounds
-from slm_align.rewards.spread import CASE_REMEDIES, flat_case, measure_spread, recommend
 from slm_align.rl.episodes import agent_tasks, check_task_file, episode_scores, run_episodes
 from slm_align.runs import ALIGNED_STAGES, artifact_digest, digest, read_manifest, stage_identity
 from slm_align.sft import recipe_from_sft

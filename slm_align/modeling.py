@@ -2,7 +2,7 @@
 
 Sources: a local HF directory (safetensors), a hub id, or a local ``.gguf`` file (weights
 dequantized by transformers' GGUF support, tokenizer rebuilt from the file's own metadata by
-:mod:`slm_align.gguf_tokenizer`). ``None`` means the bundled default model.
+:mod:`slm_align.ondevice.gguf.tokenizer`). ``None`` means the bundled default model.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     """The source's tokenizer, with a pad token guaranteed (see :func:`ensure_pad_token`).
 
     A .gguf file's tokenizer is rebuilt from its own ``tokenizer.*`` metadata and checked against
-    llama.cpp (:mod:`slm_align.gguf_tokenizer`; transformers' GGUF tokenizer conversion is lossy) on
+    llama.cpp (:mod:`slm_align.ondevice.gguf.tokenizer`; transformers' GGUF tokenizer conversion is lossy) on
     first use, then read from the file's cached HF directory (:func:`gguf_directory`).
     """
     from transformers import AutoTokenizer
@@ -168,7 +168,7 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
 def tokenizer_sidecar(source: ModelSource) -> Path | None:
     """Where the source's GGUF tokenizer fields are: the .gguf itself, a saved model's
     ``tokenizer.gguf``, or None."""
-    from slm_align.gguf_tokenizer import SIDECAR
+    from slm_align.ondevice.gguf.tokenizer import SIDECAR
 
     if source.kind == "gguf":
         return Path(source.ref)
@@ -180,7 +180,7 @@ def save_tokenizer(tokenizer, source: ModelSource, directory: Path) -> None:
     """Save ``tokenizer`` into a model directory; when the model came from a GGUF file, its
     ``tokenizer.*`` fields go too (``tokenizer.gguf``), so that GGUF export writes the
     source's exact tokenizer back."""
-    from slm_align.gguf_tokenizer import write_sidecar
+    from slm_align.ondevice.gguf.tokenizer import write_sidecar
 
     tokenizer.save_pretrained(directory)
     origin = tokenizer_sidecar(source)
@@ -230,7 +230,7 @@ def gguf_config(path: Path):
     misses read from the file."""
     from transformers import AutoConfig
 
-    from slm_align.gguf_fields import read_fields
+    from slm_align.ondevice.gguf.fields import read_fields
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     check_architecture(config.model_type, str(path))
@@ -255,8 +255,8 @@ def load_model(source: ModelSource, trust_remote_code: bool = False, allow_pickl
 
 def gguf_directory(source: ModelSource) -> ModelSource:
     """The HF directory of a .gguf source, dequantized and saved on first use
-    (:mod:`slm_align.gguf_cache`)."""
-    from slm_align import gguf_cache
+    (:mod:`slm_align.ondevice.gguf.cache`)."""
+    from slm_align.ondevice.gguf import cache as gguf_cache
 
     path = Path(source.ref)
 
@@ -264,7 +264,7 @@ def gguf_directory(source: ModelSource) -> ModelSource:
         return _load_pretrained(source)
 
     def read_tokenizer():
-        from slm_align.gguf_tokenizer import load_gguf_tokenizer
+        from slm_align.ondevice.gguf.tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(path)
 

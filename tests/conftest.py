@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One torch thread for the tiny models (and the CLI runs tests start, which inherit it): on 2 cores the second
 # thread costs more in hand-offs than it computes (tests/rl/test_guards.py: 31 against 48 CPU seconds).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# .gguf sources are dequantized into a cache (slm_align.gguf_cache): one per test session, not the
+# .gguf sources are dequantized into a cache (slm_align.ondevice.gguf.cache): one per test session, not the
 # user's, removed at exit (the real Gemma 3 270M takes 1 GB there).
 if "SLM_ALIGN_CACHE" not in os.environ:
     os.environ["SLM_ALIGN_CACHE"] = tempfile.mkdtemp(prefix="slm-align-cache-")

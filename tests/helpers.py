@@ -123,8 +123,8 @@ def stepwise_agreement(artifact: Path, model_dir: Path) -> tuple[float, int]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slm_align.agent.open_artifact import open_backend
     from slm_align.export.parity import HELDOUT_TEXT
+    from slm_align.ondevice.agent.open_artifact import open_backend
 
     backend = open_backend(artifact)
     ids = AutoTokenizer.from_pretrained(model_dir)(HELDOUT_TEXT)["input_ids"][: backend.n_ctx]

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from slm_align.ab_test import Observation, SequentialTest, decide, pairs_in_time
+from slm_align.ondevice.agent.ab_sequential import Observation, SequentialTest, decide, pairs_in_time
 
 TEST = SequentialTest()
 CONCENTRATION = 2.0

@@ -6,8 +6,8 @@ import json
 from transformers import AutoTokenizer
 
 from slm_align.modeling import DEFAULT_MODEL_DIR
-from slm_align.tools.calls import ToolCall
-from slm_align.tools.parse import call_text
+from slm_align.ondevice.tools.calls import ToolCall
+from slm_align.ondevice.tools.parse import call_text
 
 
 def test_the_shipped_files_are_the_ones_the_build_script_recorded():

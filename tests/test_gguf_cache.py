@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from slm_align import gguf_cache
-from slm_align.export.gguf import write_gguf
-from slm_align.gguf_tokenizer import PROBE_TEXTS, load_gguf_tokenizer
 from slm_align.modeling import gguf_directory, load_model, load_tokenizer, resolve_source
+from slm_align.ondevice.gguf import cache as gguf_cache
+from slm_align.ondevice.gguf.tokenizer import PROBE_TEXTS, load_gguf_tokenizer
+from slm_align.ondevice.gguf.writer import write_gguf
 
 
 @pytest.fixture()
@@ -29,7 +29,7 @@ def test_second_load_reads_the_cache_without_dequantizing(cache, tiny_gguf, monk
     def refuse(path):
         raise AssertionError("the .gguf file was read again")
 
-    monkeypatch.setattr("slm_align.gguf_tokenizer.load_gguf_tokenizer", refuse)  # the first thing a build reads
+    monkeypatch.setattr("slm_align.ondevice.gguf.tokenizer.load_gguf_tokenizer", refuse)  # read first
     second = load_model(source)
     ids = torch.tensor([[1, 5, 9, 30, 2]])
     with torch.no_grad():

@@ -9,16 +9,16 @@ import torch
 
 from slm_align.cli import main
 from slm_align.errors import UserError
-from slm_align.export.gguf import quantize_gguf, write_gguf
 from slm_align.export.stage import ExportRequest, run_export
-from slm_align.gguf_fields import read_fields
-from slm_align.gguf_tokenizer import PROBE_TEXTS, SIDECAR
 from slm_align.modeling import (
     load_model,
     load_tokenizer,
     resolve_source,
     save_tokenizer,
 )
+from slm_align.ondevice.gguf.fields import read_fields
+from slm_align.ondevice.gguf.tokenizer import PROBE_TEXTS, SIDECAR
+from slm_align.ondevice.gguf.writer import quantize_gguf, write_gguf
 from tests.helpers import finished_sft_run
 
 TEXTS = ["Once upon a time, there was a shy duck named Nina.",

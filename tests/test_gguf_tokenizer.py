@@ -14,13 +14,13 @@ from pathlib import Path
 import gguf
 import pytest
 
-from slm_align import gguf_tokenizer
 from slm_align.errors import UserError
-from slm_align.export.gguf import quantize_gguf, write_gguf
-from slm_align.export.gguf_vocab import add_vocab
-from slm_align.gguf_fields import read_fields
-from slm_align.gguf_tokenizer import PROBE_TEXTS, SIDECAR, load_gguf_tokenizer, write_sidecar
 from slm_align.modeling import ModelSource, load_tokenizer, save_tokenizer
+from slm_align.ondevice.gguf import tokenizer as gguf_tokenizer
+from slm_align.ondevice.gguf.fields import read_fields
+from slm_align.ondevice.gguf.tokenizer import PROBE_TEXTS, SIDECAR, load_gguf_tokenizer, write_sidecar
+from slm_align.ondevice.gguf.vocab import add_vocab
+from slm_align.ondevice.gguf.writer import quantize_gguf, write_gguf
 from tests.helpers import run_cli
 
 llama_cpp = pytest.importorskip("llama_cpp")

@@ -84,8 +84,8 @@ def test_missing_pad_token_becomes_eos(tokenizer):
 def test_default_chat_template_speaks_gemma_to_a_gemma_vocabulary(tokenizer):
     import copy
 
-    from slm_align.chat_templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, default_chat_template
     from slm_align.data.prompts import render_chat
+    from slm_align.ondevice.templates.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, default_chat_template
 
     plain = copy.deepcopy(tokenizer)
     plain.chat_template = None

@@ -1,5 +1,5 @@
 """Chat templates render bounded: a template that loops, grows a value without end or fails is one
-ChatTemplateError naming it, within the bounds of slm_align.template_sandbox; real templates render
+ChatTemplateError naming it, within the bounds of slm_align.ondevice.templates.sandbox; real templates render
 exactly as Jinja's own sandbox renders them (as transformers does)."""
 
 from pathlib import Path
@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from slm_align import chat_templates
-from slm_align.chat_templates import ChatTemplateError, check_template, chosen_chat_template, render
 from slm_align.errors import UserError
-from slm_align.template_sandbox import TEMPLATE_CHARS, TEMPLATE_STEPS, TemplateLimit
+from slm_align.ondevice.templates import chat as chat_templates
+from slm_align.ondevice.templates.chat import ChatTemplateError, check_template, chosen_chat_template, render
+from slm_align.ondevice.templates.sandbox import TEMPLATE_CHARS, TEMPLATE_STEPS, TemplateLimit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2+2?"},

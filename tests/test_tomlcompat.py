@@ -20,7 +20,7 @@ def test_python_310_reads_recipes_with_tomli(tmp_path):
     script = (
         "import sys\nsys.modules['tomllib'] = None  # as on Python 3.10: import tomllib fails\n"
         "from slm_align.config import load_recipe\n"
-        "from slm_align.devices import load_profile\n"
+        "from slm_align.ondevice.devices import load_profile\n"
         "from slm_align.errors import UserError\n"
         "from slm_align.tomlcompat import tomllib\n"
         f"recipe = load_recipe({str(recipe)!r})\n"

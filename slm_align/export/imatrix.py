@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from slm_align.export.gguf_arch import ARCHITECTURES, normalized_config
+from slm_align.ondevice.gguf.architectures import ARCHITECTURES, normalized_config
 
 
 def activation_importance(model, texts_ids: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:

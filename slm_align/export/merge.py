@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Optional
 
 from slm_align.accelerator import resolve_device
-from slm_align.chat_templates import default_chat_template
 from slm_align.config import Recipe
 from slm_align.errors import UserError
 from slm_align.export.model_card import CARD, merged_card
@@ -28,6 +27,7 @@ from slm_align.modeling import (
     resolve_source,
     save_tokenizer,
 )
+from slm_align.ondevice.templates.chat import default_chat_template
 from slm_align.runs import (
     ALIGNED_STAGES,
     MANIFEST,

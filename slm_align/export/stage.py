@@ -21,19 +21,19 @@ from typing import Optional
 
 from slm_align.accelerator import resolve_device
 from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
-from slm_align.chat_templates import chosen_chat_template, default_chat_template
-from slm_align.devices.host import default_threads
 from slm_align.errors import UserError
 from slm_align.export.executorch import check_executorch_architecture, check_executorch_quant, write_executorch
 from slm_align.export.genai import check_genai_architecture, genai_tokenizer_report, write_genai_config
-from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
-from slm_align.export.gguf_arch import check_gguf_config
 from slm_align.export.merge import current_merged, merged_dir, merged_stage
 from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
 from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
 from slm_align.export.parity import perplexity_change, verification_summary
 from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.ondevice.devices.host import default_threads
+from slm_align.ondevice.gguf.architectures import check_gguf_config
+from slm_align.ondevice.gguf.writer import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
+from slm_align.ondevice.templates.chat import chosen_chat_template, default_chat_template
 from slm_align.progress import stage_lines
 from slm_align.runs import (
     MANIFEST,
@@ -130,7 +130,7 @@ def _device_settings(request: ExportRequest) -> tuple[str, str, int]:
     preset = request.preset
     threads = request.threads
     if request.device is not None:
-        from slm_align.devices import load_profile
+        from slm_align.ondevice.devices import load_profile
 
         profile = load_profile(request.device)
         quant = quant or (profile.gguf_quant if request.target == "gguf" else None)  # ONNX: w8
@@ -256,7 +256,7 @@ def _build(target: str, quant: str, preset: str, threads: int, checkpoint: Path,
         if template is not None:
             (built / "chat_template.jinja").write_text(template, encoding="utf-8")
         if target == "genai":
-            from slm_align.agent.sampling import SamplingParams
+            from slm_align.ondevice.agent.settings import SamplingParams
 
             write_genai_config(built, SamplingParams().to_dict())
         return built
@@ -298,14 +298,14 @@ def _open_artifact(target: str, artifact: Path, threads: int):
     from slm_align.export.parity import VERIFY_CONTEXT
 
     if target == "executorch":
-        from slm_align.agent.executorch_backend import ExecutorchBackend
+        from slm_align.ondevice.agent.executorch_backend import ExecutorchBackend
 
         return ExecutorchBackend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT)
     if target == "genai":
-        from slm_align.agent.genai_backend import GenaiBackend
+        from slm_align.ondevice.agent.genai_backend import GenaiBackend
 
         return GenaiBackend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT)
-    from slm_align.agent.open_artifact import open_backend
+    from slm_align.ondevice.agent.open_artifact import open_backend
 
     return open_backend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True)
 
@@ -364,7 +364,7 @@ def _failure(verification: dict) -> str:
 def next_higher(target: str, quant: str) -> Optional[str]:
     """The next type up ``PRECISION_LADDER`` from ``quant`` (one not on it: the
     first above it in bits)."""
-    from slm_align.devices.quant import BITS_PER_WEIGHT, find_quant
+    from slm_align.ondevice.devices.quant import BITS_PER_WEIGHT, find_quant
 
     ladder = PRECISION_LADDER[target]
     if quant in ladder:

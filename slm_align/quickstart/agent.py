@@ -11,16 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from slm_align.agent.runtime import Agent
-from slm_align.agent.sampling import SamplingParams
-from slm_align.agent.store import PreferenceStore
-from slm_align.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.config import Recipe, load_recipe
 from slm_align.data.agent_tasks import FILES, write_agent_tasks
 from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.agent.settings import SamplingParams
+from slm_align.ondevice.agent.store import PreferenceStore
+from slm_align.ondevice.agent.task_eval import TaskResult, compare, evaluate_artifacts
+from slm_align.ondevice.tools.builtin import default_tools
 from slm_align.pipeline import export_once, gate, run_rl, run_sft
 from slm_align.rl.schedule import iteration_size
-from slm_align.tools.builtin import default_tools
 
 Say = Callable[[str], None]
 REWARD = "task_success"

@@ -1,5 +1,5 @@
 """The trained Bradley-Terry reward model as a reward function (the protocol of
-:mod:`slm_align.rewards.protocol`)."""
+:mod:`slm_align.ondevice.rewards.protocol`)."""
 
 from __future__ import annotations
 

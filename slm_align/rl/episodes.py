@@ -1,5 +1,5 @@
 """Agent episodes as RL rollouts: each is run by the runtime's own chat loop (its template, parser,
-stop rules and tools; :class:`~slm_align.agent.runtime.Agent`) on the policy being trained
+stop rules and tools; :class:`~slm_align.ondevice.agent.runtime.Agent`) on the policy being trained
 (:class:`~slm_align.rl.policy_backend.PolicyBackend`), and trained token for token.
 
 An episode's sequence is the first prompt's ids, then for each round the ids the policy sampled and
@@ -25,26 +25,26 @@ from typing import Any, Optional, Sequence
 import torch
 
 from slm_align.accelerator import device_of
-from slm_align.agent.runtime import Agent
-from slm_align.agent.sampling import SamplingParams
-from slm_align.chat_templates import default_chat_template, require_tool_template
 from slm_align.config import RLSettings
 from slm_align.data.readers import iter_rows
 from slm_align.data.tasks import TaskSet
 from slm_align.envelope.policy import merged_for_sampling
 from slm_align.envelope.value_head import ValueHead
 from slm_align.errors import UserError
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.agent.settings import SamplingParams
+from slm_align.ondevice.rewards.builtin import load_reward_fn
+from slm_align.ondevice.rewards.columns import named_terms
+from slm_align.ondevice.rewards.episodes import classify
+from slm_align.ondevice.templates.chat import default_chat_template, require_tool_template
+from slm_align.ondevice.tools.builtin import default_tools
+from slm_align.ondevice.tools.environment import check_allowed, load_environment, open_environment
+from slm_align.ondevice.tools.registry import ToolRegistry
+from slm_align.ondevice.tools.specs import registry_for_row
 from slm_align.progress import counted
-from slm_align.rewards.builtin import load_reward_fn
-from slm_align.rewards.columns import named_terms
-from slm_align.rewards.episodes import classify
 from slm_align.rl.phases import PhaseClock
 from slm_align.rl.policy_backend import PolicyBackend
 from slm_align.rl.rollout import Rollout, scoring_passes, truncation_rules
-from slm_align.tools.builtin import default_tools
-from slm_align.tools.environment import check_allowed, load_environment, open_environment
-from slm_align.tools.registry import ToolRegistry
-from slm_align.tools.specs import registry_for_row
 
 SEED_SPAN = 2 ** 32
 
@@ -129,7 +129,7 @@ def allowed_modules(named: Sequence[str], environment: Optional[str]) -> tuple[s
 
 def check_row_environments(rows: Sequence[dict], allowed: Sequence[str], where: str = "task row") -> None:
     """Refuse, in one line and before any import, a row whose ``environment`` names a class in a module
-    not in ``allowed`` (:func:`~slm_align.tools.environment.check_allowed`)."""
+    not in ``allowed`` (:func:`~slm_align.ondevice.tools.environment.check_allowed`)."""
     for index, row in enumerate(rows, 1):
         if isinstance(row, dict) and row.get("environment") is not None:
             check_allowed(row["environment"], allowed, f"{where} {index}")

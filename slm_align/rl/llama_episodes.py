@@ -1,7 +1,7 @@
 """Agent episodes sampled by the runtime's own llama.cpp backend: the device's engine, tokenizer and
 sampler chain run every round, with the current LoRA swapped in as an adapter GGUF.
 
-:class:`ExactLlamaBackend` is :class:`~slm_align.agent.llama_backend.LlamaCppBackend` (the backend
+:class:`ExactLlamaBackend` is :class:`~slm_align.ondevice.agent.llama_backend.LlamaCppBackend` (the backend
 ``slm-align chat`` and ``serve`` run) drawing at the run's temperature only, keeping the
 log-probability of each token it drew: log softmax(logits / T)[token], over the logits llama.cpp drew
 it from. With top-k 0, top-p 1, min-p 0 and no penalty, llama.cpp's chain (temperature, then a draw
@@ -17,8 +17,8 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from slm_align.agent.llama_backend import LlamaCppBackend
 from slm_align.errors import UserError
+from slm_align.ondevice.agent.llama_backend import LlamaCppBackend
 from slm_align.rl.episodes import SEED_SPAN
 from slm_align.rl.policy_backend import check_exact, round_seed
 

@@ -26,14 +26,14 @@ from typing import Optional, get_args
 import numpy as np
 import torch
 
-from slm_align.agent.llama_open import open_llama
 from slm_align.config import ModelSettings, RLSettings
 from slm_align.errors import UserError
-from slm_align.export.gguf import QUANTIZER_TYPES, quantize_gguf, write_gguf
-from slm_align.export.gguf_adapter import write_lora_gguf
-from slm_align.export.gguf_arch import check_gguf_config
 from slm_align.generation import Samples, draw_tokens
 from slm_align.modeling import resolve_source, save_tokenizer
+from slm_align.ondevice.agent.llama_open import open_llama
+from slm_align.ondevice.gguf.adapter_writer import write_lora_gguf
+from slm_align.ondevice.gguf.architectures import check_gguf_config
+from slm_align.ondevice.gguf.writer import QUANTIZER_TYPES, quantize_gguf, write_gguf
 from slm_align.progress import counted
 from slm_align.rl.llama_episodes import EPISODE_CONTEXT, ExactLlamaBackend
 

@@ -16,14 +16,14 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from slm_align.accelerator import device_of
-from slm_align.chat_templates import default_chat_template
 from slm_align.errors import UserError
 from slm_align.generation import draw_tokens
+from slm_align.ondevice.templates.chat import default_chat_template
 
 
 class PolicyBackend:
     """One conversation's worth of cache over ``model`` (a causal LM, the LoRA folded in for
-    sampling), speaking the runtime's :class:`~slm_align.agent.backend.Backend` protocol."""
+    sampling), speaking the runtime's :class:`~slm_align.ondevice.agent.backend.Backend` protocol."""
 
     kind = "torch"
 

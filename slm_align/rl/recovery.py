@@ -65,7 +65,7 @@ def restore(loop, state: dict) -> None:
 def scale_shaping(loop, factor: float) -> None:
     """Weigh the reward's call-format term (:data:`SHAPING_TERM`) at ``factor`` times its base
     weight, when the learner's reward can: duck-typed, ``reward_fn.scale_term(name, factor)``
-    (:class:`~slm_align.rewards.protocol.CombinedReward` has it, a column wrapper passes it on)."""
+    (:class:`~slm_align.ondevice.rewards.protocol.CombinedReward` has it, a column wrapper passes it on)."""
     scale_term = getattr(loop.reward_fn, "scale_term", None)
     if callable(scale_term):
         scale_term(SHAPING_TERM, factor)

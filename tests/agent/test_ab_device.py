@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from slm_align.agent.runtime import Agent
-from slm_align.agent.sampling import SamplingParams
-from slm_align.agent.store import PreferenceStore
-from slm_align.export.gguf import write_gguf
-from slm_align.export.gguf_adapter import write_lora_gguf
-from slm_align.gguf_adapters import chain_digest
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.agent.settings import SamplingParams
+from slm_align.ondevice.agent.store import PreferenceStore
+from slm_align.ondevice.gguf.adapter_check import chain_digest
+from slm_align.ondevice.gguf.adapter_writer import write_lora_gguf
+from slm_align.ondevice.gguf.writer import write_gguf
 from slm_align.runs import sha256_file
 from tests.helpers import save_lora
 

@@ -4,10 +4,10 @@ none decides alone; a file that is not a store is one line and exit 2."""
 
 import json
 
-from slm_align.ab_test import SequentialTest
-from slm_align.agent.ab_fleet import fleet_decision
-from slm_align.agent.ab_trial import ABTrial
-from slm_align.agent.store import PreferenceStore
+from slm_align.ondevice.agent.ab_fleet import fleet_decision
+from slm_align.ondevice.agent.ab_sequential import SequentialTest
+from slm_align.ondevice.agent.ab_trial import ABTrial
+from slm_align.ondevice.agent.store import PreferenceStore
 from tests.helpers import run_cli
 
 CURRENT = "ab" * 32

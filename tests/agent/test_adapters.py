@@ -9,15 +9,15 @@ import sys
 import numpy as np
 import pytest
 
-from slm_align.agent.llama_backend import LlamaCppBackend
-from slm_align.agent.runtime import Agent
-from slm_align.agent.sampling import SamplingParams
-from slm_align.agent.store import PreferenceStore
 from slm_align.errors import UserError
-from slm_align.export.gguf import write_gguf
-from slm_align.export.gguf_adapter import write_lora_gguf
-from slm_align.gguf_adapters import chain_digest
 from slm_align.modeling import build_tiny_model
+from slm_align.ondevice.agent.llama_backend import LlamaCppBackend
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.agent.settings import SamplingParams
+from slm_align.ondevice.agent.store import PreferenceStore
+from slm_align.ondevice.gguf.adapter_check import chain_digest
+from slm_align.ondevice.gguf.adapter_writer import write_lora_gguf
+from slm_align.ondevice.gguf.writer import write_gguf
 from slm_align.runs import sha256_file
 from tests.helpers import run_cli, save_lora
 

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from slm_align.agent.artifact_forms import resolve_artifact
-from slm_align.agent.task_eval import evaluate_artifacts
 from slm_align.errors import UserError
-from slm_align.export.gguf import write_gguf
-from slm_align.export.gguf_adapter import write_lora_gguf
-from slm_align.gguf_adapters import chain_digest
+from slm_align.ondevice.agent.artifact_forms import resolve_artifact
+from slm_align.ondevice.agent.task_eval import evaluate_artifacts
+from slm_align.ondevice.gguf.adapter_check import chain_digest
+from slm_align.ondevice.gguf.adapter_writer import write_lora_gguf
+from slm_align.ondevice.gguf.writer import write_gguf
 from slm_align.runs import make_manifest, sha256_file
 from tests.helpers import decisive_models, random_lora, run_cli
 
@@ -104,7 +104,7 @@ def test_a_damaged_file_and_wrong_joins_are_refused_in_one_line(round_files, tmp
 
 def test_serve_refuses_a_chain_given_as_one_artifact(round_files):
     pytest.importorskip("starlette")
-    from slm_align.agent.server.app import create_app
+    from slm_align.ondevice.agent.server.app import create_app
 
     with pytest.raises(UserError, match="serve takes the base GGUF and each adapter set as --adapter"):
         create_app(round_files["manifest"])

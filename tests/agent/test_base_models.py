@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from slm_align.agent.decode import greedy
-from slm_align.agent.open_artifact import open_backend
-from slm_align.agent.runtime import Agent
-from slm_align.agent.sampling import SamplingParams
-from slm_align.chat_templates import CHATML_TEMPLATE
 from slm_align.errors import UserError
-from slm_align.export.gguf import write_gguf
 from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.ondevice.agent.decode import greedy
+from slm_align.ondevice.agent.open_artifact import open_backend
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.agent.settings import SamplingParams
+from slm_align.ondevice.gguf.writer import write_gguf
+from slm_align.ondevice.templates.chat import CHATML_TEMPLATE
 from slm_align.runs import artifact_manifest
 from tests.helpers import run_cli
 
@@ -75,7 +75,7 @@ def test_chat_with_chatml_answers_as_the_model_with_its_own_chatml_and_records_i
     assert code == 0
     expected = Agent.load(ggufs["chat"], sampling=GREEDY).chat(QUESTION).text
     assert json.loads(out)["reply"] == expected and len(expected.split()) >= 3
-    from slm_align.agent.store import PreferenceStore
+    from slm_align.ondevice.agent.store import PreferenceStore
 
     with PreferenceStore(db) as store:
         assert [turn.sampling["chat_template"] for turn in store.turns()] == ["chatml"]
@@ -147,7 +147,7 @@ def test_export_writes_the_chosen_template_into_the_artifact_and_its_manifest(ca
 def base_server(ggufs):
     """The template-less GGUF served as it is (no --chat-template)."""
     pytest.importorskip("openai")
-    from slm_align.agent.server import create_app
+    from slm_align.ondevice.agent.server import create_app
     from tests.agent.server.test_serve import Running
 
     with Running(create_app(ggufs["base"])) as running:

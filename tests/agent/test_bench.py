@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from slm_align.agent.bench import bench, run_bench
-from slm_align.devices.host import cpu_flags, profile_isa
-from slm_align.devices.measured import BenchResult, save_profile, to_toml
-from slm_align.devices.profiles import load_profile, tomllib
 from slm_align.errors import UserError
+from slm_align.ondevice.agent.bench import bench, run_bench
+from slm_align.ondevice.devices.host import cpu_flags, profile_isa
+from slm_align.ondevice.devices.measured import BenchResult, save_profile, to_toml
+from slm_align.ondevice.devices.profiles import load_profile, tomllib
 from tests.helpers import export_bundled, run_cli
 
 pytest.importorskip("llama_cpp")
@@ -161,7 +161,7 @@ def test_bench_has_help_with_examples(capsys):
 
 def test_bench_imports_neither_torch_nor_transformers(artifacts, tmp_path):
     out = tmp_path / "child.json"
-    code = ("import sys\nfrom slm_align.agent.bench import bench, main\n"
+    code = ("import sys\nfrom slm_align.ondevice.agent.bench import bench, main\n"
             f"bench({str(artifacts['onnx'])!r}, threads=1, prompt_tokens=8, decode_tokens=4, repeats=1)\n"
             f"assert main([{str(artifacts['gguf'])!r}, '--threads', '1', '--prompt-tokens', '8', "
             f"'--decode-tokens', '4', '--repeats', '1', '--out', {str(out)!r}]) == 0\n"

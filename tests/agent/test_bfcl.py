@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from slm_align.agent import bfcl, task_eval
-from slm_align.agent.bfcl import CATEGORIES, load_bfcl, offered_tools
-from slm_align.tools.registry import ToolRegistry
-from slm_align.tools.specs import registry_for_row
+from slm_align.ondevice.agent import bfcl, task_eval
+from slm_align.ondevice.agent.bfcl import CATEGORIES, load_bfcl, offered_tools
+from slm_align.ondevice.tools.registry import ToolRegistry
+from slm_align.ondevice.tools.specs import registry_for_row
 from tests.agent.bfcl_source import bfcl_namespace
 from tests.agent.test_task_eval import ScriptedBackend
 from tests.helpers import export_bundled, run_cli
@@ -96,7 +96,7 @@ def truth_reply(row: dict) -> str:
 
 
 def scripted_loader(solver: Path, replies):
-    from slm_align.agent.runtime import load_model
+    from slm_align.ondevice.agent.runtime import load_model
 
     def load(artifact, **options):
         model = load_model(artifact, **options)
@@ -201,7 +201,7 @@ def test_our_verdicts_equal_bfcls_own_checker_on_every_entry(monkeypatch):
     import bfcl_official_runner as runner
     from bfcl_outputs import variants
 
-    from slm_align.rewards.function_match import check_calls
+    from slm_align.ondevice.rewards.function_match import check_calls
 
     monkeypatch.delitem(sys.modules, "bfcl_eval.eval_checker.ast_eval.ast_checker", raising=False)
     monkeypatch.setitem(sys.modules, "bfcl_eval.constants.model_config", None)

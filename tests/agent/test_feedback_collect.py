@@ -9,11 +9,11 @@ import tracemalloc
 
 import pytest
 
-from slm_align.agent import scrub
-from slm_align.agent.feedback_collect import collect_feedback
-from slm_align.agent.feedback_export import export_preferences
-from slm_align.agent.store import PreferenceStore
 from slm_align.errors import UserError
+from slm_align.ondevice.agent import scrub
+from slm_align.ondevice.agent.feedback_collect import collect_feedback
+from slm_align.ondevice.agent.feedback_export import export_preferences
+from slm_align.ondevice.agent.store import PreferenceStore
 from tests.helpers import run_cli
 
 MODEL_A = "a" * 64

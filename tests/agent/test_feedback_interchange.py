@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 from safetensors.torch import load_file
 
-from slm_align.agent.store import PreferenceStore
-from slm_align.agent.store_schema import SCHEMA_VERSION
+from slm_align.ondevice.agent.store import PreferenceStore
+from slm_align.ondevice.agent.store_schema import SCHEMA_VERSION
 from tests import native_writer
 from tests.helpers import finished_sft_run, run_cli
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from slm_align import simulate_field
-from slm_align.agent import task_eval
-from slm_align.agent.prompt import turn_end
-from slm_align.agent.store import PreferenceStore
 from slm_align.data.agent_tasks import make_tasks
 from slm_align.data.function_tasks import canonical_arguments, function_tasks
-from slm_align.gguf_adapters import chain_digest
+from slm_align.ondevice.agent import task_eval
+from slm_align.ondevice.agent.prompt import turn_end
+from slm_align.ondevice.agent.store import PreferenceStore
+from slm_align.ondevice.gguf.adapter_check import chain_digest
 from slm_align.runs import sha256_file
 from tests.helpers import export_bundled, run_cli
 
@@ -235,9 +235,9 @@ def test_a_fleet_ab_test_promotes_the_candidate_that_is_right(files, tasks, rows
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """The bundled model as a GGUF base with two LoRA adapters made for it."""
-    from slm_align.export.gguf import write_gguf
-    from slm_align.export.gguf_adapter import write_lora_gguf
     from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.ondevice.gguf.adapter_writer import write_lora_gguf
+    from slm_align.ondevice.gguf.writer import write_gguf
     from tests.helpers import save_lora
 
     root = tmp_path_factory.mktemp("field-ab")
@@ -291,7 +291,7 @@ def test_an_existing_out_is_kept_unless_overwrite(gguf, tasks, rows, tmp_path, c
 def test_agent_load_ab_tests_the_candidate_against_the_artifacts_own_adapters(files, tmp_path):
     """``Agent.load(BASE+ADAPTER, candidate=...)``: the current arm is the base with its adapter, not the bare
     base (as ``adapters=`` gives it)."""
-    from slm_align.agent.runtime import Agent
+    from slm_align.ondevice.agent.runtime import Agent
 
     agent = Agent.load(f"{files['base']}+{files['current']}", threads=1, n_ctx=256, candidate=[files["candidate"]],
                        store=tmp_path / "prefs.db", consent=True)

@@ -4,7 +4,7 @@ llama-cpp-python compiles none of them (its ``Llama.__init__`` compiles every
 44 s before anything could refuse it), named ones (``tool_use``) included; `chat`, `evaluate-agent`
 and `serve` refuse a bomb in the default template in one line (exit 2) and never compile a named one
 or one replaced by ``--chat-template``. Every ``llama_cpp.Llama`` of the package is made by
-slm_align/agent/llama_open.py.
+slm_align/ondevice/agent/llama_open.py.
 
 Behaviour, not time: Jinja's ``Environment.compile`` is watched, and a compile outside our sandbox
 fails the test at once (where it would otherwise take 44 s)."""
@@ -18,11 +18,11 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from slm_align import chat_templates
-from slm_align.chat_templates import CHATML_TEMPLATE
-from slm_align.export.gguf import write_gguf
 from slm_align.modeling import DEFAULT_MODEL_DIR
-from slm_align.template_sandbox import BoundedSandbox
+from slm_align.ondevice.gguf.writer import write_gguf
+from slm_align.ondevice.templates import chat as chat_templates
+from slm_align.ondevice.templates.chat import CHATML_TEMPLATE
+from slm_align.ondevice.templates.sandbox import BoundedSandbox
 from tests.helpers import run_cli
 
 pytest.importorskip("llama_cpp")
@@ -69,7 +69,7 @@ def compiled(monkeypatch):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["bomb", "named"])
 def test_opening_a_gguf_compiles_none_of_its_templates_and_keeps_their_text(ggufs, compiled, name):
-    from slm_align.agent.llama_backend import LlamaCppBackend
+    from slm_align.ondevice.agent.llama_backend import LlamaCppBackend
 
     backend = LlamaCppBackend(ggufs[name], n_ctx=64)
     assert compiled == []
@@ -107,7 +107,7 @@ def test_a_template_replaced_by_chat_template_chatml_is_never_compiled(capsys, m
     code, out, err = chat_cli(capsys, monkeypatch, "hello\n", ggufs["bomb"], "--chat-template", "chatml",
                               "--max-new-tokens", "4", "--json")
     assert code == 0 and "reply" in json.loads(out), err
-    from slm_align.agent.server import create_app
+    from slm_align.ondevice.agent.server import create_app
 
     app = create_app(ggufs["bomb"], chat_template="chatml")
     app.state.service.close()
@@ -118,7 +118,7 @@ def test_a_template_replaced_by_chat_template_chatml_is_never_compiled(capsys, m
 def test_named_templates_are_never_compiled_and_the_default_one_serves(capsys, monkeypatch, ggufs, compiled):
     code, out, err = chat_cli(capsys, monkeypatch, "hello\n", ggufs["named"], "--max-new-tokens", "4", "--json")
     assert code == 0 and "reply" in json.loads(out), err
-    from slm_align.agent.server import create_app
+    from slm_align.ondevice.agent.server import create_app
 
     app = create_app(ggufs["named"])
     app.state.service.close()
@@ -140,4 +140,4 @@ def constructs_llama(tree: ast.AST) -> bool:
 def test_every_llama_of_the_package_is_opened_by_the_one_loader():
     constructing = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
                           if constructs_llama(ast.parse(path.read_text(encoding="utf-8"))))
-    assert constructing == ["agent/llama_open.py"]
+    assert constructing == ["ondevice/agent/llama_open.py"]

@@ -10,12 +10,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from slm_align.agent.runtime import Agent
-from slm_align.agent.sampling import SamplingParams, apply_penalties, candidates, sample_token
-from slm_align.agent.store import PreferenceStore
-from slm_align.chat_templates import CHATML_TEMPLATE
 from slm_align.errors import UserError
-from slm_align.tools.builtin import default_tools
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.agent.sampling import apply_penalties, candidates, sample_token
+from slm_align.ondevice.agent.settings import SamplingParams
+from slm_align.ondevice.agent.store import PreferenceStore
+from slm_align.ondevice.templates.chat import CHATML_TEMPLATE
+from slm_align.ondevice.tools.builtin import default_tools
 from tests.helpers import export_bundled, finished_sft_run, most_repeated_name, run_cli
 
 pytest.importorskip("llama_cpp")
@@ -205,9 +206,9 @@ def test_conversation_save_and_restore(artifacts, tmp_path):
 
 def test_agent_runs_without_torch_or_transformers(artifacts):
     code = (
-        "import sys\nfrom slm_align.agent.runtime import Agent\n"
-        "from slm_align.agent.sampling import SamplingParams\n"
-        "from slm_align.tools.builtin import default_tools\n"
+        "import sys\nfrom slm_align.ondevice.agent.runtime import Agent\n"
+        "from slm_align.ondevice.agent.sampling import SamplingParams\n"
+        "from slm_align.ondevice.tools.builtin import default_tools\n"
         f"for path in ({str(artifacts['gguf'])!r}, {str(artifacts['onnx'])!r}):\n"
         "    agent = Agent.load(path, tools=default_tools(), sampling=SamplingParams(temperature=0, max_tokens=8))\n"
         "    assert agent.chat('Hi there.').text is not None\n"
@@ -242,7 +243,7 @@ def test_bad_agent_input_is_one_line(capsys, tmp_path, args, expected):
 
 
 def test_device_profile_sets_threads_and_a_context_that_fits(artifacts):
-    from slm_align.devices import estimate_fit, load_profile, model_facts
+    from slm_align.ondevice.devices import estimate_fit, load_profile, model_facts
 
     profile = load_profile("rpi-zero2w")
     agent = Agent.load(artifacts["gguf"], device="rpi-zero2w", sampling=GREEDY)
@@ -254,7 +255,7 @@ def test_device_profile_sets_threads_and_a_context_that_fits(artifacts):
 
 
 def test_a_call_with_no_round_left_never_reaches_the_user_as_call_text(artifacts):
-    from slm_align.agent.tool_text import UNANSWERED
+    from slm_align.ondevice.agent.tool_text import UNANSWERED
 
     broken = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+"}}</tool_call>'
     agent = Agent.load(artifacts["onnx"], sampling=SCRIPTED, tools=default_tools(), max_tool_rounds=1)
@@ -270,8 +271,8 @@ def test_a_call_with_no_round_left_never_reaches_the_user_as_call_text(artifacts
 
 
 def test_a_template_that_drops_tools_gets_the_runtimes_fallback_when_asked(artifacts, tmp_path):
-    from slm_align.agent.prompt import tools_shown
-    from slm_align.chat_templates import tools_system_text
+    from slm_align.ondevice.agent.prompt import tools_shown
+    from slm_align.ondevice.templates.chat import tools_system_text
 
     fallback = tools_system_text(default_tools().specs())
     seen = {}

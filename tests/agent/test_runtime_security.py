@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from slm_align.tools import builtin as builtin_tools
-from slm_align.tools.builtin import calculator
+from slm_align.ondevice.tools import builtin as builtin_tools
+from slm_align.ondevice.tools.builtin import calculator
 
 # --- 3. calculator stall --------------------------------------------------------------------------
 
@@ -90,9 +90,9 @@ def long_conversation(turns=125, chars=4000):
 def counted_fit(monkeypatch, messages, max_tokens=256):
     """The agent's prompt for ``messages``, the backend's tokenizer counts and the
     number of template renders."""
-    from slm_align import chat_templates
-    from slm_align.agent import prompt
-    from slm_align.agent.runtime import Agent
+    from slm_align.ondevice.agent import prompt
+    from slm_align.ondevice.agent.runtime import Agent
+    from slm_align.ondevice.templates import chat as chat_templates
 
     renders = []
 
@@ -142,7 +142,7 @@ def artifacts(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["onnx", "gguf"])
 def test_control_tokens_typed_into_messages_stay_text(artifacts, kind):
-    from slm_align.agent.runtime import Agent
+    from slm_align.ondevice.agent.runtime import Agent
 
     agent = Agent.load(artifacts[kind])
     backend = agent.backend
@@ -175,7 +175,7 @@ INSPECTING = TOOLS_TEMPLATE.replace("{{ m.content }}", "{{ m.content.split('</th
 
 
 def injected_tools():
-    from slm_align.tools.registry import ToolRegistry
+    from slm_align.ondevice.tools.registry import ToolRegistry
 
     registry = ToolRegistry()
 
@@ -191,7 +191,7 @@ def injected_tools():
 @pytest.mark.parametrize("template", [TOOLS_TEMPLATE, INSPECTING], ids=["markers", "inspecting"])
 @pytest.mark.parametrize("kind", ["onnx", "gguf"])
 def test_control_tokens_in_tool_descriptions_and_call_arguments_stay_text(artifacts, kind, template):
-    from slm_align.agent.runtime import Agent
+    from slm_align.ondevice.agent.runtime import Agent
 
     agent = Agent.load(artifacts[kind], tools=injected_tools())
     backend = agent.backend
@@ -212,7 +212,7 @@ def test_control_tokens_in_tool_descriptions_and_call_arguments_stay_text(artifa
 
 
 def test_tojson_writes_plain_json_as_transformers_does():
-    from slm_align.chat_templates import render
+    from slm_align.ondevice.templates.chat import render
 
     tools = [{"type": "function", "function": {"name": "f", "description": "a <b> & 'c' é"}}]
     rendered = render("{{ tools | tojson }}|{{ tools | tojson(indent=2) }}", [], None, None, tools)
@@ -241,7 +241,7 @@ class EscapingAgent:
 
 
 def test_chat_writes_no_terminal_control_sequences():
-    from slm_align.agent.terminal import chat_loop
+    from slm_align.ondevice.agent.terminal import chat_loop
 
     written = []
     said = []
@@ -258,8 +258,8 @@ def test_chat_writes_no_terminal_control_sequences():
 def test_a_changed_artifact_is_refused_before_llama_cpp_parses_it(tmp_path, monkeypatch):
     import json
 
-    from slm_align.agent import runtime
     from slm_align.errors import UserError
+    from slm_align.ondevice.agent import runtime
 
     gguf = tmp_path / "model-Q8_0.gguf"
     gguf.write_bytes(b"GGUF" + b"\x00" * 64)

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from slm_align.agent import scrub as scrub_module
-from slm_align.agent.feedback_export import export_preferences, scrub_row
-from slm_align.agent.scrub import scrub
-from slm_align.agent.store import PreferenceStore
+from slm_align.ondevice.agent import scrub as scrub_module
+from slm_align.ondevice.agent.feedback_export import export_preferences, scrub_row
+from slm_align.ondevice.agent.scrub import scrub
+from slm_align.ondevice.agent.store import PreferenceStore
 from tests.helpers import run_cli
 
 

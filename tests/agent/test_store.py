@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from slm_align.agent.feedback_export import export_preferences, unpaired_path
-from slm_align.agent.scrub import detectors, luhn_ok, scrub
-from slm_align.agent.store import MAX_FEEDBACK_PER_TURN, PreferenceStore
-from slm_align.agent.store_schema import SCHEMA_VERSION
 from slm_align.errors import UserError
+from slm_align.ondevice.agent.feedback_export import export_preferences, unpaired_path
+from slm_align.ondevice.agent.scrub import detectors, luhn_ok, scrub
+from slm_align.ondevice.agent.store import MAX_FEEDBACK_PER_TURN, PreferenceStore
+from slm_align.ondevice.agent.store_schema import SCHEMA_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "ab" * 32
@@ -177,7 +177,7 @@ def test_one_store_is_shared_by_threads(store):
 KILLED_WRITER = """
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from slm_align.agent.store import PreferenceStore
+from slm_align.ondevice.agent.store import PreferenceStore
 store = PreferenceStore(sys.argv[1])
 messages = [{"role": "user", "content": "hi"}]
 i = 0
@@ -212,8 +212,8 @@ def test_a_killed_writer_loses_nothing_committed(tmp_path):
 
 
 def test_the_store_and_export_import_neither_torch_nor_transformers():
-    code = ("import json, sys\nimport slm_align.agent.store, slm_align.agent.feedback_export, "
-            "slm_align.agent.scrub\nprint(json.dumps(sorted(m for m in sys.modules if "
+    code = ("import json, sys\nimport slm_align.ondevice.agent.store, slm_align.ondevice.agent.feedback_export, "
+            "slm_align.ondevice.agent.scrub\nprint(json.dumps(sorted(m for m in sys.modules if "
             "m.split('.')[0] in ('torch', 'transformers'))))")
     proc = child(code, stdout=subprocess.PIPE)
     out, _ = proc.communicate(timeout=120)

@@ -6,11 +6,11 @@ import sqlite3
 
 import pytest
 
-from slm_align.ab_test import decide
-from slm_align.agent.ab_trial import ABTrial, ConversationIds
-from slm_align.agent.store import PreferenceStore
-from slm_align.agent.store_schema import MIGRATIONS
 from slm_align.errors import UserError
+from slm_align.ondevice.agent.ab_sequential import decide
+from slm_align.ondevice.agent.ab_trial import ABTrial, ConversationIds
+from slm_align.ondevice.agent.store import PreferenceStore
+from slm_align.ondevice.agent.store_schema import MIGRATIONS
 
 CURRENT = "ab" * 32
 CANDIDATE = "cd" * 32

@@ -10,17 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from slm_align.agent import task_eval
-from slm_align.agent.prompt import turn_end
-from slm_align.agent.task_eval import (
-    FAILURES,
-    compare,
-    open_agent,
-    run_task,
-    sample_seed,
-    summarize,
-)
-from slm_align.chat_templates import CHATML_TEMPLATE, render, shown_tools, template_form, template_traits
 from slm_align.data.agent_tasks import (
     leaks,
     make_tasks,
@@ -33,10 +22,21 @@ from slm_align.data.agent_tasks import (
 from slm_align.data.encoding import render as render_example
 from slm_align.data.readers import row_to_example
 from slm_align.errors import UserError
+from slm_align.ondevice.agent import task_eval
+from slm_align.ondevice.agent.prompt import turn_end
+from slm_align.ondevice.agent.task_eval import (
+    FAILURES,
+    compare,
+    open_agent,
+    run_task,
+    sample_seed,
+    summarize,
+)
+from slm_align.ondevice.rewards.episodes import answers_match, classify
+from slm_align.ondevice.templates.chat import CHATML_TEMPLATE, render, shown_tools, template_form, template_traits
+from slm_align.ondevice.tools.builtin import calculator, default_tools
 from slm_align.progress import CADENCE_ENV
-from slm_align.rewards.episodes import answers_match, classify
 from slm_align.stats import pass_at_k, wilson_interval
-from slm_align.tools.builtin import calculator, default_tools
 from tests.helpers import export_bundled, run_cli, tree_digest
 
 OPERATIONS = {"+": Fraction.__add__, "-": Fraction.__sub__, "*": Fraction.__mul__, "/": Fraction.__truediv__}
@@ -221,7 +221,7 @@ def test_answers_match_numerically():
 
 
 def test_compare_gives_a_paired_interval_and_a_verdict():
-    from slm_align.agent.task_eval import TaskResult
+    from slm_align.ondevice.agent.task_eval import TaskResult
 
     def results(category, n=20):
         return [TaskResult("q", "1", "r", category, 1, 1, 1, 10) for _ in range(n)]
@@ -255,7 +255,7 @@ def test_task_eval_counts_on_a_scripted_backend(gguf):
 def test_evaluate_agent_end_to_end_on_the_bundled_export(gguf, tmp_path, capsys, monkeypatch):
     """The bundled export against a copy of it whose completions are scripted to solve every task: the
     comparison is the paired difference of the two."""
-    from slm_align.agent.runtime import load_model
+    from slm_align.ondevice.agent.runtime import load_model
 
     code, out, err = run_cli(capsys, "tasks", "make", "--out", tmp_path / "calc", "--train", "8", "--heldout", "5",
                              "--json")
@@ -337,7 +337,7 @@ def test_samples_2_runs_each_task_twice_with_seeded_sampling_and_reports_pass_at
                                                                                     monkeypatch):
     """A scripted model through the CLI: 3 tasks x 2 samples, 10 completions, the per-task
     successes [1, 0, 2] of 2; pass@2 = mean(1, 0, 1), pass@1 = mean(1/2, 0, 1)."""
-    from slm_align.agent.runtime import load_model
+    from slm_align.ondevice.agent.runtime import load_model
 
     tasks = make_tasks(3, seed=11)
     path = tmp_path / "tasks.jsonl"
@@ -448,7 +448,7 @@ def test_commands_have_help_with_examples(capsys, command):
 
 
 def test_task_evaluation_imports_no_torch():
-    script = ("import sys, slm_align.agent.task_eval, slm_align.data.agent_tasks, "
+    script = ("import sys, slm_align.ondevice.agent.task_eval, slm_align.data.agent_tasks, "
               "slm_align.cli.tasks\nprint([m for m in ('torch', "
               "'transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=600).stdout
@@ -502,8 +502,8 @@ TOOLS_TEMPLATE = (  # ChatML that lists the tools' names in a system turn of its
 def test_every_artifact_is_shown_the_tools_and_the_report_says_how(gguf, tmp_path, monkeypatch):
     """The bundled export's ChatML drops ``tools``: the runtime's fallback writes them into the system
     message; a copy whose template lists them is shown them by its template, without the fallback."""
-    from slm_align.agent.runtime import load_model
-    from slm_align.chat_templates import FALLBACK_HEADER, tools_system_text
+    from slm_align.ondevice.agent.runtime import load_model
+    from slm_align.ondevice.templates.chat import FALLBACK_HEADER, tools_system_text
 
     heldout = tmp_path / "tasks.jsonl"
     heldout.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5",

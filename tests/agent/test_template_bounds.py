@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from slm_align.chat_templates import CHATML_TEMPLATE
-from slm_align.export.gguf import write_gguf
 from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.ondevice.gguf.writer import write_gguf
+from slm_align.ondevice.templates.chat import CHATML_TEMPLATE
 from tests.helpers import run_cli
 
 NESTED_LOOPS = ("{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}"
@@ -93,7 +93,7 @@ def test_an_artifact_whose_own_template_loops_is_refused_by_chat_evaluate_agent_
 def picky_server(models, tmp_path_factory):
     """The chat GGUF served with :data:`PICKY` in place of its template."""
     pytest.importorskip("openai")
-    from slm_align.agent.server import create_app
+    from slm_align.ondevice.agent.server import create_app
     from tests.agent.server.test_serve import Running
 
     template = tmp_path_factory.mktemp("picky") / "picky.jinja"
@@ -124,8 +124,8 @@ def test_a_request_on_which_the_template_loops_or_fails_is_a_400_naming_it_and_s
 
 
 def test_serving_a_template_that_loops_is_refused_at_startup(models):
-    from slm_align.agent.server import create_app
-    from slm_align.chat_templates import ChatTemplateError
+    from slm_align.ondevice.agent.server import create_app
+    from slm_align.ondevice.templates.chat import ChatTemplateError
 
     with pytest.raises(ChatTemplateError, match="the model's own chat template was stopped"):
         create_app(models["looping"])

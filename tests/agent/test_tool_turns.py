@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from slm_align.agent.prompt import PromptFitter, turn_end
-from slm_align.agent.runtime import Agent
-from slm_align.agent.sampling import SamplingParams
-from slm_align.agent.template import use_chat_template
-from slm_align.chat_templates import render, template_form, template_traits
 from slm_align.errors import UserError
-from slm_align.tools.builtin import default_tools
+from slm_align.ondevice.agent.prompt import PromptFitter, turn_end
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.agent.settings import SamplingParams
+from slm_align.ondevice.templates.artifact import use_chat_template
+from slm_align.ondevice.templates.chat import render, template_form, template_traits
+from slm_align.ondevice.tools.builtin import default_tools
 from tests.helpers import export_bundled
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
@@ -120,7 +120,7 @@ def call_as_rendered(text: str) -> str:
 
 @pytest.mark.parametrize("name", ["chatml", "qwen2.5-instruct", "qwen3", "smollm2-135m-instruct"])
 def test_after_a_tool_round_the_model_continues_its_own_ids_with_the_templates_text_between(gguf, name):
-    from slm_align.agent.open_artifact import open_backend
+    from slm_align.ondevice.agent.open_artifact import open_backend
 
     backend = open_backend(gguf, n_ctx=2048)  # Qwen's templates describe the tools at length
     if name != "chatml":

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from slm_align.agent.task_eval import TaskResult, compare
 from slm_align.cli import main
 from slm_align.config import load_recipe
+from slm_align.ondevice.agent.task_eval import TaskResult, compare
+from slm_align.ondevice.tools.builtin import calculator
 from slm_align.pipeline import run_rl
 from slm_align.quickstart.agent import QUESTION
-from slm_align.tools.builtin import calculator
 
 pytestmark = pytest.mark.slow  # the whole quickstart trains first: about 8 minutes on 2 cores
 
@@ -138,7 +138,7 @@ def test_the_agent_stages_judge_base_sft_and_rl_exports_in_the_runtime(quickstar
 
 
 def test_the_agent_answers_one_question_with_the_real_calculator_and_stores_the_thumbs_up(quickstart):
-    from slm_align.agent.store import PreferenceStore
+    from slm_align.ondevice.agent.store import PreferenceStore
 
     turns = PreferenceStore(quickstart / "preferences.db").turns()
     assert len(turns) == 1 and turns[0].consent and [f.kind for f in turns[0].feedback] == ["up"]

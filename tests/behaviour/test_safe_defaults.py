@@ -11,10 +11,10 @@ import stat
 
 import pytest
 
-from slm_align.agent.runtime import Agent
-from slm_align.agent.sampling import SamplingParams
 from slm_align.config import load_recipe
 from slm_align.export.stage import ExportRequest, run_export
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.agent.settings import SamplingParams
 from tests.helpers import finished_sft_run, run_cli
 
 

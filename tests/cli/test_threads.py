@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import slm_align.cli.options
-from slm_align.devices import host
-from slm_align.devices.host import MAX_DEFAULT_THREADS, free_threads
+from slm_align.ondevice.devices import host
+from slm_align.ondevice.devices.host import MAX_DEFAULT_THREADS, free_threads
 from tests.helpers import run_cli
 
 
@@ -138,7 +138,7 @@ class FakeLlama:
 
 @pytest.fixture
 def fake_llama(monkeypatch, tmp_path):
-    from slm_align.agent.llama_open import template_free_llama
+    from slm_align.ondevice.agent.llama_open import template_free_llama
 
     llama_cpp = pytest.importorskip("llama_cpp")
     monkeypatch.setattr(llama_cpp, "Llama", FakeLlama)
@@ -151,9 +151,9 @@ def fake_llama(monkeypatch, tmp_path):
 
 
 def test_threads_reach_llama_cpp_in_every_runtime_command(capsys, monkeypatch, tmp_path, fake_llama):
-    import slm_align.agent.llama_backend
+    import slm_align.ondevice.agent.llama_backend
 
-    monkeypatch.setattr(slm_align.agent.llama_backend, "default_threads", lambda: 1)
+    monkeypatch.setattr(slm_align.ondevice.agent.llama_backend, "default_threads", lambda: 1)
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"prompt": "What is 2 + 3?", "answer": "5"}) + "\n")
     commands = [["chat", fake_llama], ["serve", fake_llama], ["evaluate-agent", tasks, "--artifact", fake_llama]]

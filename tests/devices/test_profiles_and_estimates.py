@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from slm_align.cli import main
-from slm_align.devices import (
+from slm_align.errors import UserError
+from slm_align.ondevice.devices import (
     BITS_PER_WEIGHT,
     ModelFacts,
     estimate_fit,
@@ -20,10 +21,9 @@ from slm_align.devices import (
     load_profile,
     model_facts,
 )
-from slm_align.devices.estimate import FIXED_OVERHEAD_BYTES, efficiency_for, reference_pool
-from slm_align.devices.facts import params_from_config
-from slm_align.devices.profiles import ReferencePoint
-from slm_align.errors import UserError
+from slm_align.ondevice.devices.estimate import FIXED_OVERHEAD_BYTES, efficiency_for, reference_pool
+from slm_align.ondevice.devices.facts import params_from_config
+from slm_align.ondevice.devices.profiles import ReferencePoint
 from tests.helpers import ARCHITECTURES
 
 REQUIRED = ["rpi4", "rpi5", "rpi-zero2w", "jetson-orin-nano", "android-mid", "android-flagship", "iphone-15-pro",
@@ -268,7 +268,7 @@ def test_model_facts_counts_hf_parameters_exactly_from_the_safetensors_headers(n
 
 
 def test_model_facts_reads_a_gguf_file(tmp_path, tiny_models):
-    from slm_align.export.gguf import write_gguf
+    from slm_align.ondevice.gguf.writer import write_gguf
 
     path = write_gguf(tiny_models["llama"], tmp_path / "tiny.gguf", "F16")
     hf, found = model_facts(tiny_models["llama"]), model_facts(path)
@@ -314,7 +314,7 @@ def test_the_config_formula_counts_every_architectures_parameters_exactly(tiny_m
 def test_gguf_facts_take_head_dim_from_the_key_length(tmp_path, tiny_models, arch):
     """Qwen3 and Gemma 3 heads are wider than hidden / heads (16, not 8, in the tiny
     models): the KV cache too."""
-    from slm_align.export.gguf import write_gguf
+    from slm_align.ondevice.gguf.writer import write_gguf
 
     hf = model_facts(tiny_models[arch])
     found = model_facts(write_gguf(tiny_models[arch], tmp_path / "m.gguf", "F16"))
@@ -333,10 +333,10 @@ def test_a_corrupt_gguf_or_safetensors_is_a_user_error(tmp_path):
 
 
 def test_devices_import_neither_torch_nor_transformers(tmp_path, numpy_hf_dir, tiny_models):
-    from slm_align.export.gguf import write_gguf
+    from slm_align.ondevice.gguf.writer import write_gguf
 
     gguf_path = write_gguf(tiny_models["qwen2"], tmp_path / "q.gguf", "F16")
-    code = ("import sys; import slm_align.devices as d\n"
+    code = ("import sys; import slm_align.ondevice.devices as d\n"
             f"for path in ({str(numpy_hf_dir[0])!r}, {str(gguf_path)!r}):\n"
             "    d.estimate_fit(d.model_facts(path), d.load_profile('rpi5'))\n"
             "d.leave_one_out()\nprint(sorted(m for m in ('torch', "

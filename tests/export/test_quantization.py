@@ -133,9 +133,9 @@ def test_importance_matrix_reaches_llama_cpp_quantizer(tmp_path, tiny_models):
     llama.cpp's quantizer uses it."""
     import gguf
 
-    from slm_align.export.gguf import quantize_gguf, write_gguf
     from slm_align.export.imatrix import activation_importance, gguf_importance
     from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.ondevice.gguf.writer import quantize_gguf, write_gguf
 
     source = resolve_source(str(tiny_models["llama"]))
     model = load_model(source)

@@ -1,4 +1,4 @@
-"""BFCL's AST rules (slm_align.rewards.function_match) on hand-built calls, one rule at a time, and the
+"""BFCL's AST rules (slm_align.ondevice.rewards.function_match) on hand-built calls, one rule at a time, and the
 rewards function_call_match / function_call_graded that apply them to completions and episodes."""
 
 import json
@@ -6,10 +6,15 @@ import json
 import pytest
 
 from slm_align.errors import UserError
-from slm_align.rewards.builtin import load_reward_fn
-from slm_align.rewards.columns import required_columns
-from slm_align.rewards.function_calls import episode_calls, function_call_graded, function_call_match, reply_calls
-from slm_align.rewards.function_match import (
+from slm_align.ondevice.rewards.builtin import load_reward_fn
+from slm_align.ondevice.rewards.columns import required_columns
+from slm_align.ondevice.rewards.function_calls import (
+    episode_calls,
+    function_call_graded,
+    function_call_match,
+    reply_calls,
+)
+from slm_align.ondevice.rewards.function_match import (
     GRADED_CAP,
     check_calls,
     functions_from_tools,
@@ -253,7 +258,7 @@ def test_train_wiring_reads_function_rows_and_scores_with_their_columns(tmp_path
     """What `train --reward function_call_match` runs: the task reader renders each row's messages with
     its tools, the columns reach the reward, and the rows' columns satisfy its requirements."""
     from slm_align.data.tasks import read_tasks
-    from slm_align.rewards.columns import check_columns, with_columns
+    from slm_align.ondevice.rewards.columns import check_columns, with_columns
 
     rows = [{"messages": [{"role": "user", "content": "5 minute timer"}], "tools": TOOLS, "category": "simple",
              "ground_truth": [{"timer": {"minutes": [5]}}]},

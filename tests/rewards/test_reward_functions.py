@@ -8,12 +8,12 @@ import pytest
 
 from slm_align.data.tasks import TaskSet
 from slm_align.errors import UserError
-from slm_align.rewards.answers import exact_answer, extract_answer
-from slm_align.rewards.builtin import BUILTINS, combine, length_window, load_reward_fn
-from slm_align.rewards.columns import check_columns, required_columns, with_columns
-from slm_align.rewards.protocol import CombinedReward
-from slm_align.rewards.tool_calls import json_tool_call, tool_task
-from slm_align.tools.builtin import default_tools
+from slm_align.ondevice.rewards.answers import exact_answer, extract_answer
+from slm_align.ondevice.rewards.builtin import BUILTINS, combine, length_window, load_reward_fn
+from slm_align.ondevice.rewards.columns import check_columns, required_columns, with_columns
+from slm_align.ondevice.rewards.protocol import CombinedReward
+from slm_align.ondevice.rewards.tool_calls import json_tool_call, tool_task
+from slm_align.ondevice.tools.builtin import default_tools
 
 USER_MODULE = textwrap.dedent('''
     # How a user writes a reward: a function of prompts and completions returning one float each.

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from slm_align.rewards.spread import group_size_for, measure_spread, projected_share, recommend
+from slm_align.ondevice.rewards.spread import group_size_for, measure_spread, projected_share, recommend
 
 
 def prompt_only(prompts, completions, **_):
@@ -104,7 +104,7 @@ always_wrong.bounds = (0.0, 1.0)
 
 
 def test_a_flat_spread_is_read_as_solved_unreached_or_flat():
-    from slm_align.rewards.spread import flat_case
+    from slm_align.ondevice.rewards.spread import flat_case
 
     solved = flat_case([1.0] * 15 + [0.0], (0.0, 1.0))  # mean 0.94: nearly every sample succeeds
     assert solved.case == "solved" and solved.position == pytest.approx(15 / 16)
@@ -123,8 +123,8 @@ def test_a_flat_spread_is_read_as_solved_unreached_or_flat():
 
 
 def test_reward_bounds_add_up_over_weighted_terms():
-    from slm_align.rewards.builtin import combine
-    from slm_align.rewards.protocol import reward_bounds
+    from slm_align.ondevice.rewards.builtin import combine
+    from slm_align.ondevice.rewards.protocol import reward_bounds
 
     assert reward_bounds(combine(["task_success", "call_format@0.2"])) == pytest.approx((0.0, 1.2))
     assert reward_bounds(combine(["exact_answer@-0.5", "length_window"])) == pytest.approx((-0.5, 1.0))

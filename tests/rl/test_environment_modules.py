@@ -113,7 +113,7 @@ def test_an_allowed_module_runs_as_the_rows_environment(tmp_path, capsys, tiny_m
 
 
 def test_the_recipe_setting_and_environment_allow_it_and_a_package_allows_its_submodules(marker):
-    from slm_align.tools.environment import module_allowed
+    from slm_align.ondevice.tools.environment import module_allowed
 
     name, imported = marker
     tasks = TaskSet(["Count."], [{"environment": f"{name}:Env", "start": 2}])

@@ -12,16 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from slm_align.agent.prompt import turn_end
-from slm_align.agent.runtime import Agent
 from slm_align.config import LoraSettings, RLSettings
 from slm_align.data.tasks import TaskSet
 from slm_align.envelope.logprobs import forward_logprobs
 from slm_align.envelope.policy import build_policy
 from slm_align.errors import UserError
 from slm_align.modeling import resolve_source
-from slm_align.rewards.builtin import combine
-from slm_align.rewards.columns import with_columns
+from slm_align.ondevice.agent.prompt import turn_end
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.rewards.builtin import combine
+from slm_align.ondevice.rewards.columns import with_columns
+from slm_align.ondevice.tools.builtin import calculator, default_tools
+from slm_align.ondevice.tools.registry import ToolRegistry
 from slm_align.rl.episodes import (
     AgentTasks,
     EpisodeSetup,
@@ -35,8 +37,6 @@ from slm_align.rl.episodes import (
 )
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.policy_backend import PolicyBackend
-from slm_align.tools.builtin import calculator, default_tools
-from slm_align.tools.registry import ToolRegistry
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
@@ -138,7 +138,7 @@ def template(name):
 
 def opening_of(backend) -> str:
     """The text a template opens an assistant's turn with (its generation prompt)."""
-    from slm_align.chat_templates import render
+    from slm_align.ondevice.templates.chat import render
 
     plain = render(backend.chat_template, [{"role": "user", "content": "x"}], add_generation_prompt=False,
                    bos_token=backend.bos_token, eos_token=backend.eos_token)
@@ -401,7 +401,7 @@ def test_a_grpo_iteration_on_episodes_trains_the_sampled_ids_only(tiny_models, t
 def half_caller(tmp_path_factory, tiny_models, tokenizer):
     """The tiny llama taught (full weights, a few hundred steps) to answer "What is 2+3?" in the runtime's
     prompt with the calculator call half of the time and with "5" the other half."""
-    from slm_align.agent.prompt import PromptFitter
+    from slm_align.ondevice.agent.prompt import PromptFitter
 
     model = tiny(tiny_models)
     backend = PolicyBackend(model, tokenizer)
@@ -430,7 +430,7 @@ def half_caller(tmp_path_factory, tiny_models, tokenizer):
 def call_probability(loop, tokenizer) -> float:
     """The policy's probability that its reply to "What is 2+3?" in the runtime's prompt opens with the call
     tag (exact, from the logits: no sampling noise)."""
-    from slm_align.agent.prompt import PromptFitter
+    from slm_align.ondevice.agent.prompt import PromptFitter
 
     backend = PolicyBackend(loop.policy, tokenizer)
     prompt, _ = PromptFitter(backend, default_tools().specs(), describe_tools=True).fit(

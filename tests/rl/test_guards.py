@@ -315,7 +315,7 @@ def test_a_rollout_with_no_training_token_stops_with_the_fix(sft_run):
 
 
 def test_a_non_finite_reward_names_the_term_and_the_prompt(sft_run):
-    from slm_align.rewards.protocol import CombinedReward
+    from slm_align.ondevice.rewards.protocol import CombinedReward
 
     def broken_on_the_sun(prompts, completions, **_):
         return [float("nan") if p == "The sun." else 0.0 for p in prompts]

@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 from slm_align.config import WatchdogSettings
 from slm_align.envelope.world import World
 from slm_align.modeling import save_adapter
+from slm_align.ondevice.rewards.columns import with_columns
+from slm_align.ondevice.rewards.protocol import CombinedReward
 from slm_align.pipeline import run_rl
-from slm_align.rewards.columns import with_columns
-from slm_align.rewards.protocol import CombinedReward
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.recovery import WatchedRun, read_events
 from slm_align.rl.watchdog import (

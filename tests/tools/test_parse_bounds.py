@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from slm_align.tools.builtin import default_tools
-from slm_align.tools.calls import ToolCall
-from slm_align.tools.parse import MAX_DEPTH, MAX_NUMBER_CHARS, read_calls
+from slm_align.ondevice.tools.builtin import default_tools
+from slm_align.ondevice.tools.calls import ToolCall
+from slm_align.ondevice.tools.parse import MAX_DEPTH, MAX_NUMBER_CHARS, read_calls
 
 
 def nested(depth: int) -> str:

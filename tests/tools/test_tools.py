@@ -17,10 +17,10 @@ from typing import Literal, Optional
 import pytest
 
 from slm_align.errors import UserError
-from slm_align.tools.builtin import NoteStore, calculator, current_time, default_tools
-from slm_align.tools.calls import Observation, Tool, ToolCall
-from slm_align.tools.grammar import _GrammarBuilder, gbnf_grammar
-from slm_align.tools.registry import ToolRegistry
+from slm_align.ondevice.tools.builtin import NoteStore, calculator, current_time, default_tools
+from slm_align.ondevice.tools.calls import Observation, Tool, ToolCall
+from slm_align.ondevice.tools.grammar import _GrammarBuilder, gbnf_grammar
+from slm_align.ondevice.tools.registry import ToolRegistry
 
 
 class Unit(enum.Enum):
@@ -461,8 +461,8 @@ def llama_vocab(tmp_path_factory):
     parse and run a grammar."""
     llama_cpp = pytest.importorskip("llama_cpp")
     pytest.importorskip("gguf")
-    from slm_align.export.gguf import write_gguf
     from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.ondevice.gguf.writer import write_gguf
 
     path = write_gguf(DEFAULT_MODEL_DIR, tmp_path_factory.mktemp("gguf") / "vocab.gguf")
     llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
@@ -561,7 +561,7 @@ def test_required_and_named_grammars_admit_calls_only(registry, llama_vocab):
 
 def test_tools_import_neither_torch_nor_transformers():
     code = (
-        "import sys; import slm_align.tools.registry, slm_align.tools.builtin; "
+        "import sys; import slm_align.ondevice.tools.registry, slm_align.ondevice.tools.builtin; "
         "print([m for m in ('torch', 'transformers') if m in sys.modules])"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)

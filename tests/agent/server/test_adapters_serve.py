@@ -8,19 +8,19 @@ from collections import deque
 
 import pytest
 
-from slm_align.ab_test import SequentialTest
-from slm_align.agent.feedback_export import export_preferences, unpaired_path
-from slm_align.agent.store import PreferenceStore
-from slm_align.export.gguf import write_gguf
-from slm_align.export.gguf_adapter import write_lora_gguf
-from slm_align.gguf_adapters import chain_digest
+from slm_align.ondevice.agent.ab_sequential import SequentialTest
+from slm_align.ondevice.agent.feedback_export import export_preferences, unpaired_path
+from slm_align.ondevice.agent.store import PreferenceStore
+from slm_align.ondevice.gguf.adapter_check import chain_digest
+from slm_align.ondevice.gguf.adapter_writer import write_lora_gguf
+from slm_align.ondevice.gguf.writer import write_gguf
 from slm_align.runs import sha256_file
 from tests.helpers import run_cli, save_lora
 
 pytest.importorskip("llama_cpp")
 TestClient = pytest.importorskip("starlette.testclient").TestClient
 
-from slm_align.agent.server import create_app  # noqa: E402
+from slm_align.ondevice.agent.server import create_app  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 HI = [{"role": "user", "content": "Tell me a story."}]
@@ -149,7 +149,8 @@ def test_a_worse_candidate_reverts_and_gets_no_more_traffic(files, tmp_path):
 
 class Balanced:
     """Verdicts under which the arms win the trial's discordant pairs in turn, whatever the order the server
-    routes conversations in: a replica of its pairing (:func:`slm_align.ab_test.pairs_in_time`) tells which
+    routes conversations in: a replica of its pairing
+    (:func:`slm_align.ondevice.agent.ab_sequential.pairs_in_time`) tells which
     waiting conversation a new one pairs with; a waiting one's verdict alternates, and a new one makes its pair
     discordant only when that gives the arm whose turn it is the win (else concordant: no winner)."""
 

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from slm_align.agent.server.service import Outcome, client_calls  # noqa: E402
-from slm_align.tools.registry import ToolRegistry  # noqa: E402
+from slm_align.ondevice.agent.server.service import Outcome, client_calls  # noqa: E402
+from slm_align.ondevice.tools.registry import ToolRegistry  # noqa: E402
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

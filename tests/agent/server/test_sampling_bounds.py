@@ -11,10 +11,10 @@ import typer
 
 pytest.importorskip("uvicorn")
 
-from slm_align.agent.bounds import bounds, of_field, optional_peeled  # noqa: E402
-from slm_align.agent.server.chat_body import ChatBody  # noqa: E402
-from slm_align.agent.server.completions import CompletionBody  # noqa: E402
-from slm_align.agent.settings import Sampling  # noqa: E402
+from slm_align.ondevice.agent.bounds import bounds, of_field, optional_peeled  # noqa: E402
+from slm_align.ondevice.agent.server.chat_body import ChatBody  # noqa: E402
+from slm_align.ondevice.agent.server.completions import CompletionBody  # noqa: E402
+from slm_align.ondevice.agent.settings import Sampling  # noqa: E402
 from tests.agent.server import test_serve as base  # noqa: E402
 from tests.helpers import run_cli  # noqa: E402
 
@@ -114,7 +114,7 @@ def test_chat_temperature_3_is_refused_as_the_server_refuses_it(capsys, server, 
 def test_the_servers_own_limit_on_max_tokens_is_named_too(onnx_model):
     from starlette.testclient import TestClient
 
-    from slm_align.agent.server import create_app
+    from slm_align.ondevice.agent.server import create_app
 
     with TestClient(create_app(onnx_model, max_tokens=8), base_url="http://127.0.0.1") as client:
         over = client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 9})

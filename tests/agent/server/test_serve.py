@@ -17,11 +17,11 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from slm_align.agent.runtime import Agent  # noqa: E402
-from slm_align.agent.sampling import SamplingParams  # noqa: E402
-from slm_align.agent.server import create_app, is_loopback  # noqa: E402
 from slm_align.export.stage import ExportRequest, run_export  # noqa: E402
 from slm_align.modeling import DEFAULT_MODEL_DIR  # noqa: E402
+from slm_align.ondevice.agent.runtime import Agent  # noqa: E402
+from slm_align.ondevice.agent.server import create_app, is_loopback  # noqa: E402
+from slm_align.ondevice.agent.settings import SamplingParams  # noqa: E402
 from tests.helpers import most_repeated_name, run_cli  # noqa: E402
 
 PROMPT = "Tell me about a cat."
@@ -53,7 +53,7 @@ class Running:
     `serve` uses (connection limit, header and body deadlines, keep-alive)."""
 
     def __init__(self, app):
-        from slm_align.agent.server.connections import server_config
+        from slm_align.ondevice.agent.server.connections import server_config
 
         self.app, self.service = app, app.state.service
         config = server_config(app, "warning")
@@ -429,7 +429,7 @@ def test_page_in_a_browser_streams_and_records_feedback(server):
 
 def test_serving_imports_neither_torch_nor_transformers(onnx_model):
     code = ("import sys\nfrom starlette.testclient import TestClient\n"
-            "from slm_align.agent.server import create_app\n"
+            "from slm_align.ondevice.agent.server import create_app\n"
             f"with TestClient(create_app({str(onnx_model)!r}), base_url='http://127.0.0.1') as client:\n"
             "    reply = client.post('/v1/chat/completions', json={'model': 'm', 'max_tokens': 4,\n"
             "                        'messages': [{'role': 'user', 'content': 'Hi'}]})\n"

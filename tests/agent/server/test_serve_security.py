@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from slm_align.agent.server import create_app  # noqa: E402
 from slm_align.errors import UserError  # noqa: E402
+from slm_align.ondevice.agent.server import create_app  # noqa: E402
 from tests.agent.server import test_serve as base  # noqa: E402
 from tests.agent.server.test_serve import Running, wait_until  # noqa: E402
 
@@ -92,8 +92,8 @@ def feedback_of(store) -> dict[int, list]:
 
 
 def test_the_python_api_needs_the_token_too(server):
-    from slm_align.agent.runtime import record_feedback
     from slm_align.errors import UserError
+    from slm_align.ondevice.agent.runtime import record_feedback
 
     reply = server.post("/v1/chat/completions", HELLO).json()
     store = server.service.store
@@ -106,8 +106,8 @@ def test_the_python_api_needs_the_token_too(server):
 def test_a_version_1_store_migrates_and_its_old_turns_take_no_token_feedback(tmp_path):
     import sqlite3
 
-    from slm_align.agent.store import PreferenceStore
-    from slm_align.agent.store_schema import MIGRATIONS
+    from slm_align.ondevice.agent.store import PreferenceStore
+    from slm_align.ondevice.agent.store_schema import MIGRATIONS
 
     path = tmp_path / "old.db"
     conn = sqlite3.connect(path)
@@ -197,7 +197,7 @@ def test_user_errors_reach_clients_without_the_servers_paths(server, monkeypatch
 
 
 def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(onnx_model):
-    from slm_align.agent.server.connections import server_config
+    from slm_align.ondevice.agent.server.connections import server_config
     from tests.agent.server.test_serve import wait_until
 
     # 5 s for headers: long enough that a loaded machine sends the later requests' headers in time (0.5 s was not),
@@ -245,7 +245,7 @@ def limited_server(config):
 
 
 def test_a_connection_that_trickles_its_body_is_closed(onnx_model, caplog):
-    from slm_align.agent.server.connections import server_config
+    from slm_align.ondevice.agent.server.connections import server_config
 
     config = server_config(create_app(onnx_model), "warning", header_timeout=30, body_timeout=0.5)
     logging.getLogger("uvicorn.error").addHandler(caplog.handler)  # uvicorn's loggers do not propagate
