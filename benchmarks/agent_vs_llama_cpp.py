@@ -95,7 +95,7 @@ def default_models(work: Path) -> list[Path]:
     from export_and_decode import smollm2_shaped
 
     from slm_align.export.stage import ExportRequest, run_export
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
     bundled = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "gguf", "Q8_0", out=work / "bundled")).stage_dir
     shaped = run_export(ExportRequest(str(smollm2_shaped(work / "smollm2")), "gguf", "Q8_0", out=work / "smollm2",

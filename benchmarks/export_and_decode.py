@@ -26,7 +26,7 @@ def smollm2_shaped(path: Path) -> Path:
     weights, our tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
     from slm_align.ondevice.templates.chat import CHATML_TEMPLATE
 
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -29,7 +29,7 @@ ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "gpt2"]
 def save_model(arch: str, path: Path, hidden: int = 32, layers: int = 2) -> Path:
     from transformers import AutoTokenizer
 
-    from slm_align.modeling import DEFAULT_MODEL_DIR, build_tiny_model
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR, build_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
     build_tiny_model(arch, len(tokenizer), hidden=hidden, layers=layers).save_pretrained(path)

@@ -70,11 +70,11 @@ def prompts_for(n: int) -> list[str]:
 def run_ours(args) -> dict:
     import torch
 
-    from slm_align.accelerator import resolve_device
     from slm_align.config import GRPOSettings, LoraSettings, RLSettings
     from slm_align.envelope.policy import build_policy
     from slm_align.envelope.value_head import ValueHead
-    from slm_align.modeling import load_tokenizer, resolve_source
+    from slm_align.modeling.accelerator import resolve_device
+    from slm_align.modeling.models import load_tokenizer, resolve_source
     from slm_align.rl.grpo import GRPO
     from slm_align.rl.ppo import PPO
 
@@ -194,7 +194,7 @@ def run_trl(args) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
 
     torch.set_num_threads(args.threads)
     source = resolve_source(args.model)

@@ -61,7 +61,7 @@ def prose_paragraphs(count: int, offset: int = 0) -> list[str]:
 def checkpoint_of(model: str, work: Path) -> Path:
     """A plain HF directory for ``model`` (a .gguf is dequantised and saved, a
     directory is used as it is)."""
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source, save_tokenizer
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source, save_tokenizer
 
     source = resolve_source(model)
     if source.kind == "dir":
@@ -75,7 +75,7 @@ def checkpoint_of(model: str, work: Path) -> Path:
 def reference(checkpoint: Path, texts: list[str], tokens: int) -> tuple[list, list]:
     """The held-out token ids and PyTorch's logits over each."""
     from slm_align.export.parity import _torch_logits
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
     model = load_model(source)
@@ -125,7 +125,7 @@ def importance_of(checkpoint: Path, texts: int, tokens: int) -> dict:
     """llama.cpp's importance matrix from ``texts`` prose paragraphs other
     than the measured ones."""
     from slm_align.export.imatrix import activation_importance, gguf_importance
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
     tokenizer = load_tokenizer(source)

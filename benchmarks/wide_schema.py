@@ -38,7 +38,7 @@ def wide_request(properties: int) -> dict:
 def bundled_onnx(work: Path) -> Path:
     """The bundled model exported to ONNX fp32 (as the server tests serve it)."""
     from slm_align.export.stage import ExportRequest, run_export
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
     request = ExportRequest(str(DEFAULT_MODEL_DIR), "onnx", "fp32", out=work / "artifact", verify=False)
     return run_export(request).stage_dir

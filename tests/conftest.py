@@ -25,7 +25,7 @@ if "SLM_ALIGN_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["SLM_ALIGN_CACHE"], True)
 
 from slm_align.data.demo_corpus import write_demo_corpus  # noqa: E402
-from slm_align.modeling import DEFAULT_MODEL_DIR, build_tiny_model  # noqa: E402
+from slm_align.modeling.models import DEFAULT_MODEL_DIR, build_tiny_model  # noqa: E402
 from tests.helpers import ARCHITECTURES  # noqa: E402
 from tests.llama_cpp_reference import ReferenceUnavailable, convert  # noqa: E402
 

@@ -5,11 +5,11 @@ changing a bit); the tests marked ``gpu`` run the same paths on CUDA and skip wi
 import pytest
 import torch
 
-from slm_align.accelerator import Compute, forward_autocast, resolve_device
 from slm_align.config import ComputeSettings
 from slm_align.envelope.value_head import ValueHead
 from slm_align.envelope.world import rank_device
 from slm_align.errors import UserError
+from slm_align.modeling.accelerator import Compute, forward_autocast, resolve_device
 from tests.helpers import run_cli
 from tests.rl.test_guards import make_loop, prepared, sft_run  # noqa: F401  (the module fixture)
 
@@ -51,7 +51,7 @@ def test_unavailable_compute_settings_are_refused_in_one_line(capsys, tmp_path, 
 
 
 def test_4bit_weights_are_refused_by_the_stages_that_train_full_precision_weights():
-    from slm_align.accelerator import resolve_compute
+    from slm_align.modeling.accelerator import resolve_compute
 
     settings = ComputeSettings(device="cpu", load_in_4bit=True)
     with pytest.raises(UserError, match="applies to SFT only"):
@@ -75,7 +75,7 @@ def test_check_headroom_refuses_a_missing_device(capsys, tmp_path):
 def on_a_cuda_machine(monkeypatch):
     """Resolve every device to cuda:0 (as on a machine with a GPU), so the checks after
     the device's are reached."""
-    import slm_align.accelerator as accelerator
+    import slm_align.modeling.accelerator as accelerator
 
     def first_gpu(spec="auto"):
         return "cuda:0"
@@ -84,7 +84,7 @@ def on_a_cuda_machine(monkeypatch):
 
 
 def test_fp16_is_refused_by_the_envelopes_loops_and_taken_by_the_trainer_stages(on_a_cuda_machine):
-    from slm_align.accelerator import resolve_compute
+    from slm_align.modeling.accelerator import resolve_compute
 
     settings = ComputeSettings(precision="fp16")
     assert resolve_compute(settings).trainer_arguments()["fp16"] is True  # SFT, reward: the Trainer scales losses
@@ -116,9 +116,9 @@ def test_deepspeed_zero2_reaches_the_trainers_arguments(on_a_cuda_machine, deeps
                                                         tmp_path):
     import transformers
 
-    from slm_align.accelerator import DEEPSPEED_PRESETS, resolve_compute
     from slm_align.config import TrainSettings
-    from slm_align.training import training_arguments
+    from slm_align.envelope.trainer import training_arguments
+    from slm_align.modeling.accelerator import DEEPSPEED_PRESETS, resolve_compute
 
     compute = resolve_compute(ComputeSettings(deepspeed="zero2", precision="fp16"), quantizable=True)
     passed = {}

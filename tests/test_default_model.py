@@ -5,7 +5,7 @@ import json
 
 from transformers import AutoTokenizer
 
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.ondevice.tools.calls import ToolCall
 from slm_align.ondevice.tools.parse import call_text
 

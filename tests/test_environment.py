@@ -44,7 +44,7 @@ def nothing_installed(module: str) -> bool:
 
 
 def test_env_reports_a_missing_library_as_not_installed(monkeypatch):
-    from slm_align import environment
+    from slm_align.cli import env_report as environment
 
     monkeypatch.setattr(environment, "ALSO_REPORTED", ("no-such-distribution-xyz",))
     monkeypatch.setattr(environment, "_installed", nothing_installed)

@@ -1,4 +1,4 @@
-"""How every stage samples (slm_align/generation.py): each token is an exact draw from the
+"""How every stage samples (slm_align/modeling/generation.py): each token is an exact draw from the
 softmax of the temperature-scaled (nucleus-filtered) logits, and the decoding loop continues a
 left-padded batch with the KV cache exactly as transformers' ``generate`` does, on every
 architecture we train."""
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from slm_align.generation import draw_tokens, sample
+from slm_align.modeling.generation import draw_tokens, sample
 from tests.helpers import ARCHITECTURES
 
 PROBS = [0.5, 0.3, 0.15, 0.05, 0.0]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from slm_align.modeling import gguf_directory, load_model, load_tokenizer, resolve_source
+from slm_align.modeling.models import gguf_directory, load_model, load_tokenizer, resolve_source
 from slm_align.ondevice.gguf import cache as gguf_cache
 from slm_align.ondevice.gguf.tokenizer import PROBE_TEXTS, load_gguf_tokenizer
 from slm_align.ondevice.gguf.writer import write_gguf

@@ -10,7 +10,7 @@ import torch
 from slm_align.cli import main
 from slm_align.errors import UserError
 from slm_align.export.stage import ExportRequest, run_export
-from slm_align.modeling import (
+from slm_align.modeling.models import (
     load_model,
     load_tokenizer,
     resolve_source,

@@ -15,7 +15,7 @@ import gguf
 import pytest
 
 from slm_align.errors import UserError
-from slm_align.modeling import ModelSource, load_tokenizer, save_tokenizer
+from slm_align.modeling.models import ModelSource, load_tokenizer, save_tokenizer
 from slm_align.ondevice.gguf import tokenizer as gguf_tokenizer
 from slm_align.ondevice.gguf.fields import read_fields
 from slm_align.ondevice.gguf.tokenizer import PROBE_TEXTS, SIDECAR, load_gguf_tokenizer, write_sidecar

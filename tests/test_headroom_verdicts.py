@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from slm_align.config import load_recipe
-from slm_align.headroom import REMEDY_PPL, REMEDY_SPREAD, GateRefused
+from slm_align.envelope.gate import GateRefused
+from slm_align.headroom.stage import REMEDY_PPL, REMEDY_SPREAD
 from tests.helpers import finished_rl_stage, run_cli
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slm_align.accelerator import DEEPSPEED_PRESETS, LAUNCH_DIR
+from slm_align.modeling.accelerator import DEEPSPEED_PRESETS, LAUNCH_DIR
 
 ACCELERATE = {"accelerate_multi_gpu.yaml": {"num_machines": 1, "num_processes": 4},
               "accelerate_multi_node.yaml": {"num_machines": 2, "num_processes": 8, "main_process_port": 29500}}
@@ -49,7 +49,7 @@ def test_the_zero2_config_shards_with_stage_2_and_takes_its_sizes_from_the_train
 
 
 def test_the_launch_files_are_package_data():
-    from slm_align.tomlcompat import tomllib
+    from slm_align.config.tomlcompat import tomllib
 
     root = LAUNCH_DIR.parent.parent
     pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text(encoding="utf-8"))

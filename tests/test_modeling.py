@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from slm_align.errors import UserError
-from slm_align.modeling import (
+from slm_align.modeling.models import (
     DEFAULT_MODEL_DIR,
     ensure_pad_token,
     load_model,

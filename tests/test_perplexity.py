@@ -4,8 +4,8 @@ import torch
 
 from slm_align.data.encoding import encode_all
 from slm_align.data.examples import Example
-from slm_align.modeling import build_tiny_model
-from slm_align.perplexity import perplexity
+from slm_align.modeling.models import build_tiny_model
+from slm_align.scoring.perplexity import perplexity
 
 DOCS = [Example(text="Once upon a time there was a cat."),
         Example(text="Tom found a red ball under a tree and was very happy with it all day long."),

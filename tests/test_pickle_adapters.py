@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slm_align.errors import UserError
-from slm_align.modeling import load_adapter, merged_policy, resolve_source
+from slm_align.modeling.models import load_adapter, merged_policy, resolve_source
 from tests.helpers import finished_sft_run, run_cli
 
 
@@ -107,7 +107,7 @@ def test_check_headroom_loads_a_pickle_only_adapter_with_allow_pickle(capsys, pi
 def test_rl_from_an_sft_adapter_kept_as_it_is_refuses_a_pickle_only_one(pickled_run, tiny_models):
     from slm_align.config import Recipe
     from slm_align.envelope.policy import build_policy
-    from slm_align.modeling import resolve_source
+    from slm_align.modeling.models import resolve_source
 
     rl = Recipe().rl
     settings = rl.model_copy(update={"envelope": rl.envelope.model_copy(update={"reinit_lora": False})})

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from slm_align.config import Recipe, load_recipe
+from slm_align.config.overrides import parse_sets, refuse_other_algorithm
 from slm_align.errors import UserError
-from slm_align.recipe_overrides import parse_sets, refuse_other_algorithm
 from tests.helpers import finished_sft_run, run_cli
 
 
@@ -35,7 +35,7 @@ def test_set_overrides_the_toml_and_a_named_flag_wins_over_set(capsys, tmp_path)
     recipe.write_text("seed = 3\n[sft.lora]\nr = 8\n")
     settings = shown(capsys, "--config", recipe, "--set", "sft.lora.r=64")
     assert settings["seed"]["value"] == 3 and settings["sft.lora.r"]["value"] == 64
-    from slm_align.recipe_overrides import merged_overrides
+    from slm_align.config.overrides import merged_overrides
 
     assert merged_overrides(["sft.lora.r=64"], {"sft.lora.r": 4, "seed": None}) == {"sft.lora.r": 4, "seed": None}
     assert merged_overrides(["sft.lora.r=64"], {"sft.lora.r": None}) == {"sft.lora.r": 64}

@@ -5,8 +5,8 @@ from safetensors.torch import load_file
 
 from slm_align.config import load_recipe
 from slm_align.errors import UserError
-from slm_align.headroom import check_headroom
-from slm_align.sft import run_sft
+from slm_align.headroom.stage import check_headroom
+from slm_align.sft.stage import run_sft
 from tests.helpers import ARCHITECTURES, tree_digest
 
 
@@ -56,7 +56,7 @@ def test_same_inputs_are_skipped_and_other_inputs_refused(tmp_path, tiny_models,
 
 
 def test_interrupted_sft_resumes_from_its_checkpoint(tmp_path, tiny_models, stories, monkeypatch):
-    from slm_align import training
+    from slm_align.envelope import trainer as training
 
     recipe = recipe_for(tiny_models["llama"], stories)
     original = training.TrainerProgress.on_step_end

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slm_align.tomlcompat import tomllib
+from slm_align.config.tomlcompat import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ def test_python_310_reads_recipes_with_tomli(tmp_path):
         "from slm_align.config import load_recipe\n"
         "from slm_align.ondevice.devices import load_profile\n"
         "from slm_align.errors import UserError\n"
-        "from slm_align.tomlcompat import tomllib\n"
+        "from slm_align.config.tomlcompat import tomllib\n"
         f"recipe = load_recipe({str(recipe)!r})\n"
         "assert tomllib.__name__ == 'tomli', tomllib\n"
         "assert recipe.seed == 7 and recipe.sft.learning_rate == 0.001\n"

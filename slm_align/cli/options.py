@@ -26,10 +26,10 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from slm_align.config import Recipe, load_recipe
+from slm_align.config.overrides import merged_overrides, refuse_other_algorithm
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.bounds import Typed, accepted, members, of_field, refusal, typed
 from slm_align.ondevice.devices.host import default_threads
-from slm_align.recipe_overrides import merged_overrides, refuse_other_algorithm
 
 JsonFlag = typer.Option(False, "--json", help="Print a machine-readable JSON result on stdout.")
 CTX_NAMES = ("--ctx", "--ctx-size")

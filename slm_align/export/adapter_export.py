@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from slm_align.accelerator import resolve_device
 from slm_align.atomic import publish_directory, write_json_atomic
 from slm_align.errors import UserError
 from slm_align.export.merge import current_merged, merged_stage
 from slm_align.export.parity import perplexity_change, verification_summary
+from slm_align.modeling.accelerator import resolve_device
 from slm_align.ondevice.devices.host import default_threads
 from slm_align.ondevice.gguf.adapter_check import chain_digest
 from slm_align.ondevice.gguf.adapter_writer import write_lora_gguf
@@ -178,8 +178,8 @@ def adapter_chain(run: Path, stage: Optional[str] = None) -> list[tuple[str, Pat
 
 
 def run_source(run: Path):
-    """The model the run's SFT started from (a :class:`~slm_align.modeling.ModelSource`)."""
-    from slm_align.modeling import resolve_source
+    """The model the run's SFT started from (a :class:`~slm_align.modeling.models.ModelSource`)."""
+    from slm_align.modeling.models import resolve_source
 
     record = read_manifest(run / "sft")["inputs"]["model"]
     if record["kind"] == "gguf" and not Path(record["ref"]).is_file():
@@ -194,7 +194,7 @@ def _base(request, source, quant: str, threads: int, out: Path, scratch: Path) -
     ``out/base-QUANT.gguf`` and its build in ``scratch`` (the same bytes when one is already there)."""
     if source.kind == "gguf":
         return Path(source.ref), Path(source.ref)
-    from slm_align.modeling import load_model, load_tokenizer, save_tokenizer
+    from slm_align.modeling.models import load_model, load_tokenizer, save_tokenizer
 
     model_dir = Path(source.ref)
     if source.kind == "hub":
@@ -236,7 +236,7 @@ def _verification(
     if not request.verify:
         return {"skipped": True}
     from slm_align.export.parity import VERIFY_CONTEXT, verify
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
     from slm_align.ondevice.agent.llama_backend import LlamaCppBackend
 
     file_type = read_fields(base, prefix="general.file_type").get("general.file_type")

@@ -82,7 +82,7 @@ def _token_batch(model, ids: Sequence[int]):
     """(1, T) token ids on the model's device."""
     import torch
 
-    from slm_align.accelerator import device_of
+    from slm_align.modeling.accelerator import device_of
 
     return torch.tensor([list(ids)], device=device_of(model))
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from slm_align.accelerator import resolve_device
 from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
 from slm_align.errors import UserError
 from slm_align.export.executorch import check_executorch_architecture, check_executorch_quant, write_executorch
@@ -29,7 +28,8 @@ from slm_align.export.model_card import CARD, card_blocked, gguf_card, onnx_card
 from slm_align.export.modelfile import build_modelfile, check_system_prompt, default_parameters, modelfile_path
 from slm_align.export.onnx import check_onnx_quant, host_preset, write_onnx
 from slm_align.export.parity import perplexity_change, verification_summary
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.accelerator import resolve_device
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.ondevice.devices.host import default_threads
 from slm_align.ondevice.gguf.architectures import check_gguf_config
 from slm_align.ondevice.gguf.writer import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
@@ -168,7 +168,7 @@ def _locate(source: str, target: str) -> dict:
     path = Path(source).expanduser()
     if path.is_dir() and _is_run(path):
         return {"kind": "run", "run": str(path.resolve())}
-    from slm_align.modeling import load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_tokenizer, resolve_source
 
     resolved = resolve_source(source)
     if resolved.kind != "dir":
@@ -190,7 +190,7 @@ def _checkpoint(origin: dict, scratch: Path) -> Path:
         return current_merged(Path(origin["run"]), origin.get("stage"))
     if origin["kind"] == "dir":
         return Path(origin["path"])
-    from slm_align.modeling import ModelSource, load_model, load_tokenizer, save_tokenizer
+    from slm_align.modeling.models import ModelSource, load_model, load_tokenizer, save_tokenizer
 
     source = ModelSource(origin["kind"], origin["ref"])
     checkpoint = scratch / "checkpoint"
@@ -233,7 +233,7 @@ def _model_type(origin: dict) -> Optional[str]:
         path = Path(origin.get("path") or origin["ref"] or DEFAULT_MODEL_DIR) / "config.json"
         return json.loads(path.read_text(encoding="utf-8")).get("model_type")
     if origin["kind"] == "gguf":
-        from slm_align.modeling import gguf_config
+        from slm_align.modeling.models import gguf_config
 
         return gguf_config(Path(origin["ref"])).model_type
     from transformers import AutoConfig
@@ -316,7 +316,7 @@ def _verify(checkpoint: Path, artifact: Path, quant: str, threads: int, min_agre
     genai's own tokenizer to split the verification texts and chats as the model's tokenizer does
     (:func:`~slm_align.export.genai.genai_tokenizer_report`)."""
     from slm_align.export.parity import HELDOUT_TEXT, RAW_TEXTS, USER_MESSAGES, verify
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
     model = load_model(source).to(resolve_device(torch_device))
@@ -448,7 +448,7 @@ def run_export(request: ExportRequest) -> StageResult:
     scratch.mkdir(parents=True)
     try:
         checkpoint = _checkpoint(origin, scratch)
-        from slm_align.modeling import load_tokenizer, resolve_source
+        from slm_align.modeling.models import load_tokenizer, resolve_source
 
         checkpoint_tokenizer = load_tokenizer(resolve_source(str(checkpoint)))
         template, template_origin = _chat_template(request.chat_template, checkpoint_tokenizer)

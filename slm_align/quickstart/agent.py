@@ -13,7 +13,7 @@ from typing import Callable
 
 from slm_align.config import Recipe, load_recipe
 from slm_align.data.agent_tasks import FILES, write_agent_tasks
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.ondevice.agent.runtime import Agent
 from slm_align.ondevice.agent.settings import SamplingParams
 from slm_align.ondevice.agent.store import PreferenceStore

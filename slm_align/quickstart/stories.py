@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from slm_align.config import Recipe, load_recipe
-from slm_align.evaluate import summary_line
+from slm_align.evaluate.stage import summary_line
 from slm_align.pipeline import evaluate, export_once, gate, run_reward, run_rl, run_sft
 from slm_align.rl.schedule import iteration_size
 

@@ -29,9 +29,9 @@ from slm_align.envelope.seeds import derive_seed
 from slm_align.rl.advantages import Advantages, all_equal_groups, grpo_advantages
 from slm_align.rl.learner import Learner, rollout_kl, rollout_metrics
 from slm_align.rl.losses import aggregate, clipped_policy_loss, kl_k3
-from slm_align.rl.phases import PhaseClock
-from slm_align.rl.rollout import Rollout, replace_rows
 from slm_align.rl.schedule import iteration_size
+from slm_align.rollouts.completions import Rollout, replace_rows
+from slm_align.rollouts.phases import PhaseClock
 
 
 class GRPO(Learner):

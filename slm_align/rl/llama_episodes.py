@@ -19,8 +19,8 @@ import numpy as np
 
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.llama_backend import LlamaCppBackend
-from slm_align.rl.episodes import SEED_SPAN
-from slm_align.rl.policy_backend import check_exact, round_seed
+from slm_align.rollouts.episodes import SEED_SPAN
+from slm_align.rollouts.policy_backend import check_exact, round_seed
 
 EPISODE_CONTEXT = 4096
 """Positions of the episode context (the model's own limit when smaller): the KV cache a phone would
@@ -38,7 +38,7 @@ def tempered_logprob(logits: np.ndarray, token: int, temperature: float) -> floa
 class ExactLlamaBackend(LlamaCppBackend):
     """The runtime's llama.cpp backend sampling exactly at the temperature and keeping each draw's
     log-probability (:attr:`drawn_logprobs` per round, :attr:`rounds` per episode), as
-    :class:`~slm_align.rl.policy_backend.PolicyBackend` does for PyTorch."""
+    :class:`~slm_align.rollouts.policy_backend.PolicyBackend` does for PyTorch."""
 
     def __init__(self, base_gguf: Path, chat_template: str, threads: int, n_ctx: int):
         super().__init__(base_gguf, threads=threads, n_ctx=n_ctx)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from slm_align.errors import UserError
-from slm_align.modeling import build_tiny_model
+from slm_align.modeling.models import build_tiny_model
 from slm_align.ondevice.agent.llama_backend import LlamaCppBackend
 from slm_align.ondevice.agent.runtime import Agent
 from slm_align.ondevice.agent.settings import SamplingParams

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from slm_align.errors import UserError
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.ondevice.agent.decode import greedy
 from slm_align.ondevice.agent.open_artifact import open_backend
 from slm_align.ondevice.agent.runtime import Agent

@@ -235,7 +235,7 @@ def test_a_fleet_ab_test_promotes_the_candidate_that_is_right(files, tasks, rows
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """The bundled model as a GGUF base with two LoRA adapters made for it."""
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
     from slm_align.ondevice.gguf.adapter_writer import write_lora_gguf
     from slm_align.ondevice.gguf.writer import write_gguf
     from tests.helpers import save_lora

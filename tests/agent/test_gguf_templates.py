@@ -18,7 +18,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.ondevice.gguf.writer import write_gguf
 from slm_align.ondevice.templates import chat as chat_templates
 from slm_align.ondevice.templates.chat import CHATML_TEMPLATE

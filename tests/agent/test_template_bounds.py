@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.ondevice.gguf.writer import write_gguf
 from slm_align.ondevice.templates.chat import CHATML_TEMPLATE
 from tests.helpers import run_cli

@@ -14,7 +14,7 @@ import torch
 
 from slm_align.errors import UserError
 from slm_align.export.parity import HELDOUT_TEXT
-from slm_align.modeling import (
+from slm_align.modeling.models import (
     build_tiny_model,
     load_model,
     load_tokenizer,

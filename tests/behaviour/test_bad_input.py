@@ -61,7 +61,7 @@ def _corrupt_copy(source: Path, target: Path, keep_bytes: int) -> Path:
 def env(tmp_path_factory, tiny_models, tokenizer, stories):
     """Inputs shared by the cases: bad files, odd model directories, a finished SFT
     run and a GGUF artifact."""
-    from slm_align.modeling import build_tiny_model
+    from slm_align.modeling.models import build_tiny_model
     from slm_align.ondevice.agent.store import PreferenceStore
     from slm_align.ondevice.gguf.writer import write_gguf
 

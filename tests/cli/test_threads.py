@@ -75,20 +75,20 @@ def _stand_in(monkeypatch, module, name, seen):
 
 def _commands(tmp_path):
     """(command line, module, the function it calls to do its work) of each torch command."""
-    import slm_align.evaluate
+    import slm_align.evaluate.stage
     import slm_align.export.merge
     import slm_align.export.stage
-    import slm_align.headroom
+    import slm_align.headroom.stage
     import slm_align.pipeline
     import slm_align.quickstart
-    import slm_align.sft
+    import slm_align.sft.stage
 
     run = tmp_path / "run"
     return [
-        (["sft", "--data", "demo", "--out", run], slm_align.sft, "run_sft"),
+        (["sft", "--data", "demo", "--out", run], slm_align.sft.stage, "run_sft"),
         (["train", "--data", "demo", "--out", run], slm_align.pipeline, "train"),
-        (["check-headroom", "--run", run], slm_align.headroom, "check_headroom"),
-        (["evaluate", "--run", run], slm_align.evaluate, "evaluate"),
+        (["check-headroom", "--run", run], slm_align.headroom.stage, "check_headroom"),
+        (["evaluate", "--run", run], slm_align.evaluate.stage, "evaluate"),
         (["merge", "--run", run], slm_align.export.merge, "merge_run"),
         (["export", run], slm_align.export.stage, "run_export"),
         (["quickstart", "--out", run], slm_align.quickstart, "run_quickstart"),
@@ -113,9 +113,9 @@ def test_a_recipe_sets_the_threads_and_the_flag_wins(capsys, monkeypatch, tmp_pa
     recipe = tmp_path / "recipe.toml"
     recipe.write_text("[compute]\nthreads = 2\n")
     seen = []
-    import slm_align.sft
+    import slm_align.sft.stage
 
-    _stand_in(monkeypatch, slm_align.sft, "run_sft", seen)
+    _stand_in(monkeypatch, slm_align.sft.stage, "run_sft", seen)
     torch.set_num_threads(1)
     for extra in ([], ["--threads", "1"]):
         with pytest.raises(Reached):

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from slm_align.data.tasks import TaskSet, read_tasks, split_tasks
 from slm_align.errors import UserError
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate arithmetic.",

@@ -111,7 +111,7 @@ def test_a_dpo_round_exports_the_chain_that_loads_as_the_merged_policy(dpo_run, 
 def torch_logits(model_dir, ids):
     import torch
 
-    from slm_align.modeling import load_model, resolve_source
+    from slm_align.modeling.models import load_model, resolve_source
 
     with torch.no_grad():
         return load_model(resolve_source(str(model_dir)))(torch.tensor([ids])).logits[0].numpy()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from slm_align.errors import UserError
-from slm_align.modeling import build_tiny_model
+from slm_align.modeling.models import build_tiny_model
 from slm_align.ondevice.gguf.adapter_writer import check_adapter_base, write_lora_gguf
 from slm_align.ondevice.gguf.writer import write_gguf
 from tests.helpers import decisive_models, save_lora

@@ -9,7 +9,7 @@ import pytest
 
 from slm_align.export.parity import torch_greedy, verification_prompts
 from slm_align.export.stage import ExportRequest, VerificationFailed, run_export
-from slm_align.modeling import load_model, load_tokenizer, resolve_source
+from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
 from slm_align.ondevice.agent.decode import greedy
 from slm_align.ondevice.agent.open_artifact import open_backend
 from slm_align.ondevice.gguf.writer import _unfuse_neox_qkv

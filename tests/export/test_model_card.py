@@ -11,7 +11,7 @@ import yaml
 from slm_align.data.readers import fingerprint
 from slm_align.export.model_card import MARKER, base_model
 from slm_align.export.parity import perplexity_change
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from tests.helpers import export_bundled, finished_sft_run, run_cli
 
 

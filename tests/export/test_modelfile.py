@@ -8,7 +8,7 @@ import re
 import pytest
 
 from slm_align.export.modelfile import Untranslatable, build_modelfile, translate_template
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.ondevice.templates.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE
 from tests.helpers import ARCHITECTURES, export_bundled, run_cli
 

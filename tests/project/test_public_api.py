@@ -20,7 +20,7 @@ def test_all_lists_exactly_the_exported_names():
 def test_every_public_name_resolves_to_its_definition():
     import inspect
 
-    from slm_align.evaluate import evaluate
+    from slm_align.evaluate.stage import evaluate
     from slm_align.export.stage import run_export
     from slm_align.ondevice.agent.runtime import Agent
 

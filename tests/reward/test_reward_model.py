@@ -9,11 +9,16 @@ import torch
 from slm_align.cli import main
 from slm_align.config import load_recipe
 from slm_align.data.encoding import pad_batch
-from slm_align.headroom import check_headroom
-from slm_align.modeling import build_tiny_model, load_model, resolve_source
-from slm_align.reward.model import bradley_terry_loss, classifier_from_policy, load_reward_model, sequence_rewards
-from slm_align.reward.stage import run_reward
-from slm_align.sft import run_sft
+from slm_align.headroom.stage import check_headroom
+from slm_align.modeling.models import build_tiny_model, load_model, resolve_source
+from slm_align.reward_model.stage import run_reward
+from slm_align.scoring.reward_model import (
+    bradley_terry_loss,
+    classifier_from_policy,
+    load_reward_model,
+    sequence_rewards,
+)
+from slm_align.sft.stage import run_sft
 from tests.helpers import finished_sft_run
 
 

@@ -61,7 +61,7 @@ def test_group_size_projection():
 
 def _gate(stories, reward: str):
     from slm_align.config import load_recipe
-    from slm_align.headroom import check_headroom
+    from slm_align.headroom.stage import check_headroom
 
     recipe = load_recipe(overrides={"data.path": str(stories), "headroom.spread_prompts": 6,
                                     "headroom.max_new_tokens": 12, "headroom.max_documents": 8})

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from slm_align.config import RLSettings
 from slm_align.data.tasks import TaskSet
 from slm_align.errors import UserError
-from slm_align.rl.episodes import agent_tasks
+from slm_align.rollouts.episodes import agent_tasks
 from tests.helpers import run_cli
 from tests.rl.test_episodes import QUICK, SMALL, task_file
 

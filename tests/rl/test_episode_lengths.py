@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from slm_align.config import RLSettings, WatchdogSettings
-from slm_align.rl.episodes import Episode, _trace_ids, pack, round_tokens
+from slm_align.envelope.watchdog import Watchdog
 from slm_align.rl.learner import rollout_metrics
-from slm_align.rl.rollout import Rollout, replace_rows, tokens_over, truncation_rules
-from slm_align.rl.watchdog import Watchdog
+from slm_align.rollouts.completions import Rollout, replace_rows, tokens_over, truncation_rules
+from slm_align.rollouts.episodes import Episode, _trace_ids, pack, round_tokens
 
 
 def trace_of(rng: random.Random, call_rate: float, round_scale: float = 1.0) -> list[tuple[str, list[int]]]:

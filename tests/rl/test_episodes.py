@@ -17,14 +17,15 @@ from slm_align.data.tasks import TaskSet
 from slm_align.envelope.logprobs import forward_logprobs
 from slm_align.envelope.policy import build_policy
 from slm_align.errors import UserError
-from slm_align.modeling import resolve_source
+from slm_align.modeling.models import resolve_source
 from slm_align.ondevice.agent.prompt import turn_end
 from slm_align.ondevice.agent.runtime import Agent
 from slm_align.ondevice.rewards.builtin import combine
 from slm_align.ondevice.rewards.columns import with_columns
 from slm_align.ondevice.tools.builtin import calculator, default_tools
 from slm_align.ondevice.tools.registry import ToolRegistry
-from slm_align.rl.episodes import (
+from slm_align.rl.grpo import GRPO
+from slm_align.rollouts.episodes import (
     AgentTasks,
     EpisodeSetup,
     agent_tasks,
@@ -35,8 +36,7 @@ from slm_align.rl.episodes import (
     pack,
     run_episode,
 )
-from slm_align.rl.grpo import GRPO
-from slm_align.rl.policy_backend import PolicyBackend
+from slm_align.rollouts.policy_backend import PolicyBackend
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slm_align.envelope.logprobs import forward_logprobs
-from slm_align.modeling import load_tokenizer, resolve_source
+from slm_align.modeling.models import load_tokenizer, resolve_source
 from slm_align.rl.llama_sampler import LlamaSampler
 from tests.helpers import random_lora
 from tests.rl.test_guards import lora_state, make_loop, sft_run  # noqa: F401

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from slm_align.config import WatchdogSettings
-from slm_align.rl import phases
+from slm_align.envelope.recovery import WatchedRun
+from slm_align.envelope.watchdog import Watchdog
 from slm_align.rl.grpo import GRPO
-from slm_align.rl.phases import PHASES, PhaseClock
-from slm_align.rl.recovery import WatchedRun
-from slm_align.rl.watchdog import Watchdog
+from slm_align.rollouts import phases
+from slm_align.rollouts.phases import PHASES, PhaseClock
 from tests.rl.test_guards import (
     NaNGradientLoop,
     lora_state,

@@ -20,14 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from slm_align.config import WatchdogSettings
-from slm_align.envelope.world import World
-from slm_align.modeling import save_adapter
-from slm_align.ondevice.rewards.columns import with_columns
-from slm_align.ondevice.rewards.protocol import CombinedReward
-from slm_align.pipeline import run_rl
-from slm_align.rl.grpo import GRPO
-from slm_align.rl.recovery import WatchedRun, read_events
-from slm_align.rl.watchdog import (
+from slm_align.envelope.recovery import WatchedRun, read_events
+from slm_align.envelope.watchdog import (
     Trigger,
     Watchdog,
     confirm_level,
@@ -38,7 +32,13 @@ from slm_align.rl.watchdog import (
     reward_dropped,
     tool_level,
 )
-from slm_align.rl.watchdog_text import event_line, published_line, report_section
+from slm_align.envelope.watchdog_text import event_line, published_line, report_section
+from slm_align.envelope.world import World
+from slm_align.modeling.models import save_adapter
+from slm_align.ondevice.rewards.columns import with_columns
+from slm_align.ondevice.rewards.protocol import CombinedReward
+from slm_align.pipeline import run_rl
+from slm_align.rl.grpo import GRPO
 from tests.helpers import finished_sft_run, run_cli
 
 
@@ -573,7 +573,7 @@ def events_of(stage: Path) -> list[dict]:
 def bundled_run(tmp_path_factory, stories):
     """The bundled 2.5M model after one SFT step: it ends completions with
     EOS, so lengths can grow."""
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
     return finished_sft_run(tmp_path_factory.mktemp("wdb") / "run", DEFAULT_MODEL_DIR, stories, steps=1)
 

@@ -461,7 +461,7 @@ def llama_vocab(tmp_path_factory):
     parse and run a grammar."""
     llama_cpp = pytest.importorskip("llama_cpp")
     pytest.importorskip("gguf")
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
     from slm_align.ondevice.gguf.writer import write_gguf
 
     path = write_gguf(DEFAULT_MODEL_DIR, tmp_path_factory.mktemp("gguf") / "vocab.gguf")

@@ -14,9 +14,9 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from slm_align.config.tomlcompat import tomllib
 from slm_align.errors import UserError
 from slm_align.ondevice.devices.quant import BITS_PER_WEIGHT, GGUF_TYPES, find_quant
-from slm_align.tomlcompat import tomllib
 
 BUNDLED_DIR = Path(__file__).parent / "profiles"
 ENV_DIR = "SLM_ALIGN_DEVICES"

@@ -3,7 +3,7 @@
 In order of preference:
 
 1. the model directory carries ``tokenizer.gguf`` (the model came from a GGUF file, see
-   :func:`slm_align.modeling.save_tokenizer`): its ``tokenizer.*`` fields are copied byte for byte, so the export
+   :func:`slm_align.modeling.models.save_tokenizer`): its ``tokenizer.*`` fields are copied byte for byte, so the export
    tokenises exactly as the source did. Only the chat template may change (an
    override, or the directory's own);
 2. ``tokenizer.json`` is SentencePiece-style BPE (byte fallback, "▁" for spaces: Gemma, Llama 2): written as

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from slm_align.config.named import import_named
 from slm_align.errors import UserError
-from slm_align.named import import_named
 from slm_align.ondevice.rewards.answers import exact_answer
 from slm_align.ondevice.rewards.episodes import call_format, environment_reward, task_success
 from slm_align.ondevice.rewards.function_calls import function_call_graded, function_call_match
@@ -64,7 +64,7 @@ def load_reward_fn(spec: str) -> tuple[str, RewardFn, float]:
 
 def combine(specs: Sequence[str] = (), learned: Optional[RewardFn] = None, learned_weight: float = 1.0,
             callables: Sequence[tuple[RewardFn, float]] = ()) -> CombinedReward:
-    """The learned reward model (a callable, :class:`slm_align.reward.learned.LearnedReward`), CLI
+    """The learned reward model (a callable, :class:`slm_align.scoring.learned_reward.LearnedReward`), CLI
     specs and Python callables as one reward."""
     terms: list[tuple[str, RewardFn, float]] = []
     if learned is not None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Optional, Sequence
 
+from slm_align.config.named import import_named
 from slm_align.errors import UserError
-from slm_align.named import import_named
 from slm_align.ondevice.tools.registry import ToolRegistry
 
 RESERVED = ("reset", "get_reward")

@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from slm_align.export.stage import ExportRequest, run_export  # noqa: E402
-from slm_align.modeling import DEFAULT_MODEL_DIR  # noqa: E402
+from slm_align.modeling.models import DEFAULT_MODEL_DIR  # noqa: E402
 from slm_align.ondevice.agent.runtime import Agent  # noqa: E402
 from slm_align.ondevice.agent.server import create_app, is_loopback  # noqa: E402
 from slm_align.ondevice.agent.settings import SamplingParams  # noqa: E402

@@ -13,8 +13,8 @@ from typing import Any, Optional
 from pydantic import BaseModel
 
 from slm_align.config import RL_SECTIONS, Recipe, section_of
+from slm_align.config.tomlcompat import tomllib
 from slm_align.errors import UserError
-from slm_align.tomlcompat import tomllib
 
 
 def _nested(model: type[BaseModel], name: str) -> Optional[type[BaseModel]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
-from slm_align.reward.model import load_reward_model, score_texts
+from slm_align.scoring.reward_model import load_reward_model, score_texts
 
 
 class LearnedReward:

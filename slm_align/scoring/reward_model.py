@@ -108,7 +108,7 @@ def score_texts(model, tokenizer, prompts: list[str], completions: list[str], ma
     (:func:`slm_align.progress.counted`)."""
     import torch
 
-    from slm_align.accelerator import device_of
+    from slm_align.modeling.accelerator import device_of
 
     device = device_of(model)
     ended = [not t for t in truncated] if truncated is not None else [True] * len(prompts)
@@ -130,7 +130,7 @@ def load_reward_model(path: Path, trust_remote_code: bool = False):
     """A saved reward model (merged classifier + tokenizer), alone: ``(model, tokenizer)``."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from slm_align.modeling import ensure_pad_token
+    from slm_align.modeling.models import ensure_pad_token
 
     path = Path(path)
     if not (path / "config.json").is_file():

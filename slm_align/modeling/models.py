@@ -17,7 +17,7 @@ from typing import Optional
 from slm_align.config import LoraSettings
 from slm_align.errors import UserError
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default-model"
+DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "assets" / "default-model"
 
 # Attention projections adapted by LoRA, per architecture (model_type in config.json).
 LORA_TARGETS: dict[str, list[str]] = {

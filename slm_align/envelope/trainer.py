@@ -9,9 +9,9 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
-from slm_align.accelerator import Compute
 from slm_align.config import TrainSettings
 from slm_align.envelope.world import World, rank_device, replica_digest, world_from_env
+from slm_align.modeling.accelerator import Compute
 from slm_align.progress import new_progress
 from slm_align.tracking import Tracker, trainer_tracker
 

@@ -30,7 +30,7 @@ def labelled_logprobs(model, batch: dict):
     """
     import torch
 
-    from slm_align.accelerator import device_of
+    from slm_align.modeling.accelerator import device_of
 
     batch = {key: value.to(device_of(model)) for key, value in batch.items()}
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()

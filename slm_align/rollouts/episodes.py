@@ -1,6 +1,6 @@
 """Agent episodes as RL rollouts: each is run by the runtime's own chat loop (its template, parser,
 stop rules and tools; :class:`~slm_align.ondevice.agent.runtime.Agent`) on the policy being trained
-(:class:`~slm_align.rl.policy_backend.PolicyBackend`), and trained token for token.
+(:class:`~slm_align.rollouts.policy_backend.PolicyBackend`), and trained token for token.
 
 An episode's sequence is the first prompt's ids, then for each round the ids the policy sampled and
 the ids the runtime inserted after them (the template's text around the tool results), exactly as
@@ -24,13 +24,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from slm_align.accelerator import device_of
 from slm_align.config import RLSettings
 from slm_align.data.readers import iter_rows
 from slm_align.data.tasks import TaskSet
 from slm_align.envelope.policy import merged_for_sampling
 from slm_align.envelope.value_head import ValueHead
 from slm_align.errors import UserError
+from slm_align.modeling.accelerator import device_of
 from slm_align.ondevice.agent.runtime import Agent
 from slm_align.ondevice.agent.settings import SamplingParams
 from slm_align.ondevice.rewards.builtin import load_reward_fn
@@ -42,9 +42,9 @@ from slm_align.ondevice.tools.environment import check_allowed, load_environment
 from slm_align.ondevice.tools.registry import ToolRegistry
 from slm_align.ondevice.tools.specs import registry_for_row
 from slm_align.progress import counted
-from slm_align.rl.phases import PhaseClock
-from slm_align.rl.policy_backend import PolicyBackend
-from slm_align.rl.rollout import Rollout, scoring_passes, truncation_rules
+from slm_align.rollouts.completions import Rollout, scoring_passes, truncation_rules
+from slm_align.rollouts.phases import PhaseClock
+from slm_align.rollouts.policy_backend import PolicyBackend
 
 SEED_SPAN = 2 ** 32
 
@@ -281,7 +281,7 @@ def collect_episodes(policy, value_head: Optional[ValueHead], tokenizer, reward_
                      settings: RLSettings, seed: int, tasks: AgentTasks, clock: Optional[PhaseClock] = None,
                      old_pass: bool = True, reference_pass: bool = True, sampler=None) -> Rollout:
     """One episode per prompt (``seed``), scored, with the log-probability passes the algorithm uses
-    (see :func:`~slm_align.rl.rollout.collect`; the same signature besides ``tasks``). ``sampler`` (a
+    (see :func:`~slm_align.rollouts.completions.collect`; the same signature besides ``tasks``). ``sampler`` (a
     :class:`~slm_align.rl.llama_sampler.LlamaSampler`): the runtime's llama.cpp backend runs the
     episodes, the current LoRA swapped in first, and its log-probabilities are kept."""
     clock = clock or PhaseClock()

@@ -2,7 +2,7 @@
 own chat loop (template, parser, stop rules, tools) with the PyTorch model underneath.
 
 It samples exactly from the policy: at the sampling temperature (and ``top_p``) of
-:func:`~slm_align.generation.draw_tokens`, no top-k, min-p or penalties (settings it cannot follow
+:func:`~slm_align.modeling.generation.draw_tokens`, no top-k, min-p or penalties (settings it cannot follow
 are refused), so the log-probabilities the update recomputes are those of the distribution the tokens
 were drawn from. Its KV cache is kept across calls: a prompt that starts with the ids already in the
 cache (the next tool round's prompt starts with the last round's prompt and the ids sampled in it)
@@ -15,9 +15,9 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from slm_align.accelerator import device_of
 from slm_align.errors import UserError
-from slm_align.generation import draw_tokens
+from slm_align.modeling.accelerator import device_of
+from slm_align.modeling.generation import draw_tokens
 from slm_align.ondevice.templates.chat import default_chat_template
 
 

@@ -9,27 +9,27 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from slm_align.accelerator import device_of, resolve_device
 from slm_align.atomic import write_json_atomic
 from slm_align.config import Recipe
+from slm_align.config.from_sft import recipe_from_sft
 from slm_align.data.corpus import load_corpus, source_fingerprint
 from slm_align.data.encoding import encode_all
 from slm_align.data.prompt_source import prompt_source
 from slm_align.data.readers import fingerprint
+from slm_align.envelope.gate import Figure, HeadroomReport
 from slm_align.errors import UserError
-from slm_align.modeling import load_adapter, load_model, load_tokenizer, require_adapter, resolve_source
+from slm_align.modeling.accelerator import device_of, resolve_device
+from slm_align.modeling.models import load_adapter, load_model, load_tokenizer, require_adapter, resolve_source
 from slm_align.ondevice.rewards.protocol import reward_bounds
 from slm_align.ondevice.rewards.spread import CASE_REMEDIES, flat_case, measure_spread, recommend
-from slm_align.perplexity import perplexity
 from slm_align.progress import stage_lines
-from slm_align.reward.learned import learned_reward
-from slm_align.rl.episodes import agent_tasks, check_task_file, episode_scores, run_episodes
+from slm_align.rollouts.episodes import agent_tasks, check_task_file, episode_scores, run_episodes
 from slm_align.runs import ALIGNED_STAGES, artifact_digest, digest, read_manifest, stage_identity
-from slm_align.sft import recipe_from_sft
+from slm_align.scoring.learned_reward import learned_reward
+from slm_align.scoring.perplexity import perplexity
 
 REPORT = "headroom.json"
 """The gate's report in a run directory (written by ``train``'s gate, never by ``check-headroom``)."""
@@ -40,75 +40,6 @@ REMEDY_PPL = ("the SFT prior is not fluent enough for RL to help: train SFT long
 REMEDY_ACCURACY = ("the reward model cannot tell better from worse: give it more or better "
                    "preference data (--preferences, another pair mix) or train it longer")
 REMEDY_SPREAD = CASE_REMEDIES["flat"]
-
-
-class GateRefused(UserError):
-    """The headroom gate said FAIL and --force was not given."""
-
-    exit_code = 1
-
-
-def sentence(text: str) -> str:
-    """``text`` as a sentence: a capital first letter and a full stop (added when it has none)."""
-    text = text.strip()
-    text = text[:1].upper() + text[1:]
-    return text if text.endswith((".", "!", "?")) else text + "."
-
-
-def refusal(gate: str, report: dict) -> str:
-    """The one line a FAIL gate refuses with: the reasons, each remedy as a sentence, and --force."""
-    remedies = " ".join(sentence(remedy) for remedy in report["remedies"])
-    return (f"{gate} FAIL ({'; '.join(report['reasons'])}): {remedies} "
-            "Pass --force to train anyway (recorded in the manifest).")
-
-
-@dataclass
-class Figure:
-    """One gated measurement: ``value`` must be below (``"<"``) or at least
-    (``">="``) ``threshold``."""
-
-    name: str
-    value: float
-    threshold: float
-    comparison: str
-    remedy: str
-
-    @property
-    def passed(self) -> bool:
-        return self.value < self.threshold if self.comparison == "<" else self.value >= self.threshold
-
-
-@dataclass
-class HeadroomReport:
-    """Every figure of the gate, context that is not gated (``info``), and the verdict."""
-
-    figures: list[Figure]
-    info: dict = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        return all(f.passed for f in self.figures)
-
-    @property
-    def verdict(self) -> str:
-        return "PASS" if self.passed else "FAIL"
-
-    def failures(self) -> list[Figure]:
-        return [f for f in self.figures if not f.passed]
-
-    def summary(self) -> str:
-        """The verdict and every figure against its threshold, on one line (the
-        gate's end line in a log)."""
-        figures = "; ".join(f"{f.name} {f.value:.3f} "
-                            f"({f.comparison} {f.threshold:g})" for f in self.figures)
-        return f"{self.verdict}, {figures}"
-
-    def to_dict(self) -> dict:
-        return {"verdict": self.verdict, "passed": self.passed, "info": self.info,
-                "figures": [dict(asdict(f), passed=f.passed) for f in self.figures],
-                "reasons": [f"{f.name} {f.value:.4g} is not "
-                            f"{f.comparison} {f.threshold:g}" for f in self.failures()],
-                "remedies": [f.remedy for f in self.failures()]}
 
 
 def _heldout_pairs(recipe: Recipe, corpus, run: Optional[Path]) -> list:
@@ -126,7 +57,7 @@ def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Opt
                     rewards: Sequence[str], run: Optional[Path], info: dict, source) -> list[Figure]:
     """Held-out pairwise accuracy of the reward model and the spread of
     rewards over policy samples."""
-    from slm_align.reward.model import pairwise_metrics
+    from slm_align.scoring.reward_model import pairwise_metrics
 
     settings = recipe.headroom
     reward = source.reward(rewards, learned=learned_reward(reward_model, device_of(policy)))
@@ -151,7 +82,7 @@ def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Opt
 def _spread_figure(recipe: Recipe, policy, tokenizer, reward, prompts: list[str], info: dict, source) -> Figure:
     """Sample k completions (or agent episodes, when RL will run them) per prompt, gate on the
     within-prompt spread, and advise PPO or GRPO."""
-    from slm_align.generation import sample, score
+    from slm_align.modeling.generation import sample, score
 
     settings = recipe.headroom
     k = settings.samples_per_prompt

@@ -15,15 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from slm_align.accelerator import resolve_device
 from slm_align.atomic import write_json_atomic, write_text_atomic
 from slm_align.config import Recipe
+from slm_align.config.from_sft import recipe_from_sft
 from slm_align.data.corpus import load_corpus
 from slm_align.data.encoding import encode_all
 from slm_align.data.prompt_source import prompt_source
+from slm_align.envelope.recovery import read_events
+from slm_align.envelope.watchdog_text import report_section
 from slm_align.errors import UserError
-from slm_align.generation import sample, score
-from slm_align.modeling import (
+from slm_align.modeling.accelerator import resolve_device
+from slm_align.modeling.generation import sample, score
+from slm_align.modeling.models import (
     load_adapter,
     load_model,
     load_tokenizer,
@@ -31,14 +34,11 @@ from slm_align.modeling import (
     require_adapter,
     resolve_source,
 )
-from slm_align.perplexity import perplexity
 from slm_align.plots import plot_curves
 from slm_align.progress import stage_lines
-from slm_align.reward.learned import learned_reward
-from slm_align.rl.recovery import read_events
-from slm_align.rl.watchdog_text import report_section
 from slm_align.runs import ALIGNED_STAGES, read_manifest
-from slm_align.sft import recipe_from_sft
+from slm_align.scoring.learned_reward import learned_reward
+from slm_align.scoring.perplexity import perplexity
 from slm_align.stats import (
     analytical_win_rate,
     bootstrap_ci,

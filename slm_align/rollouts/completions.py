@@ -8,13 +8,13 @@ from typing import Optional
 
 import torch
 
-from slm_align.accelerator import device_of
 from slm_align.config import RLSettings
 from slm_align.envelope.logprobs import forward_logprobs
 from slm_align.envelope.policy import merged_for_sampling
 from slm_align.envelope.value_head import ValueHead
-from slm_align.generation import sample, score
-from slm_align.rl.phases import PhaseClock
+from slm_align.modeling.accelerator import device_of
+from slm_align.modeling.generation import sample, score
+from slm_align.rollouts.phases import PhaseClock
 
 
 @dataclass

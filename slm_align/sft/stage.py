@@ -13,12 +13,21 @@ import functools
 from pathlib import Path
 from typing import Optional
 
-from slm_align.accelerator import check_trainer_device, resolve_compute, training_inputs
 from slm_align.config import DataSettings, Recipe
+from slm_align.config.from_sft import STAGE
 from slm_align.data.corpus import Corpus, load_corpus
 from slm_align.data.encoding import encode_all, pad_batch
+from slm_align.envelope.trainer import (
+    make_trainer,
+    replica_record,
+    trainable_base,
+    trainer_logging,
+    trainer_world,
+    training_arguments,
+)
 from slm_align.errors import UserError
-from slm_align.modeling import (
+from slm_align.modeling.accelerator import check_trainer_device, resolve_compute, training_inputs
+from slm_align.modeling.models import (
     ModelSource,
     attach_lora,
     load_model,
@@ -28,18 +37,8 @@ from slm_align.modeling import (
     save_adapter,
     save_tokenizer,
 )
-from slm_align.runs import WHERE, StageResult, read_manifest, run_stage
+from slm_align.runs import WHERE, StageResult, run_stage
 from slm_align.tracking import finish_trainer_tracking, require_library
-from slm_align.training import (
-    make_trainer,
-    replica_record,
-    trainable_base,
-    trainer_logging,
-    trainer_world,
-    training_arguments,
-)
-
-STAGE = "sft"
 
 
 def sft_inputs(recipe: Recipe, source: ModelSource, corpus: Corpus) -> dict:
@@ -53,14 +52,6 @@ def recorded_data(settings: DataSettings) -> dict:
     """The data settings that decide the result: not where the files are (the corpus is named by its bytes in
     ``data``, its path is under :data:`~slm_align.runs.WHERE`; the task file does not reach SFT)."""
     return settings.model_dump(exclude={"path", "tasks"})
-
-
-def recorded_data_path(inputs: dict) -> Optional[str]:
-    """The corpus path an SFT stage was trained on (None for the demo); a stage recorded before
-    :data:`~slm_align.runs.WHERE` keeps it in its data settings."""
-    if WHERE in inputs:
-        return inputs[WHERE]["data"]
-    return inputs["data_settings"].get("path")
 
 
 class SFTStage:
@@ -135,20 +126,3 @@ def run_sft(recipe: Recipe, out: Path, resume: bool = False) -> StageResult:
     """Train the SFT adapter into ``out/sft`` (or return the existing one made
     from the same inputs)."""
     return run_stage(SFTStage(recipe, out), out, resume)
-
-
-def recipe_from_sft(run: Path, recipe: Recipe) -> tuple[Recipe, Path]:
-    """The recipe (model, seed, data unless the user names other data) and adapter
-    of a run's finished SFT."""
-    manifest = read_manifest(Path(run) / STAGE)
-    if manifest is None:
-        raise UserError(f"run {run} has no finished SFT stage (no sft/manifest.json); run "
-                        f"`slm-align sft --out {run}`")
-    inputs = manifest["inputs"]
-    updated = recipe.model_copy(deep=True)
-    updated.model.source = inputs["model"]["ref"]
-    updated.seed = inputs["seed"]
-    if recipe.data.path is None:  # the run's own corpus and split, unless the user names other data
-        updated.data = type(recipe.data).model_validate(dict(inputs["data_settings"], path=recorded_data_path(inputs)))
-        updated.data.tasks = recipe.data.tasks  # RL's task file is not SFT's: the user's choice stands
-    return updated, Path(run) / STAGE / "adapter"

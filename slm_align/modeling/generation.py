@@ -48,7 +48,7 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     """
     import torch
 
-    from slm_align.accelerator import device_of
+    from slm_align.modeling.accelerator import device_of
 
     encoded = [tokenizer(p, add_special_tokens=True)["input_ids"] or [tokenizer.eos_token_id] for p in prompts]
     width = max(len(ids) for ids in encoded)

@@ -1,4 +1,4 @@
-"""The collapse watchdog (rl/watchdog.py) wired to a live run: the probe, the best iteration's
+"""The collapse watchdog (envelope/watchdog.py) wired to a live run: the probe, the best iteration's
 weights kept and put back, the learning rate, KL coefficient and call-format shaping lowered or
 raised, and each event said, logged and recorded.
 
@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 
 from slm_align.atomic import write_text_atomic
+from slm_align.envelope.watchdog import SHAPING_TERM, Watchdog
+from slm_align.envelope.watchdog_text import event_line
 from slm_align.envelope.world import World
-from slm_align.rl.watchdog import SHAPING_TERM, Watchdog
-from slm_align.rl.watchdog_text import event_line
 from slm_align.tracking import Tracker
 
 EVENTS = "events.jsonl"

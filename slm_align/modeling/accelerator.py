@@ -22,7 +22,7 @@ from slm_align.errors import UserError
 
 AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 """The torch dtype name of each reduced precision (fp32 runs without autocast)."""
-LAUNCH_DIR = Path(__file__).parent / "assets" / "launch"
+LAUNCH_DIR = Path(__file__).parents[1] / "assets" / "launch"
 """The launch files shipped with the package: accelerate configs (one machine, several)
 and DeepSpeed's ZeRO-2."""
 DEEPSPEED_PRESETS = {"zero2": LAUNCH_DIR / "deepspeed_zero2.json"}
