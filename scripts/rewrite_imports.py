@@ -78,6 +78,8 @@ NAME_MOVES = {
     ("slm_align.headroom.stage", "HeadroomReport"): "slm_align.envelope.gate",
     ("slm_align.headroom.stage", "refusal"): "slm_align.envelope.gate",
     ("slm_align.headroom.stage", "sentence"): "slm_align.envelope.gate",
+    ("slm_align.export.imatrix", "imatrix_array"): "slm_align.ondevice.gguf.quantizer_imatrix",
+    ("slm_align.export.converters.imatrix", "imatrix_array"): "slm_align.ondevice.gguf.quantizer_imatrix",
     ("slm_align.ondevice.agent.sampling", "SamplingParams"): "slm_align.ondevice.agent.settings",
     ("slm_align.ondevice.agent.sampling", "PENALTY_WINDOW"): "slm_align.ondevice.agent.settings",
 }
@@ -89,7 +91,7 @@ PACKAGE_DATA = {'"agent/static/': '"ondevice/agent/static/', '"devices/profiles/
 """pyproject.toml's package-data globs, relative to slm_align/."""
 
 DOTTED = re.compile(r"(?<![\w.])slm_align(?:\.[A-Za-z_]\w*)+")
-SLASHED = re.compile(r"(?<![\w./-])(slm_align/)?((?:[A-Za-z_]\w*/)*[A-Za-z_]\w*)(\.py|/)(?![\w])")
+SLASHED = re.compile(r"(?:(?<=\.\./)|(?<![\w./-]))(slm_align/)?((?:[A-Za-z_]\w*/)*[A-Za-z_]\w*)(\.py|/)(?![\w])")
 FROM = re.compile(r"^([ \t]*)from[ \t]+(slm_align[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)", re.MULTILINE)
 
 
@@ -126,6 +128,8 @@ def map_name(dotted: str) -> str:
 
 def slash_sub(match: re.Match, moves: dict[str, str], root: Path) -> str:
     prefix, body, end = match.group(1) or "", match.group(2), match.group(3)
+    if not prefix and match.string[:match.start()].endswith("/"):
+        return match.group(0)  # ``../x/y.py`` is a link relative to its own page, not to slm_align/
     new = map_dotted("slm_align." + body.replace("/", "."), moves)
     if new == "slm_align." + body.replace("/", "."):
         return match.group(0)

@@ -22,7 +22,6 @@ import numpy as np
 
 from slm_align.atomic import atomic_path
 from slm_align.errors import UserError
-from slm_align.export.imatrix import imatrix_array
 from slm_align.ondevice.gguf.architectures import (
     ARCHITECTURES,
     attention_head_dim,
@@ -30,6 +29,7 @@ from slm_align.ondevice.gguf.architectures import (
     head_counts,
     normalized_config,
 )
+from slm_align.ondevice.gguf.quantizer_imatrix import imatrix_array
 from slm_align.ondevice.gguf.vocab import add_vocab
 from slm_align.ondevice.gguf.vocab import pre_tokenizer_name as pre_tokenizer_name  # re-exported
 
