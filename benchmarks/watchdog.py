@@ -238,7 +238,7 @@ def screen_only_run(before, after, seed: int, drop_at: int, steps: int) -> tuple
 
 def reward_table(runs: int) -> list[str]:
     """False rollbacks of a steady policy and what a real drop does, before and after."""
-    from tests.rl.test_watchdog import bernoulli, gaussian, simulated_watchdog
+    from tests.envelope.test_watchdog import bernoulli, gaussian, simulated_watchdog
 
     lines = ["| reward probes (16 prompts) | before: screen alone, latest not below | after: peak, confirmed |",
              "|---|---|---|"]
@@ -283,7 +283,7 @@ def tool_table(runs: int) -> list[str]:
     """False alarms on steady call rates and a real collapse, before and after (32 episodes an iteration)."""
     from slm_align.config import WatchdogSettings
     from slm_align.envelope.watchdog import Watchdog
-    from tests.rl.test_watchdog import feed_metrics, tool_iteration
+    from tests.envelope.test_watchdog import feed_metrics, tool_iteration
 
     lines = ["| tool use (32 episodes an iteration) | before: raw rates | after: counts' test |", "|---|---|---|"]
     cases = [(rate, valid, steps, rate, 10 ** 9) for steps in (200, 1000)
@@ -307,7 +307,7 @@ def length_table(runs: int) -> list[str]:
     """Length inflation fired when the call rate rises 0.3 -> 0.8 (and when rounds really grow)."""
     from slm_align.config import WatchdogSettings
     from slm_align.envelope.watchdog import Watchdog
-    from tests.rl.test_episode_lengths import episode_of, rollout_of, trace_of
+    from tests.rollouts.test_episode_lengths import episode_of, rollout_of, trace_of
 
     rises = [0.3] * 10 + [0.3 + 0.5 * i / 20 for i in range(1, 21)] + [0.8] * 10
     lines = ["| completion/length of episodes | whole sequence (before) | sampled ids | sampled per round (after) |",

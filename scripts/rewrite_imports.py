@@ -67,6 +67,33 @@ MOVES = {
     "slm_align.rl.recovery": "slm_align.envelope.recovery",
     "slm_align.rl.watchdog": "slm_align.envelope.watchdog",
     "slm_align.rl.watchdog_text": "slm_align.envelope.watchdog_text",
+    # tests mirror the package
+    "tests.agent": "tests.ondevice.agent",
+    "tests.tools": "tests.ondevice.tools",
+    "tests.rewards": "tests.ondevice.rewards",
+    "tests.devices": "tests.ondevice.devices",
+    "tests.reward": "tests.reward_model",
+    "tests.test_ab_test": "tests.ondevice.agent.test_ab_sequential",
+    "tests.test_template_sandbox": "tests.ondevice.templates.test_sandbox",
+    "tests.test_gguf_cache": "tests.ondevice.gguf.test_cache",
+    "tests.test_gguf_tokenizer": "tests.ondevice.gguf.test_tokenizer",
+    "tests.test_gguf_source": "tests.ondevice.gguf.test_gguf_source",
+    "tests.test_accelerator": "tests.modeling.test_accelerator",
+    "tests.test_launch_files": "tests.modeling.test_launch_files",
+    "tests.test_default_model": "tests.modeling.test_default_model",
+    "tests.test_generation": "tests.modeling.test_generation",
+    "tests.test_modeling": "tests.modeling.test_models",
+    "tests.test_pickle_adapters": "tests.modeling.test_pickle_adapters",
+    "tests.test_perplexity": "tests.scoring.test_perplexity",
+    "tests.test_environment": "tests.cli.test_env_report",
+    "tests.test_recipe_overrides": "tests.config.test_overrides",
+    "tests.test_tomlcompat": "tests.config.test_tomlcompat",
+    "tests.test_sft": "tests.sft.test_stage",
+    "tests.test_headroom_verdicts": "tests.headroom.test_verdicts",
+    "tests.rl.test_episodes": "tests.rollouts.test_episodes",
+    "tests.rl.test_episode_lengths": "tests.rollouts.test_episode_lengths",
+    "tests.rl.test_phases": "tests.rollouts.test_phases",
+    "tests.rl.test_watchdog": "tests.envelope.test_watchdog",
 }
 """Old dotted module -> new dotted module (a package move carries its submodules)."""
 
@@ -90,9 +117,9 @@ SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", ".ruff_cach
 PACKAGE_DATA = {'"agent/static/': '"ondevice/agent/static/', '"devices/profiles/': '"ondevice/devices/profiles/'}
 """pyproject.toml's package-data globs, relative to slm_align/."""
 
-DOTTED = re.compile(r"(?<![\w.])slm_align(?:\.[A-Za-z_]\w*)+")
-SLASHED = re.compile(r"(?:(?<=\.\./)|(?<![\w./-]))(slm_align/)?((?:[A-Za-z_]\w*/)*[A-Za-z_]\w*)(\.py|/)(?![\w])")
-FROM = re.compile(r"^([ \t]*)from[ \t]+(slm_align[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)", re.MULTILINE)
+DOTTED = re.compile(r"(?<![\w.])(?:slm_align|tests)(?:\.[A-Za-z_]\w*)+")
+SLASHED = re.compile(r"(?:(?<=\.\./)|(?<![\w./-]))(slm_align/|tests/)?((?:[A-Za-z_]\w*/)*[A-Za-z_]\w*)(\.py|/)(?![\w])")
+FROM = re.compile(r"^([ \t]*)from[ \t]+((?:slm_align|tests)[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)", re.MULTILINE)
 
 
 def exists(root: Path, module: str) -> bool:
@@ -130,8 +157,9 @@ def slash_sub(match: re.Match, moves: dict[str, str], root: Path) -> str:
     prefix, body, end = match.group(1) or "", match.group(2), match.group(3)
     if not prefix and match.string[:match.start()].endswith("/"):
         return match.group(0)  # ``../x/y.py`` is a link relative to its own page, not to slm_align/
-    new = map_dotted("slm_align." + body.replace("/", "."), moves)
-    if new == "slm_align." + body.replace("/", "."):
+    old = (prefix or "slm_align/").removesuffix("/") + "." + body.replace("/", ".")
+    new = map_dotted(old, moves)
+    if new == old:
         return match.group(0)
     path = root.joinpath(*new.split("."))
     if end == "/" and not path.is_dir():

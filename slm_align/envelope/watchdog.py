@@ -64,7 +64,7 @@ TOOL_ALPHA = 0.05
 CONFIRM_DRAWS = 4
 """Fresh-seed probes of the current adapter at each confirmation of a reward drop, averaged per
 prompt: a drop from 0.5 to 0.1 at 16 prompts was confirmed in 92% of simulated runs with two, 93%
-with four; N(0, 1) to N(-1, 1), 86% and 91% (tests/rl/test_watchdog.py's runs). Confirmations are
+with four; N(0, 1) to N(-1, 1), 86% and 91% (tests/envelope/test_watchdog.py's runs). Confirmations are
 rare, so their cost is too."""
 
 
@@ -241,7 +241,7 @@ def rate_fell(start: Counts, recent: Counts, floor: float, level: float, label: 
     successes in the start window. ``floor`` 0: off; ``label`` names the rate in the reason.
 
     Rates compared raw, without the test, fired on 73% of simulated 200-iteration runs of a policy
-    that calls in 8% of 32 episodes an iteration and never changes (tests/rl/test_watchdog.py).
+    that calls in 8% of 32 episodes an iteration and never changes (tests/envelope/test_watchdog.py).
     """
     (x_s, n_s), (x_r, n_r) = start, recent
     if not floor or x_s < MIN_START_CALLS or n_r <= 0:

@@ -1,8 +1,8 @@
 """Safe by default: no network unless a hub id is given, owner-only personal data, and
 no code from checkpoints.
 
-Other safety tests live beside their features: tool escapes in tests/tools/test_tools.py, the
-server's limits and API key in tests/agent/server/test_serve.py, pickle and remote code refusals in
+Other safety tests live beside their features: tool escapes in tests/ondevice/tools/test_tools.py, the
+server's limits and API key in tests/ondevice/agent/server/test_serve.py, pickle and remote code refusals in
 tests/cli/test_commands.py.
 """
 

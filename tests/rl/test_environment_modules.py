@@ -17,7 +17,7 @@ from slm_align.data.tasks import TaskSet
 from slm_align.errors import UserError
 from slm_align.rollouts.episodes import agent_tasks
 from tests.helpers import run_cli
-from tests.rl.test_episodes import QUICK, SMALL, task_file
+from tests.rollouts.test_episodes import QUICK, SMALL, task_file
 
 MARKER = '''
 from pathlib import Path

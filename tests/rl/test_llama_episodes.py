@@ -19,7 +19,7 @@ from slm_align.rl.llama_sampler import LlamaSampler
 from slm_align.rollouts.episodes import AgentTasks, backend_episodes, episode_params, pack, sampler_logprobs
 from slm_align.rollouts.policy_backend import policy_template
 from tests.helpers import random_lora
-from tests.rl.test_episodes import half_caller, settings, train_on_tasks, trained_metrics  # noqa: F401
+from tests.rollouts.test_episodes import half_caller, settings, train_on_tasks, trained_metrics  # noqa: F401
 
 
 @pytest.fixture()

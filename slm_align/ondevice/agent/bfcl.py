@@ -12,7 +12,7 @@ Each entry's functions are offered as BFCL's OpenAI function-calling handler off
 (``OpenAICompletionsHandler._compile_tools``: the Python hint BFCL appends to every description,
 then ``convert_to_tool`` with ``GORILLA_TO_OPENAPI``: dots in names as underscores, BFCL's type
 words as JSON-schema types, a ``float`` marked ``"format": "float"``). That conversion is re-written
-here, not imported, for the reason above; ``tests/agent/test_bfcl.py`` runs bfcl-eval's own
+here, not imported, for the reason above; ``tests/ondevice/agent/test_bfcl.py`` runs bfcl-eval's own
 functions, taken from its files, on every entry of the five categories and compares. The rows keep
 BFCL's original descriptions (``functions``) for the checker, which applies BFCL's type rules to
 them (:mod:`slm_align.ondevice.rewards.function_match`).

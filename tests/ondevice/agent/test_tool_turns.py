@@ -15,7 +15,7 @@ from slm_align.ondevice.templates.chat import render, template_form, template_tr
 from slm_align.ondevice.tools.builtin import default_tools
 from tests.helpers import export_bundled
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
+TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "chat_templates"
 EXPRESSION = "17 * 23"
 RESULT = "391"
 

@@ -15,8 +15,8 @@ from slm_align.ondevice.agent.bounds import bounds, of_field, optional_peeled  #
 from slm_align.ondevice.agent.server.chat_body import ChatBody  # noqa: E402
 from slm_align.ondevice.agent.server.completions import CompletionBody  # noqa: E402
 from slm_align.ondevice.agent.settings import Sampling  # noqa: E402
-from tests.agent.server import test_serve as base  # noqa: E402
 from tests.helpers import run_cli  # noqa: E402
+from tests.ondevice.agent.server import test_serve as base  # noqa: E402
 
 onnx_model = base.onnx_model
 """The exported model and the shared server of test_serve (module fixtures,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from slm_align.config.tomlcompat import tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_python_310_reads_recipes_with_tomli(tmp_path):

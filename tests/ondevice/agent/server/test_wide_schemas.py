@@ -12,7 +12,7 @@ pytest.importorskip("uvicorn")
 from slm_align.ondevice.agent.server import body as body_module  # noqa: E402
 from slm_align.ondevice.agent.server import routes  # noqa: E402
 from slm_align.ondevice.agent.server.body import MAX_SCHEMA_PROPERTIES, MAX_SCHEMA_VALUES  # noqa: E402
-from tests.agent.server import test_serve as base  # noqa: E402
+from tests.ondevice.agent.server import test_serve as base  # noqa: E402
 
 onnx_model = base.onnx_model
 """The exported model and the shared server of test_serve (module fixtures,

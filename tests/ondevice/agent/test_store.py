@@ -18,7 +18,7 @@ from slm_align.ondevice.agent.scrub import detectors, luhn_ok, scrub
 from slm_align.ondevice.agent.store import MAX_FEEDBACK_PER_TURN, PreferenceStore
 from slm_align.ondevice.agent.store_schema import SCHEMA_VERSION
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MODEL = "ab" * 32
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 64}
 HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]

@@ -1,7 +1,7 @@
 """A chat template that loops or fails, where a template renders in the runtime: `chat --chat-template
 FILE`, an artifact's own template (chat, evaluate-agent, serve), and a server's requests. Each is one
 line and exit 2 on the CLI, a 400 naming the template on the server (never a hang, a traceback or a
-500), and the server goes on answering. The bounds themselves: tests/test_template_sandbox.py."""
+500), and the server goes on answering. The bounds themselves: tests/ondevice/templates/test_sandbox.py."""
 
 import io
 import json
@@ -94,7 +94,7 @@ def picky_server(models, tmp_path_factory):
     """The chat GGUF served with :data:`PICKY` in place of its template."""
     pytest.importorskip("openai")
     from slm_align.ondevice.agent.server import create_app
-    from tests.agent.server.test_serve import Running
+    from tests.ondevice.agent.server.test_serve import Running
 
     template = tmp_path_factory.mktemp("picky") / "picky.jinja"
     template.write_text(PICKY)

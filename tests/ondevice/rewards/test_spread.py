@@ -70,7 +70,7 @@ def _gate(stories, reward: str):
 
 
 def test_the_gate_sees_no_signal_in_a_reward_of_the_prompt_alone(stories):
-    report = _gate(stories, "tests.rewards.test_spread:prompt_only")
+    report = _gate(stories, "tests.ondevice.rewards.test_spread:prompt_only")
     spread = report["info"]["reward_spread"]
     figure = report["figures"][-1]
     assert figure["name"].startswith("reward spread within prompts") and figure["value"] == 0.0
@@ -80,7 +80,7 @@ def test_the_gate_sees_no_signal_in_a_reward_of_the_prompt_alone(stories):
 
 
 def test_the_gate_passes_a_reward_that_varies_within_prompts(stories):
-    report = _gate(stories, "tests.rewards.test_spread:completion_length")
+    report = _gate(stories, "tests.ondevice.rewards.test_spread:completion_length")
     figure = report["figures"][-1]
     assert figure["value"] > 0.1 and figure["passed"]
     assert report["info"]["reward_spread"]["all_equal_share"] < 0.5
@@ -128,8 +128,8 @@ def test_reward_bounds_add_up_over_weighted_terms():
 
     assert reward_bounds(combine(["task_success", "call_format@0.2"])) == pytest.approx((0.0, 1.2))
     assert reward_bounds(combine(["exact_answer@-0.5", "length_window"])) == pytest.approx((-0.5, 1.0))
-    assert reward_bounds(combine(["tests.rewards.test_spread:prompt_only"])) is None  # no bounds: unknown
-    assert reward_bounds(combine(["tool_task", "tests.rewards.test_spread:prompt_only"])) is None
+    assert reward_bounds(combine(["tests.ondevice.rewards.test_spread:prompt_only"])) is None  # no bounds: unknown
+    assert reward_bounds(combine(["tool_task", "tests.ondevice.rewards.test_spread:prompt_only"])) is None
 
 
 @pytest.mark.parametrize("reward, case, words", [
@@ -138,7 +138,7 @@ def test_reward_bounds_add_up_over_weighted_terms():
     ("prompt_only", "flat", "mixed but flat"),
 ])
 def test_the_gate_says_which_case_its_flat_spread_is(stories, reward, case, words):
-    report = _gate(stories, f"tests.rewards.test_spread:{reward}")
+    report = _gate(stories, f"tests.ondevice.rewards.test_spread:{reward}")
     assert not report["passed"] and report["info"]["spread_case"]["case"] == case
     remedy = report["remedies"][-1]
     assert remedy.startswith(words) and remedy == report["info"]["spread_case"]["remedy"]

@@ -505,9 +505,9 @@ what they paid before."""
 
 
 def shared_flip() -> dict:
-    """``FLIP`` of this module as the run imports it (``tests.rl.test_watchdog``), which pytest may
+    """``FLIP`` of this module as the run imports it (``tests.envelope.test_watchdog``), which pytest may
     have imported under another name: the fixture and the reward must share one dict."""
-    return importlib.import_module("tests.rl.test_watchdog").FLIP
+    return importlib.import_module("tests.envelope.test_watchdog").FLIP
 
 
 def flipping_reward(prompts, completions, **_):
@@ -638,7 +638,7 @@ def assert_watchdog_off(stage: Path, steps: int, last_adapter: Path) -> None:
 
 def test_reward_that_flips_sign_is_a_reward_drop_rolled_back_and_the_best_is_published(sft_run, tmp_path,
                                                                                        flip_after, snapshots):
-    flip = "tests.rl.test_watchdog:flipping_reward"
+    flip = "tests.envelope.test_watchdog:flipping_reward"
     flip_after(3)  # iterations 4.. pay for brevity instead of length
     stage = watched_run(sft_run, tmp_path / "on", flip, eval_every=1, window=2, max_recoveries=1)
     events = events_of(stage)
@@ -668,7 +668,8 @@ def test_train_from_the_cli_says_each_event_and_the_published_iteration_and_repo
                       "max_length = 96\n[sft]\nmax_steps = 2\nbatch_size = 4\n[rl]\nsave_steps = 2\n"
                       "eval_prompts = 2\n[rl.watchdog]\nwindow = 2\nmax_recoveries = 1\n")
     args = ["train", "--config", config, "--out", out, "--algo", "grpo", "--reward",
-            "tests.rl.test_watchdog:flipping_reward", "--steps", "8", "--prompts-per-step", "2", "--group-size", "4",
+            "tests.envelope.test_watchdog:flipping_reward", "--steps", "8", "--prompts-per-step", "2",
+            "--group-size", "4",
             "--max-new-tokens", "8", "--rl-lr", "0.01", "--watchdog-every", "1", "--report-prompts", "4", "--force"]
     flip_after(3)  # the sign-flip run of the test above, through the CLI
     code, stdout, err = run_cli(capsys, *args)
@@ -707,7 +708,7 @@ def test_published_line_names_the_iteration_with_the_watchdog_on_and_off():
 
 
 def test_a_killed_run_resumes_the_watchdog_state_bit_for_bit(sft_run, tmp_path, flip_after, monkeypatch):
-    flip = "tests.rl.test_watchdog:flipping_reward"
+    flip = "tests.envelope.test_watchdog:flipping_reward"
     flip_after(3)
     whole = watched_run(sft_run, tmp_path / "whole", flip, eval_every=1, window=2, max_recoveries=1)
     flip_after(3)
@@ -751,7 +752,7 @@ INFLATION = dict(window=2, max_kl=0.0, truncated_rise=0.2, length_ratio=1.2, max
 
 
 def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp_path, snapshots):
-    stage = watched_run(bundled_run, tmp_path / "on", "tests.rl.test_watchdog:length_reward", max_recoveries=0,
+    stage = watched_run(bundled_run, tmp_path / "on", "tests.envelope.test_watchdog:length_reward", max_recoveries=0,
                         eval_every=3, **INFLATION)
     events = events_of(stage)
     assert [e["detector"] for e in events] == ["length_inflation"] and events[0]["action"] == "stop"
@@ -769,7 +770,7 @@ def test_a_reward_that_pays_for_length_is_detected_as_inflation(bundled_run, tmp
 
 
 def test_the_length_run_with_the_watchdog_off_publishes_the_last_adapter(bundled_run, tmp_path, snapshots):
-    stage = watched_run(bundled_run, tmp_path / "off", "tests.rl.test_watchdog:length_reward", enabled=False,
+    stage = watched_run(bundled_run, tmp_path / "off", "tests.envelope.test_watchdog:length_reward", enabled=False,
                         **INFLATION)
     assert_watchdog_off(stage, 8, snapshots["adapters"] / "8")
     truncated = metric_of(stage, "completion/truncated_frac")  # completions ran into the 128-token budget
@@ -791,7 +792,7 @@ Only entropy and the reward are watched."""
 
 @pytest.mark.slow
 def test_a_reward_for_one_repeated_token_collapses_entropy_rolled_back_to_the_best(bundled_run, tmp_path, snapshots):
-    stage = watched_run(bundled_run, tmp_path / "on", "tests.rl.test_watchdog:token_reward", max_recoveries=1,
+    stage = watched_run(bundled_run, tmp_path / "on", "tests.envelope.test_watchdog:token_reward", max_recoveries=1,
                         **COLLAPSE)
     events = events_of(stage)
     assert [(e["detector"], e["action"]) for e in events] == [("entropy_collapse", "rollback"),
@@ -818,7 +819,7 @@ def test_a_reward_for_one_repeated_token_collapses_entropy_rolled_back_to_the_be
 
 @pytest.mark.slow
 def test_the_repeated_token_run_with_the_watchdog_off_publishes_the_last_adapter(bundled_run, tmp_path, snapshots):
-    stage = watched_run(bundled_run, tmp_path / "off", "tests.rl.test_watchdog:token_reward", enabled=False,
+    stage = watched_run(bundled_run, tmp_path / "off", "tests.envelope.test_watchdog:token_reward", enabled=False,
                         **COLLAPSE)
     steps = COLLAPSE["steps"]
     assert_watchdog_off(stage, steps, snapshots["adapters"] / str(steps))

@@ -31,7 +31,7 @@ BOMB = "{% if (7 ** (3 * 10 ** 7)) > 1 %}{% endif %}" + CHATML_TEMPLATE
 """ChatML behind an integer power that plain Jinja computes while it compiles (44 s, 1.4 GB of digits)."""
 BIG = "{% set a = 'A' * 10 ** 8 %}" + CHATML_TEMPLATE
 """ChatML behind a 100 MB string that plain Jinja folds while it compiles."""
-PACKAGE = Path(__file__).resolve().parents[2] / "slm_align"
+PACKAGE = Path(__file__).resolve().parents[3] / "slm_align"
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from slm_align.ondevice.agent import bfcl, task_eval
 from slm_align.ondevice.agent.bfcl import CATEGORIES, load_bfcl, offered_tools
 from slm_align.ondevice.tools.registry import ToolRegistry
 from slm_align.ondevice.tools.specs import registry_for_row
-from tests.agent.bfcl_source import bfcl_namespace
-from tests.agent.test_task_eval import ScriptedBackend
 from tests.helpers import export_bundled, run_cli
+from tests.ondevice.agent.bfcl_source import bfcl_namespace
+from tests.ondevice.agent.test_task_eval import ScriptedBackend
 
 needs_bfcl = pytest.mark.skipif(importlib.util.find_spec("bfcl_eval") is None,
                                 reason="bfcl-eval is not installed (pip install --no-deps bfcl-eval==2026.3.23)")
@@ -196,7 +196,7 @@ def test_our_verdicts_equal_bfcls_own_checker_on_every_entry(monkeypatch):
     synthetic replies of benchmarks/bfcl_outputs.py to all 1,240 entries."""
     import sys
 
-    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    benchmarks = Path(__file__).resolve().parents[3] / "benchmarks"
     monkeypatch.syspath_prepend(str(benchmarks))
     import bfcl_official_runner as runner
     from bfcl_outputs import variants

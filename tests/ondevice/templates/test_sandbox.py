@@ -12,7 +12,7 @@ from slm_align.ondevice.templates import chat as chat_templates
 from slm_align.ondevice.templates.chat import ChatTemplateError, check_template, chosen_chat_template, render
 from slm_align.ondevice.templates.sandbox import TEMPLATE_CHARS, TEMPLATE_STEPS, TemplateLimit
 
-FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "chat_templates"
 MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2+2?"},
             {"role": "assistant", "content": "<think>adding</think>4"}, {"role": "user", "content": "And 3+3?"}]
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate <expression>",

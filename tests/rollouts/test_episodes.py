@@ -301,7 +301,7 @@ EXPLODE = '<tool_call>{"name": "explode", "arguments": {"amount": 1}}</tool_call
 
 
 def environment_tasks(**row) -> AgentTasks:
-    columns = {"answer": "4", "environment": "tests.rl.test_episodes:Counter", "start": 0, **row}
+    columns = {"answer": "4", "environment": "tests.rollouts.test_episodes:Counter", "start": 0, **row}
     return AgentTasks(TaskSet(["Count."], [columns]), allowed_modules=("tests.rl", "no_such_module"))
 
 
@@ -335,7 +335,7 @@ def test_bad_environments_are_refused_in_one_line():
     with pytest.raises(UserError, match="name it as module:Class"):
         environment_tasks(environment="Counter")
     with pytest.raises(UserError, match="no reset method"):
-        environment_tasks(environment="tests.rl.test_episodes:NoReset")
+        environment_tasks(environment="tests.rollouts.test_episodes:NoReset")
 
 
 class NoReset:
@@ -354,7 +354,7 @@ class Untyped:
 
 def test_an_environment_method_without_type_hints_is_refused():
     with pytest.raises(UserError, match="method add has no type hint for amount"):
-        environment_tasks(environment="tests.rl.test_episodes:Untyped")
+        environment_tasks(environment="tests.rollouts.test_episodes:Untyped")
 
 
 def test_episodes_run_when_rows_have_tools_or_when_asked():
@@ -517,7 +517,7 @@ def test_train_ppo_with_an_environment_class_from_the_cli(tmp_path, capsys, tiny
     run = tmp_path / "run"
     code, out, err = run_cli(capsys, "train", "--no-sft", "--model", tiny_models["llama"], "--tasks",
                              task_file(tmp_path / "tasks.jsonl", start=3), "--environment",
-                             "tests.rl.test_episodes:Counter", "--reward", "environment_reward", "--algo", "ppo",
+                             "tests.rollouts.test_episodes:Counter", "--reward", "environment_reward", "--algo", "ppo",
                              "--out", run, "--config", config, *SMALL)
     assert code == 0, err
     manifest, lines = trained_metrics(run)

@@ -63,7 +63,7 @@ def test_the_launch_files_are_package_data():
 def launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """``slm-align ARGS`` on two CPU processes under accelerate launch (gloo),
     importing this checkout."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "slm_align", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd,

@@ -148,7 +148,7 @@ def base_server(ggufs):
     """The template-less GGUF served as it is (no --chat-template)."""
     pytest.importorskip("openai")
     from slm_align.ondevice.agent.server import create_app
-    from tests.agent.server.test_serve import Running
+    from tests.ondevice.agent.server.test_serve import Running
 
     with Running(create_app(ggufs["base"])) as running:
         yield running

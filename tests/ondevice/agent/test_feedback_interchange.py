@@ -19,7 +19,7 @@ from slm_align.ondevice.agent.store_schema import SCHEMA_VERSION
 from tests import native_writer
 from tests.helpers import finished_sft_run, run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ROWS_SCHEMA = ROOT / "docs" / "feedback-rows.schema.json"
 YES = " Yes, indeed."
 

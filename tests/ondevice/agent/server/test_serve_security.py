@@ -15,8 +15,8 @@ pytest.importorskip("uvicorn")
 
 from slm_align.errors import UserError  # noqa: E402
 from slm_align.ondevice.agent.server import create_app  # noqa: E402
-from tests.agent.server import test_serve as base  # noqa: E402
-from tests.agent.server.test_serve import Running, wait_until  # noqa: E402
+from tests.ondevice.agent.server import test_serve as base  # noqa: E402
+from tests.ondevice.agent.server.test_serve import Running, wait_until  # noqa: E402
 
 onnx_model = base.onnx_model
 """The exported model and the shared server of test_serve (module fixtures,
@@ -198,7 +198,7 @@ def test_user_errors_reach_clients_without_the_servers_paths(server, monkeypatch
 
 def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(onnx_model):
     from slm_align.ondevice.agent.server.connections import server_config
-    from tests.agent.server.test_serve import wait_until
+    from tests.ondevice.agent.server.test_serve import wait_until
 
     # 5 s for headers: long enough that a loaded machine sends the later requests' headers in time (0.5 s was not),
     # short enough that the three trickling connections are closed while the test waits
@@ -230,7 +230,7 @@ def limited_server(config):
     port)``, stopped on exit."""
     import uvicorn
 
-    from tests.agent.server.test_serve import wait_until
+    from tests.ondevice.agent.server.test_serve import wait_until
 
     listener = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(config)
