@@ -107,10 +107,12 @@ NAME_MOVES = {
     ("slm_align.headroom.stage", "sentence"): "slm_align.envelope.gate",
     ("slm_align.export.imatrix", "imatrix_array"): "slm_align.ondevice.gguf.quantizer_imatrix",
     ("slm_align.export.converters.imatrix", "imatrix_array"): "slm_align.ondevice.gguf.quantizer_imatrix",
+    ("slm_align.ondevice.agent.task_eval", "run_episodes"): "slm_align.ondevice.agent.task_eval:run_task_episodes",
     ("slm_align.ondevice.agent.sampling", "SamplingParams"): "slm_align.ondevice.agent.settings",
     ("slm_align.ondevice.agent.sampling", "PENALTY_WINDOW"): "slm_align.ondevice.agent.settings",
 }
-"""(new module, name) -> the module the name now lives in."""
+"""(new module, name) -> the module the name now lives in (``module:new_name`` where it was renamed:
+an import keeps its old local name through ``as``)."""
 
 SUFFIXES = {".py", ".md", ".toml", ".txt", ".cfg", ".ini", ".yml", ".yaml", ".sh"}
 SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", ".ruff_cache", ".pytest_cache"}
@@ -149,7 +151,8 @@ def map_name(dotted: str) -> str:
     """``module.name`` where the name moved out of the module."""
     for (module, name), target in NAME_MOVES.items():
         if starts(dotted, f"{module}.{name}"):
-            return target + dotted[len(module):]
+            target, _, new_name = target.partition(":")
+            return f"{target}.{new_name or name}{dotted[len(module) + 1 + len(name):]}"
     return dotted
 
 

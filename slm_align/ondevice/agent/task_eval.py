@@ -298,7 +298,7 @@ def run_task(agent: Agent, row: dict, task: int = 0, sample: int = 0,
                       seed=(sampling or {}).get("seed"))
 
 
-def run_episodes(agent: Agent, rows: Sequence[dict], samples: int = DEFAULT_SAMPLES,
+def run_task_episodes(agent: Agent, rows: Sequence[dict], samples: int = DEFAULT_SAMPLES,
                  temperature: float = DEFAULT_TEMPERATURE, seed: int = 0, label: str = "episodes") -> list[TaskResult]:
     """Every task once greedily (``samples`` 1), or ``samples`` times at ``temperature`` with the
     seeds of :func:`sample_seed`; the results task by task, samples in order. Counted as ``label``
@@ -457,7 +457,7 @@ def evaluate_artifacts(tasks: Union[str, Path, None], artifacts: Sequence[Union[
               for artifact in artifacts]
     with stage_lines("evaluate-agent", f"{len(agents)} model(s) on {len(rows)} tasks x {samples} "
                                        f"episode(s)") as stage:
-        runs = [run_episodes(agent, rows, samples, temperature, seed, label="/".join(Path(artifact).parts[-2:]))
+        runs = [run_task_episodes(agent, rows, samples, temperature, seed, label="/".join(Path(artifact).parts[-2:]))
                 for agent, artifact in zip(agents, artifacts)]
         summaries = [summarize(results, samples, seed) for results in runs]
         stage.figures = "task success " + ", ".join(f"{summary['success_rate']:.3f}" for summary in summaries)

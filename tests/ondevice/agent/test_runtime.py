@@ -207,7 +207,7 @@ def test_conversation_save_and_restore(artifacts, tmp_path):
 def test_agent_runs_without_torch_or_transformers(artifacts):
     code = (
         "import sys\nfrom slm_align.ondevice.agent.runtime import Agent\n"
-        "from slm_align.ondevice.agent.sampling import SamplingParams\n"
+        "from slm_align.ondevice.agent.settings import SamplingParams\n"
         "from slm_align.ondevice.tools.builtin import default_tools\n"
         f"for path in ({str(artifacts['gguf'])!r}, {str(artifacts['onnx'])!r}):\n"
         "    agent = Agent.load(path, tools=default_tools(), sampling=SamplingParams(temperature=0, max_tokens=8))\n"
