@@ -1,6 +1,7 @@
 """Rewrite old slm_align module paths to the issue-46 tree, over a whole checkout.
 
     python scripts/rewrite_imports.py /path/to/checkout [--dry-run]
+    python scripts/rewrite_imports.py --self-test
 
 Rewrites dotted paths (``import``/``from`` lines, strings such as monkeypatch targets
 "slm_align.x.y", docs) and slash paths (``slm_align/x/y.py``, ``agent/runtime.py`` in prose) in
@@ -237,7 +238,41 @@ def files(root: Path):
         yield path
 
 
+SELF_TEST = {
+    "from slm_align.agent.task_eval import run_episodes, compare\n":
+        "from slm_align.ondevice.agent.task_eval import compare\n"
+        "from slm_align.ondevice.agent.task_eval import run_task_episodes as run_episodes\n",
+    "from slm_align.sft import recipe_from_sft, run_sft\n":
+        "from slm_align.sft.stage import run_sft\nfrom slm_align.config.from_sft import recipe_from_sft\n",
+    "from slm_align import chat_templates, errors\n":
+        "from slm_align import errors\nfrom slm_align.ondevice.templates import chat as chat_templates\n",
+    'setattr("slm_align.modeling.load_model", x)\n': 'setattr("slm_align.modeling.models.load_model", x)\n',
+    'setattr("slm_align.headroom.refusal", x)\n': 'setattr("slm_align.envelope.gate.refusal", x)\n',
+    "[x](../slm_align/rl/episodes.py), slm_align/sft.py, rl/watchdog.py, tests/agent/test_store.py\n":
+        "[x](../slm_align/rollouts/episodes.py), slm_align/sft/stage.py, envelope/watchdog.py, "
+        "tests/ondevice/agent/test_store.py\n",
+    "import slm_align.rl.recovery as recovery\nfrom tests.rl.test_episodes import y\n":
+        "import slm_align.envelope.recovery as recovery\nfrom tests.rollouts.test_episodes import y\n",
+}
+"""Text before -> after, checked by ``--self-test`` over this checkout (after the moves), each twice."""
+
+
+def self_test(root: Path) -> int:
+    moves = {old: new for old, new in MOVES.items() if exists(root, new)}
+    failed = 0
+    for before, after in SELF_TEST.items():
+        once = rewrite(before, moves, root)
+        twice = rewrite(once, moves, root)
+        if once != after or twice != once:
+            failed += 1
+            print(f"FAIL {before!r}\n  got {once!r}\n  then {twice!r}\n  want {after!r}")
+    print(f"{len(SELF_TEST) - failed} of {len(SELF_TEST)} rewrites as expected")
+    return 1 if failed else 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--self-test"]:
+        return self_test(Path(__file__).resolve().parents[1])
     if not argv or argv[0].startswith("-"):
         print(__doc__)
         return 2
