@@ -302,7 +302,7 @@ EXPLODE = '<tool_call>{"name": "explode", "arguments": {"amount": 1}}</tool_call
 
 def environment_tasks(**row) -> AgentTasks:
     columns = {"answer": "4", "environment": "tests.rollouts.test_episodes:Counter", "start": 0, **row}
-    return AgentTasks(TaskSet(["Count."], [columns]), allowed_modules=("tests.rl", "no_such_module"))
+    return AgentTasks(TaskSet(["Count."], [columns]), allowed_modules=("tests.rollouts", "no_such_module"))
 
 
 def test_an_environment_is_reset_per_episode_and_its_methods_are_the_tools(tiny_models, tokenizer):
