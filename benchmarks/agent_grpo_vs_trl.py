@@ -10,7 +10,7 @@ benchmark's budget (benchmarks/agent_tasks.py: 2 prompts x G4, 48 new tokens, te
    real weights (the GGUF's, dequantized), merged into a transformers folder: both sides start from it, so that
    our episodes call the tool and run a second generation after it, as in the agent benchmark.
 2. Ours: GRPO on multi-turn episodes run by the runtime's loop on the policy (every episode of an iteration on one
-   engine over :class:`~slm_align.rl.policy_decoder.PolicyDecoder`), scored by ``task_success``; with
+   engine over :class:`~slm_align.rollouts.policy_decoder.PolicyDecoder`), scored by ``task_success``; with
    ``--sampler llama_cpp`` the episodes run on the runtime's llama.cpp backend.
 3. TRL: ``GRPOTrainer`` on single completions of the same task prompts, scored by ``tool_task``, the same
    iterations, group size, new tokens, temperature, epochs, LoRA and learning rate.
@@ -76,11 +76,11 @@ def run_ours(args) -> dict:
 
     from slm_align.data.prompt_source import prompt_source
     from slm_align.envelope.policy import build_policy
-    from slm_align.modeling import load_tokenizer, resolve_source
-    from slm_align.rl.episodes import agent_tasks
+    from slm_align.modeling.models import load_tokenizer, resolve_source
     from slm_align.rl.grpo import GRPO
     from slm_align.rl.llama_sampler import LlamaSampler
-    from slm_align.rl.policy_backend import policy_template
+    from slm_align.rollouts.episodes import agent_tasks
+    from slm_align.rollouts.policy_backend import policy_template
 
     torch.set_num_threads(args.threads)
     recipe = recipe_for(args, args.work)
@@ -120,8 +120,8 @@ def run_trl(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from slm_align.data.tasks import read_tasks
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
-    from slm_align.rewards.tool_calls import tool_task
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
+    from slm_align.ondevice.rewards.tool_calls import tool_task
 
     torch.set_num_threads(args.threads)
     recipe = recipe_for(args, args.work)

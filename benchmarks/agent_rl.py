@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from slm_align import load_recipe, run_rl, run_sft
-from slm_align.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.data.agent_tasks import write_agent_tasks
+from slm_align.ondevice.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.quickstart.agent import export_policy
 
 ARMS = {"single-turn": {"rl.episodes": "off"}, "episodes": {"rl.episodes": "on"}}

@@ -34,10 +34,10 @@ from agent_rl import model_source, print_differences  # noqa: E402
 from grpo_vs_trl import begins_with_bos, reachable_backbone  # noqa: E402
 
 from slm_align import load_recipe, run_rl, run_sft  # noqa: E402
-from slm_align.agent.task_eval import evaluate_artifacts  # noqa: E402
 from slm_align.data.agent_tasks import write_agent_tasks  # noqa: E402
-from slm_align.gguf_tokenizer import SIDECAR  # noqa: E402
-from slm_align.modeling import DEFAULT_MODEL_DIR  # noqa: E402
+from slm_align.modeling.models import DEFAULT_MODEL_DIR  # noqa: E402
+from slm_align.ondevice.agent.task_eval import evaluate_artifacts  # noqa: E402
+from slm_align.ondevice.gguf.tokenizer import SIDECAR  # noqa: E402
 from slm_align.quickstart.agent import export_policy  # noqa: E402
 from slm_align.runs import read_manifest  # noqa: E402
 
@@ -96,8 +96,8 @@ def train_trl(recipe, files: dict, work: Path, learning_rate: float) -> tuple[Pa
 
     from slm_align.data.tasks import read_tasks
     from slm_align.export.converters.merge import merge_run
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
-    from slm_align.rewards.tool_calls import tool_task
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
+    from slm_align.ondevice.rewards.tool_calls import tool_task
 
     sft_only = work / "sft-only"
     if not (sft_only / "sft").exists():

@@ -33,7 +33,7 @@ def template_handler(llm, option: str):
     from a GGUF's own template."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from slm_align.chat_templates import chosen_chat_template
+    from slm_align.ondevice.templates.chat import chosen_chat_template
 
     eos = llm.token_eos()
     bos = llm.token_bos()
@@ -63,8 +63,8 @@ def bare_runner(gguf: Path, tokens: int, threads: int, n_ctx: int, chat_template
 
 
 def ours_runner(gguf: Path, tokens: int, threads: int, n_ctx: int, chat_template: Optional[str] = None):
-    from slm_align.agent.runtime import Agent
-    from slm_align.agent.sampling import SamplingParams
+    from slm_align.ondevice.agent.runtime import Agent
+    from slm_align.ondevice.agent.settings import SamplingParams
 
     agent = Agent.load(gguf, threads=threads, n_ctx=n_ctx, chat_template=chat_template,
                        sampling=SamplingParams(temperature=0.0, max_tokens=tokens))
@@ -95,7 +95,7 @@ def default_models(work: Path) -> list[Path]:
     from export_and_decode import smollm2_shaped
 
     from slm_align.export.publishing.stage import ExportRequest, run_export
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
     bundled = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "gguf", "Q8_0", out=work / "bundled")).stage_dir
     shaped = run_export(ExportRequest(str(smollm2_shaped(work / "smollm2")), "gguf", "Q8_0", out=work / "smollm2",

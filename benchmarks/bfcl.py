@@ -4,7 +4,7 @@
                               [--report agent-report.json] [--venv /tmp/bfcl-official] [--wheel PATH] [--json]
 
 ``evaluate-agent --bfcl`` and the ``function_call_match`` reward judge calls with
-:mod:`slm_align.rewards.function_match`, a re-implementation of bfcl-eval's
+:mod:`slm_align.ondevice.rewards.function_match`, a re-implementation of bfcl-eval's
 ``eval_checker/ast_eval/ast_checker.py``. ``--official`` runs bfcl-eval's own checker on the same replies
 in a virtual environment of its own (bfcl-eval pins numpy 1.26 and twenty API clients that clash with
 ours): ``python -m venv VENV`` and ``pip install --no-deps bfcl-eval==2026.3.23`` (or ``--wheel``), nothing
@@ -38,9 +38,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bfcl_outputs import variants  # noqa: E402
 
-from slm_align.agent.bfcl import CATEGORIES, load_bfcl, parse_categories  # noqa: E402
-from slm_align.rewards.function_calls import reply_calls  # noqa: E402
-from slm_align.rewards.function_match import check_calls  # noqa: E402
+from slm_align.ondevice.agent.bfcl import CATEGORIES, load_bfcl, parse_categories  # noqa: E402
+from slm_align.ondevice.rewards.function_calls import reply_calls  # noqa: E402
+from slm_align.ondevice.rewards.function_match import check_calls  # noqa: E402
 
 PACKAGE = "bfcl-eval==2026.3.23"
 RUNNER = Path(__file__).resolve().parent / "bfcl_official_runner.py"

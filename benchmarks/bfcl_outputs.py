@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Optional
 
-from slm_align.rewards.function_match import call_name
+from slm_align.ondevice.rewards.function_match import call_name
 
 
 def first_value(allowed: list) -> Any:

@@ -78,7 +78,7 @@ def data_and_model(args):
 
     from slm_align.config import LoraSettings, PreferenceSettings, RLSettings
     from slm_align.envelope.policy import build_policy
-    from slm_align.modeling import load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_tokenizer, resolve_source
     from slm_align.preference.data import load_preference_data
 
     torch.manual_seed(0)

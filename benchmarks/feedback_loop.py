@@ -44,7 +44,7 @@ def user_prompts(count: int) -> list[str]:
 def record_feedback(artifact: Path, store: Path, turns: int, max_tokens: int = 16) -> dict:
     """Chat ``turns`` single-turn conversations and give feedback on each: an edit, a pick of an
     alternative, or a thumbs-down, in turn. Returns how many of each were given."""
-    from slm_align.agent.runtime import Agent
+    from slm_align.ondevice.agent.runtime import Agent
 
     agent = Agent.load(artifact, store=store, consent=True)
     given = {"edit": 0, "choice": 0, "down": 0}
@@ -83,7 +83,7 @@ def train_round(recipe, run: Path, algo: str, files: list[Path], steps: int, lea
 
 def heldout_pairs(recipe, files: list[Path]) -> list:
     """The held-out pairs of the preference split (the prompts neither round trained on)."""
-    from slm_align.modeling import load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_tokenizer, resolve_source
     from slm_align.preference.data import load_preference_data
 
     tokenizer = load_tokenizer(resolve_source(recipe.model.source))
@@ -95,10 +95,10 @@ def close_the_loop(work: Path, turns: int, steps: int, learning_rate: float, sft
                    model: str | None = None) -> dict:
     """Run the whole loop in ``work``; returns, per artifact (sft, dpo, kto), the
     held-out pairs it prefers."""
-    from slm_align.agent.feedback_export import export_preferences, unpaired_path
-    from slm_align.agent.preference_probe import preferred_count
     from slm_align.data.demo_corpus import write_demo_corpus
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
+    from slm_align.ondevice.agent.feedback_export import export_preferences, unpaired_path
+    from slm_align.ondevice.agent.preference_probe import preferred_count
     from slm_align.stats import wilson_interval
     from tests.helpers import finished_sft_run
 

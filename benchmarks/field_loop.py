@@ -34,14 +34,14 @@ import time
 from pathlib import Path
 
 from slm_align import load_recipe, run_sft, simulate_field
-from slm_align.agent.ab_fleet import fleet_decision
-from slm_align.agent.feedback_collect import collect_feedback
-from slm_align.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.data.function_tasks import write_function_tasks
 from slm_align.export.packaging.adapter_bundle import apply_update
 from slm_align.export.packaging.bundle import BundleRequest, make_bundle
 from slm_align.export.publishing.request import ExportRequest
 from slm_align.export.publishing.stage import run_export
+from slm_align.ondevice.agent.ab_fleet import fleet_decision
+from slm_align.ondevice.agent.feedback_collect import collect_feedback
+from slm_align.ondevice.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.pipeline import run_preference
 
 
@@ -88,7 +88,7 @@ def fitting(lines: list[str], source, room: int) -> list[str]:
     """The task rows whose prompt (rendered with its tools as training renders it) leaves ``room`` tokens of
     the model's context for the answer: a longer one stops the runtime (the bundled model's context is 512)."""
     from slm_align.data.prompts import chat_prompt
-    from slm_align.modeling import DEFAULT_MODEL_DIR, load_tokenizer, resolve_source
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR, load_tokenizer, resolve_source
 
     tokenizer = load_tokenizer(resolve_source(str(source or DEFAULT_MODEL_DIR)))
     context = 512 if source is None else 2048

@@ -29,7 +29,7 @@ ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "gpt2"]
 def save_model(arch: str, path: Path, hidden: int = 32, layers: int = 2) -> Path:
     from transformers import AutoTokenizer
 
-    from slm_align.modeling import DEFAULT_MODEL_DIR, build_tiny_model
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR, build_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
     build_tiny_model(arch, len(tokenizer), hidden=hidden, layers=layers).save_pretrained(path)
@@ -38,7 +38,7 @@ def save_model(arch: str, path: Path, hidden: int = 32, layers: int = 2) -> Path
 
 
 def ours(model_dir: Path, out: Path) -> float:
-    code = ("import sys; from pathlib import Path; from slm_align.export.gguf import write_gguf; "
+    code = ("import sys; from pathlib import Path; from slm_align.ondevice.gguf.writer import write_gguf; "
             "write_gguf(Path(sys.argv[1]), Path(sys.argv[2]), 'F32')")
     started = time.perf_counter()
     subprocess.run([sys.executable, "-c", code, str(model_dir), str(out)], check=True, cwd=ROOT)
@@ -57,7 +57,7 @@ def compare(first: Path, second: Path) -> tuple[bool, float]:
     import numpy as np
     from gguf import GGUFReader
 
-    from slm_align.agent.open_artifact import open_backend
+    from slm_align.ondevice.agent.open_artifact import open_backend
 
     tensors = [{t.name: np.array(t.data) for t in GGUFReader(str(path)).tensors} for path in (first, second)]
     identical = tensors[0].keys() == tensors[1].keys() and all(

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_vs_trl import build_ours  # noqa: E402
 
 from slm_align.envelope import logprobs  # noqa: E402
-from slm_align.rl import grpo, phases  # noqa: E402
+from slm_align.rl import grpo  # noqa: E402
+from slm_align.rollouts import phases
 
 
 class Components:

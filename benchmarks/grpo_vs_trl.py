@@ -52,7 +52,7 @@ PHASE_ROWS = (("sampler_sync", "sampler: adapter swap"), ("sampling", "sampling"
 
 def reward(prompts, completions, **_):
     """Same reward on both sides: 1 inside a 20-40 word window (a verifiable, cheap reward)."""
-    from slm_align.rewards.builtin import length_window
+    from slm_align.ondevice.rewards.builtin import length_window
 
     return length_window(prompts, completions, min_words=20, max_words=40)
 
@@ -71,11 +71,11 @@ def build_ours(args):
     """Our GRPO (or PPO) loop at the benchmark's settings, ready for ``run_step``."""
     import torch
 
-    from slm_align.accelerator import resolve_device
     from slm_align.config import GRPOSettings, LoraSettings, RLSettings
     from slm_align.envelope.policy import build_policy
     from slm_align.envelope.value_head import ValueHead
-    from slm_align.modeling import load_tokenizer, resolve_source
+    from slm_align.modeling.accelerator import resolve_device
+    from slm_align.modeling.models import load_tokenizer, resolve_source
     from slm_align.rl.grpo import GRPO
     from slm_align.rl.ppo import PPO
 
@@ -201,7 +201,7 @@ def run_trl(args) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
 
     torch.set_num_threads(args.threads)
     source = resolve_source(args.model)

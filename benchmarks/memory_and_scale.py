@@ -144,7 +144,7 @@ def instrument_rl(probe: Probe) -> None:
 
 
 def instrument_trainer(probe: Probe) -> None:
-    from slm_align.training import TrainerProgress
+    from slm_align.envelope.trainer import TrainerProgress
 
     wrap(TrainerProgress, "on_train_begin", before=lambda *_: probe.begin())
     wrap(TrainerProgress, "on_step_end", after=lambda _: probe.step_done())
@@ -197,12 +197,12 @@ def child(spec: dict) -> dict:
                                     "reward.max_steps": steps, "rl.steps": steps,
                                     "rl.algo": kind if kind in ("grpo", "ppo") else None})
     if kind == "sft":
-        from slm_align.sft import run_sft
+        from slm_align.sft.stage import run_sft
 
         instrument_trainer(probe)
         run_sft(recipe, base)
     elif kind == "reward":
-        from slm_align.reward.stage import run_reward
+        from slm_align.reward_model.stage import run_reward
 
         instrument_trainer(probe)
         run_reward(recipe, base)

@@ -47,8 +47,8 @@ SIDES = ("llama.cpp", "genai", "executorch", "ours gguf", "ours onnx", "ours gen
 
 def prompt_ids(tokenize, count: int) -> list[int]:
     """Exactly ``count`` prompt tokens of a story text (the same text
-    :mod:`slm_align.agent.bench` uses)."""
-    from slm_align.agent.bench import PROMPT_TEXT
+    :mod:`slm_align.ondevice.agent.bench` uses)."""
+    from slm_align.ondevice.agent.bench import PROMPT_TEXT
 
     ids = list(tokenize(PROMPT_TEXT))
     while len(ids) < count:
@@ -89,7 +89,7 @@ def genai_stream(folder: Path, threads: int, prompt_tokens: int, tokens: int):
     import numpy as np
     import onnxruntime_genai as og
 
-    from slm_align.agent.genai_backend import genai_model
+    from slm_align.ondevice.agent.genai_backend import genai_model
 
     model = genai_model(folder, threads)
     tokenizer = og.Tokenizer(model)
@@ -143,7 +143,7 @@ def executorch_stream(folder: Path, threads: int, prompt_tokens: int):
 
 def ours_stream(backend, prompt_tokens: int):
     """slm-align's runtime: the backend's own generate, greedy, from an empty cache."""
-    from slm_align.agent.sampling import SamplingParams
+    from slm_align.ondevice.agent.settings import SamplingParams
 
     prompt = prompt_ids(backend.tokenize, prompt_tokens)
     params = SamplingParams(temperature=0)
@@ -163,21 +163,21 @@ def open_side(args):
     if args.side == "executorch":
         return executorch_stream(args.executorch, args.threads, args.prompt_tokens)
     if args.side == "ours gguf":
-        from slm_align.agent.llama_backend import LlamaCppBackend
+        from slm_align.ondevice.agent.llama_backend import LlamaCppBackend
 
         return ours_stream(LlamaCppBackend(args.gguf, threads=args.threads, n_ctx=1024), args.prompt_tokens)
     if args.side == "ours onnx":
-        from slm_align.agent.onnx_backend import OnnxBackend
+        from slm_align.ondevice.agent.onnx_backend import OnnxBackend
 
         return ours_stream(OnnxBackend(args.genai, threads=args.threads, n_ctx=1024), args.prompt_tokens)
-    from slm_align.agent.genai_backend import GenaiBackend
+    from slm_align.ondevice.agent.genai_backend import GenaiBackend
 
     return ours_stream(GenaiBackend(args.genai, threads=args.threads, n_ctx=1024), args.prompt_tokens)
 
 
 def run_side(args) -> dict:
     """In the child: load, one warm-up, one timed run; the process's peak RSS."""
-    from slm_align.devices.host import peak_rss_bytes
+    from slm_align.ondevice.devices.host import peak_rss_bytes
 
     start = time.perf_counter()
     starter = open_side(args)

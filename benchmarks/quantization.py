@@ -61,7 +61,7 @@ def prose_paragraphs(count: int, offset: int = 0) -> list[str]:
 def checkpoint_of(model: str, work: Path) -> Path:
     """A plain HF directory for ``model`` (a .gguf is dequantised and saved, a
     directory is used as it is)."""
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source, save_tokenizer
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source, save_tokenizer
 
     source = resolve_source(model)
     if source.kind == "dir":
@@ -75,7 +75,7 @@ def checkpoint_of(model: str, work: Path) -> Path:
 def reference(checkpoint: Path, texts: list[str], tokens: int) -> tuple[list, list]:
     """The held-out token ids and PyTorch's logits over each."""
     from slm_align.export.publishing.parity import _torch_logits
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
     model = load_model(source)
@@ -90,7 +90,7 @@ def _size_mb(path: Path) -> float:
 
 
 def _decode_speed(backend, prompt: list[int], steps: int) -> float:
-    from slm_align.agent.decode import greedy
+    from slm_align.ondevice.agent.decode import greedy
 
     started = time.perf_counter()
     greedy(backend, prompt, steps, stop_at_eos=False)
@@ -100,8 +100,8 @@ def _decode_speed(backend, prompt: list[int], steps: int) -> float:
 def measure(artifact: Path, ids: list, references: list, threads: int, decode: int) -> dict:
     """Size, pooled top-1 agreement and perplexity over the held-out texts,
     greedy tokens per second."""
-    from slm_align.agent.open_artifact import open_backend
     from slm_align.export.publishing.parity import VERIFY_CONTEXT, artifact_logits, compare_logits
+    from slm_align.ondevice.agent.open_artifact import open_backend
 
     backend = open_backend(artifact, threads=threads, n_ctx=VERIFY_CONTEXT, all_logits=True)
     compared = [compare_logits(ref, artifact_logits(backend, one), one) for one, ref in zip(ids, references)]
@@ -125,7 +125,7 @@ def importance_of(checkpoint: Path, texts: int, tokens: int) -> dict:
     """llama.cpp's importance matrix from ``texts`` prose paragraphs other
     than the measured ones."""
     from slm_align.export.converters.imatrix import activation_importance, gguf_importance
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
     tokenizer = load_tokenizer(source)
@@ -136,7 +136,7 @@ def importance_of(checkpoint: Path, texts: int, tokens: int) -> dict:
 def gguf_artifacts(checkpoint: Path, work: Path, types: list[str], threads: int, importance: dict):
     """(type, path) of each GGUF type, built as the export builds it (llama.cpp's quantizer from our
     F32 file); a type ending in +imatrix is weighted by ``importance``."""
-    from slm_align.export.gguf import QUANTIZER_TYPES, quantize_gguf, write_gguf
+    from slm_align.ondevice.gguf.writer import QUANTIZER_TYPES, quantize_gguf, write_gguf
 
     full = write_gguf(checkpoint, work / "f32.gguf", "F32")
     for name in types:

@@ -205,7 +205,7 @@ def resolve_model(name: str) -> str:
     if name == "gemma":
         return str(real_gemma())
     if name == "bundled":
-        from slm_align.modeling import DEFAULT_MODEL_DIR
+        from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
         return str(DEFAULT_MODEL_DIR)
     return name

@@ -31,8 +31,8 @@ def child(stage: str, model: str, out: str, steps: int, threads: int) -> dict:
     import torch
 
     from slm_align.config import load_recipe
-    from slm_align.reward.stage import run_reward
-    from slm_align.sft import run_sft
+    from slm_align.reward_model.stage import run_reward
+    from slm_align.sft.stage import run_sft
 
     torch.set_num_threads(threads)
     recipe = load_recipe(overrides={"model.source": model, "sft.max_steps": steps, "reward.max_steps": steps,

@@ -97,7 +97,7 @@ def mismatch(args) -> None:
     from slm_align.config import RLSettings
     from slm_align.envelope.logprobs import forward_logprobs
     from slm_align.envelope.policy import build_policy
-    from slm_align.modeling import load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_tokenizer, resolve_source
     from slm_align.rl.llama_sampler import LlamaSampler
     from slm_align.rl.sampler_correction import sampler_mismatch
 

@@ -32,8 +32,8 @@ import uvicorn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evaluate_batch import smollm2_q8_0  # noqa: E402
 
-from slm_align.agent.server import create_app  # noqa: E402
-from slm_align.agent.server.connections import server_config  # noqa: E402
+from slm_align.ondevice.agent.server import create_app  # noqa: E402
+from slm_align.ondevice.agent.server.connections import server_config  # noqa: E402
 
 TOPICS = ["a cat", "the sea", "a city at night", "bread", "a mountain", "rain", "an old clock", "a bicycle"]
 

@@ -88,7 +88,7 @@ def rl_recipe(recipe, steps: int, enabled: bool, **rl):
 def held_out(recipe, run: Path, prompts: int) -> tuple[float, float]:
     """Mean objective of the run's published adapter on held-out prompts, and the
     half-width of its 95% interval."""
-    from slm_align.evaluate import evaluate
+    from slm_align.evaluate.stage import evaluate
 
     report = evaluate(recipe, run, rewards=["watchdog:objective"], prompts=prompts)
     row = report["policies"][-1]
@@ -132,8 +132,8 @@ def healthy(work: Path) -> list[dict]:
     same SFT and reward model."""
     from slm_align.config import load_recipe
     from slm_align.pipeline import run_rl
-    from slm_align.reward.stage import run_reward
-    from slm_align.sft import run_sft
+    from slm_align.reward_model.stage import run_reward
+    from slm_align.sft.stage import run_sft
 
     recipe = load_recipe(overrides={"sft.max_steps": 150, "sft.batch_size": 16, "reward.max_steps": 100,
                                     "reward.batch_size": 16, "rl.algo": "ppo", "rl.steps": 20})
@@ -175,7 +175,7 @@ def main() -> None:
     if args.simulate:
         simulate(args.simulate)
         return
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
     from tests.helpers import finished_sft_run
 
     patch_iterations()
@@ -215,7 +215,7 @@ def screen_only_run(before, after, seed: int, drop_at: int, steps: int) -> tuple
     Bonferroni screen fires by itself after ``reward_patience`` probes, and the adapter kept is the
     latest probe not significantly below the peak. (fired, the kept iteration)."""
     from slm_align.config import WatchdogSettings
-    from slm_align.rl.watchdog import drop_threshold, reward_dropped
+    from slm_align.envelope.watchdog import drop_threshold, reward_dropped
 
     rng = random.Random(seed)
     s = WatchdogSettings()
@@ -238,7 +238,7 @@ def screen_only_run(before, after, seed: int, drop_at: int, steps: int) -> tuple
 
 def reward_table(runs: int) -> list[str]:
     """False rollbacks of a steady policy and what a real drop does, before and after."""
-    from tests.rl.test_watchdog import bernoulli, gaussian, simulated_watchdog
+    from tests.envelope.test_watchdog import bernoulli, gaussian, simulated_watchdog
 
     lines = ["| reward probes (16 prompts) | before: screen alone, latest not below | after: peak, confirmed |",
              "|---|---|---|"]
@@ -282,8 +282,8 @@ def raw_ratio_fired(rows: list[dict], window: int = 5, floor: float = 0.5) -> bo
 def tool_table(runs: int) -> list[str]:
     """False alarms on steady call rates and a real collapse, before and after (32 episodes an iteration)."""
     from slm_align.config import WatchdogSettings
-    from slm_align.rl.watchdog import Watchdog
-    from tests.rl.test_watchdog import feed_metrics, tool_iteration
+    from slm_align.envelope.watchdog import Watchdog
+    from tests.envelope.test_watchdog import feed_metrics, tool_iteration
 
     lines = ["| tool use (32 episodes an iteration) | before: raw rates | after: counts' test |", "|---|---|---|"]
     cases = [(rate, valid, steps, rate, 10 ** 9) for steps in (200, 1000)
@@ -306,8 +306,8 @@ def tool_table(runs: int) -> list[str]:
 def length_table(runs: int) -> list[str]:
     """Length inflation fired when the call rate rises 0.3 -> 0.8 (and when rounds really grow)."""
     from slm_align.config import WatchdogSettings
-    from slm_align.rl.watchdog import Watchdog
-    from tests.rl.test_episode_lengths import episode_of, rollout_of, trace_of
+    from slm_align.envelope.watchdog import Watchdog
+    from tests.rollouts.test_episode_lengths import episode_of, rollout_of, trace_of
 
     rises = [0.3] * 10 + [0.3 + 0.5 * i / 20 for i in range(1, 21)] + [0.8] * 10
     lines = ["| completion/length of episodes | whole sequence (before) | sampled ids | sampled per round (after) |",

@@ -38,7 +38,7 @@ def wide_request(properties: int) -> dict:
 def bundled_onnx(work: Path) -> Path:
     """The bundled model exported to ONNX fp32 (as the server tests serve it)."""
     from slm_align.export.publishing.stage import ExportRequest, run_export
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
     request = ExportRequest(str(DEFAULT_MODEL_DIR), "onnx", "fp32", out=work / "artifact", verify=False)
     return run_export(request).stage_dir
@@ -94,9 +94,9 @@ def during_request(url: str, body: dict) -> dict:
 
 def checked_as_gguf(body: dict) -> dict:
     """Seconds to check ``body`` as a GGUF server does with ``tool_choice`` "required" (grammar included)."""
-    from slm_align.agent.server.body import Limits
-    from slm_align.agent.server.chat_request import parse_chat
-    from slm_align.agent.server.errors import ApiError
+    from slm_align.ondevice.agent.server.body import Limits
+    from slm_align.ondevice.agent.server.chat_request import parse_chat
+    from slm_align.ondevice.agent.server.errors import ApiError
 
     started = time.perf_counter()
     try:
@@ -124,7 +124,7 @@ def main() -> None:
         process.terminate()
         process.wait()
     try:
-        from slm_align.agent.server.body import MAX_SCHEMA_PROPERTIES
+        from slm_align.ondevice.agent.server.body import MAX_SCHEMA_PROPERTIES
     except ImportError:  # the code before the bound
         MAX_SCHEMA_PROPERTIES = None
     print(json.dumps({"checked_as_gguf": "wide", **checked_as_gguf(body)}))

@@ -26,10 +26,10 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from slm_align.chat_templates import CHATML_TEMPLATE
 from slm_align.data.agent_chats import conversation_text, generate_conversations
 from slm_align.data.agent_tasks import leak_keys, split_tasks
 from slm_align.data.demo_corpus import generate_stories
+from slm_align.ondevice.templates.chat import CHATML_TEMPLATE
 
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 CALL_TAGS = ["<tool_call>", "</tool_call>"]

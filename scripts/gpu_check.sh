@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (issue 19): at most 8 minutes on one CUDA GPU.
 #   1. the quickstart with --device cuda (SFT, reward model, gate, PPO, evaluation, export, one agent turn);
-#   2. the tests marked gpu (tests/test_accelerator.py: a bf16 GRPO iteration on CUDA, SFT on CUDA, ...);
+#   2. the tests marked gpu (tests/modeling/test_accelerator.py: a bf16 GRPO iteration on CUDA, SFT on CUDA, ...);
 #   3. benchmarks/grpo_vs_trl.py on the GPU, both sides bf16 (skipped when trl is not installed).
 # Without a GPU (or with --cpu) it runs the CPU fallback in well under a minute, which CI runs through
 # tests/project/test_gpu_check.py so that the script cannot rot: --device cuda must be refused in one line with exit
@@ -30,7 +30,7 @@ cpu_fallback() {
     exit 1
   fi
   echo "refused as it should be: $message"
-  "$PYTHON" -m pytest -m gpu tests/test_accelerator.py -q -p no:cacheprovider
+  "$PYTHON" -m pytest -m gpu tests/modeling/test_accelerator.py -q -p no:cacheprovider
   "$PYTHON" benchmarks/grpo_vs_trl.py --help | grep -q -- "--precision"
   echo "PASS (CPU fallback; no GPU figures measured)"
 }

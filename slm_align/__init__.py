@@ -30,20 +30,20 @@ _EXPORTS = {
     "load_recipe": "slm_align.config",
     "UserError": "slm_align.errors",
     "StageResult": "slm_align.runs",
-    "run_sft": "slm_align.sft",
-    "run_reward": "slm_align.reward.stage",
-    "check_headroom": "slm_align.headroom",
+    "run_sft": "slm_align.sft.stage",
+    "run_reward": "slm_align.reward_model.stage",
+    "check_headroom": "slm_align.headroom.stage",
     "run_rl": "slm_align.pipeline",
     "run_preference": "slm_align.pipeline",
-    "run_evaluation": "slm_align.evaluate:evaluate",
+    "run_evaluation": "slm_align.evaluate.stage:evaluate",
     "merge_run": "slm_align.export.converters.merge",
     "ExportRequest": "slm_align.export.publishing.stage",
     "run_export": "slm_align.export.publishing.stage",
     "run_quickstart": "slm_align.quickstart",
-    "Agent": "slm_align.agent.runtime",
-    "default_tools": "slm_align.tools.builtin",
+    "Agent": "slm_align.ondevice.agent.runtime",
+    "default_tools": "slm_align.ondevice.tools.builtin",
     "write_function_tasks": "slm_align.data.function_tasks",
-    "simulate_field": "slm_align.agent.field",
+    "simulate_field": "slm_align.ondevice.agent.field",
 }
 
 __all__ = [
@@ -69,21 +69,21 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from slm_align.agent.field import simulate_field
-    from slm_align.agent.runtime import Agent
     from slm_align.config import Recipe, load_recipe
     from slm_align.data.function_tasks import write_function_tasks
     from slm_align.errors import UserError
-    from slm_align.evaluate import evaluate as run_evaluation
+    from slm_align.evaluate.stage import evaluate as run_evaluation
     from slm_align.export.converters.merge import merge_run
     from slm_align.export.publishing.stage import ExportRequest, run_export
-    from slm_align.headroom import check_headroom
+    from slm_align.headroom.stage import check_headroom
+    from slm_align.ondevice.agent.field import simulate_field
+    from slm_align.ondevice.agent.runtime import Agent
+    from slm_align.ondevice.tools.builtin import default_tools
     from slm_align.pipeline import run_preference, run_rl
     from slm_align.quickstart import run_quickstart
-    from slm_align.reward.stage import run_reward
+    from slm_align.reward_model.stage import run_reward
     from slm_align.runs import StageResult
-    from slm_align.sft import run_sft
-    from slm_align.tools.builtin import default_tools
+    from slm_align.sft.stage import run_sft
 
 
 def __getattr__(name: str):

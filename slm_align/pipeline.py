@@ -14,22 +14,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from slm_align.accelerator import resolve_compute
 from slm_align.config import Recipe
+from slm_align.config.from_sft import recipe_from_sft
+from slm_align.envelope.gate import GateRefused, refusal
 from slm_align.envelope.world import World
 from slm_align.errors import UserError
-from slm_align.evaluate import evaluate
+from slm_align.evaluate.stage import evaluate
 from slm_align.export.publishing.stage import ExportRequest, run_export
-from slm_align.headroom import GateRefused, check_headroom, record_report, refusal, reusable_report
+from slm_align.headroom.stage import check_headroom, record_report, reusable_report
+from slm_align.modeling.accelerator import resolve_compute
 from slm_align.preference.stage import PreferenceStage, refuse_data_parallel
 from slm_align.progress import quiet
-from slm_align.reward.stage import run_reward
-from slm_align.rl.episodes import check_episode_settings, check_task_file
+from slm_align.reward_model.stage import run_reward
 from slm_align.rl.llama_sampler import check_sampler
 from slm_align.rl.stage import Prior, RLStage, check_divisible, rl_world
+from slm_align.rollouts.episodes import check_episode_settings, check_task_file
 from slm_align.runs import StageResult, read_manifest, run_stage
-from slm_align.sft import STAGE as SFT
-from slm_align.sft import recipe_from_sft, run_sft
+from slm_align.sft.stage import STAGE as SFT
+from slm_align.sft.stage import run_sft
 from slm_align.tracking import require_library
 
 Say = Callable[[str], None]

@@ -11,7 +11,7 @@ CURVES = ("reward/mean", "watchdog/probe_reward", "kl", "entropy", "clip_frac", 
 
 def plot_curves(metrics_path: Path, out_path: Path, keys=CURVES, events=()) -> Path:
     """One panel per metric over steps, saved as a PNG; each watchdog event (a dict with ``step``
-    and ``detector``, see rl/watchdog.py) is a dashed vertical line on every panel."""
+    and ``detector``, see envelope/watchdog.py) is a dashed vertical line on every panel."""
     import matplotlib
 
     matplotlib.use("Agg")

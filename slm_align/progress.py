@@ -1,6 +1,6 @@
 """Progress for long stages, on stderr: rich bars on a terminal, plain lines in a log (the Trainer
 callback that drives them for SFT and the reward model, and writes their JSONL logs, is
-:mod:`slm_align.training`).
+:mod:`slm_align.envelope.trainer`).
 
 When stderr is not a terminal (``nohup``, CI, a job scheduler, ``2> run.log``) every long stage
 writes plain lines instead of bars: its start (what it will do and how much), its progress every

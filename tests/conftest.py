@@ -18,14 +18,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One torch thread for the tiny models (and the CLI runs tests start, which inherit it): on 2 cores the second
 # thread costs more in hand-offs than it computes (tests/rl/test_guards.py: 31 against 48 CPU seconds).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# .gguf sources are dequantized into a cache (slm_align.gguf_cache): one per test session, not the
+# .gguf sources are dequantized into a cache (slm_align.ondevice.gguf.cache): one per test session, not the
 # user's, removed at exit (the real Gemma 3 270M takes 1 GB there).
 if "SLM_ALIGN_CACHE" not in os.environ:
     os.environ["SLM_ALIGN_CACHE"] = tempfile.mkdtemp(prefix="slm-align-cache-")
     atexit.register(shutil.rmtree, os.environ["SLM_ALIGN_CACHE"], True)
 
 from slm_align.data.demo_corpus import write_demo_corpus  # noqa: E402
-from slm_align.modeling import DEFAULT_MODEL_DIR, build_tiny_model  # noqa: E402
+from slm_align.modeling.models import DEFAULT_MODEL_DIR, build_tiny_model  # noqa: E402
 from tests.helpers import ARCHITECTURES  # noqa: E402
 from tests.llama_cpp_reference import ReferenceUnavailable, convert  # noqa: E402
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "gpt2"]
 
@@ -35,7 +35,7 @@ def run_cli(capsys, *args):
 def finished_sft_run(out: Path, model_dir: Path, corpus: Path, steps: int):
     """A run directory whose SFT stage finished after ``steps`` steps, and its recipe."""
     from slm_align.config import load_recipe
-    from slm_align.sft import run_sft
+    from slm_align.sft.stage import run_sft
 
     recipe = load_recipe(overrides={"model.source": str(model_dir), "data.path": str(corpus),
                                     "sft.max_steps": steps, "sft.batch_size": 4, "data.max_length": 96})
@@ -51,9 +51,9 @@ def finished_rl_stage(run: Path) -> None:
     import torch
 
     from slm_align.config import LoraSettings, load_recipe
-    from slm_align.modeling import attach_lora, merged_policy, resolve_source, save_adapter
+    from slm_align.config.from_sft import recipe_from_sft
+    from slm_align.modeling.models import attach_lora, merged_policy, resolve_source, save_adapter
     from slm_align.runs import make_manifest, partial_dir, publish
-    from slm_align.sft import recipe_from_sft
 
     recipe, sft = recipe_from_sft(run, load_recipe())
     policy = attach_lora(merged_policy(resolve_source(recipe.model.source), sft), LoraSettings(r=4), seed=0)
@@ -98,7 +98,7 @@ def policy_with_moved_lora(path, rl, scale: float, seed: int):
     import torch
 
     from slm_align.envelope.policy import build_policy
-    from slm_align.modeling import resolve_source
+    from slm_align.modeling.models import resolve_source
 
     policy = build_policy(resolve_source(str(path)), None, rl, seed=0)
     generator = torch.Generator().manual_seed(seed)
@@ -123,8 +123,8 @@ def stepwise_agreement(artifact: Path, model_dir: Path) -> tuple[float, int]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slm_align.agent.open_artifact import open_backend
     from slm_align.export.publishing.parity import HELDOUT_TEXT
+    from slm_align.ondevice.agent.open_artifact import open_backend
 
     backend = open_backend(artifact)
     ids = AutoTokenizer.from_pretrained(model_dir)(HELDOUT_TEXT)["input_ids"][: backend.n_ctx]
@@ -167,7 +167,7 @@ def decisive_models(root, tokenizer, architectures) -> dict:
     choice; these make every choice clear. ``{architecture: directory}``."""
     import torch
 
-    from slm_align.modeling import build_tiny_model
+    from slm_align.modeling.models import build_tiny_model
 
     folders = {}
     for arch in architectures:

@@ -102,7 +102,7 @@ def _converter_input(model_dir: Path, scratch: Path) -> Path:
 def convert(model_dir: Path, out_path: Path, outtype: str = "f32") -> Path:
     """``model_dir`` converted by llama.cpp's converter into ``out_path``;
     ReferenceUnavailable when it fails."""
-    from slm_align.export.gguf import pre_tokenizer_name
+    from slm_align.ondevice.gguf.writer import pre_tokenizer_name
 
     model_dir, out_path = Path(model_dir), Path(out_path)
     tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))

@@ -1,4 +1,4 @@
-"""The evaluation report's logic (slm_align.evaluate) without a model: the comparison's verdict from its
+"""The evaluation report's logic (slm_align.evaluate.stage) without a model: the comparison's verdict from its
 interval, which policies a run holds, the preference records, and the report's words; the measurement runs
 end to end in tests/cli/test_commands.py."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import slm_align.evaluate as evaluate
+import slm_align.evaluate.stage as evaluate
 from slm_align.config import load_recipe
-from slm_align.evaluate import (
+from slm_align.evaluate.stage import (
     compare,
     preference_records,
     preference_section,

@@ -3,7 +3,7 @@ it: a round shipped as an adapter bundle, a simulated fleet's feedback collected
 collected rows, the new adapter exported and shipped as an update that applies on the device, and the A/B test
 of the update against the current round deciding on the fleet.
 
-The models' answers in the field are scripted by question (``tests/agent/test_field_simulate.py``'s
+The models' answers in the field are scripted by question (``tests/ondevice/agent/test_field_simulate.py``'s
 :class:`AnswerBook`), so what the users rate, and which arm is better, is known here; what is trained, exported,
 bundled and routed is real."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from slm_align.data.function_tasks import function_tasks
 from slm_align.export.packaging.adapter_bundle import apply_update
-from tests.agent.test_field_simulate import LONG, by_questions, right_questions, scripted
 from tests.helpers import run_cli
+from tests.ondevice.agent.test_field_simulate import LONG, by_questions, right_questions, scripted
 
 pytest.importorskip("llama_cpp")
 

@@ -1,5 +1,5 @@
-"""Which base an adapter GGUF belongs to (slm_align.gguf_adapters), read from headers alone
-(slm_align.gguf_fields): the refusals of a file that is no adapter, another architecture, a missing or
+"""Which base an adapter GGUF belongs to (slm_align.ondevice.gguf.adapter_check), read from headers alone
+(slm_align.ondevice.gguf.fields): the refusals of a file that is no adapter, another architecture, a missing or
 reshaped tensor and another base's hash, and the chain id of a base with adapters in order."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from slm_align.errors import UserError
-from slm_align.gguf_adapters import BASE_SHA256_KEY, chain_digest, check_adapter_base
-from slm_align.gguf_fields import read_fields, read_header
+from slm_align.ondevice.gguf.adapter_check import BASE_SHA256_KEY, chain_digest, check_adapter_base
+from slm_align.ondevice.gguf.fields import read_fields, read_header
 from slm_align.runs import sha256_file
 
 OUT, IN, RANK = 8, 6, 2

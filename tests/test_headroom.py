@@ -1,7 +1,7 @@
-"""The headroom gate's logic (slm_align.headroom) without a model: a figure's verdict at its threshold, the
+"""The headroom gate's logic (slm_align.headroom.stage) without a model: a figure's verdict at its threshold, the
 report's reasons and remedies, which policy and reward model the gate judges, what identifies a measurement
 (reused only with the same inputs) and what train's record asks check-headroom --run to measure again.
-The measurement itself runs in tests/test_headroom_verdicts.py."""
+The measurement itself runs in tests/headroom/test_verdicts.py."""
 
 from __future__ import annotations
 
@@ -11,20 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import slm_align.headroom as headroom
+import slm_align.headroom.stage as headroom
 from slm_align.config import load_recipe
+from slm_align.envelope.gate import Figure, HeadroomReport, sentence
 from slm_align.errors import UserError
-from slm_align.headroom import (
-    REPORT,
-    Figure,
-    HeadroomReport,
-    aligned_adapter,
-    as_recorded,
-    gate_inputs,
-    gate_request,
-    gate_subject,
-    sentence,
-)
+from slm_align.headroom.stage import REPORT, aligned_adapter, as_recorded, gate_inputs, gate_request, gate_subject
 from slm_align.runs import MANIFEST, digest
 
 

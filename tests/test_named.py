@@ -1,4 +1,4 @@
-"""``module:attribute`` on the command line (slm_align.named): imported, or refused in one line naming what
+"""``module:attribute`` on the command line (slm_align.config.named): imported, or refused in one line naming what
 is wrong."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from slm_align.config.named import import_named
 from slm_align.errors import UserError
-from slm_align.named import import_named
 
 
 def test_a_named_object_is_imported_or_refused_in_one_line(tmp_path, monkeypatch):

@@ -11,8 +11,8 @@ import pytest
 
 import slm_align.pipeline as pipeline
 from slm_align.config import load_recipe
+from slm_align.envelope.gate import GateRefused
 from slm_align.errors import UserError
-from slm_align.headroom import GateRefused
 from slm_align.runs import MANIFEST, StageResult
 
 

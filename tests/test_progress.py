@@ -117,8 +117,8 @@ def test_counting_sampled_tokens_changes_no_sample(capsys, every_step):
     same seed draws the same completions as outside one, where nothing is counted (RL rollouts)."""
     import torch
 
-    from slm_align.generation import sample
-    from slm_align.modeling import DEFAULT_MODEL_DIR, load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.generation import sample
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR, load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(DEFAULT_MODEL_DIR))
     model = load_model(source)

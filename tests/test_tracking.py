@@ -15,7 +15,7 @@ import pytest
 
 from slm_align.config import load_recipe
 from slm_align.pipeline import run_preference
-from slm_align.sft import run_sft
+from slm_align.sft.stage import run_sft
 from slm_align.tracking import TensorBoardTracker, open_tracker, scalars
 from tests.helpers import finished_sft_run, run_cli
 from tests.preference.test_dpo_kto import fresh_run, learnable_rows, preference_recipe, write_rows
@@ -169,7 +169,7 @@ def test_a_grpo_run_reads_back_equal_to_its_jsonl_and_its_watchdog_events_reach_
 def test_the_reward_stage_with_tensorboard_reads_back_equal_to_its_log(sft_run, tmp_path):
     import shutil
 
-    from slm_align.reward.stage import run_reward
+    from slm_align.reward_model.stage import run_reward
 
     base, recipe = sft_run
     out = tmp_path / "run"

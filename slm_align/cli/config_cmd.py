@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from slm_align.cli.options import ConfigOpt, JsonFlag, SetOpt, recipe_from
 from slm_align.cli.render import emit, stdout
 from slm_align.config import Recipe
-from slm_align.recipe_overrides import parse_sets
+from slm_align.config.overrides import parse_sets
 
 config_app = typer.Typer(no_args_is_help=True, help="Inspect recipes: every setting, its "
                                                     "meaning and its default.")

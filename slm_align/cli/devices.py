@@ -27,7 +27,7 @@ devices_app = typer.Typer(
 def devices_list(as_json: bool = JsonFlag) -> None:
     """List the device profiles: bundled, ~/.config/slm-align/devices/ and
     $SLM_ALIGN_DEVICES (user files win)."""
-    from slm_align.devices import list_profiles, load_profile
+    from slm_align.ondevice.devices import list_profiles, load_profile
 
     rows = [{"name": p.name, "device": p.display_name, "ram_gb": p.ram_gb, "bandwidth_gbs": p.bandwidth_gbs,
              "runtime": p.runtime, "quant": p.gguf_quant, "reference_points": len(p.reference)}
@@ -41,7 +41,7 @@ def devices_list(as_json: bool = JsonFlag) -> None:
 def devices_show(name: str = typer.Argument(..., help="Profile name (see `slm-align devices list`)."),
                  as_json: bool = JsonFlag) -> None:
     """Show one device profile with its published reference measurements and their sources."""
-    from slm_align.devices import load_profile
+    from slm_align.ondevice.devices import load_profile
 
     profile = load_profile(name).model_dump()
     emit(as_json, profile, lambda: print_device(profile))
@@ -66,7 +66,7 @@ def devices_fit(
 ) -> None:
     """Estimate memory, verdict (fits / tight / does not fit), largest context and
     decode speed on a device."""
-    from slm_align.devices import estimate_fit, load_profile, model_facts
+    from slm_align.ondevice.devices import estimate_fit, load_profile, model_facts
 
     profile = load_profile(device)
     report = estimate_fit(model_facts(model), profile, quant, context).to_dict()
@@ -98,7 +98,7 @@ def bench(
 ) -> None:
     """Measure an exported model on this host: load time, time to first token, prompt and
     decode tokens/s, peak RAM."""
-    from slm_align.agent.bench import run_bench
+    from slm_align.ondevice.agent.bench import run_bench
 
     summary = run_bench(artifact, threads, prompt_tokens, decode_tokens, repeats, n_ctx, device=device,
                         save_as=save_profile, overwrite=overwrite)

@@ -15,7 +15,7 @@ commands = typer.Typer()
 def print_version(given: bool) -> None:
     """The ``--version`` callback: print the version and stop."""
     if given:
-        from slm_align.environment import slm_align_version
+        from slm_align.cli.env_report import slm_align_version
 
         stdout.print(f"slm-align {slm_align_version()}", highlight=False)
         raise typer.Exit(0)
@@ -54,7 +54,7 @@ def print_environment(report: dict) -> None:
 def env(as_json: bool = JsonFlag) -> None:
     """Versions of every dependency, torch threads, CPU features, llama.cpp's build and
     the accelerators found."""
-    from slm_align.environment import collect_environment
+    from slm_align.cli.env_report import collect_environment
 
     report = collect_environment()
     emit(as_json, report, partial(print_environment, report))

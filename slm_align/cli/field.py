@@ -56,7 +56,7 @@ def simulate(
     answer by the task's checker (up when right, down when wrong, with noise and unrated turns), and
     write one preference store per device: the files a fleet sends to `feedback collect` and
     `feedback ab`."""
-    from slm_align.agent.field import simulate_field
+    from slm_align.ondevice.agent.field import simulate_field
 
     summary = simulate_field(artifact, tasks, out, devices=devices, turns_per_device=turns_per_device,
                              noise=noise, unrated=unrated, candidate=candidate or (),

@@ -5,9 +5,9 @@ is the field's default, so the two cannot drift apart. Its value stays None when
 given, so a TOML recipe wins.
 
 A runtime flag (`chat`'s sampling flags) is made from a field of a typed settings model of the agent
-runtime (:class:`slm_align.agent.settings.Sampling`): help, default and bounds are the field's, and
+runtime (:class:`slm_align.ondevice.agent.settings.Sampling`): help, default and bounds are the field's, and
 a value out of bounds is refused in the words the server's 400 uses for the same field
-(:mod:`slm_align.agent.bounds`).
+(:mod:`slm_align.ondevice.agent.bounds`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import typer
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from slm_align.agent.bounds import Typed, accepted, members, of_field, refusal, typed
 from slm_align.config import Recipe, load_recipe
-from slm_align.devices.host import default_threads
+from slm_align.config.overrides import merged_overrides, refuse_other_algorithm
 from slm_align.errors import UserError
-from slm_align.recipe_overrides import merged_overrides, refuse_other_algorithm
+from slm_align.ondevice.agent.bounds import Typed, accepted, members, of_field, refusal, typed
+from slm_align.ondevice.devices.host import default_threads
 
 JsonFlag = typer.Option(False, "--json", help="Print a machine-readable JSON result on stdout.")
 CTX_NAMES = ("--ctx", "--ctx-size")

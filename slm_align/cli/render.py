@@ -93,7 +93,7 @@ def print_headroom(report: dict) -> None:
 def print_rl(summary: dict) -> None:
     """One line: the RL iterations, held-out reward before and after, guard skips and rollbacks; a
     second one saying which iteration's adapter was published."""
-    from slm_align.rl.watchdog_text import published_line
+    from slm_align.envelope.watchdog_text import published_line
 
     m = summary["metrics"]
     state = SKIPPED if summary["skipped"] else f"{m['steps']} iterations"
@@ -135,7 +135,7 @@ def print_reward(summary: dict) -> None:
 
 def print_evaluation(report: dict, path: Path) -> None:
     """A row per policy, a line per comparison, and where the report was written."""
-    from slm_align.evaluate import summary_line
+    from slm_align.evaluate.stage import summary_line
 
     table = Table(title=f"Evaluation on {report['prompts']} held-out prompts")
     for column in ("policy", "PPL", "reward mean",

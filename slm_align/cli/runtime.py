@@ -11,10 +11,10 @@ from typing import Iterator, Optional
 import typer
 from rich.console import Console
 
-from slm_align.agent.settings import Sampling
 from slm_align.cli.options import ChatTemplateOpt, CtxOpt, JsonFlag, ThreadsOpt, typed_flags
 from slm_align.cli.render import emit, print_feedback_export, print_fleet_ab, print_serving
 from slm_align.errors import UserError
+from slm_align.ondevice.agent.settings import Sampling
 
 commands = typer.Typer()
 feedback_app = typer.Typer(help="On-device preferences: export or collect them for the next round; decide a "
@@ -57,11 +57,11 @@ def chat(
 ) -> None:
     """Chat with an exported model in the terminal; give feedback that lands
     in the preference store."""
-    from slm_align.agent.runtime import Agent
-    from slm_align.agent.template import check_chat_template
-    from slm_align.agent.terminal import chat_loop, raw_loop
-    from slm_align.chat_templates import require_template
-    from slm_align.tools.builtin import default_tools
+    from slm_align.ondevice.agent.runtime import Agent
+    from slm_align.ondevice.agent.terminal import chat_loop, raw_loop
+    from slm_align.ondevice.templates.artifact import check_chat_template
+    from slm_align.ondevice.templates.chat import require_template
+    from slm_align.ondevice.tools.builtin import default_tools
 
     if raw:
         refuse_with_raw(chat_template=chat_template, store=store, system=system, tools=tools)
@@ -168,7 +168,7 @@ def serve(
 ) -> None:
     """Serve an exported model: an OpenAI-compatible API (/v1/chat/completions, and /v1/completions
     for plain text) and a chat page with feedback."""
-    from slm_align.agent.server import serve as run_server
+    from slm_align.ondevice.agent.server import serve as run_server
 
     run_server(artifact, host=host, port=port, api_key=api_key, insecure=insecure, store_path=store, consent=consent,
                tools=tools, device=device, threads=threads, n_ctx=n_ctx, allowed_hosts=allow_host,
@@ -209,7 +209,7 @@ def feedback_export(
 ) -> None:
     """Write consented feedback as TRL rows: pairs {prompt, chosen, rejected} and unpaired
     {prompt, completion, label}."""
-    from slm_align.agent.feedback_export import export_preferences
+    from slm_align.ondevice.agent.feedback_export import export_preferences
 
     result = export_preferences(db, out, scrub=scrub, overwrite=overwrite)
     emit(as_json, result, lambda: print_feedback_export(result, scrub))
@@ -234,7 +234,7 @@ def feedback_ab(
 ) -> None:
     """Decide an A/B test for a fleet: every device's routed conversations pooled into one sequential test,
     each device's weight capped (promote, revert, keep, or collecting)."""
-    from slm_align.agent.ab_fleet import fleet_decision, write_observations
+    from slm_align.ondevice.agent.ab_fleet import fleet_decision, write_observations
 
     if observations is not None and len(stores) != 1:
         raise UserError("--observations writes one device's evidence: pass one store with it")
@@ -263,7 +263,7 @@ def feedback_collect(
 ) -> None:
     """Merge many devices' feedback into the next round: consented rows only, scrubbed again, one row
     per device and turn, each device capped, each row with its device, model_id and arm."""
-    from slm_align.agent.feedback_collect import collect_feedback, summary_lines
+    from slm_align.ondevice.agent.feedback_collect import collect_feedback, summary_lines
 
     summary = collect_feedback(inputs, out, max_rows_per_device=max_rows_per_device,
                                shard_rows=shard_rows, overwrite=overwrite)

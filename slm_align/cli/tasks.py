@@ -147,8 +147,8 @@ def evaluate_agent(
     per model (with --samples k: pass@k and pass@1), and paired bootstrap intervals of the
     success difference. Function rows and --bfcl: calls judged by BFCL's rules, accuracy per
     category."""
-    from slm_align.agent.task_eval import evaluate_artifacts
     from slm_align.atomic import write_json_atomic
+    from slm_align.ondevice.agent.task_eval import evaluate_artifacts
     from slm_align.runs import check_out_file
 
     if out is not None:  # before any work: a refused --out writes nothing, and never replaces an input

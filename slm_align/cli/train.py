@@ -191,7 +191,7 @@ def sft(
 ) -> None:
     """Supervised fine-tuning with LoRA and NEFTune; writes the adapter,
     tokenizer and a manifest."""
-    from slm_align.sft import run_sft
+    from slm_align.sft.stage import run_sft
 
     recipe = recipe_from(config, settings)
     require_data(recipe.data)
@@ -232,8 +232,8 @@ def check_headroom(
 ) -> None:
     """Measure whether RL has headroom: SFT perplexity, reward accuracy and reward
     spread against thresholds."""
-    from slm_align.headroom import aligned_adapter, as_recorded
-    from slm_align.headroom import check_headroom as measure_headroom
+    from slm_align.headroom.stage import aligned_adapter, as_recorded
+    from slm_align.headroom.stage import check_headroom as measure_headroom
 
     if run is not None and settings["model.source"] is not None:
         raise UserError("pass either --run or --model, not both")
@@ -363,7 +363,7 @@ def evaluate(
 ) -> None:
     """Compare the SFT prior, the aligned policy and any baselines on held-out
     prompts; write eval/report.md."""
-    from slm_align.evaluate import evaluate as run_evaluation
+    from slm_align.evaluate.stage import evaluate as run_evaluation
 
     recipe = recipe_from(config, settings)  # sampling settings (--max-new-tokens, --temperature) are the recipe's
     report = run_evaluation(recipe, run, baselines=baseline, reward_model=reward_model, rewards=reward,

@@ -31,8 +31,8 @@ from slm_align.config.rl import (
     WatchdogSettings,
     section_of,
 )
+from slm_align.config.tomlcompat import tomllib
 from slm_align.errors import UserError
-from slm_align.tomlcompat import tomllib
 
 __all__ = ["DEMO", "ComputeSettings", "DataSettings", "EnvelopeSettings", "GRPOSettings", "HeadroomSettings",
            "LoraSettings", "ModelSettings", "PPOSettings", "PairSettings", "PreferenceSettings", "RLSettings",

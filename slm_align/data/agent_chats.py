@@ -16,8 +16,8 @@ Five kinds, all seeded and deterministic:
 
 Each conversation is OpenAI's form (the call once, in ``tool_calls``) and is rendered with
 :func:`conversation_text`, which puts calls where the template expects them
-(:func:`slm_align.chat_templates.template_form`) and renders with the runtime's own
-:func:`slm_align.chat_templates.render`.
+(:func:`slm_align.ondevice.templates.chat.template_form`) and renders with the runtime's own
+:func:`slm_align.ondevice.templates.chat.render`.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import random
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Optional
 
-from slm_align.chat_templates import render, template_form, template_traits
 from slm_align.data.agent_tasks import final_answer_text, leak_keys, make_tasks, memory_row
 from slm_align.data.demo_corpus import generate_story
-from slm_align.tools.builtin import default_tools, time_text
-from slm_align.tools.calls import ToolCall
-from slm_align.tools.registry import ToolRegistry
+from slm_align.ondevice.templates.chat import render, template_form, template_traits
+from slm_align.ondevice.tools.builtin import default_tools, time_text
+from slm_align.ondevice.tools.calls import ToolCall
+from slm_align.ondevice.tools.registry import ToolRegistry
 
 _ZONES = ("UTC", "Europe/Paris", "Europe/London", "Asia/Tokyo", "America/New_York", "Australia/Sydney")
 _CLOCK_QUESTIONS = ("What time is it in {place}?", "What is the time in {place} now?",

@@ -30,9 +30,9 @@ from typing import Callable, Optional
 
 from slm_align.atomic import jsonl_text, write_text_atomic
 from slm_align.errors import UserError
-from slm_align.tools.builtin import calculator, default_tools
-from slm_align.tools.calls import ToolCall
-from slm_align.tools.parse import call_text
+from slm_align.ondevice.tools.builtin import calculator, default_tools
+from slm_align.ondevice.tools.calls import ToolCall
+from slm_align.ondevice.tools.parse import call_text
 
 TOOL = "calculator"
 FILES = ("sft", "train", "heldout")
@@ -193,7 +193,7 @@ def sft_rows(task: dict) -> list[dict]:
     ``tool_calls``; the tool message with the name and content the runtime's :class:`Observation`
     gives; the task's tools beside the messages. A chat template renders the call its own way
     (its text in the content for ChatML and SmolLM2, ``tool_calls`` for Qwen2.5: see
-    :func:`slm_align.chat_templates.template_form`).
+    :func:`slm_align.ondevice.templates.chat.template_form`).
     """
     question = task["prompt"]
     call = ToolCall(task["tool"], {"expression": task["expression"]})

@@ -29,7 +29,7 @@ from typing import Optional
 from slm_align.atomic import jsonl_text, write_text_atomic
 from slm_align.data.function_library import draw_request, library, tool_schema
 from slm_align.errors import UserError
-from slm_align.tools.calls import ToolCall
+from slm_align.ondevice.tools.calls import ToolCall
 
 CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance")
 DEFAULT_MIX = {"simple": 0.3, "multiple": 0.2, "parallel": 0.15, "parallel_multiple": 0.15,

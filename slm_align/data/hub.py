@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from slm_align.errors import UserError
-from slm_align.modeling import looks_like_hub_id
+from slm_align.modeling.models import looks_like_hub_id
 
 
 def is_hub_dataset(path: Path, file_suffixes: tuple[str, ...]) -> bool:

@@ -25,7 +25,7 @@ from slm_align.data.pairs import Pair
 from slm_align.data.prompts import chat_message, chat_turn
 from slm_align.data.readers import iter_rows
 from slm_align.errors import UserError
-from slm_align.tools.specs import normalise_tools
+from slm_align.ondevice.tools.specs import normalise_tools
 
 MAX_PAIRS_PER_PROMPT = 8
 

@@ -18,9 +18,9 @@ from typing import Callable, Optional, Sequence
 from slm_align.config import Recipe
 from slm_align.data.prompts import prompts_of
 from slm_align.errors import UserError
-from slm_align.rewards.builtin import combine
-from slm_align.rewards.columns import check_columns, with_columns
-from slm_align.rewards.protocol import RewardFn
+from slm_align.ondevice.rewards.builtin import combine
+from slm_align.ondevice.rewards.columns import check_columns, with_columns
+from slm_align.ondevice.rewards.protocol import RewardFn
 
 
 @dataclass(frozen=True)

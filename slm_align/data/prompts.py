@@ -11,9 +11,9 @@ import json
 import re
 from typing import Any, Optional
 
-from slm_align.chat_templates import default_chat_template, shown_tools, template_form, template_traits
 from slm_align.data.examples import Example
 from slm_align.errors import UserError
+from slm_align.ondevice.templates.chat import default_chat_template, shown_tools, template_form, template_traits
 
 
 def sentences(text: str) -> list[str]:
@@ -74,9 +74,9 @@ def _json_calls(where: str, text: str) -> list:
 
 def render_chat(messages, tokenizer, add_generation_prompt: bool = False, tools=None) -> str:
     """Chat messages (OpenAI's form) and their tools through the tokenizer's chat template (the
-    default one when it has none: see :func:`slm_align.chat_templates.default_chat_template`),
+    default one when it has none: see :func:`slm_align.ondevice.templates.chat.default_chat_template`),
     each call turn in the form the template expects
-    (:func:`slm_align.chat_templates.template_form`)."""
+    (:func:`slm_align.ondevice.templates.chat.template_form`)."""
     template = tokenizer.chat_template or default_chat_template(tokenizer)
     rows = template_form([dict(m) for m in messages], template_traits(template))
     rows = shown_tools(template, rows, list(tools) if tools else None)  # a template that drops tools: the fallback

@@ -17,7 +17,7 @@ from slm_align.data.examples import Example
 from slm_align.data.hub import hub_fingerprint, hub_rows, is_hub_dataset
 from slm_align.data.prompts import chat_message
 from slm_align.errors import UserError
-from slm_align.tools.specs import normalise_tools
+from slm_align.ondevice.tools.specs import normalise_tools
 
 TEXT_FIELDS = ("text", "content", "story", "document", "body", "article", "passage", "sentence")
 SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")

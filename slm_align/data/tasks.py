@@ -10,7 +10,7 @@ the text the model continues.
 
 Every column other than the prompt stays with its row: reward functions receive them as keyword
 lists (``fn(prompts, completions, answer=[...], tools=[...])``, see
-:func:`slm_align.rewards.columns.with_columns`), which look a completion's row up by its prompt. So
+:func:`slm_align.ondevice.rewards.columns.with_columns`), which look a completion's row up by its prompt. So
 two rows with the same rendered prompt must agree on their columns (identical rows collapse to one),
 and :func:`split_tasks` keeps identical prompts on the same side.
 """
@@ -22,11 +22,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from slm_align.chat_templates import default_chat_template, shown_tools, template_form, template_traits
 from slm_align.data.readers import iter_rows
 from slm_align.data.splits import seeded_rank
 from slm_align.errors import UserError
-from slm_align.tools.specs import normalise_tools
+from slm_align.ondevice.templates.chat import default_chat_template, shown_tools, template_form, template_traits
+from slm_align.ondevice.tools.specs import normalise_tools
 
 RESERVED_COLUMNS = frozenset({"prompts", "completions"})
 

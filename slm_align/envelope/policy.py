@@ -14,8 +14,8 @@ import torch
 
 from slm_align.config import RLSettings
 from slm_align.errors import UserError
-from slm_align.generation import sample, score
-from slm_align.modeling import attach_lora, load_adapter, load_model, merged_policy
+from slm_align.modeling.generation import sample, score
+from slm_align.modeling.models import attach_lora, load_adapter, load_model, merged_policy
 
 
 def require_trainable(model) -> int:

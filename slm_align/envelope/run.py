@@ -13,12 +13,12 @@ from typing import Optional
 
 import torch
 
-from slm_align.accelerator import device_of, forward_autocast
 from slm_align.config import EnvelopeSettings
 from slm_align.envelope.guard import GuardCounters, GuardedOptimizer, load_trainable_state, trainable_state
 from slm_align.envelope.learning_rate import base_parameters, default_learning_rate
 from slm_align.envelope.policy import checkpoint_in_eval, enable_checkpointing
 from slm_align.envelope.world import World
+from slm_align.modeling.accelerator import device_of, forward_autocast
 
 
 class TrainableRun:

@@ -16,7 +16,7 @@ def preference_learner(policy, tokenizer, data: PreferenceData, settings: Prefer
                        algo: str, envelope: EnvelopeSettings, seed: int, max_length: int,
                        precision: str = "fp32", checkpointing: bool = False) -> PreferenceLearner:
     """The :data:`ALGORITHMS` learner of ``algo`` ("dpo" or "kto"), built with the other arguments
-    (the same, in the same order, as the stage passed to the one class it replaced)."""
+    (each learner class takes them in this order)."""
     learner = ALGORITHMS[algo]
     return learner(policy, tokenizer, data, settings, envelope, seed, max_length, precision,
                    checkpointing)

@@ -24,9 +24,9 @@ from slm_align.data.preferences import Labelled
 from slm_align.envelope.run import TrainableRun
 from slm_align.envelope.seeds import derive_seed
 from slm_align.envelope.world import World
-from slm_align.perplexity import labelled_logprobs
 from slm_align.preference.data import PreferenceData
 from slm_align.preference.losses import implicit_rewards
+from slm_align.scoring.perplexity import labelled_logprobs
 from slm_align.stats import wilson_interval
 
 

@@ -14,16 +14,16 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
-from slm_align.accelerator import resolve_compute, training_inputs
 from slm_align.atomic import write_json_atomic
 from slm_align.config import Recipe
 from slm_align.data.readers import fingerprint
+from slm_align.envelope.gate import Figure, GateRefused, HeadroomReport, refusal
 from slm_align.envelope.loop import load_checkpoint, train_steps
 from slm_align.envelope.policy import build_policy
 from slm_align.envelope.world import World, launched
 from slm_align.errors import UserError
-from slm_align.headroom import Figure, GateRefused, HeadroomReport, refusal
-from slm_align.modeling import load_tokenizer, resolve_source, save_adapter
+from slm_align.modeling.accelerator import resolve_compute, training_inputs
+from slm_align.modeling.models import load_tokenizer, resolve_source, save_adapter
 from slm_align.plots import plot_curves
 from slm_align.preference.algorithms import preference_learner
 from slm_align.preference.data import PreferenceData, check_feedback_models, load_preference_data

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from slm_align.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.atomic import write_text_atomic
 from slm_align.config import Recipe, load_recipe
 from slm_align.data.function_tasks import FILES, write_function_tasks
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
+from slm_align.ondevice.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.pipeline import export_once, gate, run_rl, run_sft
 from slm_align.rl.schedule import iteration_size
 

@@ -29,9 +29,9 @@ from slm_align.envelope.seeds import derive_seed
 from slm_align.rl.advantages import Advantages, all_equal_groups, grpo_advantages
 from slm_align.rl.learner import Learner, rollout_kl, rollout_metrics
 from slm_align.rl.losses import aggregate, clipped_policy_loss, kl_k3
-from slm_align.rl.phases import PhaseClock
-from slm_align.rl.rollout import Rollout, replace_rows
 from slm_align.rl.schedule import iteration_size
+from slm_align.rollouts.completions import Rollout, replace_rows
+from slm_align.rollouts.phases import PhaseClock
 
 
 class GRPO(Learner):
@@ -54,7 +54,7 @@ class GRPO(Learner):
 
     def old_from_sampler(self) -> bool:
         """Whether the old log-probabilities, when needed, are the ones PyTorch's sampler drew each
-        token with (:func:`~slm_align.rl.rollout.sampled_old_logprobs`) instead of a pass of their own:
+        token with (:func:`~slm_align.rollouts.completions.sampled_old_logprobs`) instead of a pass of their own:
         ``rl.old_logprobs = "sampler"`` (the default), PyTorch samples (llama.cpp's are another
         engine's), in fp32 (under bf16 autocast the cached decode and a full forward round apart by
         more than fp32 does)."""

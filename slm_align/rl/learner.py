@@ -28,11 +28,11 @@ from slm_align.envelope.world import World
 from slm_align.errors import UserError
 from slm_align.progress import counted
 from slm_align.rl.advantages import masked_mean
-from slm_align.rl.episodes import AgentTasks, collect_episodes, episode_rewards
-from slm_align.rl.phases import PhaseClock
-from slm_align.rl.rollout import Rollout, collect
 from slm_align.rl.sampler_correction import sampler_mismatch, sampler_weights
 from slm_align.rl.schedule import iteration_size
+from slm_align.rollouts.completions import Rollout, collect
+from slm_align.rollouts.episodes import AgentTasks, collect_episodes, episode_rewards
+from slm_align.rollouts.phases import PhaseClock
 
 
 @dataclass
@@ -87,7 +87,7 @@ class Learner(TrainableRun):
         """One completion (or, with agent tasks, one episode) per prompt, scored, with the old and
         reference log-probabilities the algorithm asks for (values under PPO), timed on the clock;
         ``old_from_sampler``: single completions sampled by PyTorch take their old log-probabilities
-        from the sampler (:func:`~slm_align.rl.rollout.sampled_old_logprobs`)."""
+        from the sampler (:func:`~slm_align.rollouts.completions.sampled_old_logprobs`)."""
         with self.forward_context():
             if self.episodes is not None:
                 return collect_episodes(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts,
@@ -243,7 +243,7 @@ def _mean(results: list[dict], key: str) -> Optional[float]:
 def rollout_metrics(batch: Rollout, results: list[dict], kl: Optional[float],
                     seconds: float) -> dict:
     """The metrics both algorithms log: reward, KL, lengths (``completion/length``: tokens sampled per
-    round, :attr:`~slm_align.rl.rollout.Rollout.round_lengths`), the minibatch statistics averaged."""
+    round, :attr:`~slm_align.rollouts.completions.Rollout.round_lengths`), the minibatch statistics averaged."""
     lengths = batch.lengths.float()
     metrics = {**batch.stats, "reward/mean": float(batch.scores.mean()), "reward/std": float(batch.scores.std()),
                "kl": kl, "completion/length": float(batch.round_lengths.mean()),

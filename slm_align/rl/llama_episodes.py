@@ -1,7 +1,7 @@
 """Agent episodes sampled by the runtime's own llama.cpp backend: the device's engine, tokenizer and
 sampler chain run every round, with the current LoRA swapped in as an adapter GGUF.
 
-:class:`ExactLlamaBackend` is :class:`~slm_align.agent.llama_backend.LlamaCppBackend` (the backend
+:class:`ExactLlamaBackend` is :class:`~slm_align.ondevice.agent.llama_backend.LlamaCppBackend` (the backend
 ``slm-align chat`` and ``serve`` run) drawing at the run's temperature only, keeping the
 log-probability of each token it drew: log softmax(logits / T)[token], over the logits llama.cpp drew
 it from. With top-k 0, top-p 1, min-p 0 and no penalty, llama.cpp's chain (temperature, then a draw
@@ -17,10 +17,10 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from slm_align.agent.llama_backend import LlamaCppBackend
 from slm_align.errors import UserError
-from slm_align.rl.episodes import SEED_SPAN
-from slm_align.rl.policy_backend import check_exact, round_seed
+from slm_align.ondevice.agent.llama_backend import LlamaCppBackend
+from slm_align.rollouts.episodes import SEED_SPAN
+from slm_align.rollouts.policy_backend import check_exact, round_seed
 
 EPISODE_CONTEXT = 4096
 """Positions of the episode context (the model's own limit when smaller): the KV cache a phone would
@@ -38,7 +38,7 @@ def tempered_logprob(logits: np.ndarray, token: int, temperature: float) -> floa
 class ExactLlamaBackend(LlamaCppBackend):
     """The runtime's llama.cpp backend sampling exactly at the temperature and keeping each draw's
     log-probability (:attr:`drawn_logprobs` per round, :attr:`rounds` per episode), as
-    :class:`~slm_align.rl.policy_backend.PolicyBackend` does for PyTorch."""
+    :class:`~slm_align.rollouts.policy_backend.PolicyBackend` does for PyTorch."""
 
     def __init__(self, base_gguf: Path, chat_template: str, threads: int, n_ctx: int):
         super().__init__(base_gguf, threads=threads, n_ctx=n_ctx)
@@ -69,10 +69,10 @@ class ExactLlamaBackend(LlamaCppBackend):
 
 
 class ExactLlamaDecoder:
-    """A batching llama.cpp :class:`~slm_align.agent.batching.Decoder` (many episodes in one context, each slot
+    """A batching llama.cpp :class:`~slm_align.ondevice.agent.batching.Decoder` (many episodes in one context, each slot
     its own sampler chain) made to sample as :class:`ExactLlamaBackend` does: the temperature only, each round's
     chain seeded ``round_seed(params.seed, len(prompt))``, and every draw's log-probability kept
-    (:attr:`~slm_align.agent.batching.Draw.logprob`, :func:`tempered_logprob` of the logits it was drawn from).
+    (:attr:`~slm_align.ondevice.agent.batching.Draw.logprob`, :func:`tempered_logprob` of the logits it was drawn from).
     The model's facts are the wrapped decoder's."""
 
     def __init__(self, decoder):

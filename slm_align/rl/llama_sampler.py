@@ -26,15 +26,15 @@ from typing import Optional, get_args
 import numpy as np
 import torch
 
-from slm_align.agent.llama_batch import LlamaBatchDecoder, decode_entries, row_logits
-from slm_align.agent.llama_open import open_llama
 from slm_align.config import ModelSettings, RLSettings
 from slm_align.errors import UserError
-from slm_align.export.gguf import QUANTIZER_TYPES, quantize_gguf, write_gguf
-from slm_align.export.gguf_adapter import write_lora_gguf
-from slm_align.export.gguf_arch import check_gguf_config
-from slm_align.generation import Samples, draw_tokens
-from slm_align.modeling import resolve_source, save_tokenizer
+from slm_align.modeling.generation import Samples, draw_tokens
+from slm_align.modeling.models import resolve_source, save_tokenizer
+from slm_align.ondevice.agent.llama_batch import LlamaBatchDecoder, decode_entries, row_logits
+from slm_align.ondevice.agent.llama_open import open_llama
+from slm_align.ondevice.gguf.adapter_writer import write_lora_gguf
+from slm_align.ondevice.gguf.architectures import check_gguf_config
+from slm_align.ondevice.gguf.writer import QUANTIZER_TYPES, quantize_gguf, write_gguf
 from slm_align.progress import counted
 from slm_align.rl.llama_episodes import EPISODE_CONTEXT, ExactLlamaBackend, ExactLlamaDecoder
 
@@ -93,7 +93,7 @@ def draw(
     """One token per row of (B, V) logits, drawn from softmax(logits / T), and its log-probability there: (B,)
     ids and (B,) log-probabilities (float64).
 
-    The draw every stage samples with, :func:`slm_align.generation.draw_tokens`: its running sums and its
+    The draw every stage samples with, :func:`slm_align.modeling.generation.draw_tokens`: its running sums and its
     uniform numbers are float64, so a tail token after a mass of 1 - 1e-9 keeps its share (a float32 sum
     reaches 1.0 before it, and a float32 uniform number never comes within 6e-8 of 1). ``torch.multinomial``
     on a 262k vocabulary took 200 ms for 32 rows."""
@@ -249,7 +249,7 @@ class LlamaSampler:
 
     def _decode(self, ctx, entries: list[tuple[int, int, int, bool]]) -> None:
         """Decode (token, position, sequence, wants logits) entries in one llama.cpp batch
-        (:func:`~slm_align.agent.llama_batch.decode_entries`)."""
+        (:func:`~slm_align.ondevice.agent.llama_batch.decode_entries`)."""
         try:
             decode_entries(self.lib, ctx, entries)
         except UserError:
@@ -293,7 +293,7 @@ class LlamaSampler:
         temperature: float,
         seed: Optional[int],
     ) -> Samples:
-        """One completion per prompt, laid out as :func:`slm_align.generation.sample` lays them out
+        """One completion per prompt, laid out as :func:`slm_align.modeling.generation.sample` lays them out
         (left-padded prompts, completions through their first EOS), with llama.cpp's log-probabilities:
         log softmax(logits / temperature) of each drawn token, the distribution it was drawn from (:func:`draw`)."""
         eos = tokenizer.eos_token_id

@@ -32,8 +32,8 @@ from slm_align.rl.advantages import (
 )
 from slm_align.rl.learner import Learner, rollout_kl, rollout_metrics
 from slm_align.rl.losses import adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, kl_k3
-from slm_align.rl.phases import PhaseClock
-from slm_align.rl.rollout import Rollout
+from slm_align.rollouts.completions import Rollout
+from slm_align.rollouts.phases import PhaseClock
 
 
 class PPO(Learner):

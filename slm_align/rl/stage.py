@@ -19,26 +19,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from slm_align.accelerator import resolve_compute, training_inputs
 from slm_align.config import Recipe
 from slm_align.data.prompt_source import prompt_source
 from slm_align.data.readers import fingerprint
 from slm_align.envelope.loop import load_checkpoint, train_steps
 from slm_align.envelope.policy import build_policy
-from slm_align.envelope.value_head import ValueHead
-from slm_align.envelope.world import World, rank_device, replica_digest, world_from_env
-from slm_align.errors import UserError
-from slm_align.modeling import load_tokenizer, resolve_source, save_adapter
-from slm_align.plots import plot_curves
-from slm_align.progress import stage_lines
-from slm_align.reward.learned import learned_reward
-from slm_align.rl.episodes import agent_tasks, check_episode_rewards
-from slm_align.rl.grpo import GRPO
-from slm_align.rl.llama_episodes import EPISODE_CONTEXT
-from slm_align.rl.llama_sampler import LlamaSampler
-from slm_align.rl.policy_backend import policy_template
-from slm_align.rl.ppo import PPO
-from slm_align.rl.recovery import (
+from slm_align.envelope.recovery import (
     EVENTS,
     WatchedRun,
     fresh_seed,
@@ -47,9 +33,23 @@ from slm_align.rl.recovery import (
     restore,
     scale_shaping,
 )
+from slm_align.envelope.value_head import ValueHead
+from slm_align.envelope.watchdog import Watchdog
+from slm_align.envelope.world import World, rank_device, replica_digest, world_from_env
+from slm_align.errors import UserError
+from slm_align.modeling.accelerator import resolve_compute, training_inputs
+from slm_align.modeling.models import load_tokenizer, resolve_source, save_adapter
+from slm_align.plots import plot_curves
+from slm_align.progress import stage_lines
+from slm_align.rl.grpo import GRPO
+from slm_align.rl.llama_episodes import EPISODE_CONTEXT
+from slm_align.rl.llama_sampler import LlamaSampler
+from slm_align.rl.ppo import PPO
 from slm_align.rl.schedule import iteration_size
-from slm_align.rl.watchdog import Watchdog
+from slm_align.rollouts.episodes import agent_tasks, check_episode_rewards
+from slm_align.rollouts.policy_backend import policy_template
 from slm_align.runs import artifact_digest, stage_identity
+from slm_align.scoring.learned_reward import learned_reward
 from slm_align.tracking import Tracker, open_tracker, require_library
 
 STAGE = "rl"

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from slm_align.errors import UserError
-from slm_align.export.gguf import write_gguf
 from slm_align.export.publishing.parity import HELDOUT_TEXT
-from slm_align.modeling import (
+from slm_align.modeling.models import (
     build_tiny_model,
     load_model,
     load_tokenizer,
     lora_targets,
     resolve_source,
 )
+from slm_align.ondevice.gguf.writer import write_gguf
 from tests.helpers import ARCHITECTURES, run_cli
 
 pytest.importorskip("llama_cpp")
@@ -40,7 +40,7 @@ def _torch_logits(model, ids) -> np.ndarray:
 
 
 def _llama_cpp_logits(path, ids) -> np.ndarray:
-    from slm_align.agent.open_artifact import open_backend
+    from slm_align.ondevice.agent.open_artifact import open_backend
 
     return open_backend(path, all_logits=True).feed_all(ids)
 
@@ -229,8 +229,8 @@ def test_sft_reward_and_ppo_train_the_new_architectures(trained_runs, arch):
 
 @pytest.mark.parametrize("arch", NEW)
 def test_a_trained_run_merges_exports_and_chats_on_both_runtimes(capsys, trained_runs, arch):
-    from slm_align.agent.runtime import Agent
-    from slm_align.agent.sampling import SamplingParams
+    from slm_align.ondevice.agent.runtime import Agent
+    from slm_align.ondevice.agent.settings import SamplingParams
 
     run = trained_runs[arch]
     artifacts = {}
@@ -258,7 +258,7 @@ def test_the_real_gemma_3_270m_gguf_loads_into_pytorch_as_llama_cpp_runs_it(real
     """llama.cpp's own Q4_K_M file: transformers dequantizes it (norms minus one, head_dim 256,
     window 512); PyTorch and llama.cpp then pick the same next token almost everywhere (llama.cpp
     also rounds activations)."""
-    from slm_align.agent.open_artifact import open_backend
+    from slm_align.ondevice.agent.open_artifact import open_backend
 
     backend = open_backend(real_gemma_gguf, all_logits=True, n_ctx=1024)
     ids = backend.tokenize(HELDOUT_TEXT)

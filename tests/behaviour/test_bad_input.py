@@ -7,20 +7,20 @@ tests/cli/test_commands.py (21 `sft` data/model/flag/recipe cases; `train` --alg
 --loss-type, --stage; `check-headroom --run` without SFT), tests/export/test_gguf_and_onnx.py (gpt2
 for GGUF, unknown GGUF/ONNX quantization, target and preset, --min-agreement 1.5, no tokenizer, a
 missing source, an existing artifact), tests/export/test_merge.py (an existing --out),
-tests/agent/test_runtime.py (`chat` on a missing artifact, `feedback export` of a missing DB),
-tests/agent/test_store.py (not-SQLite and newer-schema stores, no consented feedback, existing or
-non-.jsonl outputs, through the Python API), tests/devices/test_profiles_and_estimates.py (`devices
+tests/ondevice/agent/test_runtime.py (`chat` on a missing artifact, `feedback export` of a missing DB),
+tests/ondevice/agent/test_store.py (not-SQLite and newer-schema stores, no consented feedback, existing or
+non-.jsonl outputs, through the Python API), tests/ondevice/devices/test_profiles_and_estimates.py (`devices
 fit` with an unknown device or quantization, --ctx 0, a missing model; `devices show` of an unknown
 name; malformed profiles and corrupt GGUF/safetensors headers through the API),
-tests/agent/test_bench.py (a missing artifact, an unknown device, prompt + decode beyond the
+tests/ondevice/agent/test_bench.py (a missing artifact, an unknown device, prompt + decode beyond the
 context, an existing --save-profile; bad profile names and --repeats 0 through the API),
-tests/agent/server/test_serve.py (the network without a key, a taken port),
-tests/reward/test_reward_model.py (a bad --preferences file), tests/agent/test_task_eval.py
+tests/ondevice/agent/server/test_serve.py (the network without a key, a taken port),
+tests/reward_model/test_reward_model.py (a bad --preferences file), tests/ondevice/agent/test_task_eval.py
 (`evaluate-agent` on a missing task file, a row without 'answer' or with an empty one, a missing
 or broken artifact; the matrix repeats the row without 'answer' with --out, to show nothing is
 written), and the module tests
-tests/data/test_corpus.py, tests/test_modeling.py, tests/data/test_preferences.py,
-tests/rewards/test_reward_functions.py.
+tests/data/test_corpus.py, tests/modeling/test_models.py, tests/data/test_preferences.py,
+tests/ondevice/rewards/test_reward_functions.py.
 
 A full disk is simulated by making one write (os.fsync, gguf's tensor writer) raise ENOSPC.
 """
@@ -61,9 +61,9 @@ def _corrupt_copy(source: Path, target: Path, keep_bytes: int) -> Path:
 def env(tmp_path_factory, tiny_models, tokenizer, stories):
     """Inputs shared by the cases: bad files, odd model directories, a finished SFT
     run and a GGUF artifact."""
-    from slm_align.agent.store import PreferenceStore
-    from slm_align.export.gguf import write_gguf
-    from slm_align.modeling import build_tiny_model
+    from slm_align.modeling.models import build_tiny_model
+    from slm_align.ondevice.agent.store import PreferenceStore
+    from slm_align.ondevice.gguf.writer import write_gguf
 
     root = tmp_path_factory.mktemp("bad-input")
     (root / "utf16.txt").write_bytes("Once upon a time there "

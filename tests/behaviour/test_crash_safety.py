@@ -178,8 +178,8 @@ def test_a_damaged_stage_output_is_refused_with_one_line(tmp_path, tiny_models, 
 
 
 def test_a_changed_export_artifact_is_refused_by_the_agent(tmp_path, tiny_models):
-    from slm_align.agent.runtime import Agent
     from slm_align.export.publishing.stage import ExportRequest, run_export
+    from slm_align.ondevice.agent.runtime import Agent
 
     artifact = run_export(ExportRequest(str(tiny_models["llama"]), "gguf", "F16", out=tmp_path, verify=False)).stage_dir
     Agent.load(artifact)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from slm_align.agent.task_eval import TaskResult, compare
 from slm_align.cli import main
+from slm_align.ondevice.agent.task_eval import TaskResult, compare
 from slm_align.quickstart.agent import DEMONSTRATIONS, AgentSizes
 from tests.quickstart_transcript import readme_figures, run_figures
 

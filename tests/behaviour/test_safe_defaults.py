@@ -1,8 +1,8 @@
 """Safe by default: no network unless a hub id is given, owner-only personal data, and
 no code from checkpoints.
 
-Other safety tests live beside their features: tool escapes in tests/tools/test_tools.py, the
-server's limits and API key in tests/agent/server/test_serve.py, pickle and remote code refusals in
+Other safety tests live beside their features: tool escapes in tests/ondevice/tools/test_tools.py, the
+server's limits and API key in tests/ondevice/agent/server/test_serve.py, pickle and remote code refusals in
 tests/cli/test_commands.py.
 """
 
@@ -11,10 +11,10 @@ import stat
 
 import pytest
 
-from slm_align.agent.runtime import Agent
-from slm_align.agent.sampling import SamplingParams
 from slm_align.config import load_recipe
 from slm_align.export.publishing.stage import ExportRequest, run_export
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.agent.settings import SamplingParams
 from tests.helpers import finished_sft_run, run_cli
 
 

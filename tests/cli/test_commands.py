@@ -275,7 +275,7 @@ def test_training_without_data_is_refused_naming_a_file_or_the_demo(capsys, tmp_
 
 
 def test_data_demo_on_the_command_line_asks_for_the_demo_stories(tmp_path, monkeypatch):
-    import slm_align.sft
+    import slm_align.sft.stage
     from slm_align.cli import main
 
     seen = {}
@@ -284,19 +284,19 @@ def test_data_demo_on_the_command_line_asks_for_the_demo_stories(tmp_path, monke
         seen["recipe"] = recipe
         raise Reached
 
-    monkeypatch.setattr(slm_align.sft, "run_sft", fake_run_sft)
+    monkeypatch.setattr(slm_align.sft.stage, "run_sft", fake_run_sft)
     with pytest.raises(Reached):
         main(["sft", "--data", "demo", "--out", str(tmp_path / "run")])
     assert seen["recipe"].data.path == "demo" and seen["recipe"].data.uses_demo
 
 
 def test_data_taken_from_a_finished_sft_stage_or_tasks_needs_no_data_flag(capsys, tmp_path, monkeypatch):
-    import slm_align.headroom
+    import slm_align.headroom.stage
     import slm_align.pipeline
 
     monkeypatch.setattr(slm_align.pipeline, "run_rl", _stop)
     monkeypatch.setattr(slm_align.pipeline, "run_reward", _stop)
-    monkeypatch.setattr(slm_align.headroom, "check_headroom", _stop)
+    monkeypatch.setattr(slm_align.headroom.stage, "check_headroom", _stop)
     run = tmp_path / "run"
     (run / "sft").mkdir(parents=True)
     (run / "sft" / "manifest.json").write_text("{}")
@@ -311,8 +311,8 @@ def test_data_taken_from_a_finished_sft_stage_or_tasks_needs_no_data_flag(capsys
 def test_the_demo_named_or_left_unset_is_one_corpus_and_one_sft_stage():
     from slm_align.config import load_recipe
     from slm_align.data.corpus import load_corpus
-    from slm_align.modeling import resolve_source
-    from slm_align.sft import sft_inputs
+    from slm_align.modeling.models import resolve_source
+    from slm_align.sft.stage import sft_inputs
 
     unset = load_recipe(overrides={"data.demo_documents": 40})
     named = load_recipe(overrides={"data.demo_documents": 40, "data.path": "demo"})

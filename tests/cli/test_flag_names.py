@@ -69,7 +69,7 @@ def test_an_old_spelling_works_on_the_command_line_with_a_note(capsys, tmp_path)
 
 def test_trl_spellings_set_the_same_recipe_settings_without_a_note(capsys, tmp_path, monkeypatch):
     import slm_align.pipeline
-    import slm_align.sft
+    import slm_align.sft.stage
 
     seen = {}
 
@@ -79,7 +79,7 @@ def test_trl_spellings_set_the_same_recipe_settings_without_a_note(capsys, tmp_p
         raise Reached
 
     monkeypatch.setattr(slm_align.pipeline, "run_rl", fake_run)
-    monkeypatch.setattr(slm_align.sft, "run_sft", fake_run)
+    monkeypatch.setattr(slm_align.sft.stage, "run_sft", fake_run)
     with pytest.raises(Reached):
         run_cli(capsys, "train", "--data", "demo", "--algo", "grpo", "--num-generations", "4",
                 "--max-completion-length", "16", "--mask-truncated-completions", "--output-dir", tmp_path / "g")

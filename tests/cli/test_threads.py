@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import slm_align.cli.options
-from slm_align.devices import host
-from slm_align.devices.host import MAX_DEFAULT_THREADS, free_threads
+from slm_align.ondevice.devices import host
+from slm_align.ondevice.devices.host import MAX_DEFAULT_THREADS, free_threads
 from tests.helpers import run_cli
 
 
@@ -75,20 +75,20 @@ def _stand_in(monkeypatch, module, name, seen):
 
 def _commands(tmp_path):
     """(command line, module, the function it calls to do its work) of each torch command."""
-    import slm_align.evaluate
+    import slm_align.evaluate.stage
     import slm_align.export.converters.merge
     import slm_align.export.publishing.stage
-    import slm_align.headroom
+    import slm_align.headroom.stage
     import slm_align.pipeline
     import slm_align.quickstart
-    import slm_align.sft
+    import slm_align.sft.stage
 
     run = tmp_path / "run"
     return [
-        (["sft", "--data", "demo", "--out", run], slm_align.sft, "run_sft"),
+        (["sft", "--data", "demo", "--out", run], slm_align.sft.stage, "run_sft"),
         (["train", "--data", "demo", "--out", run], slm_align.pipeline, "train"),
-        (["check-headroom", "--run", run], slm_align.headroom, "check_headroom"),
-        (["evaluate", "--run", run], slm_align.evaluate, "evaluate"),
+        (["check-headroom", "--run", run], slm_align.headroom.stage, "check_headroom"),
+        (["evaluate", "--run", run], slm_align.evaluate.stage, "evaluate"),
         (["merge", "--run", run], slm_align.export.converters.merge, "merge_run"),
         (["export", run], slm_align.export.publishing.stage, "run_export"),
         (["quickstart", "--out", run], slm_align.quickstart, "run_quickstart"),
@@ -113,9 +113,9 @@ def test_a_recipe_sets_the_threads_and_the_flag_wins(capsys, monkeypatch, tmp_pa
     recipe = tmp_path / "recipe.toml"
     recipe.write_text("[compute]\nthreads = 2\n")
     seen = []
-    import slm_align.sft
+    import slm_align.sft.stage
 
-    _stand_in(monkeypatch, slm_align.sft, "run_sft", seen)
+    _stand_in(monkeypatch, slm_align.sft.stage, "run_sft", seen)
     torch.set_num_threads(1)
     for extra in ([], ["--threads", "1"]):
         with pytest.raises(Reached):
@@ -138,7 +138,7 @@ class FakeLlama:
 
 @pytest.fixture
 def fake_llama(monkeypatch, tmp_path):
-    from slm_align.agent.llama_open import template_free_llama
+    from slm_align.ondevice.agent.llama_open import template_free_llama
 
     llama_cpp = pytest.importorskip("llama_cpp")
     monkeypatch.setattr(llama_cpp, "Llama", FakeLlama)
@@ -151,9 +151,9 @@ def fake_llama(monkeypatch, tmp_path):
 
 
 def test_threads_reach_llama_cpp_in_every_runtime_command(capsys, monkeypatch, tmp_path, fake_llama):
-    import slm_align.agent.llama_backend
+    import slm_align.ondevice.agent.llama_backend
 
-    monkeypatch.setattr(slm_align.agent.llama_backend, "default_threads", lambda: 1)
+    monkeypatch.setattr(slm_align.ondevice.agent.llama_backend, "default_threads", lambda: 1)
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"prompt": "What is 2 + 3?", "answer": "5"}) + "\n")
     commands = [["chat", fake_llama], ["serve", fake_llama], ["evaluate-agent", tasks, "--artifact", fake_llama]]

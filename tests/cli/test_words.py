@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from slm_align.devices import list_profiles, load_profile
-from slm_align.devices.estimate import preferred_quant
+from slm_align.ondevice.devices import list_profiles, load_profile
+from slm_align.ondevice.devices.estimate import preferred_quant
 from tests.helpers import run_cli
 
 

@@ -3,12 +3,12 @@ none of the quickstart's held-out questions, the same for the same seed."""
 
 import re
 
-from slm_align.chat_templates import CHATML_TEMPLATE
 from slm_align.data.agent_chats import KINDS, conversation_text, error_chat, generate_conversations
 from slm_align.data.agent_tasks import leak_keys, make_tasks, split_tasks
-from slm_align.tools.builtin import calculator, current_time
-from slm_align.tools.calls import ToolCall
-from slm_align.tools.parse import call_text
+from slm_align.ondevice.templates.chat import CHATML_TEMPLATE
+from slm_align.ondevice.tools.builtin import calculator, current_time
+from slm_align.ondevice.tools.calls import ToolCall
+from slm_align.ondevice.tools.parse import call_text
 
 CLOCK_TEXT = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d \(\w+day, [\w/]+\)")
 

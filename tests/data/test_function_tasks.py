@@ -15,7 +15,6 @@ import jsonschema
 import pytest
 
 import slm_align
-from slm_align.chat_templates import CHATML_TEMPLATE
 from slm_align.data import function_tasks as function_tasks_module
 from slm_align.data.agent_chats import conversation_text
 from slm_align.data.function_library import draw_request, function_named, library, template_problems, tool_schema
@@ -30,7 +29,8 @@ from slm_align.data.function_tasks import (
 )
 from slm_align.data.function_values import draw, pools
 from slm_align.errors import UserError
-from slm_align.tools.parse import read_calls
+from slm_align.ondevice.templates.chat import CHATML_TEMPLATE
+from slm_align.ondevice.tools.parse import read_calls
 from tests.helpers import run_cli
 
 

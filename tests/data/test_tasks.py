@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from slm_align.data.tasks import TaskSet, read_tasks, split_tasks
 from slm_align.errors import UserError
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate arithmetic.",
@@ -41,7 +41,7 @@ def chat_row(question, answer, tools=(CALCULATOR,)):
 
 def expected_prompt(tokenizer, question, tools=None):
     """transformers' rendering, with the runtime's fallback for the tools when the template drops them."""
-    from slm_align.chat_templates import shown_tools
+    from slm_align.ondevice.templates.chat import shown_tools
 
     messages = shown_tools(tokenizer.chat_template, [{"role": "user", "content": question}], tools)
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)

@@ -6,7 +6,7 @@ import datasets
 import pytest
 
 from slm_align.data.preferences import read_preference_rows
-from slm_align.modeling import DEFAULT_MODEL_DIR, load_tokenizer, resolve_source
+from slm_align.modeling.models import DEFAULT_MODEL_DIR, load_tokenizer, resolve_source
 
 trl_data = pytest.importorskip("trl.data_utils")  # the dev extra installs trl: under CI=true a skip fails
 

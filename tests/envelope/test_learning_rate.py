@@ -4,7 +4,7 @@ import pytest
 
 from slm_align.config import load_recipe
 from slm_align.envelope.learning_rate import base_parameters, default_learning_rate
-from slm_align.modeling import attach_lora, build_tiny_model
+from slm_align.modeling.models import attach_lora, build_tiny_model
 from slm_align.rl.ppo import PPO
 
 

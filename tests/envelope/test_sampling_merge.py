@@ -6,7 +6,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from slm_align.envelope.policy import merged_for_sampling
-from slm_align.modeling import build_tiny_model
+from slm_align.modeling.models import build_tiny_model
 
 IDS = torch.tensor([[5, 17, 3, 42, 8, 99, 23]])
 

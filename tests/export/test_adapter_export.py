@@ -8,13 +8,13 @@ import shutil
 import numpy as np
 import pytest
 
-from slm_align.agent.llama_backend import LlamaCppBackend
-from slm_align.agent.runtime import Agent
-from slm_align.agent.sampling import SamplingParams
-from slm_align.agent.store import PreferenceStore
 from slm_align.export.publishing.parity import HELDOUT_TEXT
-from slm_align.gguf_adapters import BASE_SHA256_KEY, chain_digest
-from slm_align.gguf_fields import read_fields
+from slm_align.ondevice.agent.llama_backend import LlamaCppBackend
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.agent.settings import SamplingParams
+from slm_align.ondevice.agent.store import PreferenceStore
+from slm_align.ondevice.gguf.adapter_check import BASE_SHA256_KEY, chain_digest
+from slm_align.ondevice.gguf.fields import read_fields
 from slm_align.pipeline import run_preference
 from slm_align.preference.data import check_feedback_models
 from slm_align.runs import sha256_file
@@ -111,7 +111,7 @@ def test_a_dpo_round_exports_the_chain_that_loads_as_the_merged_policy(dpo_run, 
 def torch_logits(model_dir, ids):
     import torch
 
-    from slm_align.modeling import load_model, resolve_source
+    from slm_align.modeling.models import load_model, resolve_source
 
     with torch.no_grad():
         return load_model(resolve_source(str(model_dir)))(torch.tensor([ids])).logits[0].numpy()

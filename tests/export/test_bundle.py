@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from slm_align.devices import list_profiles, load_profile
 from slm_align.export.packaging.bundle import device_choice
 from slm_align.export.publishing.stage import ExportRequest, run_export
+from slm_align.ondevice.devices import list_profiles, load_profile
 from slm_align.runs import artifact_manifest
 from tests.helpers import finished_sft_run, run_cli, tree_digest
 

@@ -9,15 +9,15 @@ import zipfile
 import numpy as np
 import pytest
 
-from slm_align.agent.llama_backend import LlamaCppBackend
-from slm_align.agent.runtime import Agent
-from slm_align.agent.sampling import SamplingParams
 from slm_align.errors import UserError
 from slm_align.export.packaging.adapter_bundle import apply_update
 from slm_align.export.packaging.bundle import BundleRequest, make_bundle
 from slm_align.export.publishing.parity import HELDOUT_TEXT
 from slm_align.export.publishing.stage import ExportRequest, run_export
-from slm_align.gguf_adapters import chain_digest
+from slm_align.ondevice.agent.llama_backend import LlamaCppBackend
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.agent.settings import SamplingParams
+from slm_align.ondevice.gguf.adapter_check import chain_digest
 from slm_align.runs import sha256_file
 from tests.export.test_adapter_export import dpo_run, sft_run  # noqa: F401  (the module fixtures)
 from tests.export.test_bundle import FILES, bundled_files

@@ -15,7 +15,7 @@ from slm_align.errors import UserError
 from slm_align.export.packaging import adapter_bundle
 from slm_align.export.packaging.adapter_bundle import apply_update
 from slm_align.export.packaging.bundle_signing import generate_keys, load_private_key, sign_bundle
-from slm_align.gguf_adapters import chain_digest
+from slm_align.ondevice.gguf.adapter_check import chain_digest
 from slm_align.runs import sha256_file
 from tests.helpers import run_cli
 

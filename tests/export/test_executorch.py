@@ -127,7 +127,7 @@ def test_the_bundled_model_exports_to_executorch_and_decodes_greedily_as_pytorch
     from transformers import AutoTokenizer
 
     from slm_align.export.publishing.stage import ExportRequest, run_export
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
     result = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "executorch", out=tmp_path, threads=1))
     assert_exact_program(result)
@@ -144,7 +144,7 @@ def test_loading_a_model_beside_executorch_writes_nothing_to_stderr(tiny_models)
     import subprocess
     import sys
 
-    code = ("from slm_align.modeling import load_model, resolve_source\n"
+    code = ("from slm_align.modeling.models import load_model, resolve_source\n"
             f"load_model(resolve_source({str(tiny_models['llama'])!r}))\nimport torchao\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from slm_align.modeling import merged_policy, resolve_source
+from slm_align.modeling.models import merged_policy, resolve_source
 from slm_align.pipeline import run_rl
 from tests.helpers import finished_sft_run, run_cli
 

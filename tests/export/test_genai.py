@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from slm_align.agent.sampling import SamplingParams
 from slm_align.errors import UserError
 from slm_align.export.converters.genai import genai_config, genai_greedy, genai_tokens, write_genai_config
 from slm_align.export.publishing.stage import ExportRequest, run_export
+from slm_align.ondevice.agent.settings import SamplingParams
 from tests.helpers import torch_greedy
 
 og = pytest.importorskip("onnxruntime_genai")
@@ -81,9 +81,9 @@ def test_export_target_genai_of_a_run_through_the_cli_publishes_a_verified_folde
 
 @pytest.mark.parametrize("quant", ["int4", "w8"])
 def test_a_quantized_genai_folder_is_published_on_top1_agreement(tiny_models, tmp_path, quant):
-    from slm_align.agent.genai_backend import GenaiBackend
     from slm_align.export.publishing.parity import top1_agreement
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
+    from slm_align.ondevice.agent.genai_backend import GenaiBackend
 
     result = run_export(ExportRequest(str(tiny_models["llama"]), "genai", quant, out=tmp_path, threads=1))
     verification = result.metrics["verification"]
@@ -155,7 +155,7 @@ def test_a_tokenizer_that_adds_bos_is_accepted_with_genai_leaving_bos_to_the_cal
 
 
 def test_the_bundled_model_exports_to_genai_and_decodes_greedily_as_pytorch(tmp_path):
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
     verification = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "genai", "fp32", out=tmp_path,
                                             threads=1)).metrics["verification"]
@@ -166,7 +166,7 @@ def test_the_bundled_model_exports_to_genai_and_decodes_greedily_as_pytorch(tmp_
 def test_the_bundled_model_exports_to_genai_w8_the_default_scheme(tmp_path):
     """The default scheme on the bundled model, whose tied head optimum writes as a Transpose of the
     embedding: the 8-bit folder loads in onnxruntime-genai and agrees with PyTorch."""
-    from slm_align.modeling import DEFAULT_MODEL_DIR
+    from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
     result = run_export(ExportRequest(str(DEFAULT_MODEL_DIR), "genai", out=tmp_path, threads=1))
     verification = result.metrics["verification"]

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from slm_align.errors import UserError
-from slm_align.export.gguf import write_gguf
-from slm_align.export.gguf_adapter import check_adapter_base, write_lora_gguf
-from slm_align.modeling import build_tiny_model
+from slm_align.modeling.models import build_tiny_model
+from slm_align.ondevice.gguf.adapter_writer import check_adapter_base, write_lora_gguf
+from slm_align.ondevice.gguf.writer import write_gguf
 from tests.helpers import decisive_models, save_lora
 
 pytest.importorskip("llama_cpp")

@@ -7,12 +7,12 @@ import shutil
 import numpy as np
 import pytest
 
-from slm_align.agent.decode import greedy
-from slm_align.agent.open_artifact import open_backend
-from slm_align.export.gguf import _unfuse_neox_qkv
 from slm_align.export.publishing.parity import torch_greedy, verification_prompts
 from slm_align.export.publishing.stage import ExportRequest, VerificationFailed, run_export
-from slm_align.modeling import load_model, load_tokenizer, resolve_source
+from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
+from slm_align.ondevice.agent.decode import greedy
+from slm_align.ondevice.agent.open_artifact import open_backend
+from slm_align.ondevice.gguf.writer import _unfuse_neox_qkv
 from tests.helpers import decisive_models, finished_sft_run, run_cli, stepwise_agreement
 
 pytest.importorskip("llama_cpp")

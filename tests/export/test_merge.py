@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slm_align.cli import main
-from slm_align.modeling import merged_policy, resolve_source
+from slm_align.modeling.models import merged_policy, resolve_source
 from slm_align.pipeline import run_rl
 from tests.helpers import finished_sft_run
 

@@ -11,7 +11,7 @@ import yaml
 from slm_align.data.readers import fingerprint
 from slm_align.export.publishing.model_card import MARKER, base_model
 from slm_align.export.publishing.parity import perplexity_change
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from tests.helpers import export_bundled, finished_sft_run, run_cli
 
 
@@ -137,7 +137,7 @@ def test_onnx_export_carries_its_card_inside(tmp_path):
 
 
 def test_the_card_inside_an_onnx_export_is_not_part_of_its_digest(tmp_path):
-    from slm_align.agent.runtime import artifact_id
+    from slm_align.ondevice.agent.runtime import artifact_id
     from slm_align.runs import artifact_digest, artifact_manifest
 
     artifact = export_bundled(tmp_path, ("onnx", "fp32"))["onnx"]

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from slm_align.chat_templates import CHATML_TEMPLATE, GEMMA_TEMPLATE
 from slm_align.export.publishing.modelfile import Untranslatable, build_modelfile, translate_template
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
+from slm_align.ondevice.templates.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE
 from tests.helpers import ARCHITECTURES, export_bundled, run_cli
 
 # Hand-checked: for each message, the Jinja template prints the same markers around
@@ -182,7 +182,7 @@ CONVERSATIONS = [
 def test_the_modelfile_template_renders_in_go_as_the_models_own_template_does(go_renderer, name, jinja):
     """The translation executed by Go's text/template (Ollama's engine), not compared with a pinned string:
     each conversation's prompt equals the Jinja template's own rendering with the generation prompt."""
-    from slm_align.chat_templates import render
+    from slm_align.ondevice.templates.chat import render
     from tests.go_template import render_go
 
     translated = translate_template(jinja).template

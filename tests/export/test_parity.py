@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from slm_align.export.publishing.parity import _torch_logits, verify
-from slm_align.modeling import build_tiny_model
+from slm_align.modeling.models import build_tiny_model
 
 
 class NudgedBackend:

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from slm_align.export.publishing.stage import ExportRequest, VerificationFailed, next_higher, run_export
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
 pytest.importorskip("onnxruntime")
 
@@ -134,8 +134,8 @@ def test_importance_matrix_reaches_llama_cpp_quantizer(tmp_path, tiny_models):
     import gguf
 
     from slm_align.export.converters.imatrix import activation_importance, gguf_importance
-    from slm_align.export.gguf import quantize_gguf, write_gguf
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
+    from slm_align.ondevice.gguf.writer import quantize_gguf, write_gguf
 
     source = resolve_source(str(tiny_models["llama"]))
     model = load_model(source)
@@ -162,9 +162,9 @@ def sft_run(tmp_path_factory, tiny_models, stories):
 
 def test_calibration_texts_are_held_out_never_training_or_evaluation(sft_run):
     from slm_align.config import load_recipe
+    from slm_align.config.from_sft import recipe_from_sft
     from slm_align.data.corpus import load_corpus
     from slm_align.export.converters.calibration import calibration_texts, plain_text
-    from slm_align.sft import recipe_from_sft
 
     recipe, _ = recipe_from_sft(sft_run, load_recipe(None, {}))
     splits = load_corpus(recipe.data, recipe.seed).splits

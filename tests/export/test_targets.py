@@ -12,7 +12,7 @@ import pytest
 from slm_align.errors import UserError
 from slm_align.export.publishing.stage import ExportRequest, artifact_name, run_export
 from slm_align.export.targets import REGISTRY, ExportTarget, register, target_named
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 
 PACKAGE = Path(__file__).resolve().parents[2] / "slm_align"
 

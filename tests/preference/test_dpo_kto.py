@@ -195,7 +195,7 @@ def make_learner(sft_run, prefs, algo: str, checkpointing: bool = False) -> Pref
     """A DPO or KTO learner on ``prefs`` from the module's SFT prior (merged, a fresh LoRA),
     as the stage builds it."""
     from slm_align.envelope.policy import build_policy
-    from slm_align.modeling import load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_tokenizer, resolve_source
 
     base, recipe = sft_run
     recipe = preference_recipe(recipe, algo, prefs)
@@ -229,7 +229,7 @@ def test_every_step_that_scores_new_answers_still_checkpoints_its_layers(sft_run
 
 
 def test_the_reference_is_the_merged_sft_prior_and_the_first_step_starts_from_it(sft_run, prefs):
-    from slm_align.modeling import merged_policy, resolve_source
+    from slm_align.modeling.models import merged_policy, resolve_source
 
     base, recipe = sft_run
     source = resolve_source(recipe.model.source)

@@ -287,7 +287,7 @@ def test_every_flag_a_help_text_names_is_the_commands_own(root):
 
 
 def test_every_reward_named_is_in_the_registry(root):
-    from slm_align.rewards.builtin import BUILTINS
+    from slm_align.ondevice.rewards.builtin import BUILTINS
 
     named: dict[str, set[str]] = {}
     for mention in all_mentions(root):
@@ -304,7 +304,7 @@ def test_every_reward_named_is_in_the_registry(root):
 
 
 def test_every_device_profile_named_exists(root):
-    from slm_align.devices import list_profiles
+    from slm_align.ondevice.devices import list_profiles
 
     profiles = set(list_profiles())
     named: dict[str, set[str]] = {}
@@ -368,7 +368,7 @@ def test_every_package_path_the_docs_name_exists():
 
 
 def test_the_reward_table_lists_exactly_the_registry():
-    from slm_align.rewards.builtin import BUILTINS
+    from slm_align.ondevice.rewards.builtin import BUILTINS
 
     page = (ROOT / "docs" / "reward-functions.md").read_text(encoding="utf-8")
     table = page.split("| built-in |", 1)[1].split("\n\n", 1)[0]
@@ -378,8 +378,8 @@ def test_the_reward_table_lists_exactly_the_registry():
 def test_the_shipping_table_names_every_profile_and_the_type_they_pick():
     """docs/shipping.md's "which to pick" table names the profiles per kind of device and says the GGUF
     type the profiles pick for a merged export."""
-    from slm_align.devices import list_profiles, load_profile
-    from slm_align.devices.estimate import preferred_quant
+    from slm_align.ondevice.devices import list_profiles, load_profile
+    from slm_align.ondevice.devices.estimate import preferred_quant
 
     page = (ROOT / "docs" / "shipping.md").read_text(encoding="utf-8")
     table = page.split("| device | GGUF", 1)[1].split("\n\n", 1)[0]

@@ -20,9 +20,9 @@ def test_all_lists_exactly_the_exported_names():
 def test_every_public_name_resolves_to_its_definition():
     import inspect
 
-    from slm_align.agent.runtime import Agent
-    from slm_align.evaluate import evaluate
+    from slm_align.evaluate.stage import evaluate
     from slm_align.export.publishing.stage import run_export
+    from slm_align.ondevice.agent.runtime import Agent
 
     assert slm_align.Agent is Agent
     assert slm_align.run_evaluation is evaluate

@@ -14,8 +14,8 @@ import torch
 from slm_align.config import RLSettings
 from slm_align.envelope.policy import build_policy, merged_for_sampling
 from slm_align.envelope.value_head import ValueHead
-from slm_align.generation import sample
-from slm_align.modeling import DEFAULT_MODEL_DIR, resolve_source
+from slm_align.modeling.generation import sample
+from slm_align.modeling.models import DEFAULT_MODEL_DIR, resolve_source
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.ppo import PPO
 

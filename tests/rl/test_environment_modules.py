@@ -15,9 +15,9 @@ from pydantic import ValidationError
 from slm_align.config import RLSettings
 from slm_align.data.tasks import TaskSet
 from slm_align.errors import UserError
-from slm_align.rl.episodes import agent_tasks
+from slm_align.rollouts.episodes import agent_tasks
 from tests.helpers import run_cli
-from tests.rl.test_episodes import QUICK, SMALL, task_file
+from tests.rollouts.test_episodes import QUICK, SMALL, task_file
 
 MARKER = '''
 from pathlib import Path
@@ -113,7 +113,7 @@ def test_an_allowed_module_runs_as_the_rows_environment(tmp_path, capsys, tiny_m
 
 
 def test_the_recipe_setting_and_environment_allow_it_and_a_package_allows_its_submodules(marker):
-    from slm_align.tools.environment import module_allowed
+    from slm_align.ondevice.tools.environment import module_allowed
 
     name, imported = marker
     tasks = TaskSet(["Count."], [{"environment": f"{name}:Env", "start": 2}])

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from slm_align.config import load_recipe
+from slm_align.envelope.gate import GateRefused
 from slm_align.envelope.guard import TrainingDiverged
 from slm_align.envelope.logprobs import forward_logprobs
 from slm_align.envelope.policy import build_policy
 from slm_align.envelope.value_head import ValueHead
 from slm_align.errors import UserError
-from slm_align.headroom import GateRefused
-from slm_align.modeling import resolve_source
+from slm_align.modeling.models import resolve_source
 from slm_align.pipeline import run_rl
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.ppo import PPO
@@ -291,7 +291,7 @@ def test_zero_variance_groups_are_counted_and_resampled(sft_run):
 
 
 def test_reference_policy_is_the_merged_sft_model_and_not_the_base(sft_run):
-    from slm_align.modeling import load_model, merged_policy
+    from slm_align.modeling.models import load_model, merged_policy
 
     out, recipe = sft_run
     source = resolve_source(recipe.model.source)
@@ -315,7 +315,7 @@ def test_a_rollout_with_no_training_token_stops_with_the_fix(sft_run):
 
 
 def test_a_non_finite_reward_names_the_term_and_the_prompt(sft_run):
-    from slm_align.rewards.protocol import CombinedReward
+    from slm_align.ondevice.rewards.protocol import CombinedReward
 
     def broken_on_the_sun(prompts, completions, **_):
         return [float("nan") if p == "The sun." else 0.0 for p in prompts]

@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from slm_align.agent.prompt import PromptFitter
 from slm_align.data.tasks import TaskSet
 from slm_align.envelope.logprobs import forward_logprobs
-from slm_align.modeling import load_tokenizer, resolve_source
-from slm_align.rl.episodes import AgentTasks, backend_episodes, episode_params, pack, sampler_logprobs
+from slm_align.modeling.models import load_tokenizer, resolve_source
+from slm_align.ondevice.agent.prompt import PromptFitter
+from slm_align.ondevice.tools.builtin import default_tools
 from slm_align.rl.llama_episodes import tempered_logprob
 from slm_align.rl.llama_sampler import LlamaSampler
-from slm_align.rl.policy_backend import policy_template
-from slm_align.tools.builtin import default_tools
+from slm_align.rollouts.episodes import AgentTasks, backend_episodes, episode_params, pack, sampler_logprobs
+from slm_align.rollouts.policy_backend import policy_template
 from tests.helpers import random_lora
-from tests.rl.test_episodes import half_caller, settings, train_on_tasks, trained_metrics  # noqa: F401
+from tests.rollouts.test_episodes import half_caller, settings, train_on_tasks, trained_metrics  # noqa: F401
 
 
 @pytest.fixture()

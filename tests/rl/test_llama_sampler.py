@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slm_align.envelope.logprobs import forward_logprobs
-from slm_align.modeling import load_tokenizer, resolve_source
+from slm_align.modeling.models import load_tokenizer, resolve_source
 from slm_align.rl.llama_sampler import LlamaSampler
 from tests.helpers import random_lora
 from tests.rl.test_guards import lora_state, make_loop, sft_run  # noqa: F401
@@ -161,7 +161,7 @@ def test_a_tail_token_after_nearly_all_the_mass_is_drawn_at_its_uniform_numbers(
 def test_a_q4_k_m_base_is_quantized_and_its_mismatch_measured(tiny_models, tmp_path):
     """The base llama.cpp's quantizer makes (what a phone runs): its gap to the trainer is the quantization's,
     larger than F16's and smaller than the adapter's own effect."""
-    from slm_align.gguf_fields import read_fields
+    from slm_align.ondevice.gguf.fields import read_fields
 
     source, tokenizer, policy = lora_policy(tiny_models["llama"])
     gaps = {}

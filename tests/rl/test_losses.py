@@ -14,8 +14,8 @@ from slm_align.rl.advantages import Advantages, masked_mean
 from slm_align.rl.grpo import GRPO, zero_std_share
 from slm_align.rl.learner import PolicyForward
 from slm_align.rl.losses import adaptive_kl_coef, aggregate, clipped_policy_loss, clipped_value_loss, kl_k1, kl_k3
-from slm_align.rl.phases import PhaseClock
 from slm_align.rl.ppo import PPO, explained_variance
+from slm_align.rollouts.phases import PhaseClock
 
 
 def test_loss_normalisations():

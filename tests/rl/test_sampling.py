@@ -13,10 +13,10 @@ from slm_align.config import LoraSettings, RLSettings
 from slm_align.envelope.logprobs import forward_logprobs
 from slm_align.envelope.policy import build_policy, merged_for_sampling
 from slm_align.envelope.value_head import ValueHead
-from slm_align.generation import sample
-from slm_align.modeling import resolve_source
+from slm_align.modeling.generation import sample
+from slm_align.modeling.models import resolve_source
 from slm_align.rl.ppo import PPO
-from slm_align.rl.rollout import collect
+from slm_align.rollouts.completions import collect
 from tests.helpers import policy_with_moved_lora
 
 PROMPTS = ["Once upon a time, there was a cat.",
@@ -122,9 +122,9 @@ def test_rollout_scores_completions_as_written_and_can_penalise_a_missing_eos(ch
 
 
 def test_the_reward_model_sees_no_eos_on_a_truncated_completion(checkpoint, tokenizer, tmp_path):
-    from slm_align.modeling import load_model
-    from slm_align.reward.learned import LearnedReward
-    from slm_align.reward.model import classifier_from_policy, encode_scored, sequence_rewards
+    from slm_align.modeling.models import load_model
+    from slm_align.scoring.learned_reward import LearnedReward
+    from slm_align.scoring.reward_model import classifier_from_policy, encode_scored, sequence_rewards
 
     classifier = classifier_from_policy(load_model(resolve_source(str(checkpoint))), tokenizer.pad_token_id)
     torch.nn.init.normal_(classifier.score.weight, std=1.0)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from slm_align.rewards.answers import exact_answer
-from slm_align.rewards.builtin import BUILTINS
+from slm_align.ondevice.rewards.answers import exact_answer
+from slm_align.ondevice.rewards.builtin import BUILTINS
 from tests.helpers import run_cli
 
 SEEN_ENV = "SLM_ALIGN_TEST_SEEN"

@@ -32,8 +32,8 @@ def calibration_texts(run: Path, limit: int = MAX_TEXTS) -> list[str]:
     """Up to ``limit`` held-out texts of ``run``'s corpus, none of them a
     training or evaluation item."""
     from slm_align.config import load_recipe
+    from slm_align.config.from_sft import recipe_from_sft
     from slm_align.data.corpus import load_corpus
-    from slm_align.sft import recipe_from_sft
 
     recipe, _ = recipe_from_sft(Path(run), load_recipe(None, {}))
     splits = load_corpus(recipe.data, recipe.seed).splits
@@ -50,7 +50,7 @@ def run_importance(run: Path, checkpoint: Path) -> tuple[dict, int]:
     """llama.cpp's importance matrix of ``checkpoint`` over ``run``'s calibration texts (by GGUF
     tensor name), and how many texts it saw."""
     from slm_align.export.converters.imatrix import activation_importance, gguf_importance
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
     tokenizer = load_tokenizer(source)

@@ -98,7 +98,7 @@ def write_executorch(model_dir: Path, out_dir: Path, max_cache_len: int = MAX_CA
 
     An architecture ``torch.export`` or the lowering cannot take is refused in
     one line (nothing kept)."""
-    from slm_align.modeling import load_model, resolve_source
+    from slm_align.modeling.models import load_model, resolve_source
 
     lower, partitioner = _import_executorch()
     model = load_model(resolve_source(str(model_dir)))

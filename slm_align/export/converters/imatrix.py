@@ -13,14 +13,13 @@ quantizes them without one.
 
 from __future__ import annotations
 
-import ctypes
 import json
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from slm_align.export.gguf_arch import ARCHITECTURES, normalized_config
+from slm_align.ondevice.gguf.architectures import ARCHITECTURES, normalized_config
 
 
 def activation_importance(model, texts_ids: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
@@ -71,19 +70,3 @@ def gguf_importance(model_dir: Path, importance: dict[str, np.ndarray]) -> dict[
         if tensor is not None:
             named[tensor] = values
     return named
-
-
-def imatrix_array(named: Optional[dict[str, np.ndarray]]):
-    """The C array llama.cpp's quantizer reads (NULL-terminated), and the buffers it points
-    into (keep them alive)."""
-    import llama_cpp
-
-    if not named:
-        return None, []
-    buffers = [(name.encode(), np.ascontiguousarray(values, dtype=np.float32)) for name, values in named.items()]
-    entries = (llama_cpp.llama_model_imatrix_data * (len(buffers) + 1))()
-    for entry, (name, values) in zip(entries, buffers):
-        entry.name = name
-        entry.data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        entry.size = values.size
-    return entries, buffers

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from slm_align.accelerator import resolve_device
-from slm_align.chat_templates import default_chat_template
 from slm_align.config import Recipe
+from slm_align.config.from_sft import recipe_from_sft
 from slm_align.errors import UserError
 from slm_align.export.publishing.model_card import CARD, merged_card
-from slm_align.modeling import (
+from slm_align.modeling.accelerator import resolve_device
+from slm_align.modeling.models import (
     load_adapter,
     load_tokenizer,
     merged_policy,
@@ -27,6 +27,7 @@ from slm_align.modeling import (
     resolve_source,
     save_tokenizer,
 )
+from slm_align.ondevice.templates.chat import default_chat_template
 from slm_align.runs import (
     ALIGNED_STAGES,
     Artifact,
@@ -36,7 +37,6 @@ from slm_align.runs import (
     publish_artifact,
     stage_identity,
 )
-from slm_align.sft import recipe_from_sft
 
 POLICY_STAGES = ("sft", *ALIGNED_STAGES)
 """The policies a run can be merged and exported as: the SFT prior, or an aligned stage on it."""

@@ -2,7 +2,7 @@
 
 A full bundle holds the base once under ``model/`` and each LoRA adapter as its own file under
 ``adapters/``; bundle.json lists them in load order with their sha256 and scale, and ``model_id`` is the
-chain's id (:func:`~slm_align.gguf_adapters.chain_digest`). An update bundle (``--update-from OLD``)
+chain's id (:func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`). An update bundle (``--update-from OLD``)
 is for a device that has OLD installed: no base, only the adapters whose sha256 OLD does not list, the
 whole chain in bundle.json (each entry ``shipped`` or not), ``requires_base_sha256`` and
 ``replaces_model_id``. :func:`apply_update` turns an installed bundle and an update into the full bundle
@@ -45,7 +45,7 @@ from slm_align.export.packaging.update_checks import (
     plain_name,
 )
 from slm_align.export.publishing.adapter_export import TARGET, manifest_files
-from slm_align.gguf_fields import read_fields
+from slm_align.ondevice.gguf.fields import read_fields
 from slm_align.runs import Artifact, file_checksums, publish_artifact, sha256_file
 
 ADAPTER_BUNDLE_FORMAT = 2

@@ -60,8 +60,8 @@ class BundleRequest:
 
 def device_choice(device: str) -> tuple[str, str]:
     """(target, quantization) the device profile recommends."""
-    from slm_align.devices import load_profile
-    from slm_align.devices.estimate import preferred_quant
+    from slm_align.ondevice.devices import load_profile
+    from slm_align.ondevice.devices.estimate import preferred_quant
 
     profile = load_profile(device)
     return profile.runtime, preferred_quant(profile)

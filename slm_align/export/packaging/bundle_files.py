@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from slm_align.gguf_fields import read_fields
+from slm_align.ondevice.gguf.fields import read_fields
 
 
 def _gguf_template(artifact: Path) -> Optional[str]:
@@ -64,14 +64,14 @@ def write_json(path: Path, data) -> None:
 
 def _sampling_defaults() -> dict:
     """The runtime's sampling defaults (sampling.json)."""
-    from slm_align.agent.sampling import SamplingParams
+    from slm_align.ondevice.agent.settings import SamplingParams
 
     return SamplingParams().to_dict()
 
 
 def _tool_schemas() -> list[dict]:
     """The default tools' schemas (tools.json)."""
-    from slm_align.tools.builtin import default_tools
+    from slm_align.ondevice.tools.builtin import default_tools
 
     return default_tools().specs()
 

@@ -150,7 +150,7 @@ def _slm_align_calls(described: dict) -> str:
     adapters = ", ".join(f'"{entry["path"]}"' for entry in described["adapters"])
     flags = " ".join(f"--adapter {entry['path']}" for entry in described["adapters"])
     return (f'In Python: `Agent.load("{described["base"]}", adapters=[{adapters}])` '
-            f"(`slm_align.agent.runtime`); a shell: `slm-align chat {described['base']} {flags}`. "
+            f"(`slm_align.ondevice.agent.runtime`); a shell: `slm-align chat {described['base']} {flags}`. "
             "An adapter made for another base is refused in one line before llama.cpp reads it.")
 
 

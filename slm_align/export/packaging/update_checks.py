@@ -5,7 +5,7 @@ An update adds adapters: its files are ``adapters/NAME`` (plain names: no ``..``
 export records and README, each listed in bundle.json's ``files``; nothing else, no symlink, nothing unlisted.
 It keeps the installed base, template and tokenizer (bundle.json names the same ones), applies to the chain the
 device has (``replaces_model_id`` is the installed chain's id, recomputed) and names the chain it makes
-(``model_id`` recomputed from the adapters' sha256s with :func:`~slm_align.gguf_adapters.chain_digest`). A
+(``model_id`` recomputed from the adapters' sha256s with :func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`). A
 malformed bundle.json (a key missing, a wrong type) is refused in one line like every other case.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 
 from slm_align.errors import UserError
 from slm_align.export.packaging.bundle_signing import SIGNATURE
-from slm_align.gguf_adapters import chain_digest
+from slm_align.ondevice.gguf.adapter_check import chain_digest
 
 ADAPTERS_DIR = "adapters"
 MODEL_DIR = "model"

@@ -11,13 +11,13 @@ The base is the run's own source when that was a .gguf (the user's file, referen
 sha256, never copied or changed: the adapters were trained on its dequantized weights); otherwise
 one ``base-<QUANT>.gguf`` (F16 unless ``--quant``) exported into the output folder and reused by
 later rounds while it is byte-identical. Each adapter file records the base's sha256
-(:func:`~slm_align.gguf_adapters.check_adapter_base` refuses another base).
+(:func:`~slm_align.ondevice.gguf.adapter_check.check_adapter_base` refuses another base).
 
 Everything is built in a scratch folder, verified (llama.cpp with the base and every adapter applied
 against ``RUN/merged`` in PyTorch: :func:`~slm_align.export.publishing.parity.verify`), and only
 then renamed into place (:func:`~slm_align.runs.publish_artifact`); the manifest
 ``adapter-<STAGE>-<TYPE>.gguf.json`` comes last, so its presence says the chain is whole. Its
-``metrics.sha256`` is the chain's id (:func:`~slm_align.gguf_adapters.chain_digest`), which the
+``metrics.sha256`` is the chain's id (:func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`), which the
 runtime records as ``model_id`` for every answer base + adapters give."""
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from slm_align.accelerator import resolve_device
 from slm_align.atomic import publish_directory, write_json_atomic
-from slm_align.chat_templates import chosen_chat_template, default_chat_template
-from slm_align.devices.host import default_threads
 from slm_align.errors import UserError
 from slm_align.export.converters.merge import current_merged, merged_stage, policy_identity
-from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
-from slm_align.export.gguf_adapter import write_lora_gguf
 from slm_align.export.publishing.parity import perplexity_change, verification_summary
-from slm_align.gguf_adapters import chain_digest
-from slm_align.gguf_fields import read_fields
+from slm_align.modeling.accelerator import resolve_device
+from slm_align.ondevice.devices.host import default_threads
+from slm_align.ondevice.gguf.adapter_check import chain_digest
+from slm_align.ondevice.gguf.adapter_writer import write_lora_gguf
+from slm_align.ondevice.gguf.fields import read_fields
+from slm_align.ondevice.gguf.writer import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
+from slm_align.ondevice.templates.chat import chosen_chat_template, default_chat_template
 from slm_align.progress import stage_lines
 from slm_align.runs import (
     MANIFEST,
@@ -156,7 +156,7 @@ def _validate(request) -> tuple[Path, str, int]:
         resolve_device(request.torch_device)
     threads = request.threads
     if request.device is not None:
-        from slm_align.devices import load_profile
+        from slm_align.ondevice.devices import load_profile
 
         threads = threads or load_profile(request.device).threads
     quant = check_gguf_type(request.quant or DEFAULT_BASE_QUANT)
@@ -174,8 +174,8 @@ def adapter_chain(run: Path, stage: Optional[str] = None) -> list[tuple[str, Pat
 
 
 def run_source(run: Path):
-    """The model the run's SFT started from (a :class:`~slm_align.modeling.ModelSource`)."""
-    from slm_align.modeling import resolve_source
+    """The model the run's SFT started from (a :class:`~slm_align.modeling.models.ModelSource`)."""
+    from slm_align.modeling.models import resolve_source
 
     record = read_manifest(run / "sft")["inputs"]["model"]
     if record["kind"] == "gguf" and not Path(record["ref"]).is_file():
@@ -190,7 +190,7 @@ def _base(request, source, quant: str, threads: int, out: Path, scratch: Path) -
     """
     if source.kind == "gguf":
         return Path(source.ref), Path(source.ref)
-    from slm_align.modeling import load_model, load_tokenizer, save_tokenizer
+    from slm_align.modeling.models import load_model, load_tokenizer, save_tokenizer
 
     model_dir = Path(source.ref)
     if source.kind == "hub":
@@ -229,9 +229,9 @@ def _verification(request, run: Path, base: Path, adapters: list[Path], quant: s
     :class:`AdapterVerificationFailed` (unless ``force``) when it fails."""
     if not request.verify:
         return {"skipped": True}
-    from slm_align.agent.llama_backend import LlamaCppBackend
     from slm_align.export.publishing.parity import VERIFY_CONTEXT, verify
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
+    from slm_align.ondevice.agent.llama_backend import LlamaCppBackend
 
     file_type = read_fields(base, prefix="general.file_type").get("general.file_type")
     exact = file_type is not None and file_type.value in EXACT_FILE_TYPES

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from slm_align.config.from_sft import recorded_data_path
 from slm_align.export.publishing.parity import perplexity_change
-from slm_align.modeling import DEFAULT_MODEL_DIR, looks_like_hub_id
+from slm_align.modeling.models import DEFAULT_MODEL_DIR, looks_like_hub_id
 from slm_align.runs import MANIFEST, MODEL_CARD, aligned_stages
-from slm_align.sft import recorded_data_path
 
 CARD = MODEL_CARD
 MARKER = "<!-- model card written by slm-align: merge and export rewrite this file -->"

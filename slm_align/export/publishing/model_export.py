@@ -15,17 +15,17 @@ from functools import partial
 from pathlib import Path
 from typing import Optional
 
-from slm_align.accelerator import resolve_device
 from slm_align.atomic import write_text_atomic
-from slm_align.chat_templates import chosen_chat_template, default_chat_template
-from slm_align.devices.host import default_threads
 from slm_align.errors import UserError
 from slm_align.export.converters.onnx import host_preset
-from slm_align.export.gguf import QUANTIZER_TYPES
 from slm_align.export.publishing import sources
 from slm_align.export.publishing.parity import verification_summary
 from slm_align.export.publishing.request import ExportRequest, VerificationFailed
 from slm_align.export.publishing.verification import failure, probe_advice, verify_artifact
+from slm_align.modeling.accelerator import resolve_device
+from slm_align.ondevice.devices.host import default_threads
+from slm_align.ondevice.gguf.writer import QUANTIZER_TYPES
+from slm_align.ondevice.templates.chat import chosen_chat_template, default_chat_template
 from slm_align.progress import stage_lines
 from slm_align.runs import Artifact, StageResult, artifact_digest, check_out_dir, publish_artifact
 
@@ -80,7 +80,7 @@ class ModelExport(Artifact):
         return sources.source_path(self.origin)
 
     def build(self, scratch: Path) -> Path:
-        from slm_align.modeling import load_tokenizer, resolve_source
+        from slm_align.modeling.models import load_tokenizer, resolve_source
 
         self.scratch = scratch
         self.checkpoint = sources.checkpoint(self.origin, scratch)
@@ -151,7 +151,7 @@ def _device_settings(request: ExportRequest, target) -> tuple[str, str, int]:
     preset = request.preset
     threads = request.threads
     if request.device is not None:
-        from slm_align.devices import load_profile
+        from slm_align.ondevice.devices import load_profile
 
         profile = load_profile(request.device)
         quant = quant or target.device_quant(profile)  # ONNX: w8

@@ -23,8 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from slm_align.agent.backend import Backend
-from slm_align.agent.decode import greedy
+from slm_align.ondevice.agent.backend import Backend
+from slm_align.ondevice.agent.decode import greedy
 from slm_align.progress import counted
 
 # The runtime's context while verifying: every check fits in it (the held-out text and the
@@ -82,7 +82,7 @@ def _token_batch(model, ids: Sequence[int]):
     """(1, T) token ids on the model's device."""
     import torch
 
-    from slm_align.accelerator import device_of
+    from slm_align.modeling.accelerator import device_of
 
     return torch.tensor([list(ids)], device=device_of(model))
 

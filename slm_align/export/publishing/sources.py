@@ -14,7 +14,7 @@ from slm_align.export.converters.merge import (
     merged_stage,
     policy_identity,
 )
-from slm_align.modeling import DEFAULT_MODEL_DIR
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.runs import MANIFEST, read_manifest
 
 
@@ -28,7 +28,7 @@ def locate(source: str, check_config) -> dict:
     path = Path(source).expanduser()
     if path.is_dir() and is_run(path):
         return {"kind": "run", "run": str(path.resolve())}
-    from slm_align.modeling import load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_tokenizer, resolve_source
 
     resolved = resolve_source(source)
     if resolved.kind != "dir":
@@ -60,7 +60,7 @@ def checkpoint(origin: dict, scratch: Path) -> Path:
         return current_merged(Path(origin["run"]), origin.get("stage"))
     if origin["kind"] == "dir":
         return Path(origin["path"])
-    from slm_align.modeling import ModelSource, load_model, load_tokenizer, save_tokenizer
+    from slm_align.modeling.models import ModelSource, load_model, load_tokenizer, save_tokenizer
 
     source = ModelSource(origin["kind"], origin["ref"])
     saved = scratch / "checkpoint"
@@ -87,7 +87,7 @@ def model_type(origin: dict) -> Optional[str]:
         path = Path(origin.get("path") or origin["ref"] or DEFAULT_MODEL_DIR) / "config.json"
         return json.loads(path.read_text(encoding="utf-8")).get("model_type")
     if origin["kind"] == "gguf":
-        from slm_align.modeling import gguf_config
+        from slm_align.modeling.models import gguf_config
 
         return gguf_config(Path(origin["ref"])).model_type
     from transformers import AutoConfig

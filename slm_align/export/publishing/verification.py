@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from slm_align.accelerator import resolve_device
 from slm_align.export.publishing.parity import perplexity_change
+from slm_align.modeling.accelerator import resolve_device
 
 EXACT_TYPES = {"F32", "F16", "fp32"}  # verified by greedy equality; the rest by top-1 agreement
 # greedy measured and reported (Q8_0: not required, see parity.verify)
@@ -20,7 +20,7 @@ def verify_artifact(target, checkpoint: Path, artifact: Path, quant: str, thread
     """Parity with PyTorch of ``artifact`` as ``target``'s runtime decodes it, plus the target's own
     checks."""
     from slm_align.export.publishing.parity import VERIFY_CONTEXT, verify
-    from slm_align.modeling import load_model, load_tokenizer, resolve_source
+    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
 
     source = resolve_source(str(checkpoint))
     model = load_model(source).to(resolve_device(torch_device))
@@ -48,7 +48,7 @@ def failure(verification: dict) -> str:
 
 def next_higher_on(ladder: tuple[str, ...], quant: str) -> Optional[str]:
     """The next type up ``ladder`` from ``quant`` (one not on it: the first above it in bits)."""
-    from slm_align.devices.quant import BITS_PER_WEIGHT, find_quant
+    from slm_align.ondevice.devices.quant import BITS_PER_WEIGHT, find_quant
 
     if quant in ladder:
         above = ladder[ladder.index(quant) + 1:]

@@ -75,7 +75,7 @@ class ExportTarget:
 
     def open_backend(self, artifact: Path, threads: int, n_ctx: int):
         """The runtime verification decodes ``artifact`` with (all positions' logits kept)."""
-        from slm_align.agent.open_artifact import open_backend
+        from slm_align.ondevice.agent.open_artifact import open_backend
 
         return open_backend(artifact, threads=threads, n_ctx=n_ctx, all_logits=True)
 

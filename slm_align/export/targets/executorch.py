@@ -33,6 +33,6 @@ class ExecutorchTarget(ExportTarget):
         return built
 
     def open_backend(self, artifact: Path, threads: int, n_ctx: int):
-        from slm_align.agent.executorch_backend import ExecutorchBackend
+        from slm_align.ondevice.agent.executorch_backend import ExecutorchBackend
 
         return ExecutorchBackend(artifact, threads=threads, n_ctx=n_ctx)

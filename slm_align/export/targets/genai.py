@@ -21,14 +21,14 @@ class GenaiTarget(OnnxTarget):
         check_genai_architecture(model_type())  # GPT-NeoX, GPT-2: refused before any work
 
     def build(self, checkpoint: Path, scratch: Path, quant: str, settings: dict) -> Path:
-        from slm_align.agent.sampling import SamplingParams
+        from slm_align.ondevice.agent.settings import SamplingParams
 
         built = super().build(checkpoint, scratch, quant, settings)
         write_genai_config(built, SamplingParams().to_dict())
         return built
 
     def open_backend(self, artifact: Path, threads: int, n_ctx: int):
-        from slm_align.agent.genai_backend import GenaiBackend
+        from slm_align.ondevice.agent.genai_backend import GenaiBackend
 
         return GenaiBackend(artifact, threads=threads, n_ctx=n_ctx)
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from slm_align.export.gguf import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
-from slm_align.export.gguf_arch import check_gguf_config
 from slm_align.export.publishing.model_card import CARD, card_blocked, gguf_card
 from slm_align.export.publishing.modelfile import (
     build_modelfile,
@@ -16,6 +14,8 @@ from slm_align.export.publishing.modelfile import (
     modelfile_path,
 )
 from slm_align.export.targets.base import ExportTarget
+from slm_align.ondevice.gguf.architectures import check_gguf_config
+from slm_align.ondevice.gguf.writer import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
 
 
 class GgufTarget(ExportTarget):

@@ -1,1 +1,0 @@
-"""The reward side: preference pairs, the Bradley-Terry reward model, and reward functions."""

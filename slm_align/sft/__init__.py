@@ -1,0 +1,1 @@
+"""The SFT stage (stage.py): LoRA with NEFTune on transformers' Trainer."""
