@@ -185,12 +185,22 @@ def test_which_stages_take_their_corpus_from_the_sft_stage(tmp_path):
     assert not pipeline.data_from_run(load_recipe(overrides={"rl.from_sft": False}), "rl", tmp_path, None)
 
 
-def test_export_once_reuses_the_artifact_an_earlier_call_made(monkeypatch, tmp_path):
-    exported = []
-    monkeypatch.setattr(pipeline, "run_export", lambda request: exported.append(request))
+def test_export_once_asks_for_reuse_and_reports_a_reused_artifact_as_skipped(monkeypatch, tmp_path):
+    """export_once exports into ``run/export`` with reuse by inputs hash (the publish skeleton decides) and
+    reports a reused artifact as skipped, a new one as the export's summary."""
+    calls = []
+    reused = {"value": True}
+
+    def fake_export(request, reuse=False):
+        calls.append((request, reuse))
+        return StageResult(Path(request.out) / "model-Q8_0.gguf", reused["value"], {"agreement": 0.97})
+
+    monkeypatch.setattr(pipeline, "run_export", fake_export)
     out = tmp_path / "export"
-    out.mkdir()
-    (out / "model-Q8_0.gguf.json").write_text(json.dumps({"metrics": {"agreement": 0.97}}))
     assert pipeline.export_once(tmp_path, "gguf", "Q8_0") == {
         "dir": str(out / "model-Q8_0.gguf"), "skipped": True, "metrics": {"agreement": 0.97}}
-    assert exported == []
+    request, reuse = calls[0]
+    assert reuse is True and request.overwrite is True and Path(request.out) == out
+    assert (request.target, request.quant) == ("gguf", "Q8_0")
+    reused["value"] = False
+    assert pipeline.export_once(tmp_path, "gguf", "Q8_0")["skipped"] is False
