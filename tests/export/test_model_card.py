@@ -137,7 +137,7 @@ def test_onnx_export_carries_its_card_inside(tmp_path):
 
 
 def test_the_card_inside_an_onnx_export_is_not_part_of_its_digest(tmp_path):
-    from slm_align.ondevice.agent.runtime import artifact_id
+    from slm_align.ondevice.agent.loading import artifact_id
     from slm_align.runs import artifact_digest, artifact_manifest
 
     artifact = export_bundled(tmp_path, ("onnx", "fp32"))["onnx"]

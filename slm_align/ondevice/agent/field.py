@@ -41,7 +41,8 @@ from slm_align.errors import UserError
 from slm_align.ondevice.agent.ab_sequential import SequentialTest
 from slm_align.ondevice.agent.ab_trial import DeviceRouter, check_share
 from slm_align.ondevice.agent.artifact_forms import ArtifactForm, is_adapter_gguf, resolve_artifact
-from slm_align.ondevice.agent.runtime import Agent, Model, fold_seed
+from slm_align.ondevice.agent.loading import Model
+from slm_align.ondevice.agent.runtime import Agent, fold_seed
 from slm_align.ondevice.agent.settings import SamplingParams
 from slm_align.ondevice.agent.store import PreferenceStore
 from slm_align.ondevice.agent.task_eval import (

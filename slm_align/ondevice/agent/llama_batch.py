@@ -18,7 +18,7 @@ batch: a conversation's draws depend on its own ids and seed only.
 
 The model, its tokenizer, chat template and LoRA adapters are those of a
 :class:`~slm_align.ondevice.agent.llama_backend.LlamaCppBackend` already opened (and checked) by
-:func:`~slm_align.ondevice.agent.runtime.load_model`: the decoder adds a context on the same weights.
+:func:`~slm_align.ondevice.agent.loading.load_model`: the decoder adds a context on the same weights.
 Why llama.cpp's low-level API and not ``Llama``: ``Llama`` keeps one sequence (its ``input_ids`` and
 ``eval``), and the server's many-sequence loop is C++ that llama-cpp-python does not expose.
 """

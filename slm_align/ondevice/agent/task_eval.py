@@ -29,8 +29,9 @@ from slm_align.ondevice.agent import function_eval, task_batch
 from slm_align.ondevice.agent.artifact_forms import FORMS
 from slm_align.ondevice.agent.bfcl import load_bfcl, parse_categories
 from slm_align.ondevice.agent.bounds import accepted, bounds, typed
+from slm_align.ondevice.agent.loading import Model, load_model
 from slm_align.ondevice.agent.prompt import tools_shown
-from slm_align.ondevice.agent.runtime import Agent, Model, fold_seed, load_model
+from slm_align.ondevice.agent.runtime import Agent, fold_seed
 from slm_align.ondevice.agent.settings import SamplingParams, Temperature
 from slm_align.ondevice.rewards.episodes import CATEGORIES, classify
 from slm_align.ondevice.templates.artifact import check_chat_template

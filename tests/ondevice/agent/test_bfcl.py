@@ -96,7 +96,7 @@ def truth_reply(row: dict) -> str:
 
 
 def scripted_loader(solver: Path, replies):
-    from slm_align.ondevice.agent.runtime import load_model
+    from slm_align.ondevice.agent.loading import load_model
 
     def load(artifact, **options):
         model = load_model(artifact, **options)

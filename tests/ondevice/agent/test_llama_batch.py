@@ -10,7 +10,8 @@ import pytest
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.batching import Engine, run_many
 from slm_align.ondevice.agent.llama_batch import LlamaBatchDecoder
-from slm_align.ondevice.agent.runtime import Agent, load_model
+from slm_align.ondevice.agent.loading import load_model
+from slm_align.ondevice.agent.runtime import Agent
 from slm_align.ondevice.agent.settings import SamplingParams
 from slm_align.ondevice.tools.builtin import calculator, default_tools
 from slm_align.ondevice.tools.registry import ToolRegistry

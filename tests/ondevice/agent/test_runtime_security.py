@@ -259,7 +259,7 @@ def test_a_changed_artifact_is_refused_before_llama_cpp_parses_it(tmp_path, monk
     import json
 
     from slm_align.errors import UserError
-    from slm_align.ondevice.agent import runtime
+    from slm_align.ondevice.agent import loading
 
     gguf = tmp_path / "model-Q8_0.gguf"
     gguf.write_bytes(b"GGUF" + b"\x00" * 64)
@@ -270,7 +270,7 @@ def test_a_changed_artifact_is_refused_before_llama_cpp_parses_it(tmp_path, monk
         opened.append(artifact)
         return object()
 
-    monkeypatch.setattr(runtime, "open_backend", spy)
+    monkeypatch.setattr(loading, "open_backend", spy)
     with pytest.raises(UserError, match="does not match the checksum"):
-        runtime.load_model(gguf)
+        loading.load_model(gguf)
     assert opened == []

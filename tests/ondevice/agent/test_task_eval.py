@@ -255,7 +255,7 @@ def test_task_eval_counts_on_a_scripted_backend(gguf):
 def test_evaluate_agent_end_to_end_on_the_bundled_export(gguf, tmp_path, capsys, monkeypatch):
     """The bundled export against a copy of it whose completions are scripted to solve every task: the
     comparison is the paired difference of the two."""
-    from slm_align.ondevice.agent.runtime import load_model
+    from slm_align.ondevice.agent.loading import load_model
 
     code, out, err = run_cli(capsys, "tasks", "make", "--out", tmp_path / "calc", "--train", "8", "--heldout", "5",
                              "--json")
@@ -337,7 +337,7 @@ def test_samples_2_runs_each_task_twice_with_seeded_sampling_and_reports_pass_at
                                                                                     monkeypatch):
     """A scripted model through the CLI: 3 tasks x 2 samples, 10 completions, the per-task
     successes [1, 0, 2] of 2; pass@2 = mean(1, 0, 1), pass@1 = mean(1/2, 0, 1)."""
-    from slm_align.ondevice.agent.runtime import load_model
+    from slm_align.ondevice.agent.loading import load_model
 
     tasks = make_tasks(3, seed=11)
     path = tmp_path / "tasks.jsonl"
@@ -502,7 +502,7 @@ TOOLS_TEMPLATE = (  # ChatML that lists the tools' names in a system turn of its
 def test_every_artifact_is_shown_the_tools_and_the_report_says_how(gguf, tmp_path, monkeypatch):
     """The bundled export's ChatML drops ``tools``: the runtime's fallback writes them into the system
     message; a copy whose template lists them is shown them by its template, without the fallback."""
-    from slm_align.ondevice.agent.runtime import load_model
+    from slm_align.ondevice.agent.loading import load_model
     from slm_align.ondevice.templates.chat import FALLBACK_HEADER, tools_system_text
 
     heldout = tmp_path / "tasks.jsonl"

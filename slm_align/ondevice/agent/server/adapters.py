@@ -30,7 +30,7 @@ from typing import Mapping, Optional, Sequence, Union
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.ab_sequential import Evidence, SequentialTest
 from slm_align.ondevice.agent.ab_trial import ABTrial, ConversationIds
-from slm_align.ondevice.agent.runtime import Model
+from slm_align.ondevice.agent.loading import Model
 from slm_align.ondevice.agent.server.errors import bad
 from slm_align.ondevice.agent.store import PreferenceStore
 from slm_align.ondevice.gguf.adapter_check import chain_digest

@@ -14,7 +14,7 @@ from starlette.applications import Starlette
 
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.ab_sequential import SequentialTest
-from slm_align.ondevice.agent.runtime import load_model
+from slm_align.ondevice.agent.loading import load_model
 from slm_align.ondevice.agent.server.adapters import AdapterRouter
 from slm_align.ondevice.agent.server.body import Limits
 from slm_align.ondevice.agent.server.completions import COMPLETION_ROUTES

@@ -13,7 +13,8 @@ from typing import Iterator, Optional, Union
 from slm_align.ondevice.agent.batching import Engine
 from slm_align.ondevice.agent.llama_backend import LlamaCppBackend
 from slm_align.ondevice.agent.llama_batch import LlamaBatchDecoder
-from slm_align.ondevice.agent.runtime import Agent, Model, record_feedback
+from slm_align.ondevice.agent.loading import Model
+from slm_align.ondevice.agent.runtime import Agent, record_feedback
 from slm_align.ondevice.agent.server.adapters import AdapterRouter, AdapterSet
 from slm_align.ondevice.agent.server.body import Limits
 from slm_align.ondevice.agent.server.chat_request import ChatRequest
