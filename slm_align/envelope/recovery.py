@@ -79,9 +79,7 @@ def apply_scales(loop, watchdog: Watchdog, base_beta: float) -> None:
     multiplies it directly."""
     for group in loop.optimizer.param_groups:
         group["lr"] = loop.learning_rate * watchdog.lr_scale
-    if loop.settings.algo == "grpo":
-        grpo = loop.settings.grpo.model_copy(update={"beta": base_beta * watchdog.kl_scale})
-        loop.settings = loop.settings.model_copy(update={"grpo": grpo})
+    loop.rescale_kl(base_beta, watchdog.kl_scale)
     scale_shaping(loop, watchdog.shaping_scale)
 
 
@@ -174,11 +172,11 @@ class WatchedRun:
         event = self.watchdog.respond(loop.step, trigger)
         if event["action"] == "rollback":
             restore(loop, self.watchdog.best_state)
-            if trigger.detector == "kl_runaway" and loop.settings.algo == "ppo":
-                loop.kl_coef *= self.watchdog.settings.kl_factor
+            if trigger.detector == "kl_runaway":
+                loop.raise_kl(self.watchdog.settings.kl_factor, self.base_beta, self.watchdog.kl_scale)
             apply_scales(loop, self.watchdog, self.base_beta)
         event["learning_rate"] = loop.optimizer.param_groups[0]["lr"]
-        event["kl_coef"] = loop.kl_coef if loop.settings.algo == "ppo" else loop.settings.grpo.beta
+        event["kl_coef"] = loop.kl_weight()
         return event
 
     @property

@@ -38,6 +38,17 @@ class GRPO(Learner):
     """GRPO's iteration on the shared run state (:class:`slm_align.rl.learner.Learner`); no value
     head."""
 
+    def kl_weight(self) -> float:
+        """The recipe's beta (as the watchdog last scaled it)."""
+        return self.settings.grpo.beta
+
+    def raise_kl(self, factor: float, base_beta: float, scale: float) -> None:
+        self.rescale_kl(base_beta, scale)
+
+    def rescale_kl(self, base_beta: float, scale: float) -> None:
+        grpo = self.settings.grpo.model_copy(update={"beta": base_beta * scale})
+        self.settings = self.settings.model_copy(update={"grpo": grpo})
+
     def needs_old_pass(self) -> bool:
         """Only when an epoch takes several minibatches (the second is scored after the first
         step). With one minibatch per epoch, the first epoch's forward comes before any step: its

@@ -53,7 +53,22 @@ class PolicyForward:
 class Learner(TrainableRun):
     """One RL run's state: the envelope's trainable run (envelope/run.py), the optional value head,
     the prompts, the reward and the KL coefficient. PPO and GRPO subclass it with their iteration
-    (``run_step``)."""
+    (``run_step``) and say what they need: a value head or not, and how their KL is weighed and raised."""
+
+    needs_value_head = False
+    """The stage builds a value head beside the policy for this algorithm (PPO's critic)."""
+
+    def kl_weight(self) -> float:
+        """The weight the algorithm's loss or reward puts on the KL to the reference now."""
+        raise NotImplementedError
+
+    def raise_kl(self, factor: float, base_beta: float, scale: float) -> None:
+        """The watchdog's answer to a KL runaway: weigh the KL more. ``factor`` multiplies a coefficient the
+        learner keeps in its own state; ``base_beta * scale`` replaces a coefficient of the recipe."""
+        raise NotImplementedError
+
+    def rescale_kl(self, base_beta: float, scale: float) -> None:
+        """After a rollback: a recipe coefficient is ``base_beta * scale`` (a learner state's is restored)."""
 
     def __init__(self, policy, tokenizer, reward_fn, train_prompts: list[str], settings: RLSettings,
                  seed: int, value_head: Optional[ValueHead] = None, world: World = World(),

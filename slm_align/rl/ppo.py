@@ -40,6 +40,18 @@ class PPO(Learner):
     """PPO's iteration on the shared run state (:class:`slm_align.rl.learner.Learner`); needs a
     value head."""
 
+    needs_value_head = True
+
+    def kl_weight(self) -> float:
+        """The adaptive KL coefficient, kept in the learner's state (and checkpoint)."""
+        return self.kl_coef
+
+    def raise_kl(self, factor: float, base_beta: float, scale: float) -> None:
+        self.kl_coef *= factor
+
+    def rescale_kl(self, base_beta: float, scale: float) -> None:
+        """Nothing: the coefficient came back with the learner's state."""
+
     def rollout(self, step: int) -> Rollout:
         """B completions of B distinct prompts, scored, with old and reference log-probabilities
         and values."""

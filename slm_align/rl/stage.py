@@ -160,10 +160,10 @@ class RLStage:
         seed = training_seed(recipe)
         self.policy = build_policy(source, self.prior.adapter, settings, seed, recipe.model.trust_remote_code,
                                    recipe.model.allow_pickle, device)
-        self.value_head = None
-        if settings.algo == "ppo":
-            self.value_head = ValueHead(self.policy.config.hidden_size).to(device)
         algorithm = ALGORITHMS[settings.algo]
+        self.value_head = None
+        if algorithm.needs_value_head:
+            self.value_head = ValueHead(self.policy.config.hidden_size).to(device)
         self.loop = algorithm(self.policy, self.tokenizer, self.reward_fn, self.prompts.train, settings, seed,
                               self.value_head, self.world, self.compute.precision, self.compute.gradient_checkpointing)
         self.loop.episodes = episodes

@@ -474,6 +474,15 @@ class FakeLearner:
         self.reward_fn = reward_fn
         self.step = 0
 
+    def kl_weight(self) -> float:  # as PPO: the coefficient in the learner's state
+        return self.kl_coef
+
+    def raise_kl(self, factor: float, base_beta: float, scale: float) -> None:
+        self.kl_coef *= factor
+
+    def rescale_kl(self, base_beta: float, scale: float) -> None:
+        pass
+
 
 def test_a_tool_use_collapse_in_a_run_weighs_up_call_format_but_probes_with_base_weights(tmp_path):
     no_columns = SimpleNamespace(columns_for=lambda prompts: {})
