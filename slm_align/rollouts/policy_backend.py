@@ -18,12 +18,14 @@ import torch
 from slm_align.errors import UserError
 from slm_align.modeling.accelerator import device_of
 from slm_align.modeling.generation import draw_tokens
+from slm_align.ondevice.agent.batching import shared_prefix
 from slm_align.ondevice.templates.chat import default_chat_template
 
 
-class PolicyBackend:
-    """One conversation's worth of cache over ``model`` (a causal LM, the LoRA folded in for
-    sampling), speaking the runtime's :class:`~slm_align.ondevice.agent.backend.Backend` protocol."""
+class PolicyFacts:
+    """What the runtime reads of the policy as a backend (its kind, context, vocabulary, end ids, template and
+    special tokens), for :class:`PolicyBackend` and the batching
+    :class:`~slm_align.rollouts.policy_decoder.PolicyDecoder` alike."""
 
     kind = "torch"
 
@@ -39,6 +41,14 @@ class PolicyBackend:
         self.chat_template_origin = "policy"
         self.bos_token = tokenizer.bos_token
         self.eos_token = tokenizer.eos_token
+
+
+class PolicyBackend(PolicyFacts):
+    """One conversation's worth of cache over ``model`` (a causal LM, the LoRA folded in for
+    sampling), speaking the runtime's :class:`~slm_align.ondevice.agent.backend.Backend` protocol."""
+
+    def __init__(self, model, tokenizer, chat_template: Optional[str] = None, n_ctx: Optional[int] = None):
+        super().__init__(model, tokenizer, chat_template, n_ctx)
         self.tokens: list[int] = []
         """The ids the cache holds."""
         self.drawn_logprobs: list[float] = []
@@ -114,16 +124,6 @@ def round_seed(seed: int, prompt_length: int) -> int:
     """The seed of one round's draws: an episode's seed with its prompt's length folded in, so that its
     rounds draw different numbers (the same numbers would tie a round's tokens to the last one's)."""
     return seed * 1_000_003 + prompt_length
-
-
-def shared_prefix(cached: list[int], ids: list[int]) -> int:
-    """How many leading ids ``ids`` shares with ``cached``."""
-    shared = 0
-    for seen, new in zip(cached, ids):
-        if seen != new:
-            break
-        shared += 1
-    return shared
 
 
 def check_exact(params) -> None:

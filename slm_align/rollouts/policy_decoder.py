@@ -27,10 +27,9 @@ import torch
 from transformers import DynamicCache
 
 from slm_align.errors import UserError
-from slm_align.modeling.accelerator import device_of
 from slm_align.modeling.generation import draw_tokens
 from slm_align.ondevice.agent.batching import Draw
-from slm_align.rollouts.policy_backend import check_exact, policy_template, round_seed
+from slm_align.rollouts.policy_backend import PolicyFacts, check_exact, round_seed
 
 
 class SlotCache:
@@ -94,28 +93,16 @@ class _Sampler:
         self.logits = logits
 
 
-class PolicyDecoder:
+class PolicyDecoder(PolicyFacts):
     """``slots`` episodes' caches over ``model`` (a causal LM, the LoRA folded in for sampling), stepped
     together by an :class:`~slm_align.ondevice.agent.batching.Engine`; a
     :class:`~slm_align.ondevice.agent.batching.Lane` of it speaks the runtime's backend protocol as
     :class:`~slm_align.rollouts.policy_backend.PolicyBackend` does."""
 
-    kind = "torch"
-
     def __init__(self, model, tokenizer, slots: int, chat_template: Optional[str] = None,
                  n_ctx: Optional[int] = None):
-        self.model = model
-        self.tokenizer = tokenizer
+        super().__init__(model, tokenizer, chat_template, n_ctx)
         self.slots = slots
-        self.device = device_of(model)
-        config = getattr(model, "config", None)
-        self.n_ctx = n_ctx or getattr(config, "max_position_embeddings", None) or 4096
-        self.vocab_size = len(tokenizer)
-        self.eos_ids = {tokenizer.eos_token_id}
-        self.chat_template = policy_template(tokenizer, chat_template)
-        self.chat_template_origin = "policy"
-        self.bos_token = tokenizer.bos_token
-        self.eos_token = tokenizer.eos_token
         self.caches = [SlotCache() for _ in range(slots)]
         self.samplers: dict[int, _Sampler] = {}
         self.forwards = 0
