@@ -107,7 +107,7 @@ def test_a_conversation_draws_the_same_alone_and_in_a_batch_of_16(temperature):
     with Engine(decoder) as engine:
         batched = run_many(engine, items, lambda lane, item: conversation(lane, item[0], item[1], temperature))
     assert batched == alone(items, temperature=temperature)
-    assert max(len(batch) for batch in decoder.batches) > 8  # they did share steps
+    assert max(len(batch) for batch in decoder.batches) > 1  # they did share steps (how many: the host's timing)
     assert engine.steps < sum(len(r) for rounds in batched for r in rounds)
 
 
