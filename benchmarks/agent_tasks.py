@@ -88,8 +88,11 @@ def train_ours(recipe, work: Path) -> dict:
             "learning_rate": result.metrics["learning_rate"]}
 
 
-def train_trl(recipe, files: dict, work: Path, learning_rate: float) -> tuple[Path, float]:
-    """TRL's GRPOTrainer from our SFT policy, single-turn on ``tool_task``; merged, saved and exported."""
+def train_trl(recipe, files: dict, work: Path, learning_rate: float, reward=None,
+              columns: tuple[str, ...] = ("answer", "tool"), sft_stage: Path = None) -> tuple[Path, float]:
+    """TRL's GRPOTrainer from our SFT policy (``sft_stage``, default the ``ours`` run's), single-turn on
+    ``reward`` (default ``tool_task``) given the rows' ``columns`` (:func:`trl_columns`); merged, saved and
+    exported."""
     import datasets
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
@@ -101,7 +104,7 @@ def train_trl(recipe, files: dict, work: Path, learning_rate: float) -> tuple[Pa
 
     sft_only = work / "sft-only"
     if not (sft_only / "sft").exists():
-        shutil.copytree(work / "ours" / "sft", sft_only / "sft")
+        shutil.copytree(sft_stage or work / "ours" / "sft", sft_only / "sft")
     merged = work / "trl-start"
     if not merged.exists():
         merge_run(recipe, sft_only, merged)
@@ -117,10 +120,9 @@ def train_trl(recipe, files: dict, work: Path, learning_rate: float) -> tuple[Pa
     updates = samples * rl.epochs // rl.minibatch_size  # optimizer steps per iteration, as ours takes them
     bos = tokenizer.bos_token if begins_with_bos(tokenizer) else ""  # TRL adds no special tokens to a prompt
     needed = rl.prompts_per_step * (rl.steps + 1)
+    prompts = [bos + tasks.prompts[i % len(tasks)] for i in range(needed)]
     rows = [tasks.columns[i % len(tasks)] for i in range(needed)]
-    dataset = datasets.Dataset.from_dict({
-        "prompt": [bos + tasks.prompts[i % len(tasks)] for i in range(needed)],
-        "answer": [row["answer"] for row in rows], "tool": [row["tool"] for row in rows]})
+    dataset = datasets.Dataset.from_dict({"prompt": prompts, **trl_columns(rows, columns)})
     config = GRPOConfig(
         output_dir=str(work / "trl-out"), use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=10_000,
         save_strategy="no", per_device_train_batch_size=rl.minibatch_size,
@@ -132,7 +134,7 @@ def train_trl(recipe, files: dict, work: Path, learning_rate: float) -> tuple[Pa
         remove_unused_columns=False, shuffle_dataset=False)
     lora = LoraConfig(task_type="CAUSAL_LM", r=rl.lora.r, lora_alpha=rl.lora.alpha, lora_dropout=rl.lora.dropout,
                       target_modules=rl.lora.target_modules or "all-linear")
-    trainer = GRPOTrainer(model=model, reward_funcs=tool_task, args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward or tool_task, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=lora)
     started = time.time()
     trainer.train()
@@ -143,6 +145,14 @@ def train_trl(recipe, files: dict, work: Path, learning_rate: float) -> tuple[Pa
     if (merged / SIDECAR).is_file():  # a GGUF source's own tokenizer fields, for an export that tokenises as it did
         shutil.copyfile(merged / SIDECAR, folder / SIDECAR)
     return export_policy(folder, work / "export-trl"), seconds
+
+
+def trl_columns(rows: list[dict], names: tuple[str, ...]) -> dict[str, list]:
+    """The rows' ``names`` columns for a ``datasets.Dataset``: lists and objects as JSON text (Arrow
+    cannot hold a column whose nested values differ in type from row to row, as a function row's ground
+    truth does; the rewards decode JSON text cells), other values as they are."""
+    return {name: [json.dumps(row.get(name)) if isinstance(row.get(name), (list, dict)) else row.get(name)
+                   for row in rows] for name in names}
 
 
 def print_report(report: dict, names: list[str], seconds: dict) -> None:

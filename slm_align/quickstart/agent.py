@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from slm_align.atomic import write_text_atomic
 from slm_align.config import Recipe, load_recipe
@@ -57,9 +57,10 @@ class AgentSizes:
     """Tokens a reply may take, in RL and in the judgement."""
 
 
-def agent_recipe(run: Path, sizes: AgentSizes, device: str) -> Recipe:
+def agent_recipe(run: Path, sizes: AgentSizes, device: str, overrides: Optional[dict] = None) -> Recipe:
     """SFT on the demonstrations, then GRPO on one-reply episodes of the training rows (the calls are the
-    answer, nothing runs: ``max_tool_rounds`` 0, as ``evaluate-agent`` judges function rows)."""
+    answer, nothing runs: ``max_tool_rounds`` 0, as ``evaluate-agent`` judges function rows); ``overrides``
+    (recipe keys) on top, as the function-calling benchmark sets its model and budget."""
     tasks = run / "tasks"
     return load_recipe(overrides={
         "data.path": str(tasks / DEMONSTRATIONS), "data.tasks": str(tasks / "train.jsonl"),
@@ -67,17 +68,19 @@ def agent_recipe(run: Path, sizes: AgentSizes, device: str) -> Recipe:
         "rl.algo": "grpo", "rl.episodes": "on", "rl.steps": sizes.rl_steps, "rl.prompts_per_step": 4,
         "rl.group_size": 8, "rl.minibatch_size": 16, "rl.max_new_tokens": sizes.max_new_tokens,
         "rl.temperature": 0.8, "rl.learning_rate": 3e-4, "rl.max_tool_rounds": 0, "rl.eval_prompts": 16,
-        "rl.report_prompts": 0, "rl.watchdog.probe_prompts": 8, "compute.device": device})
+        "rl.report_prompts": 0, "rl.watchdog.probe_prompts": 8, "compute.device": device, **(overrides or {})})
 
 
-def tasks_step(run: Path, sizes: AgentSizes, say: Say) -> dict:
-    """The function-calling rows and the few demonstrations (kept when an earlier run wrote them)."""
+def tasks_step(run: Path, sizes: AgentSizes, say: Say, mix: Optional[dict] = None) -> dict:
+    """The function-calling rows (``mix``: categories' shares, default :data:`MIX`) and the few demonstrations
+    (kept when an earlier run wrote them)."""
     tasks = run / "tasks"
     say(f"[bold]1/4 function tasks[/] {sizes.train_tasks} training and {sizes.heldout_tasks} held-out rows "
         f"(simple, parallel, irrelevance); held-out rows offer functions training never sees; SFT sees the "
         f"chats of the first {sizes.demonstrations} training rows only")
     if not all((tasks / f"{name}.jsonl").is_file() for name in FILES):
-        write_function_tasks(tasks, sizes.train_tasks, sizes.heldout_tasks, seed=SEED, overwrite=True, mix=MIX)
+        write_function_tasks(tasks, sizes.train_tasks, sizes.heldout_tasks, seed=SEED, overwrite=True,
+                             mix=mix or MIX)
     if not (tasks / DEMONSTRATIONS).is_file():
         chats = (tasks / "sft.jsonl").read_text(encoding="utf-8").splitlines()
         write_text_atomic(tasks / DEMONSTRATIONS, "\n".join(chats[:sizes.demonstrations]) + "\n")
