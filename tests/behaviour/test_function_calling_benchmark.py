@@ -1,0 +1,104 @@
+"""benchmarks/function_calling.py's own logic: TRL's reward reads a function row's columns as the benchmark
+hands them to ``datasets`` (JSON text) and scores them by BFCL's rules, and the headline difference pools
+BFCL's four call categories without irrelevance."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slm_align.data.function_tasks import canonical_arguments, function_tasks
+from slm_align.ondevice.agent.task_eval import TaskResult
+from slm_align.ondevice.rewards.function_calls import function_call_match
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import agent_tasks
+    import function_calling
+
+    return agent_tasks, function_calling
+
+
+def _first(rows: list[dict], category: str) -> dict:
+    return next(row for row in rows if row["category"] == category)
+
+
+def _reply(calls: list[dict]) -> str:
+    return "".join(f"<tool_call>{json.dumps(call)}</tool_call>" for call in calls)
+
+
+def _right_calls(row: dict) -> list[dict]:
+    return [{"name": name, "arguments": canonical_arguments(allowed)}
+            for entry in row["ground_truth"] for name, allowed in entry.items()]
+
+
+def _wrong_value(row: dict) -> list[dict]:
+    """The right call with one required argument given a value no rule allows."""
+    calls = _right_calls(row)
+    name = calls[0]["name"]
+    tool = next(t["function"] for t in row["tools"] if t["function"]["name"] == name)
+    argument = tool["parameters"]["required"][0]
+    calls[0]["arguments"][argument] = "not-a-value-anyone-allows-123"
+    return calls
+
+
+def _no_calls(row: dict) -> list[dict]:
+    return []
+
+
+def _offered_call(row: dict) -> list[dict]:
+    """A call of the first function the row offers (on an irrelevance row, a call that should not be)."""
+    return [{"name": row["tools"][0]["function"]["name"], "arguments": {}}]
+
+
+def test_trl_reward_scores_rows_through_a_dataset(bench):
+    """Rows go through ``trl_columns`` and ``datasets.Dataset`` as TRL reads them; the reward gives a right
+    call 1, a wrong argument value 0, no call on irrelevance 1 and a call on irrelevance 0."""
+    datasets = pytest.importorskip("datasets")
+    agent_tasks, function_calling = bench
+    rows = function_tasks(train=60, heldout=20, seed=0)["train"]
+    cases = [(_first(rows, "simple"), _right_calls, 1.0), (_first(rows, "simple"), _wrong_value, 0.0),
+             (_first(rows, "parallel_multiple"), _right_calls, 1.0),
+             (_first(rows, "irrelevance"), _no_calls, 1.0), (_first(rows, "irrelevance"), _offered_call, 0.0)]
+    chosen = [row for row, _, _ in cases]
+    table = datasets.Dataset.from_dict({"prompt": ["p"] * len(chosen),
+                                        **agent_tasks.trl_columns(chosen, function_calling.COLUMNS)})
+    batch = table[:]
+    completions = [_reply(make(row)) if make(row) else "No function here fits, sorry." for row, make, _ in cases]
+    kwargs = {name: batch[name] for name in function_calling.COLUMNS}
+    scores = function_call_match(batch["prompt"], completions, **kwargs)
+    assert scores == [expected for _, _, expected in cases]
+
+
+def _results(successes: dict[str, list[bool]]) -> dict:
+    rows = []
+    for group, wins in successes.items():
+        for index, win in enumerate(wins):
+            rows.append(TaskResult(question=f"{group}{index}", answer="", reply="", calls=1, valid_calls=1,
+                                   rounds=0, tokens=1, category="success" if win else "wrong_answer",
+                                   group=group, task=len(rows)).__dict__)
+    return {"results": rows}
+
+
+def test_call_categories_pool_without_irrelevance(bench):
+    """ours - SFT on BFCL's calls: the four call categories only (ours wins 2 of 8 there, and every
+    irrelevance row, which must not count)."""
+    _, function_calling = bench
+    baseline = {"simple_python": [False, False], "multiple": [False, False], "parallel": [False, False],
+                "parallel_multiple": [False, False], "irrelevance": [False] * 4}
+    candidate = dict(baseline, simple_python=[True, True], irrelevance=[True] * 4)
+    heldout = _results({"simple": [True, False]})
+    evaluated = {"SFT-small": {"heldout": heldout, "bfcl": _results(baseline)},
+                 "ours": {"heldout": heldout, "bfcl": _results(candidate)}}
+    found = function_calling.differences(evaluated, pairs=(("ours", "SFT-small"),))
+    assert found["ours - SFT-small [bfcl_calls]"]["success_delta"] == pytest.approx(2 / 8)
+    assert found["ours - SFT-small [bfcl_irrelevance]"]["success_delta"] == pytest.approx(1.0)
+    assert found["ours - SFT-small [heldout]"]["success_delta"] == 0.0
+    pooled = function_calling.pooled_rate(function_calling.results_in(_results(candidate),
+                                                                      function_calling.CALL_CATEGORIES))
+    assert pooled["n"] == 8
+    assert pooled["success_rate"] == pytest.approx(0.25)
