@@ -107,10 +107,10 @@ def timed(record: dict, name: str, build) -> Path:
 def train_arms(args: argparse.Namespace, work: Path, found: dict, arms: list[str]) -> dict:
     """Each arm exported (those in ``work/arms.json`` kept); ``found`` gathers the RL figures."""
     record_file = work / "arms.json"
-    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    record = read_record(record_file)
 
-    def save() -> None:
-        write_text_atomic(record_file, json.dumps(record, indent=1))
+    def save() -> None:  # merged with what another process running other arms recorded meanwhile
+        write_text_atomic(record_file, json.dumps(dict(read_record(record_file), **record), indent=1))
 
     small, every = found["recipes"]["small"], found["recipes"]["all"]
     source = model_source(args.model) or str(DEFAULT_MODEL_DIR)
@@ -119,11 +119,16 @@ def train_arms(args: argparse.Namespace, work: Path, found: dict, arms: list[str
                 "SFT-all": partial(sft_arm, every, work / "all", work / "export-sft-all"),
                 "ours": partial(ours_arm, small, work, record), "TRL": partial(trl_arm, small, work, record)}
     for name in arms:
-        if name == "TRL" and "ours" not in record:
+        if name == "TRL" and small.rl.learning_rate is None and "ours" not in record:
             raise SystemExit("the TRL arm takes ours' learning rate: run the ours arm first")
         timed(record, name, builders[name])
         save()
-    return record
+    return read_record(record_file)
+
+
+def read_record(path: Path) -> dict:
+    """The arms finished in ``work`` (``arms.json``): each one's export and seconds."""
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def base_arm(source: str, work: Path) -> Path:
@@ -134,9 +139,11 @@ def base_arm(source: str, work: Path) -> Path:
 
 
 def trl_arm(recipe, work: Path, record: dict) -> Path:
-    """TRL's GRPOTrainer from SFT-small at ours' learning rate, rewarded by ``function_call_match``."""
+    """TRL's GRPOTrainer from SFT-small at ours' learning rate (the recipe's, else the one ours resolved),
+    rewarded by ``function_call_match``."""
     files = {"train": work / "tasks" / "train.jsonl"}
-    artifact, seconds = train_trl(recipe, files, work, record["ours"]["learning_rate"],
+    learning_rate = recipe.rl.learning_rate or record["ours"]["learning_rate"]
+    artifact, seconds = train_trl(recipe, files, work, learning_rate,
                                   reward=function_call_match, columns=COLUMNS, sft_stage=work / "small" / "sft")
     record["TRL_train_seconds"] = seconds
     return artifact
