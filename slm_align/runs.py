@@ -6,10 +6,8 @@ through (reuse by inputs hash, scratch, verify, atomic rename)."""
 from __future__ import annotations
 
 import functools
-import glob
 import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
+from slm_align.atomic import publish_directory, scratch_directory, write_json_atomic, write_text_atomic
 from slm_align.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -426,35 +424,6 @@ def reusable(final: Path, inputs: dict) -> Optional[dict]:
     return manifest
 
 
-def _writer_gone(scratch: Path) -> bool:
-    """Whether the process that made ``scratch`` (``.NAME.PID.partial``) has ended (it was killed
-    mid-way). Unknown where a process cannot be probed without a signal (Windows): kept."""
-    pid = scratch.name.removesuffix(".partial").rpartition(".")[2]
-    if os.name == "nt" or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
-
-
-def scratch_beside(final: Path) -> Path:
-    """A new hidden scratch folder ``.NAME.PID.partial`` beside ``final``, its own per writing
-    process; what a killed writer left there is removed first (a live one's is left alone)."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    for leftover in final.parent.glob(f".{glob.escape(final.name)}.*.partial"):
-        if _writer_gone(leftover):
-            shutil.rmtree(leftover, ignore_errors=True)
-    scratch = final.with_name(f".{final.name}.{os.getpid()}.partial")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir()
-    return scratch
-
-
 def publish_artifact(artifact: Artifact, overwrite: bool = False, reuse: bool = False,
                      manifest: bool = True) -> StageResult:
     """Reuse ``artifact`` when ``reuse`` and its recorded inputs hash equals the new one
@@ -469,12 +438,9 @@ def publish_artifact(artifact: Artifact, overwrite: bool = False, reuse: bool = 
         return StageResult(artifact.final, skipped=True, metrics=found.get("metrics", {}))
     if artifact.taken() and not overwrite:
         raise UserError(f"{artifact.final} exists; {artifact.exists_advice}")
-    scratch = scratch_beside(artifact.final)
-    try:
+    with scratch_directory(artifact.final) as scratch:
         built = artifact.build(scratch)
         metrics = artifact.verify(built)
         record = make_manifest(artifact.stage, inputs, metrics, started) if manifest else None
         artifact.place(built, record)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     return StageResult(artifact.final, skipped=False, metrics=metrics)

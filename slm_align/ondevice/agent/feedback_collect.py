@@ -22,14 +22,13 @@ renamed into place at the end: an earlier ``OUT`` is only replaced with ``overwr
 from __future__ import annotations
 
 import json
-import shutil
 import sqlite3
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from slm_align.atomic import publish_directory
+from slm_align.atomic import building_directory
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.feedback_export import scrub_row
 from slm_align.ondevice.agent.feedback_sources import Candidate, NotFeedback, read_input
@@ -197,10 +196,7 @@ def collect_feedback(inputs: Sequence[str | Path], out: str | Path,
     if isinstance(max_rows_per_device, bool) or not isinstance(max_rows_per_device, int) or max_rows_per_device < 1:
         raise UserError(f"--max-rows-per-device must be an integer >= 1, got {max_rows_per_device}")
     _check_out(out, inputs, overwrite)
-    scratch = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    try:
+    with building_directory(out, replace=True) as scratch:
         collector = _Collector(scratch, max_rows_per_device, max(1, shard_rows), parquet=pa is not None)
         try:
             for path in inputs:
@@ -212,9 +208,6 @@ def collect_feedback(inputs: Sequence[str | Path], out: str | Path,
         if not sum(summary["rows"].values()):
             raise UserError(_nothing(summary))
         (scratch / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        publish_directory(scratch, out, replace=True)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     return dict(summary, out=str(out))
 
 

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from slm_align.atomic import publish_directory
+from slm_align.atomic import building_directory
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.ab_sequential import SequentialTest
 from slm_align.ondevice.agent.ab_trial import DeviceRouter, check_share
@@ -266,19 +265,13 @@ def simulate_field(artifact: Union[str, Path], tasks: Union[str, Path], out: Uni
     settings = replace(settings, candidate=candidate_chain(candidate, form))
     model = load_checked(artifact, threads)
     current = form.adapters
-    scratch = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    try:
+    with building_directory(out, replace=True) as scratch:
         with stage_lines("field simulate", f"{devices} device(s) x {turns_per_device} turn(s) on "
                                            f"{len(rows)} task(s)") as stage:
             fleet = _run_fleet(model, rows, settings, current, scratch)
             stage.figures = f"{sum(len(d['turns']) for d in fleet)} turns"
         summary = _summary(fleet, settings, artifact, tasks, len(rows))
         (scratch / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        publish_directory(scratch, out, replace=True)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     return dict(summary, out=str(out))
 
 

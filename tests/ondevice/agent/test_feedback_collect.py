@@ -159,6 +159,22 @@ def test_nothing_to_collect_or_an_occupied_out_is_one_line_and_writes_nothing(fl
         collect_feedback([fleet / "phone-2.db"], tmp_path / "x", max_rows_per_device=0)
 
 
+
+def test_a_failed_collection_leaves_the_earlier_round_whole_and_no_scratch(fleet, tmp_path):
+    """With --overwrite, a collection that keeps no row publishes nothing: the earlier folder stays as
+    it was and no scratch folder is left beside it; one that keeps rows replaces it whole."""
+    out = tmp_path / "rounds" / "round2"
+    collect_feedback([fleet / "phone-2.db"], out)
+    earlier = {path.name: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    with pytest.raises(UserError, match="no input is feedback"):
+        collect_feedback([fleet / "notes.txt"], out, overwrite=True)
+    assert {path.name: path.read_bytes() for path in out.rglob("*") if path.is_file()} == earlier
+    assert [path.name for path in out.parent.iterdir()] == ["round2"]
+    summary = collect_feedback([fleet / "phone-1.db"], out, overwrite=True)
+    assert summary["per_device"] == {"phone-1": sum(summary["rows"].values())}
+    assert json.loads((out / "summary.json").read_text())["per_device"] == summary["per_device"]
+    assert [path.name for path in out.parent.iterdir()] == ["round2"]
+
 def peak_collecting(stores, out) -> tuple[int, int]:
     """(peak bytes of Python allocations while collecting ``stores``, bytes of rows written)."""
     tracemalloc.start()
