@@ -15,7 +15,9 @@ import hashlib
 import hmac
 import secrets
 import threading
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
 
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.ab_sequential import Evidence, SequentialTest, decide
@@ -119,6 +121,20 @@ class ABTrial:
         return evidence
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """Adapters A/B-tested on a device against the current ones, and how the trial runs."""
+
+    adapters: tuple[Union[str, Path], ...]
+    """The candidate's LoRA adapter GGUFs, applied to the base in order."""
+    share: float = 0.5
+    """The share of new conversations routed to the candidate while the trial collects."""
+    test: SequentialTest = SequentialTest()
+    """The sequential test's settings."""
+    client: Optional[str] = None
+    """The app's user (capped as one client); None: each conversation is its own."""
+
+
 class DeviceRouter:
     """The embedded runtime's side of a trial (``Agent.load(base, adapters=..., candidate=...)``): each new
     conversation gets a signed id and its arm's adapters, each recorded turn is named as routed, and each
@@ -126,15 +142,14 @@ class DeviceRouter:
     ``client`` (its user), else each conversation its own: the owner of a device is not capped against
     themselves; a fleet decision (``feedback ab``) caps each device instead."""
 
-    def __init__(self, agent, current: Sequence, candidate: Sequence, share: float = 0.5,
-                 test: SequentialTest = SequentialTest(), client: Optional[str] = None):
-        if not candidate:
+    def __init__(self, agent, current: Sequence, candidate: Candidate):
+        if not candidate.adapters:
             raise UserError("an A/B test needs a candidate: pass candidate=[adapter GGUF, ...]")
-        self.paths = {"current": list(current), "candidate": list(candidate)}
+        self.paths = {"current": list(current), "candidate": list(candidate.adapters)}
         candidate_id = self._model_id(agent, self.paths["candidate"])
-        current_id = self._model_id(agent, self.paths["current"])  # applied last: it serves until routed
-        self.trial = ABTrial(agent.store, current_id, candidate_id, share, test)
-        self.client = client
+        current_id = self._model_id(agent, self.paths["current"])  # applied last: serves until routed
+        self.trial = ABTrial(agent.store, current_id, candidate_id, candidate.share, candidate.test)
+        self.client = candidate.client
         self.arm: Optional[str] = None
         """The arm of the conversation going on (None: not routed by the trial)."""
 

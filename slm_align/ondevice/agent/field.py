@@ -37,8 +37,7 @@ from typing import Optional, Sequence, Union
 
 from slm_align.atomic import building_directory
 from slm_align.errors import UserError
-from slm_align.ondevice.agent.ab_sequential import SequentialTest
-from slm_align.ondevice.agent.ab_trial import DeviceRouter, check_share
+from slm_align.ondevice.agent.ab_trial import Candidate, DeviceRouter, check_share
 from slm_align.ondevice.agent.artifact_forms import ArtifactForm, is_adapter_gguf, resolve_artifact
 from slm_align.ondevice.agent.loading import Model
 from slm_align.ondevice.agent.runtime import Agent, fold_seed
@@ -189,8 +188,8 @@ def device_agent(model: Model, store: PreferenceStore, settings: FieldSettings,
     agent = Agent(model.backend, model.sha256, tools=default_tools(), sampling=sampling, store=store,
                   consent=True, max_tool_rounds=settings.max_tool_rounds, describe_tools=True)
     if settings.candidate:
-        agent.ab = DeviceRouter(agent, list(current), [Path(p) for p in settings.candidate],
-                                settings.candidate_share, SequentialTest())
+        trial = Candidate(tuple(Path(p) for p in settings.candidate), settings.candidate_share)
+        agent.ab = DeviceRouter(agent, list(current), trial)
     return agent
 
 
