@@ -147,7 +147,8 @@ class DeviceRouter:
             raise UserError("an A/B test needs a candidate: pass candidate=[adapter GGUF, ...]")
         self.paths = {"current": list(current), "candidate": list(candidate.adapters)}
         candidate_id = self._model_id(agent, self.paths["candidate"])
-        current_id = self._model_id(agent, self.paths["current"])  # applied last: serves until routed
+        # the current set applied last: it serves until a conversation is routed
+        current_id = self._model_id(agent, self.paths["current"])
         self.trial = ABTrial(agent.store, current_id, candidate_id, candidate.share, candidate.test)
         self.client = candidate.client
         self.arm: Optional[str] = None

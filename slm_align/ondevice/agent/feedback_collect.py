@@ -184,30 +184,33 @@ def _check_out(out: Path, inputs: Sequence[Path], overwrite: bool) -> None:
 
 
 def collect_feedback(inputs: Sequence[str | Path], out: str | Path,
-                     max_rows_per_device: int = DEFAULT_MAX_ROWS_PER_DEVICE, shard_rows: int = DEFAULT_SHARD_ROWS,
-                     overwrite: bool = False) -> dict[str, Any]:
-    """Merge the feedback of ``inputs`` (stores, export files) into the folder ``out``; returns the summary
-    (also written as ``out/summary.json``): inputs, devices, rows per kind, per device and per model, what
-    was rejected and why, and the files written. No input yielding a row is a UserError, nothing written."""
+                     max_rows_per_device: int = DEFAULT_MAX_ROWS_PER_DEVICE,
+                     shard_rows: int = DEFAULT_SHARD_ROWS, overwrite: bool = False) -> dict[str, Any]:
+    """Merge the feedback of ``inputs`` (stores, export files) into the folder ``out``; returns the
+    summary (also written as ``out/summary.json``): inputs, devices, rows per kind, per device and
+    per model, what was rejected and why, and the files written. No input yielding a row is a
+    UserError, nothing written."""
     inputs = [Path(path) for path in inputs]
     out = Path(out)
+    cap = max_rows_per_device
     if not inputs:
         raise UserError("pass at least one preference store or feedback export file to collect")
-    if isinstance(max_rows_per_device, bool) or not isinstance(max_rows_per_device, int) or max_rows_per_device < 1:
-        raise UserError(f"--max-rows-per-device must be an integer >= 1, got {max_rows_per_device}")
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise UserError(f"--max-rows-per-device must be an integer >= 1, got {cap}")
     _check_out(out, inputs, overwrite)
     with building_directory(out, replace=True) as scratch:
-        collector = _Collector(scratch, max_rows_per_device, max(1, shard_rows), parquet=pa is not None)
+        collector = _Collector(scratch, cap, max(1, shard_rows), parquet=pa is not None)
         try:
             for path in inputs:
                 collector.read(path)
         finally:
             collector.close()
         (scratch / ".seen.sqlite").unlink()
-        summary = _summary(collector, inputs, max_rows_per_device)
+        summary = _summary(collector, inputs, cap)
         if not sum(summary["rows"].values()):
             raise UserError(_nothing(summary))
-        (scratch / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        text = json.dumps(summary, indent=2) + "\n"
+        (scratch / "summary.json").write_text(text, encoding="utf-8")
     return dict(summary, out=str(out))
 
 

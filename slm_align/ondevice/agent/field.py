@@ -33,7 +33,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from slm_align.atomic import building_directory
 from slm_align.errors import UserError
@@ -41,17 +41,16 @@ from slm_align.ondevice.agent.ab_trial import Candidate, DeviceRouter, check_sha
 from slm_align.ondevice.agent.artifact_forms import ArtifactForm, is_adapter_gguf, resolve_artifact
 from slm_align.ondevice.agent.loading import Model
 from slm_align.ondevice.agent.runtime import Agent, fold_seed
-from slm_align.ondevice.agent.settings import SamplingParams
-from slm_align.ondevice.agent.store import PreferenceStore
-from slm_align.ondevice.agent.task_eval import (
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_TOOL_ROUNDS,
-    check_artifact_exists,
-    check_settings,
-    load_checked,
-    load_tasks,
-    run_task,
+from slm_align.ondevice.agent.settings import (
+    ChatSettings,
+    Recording,
+    SamplingParams,
+    refuse_unknown,
+    take_options,
 )
+from slm_align.ondevice.agent.store import PreferenceStore
+from slm_align.ondevice.agent.task_eval import check_artifact_exists, load_checked, load_tasks, run_task
+from slm_align.ondevice.agent.task_settings import DEFAULT_MAX_TOKENS, DEFAULT_TOOL_ROUNDS, check_settings
 from slm_align.ondevice.tools.builtin import default_tools
 from slm_align.progress import counted, stage_lines
 from slm_align.runs import check_out_dir, sha256_file
@@ -70,7 +69,9 @@ class FieldSettings:
     """How the simulated fleet runs (checked by :meth:`check` before anything is opened or written)."""
 
     devices: int = DEFAULT_DEVICES
+    """Simulated devices, each with its own store, user and seed."""
     turns_per_device: int = DEFAULT_TURNS
+    """Conversations per device, each one task drawn for that device."""
     noise: float = DEFAULT_NOISE
     """Share of rated turns whose thumb is flipped."""
     unrated: float = DEFAULT_UNRATED
@@ -79,27 +80,34 @@ class FieldSettings:
     """Adapter GGUFs A/B-tested against the artifact's adapters (none: no A/B test), or one manifest,
     bundle or BASE+ADAPTER chain on the same base (:func:`candidate_chain`)."""
     candidate_share: float = 0.5
+    """Share of conversations the candidate answers while a device's A/B test collects."""
     seed: int = 0
+    """Seed of each device's tasks, its user's ratings and its sampling."""
     max_tokens: int = DEFAULT_MAX_TOKENS
+    """Most tokens per model reply."""
     max_tool_rounds: int = DEFAULT_TOOL_ROUNDS
+    """Tool rounds a turn may take before its final answer."""
     temperature: float = 0.0
     """0: greedy answers; above: sampled, each turn with its own seed."""
 
     def check(self) -> None:
         """One line for the first setting out of its bounds."""
-        for flag, value in (("--devices", self.devices), ("--turns-per-device", self.turns_per_device)):
+        counts = (("--devices", self.devices), ("--turns-per-device", self.turns_per_device))
+        for flag, value in counts:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"{flag} must be an integer >= 1, got {value}")
         for flag, value in (("--noise", self.noise), ("--unrated", self.unrated)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not 0 <= value <= 1:
                 raise UserError(f"{flag} is a share of turns: a number from 0 to 1, got {value}")
         check_settings(1, self.temperature, self.max_tool_rounds, self.max_tokens)
         if self.candidate:
             check_share(self.candidate_share)
         for path in self.candidate:
             if not Path(path).exists() and "+" not in str(path):
-                raise UserError(f"candidate adapter {path} not found; pass a LoRA adapter GGUF made for the "
-                                "artifact's base (`export --target gguf-adapter`), or its manifest or bundle")
+                raise UserError(f"candidate adapter {path} not found; pass a LoRA adapter GGUF made "
+                                "for the artifact's base (`export --target gguf-adapter`), or its "
+                                "manifest or bundle")
 
 
 @dataclass(frozen=True)
@@ -182,11 +190,12 @@ def _arm(agent: Agent) -> str:
 
 def device_agent(model: Model, store: PreferenceStore, settings: FieldSettings,
                  current: Sequence[Path]) -> Agent:
-    """A device's agent: the shared model, its own store (consented turns), greedy or sampled answers,
-    and with a candidate the A/B router ``Agent.load(..., candidate=...)`` sets up."""
+    """A device's agent: the shared model, its own store (consented turns), greedy or sampled
+    answers, and with a candidate the A/B router ``Agent.load(..., candidate=...)`` sets up."""
     sampling = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_tokens)
-    agent = Agent(model.backend, model.sha256, tools=default_tools(), sampling=sampling, store=store,
-                  consent=True, max_tool_rounds=settings.max_tool_rounds, describe_tools=True)
+    chat = ChatSettings(sampling=sampling, max_tool_rounds=settings.max_tool_rounds,
+                        describe_tools=True)
+    agent = Agent(model.backend, model.sha256, default_tools(), chat, Recording(store, consent=True))
     if settings.candidate:
         trial = Candidate(tuple(Path(p) for p in settings.candidate), settings.candidate_share)
         agent.ab = DeviceRouter(agent, list(current), trial)
@@ -243,34 +252,36 @@ def check_out(out: Path, inputs: Sequence[Path], overwrite: bool) -> None:
 
 
 def simulate_field(artifact: Union[str, Path], tasks: Union[str, Path], out: Union[str, Path],
-                   devices: int = DEFAULT_DEVICES, turns_per_device: int = DEFAULT_TURNS,
-                   noise: float = DEFAULT_NOISE, unrated: float = DEFAULT_UNRATED,
-                   candidate: Sequence[Union[str, Path]] = (), candidate_share: float = 0.5, seed: int = 0,
-                   limit: Optional[int] = None, max_tokens: int = DEFAULT_MAX_TOKENS,
-                   max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, temperature: float = 0.0,
-                   threads: Optional[int] = None, overwrite: bool = False) -> dict:
-    """Run ``devices`` simulated devices on the task rows of ``tasks`` (see the module docstring) and
-    write one preference store per device into the folder ``out``; returns the summary (also
-    ``out/summary.json``). Settings, paths, tasks and the artifact are checked before anything is
+                   settings: FieldSettings = FieldSettings(), limit: Optional[int] = None,
+                   threads: Optional[int] = None, overwrite: bool = False, **options: Any) -> dict:
+    """Run the simulated devices ``settings`` describe on the task rows of ``tasks`` (see the module
+    docstring; ``limit``: the first rows only, ``threads``: the backend's) and write one preference
+    store per device into the folder ``out``; returns the summary (also ``out/summary.json``).
+    ``options``: any field of :class:`FieldSettings` by name (``devices=8, noise=0.1, ...``),
+    replacing ``settings``'. Settings, paths, tasks and the artifact are checked before anything is
     written: bad input is a one-line UserError and leaves ``out`` as it was."""
-    settings = FieldSettings(devices, turns_per_device, noise, unrated, tuple(candidate), candidate_share, seed,
-                             max_tokens, max_tool_rounds, temperature)
+    settings = take_options(settings, options)
+    refuse_unknown("simulate_field", options)
+    settings = replace(settings, candidate=tuple(settings.candidate))
     settings.check()
     out = Path(out)
     check_artifact_exists(artifact)
-    check_out(out, [Path(tasks), *[Path(p) for p in str(artifact).split("+")], *map(Path, candidate)], overwrite)
+    parts = [Path(p) for p in str(artifact).split("+")]
+    check_out(out, [Path(tasks), *parts, *map(Path, settings.candidate)], overwrite)
     rows = load_tasks(tasks, limit)
     form = resolve_artifact(artifact)
-    settings = replace(settings, candidate=candidate_chain(candidate, form))
+    settings = replace(settings, candidate=candidate_chain(settings.candidate, form))
     model = load_checked(artifact, threads)
     current = form.adapters
+    plan = (f"{settings.devices} device(s) x {settings.turns_per_device} turn(s) on "
+            f"{len(rows)} task(s)")
     with building_directory(out, replace=True) as scratch:
-        with stage_lines("field simulate", f"{devices} device(s) x {turns_per_device} turn(s) on "
-                                           f"{len(rows)} task(s)") as stage:
+        with stage_lines("field simulate", plan) as stage:
             fleet = _run_fleet(model, rows, settings, current, scratch)
             stage.figures = f"{sum(len(d['turns']) for d in fleet)} turns"
         summary = _summary(fleet, settings, artifact, tasks, len(rows))
-        (scratch / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        text = json.dumps(summary, indent=2) + "\n"
+        (scratch / "summary.json").write_text(text, encoding="utf-8")
     return dict(summary, out=str(out))
 
 

@@ -120,9 +120,11 @@ class ChatSettings:
     max_tool_rounds: int = 4
     """Tool rounds an answer may take before the final one."""
     grammar: bool = True
-    """Constrain a tool call to the tools' GBNF grammar (GGUF models: llama.cpp samples under it)."""
+    """Constrain a tool call to the tools' GBNF grammar (GGUF models: llama.cpp samples under
+    it)."""
     answer_grammar: Optional[str] = None
-    """A llama.cpp grammar the final answer follows (see :mod:`slm_align.ondevice.agent.constrain`)."""
+    """A llama.cpp grammar the final answer follows (see
+    :mod:`slm_align.ondevice.agent.constrain`)."""
     logprobs: Optional[int] = None
     """Record each answer token's log-probability and this many likeliest alternatives (None:
     don't)."""
