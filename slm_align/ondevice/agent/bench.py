@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -187,11 +188,27 @@ def _measure_in_child(artifact: Path, threads: int, prompt_tokens: int, decode_t
         return BenchResult.from_dict(json.loads(out.read_text(encoding="utf-8")))
 
 
-def run_bench(artifact, threads: Optional[int] = None, prompt_tokens: int = 128, decode_tokens: int = 64,
-              repeats: int = 3, n_ctx: Optional[int] = None, device: Optional[str] = None,
+@dataclass(frozen=True)
+class BenchPlan:
+    """What one measurement runs (see :func:`bench`)."""
+
+    threads: Optional[int] = None
+    """CPU threads of the runtime (None:
+    :func:`~slm_align.ondevice.devices.host.default_threads`)."""
+    prompt_tokens: int = 128
+    """Tokens of the prompt fed to an empty cache."""
+    decode_tokens: int = 64
+    """Tokens generated after the first, one forward pass each."""
+    repeats: int = 3
+    """Measured runs (after one warm-up); the figures are their medians."""
+    n_ctx: Optional[int] = None
+    """The context window (None: the runtime's default for the artifact)."""
+
+
+def run_bench(artifact, plan: BenchPlan = BenchPlan(), device: Optional[str] = None,
               save_as: Optional[str] = None, overwrite: bool = False) -> dict:
-    """Measure, optionally save the host profile and compare with a profile's
-    prediction; a JSON-ready dict.
+    """Measure as ``plan`` says, optionally save the host profile as ``save_as`` and compare with
+    the ``device`` profile's prediction; a JSON-ready dict.
 
     Bad names (unknown device, existing profile without ``overwrite``) fail
     before anything is measured.
@@ -200,7 +217,8 @@ def run_bench(artifact, threads: Optional[int] = None, prompt_tokens: int = 128,
         profile_path(save_as, overwrite)
     if device and device != save_as:
         load_profile(device)
-    result = bench(artifact, threads, prompt_tokens, decode_tokens, repeats, n_ctx)
+    result = bench(artifact, plan.threads, plan.prompt_tokens, plan.decode_tokens, plan.repeats,
+                   plan.n_ctx)
     summary = {"bench": result.to_dict(), "saved_profile": None, "prediction": None}
     if save_as:
         bandwidth = measure_bandwidth()
