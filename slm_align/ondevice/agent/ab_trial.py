@@ -1,12 +1,13 @@
-"""One A/B trial of a candidate adapter against the current one, as a server and a device run it: the
-conversation ids it hands out (signed), which arm each conversation goes to, the turns it routed, and its
-decision (recorded in the store, with its evidence).
+"""One A/B trial of a candidate adapter against the current one, as a server and a device run it:
+the conversation ids it hands out (signed), which arm each conversation goes to, the turns it
+routed, and its decision (recorded in the store, with its evidence).
 
-Conversation ids are ``NONCE.MAC``: a random nonce and an HMAC-SHA256 of it under the trial's key (kept in
-the store, never sent). An id that does not verify was not handed out by this trial: it gets a new one, so a
-client cannot choose ids, and the arm is a keyed hash of the nonce (``HMAC(key, "arm:" + nonce)``), which a
-client cannot compute. Only turns the trial routed count, each conversation's first verdict once (see
-:mod:`slm_align.ondevice.agent.ab_sequential`); a turn asked of an arm by name is answered but never recorded as routed.
+Conversation ids are ``NONCE.MAC``: a random nonce and an HMAC-SHA256 of it under the trial's key
+(kept in the store, never sent). An id that does not verify was not handed out by this trial: it
+gets a new one, so a client cannot choose ids, and the arm is a keyed hash of the nonce
+(``HMAC(key, "arm:" + nonce)``), which a client cannot compute. Only turns the trial routed count,
+each conversation's first verdict once (see :mod:`slm_align.ondevice.agent.ab_sequential`); a turn
+asked of an arm by name is answered but never recorded as routed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ NONCE_BYTES = 12
 
 
 def check_share(share: float) -> float:
-    """The candidate's share of conversations: above 0 and below 1 (else neither arm gets ratings)."""
+    """The candidate's share of conversations: above 0 and below 1 (else neither arm gets
+    ratings)."""
     if not 0 < share < 1:
         raise UserError(f"--candidate-share {share}: must be above 0 and below 1 (0.5: half the conversations)")
     return share
@@ -70,7 +72,8 @@ class ConversationIds:
 
 
 class ABTrial:
-    """The trial between two model ids in a store: collecting until its first decision, then that one."""
+    """The trial between two model ids in a store: collecting until its first decision, then that
+    one."""
 
     def __init__(self, store, current_id: str, candidate_id: str, share: float = 0.5,
                  test: SequentialTest = SequentialTest()):
@@ -94,8 +97,8 @@ class ABTrial:
         self._lock = threading.Lock()
 
     def arm(self, conversation_id: str) -> Optional[str]:
-        """'candidate' or 'current' for a conversation this trial signed while it collects (None after a
-        decision, or for an id it did not sign)."""
+        """'candidate' or 'current' for a conversation this trial signed while it collects (None
+        after a decision, or for an id it did not sign)."""
         if self.state != "collecting" or not self.ids.verified(conversation_id):
             return None
         return "candidate" if self.ids.fraction(conversation_id) < self.share else "current"
@@ -136,11 +139,12 @@ class Candidate:
 
 
 class DeviceRouter:
-    """The embedded runtime's side of a trial (``Agent.load(base, adapters=..., candidate=...)``): each new
-    conversation gets a signed id and its arm's adapters, each recorded turn is named as routed, and each
-    thumbs lets the trial decide again, in the device's store as ``serve`` does. The client is the app's
-    ``client`` (its user), else each conversation its own: the owner of a device is not capped against
-    themselves; a fleet decision (``feedback ab``) caps each device instead."""
+    """The embedded runtime's side of a trial (``Agent.load(base, adapters=..., candidate=...)``):
+    each new conversation gets a signed id and its arm's adapters, each recorded turn is named as
+    routed, and each thumbs lets the trial decide again, in the device's store as ``serve`` does.
+    The client is the app's ``client`` (its user), else each conversation its own: the owner of a
+    device is not capped against themselves; a fleet decision (``feedback ab``) caps each device
+    instead."""
 
     def __init__(self, agent, current: Sequence, candidate: Candidate):
         if not candidate.adapters:

@@ -1,10 +1,11 @@
 """Measure an exported model on this host: load time, time to first token, prompt and
 decode speed, peak memory.
 
-The measurement runs in a fresh Python process (``python -m slm_align.ondevice.agent.bench ARTIFACT ...``),
-so the peak resident set size (VmHWM on Linux, else ``ru_maxrss``) is the artifact's and its
-runtime's, not the caller's; the child also reports the high-water mark before the model is loaded
-(interpreter, numpy and the runtime library) as the baseline.
+The measurement runs in a fresh Python process
+(``python -m slm_align.ondevice.agent.bench ARTIFACT ...``), so the peak resident set size (VmHWM on
+Linux, else ``ru_maxrss``) is the artifact's and its runtime's, not the caller's; the child also
+reports the high-water mark before the model is loaded (interpreter, numpy and the runtime library)
+as the baseline.
 
 After one short warm-up run, per repeat: the prompt of exactly ``prompt_tokens`` tokens is fed to
 an empty cache (prompt processing), the first token is taken greedily from its logits (time to
@@ -161,8 +162,8 @@ def _figures(result: BenchResult) -> str:
 
 def _measure_in_child(artifact: Path, threads: int, prompt_tokens: int, decode_tokens: int, repeats: int,
                       n_ctx: Optional[int], count: Count) -> BenchResult:
-    """Run ``python -m slm_align.ondevice.agent.bench`` and read its result; each run it reports on stdout
-    advances ``count``. Its stderr goes to a file (read for its error line), so that a chatty
+    """Run ``python -m slm_align.ondevice.agent.bench`` and read its result; each run it reports on
+    stdout advances ``count``. Its stderr goes to a file (read for its error line), so that a chatty
     runtime cannot block it."""
     package_root = str(Path(__file__).resolve().parents[3])
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false",

@@ -1,22 +1,25 @@
 """``slm-align feedback collect``: many devices' feedback merged into the next round's rows.
 
-Inputs are devices' preference stores and ``feedback export`` files (:mod:`~slm_align.ondevice.agent.feedback_sources`).
-Every row kept is consented (stores: turns with consent only; export files hold nothing else), scrubbed again
-(:func:`~slm_align.ondevice.agent.feedback_export.scrub_row`, whatever the device did), counted once per device and turn
-(the same verdict on the same turn, sent twice or stored 10,000 times, is one row), and capped per device
-(``max_rows_per_device``, first come first kept: one device cannot make a round). Each row keeps its
-provenance: ``device``, ``model_id``, ``arm``.
+Inputs are devices' preference stores and ``feedback export`` files
+(:mod:`~slm_align.ondevice.agent.feedback_sources`). Every row kept is consented (stores: turns with
+consent only; export files hold nothing else), scrubbed again
+(:func:`~slm_align.ondevice.agent.feedback_export.scrub_row`, whatever the device did), counted once
+per device and turn (the same verdict on the same turn, sent twice or stored 10,000 times, is one
+row), and capped per device (``max_rows_per_device``, first come first kept: one device cannot make
+a round). Each row keeps its provenance: ``device``, ``model_id``, ``arm``.
 
-Output folder ``OUT``: ``pairs.jsonl`` (DPO: prompt, chosen, rejected) and ``unpaired.jsonl`` (KTO: prompt,
-completion, label), always; with pyarrow (``slm-align[train]``; optional, so the device wing stays light)
-the same rows as Parquet shards ``pairs/part-00000.parquet``... of at most ``shard_rows`` rows each, with one
-fixed schema (each message: role, content, and its tool calls as JSON text; the offered ``tools`` as JSON
-text); ``summary.json``. Task rows with their outcome are not written: stores record none today.
+Output folder ``OUT``: ``pairs.jsonl`` (DPO: prompt, chosen, rejected) and ``unpaired.jsonl`` (KTO:
+prompt, completion, label), always; with pyarrow (``slm-align[train]``; optional, so the device wing
+stays light) the same rows as Parquet shards ``pairs/part-00000.parquet``... of at most
+``shard_rows`` rows each, with one fixed schema (each message: role, content, and its tool calls as
+JSON text; the offered ``tools`` as JSON text); ``summary.json``. Task rows with their outcome are
+not written: stores record none today.
 
-Streaming: stores are read through SQL cursors, rows are written as they come (a Parquet shard is the most
-held), and the (device, turn) dedupe lives in an on-disk SQLite index, so memory does not grow with the
-number of rows or stores (a test measures it). Everything is written into a scratch folder beside ``OUT`` and
-renamed into place at the end: an earlier ``OUT`` is only replaced with ``overwrite``.
+Streaming: stores are read through SQL cursors, rows are written as they come (a Parquet shard is
+the most held), and the (device, turn) dedupe lives in an on-disk SQLite index, so memory does not
+grow with the number of rows or stores (a test measures it). Everything is written into a scratch
+folder beside ``OUT`` and renamed into place at the end: an earlier ``OUT`` is only replaced with
+``overwrite``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ except ImportError:  # pragma: no cover - exercised where pyarrow is absent
     pq = None
 
 DEFAULT_MAX_ROWS_PER_DEVICE = 1000
-"""A device's most rows in one round: a thousand devices make a round, no one of them dominates it."""
+"""A device's most rows in one round: a thousand devices make a round, no one of them dominates
+it."""
 DEFAULT_SHARD_ROWS = 50_000
 KINDS = {"pairs": ("chosen", "rejected"), "unpaired": ("completion",)}
 
@@ -62,7 +66,8 @@ def parquet_schema(kind: str):
 
 
 def _flat_message(message: dict) -> dict:
-    """A message in the shards' schema: role, content as text, tool calls as JSON text (None without)."""
+    """A message in the shards' schema: role, content as text, tool calls as JSON text (None
+    without)."""
     content = message.get("content")
     calls = message.get("tool_calls")
     return {"role": str(message.get("role")),
@@ -71,7 +76,8 @@ def _flat_message(message: dict) -> dict:
 
 
 def _flat_row(row: dict) -> dict:
-    """A row in the shards' schema: messages flattened, the offered tools as JSON text (None without)."""
+    """A row in the shards' schema: messages flattened, the offered tools as JSON text (None
+    without)."""
     flat = {key: [_flat_message(m) for m in value] if isinstance(value, list) else value
             for key, value in row.items() if key != "tools"}
     flat["tools"] = json.dumps(row["tools"], ensure_ascii=False) if row.get("tools") else None
@@ -125,7 +131,8 @@ class _Seen:
         self.conn.execute("CREATE TABLE seen (device TEXT, turn TEXT, PRIMARY KEY (device, turn)) WITHOUT ROWID")
 
     def first(self, candidate: Candidate) -> bool:
-        """Whether this is the first time the device's verdict on this turn is seen (and remember it)."""
+        """Whether this is the first time the device's verdict on this turn is seen (and remember
+        it)."""
         inserted = self.conn.execute("INSERT OR IGNORE INTO seen VALUES (?, ?)", (candidate.device, candidate.key))
         return inserted.rowcount == 1
 
@@ -161,7 +168,8 @@ class _Collector:
         self.shards[kind].add(dict(row, device=candidate.device, arm=candidate.arm))
 
     def read(self, path: Path) -> None:
-        """Every row of one input; an input that is not feedback is refused (recorded), the rest go on."""
+        """Every row of one input; an input that is not feedback is refused (recorded), the rest go
+        on."""
         try:
             for candidate in read_input(path, self.counts):
                 self.take(candidate)

@@ -1,27 +1,30 @@
 """``slm-align field simulate``: a fleet of simulated devices, before anything ships.
 
-Each of ``devices`` devices answers ``turns_per_device`` held-out task rows in the runtime (:class:`Agent`
-over the artifact, each row a new conversation run by :func:`~slm_align.ondevice.agent.task_eval.run_task`, so
-calculator rows run their tools and function rows are answered in one reply) and records every turn in its
-own preference store (``OUT/device-001.db``, ...) through the real API: ``Agent(store=..., consent=True)``
-and ``agent.feedback(...)``. The stores are the files a real fleet sends: ``feedback export`` reads each,
-``feedback collect`` merges them (the file name names the device), and with a candidate ``feedback ab
-OUT/*.db`` decides the fleet's A/B test.
+Each of ``devices`` devices answers ``turns_per_device`` held-out task rows in the runtime
+(:class:`Agent` over the artifact, each row a new conversation run by
+:func:`~slm_align.ondevice.agent.task_eval.run_task`, so calculator rows run their tools and
+function rows are answered in one reply) and records every turn in its own preference store
+(``OUT/device-001.db``, ...) through the real API: ``Agent(store=..., consent=True)`` and
+``agent.feedback(...)``. The stores are the files a real fleet sends: ``feedback export`` reads
+each, ``feedback collect`` merges them (the file name names the device), and with a candidate
+``feedback ab OUT/*.db`` decides the fleet's A/B test.
 
-The user of each device is scripted (:class:`ScriptedUser`): the task's own checker judges the answer
-(``classify`` for calculator rows, BFCL's rules of :mod:`~slm_align.ondevice.agent.function_eval` for function rows:
-the verdict ``run_task`` returns), a right call or answer gets a thumbs up and a wrong one a thumbs down;
-then a share ``unrated`` of the turns gets no rating and a share ``noise`` of the rated ones is flipped, each
-drawn independently per turn.
+The user of each device is scripted (:class:`ScriptedUser`): the task's own checker judges the
+answer (``classify`` for calculator rows, BFCL's rules of
+:mod:`~slm_align.ondevice.agent.function_eval` for function rows: the verdict ``run_task`` returns),
+a right call or answer gets a thumbs up and a wrong one a thumbs down; then a share ``unrated`` of
+the turns gets no rating and a share ``noise`` of the rated ones is flipped, each drawn
+independently per turn.
 
-Seeds: device ``d`` draws from ``random.Random("field:<seed>:<d>")`` its tasks (the rows shuffled, again
-after each pass: every row once before any twice), its user's draws and, when ``temperature`` > 0, the
-sampler's seed of each turn. With a candidate (``candidate=`` adapter GGUFs made for the artifact's base), a
-device runs the embedded runtime's A/B test (:class:`~slm_align.ondevice.agent.ab_trial.DeviceRouter`, as
-``Agent.load(..., candidate=...)`` does): each conversation is routed by a keyed hash of an id the trial
-signs with a random key (a client cannot choose its arm, so neither can a seed); which arm answered is
-therefore not reproducible, everything else is. Each device's trial decides alone in its store as a phone
-does; the fleet decision pools them.
+Seeds: device ``d`` draws from ``random.Random("field:<seed>:<d>")`` its tasks (the rows shuffled,
+again after each pass: every row once before any twice), its user's draws and, when ``temperature``
+> 0, the sampler's seed of each turn. With a candidate (``candidate=`` adapter GGUFs made for the
+artifact's base), a device runs the embedded runtime's A/B test
+(:class:`~slm_align.ondevice.agent.ab_trial.DeviceRouter`, as ``Agent.load(..., candidate=...)``
+does): each conversation is routed by a keyed hash of an id the trial signs with a random key (a
+client cannot choose its arm, so neither can a seed); which arm answered is therefore not
+reproducible, everything else is. Each device's trial decides alone in its store as a phone does;
+the fleet decision pools them.
 
 Torch-free, like the runtime.
 """
@@ -66,7 +69,8 @@ DEFAULT_UNRATED = 0.3
 
 @dataclass(frozen=True)
 class FieldSettings:
-    """How the simulated fleet runs (checked by :meth:`check` before anything is opened or written)."""
+    """How the simulated fleet runs (checked by :meth:`check` before anything is opened or
+    written)."""
 
     devices: int = DEFAULT_DEVICES
     """Simulated devices, each with its own store, user and seed."""
@@ -77,8 +81,8 @@ class FieldSettings:
     unrated: float = DEFAULT_UNRATED
     """Share of turns left without a rating."""
     candidate: tuple = ()
-    """Adapter GGUFs A/B-tested against the artifact's adapters (none: no A/B test), or one manifest,
-    bundle or BASE+ADAPTER chain on the same base (:func:`candidate_chain`)."""
+    """Adapter GGUFs A/B-tested against the artifact's adapters (none: no A/B test), or one
+    manifest, bundle or BASE+ADAPTER chain on the same base (:func:`candidate_chain`)."""
     candidate_share: float = 0.5
     """Share of conversations the candidate answers while a device's A/B test collects."""
     seed: int = 0
@@ -123,9 +127,9 @@ class Rating:
 class ScriptedUser:
     """Rates answers as the task's checker judges them, with a share of noise and of unrated turns.
 
-    Per turn two uniform draws u1, u2 in [0, 1): unrated when u1 < ``unrated``; else up = success XOR
-    (u2 < ``noise``). Both are drawn on every turn, so the same seed leaves the same turns unrated
-    whatever the noise.
+    Per turn two uniform draws u1, u2 in [0, 1): unrated when u1 < ``unrated``; else up = success
+    XOR (u2 < ``noise``). Both are drawn on every turn, so the same seed leaves the same turns
+    unrated whatever the noise.
     """
 
     def __init__(self, rng: random.Random, noise: float, unrated: float):
@@ -142,7 +146,8 @@ class ScriptedUser:
 
 
 def device_rng(seed: int, device: int) -> random.Random:
-    """Device ``device``'s own random stream (string seeds hash with SHA-512: stable across runs)."""
+    """Device ``device``'s own random stream (string seeds hash with SHA-512: stable across
+    runs)."""
     return random.Random(f"field:{seed}:{device}")
 
 
@@ -157,9 +162,10 @@ def assign_tasks(rows: int, turns: int, rng: random.Random) -> list[int]:
 
 
 def candidate_chain(candidate: Sequence[Union[str, Path]], current: ArtifactForm) -> tuple[Path, ...]:
-    """The candidate's adapters, applied in order on the artifact's base: adapter GGUFs as given, or the
-    adapters of one artifact form (an adapter export's manifest, a bundle folder, ``BASE+ADAPTER...``)
-    whose base is the artifact's own (same sha256): a round's update A/B-tested as it ships."""
+    """The candidate's adapters, applied in order on the artifact's base: adapter GGUFs as given, or
+    the adapters of one artifact form (an adapter export's manifest, a bundle folder,
+    ``BASE+ADAPTER...``) whose base is the artifact's own (same sha256): a round's update A/B-tested
+    as it ships."""
     paths = [Path(str(path)) for path in candidate]
     if not paths or all(path.is_file() and is_adapter_gguf(path) for path in paths):
         return tuple(paths)
@@ -182,7 +188,8 @@ def device_name(device: int, devices: int) -> str:
 
 
 def _arm(agent: Agent) -> str:
-    """Which arm answered the last turn: ``candidate`` when its adapters were on, else ``current``."""
+    """Which arm answered the last turn: ``candidate`` when its adapters were on, else
+    ``current``."""
     if agent.ab is not None and agent.model_id == agent.ab.trial.candidate_id:
         return "candidate"
     return "current"
@@ -203,8 +210,8 @@ def device_agent(model: Model, store: PreferenceStore, settings: FieldSettings,
 
 
 def run_device(agent: Agent, rows: Sequence[dict], rng: random.Random, settings: FieldSettings) -> list[dict]:
-    """One device's turns, each a new conversation rated by its scripted user: ``{task, arm, success,
-    up, flipped}`` each."""
+    """One device's turns, each a new conversation rated by its scripted user:
+    ``{task, arm, success, up, flipped}`` each."""
     tasks = assign_tasks(len(rows), settings.turns_per_device, rng)
     seeds = [rng.randrange(2 ** 32) for _ in tasks]
     user = ScriptedUser(rng, settings.noise, settings.unrated)
@@ -287,7 +294,8 @@ def simulate_field(artifact: Union[str, Path], tasks: Union[str, Path], out: Uni
 
 def _run_fleet(model: Model, rows: Sequence[dict], settings: FieldSettings, current: Sequence[Path],
                folder: Path) -> list[dict]:
-    """Every device in turn, each into its own store in ``folder``: ``{device, file, turns, ab}`` each."""
+    """Every device in turn, each into its own store in ``folder``: ``{device, file, turns, ab}``
+    each."""
     fleet = []
     with counted("devices", settings.devices, "devices") as count:
         for device in range(1, settings.devices + 1):
@@ -303,7 +311,8 @@ def _run_fleet(model: Model, rows: Sequence[dict], settings: FieldSettings, curr
 
 
 def _summary(fleet: list[dict], settings: FieldSettings, artifact, tasks, n_tasks: int) -> dict:
-    """The fleet's figures: settings, totals, per arm, per device, and the devices' own A/B states."""
+    """The fleet's figures: settings, totals, per arm, per device, and the devices' own A/B
+    states."""
     turns = [turn for device in fleet for turn in device["turns"]]
     totals = _counts(turns)
     ab = None

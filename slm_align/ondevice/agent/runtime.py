@@ -193,13 +193,14 @@ class Agent:
     @property
     def model_id(self) -> str:
         """What answers, as preference records name it: the artifact's sha256, or with adapters the
-        digest of the base and the adapters in order (:func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`,
-        what an adapter export's manifest records)."""
+        digest of the base and the adapters in order
+        (:func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`, what an adapter export's
+        manifest records)."""
         return chain_digest(self.base_id, [adapter["sha256"] for adapter in self.adapters])
 
     def set_adapters(self, adapters: Sequence[Union[str, Path]]) -> list[dict]:
-        """Swap the LoRA adapters on the base (GGUF; none: the base alone) without reloading it; later
-        turns are recorded under the new :attr:`model_id`. The conversation stays."""
+        """Swap the LoRA adapters on the base (GGUF; none: the base alone) without reloading it;
+        later turns are recorded under the new :attr:`model_id`. The conversation stays."""
         if not hasattr(self.backend, "set_adapters"):
             raise UserError("adapters apply to a GGUF base in llama.cpp; this agent runs an ONNX export")
         return self.backend.set_adapters([Path(adapter) for adapter in adapters])
@@ -317,10 +318,10 @@ class Agent:
 
         The first prompt is rendered from the messages; after each tool round the model continues
         the ids it was fed and sampled, with the runtime's inserted ids after them
-        (:func:`~slm_align.ondevice.agent.prompt.next_prompt`). ``trace`` records those pieces in order:
-        ``("prompt", ids)``, then ``("sampled", ids)`` and ``("inserted", ids)`` per round, the
-        final answer's ``("sampled", ids)`` last (a ``("prompt", ids)`` anew where the conversation
-        outgrew the context and its oldest turns were cut)."""
+        (:func:`~slm_align.ondevice.agent.prompt.next_prompt`). ``trace`` records those pieces in
+        order: ``("prompt", ids)``, then ``("sampled", ids)`` and ``("inserted", ids)`` per round,
+        the final answer's ``("sampled", ids)`` last (a ``("prompt", ids)`` anew where the
+        conversation outgrew the context and its oldest turns were cut)."""
         params = replace(self.sampling, **sampling)
         if self.tools:
             require_tool_template(self.backend.chat_template, template_origin(self.backend))
@@ -442,9 +443,9 @@ class Agent:
             self.ab.evaluate()
 
     def alternative(self, messages: Optional[list[dict]] = None, seed: Optional[int] = None, **sampling) -> str:
-        """A second candidate for the last answer (or for the prompt ``messages`` of
-        a stored turn), sampled as
-        :func:`alternative_sampling` says (``seed``, else the next seed), for a "which is better" choice."""
+        """A second candidate for the last answer (or for the prompt ``messages`` of a stored turn),
+        sampled as :func:`alternative_sampling` says (``seed``, else the next seed), for a "which is
+        better" choice."""
         if messages is None and not self._last_prompt:
             raise UserError("no answer to compare with yet; chat first")
         params = alternative_sampling(replace(self.sampling, **sampling), seed)

@@ -2,13 +2,13 @@
 setting's bounds and help, and the parameter objects an agent is made with (:class:`ChatSettings`,
 how it converses; :class:`Recording`, where its turns go).
 
-Each setting a person or a client may choose is an ``Annotated`` type that carries its bounds
-and description (:data:`Temperature`, :data:`TopP`, ...). The server's request bodies declare
-their fields with these types, and `slm-align chat` makes its flags from :class:`Sampling`'s
-fields (help, default and bounds), so each bound is written once, the command line and the
-server refuse the same values, and their refusals say it in the same words
-(:mod:`slm_align.ondevice.agent.bounds`). ``chat --temperature 3`` and a request with ``"temperature":
-3`` are both refused with "a number from 0 to 2".
+Each setting a person or a client may choose is an ``Annotated`` type that carries its bounds and
+description (:data:`Temperature`, :data:`TopP`, ...). The server's request bodies declare their
+fields with these types, and `slm-align chat` makes its flags from :class:`Sampling`'s fields (help,
+default and bounds), so each bound is written once, the command line and the server refuse the same
+values, and their refusals say it in the same words (:mod:`slm_align.ondevice.agent.bounds`).
+``chat --temperature 3`` and a request with ``"temperature": 3`` are both refused with "a number
+from 0 to 2".
 
 Pydantic and the standard library only: the command line reads this module when it
 starts, and it imports no numpy.

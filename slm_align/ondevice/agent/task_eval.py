@@ -1,12 +1,11 @@
 """Judge exported models on tool-use tasks in the agent runtime, with real tool execution.
 
-Each task row holds a chat ``prompt`` (or a string), an ``answer`` and optionally the
-``tool`` it needs (as ``slm-align tasks make`` writes them). Every artifact answers every
-task in :class:`Agent` with its own tools (:func:`task_tools`), in episodes of up to ``max_tool_rounds`` tool
-rounds and a final answer: once greedily (``samples`` 1), or ``samples`` times sampled at
-``temperature`` with a seed per task and sample (:func:`sample_seed`). A finished episode is
-classified as ``success`` or one failure (``no_call``, ``malformed_call``, ``wrong_tool``,
-``wrong_answer``).
+Each task row holds a chat ``prompt`` (or a string), an ``answer`` and optionally the ``tool`` it
+needs (as ``slm-align tasks make`` writes them). Every artifact answers every task in :class:`Agent`
+with its own tools (:func:`task_tools`), in episodes of up to ``max_tool_rounds`` tool rounds and a
+final answer: once greedily (``samples`` 1), or ``samples`` times sampled at ``temperature`` with a
+seed per task and sample (:func:`sample_seed`). A finished episode is classified as ``success`` or
+one failure (``no_call``, ``malformed_call``, ``wrong_tool``, ``wrong_answer``).
 
 Per artifact (:func:`summarize`): the success rate with its Wilson interval, the call rate, the
 valid-call rate, rounds and generated tokens per episode, each failure's count and share; with
@@ -114,8 +113,8 @@ def check_row(where: str, row) -> None:
 
 def load_tasks(path: Union[str, Path], limit: Optional[int] = None) -> list[dict]:
     """Task rows with a prompt and an answer, or function rows (with ``ground_truth``: see
-    :mod:`slm_align.ondevice.agent.function_eval`); a missing file or column, an empty answer, or a ground
-    truth naming no offered function is a one-line UserError."""
+    :mod:`slm_align.ondevice.agent.function_eval`); a missing file or column, an empty answer, or a
+    ground truth naming no offered function is a one-line UserError."""
     from slm_align.data.readers import iter_rows
 
     rows = []
@@ -154,7 +153,8 @@ def _expected_tool(row: dict) -> Optional[str]:
 
 def task_tools(row: dict) -> ToolRegistry:
     """The tools a task offers, as RL's episodes offer them: its ``tools`` schemas, each running the
-    built-in of that name (:func:`~slm_align.ondevice.tools.specs.registry_for_row`); the built-ins without."""
+    built-in of that name (:func:`~slm_align.ondevice.tools.specs.registry_for_row`); the built-ins
+    without."""
     if row.get("tools"):
         return registry_for_row(row["tools"], default_tools())
     return default_tools()
@@ -168,8 +168,9 @@ def check_artifact_exists(artifact: Union[str, Path]) -> None:
 
 
 def load_checked(artifact: Union[str, Path], threads: Optional[int] = None) -> Model:
-    """The opened ``artifact`` (any form of :func:`~slm_align.ondevice.agent.artifact_forms.resolve_artifact`)
-    with a chat template that renders; a missing, damaged or unknown artifact is a one-line UserError."""
+    """The opened ``artifact`` (any form of
+    :func:`~slm_align.ondevice.agent.artifact_forms.resolve_artifact`) with a chat template that
+    renders; a missing, damaged or unknown artifact is a one-line UserError."""
     check_artifact_exists(artifact)
     try:  # an unknown form is refused by load_model's resolve_artifact
         model = load_model(artifact, threads=threads)
@@ -185,9 +186,10 @@ def load_checked(artifact: Union[str, Path], threads: Optional[int] = None) -> M
 def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
                max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, threads: Optional[int] = None) -> Agent:
     """A greedy agent with the built-in tools on ``artifact`` (any form of
-    :func:`~slm_align.ondevice.agent.artifact_forms.resolve_artifact`: a model, base + adapters, an adapter
-    export's manifest, a bundle; ``threads``: its backend's, default
-    :func:`~slm_align.ondevice.devices.host.default_threads`); one that does not load is a UserError."""
+    :func:`~slm_align.ondevice.agent.artifact_forms.resolve_artifact`: a model, base + adapters, an
+    adapter export's manifest, a bundle; ``threads``: its backend's, default
+    :func:`~slm_align.ondevice.devices.host.default_threads`); one that does not load is a
+    UserError."""
     model = load_checked(artifact, threads)
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return Agent(_CountingBackend(model.backend), model.sha256, tools=default_tools(), sampling=sampling,
