@@ -52,8 +52,17 @@ from slm_align.ondevice.agent.settings import (
     take_options,
 )
 from slm_align.ondevice.agent.store import PreferenceStore
-from slm_align.ondevice.agent.task_eval import check_artifact_exists, load_checked, load_tasks, run_task
-from slm_align.ondevice.agent.task_settings import DEFAULT_MAX_TOKENS, DEFAULT_TOOL_ROUNDS, check_settings
+from slm_align.ondevice.agent.task_eval import (
+    check_artifact_exists,
+    load_checked,
+    load_tasks,
+    run_task,
+)
+from slm_align.ondevice.agent.task_settings import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TOOL_ROUNDS,
+    check_settings,
+)
 from slm_align.ondevice.tools.builtin import default_tools
 from slm_align.progress import counted, stage_lines
 from slm_align.runs import check_out_dir, sha256_file
@@ -109,9 +118,9 @@ class FieldSettings:
             check_share(self.candidate_share)
         for path in self.candidate:
             if not Path(path).exists() and "+" not in str(path):
-                raise UserError(f"candidate adapter {path} not found; pass a LoRA adapter GGUF made "
-                                "for the artifact's base (`export --target gguf-adapter`), or its "
-                                "manifest or bundle")
+                raise UserError(f"candidate adapter {path} not found; pass a LoRA adapter GGUF "
+                                "made for the artifact's base (`export --target gguf-adapter`), "
+                                "or its manifest or bundle")
 
 
 @dataclass(frozen=True)
@@ -202,7 +211,8 @@ def device_agent(model: Model, store: PreferenceStore, settings: FieldSettings,
     sampling = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_tokens)
     chat = ChatSettings(sampling=sampling, max_tool_rounds=settings.max_tool_rounds,
                         describe_tools=True)
-    agent = Agent(model.backend, model.sha256, default_tools(), chat, Recording(store, consent=True))
+    recording = Recording(store, consent=True)
+    agent = Agent(model.backend, model.sha256, default_tools(), chat, recording)
     if settings.candidate:
         trial = Candidate(tuple(Path(p) for p in settings.candidate), settings.candidate_share)
         agent.ab = DeviceRouter(agent, list(current), trial)
