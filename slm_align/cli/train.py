@@ -314,7 +314,7 @@ def train(
 ) -> None:
     """Train: SFT, the Bradley-Terry reward model, the headroom gate, then PPO or GRPO in the safety
     envelope; or DPO/KTO (--algo dpo|kto) on --preferences files from the SFT prior."""
-    from slm_align.pipeline import RLRequest, check_stage, data_from_run
+    from slm_align.pipeline import RLRequest, check_stage, data_from_run, trains_on_preferences
     from slm_align.pipeline import train as run_pipeline
 
     check_stage(stage)
@@ -329,7 +329,7 @@ def train(
         return
     summary = result.summary()
     printer = SUMMARY_PRINTERS[stage]
-    if stage == "rl" and recipe.rl.algo in ("dpo", "kto"):
+    if stage == "rl" and trains_on_preferences(recipe.rl.algo):
         printer = print_preference
     if trained.evaluation is None:
         emit(as_json, summary, lambda: printer(summary))

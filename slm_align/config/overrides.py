@@ -13,6 +13,7 @@ from typing import Any, Optional
 from pydantic import BaseModel
 
 from slm_align.config import RL_SECTIONS, Recipe, section_of
+from slm_align.config.rl import algorithm_candidates
 from slm_align.config.tomlcompat import tomllib
 from slm_align.errors import UserError
 
@@ -106,9 +107,7 @@ def refuse_other_algorithm(algo: str, overrides: dict[str, Any], flag_names: dic
     accepts both RL sections."""
     for key, value in overrides.items():
         owners = _algorithms_of(key)
-        if value is None or owners is None or algo in owners:
-            continue
-        if algo == "auto" and set(owners) <= {"ppo", "grpo"}:
+        if value is None or owners is None or set(owners) & set(algorithm_candidates(algo)):
             continue
         given = flag_names.get(key, f"--set {key}")
         owner = "/".join(owners)

@@ -24,7 +24,7 @@ from slm_align.data.function_tasks import FILES, write_function_tasks
 from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.ondevice.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.pipeline import export_once, gate, run_rl, run_sft
-from slm_align.rl.schedule import iteration_size
+from slm_align.rl.algorithms import rl_algorithm
 
 Say = Callable[[str], None]
 REWARD = "function_call_match"
@@ -102,7 +102,7 @@ def rl_step(recipe: Recipe, run: Path, say: Say) -> dict:
     recorded: the quickstart shows what RL does here), exported."""
     rl = recipe.rl
     say(f"[bold]3/4 RL[/] gate, then GRPO on the training prompts, no more demonstrations ({rl.steps} "
-        f"iterations of {iteration_size(rl).samples} replies, reward {REWARD})")
+        f"iterations of {rl_algorithm(rl.algo).iteration_size(rl).samples} replies, reward {REWARD})")
     report = gate(recipe, run, adapter=None, reward_model=None, rewards=(REWARD,), force=True)
     say(f"    gate: {report['verdict']}" + "".join(f"; {reason}" for reason in report["reasons"]))
     stage = run_rl(recipe, run, rewards=[REWARD], force=True, resume=True)
