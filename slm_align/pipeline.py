@@ -166,8 +166,9 @@ def note_kept_seed(recipe: Recipe, sft_recipe: Recipe, say: Say) -> None:
             f"{recipe.seed}: set rl.seed to seed RL's own draws")
 
 
-def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False, sft_from: Optional[Path] = None,
-           reward_model: Optional[Path] = None, rewards: Sequence[str] = (), say: Say = quiet) -> StageResult:
+def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
+           sft_from: Optional[Path] = None, reward_model: Optional[Path] = None,
+           rewards: Sequence[str] = (), say: Say = quiet) -> StageResult:
     """SFT and the reward model (run or found) and the gate, on rank 0; then PPO or GRPO on every
     rank of the world (one process unless launched)."""
     if trains_on_preferences(recipe.rl.algo):
@@ -177,7 +178,8 @@ def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
     world, compute = rl_world(recipe)
     check_divisible(recipe.rl, world)
     check_episode_settings(recipe.rl, recipe.data.tasks is not None, rewards)
-    check_task_file(recipe.rl, recipe.data.tasks)  # environments named by rows: allowed ones only, before any import
+    # environments named by rows: allowed ones only, before any import
+    check_task_file(recipe.rl, recipe.data.tasks)
     check_sampler(recipe.rl, recipe.model)
     request = RLRequest(sft_from, reward_model, tuple(rewards), force, resume)
     prior = world.on_main(functools.partial(rl_prior, recipe, out, request, world, say))
@@ -214,7 +216,8 @@ class Trained:
     evaluation: Optional[dict] = None
 
 
-def train(recipe: Recipe, out: Path, stage: str = "rl", request: RLRequest = RLRequest(), say: Say = quiet) -> Trained:
+def train(recipe: Recipe, out: Path, stage: str = "rl", request: RLRequest = RLRequest(),
+          say: Say = quiet) -> Trained:
     """What ``slm-align train`` runs: one Trainer stage (``sft``, ``reward``); or, for ``rl``,
     DPO/KTO (``--algo dpo|kto``) or RL with every stage it needs, then the closing evaluation
     (unless ``rl.report_prompts`` is 0, or RL trained on agent episodes: an agent is judged by
@@ -227,11 +230,14 @@ def train(recipe: Recipe, out: Path, stage: str = "rl", request: RLRequest = RLR
     if trains_on_preferences(recipe.rl.algo):
         return Trained(run_preference(recipe, out, resume=request.resume, force=request.force,
                                       sft_from=request.sft_from, say=say))
-    result = run_rl(recipe, out, resume=request.resume, force=request.force, sft_from=request.sft_from,
-                    reward_model=request.reward_model, rewards=request.rewards, say=say)
-    if not result.primary or recipe.rl.report_prompts == 0:  # other ranks of a data-parallel run: rank 0 reports
+    result = run_rl(recipe, out, resume=request.resume, force=request.force,
+                    sft_from=request.sft_from, reward_model=request.reward_model,
+                    rewards=request.rewards, say=say)
+    # other ranks of a data-parallel run: rank 0 reports
+    if not result.primary or recipe.rl.report_prompts == 0:
         return Trained(result)
-    if result.metrics.get("episodes"):  # an agent is judged in the runtime: export, then evaluate-agent
+    # an agent is judged in the runtime: export, then evaluate-agent
+    if result.metrics.get("episodes"):
         return Trained(result)
     report = evaluate(recipe, out, sft_run=request.sft_from, reward_model=request.reward_model,
                       rewards=request.rewards, prompts=recipe.rl.report_prompts)

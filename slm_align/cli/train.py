@@ -305,8 +305,9 @@ def train(
                                                                 "stage of this run instead."),
     reward_model: Optional[Path] = typer.Option(None, help="Use this reward model dir "
                                                            "instead of training one."),
-    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight] or a built-in; "
-                                                          "repeatable; added to the reward model."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function "
+                                     "module:function[@weight] or a built-in; repeatable; added "
+                                     "to the reward model."),
     force: bool = typer.Option(False, "--force", help="Train even when the headroom "
                                                       "gate says FAIL (recorded)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted stage in OUT."),
@@ -336,7 +337,8 @@ def train(
         return
     report = trained.evaluation
     summary = dict(summary, evaluation=report["comparisons"])
-    emit(as_json, summary, lambda: (print_rl(summary), print_evaluation(report, out / "eval" / "report.md")))
+    report_path = out / "eval" / "report.md"
+    emit(as_json, summary, lambda: (print_rl(summary), print_evaluation(report, report_path)))
 
 
 SUMMARY_PRINTERS = {"sft": print_sft, "reward": print_reward, "rl": print_rl}

@@ -101,7 +101,8 @@ def _algorithms_of(key: str) -> Optional[tuple[str, ...]]:
     return None if section is None else (section,)
 
 
-def refuse_other_algorithm(algo: str, overrides: dict[str, Any], flag_names: dict[str, str]) -> None:
+def refuse_other_algorithm(algo: str, overrides: dict[str, Any],
+                           flag_names: dict[str, str]) -> None:
     """Refuse a setting given on the command line that only another algorithm reads (``--algo ppo
     --beta``, ``--algo dpo --desirable-weight``); ``auto`` (PPO or GRPO, the gate decides)
     accepts both RL sections."""
@@ -111,6 +112,8 @@ def refuse_other_algorithm(algo: str, overrides: dict[str, Any], flag_names: dic
             continue
         given = flag_names.get(key, f"--set {key}")
         owner = "/".join(owners)
-        twin = f" ({algo.upper()}'s own: {PREFERENCE_TWINS[key]})" if key in PREFERENCE_TWINS else ""
+        twin = ""
+        if key in PREFERENCE_TWINS:
+            twin = f" ({algo.upper()}'s own: {PREFERENCE_TWINS[key]})"
         raise UserError(f"{given} is a {owner.upper()} setting and --algo is {algo}: drop it or "
                         f"use --algo {owners[0]}{twin}")

@@ -51,13 +51,15 @@ def heldout_prompts(prompts: set[str], seed: int, fraction: float) -> set[str]:
     return set(ordered[:count])
 
 
-def load_preference_data(paths: list[Path], tokenizer, algo: str, seed: int, fraction: float) -> PreferenceData:
+def load_preference_data(paths: list[Path], tokenizer, algo: str, seed: int,
+                         fraction: float) -> PreferenceData:
     """Read ``paths`` (pairs and thumbs in TRL's columns) and split them by prompt; the training
     side both as pairs (thumbs of one prompt paired good-with-bad) and as labelled completions
     (each pair as a good and a bad one). ``algo`` names the algorithm in the error message."""
     if not paths:
-        raise UserError(f"--algo {algo} trains on preference files: pass --preferences FILE (e.g. both files of "
-                        "`slm-align feedback export`, or TRL prompt/chosen/rejected or prompt/completion/label rows)")
+        raise UserError(f"--algo {algo} trains on preference files: pass --preferences FILE "
+                        "(e.g. both files of `slm-align feedback export`, or TRL "
+                        "prompt/chosen/rejected or prompt/completion/label rows)")
     rows = read_preference_rows(paths, tokenizer)
     prompts = {p.prompt for p in rows.pairs} | {item.prompt for item in rows.labelled}
     heldout = heldout_prompts(prompts, seed, fraction) if len(prompts) > 1 else set()

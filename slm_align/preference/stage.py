@@ -18,7 +18,7 @@ from slm_align.atomic import write_json_atomic
 from slm_align.config import Recipe
 from slm_align.data.readers import fingerprint
 from slm_align.envelope.gate import Figure, GateRefused, HeadroomReport, refusal
-from slm_align.envelope.loop import load_checkpoint, train_steps
+from slm_align.envelope.loop import StepPlan, StepRecord, load_checkpoint, train_steps
 from slm_align.envelope.policy import build_policy
 from slm_align.envelope.run import Placement
 from slm_align.envelope.world import World, launched
@@ -67,7 +67,8 @@ class PreferenceStage:
         self.paths = [Path(p) for p in recipe.reward.preferences]
         self.data = load_preference_data(self.paths, self.tokenizer, self.algo, recipe.seed,
                                          recipe.preference.heldout_fraction)
-        self.feedback = check_feedback_models(self.data.model_ids, self.out, recipe.preference.any_model)
+        self.feedback = check_feedback_models(self.data.model_ids, self.out,
+                                              recipe.preference.any_model)
 
     def inputs(self) -> dict:
         """What the stage's artifacts depend on (the SFT prior named by its
@@ -176,11 +177,13 @@ def _iterate(learner: PreferenceLearner, partial: Path, tracker: Tracker) -> Non
         """One guarded DPO/KTO step (and the held-out figures when due)."""
         metrics = learner.train_step()
         if learner.step % settings.eval_every == 0 or learner.step == settings.steps:
-            metrics.update({f"heldout/{k}": v for k, v in learner.heldout().items() if not k.endswith("_ci")})
+            figures = learner.heldout().items()
+            metrics.update({f"heldout/{k}": v for k, v in figures if not k.endswith("_ci")})
         return metrics
 
-    train_steps(learner, step, settings.steps, partial, title=learner.algo.upper(), status=_loss_status,
-                save_every=settings.save_steps, state=learner.state_dict, world=World(), tracker=tracker)
+    plan = StepPlan(step, settings.steps, title=learner.algo.upper(), status=_loss_status)
+    train_steps(learner, plan, StepRecord(partial, learner.state_dict, settings.save_steps, World(),
+                                          tracker))
 
 
 def _loss_status(metrics: dict) -> str:
@@ -196,7 +199,8 @@ def _figures(learner: PreferenceLearner, data: PreferenceData, gate: dict, befor
                    "reasons": gate["reasons"], "figures": gate["figures"]}
     return {"algo": learner.algo, "steps": learner.step, "learning_rate": learner.learning_rate,
             "train_items": learner.size(), "heldout_pairs": len(learner.chosen.rows),
-            "heldout_labelled": len(learner.labelled.rows), "dropped_by_truncation": learner.dropped,
+            "heldout_labelled": len(learner.labelled.rows),
+            "dropped_by_truncation": learner.dropped,
             **learner.own_figures(),
             "heldout_before": before, "heldout_after": after, "heldout_accuracy": _accuracy(after),
             "gate": gate_record, "guard": {"rollbacks": counters.rollbacks},

@@ -16,5 +16,6 @@ ALGORITHMS: dict[str, type[Learner]] = {"ppo": PPO, "grpo": GRPO}
 def rl_algorithm(name: str) -> type[Learner]:
     """The learner class of ``name``; a UserError naming the choices for any other name."""
     if name not in ALGORITHMS:
-        raise UserError(f"--algo {name} is not an RL algorithm: choose one of {', '.join(ALGORITHMS)}")
+        raise UserError(f"--algo {name} is not an RL algorithm: choose one of "
+                        f"{', '.join(ALGORITHMS)}")
     return ALGORITHMS[name]

@@ -31,7 +31,7 @@ from slm_align.rl.advantages import Advantages, all_equal_groups, grpo_advantage
 from slm_align.rl.learner import Learner, rollout_kl, rollout_metrics
 from slm_align.rl.losses import aggregate, clipped_policy_loss, kl_k3
 from slm_align.rl.schedule import IterationSize
-from slm_align.rollouts.completions import Rollout, replace_rows
+from slm_align.rollouts.completions import Passes, Rollout, replace_rows
 from slm_align.rollouts.phases import PhaseClock
 
 
@@ -83,8 +83,8 @@ class GRPO(Learner):
     def sample(self, prompts: list[str], seed: int) -> Rollout:
         """One completion per prompt (``seed``), scored, with the log-probability passes GRPO
         uses."""
-        return self.collect_rollout(prompts, seed, self.needs_old_pass(), self.needs_reference(),
-                                    self.old_from_sampler())
+        passes = Passes(self.needs_old_pass(), self.needs_reference(), self.old_from_sampler())
+        return self.collect_rollout(prompts, seed, passes)
 
     def rollout(self, step: int) -> Rollout:
         """The groups of an iteration (B = prompts x G rows), all-equal ones drawn once more when

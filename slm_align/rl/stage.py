@@ -23,7 +23,7 @@ from slm_align.config import Recipe, RLSettings
 from slm_align.config.rl import algorithm_candidates
 from slm_align.data.prompt_source import prompt_source
 from slm_align.data.readers import fingerprint
-from slm_align.envelope.loop import load_checkpoint, train_steps
+from slm_align.envelope.loop import StepPlan, StepRecord, load_checkpoint, train_steps
 from slm_align.envelope.policy import build_policy
 from slm_align.envelope.recovery import (
     EVENTS,
@@ -80,9 +80,9 @@ def rl_world(recipe: Recipe) -> tuple[World, object]:
 
 
 def check_divisible(settings: RLSettings, world: World) -> None:
-    """Ranks share an iteration's prompt draws (GRPO: whole groups): refuse a world that cannot split
-    them evenly. ``auto``, which the gate resolves later, is refused only when no algorithm it may
-    become could split them."""
+    """Ranks share an iteration's prompt draws (GRPO: whole groups): refuse a world that cannot
+    split them evenly. ``auto``, which the gate resolves later, is refused only when no algorithm
+    it may become could split them."""
     candidates = [rl_algorithm(name) for name in algorithm_candidates(settings.algo)]
     refusals = [indivisible(algorithm, settings, world) for algorithm in candidates]
     if all(refusals):
@@ -121,7 +121,8 @@ class RLStage:
     name = STAGE
     keep = ("adapter", "adapter-last", EVENTS, "value_head.safetensors", "metrics.jsonl", "plots", "inputs.json")
 
-    def __init__(self, prior: Prior, rewards: Sequence[str], world: World, compute, say: Callable[[str], None]):
+    def __init__(self, prior: Prior, rewards: Sequence[str], world: World, compute,
+                 say: Callable[[str], None]):
         check_divisible(prior.recipe.rl, world)
         self.algorithm = rl_algorithm(prior.recipe.rl.algo)
         self.prior = prior
@@ -169,8 +170,9 @@ class RLStage:
         if episodes is not None:
             episodes.check_template(self.tokenizer)
         seed = training_seed(recipe)
+        model = recipe.model
         self.policy = build_policy(source, self.prior.adapter, settings, seed,
-                                   recipe.model.trust_remote_code, recipe.model.allow_pickle, device)
+                                   model.trust_remote_code, model.allow_pickle, device)
         algorithm = self.algorithm
         self.value_head = None
         if algorithm.needs_value_head:
@@ -273,9 +275,11 @@ class RLStage:
         def stopped() -> bool:
             return watch is not None and watch.stopped is not None
 
-        train_steps(loop, iteration, self.recipe.rl.steps, partial, title=f"RL ({self.recipe.rl.algo})",
-                    status=_reward_status, save_every=self.recipe.rl.save_steps, state=state, world=self.world,
-                    tracker=tracker, stopped=stopped)
+        settings = self.recipe.rl
+        plan = StepPlan(iteration, settings.steps, title=f"RL ({settings.algo})",
+                        status=_reward_status, stopped=stopped)
+        record = StepRecord(partial, state, settings.save_steps, self.world, tracker)
+        train_steps(loop, plan, record)
 
     def _watch(self, partial: Path) -> Optional[WatchedRun]:
         """The run's watchdog (None when it is off). Its probe is the last ``probe_prompts``
