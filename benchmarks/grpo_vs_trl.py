@@ -73,6 +73,7 @@ def build_ours(args):
 
     from slm_align.config import GRPOSettings, LoraSettings, RLSettings
     from slm_align.envelope.policy import build_policy
+    from slm_align.envelope.run import Placement
     from slm_align.envelope.value_head import ValueHead
     from slm_align.modeling.accelerator import resolve_device
     from slm_align.modeling.models import load_tokenizer, resolve_source
@@ -95,9 +96,10 @@ def build_ours(args):
     if args.algo == "ppo":  # the same number of samples: prompts x G prompt draws, one completion each
         value_head = ValueHead(policy.config.hidden_size).to(resolve_device(args.device))
         loop = PPO(policy, tokenizer, reward, prompts, settings, seed=0, value_head=value_head,
-                   precision=args.precision)
+                   placement=Placement(precision=args.precision))
     else:
-        loop = GRPO(policy, tokenizer, reward, prompts, settings, seed=0, precision=args.precision)
+        loop = GRPO(policy, tokenizer, reward, prompts, settings, seed=0,
+                    placement=Placement(precision=args.precision))
     if args.side == "ours_llama":
         import tempfile
 

@@ -122,6 +122,21 @@ RL_SECTIONS = {"ppo": PPOSettings, "grpo": GRPOSettings}
 = 0.1``, ``rl.beta``)."""
 
 
+GATE_CHOOSES = {"auto": ("ppo", "grpo")}
+"""The ``algo`` names the headroom gate resolves (after SFT and the reward), and the algorithms
+each may become."""
+
+
+def gate_resolves(algo: str) -> bool:
+    """Whether the headroom gate chooses the algorithm ``algo`` runs as (``auto``)."""
+    return algo in GATE_CHOOSES
+
+
+def algorithm_candidates(algo: str) -> tuple[str, ...]:
+    """The algorithms ``algo`` may run as: itself, or for ``auto`` those the gate chooses among."""
+    return GATE_CHOOSES.get(algo, (algo,))
+
+
 def section_of(key: str) -> Optional[str]:
     """The ``[rl]`` sub-section that owns ``key`` ("ppo" or "grpo"), or None for a
     shared or unknown key."""

@@ -24,7 +24,7 @@ from slm_align.data.function_tasks import FILES, write_function_tasks
 from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.ondevice.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.pipeline import export_once, gate, run_rl, run_sft
-from slm_align.rl.schedule import iteration_size
+from slm_align.rl.algorithms import rl_algorithm
 
 Say = Callable[[str], None]
 REWARD = "function_call_match"
@@ -101,15 +101,17 @@ def rl_step(recipe: Recipe, run: Path, say: Say) -> dict:
     """The gate on the check, then GRPO from the SFT policy (run whatever the gate says, the verdict
     recorded: the quickstart shows what RL does here), exported."""
     rl = recipe.rl
-    say(f"[bold]3/4 RL[/] gate, then GRPO on the training prompts, no more demonstrations ({rl.steps} "
-        f"iterations of {iteration_size(rl).samples} replies, reward {REWARD})")
+    samples = rl_algorithm(rl.algo).iteration_size(rl).samples
+    say(f"[bold]3/4 RL[/] gate, then GRPO on the training prompts, no more demonstrations "
+        f"({rl.steps} iterations of {samples} replies, reward {REWARD})")
     report = gate(recipe, run, adapter=None, reward_model=None, rewards=(REWARD,), force=True)
     say(f"    gate: {report['verdict']}" + "".join(f"; {reason}" for reason in report["reasons"]))
     stage = run_rl(recipe, run, rewards=[REWARD], force=True, resume=True)
     m = stage.metrics
     artifact = export_policy(run, run / "export-rl")
-    say(f"    {'reused' if stage.skipped else 'trained'} {stage.stage_dir}: check passed on unseen prompts of the "
-        f"training functions SFT {m['heldout_reward_sft']:.3f} -> RL {m['heldout_reward_rl']:.3f}; exported {artifact}")
+    say(f"    {'reused' if stage.skipped else 'trained'} {stage.stage_dir}: check passed on unseen "
+        f"prompts of the training functions SFT {m['heldout_reward_sft']:.3f} -> RL "
+        f"{m['heldout_reward_rl']:.3f}; exported {artifact}")
     return {"dir": str(stage.stage_dir), "skipped": stage.skipped, "gate": report["verdict"],
             "gate_reasons": report["reasons"], "metrics": m, "artifact": str(artifact)}
 

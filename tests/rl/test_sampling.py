@@ -16,7 +16,7 @@ from slm_align.envelope.value_head import ValueHead
 from slm_align.modeling.generation import sample
 from slm_align.modeling.models import resolve_source
 from slm_align.rl.ppo import PPO
-from slm_align.rollouts.completions import collect
+from slm_align.rollouts.completions import RolloutModels, collect
 from tests.helpers import policy_with_moved_lora
 
 PROMPTS = ["Once upon a time, there was a cat.",
@@ -113,11 +113,11 @@ def recording_reward(log: list):
 def test_rollout_scores_completions_as_written_and_can_penalise_a_missing_eos(checkpoint, tokenizer):
     policy = build_policy(resolve_source(str(checkpoint)), None, settings(), seed=0)
     seen: list = []
-    batch = collect(policy, None, tokenizer, recording_reward(seen), PROMPTS, settings(max_new_tokens=3), seed=0)
+    models = RolloutModels(policy, None, tokenizer, recording_reward(seen))
+    batch = collect(models, PROMPTS, settings(max_new_tokens=3), seed=0)
     assert seen == [batch.truncated.tolist()] and all(seen[0])  # the reward knows which completions were cut
     assert batch.scores.tolist() == [1.0] * 4
-    penalised = collect(policy, None, tokenizer, recording_reward(seen), PROMPTS,
-                        settings(max_new_tokens=3, missing_eos_penalty=0.75), seed=0)
+    penalised = collect(models, PROMPTS, settings(max_new_tokens=3, missing_eos_penalty=0.75), seed=0)
     assert penalised.scores.tolist() == [0.25] * 4
 
 

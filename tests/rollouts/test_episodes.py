@@ -25,6 +25,7 @@ from slm_align.ondevice.rewards.columns import with_columns
 from slm_align.ondevice.tools.builtin import calculator, default_tools
 from slm_align.ondevice.tools.registry import ToolRegistry
 from slm_align.rl.grpo import GRPO
+from slm_align.rollouts.completions import Passes
 from slm_align.rollouts.episodes import (
     AgentTasks,
     EpisodeSetup,
@@ -382,7 +383,7 @@ def test_a_grpo_iteration_on_episodes_trains_the_sampled_ids_only(tiny_models, t
     loop = GRPO(policy, tokenizer, reward, tasks.prompts, rl, seed=0)
     loop.episodes = AgentTasks(tasks)
     before = {name: p.detach().clone() for name, p in loop.named_params}
-    batch = loop.collect_rollout(loop.prompts_for(0), seed=0, old_pass=False, reference_pass=False)
+    batch = loop.collect_rollout(loop.prompts_for(0), seed=0, passes=Passes(old=False, reference=False))
     assert batch.stats["episode/success"] == 0.0
     sampled = batch.attention_mask[:, batch.prompt_width:].float()
     assert torch.all(batch.mask <= sampled)  # only ids after the prompt can train
