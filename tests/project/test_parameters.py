@@ -16,23 +16,6 @@ EXEMPT = {"cli"}
 """Top-level folders of slm_align whose functions are exempt: Typer commands, one parameter per
 option."""
 
-TEMPORARY = {
-    "envelope/loop.py:train_steps",
-    "evaluate/stage.py:evaluate",
-    "headroom/stage.py:_reward_figures",
-    "modeling/generation.py:_decode",
-    "preference/algorithms.py:preference_learner",
-    "preference/learner.py:PreferenceLearner.__init__",
-    "rl/learner.py:Learner.__init__",
-    "rollouts/completions.py:collect",
-    "rollouts/completions.py:scoring_passes",
-    "rollouts/episodes.py:collect_episodes",
-}
-"""Functions another branch of issue 46 regroups (the training side). TEMPORARY: the lead empties
-this set once that branch is merged (:func:`test_the_temporary_exemptions_are_still_needed` fails
-until then)."""
-
-
 def parameter_count(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """Its parameters: positional, keyword-only, ``*args`` and ``**options``; a leading ``self`` or
     ``cls`` is not counted."""
@@ -77,15 +60,9 @@ def long_signatures(root: Path = PACKAGE) -> dict[str, int]:
 
 
 def test_no_function_outside_the_cli_takes_nine_parameters_or_more():
-    found = {name: count for name, count in long_signatures().items() if name not in TEMPORARY}
+    found = long_signatures()
     advice = "group these parameters into objects (frozen dataclasses, a doc line per field)"
     assert not found, f"{advice}: {found}"
-
-
-def test_the_temporary_exemptions_are_still_needed():
-    """An exemption whose function no longer takes 9 parameters (or no longer exists) is removed."""
-    stale = TEMPORARY - set(long_signatures())
-    assert not stale, f"remove from TEMPORARY in tests/project/test_parameters.py: {sorted(stale)}"
 
 
 def test_the_count_takes_every_kind_of_parameter_and_skips_self(tmp_path):
