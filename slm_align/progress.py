@@ -8,11 +8,11 @@ writes plain lines instead of bars: its start (what it will do and how much), it
 ``--quiet`` silences both.
 
 A stage without optimizer steps (the gate, an evaluation, an export's verification) runs inside
-:func:`stage_lines`; the loops it runs count their items with :func:`counted` (documents scored, tokens sampled,
-prompts decoded), which shows as a bar on a terminal and as a line every cadence in a log. A step of a
-training loop (an RL iteration, minutes long on a real model) runs inside :func:`within_step`: the
-loops it counts (its rollouts) speak through the loop's own bar or lines, so that a log hears from a
-long step at least once a cadence while its work advances.
+:func:`stage_lines`; the loops it runs count their items with :func:`counted` (documents scored,
+tokens sampled, prompts decoded), which shows as a bar on a terminal and as a line every cadence in
+a log. A step of a training loop (an RL iteration, minutes long on a real model) runs inside
+:func:`within_step`: the loops it counts (its rollouts) speak through the loop's own bar or lines,
+so that a log hears from a long step at least once a cadence while its work advances.
 """
 
 from __future__ import annotations
@@ -321,7 +321,8 @@ class Count:
         return self.progress is not None
 
     def advance(self, items: float = 1, status: Optional[str] = None) -> None:
-        """``items`` more are done; ``status`` is the loop's key figure so far (said in brackets)."""
+        """``items`` more are done; ``status`` is the loop's key figure so far (said in
+        brackets)."""
         if self.progress is None:
             return
         self.done += items

@@ -160,9 +160,9 @@ def check_out_dir(out: Path) -> Path:
 
 
 def check_out_file(out: Path, inputs: Sequence[Path] = (), overwrite: bool = False) -> Path:
-    """``out`` can take a new file: not a directory, not one of ``inputs`` nor inside one (an export folder), in
-    a folder that exists, and not an existing file unless ``overwrite``. Checked before any work, so a refused
-    command writes nothing."""
+    """``out`` can take a new file: not a directory, not one of ``inputs`` nor inside one (an export
+    folder), in a folder that exists, and not an existing file unless ``overwrite``. Checked before
+    any work, so a refused command writes nothing."""
     out = Path(out)
     resolved = out.resolve()
     for given in inputs:
@@ -180,9 +180,9 @@ def check_out_file(out: Path, inputs: Sequence[Path] = (), overwrite: bool = Fal
 
 
 WHERE = "where"
-"""An inputs key for where the inputs lie (file paths): recorded for readers of the manifest, left out of the
-stage's identity (:func:`inputs_digest`), so a run moved or copied elsewhere, or reached by another path, is
-reused as it is. Files are named by their bytes elsewhere in the inputs."""
+"""An inputs key for where the inputs lie (file paths): recorded for readers of the manifest, left
+out of the stage's identity (:func:`inputs_digest`), so a run moved or copied elsewhere, or reached
+by another path, is reused as it is. Files are named by their bytes elsewhere in the inputs."""
 
 
 def inputs_digest(inputs: dict) -> str:

@@ -50,7 +50,8 @@ def bootstrap_ci(a: Sequence[float], b: Sequence[float], statistic: Callable, re
         idx = [rng.randrange(n) for _ in range(n)]
         values.append(statistic([a[i] for i in idx], [b[i] for i in idx]))
     values.sort()
-    tail = min(resamples - 1, int((1 - level) / 2 * resamples + 1e-9))  # + 1e-9: 0.05 / 2 * 1000 is 24.999...
+    # + 1e-9: 0.05 / 2 * 1000 is 24.999...
+    tail = min(resamples - 1, int((1 - level) / 2 * resamples + 1e-9))
     return values[tail], values[resamples - 1 - tail]
 
 

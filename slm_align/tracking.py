@@ -246,7 +246,8 @@ class TrackioTracker(StoredRun):
         return name
 
     def trainer_arguments(self) -> dict:
-        # transformers' callback would deploy to the Space "trackio" by default: local, as the stages' own runs
+        # transformers' callback would deploy to the Space "trackio" by default: local, as the
+        # stages' own runs
         return dict(super().trainer_arguments(), project=PROJECT, run_name=self.run_id, trackio_space_id=None)
 
     def send(self, step: int, values: dict) -> None:
@@ -255,8 +256,8 @@ class TrackioTracker(StoredRun):
         trackio.log(values, step=step)
 
     def close(self) -> None:
-        # this tracker's own run, flushed (in a Trainer stage transformers' callback re-opens the run by name
-        # and finishes what it opened itself)
+        # this tracker's own run, flushed (in a Trainer stage transformers' callback re-opens the
+        # run by name and finishes what it opened itself)
         self.run.finish()
 
 

@@ -81,7 +81,8 @@ def _describe(err: ValidationError, flat: set[str] = frozenset()) -> str:
     if loc[:1] == ["rl"] and len(loc) > 2 and loc[1] in RL_SECTIONS and loc[2] in flat:
         del loc[1]  # written flat (rl.beta), validated in its section (rl.grpo.beta)
     where = ".".join(str(p) for p in loc)
-    if isinstance(first.get("input"), dict):  # a whole section (two spellings of one key): the message says it all
+    if isinstance(first.get("input"), dict):
+        # a whole section (two spellings of one key): the message says it all
         return f"invalid setting {where}: {first['msg']}"
     return f"invalid setting {where}: {first['msg']} (got {first.get('input')!r})"
 

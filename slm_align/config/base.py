@@ -1,5 +1,5 @@
-"""The settings of the data, the model, compute, LoRA and the Trainer stages (SFT, the reward model),
-each field with its bounds and a description (the CLI's help comes from it)."""
+"""The settings of the data, the model, compute, LoRA and the Trainer stages (SFT, the reward
+model), each field with its bounds and a description (the CLI's help comes from it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""An object named ``module:attribute`` on the command line (a user's reward function, an environment
-class), imported or refused in one line."""
+"""An object named ``module:attribute`` on the command line (a user's reward function, an
+environment class), imported or refused in one line."""
 
 from __future__ import annotations
 

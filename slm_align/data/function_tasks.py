@@ -1,5 +1,6 @@
-"""The function-calling task family (``tasks make --kind functions``): rows in BFCL's categories over
-the generated library (:mod:`slm_align.data.function_library`), split by function, and SFT chats.
+"""The function-calling task family (``tasks make --kind functions``): rows in BFCL's categories
+over the generated library (:mod:`slm_align.data.function_library`), split by function, and SFT
+chats.
 
 A row (the format ``function_call_match`` and ``evaluate-agent`` read)::
 
@@ -226,9 +227,9 @@ def function_tasks(train: int = 1000, heldout: int = 250, seed: int = 0,
 
 def write_function_tasks(out, train: int = 1000, heldout: int = 250, seed: int = 0,
                          overwrite: bool = False, mix: Optional[dict] = None) -> dict[str, Path]:
-    """Write ``sft.jsonl``, ``train.jsonl`` and ``heldout.jsonl`` of the function-calling family into
-    ``out``; returns their paths keyed ``sft``, ``train``, ``heldout``. Nothing is written when a
-    count is out of range or a file exists (unless ``overwrite``)."""
+    """Write ``sft.jsonl``, ``train.jsonl`` and ``heldout.jsonl`` of the function-calling family
+    into ``out``; returns their paths keyed ``sft``, ``train``, ``heldout``. Nothing is written when
+    a count is out of range or a file exists (unless ``overwrite``)."""
     folder = Path(out)
     paths = {name: folder / f"{name}.jsonl" for name in FILES}
     check_counts(train, heldout)

@@ -27,7 +27,8 @@ def load_hub_dataset(name: str) -> Any:
 
     try:
         loaded = datasets.load_dataset(name)
-    except Exception as exc:  # offline, unknown id, gated: datasets raises ConnectionError, FileNotFoundError, ...
+    except Exception as exc:
+        # offline, unknown id, gated: datasets raises ConnectionError, FileNotFoundError, ...
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise UserError(f"data {name}: no such file, and not a dataset the datasets cache or the hub has ({reason}); "
                         "pass a local corpus file, or the hub id of a dataset while online") from None

@@ -9,9 +9,9 @@ Accepted rows (any corpus format that :mod:`slm_align.data.readers` reads):
   with message lists); within one prompt, every good completion is paired with every bad one (at
   most :data:`MAX_PAIRS_PER_PROMPT`).
 
-A ``tools`` column (TRL's: the tools the prompt offered, a list or JSON text) renders the prompt with
-them, as the runtime showed them. This is also the format ``slm-align feedback export`` writes for the
-next round. Other extra columns are ignored.
+A ``tools`` column (TRL's: the tools the prompt offered, a list or JSON text) renders the prompt
+with them, as the runtime showed them. This is also the format ``slm-align feedback export`` writes
+for the next round. Other extra columns are ignored.
 """
 
 from __future__ import annotations

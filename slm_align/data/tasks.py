@@ -10,9 +10,9 @@ the text the model continues.
 
 Every column other than the prompt stays with its row: reward functions receive them as keyword
 lists (``fn(prompts, completions, answer=[...], tools=[...])``, see
-:func:`slm_align.ondevice.rewards.columns.with_columns`), which look a completion's row up by its prompt. So
-two rows with the same rendered prompt must agree on their columns (identical rows collapse to one),
-and :func:`split_tasks` keeps identical prompts on the same side.
+:func:`slm_align.ondevice.rewards.columns.with_columns`), which look a completion's row up by its
+prompt. So two rows with the same rendered prompt must agree on their columns (identical rows
+collapse to one), and :func:`split_tasks` keeps identical prompts on the same side.
 """
 
 from __future__ import annotations
@@ -227,7 +227,8 @@ def render_conversation(where: str, messages: list[dict], tools: Optional[list[d
         formed = shown_tools(template, template_form(messages, template_traits(template)), tools)
         return tokenizer.apply_chat_template(formed, tools=tools or None, add_generation_prompt=True,
                                              tokenize=False, chat_template=template)
-    except Exception as exc:  # jinja2 and transformers raise several types for a conversation a template refuses
+    except Exception as exc:
+        # jinja2 and transformers raise several types for a conversation a template refuses
         reason = " ".join(str(exc).split())[:200]
         raise UserError(f"{where}: the chat template cannot render this conversation "
                         f"({type(exc).__name__}: {reason})") from None

@@ -145,8 +145,8 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     """The source's tokenizer, with a pad token guaranteed (see :func:`ensure_pad_token`).
 
     A .gguf file's tokenizer is rebuilt from its own ``tokenizer.*`` metadata and checked against
-    llama.cpp (:mod:`slm_align.ondevice.gguf.tokenizer`; transformers' GGUF tokenizer conversion is lossy) on
-    first use, then read from the file's cached HF directory (:func:`gguf_directory`).
+    llama.cpp (:mod:`slm_align.ondevice.gguf.tokenizer`; transformers' GGUF tokenizer conversion is
+    lossy) on first use, then read from the file's cached HF directory (:func:`gguf_directory`).
     """
     from transformers import AutoTokenizer
 
@@ -236,7 +236,8 @@ def gguf_config(path: Path):
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     check_architecture(config.model_type, str(path))
-    fields = read_fields(path, prefix="")  # the header only: gguf-py's reader parses every tensor (30 s on Gemma)
+    # the header only: gguf-py's reader parses every tensor (30 s on Gemma)
+    fields = read_fields(path, prefix="")
     architecture = fields["general.architecture"].value
     for key, attribute in _GGUF_CONFIG_GAPS.get(config.model_type, {}).items():
         field = fields.get(f"{architecture}.{key}")
@@ -348,9 +349,9 @@ def _qwen3(hidden: int, layers: int) -> dict:
 
 
 def _gemma3_text(hidden: int, layers: int) -> dict:
-    """Gemma 3 (text): at least six layers, because llama.cpp makes every sixth layer
-    global (the first at index
-    5) and the rest sliding; a sliding window of 8 tokens, so that it matters on any longer probe."""
+    """Gemma 3 (text): at least six layers, because llama.cpp makes every sixth layer global (the
+    first at index 5) and the rest sliding; a sliding window of 8 tokens, so that it matters on any
+    longer probe."""
     head_dim = hidden // 2
     return {"hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": max(layers, 6),
             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": head_dim,
@@ -438,6 +439,7 @@ def attach_lora(model, lora: LoraSettings, seed: int, task_type: str = "CAUSAL_L
 
 def save_adapter(model, path: Path) -> None:
     """Save a peft adapter as safetensors (the base model is not saved)."""
-    with warnings.catch_warnings():  # peft warns when the base came from a .gguf or the bundled dir: harmless
+    with warnings.catch_warnings():
+        # peft warns when the base came from a .gguf or the bundled dir: harmless
         warnings.filterwarnings("ignore", message="Could not find a config file")
         model.save_pretrained(path, safe_serialization=True)

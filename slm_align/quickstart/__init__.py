@@ -1,6 +1,6 @@
-"""The quickstart: function calling on the bundled model with a few demonstrations and many checked prompts,
-one stage after another, each stage's seconds recorded (:mod:`.agent`). Each stage is reused when already done
-with the same inputs.
+"""The quickstart: function calling on the bundled model with a few demonstrations and many checked
+prompts, one stage after another, each stage's seconds recorded (:mod:`.agent`). Each stage is
+reused when already done with the same inputs.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ class StageClock:
 def run_quickstart(out: Path, sft_steps: Optional[int] = None, rl_steps: Optional[int] = None,
                    say: Optional[Callable[[str], None]] = None, device: str = "auto",
                    sizes: agent.AgentSizes = agent.AgentSizes()) -> dict:
-    """Tasks, SFT on the few demonstrations, the gate and GRPO, the three exports judged by evaluate-agent;
-    the result of each, ``seconds`` and ``stage_seconds``. ``sft_steps``/``rl_steps`` override ``sizes``."""
+    """Tasks, SFT on the few demonstrations, the gate and GRPO, the three exports judged by
+    evaluate-agent; the result of each, ``seconds`` and ``stage_seconds``.
+    ``sft_steps``/``rl_steps`` override ``sizes``."""
     say = say or quiet
     started = time.time()
     check_out_dir(out)  # before the first progress line

@@ -1,14 +1,16 @@
 """The quickstart's stages: function calling with scarce demonstrations and cheap checks.
 
-The generated function-calling family (``tasks make --kind functions``) gives training rows and held-out rows
-whose functions training never offers; SFT sees a few demonstrations only (the first
-:attr:`AgentSizes.demonstrations` training chats, every one a right call or a right refusal: no handicap),
-GRPO then learns from the checker alone (``function_call_match``, BFCL's rules) on many training prompts, no
-more demonstrations. The bundled model as shipped, the SFT and the RL policy are exported to GGUF and judged
-in the torch-free runtime on the held-out functions, with the paired interval RL - SFT.
+The generated function-calling family (``tasks make --kind functions``) gives training rows and
+held-out rows whose functions training never offers; SFT sees a few demonstrations only (the first
+:attr:`AgentSizes.demonstrations` training chats, every one a right call or a right refusal: no
+handicap), GRPO then learns from the checker alone (``function_call_match``, BFCL's rules) on many
+training prompts, no more demonstrations. The bundled model as shipped, the SFT and the RL policy
+are exported to GGUF and judged in the torch-free runtime on the held-out functions, with the paired
+interval RL - SFT.
 
-Rows offer one function or a few (BFCL's simple, parallel and irrelevance categories): the bundled model's
-context is 512 tokens, and a row offering four functions with their descriptions does not fit in it.
+Rows offer one function or a few (BFCL's simple, parallel and irrelevance categories): the bundled
+model's context is 512 tokens, and a row offering four functions with their descriptions does not
+fit in it.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from slm_align.rl.schedule import iteration_size
 
 Say = Callable[[str], None]
 REWARD = "function_call_match"
-"""The check GRPO learns from: 1 when the reply's calls match the row's ground truth by BFCL's rules."""
+"""The check GRPO learns from: 1 when the reply's calls match the row's ground truth by BFCL's
+rules."""
 QUANT = "Q8_0"
 """The exports: llama.cpp's 8-bit type, what the runtime runs."""
 MIX = {"simple": 0.5, "parallel": 0.25, "irrelevance": 0.25}
-"""The categories of the quickstart's rows (those that fit the bundled model's 512-token context)."""
+"""The categories of the quickstart's rows (those that fit the bundled model's 512-token
+context)."""
 DEMONSTRATIONS = "demonstrations.jsonl"
 """The few SFT chats, beside the task files."""
 SEED = 0
@@ -58,8 +62,9 @@ class AgentSizes:
 
 
 def agent_recipe(run: Path, sizes: AgentSizes, device: str) -> Recipe:
-    """SFT on the demonstrations, then GRPO on one-reply episodes of the training rows (the calls are the
-    answer, nothing runs: ``max_tool_rounds`` 0, as ``evaluate-agent`` judges function rows)."""
+    """SFT on the demonstrations, then GRPO on one-reply episodes of the training rows (the calls
+    are the answer, nothing runs: ``max_tool_rounds`` 0, as ``evaluate-agent`` judges function
+    rows)."""
     tasks = run / "tasks"
     return load_recipe(overrides={
         "data.path": str(tasks / DEMONSTRATIONS), "data.tasks": str(tasks / "train.jsonl"),
@@ -71,7 +76,8 @@ def agent_recipe(run: Path, sizes: AgentSizes, device: str) -> Recipe:
 
 
 def tasks_step(run: Path, sizes: AgentSizes, say: Say) -> dict:
-    """The function-calling rows and the few demonstrations (kept when an earlier run wrote them)."""
+    """The function-calling rows and the few demonstrations (kept when an earlier run wrote
+    them)."""
     tasks = run / "tasks"
     say(f"[bold]1/4 function tasks[/] {sizes.train_tasks} training and {sizes.heldout_tasks} held-out rows "
         f"(simple, parallel, irrelevance); held-out rows offer functions training never sees; SFT sees the "
@@ -115,9 +121,9 @@ def rl_step(recipe: Recipe, run: Path, say: Say) -> dict:
 
 
 def judge_step(run: Path, artifacts: dict[str, Path], sizes: AgentSizes, say: Say) -> dict:
-    """``evaluate-agent`` on the base, SFT and RL exports (``artifacts`` in that order) over the held-out
-    rows: success with its interval and per category, and the paired differences SFT - base and RL - SFT;
-    the whole report in ``run/agent_report.json``."""
+    """``evaluate-agent`` on the base, SFT and RL exports (``artifacts`` in that order) over the
+    held-out rows: success with its interval and per category, and the paired differences SFT - base
+    and RL - SFT; the whole report in ``run/agent_report.json``."""
     say(f"[bold]4/4 evaluate-agent[/] base, SFT and RL exports in the torch-free runtime, greedy, on "
         f"{sizes.heldout_tasks} held-out rows (BFCL's rules)")
     report = evaluate_artifacts(run / "tasks" / "heldout.jsonl", list(artifacts.values()),
@@ -161,5 +167,6 @@ def base_step(run: Path) -> Path:
 
 
 def export_policy(source: Path, out: Path) -> Path:
-    """``source`` (a run: its latest policy, merged) as a parity-checked Q8_0 GGUF in ``out`` (kept when there)."""
+    """``source`` (a run: its latest policy, merged) as a parity-checked Q8_0 GGUF in ``out`` (kept
+    when there)."""
     return Path(export_once(source, "gguf", QUANT, out)["dir"])

@@ -91,9 +91,9 @@ def _write_jsonl(path: Path, pairs: list[Pair]) -> None:
 
 def _classifier(recipe: Recipe, source, adapter, pad_token_id: int):
     """The classifier to train (LoRA attached), on the merged SFT policy's own tensors (see
-    :func:`classifier_from_policy`). The policy is dropped as soon as the classifier holds what it needs, so what
-    it does not take (an untied output projection: vocabulary x hidden floats) is freed
-    before training rather than kept alive until the stage returns; tied embeddings stay,
+    :func:`classifier_from_policy`). The policy is dropped as soon as the classifier holds what it
+    needs, so what it does not take (an untied output projection: vocabulary x hidden floats) is
+    freed before training rather than kept alive until the stage returns; tied embeddings stay,
     shared with the classifier."""
     policy = merged_policy(source, adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
     classifier = classifier_from_policy(policy, pad_token_id)

@@ -49,8 +49,9 @@ def sft_inputs(recipe: Recipe, source: ModelSource, corpus: Corpus) -> dict:
 
 
 def recorded_data(settings: DataSettings) -> dict:
-    """The data settings that decide the result: not where the files are (the corpus is named by its bytes in
-    ``data``, its path is under :data:`~slm_align.runs.WHERE`; the task file does not reach SFT)."""
+    """The data settings that decide the result: not where the files are (the corpus is named by its
+    bytes in ``data``, its path is under :data:`~slm_align.runs.WHERE`; the task file does not reach
+    SFT)."""
     return settings.model_dump(exclude={"path", "tasks"})
 
 

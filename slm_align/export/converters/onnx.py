@@ -2,9 +2,10 @@
 
 ``fp32`` is optimum's graph as exported. ``int8`` is dynamic quantization (weights and activations)
 with the preset of the target CPU (arm64, avx2, avx512, avx512_vnni). ``w8`` (the default) and
-``int4`` are weight-only schemes on onnxruntime's MatMulNBits (:mod:`slm_align.export.converters.onnx_quant`).
-``--ort-format`` additionally converts the graph to the ORT format that onnxruntime's reduced mobile
-builds read. The tokenizer files and the chat template travel with the model.
+``int4`` are weight-only schemes on onnxruntime's MatMulNBits
+(:mod:`slm_align.export.converters.onnx_quant`). ``--ort-format`` additionally converts the graph to
+the ORT format that onnxruntime's reduced mobile builds read. The tokenizer files and the chat
+template travel with the model.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def _optimum_export(model_dir: Path, out_dir: Path) -> None:
     except ImportError:
         raise UserError("ONNX export needs optimum's exporter: pip "
                         "install 'slm-align[export]'") from None
-    with warnings.catch_warnings():  # the tracer's advisories about data-dependent branches are not for users
+    with warnings.catch_warnings():
+        # the tracer's advisories about data-dependent branches are not for users
         warnings.simplefilter("ignore")
         main_export(str(model_dir), output=str(out_dir), task="text-generation-with-past", device="cpu",
                     do_validation=False)

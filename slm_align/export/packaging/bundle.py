@@ -53,9 +53,11 @@ class BundleRequest:
     overwrite: bool = False
     """Replace an existing bundle."""
     update_from: Optional[Path] = None
-    """An adapter export only: the bundle the device has; the update ships only the adapters it lacks."""
+    """An adapter export only: the bundle the device has; the update ships only the adapters it
+    lacks."""
     sign: Optional[Path] = None
-    """An Ed25519 private key (PEM): bundle.json.sig, its signature over bundle.json, goes in the bundle."""
+    """An Ed25519 private key (PEM): bundle.json.sig, its signature over bundle.json, goes in the
+    bundle."""
 
 
 def device_choice(device: str) -> tuple[str, str]:
@@ -68,10 +70,10 @@ def device_choice(device: str) -> tuple[str, str]:
 
 
 def _run_artifact(run: Path, device: Optional[str]) -> Path:
-    """The run's export for the device, exported (parity-checked) when it is not there yet. A run trained
-    from a GGUF ships to a llama.cpp device as that file + the run's adapters (the base keeps the
-    quantization it was made with; the merged model re-quantized to Q4_K_M agreed 0.835 with its PyTorch
-    self on the real Gemma 3 270M, the file + adapter 0.986: docs/shipping.md)."""
+    """The run's export for the device, exported (parity-checked) when it is not there yet. A run
+    trained from a GGUF ships to a llama.cpp device as that file + the run's adapters (the base
+    keeps the quantization it was made with; the merged model re-quantized to Q4_K_M agreed 0.835
+    with its PyTorch self on the real Gemma 3 270M, the file + adapter 0.986: docs/shipping.md)."""
     if device is None:
         raise UserError(f"{run} is a run: pass --device NAME to pick the artifact (see `slm-align devices list`), "
                         "or pass an exported artifact")
@@ -166,7 +168,8 @@ def _default_out(artifact: Path, device: Optional[str], update: bool) -> Path:
 
 
 def _filler(artifact: Path, manifest: dict, request: BundleRequest) -> Callable[[Path], dict]:
-    """What writes this export's bundle into a folder (an adapter export's: base + adapters, or an update)."""
+    """What writes this export's bundle into a folder (an adapter export's: base + adapters, or an
+    update)."""
     if is_adapter_export(manifest):
         return adapter_filler(artifact, manifest, request.device, request.update_from)
     if request.update_from is not None:
@@ -177,8 +180,8 @@ def _filler(artifact: Path, manifest: dict, request: BundleRequest) -> Callable[
 
 
 class Bundle(Artifact):
-    """The bundle folder ``final`` that ``fill`` writes (signed with ``key`` when given); its zip is made
-    beside it once it is published."""
+    """The bundle folder ``final`` that ``fill`` writes (signed with ``key`` when given); its zip is
+    made beside it once it is published."""
 
     def __init__(self, out: Path, fill: Callable[[Path], dict], key):
         self.final, self.fill, self.key = out, fill, key
@@ -198,7 +201,8 @@ def make_bundle(request: BundleRequest) -> dict:
     with ``path`` and ``zip``."""
     if request.device is not None:
         device_choice(request.device)  # an unknown profile: refused before any work
-    key = load_private_key(request.sign) if request.sign is not None else None  # a bad key: before any work
+    # a bad key: before any work
+    key = load_private_key(request.sign) if request.sign is not None else None
     artifact = locate_artifact(request)
     manifest = _export_manifest(artifact)
     fill = _filler(artifact, manifest, request)

@@ -116,7 +116,8 @@ specifies, with `model_id` = `{described['model_id']}` (bundle.json). Then, on a
 
 
 def _adapter_calls(described: dict) -> str:
-    """The llama.cpp calls that load the base, then apply the adapters in order, then run as a plain GGUF."""
+    """The llama.cpp calls that load the base, then apply the adapters in order, then run as a plain
+    GGUF."""
     paths = ", ".join(f'"{entry["path"]}"' for entry in described["adapters"])
     scales = ", ".join(str(entry["scale"]) for entry in described["adapters"])
     count = len(described["adapters"])
@@ -134,7 +135,8 @@ def _adapter_calls(described: dict) -> str:
 
 
 def _adapter_lines(described: dict) -> str:
-    """One line per adapter, in load order; an update says which it ships and which the device has."""
+    """One line per adapter, in load order; an update says which it ships and which the device
+    has."""
     lines = []
     for entry in described["adapters"]:
         where = ""
@@ -173,7 +175,8 @@ def _base_type(described: dict) -> str:
 
 
 def adapter_bundle_readme(described: dict) -> str:
-    """The README of a full base + adapters bundle described by ``described`` (bundle.json's fields)."""
+    """The README of a full base + adapters bundle described by ``described`` (bundle.json's
+    fields)."""
     device = described["device"] or "any device"
     passed = VERDICTS[described["verification_passed"]]
     return f"""# Device bundle: {described['base']} + {len(described['adapters'])} LoRA adapter(s) for {device}

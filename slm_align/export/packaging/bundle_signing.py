@@ -1,13 +1,15 @@
 """Signing bundles: an Ed25519 signature over bundle.json, beside it as ``bundle.json.sig``.
 
-bundle.json lists every other file's sha256 (``files``), the adapters' and the chain's id, so a signature over
-it covers every byte the bundle ships. A sha256 proves integrity (the bytes are those the manifest names, against
-accidental change); it proves nothing about origin, since whoever changes a file can rewrite its hash. The
-signature adds origin: only the holder of the private key can make one that a trusted public key accepts.
+bundle.json lists every other file's sha256 (``files``), the adapters' and the chain's id, so a
+signature over it covers every byte the bundle ships. A sha256 proves integrity (the bytes are those
+the manifest names, against accidental change); it proves nothing about origin, since whoever
+changes a file can rewrite its hash. The signature adds origin: only the holder of the private key
+can make one that a trusted public key accepts.
 
-What is signed is the canonical form of bundle.json's content (:func:`signed_bytes`: a domain tag, then JSON
-with sorted keys and no spaces), so a reader checks exactly the content it parsed and acts on. Written with the
-``cryptography`` library (OpenSSL's Ed25519, as TUF and Sigstore clients use), not by hand.
+What is signed is the canonical form of bundle.json's content (:func:`signed_bytes`: a domain tag,
+then JSON with sorted keys and no spaces), so a reader checks exactly the content it parsed and acts
+on. Written with the ``cryptography`` library (OpenSSL's Ed25519, as TUF and Sigstore clients use),
+not by hand.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ except ImportError:  # the export and agent extras install it; only signing and 
 SIGNATURE = "bundle.json.sig"
 ALGORITHM = "ed25519"
 DOMAIN = b"slm-align bundle.json v1\n"
-"""Prefixed to what is signed, so that a signature made for something else never passes as a bundle's."""
+"""Prefixed to what is signed, so that a signature made for something else never passes as a
+bundle's."""
 PRIVATE_KEY = "bundle-signing-key.pem"
 PUBLIC_KEY = "bundle-signing-key.pub.pem"
 TrustedKey = Union[str, Path, bytes, "Ed25519PublicKey"]
@@ -58,13 +61,15 @@ def _raw_public(key: "Ed25519PublicKey") -> bytes:
 
 
 def key_id(key: "Ed25519PublicKey") -> str:
-    """A public key's id: the sha256 of its 32 raw bytes, in hex (named in messages and in the signature)."""
+    """A public key's id: the sha256 of its 32 raw bytes, in hex (named in messages and in the
+    signature)."""
     return hashlib.sha256(_raw_public(key)).hexdigest()
 
 
 def generate_keys(folder: Path) -> tuple[Path, Path]:
-    """A new key pair in ``folder``: the private key (PEM, PKCS#8, readable by its owner only: 0600) and the
-    public key to give to devices (PEM); an existing key is never overwritten. Returns (private, public)."""
+    """A new key pair in ``folder``: the private key (PEM, PKCS#8, readable by its owner only: 0600)
+    and the public key to give to devices (PEM); an existing key is never overwritten. Returns
+    (private, public)."""
     _require_cryptography()
     folder = Path(folder).expanduser()
     private_path, public_path = folder / PRIVATE_KEY, folder / PUBLIC_KEY
@@ -89,7 +94,8 @@ def _pem(path: Path, what: str) -> bytes:
 
 
 def load_private_key(path: Path) -> "Ed25519PrivateKey":
-    """The Ed25519 private key in the PEM file ``path`` (unencrypted); one line for anything else."""
+    """The Ed25519 private key in the PEM file ``path`` (unencrypted); one line for anything
+    else."""
     _require_cryptography()
     try:
         key = serialization.load_pem_private_key(_pem(path, "the signing key"), password=None)
@@ -119,8 +125,8 @@ def load_public_key(key: TrustedKey) -> "Ed25519PublicKey":
 
 
 def sign_bundle(folder: Path, key: "Ed25519PrivateKey") -> str:
-    """Write ``folder``/bundle.json.sig, the signature by ``key`` of bundle.json's content as written there
-    (parsed back: what a reader checks); returns the signing key's id."""
+    """Write ``folder``/bundle.json.sig, the signature by ``key`` of bundle.json's content as
+    written there (parsed back: what a reader checks); returns the signing key's id."""
     described = json.loads((Path(folder) / "bundle.json").read_text(encoding="utf-8"))
     signature = key.sign(signed_bytes(described))
     signer = key_id(key.public_key())
@@ -130,7 +136,8 @@ def sign_bundle(folder: Path, key: "Ed25519PrivateKey") -> str:
 
 
 def _read_signature(folder: Path, role: str) -> tuple[str, bytes]:
-    """(key id, signature) of the bundle at ``folder``; one line when there is none or it is malformed."""
+    """(key id, signature) of the bundle at ``folder``; one line when there is none or it is
+    malformed."""
     path = Path(folder) / SIGNATURE
     try:
         mode = os.lstat(path).st_mode
@@ -152,8 +159,9 @@ def _read_signature(folder: Path, role: str) -> tuple[str, bytes]:
 
 def check_signature(folder: Path, described: dict, trusted_keys: Union[TrustedKey, Sequence[TrustedKey]],
                     role: str) -> str:
-    """The id of the trusted key whose signature of ``described`` (the bundle.json read at ``folder``) is
-    beside it; one line when the bundle is unsigned or no trusted key signed this content."""
+    """The id of the trusted key whose signature of ``described`` (the bundle.json read at
+    ``folder``) is beside it; one line when the bundle is unsigned or no trusted key signed this
+    content."""
     if isinstance(trusted_keys, (str, bytes, os.PathLike)):  # one key passed bare, not in a list
         trusted_keys = [trusted_keys]
     keys = [load_public_key(key) for key in trusted_keys]

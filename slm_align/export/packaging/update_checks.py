@@ -1,12 +1,14 @@
 """What an update bundle may hold and claim, checked before
-:func:`~slm_align.export.packaging.adapter_bundle.apply_update` writes anything (issue 45, items 1 and 2).
+:func:`~slm_align.export.packaging.adapter_bundle.apply_update` writes anything (issue 45, items 1
+and 2).
 
-An update adds adapters: its files are ``adapters/NAME`` (plain names: no ``..``, no folder, not absolute), its
-export records and README, each listed in bundle.json's ``files``; nothing else, no symlink, nothing unlisted.
-It keeps the installed base, template and tokenizer (bundle.json names the same ones), applies to the chain the
-device has (``replaces_model_id`` is the installed chain's id, recomputed) and names the chain it makes
-(``model_id`` recomputed from the adapters' sha256s with :func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`). A
-malformed bundle.json (a key missing, a wrong type) is refused in one line like every other case.
+An update adds adapters: its files are ``adapters/NAME`` (plain names: no ``..``, no folder, not
+absolute), its export records and README, each listed in bundle.json's ``files``; nothing else, no
+symlink, nothing unlisted. It keeps the installed base, template and tokenizer (bundle.json names
+the same ones), applies to the chain the device has (``replaces_model_id`` is the installed chain's
+id, recomputed) and names the chain it makes (``model_id`` recomputed from the adapters' sha256s
+with :func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`). A malformed bundle.json (a key
+missing, a wrong type) is refused in one line like every other case.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ def _refuse(role: str, detail: str) -> UserError:
 
 
 def plain_name(path: object, folder: str, role: str) -> str:
-    """The file name of ``path`` when it is exactly ``FOLDER/NAME`` with NAME a plain file name (no ``..``,
-    no further folder, no leading dot, no backslash or NUL, not absolute); one line otherwise."""
+    """The file name of ``path`` when it is exactly ``FOLDER/NAME`` with NAME a plain file name (no
+    ``..``, no further folder, no leading dot, no backslash or NUL, not absolute); one line
+    otherwise."""
     if not isinstance(path, str):
         raise _refuse(role, f"a path is {type(path).__name__}, not text")
     parts = PurePosixPath(path).parts
@@ -58,7 +61,8 @@ def plain_name(path: object, folder: str, role: str) -> str:
 
 
 def _check_entry(entry: object, role: str, update: bool) -> str:
-    """One bundle.json adapter entry's file name; one line when a field is missing or of the wrong type."""
+    """One bundle.json adapter entry's file name; one line when a field is missing or of the wrong
+    type."""
     if not isinstance(entry, dict):
         raise _refuse(role, f"an adapter entry is {type(entry).__name__}, not an object")
     if not _is_sha256(entry.get("sha256")):
@@ -72,8 +76,9 @@ def _check_entry(entry: object, role: str, update: bool) -> str:
 
 
 def check_bundle_fields(described: dict, role: str, update: bool) -> None:
-    """bundle.json's fields that applying an update reads, each of the right type; adapter paths plain and
-    distinct. ``update``: the update's (``shipped``, ``requires_base_sha256``, ``replaces_model_id``, ``files``)."""
+    """bundle.json's fields that applying an update reads, each of the right type; adapter paths
+    plain and distinct. ``update``: the update's (``shipped``, ``requires_base_sha256``,
+    ``replaces_model_id``, ``files``)."""
     digests = ("base_sha256", "model_id", *(("requires_base_sha256", "replaces_model_id") if update else ()))
     for key in digests:
         if not _is_sha256(described.get(key)):
@@ -92,8 +97,8 @@ def check_bundle_fields(described: dict, role: str, update: bool) -> None:
 
 
 def check_claims(old: dict, new: dict, role: str) -> None:
-    """The update keeps what the device has (base, template, tokenizer), replaces the installed chain and
-    makes the chain it names: both chain ids recomputed, never taken as written."""
+    """The update keeps what the device has (base, template, tokenizer), replaces the installed
+    chain and makes the chain it names: both chain ids recomputed, never taken as written."""
     for key in KEPT_FIELDS:
         if new.get(key) != old.get(key):
             raise UserError(f"{role} changes {key} ({str(old.get(key))[:40]} -> {str(new.get(key))[:40]}): an "
@@ -116,7 +121,8 @@ def check_claims(old: dict, new: dict, role: str) -> None:
 
 
 def _found_files(folder: Path, role: str) -> set[str]:
-    """Every file below ``folder`` (relative, POSIX); one line for a symlink or anything but a regular file."""
+    """Every file below ``folder`` (relative, POSIX); one line for a symlink or anything but a
+    regular file."""
     found = set()
     for root, folders, files in os.walk(folder):  # does not follow symlinked folders: refused below
         for name in (*folders, *files):
@@ -132,8 +138,9 @@ def _found_files(folder: Path, role: str) -> set[str]:
 
 
 def check_update_files(update: Path, new: dict, role: str) -> None:
-    """The update folder holds exactly what bundle.json lists (+ bundle.json and its signature): the shipped
-    adapters (with the sha256 their entries name), the export records and README; no symlink anywhere."""
+    """The update folder holds exactly what bundle.json lists (+ bundle.json and its signature): the
+    shipped adapters (with the sha256 their entries name), the export records and README; no symlink
+    anywhere."""
     files = new["files"]
     shipped = {entry["path"]: entry["sha256"] for entry in new["adapters"] if entry["shipped"]}
     for name in sorted(files):

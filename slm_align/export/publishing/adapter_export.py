@@ -17,8 +17,8 @@ Everything is built in a scratch folder, verified (llama.cpp with the base and e
 against ``RUN/merged`` in PyTorch: :func:`~slm_align.export.publishing.parity.verify`), and only
 then renamed into place (:func:`~slm_align.runs.publish_artifact`); the manifest
 ``adapter-<STAGE>-<TYPE>.gguf.json`` comes last, so its presence says the chain is whole. Its
-``metrics.sha256`` is the chain's id (:func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`), which the
-runtime records as ``model_id`` for every answer base + adapters give."""
+``metrics.sha256`` is the chain's id (:func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`),
+which the runtime records as ``model_id`` for every answer base + adapters give."""
 
 from __future__ import annotations
 

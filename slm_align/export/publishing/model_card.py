@@ -366,7 +366,8 @@ def card_blocked(directory: Path) -> Optional[str]:
 
 
 def merged_card(run: Path, name: str, stage: Optional[str] = None) -> str:
-    """The card of a run's merged directory (of ``stage``: ``sft`` or an aligned stage; None: the latest)."""
+    """The card of a run's merged directory (of ``stage``: ``sft`` or an aligned stage; None: the
+    latest)."""
     return compose(name, read_run(run, stage), "transformers", ["safetensors"], [], merged_usage(name))
 
 

@@ -22,9 +22,11 @@ from slm_align.errors import UserError
 
 GENERATION_PROMPT = "add_generation_prompt"
 MESSAGE_FIELDS = {"role": ".Role", "content": ".Content"}
-MAX_NUM_CTX = 4096  # Ollama allocates the KV cache for num_ctx: the model's full window can be far more than needed
+# Ollama allocates the KV cache for num_ctx: the model's full window can be far more than needed
+MAX_NUM_CTX = 4096
 SAMPLING_PARAMETERS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                       "repetition_penalty": "repeat_penalty"}  # generation_config.json -> Ollama PARAMETER
+                       # generation_config.json -> Ollama PARAMETER
+                       "repetition_penalty": "repeat_penalty"}
 
 
 class Untranslatable(ValueError):
@@ -251,10 +253,12 @@ def _marker_before_role(emitted: list[tuple[str, str]]) -> Optional[str]:
 def translate_template(source: str) -> Translation:
     """Translate a Jinja chat template to Ollama's syntax; raises Untranslatable
     naming what it cannot map."""
-    environment = Environment(trim_blocks=True, lstrip_blocks=True)  # as transformers compiles chat templates
+    # as transformers compiles chat templates
+    environment = Environment(trim_blocks=True, lstrip_blocks=True)
     try:
         parsed = environment.parse(source)
-    except Exception as exc:  # jinja2's TemplateSyntaxError, or anything else a broken template raises
+    except Exception as exc:
+        # jinja2's TemplateSyntaxError, or anything else a broken template raises
         raise Untranslatable(f"does not parse ({exc})") from None
     variables = _assigned_strings(parsed)
     scope = _Scope(variables=variables)
@@ -267,8 +271,9 @@ def translate_template(source: str) -> Translation:
 
 
 def check_system_prompt(system: Optional[str]) -> None:
-    """Refuse a system prompt the Modelfile cannot carry: one holding the Modelfile's triple quote (a
-    target without a Modelfile refuses any: :meth:`~slm_align.export.targets.base.ExportTarget.check_system`)."""
+    """Refuse a system prompt the Modelfile cannot carry: one holding the Modelfile's triple quote
+    (a target without a Modelfile refuses any:
+    :meth:`~slm_align.export.targets.base.ExportTarget.check_system`)."""
     if system is None:
         return
     if '"""' in system:

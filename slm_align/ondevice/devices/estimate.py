@@ -2,8 +2,8 @@
 
 Memory = weights + KV cache + runtime overhead:
 
-- weights: the artifact's own size when it already has the asked-for type, else parameters x
-  bits per weight (:data:`~slm_align.ondevice.devices.quant.BITS_PER_WEIGHT`), with the output head at
+- weights: the artifact's own size when it already has the asked-for type, else parameters x bits
+  per weight (:data:`~slm_align.ondevice.devices.quant.BITS_PER_WEIGHT`), with the output head at
   Q6_K as llama.cpp quantizes it;
 - KV cache (f16): 2 x layers x kv_heads x head_dim x context x 2 bytes, sliding-window layers (Gemma
   3) included at the full context: llama-cpp-python allocates a full-size SWA cache, and our ONNX
@@ -35,9 +35,11 @@ from slm_align.ondevice.devices.facts import ModelFacts
 from slm_align.ondevice.devices.profiles import DeviceProfile, ReferencePoint, load_all_profiles
 from slm_align.ondevice.devices.quant import BITS_PER_WEIGHT, GGUF_TYPES, canonical_quant, smaller_types
 
-FIXED_OVERHEAD_BYTES = 80 * 2**20   # runtime library, Python interpreter, tokenizer and sampler state
+# runtime library, Python interpreter, tokenizer and sampler state
+FIXED_OVERHEAD_BYTES = 80 * 2**20
 COMPUTE_BYTES_PER_VALUE = 4         # llama.cpp keeps logits and activations in float32
-DEFAULT_CONTEXT = 4096              # context assumed when none is asked for (capped at the model's own)
+# context assumed when none is asked for (capped at the model's own)
+DEFAULT_CONTEXT = 4096
 FITS_SHARE = 0.70
 TIGHT_SHARE = 1.00
 MIN_DEVICE_POINTS = 2               # fewer own points than this: calibrate on every device's points

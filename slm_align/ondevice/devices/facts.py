@@ -27,7 +27,8 @@ SAFETENSORS_DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64
 class ModelFacts:
     """Sizes of one model artifact."""
 
-    source: str                              # the path the facts were read from (or a reference point's name)
+    # the path the facts were read from (or a reference point's name)
+    source: str
     format: str                              # hf, gguf, onnx or reference
     parameters: int                          # parameter count
     architecture: Optional[str] = None       # model_type / general.architecture
@@ -38,7 +39,8 @@ class ModelFacts:
     head_dim: Optional[int] = None           # dimension of one head
     vocab_size: Optional[int] = None         # tokenizer vocabulary (rows of the embedding)
     context_length: Optional[int] = None     # longest context the model was trained for
-    quant: Optional[str] = None              # weight type of the artifact (F32, F16, Q4_K_M, int8, ...)
+    # weight type of the artifact (F32, F16, Q4_K_M, int8, ...)
+    quant: Optional[str] = None
     weight_bytes: Optional[int] = None       # bytes of the weights in the artifact, when known
     parameters_exact: bool = True            # False when the count is derived from config.json
 
@@ -193,7 +195,8 @@ def gguf_facts(path: Path) -> ModelFacts:
 
 # Families by what a layer holds besides its attention and MLP matrices.
 _UNGATED = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon"}  # two MLP matrices, not three
-_BIASED = {"gpt2", "gpt_neox"}                  # a bias on every linear layer; LayerNorms with biases
+# a bias on every linear layer; LayerNorms with biases
+_BIASED = {"gpt2", "gpt_neox"}
 _LEARNED_POSITIONS = {"gpt2": "n_positions"}    # a position embedding table of this many rows
 _QK_NORMS = {"qwen3", "gemma3_text"}            # an RMSNorm over each query and key head
 _SANDWICH_NORMS = {"gemma3_text"}               # norms after attention and after the MLP too
@@ -261,7 +264,8 @@ def model_facts(path) -> ModelFacts:
     ONNX export directory."""
     path = Path(path)
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
-    if len(ggufs) == 1 and not any(path.glob("*.safetensors")):  # an export directory holding one .gguf
+    if len(ggufs) == 1 and not any(path.glob("*.safetensors")):
+        # an export directory holding one .gguf
         path = ggufs[0]
     if path.is_file() and path.suffix == ".gguf":
         return gguf_facts(path)

@@ -33,13 +33,16 @@ ARM_FLAGS = {"asimd": "neon", "asimddp": "dotprod", "i8mm": "i8mm", "asimdhp": "
 class HostFacts:
     """The machine a measurement ran on."""
 
-    cpu: str                                    # CPU model name (/proc/cpuinfo, device tree or sysctl)
+    # CPU model name (/proc/cpuinfo, device tree or sysctl)
+    cpu: str
     machine: str                                # platform.machine(): x86_64, aarch64, arm64, ...
     cores: int                                  # physical cores
     logical_cpus: int                           # logical CPUs this process may run on
     ram_gb: float                               # installed RAM in GiB
-    cpu_flags: list[str] = field(default_factory=list)  # ISA flags of interest, as the OS names them (avx2, asimddp)
-    isa: list[str] = field(default_factory=list)        # the same in device-profile words (avx2, avx512, neon, dotprod)
+    # ISA flags of interest, as the OS names them (avx2, asimddp)
+    cpu_flags: list[str] = field(default_factory=list)
+    # the same in device-profile words (avx2, avx512, neon, dotprod)
+    isa: list[str] = field(default_factory=list)
 
 
 def _read(path: str) -> str:
@@ -83,7 +86,8 @@ def cpu_flags(cpuinfo: str, machine: str) -> list[str]:
     """ISA flags of interest that /proc/cpuinfo lists ('flags' on x86, 'Features' on ARM)."""
     fields = _cpuinfo_fields(cpuinfo)
     present = set((fields.get("flags", "") + " " + fields.get("features", "")).split())
-    if not present and machine.lower() in ("arm64", "aarch64"):  # macOS / no cpuinfo: Armv8 always has NEON
+    if not present and machine.lower() in ("arm64", "aarch64"):
+        # macOS / no cpuinfo: Armv8 always has NEON
         present = {"asimd"} | ({"asimddp"} if _sysctl("hw.optional.arm.FEAT_DotProd") == "1" else set()) \
                   | ({"i8mm"} if _sysctl("hw.optional.arm.FEAT_I8MM") == "1" else set())
     return [flag for flag in (*X86_FLAGS, *ARM_FLAGS) if flag in present]

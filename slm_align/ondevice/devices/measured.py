@@ -33,20 +33,25 @@ class BenchResult:
 
     artifact: str                        # the measured .gguf file or ONNX export directory
     kind: str                            # gguf (llama.cpp) or onnx (onnxruntime)
-    model: str                           # model name from the artifact (GGUF general.name, else the file/dir name)
+    # model name from the artifact (GGUF general.name, else the file/dir name)
+    model: str
     runtime: str                         # runtime and version that ran it
     threads: int                         # threads the runtime was given
     n_ctx: int                           # context window the model was opened with
     prompt_tokens: int                   # tokens in the prompt fed at once
-    decode_tokens: int                   # tokens generated after the first one, one forward pass each
+    # tokens generated after the first one, one forward pass each
+    decode_tokens: int
     repeats: int                         # measurement repeats (the model is loaded once)
-    generated_tokens: int                # tokens generated per repeat: the first one plus decode_tokens
-    load_seconds: float                  # opening the artifact (weights, tokenizer, session/context)
+    # tokens generated per repeat: the first one plus decode_tokens
+    generated_tokens: int
+    # opening the artifact (weights, tokenizer, session/context)
+    load_seconds: float
     time_to_first_token_seconds: float   # prompt fed to an empty cache plus the first token chosen
     prompt_tokens_per_second: float      # prompt processing speed
     decode_tokens_per_second: float      # greedy decode speed, the first token excluded
     decode_runs: list[float]             # decode tokens/s of each repeat
-    rss_before_load_bytes: int           # RSS high-water mark of the measuring process before loading the model
+    # RSS high-water mark of the measuring process before loading the model
+    rss_before_load_bytes: int
     peak_rss_bytes: int                  # RSS high-water mark of the measuring process at the end
     host: HostFacts                      # where it ran
 
@@ -108,7 +113,8 @@ def _toml_value(value) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML basic-string escapes
+        # JSON string escapes are valid TOML basic-string escapes
+        return json.dumps(value, ensure_ascii=False)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")

@@ -1,8 +1,8 @@
 """Which base GGUF a llama.cpp LoRA adapter GGUF belongs to, checked from the two headers alone
 (torch-free: the runtime refuses a mismatched pair before llama.cpp loads either).
 
-An adapter we write (``slm_align.ondevice.gguf.adapter_writer``) records the sha256 of the base GGUF it was
-made for under :data:`BASE_SHA256_KEY`; :func:`check_adapter_base` checks that hash, the
+An adapter we write (``slm_align.ondevice.gguf.adapter_writer``) records the sha256 of the base GGUF
+it was made for under :data:`BASE_SHA256_KEY`; :func:`check_adapter_base` checks that hash, the
 architecture and every adapted tensor's shape. :func:`chain_digest` names a base with adapters
 applied: the id the runtime records a turn under and an adapter export's manifest records.
 """

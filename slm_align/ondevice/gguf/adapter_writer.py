@@ -1,15 +1,15 @@
 """A peft LoRA adapter as a llama.cpp LoRA adapter GGUF, bound to the base GGUF it applies to.
 
 The format is the one llama.cpp's ``convert_lora_to_gguf.py`` writes and ``llama_adapter_lora_init``
-reads (llama.cpp ``src/llama-adapter.cpp``): ``general.type = "adapter"``, ``adapter.type = "lora"``,
-``adapter.lora.alpha``, ``general.architecture`` equal to the base's, and for each adapted weight
-``W`` (GGUF name ``N``, numpy shape ``(out, in)``) two tensors ``N.lora_a`` ``(r, in)`` and
-``N.lora_b`` ``(out, r)``: peft's own ``lora_A.weight`` and ``lora_B.weight`` layouts. llama.cpp
-computes ``W x + s * B (A x)`` with ``s = user_scale * alpha / r`` (``r`` read from B; ``alpha = 0``
-means ``s = user_scale``; ``llama_adapter_lora_weight::get_scale``).
+reads (llama.cpp ``src/llama-adapter.cpp``): ``general.type = "adapter"``,
+``adapter.type = "lora"``, ``adapter.lora.alpha``, ``general.architecture`` equal to the base's, and
+for each adapted weight ``W`` (GGUF name ``N``, numpy shape ``(out, in)``) two tensors ``N.lora_a``
+``(r, in)`` and ``N.lora_b`` ``(out, r)``: peft's own ``lora_A.weight`` and ``lora_B.weight``
+layouts. llama.cpp computes ``W x + s * B (A x)`` with ``s = user_scale * alpha / r`` (``r`` read
+from B; ``alpha = 0`` means ``s = user_scale``; ``llama_adapter_lora_weight::get_scale``).
 
-Where our GGUF converter (gguf.py) rewrites ``W`` the adapter follows it, so that base + delta in the
-file equals the converted merged weight:
+Where our GGUF converter (gguf.py) rewrites ``W`` the adapter follows it, so that base + delta in
+the file equals the converted merged weight:
 
 - a row reordering ``P`` (Llama's Q/K rope interleave, GPT-NeoX's fused QKV regrouped) goes to B's
   rows: ``P (W + s B A) = P W + s (P B) A``;
@@ -18,14 +18,14 @@ file equals the converted merged weight:
 
 peft scales each module by ``alpha_m / r_m``, or ``alpha_m / sqrt(r_m)`` with rsLoRA (peft
 ``tuners/lora/layer.py``, ``update_layer``); ``alpha_m`` may come from ``alpha_pattern`` and ``r_m``
-from ``rank_pattern``. The file records the config's ``lora_alpha`` and each module's remaining factor
-``peft_scale / (alpha / r_m)`` is folded into its B (1 for plain LoRA: B is copied as saved).
+from ``rank_pattern``. The file records the config's ``lora_alpha`` and each module's remaining
+factor ``peft_scale / (alpha / r_m)`` is folded into its B (1 for plain LoRA: B is copied as saved).
 
-What llama.cpp cannot apply is refused in one line: embedding adapters, a head delta where the head is
-tied to the embeddings, DoRA, ``modules_to_save``, trained biases and other peft extras. The file also
-records ``slm_align.base.sha256`` of the base GGUF when one is given; :func:`check_adapter_base`
-(in the torch-free :mod:`slm_align.ondevice.gguf.adapter_check`, re-exported here) checks architecture, tensor
-shapes and that hash before a runtime pairs the two.
+What llama.cpp cannot apply is refused in one line: embedding adapters, a head delta where the head
+is tied to the embeddings, DoRA, ``modules_to_save``, trained biases and other peft extras. The file
+also records ``slm_align.base.sha256`` of the base GGUF when one is given;
+:func:`check_adapter_base` (in the torch-free :mod:`slm_align.ondevice.gguf.adapter_check`,
+re-exported here) checks architecture, tensor shapes and that hash before a runtime pairs the two.
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ def materialize(path: Path, load_model: Callable[[], object], load_tokenizer: Ca
     partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        tokenizer = load_tokenizer()  # first: a tokenizer we cannot carry is refused before minutes of dequantizing
+        # first: a tokenizer we cannot carry is refused before minutes of dequantizing
+        tokenizer = load_tokenizer()
         model = load_model()
         model.save_pretrained(partial, safe_serialization=True)
         save_tokenizer(tokenizer, partial)

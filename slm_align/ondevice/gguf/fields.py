@@ -121,7 +121,8 @@ def read_fields(path: Path, prefix: str = "tokenizer.") -> dict[str, Field]:
 
 
 def _read(path: Path, parse):
-    """``parse`` applied to the file mapped in memory; a file that is not GGUF is the user's to fix."""
+    """``parse`` applied to the file mapped in memory; a file that is not GGUF is the user's to
+    fix."""
     try:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return parse(data)

@@ -18,9 +18,10 @@ In both, CONTROL, USER_DEFINED and UNKNOWN tokens are added tokens matched on th
 llama.cpp's special-token partition does. BOS/EOS/unk/pad ids, the add-BOS/EOS flags and the chat
 template come from the file.
 
-:func:`load_gguf_tokenizer` checks the result against llama.cpp itself (vocab only) on :data:`PROBE_TEXTS` and every
-special token string, with and without special tokens added; any difference is a one-line UserError
-at load time, before any training. When llama-cpp-python is not installed the check is skipped.
+:func:`load_gguf_tokenizer` checks the result against llama.cpp itself (vocab only) on
+:data:`PROBE_TEXTS` and every special token string, with and without special tokens added; any
+difference is a one-line UserError at load time, before any training. When llama-cpp-python is not
+installed the check is skipped.
 
 :func:`write_sidecar` copies the file's ``tokenizer.*`` key/values, byte for byte, into a vocab-only
 ``tokenizer.gguf`` beside a saved model, so that GGUF export can write the source's exact tokenizer
@@ -320,7 +321,8 @@ def _open_llama_cpp(path: Path) -> _LlamaVocab | None:
         import llama_cpp
     except ImportError:
         return None
-    logger = logging.getLogger("llama-cpp-python")  # llama-cpp-python prints llama.cpp's log through it
+    # llama-cpp-python prints llama.cpp's log through it
+    logger = logging.getLogger("llama-cpp-python")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     try:

@@ -3,13 +3,15 @@
 In order of preference:
 
 1. the model directory carries ``tokenizer.gguf`` (the model came from a GGUF file, see
-   :func:`slm_align.modeling.models.save_tokenizer`): its ``tokenizer.*`` fields are copied byte for byte, so the export
-   tokenises exactly as the source did. Only the chat template may change (an
+   :func:`slm_align.modeling.models.save_tokenizer`): its ``tokenizer.*`` fields are copied byte for
+   byte, so the export tokenises exactly as the source did. Only the chat template may change (an
    override, or the directory's own);
-2. ``tokenizer.json`` is SentencePiece-style BPE (byte fallback, "▁" for spaces: Gemma, Llama 2): written as
-   llama.cpp's ``llama`` tokenizer with token types, ``add_space_prefix``, and scores that make
-   llama.cpp's best-scored-piece-first merging follow the merge order the HF tokenizer applies;
-3. otherwise byte-level BPE (``gpt2``): tokens, merges, and the pre-tokenizer under the name llama.cpp knows.
+2. ``tokenizer.json`` is SentencePiece-style BPE (byte fallback, "▁" for spaces: Gemma, Llama 2):
+   written as llama.cpp's ``llama`` tokenizer with token types, ``add_space_prefix``, and scores
+   that make llama.cpp's best-scored-piece-first merging follow the merge order the HF tokenizer
+   applies;
+3. otherwise byte-level BPE (``gpt2``): tokens, merges, and the pre-tokenizer under the name
+   llama.cpp knows.
 
 Special token ids, add-BOS/EOS flags and the chat template come from the directory's tokenizer
 files, the flags written explicitly because llama.cpp's defaults differ between tokenizer models.
@@ -107,7 +109,8 @@ def _add_special(writer, model_dir: Path, n_vocab: int, chat_template: str | Non
         special_vocab.chat_template = chat_template
     special_vocab.add_to_gguf(writer, quiet=True)
     adds_bos, adds_eos = _adds_bos_eos(model_dir)
-    if "bos" not in special_vocab.add_special_token:  # say it explicitly: readers default differently
+    if "bos" not in special_vocab.add_special_token:
+        # say it explicitly: readers default differently
         writer.add_add_bos_token(adds_bos)
     if "eos" not in special_vocab.add_special_token:
         writer.add_add_eos_token(adds_eos)
@@ -171,9 +174,10 @@ def _merge_scores(tokenizer_json: dict) -> dict[str, float]:
 
 
 def _added_token_type(item: dict) -> int:
-    """llama.cpp's type for an added token of a byte-level BPE, as its converter decides: CONTROL when special or
-    looking special (``<|...|>``), else USER_DEFINED (Qwen2.5's ``<tool_call>``). gguf-py's BpeVocab calls every
-    added token CONTROL, which llama.cpp would then not match in text tokenised without special tokens."""
+    """llama.cpp's type for an added token of a byte-level BPE, as its converter decides: CONTROL
+    when special or looking special (``<|...|>``), else USER_DEFINED (Qwen2.5's ``<tool_call>``).
+    gguf-py's BpeVocab calls every added token CONTROL, which llama.cpp would then not match in text
+    tokenised without special tokens."""
     import gguf
 
     text = item["content"]

@@ -115,7 +115,8 @@ def _transform(model_type: str, config: dict) -> Callable[[str, np.ndarray], np.
     def transform(name: str, data: np.ndarray) -> np.ndarray:
         data = reorder(name, data)
         if model_type == "gemma3_text" and name.endswith("norm.weight"):
-            return data + np.float32(1.0)  # Gemma3RMSNorm computes x * (1 + w); llama.cpp computes x * w
+            # Gemma3RMSNorm computes x * (1 + w); llama.cpp computes x * w
+            return data + np.float32(1.0)
         if is_conv1d_weight(model_type, name):
             return np.ascontiguousarray(data.T)
         return data
@@ -184,7 +185,9 @@ def _add_tensor(writer, name: str, data: np.ndarray, file_type: str) -> None:
     elif file_type == "Q8_0" and data.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0] == 0:
         qtype = gguf.GGMLQuantizationType.Q8_0
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-    else:  # F16, or Q8_0 rows that do not split into 32-value blocks (llama.cpp's converter does the same)
+    else:
+        # F16, or Q8_0 rows that do not split into 32-value blocks (llama.cpp's converter does the
+        # same)
         writer.add_tensor(name, data.astype(np.float16))
 
 
@@ -269,7 +272,8 @@ def quantize_gguf(source: Path, out_path: Path, quant: str, threads: int = 0,
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
     params.nthread = threads
-    entries, _buffers = imatrix_array(importance)  # the buffers stay referenced until the quantizer returns
+    # the buffers stay referenced until the quantizer returns
+    entries, _buffers = imatrix_array(importance)
     if entries is not None:
         params.imatrix = entries
     with atomic_path(out_path) as tmp:

@@ -82,8 +82,8 @@ def exact_answer(prompts, completions, answer: Optional[Sequence[Any]] = None,
     """1 when the completion's final answer equals the row's ``answer`` column, else 0.
 
     Numbers compare by value (``350`` equals ``350.0``, ``1,000`` equals ``1000``); see
-    :func:`final_answer_matches`. ``references=`` (reference completions, whose own final answer counts) is the
-    older way to give the answers and still works.
+    :func:`final_answer_matches`. ``references=`` (reference completions, whose own final answer
+    counts) is the older way to give the answers and still works.
     """
     if answer is not None:
         wanted = [_reference_of(cell) for cell in answer]

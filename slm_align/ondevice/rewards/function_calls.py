@@ -2,9 +2,10 @@
 match the row's ``ground_truth``, else 0; for irrelevance 1 when there is no call) and
 ``function_call_graded`` (partial credit for name, argument names and values, for shaping).
 
-Calls are read by the runtime's own parser (:func:`slm_align.ondevice.tools.parse.read_calls`) from the
-completion; on agent episodes from the episode's first reply (the calls are the answer: a function
-task's tools need not run). The rules: :mod:`slm_align.ondevice.rewards.function_match`. Torch-free.
+Calls are read by the runtime's own parser (:func:`slm_align.ondevice.tools.parse.read_calls`) from
+the completion; on agent episodes from the episode's first reply (the calls are the answer: a
+function task's tools need not run). The rules: :mod:`slm_align.ondevice.rewards.function_match`.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ def function_call_match(prompts, completions, ground_truth: Sequence[Any], tools
                         functions: Optional[Sequence[Any]] = None,
                         episodes: Optional[Sequence[dict]] = None, **_) -> list[float]:
     """1 when the reply's calls match the row's ``ground_truth`` by BFCL's AST rules
-    (:func:`~slm_align.ondevice.rewards.function_match.check_calls`), else 0; in the irrelevance category
-    (or with an empty ground truth) 1 for no call. Columns: ``ground_truth``, ``tools`` (the
-    offered functions), optionally ``category`` (order-free matching for parallel categories)."""
+    (:func:`~slm_align.ondevice.rewards.function_match.check_calls`), else 0; in the irrelevance
+    category (or with an empty ground truth) 1 for no call. Columns: ``ground_truth``, ``tools``
+    (the offered functions), optionally ``category`` (order-free matching for parallel
+    categories)."""
     return _scores(_match, completions, ground_truth, tools, category, functions, episodes)
 
 
@@ -121,8 +123,8 @@ def function_call_graded(prompts, completions, ground_truth: Sequence[Any], tool
                          category: Optional[Sequence[Optional[str]]] = None,
                          functions: Optional[Sequence[Any]] = None,
                          episodes: Optional[Sequence[dict]] = None, **_) -> list[float]:
-    """Partial credit for shaping (:func:`~slm_align.ondevice.rewards.function_match.graded_score`): 1 for
-    a match, else the best pairing's share of right names, argument names and values, times
+    """Partial credit for shaping (:func:`~slm_align.ondevice.rewards.function_match.graded_score`):
+    1 for a match, else the best pairing's share of right names, argument names and values, times
     0.9; irrelevance 1 or 0 as ``function_call_match``."""
     return _scores(graded_score, completions, ground_truth, tools, category, functions, episodes)
 

@@ -341,7 +341,8 @@ _MOST_PERMUTED = 6
 
 
 def _needed(name: str, expected: dict, required: Sequence[str]) -> bool:
-    """The argument must be given: the function requires it, or the answer lists it without ``""``."""
+    """The argument must be given: the function requires it, or the answer lists it without
+    ``""``."""
     return name in required or (name in expected and "" not in expected[name])
 
 

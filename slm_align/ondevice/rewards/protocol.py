@@ -1,13 +1,13 @@
 """The reward protocol: anything that scores (prompt, completion) batches.
 
-A reward is a callable ``fn(prompts, completions, **context) -> list[float]``. Following TRL,
-every column of the task data other than the prompt arrives as a keyword list aligned with the
-completions (``fn(prompts, completions, answer=[...], tools=[...], **rest)``: see
-:mod:`slm_align.ondevice.rewards.columns`); ``context`` may also carry ``references`` (reference answers
-of prompt/completion data) and, for sampled completions, ``truncated`` (one bool each: the
+A reward is a callable ``fn(prompts, completions, **context) -> list[float]``. Following TRL, every
+column of the task data other than the prompt arrives as a keyword list aligned with the completions
+(``fn(prompts, completions, answer=[...], tools=[...], **rest)``: see
+:mod:`slm_align.ondevice.rewards.columns`); ``context`` may also carry ``references`` (reference
+answers of prompt/completion data) and, for sampled completions, ``truncated`` (one bool each: the
 completion hit the token budget without EOS) and, for agent episodes, ``episodes`` and
-``environments`` (see :mod:`slm_align.ondevice.rewards.episodes`). A keyword parameter without a default (or a
-``columns`` attribute, as the built-ins have) names a column the reward needs.
+``environments`` (see :mod:`slm_align.ondevice.rewards.episodes`). A keyword parameter without a
+default (or a ``columns`` attribute, as the built-ins have) names a column the reward needs.
 :class:`CombinedReward` sums weighted terms.
 
 Torch-free: the runtime scores tasks with these functions on a device.

@@ -120,7 +120,8 @@ class FlatCase:
 
     case: str
     position: Optional[float]
-    """Mean reward as a share of the reward's range (0 worst, 1 best); None when the range is unknown."""
+    """Mean reward as a share of the reward's range (0 worst, 1 best); None when the range is
+    unknown."""
     seen: str
     """What the gate saw, in words."""
 

@@ -1,6 +1,6 @@
 """Rewards for tool calls: ``json_tool_call`` (a well-formed call) and ``tool_task`` (partial credit
-for the first call, read by the agent runtime's own parser and run with the runtime's tools; on agent
-episodes, for the episode as the runtime ran it).
+for the first call, read by the agent runtime's own parser and run with the runtime's tools; on
+agent episodes, for the episode as the runtime ran it).
 """
 
 from __future__ import annotations
@@ -156,9 +156,9 @@ def tool_task(prompts, completions, answer: Optional[Sequence[Any]] = None, tool
 
     The known tools are the row's ``tools`` column (OpenAI function schemas) when present, else the
     built-in tools. Calls run with the same-named tool of ``registry``, by default the built-in
-    calculator and clock (:func:`~slm_align.ondevice.tools.builtin.default_tools`, safe by construction);
-    bind your own registry with ``functools.partial(tool_task, registry=...)`` to run other tools.
-    The scale is :data:`TOOL_TASK_SCORES`.
+    calculator and clock (:func:`~slm_align.ondevice.tools.builtin.default_tools`, safe by
+    construction); bind your own registry with ``functools.partial(tool_task, registry=...)`` to run
+    other tools. The scale is :data:`TOOL_TASK_SCORES`.
     """
     if episodes is not None:
         return [EPISODE_SCORES[classify(view["calls"], view["answer"], answer[i], None if tool is None else tool[i])]

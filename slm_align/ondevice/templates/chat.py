@@ -4,11 +4,12 @@ template rendered with jinja2 the way transformers and llama.cpp render it, and 
 with a tool conversation. Shared by training (modeling, task data, SFT) and the torch-free runtime.
 
 Rendering uses a sandboxed environment (templates come with downloaded models) whose every render is
-bounded in steps, time and size (:mod:`slm_align.ondevice.templates.sandbox`): a template that loops, or fails,
-is one :class:`ChatTemplateError` naming it, never a hang or a traceback; ``raise_exception``,
-``strftime_now`` and the ``tojson`` filter as transformers provides them (plain JSON, keys in order:
-jinja's own filter escapes ``<``, ``>``, ``&`` and ``'`` as HTML and sorts keys, which no model was
-trained on), and ``tools`` passed through so tool-aware templates (Qwen2.5, SmolLM2) describe them.
+bounded in steps, time and size (:mod:`slm_align.ondevice.templates.sandbox`): a template that
+loops, or fails, is one :class:`ChatTemplateError` naming it, never a hang or a traceback;
+``raise_exception``, ``strftime_now`` and the ``tojson`` filter as transformers provides them (plain
+JSON, keys in order: jinja's own filter escapes ``<``, ``>``, ``&`` and ``'`` as HTML and sorts
+keys, which no model was trained on), and ``tools`` passed through so tool-aware templates (Qwen2.5,
+SmolLM2) describe them.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def _check_template_syntax(text: str, option: str) -> None:
 
 class ChatTemplateError(UserError):
     """A chat template that cannot render: bad syntax, a failing expression, ``{% include %}``, or a
-    bound of :mod:`slm_align.ondevice.templates.sandbox` passed. One line naming the template; the CLI exits
-    with 2, a server answers 400."""
+    bound of :mod:`slm_align.ondevice.templates.sandbox` passed. One line naming the template; the
+    CLI exits with 2, a server answers 400."""
 
     def __init__(self, message: str, cause: Optional[Exception] = None):
         super().__init__(message)
@@ -131,7 +132,8 @@ REPLACE_IT = "fix the template, or pass --chat-template chatml (or a Jinja file)
 
 
 def _template_error(exc: Exception, origin: Optional[str]) -> UserError:
-    """The one-line error for an exception raised while ``origin``'s template compiled or rendered."""
+    """The one-line error for an exception raised while ``origin``'s template compiled or
+    rendered."""
     from jinja2 import TemplateSyntaxError
 
     name = template_name(origin)
@@ -174,8 +176,8 @@ def render(template: Optional[str], messages: list[dict], bos_token: Optional[st
            origin: Optional[str] = None) -> str:
     """The prompt text for ``messages`` (and ``tools``), ending with the assistant's opening.
 
-    Bounded (:mod:`slm_align.ondevice.templates.sandbox`); a template that does not compile, fails or runs past
-    a bound raises :class:`ChatTemplateError` naming it by ``origin``."""
+    Bounded (:mod:`slm_align.ondevice.templates.sandbox`); a template that does not compile, fails
+    or runs past a bound raises :class:`ChatTemplateError` naming it by ``origin``."""
     require_template(template)
     given = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
     if given > TEMPLATE_CHARS:  # the conversation's fault, not the template's
@@ -223,9 +225,9 @@ class TemplateTraits:
     """What a chat template does with a tool conversation, found by rendering a probe."""
 
     renders_tool_calls: bool
-    """An assistant message's ``tool_calls`` appear in the text (Qwen2.5, Qwen3, Llama 3.2): a call is
-    stored there. Otherwise (ChatML, SmolLM2, Gemma 3) only ``content`` is rendered, so the call's
-    text goes into the content."""
+    """An assistant message's ``tool_calls`` appear in the text (Qwen2.5, Qwen3, Llama 3.2): a call
+    is stored there. Otherwise (ChatML, SmolLM2, Gemma 3) only ``content`` is rendered, so the
+    call's text goes into the content."""
     renders_tools: bool
     """The ``tools`` list appears in the prompt."""
     tool_results: Optional[str]
@@ -317,8 +319,8 @@ def _type(schema: dict) -> str:
 
 
 def tool_line(spec: dict) -> str:
-    """One offered tool (an OpenAI function schema) as a signature line: ``- name(param: type = default,
-    other: type (optional)): description``."""
+    """One offered tool (an OpenAI function schema) as a signature line:
+    ``- name(param: type = default, other: type (optional)): description``."""
     function = spec.get("function", spec)
     parameters = function.get("parameters") or {}
     required = set(parameters.get("required") or ())

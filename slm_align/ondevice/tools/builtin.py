@@ -31,7 +31,8 @@ from slm_align.ondevice.tools.registry import ToolRegistry
 MAX_EXPRESSION_CHARS = 500
 MAX_INTEGER_BITS = 10_000  # about 3000 decimal digits
 MAX_ROUND_DIGITS = math.ceil(MAX_INTEGER_BITS * math.log10(2))
-"""round(x, n) with |n| past every digit a number here can have: CPython would compute 10**|n| first."""
+"""round(x, n) with |n| past every digit a number here can have: CPython would compute 10**|n|
+first."""
 
 _FUNCTIONS = {
     **{name: getattr(math, name) for name in (
@@ -164,7 +165,8 @@ def current_time(timezone: str = "UTC") -> str:
 
 
 def time_text(moment: datetime, timezone: str) -> str:
-    """``moment`` in ``timezone`` as :func:`current_time` writes it: ISO date and time, weekday, zone."""
+    """``moment`` in ``timezone`` as :func:`current_time` writes it: ISO date and time, weekday,
+    zone."""
     local = moment.astimezone(_zone(timezone))
     return f"{local.isoformat(timespec='seconds')} ({local:%A}, {timezone})"
 
@@ -249,7 +251,8 @@ class NoteStore:
         )
 
     def _path(self, title: str) -> Path:
-        """The file for ``title``, or ValueError when the title is unsafe or resolves outside the folder."""
+        """The file for ``title``, or ValueError when the title is unsafe or resolves outside the
+        folder."""
         name = _clean_title(title)
         path = self.folder / f"{name}{_NOTE_SUFFIX}"
         if path.is_symlink() or path.resolve().parent != self.folder:
@@ -275,7 +278,8 @@ def _clean_title(title: str) -> str:
 
 
 def default_tools(notes_folder: Optional[Union[str, Path]] = None) -> ToolRegistry:
-    """A registry with calculator and current_time, plus save_note/read_note/list_notes when a folder is given."""
+    """A registry with calculator and current_time, plus save_note/read_note/list_notes when a
+    folder is given."""
     registry = ToolRegistry()
     registry.register(calculator)
     registry.register(current_time)

@@ -2,18 +2,19 @@
 episode, with state kept between its calls (TRL's ``environment_factory`` contract).
 
 A class is named ``module:Class`` (a task row's ``environment`` column, or ``--environment`` for the
-whole file). Per episode: ``env = Class()``, then ``env.reset(**row)`` with the task row's columns (a
-string it returns is appended to the last user message, as the episode's first observation); every
-public method but ``reset`` and ``get_reward`` becomes a tool (schema from its type hints and
-docstring, as :meth:`~slm_align.ondevice.tools.registry.ToolRegistry.register` makes it); rewards receive the
-instances as ``environments=`` and may call ``get_reward()``. A tool that raises, or runs past
-:data:`TOOL_TIMEOUT_S`, becomes an error observation (the registry's rule), never a crashed run.
+whole file). Per episode: ``env = Class()``, then ``env.reset(**row)`` with the task row's columns
+(a string it returns is appended to the last user message, as the episode's first observation);
+every public method but ``reset`` and ``get_reward`` becomes a tool (schema from its type hints and
+docstring, as :meth:`~slm_align.ondevice.tools.registry.ToolRegistry.register` makes it); rewards
+receive the instances as ``environments=`` and may call ``get_reward()``. A tool that raises, or
+runs past :data:`TOOL_TIMEOUT_S`, becomes an error observation (the registry's rule), never a
+crashed run.
 
 Bad input is refused before any training: a class that cannot be imported, is not a class, has no
 ``reset``, or has a public method without type hints.
 
-Data never runs code by itself: importing a module runs its code, so a task row's ``environment`` may
-name a class only from a module the user allowed (``--environment-module NAME``, the recipe's
+Data never runs code by itself: importing a module runs its code, so a task row's ``environment``
+may name a class only from a module the user allowed (``--environment-module NAME``, the recipe's
 ``rl.environment_modules``; ``--environment``'s own module is allowed by being named). Any other is
 refused in one line before anything is imported (:func:`check_allowed`).
 """

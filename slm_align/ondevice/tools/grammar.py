@@ -126,7 +126,8 @@ class _GrammarBuilder:
         each starts with a comma).
         """
         required = set(schema.get("required", ()))
-        unwritten = written = ""  # the members after the current one: when none / when one was written before
+        # the members after the current one: when none / when one was written before
+        unwritten = written = ""
         for key, sub in reversed(list(schema["properties"].items())):
             member_body = f'{_literal(json.dumps(key))} ws ":" ws {self.value(sub, f"{hint}-{key}")}'
             member = self.add(f"{hint}-{key}", member_body)

@@ -3,9 +3,8 @@ parse a reply's calls, execute them, and constrain replies with a grammar.
 
 Bad input while *registering* a tool raises a one-line :class:`~slm_align.errors.UserError`.
 Anything that goes wrong while *running* (malformed JSON, an unknown tool, arguments that break the
-schema, a tool that raises) becomes an
-:class:`Observation` with ``ok=False`` and a short message the model can read and act on; nothing here raises at run
-time.
+schema, a tool that raises) becomes an :class:`Observation` with ``ok=False`` and a short message
+the model can read and act on; nothing here raises at run time.
 
 Stdlib and jsonschema only: this module runs on phones and boards.
 """
@@ -250,12 +249,12 @@ class ToolRegistry:
 
         Free text may not start a tag (``<`` followed by a letter or ``/``), so a reply that calls a
         tool must use the grammar's path, where the name is one of the registered tools and the
-        arguments are a JSON object with the schema's properties in order (optional ones may be
-        left out). Schema keywords the grammar cannot express (minimum, pattern, ...) are left to
-        :meth:`execute`'s validation. ``required``: calls only, no free text (OpenAI's ``tool_choice``
-        "required"), written compactly (at most one space between tokens: a small model pushed
-        into a call otherwise wanders off in whitespace); ``names``: only these tools may be
-        called (a named ``tool_choice``).
+        arguments are a JSON object with the schema's properties in order (optional ones may be left
+        out). Schema keywords the grammar cannot express (minimum, pattern, ...) are left to
+        :meth:`execute`'s validation. ``required``: calls only, no free text (OpenAI's
+        ``tool_choice`` "required"), written compactly (at most one space between tokens: a small
+        model pushed into a call otherwise wanders off in whitespace); ``names``: only these tools
+        may be called (a named ``tool_choice``).
         """
         tools = [tool for name, tool in self._tools.items() if names is None or name in names]
         return gbnf_grammar(tools, free_text=not required, compact=required)

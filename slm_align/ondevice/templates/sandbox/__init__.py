@@ -22,17 +22,17 @@ counts. ``{% include %}``, ``{% import %}`` and ``{% extends %}`` are refused at
 chat template is one file). No signals, no threads: it works on any thread, without torch.
 
 A single built-in operation is not interrupted, so each is checked before it runs
-(:mod:`slm_align.ondevice.templates.sandbox.checks`): what it would make against the size bound (padding,
-``to_bytes``, escaping, a date pattern's field widths), and, where its work grows faster than its
-input, what it would cost: ``encode``/``decode`` take linear codecs only (``punycode`` is quadratic),
-wrapping long words and stripping with a set of characters are bounded in characters scanned
-(:data:`TEMPLATE_SCAN`), and filters that run Python code per item (``sort``, ``unique``, ``map``,
-...) take a step per item (n log n for a sort) before they start. A render so ends within about
-:data:`TEMPLATE_SECONDS` plus one such operation (about a second at most).
+(:mod:`slm_align.ondevice.templates.sandbox.checks`): what it would make against the size bound
+(padding, ``to_bytes``, escaping, a date pattern's field widths), and, where its work grows faster
+than its input, what it would cost: ``encode``/``decode`` take linear codecs only (``punycode`` is
+quadratic), wrapping long words and stripping with a set of characters are bounded in characters
+scanned (:data:`TEMPLATE_SCAN`), and filters that run Python code per item (``sort``, ``unique``,
+``map``, ...) take a step per item (n log n for a sort) before they start. A render so ends within
+about :data:`TEMPLATE_SECONDS` plus one such operation (about a second at most).
 
 The package: :mod:`~slm_align.ondevice.templates.sandbox.budget` (the bounds, a render's allowance),
-:mod:`~slm_align.ondevice.templates.sandbox.checks` (single operations), and here the environment and the
-code generator.
+:mod:`~slm_align.ondevice.templates.sandbox.checks` (single operations), and here the environment
+and the code generator.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ __all__ = ["TEMPLATE_CHARS", "TEMPLATE_INT_BITS", "TEMPLATE_SCAN", "TEMPLATE_SEC
 
 
 def render_bounded(template, variables: dict) -> str:
-    """``template`` (compiled by a :class:`BoundedSandbox`) rendered with ``variables`` under a fresh
-    budget; a TemplateLimit past a bound."""
+    """``template`` (compiled by a :class:`BoundedSandbox`) rendered with ``variables`` under a
+    fresh budget; a TemplateLimit past a bound."""
     with budgeted() as budget:
         pieces = []
         total = 0
@@ -111,7 +111,8 @@ class _Bounding(NodeTransformer):
     def visit_Output(self, node: nodes.Output) -> nodes.Node:
         self.generic_visit(node)
         node.nodes = [nodes.Const(child.data).set_lineno(child.lineno) if isinstance(child, nodes.TemplateData)
-                      else child for child in node.nodes]  # counted by finalize, as every output piece
+                      # counted by finalize, as every output piece
+                      else child for child in node.nodes]
         return node
 
     def _other_file(self, node: nodes.Node) -> nodes.Node:
@@ -134,9 +135,11 @@ def _internal(function: Callable) -> Callable:
     return function
 
 
-@pass_context  # a finalize that takes the context is never applied at compile time: every piece counts
+# a finalize that takes the context is never applied at compile time: every piece counts
+@pass_context
 def _finalize(context, value: Any) -> Any:
-    """Every output piece (``{{ ... }}`` and the template's own text): one step, sized and counted."""
+    """Every output piece (``{{ ... }}`` and the template's own text): one step, sized and
+    counted."""
     budget = current()
     budget.tick()
     return budget.made(value)

@@ -1,10 +1,10 @@
 """Single built-in operations, checked before they run: what a call would make (repetition, padding,
-replacing, joining, formatting widths, integer powers, ``to_bytes``, escaping, dates) against the size
-bound, and what it would cost where its work grows faster than its input (``encode('punycode')``,
-wrapping or stripping, sorting) against the scan and step bounds. A check raises
-:class:`~slm_align.ondevice.templates.sandbox.budget.TemplateLimit`; otherwise the call runs, with the
-arguments the check returns. Each check is arithmetic on the arguments (a count, a length), never the
-operation itself.
+replacing, joining, formatting widths, integer powers, ``to_bytes``, escaping, dates) against the
+size bound, and what it would cost where its work grows faster than its input
+(``encode('punycode')``, wrapping or stripping, sorting) against the scan and step bounds. A check
+raises :class:`~slm_align.ondevice.templates.sandbox.budget.TemplateLimit`; otherwise the call runs,
+with the arguments the check returns. Each check is arithmetic on the arguments (a count, a length),
+never the operation itself.
 """
 
 from __future__ import annotations
@@ -36,14 +36,16 @@ CODECS = frozenset({"utf-8", "ascii", "iso8859-1", "utf-16", "utf-16-le", "utf-1
 bytes a character. ``punycode`` and ``idna`` take time quadratic in the text (53 s on 20,000
 characters), and the codec registry reaches further transforms: all refused."""
 CODEC_ERRORS = frozenset({"strict", "ignore", "replace"})
-"""Error handlers ``encode`` and ``decode`` may use (``namereplace`` writes up to 90 characters for one)."""
+"""Error handlers ``encode`` and ``decode`` may use (``namereplace`` writes up to 90 characters for
+one)."""
 STRFTIME_CHARS = 256
 """Characters of a ``strftime_now`` pattern (real templates pass ``'%d %b %Y'``)."""
 STRFTIME_DIRECTIVE = re.compile(r"%([-_0^#]*)(\d*)(.?)", re.DOTALL)
 URLIZE_CHARS = 100_000
 """Characters ``urlize`` may read: it runs regular expressions per word, about 4 µs a character."""
 WRAP_STEPS = 4
-"""Steps a word costs ``wordwrap`` (textwrap runs Python code per word and per space: about 3 µs)."""
+"""Steps a word costs ``wordwrap`` (textwrap runs Python code per word and per space: about 3
+µs)."""
 WORD_START = re.compile(r"[-\s({\[<]+")
 """Where Jinja's ``title`` filter starts a word."""
 ESCAPED_EXTRA = {"&": 4, "<": 3, ">": 3, '"': 4, "'": 4}
@@ -246,9 +248,9 @@ def _batch_or_slice(budget: Budget, call: FilterCall) -> None:
 
 
 def _wordwrap(budget: Budget, call: FilterCall) -> None:
-    """The wrapped text's size; textwrap's Python code per word (:data:`WRAP_STEPS` steps each); and its
-    work on words longer than the width: it copies what is left of such a word for each line it cuts
-    (``('a' * 10**6) | wordwrap(1)`` took 21 s)."""
+    """The wrapped text's size; textwrap's Python code per word (:data:`WRAP_STEPS` steps each); and
+    its work on words longer than the width: it copies what is left of such a word for each line it
+    cuts (``('a' * 10**6) | wordwrap(1)`` took 21 s)."""
     text = str(call.value)
     width = max(1, whole(call.arg(1, "width", 79)))
     lines = len(text) // width + text.count(" ") + text.count("\n") + 1
@@ -302,7 +304,8 @@ def _title(budget: Budget, call: FilterCall) -> None:
 
 
 def _striptags(budget: Budget, call: FilterCall) -> None:
-    """markupsafe's ``striptags`` cuts tags and unescapes entities one by one in Python: two steps each."""
+    """markupsafe's ``striptags`` cuts tags and unescapes entities one by one in Python: two steps
+    each."""
     text = str(call.value)
     budget.charge(2 * (text.count("<") + text.count("&")))
 
@@ -341,8 +344,8 @@ def bounded_filter(name: str, function: Callable) -> Callable:
 
 @pass_environment
 def bounded_sum(environment, iterable: Any, attribute: Any = None, start: Any = 0) -> Any:
-    """Jinja's ``sum``, for numbers only (adding lists one after another takes time quadratic in their
-    length)."""
+    """Jinja's ``sum``, for numbers only (adding lists one after another takes time quadratic in
+    their length)."""
     budget = current()
     getter = make_attrgetter(environment, attribute) if attribute is not None else None
     total = start
