@@ -40,8 +40,8 @@ _CLOCK_QUESTIONS = ("What time is it in {place}?", "What is the time in {place} 
                     "Tell me the current time in {place}.", "What day is it in {place}?")
 _BAD_ZONES = ("Mars/Olympus", "Europe/Atlantis", "Moon/Base")
 _GREETINGS = (("Hello!", "Hello! How can I help you today?"), ("Hi", "Hi! What can I do for you?"),
-              ("Thank you.", "You are welcome."), ("Who are you?", "I am a small assistant. I can use a calculator "
-                                                                   "and a clock."))
+              ("Thank you.", "You are welcome."), ("Who are you?", "I am a small assistant. I can "
+                                                                   "use a calculator and a clock."))
 _STORY_REQUESTS = ("Tell me a story.", "Tell me a short story.", "Can you tell me a story?")
 KINDS = ("calculator", "direct", "clock", "error", "no_tool")
 """The kinds of conversation, in the order :data:`SHARES` weighs them."""

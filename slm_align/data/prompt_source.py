@@ -79,7 +79,8 @@ def prompt_source(recipe: Recipe, tokenizer, corpus=None) -> PromptSource:
         corpus = load_corpus(recipe.data, recipe.seed)
     splits = corpus.splits
     make_train = functools.partial(prompts_of, splits.train, tokenizer)
-    return PromptSource(make_train, prompts_of(splits.heldout, tokenizer), f"openings of {corpus.description}")
+    return PromptSource(make_train, prompts_of(splits.heldout, tokenizer), "openings of "
+                                                                           f"{corpus.description}")
 
 
 def _task_source(recipe: Recipe, tokenizer) -> PromptSource:

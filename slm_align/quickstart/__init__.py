@@ -15,7 +15,8 @@ from slm_align.quickstart import agent
 from slm_align.runs import check_out_dir
 
 NEXT_COMMANDS = (
-    "slm-align tasks make --kind functions --out data/fn   # or your own rows: messages, tools, ground_truth",
+    "slm-align tasks make --kind functions --out data/fn   # or your own rows: messages, tools, "
+    "ground_truth",
     "slm-align train --model YOUR_MODEL --data data/fn/sft.jsonl --tasks data/fn/train.jsonl "
     "--reward function_call_match --algo grpo --out runs/mine",
     "slm-align export runs/mine --target gguf && slm-align evaluate-agent data/fn/heldout.jsonl "
@@ -60,6 +61,7 @@ def run_quickstart(out: Path, sft_steps: Optional[int] = None, rl_steps: Optiona
     say("next, on your own model:")
     for command in NEXT_COMMANDS:
         say(f"    {command}")
-    say("seconds per stage: " + ", ".join(f"{name} {seconds:.0f}" for name, seconds in clock.seconds.items()))
+    say("seconds per "
+        "stage: " + ", ".join(f"{name} {seconds:.0f}" for name, seconds in clock.seconds.items()))
     say(f"done in {time.time() - started:.0f}s; artifacts in {run}")
     return dict(result, seconds=round(time.time() - started, 1), stage_seconds=clock.seconds)

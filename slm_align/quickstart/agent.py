@@ -79,9 +79,9 @@ def tasks_step(run: Path, sizes: AgentSizes, say: Say) -> dict:
     """The function-calling rows and the few demonstrations (kept when an earlier run wrote
     them)."""
     tasks = run / "tasks"
-    say(f"[bold]1/4 function tasks[/] {sizes.train_tasks} training and {sizes.heldout_tasks} held-out rows "
-        f"(simple, parallel, irrelevance); held-out rows offer functions training never sees; SFT sees the "
-        f"chats of the first {sizes.demonstrations} training rows only")
+    say(f"[bold]1/4 function tasks[/] {sizes.train_tasks} training and {sizes.heldout_tasks} "
+        "held-out rows (simple, parallel, irrelevance); held-out rows offer functions training "
+        f"never sees; SFT sees the chats of the first {sizes.demonstrations} training rows only")
     if not all((tasks / f"{name}.jsonl").is_file() for name in FILES):
         write_function_tasks(tasks, sizes.train_tasks, sizes.heldout_tasks, seed=SEED, overwrite=True, mix=MIX)
     if not (tasks / DEMONSTRATIONS).is_file():
@@ -98,8 +98,8 @@ def sft_step(recipe: Recipe, run: Path, sizes: AgentSizes, say: Say) -> dict:
     stage = run_sft(recipe, run, resume=True)
     m = stage.metrics
     artifact = export_policy(run, run / "export-sft")
-    say(f"    {'reused' if stage.skipped else 'trained'} {stage.stage_dir}: train loss {m['train_loss']:.3f}, "
-        f"eval loss {m['eval_loss']:.3f}; exported {artifact}")
+    say(f"    {'reused' if stage.skipped else 'trained'} {stage.stage_dir}: train loss "
+        f"{m['train_loss']:.3f}, eval loss {m['eval_loss']:.3f}; exported {artifact}")
     return {"dir": str(stage.stage_dir), "skipped": stage.skipped, "metrics": m, "artifact": str(artifact)}
 
 
@@ -107,15 +107,16 @@ def rl_step(recipe: Recipe, run: Path, say: Say) -> dict:
     """The gate on the check, then GRPO from the SFT policy (run whatever the gate says, the verdict
     recorded: the quickstart shows what RL does here), exported."""
     rl = recipe.rl
-    say(f"[bold]3/4 RL[/] gate, then GRPO on the training prompts, no more demonstrations ({rl.steps} "
-        f"iterations of {iteration_size(rl).samples} replies, reward {REWARD})")
+    say("[bold]3/4 RL[/] gate, then GRPO on the training prompts, no more demonstrations "
+        f"({rl.steps} iterations of {iteration_size(rl).samples} replies, reward {REWARD})")
     report = gate(recipe, run, adapter=None, reward_model=None, rewards=(REWARD,), force=True)
     say(f"    gate: {report['verdict']}" + "".join(f"; {reason}" for reason in report["reasons"]))
     stage = run_rl(recipe, run, rewards=[REWARD], force=True, resume=True)
     m = stage.metrics
     artifact = export_policy(run, run / "export-rl")
-    say(f"    {'reused' if stage.skipped else 'trained'} {stage.stage_dir}: check passed on unseen prompts of the "
-        f"training functions SFT {m['heldout_reward_sft']:.3f} -> RL {m['heldout_reward_rl']:.3f}; exported {artifact}")
+    say(f"    {'reused' if stage.skipped else 'trained'} {stage.stage_dir}: check passed on unseen "
+        f"prompts of the training functions SFT {m['heldout_reward_sft']:.3f} -> RL "
+        f"{m['heldout_reward_rl']:.3f}; exported {artifact}")
     return {"dir": str(stage.stage_dir), "skipped": stage.skipped, "gate": report["verdict"],
             "gate_reasons": report["reasons"], "metrics": m, "artifact": str(artifact)}
 
@@ -124,23 +125,23 @@ def judge_step(run: Path, artifacts: dict[str, Path], sizes: AgentSizes, say: Sa
     """``evaluate-agent`` on the base, SFT and RL exports (``artifacts`` in that order) over the
     held-out rows: success with its interval and per category, and the paired differences SFT - base
     and RL - SFT; the whole report in ``run/agent_report.json``."""
-    say(f"[bold]4/4 evaluate-agent[/] base, SFT and RL exports in the torch-free runtime, greedy, on "
-        f"{sizes.heldout_tasks} held-out rows (BFCL's rules)")
+    say("[bold]4/4 evaluate-agent[/] base, SFT and RL exports in the torch-free runtime, greedy, "
+        f"on {sizes.heldout_tasks} held-out rows (BFCL's rules)")
     report = evaluate_artifacts(run / "tasks" / "heldout.jsonl", list(artifacts.values()),
                                 max_tokens=sizes.max_new_tokens, max_tool_rounds=0)
     for name, row in zip(artifacts, report["artifacts"]):
         low, high = row["success_ci95"]
         categories = ", ".join(f"{group} {figures['accuracy']:.2f}" for group, figures in row["by_category"].items())
-        say(f"    {name}: success {row['success_rate']:.3f} [95% CI {low:.3f}, {high:.3f}] ({categories}); "
-            f"call rate {row['call_rate']:.2f}")
+        say(f"    {name}: success {row['success_rate']:.3f} [95% CI {low:.3f}, {high:.3f}] "
+            f"({categories}); call rate {row['call_rate']:.2f}")
     results = {name: [TaskResult(**r) for r in row["results"]] for name, row in zip(artifacts, report["artifacts"])}
     differences = {}
     for candidate, baseline in (("SFT", "base"), ("RL", "SFT")):
         found = compare(results[baseline], results[candidate])
         differences[f"{candidate} - {baseline}"] = found
         low, high = found["ci95"]
-        say(f"    {candidate} - {baseline}: {found['success_delta']:+.3f} [95% CI {low:+.3f}, {high:+.3f}] "
-            f"(paired bootstrap over rows): {verdict_words(found)}")
+        say(f"    {candidate} - {baseline}: {found['success_delta']:+.3f} [95% CI {low:+.3f}, "
+            f"{high:+.3f}] (paired bootstrap over rows): {verdict_words(found)}")
     write_text_atomic(run / "agent_report.json", json.dumps(report, indent=1))
     return {"artifacts": {name: _figures(row) for name, row in zip(artifacts, report["artifacts"])},
             "differences": differences}

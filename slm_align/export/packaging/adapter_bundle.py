@@ -65,7 +65,8 @@ def _checked_file(path: Path, sha256: str, what: str) -> Path:
     """``path``, refused in one line when it is gone or no longer has the ``sha256`` the export
     recorded."""
     if not path.is_file():
-        raise UserError(f"{what} {path} not found; export the run again (`slm-align export RUN --target {TARGET}`)")
+        raise UserError(f"{what} {path} not found; export the run again (`slm-align export RUN "
+                        f"--target {TARGET}`)")
     found = sha256_file(path)
     if found != sha256:
         raise UserError(f"{what} {path} has sha256 {found[:12]}, the export recorded {sha256[:12]}: it changed "
@@ -161,7 +162,8 @@ def read_bundle(folder: Path, role: str) -> dict:
     folder = Path(folder).expanduser()
     described_path = folder / BUNDLE_JSON
     if described_path.is_symlink():
-        raise UserError(f"{role} {folder}'s {BUNDLE_JSON} is a symlink; a bundle holds plain files only")
+        raise UserError(f"{role} {folder}'s {BUNDLE_JSON} is a symlink; a bundle holds plain files "
+                        "only")
     if not described_path.is_file():
         raise UserError(f"{role} {folder} is not a bundle (no {BUNDLE_JSON}); pass a directory "
                         "`slm-align bundle` wrote")
@@ -172,8 +174,9 @@ def read_bundle(folder: Path, role: str) -> dict:
     if not isinstance(described, dict) or not described.get("base_sha256") or not described.get("base") or \
             not isinstance(described.get("adapters"), list):
         artifact = described.get("artifact") if isinstance(described, dict) else None
-        raise UserError(f"{role} {folder} is a bundle of {artifact}, not of base + adapters; bundle an adapter "
-                        f"export (`slm-align export RUN --target {TARGET}`) in full first")
+        raise UserError(f"{role} {folder} is a bundle of {artifact}, not of base + adapters; "
+                        f"bundle an adapter export (`slm-align export RUN --target {TARGET}`) in "
+                        "full first")
     return described
 
 
@@ -234,7 +237,8 @@ def copy_verified(source: Path, target: Path, sha256: str, what: str) -> None:
     except FileNotFoundError:
         raise UserError(f"{what} {source} not found; install the full bundle instead") from None
     except OSError:  # ELOOP: the last component is a symlink
-        raise UserError(f"{what} {source} is a symlink; a bundle holds plain files only: refusing it") from None
+        raise UserError(f"{what} {source} is a symlink; a bundle holds plain files only: refusing "
+                        "it") from None
     digest = hashlib.sha256()
     with os.fdopen(fd, "rb") as reader:
         if not stat.S_ISREG(os.fstat(reader.fileno()).st_mode):
@@ -244,15 +248,16 @@ def copy_verified(source: Path, target: Path, sha256: str, what: str) -> None:
                 digest.update(block)
                 writer.write(block)
     if digest.hexdigest() != sha256:
-        raise UserError(f"{what} {source} has sha256 {digest.hexdigest()[:12]}, bundle.json records "
-                        f"{sha256[:12]}: it changed after bundling; refusing the update")
+        raise UserError(f"{what} {source} has sha256 {digest.hexdigest()[:12]}, bundle.json "
+                        f"records {sha256[:12]}: it changed after bundling; refusing the update")
 
 
 def _inside(folder: Path, name: str) -> Path:
     """``folder``/``name``, refused unless it resolves to a file directly inside ``folder``."""
     target = folder / name
     if target.resolve().parent != folder.resolve():
-        raise UserError(f"the adapter name {name[:120]!r} leaves the bundle folder; refusing the update")
+        raise UserError(f"the adapter name {name[:120]!r} leaves the bundle folder; refusing the "
+                        "update")
     return target
 
 
@@ -272,8 +277,9 @@ def _applied(installed: Path, old: dict, update: Path, new: dict, scratch: Path)
     shutil.copytree(installed, scratch, ignore=partial(_ignored, installed, kept), dirs_exist_ok=True)
     base = scratch / old["base"]
     if not base.is_file() or sha256_file(base) != new["requires_base_sha256"]:
-        raise UserError(f"the installed base {installed / old['base']} is missing or changed (not sha256 "
-                        f"{new['requires_base_sha256'][:12]}); install the full bundle instead")
+        raise UserError(f"the installed base {installed / old['base']} is missing or changed (not "
+                        f"sha256 {new['requires_base_sha256'][:12]}); install the full bundle "
+                        "instead")
     (scratch / ADAPTERS_DIR).mkdir()
     entries = []
     for entry in new["adapters"]:
@@ -298,13 +304,14 @@ def _checked_update(installed: Path, update: Path, trusted_keys: Sequence[Truste
     ``allow_unsigned``), well formed, holds adapters only and names the chains it replaces and
     makes."""
     if not trusted_keys and not allow_unsigned:
-        raise UserError("no trusted key to check the update against: pass trusted_keys=[PUBLIC_KEY.pem] (the "
-                        "publisher's `slm-align bundle-keygen` public key), or allow_unsigned=True to trust "
-                        "its hashes alone")
+        raise UserError("no trusted key to check the update against: pass "
+                        "trusted_keys=[PUBLIC_KEY.pem] (the publisher's `slm-align bundle-keygen` "
+                        "public key), or allow_unsigned=True to trust its hashes alone")
     old = read_bundle(installed, INSTALLED_ROLE)
     new = read_bundle(update, UPDATE_ROLE)
     if new.get("kind") != "update":
-        raise UserError(f"{update} is a {new.get('kind')} bundle, not an update; install it as it is")
+        raise UserError(f"{update} is a {new.get('kind')} bundle, not an update; install it as it "
+                        "is")
     if trusted_keys:
         check_signature(update, new, trusted_keys, UPDATE_ROLE)
     check_bundle_fields(old, INSTALLED_ROLE, update=False)

@@ -66,12 +66,15 @@ def _check_entry(entry: object, role: str, update: bool) -> str:
     if not isinstance(entry, dict):
         raise _refuse(role, f"an adapter entry is {type(entry).__name__}, not an object")
     if not _is_sha256(entry.get("sha256")):
-        raise _refuse(role, f"the adapter entry {str(entry.get('path'))[:80]} has no sha256 (64 hex digits)")
+        raise _refuse(role, f"the adapter entry {str(entry.get('path'))[:80]} has no sha256 (64 "
+                            "hex digits)")
     scale = entry.get("scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise _refuse(role, f"the adapter entry {str(entry.get('path'))[:80]} has a scale that is not a number")
+        raise _refuse(role, f"the adapter entry {str(entry.get('path'))[:80]} has a scale that is "
+                            "not a number")
     if update and not isinstance(entry.get("shipped"), bool):
-        raise _refuse(role, f"the adapter entry {str(entry.get('path'))[:80]} does not say whether it is shipped")
+        raise _refuse(role, f"the adapter entry {str(entry.get('path'))[:80]} does not say whether "
+                            "it is shipped")
     return plain_name(entry.get("path"), ADAPTERS_DIR, role)
 
 
@@ -82,7 +85,8 @@ def check_bundle_fields(described: dict, role: str, update: bool) -> None:
     digests = ("base_sha256", "model_id", *(("requires_base_sha256", "replaces_model_id") if update else ()))
     for key in digests:
         if not _is_sha256(described.get(key)):
-            raise _refuse(role, f"{key} is {str(described.get(key))[:80]!r}, not a sha256 (64 hex digits)")
+            raise _refuse(role, f"{key} is {str(described.get(key))[:80]!r}, not a sha256 (64 hex "
+                                "digits)")
     plain_name(described.get("base"), MODEL_DIR, role)
     adapters = described.get("adapters")
     if not adapters:
@@ -105,15 +109,17 @@ def check_claims(old: dict, new: dict, role: str) -> None:
                             "update adds adapters only; install a full bundle to change the base, template or "
                             "tokenizer")
     if new["requires_base_sha256"] != old["base_sha256"]:
-        raise UserError(f"{role} needs base sha256 {new['requires_base_sha256'][:12]}, the installed bundle has "
-                        f"{old['base_sha256'][:12]}; install the full bundle instead")
+        raise UserError(f"{role} needs base sha256 {new['requires_base_sha256'][:12]}, the "
+                        f"installed bundle has {old['base_sha256'][:12]}; install the full bundle "
+                        "instead")
     installed_id = chain_digest(old["base_sha256"], [entry["sha256"] for entry in old["adapters"]])
     if installed_id != old["model_id"]:
-        raise UserError(f"the installed bundle's model_id {old['model_id'][:12]} is not the id of its chain "
-                        f"({installed_id[:12]}); reinstall its full bundle")
+        raise UserError(f"the installed bundle's model_id {old['model_id'][:12]} is not the id of "
+                        f"its chain ({installed_id[:12]}); reinstall its full bundle")
     if new["replaces_model_id"] != installed_id:
-        raise UserError(f"{role} replaces model_id {new['replaces_model_id'][:12]}, the installed chain is "
-                        f"{installed_id[:12]}; apply the updates in order, or install the full bundle")
+        raise UserError(f"{role} replaces model_id {new['replaces_model_id'][:12]}, the installed "
+                        f"chain is {installed_id[:12]}; apply the updates in order, or install the "
+                        "full bundle")
     made = chain_digest(new["base_sha256"], [entry["sha256"] for entry in new["adapters"]])
     if made != new["model_id"]:
         raise UserError(f"{role} claims model_id {new['model_id'][:12]}, its adapters make {made[:12]}; "
@@ -149,7 +155,8 @@ def check_update_files(update: Path, new: dict, role: str) -> None:
                             "or tokenizer); install a full bundle to change those")
     for name, digest in shipped.items():
         if files.get(name) != digest:
-            raise _refuse(role, f"{name} is shipped but files does not list it with its entry's sha256")
+            raise _refuse(role, f"{name} is shipped but files does not list it with its entry's "
+                                "sha256")
     for name in RECORDS:
         if name not in files:
             raise _refuse(role, f"files does not list {name}")

@@ -316,7 +316,8 @@ def quantization_section(artifacts: list[tuple[str, dict]]) -> list[str]:
 
 def merged_usage(name: str) -> list[str]:
     """How to run a merged directory: transformers, then export for the devices."""
-    return ["## How to run", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+    return ["## How to run", "", "```python", "from transformers import AutoModelForCausalLM, "
+                                              "AutoTokenizer",
             "",
             f'model = AutoModelForCausalLM.from_pretrained("{name}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "", "```bash",
@@ -344,7 +345,8 @@ def onnx_usage(name: str) -> list[str]:
 def compose(title: str, records: Optional[RunRecords], library: str, tags: list[str],
             artifacts: list[tuple[str, dict]], usage: list[str]) -> str:
     """The whole card: header, title, the run's measured sections, the artifacts, how to run it."""
-    lines = front_matter(records, library, card_tags(records, tags)) + [MARKER, "", f"# {title}", ""]
+    lines = front_matter(records, library, card_tags(records, tags)) + [MARKER, "", "# "
+                                                                                    f"{title}", ""]
     lines.append("Aligned with slm-align; every figure below was measured by this run and "
                  "read from its records.")
     lines.append("")

@@ -74,7 +74,8 @@ def cpu_name(cpuinfo: str) -> str:
     boards, sysctl on macOS."""
     fields = _cpuinfo_fields(cpuinfo)
     board = _read("/proc/device-tree/model").strip("\x00 \n")
-    name = fields.get("model name") or board or fields.get("hardware") or fields.get("processor", "")
+    name = fields.get("model "
+                      "name") or board or fields.get("hardware") or fields.get("processor", "")
     if sys.platform == "darwin":
         name = _sysctl("machdep.cpu.brand_string") or name
     if not name or name.isdigit():  # ARM cpuinfo's 'processor' is just the CPU index

@@ -37,8 +37,9 @@ def check_adapter_base(adapter: Path, base_gguf: Path, check_hash: bool = True) 
     check_fits(targets, value.get("general.architecture"), Path(base_gguf), str(adapter))
     recorded = value.get(BASE_SHA256_KEY)
     if check_hash and recorded and recorded != sha256_file(Path(base_gguf)):
-        raise UserError(f"adapter {adapter} was made for base sha256 {recorded[:12]}, {base_gguf} is "
-                        f"{sha256_file(Path(base_gguf))[:12]}; pass the base GGUF it was exported with")
+        raise UserError(f"adapter {adapter} was made for base sha256 {recorded[:12]}, {base_gguf} "
+                        f"is {sha256_file(Path(base_gguf))[:12]}; pass the base GGUF it was "
+                        "exported with")
 
 
 def check_fits(targets: dict[str, tuple[int, int]], arch: Optional[str], base_gguf: Path,

@@ -27,7 +27,8 @@ from slm_align.errors import UserError
 from slm_align.ondevice.gguf.tokenizer import SIDECAR, add_tokenizer_fields
 
 # The pre-tokenizer regexes llama.cpp knows by name, recognised by a fragment only that regex has.
-_PRE_TOKENIZERS = ((r"\p{N}{1,3}", "llama-bpe"), (r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+", "qwen2"))
+_PRE_TOKENIZERS = ((r"\p{N}{1,3}", "llama-bpe"), (r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| "
+                                                  r"?[^\s\p{L}\p{N}]+", "qwen2"))
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # Score of a multi-character piece no merge produces: HF never forms it, so
 # llama.cpp should form it last.

@@ -96,8 +96,8 @@ def environment_reward(prompts, completions, environments: Optional[Sequence[Any
     the environment judges the state the episode's calls left it in."""
     if environments is None or any(env is None or not callable(getattr(env, "get_reward", None))
                                    for env in environments):
-        raise UserError("reward environment_reward needs every episode to run an environment with a "
-                        "get_reward() method (--environment module:Class)")
+        raise UserError("reward environment_reward needs every episode to run an environment with "
+                        "a get_reward() method (--environment module:Class)")
     return [float(env.get_reward()) for env in environments]
 
 

@@ -198,7 +198,8 @@ def check_argument(name: str, value: Any, allowed: Sequence[Any], detail: dict) 
         return _fail("wrong_answer", f"argument {name!r}: {value!r} is not of type {word}")
     right = value in allowed if variable else _value_ok(value, allowed, expected, items_type)
     if not right:
-        return _fail("wrong_answer", f"argument {name!r}: {value!r} is not one of {list(allowed)!r}")
+        return _fail("wrong_answer", f"argument {name!r}: {value!r} is not one of "
+                                     f"{list(allowed)!r}")
     return PASS
 
 
@@ -259,7 +260,8 @@ def _order_free(calls: Sequence[dict], functions: Sequence[dict], ground_truth: 
                 taken.add(position)
                 break
         if not verdict.ok:
-            return _fail(verdict.failure, f"expected call {index} matches no call ({verdict.reason})")
+            return _fail(verdict.failure, f"expected call {index} matches no call "
+                                          f"({verdict.reason})")
     return PASS
 
 

@@ -102,12 +102,15 @@ SOLVED = 0.9
 best) is read as "the samples succeed"; at most ``1 - SOLVED`` up, as "they fail"."""
 
 CASE_REMEDIES = {
-    "solved": ("SFT already solves the task, so RL has nothing left to learn: evaluate the SFT policy "
-               "(evaluate, or export and evaluate-agent), or train RL on harder tasks or from fewer SFT steps"),
-    "unreached": ("the prior cannot reach the reward, so RL never sees a success to follow: train SFT "
-                  "longer or on more or better demonstrations, or start from a larger base model"),
-    "flat": ("the reward barely varies over the policy's samples, so RL has nothing to follow: use a more "
-             "discriminative reward (another reward model, a graded --reward, or more samples per prompt)"),
+    "solved": ("SFT already solves the task, so RL has nothing left to learn: evaluate the SFT "
+               "policy (evaluate, or export and evaluate-agent), or train RL on harder tasks or "
+               "from fewer SFT steps"),
+    "unreached": ("the prior cannot reach the reward, so RL never sees a success to follow: train "
+                  "SFT longer or on more or better demonstrations, or start from a larger base "
+                  "model"),
+    "flat": ("the reward barely varies over the policy's samples, so RL has nothing to follow: use "
+             "a more discriminative reward (another reward model, a graded --reward, or more "
+             "samples per prompt)"),
 }
 """What to do in each case of a flat within-prompt spread (:func:`flat_case`)."""
 

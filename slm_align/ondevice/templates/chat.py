@@ -140,12 +140,13 @@ def _template_error(exc: Exception, origin: Optional[str]) -> UserError:
     if isinstance(exc, TemplateLimit):
         return ChatTemplateError(f"{name} was stopped: {exc}; {REPLACE_IT}", exc)
     if isinstance(exc, TemplateSyntaxError):
-        return ChatTemplateError(f"{name} is not a valid chat template (line {exc.lineno}: {exc.message}); "
-                                 f"{REPLACE_IT}", exc)
+        return ChatTemplateError(f"{name} is not a valid chat template (line {exc.lineno}: "
+                                 f"{exc.message}); {REPLACE_IT}", exc)
     if isinstance(exc, UserError):  # raise_exception(): the template refuses this conversation
         return exc
     detail = " ".join(str(exc).split())[:200]
-    return ChatTemplateError(f"{name} failed to render ({type(exc).__name__}{': ' + detail if detail else ''}); "
+    return ChatTemplateError(f"{name} failed to render "
+                             f"({type(exc).__name__}{': ' + detail if detail else ''}); "
                              f"{REPLACE_IT}", exc)
 
 
@@ -252,7 +253,8 @@ def template_traits(template: str, origin: Optional[str] = None) -> TemplateTrai
     except ChatTemplateError as exc:
         if exc.stopped:
             raise
-        return TemplateTraits(False, PROBE_TOOL in tools, f"{type(exc.cause).__name__}: {exc.cause}")
+        return TemplateTraits(False, PROBE_TOOL in tools, f"{type(exc.cause).__name__}: "
+                                                          f"{exc.cause}")
     except UserError as exc:
         return TemplateTraits(False, PROBE_TOOL in tools, str(exc))
     shown = PROBE_ARGUMENT in text

@@ -43,10 +43,12 @@ def check_allowed(spec: Any, allowed: Sequence[str], where: str = "a task row") 
     """Refuse, in one line and before any import, an environment named by task data (``spec``, the
     ``environment`` column of the row ``where``) whose module is not in ``allowed``."""
     if not isinstance(spec, str):
-        raise UserError(f"{where}: 'environment' must be text naming module:Class, not {type(spec).__name__}")
+        raise UserError(f"{where}: 'environment' must be text naming module:Class, not "
+                        f"{type(spec).__name__}")
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise UserError(f"{where}: environment {_shown(spec)}: name it as module:Class (e.g. my_envs:Calculator)")
+        raise UserError(f"{where}: environment {_shown(spec)}: name it as module:Class (e.g. "
+                        "my_envs:Calculator)")
     if not module_allowed(module, allowed):
         raise UserError(f"{where} names the environment {_shown(spec)} from module {_shown(module)}, which is not "
                         f"allowed (importing a module runs its code): pass --environment-module {_shown(module)} "

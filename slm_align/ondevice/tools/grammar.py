@@ -76,7 +76,8 @@ class _GrammarBuilder:
             calls = f'{call} ( "\\n" {call} )*'
             root = f"{calls} | free-text" if free_text else calls
         json_rules = {**_JSON_RULES, "ws": _COMPACT_WS} if compact else _JSON_RULES
-        lines = [f"root ::= {root}"] + [f"{k} ::= {v}" for k, v in {**self.rules, **json_rules}.items()]
+        lines = [f"root ::= {root}"] + [f"{k} ::= "
+                                        f"{v}" for k, v in {**self.rules, **json_rules}.items()]
         return "\n".join(lines) + "\n"
 
     def _call_branch(self, tool: Tool) -> str:
@@ -115,7 +116,8 @@ class _GrammarBuilder:
         return self.add(hint, f'"[" ws ( {item} ( ws "," ws {item} )* ws )? "]"')
 
     def _map(self, value_schema: dict, hint: str) -> str:
-        entry = self.add(f"{hint}-entry", f'string ws ":" ws {self.value(value_schema, f"{hint}-value")}')
+        entry = self.add(f"{hint}-entry", 'string ws ":" ws '
+                                          f'{self.value(value_schema, f"{hint}-value")}')
         return self.add(hint, f'"{{" ws ( {entry} ( ws "," ws {entry} )* ws )? "}}"')
 
     def _object(self, schema: dict, hint: str) -> str:

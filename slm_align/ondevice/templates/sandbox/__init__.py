@@ -116,9 +116,11 @@ class _Bounding(NodeTransformer):
         return node
 
     def _other_file(self, node: nodes.Node) -> nodes.Node:
-        statement = {nodes.Include: "include", nodes.Import: "import", nodes.FromImport: "from ... import",
+        statement = {nodes.Include: "include", nodes.Import: "import", nodes.FromImport: "from ... "
+                                                                                         "import",
                      nodes.Extends: "extends"}[type(node)]
-        raise TemplateSyntaxError(f"{{% {statement} %}} needs another template file; a chat template is one file",
+        raise TemplateSyntaxError(f"{{% {statement} %}} needs another template file; a chat "
+                                  "template is one file",
                                   node.lineno)
 
     visit_Include = visit_Import = visit_FromImport = visit_Extends = _other_file

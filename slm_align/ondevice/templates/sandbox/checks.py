@@ -65,7 +65,8 @@ def whole(value: Any) -> int:
 def check_scan(work: int, doing: str) -> None:
     """Refuse a call whose characters compared or copied (``work``) pass :data:`TEMPLATE_SCAN`."""
     if work > TEMPLATE_SCAN:
-        raise TemplateLimit(f"it {doing}: more than {TEMPLATE_SCAN:,} characters of work in one call")
+        raise TemplateLimit(f"it {doing}: more than {TEMPLATE_SCAN:,} characters of work in one "
+                            "call")
 
 
 def check_format(pattern: Any, args: Any, kwargs: Optional[dict] = None) -> None:
@@ -89,7 +90,8 @@ def check_strftime(pattern: Any) -> None:
     if not isinstance(pattern, str):
         return
     if len(pattern) > STRFTIME_CHARS:
-        raise TemplateLimit(f"it formats a date with a pattern of more than {STRFTIME_CHARS} characters")
+        raise TemplateLimit(f"it formats a date with a pattern of more than {STRFTIME_CHARS} "
+                            "characters")
     if any(match.group(2) for match in STRFTIME_DIRECTIVE.finditer(pattern)):
         raise TemplateLimit("it formats a date with a field width (such as %1000Y)")
 
@@ -109,7 +111,8 @@ def check_codec(method: str, args: tuple, kwargs: dict) -> None:
         raise TemplateLimit(f"it calls {method}({encoding!r}); only utf-8, utf-16, utf-32, ascii and latin-1 "
                             "are allowed")
     if errors not in CODEC_ERRORS:
-        raise TemplateLimit(f"it calls {method} with errors={errors!r}; only strict, ignore and replace are allowed")
+        raise TemplateLimit(f"it calls {method} with errors={errors!r}; only strict, ignore and "
+                            "replace are allowed")
 
 
 def replaced_size(text: Any, old: Any, new: Any, count: Any = None) -> int:
@@ -181,7 +184,8 @@ def _check_text_method(budget: Budget, owner: Any, name: str, args: tuple, kwarg
         check_codec(name, args, kwargs)
     elif name in ("strip", "lstrip", "rstrip"):
         chars = first if args else kwargs.get("chars")
-        check_scan(len(owner) * len(chars) if isinstance(chars, TEXT) else 0, "strips a set of characters")
+        check_scan(len(owner) * len(chars) if isinstance(chars, TEXT) else 0, "strips a set of "
+                                                                              "characters")
     elif name == "hex":
         check_size(3 * len(owner))
     return args
