@@ -78,7 +78,8 @@ def _files(path: Path) -> list[Path]:
     path = Path(path)
     if not path.is_dir():
         return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.relative_to(path).as_posix() != MANIFEST)
+    return sorted(p for p in path.rglob("*")
+                  if p.is_file() and p.relative_to(path).as_posix() != MANIFEST)
 
 
 def artifact_manifest(artifact: Path) -> Path:
@@ -213,8 +214,8 @@ def completed(stage_dir: Path, inputs: dict) -> Optional[dict]:
 
 
 def make_manifest(stage: str, inputs: dict, metrics: dict, started: float) -> dict:
-    return {"stage": stage, "inputs": inputs, "inputs_hash": inputs_digest(inputs), "metrics": metrics,
-            "versions": versions(), "seconds": round(time.time() - started, 2),
+    return {"stage": stage, "inputs": inputs, "inputs_hash": inputs_digest(inputs),
+            "metrics": metrics, "versions": versions(), "seconds": round(time.time() - started, 2),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -254,7 +255,8 @@ def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
     staging = partial.with_name(partial.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    write_json_atomic(staging / "inputs.json", {"inputs_hash": inputs_digest(inputs), "inputs": inputs})
+    write_json_atomic(staging / "inputs.json",
+                      {"inputs_hash": inputs_digest(inputs), "inputs": inputs})
     publish_directory(staging, partial)
     return None
 
@@ -268,7 +270,8 @@ def last_complete_checkpoint(checkpoints: Path) -> Optional[str]:
     """
     if not checkpoints.is_dir():
         return None
-    found = sorted((d for d in checkpoints.iterdir() if d.is_dir() and d.name.startswith("checkpoint-")
+    found = sorted((d for d in checkpoints.iterdir()
+                    if d.is_dir() and d.name.startswith("checkpoint-")
                     and d.name.split("-")[-1].isdigit()), key=lambda d: int(d.name.split("-")[-1]))
     while found:
         newest = found.pop()
@@ -285,7 +288,8 @@ def keep_first_lines(path: Path, count: int) -> None:
     its checkpoint, or half a line)."""
     if not path.is_file():
         return
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n")]
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+             if line.endswith("\n")]
     write_text_atomic(path, "".join(lines[:count]))
 
 
@@ -359,7 +363,8 @@ def run_stage(stage: Stage, run: Path, resume: bool = False) -> StageResult:
     if not world.main:  # the other ranks of a data-parallel run: rank 0 publishes
         world.barrier()
         return StageResult(stage_dir, skipped=False, metrics={}, primary=False)
-    publish(partial, stage_dir, make_manifest(stage.name, inputs, metrics, started), keep=stage.keep)
+    publish(partial, stage_dir, make_manifest(stage.name, inputs, metrics, started),
+            keep=stage.keep)
     world.barrier()
     return StageResult(stage_dir, skipped=False, metrics=metrics)
 

@@ -34,10 +34,10 @@ from slm_align.config.rl import (
 from slm_align.config.tomlcompat import tomllib
 from slm_align.errors import UserError
 
-__all__ = ["DEMO", "ComputeSettings", "DataSettings", "EnvelopeSettings", "GRPOSettings", "HeadroomSettings",
-           "LoraSettings", "ModelSettings", "PPOSettings", "PairSettings", "PreferenceSettings", "RLSettings",
-           "RL_SECTIONS", "Recipe", "RewardSettings", "SFTSettings", "TrackingSettings", "TrainSettings",
-           "WatchdogSettings", "load_recipe"]
+__all__ = ["DEMO", "ComputeSettings", "DataSettings", "EnvelopeSettings", "GRPOSettings",
+           "HeadroomSettings", "LoraSettings", "ModelSettings", "PPOSettings", "PairSettings",
+           "PreferenceSettings", "RLSettings", "RL_SECTIONS", "Recipe", "RewardSettings",
+           "SFTSettings", "TrackingSettings", "TrainSettings", "WatchdogSettings", "load_recipe"]
 
 
 class Recipe(Strict):

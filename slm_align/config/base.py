@@ -124,8 +124,8 @@ class SFTSettings(TrainSettings):
 
 
 class PairSettings(Strict):
-    mix: dict[str, float] = Field(default_factory=lambda: {"truncate": 1.0, "shuffle": 1.0, "mismatch": 1.0,
-                                                           "dropout": 1.0},
+    mix: dict[str, float] = Field(default_factory=lambda: {"truncate": 1.0, "shuffle": 1.0,
+                                                           "mismatch": 1.0, "dropout": 1.0},
                                   description="Relative weight of each corruption that "
                                               "makes a rejected text.")
     opening_sentences: int = Field(2, ge=1, description="Sentences of a document that form the "

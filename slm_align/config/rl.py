@@ -220,7 +220,8 @@ class RLSettings(Strict):
         "runs), else F16; or the policy's base written in that type.")
     sampler_cap: float = Field(2.0, gt=0, description="llama.cpp sampler: the cap C of the "
                                                       "importance weight pi_train / pi_sampler.")
-    sampler_correction: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+    sampler_correction: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                "sequence_mask"] = Field(
         "token_truncate", description="llama.cpp sampler: a weight per token or per completion, "
         "truncated at the cap or zero above it (as TRL's vllm_importance_sampling_mode).")
     old_logprobs: Literal["sampler", "recompute"] = Field(

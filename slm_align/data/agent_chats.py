@@ -35,7 +35,8 @@ from slm_align.ondevice.tools.builtin import default_tools, time_text
 from slm_align.ondevice.tools.calls import ToolCall
 from slm_align.ondevice.tools.registry import ToolRegistry
 
-_ZONES = ("UTC", "Europe/Paris", "Europe/London", "Asia/Tokyo", "America/New_York", "Australia/Sydney")
+_ZONES = ("UTC", "Europe/Paris", "Europe/London", "Asia/Tokyo", "America/New_York",
+          "Australia/Sydney")
 _CLOCK_QUESTIONS = ("What time is it in {place}?", "What is the time in {place} now?",
                     "Tell me the current time in {place}.", "What day is it in {place}?")
 _BAD_ZONES = ("Mars/Olympus", "Europe/Atlantis", "Moon/Base")
@@ -60,7 +61,8 @@ def generate_conversations(n: int, seed: int, exclude: frozenset = frozenset()) 
     expression is in ``exclude`` (a task set's :func:`~slm_align.data.agent_tasks.leak_keys`) are
     skipped."""
     rng = random.Random(seed)
-    tasks = [task for task in make_tasks(n + len(exclude), seed=seed + 1) if not _held_out(task, exclude)]
+    tasks = [task for task in make_tasks(n + len(exclude), seed=seed + 1)
+             if not _held_out(task, exclude)]
     makers: dict[str, Callable[[random.Random], list[dict]]] = {
         "clock": clock_chat, "error": error_chat, "no_tool": no_tool_chat}
     conversations = []

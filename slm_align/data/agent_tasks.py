@@ -55,7 +55,8 @@ _UNIT_TEMPLATES = ("How many {small} are in {q} {large}?", "Convert {q} {large} 
                    "How many {small} make {q} {large}?")
 _UNITS = (("metres", "centimetres", 100), ("kilometres", "metres", 1000), ("hours", "minutes", 60),
           ("minutes", "seconds", 60), ("kilograms", "grams", 1000), ("litres", "millilitres", 1000),
-          ("days", "hours", 24), ("weeks", "days", 7), ("feet", "inches", 12), ("metres", "millimetres", 1000))
+          ("days", "hours", 24), ("weeks", "days", 7), ("feet", "inches", 12),
+          ("metres", "millimetres", 1000))
 UNIT_SHARE = 0.4
 """Share of unit questions among the generated tasks (the rest is arithmetic)."""
 
@@ -146,8 +147,8 @@ def task_row(question: str, expression: str) -> dict:
     observed = calculator(expression)
     if observed != answer:  # the observation is what the model copies: they must agree
         raise AssertionError(f"calculator({expression!r}) gave {observed!r}, expected {answer!r}")
-    return {"prompt": [{"role": "user", "content": question}], "tools": [calculator_schema()], "answer": answer,
-            "tool": TOOL, "expression": expression}
+    return {"prompt": [{"role": "user", "content": question}], "tools": [calculator_schema()],
+            "answer": answer, "tool": TOOL, "expression": expression}
 
 
 def make_tasks(n: int, seed: int = 0) -> list[dict]:

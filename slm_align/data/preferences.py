@@ -56,7 +56,8 @@ def _unpaired(where: str, row: dict, tokenizer) -> tuple[str, str]:
     if isinstance(row["prompt"], list) or isinstance(row["completion"], list):
         completion = _messages(where, row["completion"], "completion")
         tools = normalise_tools(where, row.get("tools"))
-        return chat_turn(_messages(where, row["prompt"], "prompt"), completion[-1], tokenizer, tools)
+        return chat_turn(_messages(where, row["prompt"], "prompt"), completion[-1], tokenizer,
+                         tools)
     return _text(where, row, "prompt"), _text(where, row, "completion")
 
 
@@ -116,8 +117,10 @@ class PreferenceRows:
             by_prompt[item.prompt][item.label].append(item.completion)
         pairs = list(self.pairs)
         for prompt, by_label in by_prompt.items():
-            combos = [(good, bad) for good in by_label[True] for bad in by_label[False] if good != bad]
-            pairs.extend(Pair(prompt, good, bad, "unpaired") for good, bad in combos[:MAX_PAIRS_PER_PROMPT])
+            combos = [(good, bad) for good in by_label[True] for bad in by_label[False]
+                      if good != bad]
+            pairs.extend(Pair(prompt, good, bad, "unpaired")
+                         for good, bad in combos[:MAX_PAIRS_PER_PROMPT])
         return [p for p in pairs if p.chosen.strip() != p.rejected.strip()]
 
     def unpaired(self) -> list[Labelled]:
@@ -138,7 +141,8 @@ def _read_row(where: str, row: Any, tokenizer, rows: PreferenceRows) -> None:
             rows.pairs.append(_render_chat(where, row, tokenizer))
         else:
             prompt = _text(where, row, "prompt") if "prompt" in row else ""
-            rows.pairs.append(Pair(prompt, _text(where, row, "chosen"), _text(where, row, "rejected")))
+            rows.pairs.append(Pair(prompt, _text(where, row, "chosen"),
+                                   _text(where, row, "rejected")))
     elif {"prompt", "completion", "label"} <= row.keys():
         prompt, completion = _unpaired(where, row, tokenizer)
         rows.labelled.append(Labelled(prompt, completion, _label(where, row["label"])))

@@ -91,7 +91,8 @@ def _task_source(recipe: Recipe, tokenizer) -> PromptSource:
         raise UserError(f"task file {path} not found; pass an existing jsonl/json/parquet "
                         "file or datasets directory")
     tasks = read_tasks(path, tokenizer)
-    train, heldout = split_tasks(tasks, recipe.seed, recipe.data.eval_fraction, recipe.data.heldout_prompts)
+    train, heldout = split_tasks(tasks, recipe.seed, recipe.data.eval_fraction,
+                                 recipe.data.heldout_prompts)
     if len(train) == 0 or len(heldout) < 2:
         raise UserError(f"task file {path}: {len(tasks)} distinct prompts are too few to split into training and "
                         "held-out prompts; give at least 20")

@@ -155,7 +155,8 @@ def row_to_example(where: str, row: Any, text_field: Optional[str] = None) -> Op
         return Example(text=text.strip()) if text.strip() else None
     if "messages" in row:
         tools = normalise_tools(where, row.get("tools"))
-        return Example(messages=_messages(where, row["messages"]), tools=tuple(tools) if tools else None)
+        return Example(messages=_messages(where, row["messages"]),
+                       tools=tuple(tools) if tools else None)
     if "prompt" in row and "completion" in row:
         prompt = _string(where, row, "prompt")
         completion = _string(where, row, "completion")
@@ -176,7 +177,8 @@ def row_to_example(where: str, row: Any, text_field: Optional[str] = None) -> Op
 
 def read_examples(path: Path, text_field: Optional[str] = None) -> list[Example]:
     """Every non-empty item of a corpus. An empty corpus is a UserError."""
-    examples = [ex for where, row in iter_rows(path) if (ex := row_to_example(where, row, text_field)) is not None]
+    examples = [ex for where, row in iter_rows(path)
+                if (ex := row_to_example(where, row, text_field)) is not None]
     if not examples:
         raise UserError(f"data {path} holds no documents; give a file with at "
                         "least a few non-empty rows")

@@ -35,7 +35,8 @@ def _rank(seed: int, example: Example) -> str:
     return seeded_rank(seed, example.key())
 
 
-def split_examples(examples: list[Example], seed: int, eval_fraction: float, heldout_prompts: int) -> Splits:
+def split_examples(examples: list[Example], seed: int, eval_fraction: float,
+                   heldout_prompts: int) -> Splits:
     """Split by seeded content hash: held-out prompts first (at most 10%),
     then eval, the rest train."""
     unique = list({ex.key(): ex for ex in examples}.values())

@@ -87,7 +87,8 @@ class TaskSet:
         conversations = None
         if self.conversations is not None:
             conversations = [self.conversations[i] for i in chosen]
-        return TaskSet([self.prompts[i] for i in chosen], [self.columns[i] for i in chosen], conversations)
+        return TaskSet([self.prompts[i] for i in chosen], [self.columns[i] for i in chosen],
+                       conversations)
 
     @cached_property
     def _row_of(self) -> dict[str, int]:
@@ -140,11 +141,13 @@ def read_tasks(path, tokenizer=None, prompt_field: str = "prompt") -> TaskSet:
     return TaskSet(prompts, columns, conversations if any(conversations) else None)
 
 
-def _check_same_columns(where: str, first: tuple[int, str], columns: list[dict], other: dict) -> None:
+def _check_same_columns(where: str, first: tuple[int, str], columns: list[dict],
+                        other: dict) -> None:
     index, first_where = first
     if columns[index] == other:
         return
-    differing = sorted(key for key in set(columns[index]) | set(other) if columns[index].get(key) != other.get(key))
+    differing = sorted(key for key in set(columns[index]) | set(other)
+                       if columns[index].get(key) != other.get(key))
     name = differing[0]
     raise UserError(
         f"{where}: same prompt as {first_where} but a different '{name}' "
@@ -216,7 +219,8 @@ def _check_message(where: str, field: str, message: Any) -> None:
                         f"(got {type(content).__name__})")
 
 
-def render_conversation(where: str, messages: list[dict], tools: Optional[list[dict]], tokenizer) -> str:
+def render_conversation(where: str, messages: list[dict], tools: Optional[list[dict]],
+                        tokenizer) -> str:
     """The messages (and tools) through the tokenizer's chat template, ending with
     the generation prompt."""
     if tokenizer is None:
@@ -225,8 +229,9 @@ def render_conversation(where: str, messages: list[dict], tools: Optional[list[d
     template = tokenizer.chat_template or default_chat_template(tokenizer)
     try:
         formed = shown_tools(template, template_form(messages, template_traits(template)), tools)
-        return tokenizer.apply_chat_template(formed, tools=tools or None, add_generation_prompt=True,
-                                             tokenize=False, chat_template=template)
+        return tokenizer.apply_chat_template(formed, tools=tools or None,
+                                             add_generation_prompt=True, tokenize=False,
+                                             chat_template=template)
     except Exception as exc:
         # jinja2 and transformers raise several types for a conversation a template refuses
         reason = " ".join(str(exc).split())[:200]

@@ -119,7 +119,8 @@ def _check_not_truncated(weights: Path) -> None:
         with weights.open("rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(length)) if length < 100_000_000 else {}
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                  default=0)
     except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError):
         return  # not a readable header: the loader refuses it with its own message
     size = weights.stat().st_size
@@ -221,7 +222,8 @@ def ensure_pad_token(tokenizer):
 # 256, fits only head_dim 256).
 _GGUF_CONFIG_GAPS = {
     "qwen3": {"attention.key_length": "head_dim"},
-    "gemma3_text": {"attention.key_length": "query_pre_attn_scalar", "rope.freq_base_swa": "rope_local_base_freq",
+    "gemma3_text": {"attention.key_length": "query_pre_attn_scalar",
+                    "rope.freq_base_swa": "rope_local_base_freq",
                     "final_logit_softcapping": "final_logit_softcapping"},
     "gpt2": {"context_length": "n_positions", "feed_forward_length": "n_inner"},
 }
@@ -274,7 +276,8 @@ def gguf_directory(source: ModelSource) -> ModelSource:
     def write_tokenizer(tokenizer, directory: Path) -> None:
         save_tokenizer(tokenizer, source, directory)
 
-    return ModelSource("dir", str(gguf_cache.materialize(path, read_model, read_tokenizer, write_tokenizer)))
+    return ModelSource("dir", str(gguf_cache.materialize(path, read_model, read_tokenizer,
+                                                         write_tokenizer)))
 
 
 @contextmanager
@@ -294,8 +297,8 @@ def _gguf_bar_off() -> Iterator[None]:
         gguf_loading.tqdm = drawn
 
 
-def _load_pretrained(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
-                     quantization=None):
+def _load_pretrained(source: ModelSource, trust_remote_code: bool = False,
+                     allow_pickle: bool = False, quantization=None):
     """``from_pretrained`` of a directory, hub id or .gguf file, with one-line errors."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -353,9 +356,10 @@ def _gemma3_text(hidden: int, layers: int) -> dict:
     first at index 5) and the rest sliding; a sliding window of 8 tokens, so that it matters on any
     longer probe."""
     head_dim = hidden // 2
-    return {"hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": max(layers, 6),
-            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": head_dim,
-            "query_pre_attn_scalar": head_dim, "sliding_window": 8, "max_position_embeddings": 512}
+    return {"hidden_size": hidden, "intermediate_size": hidden * 2,
+            "num_hidden_layers": max(layers, 6), "num_attention_heads": 4, "num_key_value_heads": 1,
+            "head_dim": head_dim, "query_pre_attn_scalar": head_dim, "sliding_window": 8,
+            "max_position_embeddings": 512}
 
 
 def _gpt_neox(hidden: int, layers: int) -> dict:
@@ -369,18 +373,20 @@ def _gpt2(hidden: int, layers: int) -> dict:
 
 # config.json fields of each architecture's tiny model (besides vocab_size), from
 # hidden width and layer count.
-_TINY_CONFIGS = {"llama": _llama_like, "qwen2": _llama_like, "qwen3": _qwen3, "gemma3_text": _gemma3_text,
-                 "gpt_neox": _gpt_neox, "gpt2": _gpt2}
+_TINY_CONFIGS = {"llama": _llama_like, "qwen2": _llama_like, "qwen3": _qwen3,
+                 "gemma3_text": _gemma3_text, "gpt_neox": _gpt_neox, "gpt2": _gpt2}
 
 
-def build_tiny_model(architecture: str, vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2):
+def build_tiny_model(architecture: str, vocab_size: int, seed: int = 0, hidden: int = 32,
+                     layers: int = 2):
     """A randomly initialised model of ``architecture`` with a few layers,
     for tests and benchmarks."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     check_architecture(architecture, architecture)
-    config = AutoConfig.for_model(architecture, vocab_size=vocab_size, **_TINY_CONFIGS[architecture](hidden, layers))
+    config = AutoConfig.for_model(architecture, vocab_size=vocab_size,
+                                  **_TINY_CONFIGS[architecture](hidden, layers))
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).float().eval()
 
@@ -430,8 +436,9 @@ def attach_lora(model, lora: LoraSettings, seed: int, task_type: str = "CAUSAL_L
     set_seed(seed)
     targets = lora_targets(model.config.model_type, lora.target_modules)
     try:
-        return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                target_modules=targets, task_type=task_type))
+        return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha,
+                                                lora_dropout=lora.dropout, target_modules=targets,
+                                                task_type=task_type))
     except ValueError as exc:
         raise UserError(f"LoRA target modules {targets} do not match this model ({exc}); "
                         "name existing modules with --lora-targets") from None

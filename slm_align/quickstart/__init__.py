@@ -49,14 +49,15 @@ def run_quickstart(out: Path, sft_steps: Optional[int] = None, rl_steps: Optiona
     started = time.time()
     check_out_dir(out)  # before the first progress line
     run = Path(out)
-    sizes = replace(sizes, sft_steps=sft_steps or sizes.sft_steps, rl_steps=rl_steps or sizes.rl_steps)
+    sizes = replace(sizes, sft_steps=sft_steps or sizes.sft_steps,
+                    rl_steps=rl_steps or sizes.rl_steps)
     clock = StageClock()
     result = {"out": str(run), "tasks": clock.run("tasks", agent.tasks_step, run, sizes, say)}
     recipe = agent.agent_recipe(run, sizes, device)
     result["sft"] = clock.run("sft", agent.sft_step, recipe, run, sizes, say)
     result["rl"] = clock.run("rl", agent.rl_step, recipe, run, say)
-    artifacts = {"base": clock.run("base", agent.base_step, run), "SFT": Path(result["sft"]["artifact"]),
-                 "RL": Path(result["rl"]["artifact"])}
+    artifacts = {"base": clock.run("base", agent.base_step, run),
+                 "SFT": Path(result["sft"]["artifact"]), "RL": Path(result["rl"]["artifact"])}
     result["evaluation"] = clock.run("evaluate_agent", agent.judge_step, run, artifacts, sizes, say)
     say("next, on your own model:")
     for command in NEXT_COMMANDS:

@@ -68,11 +68,12 @@ def agent_recipe(run: Path, sizes: AgentSizes, device: str) -> Recipe:
     tasks = run / "tasks"
     return load_recipe(overrides={
         "data.path": str(tasks / DEMONSTRATIONS), "data.tasks": str(tasks / "train.jsonl"),
-        "data.max_length": 512, "sft.max_steps": sizes.sft_steps, "sft.batch_size": 8, "sft.save_steps": 50,
-        "rl.algo": "grpo", "rl.episodes": "on", "rl.steps": sizes.rl_steps, "rl.prompts_per_step": 4,
-        "rl.group_size": 8, "rl.minibatch_size": 16, "rl.max_new_tokens": sizes.max_new_tokens,
-        "rl.temperature": 0.8, "rl.learning_rate": 3e-4, "rl.max_tool_rounds": 0, "rl.eval_prompts": 16,
-        "rl.report_prompts": 0, "rl.watchdog.probe_prompts": 8, "compute.device": device})
+        "data.max_length": 512, "sft.max_steps": sizes.sft_steps, "sft.batch_size": 8,
+        "sft.save_steps": 50, "rl.algo": "grpo", "rl.episodes": "on", "rl.steps": sizes.rl_steps,
+        "rl.prompts_per_step": 4, "rl.group_size": 8, "rl.minibatch_size": 16,
+        "rl.max_new_tokens": sizes.max_new_tokens, "rl.temperature": 0.8, "rl.learning_rate": 3e-4,
+        "rl.max_tool_rounds": 0, "rl.eval_prompts": 16, "rl.report_prompts": 0,
+        "rl.watchdog.probe_prompts": 8, "compute.device": device})
 
 
 def tasks_step(run: Path, sizes: AgentSizes, say: Say) -> dict:
@@ -83,7 +84,8 @@ def tasks_step(run: Path, sizes: AgentSizes, say: Say) -> dict:
         "held-out rows (simple, parallel, irrelevance); held-out rows offer functions training "
         f"never sees; SFT sees the chats of the first {sizes.demonstrations} training rows only")
     if not all((tasks / f"{name}.jsonl").is_file() for name in FILES):
-        write_function_tasks(tasks, sizes.train_tasks, sizes.heldout_tasks, seed=SEED, overwrite=True, mix=MIX)
+        write_function_tasks(tasks, sizes.train_tasks, sizes.heldout_tasks, seed=SEED,
+                             overwrite=True, mix=MIX)
     if not (tasks / DEMONSTRATIONS).is_file():
         chats = (tasks / "sft.jsonl").read_text(encoding="utf-8").splitlines()
         write_text_atomic(tasks / DEMONSTRATIONS, "\n".join(chats[:sizes.demonstrations]) + "\n")
@@ -100,7 +102,8 @@ def sft_step(recipe: Recipe, run: Path, sizes: AgentSizes, say: Say) -> dict:
     artifact = export_policy(run, run / "export-sft")
     say(f"    {'reused' if stage.skipped else 'trained'} {stage.stage_dir}: train loss "
         f"{m['train_loss']:.3f}, eval loss {m['eval_loss']:.3f}; exported {artifact}")
-    return {"dir": str(stage.stage_dir), "skipped": stage.skipped, "metrics": m, "artifact": str(artifact)}
+    return {"dir": str(stage.stage_dir), "skipped": stage.skipped, "metrics": m,
+            "artifact": str(artifact)}
 
 
 def rl_step(recipe: Recipe, run: Path, say: Say) -> dict:
@@ -131,10 +134,12 @@ def judge_step(run: Path, artifacts: dict[str, Path], sizes: AgentSizes, say: Sa
                                 max_tokens=sizes.max_new_tokens, max_tool_rounds=0)
     for name, row in zip(artifacts, report["artifacts"]):
         low, high = row["success_ci95"]
-        categories = ", ".join(f"{group} {figures['accuracy']:.2f}" for group, figures in row["by_category"].items())
+        categories = ", ".join(f"{group} {figures['accuracy']:.2f}"
+                               for group, figures in row["by_category"].items())
         say(f"    {name}: success {row['success_rate']:.3f} [95% CI {low:.3f}, {high:.3f}] "
             f"({categories}); call rate {row['call_rate']:.2f}")
-    results = {name: [TaskResult(**r) for r in row["results"]] for name, row in zip(artifacts, report["artifacts"])}
+    results = {name: [TaskResult(**r) for r in row["results"]]
+               for name, row in zip(artifacts, report["artifacts"])}
     differences = {}
     for candidate, baseline in (("SFT", "base"), ("RL", "SFT")):
         found = compare(results[baseline], results[candidate])

@@ -64,4 +64,5 @@ def perplexity(model, encoded: list[dict[str, list[int]]], pad_id: int, batch_si
             count.advance(len(batch))
     if tokens == 0:
         raise ValueError("no tokens to score")
-    return Perplexity(ppl=math.exp(nll_sum / tokens), nll_sum=nll_sum, tokens=tokens, documents=len(encoded))
+    return Perplexity(ppl=math.exp(nll_sum / tokens), nll_sum=nll_sum, tokens=tokens,
+                      documents=len(encoded))

@@ -19,7 +19,8 @@ from slm_align.progress import counted
 from slm_align.stats import win_score
 
 
-def encode_scored(tokenizer, prompt: str, completion: str, max_length: int, ended: bool = True) -> list[int]:
+def encode_scored(tokenizer, prompt: str, completion: str, max_length: int,
+                  ended: bool = True) -> list[int]:
     """Token ids of ``prompt + completion`` + EOS: the one format for reward
     training, RL and evaluation.
 
@@ -155,10 +156,10 @@ def pairwise_metrics(model, tokenizer, pairs, max_length: int, batch_size: int =
     import statistics
 
     prompts = [p.prompt for p in pairs]
-    chosen = score_texts(model, tokenizer, prompts, [p.chosen for p in pairs], max_length, batch_size,
-                         what="reward accuracy, chosen")
-    rejected = score_texts(model, tokenizer, prompts, [p.rejected for p in pairs], max_length, batch_size,
-                           what="reward accuracy, rejected")
+    chosen = score_texts(model, tokenizer, prompts, [p.chosen for p in pairs], max_length,
+                         batch_size, what="reward accuracy, chosen")
+    rejected = score_texts(model, tokenizer, prompts, [p.rejected for p in pairs], max_length,
+                           batch_size, what="reward accuracy, rejected")
     wins = [win_score(c, r) for c, r in zip(chosen, rejected)]
     by_kind: dict[str, list[float]] = {}
     for pair, win in zip(pairs, wins):

@@ -59,8 +59,8 @@ def _optimum_export(model_dir: Path, out_dir: Path) -> None:
     with warnings.catch_warnings():
         # the tracer's advisories about data-dependent branches are not for users
         warnings.simplefilter("ignore")
-        main_export(str(model_dir), output=str(out_dir), task="text-generation-with-past", device="cpu",
-                    do_validation=False)
+        main_export(str(model_dir), output=str(out_dir), task="text-generation-with-past",
+                    device="cpu", do_validation=False)
 
 
 def _int8(out_dir: Path, preset: str) -> None:
@@ -95,7 +95,8 @@ def _replace_model(out_dir: Path, quantized: Path) -> None:
 
 def _to_ort_format(out_dir: Path) -> Path:
     done = subprocess.run([sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort",
-                           str(out_dir / MODEL_FILE), "--output_dir", str(out_dir)], capture_output=True, text=True)
+                           str(out_dir / MODEL_FILE), "--output_dir", str(out_dir)],
+                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"ORT format conversion failed: {done.stderr.strip()[-500:]}")
     return out_dir / "model.ort"
@@ -112,7 +113,8 @@ def write_onnx(model_dir: Path, out_dir: Path, quant: str = "fp32", preset: str 
         (out_dir / leftover).unlink(missing_ok=True)
     if ort_format:
         _to_ort_format(out_dir)
-    for copied in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+    for copied in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja"):
         if (Path(model_dir) / copied).is_file() and not (out_dir / copied).exists():
             shutil.copy2(Path(model_dir) / copied, out_dir / copied)
     return out_dir / MODEL_FILE

@@ -113,10 +113,11 @@ def describe_full(manifest: dict, base_name: str, device: Optional[str], templat
     export's."""
     metrics = manifest["metrics"]
     base = f"{MODEL_DIR}/{base_name}"
-    return {"format": ADAPTER_BUNDLE_FORMAT, "kind": "full", "runtime": "llama.cpp", "target": TARGET,
-            "quant": metrics.get("quant"), "base_quant": base_quant, "device": device,
-            "artifact": base, "base": base,
-            "base_sha256": metrics["base"]["sha256"], "adapters": _entries(manifest), "model_id": metrics["sha256"],
+    return {"format": ADAPTER_BUNDLE_FORMAT, "kind": "full", "runtime": "llama.cpp",
+            "target": TARGET, "quant": metrics.get("quant"), "base_quant": base_quant,
+            "device": device, "artifact": base, "base": base,
+            "base_sha256": metrics["base"]["sha256"], "adapters": _entries(manifest),
+            "model_id": metrics["sha256"],
             "verification_passed": metrics.get("verification", {}).get("passed"),
             "chat_template": "chat_template.jinja" if template is not None else None,
             "tokenizer": "tokenizer.json" if tokenizer is not None else "embedded in the base"}
@@ -193,13 +194,14 @@ def describe_update(manifest: dict, old: dict, device: Optional[str]) -> dict:
         raise UserError(f"already shipped: the --update-from bundle is this chain (model_id "
                         f"{metrics['sha256'][:12]}); nothing new to ship")
     installed = {entry.get("sha256") for entry in old["adapters"]}
-    adapters = [dict(entry, shipped=entry["sha256"] not in installed) for entry in _entries(manifest)]
+    adapters = [dict(entry, shipped=entry["sha256"] not in installed)
+                for entry in _entries(manifest)]
     template = old.get("chat_template")
     tokenizer = Path(old["tokenizer"]) if old.get("tokenizer") == "tokenizer.json" else None
     described = describe_full(manifest, old["base"].split("/", 1)[1], device, template, tokenizer,
                               old.get("base_quant"))
-    return dict(described, kind="update", adapters=adapters, requires_base_sha256=old["base_sha256"],
-                replaces_model_id=old.get("model_id"))
+    return dict(described, kind="update", adapters=adapters,
+                requires_base_sha256=old["base_sha256"], replaces_model_id=old.get("model_id"))
 
 
 def fill_update(bundle: Path, artifact: Path, manifest: dict, described: dict) -> dict:
@@ -274,7 +276,8 @@ def _applied(installed: Path, old: dict, update: Path, new: dict, scratch: Path)
     """Fill ``scratch`` with the installed bundle's files, the update's adapters and records, each
     checked as it is copied; returns the full bundle's bundle.json."""
     kept = (ADAPTERS_DIR, BUNDLE_JSON, SIGNATURE, "README.md", *EXPORT_RECORDS)
-    shutil.copytree(installed, scratch, ignore=partial(_ignored, installed, kept), dirs_exist_ok=True)
+    shutil.copytree(installed, scratch, ignore=partial(_ignored, installed, kept),
+                    dirs_exist_ok=True)
     base = scratch / old["base"]
     if not base.is_file() or sha256_file(base) != new["requires_base_sha256"]:
         raise UserError(f"the installed base {installed / old['base']} is missing or changed (not "
@@ -284,7 +287,8 @@ def _applied(installed: Path, old: dict, update: Path, new: dict, scratch: Path)
     entries = []
     for entry in new["adapters"]:
         source = update / entry["path"] if entry["shipped"] else _installed_adapter(installed, old, entry["sha256"])
-        target = _inside(scratch / ADAPTERS_DIR, plain_name(entry["path"], ADAPTERS_DIR, UPDATE_ROLE))
+        target = _inside(scratch / ADAPTERS_DIR,
+                         plain_name(entry["path"], ADAPTERS_DIR, UPDATE_ROLE))
         copy_verified(source, target, entry["sha256"], "the adapter")
         entries.append({key: value for key, value in entry.items() if key != "shipped"})
     for name in EXPORT_RECORDS:

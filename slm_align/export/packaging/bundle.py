@@ -81,7 +81,8 @@ def _run_artifact(run: Path, device: Optional[str]) -> Path:
     shipped_as = target_named(target).gguf_run_target
     if shipped_as is not None and run_source(run).kind == "gguf":
         target, quant = shipped_as, "F16"
-    result = run_export(ExportRequest(str(run), target=target, quant=quant, device=device, overwrite=True),
+    result = run_export(ExportRequest(str(run), target=target, quant=quant, device=device,
+                                      overwrite=True),
                         reuse=True)  # made from other inputs (a stage trained again): exported anew
     return _manifest_artifact(Path(result.stage_dir))
 
@@ -132,8 +133,9 @@ def _describe(artifact: Path, manifest: dict, device: Optional[str], template: O
     metrics = manifest.get("metrics", {})
     target = metrics.get("target", "gguf")
     return {"format": BUNDLE_FORMAT, "runtime": RUNTIMES[target]["name"], "target": target,
-            "quant": metrics.get("quant"), "device": device, "artifact": f"{MODEL_DIR}/{artifact.name}",
-            "model_id": metrics.get("sha256"), "verification_passed": metrics.get("verification", {}).get("passed"),
+            "quant": metrics.get("quant"), "device": device,
+            "artifact": f"{MODEL_DIR}/{artifact.name}", "model_id": metrics.get("sha256"),
+            "verification_passed": metrics.get("verification", {}).get("passed"),
             "chat_template": "chat_template.jinja" if template is not None else None,
             "tokenizer": "tokenizer.json" if tokenizer is not None else "embedded in the artifact"}
 

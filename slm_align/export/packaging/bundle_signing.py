@@ -52,7 +52,8 @@ def _require_cryptography() -> None:
 
 def signed_bytes(described: dict) -> bytes:
     """What the signature covers: the domain tag, then bundle.json's content as canonical JSON."""
-    canonical = json.dumps(described, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    canonical = json.dumps(described, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                           allow_nan=False)
     return DOMAIN + canonical.encode("ascii")
 
 
@@ -162,8 +163,8 @@ def _read_signature(folder: Path, role: str) -> tuple[str, bytes]:
     return signer, signature
 
 
-def check_signature(folder: Path, described: dict, trusted_keys: Union[TrustedKey, Sequence[TrustedKey]],
-                    role: str) -> str:
+def check_signature(folder: Path, described: dict,
+                    trusted_keys: Union[TrustedKey, Sequence[TrustedKey]], role: str) -> str:
     """The id of the trusted key whose signature of ``described`` (the bundle.json read at
     ``folder``) is beside it; one line when the bundle is unsigned or no trusted key signed this
     content."""

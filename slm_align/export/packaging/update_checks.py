@@ -82,7 +82,8 @@ def check_bundle_fields(described: dict, role: str, update: bool) -> None:
     """bundle.json's fields that applying an update reads, each of the right type; adapter paths
     plain and distinct. ``update``: the update's (``shipped``, ``requires_base_sha256``,
     ``replaces_model_id``, ``files``)."""
-    digests = ("base_sha256", "model_id", *(("requires_base_sha256", "replaces_model_id") if update else ()))
+    digests = ("base_sha256", "model_id",
+               *(("requires_base_sha256", "replaces_model_id") if update else ()))
     for key in digests:
         if not _is_sha256(described.get(key)):
             raise _refuse(role, f"{key} is {str(described.get(key))[:80]!r}, not a sha256 (64 hex "

@@ -55,8 +55,9 @@ def read_run(run: Path, stage: Optional[str] = None) -> RunRecords:
         latest = stage if stage in stages else None
     rl = _read_json(run / "rl" / MANIFEST) if latest == "rl" else None
     preference = _read_json(run / latest / MANIFEST) if latest in ("dpo", "kto") else None
-    return RunRecords(run=run, sft=_read_json(run / "sft" / MANIFEST), headroom=_read_json(run / "headroom.json"),
-                      rl=rl, evaluation=_read_json(run / "eval" / "report.json"), preference=preference)
+    return RunRecords(run=run, sft=_read_json(run / "sft" / MANIFEST),
+                      headroom=_read_json(run / "headroom.json"), rl=rl,
+                      evaluation=_read_json(run / "eval" / "report.json"), preference=preference)
 
 
 def run_of(path: Optional[Path]) -> Optional[Path]:
@@ -370,7 +371,8 @@ def card_blocked(directory: Path) -> Optional[str]:
 def merged_card(run: Path, name: str, stage: Optional[str] = None) -> str:
     """The card of a run's merged directory (of ``stage``: ``sft`` or an aligned stage; None: the
     latest)."""
-    return compose(name, read_run(run, stage), "transformers", ["safetensors"], [], merged_usage(name))
+    return compose(name, read_run(run, stage), "transformers", ["safetensors"], [],
+                   merged_usage(name))
 
 
 def _records(source: Optional[Path]) -> Optional[RunRecords]:
@@ -397,7 +399,8 @@ def gguf_card(out: Path, source: Optional[Path], published: tuple[str, dict]) ->
     records = _records(source)
     title = out.name if records is None else records.run.name
     quants = [metrics["quant"] for _, metrics in rows]
-    return compose(title, records, "gguf", ["gguf"] + quants, rows, gguf_usage([name for name, _ in rows]))
+    return compose(title, records, "gguf", ["gguf"] + quants, rows,
+                   gguf_usage([name for name, _ in rows]))
 
 
 def genai_usage(name: str) -> list[str]:
@@ -431,8 +434,10 @@ def onnx_card(name: str, metrics: dict, source: Optional[Path]) -> str:
     title = name if records is None else records.run.name
     if metrics.get("target") == "executorch":
         tags = ["executorch", "xnnpack", metrics["quant"]]
-        return compose(title, records, "executorch", tags, [(name, metrics)], executorch_usage(name))
+        return compose(title, records, "executorch", tags, [(name, metrics)],
+                       executorch_usage(name))
     if metrics.get("target") == "genai":
         tags = ["onnx", "onnxruntime-genai", metrics["quant"]]
         return compose(title, records, "onnx", tags, [(name, metrics)], genai_usage(name))
-    return compose(title, records, "onnx", ["onnx", metrics["quant"]], [(name, metrics)], onnx_usage(name))
+    return compose(title, records, "onnx", ["onnx", metrics["quant"]], [(name, metrics)],
+                   onnx_usage(name))

@@ -169,7 +169,8 @@ def _output(node: nodes.Output, scope: _Scope) -> str:
     pieces = [piece for child in node.nodes for piece in _pieces(child, scope)]
     if scope.message is not None:
         scope.emitted.extend(pieces)
-    return "".join(_go_text(value) if kind == "text" else "{{ " + value + " }}" for kind, value in pieces)
+    return "".join(_go_text(value) if kind == "text" else "{{ " + value + " }}"
+                   for kind, value in pieces)
 
 
 def _role_test(node: nodes.Node, scope: _Scope) -> str:
@@ -218,7 +219,8 @@ def _assignment(node: nodes.Assign, scope: _Scope) -> str:
 
 
 def _statements(body: list[nodes.Node], scope: _Scope) -> str:
-    translators = {nodes.Output: _output, nodes.If: _condition, nodes.For: _loop, nodes.Assign: _assignment}
+    translators = {nodes.Output: _output, nodes.If: _condition, nodes.For: _loop,
+                   nodes.Assign: _assignment}
     text = ""
     for node in body:
         translate = translators.get(type(node))
@@ -229,7 +231,8 @@ def _statements(body: list[nodes.Node], scope: _Scope) -> str:
 
 
 def _assigned_strings(template: nodes.Template) -> set[str]:
-    return {assign.target.name for assign in template.find_all(nodes.Assign) if isinstance(assign.target, nodes.Name)}
+    return {assign.target.name for assign in template.find_all(nodes.Assign)
+            if isinstance(assign.target, nodes.Name)}
 
 
 def _marker_after(emitted: list[tuple[str, str]], action: str) -> Optional[str]:

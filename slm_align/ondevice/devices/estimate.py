@@ -155,7 +155,8 @@ def verdict(share: float) -> str:
     return "does not fit"
 
 
-def bandwidth_bound_tokens_per_second(facts: ModelFacts, profile: DeviceProfile, quant: str, context: int) -> float:
+def bandwidth_bound_tokens_per_second(facts: ModelFacts, profile: DeviceProfile, quant: str,
+                                      context: int) -> float:
     """Decode speed if every byte of weights and KV cache streamed at the
     profile's full bandwidth."""
     return profile.bandwidth_gbs * 1e9 / (weight_bytes(facts, quant) + kv_bytes(facts, context))
@@ -208,8 +209,9 @@ def recommend_quant(facts: ModelFacts, profile: DeviceProfile, context: int) -> 
 def reference_facts(point: ReferencePoint) -> ModelFacts:
     """A reference point's model as :class:`ModelFacts` (its published file size, when
     given, is the weights)."""
-    return ModelFacts(source=point.model, format="reference", parameters=point.parameters, layers=point.layers,
-                      kv_heads=point.kv_heads, head_dim=point.head_dim, quant=canonical_quant(point.quant),
+    return ModelFacts(source=point.model, format="reference", parameters=point.parameters,
+                      layers=point.layers, kv_heads=point.kv_heads, head_dim=point.head_dim,
+                      quant=canonical_quant(point.quant),
                       weight_bytes=None if point.size_gb is None else int(point.size_gb * 1e9))
 
 
@@ -237,8 +239,8 @@ def efficiency_for(profile: DeviceProfile, pool: Pool) -> Efficiency:
         ratios = [measured_over_bound(profile, point) for point in profile.reference]
         return Efficiency(geometric_mean(ratios), "device", len(ratios))
     if pool:
-        return Efficiency(geometric_mean(measured_over_bound(p, point) for p, point in pool), "all devices",
-                          len(pool))
+        return Efficiency(geometric_mean(measured_over_bound(p, point) for p, point in pool),
+                          "all devices", len(pool))
     return Efficiency(DEFAULT_EFFICIENCY, "default", 0)
 
 
@@ -273,7 +275,8 @@ def estimate_fit(facts: ModelFacts, profile: DeviceProfile, quant: Optional[str]
         device=profile.name, model=facts.source, quant=quant, context=context, memory=memory,
         budget_bytes=profile.budget_bytes, share_of_budget=share, verdict=verdict(share),
         max_context=max_context(facts, profile, quant), recommended_quant=recommended,
-        tokens_per_second=decode_tokens_per_second(facts, profile, quant, context, efficiency.value),
+        tokens_per_second=decode_tokens_per_second(facts, profile, quant, context,
+                                                   efficiency.value),
         efficiency=efficiency, notes=_notes(facts, context, efficiency))
 
 
@@ -283,9 +286,12 @@ def leave_one_out(profiles: Optional[list[DeviceProfile]] = None) -> list[LooRow
     rows = []
     for index, (profile, point) in enumerate(pool):
         rest = pool[:index] + pool[index + 1:]
-        without = profile.model_copy(update={"reference": [p for p in profile.reference if p is not point]})
+        without = profile.model_copy(update={"reference": [p for p in profile.reference
+                                                           if p is not point]})
         facts = reference_facts(point)
         efficiency = efficiency_for(without, rest)
-        predicted = decode_tokens_per_second(facts, profile, facts.quant, point.context, efficiency.value)
-        rows.append(LooRow(profile.name, point.model, facts.quant, point.tokens_per_second, predicted))
+        predicted = decode_tokens_per_second(facts, profile, facts.quant, point.context,
+                                             efficiency.value)
+        rows.append(LooRow(profile.name, point.model, facts.quant, point.tokens_per_second,
+                           predicted))
     return rows

@@ -23,10 +23,10 @@ BANDWIDTH_MB = 256            # size of the array the bandwidth probe copies
 BANDWIDTH_REPEATS = 5         # copies; the best one counts
 MAX_DEFAULT_THREADS = 16      # the most threads a command takes unless told (see free_threads)
 # ISA flags as /proc/cpuinfo names them -> the device-profile vocabulary (profiles.ISA_FEATURES)
-X86_FLAGS = {"sse4_2": "sse4", "avx": "avx", "avx2": "avx2", "avx512f": "avx512", "avx512_vnni": "avx512_vnni",
-             "avx_vnni": "avx_vnni", "amx_int8": "amx"}
-ARM_FLAGS = {"asimd": "neon", "asimddp": "dotprod", "i8mm": "i8mm", "asimdhp": "fp16", "bf16": "bf16",
-             "sve": "sve", "sve2": "sve2", "sme": "sme"}
+X86_FLAGS = {"sse4_2": "sse4", "avx": "avx", "avx2": "avx2", "avx512f": "avx512",
+             "avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni", "amx_int8": "amx"}
+ARM_FLAGS = {"asimd": "neon", "asimddp": "dotprod", "i8mm": "i8mm", "asimdhp": "fp16",
+             "bf16": "bf16", "sve": "sve", "sve2": "sve2", "sme": "sme"}
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ def cpu_flags(cpuinfo: str, machine: str) -> list[str]:
     present = set((fields.get("flags", "") + " " + fields.get("features", "")).split())
     if not present and machine.lower() in ("arm64", "aarch64"):
         # macOS / no cpuinfo: Armv8 always has NEON
-        present = {"asimd"} | ({"asimddp"} if _sysctl("hw.optional.arm.FEAT_DotProd") == "1" else set()) \
+        present = {"asimd"} | ({"asimddp"} if _sysctl("hw.optional.arm.FEAT_DotProd") == "1"
+                               else set()) \
                   | ({"i8mm"} if _sysctl("hw.optional.arm.FEAT_I8MM") == "1" else set())
     return [flag for flag in (*X86_FLAGS, *ARM_FLAGS) if flag in present]
 
@@ -137,8 +138,8 @@ def host_facts() -> HostFacts:
     machine = platform.machine()
     flags = cpu_flags(cpuinfo, machine)
     return HostFacts(cpu=cpu_name(cpuinfo), machine=machine, cores=physical_cores(cpuinfo),
-                     logical_cpus=logical_cpus(), ram_gb=round(ram_bytes() / 2**30, 2), cpu_flags=flags,
-                     isa=profile_isa(flags))
+                     logical_cpus=logical_cpus(), ram_gb=round(ram_bytes() / 2**30, 2),
+                     cpu_flags=flags, isa=profile_isa(flags))
 
 
 def usable_cores() -> int:

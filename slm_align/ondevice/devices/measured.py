@@ -124,10 +124,12 @@ def to_toml(data: dict) -> str:
     """Flat keys, then each list of dicts as an array of tables (all a device profile needs)."""
     tables = {key: value for key, value in data.items() if isinstance(value, list) and value
               and all(isinstance(item, dict) for item in value)}
-    lines = [f"{key} = {_toml_value(value)}" for key, value in data.items() if key not in tables and value is not None]
+    lines = [f"{key} = {_toml_value(value)}" for key, value in data.items()
+             if key not in tables and value is not None]
     for key, rows in tables.items():
         for row in rows:
-            lines += ["", f"[[{key}]]"] + [f"{k} = {_toml_value(v)}" for k, v in row.items() if v is not None]
+            lines += ["", f"[[{key}]]"] + [f"{k} = {_toml_value(v)}" for k, v in row.items()
+                                           if v is not None]
     return "\n".join(lines) + "\n"
 
 
@@ -137,17 +139,19 @@ def _onnx_preset(isa: Sequence[str], machine: str) -> str:
     return next((preset for preset in ("avx512_vnni", "avx512") if preset in isa), "avx2")
 
 
-def profile_data(result: BenchResult, bandwidth_gbs: float, facts, today: Optional[str] = None) -> dict:
+def profile_data(result: BenchResult, bandwidth_gbs: float, facts,
+                 today: Optional[str] = None) -> dict:
     """A device profile (TOML keys) for this host, with ``result`` as its one reference point."""
     today = today or datetime.date.today().isoformat()
     host = result.host
     reference = None
     if facts.quant:
         reference = {"model": result.model, "parameters": facts.parameters, "quant": facts.quant,
-                     "tokens_per_second": round(result.decode_tokens_per_second, 2), "context": result.kv_context,
-                     "size_gb": facts.weight_bytes / 1e9 if facts.weight_bytes else None, "layers": facts.layers,
-                     "kv_heads": facts.kv_heads, "head_dim": facts.head_dim, "runtime": result.runtime,
-                     "source": f"slm-align bench on this host, {today}"}
+                     "tokens_per_second": round(result.decode_tokens_per_second, 2),
+                     "context": result.kv_context,
+                     "size_gb": facts.weight_bytes / 1e9 if facts.weight_bytes else None,
+                     "layers": facts.layers, "kv_heads": facts.kv_heads, "head_dim": facts.head_dim,
+                     "runtime": result.runtime, "source": f"slm-align bench on this host, {today}"}
     return {
         "display_name": f"this host: {host.cpu}",
         "ram_gb": host.ram_gb,

@@ -33,7 +33,8 @@ def check_adapter_base(adapter: Path, base_gguf: Path, check_hash: bool = True) 
     for name, shape in adapter_shapes.items():
         weight, _, part = name.rpartition(".lora_")
         pairs.setdefault(weight, {})[part] = shape
-    targets = {name: (pair["b"][0], pair["a"][1]) for name, pair in pairs.items() if {"a", "b"} <= set(pair)}
+    targets = {name: (pair["b"][0], pair["a"][1]) for name, pair in pairs.items()
+               if {"a", "b"} <= set(pair)}
     check_fits(targets, value.get("general.architecture"), Path(base_gguf), str(adapter))
     recorded = value.get(BASE_SHA256_KEY)
     if check_hash and recorded and recorded != sha256_file(Path(base_gguf)):

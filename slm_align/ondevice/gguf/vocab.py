@@ -100,7 +100,8 @@ def _special_vocab(model_dir: Path, n_vocab: int | None = None, load_merges: boo
     return gguf.SpecialVocab(model_dir, load_merges=load_merges, n_vocab=n_vocab)
 
 
-def _add_special(writer, model_dir: Path, n_vocab: int, chat_template: str | None, merges: bool) -> None:
+def _add_special(writer, model_dir: Path, n_vocab: int, chat_template: str | None,
+                 merges: bool) -> None:
     """Special ids, template, add-BOS/EOS flags, and the merges when ``merges``
     (byte-level BPE needs them)."""
     special_vocab = _special_vocab(model_dir, n_vocab, load_merges=merges)
@@ -202,7 +203,8 @@ def _sentencepiece_pieces(tokenizer_json: dict) -> tuple[list[str], list[int]]:
         text = by_id.get(index, f"[PAD{index}]")
         tokens.append(text)
         if index in added:
-            types.append(gguf.TokenType.CONTROL if added[index].get("special") else gguf.TokenType.USER_DEFINED)
+            types.append(gguf.TokenType.CONTROL if added[index].get("special")
+                         else gguf.TokenType.USER_DEFINED)
         elif index not in by_id:
             types.append(gguf.TokenType.UNUSED)
         elif _BYTE_TOKEN.fullmatch(text):

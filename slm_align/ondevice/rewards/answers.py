@@ -69,7 +69,8 @@ def final_answer_matches(completion: str, reference: str) -> bool:
     found = _ANSWER.findall(completion)
     if found:
         numbers = _NUMBER.findall(found[-1])
-        return same_answer(found[-1], reference) or bool(numbers and same_answer(numbers[0], reference))
+        return same_answer(found[-1], reference) or bool(numbers
+                                                         and same_answer(numbers[0], reference))
     if _as_number(reference) is not None:
         numbers = _NUMBER.findall(completion)
         return bool(numbers) and same_answer(numbers[-1], reference)
@@ -95,7 +96,8 @@ def exact_answer(prompts, completions, answer: Optional[Sequence[Any]] = None,
     if len(wanted) != len(completions):
         raise UserError(f"the exact_answer reward got {len(wanted)} answers for "
                         f"{len(completions)} completions")
-    return [float(ref is not None and final_answer_matches(c, ref)) for c, ref in zip(completions, wanted)]
+    return [float(ref is not None and final_answer_matches(c, ref))
+            for c, ref in zip(completions, wanted)]
 
 
 

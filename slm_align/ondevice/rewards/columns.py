@@ -42,7 +42,8 @@ class ColumnReward:
         """The wrapped reward's scores, given each prompt's columns as keyword
         lists besides ``context``."""
         prompts = list(prompts)
-        return call_reward(self.reward, prompts, list(completions), **self._context(prompts, context))
+        return call_reward(self.reward, prompts, list(completions),
+                           **self._context(prompts, context))
 
 
 class _ColumnRewardWithBreakdown(ColumnReward):
@@ -74,7 +75,8 @@ def _required_keywords(fn: RewardFn) -> set[str]:
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     skipped = {p.name for p in positional[:2]}
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {p.name for p in parameters if p.name not in skipped and p.kind in named and p.default is p.empty}
+    return {p.name for p in parameters if p.name not in skipped and p.kind in named
+            and p.default is p.empty}
 
 
 def required_columns(reward_fn: RewardFn) -> set[str]:

@@ -29,7 +29,8 @@ def _as_call(decoded: Any) -> dict:
     arguments = decoded.get("arguments", decoded.get("parameters", {}))
     if isinstance(arguments, str):
         arguments = decode_json(arguments)
-    return {"name": decoded.get("name"), "arguments": arguments if isinstance(arguments, dict) else None}
+    return {"name": decoded.get("name"),
+            "arguments": arguments if isinstance(arguments, dict) else None}
 
 
 def reply_calls(text: str) -> list[dict]:
@@ -72,7 +73,8 @@ def row_functions(tools: Any, functions: Any = None) -> list[dict]:
     return functions_from_tools(normalise_tools("tools", tools) or [])
 
 
-def check_ground_truth(ground_truth: Any, functions: Sequence[dict], where: str = "a task row") -> list[dict]:
+def check_ground_truth(ground_truth: Any, functions: Sequence[dict],
+                       where: str = "a task row") -> list[dict]:
     """The row's ground truth (BFCL's possible answer, decoded); one that is not a list of
     ``{function: {argument: [allowed]}}`` or names a function the row does not offer is a one-line
     UserError."""
@@ -96,7 +98,8 @@ def _scores(score: Callable, completions, ground_truth, tools, category, functio
         offered = row_functions(tools[index], None if functions is None else functions[index])
         expected = check_ground_truth(ground_truth[index], offered)
         calls = episode_calls(episodes[index]) if episodes is not None else reply_calls(completion)
-        results.append(float(score(calls, expected, offered, None if category is None else category[index])))
+        results.append(float(score(calls, expected, offered,
+                                   None if category is None else category[index])))
     return results
 
 

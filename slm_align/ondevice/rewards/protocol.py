@@ -90,7 +90,8 @@ class CombinedReward:
     def breakdown(self, prompts, completions, **context) -> dict[str, list[float]]:
         parts = {}
         for name, fn, _ in self.terms:
-            scores = [float(s) for s in call_reward(fn, list(prompts), list(completions), **context)]
+            scores = [float(s) for s in call_reward(fn, list(prompts), list(completions),
+                                                    **context)]
             if len(scores) != len(completions):
                 raise UserError(f"reward {name} returned {len(scores)} scores for "
                                 f"{len(completions)} completions")
@@ -100,5 +101,6 @@ class CombinedReward:
     def __call__(self, prompts, completions, **context) -> list[float]:
         parts = self.breakdown(prompts, completions, **context)
         weights = {name: weight for name, _, weight in self.terms}
-        return [sum(weights[name] * parts[name][i] for name in parts) for i in range(len(completions))]
+        return [sum(weights[name] * parts[name][i] for name in parts)
+                for i in range(len(completions))]
 

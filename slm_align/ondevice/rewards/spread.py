@@ -52,7 +52,8 @@ def measure_spread(scores: Sequence[float], k: int) -> Spread:
     stds = [statistics.pstdev(group) for group in groups]
     means = [statistics.fmean(group) for group in groups]
     equal = [max(group) - min(group) <= EQUAL for group in groups]
-    return Spread(within=statistics.fmean(stds), between=statistics.pstdev(means) if len(means) > 1 else 0.0,
+    return Spread(within=statistics.fmean(stds),
+                  between=statistics.pstdev(means) if len(means) > 1 else 0.0,
                   overall=statistics.pstdev(scores), all_equal_share=sum(equal) / len(groups),
                   prompts=len(groups), k=k)
 
@@ -146,7 +147,8 @@ def flat_case(scores: Sequence[float], bounds: Optional[tuple[float, float]]) ->
     """
     mean = statistics.fmean(scores)
     if bounds is None or bounds[1] - bounds[0] <= EQUAL:
-        return FlatCase("flat", None, f"mixed but flat (mean reward {mean:.3g} over {len(scores)} samples; "
+        return FlatCase("flat", None,
+                        f"mixed but flat (mean reward {mean:.3g} over {len(scores)} samples; "
                                       "the reward's range is unknown)")
     low, high = bounds
     position = (mean - low) / (high - low)

@@ -159,8 +159,10 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 @lru_cache(maxsize=8)
@@ -172,9 +174,9 @@ def _compile(source: str):
     return env.from_string(source)
 
 
-def render(template: Optional[str], messages: list[dict], bos_token: Optional[str], eos_token: Optional[str],
-           tools: Optional[list[dict]] = None, add_generation_prompt: bool = True,
-           origin: Optional[str] = None) -> str:
+def render(template: Optional[str], messages: list[dict], bos_token: Optional[str],
+           eos_token: Optional[str], tools: Optional[list[dict]] = None,
+           add_generation_prompt: bool = True, origin: Optional[str] = None) -> str:
     """The prompt text for ``messages`` (and ``tools``), ending with the assistant's opening.
 
     Bounded (:mod:`slm_align.ondevice.templates.sandbox`); a template that does not compile, fails
@@ -247,9 +249,11 @@ def _probe_messages(with_calls: bool) -> list[dict]:
 def template_traits(template: str, origin: Optional[str] = None) -> TemplateTraits:
     """Render a probe tool conversation through ``template`` (no BOS/EOS text) and read what
     it shows. A template stopped by a bound is a :class:`ChatTemplateError`, not a trait."""
-    tools = render(template, [{"role": "user", "content": "probe"}], None, None, [_PROBE_SPEC], origin=origin)
+    tools = render(template, [{"role": "user", "content": "probe"}], None, None, [_PROBE_SPEC],
+                   origin=origin)
     try:
-        text = render(template, _probe_messages(with_calls=True), None, None, [_PROBE_SPEC], origin=origin)
+        text = render(template, _probe_messages(with_calls=True), None, None, [_PROBE_SPEC],
+                      origin=origin)
     except ChatTemplateError as exc:
         if exc.stopped:
             raise
@@ -347,7 +351,8 @@ def tools_system_text(tools: list[dict]) -> str:
     a signature line per tool costs a third of the tokens, which a small model's context needs
     (the bundled model's 512 tokens do not hold two schemas and a question).
     """
-    return "\n".join([FALLBACK_HEADER.format(hint=FORMAT_HINT), *(tool_line(tool) for tool in tools)])
+    return "\n".join([FALLBACK_HEADER.format(hint=FORMAT_HINT),
+                      *(tool_line(tool) for tool in tools)])
 
 
 def with_tools_described(messages: list[dict], tools: Optional[list[dict]]) -> list[dict]:

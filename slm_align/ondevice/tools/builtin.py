@@ -206,7 +206,8 @@ class NoteStore:
         max_notes: Most notes the folder may hold.
     """
 
-    def __init__(self, folder: Union[str, Path], max_note_chars: int = 10_000, max_notes: int = 1000):
+    def __init__(self, folder: Union[str, Path], max_note_chars: int = 10_000,
+                 max_notes: int = 1000):
         path = Path(folder).expanduser()
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -96,11 +96,13 @@ class _GrammarBuilder:
             return "( " + " | ".join(_literal(json.dumps(item)) for item in schema["enum"]) + " )"
         for key in ("anyOf", "oneOf"):
             if key in schema:
-                options = (self.value(option, f"{hint}-{i}") for i, option in enumerate(schema[key]))
+                options = (self.value(option, f"{hint}-{i}")
+                           for i, option in enumerate(schema[key]))
                 return "( " + " | ".join(options) + " )"
         kind = schema.get("type")
         if isinstance(kind, list):
-            return "( " + " | ".join(self.value({**schema, "type": one}, f"{hint}-{one}") for one in kind) + " )"
+            return "( " + " | ".join(self.value({**schema, "type": one}, f"{hint}-{one}")
+                                     for one in kind) + " )"
         if kind in _TYPE_RULES:
             return kind
         if kind == "array":

@@ -170,7 +170,8 @@ def read_calls(text: str) -> tuple[str, list]:
     if "<tool_call>" in text:
         parts = _TOOL_CALL_BLOCK.split(text)  # text, call body, text, call body, ..., text
         outside = "\n".join(part.strip() for part in parts[0::2] if part.strip())
-        return outside, [decoded for body in parts[1::2] for decoded in _decode_calls(_unfence(body.strip()))]
+        return outside, [decoded for body in parts[1::2]
+                         for decoded in _decode_calls(_unfence(body.strip()))]
     bare = _bare_calls(text)
     if bare is None:
         return text.strip(), []
@@ -181,5 +182,6 @@ def call_text(calls: list) -> str:
     """``calls`` (:class:`~slm_align.ondevice.tools.calls.ToolCall`) as the text a model writes them
     in: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` per call, one per line, what
     :func:`read_calls` reads back (and the runtime's grammar allows)."""
-    blocks = [json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False) for call in calls]
+    blocks = [json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+              for call in calls]
     return "\n".join(f"<tool_call>{block}</tool_call>" for block in blocks)

@@ -42,7 +42,8 @@ class ToolRegistry:
             itself.
     """
 
-    def __init__(self, max_observation_chars: int = DEFAULT_MAX_OBSERVATION_CHARS, timeout_s: Optional[float] = None):
+    def __init__(self, max_observation_chars: int = DEFAULT_MAX_OBSERVATION_CHARS,
+                 timeout_s: Optional[float] = None):
         if max_observation_chars < 40:
             raise UserError(f"max_observation_chars must be at least 40, got "
                             f"{max_observation_chars}")
@@ -78,7 +79,8 @@ class ToolRegistry:
                 invalid schema.
         """
         if fn is None:
-            return functools.partial(self.register, name=name, description=description, schema=schema)
+            return functools.partial(self.register, name=name, description=description,
+                                     schema=schema)
         tool_name = name or getattr(fn, "__name__", "")
         self._check_name(tool_name)
         if schema is None:

@@ -62,9 +62,9 @@ from slm_align.ondevice.templates.sandbox.budget import (
 )
 from slm_align.ondevice.templates.sandbox.checks import bounded_filter, bounded_sum, check_binop, check_method
 
-__all__ = ["TEMPLATE_CHARS", "TEMPLATE_INT_BITS", "TEMPLATE_SCAN", "TEMPLATE_SECONDS", "TEMPLATE_STEPS",
-           "TEMPLATE_WORK_CHARS", "Budget", "BoundedSandbox", "TemplateLimit", "bounded_environment", "budgeted",
-           "current", "render_bounded"]
+__all__ = ["TEMPLATE_CHARS", "TEMPLATE_INT_BITS", "TEMPLATE_SCAN", "TEMPLATE_SECONDS",
+           "TEMPLATE_STEPS", "TEMPLATE_WORK_CHARS", "Budget", "BoundedSandbox", "TemplateLimit",
+           "bounded_environment", "budgeted", "current", "render_bounded"]
 
 
 def render_bounded(template, variables: dict) -> str:
@@ -110,7 +110,8 @@ class _Bounding(NodeTransformer):
 
     def visit_Output(self, node: nodes.Output) -> nodes.Node:
         self.generic_visit(node)
-        node.nodes = [nodes.Const(child.data).set_lineno(child.lineno) if isinstance(child, nodes.TemplateData)
+        node.nodes = [nodes.Const(child.data).set_lineno(child.lineno)
+                      if isinstance(child, nodes.TemplateData)
                       # counted by finalize, as every output piece
                       else child for child in node.nodes]
         return node
@@ -157,11 +158,13 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         super().__init__(finalize=_finalize, **options)
         self.globals.pop("lipsum", None)  # runs its own loop, as long as asked
         self.filters["sum"] = bounded_sum
-        self.filters = {name: bounded_filter(name, function) for name, function in self.filters.items()}
+        self.filters = {name: bounded_filter(name, function)
+                        for name, function in self.filters.items()}
 
     def add_filters(self, filters: dict[str, Callable]) -> None:
         """Add ``filters``, bounded as the built-in ones."""
-        self.filters.update({name: bounded_filter(name, function) for name, function in filters.items()})
+        self.filters.update({name: bounded_filter(name, function)
+                             for name, function in filters.items()})
 
     # the compiled template's own calls
     @_internal

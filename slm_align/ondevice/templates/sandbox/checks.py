@@ -30,8 +30,8 @@ from slm_align.ondevice.templates.sandbox.budget import (
 FORMAT_NUMBER = re.compile(r"\d+")
 SEQUENCES = (str, list, tuple, bytes)
 TEXT = (str, bytes)
-CODECS = frozenset({"utf-8", "ascii", "iso8859-1", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le",
-                    "utf-32-be"})
+CODECS = frozenset({"utf-8", "ascii", "iso8859-1", "utf-16", "utf-16-le", "utf-16-be", "utf-32",
+                    "utf-32-le", "utf-32-be"})
 """The codecs ``encode`` and ``decode`` may use (by :func:`codecs.lookup`'s name): linear, at most 4
 bytes a character. ``punycode`` and ``idna`` take time quadratic in the text (53 s on 20,000
 characters), and the codec registry reaches further transforms: all refused."""
@@ -52,8 +52,8 @@ ESCAPED_EXTRA = {"&": 4, "<": 3, ">": 3, '"': 4, "'": 4}
 """Characters HTML escaping adds for each of these (``&`` -> ``&amp;``)."""
 SORTING = frozenset({"sort", "dictsort", "groupby"})
 """Filters that sort their value in Python: n log n steps."""
-PER_ITEM = frozenset({"unique", "min", "max", "batch", "slice", "map", "select", "reject", "selectattr",
-                      "rejectattr"})
+PER_ITEM = frozenset({"unique", "min", "max", "batch", "slice", "map", "select", "reject",
+                      "selectattr", "rejectattr"})
 """Filters that run Python code per item of their value: a step each."""
 
 
@@ -79,7 +79,8 @@ def check_format(pattern: Any, args: Any, kwargs: Optional[dict] = None) -> None
     if any(int(number) > TEMPLATE_CHARS for number in FORMAT_NUMBER.findall(pattern)):
         raise TemplateLimit(f"it formats a field wider than {TEMPLATE_CHARS:,} characters")
     values = list(args) if isinstance(args, (tuple, list)) else [args]
-    values += list((kwargs or {}).values()) + (list(args.values()) if isinstance(args, dict) else [])
+    values += list((kwargs or {}).values()) + (list(args.values()) if isinstance(args, dict)
+                                               else [])
     if ("*" in pattern or "{" in pattern) and any(abs(whole(v)) > TEMPLATE_CHARS for v in values):
         raise TemplateLimit(f"it formats a field wider than {TEMPLATE_CHARS:,} characters")
 
@@ -136,8 +137,8 @@ def joined(budget: Budget, items: Any, separator: Any) -> list:
 def check_binop(budget: Budget, operator: str, left: Any, right: Any) -> Optional[tuple[int, int]]:
     """Refuse ``left operator right`` when its result would pass a bound (checked before it is
     made); the result's (size, depth) when known from the operands."""
-    if operator == "*" and (isinstance(left, SEQUENCES) and whole(right) or isinstance(right, SEQUENCES)
-                            and whole(left)):
+    if operator == "*" and (isinstance(left, SEQUENCES) and whole(right)
+                            or isinstance(right, SEQUENCES) and whole(left)):
         sequence, times = (left, right) if isinstance(left, SEQUENCES) else (right, left)
         size, depth = budget.measure(sequence)
         return check_size(size * max(0, times)), depth
@@ -172,7 +173,8 @@ def _check_text_method(budget: Budget, owner: Any, name: str, args: tuple, kwarg
         tabs = owner.count("\t" if isinstance(owner, str) else b"\t")
         check_size(len(owner) + tabs * whole(first if args else kwargs.get("tabsize", 8)))
     elif name == "replace" and len(args) >= 2:
-        check_size(replaced_size(owner, args[0], args[1], args[2] if len(args) > 2 else kwargs.get("count")))
+        check_size(replaced_size(owner, args[0], args[1],
+                                 args[2] if len(args) > 2 else kwargs.get("count")))
     elif name == "join" and args:
         return (joined(budget, first, owner),) + args[1:]
     elif name in ("format", "format_map"):
@@ -236,7 +238,8 @@ def _indent(budget: Budget, call: FilterCall) -> None:
 
 
 def _replace(budget: Budget, call: FilterCall) -> None:
-    check_size(replaced_size(str(call.value), call.arg(1, "old", ""), call.arg(2, "new", ""), call.arg(3, "count")))
+    check_size(replaced_size(str(call.value), call.arg(1, "old", ""), call.arg(2, "new", ""),
+                             call.arg(3, "count")))
 
 
 def _format(budget: Budget, call: FilterCall) -> None:
@@ -275,7 +278,8 @@ def _tojson(budget: Budget, call: FilterCall) -> None:
     """Its text's size; with an indent Python's own encoder runs, a step per item."""
     indent = call.arg(2, "indent")
     width = len(indent) if isinstance(indent, str) else whole(indent)
-    spread = 2 + width * budget.depth(call.value) + sum(len(str(s)) for s in call.arg(3, "separators") or ())
+    spread = 2 + width * budget.depth(call.value) + sum(len(str(s))
+                                                        for s in call.arg(3, "separators") or ())
     check_size(budget.size(call.value) * spread * (6 if call.arg(1, "ensure_ascii") else 1))
     if indent is not None:
         budget.charge(budget.size(call.value))
@@ -321,9 +325,10 @@ def _urlize(budget: Budget, call: FilterCall) -> None:
 
 FILTER_CHECKS: dict[str, Callable[[Budget, FilterCall], None]] = {
     "center": _center, "indent": _indent, "replace": _replace, "format": _format, "join": _join,
-    "batch": _batch_or_slice, "slice": _batch_or_slice, "wordwrap": _wordwrap, "round": _round, "tojson": _tojson,
-    "pprint": _pprint, "trim": _trim, "escape": _escape, "e": _escape, "forceescape": _escape,
-    "urlencode": _urlencode, "urlize": _urlize, "title": _title, "striptags": _striptags,
+    "batch": _batch_or_slice, "slice": _batch_or_slice, "wordwrap": _wordwrap, "round": _round,
+    "tojson": _tojson, "pprint": _pprint, "trim": _trim, "escape": _escape, "e": _escape,
+    "forceescape": _escape, "urlencode": _urlencode, "urlize": _urlize, "title": _title,
+    "striptags": _striptags,
 }
 """The checks of the filters whose one call can make a large value or run long, by filter name."""
 
