@@ -115,8 +115,8 @@ def verify_checksums(stage_dir: Path, manifest: dict) -> None:
         file = Path(stage_dir) / name
         if not file.is_file() or sha256_file(file) != expected:
             state = "is missing" if not file.is_file() else "does not match the checksum in its manifest"
-            raise UserError(f"{file} {state}: the stage output was changed or damaged; remove {stage_dir} "
-                            "and run the stage again")
+            raise UserError(f"{file} {state}: the stage output was changed or damaged; remove "
+                            f"{stage_dir} and run the stage again")
 
 
 def read_manifest(stage_dir: Path) -> Optional[dict]:

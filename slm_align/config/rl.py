@@ -265,8 +265,8 @@ class RLSettings(Strict):
     def _module_names(cls, value: list[str]) -> list[str]:
         for name in value:
             if not MODULE_NAME.fullmatch(name):
-                raise ValueError(f"environment module {name!r} is not a module name; give a dotted name such "
-                                 "as my_envs or my_pkg.envs")
+                raise ValueError(f"environment module {name!r} is not a module name; give a dotted "
+                                 "name such as my_envs or my_pkg.envs")
         return value
 
     @field_validator("report_prompts")

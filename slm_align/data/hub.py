@@ -30,8 +30,9 @@ def load_hub_dataset(name: str) -> Any:
     except Exception as exc:
         # offline, unknown id, gated: datasets raises ConnectionError, FileNotFoundError, ...
         reason = " ".join(str(exc).split()) or type(exc).__name__
-        raise UserError(f"data {name}: no such file, and not a dataset the datasets cache or the hub has ({reason}); "
-                        "pass a local corpus file, or the hub id of a dataset while online") from None
+        raise UserError(f"data {name}: no such file, and not a dataset the datasets cache or the "
+                        f"hub has ({reason}); pass a local corpus file, or the hub id of a dataset "
+                        "while online") from None
     if isinstance(loaded, datasets.DatasetDict):
         split = "train" if "train" in loaded else next(iter(loaded))
         loaded = loaded[split]

@@ -173,6 +173,6 @@ def read_preferences(path: Union[Path, list[Path]], tokenizer=None) -> list[Pair
     pairs = read_preference_rows(path, tokenizer).paired()
     if not pairs:
         paths = _paths(path)
-        raise UserError(f"preferences {', '.join(map(str, paths))} hold no usable pair (need chosen != rejected, "
-                        "or both a good and a bad completion of one prompt)")
+        raise UserError(f"preferences {', '.join(map(str, paths))} hold no usable pair (need "
+                        "chosen != rejected, or both a good and a bad completion of one prompt)")
     return pairs

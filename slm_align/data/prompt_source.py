@@ -94,8 +94,8 @@ def _task_source(recipe: Recipe, tokenizer) -> PromptSource:
     train, heldout = split_tasks(tasks, recipe.seed, recipe.data.eval_fraction,
                                  recipe.data.heldout_prompts)
     if len(train) == 0 or len(heldout) < 2:
-        raise UserError(f"task file {path}: {len(tasks)} distinct prompts are too few to split into training and "
-                        "held-out prompts; give at least 20")
+        raise UserError(f"task file {path}: {len(tasks)} distinct prompts are too few to split "
+                        "into training and held-out prompts; give at least 20")
     answers = ()
     if "answer" in heldout.column_names():
         answers = tuple(str(row["answer"]) for row in heldout.columns)

@@ -166,9 +166,9 @@ def row_to_example(where: str, row: Any, text_field: Optional[str] = None) -> Op
             text = _string(where, row, field)
             return Example(text=text.strip()) if text.strip() else None
     if "prompt" in row and "answer" in row:
-        raise UserError(f"{where}: prompt + answer rows are tasks, not a corpus; pass this file with --tasks "
-                        "(RL and the gate's reward spread read it), and a corpus of text/prompt+completion/"
-                        "messages rows with --data")
+        raise UserError(f"{where}: prompt + answer rows are tasks, not a corpus; pass this file "
+                        "with --tasks (RL and the gate's reward spread read it), and a corpus of "
+                        "text/prompt+completion/messages rows with --data")
     raise UserError(
         f"{where}: no text column (found: {', '.join(map(str, row)) or 'none'}); "
         f"name it with --text-field, or use text/prompt+completion/messages"

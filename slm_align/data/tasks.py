@@ -101,8 +101,9 @@ class TaskSet:
         for prompt in prompts:
             index = self._row_of.get(prompt)
             if index is None:
-                raise UserError(f"no task row has the prompt {_excerpt(prompt)} ({len(self)} tasks); rewards can "
-                                "only score prompts of the task data they were given")
+                raise UserError(f"no task row has the prompt {_excerpt(prompt)} ({len(self)} "
+                                "tasks); rewards can only score prompts of the task data they "
+                                "were given")
             rows.append(self.columns[index])
         return {name: [row.get(name) for row in rows] for name in self.all_column_names()}
 
@@ -167,8 +168,8 @@ def _task_row(where: str, row: Any, tokenizer, prompt_field: str) -> tuple[str, 
         field = "messages"
     else:
         found = ", ".join(map(str, row)) or "none"
-        raise UserError(f"{where}: no '{prompt_field}' column (found: {found}); name the prompt column with "
-                        "prompt_field, or give 'messages'")
+        raise UserError(f"{where}: no '{prompt_field}' column (found: {found}); name the prompt "
+                        "column with prompt_field, or give 'messages'")
     other = {key: value for key, value in row.items() if key != field}
     _check_column_names(where, other)
     if "tools" in other:

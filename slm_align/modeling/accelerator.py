@@ -140,16 +140,18 @@ def _deepspeed_config(spec: str, device: str, trainer: bool) -> str:
     except ImportError:
         raise UserError("--deepspeed needs DeepSpeed: pip install deepspeed") from None
     if not device.startswith("cuda"):
-        raise UserError(f"--deepspeed: DeepSpeed's ZeRO shards training state across CUDA GPUs, not {device}; drop "
-                        "--deepspeed or pass --device cuda on a machine with GPUs")
+        raise UserError("--deepspeed: DeepSpeed's ZeRO shards training state across CUDA GPUs, "
+                        f"not {device}; drop --deepspeed or pass --device cuda on a machine with "
+                        "GPUs")
     return str(path)
 
 
 def _check_4bit(device: str) -> None:
     """4-bit base weights (bitsandbytes) exist on CUDA only, and need bitsandbytes installed."""
     if not device.startswith("cuda"):
-        raise UserError(f"--load-in-4bit: 4-bit base weights (bitsandbytes) need a CUDA GPU, not {device}; "
-                        "drop --load-in-4bit or pass --device cuda on a machine with one")
+        raise UserError("--load-in-4bit: 4-bit base weights (bitsandbytes) need a CUDA GPU, not "
+                        f"{device}; drop --load-in-4bit or pass --device cuda on a machine with "
+                        "one")
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:

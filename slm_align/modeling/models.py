@@ -101,8 +101,8 @@ def _check_directory(path: Path, allow_pickle: bool) -> None:
     has_safetensors = any(path.glob("*.safetensors"))
     has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt"))
     if not has_safetensors and has_pickle and not allow_pickle:
-        raise UserError(f"model {path} has only pickle (.bin) weights, which can run code when loaded; "
-                        "convert it to safetensors or pass --allow-pickle if you trust it")
+        raise UserError(f"model {path} has only pickle (.bin) weights, which can run code when "
+                        "loaded; convert it to safetensors or pass --allow-pickle if you trust it")
     if not has_safetensors and not has_pickle:
         raise UserError(f"model directory {path} has no weights (*.safetensors); "
                         "pass a complete checkpoint")
@@ -126,8 +126,8 @@ def _check_not_truncated(weights: Path) -> None:
     size = weights.stat().st_size
     expected = 8 + length + end
     if size < expected:
-        raise UserError(f"model {weights} is truncated ({size} of {expected} bytes) and cannot be loaded; "
-                        "copy or download the checkpoint again")
+        raise UserError(f"model {weights} is truncated ({size} of {expected} bytes) and cannot be "
+                        "loaded; copy or download the checkpoint again")
 
 
 def check_architecture(model_type: Optional[str], where: str) -> str:
@@ -138,8 +138,9 @@ def check_architecture(model_type: Optional[str], where: str) -> str:
 
 
 def _hub_error(source: ModelSource, exc: Exception) -> UserError:
-    return UserError(f"cannot load '{source.ref}' from the Hugging Face Hub ({type(exc).__name__}); "
-                     "check the id and your connection, or pass a local directory or .gguf file")
+    return UserError(f"cannot load '{source.ref}' from the Hugging Face Hub "
+                     f"({type(exc).__name__}); check the id and your connection, or pass a local "
+                     "directory or .gguf file")
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
@@ -326,8 +327,8 @@ def _load_pretrained(source: ModelSource, trust_remote_code: bool = False,
         if source.kind == "hub":
             raise _hub_error(source, exc) from None
         first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise UserError(f"model {source.label} cannot be loaded ({first}); the checkpoint may be corrupt "
-                        "or of an unsupported architecture") from None
+        raise UserError(f"model {source.label} cannot be loaded ({first}); the checkpoint may be "
+                        "corrupt or of an unsupported architecture") from None
     check_architecture(model.config.model_type, source.label)
     if quantization is not None:
         return model.eval()  # 4-bit weights stay 4-bit (.float() would refuse them)
@@ -402,8 +403,9 @@ def load_adapter(model, adapter_dir: Path, allow_pickle: bool = False):
     try:
         return PeftModel.from_pretrained(model, str(adapter_dir)).float().eval()
     except Exception as exc:
-        raise UserError(f"adapter {adapter_dir} does not fit this base model ({type(exc).__name__}); "
-                        "pass the base model the adapter was trained on") from None
+        raise UserError(f"adapter {adapter_dir} does not fit this base model "
+                        f"({type(exc).__name__}); pass the base model the adapter was trained "
+                        "on") from None
 
 
 def require_adapter(adapter_dir: Path, allow_pickle: bool) -> None:
@@ -417,8 +419,9 @@ def require_adapter(adapter_dir: Path, allow_pickle: bool) -> None:
     safe = (adapter_dir / "adapter_model.safetensors").is_file()
     pickle_only = (adapter_dir / "adapter_model.bin").is_file() and not safe
     if pickle_only and not allow_pickle:
-        raise UserError(f"adapter {adapter_dir} is saved only as pickle (adapter_model.bin), which can run code when "
-                        "loaded; convert it to safetensors or pass --allow-pickle if you trust it")
+        raise UserError(f"adapter {adapter_dir} is saved only as pickle (adapter_model.bin), which "
+                        "can run code when loaded; convert it to safetensors or pass "
+                        "--allow-pickle if you trust it")
 
 
 def merged_policy(source: ModelSource, adapter: Optional[Path], trust_remote_code: bool = False,

@@ -36,8 +36,9 @@ COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
 def check_executorch_quant(quant: str) -> str:
     """``quant`` when a program of it is built, else one line saying only fp32 is."""
     if quant not in QUANTS:
-        raise UserError(f"--target executorch --quant {quant}: only fp32 programs are built; pass --quant fp32 "
-                        "(or export --target gguf/onnx/genai for quantized artifacts)")
+        raise UserError(f"--target executorch --quant {quant}: only fp32 programs are built; pass "
+                        "--quant fp32 (or export --target gguf/onnx/genai for quantized "
+                        "artifacts)")
     return quant
 
 

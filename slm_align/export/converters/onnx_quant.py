@@ -267,8 +267,8 @@ def quantize_weight_only(source: Path, target: Path, scheme: Scheme) -> Path:
         import onnx
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer  # noqa: F401
     except ImportError:
-        raise UserError(f"ONNX {scheme.name} needs onnxruntime's MatMulNBits quantizer (pip install onnx-ir); "
-                        "use --quant int8 instead") from None
+        raise UserError(f"ONNX {scheme.name} needs onnxruntime's MatMulNBits quantizer (pip "
+                        "install onnx-ir); use --quant int8 instead") from None
     model = _weight_only(onnx.load(str(source)), scheme)
     onnx.save_model(model, str(target), save_as_external_data=False)
     return target

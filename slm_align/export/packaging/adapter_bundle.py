@@ -69,8 +69,8 @@ def _checked_file(path: Path, sha256: str, what: str) -> Path:
                         f"--target {TARGET}`)")
     found = sha256_file(path)
     if found != sha256:
-        raise UserError(f"{what} {path} has sha256 {found[:12]}, the export recorded {sha256[:12]}: it changed "
-                        "after export; export the run again")
+        raise UserError(f"{what} {path} has sha256 {found[:12]}, the export recorded "
+                        f"{sha256[:12]}: it changed after export; export the run again")
     return path
 
 
@@ -187,9 +187,9 @@ def describe_update(manifest: dict, old: dict, device: Optional[str]) -> dict:
     is."""
     metrics = manifest["metrics"]
     if metrics["base"]["sha256"] != old["base_sha256"]:
-        raise UserError(f"the export's base has sha256 {metrics['base']['sha256'][:12]}, the --update-from bundle's "
-                        f"{old['base_sha256'][:12]}: an update keeps the device's base; drop --update-from to "
-                        "make a full bundle")
+        raise UserError(f"the export's base has sha256 {metrics['base']['sha256'][:12]}, the "
+                        f"--update-from bundle's {old['base_sha256'][:12]}: an update keeps the "
+                        "device's base; drop --update-from to make a full bundle")
     if metrics["sha256"] == old.get("model_id"):
         raise UserError(f"already shipped: the --update-from bundle is this chain (model_id "
                         f"{metrics['sha256'][:12]}); nothing new to ship")
@@ -268,8 +268,8 @@ def _installed_adapter(installed: Path, old: dict, sha256: str) -> Path:
     for entry in old["adapters"]:
         if entry["sha256"] == sha256:
             return installed / entry["path"]
-    raise UserError(f"the installed bundle {installed} has no adapter of sha256 {sha256[:12]} that the update "
-                    "needs; install the full bundle instead")
+    raise UserError(f"the installed bundle {installed} has no adapter of sha256 {sha256[:12]} that "
+                    "the update needs; install the full bundle instead")
 
 
 def _applied(installed: Path, old: dict, update: Path, new: dict, scratch: Path) -> dict:

@@ -75,8 +75,8 @@ def _run_artifact(run: Path, device: Optional[str]) -> Path:
     keeps the quantization it was made with; the merged model re-quantized to Q4_K_M agreed 0.835
     with its PyTorch self on the real Gemma 3 270M, the file + adapter 0.986: docs/shipping.md)."""
     if device is None:
-        raise UserError(f"{run} is a run: pass --device NAME to pick the artifact (see `slm-align devices list`), "
-                        "or pass an exported artifact")
+        raise UserError(f"{run} is a run: pass --device NAME to pick the artifact (see `slm-align "
+                        "devices list`), or pass an exported artifact")
     target, quant = device_choice(device)
     shipped_as = target_named(target).gguf_run_target
     if shipped_as is not None and run_source(run).kind == "gguf":
@@ -176,8 +176,9 @@ def _filler(artifact: Path, manifest: dict, request: BundleRequest) -> Callable[
         return adapter_filler(artifact, manifest, request.device, request.update_from)
     if request.update_from is not None:
         target = manifest.get("metrics", {}).get("target", "gguf")
-        raise UserError(f"--update-from ships adapters, and {artifact} is a {target} export: bundle an adapter "
-                        "export (`slm-align export RUN --target gguf-adapter`), or drop --update-from")
+        raise UserError(f"--update-from ships adapters, and {artifact} is a {target} export: "
+                        "bundle an adapter export (`slm-align export RUN --target gguf-adapter`), "
+                        "or drop --update-from")
     return partial(_fill, artifact=artifact, manifest=manifest, device=request.device)
 
 

@@ -123,12 +123,13 @@ def _adapter_calls(described: dict) -> str:
     count = len(described["adapters"])
     calls = [
         f'`llama_model_load_from_file("{described["base"]}", llama_model_default_params())`',
-        f"`llama_adapter_lora_init(model, path)` for each of {paths}, in this order (the handles live "
-        "as long as the model)",
+        f"`llama_adapter_lora_init(model, path)` for each of {paths}, in this order (the handles "
+        "live as long as the model)",
         RUNTIMES["gguf"]["calls"][1],
-        f"`llama_set_adapters_lora(ctx, adapters, {count}, scales)` with all {count} handles at once, in the "
-        f"order above, scales {{{scales}}} (llama-cpp-python 0.3.36's `llama_set_adapter_lora(ctx, adapter, "
-        "scale)` is a deprecated wrapper that sets that ONE adapter in place of the others)",
+        f"`llama_set_adapters_lora(ctx, adapters, {count}, scales)` with all {count} handles at "
+        f"once, in the order above, scales {{{scales}}} (llama-cpp-python 0.3.36's "
+        "`llama_set_adapter_lora(ctx, adapter, scale)` is a deprecated wrapper that sets that ONE "
+        "adapter in place of the others)",
         *RUNTIMES["gguf"]["calls"][2:],
     ]
     return "\n".join(f"{index}. {call}" for index, call in enumerate(calls, start=1))

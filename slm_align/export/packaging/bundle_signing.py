@@ -120,8 +120,8 @@ def load_public_key(key: TrustedKey) -> "Ed25519PublicKey":
     try:
         loaded = serialization.load_pem_public_key(data)
     except (ValueError, TypeError):
-        raise UserError(f"the trusted key {str(key)[:60]} is not a PEM public key; pass the {PUBLIC_KEY} "
-                        "`slm-align bundle-keygen` wrote") from None
+        raise UserError(f"the trusted key {str(key)[:60]} is not a PEM public key; pass the "
+                        f"{PUBLIC_KEY} `slm-align bundle-keygen` wrote") from None
     if not isinstance(loaded, Ed25519PublicKey):
         raise UserError(f"the trusted key {str(key)[:60]} is a {type(loaded).__name__}, not an "
                         "Ed25519 key")
@@ -146,8 +146,8 @@ def _read_signature(folder: Path, role: str) -> tuple[str, bytes]:
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
-        raise UserError(f"{role} {folder} is not signed (no {SIGNATURE}); ask its publisher for an update made "
-                        "with `slm-align bundle ... --sign KEY.pem`") from None
+        raise UserError(f"{role} {folder} is not signed (no {SIGNATURE}); ask its publisher for an "
+                        "update made with `slm-align bundle ... --sign KEY.pem`") from None
     if not stat.S_ISREG(mode):
         raise UserError(f"{role}'s {SIGNATURE} is not a regular file (a symlink?); refusing it")
     try:
@@ -183,6 +183,7 @@ def check_signature(folder: Path, described: dict,
         except InvalidSignature:
             continue
         return key_id(key)
-    raise UserError(f"{role} {folder} is not signed by a trusted key (its signature names key {signer[:12]}, "
-                    f"the trusted keys are {', '.join(key_id(key)[:12] for key in keys)}) or was changed after "
-                    "signing; refusing it")
+    raise UserError(f"{role} {folder} is not signed by a trusted key (its signature names key "
+                    f"{signer[:12]}, the trusted keys are "
+                    f"{', '.join(key_id(key)[:12] for key in keys)}) or was changed after signing; "
+                    "refusing it")

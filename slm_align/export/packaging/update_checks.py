@@ -55,8 +55,8 @@ def plain_name(path: object, folder: str, role: str) -> str:
     name = parts[-1] if len(parts) == 2 else ""
     if parts[:1] != (folder,) or not name or name.startswith(".") or "\\" in name or "\0" in name \
             or path != f"{folder}/{name}":
-        raise UserError(f"{role} names the file {path[:120]!r}: only plain names under {folder}/ are allowed "
-                        "(no '..', no folder, not absolute); refusing it")
+        raise UserError(f"{role} names the file {path[:120]!r}: only plain names under {folder}/ "
+                        "are allowed (no '..', no folder, not absolute); refusing it")
     return name
 
 
@@ -106,9 +106,9 @@ def check_claims(old: dict, new: dict, role: str) -> None:
     chain and makes the chain it names: both chain ids recomputed, never taken as written."""
     for key in KEPT_FIELDS:
         if new.get(key) != old.get(key):
-            raise UserError(f"{role} changes {key} ({str(old.get(key))[:40]} -> {str(new.get(key))[:40]}): an "
-                            "update adds adapters only; install a full bundle to change the base, template or "
-                            "tokenizer")
+            raise UserError(f"{role} changes {key} ({str(old.get(key))[:40]} -> "
+                            f"{str(new.get(key))[:40]}): an update adds adapters only; install a "
+                            "full bundle to change the base, template or tokenizer")
     if new["requires_base_sha256"] != old["base_sha256"]:
         raise UserError(f"{role} needs base sha256 {new['requires_base_sha256'][:12]}, the "
                         f"installed bundle has {old['base_sha256'][:12]}; install the full bundle "
@@ -123,8 +123,8 @@ def check_claims(old: dict, new: dict, role: str) -> None:
                         "full bundle")
     made = chain_digest(new["base_sha256"], [entry["sha256"] for entry in new["adapters"]])
     if made != new["model_id"]:
-        raise UserError(f"{role} claims model_id {new['model_id'][:12]}, its adapters make {made[:12]}; "
-                        "refusing it")
+        raise UserError(f"{role} claims model_id {new['model_id'][:12]}, its adapters make "
+                        f"{made[:12]}; refusing it")
 
 
 def _found_files(folder: Path, role: str) -> set[str]:
@@ -137,8 +137,8 @@ def _found_files(folder: Path, role: str) -> set[str]:
             mode = os.lstat(path).st_mode
             if stat.S_ISLNK(mode) or (name in files and not stat.S_ISREG(mode)):
                 kind = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
-                raise UserError(f"{role}'s {path.relative_to(folder).as_posix()} is {kind}; an update holds "
-                                "plain files only: refusing it")
+                raise UserError(f"{role}'s {path.relative_to(folder).as_posix()} is {kind}; an "
+                                "update holds plain files only: refusing it")
             if name in files:
                 found.add(path.relative_to(folder).as_posix())
     return found
@@ -152,8 +152,8 @@ def check_update_files(update: Path, new: dict, role: str) -> None:
     shipped = {entry["path"]: entry["sha256"] for entry in new["adapters"] if entry["shipped"]}
     for name in sorted(files):
         if name not in shipped and name not in UPDATE_EXTRAS:
-            raise UserError(f"{role} ships {name[:120]}: an update adds adapters only (never the base, template "
-                            "or tokenizer); install a full bundle to change those")
+            raise UserError(f"{role} ships {name[:120]}: an update adds adapters only (never the "
+                            "base, template or tokenizer); install a full bundle to change those")
     for name, digest in shipped.items():
         if files.get(name) != digest:
             raise _refuse(role, f"{name} is shipped but files does not list it with its entry's "

@@ -326,8 +326,8 @@ def build_modelfile(gguf_name: str, chat_template: Optional[str], parameters: di
         if '"""' in translation.template:
             raise Untranslatable('holds """, which a Modelfile cannot quote')
     except Untranslatable as exc:
-        note = (f"Modelfile written without TEMPLATE: the chat template {exc}, which has no Ollama translation here; "
-                "Ollama falls back to its guess from the GGUF")
+        note = (f"Modelfile written without TEMPLATE: the chat template {exc}, which has no Ollama "
+                "translation here; Ollama falls back to its guess from the GGUF")
         translation = None
     if translation is not None:
         lines.append(f"TEMPLATE {_quoted(translation.template)}")

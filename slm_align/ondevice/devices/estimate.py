@@ -254,8 +254,8 @@ def _notes(facts: ModelFacts, context: int, efficiency: Efficiency) -> list[str]
     if not facts.parameters_exact:
         notes.append("parameter count derived from config.json")
     if efficiency.basis != "device":
-        notes.append(f"speed calibrated on {efficiency.basis} ({efficiency.points} reference points); add measured "
-                     "points to the profile for a device-specific figure")
+        notes.append(f"speed calibrated on {efficiency.basis} ({efficiency.points} reference "
+                     "points); add measured points to the profile for a device-specific figure")
     return notes
 
 

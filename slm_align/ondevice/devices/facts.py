@@ -107,8 +107,8 @@ def safetensors_header(path: Path) -> dict:
     expected = 8 + length + max((t.get("data_offsets", (0, 0))[1] for t in header.values()),
                                 default=0)
     if path.stat().st_size < expected:
-        raise UserError(f"{path}: truncated safetensors file ({path.stat().st_size} of {expected} bytes); copy or "
-                        "download the model again")
+        raise UserError(f"{path}: truncated safetensors file ({path.stat().st_size} of {expected} "
+                        "bytes); copy or download the model again")
     return header
 
 
@@ -121,8 +121,8 @@ def hf_facts(directory: Path) -> ModelFacts:
     dimensions from config.json."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise UserError(f"{directory}: no *.safetensors weights; save the model with save_pretrained "
-                        "(safe_serialization=True)")
+        raise UserError(f"{directory}: no *.safetensors weights; save the model with "
+                        "save_pretrained (safe_serialization=True)")
     config = _read_config(directory)
     parameters = 0
     bytes_by_type = {}
@@ -283,5 +283,5 @@ def model_facts(path) -> ModelFacts:
     if not path.exists():
         raise UserError(f"model {path} not found; pass an HF directory, a .gguf file or "
                         "an ONNX export directory")
-    raise UserError(f"{path}: not a model this can size; pass an HF directory with *.safetensors, a .gguf file "
-                    "or an ONNX export directory with model.onnx")
+    raise UserError(f"{path}: not a model this can size; pass an HF directory with *.safetensors, "
+                    "a .gguf file or an ONNX export directory with model.onnx")

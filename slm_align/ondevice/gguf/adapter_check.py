@@ -27,8 +27,8 @@ def check_adapter_base(adapter: Path, base_gguf: Path, check_hash: bool = True) 
     fields, adapter_shapes = read_header(Path(adapter), prefix="")
     value = {key: field.value for key, field in fields.items() if not isinstance(field.value, list)}
     if value.get("general.type") != "adapter" or value.get("adapter.type") != "lora":
-        raise UserError(f"{adapter} is not a LoRA adapter GGUF; export one with `slm-align export RUN "
-                        "--target gguf-adapter`")
+        raise UserError(f"{adapter} is not a LoRA adapter GGUF; export one with `slm-align export "
+                        "RUN --target gguf-adapter`")
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}
     for name, shape in adapter_shapes.items():
         weight, _, part = name.rpartition(".lora_")
@@ -50,13 +50,13 @@ def check_fits(targets: dict[str, tuple[int, int]], arch: Optional[str], base_gg
     fields, shapes = read_header(base_gguf, prefix="general.architecture")
     base_arch = fields["general.architecture"].value if fields else None
     if base_arch != arch:
-        raise UserError(f"{adapter} is for a {arch} base, {base_gguf} is {base_arch}; pass the base GGUF "
-                        "it was made for")
+        raise UserError(f"{adapter} is for a {arch} base, {base_gguf} is {base_arch}; pass the "
+                        "base GGUF it was made for")
     for name, shape in targets.items():
         if shapes.get(name) != shape:
             found = "x".join(map(str, shapes[name])) if name in shapes else "no such tensor"
-            raise UserError(f"{adapter} adapts {name} as {shape[0]}x{shape[1]}, {base_gguf} has {found}; "
-                            "pass the base GGUF it was made for")
+            raise UserError(f"{adapter} adapts {name} as {shape[0]}x{shape[1]}, {base_gguf} has "
+                            f"{found}; pass the base GGUF it was made for")
 
 
 def chain_digest(base_sha256: str, adapter_sha256s: Sequence[str]) -> str:

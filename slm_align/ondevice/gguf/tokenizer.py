@@ -143,8 +143,8 @@ def vocab_from_fields(fields: dict[str, Field]) -> GgufVocab:
 
 
 def _cannot(vocab: GgufVocab, why: str) -> UserError:
-    return UserError(f"this GGUF's tokenizer ({vocab.describe()}) cannot be reproduced exactly: {why}; "
-                     "convert from the HF checkpoint instead")
+    return UserError(f"this GGUF's tokenizer ({vocab.describe()}) cannot be reproduced exactly: "
+                     f"{why}; convert from the HF checkpoint instead")
 
 
 def _spm_merges(vocab: GgufVocab) -> list[tuple[str, str]]:
@@ -407,8 +407,9 @@ def add_tokenizer_fields(writer, sidecar: Path, vocab_size: int, chat_template: 
     tokens = fields.get("tokenizer.ggml.tokens")
     if tokens is None or len(tokens.value) != vocab_size:
         count = 0 if tokens is None else len(tokens.value)
-        raise UserError(f"{sidecar} has {count} tokens but the model has {vocab_size} embedding rows; "
-                        "the sidecar does not belong to this model (delete it to export the tokenizer.json)")
+        raise UserError(f"{sidecar} has {count} tokens but the model has {vocab_size} embedding "
+                        "rows; the sidecar does not belong to this model (delete it to export the "
+                        "tokenizer.json)")
     for key, field in fields.items():
         if key == CHAT_TEMPLATE_KEY and chat_template is not None:
             continue

@@ -50,8 +50,9 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str:
         for fragment, name in _PRE_TOKENIZERS:
             if fragment in pattern:
                 return name
-    raise UserError(f"GGUF export does not know this tokenizer's pre-tokenizer ({' + '.join(map(str, kinds))}); "
-                    "llama.cpp would split text differently from the trained model. Export to ONNX instead")
+    raise UserError("GGUF export does not know this tokenizer's pre-tokenizer "
+                    f"({' + '.join(map(str, kinds))}); llama.cpp would split text differently from "
+                    "the trained model. Export to ONNX instead")
 
 
 def add_vocab(writer, model_dir: Path, vocab_size: int, chat_template: str | None) -> None:
@@ -83,8 +84,8 @@ def _tokenizer_json(model_dir: Path) -> dict:
     try:
         tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
     except (FileNotFoundError, ValueError) as exc:
-        raise UserError(f"{model_dir}: no tokenizer.json to convert ({exc}); GGUF export needs the model's fast "
-                        "tokenizer saved beside the weights") from None
+        raise UserError(f"{model_dir}: no tokenizer.json to convert ({exc}); GGUF export needs the "
+                        "model's fast tokenizer saved beside the weights") from None
     if tokenizer_json.get("model", {}).get("type") != "BPE":
         raise UserError(f"{model_dir}: GGUF export converts BPE tokenizers (byte-level or "
                         f"SentencePiece-style), not {tokenizer_json.get('model', {}).get('type')}; "
@@ -149,8 +150,9 @@ def _add_byte_level_vocab(writer, model_dir: Path, tokenizer_json: dict, vocab_s
     try:
         vocab = gguf.BpeVocab(model_dir)
     except (FileNotFoundError, ValueError) as exc:
-        raise UserError(f"{model_dir}: no byte-level BPE tokenizer.json to convert ({exc}); "
-                        "GGUF export needs the model's fast tokenizer saved beside the weights") from None
+        raise UserError(f"{model_dir}: no byte-level BPE tokenizer.json to convert ({exc}); GGUF "
+                        "export needs the model's fast tokenizer saved beside the "
+                        "weights") from None
     added = {item["id"]: item for item in tokenizer_json.get("added_tokens", [])}
     tokens = []
     types = []

@@ -271,8 +271,9 @@ def quantize_gguf(source: Path, out_path: Path, quant: str, threads: int = 0,
     try:
         import llama_cpp
     except ImportError:
-        raise UserError(f"GGUF {quant} needs llama.cpp's quantizer: pip install 'slm-align[export]' "
-                        "(llama-cpp-python), or export Q8_0/F16 which need nothing more") from None
+        raise UserError(f"GGUF {quant} needs llama.cpp's quantizer: pip install "
+                        "'slm-align[export]' (llama-cpp-python), or export Q8_0/F16 which need "
+                        "nothing more") from None
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
     params.nthread = threads

@@ -116,5 +116,5 @@ def check_columns(reward_fn: RewardFn, available) -> None:
                             f"{', '.join(missing)}")
     if problems:
         has = ", ".join(sorted(available)) or "none besides the prompt"
-        raise UserError(f"{'; '.join(problems)}, which the task data lacks in some or all rows (its columns: {has}); "
-                        "add them to every row or drop the reward")
+        raise UserError(f"{'; '.join(problems)}, which the task data lacks in some or all rows "
+                        f"(its columns: {has}); add them to every row or drop the reward")

@@ -83,12 +83,12 @@ def check_ground_truth(ground_truth: Any, functions: Sequence[dict],
         isinstance(entry, dict) and len(entry) == 1 and isinstance(next(iter(entry.values())), dict)
         for entry in ground_truth)
     if not shaped:
-        raise UserError(f"{where}: 'ground_truth' must be a list of {{function: {{argument: [allowed values]}}}} "
-                        "(BFCL's possible answer; [] for irrelevance)")
+        raise UserError(f"{where}: 'ground_truth' must be a list of {{function: {{argument: "
+                        f"[allowed values]}}}} (BFCL's possible answer; [] for irrelevance)")
     missing = unknown_functions(ground_truth, functions)
     if missing:
-        raise UserError(f"{where}: its ground truth names {missing[0]!r}, which is not among its tools; "
-                        "offer that function in the row's 'tools' or fix the ground truth")
+        raise UserError(f"{where}: its ground truth names {missing[0]!r}, which is not among its "
+                        "tools; offer that function in the row's 'tools' or fix the ground truth")
     return ground_truth
 
 

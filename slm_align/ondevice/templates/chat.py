@@ -80,8 +80,8 @@ def chosen_chat_template(option: str) -> ChatTemplate:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
-        raise UserError(f"--chat-template {option}: neither chatml nor a readable template file; pass chatml or a "
-                        "Jinja chat template file") from None
+        raise UserError(f"--chat-template {option}: neither chatml nor a readable template file; "
+                        "pass chatml or a Jinja chat template file") from None
     _check_template_syntax(text, option)
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
     origin = f"{path.name} (sha256 {digest})"
@@ -98,8 +98,8 @@ def _check_template_syntax(text: str, option: str) -> None:
     try:
         Environment().parse(text)
     except TemplateSyntaxError as exc:
-        raise UserError(f"--chat-template {option} is not a valid Jinja template (line {exc.lineno}: {exc.message}); "
-                        "fix it or pass chatml") from None
+        raise UserError(f"--chat-template {option} is not a valid Jinja template (line "
+                        f"{exc.lineno}: {exc.message}); fix it or pass chatml") from None
 
 
 class ChatTemplateError(UserError):
@@ -184,8 +184,8 @@ def render(template: Optional[str], messages: list[dict], bos_token: Optional[st
     require_template(template)
     given = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
     if given > TEMPLATE_CHARS:  # the conversation's fault, not the template's
-        raise UserError(f"the conversation holds {given:,} characters, more than a prompt may ({TEMPLATE_CHARS:,}); "
-                        "send a shorter message")
+        raise UserError(f"the conversation holds {given:,} characters, more than a prompt may "
+                        f"({TEMPLATE_CHARS:,}); send a shorter message")
     try:
         return render_bounded(_compile(template), {
             "messages": messages, "tools": tools or None, "bos_token": bos_token or "",
@@ -273,8 +273,9 @@ def require_tool_template(template: Optional[str], origin: Optional[str] = None)
     traits = template_traits(template, origin)
     if traits.tool_results is not None:
         reason = " ".join(traits.tool_results.split())[:160]
-        raise UserError(f"the chat template cannot show tool results ({reason}); pass --chat-template chatml, "
-                        "or a template that renders messages of role 'tool'")
+        raise UserError(f"the chat template cannot show tool results ({reason}); pass "
+                        "--chat-template chatml, or a template that renders messages of role "
+                        "'tool'")
     return traits
 
 

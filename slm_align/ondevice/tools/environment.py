@@ -50,9 +50,10 @@ def check_allowed(spec: Any, allowed: Sequence[str], where: str = "a task row") 
         raise UserError(f"{where}: environment {_shown(spec)}: name it as module:Class (e.g. "
                         "my_envs:Calculator)")
     if not module_allowed(module, allowed):
-        raise UserError(f"{where} names the environment {_shown(spec)} from module {_shown(module)}, which is not "
-                        f"allowed (importing a module runs its code): pass --environment-module {_shown(module)} "
-                        "(or rl.environment_modules in the recipe) if you trust it")
+        raise UserError(f"{where} names the environment {_shown(spec)} from module "
+                        f"{_shown(module)}, which is not allowed (importing a module runs its "
+                        f"code): pass --environment-module {_shown(module)} (or "
+                        "rl.environment_modules in the recipe) if you trust it")
 
 
 def _shown(text: str, limit: int = 60) -> str:
@@ -91,8 +92,8 @@ def check_environment(cls: Any, spec: str) -> None:
         annotated = set(getattr(method, "__annotations__", {})) - {"return"}
         if hints - annotated:
             missing = ", ".join(sorted(hints - annotated))
-            raise UserError(f"environment {spec}: method {name} has no type hint for {missing}; tools "
-                            "need typed parameters (their schema comes from the hints)")
+            raise UserError(f"environment {spec}: method {name} has no type hint for {missing}; "
+                            "tools need typed parameters (their schema comes from the hints)")
 
 
 def open_environment(cls: type, row: dict) -> tuple[Any, ToolRegistry, Optional[str]]:

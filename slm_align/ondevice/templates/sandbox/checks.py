@@ -109,8 +109,8 @@ def check_codec(method: str, args: tuple, kwargs: dict) -> None:
     except LookupError:
         return
     if name not in CODECS:
-        raise TemplateLimit(f"it calls {method}({encoding!r}); only utf-8, utf-16, utf-32, ascii and latin-1 "
-                            "are allowed")
+        raise TemplateLimit(f"it calls {method}({encoding!r}); only utf-8, utf-16, utf-32, ascii "
+                            "and latin-1 are allowed")
     if errors not in CODEC_ERRORS:
         raise TemplateLimit(f"it calls {method} with errors={errors!r}; only strict, ignore and "
                             "replace are allowed")
