@@ -13,7 +13,12 @@ from typing import Any, Optional
 
 from slm_align.data.examples import Example
 from slm_align.errors import UserError
-from slm_align.ondevice.templates.chat import default_chat_template, shown_tools, template_form, template_traits
+from slm_align.ondevice.templates.chat import (
+    default_chat_template,
+    shown_tools,
+    template_form,
+    template_traits,
+)
 
 
 def sentences(text: str) -> list[str]:

@@ -25,7 +25,12 @@ from typing import Any, Iterable, Optional
 from slm_align.data.readers import iter_rows
 from slm_align.data.splits import seeded_rank
 from slm_align.errors import UserError
-from slm_align.ondevice.templates.chat import default_chat_template, shown_tools, template_form, template_traits
+from slm_align.ondevice.templates.chat import (
+    default_chat_template,
+    shown_tools,
+    template_form,
+    template_traits,
+)
 from slm_align.ondevice.tools.specs import normalise_tools
 
 RESERVED_COLUMNS = frozenset({"prompts", "completions"})

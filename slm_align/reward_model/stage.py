@@ -18,10 +18,22 @@ from slm_align.config.from_sft import recipe_from_sft
 from slm_align.data.corpus import load_corpus
 from slm_align.data.pairs import Pair, synthetic_pairs
 from slm_align.data.preferences import read_preferences
-from slm_align.envelope.trainer import make_trainer, replica_record, trainer_logging, trainer_world, training_arguments
+from slm_align.envelope.trainer import (
+    make_trainer,
+    replica_record,
+    trainer_logging,
+    trainer_world,
+    training_arguments,
+)
 from slm_align.errors import UserError
 from slm_align.modeling.accelerator import check_trainer_device, resolve_compute, training_inputs
-from slm_align.modeling.models import attach_lora, load_tokenizer, merged_policy, resolve_source, save_tokenizer
+from slm_align.modeling.models import (
+    attach_lora,
+    load_tokenizer,
+    merged_policy,
+    resolve_source,
+    save_tokenizer,
+)
 from slm_align.progress import stage_lines
 from slm_align.runs import StageResult, digest, read_manifest, run_stage
 from slm_align.scoring.reward_model import (

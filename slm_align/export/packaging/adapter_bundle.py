@@ -31,7 +31,12 @@ import gguf
 
 from slm_align.atomic import publish_directory
 from slm_align.errors import UserError
-from slm_align.export.packaging.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
+from slm_align.export.packaging.bundle_files import (
+    chat_template_of,
+    tokenizer_file,
+    write_app_files,
+    write_json,
+)
 from slm_align.export.packaging.bundle_readme import adapter_bundle_readme, update_bundle_readme
 from slm_align.export.packaging.bundle_signing import SIGNATURE, TrustedKey, check_signature
 from slm_align.export.packaging.update_checks import (

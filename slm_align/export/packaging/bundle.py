@@ -25,7 +25,12 @@ from typing import Callable, Optional
 from slm_align.atomic import atomic_path
 from slm_align.errors import UserError
 from slm_align.export.packaging.adapter_bundle import adapter_filler, is_adapter_export
-from slm_align.export.packaging.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
+from slm_align.export.packaging.bundle_files import (
+    chat_template_of,
+    tokenizer_file,
+    write_app_files,
+    write_json,
+)
 from slm_align.export.packaging.bundle_readme import RUNTIMES, bundle_readme
 from slm_align.export.packaging.bundle_signing import load_private_key, sign_bundle
 from slm_align.export.publishing.adapter_export import run_source

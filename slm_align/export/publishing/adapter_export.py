@@ -35,7 +35,12 @@ from slm_align.ondevice.devices.host import default_threads
 from slm_align.ondevice.gguf.adapter_check import chain_digest
 from slm_align.ondevice.gguf.adapter_writer import write_lora_gguf
 from slm_align.ondevice.gguf.fields import read_fields
-from slm_align.ondevice.gguf.writer import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
+from slm_align.ondevice.gguf.writer import (
+    QUANTIZER_TYPES,
+    check_gguf_type,
+    quantize_gguf,
+    write_gguf,
+)
 from slm_align.ondevice.templates.chat import chosen_chat_template, default_chat_template
 from slm_align.progress import stage_lines
 from slm_align.runs import (

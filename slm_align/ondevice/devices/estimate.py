@@ -33,7 +33,12 @@ from typing import Iterable, Optional
 from slm_align.errors import UserError
 from slm_align.ondevice.devices.facts import ModelFacts
 from slm_align.ondevice.devices.profiles import DeviceProfile, ReferencePoint, load_all_profiles
-from slm_align.ondevice.devices.quant import BITS_PER_WEIGHT, GGUF_TYPES, canonical_quant, smaller_types
+from slm_align.ondevice.devices.quant import (
+    BITS_PER_WEIGHT,
+    GGUF_TYPES,
+    canonical_quant,
+    smaller_types,
+)
 
 # runtime library, Python interpreter, tokenizer and sampler state
 FIXED_OVERHEAD_BYTES = 80 * 2**20

@@ -19,7 +19,12 @@ from slm_align.atomic import write_text_atomic
 from slm_align.errors import UserError
 from slm_align.ondevice.devices.estimate import estimate_fit
 from slm_align.ondevice.devices.facts import model_facts
-from slm_align.ondevice.devices.host import BANDWIDTH_MB, BANDWIDTH_REPEATS, HostFacts, measure_bandwidth
+from slm_align.ondevice.devices.host import (
+    BANDWIDTH_MB,
+    BANDWIDTH_REPEATS,
+    HostFacts,
+    measure_bandwidth,
+)
 from slm_align.ondevice.devices.profiles import ENV_DIR, DeviceProfile, tomllib
 from slm_align.ondevice.devices.quant import GGUF_TYPES
 

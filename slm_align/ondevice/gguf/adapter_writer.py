@@ -41,7 +41,11 @@ import numpy as np
 from slm_align.atomic import atomic_path
 from slm_align.errors import UserError
 from slm_align.ondevice.gguf.adapter_check import BASE_SHA256_KEY, check_adapter_base, check_fits  # noqa: F401 (re-exported)
-from slm_align.ondevice.gguf.architectures import ARCHITECTURES, check_gguf_config, normalized_config
+from slm_align.ondevice.gguf.architectures import (
+    ARCHITECTURES,
+    check_gguf_config,
+    normalized_config,
+)
 from slm_align.ondevice.gguf.fields import read_header
 from slm_align.ondevice.gguf.writer import (
     gguf_arch_name,

@@ -9,7 +9,13 @@ import inspect
 from typing import Sequence
 
 from slm_align.errors import UserError
-from slm_align.ondevice.rewards.protocol import CONTEXT_KEYS, CombinedReward, RewardFn, call_reward, reward_name
+from slm_align.ondevice.rewards.protocol import (
+    CONTEXT_KEYS,
+    CombinedReward,
+    RewardFn,
+    call_reward,
+    reward_name,
+)
 
 
 class ColumnReward:

@@ -14,7 +14,12 @@ import json
 from typing import Any, Callable, Optional, Sequence
 
 from slm_align.errors import UserError
-from slm_align.ondevice.rewards.function_match import check_calls, functions_from_tools, graded_score, unknown_functions
+from slm_align.ondevice.rewards.function_match import (
+    check_calls,
+    functions_from_tools,
+    graded_score,
+    unknown_functions,
+)
 from slm_align.ondevice.tools.calls import Observation
 from slm_align.ondevice.tools.parse import decode_json, read_calls
 from slm_align.ondevice.tools.specs import normalise_tools

@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import Optional
 
 from slm_align.errors import UserError
-from slm_align.ondevice.templates.sandbox import TEMPLATE_CHARS, TemplateLimit, bounded_environment, render_bounded
+from slm_align.ondevice.templates.sandbox import (
+    TEMPLATE_CHARS,
+    TemplateLimit,
+    bounded_environment,
+    render_bounded,
+)
 from slm_align.ondevice.templates.sandbox.checks import check_strftime
 from slm_align.ondevice.tools.calls import ToolCall
 from slm_align.ondevice.tools.parse import FORMAT_HINT, call_text

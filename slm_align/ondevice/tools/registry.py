@@ -23,7 +23,12 @@ from slm_align.errors import UserError
 from slm_align.ondevice.tools.calls import Observation, ParsedCalls, Tool, ToolCall
 from slm_align.ondevice.tools.grammar import gbnf_grammar
 from slm_align.ondevice.tools.parse import FORMAT_HINT, decode_json, read_calls
-from slm_align.ondevice.tools.schema import accepting_enum_values, docstring_parts, function_schema, type_word
+from slm_align.ondevice.tools.schema import (
+    accepting_enum_values,
+    docstring_parts,
+    function_schema,
+    type_word,
+)
 
 DEFAULT_MAX_OBSERVATION_CHARS = 2000
 

@@ -60,7 +60,12 @@ from slm_align.ondevice.templates.sandbox.budget import (
     check_size,
     current,
 )
-from slm_align.ondevice.templates.sandbox.checks import bounded_filter, bounded_sum, check_binop, check_method
+from slm_align.ondevice.templates.sandbox.checks import (
+    bounded_filter,
+    bounded_sum,
+    check_binop,
+    check_method,
+)
 
 __all__ = ["TEMPLATE_CHARS", "TEMPLATE_INT_BITS", "TEMPLATE_SCAN", "TEMPLATE_SECONDS",
            "TEMPLATE_STEPS", "TEMPLATE_WORK_CHARS", "Budget", "BoundedSandbox", "TemplateLimit",
