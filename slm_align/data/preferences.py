@@ -23,8 +23,8 @@ from typing import Any, Union
 
 from slm_align.data.pairs import Pair
 from slm_align.data.prompts import chat_message, chat_turn
-from slm_align.data.readers import iter_rows
 from slm_align.errors import UserError
+from slm_align.ondevice.rows import iter_rows
 from slm_align.ondevice.tools.specs import normalise_tools
 
 MAX_PAIRS_PER_PROMPT = 8

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from slm_align.config import Recipe
+from slm_align.data.corpus import load_corpus
 from slm_align.data.prompts import prompts_of
+from slm_align.data.tasks import read_tasks, split_tasks
 from slm_align.errors import UserError
 from slm_align.ondevice.rewards.builtin import combine
 from slm_align.ondevice.rewards.columns import check_columns, with_columns
@@ -74,8 +76,6 @@ def prompt_source(recipe: Recipe, tokenizer, corpus=None) -> PromptSource:
     if recipe.data.tasks is not None:
         return _task_source(recipe, tokenizer)
     if corpus is None:
-        from slm_align.data.corpus import load_corpus
-
         corpus = load_corpus(recipe.data, recipe.seed)
     splits = corpus.splits
     make_train = functools.partial(prompts_of, splits.train, tokenizer)
@@ -84,8 +84,6 @@ def prompt_source(recipe: Recipe, tokenizer, corpus=None) -> PromptSource:
 
 
 def _task_source(recipe: Recipe, tokenizer) -> PromptSource:
-    from slm_align.data.tasks import read_tasks, split_tasks
-
     path = Path(recipe.data.tasks)
     if not path.exists():
         raise UserError(f"task file {path} not found; pass an existing jsonl/json/parquet "

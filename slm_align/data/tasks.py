@@ -22,9 +22,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from slm_align.data.readers import iter_rows
 from slm_align.data.splits import seeded_rank
 from slm_align.errors import UserError
+from slm_align.ondevice.rows import iter_rows
 from slm_align.ondevice.templates.chat import (
     default_chat_template,
     shown_tools,

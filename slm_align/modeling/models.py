@@ -8,7 +8,6 @@ dequantized by transformers' GGUF support, tokenizer rebuilt from the file's own
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from slm_align.config import LoraSettings
+from slm_align.config.hub_ids import looks_like_hub_id
 from slm_align.errors import UserError
 
 DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "assets" / "default-model"
@@ -31,8 +31,6 @@ LORA_TARGETS: dict[str, list[str]] = {
     "gemma3_text": ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
 SUPPORTED_ARCHITECTURES = tuple(LORA_TARGETS)
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 @dataclass(frozen=True)
@@ -61,13 +59,6 @@ def model_record(source: ModelSource) -> dict:
     if source.kind == "dir" and Path(source.ref) == DEFAULT_MODEL_DIR:
         return {"kind": "bundled", "ref": None}
     return {"kind": source.kind, "ref": source.ref}
-
-
-def looks_like_hub_id(spec: str) -> bool:
-    """Whether ``spec`` (not an existing path) reads as a hub id ``org/name``
-    or ``name``, not a path."""
-    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1
-    return not looks_like_path and _HUB_ID.match(spec) is not None
 
 
 def resolve_source(spec: Optional[str]) -> ModelSource:

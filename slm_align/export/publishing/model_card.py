@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 from slm_align.config.from_sft import recorded_data_path
+from slm_align.config.hub_ids import looks_like_hub_id
 from slm_align.export.publishing.parity import perplexity_change
-from slm_align.modeling.models import DEFAULT_MODEL_DIR, looks_like_hub_id
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.runs import MANIFEST, MODEL_CARD, aligned_stages
 
 CARD = MODEL_CARD
