@@ -174,11 +174,11 @@ def check_out_file(out: Path, inputs: Sequence[Path] = (), overwrite: bool = Fal
         raise UserError(f"--out {out} is a directory; pass a file path")
     if not out.parent.is_dir():
         what = "is a file" if out.parent.exists() else "does not exist"
-        raise UserError(f"--out {out}: folder {out.parent} {what}; pass a path in an existing "
-                        "folder")
+        raise UserError(f"--out {out}: folder {out.parent} {what}; "
+                        "pass a path in an existing folder")
     if out.exists() and not overwrite:
-        raise UserError(f"--out {out} exists; pass --overwrite to replace it or choose another "
-                        "path")
+        raise UserError(f"--out {out} exists; pass --overwrite "
+                        "to replace it or choose another path")
     return out
 
 

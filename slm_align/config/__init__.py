@@ -42,20 +42,20 @@ __all__ = ["DEMO", "ComputeSettings", "DataSettings", "EnvelopeSettings", "GRPOS
 
 class Recipe(Strict):
     seed: int = Field(0, description="Seeds the split, the initialisation and the data order.")
-    model: ModelSettings = Field(default_factory=ModelSettings, description="Where the base model "
-                                                                            "comes from.")
-    compute: ComputeSettings = Field(default_factory=ComputeSettings, description="Device, "
-                                                                                  "precision, "
+    model: ModelSettings = Field(default_factory=ModelSettings,
+                                 description="Where the base model comes from.")
+    compute: ComputeSettings = Field(default_factory=ComputeSettings,
+                                     description="Device, precision, "
                                                                                   "memory savers.")
-    data: DataSettings = Field(default_factory=DataSettings, description="The corpus and its "
-                                                                         "split.")
+    data: DataSettings = Field(default_factory=DataSettings,
+                               description="The corpus and its split.")
     sft: SFTSettings = Field(default_factory=SFTSettings, description="Supervised fine-tuning.")
-    reward: RewardSettings = Field(default_factory=RewardSettings, description="The Bradley-Terry "
-                                                                               "reward model.")
-    headroom: HeadroomSettings = Field(default_factory=HeadroomSettings, description="The headroom "
-                                                                                     "gate.")
-    rl: RLSettings = Field(default_factory=RLSettings, description="PPO/GRPO inside the safety "
-                                                                   "envelope.")
+    reward: RewardSettings = Field(default_factory=RewardSettings,
+                                   description="The Bradley-Terry reward model.")
+    headroom: HeadroomSettings = Field(default_factory=HeadroomSettings,
+                                       description="The headroom gate.")
+    rl: RLSettings = Field(default_factory=RLSettings,
+                           description="PPO/GRPO inside the safety envelope.")
     preference: PreferenceSettings = Field(default_factory=PreferenceSettings,
                                            description="DPO/KTO on preference "
                                                        "files, inside the envelope.")

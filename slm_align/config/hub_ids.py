@@ -1,5 +1,5 @@
-"""Hub ids (``org/name`` or ``name``): how a ``--model`` or ``--data`` argument that is no local path
-is told from a path. Ground layer, so that the model loader, the data readers of the device wing and
+"""Hub ids (``org/name`` or ``name``): how a ``--model`` or ``--data`` argument that is no local
+path is told from a path. Ground layer, so that the model loader, the device wing's row readers and
 the model card share one rule."""
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ class EnvelopeSettings(Strict):
 
     reinit_lora: bool = Field(True, description="Merge the SFT adapter and train a fresh "
                               "zero-initialised LoRA.")
-    log_ratio_clamp: float = Field(20.0, gt=0, description="Clamp |log-ratio| before exp "
-                                                           "(float32).")
+    log_ratio_clamp: float = Field(20.0, gt=0,
+                                   description="Clamp |log-ratio| before exp (float32).")
     sigma_clip: float = Field(3.0, ge=0, description="Clip scores and advantages at "
                                                      "this many std (0: off).")
     ratio_guard: float = Field(5.0, ge=0, description="Skip a minibatch whose mean ratio "
@@ -99,26 +99,26 @@ class PPOSettings(Strict):
     value_coef: float = Field(0.5, ge=0, description="PPO: weight of the value loss.")
     gamma: float = Field(1.0, gt=0, le=1, description="PPO: discount.")
     lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda.")
-    kl_coef: float = Field(0.05, ge=0, description="PPO: KL coefficient (initial value when "
-                                                   "adaptive).")
+    kl_coef: float = Field(0.05, ge=0,
+                           description="PPO: KL coefficient (initial value when adaptive).")
     kl_mode: Literal["reward", "loss"] = Field("reward", description="PPO: k1 KL in the reward, or "
                                                                      "k3 in the loss.")
     adaptive_kl: bool = Field(False, description="PPO: adapt the KL coefficient toward target_kl.")
     target_kl: float = Field(0.1, gt=0, description="PPO: KL per sequence the "
                                                     "adaptive controller aims for.")
-    whiten_rewards: bool = Field(True, description="PPO: whiten scores across the batch before "
-                                                   "use.")
+    whiten_rewards: bool = Field(True,
+                                 description="PPO: whiten scores across the batch before use.")
 
 
 class GRPOSettings(Strict):
     """GRPO's own settings (``[rl.grpo]``): the asymmetric clip, the KL weight,
     advantage scaling, the loss."""
 
-    clip_eps_high: float = Field(0.28, gt=0, lt=1, description="GRPO: upper ratio clip "
-                                                               "(asymmetric).")
+    clip_eps_high: float = Field(0.28, gt=0, lt=1,
+                                 description="GRPO: upper ratio clip (asymmetric).")
     beta: float = Field(0.04, ge=0, description="GRPO: coefficient of the k3 KL to the reference.")
-    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="GRPO: advantage "
-                                                                                  "scaling.")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group",
+                                                             description="GRPO: advantage scaling.")
     loss_type: Literal["grpo", "dr_grpo", "token_mean"] = Field("grpo", description="GRPO: loss normalisation.")
     resample_zero_std: bool = Field(False, description="GRPO: resample groups whose "
                                                        "rewards are all equal (once).")
@@ -167,15 +167,15 @@ class RLSettings(Strict):
     group_size: int = Field(8, ge=2, description="GRPO: completions per prompt (PPO: "
                                                  "one each, more prompts).")
     max_new_tokens: int = Field(48, ge=1, description="Most tokens per completion.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (logprobs use the "
-                                                      "same).")
+    temperature: float = Field(1.0, gt=0,
+                               description="Sampling temperature (logprobs use the same).")
     learning_rate: Optional[float] = Field(None, gt=0, lt=1, description="AdamW learning rate of "
                                            "LoRA (and value head); None: scaled to the model's "
                                            "size (slm_align/envelope/learning_rate.py).")
     epochs: int = Field(2, ge=1, description="Passes over each rollout.")
     minibatch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="Ratio clip (PPO, and GRPO's lower "
-                                                         "bound).")
+    clip_eps: float = Field(0.2, gt=0, lt=1,
+                            description="Ratio clip (PPO, and GRPO's lower bound).")
     mask_truncated: bool = Field(False, description="Give truncated completions no gradient.")
     length_penalty: float = Field(0.0, ge=0, description="Soft penalty per token past 80% of "
                                                          "max_new_tokens (in each round of an "
@@ -232,10 +232,10 @@ class RLSettings(Strict):
     grpo: GRPOSettings = Field(default_factory=GRPOSettings, description="GRPO's own settings.")
     lora: LoraSettings = Field(default_factory=lambda: LoraSettings(r=16, alpha=32.0, dropout=0.0),
                                description="The fresh RL adapter.")
-    envelope: EnvelopeSettings = Field(default_factory=EnvelopeSettings, description="The safety "
-                                                                                     "envelope.")
-    watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings, description="The collapse "
-                                                                                     "watchdog.")
+    envelope: EnvelopeSettings = Field(default_factory=EnvelopeSettings,
+                                       description="The safety envelope.")
+    watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings,
+                                       description="The collapse watchdog.")
 
     @model_validator(mode="before")
     @classmethod

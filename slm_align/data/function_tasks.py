@@ -242,8 +242,8 @@ def write_function_tasks(out, train: int = 1000, heldout: int = 250, seed: int =
     check_counts(train, heldout)
     existing = [str(path) for path in paths.values() if path.exists()]
     if existing and not overwrite:
-        raise UserError(f"{', '.join(existing)} already exist; choose another --out or pass "
-                        "--overwrite")
+        raise UserError(f"{', '.join(existing)} already exist; "
+                        "choose another --out or pass --overwrite")
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--out {folder} is a file; pass a directory")
     rows = function_tasks(train, heldout, seed, mix)

@@ -15,8 +15,8 @@ from slm_align.quickstart import agent
 from slm_align.runs import check_out_dir
 
 NEXT_COMMANDS = (
-    "slm-align tasks make --kind functions --out data/fn   # or your own rows: messages, tools, "
-    "ground_truth",
+    "slm-align tasks make --kind functions --out data/fn   "
+    "# or your own rows: messages, tools, ground_truth",
     "slm-align train --model YOUR_MODEL --data data/fn/sft.jsonl --tasks data/fn/train.jsonl "
     "--reward function_call_match --algo grpo --out runs/mine",
     "slm-align export runs/mine --target gguf && slm-align evaluate-agent data/fn/heldout.jsonl "

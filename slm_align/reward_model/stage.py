@@ -175,8 +175,8 @@ class RewardStage:
         save_tokenizer(self.tokenizer, self.source, partial / "model")
         _write_jsonl(partial / "pairs.jsonl", self.train_pairs)
         _write_jsonl(partial / "eval_pairs.jsonl", self.held_pairs)
-        with stage_lines("reward model evaluation", f"{len(self.held_pairs)} held-out "
-                                                    "pairs") as stage:
+        with stage_lines("reward model evaluation", f"{len(self.held_pairs)} "
+                                                    "held-out pairs") as stage:
             metrics = pairwise_metrics(merged, self.tokenizer, self.held_pairs,
                                        self.recipe.data.max_length)
             stage.figures = f"accuracy {metrics['accuracy']:.3f}"

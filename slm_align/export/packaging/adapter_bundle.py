@@ -168,8 +168,8 @@ def read_bundle(folder: Path, role: str) -> dict:
     folder = Path(folder).expanduser()
     described_path = folder / BUNDLE_JSON
     if described_path.is_symlink():
-        raise UserError(f"{role} {folder}'s {BUNDLE_JSON} is a symlink; a bundle holds plain files "
-                        "only")
+        raise UserError(f"{role} {folder}'s {BUNDLE_JSON} is a "
+                        "symlink; a bundle holds plain files only")
     if not described_path.is_file():
         raise UserError(f"{role} {folder} is not a bundle (no {BUNDLE_JSON}); pass a directory "
                         "`slm-align bundle` wrote")
@@ -244,8 +244,8 @@ def copy_verified(source: Path, target: Path, sha256: str, what: str) -> None:
     except FileNotFoundError:
         raise UserError(f"{what} {source} not found; install the full bundle instead") from None
     except OSError:  # ELOOP: the last component is a symlink
-        raise UserError(f"{what} {source} is a symlink; a bundle holds plain files only: refusing "
-                        "it") from None
+        raise UserError(f"{what} {source} is a symlink; a bundle "
+                        "holds plain files only: refusing it") from None
     digest = hashlib.sha256()
     with os.fdopen(fd, "rb") as reader:
         if not stat.S_ISREG(os.fstat(reader.fileno()).st_mode):
@@ -263,8 +263,8 @@ def _inside(folder: Path, name: str) -> Path:
     """``folder``/``name``, refused unless it resolves to a file directly inside ``folder``."""
     target = folder / name
     if target.resolve().parent != folder.resolve():
-        raise UserError(f"the adapter name {name[:120]!r} leaves the bundle folder; refusing the "
-                        "update")
+        raise UserError(f"the adapter name {name[:120]!r} leaves "
+                        "the bundle folder; refusing the update")
     return target
 
 
@@ -319,8 +319,8 @@ def _checked_update(installed: Path, update: Path, trusted_keys: Sequence[Truste
     old = read_bundle(installed, INSTALLED_ROLE)
     new = read_bundle(update, UPDATE_ROLE)
     if new.get("kind") != "update":
-        raise UserError(f"{update} is a {new.get('kind')} bundle, not an update; install it as it "
-                        "is")
+        raise UserError(f"{update} is a {new.get('kind')} bundle, "
+                        "not an update; install it as it is")
     if trusted_keys:
         check_signature(update, new, trusted_keys, UPDATE_ROLE)
     check_bundle_fields(old, INSTALLED_ROLE, update=False)

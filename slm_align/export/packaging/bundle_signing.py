@@ -76,8 +76,8 @@ def generate_keys(folder: Path) -> tuple[Path, Path]:
     private_path, public_path = folder / PRIVATE_KEY, folder / PUBLIC_KEY
     for path in (private_path, public_path):
         if path.exists() or path.is_symlink():
-            raise UserError(f"{path} exists; a key is never overwritten: choose another --out "
-                            "folder")
+            raise UserError(f"{path} exists; a key is never "
+                            "overwritten: choose another --out folder")
     key = Ed25519PrivateKey.generate()
     private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption())
@@ -91,8 +91,8 @@ def generate_keys(folder: Path) -> tuple[Path, Path]:
 def _pem(path: Path, what: str) -> bytes:
     path = Path(path).expanduser()
     if not path.is_file():
-        raise UserError(f"{what} {path} not found; make a key pair with `slm-align bundle-keygen "
-                        "--out DIR`")
+        raise UserError(f"{what} {path} not found; make a key pair "
+                        "with `slm-align bundle-keygen --out DIR`")
     return path.read_bytes()
 
 
@@ -123,8 +123,8 @@ def load_public_key(key: TrustedKey) -> "Ed25519PublicKey":
         raise UserError(f"the trusted key {str(key)[:60]} is not a PEM public key; pass the "
                         f"{PUBLIC_KEY} `slm-align bundle-keygen` wrote") from None
     if not isinstance(loaded, Ed25519PublicKey):
-        raise UserError(f"the trusted key {str(key)[:60]} is a {type(loaded).__name__}, not an "
-                        "Ed25519 key")
+        raise UserError(f"the trusted key {str(key)[:60]} is a "
+                        f"{type(loaded).__name__}, not an Ed25519 key")
     return loaded
 
 
@@ -155,11 +155,11 @@ def _read_signature(folder: Path, role: str) -> tuple[str, bytes]:
         signature = base64.b64decode(record["signature"], validate=True)
         signer = str(record.get("key_id", "?"))
     except (ValueError, KeyError, TypeError, binascii.Error):
-        raise UserError(f"{role}'s {SIGNATURE} is malformed; ask its publisher to sign the bundle "
-                        "again") from None
+        raise UserError(f"{role}'s {SIGNATURE} is malformed; ask its "
+                        "publisher to sign the bundle again") from None
     if record.get("algorithm") != ALGORITHM:
-        raise UserError(f"{role}'s {SIGNATURE} uses {record.get('algorithm')!r}; only {ALGORITHM} "
-                        "is accepted")
+        raise UserError(f"{role}'s {SIGNATURE} uses {record.get('algorithm')!r}; "
+                        f"only {ALGORITHM} is accepted")
     return signer, signature
 
 
@@ -175,8 +175,8 @@ def check_signature(folder: Path, described: dict,
     try:
         message = signed_bytes(described)
     except ValueError:  # NaN or Infinity: no bundle we write holds one
-        raise UserError(f"{role}'s bundle.json holds a number JSON cannot carry; refusing "
-                        "it") from None
+        raise UserError(f"{role}'s bundle.json holds a number "
+                        "JSON cannot carry; refusing it") from None
     for key in keys:
         try:
             key.verify(signature, message)

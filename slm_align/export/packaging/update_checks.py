@@ -66,15 +66,15 @@ def _check_entry(entry: object, role: str, update: bool) -> str:
     if not isinstance(entry, dict):
         raise _refuse(role, f"an adapter entry is {type(entry).__name__}, not an object")
     if not _is_sha256(entry.get("sha256")):
-        raise _refuse(role, f"the adapter entry {str(entry.get('path'))[:80]} has no sha256 (64 "
-                            "hex digits)")
+        raise _refuse(role, f"the adapter entry {str(entry.get('path'))[:80]} "
+                            "has no sha256 (64 hex digits)")
     scale = entry.get("scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise _refuse(role, f"the adapter entry {str(entry.get('path'))[:80]} has a scale that is "
-                            "not a number")
+        raise _refuse(role, f"the adapter entry {str(entry.get('path'))[:80]} "
+                            "has a scale that is not a number")
     if update and not isinstance(entry.get("shipped"), bool):
-        raise _refuse(role, f"the adapter entry {str(entry.get('path'))[:80]} does not say whether "
-                            "it is shipped")
+        raise _refuse(role, f"the adapter entry {str(entry.get('path'))[:80]} "
+                            "does not say whether it is shipped")
     return plain_name(entry.get("path"), ADAPTERS_DIR, role)
 
 
@@ -86,8 +86,8 @@ def check_bundle_fields(described: dict, role: str, update: bool) -> None:
                *(("requires_base_sha256", "replaces_model_id") if update else ()))
     for key in digests:
         if not _is_sha256(described.get(key)):
-            raise _refuse(role, f"{key} is {str(described.get(key))[:80]!r}, not a sha256 (64 hex "
-                                "digits)")
+            raise _refuse(role, f"{key} is {str(described.get(key))[:80]!r}, "
+                                "not a sha256 (64 hex digits)")
     plain_name(described.get("base"), MODEL_DIR, role)
     adapters = described.get("adapters")
     if not adapters:
@@ -156,8 +156,8 @@ def check_update_files(update: Path, new: dict, role: str) -> None:
                             "base, template or tokenizer); install a full bundle to change those")
     for name, digest in shipped.items():
         if files.get(name) != digest:
-            raise _refuse(role, f"{name} is shipped but files does not list it with its entry's "
-                                "sha256")
+            raise _refuse(role, f"{name} is shipped but files does "
+                                "not list it with its entry's sha256")
     for name in RECORDS:
         if name not in files:
             raise _refuse(role, f"files does not list {name}")

@@ -184,8 +184,8 @@ def run_source(run: Path):
 
     record = read_manifest(run / "sft")["inputs"]["model"]
     if record["kind"] == "gguf" and not Path(record["ref"]).is_file():
-        raise UserError(f"the run's base {record['ref']} is gone; put the .gguf it was trained on "
-                        "back there")
+        raise UserError(f"the run's base {record['ref']} is gone; "
+                        "put the .gguf it was trained on back there")
     return resolve_source(record["ref"])
 
 

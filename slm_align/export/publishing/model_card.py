@@ -318,8 +318,8 @@ def quantization_section(artifacts: list[tuple[str, dict]]) -> list[str]:
 
 def merged_usage(name: str) -> list[str]:
     """How to run a merged directory: transformers, then export for the devices."""
-    return ["## How to run", "", "```python", "from transformers import AutoModelForCausalLM, "
-                                              "AutoTokenizer",
+    return ["## How to run", "", "```python", "from transformers import "
+                                              "AutoModelForCausalLM, AutoTokenizer",
             "",
             f'model = AutoModelForCausalLM.from_pretrained("{name}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "", "```bash",

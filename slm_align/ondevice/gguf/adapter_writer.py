@@ -82,8 +82,8 @@ def write_lora_gguf(adapter_dir: Path, base: Path, out_path: Path, file_type: st
     import gguf
 
     if file_type not in ADAPTER_TYPES:
-        raise UserError(f"a LoRA adapter GGUF is written as {' or '.join(ADAPTER_TYPES)}, not "
-                        f"{file_type}")
+        raise UserError("a LoRA adapter GGUF is written as "
+                        f"{' or '.join(ADAPTER_TYPES)}, not {file_type}")
     adapter_dir, base = Path(adapter_dir), Path(base)
     settings, state = read_peft_adapter(adapter_dir)
     model_type, config, shapes = base_tensors(base)
@@ -129,8 +129,8 @@ def read_peft_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
                         "applies LoRA only")
     for key, what in _UNSUPPORTED.items():
         if settings.get(key):
-            raise UserError(f"adapter {adapter_dir} uses {what}, which a llama.cpp adapter cannot "
-                            "carry")
+            raise UserError(f"adapter {adapter_dir} uses {what}, "
+                            "which a llama.cpp adapter cannot carry")
     if settings.get("bias", "none") != "none":
         raise UserError(f"adapter {adapter_dir} trains biases (bias={settings['bias']}), which a "
                         "llama.cpp adapter cannot carry; train with bias='none' or merge and "
@@ -207,8 +207,8 @@ def lora_pairs(state: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.n
                             "LoRA to matrix products only: train without the embedding in "
                             "target_modules")
         if ".lora_magnitude_vector" in key:
-            raise UserError(f"the adapter is DoRA ({_module(key)}); llama.cpp applies plain LoRA "
-                            "only")
+            raise UserError(f"the adapter is DoRA ({_module(key)}); "
+                            "llama.cpp applies plain LoRA only")
         if key.endswith(".base_layer.weight"):
             continue  # the frozen base weight of a targeted head, which peft saves beside the LoRA
         match = re.fullmatch(r"(.+)\.lora_([AB])\.weight", key)
@@ -272,6 +272,6 @@ def llama_cpp_lora(state: dict[str, np.ndarray], settings: dict, model_type: str
         b = reorder(hf_name, b)
         tensors[name] = (a, b if factor == 1.0 else b * np.float32(factor))
     if not tensors:
-        raise UserError("the adapter holds no LoRA matrices; pass the adapter directory of a "
-                        "finished run")
+        raise UserError("the adapter holds no LoRA matrices; pass "
+                        "the adapter directory of a finished run")
     return tensors

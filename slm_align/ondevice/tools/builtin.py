@@ -119,8 +119,8 @@ def _power(base: Number, exponent: Number) -> Number:
     """``base ** exponent``, refused before it is computed when the integer result would be huge."""
     exact = isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and abs(base) > 1
     if exact and exponent * math.log2(abs(base)) > MAX_INTEGER_BITS:
-        raise ValueError(f"result too large: {base}**{exponent} has more than {MAX_INTEGER_BITS} "
-                         "bits")
+        raise ValueError(f"result too large: {base}**{exponent} "
+                         f"has more than {MAX_INTEGER_BITS} bits")
     try:
         return base ** exponent
     except OverflowError:
@@ -181,8 +181,8 @@ def _zone(name: str):
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError):
-        raise ValueError(f"unknown time zone {name!r}; use an IANA name such as 'Europe/Paris', or "
-                         "'UTC'") from None
+        raise ValueError(f"unknown time zone {name!r}; use an IANA name "
+                         "such as 'Europe/Paris', or 'UTC'") from None
 
 
 # --- notes --------------------------------------------------------------------------------------
@@ -212,8 +212,8 @@ class NoteStore:
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
-            raise UserError(f"notes folder {str(path)!r} is not a directory: pass a folder "
-                            "path") from None
+            raise UserError(f"notes folder {str(path)!r} is not a "
+                            "directory: pass a folder path") from None
         self.folder = path.resolve()
         self.max_note_chars = max_note_chars
         self.max_notes = max_notes
@@ -229,8 +229,8 @@ class NoteStore:
         if len(text) > self.max_note_chars:
             raise ValueError(f"note too long ({len(text)} characters, limit {self.max_note_chars})")
         if not path.exists() and len(self.list_notes()) >= self.max_notes:
-            raise ValueError(f"the notes folder is full ({self.max_notes} notes); overwrite an "
-                             "existing note")
+            raise ValueError(f"the notes folder is full ({self.max_notes} "
+                             "notes); overwrite an existing note")
         write_text_atomic(path, text)
         return f"saved note {path.stem!r} ({len(text)} characters)"
 

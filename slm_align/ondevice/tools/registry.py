@@ -194,8 +194,8 @@ class ToolRegistry:
                 return self._failure(tool.name, problem)
             text = _to_text(self._run(tool, call.arguments))
         except TimeoutError:
-            return self._failure(tool.name, f"{tool.name} did not finish within {self.timeout_s:g} "
-                                            "s")
+            return self._failure(tool.name, f"{tool.name} did not finish "
+                                            f"within {self.timeout_s:g} s")
         except Exception as exc:
             return self._failure(tool.name, f"{tool.name} failed: {_exception_text(exc)}")
         return Observation(name=tool.name, ok=True, content=self._capped(text))

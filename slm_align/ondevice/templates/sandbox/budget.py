@@ -66,14 +66,14 @@ class Budget:
         or the deadline."""
         self.steps -= steps
         if self.steps < 0:
-            raise TemplateLimit(f"it took more than {TEMPLATE_STEPS:,} steps (a loop that does not "
-                                "end?)")
+            raise TemplateLimit(f"it took more than {TEMPLATE_STEPS:,} "
+                                "steps (a loop that does not end?)")
         self.check_time()
 
     def check_time(self) -> None:
         if time.monotonic() > self.deadline:
-            raise TemplateLimit(f"it ran longer than {TEMPLATE_SECONDS:g} s (a loop that does not "
-                                "end?)")
+            raise TemplateLimit(f"it ran longer than {TEMPLATE_SECONDS:g} "
+                                "s (a loop that does not end?)")
 
     def made(self, value: Any) -> Any:
         """``value``, a result the template made, counted against the size and work bounds."""

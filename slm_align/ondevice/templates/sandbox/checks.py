@@ -65,8 +65,8 @@ def whole(value: Any) -> int:
 def check_scan(work: int, doing: str) -> None:
     """Refuse a call whose characters compared or copied (``work``) pass :data:`TEMPLATE_SCAN`."""
     if work > TEMPLATE_SCAN:
-        raise TemplateLimit(f"it {doing}: more than {TEMPLATE_SCAN:,} characters of work in one "
-                            "call")
+        raise TemplateLimit(f"it {doing}: more than {TEMPLATE_SCAN:,} "
+                            "characters of work in one call")
 
 
 def check_format(pattern: Any, args: Any, kwargs: Optional[dict] = None) -> None:
@@ -91,8 +91,8 @@ def check_strftime(pattern: Any) -> None:
     if not isinstance(pattern, str):
         return
     if len(pattern) > STRFTIME_CHARS:
-        raise TemplateLimit(f"it formats a date with a pattern of more than {STRFTIME_CHARS} "
-                            "characters")
+        raise TemplateLimit("it formats a date with a pattern of "
+                            f"more than {STRFTIME_CHARS} characters")
     if any(match.group(2) for match in STRFTIME_DIRECTIVE.finditer(pattern)):
         raise TemplateLimit("it formats a date with a field width (such as %1000Y)")
 
@@ -186,8 +186,8 @@ def _check_text_method(budget: Budget, owner: Any, name: str, args: tuple, kwarg
         check_codec(name, args, kwargs)
     elif name in ("strip", "lstrip", "rstrip"):
         chars = first if args else kwargs.get("chars")
-        check_scan(len(owner) * len(chars) if isinstance(chars, TEXT) else 0, "strips a set of "
-                                                                              "characters")
+        check_scan(len(owner) * len(chars) if isinstance(chars, TEXT) else 0, "strips a set "
+                                                                              "of characters")
     elif name == "hex":
         check_size(3 * len(owner))
     return args
