@@ -15,6 +15,8 @@ from typing import Optional
 from slm_align.data.encoding import encode, pad_batch
 from slm_align.data.examples import Example
 from slm_align.errors import UserError
+from slm_align.modeling.accelerator import device_of
+from slm_align.modeling.models import ensure_pad_token
 from slm_align.progress import counted
 from slm_align.stats import win_score
 
@@ -109,8 +111,6 @@ def score_texts(model, tokenizer, prompts: list[str], completions: list[str], ma
     (:func:`slm_align.progress.counted`)."""
     import torch
 
-    from slm_align.modeling.accelerator import device_of
-
     device = device_of(model)
     ended = [not t for t in truncated] if truncated is not None else [True] * len(prompts)
     scores: list[float] = []
@@ -130,8 +130,6 @@ def score_texts(model, tokenizer, prompts: list[str], completions: list[str], ma
 def load_reward_model(path: Path, trust_remote_code: bool = False):
     """A saved reward model (merged classifier + tokenizer), alone: ``(model, tokenizer)``."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from slm_align.modeling.models import ensure_pad_token
 
     path = Path(path)
     if not (path / "config.json").is_file():

@@ -197,8 +197,6 @@ FUNCTION_IMPORTS = {
     "slm_align.export.targets.executorch": ON_DEMAND,
     "slm_align.export.targets.genai": ON_DEMAND,
     "slm_align.modeling.models": ON_DEMAND,
-    "slm_align.scoring.perplexity": ON_DEMAND,
-    "slm_align.scoring.reward_model": ON_DEMAND,
     "slm_align.headroom.stage": OTHER_BRANCH,
     "slm_align.modeling.generation": OTHER_BRANCH,
     "slm_align.ondevice.agent.llama_backend": OTHER_BRANCH,
