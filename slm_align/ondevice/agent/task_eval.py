@@ -39,6 +39,7 @@ from slm_align.ondevice.agent.task_settings import (
     EpisodeSettings,
 )
 from slm_align.ondevice.rewards.episodes import CATEGORIES, classify
+from slm_align.ondevice.rows import iter_rows
 from slm_align.ondevice.templates.artifact import check_chat_template
 from slm_align.ondevice.tools.builtin import default_tools
 from slm_align.ondevice.tools.registry import ToolRegistry
@@ -115,8 +116,6 @@ def load_tasks(path: Union[str, Path], limit: Optional[int] = None) -> list[dict
     """Task rows with a prompt and an answer, or function rows (with ``ground_truth``: see
     :mod:`slm_align.ondevice.agent.function_eval`); a missing file or column, an empty answer, or a
     ground truth naming no offered function is a one-line UserError."""
-    from slm_align.data.readers import iter_rows
-
     rows = []
     for where, row in iter_rows(Path(path)):
         if function_eval.is_function_row(row):
