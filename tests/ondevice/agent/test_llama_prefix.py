@@ -182,3 +182,17 @@ def test_snapshots_stay_within_their_bytes(backend):
         assert decoder.prefixes.snapshots[0].ids[:5] == (999,) * 5
     finally:
         decoder.close()
+
+
+def test_new_adapters_drop_the_snapshots(backend):
+    """Snapshots hold K/V computed with the weights of their time: applying adapters drops them."""
+    feeds = prompts(backend, 1)
+    decoder = LlamaBatchDecoder(backend, 2, prefix_bytes=2**26)
+    try:
+        decoder.begin(0, SamplingParams(temperature=0.0), None, feeds[0], False)
+        decoder.step({0: feeds[0]})
+        assert len(decoder.prefixes.snapshots) == 1
+        decoder.apply_adapters()
+        assert decoder.prefixes.snapshots == [] and decoder.positions == [0, 0]
+    finally:
+        decoder.close()
