@@ -247,7 +247,7 @@ class LlamaBatchDecoder:
                         for i, token in enumerate(ids)]
             self.positions[slot] += len(ids)
             self.ids[slot] += ids
-            if len(ids) > 1:
+            if len(ids) > 1 or not logits:  # a prompt, or a shared prefix decoded ahead of it
                 self.prefilled += len(ids)
         return entries
 
