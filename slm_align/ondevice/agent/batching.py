@@ -84,6 +84,9 @@ class Engine:
     def __init__(self, decoder: Decoder, keep_caches: bool = False, prompts_first: bool = False):
         self.decoder = decoder
         self.keep_caches = keep_caches
+        """A freed slot keeps its cache for the next lane on it, whose prompt then feeds only what it does
+        not share with it (conversations that open alike: one system prompt and tools); a lane that ended
+        in an error always empties its slot. Off: every freed slot is emptied."""
         self.prompts_first = prompts_first
         """A step with prompts (feeds of several ids) holds only them; the lanes waiting for one
         token go in the next step (with the new lanes' second tokens when those come within
@@ -91,9 +94,6 @@ class Engine:
         only, not for a forward of every running conversation too (vLLM's scheduler puts
         prefills first likewise); the running ones wait one small step more. For a server's time
         to first token."""
-        """A freed slot keeps its cache for the next lane on it, whose prompt then feeds only what it does
-        not share with it (conversations that open alike: one system prompt and tools); a lane that ended
-        in an error always empties its slot. Off: every freed slot is emptied."""
         self._cached: dict[int, list[int]] = {}
         self.steps = 0
         """Forwards run (:meth:`Decoder.step` calls)."""
