@@ -74,7 +74,10 @@ def test_a_stage_chosen_gives_the_same_origin_as_its_record(fake_run):
         check_stage("dpo", "run", RunOrigin("run"))
 
 
-@pytest.mark.parametrize("origin", [DirOrigin("models/tiny"), GgufOrigin("a.gguf"), HubOrigin("o/m")])
+NOT_RUNS = [DirOrigin("models/tiny"), GgufOrigin("a.gguf"), HubOrigin("o/m")]
+
+
+@pytest.mark.parametrize("origin", NOT_RUNS)
 def test_stage_and_calibration_are_for_runs_only(origin):
     with pytest.raises(UserError, match="is not a run directory .* drop --stage"):
         check_stage("rl", "SOURCE", origin)

@@ -52,7 +52,8 @@ def test_a_few_iterations_raise_a_trivially_learnable_reward(algo, tokenizer, on
     policy = build_policy(resolve_source(str(DEFAULT_MODEL_DIR)), None, rl, seed=0)
     value_head = ValueHead(policy.config.hidden_size) if algo == "ppo" else None
     algorithm = PPO if algo == "ppo" else GRPO
-    loop = algorithm(policy, tokenizer, brevity, RolloutSource(PROMPTS), rl, seed=0, value_head=value_head)
+    loop = algorithm(policy, tokenizer, brevity, RolloutSource(PROMPTS), rl, seed=0,
+                     value_head=value_head)
     before = heldout_reward(policy, tokenizer)
     for step in range(10):
         loop.run_step(step)

@@ -48,7 +48,8 @@ def make_loop(sft_run, algo="grpo", loop_class=None, reward=varied_reward, **rl)
     value_head = ValueHead(policy.config.hidden_size) if algo == "ppo" else None
     prompts = ["Once upon a time, there was a cat.",
                "Tom found a red ball.", "One day, Mia was happy.", "The sun."]
-    return loop_class(policy, tokenizer, reward, RolloutSource(prompts), settings, seed=0, value_head=value_head)
+    return loop_class(policy, tokenizer, reward, RolloutSource(prompts), settings, seed=0,
+                      value_head=value_head)
 
 
 def lora_state(loop):

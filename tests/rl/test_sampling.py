@@ -95,7 +95,8 @@ def test_dropout_is_off_in_every_rl_forward_so_the_first_ratio_is_exactly_one(ch
     rl = settings()
     policy = trained_policy(checkpoint, rl)
     value_head = ValueHead(policy.config.hidden_size)
-    loop = PPO(policy, tokenizer, characters, RolloutSource(PROMPTS), rl, seed=0, value_head=value_head)
+    loop = PPO(policy, tokenizer, characters, RolloutSource(PROMPTS), rl, seed=0,
+               value_head=value_head)
     batch = loop.rollout(0)
     result = loop.minibatch(batch, torch.arange(8), loop.advantages(batch))
     assert result["ratio/mean"] == 1.0 and result["ratio/max"] == 1.0  # not dropout noise around 1

@@ -52,8 +52,8 @@ class ModelExport(Artifact):
     """``request``'s model as ``target``'s artifact at ``final``, with the (quant, preset, threads)
     chosen."""
 
-    def __init__(self, request: ExportRequest, target, settings: tuple[str, str, int], origin: Origin,
-                 final: Path, started: float):
+    def __init__(self, request: ExportRequest, target, settings: tuple[str, str, int],
+                 origin: Origin, final: Path, started: float):
         self.request, self.target, self.origin = request, target, origin
         self.final, self.started = final, started
         self.quant, self.preset, self.threads = settings

@@ -174,7 +174,12 @@ class _LoadedOrigin(Origin):
         return {"kind": self.kind, "ref": self.ref}
 
     def checkpoint(self, scratch: Path) -> Path:
-        from slm_align.modeling.models import ModelSource, load_model, load_tokenizer, save_tokenizer
+        from slm_align.modeling.models import (
+            ModelSource,
+            load_model,
+            load_tokenizer,
+            save_tokenizer,
+        )
 
         source = ModelSource(self.kind, self.ref)
         saved = scratch / "checkpoint"
