@@ -12,7 +12,7 @@ and steps through the guarded optimizer (``self.guard.step``). Nothing here call
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
@@ -32,6 +32,21 @@ from slm_align.rl.schedule import IterationSize
 from slm_align.rollouts.completions import Passes, Rollout, RolloutModels, collect
 from slm_align.rollouts.episodes import AgentTasks, collect_episodes, episode_rewards
 from slm_align.rollouts.phases import PhaseClock
+
+if TYPE_CHECKING:  # annotations only: the learner runs without llama.cpp
+    from slm_align.rl.llama_sampler import LlamaSampler
+
+
+@dataclass(frozen=True)
+class RolloutSource:
+    """What a learner's rollouts are drawn from, built once before the learner: the training
+    prompts, the agent tasks whose rollouts are multi-turn episodes run by the runtime's loop
+    (None: one completion per prompt), and the llama.cpp sampler that draws them (None: PyTorch
+    does)."""
+
+    prompts: list[str]
+    episodes: Optional[AgentTasks] = None
+    sampler: Optional[LlamaSampler] = None
 
 
 @dataclass
@@ -79,8 +94,8 @@ class Learner(TrainableRun):
     def rescale_kl(self, base_beta: float, scale: float) -> None:
         """After a rollback: a recipe coefficient is ``base_beta * scale`` (a learner state's is restored)."""
 
-    def __init__(self, policy, tokenizer, reward_fn, train_prompts: list[str], settings: RLSettings,
-                 seed: int, value_head: Optional[ValueHead] = None,
+    def __init__(self, policy, tokenizer, reward_fn, rollouts: RolloutSource,
+                 settings: RLSettings, seed: int, value_head: Optional[ValueHead] = None,
                  placement: Placement = Placement()):
         named_params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
         if value_head is not None:
@@ -88,7 +103,7 @@ class Learner(TrainableRun):
         super().__init__(policy, named_params, settings.learning_rate, settings.envelope, placement)
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
-        self.train_prompts = train_prompts
+        self.train_prompts = rollouts.prompts
         self.settings = settings
         self.seed = seed
         self.value_head = value_head
@@ -99,10 +114,10 @@ class Learner(TrainableRun):
         """The current iteration's phase timings (a fresh clock each iteration)."""
         self.kl_watched = False
         """Whether something reads the "kl" metric besides the loss (the watchdog's KL detector)."""
-        self.sampler = None
+        self.sampler = rollouts.sampler
         """A :class:`~slm_align.rl.llama_sampler.LlamaSampler` that draws the rollouts (None:
         PyTorch does)."""
-        self.episodes: Optional[AgentTasks] = None
+        self.episodes = rollouts.episodes
         """Agent tasks whose rollouts are multi-turn episodes run by the runtime's loop (None: one
         completion per prompt)."""
 

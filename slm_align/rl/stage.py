@@ -44,7 +44,7 @@ from slm_align.modeling.models import load_tokenizer, resolve_source, save_adapt
 from slm_align.plots import plot_curves
 from slm_align.progress import stage_lines
 from slm_align.rl.algorithms import rl_algorithm
-from slm_align.rl.learner import Learner
+from slm_align.rl.learner import Learner, RolloutSource
 from slm_align.rl.llama_episodes import EPISODE_CONTEXT
 from slm_align.rl.llama_sampler import LlamaSampler
 from slm_align.rollouts.episodes import agent_tasks, check_episode_rewards
@@ -179,10 +179,9 @@ class RLStage:
             self.value_head = ValueHead(self.policy.config.hidden_size).to(device)
         placement = Placement(self.world, self.compute.precision,
                               self.compute.gradient_checkpointing)
-        self.loop = algorithm(self.policy, self.tokenizer, self.reward_fn, self.prompts.train,
+        rollouts = RolloutSource(self.prompts.train, episodes, self._sampler(source, episodes))
+        self.loop = algorithm(self.policy, self.tokenizer, self.reward_fn, rollouts,
                               settings, seed, self.value_head, placement)
-        self.loop.episodes = episodes
-        self.loop.sampler = self._sampler(source, episodes)
 
     def _sampler(self, source, episodes) -> Optional[LlamaSampler]:
         """llama.cpp as the rollouts' sampler when the recipe asks (its files in a temporary folder: the base

@@ -15,6 +15,7 @@ from slm_align.envelope.policy import build_policy, merged_for_sampling
 from slm_align.envelope.value_head import ValueHead
 from slm_align.modeling.generation import sample
 from slm_align.modeling.models import resolve_source
+from slm_align.rl.learner import RolloutSource
 from slm_align.rl.ppo import PPO
 from slm_align.rollouts.completions import RolloutModels, collect
 from tests.helpers import policy_with_moved_lora
@@ -93,7 +94,9 @@ def characters(prompts, completions, **_):
 def test_dropout_is_off_in_every_rl_forward_so_the_first_ratio_is_exactly_one(checkpoint, tokenizer):
     rl = settings()
     policy = trained_policy(checkpoint, rl)
-    loop = PPO(policy, tokenizer, characters, PROMPTS, rl, seed=0, value_head=ValueHead(policy.config.hidden_size))
+    value_head = ValueHead(policy.config.hidden_size)
+    loop = PPO(policy, tokenizer, characters, RolloutSource(PROMPTS), rl, seed=0,
+               value_head=value_head)
     batch = loop.rollout(0)
     result = loop.minibatch(batch, torch.arange(8), loop.advantages(batch))
     assert result["ratio/mean"] == 1.0 and result["ratio/max"] == 1.0  # not dropout noise around 1

@@ -30,6 +30,7 @@ from slm_align.atomic import publish_directory, write_json_atomic
 from slm_align.errors import UserError
 from slm_align.export.converters.merge import current_merged, merged_stage, policy_identity
 from slm_align.export.publishing.parity import perplexity_change, verification_summary
+from slm_align.export.publishing.sources import origin_of
 from slm_align.modeling.accelerator import resolve_device
 from slm_align.ondevice.devices.host import default_threads
 from slm_align.ondevice.gguf.adapter_check import chain_digest
@@ -183,7 +184,7 @@ def run_source(run: Path):
     from slm_align.modeling.models import resolve_source
 
     record = read_manifest(run / "sft")["inputs"]["model"]
-    if record["kind"] == "gguf" and not Path(record["ref"]).is_file():
+    if origin_of(record).gone():
         raise UserError(f"the run's base {record['ref']} is gone; "
                         "put the .gguf it was trained on back there")
     return resolve_source(record["ref"])
