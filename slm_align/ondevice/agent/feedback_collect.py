@@ -73,7 +73,9 @@ def parquet_schema(kind: str):
     label = [("label", pa.bool_())] if kind == "unpaired" else []
     if kind == "tasks":
         result = pa.struct([("name", pa.string()), ("content", pa.string())])
-        label = [("calls", pa.string()), ("results", pa.list_(result)), ("outcome", pa.int8())]
+        report = pa.struct([("call", pa.int64()), ("ok", pa.bool_()), ("content", pa.string())])
+        label = [("calls", pa.string()), ("results", pa.list_(result)), ("reported", pa.list_(report)),
+                 ("outcome", pa.int8())]
     return pa.schema([("prompt", messages), *answer_columns, *label, ("model_id", pa.string()),
                       ("device", pa.string()), ("arm", pa.string()), ("tools", pa.string())])
 
@@ -184,11 +186,14 @@ class _Collector:
             self.shards["pairs"].add(row)
         else:
             self.shards["unpaired"].add(row)
-            self._add_task(row)
+            self._add_task(row, candidate.reported)
 
-    def _add_task(self, row: dict) -> None:
-        """A kept thumbs row's task row, and its demonstration when it was rated up."""
-        task = task_row(row)
+    def _add_task(self, row: dict, reported: tuple) -> None:
+        """A kept thumbs row's task row (with what the app reported of running its calls, scrubbed),
+        and its demonstration when it was rated up."""
+        reported, replaced = scrub_row({"reported": list(reported)})
+        self.counts["scrubbed_replacements"] += replaced
+        task = task_row(row, reported["reported"])
         self.shards["tasks"].add(task)
         self.tasks["up" if task["outcome"] else "down"] += 1
         self.tasks["up_with_calls"] += bool(task["outcome"] and task["calls"])

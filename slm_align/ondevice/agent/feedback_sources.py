@@ -35,6 +35,7 @@ _JOINED = (f"SELECT {', '.join('t.' + c for c in _TURN_COLUMNS)}, "
            f"{', '.join('f.' + c for c in _FEEDBACK_COLUMNS)} FROM turns t JOIN feedback f ON f.turn_id = t.id "
            "WHERE t.consent = 1 ORDER BY t.id, f.id")
 _WITHOUT_CONSENT = "SELECT COUNT(DISTINCT t.id) FROM turns t JOIN feedback f ON f.turn_id = t.id WHERE t.consent = 0"
+_RESULTS = "SELECT call_index, ok, content FROM call_results WHERE turn_id = ? ORDER BY id"
 
 
 class NotFeedback(Exception):
@@ -50,6 +51,9 @@ class Candidate:
     arm: Optional[str]
     key: str
     """sha256 of the verdict's question (pair or verdict) and the turn's prompt, answer and model."""
+    reported: tuple = ()
+    """What the app reported of running the reply's calls (schema version 5): ``{"call", "ok",
+    "content"}`` per call, the latest report of each; none from an export file."""
 
 
 def device_of(path: Path) -> str:
@@ -112,6 +116,19 @@ def _feedback(values: tuple) -> Feedback:
                     record["preferred"], record["edited_text"], record["created_at"])
 
 
+def has_results(conn: sqlite3.Connection) -> bool:
+    """Whether the store records call results (schema version 5 and later)."""
+    found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'call_results'")
+    return found.fetchone() is not None
+
+
+def reported_results(conn: sqlite3.Connection, turn_id: int) -> tuple:
+    """The app's reports of running the turn's calls, the latest per call, in call order."""
+    latest = {call: {"call": call, "ok": bool(ok), "content": content}
+              for call, ok, content in conn.execute(_RESULTS, (turn_id,))}
+    return tuple(latest[call] for call in sorted(latest))
+
+
 def store_rows(path: Path, counts: dict) -> Iterator[Candidate]:
     """The consented verdicts of a store, turn by turn, read through one cursor; adds the turns without
     consent (``without_consent``) and the pairs whose two sides are the same text (``identical``)."""
@@ -119,14 +136,16 @@ def store_rows(path: Path, counts: dict) -> Iterator[Candidate]:
     device = device_of(path)
     try:
         counts["without_consent"] += conn.execute(_WITHOUT_CONSENT).fetchone()[0]
+        results = has_results(conn)
         for _, group in groupby(conn.execute(_JOINED), key=lambda values: values[0]):
             turn = _turn(list(group))
+            reported = reported_results(conn, turn.id) if results else ()
             for feedback in latest_verdicts(turn):
                 row = verdict_row(turn, feedback)
                 if row is None:
                     counts["identical"] += 1
                     continue
-                yield Candidate(row, device, arm_of(turn.sampling), turn_key(row))
+                yield Candidate(row, device, arm_of(turn.sampling), turn_key(row), reported)
     except (sqlite3.DatabaseError, ValueError) as exc:
         raise NotFeedback(f"a damaged store ({type(exc).__name__}: {exc})") from None
     finally:

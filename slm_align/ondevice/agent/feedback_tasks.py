@@ -15,8 +15,10 @@ the reply *and* the reply's tool rounds (each call the runtime ran and the tool'
 - ``calls``: every call of the reply (``{"name", "arguments"}``; ``arguments`` None for one that
   could not be read), the rounds' first;
 - ``results``: what the tools the runtime ran returned (``{"name", "content"}``, in order); empty
-  when no tool ran (a function-calling app that runs the calls itself reports no result to the
-  store);
+  when no tool ran in the runtime (a function-calling app runs the calls itself: ``reported``);
+- ``reported``: what the app reported of running the reply's calls itself (``{"call", "ok",
+  "content"}``, the latest per call; ``PreferenceStore.report_result``, schema version 5); empty when
+  it reported nothing, and from export files;
 - ``outcome``: 1 for a thumbs up, 0 for a thumbs down;
 - the offered ``tools`` (as the runtime showed them) and the provenance ``model_id``, ``device``,
   ``arm``.
@@ -29,7 +31,7 @@ and edits are no outcome of the turn alone and make no task row. Torch-free.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from slm_align.errors import UserError
 from slm_align.ondevice.rewards.function_calls import message_calls, reply_calls
@@ -61,9 +63,10 @@ def final_message(text: str) -> tuple[dict, list[dict]]:
     return message, calls
 
 
-def task_row(row: dict[str, Any]) -> dict[str, Any]:
-    """The task row of a thumbs verdict row (see the module docstring); the row's other
-    columns (``model_id``, ``tools``, provenance) are kept as they are."""
+def task_row(row: dict[str, Any], reported: Sequence[dict] = ()) -> dict[str, Any]:
+    """The task row of a thumbs verdict row (see the module docstring) and what the app
+    ``reported`` of running its calls; the row's other columns (``model_id``, ``tools``,
+    provenance) are kept as they are."""
     messages = list(row["prompt"])
     split = _last_user(messages) + 1 or len(messages)
     rounds = messages[split:]
@@ -76,8 +79,8 @@ def task_row(row: dict[str, Any]) -> dict[str, Any]:
     kept = {key: value for key, value in row.items()
             if key not in ("prompt", "completion", "label")}
     return {"prompt": messages[:split], "completion": [*rounds, final],
-            "calls": calls + final_calls, "results": results, "outcome": int(bool(row["label"])),
-            **kept}
+            "calls": calls + final_calls, "results": results, "reported": list(reported),
+            "outcome": int(bool(row["label"])), **kept}
 
 
 def demonstration(task: dict[str, Any]) -> dict[str, Any] | None:

@@ -5,6 +5,7 @@ and caps of their verdicts apply to them; Parquet that ``datasets`` reads."""
 
 import json
 import shutil
+import sqlite3
 
 import pytest
 
@@ -14,6 +15,7 @@ from slm_align.ondevice.agent.feedback_collect import collect_feedback
 from slm_align.ondevice.agent.feedback_export import export_preferences
 from slm_align.ondevice.agent.feedback_tasks import balanced
 from slm_align.ondevice.agent.store import PreferenceStore
+from slm_align.ondevice.agent.store_schema import MIGRATIONS
 from tests.ondevice.agent.test_feedback_collect import ADAPTERS, MODEL_A, MODEL_B, fast, read_jsonl
 
 ALARM = {
@@ -228,3 +230,49 @@ def test_balanced_demonstrations_keep_no_more_refusals_than_calls():
     assert balanced([{"calls": 0}] * 3) == []  # no call rated up: no demonstration teaches silence
     with pytest.raises(UserError, match="refusals"):
         balanced(chats, "some")
+
+
+def test_what_the_app_reports_of_running_the_calls_rides_in_the_task_row(tmp_path):
+    """Schema version 5: the app runs a reply's calls and reports each; the latest report per call
+    is the task row's ``reported``, scrubbed; a turn without reports has none."""
+    with PreferenceStore(tmp_path / "phone-1.db") as store:
+        wake = [{"role": "user", "content": "Wake me at 6:30."}]
+        turn = store.record_turn("c1", wake, CALL_TEXT + CALL_TEXT, MODEL_A, {"tools": [ALARM]}, True)
+        store.thumbs(turn, True)
+        store.report_result(turn, False, "alarm app busy")
+        store.report_result(turn, True, "set; told ann.lee@example.com", call=0)  # the latest counts
+        store.report_result(turn, False, call=1)
+        other = store.record_turn("c2", wake, CALL_TEXT, MODEL_A, {"tools": [ALARM]}, True)
+        store.thumbs(other, False)
+        with pytest.raises(UserError, match="ok must be True or False"):
+            store.report_result(turn, "yes")
+        with pytest.raises(UserError, match="call must be"):
+            store.report_result(turn, True, call=-1)
+        with pytest.raises(UserError, match="unknown turn id"):
+            store.report_result(99, True)
+    collect_feedback([tmp_path / "phone-1.db"], tmp_path / "out")
+    first, second = read_jsonl(tmp_path / "out" / "tasks.jsonl")
+    assert first["reported"] == [{"call": 0, "ok": True, "content": "set; told <EMAIL>"},
+                                 {"call": 1, "ok": False, "content": None}]
+    assert len(first["calls"]) == 2 and second["reported"] == []
+
+
+def test_a_store_of_schema_version_4_is_collected_as_it_is(tmp_path):
+    """A store written before call results (version 4) gives its task rows, with nothing reported,
+    and is not migrated: collect reads it read-only."""
+    path = tmp_path / "old-phone.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    for version, script in enumerate(MIGRATIONS[:4], start=1):
+        conn.executescript(script)
+        conn.execute(f"PRAGMA user_version = {version}")
+    conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, "
+                 "sampling, consent, token) VALUES ('c', '2026-01-01T00:00:00.000+00:00', ?, ?, ?, "
+                 "'{}', 1, 't')", (MODEL_A, json.dumps([{"role": "user", "content": "Hi"}]), "Hello."))
+    conn.execute("INSERT INTO feedback (turn_id, kind, created_at) VALUES (1, 'up', "
+                 "'2026-01-01T00:00:01.000+00:00')")
+    conn.close()
+    summary = collect_feedback([path], tmp_path / "out")
+    [task] = read_jsonl(tmp_path / "out" / "tasks.jsonl")
+    assert (task["outcome"], task["reported"], task["device"]) == (1, [], "old-phone")
+    assert summary["rows"]["demonstrations"] == 1
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 4

@@ -10,7 +10,7 @@ from slm_align.errors import UserError
 from slm_align.ondevice.agent.ab_sequential import decide
 from slm_align.ondevice.agent.ab_trial import ABTrial, ConversationIds
 from slm_align.ondevice.agent.store import PreferenceStore
-from slm_align.ondevice.agent.store_schema import MIGRATIONS
+from slm_align.ondevice.agent.store_schema import MIGRATIONS, SCHEMA_VERSION
 
 CURRENT = "ab" * 32
 CANDIDATE = "cd" * 32
@@ -47,7 +47,7 @@ def test_a_trial_resumes_with_its_key_and_counts_only_its_routed_turns(tmp_path)
     assert (evidence.conversations, evidence.current_rated, evidence.current_up) == (2, 1, 1)  # c1's first: up
 
 
-def test_a_version_3_store_migrates_to_4_keeping_its_rows(tmp_path):
+def test_a_version_3_store_migrates_keeping_its_rows(tmp_path):
     path = tmp_path / "old.db"
     conn = sqlite3.connect(path, isolation_level=None)
     for version, script in enumerate(MIGRATIONS[:3], start=1):
@@ -57,7 +57,7 @@ def test_a_version_3_store_migrates_to_4_keeping_its_rows(tmp_path):
                  "token) VALUES ('c', '2026-01-01T00:00:00.000+00:00', ?, '[]', 'x', '{}', 1, 't')", (CURRENT,))
     conn.close()
     with PreferenceStore(path) as store:
-        assert store._conn.execute("PRAGMA user_version").fetchone()[0] == 4
+        assert store._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert store.counts()["turns"] == 1 and store.trials() == []
         assert store.open_trial(CURRENT, CANDIDATE, 0.5)["id"] == 1
 
