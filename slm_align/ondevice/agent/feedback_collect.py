@@ -74,8 +74,8 @@ def parquet_schema(kind: str):
     if kind == "tasks":
         result = pa.struct([("name", pa.string()), ("content", pa.string())])
         report = pa.struct([("call", pa.int64()), ("ok", pa.bool_()), ("content", pa.string())])
-        label = [("calls", pa.string()), ("results", pa.list_(result)), ("reported", pa.list_(report)),
-                 ("outcome", pa.int8())]
+        label = [("calls", pa.string()), ("results", pa.list_(result)),
+                 ("reported", pa.list_(report)), ("outcome", pa.int8())]
     return pa.schema([("prompt", messages), *answer_columns, *label, ("model_id", pa.string()),
                       ("device", pa.string()), ("arm", pa.string()), ("tools", pa.string())])
 

@@ -118,7 +118,8 @@ def _feedback(values: tuple) -> Feedback:
 
 def has_results(conn: sqlite3.Connection) -> bool:
     """Whether the store records call results (schema version 5 and later)."""
-    found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'call_results'")
+    found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
+                         "AND name = 'call_results'")
     return found.fetchone() is not None
 
 

@@ -17,8 +17,8 @@ the reply *and* the reply's tool rounds (each call the runtime ran and the tool'
 - ``results``: what the tools the runtime ran returned (``{"name", "content"}``, in order); empty
   when no tool ran in the runtime (a function-calling app runs the calls itself: ``reported``);
 - ``reported``: what the app reported of running the reply's calls itself (``{"call", "ok",
-  "content"}``, the latest per call; ``PreferenceStore.report_result``, schema version 5); empty when
-  it reported nothing, and from export files;
+  "content"}``, the latest per call; ``PreferenceStore.report_result``, schema version 5); empty
+  when it reported nothing, and from export files;
 - ``outcome``: 1 for a thumbs up, 0 for a thumbs down;
 - the offered ``tools`` (as the runtime showed them) and the provenance ``model_id``, ``device``,
   ``arm``.

@@ -237,10 +237,11 @@ def test_what_the_app_reports_of_running_the_calls_rides_in_the_task_row(tmp_pat
     is the task row's ``reported``, scrubbed; a turn without reports has none."""
     with PreferenceStore(tmp_path / "phone-1.db") as store:
         wake = [{"role": "user", "content": "Wake me at 6:30."}]
-        turn = store.record_turn("c1", wake, CALL_TEXT + CALL_TEXT, MODEL_A, {"tools": [ALARM]}, True)
+        two = CALL_TEXT + CALL_TEXT
+        turn = store.record_turn("c1", wake, two, MODEL_A, {"tools": [ALARM]}, True)
         store.thumbs(turn, True)
         store.report_result(turn, False, "alarm app busy")
-        store.report_result(turn, True, "set; told ann.lee@example.com", call=0)  # the latest counts
+        store.report_result(turn, True, "set; told ann.lee@example.com", call=0)  # latest counts
         store.report_result(turn, False, call=1)
         other = store.record_turn("c2", wake, CALL_TEXT, MODEL_A, {"tools": [ALARM]}, True)
         store.thumbs(other, False)
@@ -267,7 +268,8 @@ def test_a_store_of_schema_version_4_is_collected_as_it_is(tmp_path):
         conn.execute(f"PRAGMA user_version = {version}")
     conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, "
                  "sampling, consent, token) VALUES ('c', '2026-01-01T00:00:00.000+00:00', ?, ?, ?, "
-                 "'{}', 1, 't')", (MODEL_A, json.dumps([{"role": "user", "content": "Hi"}]), "Hello."))
+                 "'{}', 1, 't')", (MODEL_A, json.dumps([{"role": "user", "content": "Hi"}]),
+                                   "Hello."))
     conn.execute("INSERT INTO feedback (turn_id, kind, created_at) VALUES (1, 'up', "
                  "'2026-01-01T00:00:01.000+00:00')")
     conn.close()
