@@ -15,7 +15,7 @@ from slm_align.ondevice.agent.feedback_collect import collect_feedback
 from slm_align.ondevice.agent.feedback_export import export_preferences
 from slm_align.ondevice.agent.feedback_tasks import balanced
 from slm_align.ondevice.agent.store import PreferenceStore
-from slm_align.ondevice.agent.store_schema import MIGRATIONS
+from tests.helpers import old_store
 from tests.ondevice.agent.test_feedback_collect import ADAPTERS, MODEL_A, MODEL_B, fast, read_jsonl
 
 ALARM = {
@@ -262,14 +262,8 @@ def test_a_store_of_schema_version_4_is_collected_as_it_is(tmp_path):
     """A store written before call results (version 4) gives its task rows, with nothing reported,
     and is not migrated: collect reads it read-only."""
     path = tmp_path / "old-phone.db"
+    old_store(path, 4, MODEL_A, json.dumps([{"role": "user", "content": "Hi"}]), "Hello.")
     conn = sqlite3.connect(path, isolation_level=None)
-    for version, script in enumerate(MIGRATIONS[:4], start=1):
-        conn.executescript(script)
-        conn.execute(f"PRAGMA user_version = {version}")
-    conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, "
-                 "sampling, consent, token) VALUES ('c', '2026-01-01T00:00:00.000+00:00', ?, ?, ?, "
-                 "'{}', 1, 't')", (MODEL_A, json.dumps([{"role": "user", "content": "Hi"}]),
-                                   "Hello."))
     conn.execute("INSERT INTO feedback (turn_id, kind, created_at) VALUES (1, 'up', "
                  "'2026-01-01T00:00:01.000+00:00')")
     conn.close()
