@@ -257,6 +257,10 @@ def print_calls(report: dict) -> dict:
         cells = [f"{f['successes']}/{f['tasks']} | {f['calling'] / max(1, f['tasks']):.2f}"
                  for f in (first, second)]
         print(f"| {name} | {first['tasks']} | {cells[0]} | {cells[1]} |")
+    rates = [f["needs a call"]["calling"] / max(1, f["needs a call"]["tasks"]) for f in figures]
+    if rates[1] < rates[0] / 2:
+        print(f"\nround 2 calls on {rates[1]:.2f} of the questions that need a call, round 1 on "
+              f"{rates[0]:.2f}: it has gone silent; a gain it shows is not one at calling")
     return {"round 1": figures[0], "round 2": figures[1]}
 
 
