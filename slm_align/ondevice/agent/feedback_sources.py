@@ -35,7 +35,11 @@ _JOINED = (f"SELECT {', '.join('t.' + c for c in _TURN_COLUMNS)}, "
            f"{', '.join('f.' + c for c in _FEEDBACK_COLUMNS)} FROM turns t JOIN feedback f ON f.turn_id = t.id "
            "WHERE t.consent = 1 ORDER BY t.id, f.id")
 _WITHOUT_CONSENT = "SELECT COUNT(DISTINCT t.id) FROM turns t JOIN feedback f ON f.turn_id = t.id WHERE t.consent = 0"
-_RESULTS = "SELECT call_index, ok, content FROM call_results WHERE turn_id = ? ORDER BY id"
+MAX_REPORTED_CALLS = 64
+"""The calls of one reply whose reported results are read (a store from another writer may hold
+any number: a round takes a bounded share of one turn)."""
+_RESULTS = ("SELECT call_index, ok, content FROM call_results WHERE turn_id = ? AND call_index < ? "
+            "ORDER BY id")
 
 
 class NotFeedback(Exception):
@@ -126,7 +130,7 @@ def has_results(conn: sqlite3.Connection) -> bool:
 def reported_results(conn: sqlite3.Connection, turn_id: int) -> tuple:
     """The app's reports of running the turn's calls, the latest per call, in call order."""
     latest = {call: {"call": call, "ok": bool(ok), "content": content}
-              for call, ok, content in conn.execute(_RESULTS, (turn_id,))}
+              for call, ok, content in conn.execute(_RESULTS, (turn_id, MAX_REPORTED_CALLS))}
     return tuple(latest[call] for call in sorted(latest))
 
 

@@ -243,6 +243,7 @@ def test_what_the_app_reports_of_running_the_calls_rides_in_the_task_row(tmp_pat
         store.report_result(turn, False, "alarm app busy")
         store.report_result(turn, True, "set; told ann.lee@example.com", call=0)  # latest counts
         store.report_result(turn, False, call=1)
+        store.report_result(turn, True, call=64)  # past the calls a reply is read for
         other = store.record_turn("c2", wake, CALL_TEXT, MODEL_A, {"tools": [ALARM]}, True)
         store.thumbs(other, False)
         with pytest.raises(UserError, match="ok must be True or False"):
