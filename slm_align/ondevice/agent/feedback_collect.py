@@ -166,7 +166,7 @@ class _Collector:
         self.per_device: Counter = Counter()
         self.per_model: Counter = Counter()
         self.counts = Counter(without_consent=0, identical=0, not_feedback_rows=0, duplicates=0, over_cap=0,
-                              scrubbed_replacements=0)
+                              scrubbed_replacements=0, malformed_tasks=0)
         self.refused: list[dict] = []
         self.tasks: Counter = Counter(up=0, down=0, up_with_calls=0)
 
@@ -193,7 +193,11 @@ class _Collector:
         and its demonstration when it was rated up."""
         reported, replaced = scrub_row({"reported": list(reported)})
         self.counts["scrubbed_replacements"] += replaced
-        task = task_row(row, reported["reported"])
+        try:
+            task = task_row(row, reported["reported"])
+        except (AttributeError, IndexError, KeyError, TypeError):  # calls not in OpenAI's form
+            self.counts["malformed_tasks"] += 1
+            return
         self.shards["tasks"].add(task)
         self.tasks["up" if task["outcome"] else "down"] += 1
         self.tasks["up_with_calls"] += bool(task["outcome"] and task["calls"])
@@ -278,7 +282,7 @@ def _summary(collector: _Collector, inputs: Sequence[Path], cap: int) -> dict[st
         "max_rows_per_device": cap,
         "devices_at_cap": sorted(capped),
         "rejected": {key: counts[key] for key in ("without_consent", "duplicates", "over_cap", "identical",
-                                                  "not_feedback_rows")},
+                                                  "not_feedback_rows", "malformed_tasks")},
         "refused": collector.refused,
         "scrubbed_replacements": counts["scrubbed_replacements"],
         "scrubbed_by": detectors(),
@@ -299,7 +303,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
                            f"(devices at the cap: {', '.join(summary['devices_at_cap'][:5])}"
                            f"{', ...' if len(summary['devices_at_cap']) > 5 else ''})",
                "identical": "pair(s) whose two sides are the same text skipped",
-               "not_feedback_rows": "line(s) of export files that are not feedback rows skipped"}
+               "not_feedback_rows": "line(s) of export files that are not feedback rows skipped",
+               "malformed_tasks": "rated answer(s) with unreadable tool calls: no task row"}
     lines += [f"{rejected[key]} {text}" for key, text in reasons.items() if rejected[key]]
     return lines
 

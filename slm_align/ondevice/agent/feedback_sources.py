@@ -157,14 +157,20 @@ def store_rows(path: Path, counts: dict) -> Iterator[Candidate]:
         conn.close()
 
 
+def _messages(value: Any) -> bool:
+    """Whether ``value`` is a non-empty list of chat messages (objects with a text ``role``)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value))
+
+
 def _export_row(value: Any) -> Optional[dict]:
     """``value`` when it is a row ``feedback export`` writes (a pair or a verdict, with its model_id)."""
     if not isinstance(value, dict) or not isinstance(value.get("model_id"), str):
         return None
-    if not _SHA256.fullmatch(value["model_id"]) or not isinstance(value.get("prompt"), list):
+    if not _SHA256.fullmatch(value["model_id"]) or not _messages(value.get("prompt")):
         return None
-    pair = isinstance(value.get("chosen"), list) and isinstance(value.get("rejected"), list)
-    verdict = isinstance(value.get("completion"), list) and isinstance(value.get("label"), bool)
+    pair = _messages(value.get("chosen")) and _messages(value.get("rejected"))
+    verdict = _messages(value.get("completion")) and isinstance(value.get("label"), bool)
     if not pair and not verdict:
         return None
     keys = ("prompt", "chosen", "rejected", "model_id") if pair else ("prompt", "completion", "label", "model_id")

@@ -273,3 +273,21 @@ def test_a_store_of_schema_version_4_is_collected_as_it_is(tmp_path):
     assert (task["outcome"], task["reported"], task["device"]) == (1, [], "old-phone")
     assert summary["rows"]["demonstrations"] == 1
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 4
+
+
+def test_rows_whose_messages_are_not_chat_messages_are_skipped_and_counted(tmp_path):
+    """An export line whose messages are not chat messages is no feedback row; a rated answer whose
+    tool calls cannot be read keeps its KTO row and makes no task row; the rest is collected."""
+    hi = [{"role": "user", "content": "Hi"}]
+    hello = [{"role": "assistant", "content": "Hello."}]
+    bad_round = [*hi, {"role": "assistant", "content": "", "tool_calls": [1]}]
+    lines = [{"prompt": [*hi, "junk"], "completion": hello, "label": True, "model_id": MODEL_A},
+             {"prompt": hi, "completion": [], "label": True, "model_id": MODEL_A},
+             {"prompt": bad_round, "completion": hello, "label": False, "model_id": MODEL_A},
+             {"prompt": hi, "completion": hello, "label": True, "model_id": MODEL_A}]
+    path = tmp_path / "phone-9.unpaired.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = collect_feedback([path], tmp_path / "out")
+    assert summary["rows"] == {"pairs": 0, "unpaired": 2, "tasks": 1, "demonstrations": 1}
+    assert summary["rejected"]["not_feedback_rows"] == 2
+    assert summary["rejected"]["malformed_tasks"] == 1
