@@ -69,7 +69,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="SFT chats and preference rows per step.")
     parser.add_argument("--round2", default="kto", choices=ROUND2,
                         help="What round 2 trains: KTO on the thumbs, DPO on pairs, or SFT on the "
-                        "demonstrations (rejection-sampling fine-tuning).")
+                        "demonstrations (rejection-sampling fine-tuning). Default kto: the best "
+                        "measured (docs/benchmarks.md), none with a gain yet.")
     parser.add_argument("--refusals", default="balanced", choices=REFUSALS,
                         help="--round2 sft: rated-up answers without a call at most as many as "
                         "those with one, or all of them.")
