@@ -44,7 +44,7 @@ def reply_calls(text: str) -> list[dict]:
     return [_as_call(decoded) for decoded in read_calls(text)[1]]
 
 
-def _message_calls(message: dict) -> list[dict]:
+def message_calls(message: dict) -> list[dict]:
     """The calls of one assistant turn as the runtime stored it: its ``tool_calls``, else those
     its text holds (a turn whose calls could not be read keeps its text)."""
     if message.get("tool_calls"):
@@ -57,7 +57,7 @@ def episode_calls(view: dict) -> list[dict]:
     """The calls of an episode's first reply: the last ``rounds`` + 1 assistant turns of its
     messages are the ones the model wrote; the first of them is its answer to the request."""
     written = [m for m in view["messages"] if m.get("role") == "assistant"][-(view["rounds"] + 1):]
-    return _message_calls(written[0]) if written else reply_calls(view["answer"])
+    return message_calls(written[0]) if written else reply_calls(view["answer"])
 
 
 def _decoded(value: Any, where: str) -> Any:

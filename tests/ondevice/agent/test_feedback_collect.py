@@ -99,7 +99,8 @@ def test_an_export_file_is_scrubbed_again_and_counts_as_its_devices_turns(fleet,
     assert "ann.lee@example.com" in (fleet / "phone-1.unpaired.jsonl").read_text()
     summary = collect_feedback([fleet / "phone-1.jsonl", fleet / "phone-1.unpaired.jsonl", fleet / "phone-1.db"],
                                tmp_path / "out")
-    assert summary["rows"] == {"pairs": 2, "unpaired": 1} and summary["rejected"]["duplicates"] == 3
+    assert summary["rows"] == {"pairs": 2, "unpaired": 1, "tasks": 1, "demonstrations": 1}
+    assert summary["rejected"]["duplicates"] == 3
     [row] = read_jsonl(tmp_path / "out" / "unpaired.jsonl")
     assert row["completion"][0]["content"] == "Write to <EMAIL> today." and row["device"] == "phone-1"
     assert row["arm"] is None  # an export file does not say which adapters answered
