@@ -26,15 +26,14 @@ import argparse
 import json
 import resource
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_rl import model_source  # noqa: E402
-from grpo_vs_trl import begins_with_bos, reachable_backbone, timed_mean  # noqa: E402
-from sides import add_side_arguments, alternate_sides, medians  # noqa: E402
+from grpo_vs_trl import begins_with_bos, trl_policy  # noqa: E402
+from sides import StepStamps, add_side_arguments, alternate_sides, medians  # noqa: E402
 
 LR = 1.39e-4
 """Our learning-rate rule's value for 135M (the agent benchmark's), on both sides."""
@@ -116,22 +115,15 @@ def run_trl(args) -> dict:
     import datasets
     import torch
     from peft import LoraConfig
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from slm_align.data.tasks import read_tasks
-    from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
     from slm_align.ondevice.rewards.tool_calls import tool_task
 
     torch.set_num_threads(args.threads)
     recipe = recipe_for(args, args.work)
     rl = recipe.rl
-    source = resolve_source(str(args.work / "sft-merged"))
-    tokenizer = load_tokenizer(source)
-    tokenizer.padding_side = "left"
-    tokenizer.model_input_names = [name for name in tokenizer.model_input_names if name != "token_type_ids"]
-    model = load_model(source)
-    reachable_backbone(model)
+    tokenizer, model = trl_policy(str(args.work / "sft-merged"))
     tasks = read_tasks(args.work / "tasks" / "train.jsonl", tokenizer)
     samples = rl.prompts_per_step * rl.group_size
     updates = samples * rl.epochs // rl.minibatch_size
@@ -141,14 +133,7 @@ def run_trl(args) -> dict:
     dataset = datasets.Dataset.from_dict({
         "prompt": [bos + tasks.prompts[i % len(tasks)] for i in range(needed)],
         "answer": [row["answer"] for row in rows], "tool": [row["tool"] for row in rows]})
-    stamps: list[float] = []
-    cpu_stamps: list[float] = []
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            stamps.append(time.perf_counter())
-            cpu_stamps.append(time.process_time())
-
+    clock = StepStamps()
     config = GRPOConfig(
         output_dir=str(args.work / "trl-out"), use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=10_000,
         save_strategy="no", per_device_train_batch_size=rl.minibatch_size,
@@ -161,26 +146,12 @@ def run_trl(args) -> dict:
     lora = LoraConfig(task_type="CAUSAL_LM", r=rl.lora.r, lora_alpha=rl.lora.alpha, lora_dropout=rl.lora.dropout,
                       target_modules=rl.lora.target_modules or "all-linear")
     trainer = GRPOTrainer(model=model, reward_funcs=tool_task, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=lora, callbacks=[Stamp()])
-    started, cpu_started = time.perf_counter(), time.process_time()
+                          processing_class=tokenizer, peft_config=lora, callbacks=[clock.callback()])
+    clock.start()
     trainer.train()
-    return {"seconds_per_iteration": timed_mean([started] + stamps[updates - 1::updates]),
-            "cpu_seconds_per_iteration": timed_mean([cpu_started] + cpu_stamps[updates - 1::updates]),
+    seconds, cpu_seconds = clock.per_iteration(updates)
+    return {"seconds_per_iteration": seconds, "cpu_seconds_per_iteration": cpu_seconds,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def together(argv: list[str], sides: tuple[str, ...]) -> dict[str, list[dict]]:
-    """Every side at once, each in its own subprocess (a busy host's load falls on all of them alike; half the
-    wall time of alternating)."""
-    running = {side: subprocess.Popen([sys.executable, __file__, "--side", side] + argv, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for side in sides}
-    runs = {}
-    for side, process in running.items():
-        out, err = process.communicate()
-        if process.returncode != 0:
-            sys.exit(f"{side} failed: {err.strip().splitlines()[-1]}")
-        runs[side] = [json.loads(out.strip().splitlines()[-1])]
-    return runs
 
 
 def run_side(args) -> dict:
@@ -238,9 +209,8 @@ def main() -> None:
     argv = sys.argv[1:] + (["--work", str(args.work)] if "--work" not in sys.argv else [])
     if args.together:
         args.repeats = 1
-        print_table(together(argv, ours + ("trl",)), args)
-        return
-    print_table(alternate_sides(__file__, argv, args.repeats, sides=ours + ("trl",)), args)
+    print_table(alternate_sides(__file__, argv, args.repeats, sides=ours + ("trl",), together=args.together),
+                args)
 
 
 if __name__ == "__main__":

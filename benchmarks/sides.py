@@ -9,6 +9,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from typing import Callable
 
 SIDES = ("ours", "trl")
@@ -67,3 +68,42 @@ def ran_as_side(args, run_ours: Callable, run_trl: Callable) -> bool:
         runner = run_trl
     print(json.dumps(runner(args)))
     return True
+
+
+def timed_mean(boundaries: list[float]) -> float:
+    """Mean length of the intervals between iteration boundaries, the first
+    (warm-up) interval left out."""
+    per_iteration = [b - a for a, b in zip(boundaries, boundaries[1:])]
+    return sum(per_iteration[1:]) / max(1, len(per_iteration) - 1)
+
+
+class StepStamps:
+    """The TRL side's clock: wall and CPU time at the end of every optimizer step of a transformers
+    Trainer, from :meth:`start`; :meth:`per_iteration` turns them into seconds per iteration."""
+
+    def __init__(self):
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.started = (0.0, 0.0)
+
+    def callback(self):
+        """A TrainerCallback that stamps this clock at the end of every step."""
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Stamp(TrainerCallback):
+            def on_step_end(self, *args, **kwargs):
+                clock.wall.append(time.perf_counter())
+                clock.cpu.append(time.process_time())
+
+        return Stamp()
+
+    def start(self) -> None:
+        self.started = (time.perf_counter(), time.process_time())
+
+    def per_iteration(self, updates: int) -> tuple[float, float]:
+        """(wall, CPU) seconds per iteration of ``updates`` optimizer steps, the first iteration (warm-up)
+        left out."""
+        return (timed_mean([self.started[0]] + self.wall[updates - 1::updates]),
+                timed_mean([self.started[1]] + self.cpu[updates - 1::updates]))

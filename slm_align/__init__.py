@@ -2,7 +2,8 @@
 
 The public API, importable from the package itself::
 
-    from slm_align import load_recipe, run_sft, run_reward, check_headroom, run_rl, run_preference, run_evaluation
+    from slm_align import load_recipe, run_sft, run_reward, check_headroom, run_rl
+    from slm_align import run_preference, run_evaluation
     from slm_align import merge_run, ExportRequest, run_export, Agent, default_tools
 
 Names resolve on first use (PEP 562), so ``import slm_align`` stays light: the agent runtime on a

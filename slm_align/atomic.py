@@ -4,12 +4,14 @@ whole new one, never half.
 Every writer of the package goes through here. The pattern is always the same: write under a hidden
 temporary name beside the target (same filesystem, so the rename is atomic), flush it to disk,
 rename it into place, then flush the parent directory so the rename itself survives a power cut. On
-any error the temporary is removed and the target is left as it was.
+any error the temporary is removed and the target is left as it was. A folder is built the same
+way, in a scratch folder beside it (:func:`building_directory`, :func:`scratch_directory`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -130,3 +132,57 @@ def publish_directory(built: Path, final: Path, replace: bool = False) -> Path:
     os.replace(built, final)
     fsync_directory(final.parent)
     return final
+
+
+def _writer_gone(scratch: Path) -> bool:
+    """Whether the process that made ``scratch`` (``.NAME.PID.partial``) has ended (it was killed
+    mid-way). Unknown where a process cannot be probed without a signal (Windows): kept."""
+    pid = scratch.name.removesuffix(".partial").rpartition(".")[2]
+    if os.name == "nt" or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def scratch_beside(final: Path) -> Path:
+    """A new hidden scratch folder ``.NAME.PID.partial`` beside ``final``, its own per writing
+    process; what a killed writer left there is removed first (a live one's is left alone)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in final.parent.glob(f".{glob.escape(final.name)}.*.partial"):
+        if _writer_gone(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+    scratch = final.with_name(f".{final.name}.{os.getpid()}.partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    return scratch
+
+
+@contextlib.contextmanager
+def scratch_directory(final: Path) -> Iterator[Path]:
+    """A scratch folder beside ``final`` (:func:`scratch_beside`) for the ``with`` block, removed
+    when it ends, whatever happened (only a killed process leaves it, for the next writer to
+    clear)."""
+    scratch = scratch_beside(final)
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def building_directory(final: Path, replace: bool = False) -> Iterator[Path]:
+    """A scratch folder to build the folder ``final`` in, published at ``final``
+    (:func:`publish_directory`, ``replace`` as there) when the ``with`` block succeeds.
+
+    An exception in the block publishes nothing and leaves an existing ``final`` as it was; the
+    scratch folder is gone either way.
+    """
+    with scratch_directory(final) as scratch:
+        yield scratch
+        publish_directory(scratch, final, replace=replace)

@@ -24,8 +24,8 @@ def storage_error(exc: OSError) -> Optional[UserError]:
     user's to fix, not a bug."""
     where = f" {exc.filename}" if exc.filename else ""
     if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG):
-        return UserError(f"cannot write{where}: {exc.strerror}; free some space or choose another --out, then run "
-                         "again (finished outputs were left as they were)")
+        return UserError(f"cannot write{where}: {exc.strerror}; free some space or choose another "
+                         "--out, then run again (finished outputs were left as they were)")
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return UserError(f"cannot access{where}: {exc.strerror}; fix its permissions "
                          "or choose another path")

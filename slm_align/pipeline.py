@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 
 from slm_align.config import Recipe
 from slm_align.config.from_sft import recipe_from_sft
+from slm_align.config.rl import gate_resolves
 from slm_align.envelope.gate import GateRefused, refusal
 from slm_align.envelope.world import World
 from slm_align.errors import UserError
@@ -23,6 +24,7 @@ from slm_align.evaluate.stage import evaluate
 from slm_align.export.publishing.stage import ExportRequest, run_export
 from slm_align.headroom.stage import check_headroom, record_report, reusable_report
 from slm_align.modeling.accelerator import resolve_compute
+from slm_align.preference.algorithms import trains_on_preferences
 from slm_align.preference.stage import PreferenceStage, refuse_data_parallel
 from slm_align.progress import quiet
 from slm_align.reward_model.stage import run_reward
@@ -37,7 +39,6 @@ from slm_align.tracking import require_library
 Say = Callable[[str], None]
 STAGES = ("sft", "reward", "rl")
 """What ``train --stage`` runs: one Trainer stage, or RL (or DPO/KTO) with every stage it needs."""
-PREFERENCE_ALGORITHMS = ("dpo", "kto")
 
 
 def check_stage(stage: str) -> None:
@@ -96,7 +97,7 @@ def resolve_algorithm(recipe: Recipe, report: dict, say: Say) -> Recipe:
     recommendation = report["info"].get("recommendation")
     if recommendation is not None:
         say(f"gate advice: {recommendation['why']}")
-    if recipe.rl.algo != "auto":
+    if not gate_resolves(recipe.rl.algo):
         return recipe
     if recommendation is None:
         raise UserError("--algo auto follows the gate's advice, which needs the reward spread; the "
@@ -165,18 +166,20 @@ def note_kept_seed(recipe: Recipe, sft_recipe: Recipe, say: Say) -> None:
             f"{recipe.seed}: set rl.seed to seed RL's own draws")
 
 
-def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False, sft_from: Optional[Path] = None,
-           reward_model: Optional[Path] = None, rewards: Sequence[str] = (), say: Say = quiet) -> StageResult:
+def run_rl(recipe: Recipe, out: Path, resume: bool = False, force: bool = False,
+           sft_from: Optional[Path] = None, reward_model: Optional[Path] = None,
+           rewards: Sequence[str] = (), say: Say = quiet) -> StageResult:
     """SFT and the reward model (run or found) and the gate, on rank 0; then PPO or GRPO on every
     rank of the world (one process unless launched)."""
-    if recipe.rl.algo in PREFERENCE_ALGORITHMS:
+    if trains_on_preferences(recipe.rl.algo):
         raise UserError(f"--algo {recipe.rl.algo} is preference optimisation, not RL: run it with "
                         "slm_align.pipeline.run_preference (the CLI's train does)")
     out = Path(out)
     world, compute = rl_world(recipe)
     check_divisible(recipe.rl, world)
     check_episode_settings(recipe.rl, recipe.data.tasks is not None, rewards)
-    check_task_file(recipe.rl, recipe.data.tasks)  # environments named by rows: allowed ones only, before any import
+    # environments named by rows: allowed ones only, before any import
+    check_task_file(recipe.rl, recipe.data.tasks)
     check_sampler(recipe.rl, recipe.model)
     request = RLRequest(sft_from, reward_model, tuple(rewards), force, resume)
     prior = world.on_main(functools.partial(rl_prior, recipe, out, request, world, say))
@@ -213,7 +216,8 @@ class Trained:
     evaluation: Optional[dict] = None
 
 
-def train(recipe: Recipe, out: Path, stage: str = "rl", request: RLRequest = RLRequest(), say: Say = quiet) -> Trained:
+def train(recipe: Recipe, out: Path, stage: str = "rl", request: RLRequest = RLRequest(),
+          say: Say = quiet) -> Trained:
     """What ``slm-align train`` runs: one Trainer stage (``sft``, ``reward``); or, for ``rl``,
     DPO/KTO (``--algo dpo|kto``) or RL with every stage it needs, then the closing evaluation
     (unless ``rl.report_prompts`` is 0, or RL trained on agent episodes: an agent is judged by
@@ -223,14 +227,17 @@ def train(recipe: Recipe, out: Path, stage: str = "rl", request: RLRequest = RLR
         return Trained(run_sft(recipe, out, resume=request.resume))
     if stage == "reward":
         return Trained(run_reward(recipe, out, resume=request.resume))
-    if recipe.rl.algo in PREFERENCE_ALGORITHMS:
+    if trains_on_preferences(recipe.rl.algo):
         return Trained(run_preference(recipe, out, resume=request.resume, force=request.force,
                                       sft_from=request.sft_from, say=say))
-    result = run_rl(recipe, out, resume=request.resume, force=request.force, sft_from=request.sft_from,
-                    reward_model=request.reward_model, rewards=request.rewards, say=say)
-    if not result.primary or recipe.rl.report_prompts == 0:  # other ranks of a data-parallel run: rank 0 reports
+    result = run_rl(recipe, out, resume=request.resume, force=request.force,
+                    sft_from=request.sft_from, reward_model=request.reward_model,
+                    rewards=request.rewards, say=say)
+    # other ranks of a data-parallel run: rank 0 reports
+    if not result.primary or recipe.rl.report_prompts == 0:
         return Trained(result)
-    if result.metrics.get("episodes"):  # an agent is judged in the runtime: export, then evaluate-agent
+    # an agent is judged in the runtime: export, then evaluate-agent
+    if result.metrics.get("episodes"):
         return Trained(result)
     report = evaluate(recipe, out, sft_run=request.sft_from, reward_model=request.reward_model,
                       rewards=request.rewards, prompts=recipe.rl.report_prompts)

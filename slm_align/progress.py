@@ -8,11 +8,11 @@ writes plain lines instead of bars: its start (what it will do and how much), it
 ``--quiet`` silences both.
 
 A stage without optimizer steps (the gate, an evaluation, an export's verification) runs inside
-:func:`stage_lines`; the loops it runs count their items with :func:`counted` (documents scored, tokens sampled,
-prompts decoded), which shows as a bar on a terminal and as a line every cadence in a log. A step of a
-training loop (an RL iteration, minutes long on a real model) runs inside :func:`within_step`: the
-loops it counts (its rollouts) speak through the loop's own bar or lines, so that a log hears from a
-long step at least once a cadence while its work advances.
+:func:`stage_lines`; the loops it runs count their items with :func:`counted` (documents scored,
+tokens sampled, prompts decoded), which shows as a bar on a terminal and as a line every cadence in
+a log. A step of a training loop (an RL iteration, minutes long on a real model) runs inside
+:func:`within_step`: the loops it counts (its rollouts) speak through the loop's own bar or lines,
+so that a log hears from a long step at least once a cadence while its work advances.
 """
 
 from __future__ import annotations
@@ -110,13 +110,15 @@ class LineProgress:
         for task in self.tasks:
             self._finish(task)
 
-    def add_task(self, description: str, total: Optional[float] = None, completed: float = 0, status: str = "",
-                 unit: str = "steps", ends_at_total: bool = True, ends: Optional[bool] = None, **_) -> int:
+    def add_task(self, description: str, total: Optional[float] = None, completed: float = 0,
+                 status: str = "", unit: str = "steps", ends_at_total: bool = True,
+                 ends: Optional[bool] = None, **_) -> int:
         """Start a task: its start line (how much it will do) when ``ends`` (default: the
         progress's); its id. A task that does more after its last unit (a training stage's final
         evaluation) passes ``ends_at_total=False`` and says its end when removed."""
         ends = self.ends if ends is None else ends
-        self.tasks.append(_Task(description, total, completed, status, time.monotonic(), unit, ends_at_total, ends))
+        self.tasks.append(_Task(description, total, completed, status, time.monotonic(), unit,
+                                ends_at_total, ends))
         if ends:
             resumed = f", resuming at {completed:g}" if completed else ""
             self._say(f"{description}: start, "
@@ -127,7 +129,8 @@ class LineProgress:
         """The task is over: its end line when ``ends``, then no more lines."""
         self._finish(self.tasks[task_id])
 
-    def update(self, task_id: int, completed: Optional[float] = None, status: Optional[str] = None, **_) -> None:
+    def update(self, task_id: int, completed: Optional[float] = None, status: Optional[str] = None,
+               **_) -> None:
         """Record progress; a line when the cadence has passed or the last step is reached."""
         task = self.tasks[task_id]
         if task.done:
@@ -176,8 +179,10 @@ def new_progress() -> Union[Progress, LineProgress]:
     """Bars on a terminal, lines in a log (see the module's doc); both silent under ``--quiet``."""
     if not stderr.is_terminal:
         return LineProgress()
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=stderr, transient=True)
+    return Progress(TextColumn("{task.description}"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"),
+                    TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=stderr,
+                    transient=True)
 
 
 class _DeferredLine:
@@ -321,7 +326,8 @@ class Count:
         return self.progress is not None
 
     def advance(self, items: float = 1, status: Optional[str] = None) -> None:
-        """``items`` more are done; ``status`` is the loop's key figure so far (said in brackets)."""
+        """``items`` more are done; ``status`` is the loop's key figure so far (said in
+        brackets)."""
         if self.progress is None:
             return
         self.done += items

@@ -6,10 +6,8 @@ through (reuse by inputs hash, scratch, verify, atomic rename)."""
 from __future__ import annotations
 
 import functools
-import glob
 import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from slm_align.atomic import publish_directory, write_json_atomic, write_text_atomic
+from slm_align.atomic import publish_directory, scratch_directory, write_json_atomic, write_text_atomic
 from slm_align.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -78,7 +76,8 @@ def _files(path: Path) -> list[Path]:
     path = Path(path)
     if not path.is_dir():
         return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.relative_to(path).as_posix() != MANIFEST)
+    return sorted(p for p in path.rglob("*")
+                  if p.is_file() and p.relative_to(path).as_posix() != MANIFEST)
 
 
 def artifact_manifest(artifact: Path) -> Path:
@@ -114,8 +113,8 @@ def verify_checksums(stage_dir: Path, manifest: dict) -> None:
         file = Path(stage_dir) / name
         if not file.is_file() or sha256_file(file) != expected:
             state = "is missing" if not file.is_file() else "does not match the checksum in its manifest"
-            raise UserError(f"{file} {state}: the stage output was changed or damaged; remove {stage_dir} "
-                            "and run the stage again")
+            raise UserError(f"{file} {state}: the stage output was changed or damaged; remove "
+                            f"{stage_dir} and run the stage again")
 
 
 def read_manifest(stage_dir: Path) -> Optional[dict]:
@@ -160,9 +159,9 @@ def check_out_dir(out: Path) -> Path:
 
 
 def check_out_file(out: Path, inputs: Sequence[Path] = (), overwrite: bool = False) -> Path:
-    """``out`` can take a new file: not a directory, not one of ``inputs`` nor inside one (an export folder), in
-    a folder that exists, and not an existing file unless ``overwrite``. Checked before any work, so a refused
-    command writes nothing."""
+    """``out`` can take a new file: not a directory, not one of ``inputs`` nor inside one (an export
+    folder), in a folder that exists, and not an existing file unless ``overwrite``. Checked before
+    any work, so a refused command writes nothing."""
     out = Path(out)
     resolved = out.resolve()
     for given in inputs:
@@ -173,16 +172,18 @@ def check_out_file(out: Path, inputs: Sequence[Path] = (), overwrite: bool = Fal
         raise UserError(f"--out {out} is a directory; pass a file path")
     if not out.parent.is_dir():
         what = "is a file" if out.parent.exists() else "does not exist"
-        raise UserError(f"--out {out}: folder {out.parent} {what}; pass a path in an existing folder")
+        raise UserError(f"--out {out}: folder {out.parent} {what}; "
+                        "pass a path in an existing folder")
     if out.exists() and not overwrite:
-        raise UserError(f"--out {out} exists; pass --overwrite to replace it or choose another path")
+        raise UserError(f"--out {out} exists; pass --overwrite "
+                        "to replace it or choose another path")
     return out
 
 
 WHERE = "where"
-"""An inputs key for where the inputs lie (file paths): recorded for readers of the manifest, left out of the
-stage's identity (:func:`inputs_digest`), so a run moved or copied elsewhere, or reached by another path, is
-reused as it is. Files are named by their bytes elsewhere in the inputs."""
+"""An inputs key for where the inputs lie (file paths): recorded for readers of the manifest, left
+out of the stage's identity (:func:`inputs_digest`), so a run moved or copied elsewhere, or reached
+by another path, is reused as it is. Files are named by their bytes elsewhere in the inputs."""
 
 
 def inputs_digest(inputs: dict) -> str:
@@ -211,8 +212,8 @@ def completed(stage_dir: Path, inputs: dict) -> Optional[dict]:
 
 
 def make_manifest(stage: str, inputs: dict, metrics: dict, started: float) -> dict:
-    return {"stage": stage, "inputs": inputs, "inputs_hash": inputs_digest(inputs), "metrics": metrics,
-            "versions": versions(), "seconds": round(time.time() - started, 2),
+    return {"stage": stage, "inputs": inputs, "inputs_hash": inputs_digest(inputs),
+            "metrics": metrics, "versions": versions(), "seconds": round(time.time() - started, 2),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -252,7 +253,8 @@ def prepare_partial(partial: Path, inputs: dict, resume: bool) -> Optional[str]:
     staging = partial.with_name(partial.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    write_json_atomic(staging / "inputs.json", {"inputs_hash": inputs_digest(inputs), "inputs": inputs})
+    write_json_atomic(staging / "inputs.json",
+                      {"inputs_hash": inputs_digest(inputs), "inputs": inputs})
     publish_directory(staging, partial)
     return None
 
@@ -266,7 +268,8 @@ def last_complete_checkpoint(checkpoints: Path) -> Optional[str]:
     """
     if not checkpoints.is_dir():
         return None
-    found = sorted((d for d in checkpoints.iterdir() if d.is_dir() and d.name.startswith("checkpoint-")
+    found = sorted((d for d in checkpoints.iterdir()
+                    if d.is_dir() and d.name.startswith("checkpoint-")
                     and d.name.split("-")[-1].isdigit()), key=lambda d: int(d.name.split("-")[-1]))
     while found:
         newest = found.pop()
@@ -283,7 +286,8 @@ def keep_first_lines(path: Path, count: int) -> None:
     its checkpoint, or half a line)."""
     if not path.is_file():
         return
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n")]
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+             if line.endswith("\n")]
     write_text_atomic(path, "".join(lines[:count]))
 
 
@@ -357,7 +361,8 @@ def run_stage(stage: Stage, run: Path, resume: bool = False) -> StageResult:
     if not world.main:  # the other ranks of a data-parallel run: rank 0 publishes
         world.barrier()
         return StageResult(stage_dir, skipped=False, metrics={}, primary=False)
-    publish(partial, stage_dir, make_manifest(stage.name, inputs, metrics, started), keep=stage.keep)
+    publish(partial, stage_dir, make_manifest(stage.name, inputs, metrics, started),
+            keep=stage.keep)
     world.barrier()
     return StageResult(stage_dir, skipped=False, metrics=metrics)
 
@@ -426,35 +431,6 @@ def reusable(final: Path, inputs: dict) -> Optional[dict]:
     return manifest
 
 
-def _writer_gone(scratch: Path) -> bool:
-    """Whether the process that made ``scratch`` (``.NAME.PID.partial``) has ended (it was killed
-    mid-way). Unknown where a process cannot be probed without a signal (Windows): kept."""
-    pid = scratch.name.removesuffix(".partial").rpartition(".")[2]
-    if os.name == "nt" or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
-
-
-def scratch_beside(final: Path) -> Path:
-    """A new hidden scratch folder ``.NAME.PID.partial`` beside ``final``, its own per writing
-    process; what a killed writer left there is removed first (a live one's is left alone)."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    for leftover in final.parent.glob(f".{glob.escape(final.name)}.*.partial"):
-        if _writer_gone(leftover):
-            shutil.rmtree(leftover, ignore_errors=True)
-    scratch = final.with_name(f".{final.name}.{os.getpid()}.partial")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir()
-    return scratch
-
-
 def publish_artifact(artifact: Artifact, overwrite: bool = False, reuse: bool = False,
                      manifest: bool = True) -> StageResult:
     """Reuse ``artifact`` when ``reuse`` and its recorded inputs hash equals the new one
@@ -469,12 +445,9 @@ def publish_artifact(artifact: Artifact, overwrite: bool = False, reuse: bool = 
         return StageResult(artifact.final, skipped=True, metrics=found.get("metrics", {}))
     if artifact.taken() and not overwrite:
         raise UserError(f"{artifact.final} exists; {artifact.exists_advice}")
-    scratch = scratch_beside(artifact.final)
-    try:
+    with scratch_directory(artifact.final) as scratch:
         built = artifact.build(scratch)
         metrics = artifact.verify(built)
         record = make_manifest(artifact.stage, inputs, metrics, started) if manifest else None
         artifact.place(built, record)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     return StageResult(artifact.final, skipped=False, metrics=metrics)

@@ -50,7 +50,8 @@ def bootstrap_ci(a: Sequence[float], b: Sequence[float], statistic: Callable, re
         idx = [rng.randrange(n) for _ in range(n)]
         values.append(statistic([a[i] for i in idx], [b[i] for i in idx]))
     values.sort()
-    tail = min(resamples - 1, int((1 - level) / 2 * resamples + 1e-9))  # + 1e-9: 0.05 / 2 * 1000 is 24.999...
+    # + 1e-9: 0.05 / 2 * 1000 is 24.999...
+    tail = min(resamples - 1, int((1 - level) / 2 * resamples + 1e-9))
     return values[tail], values[resamples - 1 - tail]
 
 
@@ -71,7 +72,8 @@ def bootstrap_mean_ci(values: Sequence[float], resamples: int = 2000, level: flo
     """Percentile interval of the mean of ``values`` over resamples of them (Efron & Tibshirani
     1993): :func:`bootstrap_ci` with a one-sample statistic, the same bounds (with 2000 resamples at
     95%, the 51st smallest and the 51st largest resampled mean)."""
-    return bootstrap_ci(values, values, lambda _, resampled: statistics.fmean(resampled), resamples, level, seed)
+    return bootstrap_ci(values, values, lambda _, resampled: statistics.fmean(resampled), resamples,
+                        level, seed)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -90,7 +92,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def sign_flip_p_value(a: Sequence[float], b: Sequence[float], resamples: int = 5000, seed: int = 0) -> float:
+def sign_flip_p_value(a: Sequence[float], b: Sequence[float], resamples: int = 5000,
+                      seed: int = 0) -> float:
     """Two-sided paired permutation test of mean(b - a) = 0: flip the sign of
     each difference at random."""
     rng = random.Random(seed)
@@ -103,7 +106,8 @@ def sign_flip_p_value(a: Sequence[float], b: Sequence[float], resamples: int = 5
 
 def distinct_n(texts: Sequence[str], n: int) -> float:
     """Corpus-level Distinct-n: unique word n-grams over all word n-grams of all texts."""
-    grams = [tuple(words[i:i + n]) for words in (t.split() for t in texts) for i in range(len(words) - n + 1)]
+    grams = [tuple(words[i:i + n]) for words in (t.split() for t in texts)
+             for i in range(len(words) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
 
 

@@ -147,7 +147,8 @@ class StoredRun(Tracker):
         raise NotImplementedError
 
     def trainer_arguments(self) -> dict:
-        return {"report_to": [self.name], "logging_dir": str(self.directory), "run_name": self.stage}
+        return {"report_to": [self.name], "logging_dir": str(self.directory),
+                "run_name": self.stage}
 
     def log(self, step: int, metrics: dict) -> None:
         if step <= self.last_step:
@@ -222,7 +223,8 @@ class MlflowTracker(StoredRun):
         import mlflow
 
         if step > self.last_step:
-            mlflow.log_dict(record, f"watchdog/step-{step:06d}-{record.get('detector', 'event')}.json")
+            mlflow.log_dict(record,
+                            f"watchdog/step-{step:06d}-{record.get('detector', 'event')}.json")
 
     def close(self) -> None:
         import mlflow
@@ -246,8 +248,10 @@ class TrackioTracker(StoredRun):
         return name
 
     def trainer_arguments(self) -> dict:
-        # transformers' callback would deploy to the Space "trackio" by default: local, as the stages' own runs
-        return dict(super().trainer_arguments(), project=PROJECT, run_name=self.run_id, trackio_space_id=None)
+        # transformers' callback would deploy to the Space "trackio" by default: local, as the
+        # stages' own runs
+        return dict(super().trainer_arguments(), project=PROJECT, run_name=self.run_id,
+                    trackio_space_id=None)
 
     def send(self, step: int, values: dict) -> None:
         import trackio
@@ -255,8 +259,8 @@ class TrackioTracker(StoredRun):
         trackio.log(values, step=step)
 
     def close(self) -> None:
-        # this tracker's own run, flushed (in a Trainer stage transformers' callback re-opens the run by name
-        # and finishes what it opened itself)
+        # this tracker's own run, flushed (in a Trainer stage transformers' callback re-opens the
+        # run by name and finishes what it opened itself)
         self.run.finish()
 
 

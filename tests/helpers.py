@@ -4,11 +4,13 @@ finished SFT run, the bundled model exported, a digest of a directory tree."""
 from __future__ import annotations
 
 import hashlib
+import sqlite3
 from pathlib import Path
 
 import pytest
 
 from slm_align.modeling.models import DEFAULT_MODEL_DIR
+from slm_align.ondevice.agent.store_schema import MIGRATIONS
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "gpt2"]
 
@@ -178,3 +180,17 @@ def decisive_models(root, tokenizer, architectures) -> dict:
         tokenizer.save_pretrained(root / arch)
         folders[arch] = root / arch
     return folders
+
+
+def old_store(path: Path, version: int, model_id: str, messages: str = "[]",
+              completion: str = "x") -> None:
+    """A preference store at schema ``version`` (as an older slm-align or app left it) holding one
+    consented turn, id 1."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    for number, script in enumerate(MIGRATIONS[:version], start=1):
+        conn.executescript(script)
+        conn.execute(f"PRAGMA user_version = {number}")
+    conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, "
+                 "sampling, consent, token) VALUES ('c', '2026-01-01T00:00:00.000+00:00', ?, ?, ?, "
+                 "'{}', 1, 't')", (model_id, messages, completion))
+    conn.close()

@@ -8,7 +8,15 @@ import os
 
 import pytest
 
-from slm_align.atomic import atomic_path, atomic_paths, publish_directory, write_json_atomic, write_text_atomic
+from slm_align.atomic import (
+    atomic_path,
+    atomic_paths,
+    building_directory,
+    publish_directory,
+    scratch_directory,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
@@ -81,3 +89,51 @@ def test_a_failed_flush_publishes_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         write_text_atomic(target, "row\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_build_leaves_the_earlier_folder_whole_and_no_scratch(tmp_path):
+    out = tmp_path / "round2"
+    out.mkdir()
+    (out / "pairs.jsonl").write_text("old rows\n")
+    with pytest.raises(RuntimeError):
+        with building_directory(out, replace=True) as scratch:
+            assert scratch.parent == tmp_path and scratch.name.startswith(".round2.")
+            (scratch / "pairs.jsonl").write_text("half")
+            raise RuntimeError("disk full")
+    assert (out / "pairs.jsonl").read_text() == "old rows\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["round2"]
+
+
+def test_a_finished_build_replaces_the_folder_and_leaves_no_scratch(tmp_path):
+    out = tmp_path / "round2"
+    out.mkdir()
+    (out / "stale.jsonl").write_text("old")
+    with building_directory(out, replace=True) as scratch:
+        (scratch / "pairs.jsonl").write_text("new rows\n")
+        assert not (out / "pairs.jsonl").exists()  # nothing shows before the block ends
+    assert sorted(path.name for path in out.iterdir()) == ["pairs.jsonl"]
+    assert (out / "pairs.jsonl").read_text() == "new rows\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["round2"]
+
+
+def test_without_replace_an_existing_folder_is_kept_and_the_scratch_removed(tmp_path):
+    out = tmp_path / "fleet"
+    out.mkdir()
+    (out / "device-1.db").write_text("old")
+    with pytest.raises(OSError):
+        with building_directory(out) as scratch:
+            (scratch / "device-1.db").write_text("new")
+    assert (out / "device-1.db").read_text() == "old"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["fleet"]
+
+
+def test_a_killed_writers_scratch_is_cleared_by_the_next_one(tmp_path):
+    out = tmp_path / "fleet"
+    dead = tmp_path / ".fleet.999999999.partial"  # no process has this id
+    dead.mkdir()
+    live = tmp_path / ".fleet.1.partial"  # pid 1 lives while the machine runs
+    live.mkdir()
+    with scratch_directory(out) as scratch:
+        assert scratch.is_dir() and scratch.name == f".fleet.{os.getpid()}.partial"
+        assert not dead.exists() and live.is_dir()
+    assert not scratch.exists()

@@ -358,7 +358,7 @@ def test_a_long_step_says_a_line_every_cadence_while_its_rollouts_advance(capsys
 def test_train_steps_lets_each_steps_rollouts_speak(capsys, clock, tmp_path):
     """The envelope's step loop (PPO, GRPO, DPO, KTO) runs each step within the loop's lines: a step of
     40 s of sampling says a line at its 30th second, with the step's number."""
-    from slm_align.envelope.loop import train_steps
+    from slm_align.envelope.loop import StepPlan, StepRecord, train_steps
     from slm_align.tracking import Tracker
 
     class Run:
@@ -377,8 +377,8 @@ def test_train_steps_lets_each_steps_rollouts_speak(capsys, clock, tmp_path):
     class World:
         main = True
 
-    train_steps(run, next_step, 2, tmp_path, title="RL (grpo)", status=lambda metrics: "", save_every=10,
-                state=dict, world=World(), tracker=Tracker())
+    plan = StepPlan(next_step, 2, title="RL (grpo)", status=lambda metrics: "")
+    train_steps(run, plan, StepRecord(tmp_path, state=dict, save_every=10, world=World(), tracker=Tracker()))
     lines = progress_lines(capsys.readouterr().err)
     heartbeats = [line for line in lines if ": sampling " in line]
     assert [line.split(",")[0] for line in heartbeats] == [

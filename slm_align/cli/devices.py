@@ -98,8 +98,8 @@ def bench(
 ) -> None:
     """Measure an exported model on this host: load time, time to first token, prompt and
     decode tokens/s, peak RAM."""
-    from slm_align.ondevice.agent.bench import run_bench
+    from slm_align.ondevice.agent.bench import BenchPlan, run_bench
 
-    summary = run_bench(artifact, threads, prompt_tokens, decode_tokens, repeats, n_ctx, device=device,
-                        save_as=save_profile, overwrite=overwrite)
+    plan = BenchPlan(threads, prompt_tokens, decode_tokens, repeats, n_ctx)
+    summary = run_bench(artifact, plan, device=device, save_as=save_profile, overwrite=overwrite)
     emit(as_json, summary, lambda: print_bench(summary))

@@ -253,7 +253,9 @@ def feedback_collect(
                                                   "(.jsonl); each file's name up to its first dot names "
                                                   "its device."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the next round's rows: pairs.jsonl, "
-                                                      "unpaired.jsonl, Parquet shards, summary.json."),
+                                                      "unpaired.jsonl, tasks.jsonl, "
+                                                      "demonstrations.jsonl, Parquet shards, "
+                                                      "summary.json."),
     max_rows_per_device: int = typer.Option(1000, "--max-rows-per-device",
                                             help="A device's most rows (first come, first kept): one "
                                                  "device cannot make a round."),
@@ -272,4 +274,6 @@ def feedback_collect(
     emit(as_json, summary, lambda: print(
         f"feedback collect -> {summary['out']}: {summary['rows']['pairs']} pairs, "
         f"{summary['rows']['unpaired']} rated answers from {summary['devices']} device(s), "
+        f"{summary['rows']['tasks']} task rows ({summary['rows']['demonstrations']} rated up: "
+        f"demonstrations), "
         f"{len(summary['per_model'])} model(s); {summary['scrubbed_replacements']} details scrubbed"))

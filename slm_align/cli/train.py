@@ -305,8 +305,9 @@ def train(
                                                                 "stage of this run instead."),
     reward_model: Optional[Path] = typer.Option(None, help="Use this reward model dir "
                                                            "instead of training one."),
-    reward: list[str] = typer.Option([], "--reward", help="Reward function module:function[@weight] or a built-in; "
-                                                          "repeatable; added to the reward model."),
+    reward: list[str] = typer.Option([], "--reward", help="Reward function "
+                                     "module:function[@weight] or a built-in; repeatable; added "
+                                     "to the reward model."),
     force: bool = typer.Option(False, "--force", help="Train even when the headroom "
                                                       "gate says FAIL (recorded)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted stage in OUT."),
@@ -314,7 +315,7 @@ def train(
 ) -> None:
     """Train: SFT, the Bradley-Terry reward model, the headroom gate, then PPO or GRPO in the safety
     envelope; or DPO/KTO (--algo dpo|kto) on --preferences files from the SFT prior."""
-    from slm_align.pipeline import RLRequest, check_stage, data_from_run
+    from slm_align.pipeline import RLRequest, check_stage, data_from_run, trains_on_preferences
     from slm_align.pipeline import train as run_pipeline
 
     check_stage(stage)
@@ -329,14 +330,15 @@ def train(
         return
     summary = result.summary()
     printer = SUMMARY_PRINTERS[stage]
-    if stage == "rl" and recipe.rl.algo in ("dpo", "kto"):
+    if stage == "rl" and trains_on_preferences(recipe.rl.algo):
         printer = print_preference
     if trained.evaluation is None:
         emit(as_json, summary, lambda: printer(summary))
         return
     report = trained.evaluation
     summary = dict(summary, evaluation=report["comparisons"])
-    emit(as_json, summary, lambda: (print_rl(summary), print_evaluation(report, out / "eval" / "report.md")))
+    report_path = out / "eval" / "report.md"
+    emit(as_json, summary, lambda: (print_rl(summary), print_evaluation(report, report_path)))
 
 
 SUMMARY_PRINTERS = {"sft": print_sft, "reward": print_reward, "rl": print_rl}

@@ -34,26 +34,33 @@ from slm_align.config.rl import (
 from slm_align.config.tomlcompat import tomllib
 from slm_align.errors import UserError
 
-__all__ = ["DEMO", "ComputeSettings", "DataSettings", "EnvelopeSettings", "GRPOSettings", "HeadroomSettings",
-           "LoraSettings", "ModelSettings", "PPOSettings", "PairSettings", "PreferenceSettings", "RLSettings",
-           "RL_SECTIONS", "Recipe", "RewardSettings", "SFTSettings", "TrackingSettings", "TrainSettings",
-           "WatchdogSettings", "load_recipe"]
+__all__ = ["DEMO", "ComputeSettings", "DataSettings", "EnvelopeSettings", "GRPOSettings",
+           "HeadroomSettings", "LoraSettings", "ModelSettings", "PPOSettings", "PairSettings",
+           "PreferenceSettings", "RLSettings", "RL_SECTIONS", "Recipe", "RewardSettings",
+           "SFTSettings", "TrackingSettings", "TrainSettings", "WatchdogSettings", "load_recipe"]
 
 
 class Recipe(Strict):
     seed: int = Field(0, description="Seeds the split, the initialisation and the data order.")
-    model: ModelSettings = Field(default_factory=ModelSettings, description="Where the base model comes from.")
-    compute: ComputeSettings = Field(default_factory=ComputeSettings, description="Device, precision, memory savers.")
-    data: DataSettings = Field(default_factory=DataSettings, description="The corpus and its split.")
+    model: ModelSettings = Field(default_factory=ModelSettings,
+                                 description="Where the base model comes from.")
+    compute: ComputeSettings = Field(default_factory=ComputeSettings,
+                                     description="Device, precision, "
+                                                                                  "memory savers.")
+    data: DataSettings = Field(default_factory=DataSettings,
+                               description="The corpus and its split.")
     sft: SFTSettings = Field(default_factory=SFTSettings, description="Supervised fine-tuning.")
-    reward: RewardSettings = Field(default_factory=RewardSettings, description="The Bradley-Terry reward model.")
-    headroom: HeadroomSettings = Field(default_factory=HeadroomSettings, description="The headroom gate.")
-    rl: RLSettings = Field(default_factory=RLSettings, description="PPO/GRPO inside the safety envelope.")
+    reward: RewardSettings = Field(default_factory=RewardSettings,
+                                   description="The Bradley-Terry reward model.")
+    headroom: HeadroomSettings = Field(default_factory=HeadroomSettings,
+                                       description="The headroom gate.")
+    rl: RLSettings = Field(default_factory=RLSettings,
+                           description="PPO/GRPO inside the safety envelope.")
     preference: PreferenceSettings = Field(default_factory=PreferenceSettings,
                                            description="DPO/KTO on preference "
                                                        "files, inside the envelope.")
-    tracking: TrackingSettings = Field(default_factory=TrackingSettings, description="Experiment tracking (reporting "
-                                       "only: no stage's inputs, so it never "
+    tracking: TrackingSettings = Field(default_factory=TrackingSettings, description="Experiment "
+                                       "tracking (reporting only: no stage's inputs, so it never "
                                        "makes a stage run again).")
 
 
@@ -81,7 +88,8 @@ def _describe(err: ValidationError, flat: set[str] = frozenset()) -> str:
     if loc[:1] == ["rl"] and len(loc) > 2 and loc[1] in RL_SECTIONS and loc[2] in flat:
         del loc[1]  # written flat (rl.beta), validated in its section (rl.grpo.beta)
     where = ".".join(str(p) for p in loc)
-    if isinstance(first.get("input"), dict):  # a whole section (two spellings of one key): the message says it all
+    if isinstance(first.get("input"), dict):
+        # a whole section (two spellings of one key): the message says it all
         return f"invalid setting {where}: {first['msg']}"
     return f"invalid setting {where}: {first['msg']} (got {first.get('input')!r})"
 

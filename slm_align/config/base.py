@@ -1,5 +1,5 @@
-"""The settings of the data, the model, compute, LoRA and the Trainer stages (SFT, the reward model),
-each field with its bounds and a description (the CLI's help comes from it)."""
+"""The settings of the data, the model, compute, LoRA and the Trainer stages (SFT, the reward
+model), each field with its bounds and a description (the CLI's help comes from it)."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ class ComputeSettings(Strict):
 
     device: str = Field("auto", description="auto (the CUDA GPU, else Apple's MPS, else the CPU), "
                         "cpu, cuda, cuda:N or mps.")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Forward passes of the training stages: "
-                                                       "fp32, or bf16/fp16 autocast (fp16 on CUDA "
-                                                       "only); log-probabilities, ratios, "
-                                                       "advantages and KL stay fp32.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Forward passes of the "
+                                                       "training stages: fp32, or bf16/fp16 "
+                                                       "autocast (fp16 on CUDA only); "
+                                                       "log-probabilities, ratios, advantages and "
+                                                       "KL stay fp32.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward "
                                          "pass (SFT, reward, RL, DPO/KTO): less memory, "
                                          "about a third more compute.")
@@ -77,8 +78,10 @@ class DataSettings(Strict):
                                       "automatically when None.")
     demo_documents: int = Field(2000, ge=10, description="How many demo stories to "
                                                          "generate (data.path demo).")
-    eval_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of documents kept for evaluation.")
-    heldout_prompts: int = Field(200, ge=1, description="Most documents kept back as held-out prompts.")
+    eval_fraction: float = Field(0.1, gt=0.0, lt=0.5,
+                                 description="Share of documents kept for evaluation.")
+    heldout_prompts: int = Field(200, ge=1,
+                                 description="Most documents kept back as held-out prompts.")
     max_length: int = Field(256, ge=8, le=32768, description="Tokens per training sequence "
                                                              "(longer is truncated).")
 
@@ -93,7 +96,8 @@ class LoraSettings(Strict):
     r: int = Field(16, ge=1, le=1024, description="LoRA rank.")
     alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
-    target_modules: Optional[list[str]] = Field(None, description="Modules to adapt; None = per architecture.")
+    target_modules: Optional[list[str]] = Field(None, description="Modules to adapt; None "
+                                                                  "= per architecture.")
 
 
 class TrainSettings(Strict):
@@ -102,7 +106,8 @@ class TrainSettings(Strict):
     epochs: float = Field(1.0, gt=0, description="Passes over the training data.")
     max_steps: int = Field(-1, ge=-1, description="Stop after this many optimizer "
                                                   "steps (-1: use epochs).")
-    learning_rate: float = Field(2e-3, gt=0, lt=1, description="Peak learning rate of the cosine schedule.")
+    learning_rate: float = Field(2e-3, gt=0, lt=1,
+                                 description="Peak learning rate of the cosine schedule.")
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of steps spent warming up.")
     batch_size: int = Field(8, ge=1, description="Sequences (SFT) or pairs "
                                                  "(reward) per device batch.")
@@ -114,15 +119,17 @@ class TrainSettings(Strict):
 
 
 class SFTSettings(TrainSettings):
-    neftune_alpha: Optional[float] = Field(5.0, ge=0, description="NEFTune noise scale; None or 0 disables it.")
+    neftune_alpha: Optional[float] = Field(5.0, ge=0, description="NEFTune noise scale; "
+                                                                  "None or 0 disables it.")
 
 
 class PairSettings(Strict):
-    mix: dict[str, float] = Field(default_factory=lambda: {"truncate": 1.0, "shuffle": 1.0, "mismatch": 1.0,
-                                                           "dropout": 1.0},
+    mix: dict[str, float] = Field(default_factory=lambda: {"truncate": 1.0, "shuffle": 1.0,
+                                                           "mismatch": 1.0, "dropout": 1.0},
                                   description="Relative weight of each corruption that "
                                               "makes a rejected text.")
-    opening_sentences: int = Field(2, ge=1, description="Sentences of a document that form the prompt.")
+    opening_sentences: int = Field(2, ge=1,
+                                   description="Sentences of a document that form the prompt.")
     min_words: int = Field(3, ge=1, description="Pairs whose chosen or rejected side has "
                                                 "fewer words are dropped.")
     dropout_rate: float = Field(0.3, gt=0, lt=1, description="Share of words removed by "
@@ -132,12 +139,14 @@ class PairSettings(Strict):
 
 
 class RewardSettings(TrainSettings):
-    learning_rate: float = Field(1e-3, gt=0, lt=1, description="Peak learning rate of the cosine schedule.")
+    learning_rate: float = Field(1e-3, gt=0, lt=1,
+                                 description="Peak learning rate of the cosine schedule.")
     margin: float = Field(0.0, ge=0, description="Bradley-Terry margin: chosen must beat "
                                                  "rejected by this much.")
     center_coefficient: float = Field(0.01, ge=0, description="Weight of the (r_chosen + "
                                       "r_rejected)^2 penalty.")
-    pairs: PairSettings = Field(default_factory=PairSettings, description="Synthetic preference pairs.")
+    pairs: PairSettings = Field(default_factory=PairSettings,
+                                description="Synthetic preference pairs.")
     preferences: list[str] = Field(default_factory=list,
                                    description="Preference files to import (TRL columns), e.g. "
                                                "both files of `slm-align feedback export`.")
@@ -168,7 +177,8 @@ class PreferenceSettings(Strict):
     desirable_weight: Optional[float] = Field(
         None, gt=0,
         description="KTO: weight of the desirable (thumbs-up) losses; None: undesirable_weight x "
-                    "n_undesirable / n_desirable, so both labels weigh the same in total (KTO paper).")
+                    "n_undesirable / n_desirable, so both labels weigh the same in total (KTO "
+                    "paper).")
     undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable "
                                       "(thumbs-down) losses.")
     heldout_fraction: float = Field(0.2, gt=0, lt=0.9, description="Share of prompts kept out of "
@@ -195,7 +205,8 @@ class HeadroomSettings(Strict):
                                                      "prior must stay below.")
     batch_size: int = Field(8, ge=1, description="Sequences per forward pass while measuring.")
     max_documents: int = Field(500, ge=1, description="Most eval documents scored.")
-    min_reward_accuracy: float = Field(0.6, ge=0, le=1, description="Held-out pairwise accuracy the reward needs.")
+    min_reward_accuracy: float = Field(0.6, ge=0, le=1, description="Held-out pairwise accuracy "
+                                                                    "the reward needs.")
     min_reward_std: float = Field(0.1, ge=0, description="Mean within-prompt std of rewards (over "
                                   "samples_per_prompt samples of each prompt) required: the "
                                   "variation both algorithms learn from.")

@@ -35,6 +35,8 @@ def recipe_from_sft(run: Path, recipe: Recipe) -> tuple[Recipe, Path]:
     updated.model.source = inputs["model"]["ref"]
     updated.seed = inputs["seed"]
     if recipe.data.path is None:  # the run's own corpus and split, unless the user names other data
-        updated.data = type(recipe.data).model_validate(dict(inputs["data_settings"], path=recorded_data_path(inputs)))
-        updated.data.tasks = recipe.data.tasks  # RL's task file is not SFT's: the user's choice stands
+        updated.data = type(recipe.data).model_validate(dict(inputs["data_settings"],
+                                                             path=recorded_data_path(inputs)))
+        # RL's task file is not SFT's: the user's choice stands
+        updated.data.tasks = recipe.data.tasks
     return updated, Path(run) / STAGE / "adapter"

@@ -1,5 +1,5 @@
-"""An object named ``module:attribute`` on the command line (a user's reward function, an environment
-class), imported or refused in one line."""
+"""An object named ``module:attribute`` on the command line (a user's reward function, an
+environment class), imported or refused in one line."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ def import_named(spec: str, what: str) -> Any:
     try:
         return getattr(importlib.import_module(module_name), attribute)
     except ImportError as exc:
-        raise UserError(f"{what} {spec}: cannot import module {module_name} ({exc}); is it on PYTHONPATH?") from None
+        raise UserError(f"{what} {spec}: cannot import module {module_name} "
+                        f"({exc}); is it on PYTHONPATH?") from None
     except AttributeError:
         raise UserError(f"{what} {spec}: module {module_name} has no {attribute}") from None

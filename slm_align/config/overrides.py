@@ -13,6 +13,7 @@ from typing import Any, Optional
 from pydantic import BaseModel
 
 from slm_align.config import RL_SECTIONS, Recipe, section_of
+from slm_align.config.rl import algorithm_candidates
 from slm_align.config.tomlcompat import tomllib
 from slm_align.errors import UserError
 
@@ -100,18 +101,19 @@ def _algorithms_of(key: str) -> Optional[tuple[str, ...]]:
     return None if section is None else (section,)
 
 
-def refuse_other_algorithm(algo: str, overrides: dict[str, Any], flag_names: dict[str, str]) -> None:
+def refuse_other_algorithm(algo: str, overrides: dict[str, Any],
+                           flag_names: dict[str, str]) -> None:
     """Refuse a setting given on the command line that only another algorithm reads (``--algo ppo
     --beta``, ``--algo dpo --desirable-weight``); ``auto`` (PPO or GRPO, the gate decides)
     accepts both RL sections."""
     for key, value in overrides.items():
         owners = _algorithms_of(key)
-        if value is None or owners is None or algo in owners:
-            continue
-        if algo == "auto" and set(owners) <= {"ppo", "grpo"}:
+        if value is None or owners is None or set(owners) & set(algorithm_candidates(algo)):
             continue
         given = flag_names.get(key, f"--set {key}")
         owner = "/".join(owners)
-        twin = f" ({algo.upper()}'s own: {PREFERENCE_TWINS[key]})" if key in PREFERENCE_TWINS else ""
+        twin = ""
+        if key in PREFERENCE_TWINS:
+            twin = f" ({algo.upper()}'s own: {PREFERENCE_TWINS[key]})"
         raise UserError(f"{given} is a {owner.upper()} setting and --algo is {algo}: drop it or "
                         f"use --algo {owners[0]}{twin}")

@@ -5,11 +5,12 @@ Five kinds, all seeded and deterministic:
 
 - calculator: an arithmetic or unit question (:mod:`slm_align.data.agent_tasks`), the call, the
   calculator's real observation, the answer;
-- direct: the same kind of question answered at once, without the tool (the right number, which a model
-  of a few million parameters can only guess at on new questions): the habit of answering from memory
-  that agent training has to replace by a call;
+- direct: the same kind of question answered at once, without the tool (the right number, which a
+  model of a few million parameters can only guess at on new questions): the habit of answering from
+  memory that agent training has to replace by a call;
 - clock: a time question, the ``current_time`` call, an observation in the clock's own format for a
-  generated date (the real clock reads the wall time, which a reproducible build cannot), the answer;
+  generated date (the real clock reads the wall time, which a reproducible build cannot), the
+  answer;
 - error: a call the tool refuses (a division by zero, an unknown time zone), the registry's real
   failure text as the observation, an answer that says so;
 - no tool: a greeting or a story request, answered in plain text with no call.
@@ -34,13 +35,14 @@ from slm_align.ondevice.tools.builtin import default_tools, time_text
 from slm_align.ondevice.tools.calls import ToolCall
 from slm_align.ondevice.tools.registry import ToolRegistry
 
-_ZONES = ("UTC", "Europe/Paris", "Europe/London", "Asia/Tokyo", "America/New_York", "Australia/Sydney")
+_ZONES = ("UTC", "Europe/Paris", "Europe/London", "Asia/Tokyo", "America/New_York",
+          "Australia/Sydney")
 _CLOCK_QUESTIONS = ("What time is it in {place}?", "What is the time in {place} now?",
                     "Tell me the current time in {place}.", "What day is it in {place}?")
 _BAD_ZONES = ("Mars/Olympus", "Europe/Atlantis", "Moon/Base")
 _GREETINGS = (("Hello!", "Hello! How can I help you today?"), ("Hi", "Hi! What can I do for you?"),
-              ("Thank you.", "You are welcome."), ("Who are you?", "I am a small assistant. I can use a calculator "
-                                                                   "and a clock."))
+              ("Thank you.", "You are welcome."), ("Who are you?", "I am a small assistant. I can "
+                                                                   "use a calculator and a clock."))
 _STORY_REQUESTS = ("Tell me a story.", "Tell me a short story.", "Can you tell me a story?")
 KINDS = ("calculator", "direct", "clock", "error", "no_tool")
 """The kinds of conversation, in the order :data:`SHARES` weighs them."""
@@ -55,10 +57,12 @@ def conversation_text(messages: list[dict], template: str, eos_token: Optional[s
 
 
 def generate_conversations(n: int, seed: int, exclude: frozenset = frozenset()) -> list[list[dict]]:
-    """``n`` conversations drawn by :data:`SHARES`; calculator questions whose question or expression
-    is in ``exclude`` (a task set's :func:`~slm_align.data.agent_tasks.leak_keys`) are skipped."""
+    """``n`` conversations drawn by :data:`SHARES`; calculator questions whose question or
+    expression is in ``exclude`` (a task set's :func:`~slm_align.data.agent_tasks.leak_keys`) are
+    skipped."""
     rng = random.Random(seed)
-    tasks = [task for task in make_tasks(n + len(exclude), seed=seed + 1) if not _held_out(task, exclude)]
+    tasks = [task for task in make_tasks(n + len(exclude), seed=seed + 1)
+             if not _held_out(task, exclude)]
     makers: dict[str, Callable[[random.Random], list[dict]]] = {
         "clock": clock_chat, "error": error_chat, "no_tool": no_tool_chat}
     conversations = []
@@ -131,7 +135,8 @@ def _tool_chat(question: str, call: ToolCall, answer: str) -> list[dict]:
 
 @functools.cache
 def _tools() -> ToolRegistry:
-    """The built-in tools, built once for every conversation (the calculator and the clock keep no state)."""
+    """The built-in tools, built once for every conversation (the calculator and the clock keep no
+    state)."""
     return default_tools()
 
 

@@ -3,8 +3,8 @@ the calculator tool answers.
 
 Every task row follows TRL's conventional columns::
 
-    {"prompt": [{"role": "user", "content": "What is 17 * 23?"}], "tools": [<calculator's OpenAI schema>],
-     "answer": "391", "tool": "calculator", "expression": "17 * 23"}
+    {"prompt": [{"role": "user", "content": "What is 17 * 23?"}],
+     "tools": [<calculator's OpenAI schema>], "answer": "391", "tool": "calculator", "expression": "17 * 23"}
 
 ``answer`` is exactly the text the runtime's calculator returns for ``expression``, so a model that
 calls the tool and copies its observation is right. SFT rows teach the format as chat ``messages``:
@@ -15,7 +15,8 @@ same text the agent runtime renders for that conversation.
 The SFT chats may also hold a teacher's habit: with ``memory_share`` above zero, that share of the
 training tasks is demonstrated as a direct answer without the tool (right, as a teacher who can
 multiply answers). A small student copies the habit and cannot carry it out; reinforcement learning
-on task success in the runtime is what teaches it that calling the tool pays (the quickstart shows it).
+on task success in the runtime is what teaches it that calling the tool pays (the quickstart shows
+it).
 
 Generation is seeded and deterministic; train and held-out tasks share no question and no expression
 (``a * b`` and ``b * a`` count as one).
@@ -54,7 +55,8 @@ _UNIT_TEMPLATES = ("How many {small} are in {q} {large}?", "Convert {q} {large} 
                    "How many {small} make {q} {large}?")
 _UNITS = (("metres", "centimetres", 100), ("kilometres", "metres", 1000), ("hours", "minutes", 60),
           ("minutes", "seconds", 60), ("kilograms", "grams", 1000), ("litres", "millilitres", 1000),
-          ("days", "hours", 24), ("weeks", "days", 7), ("feet", "inches", 12), ("metres", "millimetres", 1000))
+          ("days", "hours", 24), ("weeks", "days", 7), ("feet", "inches", 12),
+          ("metres", "millimetres", 1000))
 UNIT_SHARE = 0.4
 """Share of unit questions among the generated tasks (the rest is arithmetic)."""
 
@@ -145,8 +147,8 @@ def task_row(question: str, expression: str) -> dict:
     observed = calculator(expression)
     if observed != answer:  # the observation is what the model copies: they must agree
         raise AssertionError(f"calculator({expression!r}) gave {observed!r}, expected {answer!r}")
-    return {"prompt": [{"role": "user", "content": question}], "tools": [calculator_schema()], "answer": answer,
-            "tool": TOOL, "expression": expression}
+    return {"prompt": [{"role": "user", "content": question}], "tools": [calculator_schema()],
+            "answer": answer, "tool": TOOL, "expression": expression}
 
 
 def make_tasks(n: int, seed: int = 0) -> list[dict]:
@@ -213,7 +215,8 @@ def memory_row(task: dict) -> dict:
 
 def sft_chats(train: list[dict], memory_share: float = 0.0, seed: int = 0) -> list[dict]:
     """The SFT chats of ``train``: two tool-use rows per task (:func:`sft_rows`), except for a
-    ``memory_share`` of the tasks (drawn with ``seed``) answered from memory (:func:`memory_row`)."""
+    ``memory_share`` of the tasks (drawn with ``seed``) answered from memory
+    (:func:`memory_row`)."""
     if not 0.0 <= memory_share <= 1.0:
         raise UserError(f"--memory-share must be between 0 and 1 (got {memory_share})")
     rng = random.Random(seed + 2)

@@ -30,7 +30,8 @@ def load_corpus(settings: DataSettings, seed: int) -> Corpus:
     """Read ``settings.path`` (or generate the demo stories: path ``demo`` or unset) and
     split it with ``seed``."""
     if settings.uses_demo:
-        examples = [Example(text=t) for t in generate_stories(settings.demo_documents, seed=DEMO_SEED)]
+        examples = [Example(text=t) for t in generate_stories(settings.demo_documents,
+                                                              seed=DEMO_SEED)]
         description = f"demo stories ({settings.demo_documents} documents)"
     else:
         path = Path(settings.path)
@@ -53,7 +54,8 @@ NO_DATA = ("no training data: pass --data FILE (txt, jsonl, parquet, csv, a data
            "a hub dataset id) or --data demo for the generated demo stories")
 
 
-def require_data(settings: DataSettings, from_run: bool = False, tasks_stand_in: bool = False) -> None:
+def require_data(settings: DataSettings, from_run: bool = False,
+                 tasks_stand_in: bool = False) -> None:
     """Refuse to fall back on the demo stories unasked (the command line's check; library callers
     that want the demo leave ``path`` unset). Data is given when ``path`` is set (``demo``
     included), when the stage takes it from a finished SFT stage (``from_run``), or when a task file

@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-NAMES = ["Lily", "Tom", "Mia", "Ben", "Sara", "Max", "Anna", "Leo", "Zoe", "Sam", "Ella", "Jack", "Lucy", "Tim",
-         "Nina", "Finn", "Rosa", "Omar", "Ivy", "Noah"]
+NAMES = ["Lily", "Tom", "Mia", "Ben", "Sara", "Max", "Anna", "Leo", "Zoe", "Sam", "Ella", "Jack",
+         "Lucy", "Tim", "Nina", "Finn", "Rosa", "Omar", "Ivy", "Noah"]
 ANIMALS = ["cat", "dog", "bunny", "bird", "fox", "bear", "duck", "frog", "mouse", "owl"]
 KIDS = ["girl", "boy"]
 ADJECTIVES = ["little", "happy", "small", "kind", "brave", "curious", "shy", "funny"]

@@ -29,7 +29,8 @@ def encode(example: Example, tokenizer, max_length: int) -> dict[str, list[int]]
     prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
     special = not prompt_ids  # BOS (when the tokenizer adds one) goes once, at the very start
     completion_ids = tokenizer(completion, add_special_tokens=special)["input_ids"]
-    if tokenizer.eos_token_id is not None and (not completion_ids or completion_ids[-1] != tokenizer.eos_token_id):
+    if tokenizer.eos_token_id is not None and (not completion_ids
+                                               or completion_ids[-1] != tokenizer.eos_token_id):
         completion_ids = completion_ids + [tokenizer.eos_token_id]
     input_ids = (prompt_ids + completion_ids)[:max_length]
     labels = ([IGNORE_INDEX] * len(prompt_ids) + completion_ids)[:max_length]

@@ -82,7 +82,8 @@ def _schema(param: dict) -> dict:
 def tool_schema(function: dict) -> dict:
     """The function as an offered tool, in OpenAI's form (JSON-schema parameters)."""
     parameters = {"type": "object",
-                  "properties": {name: _schema(param) for name, param in function["params"].items()},
+                  "properties": {name: _schema(param)
+                                 for name, param in function["params"].items()},
                   "required": list(function["required"])}
     return {"type": "function", "function": {"name": function["name"],
                                              "description": function["description"],

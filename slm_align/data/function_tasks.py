@@ -1,5 +1,6 @@
-"""The function-calling task family (``tasks make --kind functions``): rows in BFCL's categories over
-the generated library (:mod:`slm_align.data.function_library`), split by function, and SFT chats.
+"""The function-calling task family (``tasks make --kind functions``): rows in BFCL's categories
+over the generated library (:mod:`slm_align.data.function_library`), split by function, and SFT
+chats.
 
 A row (the format ``function_call_match`` and ``evaluate-agent`` read)::
 
@@ -74,7 +75,8 @@ def category_counts(n: int, mix: Optional[dict] = None) -> dict[str, int]:
 
 def _same_domain_first(anchor: dict, pool: list[dict], k: int, rng: random.Random) -> list[dict]:
     """``k`` functions of ``pool`` other than ``anchor``: of its domain first, then of others."""
-    near = [function for function in pool if function["domain"] == anchor["domain"] and function is not anchor]
+    near = [function for function in pool
+            if function["domain"] == anchor["domain"] and function is not anchor]
     far = [function for function in pool if function["domain"] != anchor["domain"]]
     rng.shuffle(near)
     rng.shuffle(far)
@@ -84,7 +86,8 @@ def _same_domain_first(anchor: dict, pool: list[dict], k: int, rng: random.Rando
 def repeatable(function: dict) -> bool:
     """Whether one request may call ``function`` several times: not marked ``once`` and not a switch
     (a required boolean: "turn it on, and turn it off" is no request)."""
-    switches = [name for name in function["required"] if function["params"][name]["type"] == "boolean"]
+    switches = [name for name in function["required"]
+                if function["params"][name]["type"] == "boolean"]
     return not function.get("once") and not switches
 
 
@@ -104,7 +107,8 @@ def _distinct_requests(function: dict, k: int, rng: random.Random) -> list:
 
 def _joined(requests: list, rng: random.Random) -> str:
     """Several requests as one message: "A. Also, b." (a name or "I" keeps its capital)."""
-    sentences = [request.text if request.text[-1] in ".?!" else request.text + "." for request in requests]
+    sentences = [request.text if request.text[-1] in ".?!" else request.text + "."
+                 for request in requests]
     out = sentences[0]
     for request, sentence in zip(requests[1:], sentences[1:]):
         first = sentence.split(" ", 1)[0]
@@ -136,7 +140,9 @@ def make_row(category: str, functions: list[dict], rng: random.Random) -> dict:
     if category == "parallel_multiple":
         called = [anchor, *_same_domain_first(anchor, functions, rng.randint(1, 2), rng)]
         requests = [request for function in called
-                    for request in _distinct_requests(function, 1 + (repeatable(function) and rng.random() < 0.3),
+                    for request in _distinct_requests(function,
+                                                      1 + (repeatable(function)
+                                                           and rng.random() < 0.3),
                                                       rng)]
         rng.shuffle(requests)
         offered = called + _same_domain_first(anchor, [f for f in functions if f not in called],
@@ -156,7 +162,8 @@ def _irrelevance_row(anchor: dict, functions: list[dict], rng: random.Random) ->
     return row
 
 
-def make_rows(n: int, functions: list[dict], seed: int, split: str, mix: Optional[dict] = None) -> list[dict]:
+def make_rows(n: int, functions: list[dict], seed: int, split: str,
+              mix: Optional[dict] = None) -> list[dict]:
     """``n`` rows over ``functions`` in the categories of ``mix``; no two share a request;
     ids ``functions_<split>_<category>_<number>``; shuffled (a ``--limit`` takes every category)."""
     rng = random.Random(seed)
@@ -221,20 +228,22 @@ def function_tasks(train: int = 1000, heldout: int = 250, seed: int = 0,
     train_rows = make_rows(train, train_functions, seed + 1, "train", mix)
     heldout_rows = make_rows(heldout, heldout_functions, seed + 2, "heldout", mix)
     rng = random.Random(seed + 3)
-    return {"sft": [sft_chat(row, rng) for row in train_rows], "train": train_rows, "heldout": heldout_rows}
+    return {"sft": [sft_chat(row, rng) for row in train_rows], "train": train_rows,
+            "heldout": heldout_rows}
 
 
 def write_function_tasks(out, train: int = 1000, heldout: int = 250, seed: int = 0,
                          overwrite: bool = False, mix: Optional[dict] = None) -> dict[str, Path]:
-    """Write ``sft.jsonl``, ``train.jsonl`` and ``heldout.jsonl`` of the function-calling family into
-    ``out``; returns their paths keyed ``sft``, ``train``, ``heldout``. Nothing is written when a
-    count is out of range or a file exists (unless ``overwrite``)."""
+    """Write ``sft.jsonl``, ``train.jsonl`` and ``heldout.jsonl`` of the function-calling family
+    into ``out``; returns their paths keyed ``sft``, ``train``, ``heldout``. Nothing is written when
+    a count is out of range or a file exists (unless ``overwrite``)."""
     folder = Path(out)
     paths = {name: folder / f"{name}.jsonl" for name in FILES}
     check_counts(train, heldout)
     existing = [str(path) for path in paths.values() if path.exists()]
     if existing and not overwrite:
-        raise UserError(f"{', '.join(existing)} already exist; choose another --out or pass --overwrite")
+        raise UserError(f"{', '.join(existing)} already exist; "
+                        "choose another --out or pass --overwrite")
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--out {folder} is a file; pass a directory")
     rows = function_tasks(train, heldout, seed, mix)

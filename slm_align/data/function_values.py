@@ -12,7 +12,8 @@ A parameter of the library (``assets/functions/domains/*.json``) names its gener
   spaces for underscores;
 - ``bool``: said with the parameter's ``say`` pair (the phrase for true, then for false);
 - ``time``: a clock time, called ``HH:MM`` (24-hour) and said "6:30 pm", "18:30" or "6 pm";
-- ``date``: a day of 2027, called ``YYYY-MM-DD`` and said "March 14, 2027", "14 March 2027" or as called;
+- ``date``: a day of 2027, called ``YYYY-MM-DD`` and said "March 14, 2027", "14 March 2027" or as
+  called;
 - ``digits:N``: a string of N digits (a postcode);
 - ``list:LO:HI:ITEM``: LO to HI distinct items drawn by the generator ITEM (or by ``enum`` over the
   items' enum), said "a, b and c".
@@ -29,8 +30,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-                 "eleven", "twelve")
+_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+                 "ten", "eleven", "twelve")
 _MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
            "October", "November", "December")
 YEAR = 2027

@@ -9,9 +9,9 @@ Accepted rows (any corpus format that :mod:`slm_align.data.readers` reads):
   with message lists); within one prompt, every good completion is paired with every bad one (at
   most :data:`MAX_PAIRS_PER_PROMPT`).
 
-A ``tools`` column (TRL's: the tools the prompt offered, a list or JSON text) renders the prompt with
-them, as the runtime showed them. This is also the format ``slm-align feedback export`` writes for the
-next round. Other extra columns are ignored.
+A ``tools`` column (TRL's: the tools the prompt offered, a list or JSON text) renders the prompt
+with them, as the runtime showed them. This is also the format ``slm-align feedback export`` writes
+for the next round. Other extra columns are ignored.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any, Union
 
 from slm_align.data.pairs import Pair
 from slm_align.data.prompts import chat_message, chat_turn
-from slm_align.data.readers import iter_rows
 from slm_align.errors import UserError
+from slm_align.ondevice.rows import iter_rows
 from slm_align.ondevice.tools.specs import normalise_tools
 
 MAX_PAIRS_PER_PROMPT = 8
@@ -56,7 +56,8 @@ def _unpaired(where: str, row: dict, tokenizer) -> tuple[str, str]:
     if isinstance(row["prompt"], list) or isinstance(row["completion"], list):
         completion = _messages(where, row["completion"], "completion")
         tools = normalise_tools(where, row.get("tools"))
-        return chat_turn(_messages(where, row["prompt"], "prompt"), completion[-1], tokenizer, tools)
+        return chat_turn(_messages(where, row["prompt"], "prompt"), completion[-1], tokenizer,
+                         tools)
     return _text(where, row, "prompt"), _text(where, row, "completion")
 
 
@@ -116,8 +117,10 @@ class PreferenceRows:
             by_prompt[item.prompt][item.label].append(item.completion)
         pairs = list(self.pairs)
         for prompt, by_label in by_prompt.items():
-            combos = [(good, bad) for good in by_label[True] for bad in by_label[False] if good != bad]
-            pairs.extend(Pair(prompt, good, bad, "unpaired") for good, bad in combos[:MAX_PAIRS_PER_PROMPT])
+            combos = [(good, bad) for good in by_label[True] for bad in by_label[False]
+                      if good != bad]
+            pairs.extend(Pair(prompt, good, bad, "unpaired")
+                         for good, bad in combos[:MAX_PAIRS_PER_PROMPT])
         return [p for p in pairs if p.chosen.strip() != p.rejected.strip()]
 
     def unpaired(self) -> list[Labelled]:
@@ -138,7 +141,8 @@ def _read_row(where: str, row: Any, tokenizer, rows: PreferenceRows) -> None:
             rows.pairs.append(_render_chat(where, row, tokenizer))
         else:
             prompt = _text(where, row, "prompt") if "prompt" in row else ""
-            rows.pairs.append(Pair(prompt, _text(where, row, "chosen"), _text(where, row, "rejected")))
+            rows.pairs.append(Pair(prompt, _text(where, row, "chosen"),
+                                   _text(where, row, "rejected")))
     elif {"prompt", "completion", "label"} <= row.keys():
         prompt, completion = _unpaired(where, row, tokenizer)
         rows.labelled.append(Labelled(prompt, completion, _label(where, row["label"])))
@@ -169,6 +173,6 @@ def read_preferences(path: Union[Path, list[Path]], tokenizer=None) -> list[Pair
     pairs = read_preference_rows(path, tokenizer).paired()
     if not pairs:
         paths = _paths(path)
-        raise UserError(f"preferences {', '.join(map(str, paths))} hold no usable pair (need chosen != rejected, "
-                        "or both a good and a bad completion of one prompt)")
+        raise UserError(f"preferences {', '.join(map(str, paths))} hold no usable pair (need "
+                        "chosen != rejected, or both a good and a bad completion of one prompt)")
     return pairs

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from slm_align.config import Recipe
+from slm_align.data.corpus import load_corpus
 from slm_align.data.prompts import prompts_of
+from slm_align.data.tasks import read_tasks, split_tasks
 from slm_align.errors import UserError
 from slm_align.ondevice.rewards.builtin import combine
 from slm_align.ondevice.rewards.columns import check_columns, with_columns
@@ -74,26 +76,24 @@ def prompt_source(recipe: Recipe, tokenizer, corpus=None) -> PromptSource:
     if recipe.data.tasks is not None:
         return _task_source(recipe, tokenizer)
     if corpus is None:
-        from slm_align.data.corpus import load_corpus
-
         corpus = load_corpus(recipe.data, recipe.seed)
     splits = corpus.splits
     make_train = functools.partial(prompts_of, splits.train, tokenizer)
-    return PromptSource(make_train, prompts_of(splits.heldout, tokenizer), f"openings of {corpus.description}")
+    return PromptSource(make_train, prompts_of(splits.heldout, tokenizer), "openings of "
+                                                                           f"{corpus.description}")
 
 
 def _task_source(recipe: Recipe, tokenizer) -> PromptSource:
-    from slm_align.data.tasks import read_tasks, split_tasks
-
     path = Path(recipe.data.tasks)
     if not path.exists():
         raise UserError(f"task file {path} not found; pass an existing jsonl/json/parquet "
                         "file or datasets directory")
     tasks = read_tasks(path, tokenizer)
-    train, heldout = split_tasks(tasks, recipe.seed, recipe.data.eval_fraction, recipe.data.heldout_prompts)
+    train, heldout = split_tasks(tasks, recipe.seed, recipe.data.eval_fraction,
+                                 recipe.data.heldout_prompts)
     if len(train) == 0 or len(heldout) < 2:
-        raise UserError(f"task file {path}: {len(tasks)} distinct prompts are too few to split into training and "
-                        "held-out prompts; give at least 20")
+        raise UserError(f"task file {path}: {len(tasks)} distinct prompts are too few to split "
+                        "into training and held-out prompts; give at least 20")
     answers = ()
     if "answer" in heldout.column_names():
         answers = tuple(str(row["answer"]) for row in heldout.columns)

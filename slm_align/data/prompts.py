@@ -13,7 +13,12 @@ from typing import Any, Optional
 
 from slm_align.data.examples import Example
 from slm_align.errors import UserError
-from slm_align.ondevice.templates.chat import default_chat_template, shown_tools, template_form, template_traits
+from slm_align.ondevice.templates.chat import (
+    default_chat_template,
+    shown_tools,
+    template_form,
+    template_traits,
+)
 
 
 def sentences(text: str) -> list[str]:
@@ -56,7 +61,8 @@ def chat_message(where: str, message: Any) -> dict:
     if not isinstance(content, str):
         raise UserError(f"{where}: each message needs a 'role' and a text 'content'")
     kept = {key: message[key] for key in MESSAGE_KEYS if message.get(key) is not None}
-    if isinstance(kept.get("tool_calls"), str):  # JSON text: the Parquet shards of `feedback collect`
+    if isinstance(kept.get("tool_calls"), str):
+        # JSON text: the Parquet shards of `feedback collect`
         kept["tool_calls"] = _json_calls(where, kept["tool_calls"])
     return dict(kept, role=str(message["role"]), content=content)
 
@@ -74,12 +80,13 @@ def _json_calls(where: str, text: str) -> list:
 
 def render_chat(messages, tokenizer, add_generation_prompt: bool = False, tools=None) -> str:
     """Chat messages (OpenAI's form) and their tools through the tokenizer's chat template (the
-    default one when it has none: see :func:`slm_align.ondevice.templates.chat.default_chat_template`),
-    each call turn in the form the template expects
-    (:func:`slm_align.ondevice.templates.chat.template_form`)."""
+    default one when it has none: see
+    :func:`slm_align.ondevice.templates.chat.default_chat_template`), each call turn in the form the
+    template expects (:func:`slm_align.ondevice.templates.chat.template_form`)."""
     template = tokenizer.chat_template or default_chat_template(tokenizer)
     rows = template_form([dict(m) for m in messages], template_traits(template))
-    rows = shown_tools(template, rows, list(tools) if tools else None)  # a template that drops tools: the fallback
+    # a template that drops tools: the fallback
+    rows = shown_tools(template, rows, list(tools) if tools else None)
     return tokenizer.apply_chat_template(rows, tools=list(tools) if tools else None, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
                                          chat_template=template)

@@ -35,13 +35,14 @@ def _rank(seed: int, example: Example) -> str:
     return seeded_rank(seed, example.key())
 
 
-def split_examples(examples: list[Example], seed: int, eval_fraction: float, heldout_prompts: int) -> Splits:
+def split_examples(examples: list[Example], seed: int, eval_fraction: float,
+                   heldout_prompts: int) -> Splits:
     """Split by seeded content hash: held-out prompts first (at most 10%),
     then eval, the rest train."""
     unique = list({ex.key(): ex for ex in examples}.values())
     if len(unique) < MIN_DOCUMENTS:
-        raise UserError(f"the corpus has {len(unique)} distinct documents; need at least {MIN_DOCUMENTS} "
-                        "to split into train, eval and held-out prompts")
+        raise UserError(f"the corpus has {len(unique)} distinct documents; need at least "
+                        f"{MIN_DOCUMENTS} to split into train, eval and held-out prompts")
     ordered = sorted(unique, key=lambda ex: _rank(seed, ex))
     n_heldout = max(1, min(heldout_prompts, len(ordered) // 10))
     n_eval = max(1, round(len(ordered) * eval_fraction))

@@ -10,9 +10,9 @@ the text the model continues.
 
 Every column other than the prompt stays with its row: reward functions receive them as keyword
 lists (``fn(prompts, completions, answer=[...], tools=[...])``, see
-:func:`slm_align.ondevice.rewards.columns.with_columns`), which look a completion's row up by its prompt. So
-two rows with the same rendered prompt must agree on their columns (identical rows collapse to one),
-and :func:`split_tasks` keeps identical prompts on the same side.
+:func:`slm_align.ondevice.rewards.columns.with_columns`), which look a completion's row up by its
+prompt. So two rows with the same rendered prompt must agree on their columns (identical rows
+collapse to one), and :func:`split_tasks` keeps identical prompts on the same side.
 """
 
 from __future__ import annotations
@@ -22,10 +22,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from slm_align.data.readers import iter_rows
 from slm_align.data.splits import seeded_rank
 from slm_align.errors import UserError
-from slm_align.ondevice.templates.chat import default_chat_template, shown_tools, template_form, template_traits
+from slm_align.ondevice.rows import iter_rows
+from slm_align.ondevice.templates.chat import (
+    default_chat_template,
+    shown_tools,
+    template_form,
+    template_traits,
+)
 from slm_align.ondevice.tools.specs import normalise_tools
 
 RESERVED_COLUMNS = frozenset({"prompts", "completions"})
@@ -87,7 +92,8 @@ class TaskSet:
         conversations = None
         if self.conversations is not None:
             conversations = [self.conversations[i] for i in chosen]
-        return TaskSet([self.prompts[i] for i in chosen], [self.columns[i] for i in chosen], conversations)
+        return TaskSet([self.prompts[i] for i in chosen], [self.columns[i] for i in chosen],
+                       conversations)
 
     @cached_property
     def _row_of(self) -> dict[str, int]:
@@ -100,8 +106,9 @@ class TaskSet:
         for prompt in prompts:
             index = self._row_of.get(prompt)
             if index is None:
-                raise UserError(f"no task row has the prompt {_excerpt(prompt)} ({len(self)} tasks); rewards can "
-                                "only score prompts of the task data they were given")
+                raise UserError(f"no task row has the prompt {_excerpt(prompt)} ({len(self)} "
+                                "tasks); rewards can only score prompts of the task data they "
+                                "were given")
             rows.append(self.columns[index])
         return {name: [row.get(name) for row in rows] for name in self.all_column_names()}
 
@@ -140,11 +147,13 @@ def read_tasks(path, tokenizer=None, prompt_field: str = "prompt") -> TaskSet:
     return TaskSet(prompts, columns, conversations if any(conversations) else None)
 
 
-def _check_same_columns(where: str, first: tuple[int, str], columns: list[dict], other: dict) -> None:
+def _check_same_columns(where: str, first: tuple[int, str], columns: list[dict],
+                        other: dict) -> None:
     index, first_where = first
     if columns[index] == other:
         return
-    differing = sorted(key for key in set(columns[index]) | set(other) if columns[index].get(key) != other.get(key))
+    differing = sorted(key for key in set(columns[index]) | set(other)
+                       if columns[index].get(key) != other.get(key))
     name = differing[0]
     raise UserError(
         f"{where}: same prompt as {first_where} but a different '{name}' "
@@ -164,8 +173,8 @@ def _task_row(where: str, row: Any, tokenizer, prompt_field: str) -> tuple[str, 
         field = "messages"
     else:
         found = ", ".join(map(str, row)) or "none"
-        raise UserError(f"{where}: no '{prompt_field}' column (found: {found}); name the prompt column with "
-                        "prompt_field, or give 'messages'")
+        raise UserError(f"{where}: no '{prompt_field}' column (found: {found}); name the prompt "
+                        "column with prompt_field, or give 'messages'")
     other = {key: value for key, value in row.items() if key != field}
     _check_column_names(where, other)
     if "tools" in other:
@@ -216,7 +225,8 @@ def _check_message(where: str, field: str, message: Any) -> None:
                         f"(got {type(content).__name__})")
 
 
-def render_conversation(where: str, messages: list[dict], tools: Optional[list[dict]], tokenizer) -> str:
+def render_conversation(where: str, messages: list[dict], tools: Optional[list[dict]],
+                        tokenizer) -> str:
     """The messages (and tools) through the tokenizer's chat template, ending with
     the generation prompt."""
     if tokenizer is None:
@@ -225,9 +235,11 @@ def render_conversation(where: str, messages: list[dict], tools: Optional[list[d
     template = tokenizer.chat_template or default_chat_template(tokenizer)
     try:
         formed = shown_tools(template, template_form(messages, template_traits(template)), tools)
-        return tokenizer.apply_chat_template(formed, tools=tools or None, add_generation_prompt=True,
-                                             tokenize=False, chat_template=template)
-    except Exception as exc:  # jinja2 and transformers raise several types for a conversation a template refuses
+        return tokenizer.apply_chat_template(formed, tools=tools or None,
+                                             add_generation_prompt=True, tokenize=False,
+                                             chat_template=template)
+    except Exception as exc:
+        # jinja2 and transformers raise several types for a conversation a template refuses
         reason = " ".join(str(exc).split())[:200]
         raise UserError(f"{where}: the chat template cannot render this conversation "
                         f"({type(exc).__name__}: {reason})") from None

@@ -9,6 +9,7 @@ killed run may have logged past it), so every step is logged exactly once.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
@@ -56,25 +57,58 @@ def append_metrics(path: Path, metrics: dict) -> None:
         handle.write(json.dumps(metrics) + "\n")
 
 
-def train_steps(run: Stepped, next_step: Callable[[], dict], total: int, partial: Path, *, title: str,
-                status: Callable[[dict], str], save_every: int, state: Callable[[], dict], world: World,
-                tracker: Tracker, stopped: Callable[[], bool] = never) -> None:
-    """Take the remaining steps of ``run`` up to ``total`` (``next_step()`` takes one and
-    returns its metrics), until ``stopped()``. Rank 0 appends each step's metrics and reports
-    them to ``tracker``, and saves ``state()`` every ``save_every`` steps, at the last step and
-    when the run stops early."""
-    metrics_path = Path(partial) / METRICS
-    if world.main:
+@dataclass(frozen=True)
+class StepPlan:
+    """What the step loop runs: one step at a time up to ``total``, until ``stopped()``."""
+
+    next_step: Callable[[], dict]
+    """Takes one step of the run and returns its metrics."""
+    total: int
+    """The step count the run ends at."""
+    title: str
+    """The progress bar's title ("RL (grpo)", "DPO")."""
+    status: Callable[[dict], str]
+    """A step's metrics as the bar's short status."""
+    stopped: Callable[[], bool] = never
+    """True once the run stops early (the watchdog)."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Where the step loop keeps what the run did; rank 0 alone writes."""
+
+    partial: Path
+    """The stage's work dir: ``metrics.jsonl`` and the checkpoint."""
+    state: Callable[[], dict]
+    """The run's state, as a checkpoint holds it."""
+    save_every: int
+    """Checkpoint every this many steps (and at the last step, and on an early stop)."""
+    world: World
+    """The ranks (rank 0 writes the metrics and checkpoints)."""
+    tracker: Tracker
+    """Where each step's metrics are reported besides ``metrics.jsonl``."""
+
+
+def train_steps(run: Stepped, plan: StepPlan, record: StepRecord) -> None:
+    """Take the remaining steps of ``run`` up to ``plan.total`` (``plan.next_step()`` takes one
+    and returns its metrics), until ``plan.stopped()``. Rank 0 appends each step's metrics and
+    reports them to the tracker, and saves ``record.state()`` every ``save_every`` steps, at the
+    last step and when the run stops early."""
+    metrics_path = Path(record.partial) / METRICS
+    main = record.world.main
+    total = plan.total
+    if main:
         keep_first_lines(metrics_path, run.step)  # steps after the checkpoint are taken again
     with new_progress() as progress:
-        task = progress.add_task(title, total=total, completed=run.step, status="")
-        while run.step < total and not stopped():
-            with within_step(progress, f"{title} step {run.step + 1}/{total}"):
-                metrics = next_step()
-            progress.update(task, completed=run.step, status=status(metrics))
-            if not world.main:
+        task = progress.add_task(plan.title, total=total, completed=run.step, status="")
+        while run.step < total and not plan.stopped():
+            with within_step(progress, f"{plan.title} step {run.step + 1}/{total}"):
+                metrics = plan.next_step()
+            progress.update(task, completed=run.step, status=plan.status(metrics))
+            if not main:
                 continue
             append_metrics(metrics_path, metrics)
-            tracker.log(run.step, metrics)
-            if run.step % save_every == 0 or run.step == total or stopped():
-                save_checkpoint(partial, state())
+            record.tracker.log(run.step, metrics)
+            due = run.step % record.save_every == 0 or run.step == total
+            if due or plan.stopped():
+                save_checkpoint(record.partial, record.state())

@@ -8,7 +8,7 @@ the step count, and the part of a checkpoint they all write.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -21,27 +21,40 @@ from slm_align.envelope.world import World
 from slm_align.modeling.accelerator import device_of, forward_autocast
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's passes run and how: its ranks, the precision of its forwards, checkpointing."""
+
+    world: World = World()
+    """The data-parallel ranks (one process unless launched)."""
+    precision: str = "fp32"
+    """Autocast of the forward passes ("fp32": none); the loss math is fp32 either way."""
+    checkpointing: bool = False
+    """Gradient checkpointing: the layers' activations recomputed in backward, not kept."""
+
+
 class TrainableRun:
     """The policy, its trainable parameters, AdamW and the guarded optimizer step;
     subclasses add their algorithm."""
 
-    def __init__(self, policy, named_params: list[tuple[str, torch.nn.Parameter]], learning_rate: Optional[float],
-                 envelope: EnvelopeSettings, world: World, precision: str, checkpointing: bool):
+    def __init__(self, policy, named_params: list[tuple[str, torch.nn.Parameter]],
+                 learning_rate: Optional[float], envelope: EnvelopeSettings, placement: Placement):
         self.policy = policy
         self.device = device_of(policy)
-        self.precision = precision
-        self.checkpointing = checkpointing
-        if checkpointing:
+        self.precision = placement.precision
+        self.checkpointing = placement.checkpointing
+        if placement.checkpointing:
             enable_checkpointing(policy)
         self.envelope = envelope
-        self.world = world
+        self.world = placement.world
         self.named_params = named_params
         self.params = [p for _, p in named_params]
         self.learning_rate = learning_rate
         if self.learning_rate is None:
             self.learning_rate = default_learning_rate(base_parameters(policy))
         self.optimizer = torch.optim.AdamW(self.params, lr=self.learning_rate, weight_decay=0.0)
-        self.guard = GuardedOptimizer(self.params, self.optimizer, envelope, world, GuardCounters())
+        self.guard = GuardedOptimizer(self.params, self.optimizer, envelope, self.world,
+                                      GuardCounters())
         self.step = 0
 
     @property

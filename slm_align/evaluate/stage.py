@@ -137,13 +137,14 @@ def compare(a: dict, b: dict, seed: int) -> dict:
             "p_value": sign_flip_p_value(ra, rb, seed=seed), "verdict": verdict}
 
 
-def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_model: Optional[Path] = None,
-             rewards: Sequence[str] = (), prompts: int = 200, max_new_tokens: Optional[int] = None,
-             temperature: Optional[float] = None, sft_run: Optional[Path] = None) -> dict:
+def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (),
+             reward_model: Optional[Path] = None, rewards: Sequence[str] = (), prompts: int = 200,
+             sft_run: Optional[Path] = None) -> dict:
     """Measure every policy, compare each with the first, and write the report into ``run/eval/``.
 
-    ``sft_run`` names the run whose SFT stage is the prior when it is not ``run``
-    itself (``train --sft``).
+    Completions are sampled as the recipe says (``rl.max_new_tokens``, ``rl.temperature``).
+    ``sft_run`` names the run whose SFT stage is the prior when it is not ``run`` itself
+    (``train --sft``).
     """
     run = Path(run)
     device = resolve_device(recipe.compute.device)
@@ -161,15 +162,18 @@ def evaluate(recipe: Recipe, run: Path, baselines: Sequence[str] = (), reward_mo
     if len(held) < 2:
         raise UserError("fewer than two held-out prompts to evaluate on; give a larger corpus")
     documents = splits.eval[: recipe.headroom.max_documents]
-    max_new = max_new_tokens or recipe.rl.max_new_tokens
-    temp = recipe.rl.temperature if temperature is None else temperature
+    max_new = recipe.rl.max_new_tokens
+    temp = recipe.rl.temperature
     rows = [_measure(p, held, documents, reward, recipe, max_new, temp, device)
             for p in run_policies(recipe, run, adapter, baselines)]
     shown = min(3, len(held))  # --prompts may be 2
-    report = {"prompts": len(held), "max_new_tokens": max_new, "temperature": temp, "seed": recipe.seed,
-              "reward_terms": [name for name, _, _ in reward.terms], "policies": rows,
+    samples = [{"prompt": held[i], **{r["name"]: r["completions"][i] for r in rows}}
+               for i in range(shown)]
+    report = {"prompts": len(held), "max_new_tokens": max_new, "temperature": temp,
+              "seed": recipe.seed, "reward_terms": [name for name, _, _ in reward.terms],
+              "policies": rows,
               "comparisons": [compare(rows[0], row, recipe.seed) for row in rows[1:]],
-              "samples": [{"prompt": held[i], **{r["name"]: r["completions"][i] for r in rows}} for i in range(shown)]}
+              "samples": samples}
     report["watchdog"] = _watchdog_of(run / "rl")
     report["preference"] = preference_records(run)
     _write(report, run / "eval", run / "rl" / "metrics.jsonl")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -53,20 +54,34 @@ def _heldout_pairs(recipe: Recipe, corpus, run: Optional[Path]) -> list:
     return synthetic_pairs(corpus.splits.eval, recipe.reward.pairs, recipe.seed + 1)[0]
 
 
-def _reward_figures(recipe: Recipe, corpus, policy, tokenizer, reward_model: Optional[Path],
-                    rewards: Sequence[str], run: Optional[Path], info: dict, source) -> list[Figure]:
+@dataclass(frozen=True)
+class GateReward:
+    """The reward the gate measures."""
+
+    model: Optional[Path]
+    """The learned reward model's directory (None: reward functions only)."""
+    functions: Sequence[str]
+    """Reward functions by name or ``module:function[@weight]``."""
+    run: Optional[Path]
+    """The run whose reward stage kept its held-out pairs (None: pairs from the eval split)."""
+
+
+def _reward_figures(recipe: Recipe, corpus, source, policy, tokenizer, given: GateReward,
+                    info: dict) -> list[Figure]:
     """Held-out pairwise accuracy of the reward model and the spread of
     rewards over policy samples."""
     from slm_align.scoring.reward_model import pairwise_metrics
 
     settings = recipe.headroom
-    reward = source.reward(rewards, learned=learned_reward(reward_model, device_of(policy)))
+    learned_model = learned_reward(given.model, device_of(policy))
+    reward = source.reward(given.functions, learned=learned_model)
     figures = []
-    if reward_model is not None:
-        pairs = _heldout_pairs(recipe, corpus, run)
+    if given.model is not None:
+        pairs = _heldout_pairs(recipe, corpus, given.run)
         if pairs:
             learned = next(fn for name, fn, _ in reward.terms if name == "reward_model")
-            metrics = pairwise_metrics(learned.model, learned.tokenizer, pairs, recipe.data.max_length)
+            metrics = pairwise_metrics(learned.model, learned.tokenizer, pairs,
+                                       recipe.data.max_length)
             info["reward_accuracy_by_kind"] = metrics["accuracy_by_kind"]
             figures.append(Figure("reward accuracy (held-out pairs)", metrics["accuracy"],
                                   settings.min_reward_accuracy, ">=", REMEDY_ACCURACY))
@@ -230,14 +245,15 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
 
     Perplexity always; reward accuracy when a reward model is known (``reward_model``, or the run's
     ``reward/model`` when no ``rewards`` are given either); reward spread when any reward is known.
-    ``stage`` judges the SFT prior (``sft``, what ``train`` gates) or a finished aligned stage's policy
-    (``rl``, ``dpo``, ``kto``: its adapter on the merged SFT prior).
+    ``stage`` judges the SFT prior (``sft``, what ``train`` gates) or a finished aligned stage's
+    policy (``rl``, ``dpo``, ``kto``: its adapter on the merged SFT prior).
     """
     started = time.time()
     device = resolve_device(recipe.compute.device)
     aligned = aligned_adapter(run, stage)
     recipe, adapter, reward_model = gate_subject(recipe, run, adapter, reward_model, rewards)
-    check_task_file(recipe.rl, recipe.data.tasks)  # environments named by rows: allowed ones only, before any import
+    # environments named by rows: allowed ones only, before any import
+    check_task_file(recipe.rl, recipe.data.tasks)
     for given in (adapter, aligned):
         if given is not None:
             require_adapter(given, recipe.model.allow_pickle)  # before anything loads
@@ -245,22 +261,26 @@ def check_headroom(recipe: Recipe, run: Optional[Path] = None, adapter: Optional
     tokenizer = load_tokenizer(model_source, recipe.model.trust_remote_code)
     corpus = load_corpus(recipe.data, recipe.seed)
     source = prompt_source(recipe, tokenizer, corpus)
-    encoded = encode_all(_perplexity_documents(recipe, corpus, source), tokenizer, recipe.data.max_length)
+    documents = _perplexity_documents(recipe, corpus, source)
+    encoded = encode_all(documents, tokenizer, recipe.data.max_length)
     if not encoded:
         raise UserError(f"data {corpus.description}: no eval document has tokens to score")
     reward_known = reward_model is not None or bool(rewards)
     with stage_lines("headroom gate",
                      _gate_plan(recipe, len(encoded), source, reward_known)) as lines:
-        info = {"model": model_source.label, "data": corpus.description, "prompts": source.description,
-                "eval_documents": len(encoded), "stage": stage}
-        model = _prior(recipe, model_source, device, (adapter, aligned), encoded, tokenizer.pad_token_id, info)
+        info = {"model": model_source.label, "data": corpus.description,
+                "prompts": source.description, "eval_documents": len(encoded), "stage": stage}
+        model = _prior(recipe, model_source, device, (adapter, aligned), encoded,
+                       tokenizer.pad_token_id, info)
         measured = perplexity(model, encoded, tokenizer.pad_token_id, recipe.headroom.batch_size)
         figures = [Figure("held-out perplexity",
                           measured.ppl, recipe.headroom.max_ppl, "<", REMEDY_PPL)]
         if reward_known:
-            figures += _reward_figures(recipe, corpus, model, tokenizer, reward_model, rewards, run, info, source)
+            given = GateReward(reward_model, rewards, run)
+            figures += _reward_figures(recipe, corpus, source, model, tokenizer, given, info)
         else:
-            info["reward"] = "not measured: no reward model or reward function (slm-align train --stage reward)"
+            info["reward"] = ("not measured: no reward model or reward function "
+                              "(slm-align train --stage reward)")
         info.update(eval_tokens=measured.tokens, seconds=round(time.time() - started, 2))
         report = HeadroomReport(figures, info)
         lines.figures = report.summary()

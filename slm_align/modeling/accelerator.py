@@ -91,7 +91,8 @@ def forward_autocast(device, precision: str):
         return contextlib.nullcontext()
     import torch
 
-    return torch.autocast(device_type=torch.device(device).type, dtype=getattr(torch, AUTOCAST_DTYPES[precision]))
+    return torch.autocast(device_type=torch.device(device).type,
+                          dtype=getattr(torch, AUTOCAST_DTYPES[precision]))
 
 
 def _check_precision(device: str, precision: str) -> None:
@@ -139,16 +140,18 @@ def _deepspeed_config(spec: str, device: str, trainer: bool) -> str:
     except ImportError:
         raise UserError("--deepspeed needs DeepSpeed: pip install deepspeed") from None
     if not device.startswith("cuda"):
-        raise UserError(f"--deepspeed: DeepSpeed's ZeRO shards training state across CUDA GPUs, not {device}; drop "
-                        "--deepspeed or pass --device cuda on a machine with GPUs")
+        raise UserError("--deepspeed: DeepSpeed's ZeRO shards training state across CUDA GPUs, "
+                        f"not {device}; drop --deepspeed or pass --device cuda on a machine with "
+                        "GPUs")
     return str(path)
 
 
 def _check_4bit(device: str) -> None:
     """4-bit base weights (bitsandbytes) exist on CUDA only, and need bitsandbytes installed."""
     if not device.startswith("cuda"):
-        raise UserError(f"--load-in-4bit: 4-bit base weights (bitsandbytes) need a CUDA GPU, not {device}; "
-                        "drop --load-in-4bit or pass --device cuda on a machine with one")
+        raise UserError("--load-in-4bit: 4-bit base weights (bitsandbytes) need a CUDA GPU, not "
+                        f"{device}; drop --load-in-4bit or pass --device cuda on a machine with "
+                        "one")
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -175,7 +178,8 @@ class Compute:
         """TrainingArguments for this device: the CPU only when asked, mixed precision,
         checkpointing, DeepSpeed."""
         arguments = {"use_cpu": self.device == "cpu", "bf16": self.precision == "bf16",
-                     "fp16": self.precision == "fp16", "gradient_checkpointing": self.gradient_checkpointing}
+                     "fp16": self.precision == "fp16",
+                     "gradient_checkpointing": self.gradient_checkpointing}
         if self.gradient_checkpointing:
             arguments["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
         if self.deepspeed is not None:
@@ -190,18 +194,20 @@ class Compute:
         import torch
         from transformers import BitsAndBytesConfig
 
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_use_double_quant=True,
                                   bnb_4bit_compute_dtype=torch.bfloat16)
 
     def record(self) -> dict:
         """What the manifest records: the device, the precision, the memory savers
         and the DeepSpeed config."""
         return {"device": self.device, "precision": self.precision,
-                "gradient_checkpointing": self.gradient_checkpointing, "load_in_4bit": self.load_in_4bit,
-                "deepspeed": self.deepspeed}
+                "gradient_checkpointing": self.gradient_checkpointing,
+                "load_in_4bit": self.load_in_4bit, "deepspeed": self.deepspeed}
 
 
-def resolve_compute(settings: ComputeSettings, quantizable: bool = False, trainer: bool = True) -> Compute:
+def resolve_compute(settings: ComputeSettings, quantizable: bool = False,
+                    trainer: bool = True) -> Compute:
     """The stage's :class:`Compute`: the device resolved, the precision, 4-bit weights and DeepSpeed
     checked against it. ``quantizable``: the stage can train on 4-bit base weights (SFT); elsewhere
     they are refused. ``trainer``: the stage trains on transformers' Trainer (SFT, reward), which
@@ -222,7 +228,8 @@ def resolve_compute(settings: ComputeSettings, quantizable: bool = False, traine
     deepspeed = None
     if settings.deepspeed is not None:
         deepspeed = _deepspeed_config(settings.deepspeed, device, trainer)
-    return Compute(device, settings.precision, settings.gradient_checkpointing, settings.load_in_4bit, deepspeed)
+    return Compute(device, settings.precision, settings.gradient_checkpointing,
+                   settings.load_in_4bit, deepspeed)
 
 
 def check_trainer_device(compute: Compute) -> None:

@@ -50,18 +50,20 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
 
     from slm_align.modeling.accelerator import device_of
 
-    encoded = [tokenizer(p, add_special_tokens=True)["input_ids"] or [tokenizer.eos_token_id] for p in prompts]
+    encoded = [tokenizer(p, add_special_tokens=True)["input_ids"] or [tokenizer.eos_token_id]
+               for p in prompts]
     width = max(len(ids) for ids in encoded)
     pad = tokenizer.pad_token_id
     device = device_of(model)
     prompt_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=device)
-    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
+    prompt_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded],
+                               device=device)
     if seed is not None:
         torch.manual_seed(seed)
     with counted("sampling", max_new_tokens, f"tokens of {len(prompts)} completions") as count:
         with torch.no_grad():
-            completion_ids, drawn_logprobs = _decode(model, prompt_ids, prompt_mask, max_new_tokens, temperature,
-                                                     top_p, tokenizer.eos_token_id, pad, count)
+            rule = DecodeRule(max_new_tokens, temperature, top_p, tokenizer.eos_token_id, pad)
+            completion_ids, drawn_logprobs = _decode(model, prompt_ids, prompt_mask, rule, count)
     is_eos = completion_ids == tokenizer.eos_token_id
     ended = is_eos.cumsum(-1)
     completion_mask = ((ended == 0) | (is_eos & (ended == 1))).long()  # through the first EOS
@@ -72,23 +74,39 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
     logprobs = None
     if with_logprobs:
         logprobs = drawn_logprobs.masked_fill(completion_mask == 0, 0.0)
-    return Samples(list(prompts), texts, prompt_ids, prompt_mask, completion_ids, completion_mask, truncated,
-                   logprobs)
+    return Samples(list(prompts), texts, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                   truncated, logprobs)
 
 
-def _decode(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, top_p: float, eos: int,
-            pad: int, count: Optional[Count] = None):
-    """Decode up to ``max_new_tokens`` tokens for a left-padded batch with the KV cache, as
+@dataclass(frozen=True)
+class DecodeRule:
+    """How :func:`_decode` draws and when it stops."""
+
+    max_new_tokens: int
+    """The most tokens a row gets."""
+    temperature: float
+    """Softmax temperature (0: greedy)."""
+    top_p: float
+    """Nucleus mass kept (1: all of it)."""
+    eos: int
+    """The id that ends a row."""
+    pad: int
+    """The id put after a row's EOS."""
+
+
+def _decode(model, prompt_ids, prompt_mask, rule: DecodeRule, count: Optional[Count] = None):
+    """Decode up to ``rule.max_new_tokens`` tokens for a left-padded batch with the KV cache, as
     ``generate`` does (the model's own ``prepare_inputs_for_generation``; positions that skip the
     padding), until every row has an EOS. ``count`` advances by one per token position (a stage's
     progress; inactive in RL rollouts).
 
-    Returns (B, T) token ids (``pad`` after a row's EOS) and (B, T) fp32
+    Returns (B, T) token ids (``rule.pad`` after a row's EOS) and (B, T) fp32
     log-probabilities of the drawn tokens.
     """
     import torch
 
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA layers stay in place
+    # LoRA layers stay in place
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     batch = prompt_ids.shape[0]
     ids = prompt_ids
     mask = prompt_mask
@@ -98,19 +116,19 @@ def _decode(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: fl
     tokens = []
     logprobs = []
     keep_last = _keeps_last_logits(lm)
-    for _ in range(max_new_tokens):
+    for _ in range(rule.max_new_tokens):
         inputs = lm.prepare_inputs_for_generation(ids, past_key_values=cache, attention_mask=mask,
                                                   cache_position=cache_position, use_cache=True)
         inputs.update(keep_last)
         output = lm(**inputs)
         cache = output.past_key_values
-        token, logprob = draw_tokens(output.logits[:, -1].float(), temperature, top_p)
-        token = token.masked_fill(done, pad)
+        token, logprob = draw_tokens(output.logits[:, -1].float(), rule.temperature, rule.top_p)
+        token = token.masked_fill(done, rule.pad)
         tokens.append(token)
         logprobs.append(logprob)
         if count is not None:
             count.advance()
-        done = done | (token == eos)
+        done = done | (token == rule.eos)
         if bool(done.all()):
             break
         ids = torch.cat([ids, token.unsqueeze(-1)], dim=-1)

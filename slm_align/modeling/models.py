@@ -8,7 +8,6 @@ dequantized by transformers' GGUF support, tokenizer rebuilt from the file's own
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from slm_align.config import LoraSettings
+from slm_align.config.hub_ids import looks_like_hub_id
 from slm_align.errors import UserError
 
 DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "assets" / "default-model"
@@ -31,8 +31,6 @@ LORA_TARGETS: dict[str, list[str]] = {
     "gemma3_text": ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
 SUPPORTED_ARCHITECTURES = tuple(LORA_TARGETS)
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 @dataclass(frozen=True)
@@ -61,13 +59,6 @@ def model_record(source: ModelSource) -> dict:
     if source.kind == "dir" and Path(source.ref) == DEFAULT_MODEL_DIR:
         return {"kind": "bundled", "ref": None}
     return {"kind": source.kind, "ref": source.ref}
-
-
-def looks_like_hub_id(spec: str) -> bool:
-    """Whether ``spec`` (not an existing path) reads as a hub id ``org/name``
-    or ``name``, not a path."""
-    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1
-    return not looks_like_path and _HUB_ID.match(spec) is not None
 
 
 def resolve_source(spec: Optional[str]) -> ModelSource:
@@ -101,8 +92,8 @@ def _check_directory(path: Path, allow_pickle: bool) -> None:
     has_safetensors = any(path.glob("*.safetensors"))
     has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt"))
     if not has_safetensors and has_pickle and not allow_pickle:
-        raise UserError(f"model {path} has only pickle (.bin) weights, which can run code when loaded; "
-                        "convert it to safetensors or pass --allow-pickle if you trust it")
+        raise UserError(f"model {path} has only pickle (.bin) weights, which can run code when "
+                        "loaded; convert it to safetensors or pass --allow-pickle if you trust it")
     if not has_safetensors and not has_pickle:
         raise UserError(f"model directory {path} has no weights (*.safetensors); "
                         "pass a complete checkpoint")
@@ -119,14 +110,15 @@ def _check_not_truncated(weights: Path) -> None:
         with weights.open("rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(length)) if length < 100_000_000 else {}
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                  default=0)
     except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError):
         return  # not a readable header: the loader refuses it with its own message
     size = weights.stat().st_size
     expected = 8 + length + end
     if size < expected:
-        raise UserError(f"model {weights} is truncated ({size} of {expected} bytes) and cannot be loaded; "
-                        "copy or download the checkpoint again")
+        raise UserError(f"model {weights} is truncated ({size} of {expected} bytes) and cannot be "
+                        "loaded; copy or download the checkpoint again")
 
 
 def check_architecture(model_type: Optional[str], where: str) -> str:
@@ -137,16 +129,17 @@ def check_architecture(model_type: Optional[str], where: str) -> str:
 
 
 def _hub_error(source: ModelSource, exc: Exception) -> UserError:
-    return UserError(f"cannot load '{source.ref}' from the Hugging Face Hub ({type(exc).__name__}); "
-                     "check the id and your connection, or pass a local directory or .gguf file")
+    return UserError(f"cannot load '{source.ref}' from the Hugging Face Hub "
+                     f"({type(exc).__name__}); check the id and your connection, or pass a local "
+                     "directory or .gguf file")
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     """The source's tokenizer, with a pad token guaranteed (see :func:`ensure_pad_token`).
 
     A .gguf file's tokenizer is rebuilt from its own ``tokenizer.*`` metadata and checked against
-    llama.cpp (:mod:`slm_align.ondevice.gguf.tokenizer`; transformers' GGUF tokenizer conversion is lossy) on
-    first use, then read from the file's cached HF directory (:func:`gguf_directory`).
+    llama.cpp (:mod:`slm_align.ondevice.gguf.tokenizer`; transformers' GGUF tokenizer conversion is
+    lossy) on first use, then read from the file's cached HF directory (:func:`gguf_directory`).
     """
     from transformers import AutoTokenizer
 
@@ -221,7 +214,8 @@ def ensure_pad_token(tokenizer):
 # 256, fits only head_dim 256).
 _GGUF_CONFIG_GAPS = {
     "qwen3": {"attention.key_length": "head_dim"},
-    "gemma3_text": {"attention.key_length": "query_pre_attn_scalar", "rope.freq_base_swa": "rope_local_base_freq",
+    "gemma3_text": {"attention.key_length": "query_pre_attn_scalar",
+                    "rope.freq_base_swa": "rope_local_base_freq",
                     "final_logit_softcapping": "final_logit_softcapping"},
     "gpt2": {"context_length": "n_positions", "feed_forward_length": "n_inner"},
 }
@@ -236,7 +230,8 @@ def gguf_config(path: Path):
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     check_architecture(config.model_type, str(path))
-    fields = read_fields(path, prefix="")  # the header only: gguf-py's reader parses every tensor (30 s on Gemma)
+    # the header only: gguf-py's reader parses every tensor (30 s on Gemma)
+    fields = read_fields(path, prefix="")
     architecture = fields["general.architecture"].value
     for key, attribute in _GGUF_CONFIG_GAPS.get(config.model_type, {}).items():
         field = fields.get(f"{architecture}.{key}")
@@ -273,7 +268,8 @@ def gguf_directory(source: ModelSource) -> ModelSource:
     def write_tokenizer(tokenizer, directory: Path) -> None:
         save_tokenizer(tokenizer, source, directory)
 
-    return ModelSource("dir", str(gguf_cache.materialize(path, read_model, read_tokenizer, write_tokenizer)))
+    return ModelSource("dir", str(gguf_cache.materialize(path, read_model, read_tokenizer,
+                                                         write_tokenizer)))
 
 
 @contextmanager
@@ -293,8 +289,8 @@ def _gguf_bar_off() -> Iterator[None]:
         gguf_loading.tqdm = drawn
 
 
-def _load_pretrained(source: ModelSource, trust_remote_code: bool = False, allow_pickle: bool = False,
-                     quantization=None):
+def _load_pretrained(source: ModelSource, trust_remote_code: bool = False,
+                     allow_pickle: bool = False, quantization=None):
     """``from_pretrained`` of a directory, hub id or .gguf file, with one-line errors."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -322,8 +318,8 @@ def _load_pretrained(source: ModelSource, trust_remote_code: bool = False, allow
         if source.kind == "hub":
             raise _hub_error(source, exc) from None
         first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise UserError(f"model {source.label} cannot be loaded ({first}); the checkpoint may be corrupt "
-                        "or of an unsupported architecture") from None
+        raise UserError(f"model {source.label} cannot be loaded ({first}); the checkpoint may be "
+                        "corrupt or of an unsupported architecture") from None
     check_architecture(model.config.model_type, source.label)
     if quantization is not None:
         return model.eval()  # 4-bit weights stay 4-bit (.float() would refuse them)
@@ -348,13 +344,14 @@ def _qwen3(hidden: int, layers: int) -> dict:
 
 
 def _gemma3_text(hidden: int, layers: int) -> dict:
-    """Gemma 3 (text): at least six layers, because llama.cpp makes every sixth layer
-    global (the first at index
-    5) and the rest sliding; a sliding window of 8 tokens, so that it matters on any longer probe."""
+    """Gemma 3 (text): at least six layers, because llama.cpp makes every sixth layer global (the
+    first at index 5) and the rest sliding; a sliding window of 8 tokens, so that it matters on any
+    longer probe."""
     head_dim = hidden // 2
-    return {"hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": max(layers, 6),
-            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": head_dim,
-            "query_pre_attn_scalar": head_dim, "sliding_window": 8, "max_position_embeddings": 512}
+    return {"hidden_size": hidden, "intermediate_size": hidden * 2,
+            "num_hidden_layers": max(layers, 6), "num_attention_heads": 4, "num_key_value_heads": 1,
+            "head_dim": head_dim, "query_pre_attn_scalar": head_dim, "sliding_window": 8,
+            "max_position_embeddings": 512}
 
 
 def _gpt_neox(hidden: int, layers: int) -> dict:
@@ -368,18 +365,20 @@ def _gpt2(hidden: int, layers: int) -> dict:
 
 # config.json fields of each architecture's tiny model (besides vocab_size), from
 # hidden width and layer count.
-_TINY_CONFIGS = {"llama": _llama_like, "qwen2": _llama_like, "qwen3": _qwen3, "gemma3_text": _gemma3_text,
-                 "gpt_neox": _gpt_neox, "gpt2": _gpt2}
+_TINY_CONFIGS = {"llama": _llama_like, "qwen2": _llama_like, "qwen3": _qwen3,
+                 "gemma3_text": _gemma3_text, "gpt_neox": _gpt_neox, "gpt2": _gpt2}
 
 
-def build_tiny_model(architecture: str, vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2):
+def build_tiny_model(architecture: str, vocab_size: int, seed: int = 0, hidden: int = 32,
+                     layers: int = 2):
     """A randomly initialised model of ``architecture`` with a few layers,
     for tests and benchmarks."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     check_architecture(architecture, architecture)
-    config = AutoConfig.for_model(architecture, vocab_size=vocab_size, **_TINY_CONFIGS[architecture](hidden, layers))
+    config = AutoConfig.for_model(architecture, vocab_size=vocab_size,
+                                  **_TINY_CONFIGS[architecture](hidden, layers))
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).float().eval()
 
@@ -395,8 +394,9 @@ def load_adapter(model, adapter_dir: Path, allow_pickle: bool = False):
     try:
         return PeftModel.from_pretrained(model, str(adapter_dir)).float().eval()
     except Exception as exc:
-        raise UserError(f"adapter {adapter_dir} does not fit this base model ({type(exc).__name__}); "
-                        "pass the base model the adapter was trained on") from None
+        raise UserError(f"adapter {adapter_dir} does not fit this base model "
+                        f"({type(exc).__name__}); pass the base model the adapter was trained "
+                        "on") from None
 
 
 def require_adapter(adapter_dir: Path, allow_pickle: bool) -> None:
@@ -410,8 +410,9 @@ def require_adapter(adapter_dir: Path, allow_pickle: bool) -> None:
     safe = (adapter_dir / "adapter_model.safetensors").is_file()
     pickle_only = (adapter_dir / "adapter_model.bin").is_file() and not safe
     if pickle_only and not allow_pickle:
-        raise UserError(f"adapter {adapter_dir} is saved only as pickle (adapter_model.bin), which can run code when "
-                        "loaded; convert it to safetensors or pass --allow-pickle if you trust it")
+        raise UserError(f"adapter {adapter_dir} is saved only as pickle (adapter_model.bin), which "
+                        "can run code when loaded; convert it to safetensors or pass "
+                        "--allow-pickle if you trust it")
 
 
 def merged_policy(source: ModelSource, adapter: Optional[Path], trust_remote_code: bool = False,
@@ -429,8 +430,9 @@ def attach_lora(model, lora: LoraSettings, seed: int, task_type: str = "CAUSAL_L
     set_seed(seed)
     targets = lora_targets(model.config.model_type, lora.target_modules)
     try:
-        return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                target_modules=targets, task_type=task_type))
+        return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha,
+                                                lora_dropout=lora.dropout, target_modules=targets,
+                                                task_type=task_type))
     except ValueError as exc:
         raise UserError(f"LoRA target modules {targets} do not match this model ({exc}); "
                         "name existing modules with --lora-targets") from None
@@ -438,6 +440,7 @@ def attach_lora(model, lora: LoraSettings, seed: int, task_type: str = "CAUSAL_L
 
 def save_adapter(model, path: Path) -> None:
     """Save a peft adapter as safetensors (the base model is not saved)."""
-    with warnings.catch_warnings():  # peft warns when the base came from a .gguf or the bundled dir: harmless
+    with warnings.catch_warnings():
+        # peft warns when the base came from a .gguf or the bundled dir: harmless
         warnings.filterwarnings("ignore", message="Could not find a config file")
         model.save_pretrained(path, safe_serialization=True)

@@ -11,7 +11,6 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 from slm_align.data.pairs import Pair
 from slm_align.data.preferences import Labelled, read_preference_rows
@@ -21,19 +20,22 @@ from slm_align.errors import UserError
 
 @dataclass
 class PreferenceData:
-    """Training items (pairs for DPO, labelled completions for KTO) and held-out pairs
-    and labelled completions."""
+    """The training side as pairs and as labelled completions (each algorithm's ``prepare`` takes
+    the kind it trains on), held-out pairs and labelled completions."""
 
-    train: list[Union[Pair, Labelled]]
+    train_pairs: list[Pair]
+    """Training pairs (thumbs of one prompt paired good-with-bad)."""
+    train_labelled: list[Labelled]
+    """Training labelled completions (each pair as a good and a bad one)."""
     heldout_pairs: list[Pair]
     heldout_labelled: list[Labelled]
     model_ids: set[str]
     prompts: int
 
     def label_share(self) -> float:
-        """The rarer label's share of the training completions (KTO; 0.5 for pairs,
-        balanced by construction)."""
-        labels = [item.label for item in self.train if isinstance(item, Labelled)]
+        """The rarer label's share of the training labelled completions (0.5 when there are
+        none)."""
+        labels = [item.label for item in self.train_labelled]
         if not labels:
             return 0.5
         good = sum(labels) / len(labels)
@@ -49,22 +51,23 @@ def heldout_prompts(prompts: set[str], seed: int, fraction: float) -> set[str]:
     return set(ordered[:count])
 
 
-def load_preference_data(paths: list[Path], tokenizer, algo: str, seed: int, fraction: float) -> PreferenceData:
-    """Read ``paths`` (pairs and thumbs in TRL's columns) and split them by prompt; DPO trains on
-    pairs (thumbs of one prompt paired good-with-bad), KTO on labelled completions (each pair as
-    a good and a bad one)."""
+def load_preference_data(paths: list[Path], tokenizer, algo: str, seed: int,
+                         fraction: float) -> PreferenceData:
+    """Read ``paths`` (pairs and thumbs in TRL's columns) and split them by prompt; the training
+    side both as pairs (thumbs of one prompt paired good-with-bad) and as labelled completions
+    (each pair as a good and a bad one). ``algo`` names the algorithm in the error message."""
     if not paths:
-        raise UserError(f"--algo {algo} trains on preference files: pass --preferences FILE (e.g. both files of "
-                        "`slm-align feedback export`, or TRL prompt/chosen/rejected or prompt/completion/label rows)")
+        raise UserError(f"--algo {algo} trains on preference files: pass --preferences FILE "
+                        "(e.g. both files of `slm-align feedback export`, or TRL "
+                        "prompt/chosen/rejected or prompt/completion/label rows)")
     rows = read_preference_rows(paths, tokenizer)
     prompts = {p.prompt for p in rows.pairs} | {item.prompt for item in rows.labelled}
     heldout = heldout_prompts(prompts, seed, fraction) if len(prompts) > 1 else set()
     pairs = rows.paired()
     labelled = rows.unpaired()
-    train_pairs = [p for p in pairs if p.prompt not in heldout]
-    train_labelled = [item for item in labelled if item.prompt not in heldout]
-    train = train_pairs if algo == "dpo" else train_labelled
-    return PreferenceData(train=train, heldout_pairs=[p for p in pairs if p.prompt in heldout],
+    return PreferenceData(train_pairs=[p for p in pairs if p.prompt not in heldout],
+                          train_labelled=[item for item in labelled if item.prompt not in heldout],
+                          heldout_pairs=[p for p in pairs if p.prompt in heldout],
                           heldout_labelled=[item for item in labelled if item.prompt in heldout],
                           model_ids=rows.model_ids, prompts=len(prompts))
 

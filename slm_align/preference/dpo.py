@@ -18,11 +18,12 @@ class DPO(PreferenceLearner):
     :class:`~slm_align.preference.learner.PreferenceLearner`)."""
 
     algo = "dpo"
+    unit = "pairs"
 
     def prepare(self, data: PreferenceData) -> None:
         """The training pairs (their reference scores computed on first use) and the held-out
         pairs (scored now); DPO measures no labelled completions."""
-        self.train_items = self.encoder.pairs(data.train)
+        self.train_items = self.encoder.pairs(data.train_pairs)
         self.train_chosen, self.train_rejected = self.reference_pair(self.train_items, now=False)
         self.answers = {"chosen": self.train_chosen, "rejected": self.train_rejected}
         self.keep_heldout(data.heldout_pairs, [])

@@ -14,7 +14,9 @@ from typing import Optional
 
 import torch
 
+from slm_align.config import PreferenceSettings
 from slm_align.data.preferences import Labelled
+from slm_align.envelope.gate import Figure
 from slm_align.preference.data import PreferenceData
 from slm_align.preference.learner import Encoder, PreferenceLearner, sequence_logprobs
 from slm_align.preference.losses import kto_loss, kto_reference_point
@@ -25,11 +27,27 @@ class KTO(PreferenceLearner):
     :class:`~slm_align.preference.learner.PreferenceLearner`)."""
 
     algo = "kto"
+    unit = "labelled completions"
+
+    def heldout_count(self) -> tuple[str, int]:
+        """Both held-out kinds: KTO's labelled completions are measured beside the pairs."""
+        return ("held-out pairs and labelled completions",
+                len(self.chosen.rows) + len(self.labelled.rows))
+
+    def balance_figures(self, data: PreferenceData, settings: PreferenceSettings) -> list[Figure]:
+        """The rarer label's share of the training completions, at least ``min_label_share``."""
+        return [Figure("share of the rarer label", data.label_share(), settings.min_label_share,
+                       ">=", "Collect more of the rarer verdict (thumbs up or down) before "
+                             "training KTO.")]
+
+    def own_figures(self) -> dict:
+        """The desirable weight lambda_D it trained with (given, or balanced from the labels)."""
+        return {"desirable_weight": self.desirable_weight}
 
     def prepare(self, data: PreferenceData) -> None:
         """The training completions and their mismatched pairs (reference scores computed on first
         use), the held-out pairs and labelled completions (scored now), the desirable weight."""
-        encoded = self.encoder.labelled(data.train)
+        encoded = self.encoder.labelled(data.train_labelled)
         self.train_items = [(row, item.label) for row, item in encoded]
         self.labels = [item.label for _, item in encoded]
         self.train_completions = self.reference([row for row, _ in encoded], now=False)

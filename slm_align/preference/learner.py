@@ -21,9 +21,9 @@ from slm_align.data.encoding import IGNORE_INDEX, encode, pad_batch
 from slm_align.data.examples import Example
 from slm_align.data.pairs import Pair
 from slm_align.data.preferences import Labelled
-from slm_align.envelope.run import TrainableRun
+from slm_align.envelope.gate import Figure
+from slm_align.envelope.run import Placement, TrainableRun
 from slm_align.envelope.seeds import derive_seed
-from slm_align.envelope.world import World
 from slm_align.preference.data import PreferenceData
 from slm_align.preference.losses import implicit_rewards
 from slm_align.scoring.perplexity import labelled_logprobs
@@ -122,12 +122,15 @@ class PreferenceLearner(TrainableRun):
     algo = ""
     """"dpo" or "kto" (the stage's name for the run)."""
 
+    unit = ""
+    """What it trains on, as the gate counts it ("pairs", "labelled completions")."""
+
     def __init__(self, policy, tokenizer, data: PreferenceData, settings: PreferenceSettings,
-                 envelope: EnvelopeSettings, seed: int, max_length: int, precision: str = "fp32",
-                 checkpointing: bool = False):
+                 envelope: EnvelopeSettings, seed: int, max_length: int,
+                 placement: Placement = Placement()):
+        """``placement``: one process always (DPO and KTO refuse a data-parallel launch)."""
         named_params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
-        super().__init__(policy, named_params, settings.learning_rate, envelope, World(), precision,
-                         checkpointing)
+        super().__init__(policy, named_params, settings.learning_rate, envelope, placement)
         self.settings = settings
         self.seed = seed
         self.pad_id = tokenizer.pad_token_id
@@ -144,6 +147,21 @@ class PreferenceLearner(TrainableRun):
     def prepare(self, data: PreferenceData) -> None:
         """The algorithm's training items and held-out answers (each subclass has its own)."""
         raise NotImplementedError
+
+    def heldout_count(self) -> tuple[str, int]:
+        """The held-out answers the algorithm is measured on, as the gate names them, and how
+        many there are."""
+        return "held-out pairs", len(self.chosen.rows)
+
+    def balance_figures(self, data: PreferenceData, settings: PreferenceSettings) -> list[Figure]:
+        """The gate's figures on the balance of the training data (none: a pair is balanced by
+        construction)."""
+        return []
+
+    def own_figures(self) -> dict:
+        """What the manifest records of the algorithm's own settings (KTO: its desirable weight;
+        the key is kept, None, for the others)."""
+        return {"desirable_weight": None}
 
     # ---- the reference -----------------------------------------------------------------------
     def reference_of(self, rows: list[dict]) -> torch.Tensor:

@@ -18,21 +18,21 @@ from slm_align.atomic import write_json_atomic
 from slm_align.config import Recipe
 from slm_align.data.readers import fingerprint
 from slm_align.envelope.gate import Figure, GateRefused, HeadroomReport, refusal
-from slm_align.envelope.loop import load_checkpoint, train_steps
+from slm_align.envelope.loop import StepPlan, StepRecord, load_checkpoint, train_steps
 from slm_align.envelope.policy import build_policy
+from slm_align.envelope.run import Placement
 from slm_align.envelope.world import World, launched
 from slm_align.errors import UserError
 from slm_align.modeling.accelerator import resolve_compute, training_inputs
 from slm_align.modeling.models import load_tokenizer, resolve_source, save_adapter
 from slm_align.plots import plot_curves
-from slm_align.preference.algorithms import preference_learner
+from slm_align.preference.algorithms import preference_algorithm
 from slm_align.preference.data import PreferenceData, check_feedback_models, load_preference_data
 from slm_align.preference.learner import PreferenceLearner
 from slm_align.progress import quiet, stage_lines
 from slm_align.runs import stage_identity
 from slm_align.tracking import Tracker, open_tracker, require_library
 
-ALGORITHMS = ("dpo", "kto")
 HELDOUT_START = "heldout_start.json"
 """The held-out figures before the first step, kept for a resumed run's manifest."""
 CURVES = ("loss", "accuracy", "margin", "kl", "reward/desirable", "reward/undesirable", "pair_accuracy",
@@ -53,6 +53,7 @@ class PreferenceStage:
         refuse_data_parallel(recipe.rl.algo)
         require_library(recipe.tracking.report_to)
         self.recipe = recipe
+        self.algorithm = preference_algorithm(recipe.rl.algo)
         self.algo = recipe.rl.algo
         self.name = self.algo
         self.out = Path(out)
@@ -66,7 +67,8 @@ class PreferenceStage:
         self.paths = [Path(p) for p in recipe.reward.preferences]
         self.data = load_preference_data(self.paths, self.tokenizer, self.algo, recipe.seed,
                                          recipe.preference.heldout_fraction)
-        self.feedback = check_feedback_models(self.data.model_ids, self.out, recipe.preference.any_model)
+        self.feedback = check_feedback_models(self.data.model_ids, self.out,
+                                              recipe.preference.any_model)
 
     def inputs(self) -> dict:
         """What the stage's artifacts depend on (the SFT prior named by its
@@ -83,18 +85,21 @@ class PreferenceStage:
         exists unless ``force``."""
         recipe = self.recipe
         settings = recipe.rl.model_copy(update={"lora": recipe.preference.lora})
-        self.policy = build_policy(self.source, self.adapter, settings, recipe.seed, recipe.model.trust_remote_code,
-                                   recipe.model.allow_pickle, self.compute.device)
+        self.policy = build_policy(self.source, self.adapter, settings, recipe.seed,
+                                   recipe.model.trust_remote_code, recipe.model.allow_pickle,
+                                   self.compute.device)
         heldout = len(self.data.heldout_pairs)
+        placement = Placement(self.world, self.compute.precision,
+                              self.compute.gradient_checkpointing)
         with stage_lines(f"{self.algo} set-up", "the reference's log-probabilities of "
                                                 f"{heldout} held-out pairs"):
-            self.learner = preference_learner(self.policy, self.tokenizer, self.data, recipe.preference, self.algo,
-                                               recipe.rl.envelope, recipe.seed, recipe.data.max_length,
-                                               self.compute.precision, self.compute.gradient_checkpointing)
-        self.gate = preference_gate(recipe, self.algo, self.data, self.learner).to_dict()
+            self.learner = self.algorithm(self.policy, self.tokenizer, self.data,
+                                          recipe.preference, recipe.rl.envelope, recipe.seed,
+                                          recipe.data.max_length, placement)
+        self.gate = preference_gate(recipe, self.data, self.learner).to_dict()
         gate = self.gate
-        self.say(f"{self.algo} gate: {gate['verdict']}" + (f" ({'; '.join(gate['reasons'])})" if gate["reasons"]
-                                                            else ""))
+        reasons = f" ({'; '.join(gate['reasons'])})" if gate["reasons"] else ""
+        self.say(f"{self.algo} gate: {gate['verdict']}{reasons}")
         if not gate["passed"] and not self.force:
             raise GateRefused(refusal(f"{self.algo} gate", gate))
 
@@ -134,26 +139,18 @@ def refuse_data_parallel(algo: str) -> None:
                         "(SFT, the reward model and PPO/GRPO take data parallel)")
 
 
-def preference_gate(recipe: Recipe, algo: str, data: PreferenceData, learner: PreferenceLearner) -> HeadroomReport:
-    """The gate in front of DPO/KTO: enough training items, a held-out split to measure on, label
-    balance (KTO), and a fluent prior (its perplexity on the held-out chosen completions below
-    ``headroom.max_ppl``)."""
+def preference_gate(recipe: Recipe, data: PreferenceData,
+                    learner: PreferenceLearner) -> HeadroomReport:
+    """The gate in front of DPO/KTO: enough training items, a held-out split to measure on, the
+    algorithm's balance figures (KTO: label balance), and a fluent prior (its perplexity on the
+    held-out chosen completions below ``headroom.max_ppl``)."""
     settings = recipe.preference
-    unit = "pairs" if algo == "dpo" else "labelled completions"
-    heldout = len(learner.chosen.rows)
-    heldout_name = "held-out pairs"
-    if algo == "kto":
-        heldout += len(learner.labelled.rows)
-        heldout_name = "held-out pairs and labelled completions"
-    figures = [Figure(f"training {unit}", learner.size(), settings.min_train, ">=",
+    heldout_name, heldout = learner.heldout_count()
+    figures = [Figure(f"training {learner.unit}", learner.size(), settings.min_train, ">=",
                       "Collect more feedback (picks, edits, thumbs) or add TRL preference files."),
                Figure(heldout_name, heldout, settings.min_heldout, ">=",
                       "Add preferences on more prompts, or raise preference.heldout_fraction.")]
-    if algo == "kto":
-        figures.append(Figure("share of the rarer label",
-                              data.label_share(), settings.min_label_share, ">=",
-                              "Collect more of the rarer verdict (thumbs up or "
-                              "down) before training KTO."))
+    figures += learner.balance_figures(data, settings)
     ppl = learner.prior_perplexity()
     info = {"prompts": data.prompts, "dropped_by_truncation": learner.dropped}
     if ppl is not None:
@@ -180,30 +177,34 @@ def _iterate(learner: PreferenceLearner, partial: Path, tracker: Tracker) -> Non
         """One guarded DPO/KTO step (and the held-out figures when due)."""
         metrics = learner.train_step()
         if learner.step % settings.eval_every == 0 or learner.step == settings.steps:
-            metrics.update({f"heldout/{k}": v for k, v in learner.heldout().items() if not k.endswith("_ci")})
+            figures = learner.heldout().items()
+            metrics.update({f"heldout/{k}": v for k, v in figures if not k.endswith("_ci")})
         return metrics
 
-    train_steps(learner, step, settings.steps, partial, title=learner.algo.upper(), status=_loss_status,
-                save_every=settings.save_steps, state=learner.state_dict, world=World(), tracker=tracker)
+    plan = StepPlan(step, settings.steps, title=learner.algo.upper(), status=_loss_status)
+    train_steps(learner, plan, StepRecord(partial, learner.state_dict, settings.save_steps, World(),
+                                          tracker))
 
 
 def _loss_status(metrics: dict) -> str:
     return f"loss {metrics.get('loss', float('nan')):.3f}"
 
 
-def _figures(learner: PreferenceLearner, data: PreferenceData, gate: dict, before: dict, after: dict, feedback: dict,
-             adapter: Path, force: bool) -> dict:
+def _figures(learner: PreferenceLearner, data: PreferenceData, gate: dict, before: dict,
+             after: dict, feedback: dict, adapter: Path, force: bool) -> dict:
     """The manifest's metrics: held-out figures before and after, the gate, the
     feedback's models, the guards."""
     counters = learner.guard.counters
+    gate_record = {"verdict": gate["verdict"], "forced": bool(force and not gate["passed"]),
+                   "reasons": gate["reasons"], "figures": gate["figures"]}
     return {"algo": learner.algo, "steps": learner.step, "learning_rate": learner.learning_rate,
             "train_items": learner.size(), "heldout_pairs": len(learner.chosen.rows),
-            "heldout_labelled": len(learner.labelled.rows), "dropped_by_truncation": learner.dropped,
-            "desirable_weight": learner.desirable_weight if learner.algo == "kto" else None,
+            "heldout_labelled": len(learner.labelled.rows),
+            "dropped_by_truncation": learner.dropped,
+            **learner.own_figures(),
             "heldout_before": before, "heldout_after": after, "heldout_accuracy": _accuracy(after),
-            "gate": {"verdict": gate["verdict"], "forced": bool(force and not gate["passed"]),
-                     "reasons": gate["reasons"], "figures": gate["figures"]},
-            "guard": {"rollbacks": counters.rollbacks}, "feedback_models": feedback, "sft_adapter": str(adapter)}
+            "gate": gate_record, "guard": {"rollbacks": counters.rollbacks},
+            "feedback_models": feedback, "sft_adapter": str(adapter)}
 
 
 def _accuracy(figures: dict) -> Optional[dict]:

@@ -1,6 +1,6 @@
-"""The quickstart: function calling on the bundled model with a few demonstrations and many checked prompts,
-one stage after another, each stage's seconds recorded (:mod:`.agent`). Each stage is reused when already done
-with the same inputs.
+"""The quickstart: function calling on the bundled model with a few demonstrations and many checked
+prompts, one stage after another, each stage's seconds recorded (:mod:`.agent`). Each stage is
+reused when already done with the same inputs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from slm_align.quickstart import agent
 from slm_align.runs import check_out_dir
 
 NEXT_COMMANDS = (
-    "slm-align tasks make --kind functions --out data/fn   # or your own rows: messages, tools, ground_truth",
+    "slm-align tasks make --kind functions --out data/fn   "
+    "# or your own rows: messages, tools, ground_truth",
     "slm-align train --model YOUR_MODEL --data data/fn/sft.jsonl --tasks data/fn/train.jsonl "
     "--reward function_call_match --algo grpo --out runs/mine",
     "slm-align export runs/mine --target gguf && slm-align evaluate-agent data/fn/heldout.jsonl "
@@ -41,24 +42,27 @@ class StageClock:
 def run_quickstart(out: Path, sft_steps: Optional[int] = None, rl_steps: Optional[int] = None,
                    say: Optional[Callable[[str], None]] = None, device: str = "auto",
                    sizes: agent.AgentSizes = agent.AgentSizes()) -> dict:
-    """Tasks, SFT on the few demonstrations, the gate and GRPO, the three exports judged by evaluate-agent;
-    the result of each, ``seconds`` and ``stage_seconds``. ``sft_steps``/``rl_steps`` override ``sizes``."""
+    """Tasks, SFT on the few demonstrations, the gate and GRPO, the three exports judged by
+    evaluate-agent; the result of each, ``seconds`` and ``stage_seconds``.
+    ``sft_steps``/``rl_steps`` override ``sizes``."""
     say = say or quiet
     started = time.time()
     check_out_dir(out)  # before the first progress line
     run = Path(out)
-    sizes = replace(sizes, sft_steps=sft_steps or sizes.sft_steps, rl_steps=rl_steps or sizes.rl_steps)
+    sizes = replace(sizes, sft_steps=sft_steps or sizes.sft_steps,
+                    rl_steps=rl_steps or sizes.rl_steps)
     clock = StageClock()
     result = {"out": str(run), "tasks": clock.run("tasks", agent.tasks_step, run, sizes, say)}
     recipe = agent.agent_recipe(run, sizes, device)
     result["sft"] = clock.run("sft", agent.sft_step, recipe, run, sizes, say)
     result["rl"] = clock.run("rl", agent.rl_step, recipe, run, say)
-    artifacts = {"base": clock.run("base", agent.base_step, run), "SFT": Path(result["sft"]["artifact"]),
-                 "RL": Path(result["rl"]["artifact"])}
+    artifacts = {"base": clock.run("base", agent.base_step, run),
+                 "SFT": Path(result["sft"]["artifact"]), "RL": Path(result["rl"]["artifact"])}
     result["evaluation"] = clock.run("evaluate_agent", agent.judge_step, run, artifacts, sizes, say)
     say("next, on your own model:")
     for command in NEXT_COMMANDS:
         say(f"    {command}")
-    say("seconds per stage: " + ", ".join(f"{name} {seconds:.0f}" for name, seconds in clock.seconds.items()))
+    say("seconds per "
+        "stage: " + ", ".join(f"{name} {seconds:.0f}" for name, seconds in clock.seconds.items()))
     say(f"done in {time.time() - started:.0f}s; artifacts in {run}")
     return dict(result, seconds=round(time.time() - started, 1), stage_seconds=clock.seconds)

@@ -18,10 +18,22 @@ from slm_align.config.from_sft import recipe_from_sft
 from slm_align.data.corpus import load_corpus
 from slm_align.data.pairs import Pair, synthetic_pairs
 from slm_align.data.preferences import read_preferences
-from slm_align.envelope.trainer import make_trainer, replica_record, trainer_logging, trainer_world, training_arguments
+from slm_align.envelope.trainer import (
+    make_trainer,
+    replica_record,
+    trainer_logging,
+    trainer_world,
+    training_arguments,
+)
 from slm_align.errors import UserError
 from slm_align.modeling.accelerator import check_trainer_device, resolve_compute, training_inputs
-from slm_align.modeling.models import attach_lora, load_tokenizer, merged_policy, resolve_source, save_tokenizer
+from slm_align.modeling.models import (
+    attach_lora,
+    load_tokenizer,
+    merged_policy,
+    resolve_source,
+    save_tokenizer,
+)
 from slm_align.progress import stage_lines
 from slm_align.runs import StageResult, digest, read_manifest, run_stage
 from slm_align.scoring.reward_model import (
@@ -91,11 +103,12 @@ def _write_jsonl(path: Path, pairs: list[Pair]) -> None:
 
 def _classifier(recipe: Recipe, source, adapter, pad_token_id: int):
     """The classifier to train (LoRA attached), on the merged SFT policy's own tensors (see
-    :func:`classifier_from_policy`). The policy is dropped as soon as the classifier holds what it needs, so what
-    it does not take (an untied output projection: vocabulary x hidden floats) is freed
-    before training rather than kept alive until the stage returns; tied embeddings stay,
+    :func:`classifier_from_policy`). The policy is dropped as soon as the classifier holds what it
+    needs, so what it does not take (an untied output projection: vocabulary x hidden floats) is
+    freed before training rather than kept alive until the stage returns; tied embeddings stay,
     shared with the classifier."""
-    policy = merged_policy(source, adapter, recipe.model.trust_remote_code, recipe.model.allow_pickle)
+    policy = merged_policy(source, adapter, recipe.model.trust_remote_code,
+                           recipe.model.allow_pickle)
     classifier = classifier_from_policy(policy, pad_token_id)
     del policy
     return attach_lora(classifier, recipe.reward.lora, recipe.seed, task_type="SEQ_CLS")
@@ -133,14 +146,15 @@ class RewardStage:
         self.model = _classifier(recipe, self.source, self.adapter, self.tokenizer.pad_token_id)
         max_length = recipe.data.max_length
         self.rows = [{"chosen_ids": encode_scored(self.tokenizer, p.prompt, p.chosen, max_length),
-                      "rejected_ids": encode_scored(self.tokenizer, p.prompt, p.rejected, max_length)}
+                      "rejected_ids": encode_scored(self.tokenizer, p.prompt, p.rejected,
+                                                    max_length)}
                      for p in self.train_pairs]
 
     def train(self, partial: Path, checkpoint: Optional[str]) -> None:
         recipe = self.recipe
         self.checkpoint = checkpoint
-        progress, tracker = trainer_logging(recipe, self.out, STAGE, partial, checkpoint, self.world,
-                                            "reward model")
+        progress, tracker = trainer_logging(recipe, self.out, STAGE, partial, checkpoint,
+                                            self.world, "reward model")
         trainer_class = _bt_trainer_class(recipe.reward.margin, recipe.reward.center_coefficient)
         args = training_arguments(recipe.reward, recipe.seed, partial, self.compute, tracker)
         collate = functools.partial(collate_pairs, pad_id=self.tokenizer.pad_token_id)
@@ -161,12 +175,14 @@ class RewardStage:
         save_tokenizer(self.tokenizer, self.source, partial / "model")
         _write_jsonl(partial / "pairs.jsonl", self.train_pairs)
         _write_jsonl(partial / "eval_pairs.jsonl", self.held_pairs)
-        with stage_lines("reward model evaluation", f"{len(self.held_pairs)} held-out pairs") as stage:
-            metrics = pairwise_metrics(merged, self.tokenizer, self.held_pairs, self.recipe.data.max_length)
+        with stage_lines("reward model evaluation", f"{len(self.held_pairs)} "
+                                                    "held-out pairs") as stage:
+            metrics = pairwise_metrics(merged, self.tokenizer, self.held_pairs,
+                                       self.recipe.data.max_length)
             stage.figures = f"accuracy {metrics['accuracy']:.3f}"
         metrics.update(train_loss=self.output.training_loss, steps=self.output.global_step,
-                       train_pairs=len(self.train_pairs), pair_stats=self.pair_stats, resumed_from=self.checkpoint,
-                       compute=self.compute.record(), **replicas)
+                       train_pairs=len(self.train_pairs), pair_stats=self.pair_stats,
+                       resumed_from=self.checkpoint, compute=self.compute.record(), **replicas)
         return metrics
 
 

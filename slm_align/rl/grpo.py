@@ -25,18 +25,26 @@ import time
 
 import torch
 
+from slm_align.config import RLSettings
 from slm_align.envelope.seeds import derive_seed
 from slm_align.rl.advantages import Advantages, all_equal_groups, grpo_advantages
 from slm_align.rl.learner import Learner, rollout_kl, rollout_metrics
 from slm_align.rl.losses import aggregate, clipped_policy_loss, kl_k3
-from slm_align.rl.schedule import iteration_size
-from slm_align.rollouts.completions import Rollout, replace_rows
+from slm_align.rl.schedule import IterationSize
+from slm_align.rollouts.completions import Passes, Rollout, replace_rows
 from slm_align.rollouts.phases import PhaseClock
 
 
 class GRPO(Learner):
     """GRPO's iteration on the shared run state (:class:`slm_align.rl.learner.Learner`); no value
     head."""
+
+    draw_unit = "prompts"
+
+    @classmethod
+    def iteration_size(cls, settings: RLSettings) -> IterationSize:
+        """``prompts_per_step`` prompts, each sampled ``group_size`` times (a group)."""
+        return IterationSize(settings.prompts_per_step, settings.group_size)
 
     def kl_weight(self) -> float:
         """The recipe's beta (as the watchdog last scaled it)."""
@@ -54,7 +62,7 @@ class GRPO(Learner):
         step). With one minibatch per epoch, the first epoch's forward comes before any step: its
         log-probabilities, detached, are the old ones, and the later epochs reuse them (TRL skips
         the pass only for a single step)."""
-        size = iteration_size(self.settings)
+        size = self.iteration_size(self.settings)
         rows = size.prompts // self.world.size * size.completions_per_prompt
         return self.settings.minibatch_size < rows
 
@@ -75,8 +83,8 @@ class GRPO(Learner):
     def sample(self, prompts: list[str], seed: int) -> Rollout:
         """One completion per prompt (``seed``), scored, with the log-probability passes GRPO
         uses."""
-        return self.collect_rollout(prompts, seed, self.needs_old_pass(), self.needs_reference(),
-                                    self.old_from_sampler())
+        passes = Passes(self.needs_old_pass(), self.needs_reference(), self.old_from_sampler())
+        return self.collect_rollout(prompts, seed, passes)
 
     def rollout(self, step: int) -> Rollout:
         """The groups of an iteration (B = prompts x G rows), all-equal ones drawn once more when

@@ -12,7 +12,7 @@ and steps through the guarded optimizer (``self.guard.step``). Nothing here call
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
@@ -21,18 +21,32 @@ from slm_align.envelope.guard import Snapshot
 from slm_align.envelope.logprobs import forward_logprobs
 from slm_align.envelope.policy import policy_rewards
 from slm_align.envelope.ratio import ratio_guard_trips, ratio_of
-from slm_align.envelope.run import TrainableRun
+from slm_align.envelope.run import Placement, TrainableRun
 from slm_align.envelope.seeds import derive_seed
 from slm_align.envelope.value_head import ValueHead
-from slm_align.envelope.world import World
 from slm_align.errors import UserError
 from slm_align.progress import counted
 from slm_align.rl.advantages import masked_mean
 from slm_align.rl.sampler_correction import sampler_mismatch, sampler_weights
-from slm_align.rl.schedule import iteration_size
-from slm_align.rollouts.completions import Rollout, collect
+from slm_align.rl.schedule import IterationSize
+from slm_align.rollouts.completions import Passes, Rollout, RolloutModels, collect
 from slm_align.rollouts.episodes import AgentTasks, collect_episodes, episode_rewards
 from slm_align.rollouts.phases import PhaseClock
+
+if TYPE_CHECKING:  # annotations only: the learner runs without llama.cpp
+    from slm_align.rl.llama_sampler import LlamaSampler
+
+
+@dataclass(frozen=True)
+class RolloutSource:
+    """What a learner's rollouts are drawn from, built once before the learner: the training
+    prompts, the agent tasks whose rollouts are multi-turn episodes run by the runtime's loop
+    (None: one completion per prompt), and the llama.cpp sampler that draws them (None: PyTorch
+    does)."""
+
+    prompts: list[str]
+    episodes: Optional[AgentTasks] = None
+    sampler: Optional[LlamaSampler] = None
 
 
 @dataclass
@@ -58,6 +72,16 @@ class Learner(TrainableRun):
     needs_value_head = False
     """The stage builds a value head beside the policy for this algorithm (PPO's critic)."""
 
+    draw_unit = "samples"
+    """What ranks share of an iteration's draws, as messages name it (GRPO: "prompts", whole
+    groups)."""
+
+    @classmethod
+    def iteration_size(cls, settings: RLSettings) -> IterationSize:
+        """How many prompts an iteration draws and how many completions each gets (no model
+        needed: the pipeline and the quickstart ask before any learner exists)."""
+        raise NotImplementedError
+
     def kl_weight(self) -> float:
         """The weight the algorithm's loss or reward puts on the KL to the reference now."""
         raise NotImplementedError
@@ -70,17 +94,16 @@ class Learner(TrainableRun):
     def rescale_kl(self, base_beta: float, scale: float) -> None:
         """After a rollback: a recipe coefficient is ``base_beta * scale`` (a learner state's is restored)."""
 
-    def __init__(self, policy, tokenizer, reward_fn, train_prompts: list[str], settings: RLSettings,
-                 seed: int, value_head: Optional[ValueHead] = None, world: World = World(),
-                 precision: str = "fp32", checkpointing: bool = False):
+    def __init__(self, policy, tokenizer, reward_fn, rollouts: RolloutSource,
+                 settings: RLSettings, seed: int, value_head: Optional[ValueHead] = None,
+                 placement: Placement = Placement()):
         named_params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
         if value_head is not None:
             named_params += [(f"value_head.{n}", p) for n, p in value_head.named_parameters()]
-        super().__init__(policy, named_params, settings.learning_rate, settings.envelope, world,
-                         precision, checkpointing)
+        super().__init__(policy, named_params, settings.learning_rate, settings.envelope, placement)
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
-        self.train_prompts = train_prompts
+        self.train_prompts = rollouts.prompts
         self.settings = settings
         self.seed = seed
         self.value_head = value_head
@@ -91,25 +114,26 @@ class Learner(TrainableRun):
         """The current iteration's phase timings (a fresh clock each iteration)."""
         self.kl_watched = False
         """Whether something reads the "kl" metric besides the loss (the watchdog's KL detector)."""
-        self.sampler = None
-        """A :class:`~slm_align.rl.llama_sampler.LlamaSampler` that draws the rollouts (None: PyTorch does)."""
-        self.episodes: Optional[AgentTasks] = None
+        self.sampler = rollouts.sampler
+        """A :class:`~slm_align.rl.llama_sampler.LlamaSampler` that draws the rollouts (None:
+        PyTorch does)."""
+        self.episodes = rollouts.episodes
         """Agent tasks whose rollouts are multi-turn episodes run by the runtime's loop (None: one
         completion per prompt)."""
 
-    def collect_rollout(self, prompts: list[str], seed: int, old_pass: bool = True,
-                        reference_pass: bool = True, old_from_sampler: bool = False) -> Rollout:
+    def collect_rollout(self, prompts: list[str], seed: int, passes: Passes = Passes()) -> Rollout:
         """One completion (or, with agent tasks, one episode) per prompt, scored, with the old and
-        reference log-probabilities the algorithm asks for (values under PPO), timed on the clock;
-        ``old_from_sampler``: single completions sampled by PyTorch take their old log-probabilities
-        from the sampler (:func:`~slm_align.rollouts.completions.sampled_old_logprobs`)."""
+        reference log-probabilities the algorithm asks for in ``passes`` (values under PPO), timed
+        on the clock; ``passes.old_from_sampler``: single completions sampled by PyTorch take their
+        old log-probabilities from the sampler
+        (:func:`~slm_align.rollouts.completions.sampled_old_logprobs`)."""
+        models = RolloutModels(self.policy, self.value_head, self.tokenizer, self.reward_fn,
+                               self.sampler)
         with self.forward_context():
             if self.episodes is not None:
-                return collect_episodes(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts,
-                                        self.settings, seed, self.episodes, self.clock, old_pass, reference_pass,
-                                        self.sampler)
-            return collect(self.policy, self.value_head, self.tokenizer, self.reward_fn, prompts, self.settings,
-                           seed, self.clock, old_pass, reference_pass, self.sampler, old_from_sampler)
+                return collect_episodes(models, prompts, self.settings, seed, self.episodes,
+                                        self.clock, passes)
+            return collect(models, prompts, self.settings, seed, self.clock, passes)
 
     def sample_rewards(self, prompts: list[str], seed: int, adapter: bool = True) -> list[float]:
         """The reward of one completion (or episode) per prompt sampled with ``seed``, the RL adapter on
@@ -130,7 +154,7 @@ class Learner(TrainableRun):
         run sees the same ones: this rank's share of the iteration's draws (whole GRPO groups),
         each repeated ``completions_per_prompt`` times in a row (GRPO: a group; PPO: once)."""
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "prompts", step))
-        size = iteration_size(self.settings)
+        size = self.iteration_size(self.settings)
         draws = torch.randint(len(self.train_prompts), (size.prompts,), generator=generator)
         picks = draws.tolist()[self.world.rank::self.world.size]
         return [self.train_prompts[i] for i in picks for _ in range(size.completions_per_prompt)]

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from slm_align.config import RLSettings
 from slm_align.envelope.seeds import derive_seed
 from slm_align.rl.advantages import (
     Advantages,
@@ -32,6 +33,7 @@ from slm_align.rl.advantages import (
 )
 from slm_align.rl.learner import Learner, rollout_kl, rollout_metrics
 from slm_align.rl.losses import adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, kl_k3
+from slm_align.rl.schedule import IterationSize
 from slm_align.rollouts.completions import Rollout
 from slm_align.rollouts.phases import PhaseClock
 
@@ -41,6 +43,12 @@ class PPO(Learner):
     value head."""
 
     needs_value_head = True
+
+    @classmethod
+    def iteration_size(cls, settings: RLSettings) -> IterationSize:
+        """``prompts_per_step * group_size`` prompts, one completion each: as many samples as
+        GRPO's groups, from distinct prompts."""
+        return IterationSize(settings.prompts_per_step * settings.group_size, 1)
 
     def kl_weight(self) -> float:
         """The adaptive KL coefficient, kept in the learner's state (and checkpoint)."""

@@ -19,10 +19,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from slm_align.config import Recipe
+from slm_align.config import Recipe, RLSettings
+from slm_align.config.rl import algorithm_candidates
 from slm_align.data.prompt_source import prompt_source
 from slm_align.data.readers import fingerprint
-from slm_align.envelope.loop import load_checkpoint, train_steps
+from slm_align.envelope.loop import StepPlan, StepRecord, load_checkpoint, train_steps
 from slm_align.envelope.policy import build_policy
 from slm_align.envelope.recovery import (
     EVENTS,
@@ -33,6 +34,7 @@ from slm_align.envelope.recovery import (
     restore,
     scale_shaping,
 )
+from slm_align.envelope.run import Placement
 from slm_align.envelope.value_head import ValueHead
 from slm_align.envelope.watchdog import Watchdog
 from slm_align.envelope.world import World, rank_device, replica_digest, world_from_env
@@ -41,11 +43,10 @@ from slm_align.modeling.accelerator import resolve_compute, training_inputs
 from slm_align.modeling.models import load_tokenizer, resolve_source, save_adapter
 from slm_align.plots import plot_curves
 from slm_align.progress import stage_lines
-from slm_align.rl.grpo import GRPO
+from slm_align.rl.algorithms import rl_algorithm
+from slm_align.rl.learner import Learner, RolloutSource
 from slm_align.rl.llama_episodes import EPISODE_CONTEXT
 from slm_align.rl.llama_sampler import LlamaSampler
-from slm_align.rl.ppo import PPO
-from slm_align.rl.schedule import iteration_size
 from slm_align.rollouts.episodes import agent_tasks, check_episode_rewards
 from slm_align.rollouts.policy_backend import policy_template
 from slm_align.runs import artifact_digest, stage_identity
@@ -53,7 +54,6 @@ from slm_align.scoring.learned_reward import learned_reward
 from slm_align.tracking import Tracker, open_tracker, require_library
 
 STAGE = "rl"
-ALGORITHMS = {"ppo": PPO, "grpo": GRPO}
 
 
 @dataclass(frozen=True)
@@ -79,14 +79,23 @@ def rl_world(recipe: Recipe) -> tuple[World, object]:
     return world_from_env(compute.device), compute
 
 
-def check_divisible(settings, world: World) -> None:
-    """Ranks share an iteration's prompt draws (GRPO: whole groups): refuse a world that
-    cannot split them evenly."""
-    sequences = iteration_size(settings).prompts
-    if sequences % world.size:
-        unit = "prompts" if settings.algo == "grpo" else "samples"
-        raise UserError(f"{world.size} processes cannot share {sequences} {unit} per iteration evenly; "
-                        "change --prompts-per-step or the number of processes")
+def check_divisible(settings: RLSettings, world: World) -> None:
+    """Ranks share an iteration's prompt draws (GRPO: whole groups): refuse a world that cannot
+    split them evenly. ``auto``, which the gate resolves later, is refused only when no algorithm
+    it may become could split them."""
+    candidates = [rl_algorithm(name) for name in algorithm_candidates(settings.algo)]
+    refusals = [indivisible(algorithm, settings, world) for algorithm in candidates]
+    if all(refusals):
+        raise UserError(refusals[0])
+
+
+def indivisible(algorithm: type[Learner], settings: RLSettings, world: World) -> Optional[str]:
+    """Why ``world`` cannot share ``algorithm``'s draws of an iteration evenly; None when it can."""
+    draws = algorithm.iteration_size(settings).prompts
+    if draws % world.size == 0:
+        return None
+    return (f"{world.size} processes cannot share {draws} {algorithm.draw_unit} per iteration "
+            "evenly; change --prompts-per-step or the number of processes")
 
 
 def heldout_reward(loop, prompts: list[str], seed: int, adapter: bool) -> float:
@@ -112,8 +121,10 @@ class RLStage:
     name = STAGE
     keep = ("adapter", "adapter-last", EVENTS, "value_head.safetensors", "metrics.jsonl", "plots", "inputs.json")
 
-    def __init__(self, prior: Prior, rewards: Sequence[str], world: World, compute, say: Callable[[str], None]):
+    def __init__(self, prior: Prior, rewards: Sequence[str], world: World, compute,
+                 say: Callable[[str], None]):
         check_divisible(prior.recipe.rl, world)
+        self.algorithm = rl_algorithm(prior.recipe.rl.algo)
         self.prior = prior
         self.recipe = prior.recipe
         self.rewards = list(rewards)
@@ -152,22 +163,25 @@ class RLStage:
         if not self.prompts.train or not self.eval_prompts:
             raise UserError("no prompts for RL: the corpus has no documents long enough to split "
                             "into prompt and rest")
-        self.reward_fn = self.prompts.reward(self.rewards, learned=learned_reward(self.prior.reward_model, device))
+        learned = learned_reward(self.prior.reward_model, device)
+        self.reward_fn = self.prompts.reward(self.rewards, learned=learned)
         episodes = agent_tasks(settings, self.prompts.tasks)
         check_episode_rewards(self.reward_fn, episodes)
         if episodes is not None:
             episodes.check_template(self.tokenizer)
         seed = training_seed(recipe)
-        self.policy = build_policy(source, self.prior.adapter, settings, seed, recipe.model.trust_remote_code,
-                                   recipe.model.allow_pickle, device)
-        algorithm = ALGORITHMS[settings.algo]
+        model = recipe.model
+        self.policy = build_policy(source, self.prior.adapter, settings, seed,
+                                   model.trust_remote_code, model.allow_pickle, device)
+        algorithm = self.algorithm
         self.value_head = None
         if algorithm.needs_value_head:
             self.value_head = ValueHead(self.policy.config.hidden_size).to(device)
-        self.loop = algorithm(self.policy, self.tokenizer, self.reward_fn, self.prompts.train, settings, seed,
-                              self.value_head, self.world, self.compute.precision, self.compute.gradient_checkpointing)
-        self.loop.episodes = episodes
-        self.loop.sampler = self._sampler(source, episodes)
+        placement = Placement(self.world, self.compute.precision,
+                              self.compute.gradient_checkpointing)
+        rollouts = RolloutSource(self.prompts.train, episodes, self._sampler(source, episodes))
+        self.loop = algorithm(self.policy, self.tokenizer, self.reward_fn, rollouts,
+                              settings, seed, self.value_head, placement)
 
     def _sampler(self, source, episodes) -> Optional[LlamaSampler]:
         """llama.cpp as the rollouts' sampler when the recipe asks (its files in a temporary folder: the base
@@ -260,9 +274,11 @@ class RLStage:
         def stopped() -> bool:
             return watch is not None and watch.stopped is not None
 
-        train_steps(loop, iteration, self.recipe.rl.steps, partial, title=f"RL ({self.recipe.rl.algo})",
-                    status=_reward_status, save_every=self.recipe.rl.save_steps, state=state, world=self.world,
-                    tracker=tracker, stopped=stopped)
+        settings = self.recipe.rl
+        plan = StepPlan(iteration, settings.steps, title=f"RL ({settings.algo})",
+                        status=_reward_status, stopped=stopped)
+        record = StepRecord(partial, state, settings.save_steps, self.world, tracker)
+        train_steps(loop, plan, record)
 
     def _watch(self, partial: Path) -> Optional[WatchedRun]:
         """The run's watchdog (None when it is off). Its probe is the last ``probe_prompts``

@@ -59,39 +59,71 @@ class Rollout:
         return torch.tensor(per_round, dtype=torch.float32, device=self.scores.device)
 
 
-def collect(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, prompts: list[str],
-            settings: RLSettings, seed: int, clock: Optional[PhaseClock] = None, old_pass: bool = True,
-            reference_pass: bool = True, sampler=None, old_from_sampler: bool = False) -> Rollout:
+@dataclass(frozen=True)
+class RolloutModels:
+    """What a rollout samples, scores and rewards with."""
+
+    policy: object
+    """The policy (a fresh LoRA on the merged prior); its adapter disabled is the reference."""
+    value_head: Optional[ValueHead]
+    """PPO's critic, whose values the old pass computes too (None: no values)."""
+    tokenizer: object
+    """The policy's tokenizer (its pad id pads the rows)."""
+    reward_fn: object
+    """The reward, TRL's ``fn(prompts, completions, **columns)``."""
+    sampler: object = None
+    """A :class:`~slm_align.rl.llama_sampler.LlamaSampler` that draws instead of PyTorch (None:
+    PyTorch samples)."""
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Which no-gradient log-probability passes a rollout runs (each only when something uses
+    it)."""
+
+    old: bool = True
+    """The old policy's log-probabilities (off: the first epoch's forward supplies them, one
+    minibatch per epoch; with a value head the pass runs anyway, for the values)."""
+    reference: bool = True
+    """The reference's (the adapter disabled); off when nothing uses them."""
+    old_from_sampler: bool = False
+    """Take the old log-probabilities from PyTorch's sampler instead of a pass of their own
+    (PyTorch sampling in fp32, no value head; :func:`sampled_old_logprobs`)."""
+
+
+def collect(models: RolloutModels, prompts: list[str], settings: RLSettings, seed: int,
+            clock: Optional[PhaseClock] = None, passes: Passes = Passes()) -> Rollout:
     """Sample one completion per prompt (``seed``), score it, and recompute its
     log-probabilities in fp32 under the policy (with values, when there is a value head) and the
-    reference (the adapter disabled).
+    reference (the adapter disabled), as ``passes`` asks (a pass off leaves its tensor None).
 
-    ``old_pass`` off leaves ``old_logprobs`` None (one minibatch per epoch: the first
-    epoch's forward supplies them, detached; with a value head the pass runs anyway, for the
-    values); ``reference_pass`` off leaves ``ref_logprobs`` None (nothing uses them).
-    ``clock`` times the phases. ``sampler`` (a :class:`~slm_align.rl.llama_sampler.LlamaSampler`) draws the
-    completions instead of PyTorch, with its own log-probabilities kept as ``sampler_logprobs``.
-    ``old_from_sampler`` (PyTorch sampling in fp32, no value head; see :func:`sampled_old_logprobs`): the old
-    log-probabilities are those PyTorch's sampler drew each token with, and the old pass does not run.
+    ``clock`` times the phases. ``models.sampler`` draws the completions instead of PyTorch, with
+    its own log-probabilities kept as ``sampler_logprobs``.
     """
     clock = clock or PhaseClock()
+    policy = models.policy
+    sampler = models.sampler
     policy.eval()
-    from_sampler = old_pass and old_from_sampler and sampler is None and value_head is None
-    samples = draw(policy, tokenizer, prompts, settings, seed, clock, sampler, with_logprobs=from_sampler)
-    input_ids = torch.cat([samples.prompt_ids, samples.completion_ids], dim=1)
-    attention = torch.cat([samples.prompt_mask, samples.completion_mask], dim=1)
-    width = samples.prompt_ids.shape[1]
-    old, ref, values = scoring_passes(policy, value_head, input_ids, attention, width, settings, clock,
-                                      old_pass and not from_sampler, reference_pass)
+    from_sampler = (passes.old and passes.old_from_sampler and sampler is None
+                    and models.value_head is None)
+    samples = draw(policy, models.tokenizer, prompts, settings, seed, clock, sampler,
+                   with_logprobs=from_sampler)
+    packed = Packed(torch.cat([samples.prompt_ids, samples.completion_ids], dim=1),
+                    torch.cat([samples.prompt_mask, samples.completion_mask], dim=1),
+                    samples.prompt_ids.shape[1])
+    old, ref, values = scoring_passes(policy, models.value_head, packed, settings, clock,
+                                      replace(passes, old=passes.old and not from_sampler))
     if from_sampler:
         old = sampled_old_logprobs(samples)
-    device = input_ids.device
+    device = packed.input_ids.device
     truncated = torch.tensor(samples.truncated, device=device)
     with clock.phase("reward"):
-        raw = torch.tensor(score(reward_fn, samples), dtype=torch.float32, device=device)
+        raw = torch.tensor(score(models.reward_fn, samples), dtype=torch.float32, device=device)
     scores, mask = truncation_rules(raw, samples.completion_mask.float(), truncated, settings)
-    return Rollout(prompts, samples.completions, input_ids, attention, width, mask, old, ref, values, scores,
-                   truncated, sampler_logprobs=samples.logprobs if sampler is not None else None)
+    drawn = samples.logprobs if sampler is not None else None
+    return Rollout(prompts, samples.completions, packed.input_ids, packed.attention_mask,
+                   packed.prompt_width, mask, old, ref, values, scores, truncated,
+                   sampler_logprobs=drawn)
 
 
 def sampled_old_logprobs(samples) -> torch.Tensor:
@@ -127,21 +159,34 @@ def draw(policy, tokenizer, prompts: list[str], settings: RLSettings, seed: int,
                    logprobs=drawn.logprobs.to(device))
 
 
-def scoring_passes(policy, value_head: Optional[ValueHead], input_ids, attention, width: int, settings: RLSettings,
-                   clock: PhaseClock, old_pass: bool, reference_pass: bool):
+@dataclass(frozen=True)
+class Packed:
+    """Sampled rows laid out for a forward pass: left-padded prompts, then the sampled part."""
+
+    input_ids: torch.Tensor
+    """(B, P+T) token ids."""
+    attention_mask: torch.Tensor
+    """(B, P+T) 1 on real tokens."""
+    prompt_width: int
+    """P, the prompts' padded width."""
+
+
+def scoring_passes(policy, value_head: Optional[ValueHead], packed: Packed, settings: RLSettings,
+                   clock: PhaseClock, passes: Passes):
     """``(old, ref, values)`` of the sampled rows, (B, T) each or None, without gradient: the old
-    log-probabilities (and values) when ``old_pass`` or a value head asks for them, the reference's
-    (the adapter disabled) when ``reference_pass`` does."""
+    log-probabilities (and values) when ``passes.old`` or a value head asks for them, the
+    reference's (the adapter disabled) when ``passes.reference`` does."""
     old = None
     values = None
     ref = None
+    rows = (packed.input_ids, packed.attention_mask, packed.prompt_width, settings)
     with torch.no_grad():
-        if old_pass or value_head is not None:
+        if passes.old or value_head is not None:
             with clock.phase("scoring_old"):
-                old, values = _logprobs_and_values(policy, input_ids, attention, width, settings, value_head)
-        if reference_pass:
+                old, values = _logprobs_and_values(policy, *rows, value_head)
+        if passes.reference:
             with clock.phase("scoring_ref"), policy.disable_adapter():
-                ref, _ = _logprobs_and_values(policy, input_ids, attention, width, settings)
+                ref, _ = _logprobs_and_values(policy, *rows)
     return old, ref, values
 
 

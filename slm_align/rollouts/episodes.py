@@ -29,7 +29,6 @@ from slm_align.config import RLSettings
 from slm_align.data.readers import iter_rows
 from slm_align.data.tasks import TaskSet
 from slm_align.envelope.policy import merged_for_sampling
-from slm_align.envelope.value_head import ValueHead
 from slm_align.errors import UserError
 from slm_align.modeling.accelerator import device_of
 from slm_align.ondevice.agent.batching import Engine, run_many
@@ -44,7 +43,14 @@ from slm_align.ondevice.tools.environment import check_allowed, load_environment
 from slm_align.ondevice.tools.registry import ToolRegistry
 from slm_align.ondevice.tools.specs import registry_for_row
 from slm_align.progress import counted
-from slm_align.rollouts.completions import Rollout, scoring_passes, truncation_rules
+from slm_align.rollouts.completions import (
+    Packed,
+    Passes,
+    Rollout,
+    RolloutModels,
+    scoring_passes,
+    truncation_rules,
+)
 from slm_align.rollouts.phases import PhaseClock
 from slm_align.rollouts.policy_decoder import PolicyDecoder
 
@@ -282,34 +288,43 @@ def _trace_ids(trace: list[tuple[str, list[int]]],
     return ids, sampled, logprobs, False
 
 
-def collect_episodes(policy, value_head: Optional[ValueHead], tokenizer, reward_fn, prompts: list[str],
-                     settings: RLSettings, seed: int, tasks: AgentTasks, clock: Optional[PhaseClock] = None,
-                     old_pass: bool = True, reference_pass: bool = True, sampler=None) -> Rollout:
+def collect_episodes(models: RolloutModels, prompts: list[str], settings: RLSettings, seed: int,
+                     tasks: AgentTasks, clock: Optional[PhaseClock] = None,
+                     passes: Passes = Passes()) -> Rollout:
     """One episode per prompt (``seed``), scored, with the log-probability passes the algorithm uses
-    (see :func:`~slm_align.rollouts.completions.collect`; the same signature besides ``tasks``). ``sampler`` (a
+    (see :func:`~slm_align.rollouts.completions.collect`; the same arguments besides ``tasks``;
+    ``passes.old_from_sampler`` does not apply). ``models.sampler`` (a
     :class:`~slm_align.rl.llama_sampler.LlamaSampler`): the runtime's llama.cpp backend runs the
     episodes, the current LoRA swapped in first, and its log-probabilities are kept."""
     clock = clock or PhaseClock()
+    policy = models.policy
+    sampler = models.sampler
     policy.eval()
     if sampler is None:
         with clock.phase("sampling"), merged_for_sampling(policy):
-            episodes = run_episodes(policy, tokenizer, prompts, settings, seed, tasks)
+            episodes = run_episodes(policy, models.tokenizer, prompts, settings, seed, tasks)
     else:
         with clock.phase("sampler_sync"):
             sampler.refresh(policy)
         with clock.phase("sampling"):
-            episodes = backend_episodes(sampler.episode_runner(len(prompts)), prompts, settings, seed, tasks)
-    input_ids, attention, width, mask = pack(episodes, tokenizer.pad_token_id, device_of(policy))
-    old, ref, values = scoring_passes(policy, value_head, input_ids, attention, width, settings, clock, old_pass,
-                                      reference_pass)
-    truncated = torch.tensor([e.truncated for e in episodes], device=input_ids.device)
+            runner = sampler.episode_runner(len(prompts))
+            episodes = backend_episodes(runner, prompts, settings, seed, tasks)
+    input_ids, attention, width, mask = pack(episodes, models.tokenizer.pad_token_id,
+                                             device_of(policy))
+    packed = Packed(input_ids, attention, width)
+    old, ref, values = scoring_passes(policy, models.value_head, packed, settings, clock, passes)
+    device = input_ids.device
+    truncated = torch.tensor([e.truncated for e in episodes], device=device)
     with clock.phase("reward"):
-        raw = episode_scores(reward_fn, prompts, episodes)
+        raw = episode_scores(models.reward_fn, prompts, episodes)
     rounds = [e.round_tokens for e in episodes]
-    scores, mask = truncation_rules(torch.tensor(raw, device=input_ids.device), mask, truncated, settings, rounds)
-    drawn = sampler_logprobs(episodes, mask.shape[1], mask.device) if sampler is not None else None
-    rollout = Rollout(prompts, [e.answer for e in episodes], input_ids, attention, width, mask, old, ref, values,
-                      scores, truncated, sampler_logprobs=drawn, round_tokens=rounds)
+    scores, mask = truncation_rules(torch.tensor(raw, device=device), mask, truncated, settings,
+                                    rounds)
+    drawn = None
+    if sampler is not None:
+        drawn = sampler_logprobs(episodes, mask.shape[1], mask.device)
+    rollout = Rollout(prompts, [e.answer for e in episodes], input_ids, attention, width, mask, old,
+                      ref, values, scores, truncated, sampler_logprobs=drawn, round_tokens=rounds)
     rollout.stats = episode_stats(episodes, tasks.tasks)
     return rollout
 

@@ -12,7 +12,8 @@ from slm_align.scoring.reward_model import load_reward_model, score_texts
 class LearnedReward:
     """The trained Bradley-Terry model as a reward function (loads alone from ``reward/model``)."""
 
-    def __init__(self, path: Path, max_length: int = 256, batch_size: int = 16, device: str = "cpu"):
+    def __init__(self, path: Path, max_length: int = 256, batch_size: int = 16,
+                 device: str = "cpu"):
         self.model, self.tokenizer = load_reward_model(path)
         self.model.to(device)
         self.max_length = max_length
@@ -21,8 +22,9 @@ class LearnedReward:
     def __call__(self, prompts, completions, truncated: Optional[Sequence[bool]] = None, **_) -> list[float]:
         """Scores of the texts; a completion flagged ``truncated`` (no EOS within the
         budget) is scored as written."""
-        return score_texts(self.model, self.tokenizer, list(prompts), list(completions), self.max_length,
-                           self.batch_size, None if truncated is None else list(truncated))
+        return score_texts(self.model, self.tokenizer, list(prompts), list(completions),
+                           self.max_length, self.batch_size,
+                           None if truncated is None else list(truncated))
 
 
 

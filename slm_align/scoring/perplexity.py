@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from slm_align.data.encoding import IGNORE_INDEX, pad_batch
+from slm_align.modeling.accelerator import device_of
 from slm_align.progress import counted
 
 
@@ -29,8 +30,6 @@ def labelled_logprobs(model, batch: dict):
     of the outputs predicts token t+1 of the input.
     """
     import torch
-
-    from slm_align.modeling.accelerator import device_of
 
     batch = {key: value.to(device_of(model)) for key, value in batch.items()}
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
@@ -64,4 +63,5 @@ def perplexity(model, encoded: list[dict[str, list[int]]], pad_id: int, batch_si
             count.advance(len(batch))
     if tokens == 0:
         raise ValueError("no tokens to score")
-    return Perplexity(ppl=math.exp(nll_sum / tokens), nll_sum=nll_sum, tokens=tokens, documents=len(encoded))
+    return Perplexity(ppl=math.exp(nll_sum / tokens), nll_sum=nll_sum, tokens=tokens,
+                      documents=len(encoded))

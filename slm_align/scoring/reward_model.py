@@ -15,11 +15,14 @@ from typing import Optional
 from slm_align.data.encoding import encode, pad_batch
 from slm_align.data.examples import Example
 from slm_align.errors import UserError
+from slm_align.modeling.accelerator import device_of
+from slm_align.modeling.models import ensure_pad_token
 from slm_align.progress import counted
 from slm_align.stats import win_score
 
 
-def encode_scored(tokenizer, prompt: str, completion: str, max_length: int, ended: bool = True) -> list[int]:
+def encode_scored(tokenizer, prompt: str, completion: str, max_length: int,
+                  ended: bool = True) -> list[int]:
     """Token ids of ``prompt + completion`` + EOS: the one format for reward
     training, RL and evaluation.
 
@@ -108,8 +111,6 @@ def score_texts(model, tokenizer, prompts: list[str], completions: list[str], ma
     (:func:`slm_align.progress.counted`)."""
     import torch
 
-    from slm_align.modeling.accelerator import device_of
-
     device = device_of(model)
     ended = [not t for t in truncated] if truncated is not None else [True] * len(prompts)
     scores: list[float] = []
@@ -129,8 +130,6 @@ def score_texts(model, tokenizer, prompts: list[str], completions: list[str], ma
 def load_reward_model(path: Path, trust_remote_code: bool = False):
     """A saved reward model (merged classifier + tokenizer), alone: ``(model, tokenizer)``."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from slm_align.modeling.models import ensure_pad_token
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -155,10 +154,10 @@ def pairwise_metrics(model, tokenizer, pairs, max_length: int, batch_size: int =
     import statistics
 
     prompts = [p.prompt for p in pairs]
-    chosen = score_texts(model, tokenizer, prompts, [p.chosen for p in pairs], max_length, batch_size,
-                         what="reward accuracy, chosen")
-    rejected = score_texts(model, tokenizer, prompts, [p.rejected for p in pairs], max_length, batch_size,
-                           what="reward accuracy, rejected")
+    chosen = score_texts(model, tokenizer, prompts, [p.chosen for p in pairs], max_length,
+                         batch_size, what="reward accuracy, chosen")
+    rejected = score_texts(model, tokenizer, prompts, [p.rejected for p in pairs], max_length,
+                           batch_size, what="reward accuracy, rejected")
     wins = [win_score(c, r) for c, r in zip(chosen, rejected)]
     by_kind: dict[str, list[float]] = {}
     for pair, win in zip(pairs, wins):

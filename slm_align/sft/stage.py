@@ -44,13 +44,16 @@ from slm_align.tracking import finish_trainer_tracking, require_library
 def sft_inputs(recipe: Recipe, source: ModelSource, corpus: Corpus) -> dict:
     """Everything that decides the SFT result; equal inputs mean the stage need not run again."""
     return {"model": model_record(source), "data": corpus.fingerprint,
-            "data_settings": recorded_data(recipe.data), "seed": recipe.seed, "sft": recipe.sft.model_dump(),
-            WHERE: {"data": None if recipe.data.uses_demo else recipe.data.path}, **training_inputs(recipe.compute)}
+            "data_settings": recorded_data(recipe.data), "seed": recipe.seed,
+            "sft": recipe.sft.model_dump(),
+            WHERE: {"data": None if recipe.data.uses_demo else recipe.data.path},
+            **training_inputs(recipe.compute)}
 
 
 def recorded_data(settings: DataSettings) -> dict:
-    """The data settings that decide the result: not where the files are (the corpus is named by its bytes in
-    ``data``, its path is under :data:`~slm_align.runs.WHERE`; the task file does not reach SFT)."""
+    """The data settings that decide the result: not where the files are (the corpus is named by its
+    bytes in ``data``, its path is under :data:`~slm_align.runs.WHERE`; the task file does not reach
+    SFT)."""
     return settings.model_dump(exclude={"path", "tasks"})
 
 
@@ -78,7 +81,8 @@ class SFTStage:
     def setup(self) -> None:
         """The encoded documents and the model with a fresh LoRA."""
         recipe = self.recipe
-        self.train_rows = encode_all(self.corpus.splits.train, self.tokenizer, recipe.data.max_length)
+        self.train_rows = encode_all(self.corpus.splits.train, self.tokenizer,
+                                     recipe.data.max_length)
         self.eval_rows = encode_all(self.corpus.splits.eval, self.tokenizer, recipe.data.max_length)
         if not self.train_rows or not self.eval_rows:
             raise UserError(f"data {self.corpus.description}: no document has text left to "
@@ -92,12 +96,15 @@ class SFTStage:
 
         recipe = self.recipe
         self.checkpoint = checkpoint
-        self.progress, tracker = trainer_logging(recipe, self.out, STAGE, partial, checkpoint, self.world, "sft")
-        args = training_arguments(recipe.sft, recipe.seed, partial, self.compute, tracker, eval_strategy="epoch",
+        self.progress, tracker = trainer_logging(recipe, self.out, STAGE, partial, checkpoint,
+                                                 self.world, "sft")
+        args = training_arguments(recipe.sft, recipe.seed, partial, self.compute, tracker,
+                                  eval_strategy="epoch",
                                   neftune_noise_alpha=recipe.sft.neftune_alpha or None)
         pad_id = self.tokenizer.pad_token_id
-        trainer = make_trainer(Trainer, self.model, args, self.train_rows, functools.partial(pad_batch, pad_id=pad_id),
-                               self.progress, eval_dataset=self.eval_rows)
+        trainer = make_trainer(Trainer, self.model, args, self.train_rows,
+                               functools.partial(pad_batch, pad_id=pad_id), self.progress,
+                               eval_dataset=self.eval_rows)
         try:
             self.output = trainer.train(resume_from_checkpoint=checkpoint)
             self.final_eval = self.progress.final_evaluation(trainer, self.output.global_step)
@@ -118,7 +125,8 @@ class SFTStage:
                 "eval_loss_per_epoch": self.progress.eval_losses, "steps": self.output.global_step,
                 "train_documents": len(self.train_rows), "eval_documents": len(self.eval_rows),
                 "heldout_prompts": len(splits.heldout), "resumed_from": self.checkpoint,
-                "trainable_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+                "trainable_parameters": sum(p.numel() for p in self.model.parameters()
+                                            if p.requires_grad),
                 "compute": self.compute.record(), **replicas}
 
 

@@ -5,6 +5,7 @@ import pytest
 from slm_align.config import load_recipe
 from slm_align.envelope.learning_rate import base_parameters, default_learning_rate
 from slm_align.modeling.models import attach_lora, build_tiny_model
+from slm_align.rl.learner import RolloutSource
 from slm_align.rl.ppo import PPO
 
 
@@ -21,7 +22,7 @@ def test_rate_by_size():
 def test_loop_uses_the_recipe_rate_or_the_scaled_default(tokenizer, recipe_rate):
     recipe = load_recipe(overrides={"rl.learning_rate": recipe_rate})
     policy = attach_lora(build_tiny_model("llama", len(tokenizer), hidden=64, layers=2), recipe.rl.lora, 0)
-    loop = PPO(policy, tokenizer, None, ["a"], recipe.rl, seed=0)
+    loop = PPO(policy, tokenizer, None, RolloutSource(["a"]), recipe.rl, seed=0)
     expected = recipe_rate if recipe_rate is not None else default_learning_rate(base_parameters(policy))
     assert loop.learning_rate == pytest.approx(expected)
     assert loop.optimizer.param_groups[0]["lr"] == pytest.approx(expected)

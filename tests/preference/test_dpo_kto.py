@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from slm_align.data.preferences import Labelled
+from slm_align.envelope.run import Placement
 from slm_align.errors import UserError
 from slm_align.pipeline import run_preference
 from slm_align.preference import dpo
-from slm_align.preference.algorithms import preference_learner
+from slm_align.preference.algorithms import preference_algorithm
 from slm_align.preference.data import check_feedback_models, heldout_prompts, load_preference_data
 from slm_align.preference.kto import balancing_weight, mismatched_rows
 from slm_align.preference.learner import PreferenceLearner, sequence_logprobs
@@ -97,10 +98,10 @@ def test_the_split_is_by_prompt_and_kto_sees_pairs_as_good_and_bad(tmp_path):
     dpo = load_preference_data([path], None, "dpo", seed=0, fraction=0.25)
     kto = load_preference_data([path], None, "kto", seed=0, fraction=0.25)
     held = {p.prompt for p in dpo.heldout_pairs}
-    assert len(held) == 5 and not held & {p.prompt for p in dpo.train}
+    assert len(held) == 5 and not held & {p.prompt for p in dpo.train_pairs}
     assert held == heldout_prompts({row["prompt"] for row in rows}, 0, 0.25)
-    assert len(kto.train) == 2 * len(dpo.train) + (rows[0]["prompt"] not in held)
-    assert {item.label for item in kto.train if item.completion.startswith(" Yes")} == {True}
+    assert len(kto.train_labelled) == 2 * len(dpo.train_pairs) + (rows[0]["prompt"] not in held)
+    assert {item.label for item in kto.train_labelled if item.completion.startswith(" Yes")} == {True}
 
 
 def test_feedback_about_another_model_is_refused_unless_asked(tmp_path):
@@ -203,8 +204,9 @@ def make_learner(sft_run, prefs, algo: str, checkpointing: bool = False) -> Pref
     tokenizer = load_tokenizer(source)
     data = load_preference_data([prefs], tokenizer, algo, recipe.seed, 0.2)
     policy = build_policy(source, base / "sft" / "adapter", recipe.rl, recipe.seed)
-    return preference_learner(policy, tokenizer, data, recipe.preference, algo, recipe.rl.envelope, recipe.seed,
-                              recipe.data.max_length, checkpointing=checkpointing)
+    placement = Placement(checkpointing=checkpointing)
+    return preference_algorithm(algo)(policy, tokenizer, data, recipe.preference, recipe.rl.envelope,
+                                      recipe.seed, recipe.data.max_length, placement)
 
 
 @pytest.mark.parametrize("algo", ["dpo", "kto"])

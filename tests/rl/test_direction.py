@@ -17,6 +17,7 @@ from slm_align.envelope.value_head import ValueHead
 from slm_align.modeling.generation import sample
 from slm_align.modeling.models import DEFAULT_MODEL_DIR, resolve_source
 from slm_align.rl.grpo import GRPO
+from slm_align.rl.learner import RolloutSource
 from slm_align.rl.ppo import PPO
 
 PROMPTS = ["Once upon a time, there was a cat.", "Tom found a red ball.", "One day, Mia was happy.",
@@ -51,7 +52,8 @@ def test_a_few_iterations_raise_a_trivially_learnable_reward(algo, tokenizer, on
     policy = build_policy(resolve_source(str(DEFAULT_MODEL_DIR)), None, rl, seed=0)
     value_head = ValueHead(policy.config.hidden_size) if algo == "ppo" else None
     algorithm = PPO if algo == "ppo" else GRPO
-    loop = algorithm(policy, tokenizer, brevity, PROMPTS, rl, seed=0, value_head=value_head)
+    loop = algorithm(policy, tokenizer, brevity, RolloutSource(PROMPTS), rl, seed=0,
+                     value_head=value_head)
     before = heldout_reward(policy, tokenizer)
     for step in range(10):
         loop.run_step(step)

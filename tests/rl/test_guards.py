@@ -17,6 +17,7 @@ from slm_align.errors import UserError
 from slm_align.modeling.models import resolve_source
 from slm_align.pipeline import run_rl
 from slm_align.rl.grpo import GRPO
+from slm_align.rl.learner import RolloutSource
 from slm_align.rl.ppo import PPO
 from tests.helpers import finished_sft_run
 
@@ -47,7 +48,8 @@ def make_loop(sft_run, algo="grpo", loop_class=None, reward=varied_reward, **rl)
     value_head = ValueHead(policy.config.hidden_size) if algo == "ppo" else None
     prompts = ["Once upon a time, there was a cat.",
                "Tom found a red ball.", "One day, Mia was happy.", "The sun."]
-    return loop_class(policy, tokenizer, reward, prompts, settings, seed=0, value_head=value_head)
+    return loop_class(policy, tokenizer, reward, RolloutSource(prompts), settings, seed=0,
+                      value_head=value_head)
 
 
 def lora_state(loop):

@@ -15,8 +15,9 @@ from slm_align.envelope.policy import build_policy, merged_for_sampling
 from slm_align.envelope.value_head import ValueHead
 from slm_align.modeling.generation import sample
 from slm_align.modeling.models import resolve_source
+from slm_align.rl.learner import RolloutSource
 from slm_align.rl.ppo import PPO
-from slm_align.rollouts.completions import collect
+from slm_align.rollouts.completions import RolloutModels, collect
 from tests.helpers import policy_with_moved_lora
 
 PROMPTS = ["Once upon a time, there was a cat.",
@@ -93,7 +94,9 @@ def characters(prompts, completions, **_):
 def test_dropout_is_off_in_every_rl_forward_so_the_first_ratio_is_exactly_one(checkpoint, tokenizer):
     rl = settings()
     policy = trained_policy(checkpoint, rl)
-    loop = PPO(policy, tokenizer, characters, PROMPTS, rl, seed=0, value_head=ValueHead(policy.config.hidden_size))
+    value_head = ValueHead(policy.config.hidden_size)
+    loop = PPO(policy, tokenizer, characters, RolloutSource(PROMPTS), rl, seed=0,
+               value_head=value_head)
     batch = loop.rollout(0)
     result = loop.minibatch(batch, torch.arange(8), loop.advantages(batch))
     assert result["ratio/mean"] == 1.0 and result["ratio/max"] == 1.0  # not dropout noise around 1
@@ -113,11 +116,11 @@ def recording_reward(log: list):
 def test_rollout_scores_completions_as_written_and_can_penalise_a_missing_eos(checkpoint, tokenizer):
     policy = build_policy(resolve_source(str(checkpoint)), None, settings(), seed=0)
     seen: list = []
-    batch = collect(policy, None, tokenizer, recording_reward(seen), PROMPTS, settings(max_new_tokens=3), seed=0)
+    models = RolloutModels(policy, None, tokenizer, recording_reward(seen))
+    batch = collect(models, PROMPTS, settings(max_new_tokens=3), seed=0)
     assert seen == [batch.truncated.tolist()] and all(seen[0])  # the reward knows which completions were cut
     assert batch.scores.tolist() == [1.0] * 4
-    penalised = collect(policy, None, tokenizer, recording_reward(seen), PROMPTS,
-                        settings(max_new_tokens=3, missing_eos_penalty=0.75), seed=0)
+    penalised = collect(models, PROMPTS, settings(max_new_tokens=3, missing_eos_penalty=0.75), seed=0)
     assert penalised.scores.tolist() == [0.25] * 4
 
 

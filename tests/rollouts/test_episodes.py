@@ -25,6 +25,8 @@ from slm_align.ondevice.rewards.columns import with_columns
 from slm_align.ondevice.tools.builtin import calculator, default_tools
 from slm_align.ondevice.tools.registry import ToolRegistry
 from slm_align.rl.grpo import GRPO
+from slm_align.rl.learner import RolloutSource
+from slm_align.rollouts.completions import Passes
 from slm_align.rollouts.episodes import (
     AgentTasks,
     EpisodeSetup,
@@ -379,10 +381,10 @@ def test_a_grpo_iteration_on_episodes_trains_the_sampled_ids_only(tiny_models, t
     policy = build_policy(resolve_source(str(tiny_models["llama"])), None, rl, seed=0)
     tasks = TaskSet(["What is 2+3?", "What is 4*5?"], [{"answer": "5"}, {"answer": "20"}])
     reward = with_columns(combine(["task_success", "length_window"]), tasks)
-    loop = GRPO(policy, tokenizer, reward, tasks.prompts, rl, seed=0)
-    loop.episodes = AgentTasks(tasks)
+    rollouts = RolloutSource(tasks.prompts, AgentTasks(tasks))
+    loop = GRPO(policy, tokenizer, reward, rollouts, rl, seed=0)
     before = {name: p.detach().clone() for name, p in loop.named_params}
-    batch = loop.collect_rollout(loop.prompts_for(0), seed=0, old_pass=False, reference_pass=False)
+    batch = loop.collect_rollout(loop.prompts_for(0), seed=0, passes=Passes(old=False, reference=False))
     assert batch.stats["episode/success"] == 0.0
     sampled = batch.attention_mask[:, batch.prompt_width:].float()
     assert torch.all(batch.mask <= sampled)  # only ids after the prompt can train
@@ -451,8 +453,8 @@ def test_a_tiny_models_call_rate_rises_under_a_reward_that_pays_for_calling(half
     policy = build_policy(resolve_source(str(half_caller)), None, rl, seed=0)
     tasks = TaskSet(["What is 2+3?"], [{"answer": "5"}])
     reward = with_columns(combine(callables=[(calls_a_tool, 1.0)]), tasks)
-    loop = GRPO(policy, tokenizer, reward, tasks.prompts, rl, seed=0)
-    loop.episodes = AgentTasks(tasks)
+    rollouts = RolloutSource(tasks.prompts, AgentTasks(tasks))
+    loop = GRPO(policy, tokenizer, reward, rollouts, rl, seed=0)
     before = call_probability(loop, tokenizer)
     rates = [loop.run_step(step)["episode/call_rate"] for step in range(8)]
     after = call_probability(loop, tokenizer)

@@ -1,1 +1,2 @@
-"""Export converters: a merged checkpoint, ONNX, onnxruntime-genai and ExecuTorch writers, calibration."""
+"""Export converters: a merged checkpoint, ONNX, onnxruntime-genai and ExecuTorch writers,
+calibration."""

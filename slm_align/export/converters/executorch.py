@@ -29,15 +29,16 @@ EXECUTORCH_TYPES = ("llama", "qwen2", "qwen3", "gpt_neox", "gpt2")
 a tiny one lowers (in 112 s on this 2-core host) but its program fails in ExecuTorch's
 runtime (``method->execute() failed with error 0x12``), and the real 270M's lowering did
 not finish in 20 minutes."""
-COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-          "config.json", "generation_config.json")
+COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+          "chat_template.jinja", "config.json", "generation_config.json")
 
 
 def check_executorch_quant(quant: str) -> str:
     """``quant`` when a program of it is built, else one line saying only fp32 is."""
     if quant not in QUANTS:
-        raise UserError(f"--target executorch --quant {quant}: only fp32 programs are built; pass --quant fp32 "
-                        "(or export --target gguf/onnx/genai for quantized artifacts)")
+        raise UserError(f"--target executorch --quant {quant}: only fp32 programs are built; pass "
+                        "--quant fp32 (or export --target gguf/onnx/genai for quantized "
+                        "artifacts)")
     return quant
 
 
@@ -75,8 +76,8 @@ def _constant_methods(model, max_cache_len: int) -> dict:
     """The metadata ExecuTorch's LLM runners (``extension/llm/runner``) read from the program."""
     bos = model.config.bos_token_id
     return {"get_max_seq_len": max_cache_len, "get_vocab_size": model.config.vocab_size,
-            "get_bos_id": bos if bos is not None else -1, "get_eos_ids": _eos_ids(model), "use_kv_cache": True,
-            "enable_dynamic_shape": False, "get_max_batch_size": 1}
+            "get_bos_id": bos if bos is not None else -1, "get_eos_ids": _eos_ids(model),
+            "use_kv_cache": True, "enable_dynamic_shape": False, "get_max_batch_size": 1}
 
 
 def _exported_program(model, max_cache_len: int):
@@ -86,8 +87,10 @@ def _exported_program(model, max_cache_len: int):
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
     model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static",
-                                               cache_config={"batch_size": 1, "max_cache_len": max_cache_len})
-    wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_cache_len)
+                                               cache_config={"batch_size": 1,
+                                                             "max_cache_len": max_cache_len})
+    wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1,
+                                                    max_cache_len=max_cache_len)
     return wrapper.export(input_ids=torch.tensor([[0]], dtype=torch.long),
                           cache_position=torch.tensor([0], dtype=torch.long))
 
@@ -119,5 +122,6 @@ def write_executorch(model_dir: Path, out_dir: Path, max_cache_len: int = MAX_CA
     settings = {"max_cache_len": max_cache_len, "inputs": ["input_ids (1, 1) int64",
                                                            "cache_position (1,) int64"],
                 "outputs": ["logits (1, 1, vocab) float32"]}
-    (out_dir / "executorch_config.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "executorch_config.json").write_text(json.dumps(settings, indent=2) + "\n",
+                                                    encoding="utf-8")
     return out_dir / MODEL_FILE

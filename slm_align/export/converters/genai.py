@@ -40,13 +40,15 @@ def _token_id(config: dict, name: str) -> int:
 
 def _decoder(config: dict) -> dict:
     heads = config["num_attention_heads"]
-    return {"filename": "model.onnx", "head_size": config.get("head_dim") or config["hidden_size"] // heads,
-            "hidden_size": config["hidden_size"], "num_attention_heads": heads,
+    return {"filename": "model.onnx", "head_size": config.get("head_dim")
+            or config["hidden_size"] // heads, "hidden_size": config["hidden_size"],
+            "num_attention_heads": heads,
             "num_key_value_heads": config.get("num_key_value_heads") or heads,
             "num_hidden_layers": config["num_hidden_layers"],
             "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-            "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids",
-                       "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+            "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                       "position_ids": "position_ids", "past_key_names": "past_key_values.%d.key",
+                       "past_value_names": "past_key_values.%d.value"},
             "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
                         "present_value_names": "present.%d.value"}}
 
@@ -64,13 +66,15 @@ def genai_config(config: dict, sampling: dict) -> dict:
     when temperature is 0)."""
     model_type = check_genai_architecture(config.get("model_type"))
     greedy = sampling["temperature"] == 0
-    search = {"do_sample": not greedy, "max_length": config.get("max_position_embeddings", 2048), "min_length": 0,
-              "num_beams": 1, "num_return_sequences": 1, "past_present_share_buffer": False,
-              "repetition_penalty": sampling["repeat_penalty"], "temperature": sampling["temperature"] or 1.0,
-              "top_k": sampling["top_k"] or 1, "top_p": sampling["top_p"]}
+    search = {"do_sample": not greedy, "max_length": config.get("max_position_embeddings", 2048),
+              "min_length": 0, "num_beams": 1, "num_return_sequences": 1,
+              "past_present_share_buffer": False, "repetition_penalty": sampling["repeat_penalty"],
+              "temperature": sampling["temperature"] or 1.0, "top_k": sampling["top_k"] or 1,
+              "top_p": sampling["top_p"]}
     model = {"type": GENAI_TYPES[model_type], "vocab_size": config["vocab_size"],
              "context_length": config.get("max_position_embeddings", 2048),
-             "bos_token_id": _token_id(config, "bos_token_id"), "eos_token_id": _token_id(config, "eos_token_id"),
+             "bos_token_id": _token_id(config, "bos_token_id"),
+             "eos_token_id": _token_id(config, "eos_token_id"),
              "pad_token_id": _token_id(config, "pad_token_id"), "decoder": _decoder(config)}
     return {"model": model, "search": search}
 
@@ -104,7 +108,8 @@ def write_genai_config(folder: Path, sampling: dict) -> Path:
     make its tokenizer settings readable by genai."""
     _drop_null_settings(folder)
     config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    config = {**_tokenizer_ids(folder), **{key: value for key, value in config.items() if value is not None}}
+    config = {**_tokenizer_ids(folder), **{key: value for key, value in config.items()
+                                           if value is not None}}
     path = Path(folder) / CONFIG
     path.write_text(json.dumps(genai_config(config, sampling), indent=2) + "\n", encoding="utf-8")
     return path
@@ -127,7 +132,8 @@ def _same_ids(genai: list[int], model: list[int], bos: Optional[int]) -> Optiona
     return None
 
 
-def genai_tokenizer_report(model, tokenizer, texts: list[str], chats: list[list[dict]], template_tokenizer) -> dict:
+def genai_tokenizer_report(model, tokenizer, texts: list[str], chats: list[list[dict]],
+                           template_tokenizer) -> dict:
     """genai's tokenizer of ``model`` (an ``og.Model``: the tokenizer an app calls) against the
     model's HF ``tokenizer`` on ``texts`` and on ``chats`` rendered by genai's
     ``apply_chat_template`` (when ``template_tokenizer``, the artifact's, has a template).
@@ -144,12 +150,15 @@ def genai_tokenizer_report(model, tokenizer, texts: list[str], chats: list[list[
     strings = list(texts)
     rendered = None
     if template_tokenizer.chat_template:
-        rendered = [genai.apply_chat_template(json.dumps(chat), add_generation_prompt=True) for chat in chats]
-        expected = [template_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        rendered = [genai.apply_chat_template(json.dumps(chat), add_generation_prompt=True)
+                    for chat in chats]
+        expected = [template_tokenizer.apply_chat_template(chat, tokenize=False,
+                                                           add_generation_prompt=True)
                     for chat in chats]
         strings.extend(rendered)
         rendered = rendered == expected
-    same = [_same_ids([int(t) for t in genai.encode(text)], tokenizer(text)["input_ids"], tokenizer.bos_token_id)
+    same = [_same_ids([int(t) for t in genai.encode(text)], tokenizer(text)["input_ids"],
+                      tokenizer.bos_token_id)
             for text in strings]
     return {"genai_tokenizer_match": None not in same and rendered is not False,
             "genai_adds_bos": False not in same, "genai_chat_template_match": rendered}

@@ -54,8 +54,9 @@ def merged_stage(run: Path, stage: Optional[str] = None) -> Optional[str]:
     if stage == "sft":
         return None
     if stage not in aligned_stages(run):
-        raise UserError(f"run {run} has no finished {stage} stage (no {stage}/adapter with its manifest); "
-                        f"train it first, or choose --stage {' or '.join(['sft', *aligned_stages(run)])}")
+        raise UserError(f"run {run} has no finished {stage} stage (no {stage}/adapter with its "
+                        "manifest); train it first, or choose --stage "
+                        f"{' or '.join(['sft', *aligned_stages(run)])}")
     return stage
 
 

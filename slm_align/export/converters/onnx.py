@@ -2,9 +2,10 @@
 
 ``fp32`` is optimum's graph as exported. ``int8`` is dynamic quantization (weights and activations)
 with the preset of the target CPU (arm64, avx2, avx512, avx512_vnni). ``w8`` (the default) and
-``int4`` are weight-only schemes on onnxruntime's MatMulNBits (:mod:`slm_align.export.converters.onnx_quant`).
-``--ort-format`` additionally converts the graph to the ORT format that onnxruntime's reduced mobile
-builds read. The tokenizer files and the chat template travel with the model.
+``int4`` are weight-only schemes on onnxruntime's MatMulNBits
+(:mod:`slm_align.export.converters.onnx_quant`). ``--ort-format`` additionally converts the graph to
+the ORT format that onnxruntime's reduced mobile builds read. The tokenizer files and the chat
+template travel with the model.
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ def _optimum_export(model_dir: Path, out_dir: Path) -> None:
     except ImportError:
         raise UserError("ONNX export needs optimum's exporter: pip "
                         "install 'slm-align[export]'") from None
-    with warnings.catch_warnings():  # the tracer's advisories about data-dependent branches are not for users
+    with warnings.catch_warnings():
+        # the tracer's advisories about data-dependent branches are not for users
         warnings.simplefilter("ignore")
-        main_export(str(model_dir), output=str(out_dir), task="text-generation-with-past", device="cpu",
-                    do_validation=False)
+        main_export(str(model_dir), output=str(out_dir), task="text-generation-with-past",
+                    device="cpu", do_validation=False)
 
 
 def _int8(out_dir: Path, preset: str) -> None:
@@ -93,7 +95,8 @@ def _replace_model(out_dir: Path, quantized: Path) -> None:
 
 def _to_ort_format(out_dir: Path) -> Path:
     done = subprocess.run([sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort",
-                           str(out_dir / MODEL_FILE), "--output_dir", str(out_dir)], capture_output=True, text=True)
+                           str(out_dir / MODEL_FILE), "--output_dir", str(out_dir)],
+                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"ORT format conversion failed: {done.stderr.strip()[-500:]}")
     return out_dir / "model.ort"
@@ -110,7 +113,8 @@ def write_onnx(model_dir: Path, out_dir: Path, quant: str = "fp32", preset: str 
         (out_dir / leftover).unlink(missing_ok=True)
     if ort_format:
         _to_ort_format(out_dir)
-    for copied in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+    for copied in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja"):
         if (Path(model_dir) / copied).is_file() and not (out_dir / copied).exists():
             shutil.copy2(Path(model_dir) / copied, out_dir / copied)
     return out_dir / MODEL_FILE

@@ -62,11 +62,13 @@ SCHEMES = {
     "fp32": Scheme("fp32", None, None, None),
     "int8": Scheme("int8", None, None, None),
     "w8": Scheme("w8", 8, 8, 8, accuracy_level=INT8_COMPUTE),
-    "int4": Scheme("int4", 4, 8, 8, block_size=16, eight_bit_layers=SENSITIVE_LAYERS, accuracy_level=INT8_COMPUTE),
+    "int4": Scheme("int4", 4, 8, 8, block_size=16, eight_bit_layers=SENSITIVE_LAYERS,
+                   accuracy_level=INT8_COMPUTE),
 }
 
 
-def _matmul_nbits(model, bits: int, include: Optional[list[str]], exclude: list[str], scheme: Scheme):
+def _matmul_nbits(model, bits: int, include: Optional[list[str]], exclude: list[str],
+                  scheme: Scheme):
     """One pass of onnxruntime's weight-only quantizer over the MatMul nodes named (all when None);
     8-bit passes use blocks of 32 (smaller blocks buy 8 bits nothing but scales)."""
     block_size = scheme.block_size if bits < 8 else EIGHT_BIT_BLOCK
@@ -76,7 +78,8 @@ def _matmul_nbits(model, bits: int, include: Optional[list[str]], exclude: list[
     # when bits is 8) at ERROR.
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.CRITICAL)
     config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=False,
-                                          accuracy_level=scheme.accuracy_level, op_types_to_quantize=("MatMul",),
+                                          accuracy_level=scheme.accuracy_level,
+                                          op_types_to_quantize=("MatMul",),
                                           quant_axes=(("MatMul", 0),), bits=bits)
     quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=False,
                                      accuracy_level=scheme.accuracy_level, nodes_to_include=include,
@@ -87,8 +90,10 @@ def _matmul_nbits(model, bits: int, include: Optional[list[str]], exclude: list[
 
 def _embedding_gathers(model) -> list:
     """The graph's Gather nodes that read a 2-D float initializer (the token embedding)."""
-    weights = {init.name for init in model.graph.initializer if len(init.dims) == 2 and init.data_type == 1}
-    return [node for node in model.graph.node if node.op_type == "Gather" and node.input[0] in weights]
+    weights = {init.name for init in model.graph.initializer
+               if len(init.dims) == 2 and init.data_type == 1}
+    return [node for node in model.graph.node
+            if node.op_type == "Gather" and node.input[0] in weights]
 
 
 def _int8_rows(weight):
@@ -118,7 +123,8 @@ def _int8_embedding(model, gather) -> None:
                               name=f"{gather.name}_scale"),
              helper.make_node("Cast", [f"{output}_int8"], [f"{output}_float"], to=TensorProto.FLOAT,
                               name=f"{gather.name}_cast"),
-             helper.make_node("Mul", [f"{output}_float", f"{output}_scale"], [output], name=f"{gather.name}_dequant")]
+             helper.make_node("Mul", [f"{output}_float", f"{output}_scale"], [output],
+                              name=f"{gather.name}_dequant")]
     position = list(model.graph.node).index(gather)
     model.graph.node.remove(gather)
     for offset, node in enumerate(nodes):
@@ -169,26 +175,30 @@ def _shared_embedding(model, gather, head) -> None:
     ids = gather.input[1]
     out = gather.output[0]
     name = gather.name
-    model.graph.initializer.extend([numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{name}_last_axis"),
-                                    numpy_helper.from_array(np.array([width], dtype=np.int64), f"{name}_width")])
+    model.graph.initializer.extend([numpy_helper.from_array(np.array([-1], dtype=np.int64),
+                                                            f"{name}_last_axis"),
+                                    numpy_helper.from_array(np.array([width], dtype=np.int64),
+                                                            f"{name}_width")])
     nodes = [helper.make_node("Gather", [blocks, ids], [f"{out}_q8"], name=f"{name}_q8"),
              helper.make_node("Gather", [zeros, ids], [f"{out}_zero"], name=f"{name}_zero"),
              helper.make_node("Gather", [scales, ids], [f"{out}_scale"], name=f"{name}_scale"),
-             helper.make_node("Cast", [f"{out}_q8"], [f"{out}_q8_float"], to=TensorProto.FLOAT, name=f"{name}_cast"),
+             helper.make_node("Cast", [f"{out}_q8"], [f"{out}_q8_float"], to=TensorProto.FLOAT,
+                              name=f"{name}_cast"),
              helper.make_node("Cast", [f"{out}_zero"], [f"{out}_zero_float"], to=TensorProto.FLOAT,
                               name=f"{name}_cast_zero"),
-             helper.make_node("Unsqueeze", [f"{out}_zero_float", f"{name}_last_axis"], [f"{out}_zero_column"],
-                              name=f"{name}_zero_column"),
-             helper.make_node("Unsqueeze", [f"{out}_scale", f"{name}_last_axis"], [f"{out}_scale_column"],
-                              name=f"{name}_scale_column"),
+             helper.make_node("Unsqueeze", [f"{out}_zero_float", f"{name}_last_axis"],
+                              [f"{out}_zero_column"], name=f"{name}_zero_column"),
+             helper.make_node("Unsqueeze", [f"{out}_scale", f"{name}_last_axis"],
+                              [f"{out}_scale_column"], name=f"{name}_scale_column"),
              helper.make_node("Sub", [f"{out}_q8_float", f"{out}_zero_column"], [f"{out}_centered"],
                               name=f"{name}_center"),
              helper.make_node("Mul", [f"{out}_centered", f"{out}_scale_column"], [f"{out}_blocks"],
                               name=f"{name}_dequant"),
              helper.make_node("Shape", [ids], [f"{out}_ids_shape"], name=f"{name}_ids_shape"),
-             helper.make_node("Concat", [f"{out}_ids_shape", f"{name}_width"], [f"{out}_shape"], axis=0,
-                              name=f"{name}_shape"),
-             helper.make_node("Reshape", [f"{out}_blocks", f"{out}_shape"], [out], name=f"{name}_rows")]
+             helper.make_node("Concat", [f"{out}_ids_shape", f"{name}_width"], [f"{out}_shape"],
+                              axis=0, name=f"{name}_shape"),
+             helper.make_node("Reshape", [f"{out}_blocks", f"{out}_shape"], [out],
+                              name=f"{name}_rows")]
     model.graph.initializer.remove(_initializer(model, gather.input[0]))
     position = list(model.graph.node).index(gather)
     model.graph.node.remove(gather)
@@ -232,7 +242,8 @@ def _weight_only(model, scheme: Scheme):
     """The scheme's weight-only passes: body, then lm_head, then the embedding (sharing the 8-bit
     head's blocks when the two are tied, else int8 rows of its own)."""
     _fold_head_transpose(model)
-    eight = [node.name for node in model.graph.node if any(part in node.name for part in scheme.eight_bit_layers)]
+    eight = [node.name for node in model.graph.node
+             if any(part in node.name for part in scheme.eight_bit_layers)]
     tied = {gather.name for gather in _embedding_gathers(model) if _tied_to_head(model, gather)}
     if scheme.body_bits is not None:
         model = _matmul_nbits(model, scheme.body_bits, None, [HEAD_NODE, *eight], scheme)
@@ -256,8 +267,8 @@ def quantize_weight_only(source: Path, target: Path, scheme: Scheme) -> Path:
         import onnx
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer  # noqa: F401
     except ImportError:
-        raise UserError(f"ONNX {scheme.name} needs onnxruntime's MatMulNBits quantizer (pip install onnx-ir); "
-                        "use --quant int8 instead") from None
+        raise UserError(f"ONNX {scheme.name} needs onnxruntime's MatMulNBits quantizer (pip "
+                        "install onnx-ir); use --quant int8 instead") from None
     model = _weight_only(onnx.load(str(source)), scheme)
     onnx.save_model(model, str(target), save_as_external_data=False)
     return target

@@ -1,16 +1,18 @@
 """Bundles of an adapter export (``slm-align export RUN --target gguf-adapter``).
 
 A full bundle holds the base once under ``model/`` and each LoRA adapter as its own file under
-``adapters/``; bundle.json lists them in load order with their sha256 and scale, and ``model_id`` is the
-chain's id (:func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`). An update bundle (``--update-from OLD``)
-is for a device that has OLD installed: no base, only the adapters whose sha256 OLD does not list, the
-whole chain in bundle.json (each entry ``shipped`` or not), ``requires_base_sha256`` and
-``replaces_model_id``. :func:`apply_update` turns an installed bundle and an update into the full bundle
-of the new chain, once a trusted key's signature (:mod:`~slm_align.export.packaging.bundle_signing`) and the update's
-paths, files and chain ids (:mod:`~slm_align.export.packaging.update_checks`) hold.
+``adapters/``; bundle.json lists them in load order with their sha256 and scale, and ``model_id`` is
+the chain's id (:func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`). An update bundle
+(``--update-from OLD``) is for a device that has OLD installed: no base, only the adapters whose
+sha256 OLD does not list, the whole chain in bundle.json (each entry ``shipped`` or not),
+``requires_base_sha256`` and ``replaces_model_id``. :func:`apply_update` turns an installed bundle
+and an update into the full bundle of the new chain, once a trusted key's signature
+(:mod:`~slm_align.export.packaging.bundle_signing`) and the update's paths, files and chain ids
+(:mod:`~slm_align.export.packaging.update_checks`) hold.
 
 These bundles are format 2: their ``artifact`` (kept, for old readers, at the base) is not the whole
-model, so a format-1 reader that loaded it alone would answer as the base under the chain's model_id.
+model, so a format-1 reader that loaded it alone would answer as the base under the chain's
+model_id.
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ import gguf
 
 from slm_align.atomic import publish_directory
 from slm_align.errors import UserError
-from slm_align.export.packaging.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
+from slm_align.export.packaging.bundle_files import (
+    chat_template_of,
+    tokenizer_file,
+    write_app_files,
+    write_json,
+)
 from slm_align.export.packaging.bundle_readme import adapter_bundle_readme, update_bundle_readme
 from slm_align.export.packaging.bundle_signing import SIGNATURE, TrustedKey, check_signature
 from slm_align.export.packaging.update_checks import (
@@ -60,19 +67,21 @@ def is_adapter_export(manifest: dict) -> bool:
 
 
 def _checked_file(path: Path, sha256: str, what: str) -> Path:
-    """``path``, refused in one line when it is gone or no longer has the ``sha256`` the export recorded."""
+    """``path``, refused in one line when it is gone or no longer has the ``sha256`` the export
+    recorded."""
     if not path.is_file():
-        raise UserError(f"{what} {path} not found; export the run again (`slm-align export RUN --target {TARGET}`)")
+        raise UserError(f"{what} {path} not found; export the run again (`slm-align export RUN "
+                        f"--target {TARGET}`)")
     found = sha256_file(path)
     if found != sha256:
-        raise UserError(f"{what} {path} has sha256 {found[:12]}, the export recorded {sha256[:12]}: it changed "
-                        "after export; export the run again")
+        raise UserError(f"{what} {path} has sha256 {found[:12]}, the export recorded "
+                        f"{sha256[:12]}: it changed after export; export the run again")
     return path
 
 
 def export_files(artifact: Path, manifest: dict) -> tuple[Path, list[Path]]:
-    """(base, adapters in order) of the adapter export whose manifest is beside ``artifact``, each checked
-    against the sha256 the manifest records."""
+    """(base, adapters in order) of the adapter export whose manifest is beside ``artifact``, each
+    checked against the sha256 the manifest records."""
     base, adapters = manifest_files(manifest, artifact.parent)
     metrics = manifest["metrics"]
     _checked_file(base, metrics["base"]["sha256"], "the base")
@@ -109,17 +118,19 @@ def describe_full(manifest: dict, base_name: str, device: Optional[str], templat
     export's."""
     metrics = manifest["metrics"]
     base = f"{MODEL_DIR}/{base_name}"
-    return {"format": ADAPTER_BUNDLE_FORMAT, "kind": "full", "runtime": "llama.cpp", "target": TARGET,
-            "quant": metrics.get("quant"), "base_quant": base_quant, "device": device,
-            "artifact": base, "base": base,
-            "base_sha256": metrics["base"]["sha256"], "adapters": _entries(manifest), "model_id": metrics["sha256"],
+    return {"format": ADAPTER_BUNDLE_FORMAT, "kind": "full", "runtime": "llama.cpp",
+            "target": TARGET, "quant": metrics.get("quant"), "base_quant": base_quant,
+            "device": device, "artifact": base, "base": base,
+            "base_sha256": metrics["base"]["sha256"], "adapters": _entries(manifest),
+            "model_id": metrics["sha256"],
             "verification_passed": metrics.get("verification", {}).get("passed"),
             "chat_template": "chat_template.jinja" if template is not None else None,
             "tokenizer": "tokenizer.json" if tokenizer is not None else "embedded in the base"}
 
 
 def _finish(bundle: Path, described: dict, readme: Callable[[dict], str]) -> dict:
-    """Write the README and bundle.json (with every file's sha256); returns bundle.json's content."""
+    """Write the README and bundle.json (with every file's sha256); returns bundle.json's
+    content."""
     (bundle / "README.md").write_text(readme(described), encoding="utf-8")
     described["files"] = file_checksums(bundle)
     write_json(bundle / BUNDLE_JSON, described)
@@ -133,8 +144,9 @@ def _write_records(bundle: Path, manifest: dict) -> None:
 
 
 def fill_full(bundle: Path, artifact: Path, manifest: dict, device: Optional[str]) -> dict:
-    """Write a full bundle of the adapter export into ``bundle``: the base once, each adapter, the tokenizer,
-    template, sampling defaults, tool schemas and records; returns bundle.json's content."""
+    """Write a full bundle of the adapter export into ``bundle``: the base once, each adapter, the
+    tokenizer, template, sampling defaults, tool schemas and records; returns bundle.json's
+    content."""
     base, adapters = export_files(artifact, manifest)
     (bundle / MODEL_DIR).mkdir()
     shutil.copy2(base, bundle / MODEL_DIR / base.name)
@@ -151,12 +163,13 @@ def fill_full(bundle: Path, artifact: Path, manifest: dict, device: Optional[str
 
 
 def read_bundle(folder: Path, role: str) -> dict:
-    """bundle.json of a base + adapters bundle (full or update) at ``folder``; one line, naming ``role``
-    (the flag or argument), for a folder that is not one."""
+    """bundle.json of a base + adapters bundle (full or update) at ``folder``; one line, naming
+    ``role`` (the flag or argument), for a folder that is not one."""
     folder = Path(folder).expanduser()
     described_path = folder / BUNDLE_JSON
     if described_path.is_symlink():
-        raise UserError(f"{role} {folder}'s {BUNDLE_JSON} is a symlink; a bundle holds plain files only")
+        raise UserError(f"{role} {folder}'s {BUNDLE_JSON} is a "
+                        "symlink; a bundle holds plain files only")
     if not described_path.is_file():
         raise UserError(f"{role} {folder} is not a bundle (no {BUNDLE_JSON}); pass a directory "
                         "`slm-align bundle` wrote")
@@ -167,35 +180,38 @@ def read_bundle(folder: Path, role: str) -> dict:
     if not isinstance(described, dict) or not described.get("base_sha256") or not described.get("base") or \
             not isinstance(described.get("adapters"), list):
         artifact = described.get("artifact") if isinstance(described, dict) else None
-        raise UserError(f"{role} {folder} is a bundle of {artifact}, not of base + adapters; bundle an adapter "
-                        f"export (`slm-align export RUN --target {TARGET}`) in full first")
+        raise UserError(f"{role} {folder} is a bundle of {artifact}, not of base + adapters; "
+                        f"bundle an adapter export (`slm-align export RUN --target {TARGET}`) in "
+                        "full first")
     return described
 
 
 def describe_update(manifest: dict, old: dict, device: Optional[str]) -> dict:
-    """bundle.json's fields (all but ``files``) of the update that takes a device with the bundle ``old``
-    to the adapter export ``manifest``; refuses another base, or the chain ``old`` already is."""
+    """bundle.json's fields (all but ``files``) of the update that takes a device with the bundle
+    ``old`` to the adapter export ``manifest``; refuses another base, or the chain ``old`` already
+    is."""
     metrics = manifest["metrics"]
     if metrics["base"]["sha256"] != old["base_sha256"]:
-        raise UserError(f"the export's base has sha256 {metrics['base']['sha256'][:12]}, the --update-from bundle's "
-                        f"{old['base_sha256'][:12]}: an update keeps the device's base; drop --update-from to "
-                        "make a full bundle")
+        raise UserError(f"the export's base has sha256 {metrics['base']['sha256'][:12]}, the "
+                        f"--update-from bundle's {old['base_sha256'][:12]}: an update keeps the "
+                        "device's base; drop --update-from to make a full bundle")
     if metrics["sha256"] == old.get("model_id"):
         raise UserError(f"already shipped: the --update-from bundle is this chain (model_id "
                         f"{metrics['sha256'][:12]}); nothing new to ship")
     installed = {entry.get("sha256") for entry in old["adapters"]}
-    adapters = [dict(entry, shipped=entry["sha256"] not in installed) for entry in _entries(manifest)]
+    adapters = [dict(entry, shipped=entry["sha256"] not in installed)
+                for entry in _entries(manifest)]
     template = old.get("chat_template")
     tokenizer = Path(old["tokenizer"]) if old.get("tokenizer") == "tokenizer.json" else None
     described = describe_full(manifest, old["base"].split("/", 1)[1], device, template, tokenizer,
                               old.get("base_quant"))
-    return dict(described, kind="update", adapters=adapters, requires_base_sha256=old["base_sha256"],
-                replaces_model_id=old.get("model_id"))
+    return dict(described, kind="update", adapters=adapters,
+                requires_base_sha256=old["base_sha256"], replaces_model_id=old.get("model_id"))
 
 
 def fill_update(bundle: Path, artifact: Path, manifest: dict, described: dict) -> dict:
-    """Write into ``bundle`` the update ``described`` (:func:`describe_update`): the adapters it ships,
-    the export's records, README and bundle.json; returns bundle.json's content."""
+    """Write into ``bundle`` the update ``described`` (:func:`describe_update`): the adapters it
+    ships, the export's records, README and bundle.json; returns bundle.json's content."""
     _, adapters = export_files(artifact, manifest)
     (bundle / ADAPTERS_DIR).mkdir()
     for path, entry in zip(adapters, described["adapters"]):
@@ -207,8 +223,9 @@ def fill_update(bundle: Path, artifact: Path, manifest: dict, described: dict) -
 
 def adapter_filler(artifact: Path, manifest: dict, device: Optional[str],
                    update_from: Optional[Path]) -> Callable[[Path], dict]:
-    """What writes the bundle of an adapter export into a folder: a full bundle, or (``update_from``) the
-    update for a device that has that bundle, refused here, before anything is written."""
+    """What writes the bundle of an adapter export into a folder: a full bundle, or
+    (``update_from``) the update for a device that has that bundle, refused here, before anything is
+    written."""
     if update_from is None:
         return partial(fill_full, artifact=artifact, manifest=manifest, device=device)
     old = read_bundle(update_from, "--update-from")
@@ -218,15 +235,17 @@ def adapter_filler(artifact: Path, manifest: dict, device: Optional[str],
 
 
 def copy_verified(source: Path, target: Path, sha256: str, what: str) -> None:
-    """Copy ``source`` to the new file ``target``, hashing the bytes as they are written: what is published
-    is what was checked. Refuses (one line) a source that is missing, a symlink or not a regular file, an
-    existing target (``x`` mode: never through a link), and bytes whose sha256 is not ``sha256``."""
+    """Copy ``source`` to the new file ``target``, hashing the bytes as they are written: what is
+    published is what was checked. Refuses (one line) a source that is missing, a symlink or not a
+    regular file, an existing target (``x`` mode: never through a link), and bytes whose sha256 is
+    not ``sha256``."""
     try:
         fd = os.open(source, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         raise UserError(f"{what} {source} not found; install the full bundle instead") from None
     except OSError:  # ELOOP: the last component is a symlink
-        raise UserError(f"{what} {source} is a symlink; a bundle holds plain files only: refusing it") from None
+        raise UserError(f"{what} {source} is a symlink; a bundle "
+                        "holds plain files only: refusing it") from None
     digest = hashlib.sha256()
     with os.fdopen(fd, "rb") as reader:
         if not stat.S_ISREG(os.fstat(reader.fileno()).st_mode):
@@ -236,15 +255,16 @@ def copy_verified(source: Path, target: Path, sha256: str, what: str) -> None:
                 digest.update(block)
                 writer.write(block)
     if digest.hexdigest() != sha256:
-        raise UserError(f"{what} {source} has sha256 {digest.hexdigest()[:12]}, bundle.json records "
-                        f"{sha256[:12]}: it changed after bundling; refusing the update")
+        raise UserError(f"{what} {source} has sha256 {digest.hexdigest()[:12]}, bundle.json "
+                        f"records {sha256[:12]}: it changed after bundling; refusing the update")
 
 
 def _inside(folder: Path, name: str) -> Path:
     """``folder``/``name``, refused unless it resolves to a file directly inside ``folder``."""
     target = folder / name
     if target.resolve().parent != folder.resolve():
-        raise UserError(f"the adapter name {name[:120]!r} leaves the bundle folder; refusing the update")
+        raise UserError(f"the adapter name {name[:120]!r} leaves "
+                        "the bundle folder; refusing the update")
     return target
 
 
@@ -253,24 +273,27 @@ def _installed_adapter(installed: Path, old: dict, sha256: str) -> Path:
     for entry in old["adapters"]:
         if entry["sha256"] == sha256:
             return installed / entry["path"]
-    raise UserError(f"the installed bundle {installed} has no adapter of sha256 {sha256[:12]} that the update "
-                    "needs; install the full bundle instead")
+    raise UserError(f"the installed bundle {installed} has no adapter of sha256 {sha256[:12]} that "
+                    "the update needs; install the full bundle instead")
 
 
 def _applied(installed: Path, old: dict, update: Path, new: dict, scratch: Path) -> dict:
-    """Fill ``scratch`` with the installed bundle's files, the update's adapters and records, each checked
-    as it is copied; returns the full bundle's bundle.json."""
+    """Fill ``scratch`` with the installed bundle's files, the update's adapters and records, each
+    checked as it is copied; returns the full bundle's bundle.json."""
     kept = (ADAPTERS_DIR, BUNDLE_JSON, SIGNATURE, "README.md", *EXPORT_RECORDS)
-    shutil.copytree(installed, scratch, ignore=partial(_ignored, installed, kept), dirs_exist_ok=True)
+    shutil.copytree(installed, scratch, ignore=partial(_ignored, installed, kept),
+                    dirs_exist_ok=True)
     base = scratch / old["base"]
     if not base.is_file() or sha256_file(base) != new["requires_base_sha256"]:
-        raise UserError(f"the installed base {installed / old['base']} is missing or changed (not sha256 "
-                        f"{new['requires_base_sha256'][:12]}); install the full bundle instead")
+        raise UserError(f"the installed base {installed / old['base']} is missing or changed (not "
+                        f"sha256 {new['requires_base_sha256'][:12]}); install the full bundle "
+                        "instead")
     (scratch / ADAPTERS_DIR).mkdir()
     entries = []
     for entry in new["adapters"]:
         source = update / entry["path"] if entry["shipped"] else _installed_adapter(installed, old, entry["sha256"])
-        target = _inside(scratch / ADAPTERS_DIR, plain_name(entry["path"], ADAPTERS_DIR, UPDATE_ROLE))
+        target = _inside(scratch / ADAPTERS_DIR,
+                         plain_name(entry["path"], ADAPTERS_DIR, UPDATE_ROLE))
         copy_verified(source, target, entry["sha256"], "the adapter")
         entries.append({key: value for key, value in entry.items() if key != "shipped"})
     for name in EXPORT_RECORDS:
@@ -287,15 +310,17 @@ def _ignored(root: Path, names: tuple, folder: str, contents: list[str]) -> list
 def _checked_update(installed: Path, update: Path, trusted_keys: Sequence[TrustedKey],
                     allow_unsigned: bool) -> tuple[dict, dict]:
     """(installed, update) bundle.json contents, once the update is signed by a trusted key (unless
-    ``allow_unsigned``), well formed, holds adapters only and names the chains it replaces and makes."""
+    ``allow_unsigned``), well formed, holds adapters only and names the chains it replaces and
+    makes."""
     if not trusted_keys and not allow_unsigned:
-        raise UserError("no trusted key to check the update against: pass trusted_keys=[PUBLIC_KEY.pem] (the "
-                        "publisher's `slm-align bundle-keygen` public key), or allow_unsigned=True to trust "
-                        "its hashes alone")
+        raise UserError("no trusted key to check the update against: pass "
+                        "trusted_keys=[PUBLIC_KEY.pem] (the publisher's `slm-align bundle-keygen` "
+                        "public key), or allow_unsigned=True to trust its hashes alone")
     old = read_bundle(installed, INSTALLED_ROLE)
     new = read_bundle(update, UPDATE_ROLE)
     if new.get("kind") != "update":
-        raise UserError(f"{update} is a {new.get('kind')} bundle, not an update; install it as it is")
+        raise UserError(f"{update} is a {new.get('kind')} bundle, "
+                        "not an update; install it as it is")
     if trusted_keys:
         check_signature(update, new, trusted_keys, UPDATE_ROLE)
     check_bundle_fields(old, INSTALLED_ROLE, update=False)
@@ -318,7 +343,8 @@ class AppliedUpdate(Artifact):
         return scratch
 
     def place(self, built: Path, manifest: Optional[dict]) -> None:
-        """Renamed into place unless ``final`` was made meanwhile by another writer (left as it is)."""
+        """Renamed into place unless ``final`` was made meanwhile by another writer (left as it
+        is)."""
         try:
             publish_directory(built, self.final)
         except OSError:
@@ -329,16 +355,17 @@ class AppliedUpdate(Artifact):
 
 def apply_update(installed: Path, update: Path, out: Path, trusted_keys: Sequence[TrustedKey] = (),
                  allow_unsigned: bool = False) -> dict:
-    """Write at ``out`` the full bundle that the update bundle ``update`` makes of the ``installed`` one
-    (its base, the adapters the update did not ship, the update's adapters). Returns bundle.json.
+    """Write at ``out`` the full bundle that the update bundle ``update`` makes of the ``installed``
+    one (its base, the adapters the update did not ship, the update's adapters). Returns
+    bundle.json.
 
-    The update must be signed (``bundle.json.sig``) by one of ``trusted_keys`` (public keys: PEM paths,
-    PEM bytes or key objects); ``allow_unsigned=True`` with no keys trusts its hashes alone, which proves
-    integrity, not origin. Refused in one line, with nothing written: no trusted key, another base or
-    chain, a path that is not a plain name under ``adapters/``, a symlink, a file other than adapters and
-    records, a model_id that is not the chain's, a sha256 that does not hold, an existing ``out``. The new
-    bundle is assembled in a hidden scratch folder beside ``out`` and renamed into place
-    (:func:`~slm_align.runs.publish_artifact`)."""
+    The update must be signed (``bundle.json.sig``) by one of ``trusted_keys`` (public keys: PEM
+    paths, PEM bytes or key objects); ``allow_unsigned=True`` with no keys trusts its hashes alone,
+    which proves integrity, not origin. Refused in one line, with nothing written: no trusted key,
+    another base or chain, a path that is not a plain name under ``adapters/``, a symlink, a file
+    other than adapters and records, a model_id that is not the chain's, a sha256 that does not
+    hold, an existing ``out``. The new bundle is assembled in a hidden scratch folder beside ``out``
+    and renamed into place (:func:`~slm_align.runs.publish_artifact`)."""
     installed, update, out = Path(installed).expanduser(), Path(update).expanduser(), Path(out).expanduser()
     old, new = _checked_update(installed, update, trusted_keys, allow_unsigned)
     applied = AppliedUpdate(installed, update, out, old, new)

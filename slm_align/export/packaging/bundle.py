@@ -25,7 +25,12 @@ from typing import Callable, Optional
 from slm_align.atomic import atomic_path
 from slm_align.errors import UserError
 from slm_align.export.packaging.adapter_bundle import adapter_filler, is_adapter_export
-from slm_align.export.packaging.bundle_files import chat_template_of, tokenizer_file, write_app_files, write_json
+from slm_align.export.packaging.bundle_files import (
+    chat_template_of,
+    tokenizer_file,
+    write_app_files,
+    write_json,
+)
 from slm_align.export.packaging.bundle_readme import RUNTIMES, bundle_readme
 from slm_align.export.packaging.bundle_signing import load_private_key, sign_bundle
 from slm_align.export.publishing.adapter_export import run_source
@@ -53,9 +58,11 @@ class BundleRequest:
     overwrite: bool = False
     """Replace an existing bundle."""
     update_from: Optional[Path] = None
-    """An adapter export only: the bundle the device has; the update ships only the adapters it lacks."""
+    """An adapter export only: the bundle the device has; the update ships only the adapters it
+    lacks."""
     sign: Optional[Path] = None
-    """An Ed25519 private key (PEM): bundle.json.sig, its signature over bundle.json, goes in the bundle."""
+    """An Ed25519 private key (PEM): bundle.json.sig, its signature over bundle.json, goes in the
+    bundle."""
 
 
 def device_choice(device: str) -> tuple[str, str]:
@@ -68,18 +75,19 @@ def device_choice(device: str) -> tuple[str, str]:
 
 
 def _run_artifact(run: Path, device: Optional[str]) -> Path:
-    """The run's export for the device, exported (parity-checked) when it is not there yet. A run trained
-    from a GGUF ships to a llama.cpp device as that file + the run's adapters (the base keeps the
-    quantization it was made with; the merged model re-quantized to Q4_K_M agreed 0.835 with its PyTorch
-    self on the real Gemma 3 270M, the file + adapter 0.986: docs/shipping.md)."""
+    """The run's export for the device, exported (parity-checked) when it is not there yet. A run
+    trained from a GGUF ships to a llama.cpp device as that file + the run's adapters (the base
+    keeps the quantization it was made with; the merged model re-quantized to Q4_K_M agreed 0.835
+    with its PyTorch self on the real Gemma 3 270M, the file + adapter 0.986: docs/shipping.md)."""
     if device is None:
-        raise UserError(f"{run} is a run: pass --device NAME to pick the artifact (see `slm-align devices list`), "
-                        "or pass an exported artifact")
+        raise UserError(f"{run} is a run: pass --device NAME to pick the artifact (see `slm-align "
+                        "devices list`), or pass an exported artifact")
     target, quant = device_choice(device)
     shipped_as = target_named(target).gguf_run_target
     if shipped_as is not None and run_source(run).kind == "gguf":
         target, quant = shipped_as, "F16"
-    result = run_export(ExportRequest(str(run), target=target, quant=quant, device=device, overwrite=True),
+    result = run_export(ExportRequest(str(run), target=target, quant=quant, device=device,
+                                      overwrite=True),
                         reuse=True)  # made from other inputs (a stage trained again): exported anew
     return _manifest_artifact(Path(result.stage_dir))
 
@@ -130,8 +138,9 @@ def _describe(artifact: Path, manifest: dict, device: Optional[str], template: O
     metrics = manifest.get("metrics", {})
     target = metrics.get("target", "gguf")
     return {"format": BUNDLE_FORMAT, "runtime": RUNTIMES[target]["name"], "target": target,
-            "quant": metrics.get("quant"), "device": device, "artifact": f"{MODEL_DIR}/{artifact.name}",
-            "model_id": metrics.get("sha256"), "verification_passed": metrics.get("verification", {}).get("passed"),
+            "quant": metrics.get("quant"), "device": device,
+            "artifact": f"{MODEL_DIR}/{artifact.name}", "model_id": metrics.get("sha256"),
+            "verification_passed": metrics.get("verification", {}).get("passed"),
             "chat_template": "chat_template.jinja" if template is not None else None,
             "tokenizer": "tokenizer.json" if tokenizer is not None else "embedded in the artifact"}
 
@@ -166,19 +175,21 @@ def _default_out(artifact: Path, device: Optional[str], update: bool) -> Path:
 
 
 def _filler(artifact: Path, manifest: dict, request: BundleRequest) -> Callable[[Path], dict]:
-    """What writes this export's bundle into a folder (an adapter export's: base + adapters, or an update)."""
+    """What writes this export's bundle into a folder (an adapter export's: base + adapters, or an
+    update)."""
     if is_adapter_export(manifest):
         return adapter_filler(artifact, manifest, request.device, request.update_from)
     if request.update_from is not None:
         target = manifest.get("metrics", {}).get("target", "gguf")
-        raise UserError(f"--update-from ships adapters, and {artifact} is a {target} export: bundle an adapter "
-                        "export (`slm-align export RUN --target gguf-adapter`), or drop --update-from")
+        raise UserError(f"--update-from ships adapters, and {artifact} is a {target} export: "
+                        "bundle an adapter export (`slm-align export RUN --target gguf-adapter`), "
+                        "or drop --update-from")
     return partial(_fill, artifact=artifact, manifest=manifest, device=request.device)
 
 
 class Bundle(Artifact):
-    """The bundle folder ``final`` that ``fill`` writes (signed with ``key`` when given); its zip is made
-    beside it once it is published."""
+    """The bundle folder ``final`` that ``fill`` writes (signed with ``key`` when given); its zip is
+    made beside it once it is published."""
 
     def __init__(self, out: Path, fill: Callable[[Path], dict], key):
         self.final, self.fill, self.key = out, fill, key
@@ -198,7 +209,8 @@ def make_bundle(request: BundleRequest) -> dict:
     with ``path`` and ``zip``."""
     if request.device is not None:
         device_choice(request.device)  # an unknown profile: refused before any work
-    key = load_private_key(request.sign) if request.sign is not None else None  # a bad key: before any work
+    # a bad key: before any work
+    key = load_private_key(request.sign) if request.sign is not None else None
     artifact = locate_artifact(request)
     manifest = _export_manifest(artifact)
     fill = _filler(artifact, manifest, request)

@@ -1,6 +1,6 @@
-"""The files every device bundle carries beside the model: the chat template and tokenizer of the artifact,
-the sampling defaults and the default tools' schemas (shared by :mod:`slm_align.export.packaging.bundle` and
-:mod:`slm_align.export.packaging.adapter_bundle`)."""
+"""The files every device bundle carries beside the model: the chat template and tokenizer of the
+artifact, the sampling defaults and the default tools' schemas (shared by
+:mod:`slm_align.export.packaging.bundle` and :mod:`slm_align.export.packaging.adapter_bundle`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from slm_align.ondevice.gguf.fields import read_fields
 
 
 def _gguf_template(artifact: Path) -> Optional[str]:
-    """The chat template a GGUF file embeds, if any (from its header alone: a 250 MB base reads in well
-    under a second)."""
+    """The chat template a GGUF file embeds, if any (from its header alone: a 250 MB base reads in
+    well under a second)."""
     field = read_fields(artifact, "tokenizer.chat_template").get("tokenizer.chat_template")
     return None if field is None else str(field.value)
 

@@ -116,25 +116,28 @@ specifies, with `model_id` = `{described['model_id']}` (bundle.json). Then, on a
 
 
 def _adapter_calls(described: dict) -> str:
-    """The llama.cpp calls that load the base, then apply the adapters in order, then run as a plain GGUF."""
+    """The llama.cpp calls that load the base, then apply the adapters in order, then run as a plain
+    GGUF."""
     paths = ", ".join(f'"{entry["path"]}"' for entry in described["adapters"])
     scales = ", ".join(str(entry["scale"]) for entry in described["adapters"])
     count = len(described["adapters"])
     calls = [
         f'`llama_model_load_from_file("{described["base"]}", llama_model_default_params())`',
-        f"`llama_adapter_lora_init(model, path)` for each of {paths}, in this order (the handles live "
-        "as long as the model)",
+        f"`llama_adapter_lora_init(model, path)` for each of {paths}, in this order (the handles "
+        "live as long as the model)",
         RUNTIMES["gguf"]["calls"][1],
-        f"`llama_set_adapters_lora(ctx, adapters, {count}, scales)` with all {count} handles at once, in the "
-        f"order above, scales {{{scales}}} (llama-cpp-python 0.3.36's `llama_set_adapter_lora(ctx, adapter, "
-        "scale)` is a deprecated wrapper that sets that ONE adapter in place of the others)",
+        f"`llama_set_adapters_lora(ctx, adapters, {count}, scales)` with all {count} handles at "
+        f"once, in the order above, scales {{{scales}}} (llama-cpp-python 0.3.36's "
+        "`llama_set_adapter_lora(ctx, adapter, scale)` is a deprecated wrapper that sets that ONE "
+        "adapter in place of the others)",
         *RUNTIMES["gguf"]["calls"][2:],
     ]
     return "\n".join(f"{index}. {call}" for index, call in enumerate(calls, start=1))
 
 
 def _adapter_lines(described: dict) -> str:
-    """One line per adapter, in load order; an update says which it ships and which the device has."""
+    """One line per adapter, in load order; an update says which it ships and which the device
+    has."""
     lines = []
     for entry in described["adapters"]:
         where = ""
@@ -173,7 +176,8 @@ def _base_type(described: dict) -> str:
 
 
 def adapter_bundle_readme(described: dict) -> str:
-    """The README of a full base + adapters bundle described by ``described`` (bundle.json's fields)."""
+    """The README of a full base + adapters bundle described by ``described`` (bundle.json's
+    fields)."""
     device = described["device"] or "any device"
     passed = VERDICTS[described["verification_passed"]]
     return f"""# Device bundle: {described['base']} + {len(described['adapters'])} LoRA adapter(s) for {device}

@@ -1,1 +1,2 @@
-"""Export verification and publishing: the run_export entry, parity, model cards, Modelfiles, adapter export."""
+"""Export verification and publishing: the run_export entry, parity, model cards, Modelfiles,
+adapter export."""

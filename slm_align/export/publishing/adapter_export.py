@@ -17,8 +17,8 @@ Everything is built in a scratch folder, verified (llama.cpp with the base and e
 against ``RUN/merged`` in PyTorch: :func:`~slm_align.export.publishing.parity.verify`), and only
 then renamed into place (:func:`~slm_align.runs.publish_artifact`); the manifest
 ``adapter-<STAGE>-<TYPE>.gguf.json`` comes last, so its presence says the chain is whole. Its
-``metrics.sha256`` is the chain's id (:func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`), which the
-runtime records as ``model_id`` for every answer base + adapters give."""
+``metrics.sha256`` is the chain's id (:func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`),
+which the runtime records as ``model_id`` for every answer base + adapters give."""
 
 from __future__ import annotations
 
@@ -30,12 +30,18 @@ from slm_align.atomic import publish_directory, write_json_atomic
 from slm_align.errors import UserError
 from slm_align.export.converters.merge import current_merged, merged_stage, policy_identity
 from slm_align.export.publishing.parity import perplexity_change, verification_summary
+from slm_align.export.publishing.sources import origin_of
 from slm_align.modeling.accelerator import resolve_device
 from slm_align.ondevice.devices.host import default_threads
 from slm_align.ondevice.gguf.adapter_check import chain_digest
 from slm_align.ondevice.gguf.adapter_writer import write_lora_gguf
 from slm_align.ondevice.gguf.fields import read_fields
-from slm_align.ondevice.gguf.writer import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
+from slm_align.ondevice.gguf.writer import (
+    QUANTIZER_TYPES,
+    check_gguf_type,
+    quantize_gguf,
+    write_gguf,
+)
 from slm_align.ondevice.templates.chat import chosen_chat_template, default_chat_template
 from slm_align.progress import stage_lines
 from slm_align.runs import (
@@ -178,9 +184,9 @@ def run_source(run: Path):
     from slm_align.modeling.models import resolve_source
 
     record = read_manifest(run / "sft")["inputs"]["model"]
-    if record["kind"] == "gguf" and not Path(record["ref"]).is_file():
-        raise UserError(f"the run's base {record['ref']} is gone; put the .gguf it was trained on "
-                        "back there")
+    if origin_of(record).gone():
+        raise UserError(f"the run's base {record['ref']} is gone; "
+                        "put the .gguf it was trained on back there")
     return resolve_source(record["ref"])
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 from slm_align.config.from_sft import recorded_data_path
+from slm_align.config.hub_ids import looks_like_hub_id
 from slm_align.export.publishing.parity import perplexity_change
-from slm_align.modeling.models import DEFAULT_MODEL_DIR, looks_like_hub_id
+from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.runs import MANIFEST, MODEL_CARD, aligned_stages
 
 CARD = MODEL_CARD
@@ -55,8 +56,9 @@ def read_run(run: Path, stage: Optional[str] = None) -> RunRecords:
         latest = stage if stage in stages else None
     rl = _read_json(run / "rl" / MANIFEST) if latest == "rl" else None
     preference = _read_json(run / latest / MANIFEST) if latest in ("dpo", "kto") else None
-    return RunRecords(run=run, sft=_read_json(run / "sft" / MANIFEST), headroom=_read_json(run / "headroom.json"),
-                      rl=rl, evaluation=_read_json(run / "eval" / "report.json"), preference=preference)
+    return RunRecords(run=run, sft=_read_json(run / "sft" / MANIFEST),
+                      headroom=_read_json(run / "headroom.json"), rl=rl,
+                      evaluation=_read_json(run / "eval" / "report.json"), preference=preference)
 
 
 def run_of(path: Optional[Path]) -> Optional[Path]:
@@ -316,7 +318,8 @@ def quantization_section(artifacts: list[tuple[str, dict]]) -> list[str]:
 
 def merged_usage(name: str) -> list[str]:
     """How to run a merged directory: transformers, then export for the devices."""
-    return ["## How to run", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+    return ["## How to run", "", "```python", "from transformers import "
+                                              "AutoModelForCausalLM, AutoTokenizer",
             "",
             f'model = AutoModelForCausalLM.from_pretrained("{name}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "", "```bash",
@@ -344,7 +347,8 @@ def onnx_usage(name: str) -> list[str]:
 def compose(title: str, records: Optional[RunRecords], library: str, tags: list[str],
             artifacts: list[tuple[str, dict]], usage: list[str]) -> str:
     """The whole card: header, title, the run's measured sections, the artifacts, how to run it."""
-    lines = front_matter(records, library, card_tags(records, tags)) + [MARKER, "", f"# {title}", ""]
+    lines = front_matter(records, library, card_tags(records, tags)) + [MARKER, "", "# "
+                                                                                    f"{title}", ""]
     lines.append("Aligned with slm-align; every figure below was measured by this run and "
                  "read from its records.")
     lines.append("")
@@ -366,8 +370,10 @@ def card_blocked(directory: Path) -> Optional[str]:
 
 
 def merged_card(run: Path, name: str, stage: Optional[str] = None) -> str:
-    """The card of a run's merged directory (of ``stage``: ``sft`` or an aligned stage; None: the latest)."""
-    return compose(name, read_run(run, stage), "transformers", ["safetensors"], [], merged_usage(name))
+    """The card of a run's merged directory (of ``stage``: ``sft`` or an aligned stage; None: the
+    latest)."""
+    return compose(name, read_run(run, stage), "transformers", ["safetensors"], [],
+                   merged_usage(name))
 
 
 def _records(source: Optional[Path]) -> Optional[RunRecords]:
@@ -394,7 +400,8 @@ def gguf_card(out: Path, source: Optional[Path], published: tuple[str, dict]) ->
     records = _records(source)
     title = out.name if records is None else records.run.name
     quants = [metrics["quant"] for _, metrics in rows]
-    return compose(title, records, "gguf", ["gguf"] + quants, rows, gguf_usage([name for name, _ in rows]))
+    return compose(title, records, "gguf", ["gguf"] + quants, rows,
+                   gguf_usage([name for name, _ in rows]))
 
 
 def genai_usage(name: str) -> list[str]:
@@ -428,8 +435,10 @@ def onnx_card(name: str, metrics: dict, source: Optional[Path]) -> str:
     title = name if records is None else records.run.name
     if metrics.get("target") == "executorch":
         tags = ["executorch", "xnnpack", metrics["quant"]]
-        return compose(title, records, "executorch", tags, [(name, metrics)], executorch_usage(name))
+        return compose(title, records, "executorch", tags, [(name, metrics)],
+                       executorch_usage(name))
     if metrics.get("target") == "genai":
         tags = ["onnx", "onnxruntime-genai", metrics["quant"]]
         return compose(title, records, "onnx", tags, [(name, metrics)], genai_usage(name))
-    return compose(title, records, "onnx", ["onnx", metrics["quant"]], [(name, metrics)], onnx_usage(name))
+    return compose(title, records, "onnx", ["onnx", metrics["quant"]], [(name, metrics)],
+                   onnx_usage(name))

@@ -11,7 +11,6 @@ reuse."""
 from __future__ import annotations
 
 import time
-from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +20,7 @@ from slm_align.export.converters.onnx import host_preset
 from slm_align.export.publishing import sources
 from slm_align.export.publishing.parity import verification_summary
 from slm_align.export.publishing.request import ExportRequest, VerificationFailed
+from slm_align.export.publishing.sources import Origin
 from slm_align.export.publishing.verification import failure, probe_advice, verify_artifact
 from slm_align.modeling.accelerator import resolve_device
 from slm_align.ondevice.devices.host import default_threads
@@ -52,18 +52,18 @@ class ModelExport(Artifact):
     """``request``'s model as ``target``'s artifact at ``final``, with the (quant, preset, threads)
     chosen."""
 
-    def __init__(self, request: ExportRequest, target, settings: tuple[str, str, int], origin: dict,
-                 final: Path, started: float):
+    def __init__(self, request: ExportRequest, target, settings: tuple[str, str, int],
+                 origin: Origin, final: Path, started: float):
         self.request, self.target, self.origin = request, target, origin
         self.final, self.started = final, started
         self.quant, self.preset, self.threads = settings
         self.checkpoint: Optional[Path] = None
 
     def inputs(self) -> dict:
-        inputs = {"source": self.origin, "target": self.request.target, "quant": self.quant,
-                  "ort_format": self.request.ort_format, "calibrate": self.request.calibrate,
-                  "stage": sources.exported_stage(self.origin)}
-        identity = sources.source_identity(self.origin)
+        inputs = {"source": self.origin.record(), "target": self.request.target,
+                  "quant": self.quant, "ort_format": self.request.ort_format,
+                  "calibrate": self.request.calibrate, "stage": self.origin.exported_stage()}
+        identity = self.origin.identity()
         return inputs if identity is None else dict(inputs, policy=identity)
 
     def settings(self) -> dict:
@@ -77,13 +77,13 @@ class ModelExport(Artifact):
         return self.template or self.checkpoint_template
 
     def source_path(self) -> Optional[Path]:
-        return sources.source_path(self.origin)
+        return self.origin.local_path()
 
     def build(self, scratch: Path) -> Path:
         from slm_align.modeling.models import load_tokenizer, resolve_source
 
         self.scratch = scratch
-        self.checkpoint = sources.checkpoint(self.origin, scratch)
+        self.checkpoint = self.origin.checkpoint(scratch)
         tokenizer = load_tokenizer(resolve_source(str(self.checkpoint)))
         self.checkpoint_template = tokenizer.chat_template
         self.template, self.template_origin = _chat_template(self.request.chat_template, tokenizer)
@@ -102,7 +102,7 @@ class ModelExport(Artifact):
             return {"matrix": None, "texts": 0}
         from slm_align.export.converters.calibration import run_importance
 
-        matrix, texts = run_importance(Path(self.origin["run"]), self.checkpoint)
+        matrix, texts = run_importance(self.origin.calibration_run(), self.checkpoint)
         return {"matrix": matrix, "texts": texts}
 
     def verify(self, built: Path) -> dict:
@@ -174,7 +174,7 @@ def _validate(request: ExportRequest, target) -> tuple[str, str, int]:
     return quant, preset, threads
 
 
-def _check_calibrate(request: ExportRequest, target, quant: str, origin: dict) -> None:
+def _check_calibrate(request: ExportRequest, target, quant: str, origin: Origin) -> None:
     """``--calibrate`` needs a run (its held-out texts) and a type llama.cpp's quantizer makes; one
     line if not."""
     if not request.calibrate:
@@ -182,7 +182,7 @@ def _check_calibrate(request: ExportRequest, target, quant: str, origin: dict) -
     if not target.calibrates(quant):
         raise UserError(f"--calibrate weighs llama.cpp's quantizer ({', '.join(QUANTIZER_TYPES)}); "
                         f"{request.target} {quant} takes no calibration: drop --calibrate")
-    if origin["kind"] != "run":
+    if origin.calibration_run() is None:
         raise UserError(f"--calibrate reads a run's held-out texts; {request.source} "
                         "is not a run directory")
 
@@ -194,7 +194,7 @@ def export_model(request: ExportRequest, target, reuse: bool = False) -> StageRe
     settings = _validate(request, target)
     located = sources.locate(request.source, target.check_config)
     origin = sources.check_stage(request.stage, request.source, located)
-    target.check_architecture(partial(sources.model_type, origin))
+    target.check_architecture(origin.model_type)
     _check_calibrate(request, target, settings[0], origin)
     out = request.out
     if out is None:

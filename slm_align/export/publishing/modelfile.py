@@ -22,9 +22,11 @@ from slm_align.errors import UserError
 
 GENERATION_PROMPT = "add_generation_prompt"
 MESSAGE_FIELDS = {"role": ".Role", "content": ".Content"}
-MAX_NUM_CTX = 4096  # Ollama allocates the KV cache for num_ctx: the model's full window can be far more than needed
+# Ollama allocates the KV cache for num_ctx: the model's full window can be far more than needed
+MAX_NUM_CTX = 4096
 SAMPLING_PARAMETERS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                       "repetition_penalty": "repeat_penalty"}  # generation_config.json -> Ollama PARAMETER
+                       # generation_config.json -> Ollama PARAMETER
+                       "repetition_penalty": "repeat_penalty"}
 
 
 class Untranslatable(ValueError):
@@ -167,7 +169,8 @@ def _output(node: nodes.Output, scope: _Scope) -> str:
     pieces = [piece for child in node.nodes for piece in _pieces(child, scope)]
     if scope.message is not None:
         scope.emitted.extend(pieces)
-    return "".join(_go_text(value) if kind == "text" else "{{ " + value + " }}" for kind, value in pieces)
+    return "".join(_go_text(value) if kind == "text" else "{{ " + value + " }}"
+                   for kind, value in pieces)
 
 
 def _role_test(node: nodes.Node, scope: _Scope) -> str:
@@ -216,7 +219,8 @@ def _assignment(node: nodes.Assign, scope: _Scope) -> str:
 
 
 def _statements(body: list[nodes.Node], scope: _Scope) -> str:
-    translators = {nodes.Output: _output, nodes.If: _condition, nodes.For: _loop, nodes.Assign: _assignment}
+    translators = {nodes.Output: _output, nodes.If: _condition, nodes.For: _loop,
+                   nodes.Assign: _assignment}
     text = ""
     for node in body:
         translate = translators.get(type(node))
@@ -227,7 +231,8 @@ def _statements(body: list[nodes.Node], scope: _Scope) -> str:
 
 
 def _assigned_strings(template: nodes.Template) -> set[str]:
-    return {assign.target.name for assign in template.find_all(nodes.Assign) if isinstance(assign.target, nodes.Name)}
+    return {assign.target.name for assign in template.find_all(nodes.Assign)
+            if isinstance(assign.target, nodes.Name)}
 
 
 def _marker_after(emitted: list[tuple[str, str]], action: str) -> Optional[str]:
@@ -251,10 +256,12 @@ def _marker_before_role(emitted: list[tuple[str, str]]) -> Optional[str]:
 def translate_template(source: str) -> Translation:
     """Translate a Jinja chat template to Ollama's syntax; raises Untranslatable
     naming what it cannot map."""
-    environment = Environment(trim_blocks=True, lstrip_blocks=True)  # as transformers compiles chat templates
+    # as transformers compiles chat templates
+    environment = Environment(trim_blocks=True, lstrip_blocks=True)
     try:
         parsed = environment.parse(source)
-    except Exception as exc:  # jinja2's TemplateSyntaxError, or anything else a broken template raises
+    except Exception as exc:
+        # jinja2's TemplateSyntaxError, or anything else a broken template raises
         raise Untranslatable(f"does not parse ({exc})") from None
     variables = _assigned_strings(parsed)
     scope = _Scope(variables=variables)
@@ -267,8 +274,9 @@ def translate_template(source: str) -> Translation:
 
 
 def check_system_prompt(system: Optional[str]) -> None:
-    """Refuse a system prompt the Modelfile cannot carry: one holding the Modelfile's triple quote (a
-    target without a Modelfile refuses any: :meth:`~slm_align.export.targets.base.ExportTarget.check_system`)."""
+    """Refuse a system prompt the Modelfile cannot carry: one holding the Modelfile's triple quote
+    (a target without a Modelfile refuses any:
+    :meth:`~slm_align.export.targets.base.ExportTarget.check_system`)."""
     if system is None:
         return
     if '"""' in system:
@@ -318,8 +326,8 @@ def build_modelfile(gguf_name: str, chat_template: Optional[str], parameters: di
         if '"""' in translation.template:
             raise Untranslatable('holds """, which a Modelfile cannot quote')
     except Untranslatable as exc:
-        note = (f"Modelfile written without TEMPLATE: the chat template {exc}, which has no Ollama translation here; "
-                "Ollama falls back to its guess from the GGUF")
+        note = (f"Modelfile written without TEMPLATE: the chat template {exc}, which has no Ollama "
+                "translation here; Ollama falls back to its guess from the GGUF")
         translation = None
     if translation is not None:
         lines.append(f"TEMPLATE {_quoted(translation.template)}")

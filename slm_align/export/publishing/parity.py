@@ -105,11 +105,13 @@ def torch_greedy(model, prompt: Sequence[int], steps: int) -> list[int]:
         for _ in range(steps):
             token = int(out.logits[0, -1].argmax())
             tokens.append(token)
-            out = model(_token_batch(model, [token]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(_token_batch(model, [token]), past_key_values=out.past_key_values,
+                        use_cache=True)
     return tokens
 
 
-def _compare_greedy(model, backend: Backend, prompt: list[int], steps: int, tie_tolerance: float, report) -> None:
+def _compare_greedy(model, backend: Backend, prompt: list[int], steps: int, tie_tolerance: float,
+                    report) -> None:
     expected = torch_greedy(model, prompt, steps)
     got = greedy(backend, prompt, steps, stop_at_eos=False)
     report.greedy_tokens += steps
@@ -148,7 +150,8 @@ def compare_logits(reference: np.ndarray, artifact: np.ndarray, ids: Sequence[in
 def top1_agreement(model, backend: Backend, ids: Sequence[int]) -> float:
     """Share of positions where the artifact's argmax equals PyTorch's,
     teacher-forced over ``ids``."""
-    return compare_logits(_torch_logits(model, ids), artifact_logits(backend, ids), ids)["agreement"]
+    return compare_logits(_torch_logits(model, ids), artifact_logits(backend, ids),
+                          ids)["agreement"]
 
 
 def perplexity_change(verification: dict) -> str:
@@ -186,7 +189,8 @@ def verify(model, tokenizer, backend: Backend, exact: bool, steps: int = 32, min
     few choices in 32 tokens).
     """
     texts = list(RAW_TEXTS) + [HELDOUT_TEXT]
-    report = ParityReport(tokenizer_match=all(backend.tokenize(t) == tokenizer(t)["input_ids"] for t in texts),
+    report = ParityReport(tokenizer_match=all(backend.tokenize(t) == tokenizer(t)["input_ids"]
+                                              for t in texts),
                           min_agreement=min_agreement)
     prompts = verification_prompts(tokenizer) if exact or greedy else []
     with counted("greedy decoding", len(prompts), "prompts") as count:
@@ -195,7 +199,8 @@ def verify(model, tokenizer, backend: Backend, exact: bool, steps: int = 32, min
             _compare_greedy(model, backend, prompt, steps, tie_tolerance, report)
             count.advance()
     heldout = tokenizer(HELDOUT_TEXT)["input_ids"][: backend.n_ctx]
-    compared = compare_logits(_torch_logits(model, heldout), artifact_logits(backend, heldout), heldout)
+    compared = compare_logits(_torch_logits(model, heldout), artifact_logits(backend, heldout),
+                              heldout)
     report.agreement = compared["agreement"]
     report.perplexity = compared["perplexity"]
     report.torch_perplexity = compared["torch_perplexity"]

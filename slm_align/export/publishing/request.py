@@ -1,5 +1,5 @@
-"""What ``slm-align export`` is asked to do (:class:`ExportRequest`, one field per flag), and the error a
-failed verification raises."""
+"""What ``slm-align export`` is asked to do (:class:`ExportRequest`, one field per flag), and the
+error a failed verification raises."""
 
 from __future__ import annotations
 
@@ -61,4 +61,5 @@ class ExportRequest:
     (recorded in the manifest)."""
     stage: Optional[str] = None
     """A run's policy to export: ``sft`` (the prior), ``rl``, ``dpo`` or ``kto`` (that stage on the
-    merged prior), into ``RUN/export-STAGE`` by default; None: the run's latest, into ``RUN/export``."""
+    merged prior), into ``RUN/export-STAGE`` by default; None: the run's latest, into
+    ``RUN/export``."""

@@ -34,8 +34,8 @@ def verify_artifact(target, checkpoint: Path, artifact: Path, quant: str, thread
 
 def failure(verification: dict) -> str:
     if verification.get("genai_tokenizer_match") is False:
-        return ("onnxruntime-genai's tokenizer splits text or renders chats differently from the "
-                "model's")
+        return ("onnxruntime-genai's tokenizer splits text or "
+                "renders chats differently from the model's")
     if not verification["tokenizer_match"]:
         return "its tokenizer splits text differently from the model's"
     if verification["divergences"]:
@@ -75,5 +75,5 @@ def probe_advice(export, scratch: Path) -> str:
         return (f"--quant {higher} passes (agreement {found['agreement']:.3f}, "
                 f"{perplexity_change(found)}): export with it, or --force to publish this one "
                 "anyway")
-    return (f"--quant {higher} fails too ({failure(found)}); try a higher precision, or --force to "
-            "publish anyway")
+    return (f"--quant {higher} fails too ({failure(found)}); try "
+            "a higher precision, or --force to publish anyway")

@@ -15,7 +15,12 @@ from slm_align.export.publishing.modelfile import (
 )
 from slm_align.export.targets.base import ExportTarget
 from slm_align.ondevice.gguf.architectures import check_gguf_config
-from slm_align.ondevice.gguf.writer import QUANTIZER_TYPES, check_gguf_type, quantize_gguf, write_gguf
+from slm_align.ondevice.gguf.writer import (
+    QUANTIZER_TYPES,
+    check_gguf_type,
+    quantize_gguf,
+    write_gguf,
+)
 
 
 class GgufTarget(ExportTarget):

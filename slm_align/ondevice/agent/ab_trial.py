@@ -1,12 +1,13 @@
-"""One A/B trial of a candidate adapter against the current one, as a server and a device run it: the
-conversation ids it hands out (signed), which arm each conversation goes to, the turns it routed, and its
-decision (recorded in the store, with its evidence).
+"""One A/B trial of a candidate adapter against the current one, as a server and a device run it:
+the conversation ids it hands out (signed), which arm each conversation goes to, the turns it
+routed, and its decision (recorded in the store, with its evidence).
 
-Conversation ids are ``NONCE.MAC``: a random nonce and an HMAC-SHA256 of it under the trial's key (kept in
-the store, never sent). An id that does not verify was not handed out by this trial: it gets a new one, so a
-client cannot choose ids, and the arm is a keyed hash of the nonce (``HMAC(key, "arm:" + nonce)``), which a
-client cannot compute. Only turns the trial routed count, each conversation's first verdict once (see
-:mod:`slm_align.ondevice.agent.ab_sequential`); a turn asked of an arm by name is answered but never recorded as routed.
+Conversation ids are ``NONCE.MAC``: a random nonce and an HMAC-SHA256 of it under the trial's key
+(kept in the store, never sent). An id that does not verify was not handed out by this trial: it
+gets a new one, so a client cannot choose ids, and the arm is a keyed hash of the nonce
+(``HMAC(key, "arm:" + nonce)``), which a client cannot compute. Only turns the trial routed count,
+each conversation's first verdict once (see :mod:`slm_align.ondevice.agent.ab_sequential`); a turn
+asked of an arm by name is answered but never recorded as routed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import hashlib
 import hmac
 import secrets
 import threading
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
 
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.ab_sequential import Evidence, SequentialTest, decide
@@ -27,7 +30,8 @@ NONCE_BYTES = 12
 
 
 def check_share(share: float) -> float:
-    """The candidate's share of conversations: above 0 and below 1 (else neither arm gets ratings)."""
+    """The candidate's share of conversations: above 0 and below 1 (else neither arm gets
+    ratings)."""
     if not 0 < share < 1:
         raise UserError(f"--candidate-share {share}: must be above 0 and below 1 (0.5: half the conversations)")
     return share
@@ -68,7 +72,8 @@ class ConversationIds:
 
 
 class ABTrial:
-    """The trial between two model ids in a store: collecting until its first decision, then that one."""
+    """The trial between two model ids in a store: collecting until its first decision, then that
+    one."""
 
     def __init__(self, store, current_id: str, candidate_id: str, share: float = 0.5,
                  test: SequentialTest = SequentialTest()):
@@ -92,8 +97,8 @@ class ABTrial:
         self._lock = threading.Lock()
 
     def arm(self, conversation_id: str) -> Optional[str]:
-        """'candidate' or 'current' for a conversation this trial signed while it collects (None after a
-        decision, or for an id it did not sign)."""
+        """'candidate' or 'current' for a conversation this trial signed while it collects (None
+        after a decision, or for an id it did not sign)."""
         if self.state != "collecting" or not self.ids.verified(conversation_id):
             return None
         return "candidate" if self.ids.fraction(conversation_id) < self.share else "current"
@@ -119,22 +124,37 @@ class ABTrial:
         return evidence
 
 
-class DeviceRouter:
-    """The embedded runtime's side of a trial (``Agent.load(base, adapters=..., candidate=...)``): each new
-    conversation gets a signed id and its arm's adapters, each recorded turn is named as routed, and each
-    thumbs lets the trial decide again, in the device's store as ``serve`` does. The client is the app's
-    ``client`` (its user), else each conversation its own: the owner of a device is not capped against
-    themselves; a fleet decision (``feedback ab``) caps each device instead."""
+@dataclass(frozen=True)
+class Candidate:
+    """Adapters A/B-tested on a device against the current ones, and how the trial runs."""
 
-    def __init__(self, agent, current: Sequence, candidate: Sequence, share: float = 0.5,
-                 test: SequentialTest = SequentialTest(), client: Optional[str] = None):
-        if not candidate:
+    adapters: tuple[Union[str, Path], ...]
+    """The candidate's LoRA adapter GGUFs, applied to the base in order."""
+    share: float = 0.5
+    """The share of new conversations routed to the candidate while the trial collects."""
+    test: SequentialTest = SequentialTest()
+    """The sequential test's settings."""
+    client: Optional[str] = None
+    """The app's user (capped as one client); None: each conversation is its own."""
+
+
+class DeviceRouter:
+    """The embedded runtime's side of a trial (``Agent.load(base, adapters=..., candidate=...)``):
+    each new conversation gets a signed id and its arm's adapters, each recorded turn is named as
+    routed, and each thumbs lets the trial decide again, in the device's store as ``serve`` does.
+    The client is the app's ``client`` (its user), else each conversation its own: the owner of a
+    device is not capped against themselves; a fleet decision (``feedback ab``) caps each device
+    instead."""
+
+    def __init__(self, agent, current: Sequence, candidate: Candidate):
+        if not candidate.adapters:
             raise UserError("an A/B test needs a candidate: pass candidate=[adapter GGUF, ...]")
-        self.paths = {"current": list(current), "candidate": list(candidate)}
+        self.paths = {"current": list(current), "candidate": list(candidate.adapters)}
         candidate_id = self._model_id(agent, self.paths["candidate"])
-        current_id = self._model_id(agent, self.paths["current"])  # applied last: it serves until routed
-        self.trial = ABTrial(agent.store, current_id, candidate_id, share, test)
-        self.client = client
+        # the current set applied last: it serves until a conversation is routed
+        current_id = self._model_id(agent, self.paths["current"])
+        self.trial = ABTrial(agent.store, current_id, candidate_id, candidate.share, candidate.test)
+        self.client = candidate.client
         self.arm: Optional[str] = None
         """The arm of the conversation going on (None: not routed by the trial)."""
 

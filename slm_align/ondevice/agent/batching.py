@@ -81,12 +81,19 @@ class _Request:
 class Engine:
     """Steps a :class:`Decoder` for the lanes waiting on it, from a thread of its own."""
 
-    def __init__(self, decoder: Decoder, keep_caches: bool = False):
+    def __init__(self, decoder: Decoder, keep_caches: bool = False, prompts_first: bool = False):
         self.decoder = decoder
         self.keep_caches = keep_caches
         """A freed slot keeps its cache for the next lane on it, whose prompt then feeds only what it does
         not share with it (conversations that open alike: one system prompt and tools); a lane that ended
         in an error always empties its slot. Off: every freed slot is emptied."""
+        self.prompts_first = prompts_first
+        """A step with prompts (feeds of several ids) holds only them; the lanes waiting for one
+        token go in the next step (with the new lanes' second tokens when those come within
+        :data:`GATHER_SECONDS`). A new conversation's first token then waits for its own prompt
+        only, not for a forward of every running conversation too (vLLM's scheduler puts
+        prefills first likewise); the running ones wait one small step more. For a server's time
+        to first token."""
         self._cached: dict[int, list[int]] = {}
         self.steps = 0
         """Forwards run (:meth:`Decoder.step` calls)."""
@@ -178,7 +185,11 @@ class Engine:
                 return None
             self._lock.wait_for(self._all_active_wait, timeout=GATHER_SECONDS)
             batch = dict(self._waiting)
-            self._waiting.clear()
+            prompts = {slot: request for slot, request in batch.items() if len(request.ids) > 1}
+            if self.prompts_first and prompts:
+                batch = prompts
+            for slot in batch:
+                del self._waiting[slot]
             return batch
 
     def _something_waits(self) -> bool:

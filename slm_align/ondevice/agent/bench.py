@@ -1,10 +1,11 @@
 """Measure an exported model on this host: load time, time to first token, prompt and
 decode speed, peak memory.
 
-The measurement runs in a fresh Python process (``python -m slm_align.ondevice.agent.bench ARTIFACT ...``),
-so the peak resident set size (VmHWM on Linux, else ``ru_maxrss``) is the artifact's and its
-runtime's, not the caller's; the child also reports the high-water mark before the model is loaded
-(interpreter, numpy and the runtime library) as the baseline.
+The measurement runs in a fresh Python process
+(``python -m slm_align.ondevice.agent.bench ARTIFACT ...``), so the peak resident set size (VmHWM on
+Linux, else ``ru_maxrss``) is the artifact's and its runtime's, not the caller's; the child also
+reports the high-water mark before the model is loaded (interpreter, numpy and the runtime library)
+as the baseline.
 
 After one short warm-up run, per repeat: the prompt of exactly ``prompt_tokens`` tokens is fed to
 an empty cache (prompt processing), the first token is taken greedily from its logits (time to
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -160,8 +162,8 @@ def _figures(result: BenchResult) -> str:
 
 def _measure_in_child(artifact: Path, threads: int, prompt_tokens: int, decode_tokens: int, repeats: int,
                       n_ctx: Optional[int], count: Count) -> BenchResult:
-    """Run ``python -m slm_align.ondevice.agent.bench`` and read its result; each run it reports on stdout
-    advances ``count``. Its stderr goes to a file (read for its error line), so that a chatty
+    """Run ``python -m slm_align.ondevice.agent.bench`` and read its result; each run it reports on
+    stdout advances ``count``. Its stderr goes to a file (read for its error line), so that a chatty
     runtime cannot block it."""
     package_root = str(Path(__file__).resolve().parents[3])
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
@@ -187,11 +189,27 @@ def _measure_in_child(artifact: Path, threads: int, prompt_tokens: int, decode_t
         return BenchResult.from_dict(json.loads(out.read_text(encoding="utf-8")))
 
 
-def run_bench(artifact, threads: Optional[int] = None, prompt_tokens: int = 128, decode_tokens: int = 64,
-              repeats: int = 3, n_ctx: Optional[int] = None, device: Optional[str] = None,
+@dataclass(frozen=True)
+class BenchPlan:
+    """What one measurement runs (see :func:`bench`)."""
+
+    threads: Optional[int] = None
+    """CPU threads of the runtime (None:
+    :func:`~slm_align.ondevice.devices.host.default_threads`)."""
+    prompt_tokens: int = 128
+    """Tokens of the prompt fed to an empty cache."""
+    decode_tokens: int = 64
+    """Tokens generated after the first, one forward pass each."""
+    repeats: int = 3
+    """Measured runs (after one warm-up); the figures are their medians."""
+    n_ctx: Optional[int] = None
+    """The context window (None: the runtime's default for the artifact)."""
+
+
+def run_bench(artifact, plan: BenchPlan = BenchPlan(), device: Optional[str] = None,
               save_as: Optional[str] = None, overwrite: bool = False) -> dict:
-    """Measure, optionally save the host profile and compare with a profile's
-    prediction; a JSON-ready dict.
+    """Measure as ``plan`` says, optionally save the host profile as ``save_as`` and compare with
+    the ``device`` profile's prediction; a JSON-ready dict.
 
     Bad names (unknown device, existing profile without ``overwrite``) fail
     before anything is measured.
@@ -200,7 +218,8 @@ def run_bench(artifact, threads: Optional[int] = None, prompt_tokens: int = 128,
         profile_path(save_as, overwrite)
     if device and device != save_as:
         load_profile(device)
-    result = bench(artifact, threads, prompt_tokens, decode_tokens, repeats, n_ctx)
+    result = bench(artifact, plan.threads, plan.prompt_tokens, plan.decode_tokens, plan.repeats,
+                   plan.n_ctx)
     summary = {"bench": result.to_dict(), "saved_profile": None, "prediction": None}
     if save_as:
         bandwidth = measure_bandwidth()

@@ -35,6 +35,11 @@ _JOINED = (f"SELECT {', '.join('t.' + c for c in _TURN_COLUMNS)}, "
            f"{', '.join('f.' + c for c in _FEEDBACK_COLUMNS)} FROM turns t JOIN feedback f ON f.turn_id = t.id "
            "WHERE t.consent = 1 ORDER BY t.id, f.id")
 _WITHOUT_CONSENT = "SELECT COUNT(DISTINCT t.id) FROM turns t JOIN feedback f ON f.turn_id = t.id WHERE t.consent = 0"
+MAX_REPORTED_CALLS = 64
+"""The calls of one reply whose reported results are read (a store from another writer may hold
+any number: a round takes a bounded share of one turn)."""
+_RESULTS = ("SELECT call_index, ok, content FROM call_results WHERE turn_id = ? AND call_index < ? "
+            "ORDER BY id")
 
 
 class NotFeedback(Exception):
@@ -50,6 +55,9 @@ class Candidate:
     arm: Optional[str]
     key: str
     """sha256 of the verdict's question (pair or verdict) and the turn's prompt, answer and model."""
+    reported: tuple = ()
+    """What the app reported of running the reply's calls (schema version 5): ``{"call", "ok",
+    "content"}`` per call, the latest report of each; none from an export file."""
 
 
 def device_of(path: Path) -> str:
@@ -112,6 +120,20 @@ def _feedback(values: tuple) -> Feedback:
                     record["preferred"], record["edited_text"], record["created_at"])
 
 
+def has_results(conn: sqlite3.Connection) -> bool:
+    """Whether the store records call results (schema version 5 and later)."""
+    found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
+                         "AND name = 'call_results'")
+    return found.fetchone() is not None
+
+
+def reported_results(conn: sqlite3.Connection, turn_id: int) -> tuple:
+    """The app's reports of running the turn's calls, the latest per call, in call order."""
+    latest = {call: {"call": call, "ok": bool(ok), "content": content}
+              for call, ok, content in conn.execute(_RESULTS, (turn_id, MAX_REPORTED_CALLS))}
+    return tuple(latest[call] for call in sorted(latest))
+
+
 def store_rows(path: Path, counts: dict) -> Iterator[Candidate]:
     """The consented verdicts of a store, turn by turn, read through one cursor; adds the turns without
     consent (``without_consent``) and the pairs whose two sides are the same text (``identical``)."""
@@ -119,28 +141,36 @@ def store_rows(path: Path, counts: dict) -> Iterator[Candidate]:
     device = device_of(path)
     try:
         counts["without_consent"] += conn.execute(_WITHOUT_CONSENT).fetchone()[0]
+        results = has_results(conn)
         for _, group in groupby(conn.execute(_JOINED), key=lambda values: values[0]):
             turn = _turn(list(group))
+            reported = reported_results(conn, turn.id) if results else ()
             for feedback in latest_verdicts(turn):
                 row = verdict_row(turn, feedback)
                 if row is None:
                     counts["identical"] += 1
                     continue
-                yield Candidate(row, device, arm_of(turn.sampling), turn_key(row))
+                yield Candidate(row, device, arm_of(turn.sampling), turn_key(row), reported)
     except (sqlite3.DatabaseError, ValueError) as exc:
         raise NotFeedback(f"a damaged store ({type(exc).__name__}: {exc})") from None
     finally:
         conn.close()
 
 
+def _messages(value: Any) -> bool:
+    """Whether ``value`` is a non-empty list of chat messages (objects with a text ``role``)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value))
+
+
 def _export_row(value: Any) -> Optional[dict]:
     """``value`` when it is a row ``feedback export`` writes (a pair or a verdict, with its model_id)."""
     if not isinstance(value, dict) or not isinstance(value.get("model_id"), str):
         return None
-    if not _SHA256.fullmatch(value["model_id"]) or not isinstance(value.get("prompt"), list):
+    if not _SHA256.fullmatch(value["model_id"]) or not _messages(value.get("prompt")):
         return None
-    pair = isinstance(value.get("chosen"), list) and isinstance(value.get("rejected"), list)
-    verdict = isinstance(value.get("completion"), list) and isinstance(value.get("label"), bool)
+    pair = _messages(value.get("chosen")) and _messages(value.get("rejected"))
+    verdict = _messages(value.get("completion")) and isinstance(value.get("label"), bool)
     if not pair and not verdict:
         return None
     keys = ("prompt", "chosen", "rejected", "model_id") if pair else ("prompt", "completion", "label", "model_id")

@@ -1,27 +1,30 @@
 """``slm-align field simulate``: a fleet of simulated devices, before anything ships.
 
-Each of ``devices`` devices answers ``turns_per_device`` held-out task rows in the runtime (:class:`Agent`
-over the artifact, each row a new conversation run by :func:`~slm_align.ondevice.agent.task_eval.run_task`, so
-calculator rows run their tools and function rows are answered in one reply) and records every turn in its
-own preference store (``OUT/device-001.db``, ...) through the real API: ``Agent(store=..., consent=True)``
-and ``agent.feedback(...)``. The stores are the files a real fleet sends: ``feedback export`` reads each,
-``feedback collect`` merges them (the file name names the device), and with a candidate ``feedback ab
-OUT/*.db`` decides the fleet's A/B test.
+Each of ``devices`` devices answers ``turns_per_device`` held-out task rows in the runtime
+(:class:`Agent` over the artifact, each row a new conversation run by
+:func:`~slm_align.ondevice.agent.task_eval.run_task`, so calculator rows run their tools and
+function rows are answered in one reply) and records every turn in its own preference store
+(``OUT/device-001.db``, ...) through the real API: ``Agent(store=..., consent=True)`` and
+``agent.feedback(...)``. The stores are the files a real fleet sends: ``feedback export`` reads
+each, ``feedback collect`` merges them (the file name names the device), and with a candidate
+``feedback ab OUT/*.db`` decides the fleet's A/B test.
 
-The user of each device is scripted (:class:`ScriptedUser`): the task's own checker judges the answer
-(``classify`` for calculator rows, BFCL's rules of :mod:`~slm_align.ondevice.agent.function_eval` for function rows:
-the verdict ``run_task`` returns), a right call or answer gets a thumbs up and a wrong one a thumbs down;
-then a share ``unrated`` of the turns gets no rating and a share ``noise`` of the rated ones is flipped, each
-drawn independently per turn.
+The user of each device is scripted (:class:`ScriptedUser`): the task's own checker judges the
+answer (``classify`` for calculator rows, BFCL's rules of
+:mod:`~slm_align.ondevice.agent.function_eval` for function rows: the verdict ``run_task`` returns),
+a right call or answer gets a thumbs up and a wrong one a thumbs down; then a share ``unrated`` of
+the turns gets no rating and a share ``noise`` of the rated ones is flipped, each drawn
+independently per turn.
 
-Seeds: device ``d`` draws from ``random.Random("field:<seed>:<d>")`` its tasks (the rows shuffled, again
-after each pass: every row once before any twice), its user's draws and, when ``temperature`` > 0, the
-sampler's seed of each turn. With a candidate (``candidate=`` adapter GGUFs made for the artifact's base), a
-device runs the embedded runtime's A/B test (:class:`~slm_align.ondevice.agent.ab_trial.DeviceRouter`, as
-``Agent.load(..., candidate=...)`` does): each conversation is routed by a keyed hash of an id the trial
-signs with a random key (a client cannot choose its arm, so neither can a seed); which arm answered is
-therefore not reproducible, everything else is. Each device's trial decides alone in its store as a phone
-does; the fleet decision pools them.
+Seeds: device ``d`` draws from ``random.Random("field:<seed>:<d>")`` its tasks (the rows shuffled,
+again after each pass: every row once before any twice), its user's draws and, when ``temperature``
+> 0, the sampler's seed of each turn. With a candidate (``candidate=`` adapter GGUFs made for the
+artifact's base), a device runs the embedded runtime's A/B test
+(:class:`~slm_align.ondevice.agent.ab_trial.DeviceRouter`, as ``Agent.load(..., candidate=...)``
+does): each conversation is routed by a keyed hash of an id the trial signs with a random key (a
+client cannot choose its arm, so neither can a seed); which arm answered is therefore not
+reproducible, everything else is. Each device's trial decides alone in its store as a phone does;
+the fleet decision pools them.
 
 Torch-free, like the runtime.
 """
@@ -30,29 +33,35 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
-from slm_align.atomic import publish_directory
+from slm_align.atomic import building_directory
 from slm_align.errors import UserError
-from slm_align.ondevice.agent.ab_sequential import SequentialTest
-from slm_align.ondevice.agent.ab_trial import DeviceRouter, check_share
+from slm_align.ondevice.agent.ab_trial import Candidate, DeviceRouter, check_share
 from slm_align.ondevice.agent.artifact_forms import ArtifactForm, is_adapter_gguf, resolve_artifact
 from slm_align.ondevice.agent.loading import Model
 from slm_align.ondevice.agent.runtime import Agent, fold_seed
-from slm_align.ondevice.agent.settings import SamplingParams
+from slm_align.ondevice.agent.settings import (
+    ChatSettings,
+    Recording,
+    SamplingParams,
+    refuse_unknown,
+    take_options,
+)
 from slm_align.ondevice.agent.store import PreferenceStore
 from slm_align.ondevice.agent.task_eval import (
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_TOOL_ROUNDS,
     check_artifact_exists,
-    check_settings,
     load_checked,
     load_tasks,
     run_task,
+)
+from slm_align.ondevice.agent.task_settings import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TOOL_ROUNDS,
+    check_settings,
 )
 from slm_align.ondevice.tools.builtin import default_tools
 from slm_align.progress import counted, stage_lines
@@ -69,39 +78,49 @@ DEFAULT_UNRATED = 0.3
 
 @dataclass(frozen=True)
 class FieldSettings:
-    """How the simulated fleet runs (checked by :meth:`check` before anything is opened or written)."""
+    """How the simulated fleet runs (checked by :meth:`check` before anything is opened or
+    written)."""
 
     devices: int = DEFAULT_DEVICES
+    """Simulated devices, each with its own store, user and seed."""
     turns_per_device: int = DEFAULT_TURNS
+    """Conversations per device, each one task drawn for that device."""
     noise: float = DEFAULT_NOISE
     """Share of rated turns whose thumb is flipped."""
     unrated: float = DEFAULT_UNRATED
     """Share of turns left without a rating."""
     candidate: tuple = ()
-    """Adapter GGUFs A/B-tested against the artifact's adapters (none: no A/B test), or one manifest,
-    bundle or BASE+ADAPTER chain on the same base (:func:`candidate_chain`)."""
+    """Adapter GGUFs A/B-tested against the artifact's adapters (none: no A/B test), or one
+    manifest, bundle or BASE+ADAPTER chain on the same base (:func:`candidate_chain`)."""
     candidate_share: float = 0.5
+    """Share of conversations the candidate answers while a device's A/B test collects."""
     seed: int = 0
+    """Seed of each device's tasks, its user's ratings and its sampling."""
     max_tokens: int = DEFAULT_MAX_TOKENS
+    """Most tokens per model reply."""
     max_tool_rounds: int = DEFAULT_TOOL_ROUNDS
+    """Tool rounds a turn may take before its final answer."""
     temperature: float = 0.0
     """0: greedy answers; above: sampled, each turn with its own seed."""
 
     def check(self) -> None:
         """One line for the first setting out of its bounds."""
-        for flag, value in (("--devices", self.devices), ("--turns-per-device", self.turns_per_device)):
+        counts = (("--devices", self.devices), ("--turns-per-device", self.turns_per_device))
+        for flag, value in counts:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"{flag} must be an integer >= 1, got {value}")
         for flag, value in (("--noise", self.noise), ("--unrated", self.unrated)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not 0 <= value <= 1:
                 raise UserError(f"{flag} is a share of turns: a number from 0 to 1, got {value}")
         check_settings(1, self.temperature, self.max_tool_rounds, self.max_tokens)
         if self.candidate:
             check_share(self.candidate_share)
         for path in self.candidate:
             if not Path(path).exists() and "+" not in str(path):
-                raise UserError(f"candidate adapter {path} not found; pass a LoRA adapter GGUF made for the "
-                                "artifact's base (`export --target gguf-adapter`), or its manifest or bundle")
+                raise UserError(f"candidate adapter {path} not found; pass a LoRA adapter GGUF "
+                                "made for the artifact's base (`export --target gguf-adapter`), "
+                                "or its manifest or bundle")
 
 
 @dataclass(frozen=True)
@@ -117,9 +136,9 @@ class Rating:
 class ScriptedUser:
     """Rates answers as the task's checker judges them, with a share of noise and of unrated turns.
 
-    Per turn two uniform draws u1, u2 in [0, 1): unrated when u1 < ``unrated``; else up = success XOR
-    (u2 < ``noise``). Both are drawn on every turn, so the same seed leaves the same turns unrated
-    whatever the noise.
+    Per turn two uniform draws u1, u2 in [0, 1): unrated when u1 < ``unrated``; else up = success
+    XOR (u2 < ``noise``). Both are drawn on every turn, so the same seed leaves the same turns
+    unrated whatever the noise.
     """
 
     def __init__(self, rng: random.Random, noise: float, unrated: float):
@@ -136,7 +155,8 @@ class ScriptedUser:
 
 
 def device_rng(seed: int, device: int) -> random.Random:
-    """Device ``device``'s own random stream (string seeds hash with SHA-512: stable across runs)."""
+    """Device ``device``'s own random stream (string seeds hash with SHA-512: stable across
+    runs)."""
     return random.Random(f"field:{seed}:{device}")
 
 
@@ -151,9 +171,10 @@ def assign_tasks(rows: int, turns: int, rng: random.Random) -> list[int]:
 
 
 def candidate_chain(candidate: Sequence[Union[str, Path]], current: ArtifactForm) -> tuple[Path, ...]:
-    """The candidate's adapters, applied in order on the artifact's base: adapter GGUFs as given, or the
-    adapters of one artifact form (an adapter export's manifest, a bundle folder, ``BASE+ADAPTER...``)
-    whose base is the artifact's own (same sha256): a round's update A/B-tested as it ships."""
+    """The candidate's adapters, applied in order on the artifact's base: adapter GGUFs as given, or
+    the adapters of one artifact form (an adapter export's manifest, a bundle folder,
+    ``BASE+ADAPTER...``) whose base is the artifact's own (same sha256): a round's update A/B-tested
+    as it ships."""
     paths = [Path(str(path)) for path in candidate]
     if not paths or all(path.is_file() and is_adapter_gguf(path) for path in paths):
         return tuple(paths)
@@ -176,7 +197,8 @@ def device_name(device: int, devices: int) -> str:
 
 
 def _arm(agent: Agent) -> str:
-    """Which arm answered the last turn: ``candidate`` when its adapters were on, else ``current``."""
+    """Which arm answered the last turn: ``candidate`` when its adapters were on, else
+    ``current``."""
     if agent.ab is not None and agent.model_id == agent.ab.trial.candidate_id:
         return "candidate"
     return "current"
@@ -184,20 +206,22 @@ def _arm(agent: Agent) -> str:
 
 def device_agent(model: Model, store: PreferenceStore, settings: FieldSettings,
                  current: Sequence[Path]) -> Agent:
-    """A device's agent: the shared model, its own store (consented turns), greedy or sampled answers,
-    and with a candidate the A/B router ``Agent.load(..., candidate=...)`` sets up."""
+    """A device's agent: the shared model, its own store (consented turns), greedy or sampled
+    answers, and with a candidate the A/B router ``Agent.load(..., candidate=...)`` sets up."""
     sampling = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_tokens)
-    agent = Agent(model.backend, model.sha256, tools=default_tools(), sampling=sampling, store=store,
-                  consent=True, max_tool_rounds=settings.max_tool_rounds, describe_tools=True)
+    chat = ChatSettings(sampling=sampling, max_tool_rounds=settings.max_tool_rounds,
+                        describe_tools=True)
+    recording = Recording(store, consent=True)
+    agent = Agent(model.backend, model.sha256, default_tools(), chat, recording)
     if settings.candidate:
-        agent.ab = DeviceRouter(agent, list(current), [Path(p) for p in settings.candidate],
-                                settings.candidate_share, SequentialTest())
+        trial = Candidate(tuple(Path(p) for p in settings.candidate), settings.candidate_share)
+        agent.ab = DeviceRouter(agent, list(current), trial)
     return agent
 
 
 def run_device(agent: Agent, rows: Sequence[dict], rng: random.Random, settings: FieldSettings) -> list[dict]:
-    """One device's turns, each a new conversation rated by its scripted user: ``{task, arm, success,
-    up, flipped}`` each."""
+    """One device's turns, each a new conversation rated by its scripted user:
+    ``{task, arm, success, up, flipped}`` each."""
     tasks = assign_tasks(len(rows), settings.turns_per_device, rng)
     seeds = [rng.randrange(2 ** 32) for _ in tasks]
     user = ScriptedUser(rng, settings.noise, settings.unrated)
@@ -245,46 +269,43 @@ def check_out(out: Path, inputs: Sequence[Path], overwrite: bool) -> None:
 
 
 def simulate_field(artifact: Union[str, Path], tasks: Union[str, Path], out: Union[str, Path],
-                   devices: int = DEFAULT_DEVICES, turns_per_device: int = DEFAULT_TURNS,
-                   noise: float = DEFAULT_NOISE, unrated: float = DEFAULT_UNRATED,
-                   candidate: Sequence[Union[str, Path]] = (), candidate_share: float = 0.5, seed: int = 0,
-                   limit: Optional[int] = None, max_tokens: int = DEFAULT_MAX_TOKENS,
-                   max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, temperature: float = 0.0,
-                   threads: Optional[int] = None, overwrite: bool = False) -> dict:
-    """Run ``devices`` simulated devices on the task rows of ``tasks`` (see the module docstring) and
-    write one preference store per device into the folder ``out``; returns the summary (also
-    ``out/summary.json``). Settings, paths, tasks and the artifact are checked before anything is
+                   settings: FieldSettings = FieldSettings(), limit: Optional[int] = None,
+                   threads: Optional[int] = None, overwrite: bool = False, **options: Any) -> dict:
+    """Run the simulated devices ``settings`` describe on the task rows of ``tasks`` (see the module
+    docstring; ``limit``: the first rows only, ``threads``: the backend's) and write one preference
+    store per device into the folder ``out``; returns the summary (also ``out/summary.json``).
+    ``options``: any field of :class:`FieldSettings` by name (``devices=8, noise=0.1, ...``),
+    replacing ``settings``'. Settings, paths, tasks and the artifact are checked before anything is
     written: bad input is a one-line UserError and leaves ``out`` as it was."""
-    settings = FieldSettings(devices, turns_per_device, noise, unrated, tuple(candidate), candidate_share, seed,
-                             max_tokens, max_tool_rounds, temperature)
+    settings = take_options(settings, options)
+    refuse_unknown("simulate_field", options)
+    settings = replace(settings, candidate=tuple(settings.candidate))
     settings.check()
     out = Path(out)
     check_artifact_exists(artifact)
-    check_out(out, [Path(tasks), *[Path(p) for p in str(artifact).split("+")], *map(Path, candidate)], overwrite)
+    parts = [Path(p) for p in str(artifact).split("+")]
+    check_out(out, [Path(tasks), *parts, *map(Path, settings.candidate)], overwrite)
     rows = load_tasks(tasks, limit)
     form = resolve_artifact(artifact)
-    settings = replace(settings, candidate=candidate_chain(candidate, form))
+    settings = replace(settings, candidate=candidate_chain(settings.candidate, form))
     model = load_checked(artifact, threads)
     current = form.adapters
-    scratch = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    try:
-        with stage_lines("field simulate", f"{devices} device(s) x {turns_per_device} turn(s) on "
-                                           f"{len(rows)} task(s)") as stage:
+    plan = (f"{settings.devices} device(s) x {settings.turns_per_device} turn(s) on "
+            f"{len(rows)} task(s)")
+    with building_directory(out, replace=True) as scratch:
+        with stage_lines("field simulate", plan) as stage:
             fleet = _run_fleet(model, rows, settings, current, scratch)
             stage.figures = f"{sum(len(d['turns']) for d in fleet)} turns"
         summary = _summary(fleet, settings, artifact, tasks, len(rows))
-        (scratch / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        publish_directory(scratch, out, replace=True)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        text = json.dumps(summary, indent=2) + "\n"
+        (scratch / "summary.json").write_text(text, encoding="utf-8")
     return dict(summary, out=str(out))
 
 
 def _run_fleet(model: Model, rows: Sequence[dict], settings: FieldSettings, current: Sequence[Path],
                folder: Path) -> list[dict]:
-    """Every device in turn, each into its own store in ``folder``: ``{device, file, turns, ab}`` each."""
+    """Every device in turn, each into its own store in ``folder``: ``{device, file, turns, ab}``
+    each."""
     fleet = []
     with counted("devices", settings.devices, "devices") as count:
         for device in range(1, settings.devices + 1):
@@ -300,7 +321,8 @@ def _run_fleet(model: Model, rows: Sequence[dict], settings: FieldSettings, curr
 
 
 def _summary(fleet: list[dict], settings: FieldSettings, artifact, tasks, n_tasks: int) -> dict:
-    """The fleet's figures: settings, totals, per arm, per device, and the devices' own A/B states."""
+    """The fleet's figures: settings, totals, per arm, per device, and the devices' own A/B
+    states."""
     turns = [turn for device in fleet for turn in device["turns"]]
     totals = _counts(turns)
     ab = None

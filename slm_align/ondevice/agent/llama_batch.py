@@ -32,6 +32,10 @@ import numpy as np
 
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.batching import Draw
+from slm_align.ondevice.agent.llama_prefix import DEFAULT_MAX_BYTES, MIN_SHARED, PrefixCache, shared
+
+Entry = tuple[int, int, int, bool]
+"""(token, position, sequence, wants logits): one id of a llama.cpp batch."""
 
 
 def decode_entries(lib, ctx, entries: Sequence[tuple[int, int, int, bool]]) -> None:
@@ -112,7 +116,7 @@ class LlamaBatchDecoder:
 
     kind = "gguf"
 
-    def __init__(self, backend, slots: int):
+    def __init__(self, backend, slots: int, prefix_bytes: int = DEFAULT_MAX_BYTES):
         import llama_cpp
 
         self.lib = llama_cpp
@@ -128,6 +132,13 @@ class LlamaBatchDecoder:
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.positions = [0] * slots
         """Ids in each slot's cache."""
+        self.ids: list[list[int]] = [[] for _ in range(slots)]
+        """The ids in each slot's cache."""
+        self.prefixes = PrefixCache(llama_cpp, self.ctx, prefix_bytes)
+        """Prompt prefixes' K/V, copied into slots instead of prefilled (``prefix_bytes`` 0:
+        off)."""
+        self.prefilled = 0
+        """Ids decoded as prompts (feeds of more than one id), after any copied in."""
         self._chains: dict[int, object] = {}
         self._keep_logits: dict[int, bool] = {}
         self._greedy_grammar: dict[int, bool] = {}
@@ -161,6 +172,7 @@ class LlamaBatchDecoder:
             raise UserError("llama.cpp cannot apply the adapters to the batched context; export them again")
         for slot in range(self.slots):
             self.crop(slot, 0)  # computed with the old weights
+        self.prefixes.clear()
 
     # the model's facts, as the backend has them (its chat template may have been replaced)
     @property
@@ -199,6 +211,7 @@ class LlamaBatchDecoder:
         if keep < self.positions[slot]:
             self.lib.llama_memory_seq_rm(self.memory, slot, keep, -1)
             self.positions[slot] = keep
+            del self.ids[slot][keep:]
 
     def begin(self, slot: int, params, grammar: Optional[str], prompt: Sequence[int], logits: bool) -> None:
         """``slot``'s sampler chain for the round (see :func:`sampler_chain`)."""
@@ -210,15 +223,35 @@ class LlamaBatchDecoder:
         self._greedy_grammar[slot] = bool(grammar) and params.temperature == 0.0 and not params.penalized
 
     def step(self, feeds: dict[int, list[int]]) -> dict[int, Draw]:
-        """Each slot's ids appended in batches of ``n_batch`` entries (the backend's), each slot drawing from its
-        last id's logits right after the batch that held it."""
-        entries = []
+        """Each slot's ids appended in batches of ``n_batch`` entries (the backend's), each slot
+        drawing from its last id's logits right after the batch that held it. A prompt's leading ids
+        already in a snapshot (or shared with another prompt of this step) are copied in, not
+        decoded (:meth:`_reuse`)."""
         for slot, ids in feeds.items():
             if self.positions[slot] + len(ids) > self.n_ctx:
                 raise UserError(f"context window of {self.n_ctx} tokens exceeded; start a new conversation")
+        feeds, unmatched = self._reuse({slot: list(ids) for slot, ids in feeds.items()})
+        draws = self._decode(self._entries(feeds))
+        for slot in unmatched:
+            self.prefixes.save(slot, self.ids[slot])
+        return draws
+
+    def _entries(self, feeds: dict[int, list[int]], logits: bool = True) -> list[Entry]:
+        """(token, position, slot, wants logits) of every fed id, the slots' positions and ids
+        advanced; logits at each slot's last id (none when ``logits`` is off)."""
+        entries = []
+        for slot, ids in feeds.items():
             start = self.positions[slot]
-            entries += [(token, start + i, slot, i == len(ids) - 1) for i, token in enumerate(ids)]
+            last = len(ids) - 1
+            entries += [(token, start + i, slot, logits and i == last)
+                        for i, token in enumerate(ids)]
             self.positions[slot] += len(ids)
+            self.ids[slot] += ids
+            if len(ids) > 1 or not logits:  # a prompt, or a shared prefix decoded ahead of it
+                self.prefilled += len(ids)
+        return entries
+
+    def _decode(self, entries: list[Entry]) -> dict[int, Draw]:
         draws = {}
         for first in range(0, len(entries), self.n_batch):
             chunk = entries[first:first + self.n_batch]
@@ -227,6 +260,68 @@ class LlamaBatchDecoder:
                 if last:
                     draws[slot] = self._draw(slot, index)
         return draws
+
+    # prompt-prefix reuse
+    def _reuse(self, feeds: dict[int, list[int]]) -> tuple[dict[int, list[int]], list[int]]:
+        """``feeds`` less the leading ids copied in from a snapshot or shared within this step, and
+        the prompting slots no snapshot served (snapshotted once they are decoded)."""
+        unmatched = []
+        for slot in [slot for slot, ids in feeds.items() if len(ids) > 1]:
+            full = self.ids[slot] + feeds[slot]
+            snapshot, count = self.prefixes.best(full)
+            if count < MIN_SHARED:
+                unmatched.append(slot)
+            elif min(count, len(full) - 1) - self.positions[slot] >= MIN_SHARED:
+                feeds[slot] = self._copy_in(slot, snapshot, min(count, len(full) - 1), full)
+        prompting = [slot for slot in unmatched if len(feeds[slot]) > 1]
+        shared_now = self._share_in_step(feeds, prompting)
+        return feeds, [slot for slot in unmatched if slot not in shared_now]
+
+    def _copy_in(self, slot: int, snapshot, keep: int, full: list[int]) -> list[int]:
+        """``slot`` holds the snapshot's first ``keep`` ids; what of ``full`` it must still be
+        fed."""
+        before = self.positions[slot]
+        self.crop(slot, 0)
+        if not self.prefixes.restore(snapshot, slot):
+            self.lib.llama_memory_seq_rm(self.memory, slot, -1, -1)
+            return full
+        self.positions[slot] = len(snapshot.ids)
+        self.ids[slot] = list(snapshot.ids)
+        self.crop(slot, keep)
+        self.prefixes.copied_ids += keep - before
+        return full[keep:]
+
+    def _share_in_step(self, feeds: dict[int, list[int]], prompting: list[int]) -> set[int]:
+        """Prompts of this step that open alike: the first one's shared ids decoded once (no
+        logits), snapshotted and copied into the others. The slots served that way."""
+        served = set()
+        while len(prompting) > 1:
+            lead, others = prompting[0], prompting[1:]
+            lead_ids = self.ids[lead] + feeds[lead]
+            group = {}
+            for slot in others:
+                full = self.ids[slot] + feeds[slot]
+                count = min(shared(lead_ids, full), len(full) - 1, len(lead_ids) - 1)
+                if count - self.positions[slot] >= MIN_SHARED:
+                    group[slot] = count
+            prompting = [slot for slot in others if slot not in group]
+            if not group:
+                continue
+            common = min(group.values())
+            if not self.prefixes.fits(common):
+                return served
+            if common > self.positions[lead]:
+                head = lead_ids[self.positions[lead]:common]
+                self._decode(self._entries({lead: head}, logits=False))
+            feeds[lead] = lead_ids[self.positions[lead]:]
+            snapshot = self.prefixes.save(lead, self.ids[lead])
+            if snapshot is None:
+                return served
+            served.add(lead)
+            for slot in group:
+                feeds[slot] = self._copy_in(slot, snapshot, common, self.ids[slot] + feeds[slot])
+                served.add(slot)
+        return served
 
     def _draw(self, slot: int, index: int) -> Draw:
         keep = self._keep_logits[slot]
@@ -240,6 +335,7 @@ class LlamaBatchDecoder:
         return Draw(int(token), logits if keep else None)
 
     def close(self) -> None:
+        self.prefixes.clear()
         for chain in self._chains.values():
             chain.close()
         self._chains.clear()

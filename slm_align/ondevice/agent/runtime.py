@@ -20,18 +20,23 @@ import threading
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from slm_align.errors import UserError
-from slm_align.ondevice.agent.ab_sequential import SequentialTest
-from slm_align.ondevice.agent.ab_trial import DeviceRouter
+from slm_align.ondevice.agent.ab_trial import Candidate, DeviceRouter
 from slm_align.ondevice.agent.artifact_forms import resolve_artifact
 from slm_align.ondevice.agent.backend import Backend
 from slm_align.ondevice.agent.loading import load_model
 from slm_align.ondevice.agent.logprobs import token_logprobs
 from slm_align.ondevice.agent.prompt import PromptFitter, next_prompt, template_origin, turn_end
-from slm_align.ondevice.agent.settings import SamplingParams
-from slm_align.ondevice.agent.store import new_token
+from slm_align.ondevice.agent.settings import (
+    ChatSettings,
+    Recording,
+    SamplingParams,
+    refuse_unknown,
+    take_options,
+)
+from slm_align.ondevice.agent.store import PreferenceStore, new_token
 from slm_align.ondevice.agent.tool_text import user_answer
 from slm_align.ondevice.gguf.adapter_check import chain_digest
 from slm_align.ondevice.templates.chat import require_tool_template
@@ -86,6 +91,13 @@ def alternative_sampling(params: SamplingParams, seed: Optional[int] = None) -> 
     return chosen
 
 
+def opened(recording: Recording) -> Recording:
+    """``recording`` with its store opened when it names a file."""
+    if recording.store is None or hasattr(recording.store, "record_turn"):
+        return recording
+    return replace(recording, store=PreferenceStore(Path(recording.store)))
+
+
 def record_feedback(store, turn_id: int, kind: str, text: Optional[str] = None, other: Optional[str] = None,
                     preferred: str = "this", *, token: str) -> int:
     """Write a verdict on a recorded turn: ``up``, ``down``, ``edit`` (with ``text``) or ``choice``
@@ -110,61 +122,66 @@ class Agent:
     """A conversation with one exported model. Not thread-safe: one agent per
     conversation (servers queue)."""
 
-    def __init__(self, backend: Backend, model_id: str, system: Optional[str] = None,
-                 tools: Optional[ToolRegistry] = None, sampling: Optional[SamplingParams] = None,
-                 store=None, consent: bool = False, max_tool_rounds: int = 4, grammar: bool = True,
-                 cancel: Optional[threading.Event] = None, answer_grammar: Optional[str] = None,
-                 logprobs: Optional[int] = None, describe_tools: bool = False):
-        if answer_grammar and backend.kind != "gguf":
+    def __init__(self, backend: Backend, model_id: str, tools: Optional[ToolRegistry] = None,
+                 settings: ChatSettings = ChatSettings(), recording: Recording = Recording(),
+                 cancel: Optional[threading.Event] = None, **options: Any):
+        """An agent on ``backend`` answering as ``model_id`` with ``tools``; ``settings``: how it
+        converses, ``recording``: where its turns go. ``options``: any field of either by name,
+        replacing the object's (``Agent(backend, model_id, sampling=..., store=...,
+        consent=True)``); ``cancel``: an event another thread sets to stop generation."""
+        settings = take_options(settings, options)
+        recording = take_options(recording, options)
+        refuse_unknown("Agent", options)
+        if settings.answer_grammar and backend.kind != "gguf":
             raise UserError("constrained answers (a grammar) need a GGUF model: llama.cpp samples "
                             "under grammars, onnxruntime does not")
         self.backend = backend
         self.base_id = model_id
         """The sha256 of the artifact loaded (with adapters, the base's)."""
-        self.system = system
         self.tools = tools
-        self.sampling = sampling or SamplingParams()
-        self.store = store
-        self.consent = consent
-        self.max_tool_rounds = max_tool_rounds
-        self.use_grammar = grammar
+        self.system = settings.system
+        self.sampling = settings.sampling or SamplingParams()
+        self.max_tool_rounds = settings.max_tool_rounds
+        self.use_grammar = settings.grammar
+        self.answer_grammar = settings.answer_grammar
+        """See :attr:`ChatSettings.answer_grammar`."""
+        self.logprobs = settings.logprobs
+        """See :attr:`ChatSettings.logprobs`."""
+        self.describe_tools = settings.describe_tools
+        """See :attr:`ChatSettings.describe_tools`."""
+        self.store = recording.store
+        self.consent = recording.consent
         self.cancel = cancel
         """When set (by another thread), generation stops before its next token
         with :class:`Cancelled`."""
-        self.answer_grammar = answer_grammar
-        """A llama.cpp grammar the final answer follows (see :mod:`slm_align.ondevice.agent.constrain`)."""
-        self.logprobs = logprobs
-        """Record each answer token's log-probability and this many likeliest
-        alternatives (None: don't)."""
-        self.describe_tools = describe_tools
-        """Write the tools into the system message when the chat template drops them (the runtime's
-        fallback, :func:`~slm_align.ondevice.templates.chat.tools_system_text`, as SFT chats and task prompts
-        render them: RL's episodes and evaluate-agent turn it on); off, the template's rendering alone
-        (``chat`` and ``serve``, whose clients may send more tools than a small context holds)."""
         self._stops: Optional[tuple] = None
-        self.ab: Optional[DeviceRouter] = None  # routes each new conversation (Agent.load(..., candidate=...))
+        self.ab: Optional[DeviceRouter] = None
+        """Routes each new conversation (``Agent.load(..., candidate=...)``)."""
         self.reset()
 
     @classmethod
-    def load(cls, artifact: Union[str, Path], device: Optional[str] = None, threads: Optional[int] = None,
-             n_ctx: Optional[int] = None, store: Union[str, Path, None] = None, chat_template: Optional[str] = None,
-             adapters: Sequence[Union[str, Path]] = (), candidate: Sequence[Union[str, Path]] = (),
-             candidate_share: float = 0.5, ab_test: SequentialTest = SequentialTest(), client: Optional[str] = None,
-             **options) -> "Agent":
+    def load(cls, artifact: Union[str, Path], device: Optional[str] = None,
+             threads: Optional[int] = None, n_ctx: Optional[int] = None,
+             chat_template: Optional[str] = None, adapters: Sequence[Union[str, Path]] = (),
+             candidate: Union[Candidate, Sequence[Union[str, Path]]] = (),
+             **options: Any) -> "Agent":
         """Open a .gguf file or an ONNX export directory; ``device`` takes threads and context
         from its profile; ``chat_template`` ("chatml" or a Jinja file) replaces the model's own;
-        ``adapters``: LoRA adapter GGUFs made for a GGUF base (see :func:`load_model`); ``candidate``:
-        adapters A/B-tested against them on ``candidate_share`` of the conversations, decided in ``store``
-        (see :class:`~slm_align.ondevice.agent.ab_trial.DeviceRouter`; ``client``: the app's user)."""
+        ``adapters``: LoRA adapter GGUFs made for a GGUF base (see :func:`load_model`);
+        ``candidate``: adapters A/B-tested against them, or a
+        :class:`~slm_align.ondevice.agent.ab_trial.Candidate` with the trial's share, test and
+        client, decided in the store (see :class:`~slm_align.ondevice.agent.ab_trial.DeviceRouter`).
+        ``options`` go to :class:`Agent` (``tools``, ``settings``, ``recording``, or their fields by
+        name); ``store`` may be a path, opened as a preference store."""
         model = load_model(artifact, device, threads, n_ctx, chat_template, adapters)
-        if store is not None and not hasattr(store, "record_turn"):
-            from slm_align.ondevice.agent.store import PreferenceStore
-
-            store = PreferenceStore(Path(store))
-        agent = cls(model.backend, model.sha256, store=store, **options)
-        if candidate:
-            current = adapters or resolve_artifact(artifact).adapters  # a manifest's, a bundle's, BASE+A's
-            agent.ab = DeviceRouter(agent, current, candidate, candidate_share, ab_test, client)
+        recording = take_options(options.pop("recording", Recording()), options)
+        agent = cls(model.backend, model.sha256, recording=opened(recording), **options)
+        if not isinstance(candidate, Candidate):
+            candidate = Candidate(tuple(candidate))
+        if candidate.adapters:
+            # the adapters given, else the artifact's: a manifest's, a bundle's, BASE+A's
+            current = adapters or resolve_artifact(artifact).adapters
+            agent.ab = DeviceRouter(agent, current, candidate)
             agent.reset()  # the first conversation, routed
         return agent
 
@@ -176,13 +193,14 @@ class Agent:
     @property
     def model_id(self) -> str:
         """What answers, as preference records name it: the artifact's sha256, or with adapters the
-        digest of the base and the adapters in order (:func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`,
-        what an adapter export's manifest records)."""
+        digest of the base and the adapters in order
+        (:func:`~slm_align.ondevice.gguf.adapter_check.chain_digest`, what an adapter export's
+        manifest records)."""
         return chain_digest(self.base_id, [adapter["sha256"] for adapter in self.adapters])
 
     def set_adapters(self, adapters: Sequence[Union[str, Path]]) -> list[dict]:
-        """Swap the LoRA adapters on the base (GGUF; none: the base alone) without reloading it; later
-        turns are recorded under the new :attr:`model_id`. The conversation stays."""
+        """Swap the LoRA adapters on the base (GGUF; none: the base alone) without reloading it;
+        later turns are recorded under the new :attr:`model_id`. The conversation stays."""
         if not hasattr(self.backend, "set_adapters"):
             raise UserError("adapters apply to a GGUF base in llama.cpp; this agent runs an ONNX export")
         return self.backend.set_adapters([Path(adapter) for adapter in adapters])
@@ -300,10 +318,10 @@ class Agent:
 
         The first prompt is rendered from the messages; after each tool round the model continues
         the ids it was fed and sampled, with the runtime's inserted ids after them
-        (:func:`~slm_align.ondevice.agent.prompt.next_prompt`). ``trace`` records those pieces in order:
-        ``("prompt", ids)``, then ``("sampled", ids)`` and ``("inserted", ids)`` per round, the
-        final answer's ``("sampled", ids)`` last (a ``("prompt", ids)`` anew where the conversation
-        outgrew the context and its oldest turns were cut)."""
+        (:func:`~slm_align.ondevice.agent.prompt.next_prompt`). ``trace`` records those pieces in
+        order: ``("prompt", ids)``, then ``("sampled", ids)`` and ``("inserted", ids)`` per round,
+        the final answer's ``("sampled", ids)`` last (a ``("prompt", ids)`` anew where the
+        conversation outgrew the context and its oldest turns were cut)."""
         params = replace(self.sampling, **sampling)
         if self.tools:
             require_tool_template(self.backend.chat_template, template_origin(self.backend))
@@ -425,9 +443,9 @@ class Agent:
             self.ab.evaluate()
 
     def alternative(self, messages: Optional[list[dict]] = None, seed: Optional[int] = None, **sampling) -> str:
-        """A second candidate for the last answer (or for the prompt ``messages`` of
-        a stored turn), sampled as
-        :func:`alternative_sampling` says (``seed``, else the next seed), for a "which is better" choice."""
+        """A second candidate for the last answer (or for the prompt ``messages`` of a stored turn),
+        sampled as :func:`alternative_sampling` says (``seed``, else the next seed), for a "which is
+        better" choice."""
         if messages is None and not self._last_prompt:
             raise UserError("no answer to compare with yet; chat first")
         params = alternative_sampling(replace(self.sampling, **sampling), seed)

@@ -1,13 +1,14 @@
-"""The sampling settings, typed once: the runtime's :class:`SamplingParams`, and each
-setting's bounds and help.
+"""The runtime's settings, typed once: the runtime's :class:`SamplingParams`, each sampling
+setting's bounds and help, and the parameter objects an agent is made with (:class:`ChatSettings`,
+how it converses; :class:`Recording`, where its turns go).
 
-Each setting a person or a client may choose is an ``Annotated`` type that carries its bounds
-and description (:data:`Temperature`, :data:`TopP`, ...). The server's request bodies declare
-their fields with these types, and `slm-align chat` makes its flags from :class:`Sampling`'s
-fields (help, default and bounds), so each bound is written once, the command line and the
-server refuse the same values, and their refusals say it in the same words
-(:mod:`slm_align.ondevice.agent.bounds`). ``chat --temperature 3`` and a request with ``"temperature":
-3`` are both refused with "a number from 0 to 2".
+Each setting a person or a client may choose is an ``Annotated`` type that carries its bounds and
+description (:data:`Temperature`, :data:`TopP`, ...). The server's request bodies declare their
+fields with these types, and `slm-align chat` makes its flags from :class:`Sampling`'s fields (help,
+default and bounds), so each bound is written once, the command line and the server refuse the same
+values, and their refusals say it in the same words (:mod:`slm_align.ondevice.agent.bounds`).
+``chat --temperature 3`` and a request with ``"temperature": 3`` are both refused with "a number
+from 0 to 2".
 
 Pydantic and the standard library only: the command line reads this module when it
 starts, and it imports no numpy.
@@ -15,8 +16,8 @@ starts, and it imports no numpy.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Annotated, Union
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Annotated, Any, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
@@ -106,3 +107,57 @@ class Sampling(BaseModel):
     def params(self) -> SamplingParams:
         """These settings as the runtime takes them."""
         return SamplingParams(**self.model_dump())
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """How an agent converses (:class:`~slm_align.ondevice.agent.runtime.Agent`)."""
+
+    system: Optional[str] = None
+    """The system prompt (none: no system message)."""
+    sampling: Optional[SamplingParams] = None
+    """How each token is chosen (none: :data:`DEFAULTS`)."""
+    max_tool_rounds: int = 4
+    """Tool rounds an answer may take before the final one."""
+    grammar: bool = True
+    """Constrain a tool call to the tools' GBNF grammar (GGUF models: llama.cpp samples under
+    it)."""
+    answer_grammar: Optional[str] = None
+    """A llama.cpp grammar the final answer follows (see
+    :mod:`slm_align.ondevice.agent.constrain`)."""
+    logprobs: Optional[int] = None
+    """Record each answer token's log-probability and this many likeliest alternatives (None:
+    don't)."""
+    describe_tools: bool = False
+    """Write the tools into the system message when the chat template drops them (the runtime's
+    fallback, :func:`~slm_align.ondevice.templates.chat.tools_system_text`, as SFT chats and task
+    prompts render them: RL's episodes and evaluate-agent turn it on); off, the template's rendering
+    alone (``chat`` and ``serve``, whose clients may send more tools than a small context holds)."""
+
+
+@dataclass(frozen=True)
+class Recording:
+    """Where an agent's turns are recorded, and whether its user agreed to train on them."""
+
+    store: Any = None
+    """A :class:`~slm_align.ondevice.agent.store.PreferenceStore` (``Agent.load`` and ``serve`` also
+    take its path); None records nothing."""
+    consent: bool = False
+    """Mark recorded turns as consented for training."""
+
+
+Settings = TypeVar("Settings")
+
+
+def take_options(settings: Settings, options: dict) -> Settings:
+    """``settings`` (a dataclass) with the fields named in ``options`` replaced, those taken out of
+    ``options``: the keyword shorthand ``Agent(..., sampling=..., store=...)`` for the objects."""
+    names = {item.name for item in fields(settings)}
+    chosen = {name: options.pop(name) for name in list(options) if name in names}
+    return replace(settings, **chosen) if chosen else settings
+
+
+def refuse_unknown(caller: str, options: dict) -> None:
+    """A keyword no settings object took is a TypeError, as Python's own for an unknown keyword."""
+    if options:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {next(iter(options))!r}")

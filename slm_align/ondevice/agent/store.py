@@ -22,6 +22,10 @@ A/B decisions: a server A/B-testing a candidate adapter (``serve --candidate``) 
 reaches, with its evidence, in ``ab_decisions`` (schema version 3; :meth:`PreferenceStore.record_decision`);
 the trials and the turns each routed are in ``ab_trials`` and ``ab_turns`` (schema version 4; see
 :mod:`slm_align.ondevice.agent.store_ab`).
+
+Call results: an app that runs a reply's calls itself reports whether each worked in
+``call_results`` (schema version 5; :meth:`PreferenceStore.report_result`), the turn's outcome
+beside the thumbs.
 """
 
 from __future__ import annotations
@@ -318,6 +322,30 @@ class PreferenceStore(TrialRecords):
     def edit(self, turn_id: int, edited_text: str) -> int:
         """The user rewrote the turn's completion as ``edited_text``."""
         return self._add_feedback(turn_id, "edit", edited_text=_check_text(edited_text, "edited_text"))
+
+    def report_result(self, turn_id: int, ok: bool, content: str | None = None,
+                      call: int = 0) -> int:
+        """What the app got running call ``call`` (0: the first) of the turn's reply itself:
+        ``ok`` and, optionally, what it returned (schema version 5); return the record's id. The
+        latest report per call counts; a turn keeps at most :data:`MAX_FEEDBACK_PER_TURN`."""
+        if not isinstance(ok, bool):
+            raise UserError(f"ok must be True or False (did the call work?), got {ok!r}")
+        if isinstance(call, bool) or not isinstance(call, int) or not 0 <= call <= MAX_TURN_ID:
+            raise UserError(f"call must be the call's index in the reply (0 the first), "
+                            f"got {call!r}")
+        if content is not None and not isinstance(content, str):
+            raise UserError(f"content must be text or None, got {type(content).__name__}")
+        with self._transaction() as conn:
+            self._require_turn(conn, turn_id)
+            given = conn.execute("SELECT COUNT(*) FROM call_results WHERE turn_id = ?",
+                                 (turn_id,)).fetchone()[0]
+            if given >= MAX_FEEDBACK_PER_TURN:
+                raise UserError(f"turn {turn_id} already has {given} call results, the most one "
+                                "turn keeps; report each call once")
+            cursor = conn.execute("INSERT INTO call_results (turn_id, call_index, ok, content, "
+                                  "created_at) VALUES (?, ?, ?, ?, ?)",
+                                  (turn_id, call, int(ok), content, _now()))
+            return int(cursor.lastrowid)
 
     def set_consent(self, target: int | str, consent: bool) -> int:
         """Consent for one turn (``target`` an int turn id) or a whole

@@ -7,7 +7,7 @@ import sqlite3
 
 from slm_align.errors import UserError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _SCHEMA_V1 = """
 CREATE TABLE turns (
@@ -74,10 +74,26 @@ CREATE INDEX ab_turns_by_trial ON ab_turns (trial_id);
 """A/B trials and the turns each routed (schema version 4): only those count in the test, one observation
 per conversation; turns asked of an arm by name, or recorded before the trial, are not in ``ab_turns``."""
 
+_V5_CALL_RESULTS = """
+CREATE TABLE call_results (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    turn_id     INTEGER NOT NULL REFERENCES turns (id) ON DELETE CASCADE,
+    call_index  INTEGER NOT NULL CHECK (call_index >= 0),  -- which call of the reply, 0 the first
+    ok          INTEGER NOT NULL CHECK (ok IN (0, 1)),      -- 1: the app ran the call and it worked
+    content     TEXT,                                       -- what the call returned (optional)
+    created_at  TEXT    NOT NULL
+);
+CREATE INDEX call_results_by_turn ON call_results (turn_id);
+"""
+"""What an app reports of running a reply's calls itself (schema version 5): a function-calling app
+runs the calls the model answered with, and whether each worked is the turn's outcome beside the
+user's thumbs; appended, the latest report per call counts."""
+
 AB_DECISIONS = ("promote", "revert", "keep")
 
 # MIGRATIONS[v - 1] takes a database from version v - 1 to version v (statements split on ';').
-MIGRATIONS: tuple[str, ...] = (_SCHEMA_V1, _V2_TURN_TOKENS, _V3_AB_DECISIONS, _V4_AB_TRIALS)
+MIGRATIONS: tuple[str, ...] = (_SCHEMA_V1, _V2_TURN_TOKENS, _V3_AB_DECISIONS, _V4_AB_TRIALS,
+                                _V5_CALL_RESULTS)
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -96,6 +112,7 @@ _FEEDBACK_COLUMNS = ("id", "turn_id", "kind", "other_completion", "preferred", "
 _DECISION_COLUMNS = ("id", "created_at", "current_id", "candidate_id", "decision", "evidence")
 _TRIAL_COLUMNS = ("id", "created_at", "current_id", "candidate_id", "share", "key")
 _ROUTED_COLUMNS = ("turn_id", "trial_id", "arm", "client")
+RESULT_COLUMNS = ("id", "turn_id", "call_index", "ok", "content", "created_at")
 SPEC = "docs/feedback-store.md"
 """The written schema a writer outside slm-align (a native app) follows."""
 
@@ -109,6 +126,8 @@ def required_columns(version: int) -> dict[str, tuple[str, ...]]:
     if version >= 4:
         tables["ab_trials"] = _TRIAL_COLUMNS
         tables["ab_turns"] = _ROUTED_COLUMNS
+    if version >= 5:
+        tables["call_results"] = RESULT_COLUMNS
     return tables
 
 
@@ -117,7 +136,7 @@ def _check_layout(conn: sqlite3.Connection, version: int) -> None:
     foreign writer's slip)."""
     tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if version == 0:
-        if tables & {"turns", "feedback", "ab_decisions", "ab_trials", "ab_turns"}:
+        if tables & {"turns", "feedback", "ab_decisions", "ab_trials", "ab_turns", "call_results"}:
             raise UserError("preference DB has tables but schema version 0; its writer must set "
                             f"PRAGMA user_version = {SCHEMA_VERSION} after creating them (see {SPEC})")
         return

@@ -1,12 +1,11 @@
 """Judge exported models on tool-use tasks in the agent runtime, with real tool execution.
 
-Each task row holds a chat ``prompt`` (or a string), an ``answer`` and optionally the
-``tool`` it needs (as ``slm-align tasks make`` writes them). Every artifact answers every
-task in :class:`Agent` with its own tools (:func:`task_tools`), in episodes of up to ``max_tool_rounds`` tool
-rounds and a final answer: once greedily (``samples`` 1), or ``samples`` times sampled at
-``temperature`` with a seed per task and sample (:func:`sample_seed`). A finished episode is
-classified as ``success`` or one failure (``no_call``, ``malformed_call``, ``wrong_tool``,
-``wrong_answer``).
+Each task row holds a chat ``prompt`` (or a string), an ``answer`` and optionally the ``tool`` it
+needs (as ``slm-align tasks make`` writes them). Every artifact answers every task in :class:`Agent`
+with its own tools (:func:`task_tools`), in episodes of up to ``max_tool_rounds`` tool rounds and a
+final answer: once greedily (``samples`` 1), or ``samples`` times sampled at ``temperature`` with a
+seed per task and sample (:func:`sample_seed`). A finished episode is classified as ``success`` or
+one failure (``no_call``, ``malformed_call``, ``wrong_tool``, ``wrong_answer``).
 
 Per artifact (:func:`summarize`): the success rate with its Wilson interval, the call rate, the
 valid-call rate, rounds and generated tokens per episode, each failure's count and share; with
@@ -22,18 +21,25 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from slm_align.errors import UserError
 from slm_align.ondevice.agent import function_eval, task_batch
 from slm_align.ondevice.agent.artifact_forms import FORMS
 from slm_align.ondevice.agent.bfcl import load_bfcl, parse_categories
-from slm_align.ondevice.agent.bounds import accepted, bounds, typed
 from slm_align.ondevice.agent.loading import Model, load_model
 from slm_align.ondevice.agent.prompt import tools_shown
 from slm_align.ondevice.agent.runtime import Agent, fold_seed
-from slm_align.ondevice.agent.settings import SamplingParams, Temperature
+from slm_align.ondevice.agent.settings import SamplingParams, refuse_unknown, take_options
+from slm_align.ondevice.agent.task_settings import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SAMPLES,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOOL_ROUNDS,
+    EpisodeSettings,
+)
 from slm_align.ondevice.rewards.episodes import CATEGORIES, classify
+from slm_align.ondevice.rows import iter_rows
 from slm_align.ondevice.templates.artifact import check_chat_template
 from slm_align.ondevice.tools.builtin import default_tools
 from slm_align.ondevice.tools.registry import ToolRegistry
@@ -42,29 +48,9 @@ from slm_align.progress import counted, stage_lines
 from slm_align.stats import bootstrap_ci, bootstrap_mean_ci, mean_delta, pass_at_k, wilson_interval
 
 FAILURES = CATEGORIES[1:]
-DEFAULT_MAX_TOKENS = 96
-DEFAULT_TOOL_ROUNDS = 3
-DEFAULT_SAMPLES = 1
-"""1: one greedy episode per task."""
-DEFAULT_TEMPERATURE = 0.7
-"""The temperature of sampled episodes (``samples`` > 1)."""
-TEMPERATURE = typed(Temperature)
-"""The runtime's bounds on a temperature (0 to 2), as `chat` and the server apply them."""
-TEMPERATURE_LIMITS = bounds(TEMPERATURE.metadata)
-TEMPERATURE_ACCEPTED = accepted(TEMPERATURE.annotation, TEMPERATURE.metadata)
 SEED_TASK_X, SEED_SAMPLE_X = 1_000_003, 7919
 """Multipliers of :func:`sample_seed` (primes, so that the seeds of tasks and samples rarely
 collide)."""
-INTERVALS = {
-    "success_ci95": "Wilson score interval (95%) of the successes over the episodes",
-    "pass_at_1_ci95": "percentile bootstrap (95%, 2000 resamples) over tasks of each task's c/n",
-    "pass_at_k_ci95": "percentile bootstrap (95%, 2000 resamples) over tasks of each task's pass@k",
-    "comparisons.ci95": "paired percentile bootstrap (95%, 2000 resamples) over tasks of the "
-                        "difference in each task's success rate",
-}
-"""How each interval of the report is computed (the report carries this)."""
-
-
 @dataclass
 class TaskResult:
     """One artifact's turn on one task."""
@@ -128,10 +114,8 @@ def check_row(where: str, row) -> None:
 
 def load_tasks(path: Union[str, Path], limit: Optional[int] = None) -> list[dict]:
     """Task rows with a prompt and an answer, or function rows (with ``ground_truth``: see
-    :mod:`slm_align.ondevice.agent.function_eval`); a missing file or column, an empty answer, or a ground
-    truth naming no offered function is a one-line UserError."""
-    from slm_align.data.readers import iter_rows
-
+    :mod:`slm_align.ondevice.agent.function_eval`); a missing file or column, an empty answer, or a
+    ground truth naming no offered function is a one-line UserError."""
     rows = []
     for where, row in iter_rows(Path(path)):
         if function_eval.is_function_row(row):
@@ -168,7 +152,8 @@ def _expected_tool(row: dict) -> Optional[str]:
 
 def task_tools(row: dict) -> ToolRegistry:
     """The tools a task offers, as RL's episodes offer them: its ``tools`` schemas, each running the
-    built-in of that name (:func:`~slm_align.ondevice.tools.specs.registry_for_row`); the built-ins without."""
+    built-in of that name (:func:`~slm_align.ondevice.tools.specs.registry_for_row`); the built-ins
+    without."""
     if row.get("tools"):
         return registry_for_row(row["tools"], default_tools())
     return default_tools()
@@ -182,8 +167,9 @@ def check_artifact_exists(artifact: Union[str, Path]) -> None:
 
 
 def load_checked(artifact: Union[str, Path], threads: Optional[int] = None) -> Model:
-    """The opened ``artifact`` (any form of :func:`~slm_align.ondevice.agent.artifact_forms.resolve_artifact`)
-    with a chat template that renders; a missing, damaged or unknown artifact is a one-line UserError."""
+    """The opened ``artifact`` (any form of
+    :func:`~slm_align.ondevice.agent.artifact_forms.resolve_artifact`) with a chat template that
+    renders; a missing, damaged or unknown artifact is a one-line UserError."""
     check_artifact_exists(artifact)
     try:  # an unknown form is refused by load_model's resolve_artifact
         model = load_model(artifact, threads=threads)
@@ -199,41 +185,14 @@ def load_checked(artifact: Union[str, Path], threads: Optional[int] = None) -> M
 def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
                max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, threads: Optional[int] = None) -> Agent:
     """A greedy agent with the built-in tools on ``artifact`` (any form of
-    :func:`~slm_align.ondevice.agent.artifact_forms.resolve_artifact`: a model, base + adapters, an adapter
-    export's manifest, a bundle; ``threads``: its backend's, default
-    :func:`~slm_align.ondevice.devices.host.default_threads`); one that does not load is a UserError."""
+    :func:`~slm_align.ondevice.agent.artifact_forms.resolve_artifact`: a model, base + adapters, an
+    adapter export's manifest, a bundle; ``threads``: its backend's, default
+    :func:`~slm_align.ondevice.devices.host.default_threads`); one that does not load is a
+    UserError."""
     model = load_checked(artifact, threads)
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return Agent(_CountingBackend(model.backend), model.sha256, tools=default_tools(), sampling=sampling,
                  max_tool_rounds=max_tool_rounds, describe_tools=True)  # every artifact is shown the tools
-
-
-def _integer(value, least: int) -> bool:
-    """``value`` is an integer (not a bool) of at least ``least``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def _temperature(value) -> bool:
-    """``value`` is a number within the runtime's temperature bounds."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number and TEMPERATURE_LIMITS["ge"] <= value <= TEMPERATURE_LIMITS["le"]
-
-
-def check_settings(samples: int, temperature: float, max_tool_rounds: int, max_tokens: int,
-                   batch: int = 1) -> None:
-    """Refuse a setting out of its bounds, in one line naming the flag and what it accepts."""
-    if not _integer(samples, 1):
-        raise UserError(f"--samples must be an integer >= 1 (episodes per task; 1 answers "
-                        f"greedily), got {samples}")
-    if not _temperature(temperature):
-        raise UserError(f"--temperature must be {TEMPERATURE_ACCEPTED}, got {temperature}")
-    if not _integer(max_tool_rounds, 0):
-        raise UserError(f"--max-tool-rounds must be an integer >= 0 (tool rounds before the final "
-                        f"answer), got {max_tool_rounds}")
-    if not _integer(max_tokens, 1):
-        raise UserError(f"--max-new-tokens must be an integer >= 1, got {max_tokens}")
-    if not _integer(batch, 1):
-        raise UserError(f"--batch must be an integer >= 1 (episodes decoded together), got {batch}")
 
 
 def sample_seed(seed: int, task: int, sample: int) -> int:
@@ -424,14 +383,6 @@ def compare(baseline: Sequence[TaskResult], candidate: Sequence[TaskResult], see
     return {"success_delta": delta, "ci95": [low, high], "verdict": verdict}
 
 
-def episode_settings(samples: int, temperature: float, seed: int) -> dict:
-    """How the episodes ran, for the report: greedy or sampled, the temperature (0 when greedy),
-    the seed, and how each interval is computed."""
-    return {"samples": samples, "decoding": "greedy" if samples == 1 else "sampled",
-            "temperature": 0.0 if samples == 1 else temperature, "seed": seed,
-            "intervals": dict(INTERVALS)}
-
-
 def compare_by_category(baseline: Sequence[TaskResult], candidate: Sequence[TaskResult], seed: int = 0,
                         samples: int = DEFAULT_SAMPLES) -> Optional[dict]:
     """:func:`compare` within each row category of function rows (None without categories)."""
@@ -455,37 +406,57 @@ def task_rows(tasks: Union[str, Path, None], bfcl: Optional[str], limit: Optiona
 
 
 def evaluate_artifacts(tasks: Union[str, Path, None], artifacts: Sequence[Union[str, Path]],
-                       limit: Optional[int] = None, max_tokens: int = DEFAULT_MAX_TOKENS,
-                       max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, seed: int = 0, samples: int = DEFAULT_SAMPLES,
-                       temperature: float = DEFAULT_TEMPERATURE, bfcl: Optional[str] = None,
-                       threads: Optional[int] = None, batch: int = task_batch.DEFAULT_BATCH) -> dict:
+                       settings: EpisodeSettings = EpisodeSettings(), bfcl: Optional[str] = None,
+                       limit: Optional[int] = None, **options: Any) -> dict:
     """Every artifact on the same task rows (a task file, or BFCL's categories ``bfcl`` with
-    ``limit`` entries of each); the report: how the episodes ran, per artifact its
+    ``limit`` entries of each), its episodes run as ``settings`` say; ``options``: any field of
+    :class:`~slm_align.ondevice.agent.task_settings.EpisodeSettings` by name (``max_tokens=...``,
+    ``batch=...``), replacing ``settings``'. The report: how the episodes ran, per artifact its
     :func:`summarize` figures and per-episode ``results``, and each artifact after the first
     compared with the first (:func:`compare`, and per category for function rows). Settings, rows
-    and artifacts are checked before any episode runs. ``threads``: each backend's CPU threads;
-    ``batch``: a GGUF model's episodes decoded together (ONNX: one at a time)."""
-    check_settings(samples, temperature, max_tool_rounds, max_tokens, batch)
+    and artifacts are checked before any episode runs."""
+    settings = take_options(settings, options)
+    refuse_unknown("evaluate_artifacts", options)
+    settings.check()
     if not artifacts:
         raise UserError("pass at least one --artifact (a .gguf file or an ONNX export directory)")
     rows, name = task_rows(tasks, bfcl, limit)
-    agents = [open_agent(artifact, max_tokens, max_tool_rounds, threads)  # all load, or none runs
-              for artifact in artifacts]
-    with stage_lines("evaluate-agent", f"{len(agents)} model(s) on {len(rows)} tasks x {samples} "
-                                       f"episode(s)") as stage:
-        runs = [run_episodes(agent, rows, samples, temperature, seed, "/".join(Path(artifact).parts[-2:]), batch)
-                for agent, artifact in zip(agents, artifacts)]
-        summaries = [summarize(results, samples, seed) for results in runs]
-        stage.figures = "task success " + ", ".join(f"{summary['success_rate']:.3f}" for summary in summaries)
-    report = {"tasks": name, "n_tasks": len(rows), "max_tokens": max_tokens,
-              "max_tool_rounds": max_tool_rounds, **episode_settings(samples, temperature, seed),
+    agents = [open_agent(artifact, settings.max_tokens, settings.max_tool_rounds, settings.threads)
+              for artifact in artifacts]  # all load, or none runs
+    runs, summaries = _run_artifacts(agents, artifacts, rows, settings)
+    report = {"tasks": name, "n_tasks": len(rows), "max_tokens": settings.max_tokens,
+              "max_tool_rounds": settings.max_tool_rounds, **settings.report(),
               "artifacts": [], "comparisons": []}
     for agent, artifact, results, summary in zip(agents, artifacts, runs, summaries):
         shown = tools_shown(agent.backend, agent.describe_tools)
         report["artifacts"].append({"artifact": str(artifact), "tools_shown": shown, **summary,
                                     "results": [asdict(r) for r in results]})
     for artifact, results in zip(artifacts[1:], runs[1:]):
-        report["comparisons"].append({"baseline": str(artifacts[0]), "candidate": str(artifact),
-                                      **compare(runs[0], results, seed, samples),
-                                      "by_category": compare_by_category(runs[0], results, seed, samples)})
+        comparison = _comparison(artifacts[0], runs[0], artifact, results, settings)
+        report["comparisons"].append(comparison)
     return report
+
+
+def _run_artifacts(agents: Sequence[Agent], artifacts: Sequence[Union[str, Path]], rows: list[dict],
+                   settings: EpisodeSettings) -> tuple[list[list[TaskResult]], list[dict]]:
+    """Each agent's episodes on ``rows`` and their :func:`summarize` figures, as one stage."""
+    samples, seed = settings.samples, settings.seed
+    with stage_lines("evaluate-agent", f"{len(agents)} model(s) on {len(rows)} tasks x {samples} "
+                                       f"episode(s)") as stage:
+        runs = [run_episodes(agent, rows, samples, settings.temperature, seed,
+                             "/".join(Path(artifact).parts[-2:]), settings.batch)
+                for agent, artifact in zip(agents, artifacts)]
+        summaries = [summarize(results, samples, seed) for results in runs]
+        rates = ", ".join(f"{summary['success_rate']:.3f}" for summary in summaries)
+        stage.figures = f"task success {rates}"
+    return runs, summaries
+
+
+def _comparison(baseline: Union[str, Path], before: Sequence[TaskResult],
+                candidate: Union[str, Path], after: Sequence[TaskResult],
+                settings: EpisodeSettings) -> dict:
+    """The report's comparison of ``candidate``'s episodes with ``baseline``'s."""
+    seed, samples = settings.seed, settings.samples
+    return {"baseline": str(baseline), "candidate": str(candidate),
+            **compare(before, after, seed, samples),
+            "by_category": compare_by_category(before, after, seed, samples)}

@@ -13,9 +13,14 @@ from slm_align.ondevice.devices.estimate import (
            recommend_quant,
 )
 from slm_align.ondevice.devices.facts import ModelFacts, model_facts
-from slm_align.ondevice.devices.profiles import DeviceProfile, ReferencePoint, list_profiles, load_profile
+from slm_align.ondevice.devices.profiles import (
+           DeviceProfile,
+           ReferencePoint,
+           list_profiles,
+           load_profile,
+)
 from slm_align.ondevice.devices.quant import BITS_PER_WEIGHT
 
-__all__ = ["BITS_PER_WEIGHT", "DeviceProfile", "FitReport", "LooRow", "MemoryEstimate", "ModelFacts",
-           "ReferencePoint", "estimate_fit", "leave_one_out", "list_profiles", "load_profile", "model_facts",
-           "recommend_quant"]
+__all__ = ["BITS_PER_WEIGHT", "DeviceProfile", "FitReport", "LooRow", "MemoryEstimate",
+           "ModelFacts", "ReferencePoint", "estimate_fit", "leave_one_out", "list_profiles",
+           "load_profile", "model_facts", "recommend_quant"]

@@ -2,8 +2,8 @@
 
 Memory = weights + KV cache + runtime overhead:
 
-- weights: the artifact's own size when it already has the asked-for type, else parameters x
-  bits per weight (:data:`~slm_align.ondevice.devices.quant.BITS_PER_WEIGHT`), with the output head at
+- weights: the artifact's own size when it already has the asked-for type, else parameters x bits
+  per weight (:data:`~slm_align.ondevice.devices.quant.BITS_PER_WEIGHT`), with the output head at
   Q6_K as llama.cpp quantizes it;
 - KV cache (f16): 2 x layers x kv_heads x head_dim x context x 2 bytes, sliding-window layers (Gemma
   3) included at the full context: llama-cpp-python allocates a full-size SWA cache, and our ONNX
@@ -33,11 +33,18 @@ from typing import Iterable, Optional
 from slm_align.errors import UserError
 from slm_align.ondevice.devices.facts import ModelFacts
 from slm_align.ondevice.devices.profiles import DeviceProfile, ReferencePoint, load_all_profiles
-from slm_align.ondevice.devices.quant import BITS_PER_WEIGHT, GGUF_TYPES, canonical_quant, smaller_types
+from slm_align.ondevice.devices.quant import (
+    BITS_PER_WEIGHT,
+    GGUF_TYPES,
+    canonical_quant,
+    smaller_types,
+)
 
-FIXED_OVERHEAD_BYTES = 80 * 2**20   # runtime library, Python interpreter, tokenizer and sampler state
+# runtime library, Python interpreter, tokenizer and sampler state
+FIXED_OVERHEAD_BYTES = 80 * 2**20
 COMPUTE_BYTES_PER_VALUE = 4         # llama.cpp keeps logits and activations in float32
-DEFAULT_CONTEXT = 4096              # context assumed when none is asked for (capped at the model's own)
+# context assumed when none is asked for (capped at the model's own)
+DEFAULT_CONTEXT = 4096
 FITS_SHARE = 0.70
 TIGHT_SHARE = 1.00
 MIN_DEVICE_POINTS = 2               # fewer own points than this: calibrate on every device's points
@@ -153,7 +160,8 @@ def verdict(share: float) -> str:
     return "does not fit"
 
 
-def bandwidth_bound_tokens_per_second(facts: ModelFacts, profile: DeviceProfile, quant: str, context: int) -> float:
+def bandwidth_bound_tokens_per_second(facts: ModelFacts, profile: DeviceProfile, quant: str,
+                                      context: int) -> float:
     """Decode speed if every byte of weights and KV cache streamed at the
     profile's full bandwidth."""
     return profile.bandwidth_gbs * 1e9 / (weight_bytes(facts, quant) + kv_bytes(facts, context))
@@ -206,8 +214,9 @@ def recommend_quant(facts: ModelFacts, profile: DeviceProfile, context: int) -> 
 def reference_facts(point: ReferencePoint) -> ModelFacts:
     """A reference point's model as :class:`ModelFacts` (its published file size, when
     given, is the weights)."""
-    return ModelFacts(source=point.model, format="reference", parameters=point.parameters, layers=point.layers,
-                      kv_heads=point.kv_heads, head_dim=point.head_dim, quant=canonical_quant(point.quant),
+    return ModelFacts(source=point.model, format="reference", parameters=point.parameters,
+                      layers=point.layers, kv_heads=point.kv_heads, head_dim=point.head_dim,
+                      quant=canonical_quant(point.quant),
                       weight_bytes=None if point.size_gb is None else int(point.size_gb * 1e9))
 
 
@@ -235,8 +244,8 @@ def efficiency_for(profile: DeviceProfile, pool: Pool) -> Efficiency:
         ratios = [measured_over_bound(profile, point) for point in profile.reference]
         return Efficiency(geometric_mean(ratios), "device", len(ratios))
     if pool:
-        return Efficiency(geometric_mean(measured_over_bound(p, point) for p, point in pool), "all devices",
-                          len(pool))
+        return Efficiency(geometric_mean(measured_over_bound(p, point) for p, point in pool),
+                          "all devices", len(pool))
     return Efficiency(DEFAULT_EFFICIENCY, "default", 0)
 
 
@@ -250,8 +259,8 @@ def _notes(facts: ModelFacts, context: int, efficiency: Efficiency) -> list[str]
     if not facts.parameters_exact:
         notes.append("parameter count derived from config.json")
     if efficiency.basis != "device":
-        notes.append(f"speed calibrated on {efficiency.basis} ({efficiency.points} reference points); add measured "
-                     "points to the profile for a device-specific figure")
+        notes.append(f"speed calibrated on {efficiency.basis} ({efficiency.points} reference "
+                     "points); add measured points to the profile for a device-specific figure")
     return notes
 
 
@@ -271,7 +280,8 @@ def estimate_fit(facts: ModelFacts, profile: DeviceProfile, quant: Optional[str]
         device=profile.name, model=facts.source, quant=quant, context=context, memory=memory,
         budget_bytes=profile.budget_bytes, share_of_budget=share, verdict=verdict(share),
         max_context=max_context(facts, profile, quant), recommended_quant=recommended,
-        tokens_per_second=decode_tokens_per_second(facts, profile, quant, context, efficiency.value),
+        tokens_per_second=decode_tokens_per_second(facts, profile, quant, context,
+                                                   efficiency.value),
         efficiency=efficiency, notes=_notes(facts, context, efficiency))
 
 
@@ -281,9 +291,12 @@ def leave_one_out(profiles: Optional[list[DeviceProfile]] = None) -> list[LooRow
     rows = []
     for index, (profile, point) in enumerate(pool):
         rest = pool[:index] + pool[index + 1:]
-        without = profile.model_copy(update={"reference": [p for p in profile.reference if p is not point]})
+        without = profile.model_copy(update={"reference": [p for p in profile.reference
+                                                           if p is not point]})
         facts = reference_facts(point)
         efficiency = efficiency_for(without, rest)
-        predicted = decode_tokens_per_second(facts, profile, facts.quant, point.context, efficiency.value)
-        rows.append(LooRow(profile.name, point.model, facts.quant, point.tokens_per_second, predicted))
+        predicted = decode_tokens_per_second(facts, profile, facts.quant, point.context,
+                                             efficiency.value)
+        rows.append(LooRow(profile.name, point.model, facts.quant, point.tokens_per_second,
+                           predicted))
     return rows

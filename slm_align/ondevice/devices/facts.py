@@ -19,15 +19,16 @@ from typing import Any, Optional
 from slm_align.errors import UserError
 from slm_align.ondevice.devices.quant import BITS_PER_WEIGHT, find_quant
 
-SAFETENSORS_DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16,
-                          "I8": 8, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8}
+SAFETENSORS_DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32,
+                          "I16": 16, "I8": 8, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8}
 
 
 @dataclass(frozen=True)
 class ModelFacts:
     """Sizes of one model artifact."""
 
-    source: str                              # the path the facts were read from (or a reference point's name)
+    # the path the facts were read from (or a reference point's name)
+    source: str
     format: str                              # hf, gguf, onnx or reference
     parameters: int                          # parameter count
     architecture: Optional[str] = None       # model_type / general.architecture
@@ -38,7 +39,8 @@ class ModelFacts:
     head_dim: Optional[int] = None           # dimension of one head
     vocab_size: Optional[int] = None         # tokenizer vocabulary (rows of the embedding)
     context_length: Optional[int] = None     # longest context the model was trained for
-    quant: Optional[str] = None              # weight type of the artifact (F32, F16, Q4_K_M, int8, ...)
+    # weight type of the artifact (F32, F16, Q4_K_M, int8, ...)
+    quant: Optional[str] = None
     weight_bytes: Optional[int] = None       # bytes of the weights in the artifact, when known
     parameters_exact: bool = True            # False when the count is derived from config.json
 
@@ -56,7 +58,8 @@ class ModelFacts:
         return 2 * self.layers * self.kv_heads * self.head_dim * 2
 
     def to_dict(self) -> dict:
-        return dict(asdict(self), bits_per_weight=self.bits_per_weight, kv_bytes_per_token=self.kv_bytes_per_token)
+        return dict(asdict(self), bits_per_weight=self.bits_per_weight,
+                    kv_bytes_per_token=self.kv_bytes_per_token)
 
 
 def _first(config: dict, *keys: str) -> Any:
@@ -81,10 +84,12 @@ def _dims_from_config(config: dict) -> dict:
     heads = _first(config, "num_attention_heads", "n_head")
     kv_heads = _first(config, "num_key_value_heads", "n_head_kv") or heads
     head_dim = _first(config, "head_dim") or (hidden // heads if hidden and heads else None)
-    return dict(architecture=config.get("model_type"), layers=_first(config, "num_hidden_layers", "n_layer"),
-                hidden_size=hidden, attention_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+    return dict(architecture=config.get("model_type"),
+                layers=_first(config, "num_hidden_layers", "n_layer"), hidden_size=hidden,
+                attention_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 vocab_size=_first(config, "vocab_size"),
-                context_length=_first(config, "max_position_embeddings", "n_positions", "max_sequence_length"))
+                context_length=_first(config, "max_position_embeddings", "n_positions",
+                                      "max_sequence_length"))
 
 
 def safetensors_header(path: Path) -> dict:
@@ -99,10 +104,11 @@ def safetensors_header(path: Path) -> dict:
         raise UserError(f"{path}: not a safetensors file ({exc}); re-save the "
                         "model with save_pretrained") from None
     header.pop("__metadata__", None)
-    expected = 8 + length + max((t.get("data_offsets", (0, 0))[1] for t in header.values()), default=0)
+    expected = 8 + length + max((t.get("data_offsets", (0, 0))[1] for t in header.values()),
+                                default=0)
     if path.stat().st_size < expected:
-        raise UserError(f"{path}: truncated safetensors file ({path.stat().st_size} of {expected} bytes); copy or "
-                        "download the model again")
+        raise UserError(f"{path}: truncated safetensors file ({path.stat().st_size} of {expected} "
+                        "bytes); copy or download the model again")
     return header
 
 
@@ -115,8 +121,8 @@ def hf_facts(directory: Path) -> ModelFacts:
     dimensions from config.json."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise UserError(f"{directory}: no *.safetensors weights; save the model with save_pretrained "
-                        "(safe_serialization=True)")
+        raise UserError(f"{directory}: no *.safetensors weights; save the model with "
+                        "save_pretrained (safe_serialization=True)")
     config = _read_config(directory)
     parameters = 0
     bytes_by_type = {}
@@ -125,8 +131,9 @@ def hf_facts(directory: Path) -> ModelFacts:
             start, end = tensor["data_offsets"]
             parameters += math.prod(tensor["shape"])
             bytes_by_type[tensor["dtype"]] = bytes_by_type.get(tensor["dtype"], 0) + end - start
-    return ModelFacts(source=str(directory), format="hf", parameters=parameters, **_dims_from_config(config),
-                      quant=find_quant(_dominant(bytes_by_type) or ""), weight_bytes=sum(bytes_by_type.values()))
+    return ModelFacts(source=str(directory), format="hf", parameters=parameters,
+                      **_dims_from_config(config), quant=find_quant(_dominant(bytes_by_type) or ""),
+                      weight_bytes=sum(bytes_by_type.values()))
 
 
 def _gguf_value(reader, key: str) -> Any:
@@ -139,7 +146,8 @@ def _gguf_value(reader, key: str) -> Any:
     import gguf  # gguf-py before ReaderField.contents(): decode the parts by hand
 
     string = field.types[-1] == gguf.GGUFValueType.STRING
-    values = [bytes(field.parts[i]).decode("utf-8") if string else field.parts[i].tolist()[0] for i in field.data]
+    values = [bytes(field.parts[i]).decode("utf-8") if string else field.parts[i].tolist()[0]
+              for i in field.data]
     return values if field.types[0] == gguf.GGUFValueType.ARRAY else values[0]
 
 
@@ -193,14 +201,15 @@ def gguf_facts(path: Path) -> ModelFacts:
 
 # Families by what a layer holds besides its attention and MLP matrices.
 _UNGATED = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon"}  # two MLP matrices, not three
-_BIASED = {"gpt2", "gpt_neox"}                  # a bias on every linear layer; LayerNorms with biases
+# a bias on every linear layer; LayerNorms with biases
+_BIASED = {"gpt2", "gpt_neox"}
 _LEARNED_POSITIONS = {"gpt2": "n_positions"}    # a position embedding table of this many rows
 _QK_NORMS = {"qwen3", "gemma3_text"}            # an RMSNorm over each query and key head
 _SANDWICH_NORMS = {"gemma3_text"}               # norms after attention and after the MLP too
 
 
-def _layer_extras(model_type: Optional[str], hidden: int, intermediate: int, q_width: int, kv_width: int,
-                  head_dim: int) -> int:
+def _layer_extras(model_type: Optional[str], hidden: int, intermediate: int, q_width: int,
+                  kv_width: int, head_dim: int) -> int:
     """Norm weights and biases of one layer (the two pre-norms included)."""
     if model_type in _BIASED:
         return 2 * 2 * hidden + (q_width + 2 * kv_width + hidden) + (intermediate + hidden)
@@ -230,7 +239,8 @@ def params_from_config(config: dict) -> int:
     intermediate = _first(config, "intermediate_size", "n_inner") or 4 * hidden
     attention = 2 * hidden * q_width + 2 * hidden * kv_width
     mlp = (2 if model_type in _UNGATED else 3) * hidden * intermediate
-    layer = attention + mlp + _layer_extras(model_type, hidden, intermediate, q_width, kv_width, dims["head_dim"])
+    layer = attention + mlp + _layer_extras(model_type, hidden, intermediate, q_width, kv_width,
+                                            dims["head_dim"])
     untied = not config.get("tie_word_embeddings", True)
     embeddings = vocab * hidden * (2 if untied else 1)
     positions = config.get(_LEARNED_POSITIONS.get(model_type, ""), 0) * hidden
@@ -251,9 +261,9 @@ def onnx_facts(directory: Path) -> ModelFacts:
     config = _read_config(directory)
     parameters = params_from_config(config)
     weight_bytes = sum(p.stat().st_size for p in files)
-    return ModelFacts(source=str(directory), format="onnx", parameters=parameters, **_dims_from_config(config),
-                      quant=_onnx_quant(weight_bytes * 8 / parameters), weight_bytes=weight_bytes,
-                      parameters_exact=False)
+    return ModelFacts(source=str(directory), format="onnx", parameters=parameters,
+                      **_dims_from_config(config), quant=_onnx_quant(weight_bytes * 8 / parameters),
+                      weight_bytes=weight_bytes, parameters_exact=False)
 
 
 def model_facts(path) -> ModelFacts:
@@ -261,7 +271,8 @@ def model_facts(path) -> ModelFacts:
     ONNX export directory."""
     path = Path(path)
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
-    if len(ggufs) == 1 and not any(path.glob("*.safetensors")):  # an export directory holding one .gguf
+    if len(ggufs) == 1 and not any(path.glob("*.safetensors")):
+        # an export directory holding one .gguf
         path = ggufs[0]
     if path.is_file() and path.suffix == ".gguf":
         return gguf_facts(path)
@@ -272,5 +283,5 @@ def model_facts(path) -> ModelFacts:
     if not path.exists():
         raise UserError(f"model {path} not found; pass an HF directory, a .gguf file or "
                         "an ONNX export directory")
-    raise UserError(f"{path}: not a model this can size; pass an HF directory with *.safetensors, a .gguf file "
-                    "or an ONNX export directory with model.onnx")
+    raise UserError(f"{path}: not a model this can size; pass an HF directory with *.safetensors, "
+                    "a .gguf file or an ONNX export directory with model.onnx")

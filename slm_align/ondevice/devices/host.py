@@ -23,23 +23,26 @@ BANDWIDTH_MB = 256            # size of the array the bandwidth probe copies
 BANDWIDTH_REPEATS = 5         # copies; the best one counts
 MAX_DEFAULT_THREADS = 16      # the most threads a command takes unless told (see free_threads)
 # ISA flags as /proc/cpuinfo names them -> the device-profile vocabulary (profiles.ISA_FEATURES)
-X86_FLAGS = {"sse4_2": "sse4", "avx": "avx", "avx2": "avx2", "avx512f": "avx512", "avx512_vnni": "avx512_vnni",
-             "avx_vnni": "avx_vnni", "amx_int8": "amx"}
-ARM_FLAGS = {"asimd": "neon", "asimddp": "dotprod", "i8mm": "i8mm", "asimdhp": "fp16", "bf16": "bf16",
-             "sve": "sve", "sve2": "sve2", "sme": "sme"}
+X86_FLAGS = {"sse4_2": "sse4", "avx": "avx", "avx2": "avx2", "avx512f": "avx512",
+             "avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni", "amx_int8": "amx"}
+ARM_FLAGS = {"asimd": "neon", "asimddp": "dotprod", "i8mm": "i8mm", "asimdhp": "fp16",
+             "bf16": "bf16", "sve": "sve", "sve2": "sve2", "sme": "sme"}
 
 
 @dataclass(frozen=True)
 class HostFacts:
     """The machine a measurement ran on."""
 
-    cpu: str                                    # CPU model name (/proc/cpuinfo, device tree or sysctl)
+    # CPU model name (/proc/cpuinfo, device tree or sysctl)
+    cpu: str
     machine: str                                # platform.machine(): x86_64, aarch64, arm64, ...
     cores: int                                  # physical cores
     logical_cpus: int                           # logical CPUs this process may run on
     ram_gb: float                               # installed RAM in GiB
-    cpu_flags: list[str] = field(default_factory=list)  # ISA flags of interest, as the OS names them (avx2, asimddp)
-    isa: list[str] = field(default_factory=list)        # the same in device-profile words (avx2, avx512, neon, dotprod)
+    # ISA flags of interest, as the OS names them (avx2, asimddp)
+    cpu_flags: list[str] = field(default_factory=list)
+    # the same in device-profile words (avx2, avx512, neon, dotprod)
+    isa: list[str] = field(default_factory=list)
 
 
 def _read(path: str) -> str:
@@ -71,7 +74,8 @@ def cpu_name(cpuinfo: str) -> str:
     boards, sysctl on macOS."""
     fields = _cpuinfo_fields(cpuinfo)
     board = _read("/proc/device-tree/model").strip("\x00 \n")
-    name = fields.get("model name") or board or fields.get("hardware") or fields.get("processor", "")
+    name = fields.get("model "
+                      "name") or board or fields.get("hardware") or fields.get("processor", "")
     if sys.platform == "darwin":
         name = _sysctl("machdep.cpu.brand_string") or name
     if not name or name.isdigit():  # ARM cpuinfo's 'processor' is just the CPU index
@@ -83,8 +87,10 @@ def cpu_flags(cpuinfo: str, machine: str) -> list[str]:
     """ISA flags of interest that /proc/cpuinfo lists ('flags' on x86, 'Features' on ARM)."""
     fields = _cpuinfo_fields(cpuinfo)
     present = set((fields.get("flags", "") + " " + fields.get("features", "")).split())
-    if not present and machine.lower() in ("arm64", "aarch64"):  # macOS / no cpuinfo: Armv8 always has NEON
-        present = {"asimd"} | ({"asimddp"} if _sysctl("hw.optional.arm.FEAT_DotProd") == "1" else set()) \
+    if not present and machine.lower() in ("arm64", "aarch64"):
+        # macOS / no cpuinfo: Armv8 always has NEON
+        present = {"asimd"} | ({"asimddp"} if _sysctl("hw.optional.arm.FEAT_DotProd") == "1"
+                               else set()) \
                   | ({"i8mm"} if _sysctl("hw.optional.arm.FEAT_I8MM") == "1" else set())
     return [flag for flag in (*X86_FLAGS, *ARM_FLAGS) if flag in present]
 
@@ -132,8 +138,8 @@ def host_facts() -> HostFacts:
     machine = platform.machine()
     flags = cpu_flags(cpuinfo, machine)
     return HostFacts(cpu=cpu_name(cpuinfo), machine=machine, cores=physical_cores(cpuinfo),
-                     logical_cpus=logical_cpus(), ram_gb=round(ram_bytes() / 2**30, 2), cpu_flags=flags,
-                     isa=profile_isa(flags))
+                     logical_cpus=logical_cpus(), ram_gb=round(ram_bytes() / 2**30, 2),
+                     cpu_flags=flags, isa=profile_isa(flags))
 
 
 def usable_cores() -> int:

@@ -19,7 +19,12 @@ from slm_align.atomic import write_text_atomic
 from slm_align.errors import UserError
 from slm_align.ondevice.devices.estimate import estimate_fit
 from slm_align.ondevice.devices.facts import model_facts
-from slm_align.ondevice.devices.host import BANDWIDTH_MB, BANDWIDTH_REPEATS, HostFacts, measure_bandwidth
+from slm_align.ondevice.devices.host import (
+    BANDWIDTH_MB,
+    BANDWIDTH_REPEATS,
+    HostFacts,
+    measure_bandwidth,
+)
 from slm_align.ondevice.devices.profiles import ENV_DIR, DeviceProfile, tomllib
 from slm_align.ondevice.devices.quant import GGUF_TYPES
 
@@ -33,20 +38,25 @@ class BenchResult:
 
     artifact: str                        # the measured .gguf file or ONNX export directory
     kind: str                            # gguf (llama.cpp) or onnx (onnxruntime)
-    model: str                           # model name from the artifact (GGUF general.name, else the file/dir name)
+    # model name from the artifact (GGUF general.name, else the file/dir name)
+    model: str
     runtime: str                         # runtime and version that ran it
     threads: int                         # threads the runtime was given
     n_ctx: int                           # context window the model was opened with
     prompt_tokens: int                   # tokens in the prompt fed at once
-    decode_tokens: int                   # tokens generated after the first one, one forward pass each
+    # tokens generated after the first one, one forward pass each
+    decode_tokens: int
     repeats: int                         # measurement repeats (the model is loaded once)
-    generated_tokens: int                # tokens generated per repeat: the first one plus decode_tokens
-    load_seconds: float                  # opening the artifact (weights, tokenizer, session/context)
+    # tokens generated per repeat: the first one plus decode_tokens
+    generated_tokens: int
+    # opening the artifact (weights, tokenizer, session/context)
+    load_seconds: float
     time_to_first_token_seconds: float   # prompt fed to an empty cache plus the first token chosen
     prompt_tokens_per_second: float      # prompt processing speed
     decode_tokens_per_second: float      # greedy decode speed, the first token excluded
     decode_runs: list[float]             # decode tokens/s of each repeat
-    rss_before_load_bytes: int           # RSS high-water mark of the measuring process before loading the model
+    # RSS high-water mark of the measuring process before loading the model
+    rss_before_load_bytes: int
     peak_rss_bytes: int                  # RSS high-water mark of the measuring process at the end
     host: HostFacts                      # where it ran
 
@@ -108,7 +118,8 @@ def _toml_value(value) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML basic-string escapes
+        # JSON string escapes are valid TOML basic-string escapes
+        return json.dumps(value, ensure_ascii=False)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
@@ -118,10 +129,12 @@ def to_toml(data: dict) -> str:
     """Flat keys, then each list of dicts as an array of tables (all a device profile needs)."""
     tables = {key: value for key, value in data.items() if isinstance(value, list) and value
               and all(isinstance(item, dict) for item in value)}
-    lines = [f"{key} = {_toml_value(value)}" for key, value in data.items() if key not in tables and value is not None]
+    lines = [f"{key} = {_toml_value(value)}" for key, value in data.items()
+             if key not in tables and value is not None]
     for key, rows in tables.items():
         for row in rows:
-            lines += ["", f"[[{key}]]"] + [f"{k} = {_toml_value(v)}" for k, v in row.items() if v is not None]
+            lines += ["", f"[[{key}]]"] + [f"{k} = {_toml_value(v)}" for k, v in row.items()
+                                           if v is not None]
     return "\n".join(lines) + "\n"
 
 
@@ -131,17 +144,19 @@ def _onnx_preset(isa: Sequence[str], machine: str) -> str:
     return next((preset for preset in ("avx512_vnni", "avx512") if preset in isa), "avx2")
 
 
-def profile_data(result: BenchResult, bandwidth_gbs: float, facts, today: Optional[str] = None) -> dict:
+def profile_data(result: BenchResult, bandwidth_gbs: float, facts,
+                 today: Optional[str] = None) -> dict:
     """A device profile (TOML keys) for this host, with ``result`` as its one reference point."""
     today = today or datetime.date.today().isoformat()
     host = result.host
     reference = None
     if facts.quant:
         reference = {"model": result.model, "parameters": facts.parameters, "quant": facts.quant,
-                     "tokens_per_second": round(result.decode_tokens_per_second, 2), "context": result.kv_context,
-                     "size_gb": facts.weight_bytes / 1e9 if facts.weight_bytes else None, "layers": facts.layers,
-                     "kv_heads": facts.kv_heads, "head_dim": facts.head_dim, "runtime": result.runtime,
-                     "source": f"slm-align bench on this host, {today}"}
+                     "tokens_per_second": round(result.decode_tokens_per_second, 2),
+                     "context": result.kv_context,
+                     "size_gb": facts.weight_bytes / 1e9 if facts.weight_bytes else None,
+                     "layers": facts.layers, "kv_heads": facts.kv_heads, "head_dim": facts.head_dim,
+                     "runtime": result.runtime, "source": f"slm-align bench on this host, {today}"}
     return {
         "display_name": f"this host: {host.cpu}",
         "ram_gb": host.ram_gb,

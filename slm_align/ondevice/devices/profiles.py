@@ -35,15 +35,19 @@ class ReferencePoint(_Strict):
     parameters: int = Field(gt=0, description="Parameter count of the model.")
     quant: str = Field(description="Weight type of the measured artifact, e.g. "
                                    "Q4_K_M, Q8_0, F16, int8.")
-    tokens_per_second: float = Field(gt=0, description="Measured decode (generation) speed in tokens/s.")
+    tokens_per_second: float = Field(gt=0,
+                                     description="Measured decode (generation) speed in tokens/s.")
     context: int = Field(256, ge=1, description="Tokens in the KV cache during "
                                                 "the measurement (about).")
     size_gb: Optional[float] = Field(None, gt=0, description="Size of the measured file in GB (1e9 "
                                                              "bytes), when published; otherwise "
                                                              "derived from the quant.")
-    layers: Optional[int] = Field(None, ge=1, description="Transformer blocks (for the KV-cache term).")
-    kv_heads: Optional[int] = Field(None, ge=1, description="Key/value heads (for the KV-cache term).")
-    head_dim: Optional[int] = Field(None, ge=1, description="Dimension of one attention head (KV-cache term).")
+    layers: Optional[int] = Field(None, ge=1,
+                                  description="Transformer blocks (for the KV-cache term).")
+    kv_heads: Optional[int] = Field(None, ge=1,
+                                    description="Key/value heads (for the KV-cache term).")
+    head_dim: Optional[int] = Field(None, ge=1, description="Dimension of one attention head "
+                                                            "(KV-cache term).")
     runtime: str = Field("llama.cpp", description="What ran the measurement "
                                                   "(llama.cpp build, ollama, ...).")
     source: str = Field(min_length=3, description="Where the figure comes from: URL or citation, "
@@ -65,7 +69,8 @@ class DeviceProfile(_Strict):
                                        "dotprod, i8mm, avx2, avx512, avx512_vnni, ...).")
     bandwidth_gbs: float = Field(gt=0, description="Effective memory bandwidth "
                                                    "for CPU reads in GB/s.")
-    bandwidth_source: str = Field(min_length=3, description="Where the bandwidth figure comes from.")
+    bandwidth_source: str = Field(min_length=3,
+                                  description="Where the bandwidth figure comes from.")
     runtime: Literal["gguf", "onnx"] = Field(description="Preferred runtime format on this device.")
     gguf_quant: str = Field(description="Preferred GGUF weight type (before any downgrade to fit).")
     onnx_preset: Literal["arm64", "avx2", "avx512", "avx512_vnni"] = Field(
@@ -73,7 +78,8 @@ class DeviceProfile(_Strict):
     ubatch: int = Field(512, ge=1, description="Prompt micro-batch the runtime is configured with "
                                                "(sizes the compute buffer).")
     notes: str = Field("", description="Anything a user should know about the figures.")
-    reference: list[ReferencePoint] = Field(default_factory=list, description="Published decode measurements.")
+    reference: list[ReferencePoint] = Field(default_factory=list,
+                                            description="Published decode measurements.")
 
     @field_validator("isa")
     @classmethod

@@ -12,9 +12,11 @@ from slm_align.errors import UserError
 
 BITS_PER_WEIGHT = {
     "F32": 32.0, "BF16": 16.0, "F16": 16.0,
-    "Q8_0": 8.5, "Q6_K": 6.56, "Q5_1": 6.0, "Q5_K_M": 5.69, "Q5_K_S": 5.54, "Q5_0": 5.5, "Q4_1": 5.0,
-    "Q4_K_M": 4.85, "Q4_K_S": 4.58, "Q4_0": 4.5, "Q3_K_L": 4.27, "Q3_K_M": 3.91, "Q3_K_S": 3.5, "Q2_K": 3.35,
-    "w8": 9.25, "int8": 8.0, "int4": 4.5,  # w8: 8-bit weights with a float scale and a zero point per 32
+    "Q8_0": 8.5, "Q6_K": 6.56, "Q5_1": 6.0, "Q5_K_M": 5.69, "Q5_K_S": 5.54, "Q5_0": 5.5,
+    "Q4_1": 5.0, "Q4_K_M": 4.85, "Q4_K_S": 4.58, "Q4_0": 4.5, "Q3_K_L": 4.27, "Q3_K_M": 3.91,
+    "Q3_K_S": 3.5, "Q2_K": 3.35,
+    # w8: 8-bit weights with a float scale and a zero point per 32
+    "w8": 9.25, "int8": 8.0, "int4": 4.5,
 }
 ONNX_TYPES = ["F32", "F16", "w8", "int8", "int4"]
 GGUF_TYPES = [name for name in BITS_PER_WEIGHT if name not in ONNX_TYPES or name in ("F32", "F16")]

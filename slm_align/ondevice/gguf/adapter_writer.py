@@ -1,15 +1,15 @@
 """A peft LoRA adapter as a llama.cpp LoRA adapter GGUF, bound to the base GGUF it applies to.
 
 The format is the one llama.cpp's ``convert_lora_to_gguf.py`` writes and ``llama_adapter_lora_init``
-reads (llama.cpp ``src/llama-adapter.cpp``): ``general.type = "adapter"``, ``adapter.type = "lora"``,
-``adapter.lora.alpha``, ``general.architecture`` equal to the base's, and for each adapted weight
-``W`` (GGUF name ``N``, numpy shape ``(out, in)``) two tensors ``N.lora_a`` ``(r, in)`` and
-``N.lora_b`` ``(out, r)``: peft's own ``lora_A.weight`` and ``lora_B.weight`` layouts. llama.cpp
-computes ``W x + s * B (A x)`` with ``s = user_scale * alpha / r`` (``r`` read from B; ``alpha = 0``
-means ``s = user_scale``; ``llama_adapter_lora_weight::get_scale``).
+reads (llama.cpp ``src/llama-adapter.cpp``): ``general.type = "adapter"``,
+``adapter.type = "lora"``, ``adapter.lora.alpha``, ``general.architecture`` equal to the base's, and
+for each adapted weight ``W`` (GGUF name ``N``, numpy shape ``(out, in)``) two tensors ``N.lora_a``
+``(r, in)`` and ``N.lora_b`` ``(out, r)``: peft's own ``lora_A.weight`` and ``lora_B.weight``
+layouts. llama.cpp computes ``W x + s * B (A x)`` with ``s = user_scale * alpha / r`` (``r`` read
+from B; ``alpha = 0`` means ``s = user_scale``; ``llama_adapter_lora_weight::get_scale``).
 
-Where our GGUF converter (gguf.py) rewrites ``W`` the adapter follows it, so that base + delta in the
-file equals the converted merged weight:
+Where our GGUF converter (gguf.py) rewrites ``W`` the adapter follows it, so that base + delta in
+the file equals the converted merged weight:
 
 - a row reordering ``P`` (Llama's Q/K rope interleave, GPT-NeoX's fused QKV regrouped) goes to B's
   rows: ``P (W + s B A) = P W + s (P B) A``;
@@ -18,14 +18,14 @@ file equals the converted merged weight:
 
 peft scales each module by ``alpha_m / r_m``, or ``alpha_m / sqrt(r_m)`` with rsLoRA (peft
 ``tuners/lora/layer.py``, ``update_layer``); ``alpha_m`` may come from ``alpha_pattern`` and ``r_m``
-from ``rank_pattern``. The file records the config's ``lora_alpha`` and each module's remaining factor
-``peft_scale / (alpha / r_m)`` is folded into its B (1 for plain LoRA: B is copied as saved).
+from ``rank_pattern``. The file records the config's ``lora_alpha`` and each module's remaining
+factor ``peft_scale / (alpha / r_m)`` is folded into its B (1 for plain LoRA: B is copied as saved).
 
-What llama.cpp cannot apply is refused in one line: embedding adapters, a head delta where the head is
-tied to the embeddings, DoRA, ``modules_to_save``, trained biases and other peft extras. The file also
-records ``slm_align.base.sha256`` of the base GGUF when one is given; :func:`check_adapter_base`
-(in the torch-free :mod:`slm_align.ondevice.gguf.adapter_check`, re-exported here) checks architecture, tensor
-shapes and that hash before a runtime pairs the two.
+What llama.cpp cannot apply is refused in one line: embedding adapters, a head delta where the head
+is tied to the embeddings, DoRA, ``modules_to_save``, trained biases and other peft extras. The file
+also records ``slm_align.base.sha256`` of the base GGUF when one is given;
+:func:`check_adapter_base` (in the torch-free :mod:`slm_align.ondevice.gguf.adapter_check`,
+re-exported here) checks architecture, tensor shapes and that hash before a runtime pairs the two.
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ import numpy as np
 from slm_align.atomic import atomic_path
 from slm_align.errors import UserError
 from slm_align.ondevice.gguf.adapter_check import BASE_SHA256_KEY, check_adapter_base, check_fits  # noqa: F401 (re-exported)
-from slm_align.ondevice.gguf.architectures import ARCHITECTURES, check_gguf_config, normalized_config
+from slm_align.ondevice.gguf.architectures import (
+    ARCHITECTURES,
+    check_gguf_config,
+    normalized_config,
+)
 from slm_align.ondevice.gguf.fields import read_header
 from slm_align.ondevice.gguf.writer import (
     gguf_arch_name,
@@ -78,8 +82,8 @@ def write_lora_gguf(adapter_dir: Path, base: Path, out_path: Path, file_type: st
     import gguf
 
     if file_type not in ADAPTER_TYPES:
-        raise UserError(f"a LoRA adapter GGUF is written as {' or '.join(ADAPTER_TYPES)}, not "
-                        f"{file_type}")
+        raise UserError("a LoRA adapter GGUF is written as "
+                        f"{' or '.join(ADAPTER_TYPES)}, not {file_type}")
     adapter_dir, base = Path(adapter_dir), Path(base)
     settings, state = read_peft_adapter(adapter_dir)
     model_type, config, shapes = base_tensors(base)
@@ -125,8 +129,8 @@ def read_peft_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
                         "applies LoRA only")
     for key, what in _UNSUPPORTED.items():
         if settings.get(key):
-            raise UserError(f"adapter {adapter_dir} uses {what}, which a llama.cpp adapter cannot "
-                            "carry")
+            raise UserError(f"adapter {adapter_dir} uses {what}, "
+                            "which a llama.cpp adapter cannot carry")
     if settings.get("bias", "none") != "none":
         raise UserError(f"adapter {adapter_dir} trains biases (bias={settings['bias']}), which a "
                         "llama.cpp adapter cannot carry; train with bias='none' or merge and "
@@ -203,8 +207,8 @@ def lora_pairs(state: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.n
                             "LoRA to matrix products only: train without the embedding in "
                             "target_modules")
         if ".lora_magnitude_vector" in key:
-            raise UserError(f"the adapter is DoRA ({_module(key)}); llama.cpp applies plain LoRA "
-                            "only")
+            raise UserError(f"the adapter is DoRA ({_module(key)}); "
+                            "llama.cpp applies plain LoRA only")
         if key.endswith(".base_layer.weight"):
             continue  # the frozen base weight of a targeted head, which peft saves beside the LoRA
         match = re.fullmatch(r"(.+)\.lora_([AB])\.weight", key)
@@ -268,6 +272,6 @@ def llama_cpp_lora(state: dict[str, np.ndarray], settings: dict, model_type: str
         b = reorder(hf_name, b)
         tensors[name] = (a, b if factor == 1.0 else b * np.float32(factor))
     if not tensors:
-        raise UserError("the adapter holds no LoRA matrices; pass the adapter directory of a "
-                        "finished run")
+        raise UserError("the adapter holds no LoRA matrices; pass "
+                        "the adapter directory of a finished run")
     return tensors

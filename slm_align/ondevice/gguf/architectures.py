@@ -68,7 +68,8 @@ def _gemma3_difference(config: dict) -> Optional[str]:
 
 
 def _gpt2_difference(config: dict) -> Optional[str]:
-    if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+    if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh",
+                                                             "gelu_fast"):
         return f"its activation '{config['activation_function']}' is not the tanh GELU llama.cpp uses"
     if config.get("scale_attn_by_inverse_layer_idx") or not config.get("scale_attn_weights", True):
         return "its attention scaling is not 1/sqrt(head_dim)"
@@ -85,8 +86,8 @@ def _no_difference(config: dict) -> None:
     return None
 
 
-_DIFFERENCES = {"gemma3_text": _gemma3_difference, "gpt2": _gpt2_difference, "qwen2": _qwen_difference,
-                "qwen3": _qwen_difference}
+_DIFFERENCES = {"gemma3_text": _gemma3_difference, "gpt2": _gpt2_difference,
+                "qwen2": _qwen_difference, "qwen3": _qwen_difference}
 
 
 def check_gguf_config(config: dict) -> None:

@@ -20,7 +20,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from slm_align.atomic import publish_directory, write_json_atomic
+from slm_align.atomic import publish_directory, scratch_directory, write_json_atomic
 
 CACHE_ENV = "SLM_ALIGN_CACHE"
 RECORD = "gguf-source.json"
@@ -66,18 +66,15 @@ def materialize(path: Path, load_model: Callable[[], object], load_tokenizer: Ca
     final = cached_dir(path)
     if is_complete(final):
         return final
-    partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        tokenizer = load_tokenizer()  # first: a tokenizer we cannot carry is refused before minutes of dequantizing
+    with scratch_directory(final) as partial:
+        # the tokenizer first: one we cannot carry is refused before minutes of dequantizing
+        tokenizer = load_tokenizer()
         model = load_model()
         model.save_pretrained(partial, safe_serialization=True)
         save_tokenizer(tokenizer, partial)
         record = {"gguf": str(path.resolve()), "sha256": final.name, "bytes": path.stat().st_size}
         write_json_atomic(partial / RECORD, record)
         _publish(partial, final)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     return final
 
 

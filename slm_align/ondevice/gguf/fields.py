@@ -27,8 +27,8 @@ class Field:
 
 _STRING = 8
 _ARRAY = 9
-_NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-                12: "<f8"}
+_NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+                10: "<u8", 11: "<i8", 12: "<f8"}
 
 
 class _Cursor:
@@ -121,9 +121,11 @@ def read_fields(path: Path, prefix: str = "tokenizer.") -> dict[str, Field]:
 
 
 def _read(path: Path, parse):
-    """``parse`` applied to the file mapped in memory; a file that is not GGUF is the user's to fix."""
+    """``parse`` applied to the file mapped in memory; a file that is not GGUF is the user's to
+    fix."""
     try:
-        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0,
+                                                   access=mmap.ACCESS_READ) as data:
             return parse(data)
     except (ValueError, KeyError, struct.error, OverflowError, MemoryError) as exc:
         raise UserError(f"{path} is not a GGUF model ({exc}); "

@@ -16,7 +16,8 @@ def imatrix_array(named: Optional[dict[str, np.ndarray]]):
 
     if not named:
         return None, []
-    buffers = [(name.encode(), np.ascontiguousarray(values, dtype=np.float32)) for name, values in named.items()]
+    buffers = [(name.encode(), np.ascontiguousarray(values, dtype=np.float32))
+               for name, values in named.items()]
     entries = (llama_cpp.llama_model_imatrix_data * (len(buffers) + 1))()
     for entry, (name, values) in zip(entries, buffers):
         entry.name = name

@@ -18,9 +18,10 @@ In both, CONTROL, USER_DEFINED and UNKNOWN tokens are added tokens matched on th
 llama.cpp's special-token partition does. BOS/EOS/unk/pad ids, the add-BOS/EOS flags and the chat
 template come from the file.
 
-:func:`load_gguf_tokenizer` checks the result against llama.cpp itself (vocab only) on :data:`PROBE_TEXTS` and every
-special token string, with and without special tokens added; any difference is a one-line UserError
-at load time, before any training. When llama-cpp-python is not installed the check is skipped.
+:func:`load_gguf_tokenizer` checks the result against llama.cpp itself (vocab only) on
+:data:`PROBE_TEXTS` and every special token string, with and without special tokens added; any
+difference is a one-line UserError at load time, before any training. When llama-cpp-python is not
+installed the check is skipped.
 
 :func:`write_sidecar` copies the file's ``tokenizer.*`` key/values, byte for byte, into a vocab-only
 ``tokenizer.gguf`` beside a saved model, so that GGUF export can write the source's exact tokenizer
@@ -55,8 +56,8 @@ _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)
 _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-PRE_TOKENIZER_REGEXES = {"gpt-2": (_GPT2,), "llama-bpe": (_LLAMA3,), "llama3": (_LLAMA3,), "llama-v3": (_LLAMA3,),
-                         "qwen2": (_QWEN2,), "smollm": (r"\p{N}", _GPT2)}
+PRE_TOKENIZER_REGEXES = {"gpt-2": (_GPT2,), "llama-bpe": (_LLAMA3,), "llama3": (_LLAMA3,),
+                         "llama-v3": (_LLAMA3,), "qwen2": (_QWEN2,), "smollm": (r"\p{N}", _GPT2)}
 # llama.cpp emits a whole pre-tokenized word when it is a token (ignore_merges) and adds
 # BOS by default for these.
 _LLAMA3_NAMES = ("llama-bpe", "llama3", "llama-v3")
@@ -127,8 +128,9 @@ def vocab_from_fields(fields: dict[str, Field]) -> GgufVocab:
     spm = model == "llama"
     n_tokens = len(tokens)
     return GgufVocab(
-        model=model, pre=pre, tokens=tokens, types=_value(fields, "token_type", [NORMAL] * n_tokens),
-        scores=_value(fields, "scores"), merges=_value(fields, "merges"),
+        model=model, pre=pre, tokens=tokens,
+        types=_value(fields, "token_type", [NORMAL] * n_tokens), scores=_value(fields, "scores"),
+        merges=_value(fields, "merges"),
         bos_id=_token_id(fields, "bos_token_id", 1 if spm else 11, n_tokens),
         eos_id=_token_id(fields, "eos_token_id", 2 if spm else 11, n_tokens),
         unk_id=_token_id(fields, "unknown_token_id", 0 if spm else None, n_tokens),
@@ -141,8 +143,8 @@ def vocab_from_fields(fields: dict[str, Field]) -> GgufVocab:
 
 
 def _cannot(vocab: GgufVocab, why: str) -> UserError:
-    return UserError(f"this GGUF's tokenizer ({vocab.describe()}) cannot be reproduced exactly: {why}; "
-                     "convert from the HF checkpoint instead")
+    return UserError(f"this GGUF's tokenizer ({vocab.describe()}) cannot be reproduced exactly: "
+                     f"{why}; convert from the HF checkpoint instead")
 
 
 def _spm_merges(vocab: GgufVocab) -> list[tuple[str, str]]:
@@ -178,14 +180,15 @@ def _spm_backend(vocab: GgufVocab):
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
-    model = models.BPE(vocab=_vocab_ids(vocab), merges=_spm_merges(vocab), unk_token=unk, byte_fallback=True,
-                       fuse_unk=False)
+    model = models.BPE(vocab=_vocab_ids(vocab), merges=_spm_merges(vocab), unk_token=unk,
+                       byte_fallback=True, fuse_unk=False)
     backend = Tokenizer(model)
     replace = normalizers.Replace(" ", "▁")
-    backend.normalizer = (normalizers.Sequence([normalizers.Prepend("▁"), replace]) if vocab.add_space_prefix
-                          else replace)
+    backend.normalizer = (normalizers.Sequence([normalizers.Prepend("▁"), replace])
+                          if vocab.add_space_prefix else replace)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if vocab.add_space_prefix else []))
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)]
+                                                 if vocab.add_space_prefix else []))
     return backend
 
 
@@ -248,7 +251,8 @@ def _post_processor(vocab: GgufVocab):
         specials.append((vocab.tokens[vocab.eos_id], vocab.eos_id))
     pair = [part for part in single if part != "$A"]
     pair.insert(1 if single[0] != "$A" else 0, "$A $B:1")
-    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=specials)
+    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
+                                         special_tokens=specials)
 
 
 def _role_token(vocab: GgufVocab, token_id: int | None) -> str | None:
@@ -279,13 +283,15 @@ def build_tokenizer(vocab: GgufVocab):
 def probe_texts(vocab: GgufVocab, per_text: int = 64) -> list[str]:
     """:data:`PROBE_TEXTS`, then every special token string (``per_text`` to a
     text) between plain words."""
-    specials = [vocab.tokens[i] for i, kind in enumerate(vocab.types) if kind in _SPECIAL_TYPES and vocab.tokens[i]]
+    specials = [vocab.tokens[i] for i, kind in enumerate(vocab.types)
+                if kind in _SPECIAL_TYPES and vocab.tokens[i]]
     chunks = [specials[start:start + per_text] for start in range(0, len(specials), per_text)]
     return list(PROBE_TEXTS) + [f"Hi {' x '.join(chunk)} end" for chunk in chunks]
 
 
 def _first_difference(expected: list[int], got: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    return next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b),
+                min(len(expected), len(got)))
 
 
 class _LlamaVocab:
@@ -304,7 +310,8 @@ class _LlamaVocab:
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         data = text.encode("utf-8")
         buffer = (self.llama_cpp.llama_token * (len(data) + 8))()
-        count = self.llama_cpp.llama_tokenize(self.vocab, data, len(data), buffer, len(buffer), add_special, True)
+        count = self.llama_cpp.llama_tokenize(self.vocab, data, len(data), buffer, len(buffer),
+                                              add_special, True)
         return list(buffer[:count])
 
     def close(self) -> None:
@@ -320,7 +327,8 @@ def _open_llama_cpp(path: Path) -> _LlamaVocab | None:
         import llama_cpp
     except ImportError:
         return None
-    logger = logging.getLogger("llama-cpp-python")  # llama-cpp-python prints llama.cpp's log through it
+    # llama-cpp-python prints llama.cpp's log through it
+    logger = logging.getLogger("llama-cpp-python")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     try:
@@ -399,12 +407,14 @@ def add_tokenizer_fields(writer, sidecar: Path, vocab_size: int, chat_template: 
     tokens = fields.get("tokenizer.ggml.tokens")
     if tokens is None or len(tokens.value) != vocab_size:
         count = 0 if tokens is None else len(tokens.value)
-        raise UserError(f"{sidecar} has {count} tokens but the model has {vocab_size} embedding rows; "
-                        "the sidecar does not belong to this model (delete it to export the tokenizer.json)")
+        raise UserError(f"{sidecar} has {count} tokens but the model has {vocab_size} embedding "
+                        "rows; the sidecar does not belong to this model (delete it to export the "
+                        "tokenizer.json)")
     for key, field in fields.items():
         if key == CHAT_TEMPLATE_KEY and chat_template is not None:
             continue
         item_type = None if field.item_type is None else gguf.GGUFValueType(field.item_type)
-        writer.add_key_value(key, _typed_value(field), gguf.GGUFValueType(field.type), sub_type=item_type)
+        writer.add_key_value(key, _typed_value(field), gguf.GGUFValueType(field.type),
+                             sub_type=item_type)
     if chat_template is not None:
         writer.add_chat_template(chat_template)

@@ -3,13 +3,15 @@
 In order of preference:
 
 1. the model directory carries ``tokenizer.gguf`` (the model came from a GGUF file, see
-   :func:`slm_align.modeling.models.save_tokenizer`): its ``tokenizer.*`` fields are copied byte for byte, so the export
-   tokenises exactly as the source did. Only the chat template may change (an
+   :func:`slm_align.modeling.models.save_tokenizer`): its ``tokenizer.*`` fields are copied byte for
+   byte, so the export tokenises exactly as the source did. Only the chat template may change (an
    override, or the directory's own);
-2. ``tokenizer.json`` is SentencePiece-style BPE (byte fallback, "▁" for spaces: Gemma, Llama 2): written as
-   llama.cpp's ``llama`` tokenizer with token types, ``add_space_prefix``, and scores that make
-   llama.cpp's best-scored-piece-first merging follow the merge order the HF tokenizer applies;
-3. otherwise byte-level BPE (``gpt2``): tokens, merges, and the pre-tokenizer under the name llama.cpp knows.
+2. ``tokenizer.json`` is SentencePiece-style BPE (byte fallback, "▁" for spaces: Gemma, Llama 2):
+   written as llama.cpp's ``llama`` tokenizer with token types, ``add_space_prefix``, and scores
+   that make llama.cpp's best-scored-piece-first merging follow the merge order the HF tokenizer
+   applies;
+3. otherwise byte-level BPE (``gpt2``): tokens, merges, and the pre-tokenizer under the name
+   llama.cpp knows.
 
 Special token ids, add-BOS/EOS flags and the chat template come from the directory's tokenizer
 files, the flags written explicitly because llama.cpp's defaults differ between tokenizer models.
@@ -25,7 +27,8 @@ from slm_align.errors import UserError
 from slm_align.ondevice.gguf.tokenizer import SIDECAR, add_tokenizer_fields
 
 # The pre-tokenizer regexes llama.cpp knows by name, recognised by a fragment only that regex has.
-_PRE_TOKENIZERS = ((r"\p{N}{1,3}", "llama-bpe"), (r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+", "qwen2"))
+_PRE_TOKENIZERS = ((r"\p{N}{1,3}", "llama-bpe"), (r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| "
+                                                  r"?[^\s\p{L}\p{N}]+", "qwen2"))
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # Score of a multi-character piece no merge produces: HF never forms it, so
 # llama.cpp should form it last.
@@ -47,8 +50,9 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str:
         for fragment, name in _PRE_TOKENIZERS:
             if fragment in pattern:
                 return name
-    raise UserError(f"GGUF export does not know this tokenizer's pre-tokenizer ({' + '.join(map(str, kinds))}); "
-                    "llama.cpp would split text differently from the trained model. Export to ONNX instead")
+    raise UserError("GGUF export does not know this tokenizer's pre-tokenizer "
+                    f"({' + '.join(map(str, kinds))}); llama.cpp would split text differently from "
+                    "the trained model. Export to ONNX instead")
 
 
 def add_vocab(writer, model_dir: Path, vocab_size: int, chat_template: str | None) -> None:
@@ -80,8 +84,8 @@ def _tokenizer_json(model_dir: Path) -> dict:
     try:
         tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
     except (FileNotFoundError, ValueError) as exc:
-        raise UserError(f"{model_dir}: no tokenizer.json to convert ({exc}); GGUF export needs the model's fast "
-                        "tokenizer saved beside the weights") from None
+        raise UserError(f"{model_dir}: no tokenizer.json to convert ({exc}); GGUF export needs the "
+                        "model's fast tokenizer saved beside the weights") from None
     if tokenizer_json.get("model", {}).get("type") != "BPE":
         raise UserError(f"{model_dir}: GGUF export converts BPE tokenizers (byte-level or "
                         f"SentencePiece-style), not {tokenizer_json.get('model', {}).get('type')}; "
@@ -97,7 +101,8 @@ def _special_vocab(model_dir: Path, n_vocab: int | None = None, load_merges: boo
     return gguf.SpecialVocab(model_dir, load_merges=load_merges, n_vocab=n_vocab)
 
 
-def _add_special(writer, model_dir: Path, n_vocab: int, chat_template: str | None, merges: bool) -> None:
+def _add_special(writer, model_dir: Path, n_vocab: int, chat_template: str | None,
+                 merges: bool) -> None:
     """Special ids, template, add-BOS/EOS flags, and the merges when ``merges``
     (byte-level BPE needs them)."""
     special_vocab = _special_vocab(model_dir, n_vocab, load_merges=merges)
@@ -107,7 +112,8 @@ def _add_special(writer, model_dir: Path, n_vocab: int, chat_template: str | Non
         special_vocab.chat_template = chat_template
     special_vocab.add_to_gguf(writer, quiet=True)
     adds_bos, adds_eos = _adds_bos_eos(model_dir)
-    if "bos" not in special_vocab.add_special_token:  # say it explicitly: readers default differently
+    if "bos" not in special_vocab.add_special_token:
+        # say it explicitly: readers default differently
         writer.add_add_bos_token(adds_bos)
     if "eos" not in special_vocab.add_special_token:
         writer.add_add_eos_token(adds_eos)
@@ -144,8 +150,9 @@ def _add_byte_level_vocab(writer, model_dir: Path, tokenizer_json: dict, vocab_s
     try:
         vocab = gguf.BpeVocab(model_dir)
     except (FileNotFoundError, ValueError) as exc:
-        raise UserError(f"{model_dir}: no byte-level BPE tokenizer.json to convert ({exc}); "
-                        "GGUF export needs the model's fast tokenizer saved beside the weights") from None
+        raise UserError(f"{model_dir}: no byte-level BPE tokenizer.json to convert ({exc}); GGUF "
+                        "export needs the model's fast tokenizer saved beside the "
+                        "weights") from None
     added = {item["id"]: item for item in tokenizer_json.get("added_tokens", [])}
     tokens = []
     types = []
@@ -171,9 +178,10 @@ def _merge_scores(tokenizer_json: dict) -> dict[str, float]:
 
 
 def _added_token_type(item: dict) -> int:
-    """llama.cpp's type for an added token of a byte-level BPE, as its converter decides: CONTROL when special or
-    looking special (``<|...|>``), else USER_DEFINED (Qwen2.5's ``<tool_call>``). gguf-py's BpeVocab calls every
-    added token CONTROL, which llama.cpp would then not match in text tokenised without special tokens."""
+    """llama.cpp's type for an added token of a byte-level BPE, as its converter decides: CONTROL
+    when special or looking special (``<|...|>``), else USER_DEFINED (Qwen2.5's ``<tool_call>``).
+    gguf-py's BpeVocab calls every added token CONTROL, which llama.cpp would then not match in text
+    tokenised without special tokens."""
     import gguf
 
     text = item["content"]
@@ -197,7 +205,8 @@ def _sentencepiece_pieces(tokenizer_json: dict) -> tuple[list[str], list[int]]:
         text = by_id.get(index, f"[PAD{index}]")
         tokens.append(text)
         if index in added:
-            types.append(gguf.TokenType.CONTROL if added[index].get("special") else gguf.TokenType.USER_DEFINED)
+            types.append(gguf.TokenType.CONTROL if added[index].get("special")
+                         else gguf.TokenType.USER_DEFINED)
         elif index not in by_id:
             types.append(gguf.TokenType.UNUSED)
         elif _BYTE_TOKEN.fullmatch(text):

@@ -35,8 +35,8 @@ from slm_align.ondevice.gguf.vocab import pre_tokenizer_name as pre_tokenizer_na
 
 WRITTEN_TYPES = ("F32", "F16", "Q8_0")
 # llama.cpp's quantizer types we expose (names as llama.cpp's `llama-quantize` prints them).
-QUANTIZER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
-                   "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS")
+QUANTIZER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S",
+                   "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS")
 GGUF_TYPES = WRITTEN_TYPES + QUANTIZER_TYPES
 # Buffers some checkpoints carry that are not weights.
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias", ".attn.bias",
@@ -64,7 +64,8 @@ def _unfuse_neox_qkv(weight: np.ndarray, n_head: int) -> np.ndarray:
     """GPT-NeoX interleaves q, k, v per head; llama.cpp's GPT-NeoX graph reads Q,
     then K, then V blocks."""
     per_head = weight.reshape(n_head, 3, weight.shape[0] // n_head // 3, *weight.shape[1:])
-    return np.concatenate([per_head[:, part].reshape(-1, *weight.shape[1:]) for part in range(3)], axis=0)
+    return np.concatenate([per_head[:, part].reshape(-1, *weight.shape[1:]) for part in range(3)],
+                          axis=0)
 
 
 def row_reordering(model_type: str, config: dict) -> Callable[[str, np.ndarray], np.ndarray]:
@@ -115,7 +116,8 @@ def _transform(model_type: str, config: dict) -> Callable[[str, np.ndarray], np.
     def transform(name: str, data: np.ndarray) -> np.ndarray:
         data = reorder(name, data)
         if model_type == "gemma3_text" and name.endswith("norm.weight"):
-            return data + np.float32(1.0)  # Gemma3RMSNorm computes x * (1 + w); llama.cpp computes x * w
+            # Gemma3RMSNorm computes x * (1 + w); llama.cpp computes x * w
+            return data + np.float32(1.0)
         if is_conv1d_weight(model_type, name):
             return np.ascontiguousarray(data.T)
         return data
@@ -141,7 +143,8 @@ def _add_gemma3_hparams(writer, config: dict) -> None:
     import gguf
 
     writer.add_sliding_window(int(config["sliding_window"]))
-    writer.add_float32(f"{writer.arch}.rope.freq_base_swa", float(config.get("rope_local_base_freq", 10000.0)))
+    writer.add_float32(f"{writer.arch}.rope.freq_base_swa",
+                       float(config.get("rope_local_base_freq", 10000.0)))
     if config.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
     scaling = config.get("rope_scaling") or {}
@@ -167,7 +170,8 @@ def _add_hparams(writer, model_type: str, config: dict) -> None:
     if model_type == "gpt2":  # learned positions, no rope
         writer.add_layer_norm_eps(float(config["layer_norm_eps"]))
         return
-    writer.add_rope_freq_base(float(config.get("rope_theta") or config.get("rotary_emb_base") or 10000.0))
+    writer.add_rope_freq_base(float(config.get("rope_theta") or config.get("rotary_emb_base")
+                                    or 10000.0))
     if model_type == "gpt_neox":
         _add_gpt_neox_hparams(writer, config)
     else:
@@ -184,7 +188,9 @@ def _add_tensor(writer, name: str, data: np.ndarray, file_type: str) -> None:
     elif file_type == "Q8_0" and data.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0] == 0:
         qtype = gguf.GGMLQuantizationType.Q8_0
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-    else:  # F16, or Q8_0 rows that do not split into 32-value blocks (llama.cpp's converter does the same)
+    else:
+        # F16, or Q8_0 rows that do not split into 32-value blocks (llama.cpp's converter does the
+        # same)
         writer.add_tensor(name, data.astype(np.float16))
 
 
@@ -243,7 +249,8 @@ def _fill(writer, model_dir: Path, model_type: str, config: dict, file_type: str
     names = gguf_namer(model_type, config)
     transform = _transform(model_type, config)
     writer.add_name(model_dir.name)
-    writer.add_file_type(getattr(gguf.LlamaFileType, "ALL_F32" if file_type == "F32" else f"MOSTLY_{file_type}"))
+    writer.add_file_type(getattr(gguf.LlamaFileType,
+                                 "ALL_F32" if file_type == "F32" else f"MOSTLY_{file_type}"))
     _add_hparams(writer, model_type, config)
     add_vocab(writer, model_dir, config["vocab_size"], chat_template)
     for name, tensor in _load_state(model_dir).items():
@@ -264,16 +271,19 @@ def quantize_gguf(source: Path, out_path: Path, quant: str, threads: int = 0,
     try:
         import llama_cpp
     except ImportError:
-        raise UserError(f"GGUF {quant} needs llama.cpp's quantizer: pip install 'slm-align[export]' "
-                        "(llama-cpp-python), or export Q8_0/F16 which need nothing more") from None
+        raise UserError(f"GGUF {quant} needs llama.cpp's quantizer: pip install "
+                        "'slm-align[export]' (llama-cpp-python), or export Q8_0/F16 which need "
+                        "nothing more") from None
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
     params.nthread = threads
-    entries, _buffers = imatrix_array(importance)  # the buffers stay referenced until the quantizer returns
+    # the buffers stay referenced until the quantizer returns
+    entries, _buffers = imatrix_array(importance)
     if entries is not None:
         params.imatrix = entries
     with atomic_path(out_path) as tmp:
-        status = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(),
+                                                ctypes.byref(params))
         if status != 0:
             raise RuntimeError(f"llama.cpp's quantizer returned {status} for {source} -> {quant}")
     return Path(out_path)

@@ -69,7 +69,8 @@ def final_answer_matches(completion: str, reference: str) -> bool:
     found = _ANSWER.findall(completion)
     if found:
         numbers = _NUMBER.findall(found[-1])
-        return same_answer(found[-1], reference) or bool(numbers and same_answer(numbers[0], reference))
+        return same_answer(found[-1], reference) or bool(numbers
+                                                         and same_answer(numbers[0], reference))
     if _as_number(reference) is not None:
         numbers = _NUMBER.findall(completion)
         return bool(numbers) and same_answer(numbers[-1], reference)
@@ -82,8 +83,8 @@ def exact_answer(prompts, completions, answer: Optional[Sequence[Any]] = None,
     """1 when the completion's final answer equals the row's ``answer`` column, else 0.
 
     Numbers compare by value (``350`` equals ``350.0``, ``1,000`` equals ``1000``); see
-    :func:`final_answer_matches`. ``references=`` (reference completions, whose own final answer counts) is the
-    older way to give the answers and still works.
+    :func:`final_answer_matches`. ``references=`` (reference completions, whose own final answer
+    counts) is the older way to give the answers and still works.
     """
     if answer is not None:
         wanted = [_reference_of(cell) for cell in answer]
@@ -95,7 +96,8 @@ def exact_answer(prompts, completions, answer: Optional[Sequence[Any]] = None,
     if len(wanted) != len(completions):
         raise UserError(f"the exact_answer reward got {len(wanted)} answers for "
                         f"{len(completions)} completions")
-    return [float(ref is not None and final_answer_matches(c, ref)) for c, ref in zip(completions, wanted)]
+    return [float(ref is not None and final_answer_matches(c, ref))
+            for c, ref in zip(completions, wanted)]
 
 
 

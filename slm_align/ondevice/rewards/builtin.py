@@ -64,8 +64,9 @@ def load_reward_fn(spec: str) -> tuple[str, RewardFn, float]:
 
 def combine(specs: Sequence[str] = (), learned: Optional[RewardFn] = None, learned_weight: float = 1.0,
             callables: Sequence[tuple[RewardFn, float]] = ()) -> CombinedReward:
-    """The learned reward model (a callable, :class:`slm_align.scoring.learned_reward.LearnedReward`), CLI
-    specs and Python callables as one reward."""
+    """The learned reward model (a callable,
+    :class:`slm_align.scoring.learned_reward.LearnedReward`), CLI specs and Python callables as one
+    reward."""
     terms: list[tuple[str, RewardFn, float]] = []
     if learned is not None:
         terms.append(("reward_model", learned, learned_weight))

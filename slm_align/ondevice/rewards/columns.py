@@ -9,7 +9,13 @@ import inspect
 from typing import Sequence
 
 from slm_align.errors import UserError
-from slm_align.ondevice.rewards.protocol import CONTEXT_KEYS, CombinedReward, RewardFn, call_reward, reward_name
+from slm_align.ondevice.rewards.protocol import (
+    CONTEXT_KEYS,
+    CombinedReward,
+    RewardFn,
+    call_reward,
+    reward_name,
+)
 
 
 class ColumnReward:
@@ -42,7 +48,8 @@ class ColumnReward:
         """The wrapped reward's scores, given each prompt's columns as keyword
         lists besides ``context``."""
         prompts = list(prompts)
-        return call_reward(self.reward, prompts, list(completions), **self._context(prompts, context))
+        return call_reward(self.reward, prompts, list(completions),
+                           **self._context(prompts, context))
 
 
 class _ColumnRewardWithBreakdown(ColumnReward):
@@ -74,7 +81,8 @@ def _required_keywords(fn: RewardFn) -> set[str]:
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     skipped = {p.name for p in positional[:2]}
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {p.name for p in parameters if p.name not in skipped and p.kind in named and p.default is p.empty}
+    return {p.name for p in parameters if p.name not in skipped and p.kind in named
+            and p.default is p.empty}
 
 
 def required_columns(reward_fn: RewardFn) -> set[str]:
@@ -114,5 +122,5 @@ def check_columns(reward_fn: RewardFn, available) -> None:
                             f"{', '.join(missing)}")
     if problems:
         has = ", ".join(sorted(available)) or "none besides the prompt"
-        raise UserError(f"{'; '.join(problems)}, which the task data lacks in some or all rows (its columns: {has}); "
-                        "add them to every row or drop the reward")
+        raise UserError(f"{'; '.join(problems)}, which the task data lacks in some or all rows "
+                        f"(its columns: {has}); add them to every row or drop the reward")

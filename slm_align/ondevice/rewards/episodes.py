@@ -31,7 +31,8 @@ def answers_match(text: str, answer: Any) -> bool:
     return exact_answer([""], [text], answer=[str(answer)])[0] == 1.0
 
 
-def classify(calls: Sequence[dict], final_text: str, answer: Any, tool: Optional[str] = None) -> str:
+def classify(calls: Sequence[dict], final_text: str, answer: Any,
+             tool: Optional[str] = None) -> str:
     """The category of one finished episode.
 
     Args:
@@ -57,8 +58,8 @@ def classify(calls: Sequence[dict], final_text: str, answer: Any, tool: Optional
     return "malformed_call"
 
 
-def task_success(prompts, completions, answer: Sequence[Any], episodes: Optional[Sequence[dict]] = None,
-                 **_) -> list[float]:
+def task_success(prompts, completions, answer: Sequence[Any],
+                 episodes: Optional[Sequence[dict]] = None, **_) -> list[float]:
     """1 when the final answer equals the row's ``answer`` (numbers by value), else 0: the
     success of ``evaluate-agent``. The final answer is the episode's last reply (with episodes) or
     the completion."""
@@ -96,8 +97,8 @@ def environment_reward(prompts, completions, environments: Optional[Sequence[Any
     the environment judges the state the episode's calls left it in."""
     if environments is None or any(env is None or not callable(getattr(env, "get_reward", None))
                                    for env in environments):
-        raise UserError("reward environment_reward needs every episode to run an environment with a "
-                        "get_reward() method (--environment module:Class)")
+        raise UserError("reward environment_reward needs every episode to run an environment with "
+                        "a get_reward() method (--environment module:Class)")
     return [float(env.get_reward()) for env in environments]
 
 

@@ -2,9 +2,10 @@
 match the row's ``ground_truth``, else 0; for irrelevance 1 when there is no call) and
 ``function_call_graded`` (partial credit for name, argument names and values, for shaping).
 
-Calls are read by the runtime's own parser (:func:`slm_align.ondevice.tools.parse.read_calls`) from the
-completion; on agent episodes from the episode's first reply (the calls are the answer: a function
-task's tools need not run). The rules: :mod:`slm_align.ondevice.rewards.function_match`. Torch-free.
+Calls are read by the runtime's own parser (:func:`slm_align.ondevice.tools.parse.read_calls`) from
+the completion; on agent episodes from the episode's first reply (the calls are the answer: a
+function task's tools need not run). The rules: :mod:`slm_align.ondevice.rewards.function_match`.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ import json
 from typing import Any, Callable, Optional, Sequence
 
 from slm_align.errors import UserError
-from slm_align.ondevice.rewards.function_match import check_calls, functions_from_tools, graded_score, unknown_functions
+from slm_align.ondevice.rewards.function_match import (
+    check_calls,
+    functions_from_tools,
+    graded_score,
+    unknown_functions,
+)
 from slm_align.ondevice.tools.calls import Observation
 from slm_align.ondevice.tools.parse import decode_json, read_calls
 from slm_align.ondevice.tools.specs import normalise_tools
@@ -28,7 +34,8 @@ def _as_call(decoded: Any) -> dict:
     arguments = decoded.get("arguments", decoded.get("parameters", {}))
     if isinstance(arguments, str):
         arguments = decode_json(arguments)
-    return {"name": decoded.get("name"), "arguments": arguments if isinstance(arguments, dict) else None}
+    return {"name": decoded.get("name"),
+            "arguments": arguments if isinstance(arguments, dict) else None}
 
 
 def reply_calls(text: str) -> list[dict]:
@@ -37,7 +44,7 @@ def reply_calls(text: str) -> list[dict]:
     return [_as_call(decoded) for decoded in read_calls(text)[1]]
 
 
-def _message_calls(message: dict) -> list[dict]:
+def message_calls(message: dict) -> list[dict]:
     """The calls of one assistant turn as the runtime stored it: its ``tool_calls``, else those
     its text holds (a turn whose calls could not be read keeps its text)."""
     if message.get("tool_calls"):
@@ -50,7 +57,7 @@ def episode_calls(view: dict) -> list[dict]:
     """The calls of an episode's first reply: the last ``rounds`` + 1 assistant turns of its
     messages are the ones the model wrote; the first of them is its answer to the request."""
     written = [m for m in view["messages"] if m.get("role") == "assistant"][-(view["rounds"] + 1):]
-    return _message_calls(written[0]) if written else reply_calls(view["answer"])
+    return message_calls(written[0]) if written else reply_calls(view["answer"])
 
 
 def _decoded(value: Any, where: str) -> Any:
@@ -71,7 +78,8 @@ def row_functions(tools: Any, functions: Any = None) -> list[dict]:
     return functions_from_tools(normalise_tools("tools", tools) or [])
 
 
-def check_ground_truth(ground_truth: Any, functions: Sequence[dict], where: str = "a task row") -> list[dict]:
+def check_ground_truth(ground_truth: Any, functions: Sequence[dict],
+                       where: str = "a task row") -> list[dict]:
     """The row's ground truth (BFCL's possible answer, decoded); one that is not a list of
     ``{function: {argument: [allowed]}}`` or names a function the row does not offer is a one-line
     UserError."""
@@ -80,12 +88,12 @@ def check_ground_truth(ground_truth: Any, functions: Sequence[dict], where: str 
         isinstance(entry, dict) and len(entry) == 1 and isinstance(next(iter(entry.values())), dict)
         for entry in ground_truth)
     if not shaped:
-        raise UserError(f"{where}: 'ground_truth' must be a list of {{function: {{argument: [allowed values]}}}} "
-                        "(BFCL's possible answer; [] for irrelevance)")
+        raise UserError(f"{where}: 'ground_truth' must be a list of {{function: {{argument: "
+                        f"[allowed values]}}}} (BFCL's possible answer; [] for irrelevance)")
     missing = unknown_functions(ground_truth, functions)
     if missing:
-        raise UserError(f"{where}: its ground truth names {missing[0]!r}, which is not among its tools; "
-                        "offer that function in the row's 'tools' or fix the ground truth")
+        raise UserError(f"{where}: its ground truth names {missing[0]!r}, which is not among its "
+                        "tools; offer that function in the row's 'tools' or fix the ground truth")
     return ground_truth
 
 
@@ -95,7 +103,8 @@ def _scores(score: Callable, completions, ground_truth, tools, category, functio
         offered = row_functions(tools[index], None if functions is None else functions[index])
         expected = check_ground_truth(ground_truth[index], offered)
         calls = episode_calls(episodes[index]) if episodes is not None else reply_calls(completion)
-        results.append(float(score(calls, expected, offered, None if category is None else category[index])))
+        results.append(float(score(calls, expected, offered,
+                                   None if category is None else category[index])))
     return results
 
 
@@ -108,9 +117,10 @@ def function_call_match(prompts, completions, ground_truth: Sequence[Any], tools
                         functions: Optional[Sequence[Any]] = None,
                         episodes: Optional[Sequence[dict]] = None, **_) -> list[float]:
     """1 when the reply's calls match the row's ``ground_truth`` by BFCL's AST rules
-    (:func:`~slm_align.ondevice.rewards.function_match.check_calls`), else 0; in the irrelevance category
-    (or with an empty ground truth) 1 for no call. Columns: ``ground_truth``, ``tools`` (the
-    offered functions), optionally ``category`` (order-free matching for parallel categories)."""
+    (:func:`~slm_align.ondevice.rewards.function_match.check_calls`), else 0; in the irrelevance
+    category (or with an empty ground truth) 1 for no call. Columns: ``ground_truth``, ``tools``
+    (the offered functions), optionally ``category`` (order-free matching for parallel
+    categories)."""
     return _scores(_match, completions, ground_truth, tools, category, functions, episodes)
 
 
@@ -121,8 +131,8 @@ def function_call_graded(prompts, completions, ground_truth: Sequence[Any], tool
                          category: Optional[Sequence[Optional[str]]] = None,
                          functions: Optional[Sequence[Any]] = None,
                          episodes: Optional[Sequence[dict]] = None, **_) -> list[float]:
-    """Partial credit for shaping (:func:`~slm_align.ondevice.rewards.function_match.graded_score`): 1 for
-    a match, else the best pairing's share of right names, argument names and values, times
+    """Partial credit for shaping (:func:`~slm_align.ondevice.rewards.function_match.graded_score`):
+    1 for a match, else the best pairing's share of right names, argument names and values, times
     0.9; irrelevance 1 or 0 as ``function_call_match``."""
     return _scores(graded_score, completions, ground_truth, tools, category, functions, episodes)
 

@@ -118,7 +118,8 @@ def _type_ok(value: Any, allowed: Sequence[Any], expected: type, items_type: Opt
 
 def _string_ok(value: str, allowed: Sequence[Any]) -> bool:
     """The standardised string is one of the standardised allowed strings."""
-    return standardize_string(value) in [standardize_string(a) for a in allowed if isinstance(a, str)]
+    return standardize_string(value) in [standardize_string(a) for a in allowed
+                                         if isinstance(a, str)]
 
 
 def _as_items(option: Any) -> list:
@@ -164,7 +165,8 @@ def _list_of_dicts_ok(value: list, allowed: Sequence[Any]) -> bool:
     return False
 
 
-def _value_ok(value: Any, allowed: Sequence[Any], expected: type, items_type: Optional[type]) -> bool:
+def _value_ok(value: Any, allowed: Sequence[Any], expected: type,
+              items_type: Optional[type]) -> bool:
     """BFCL's value rule for a value that passed the type check as the declared type."""
     if expected is dict:
         return _dict_ok(value, allowed)
@@ -198,7 +200,8 @@ def check_argument(name: str, value: Any, allowed: Sequence[Any], detail: dict) 
         return _fail("wrong_answer", f"argument {name!r}: {value!r} is not of type {word}")
     right = value in allowed if variable else _value_ok(value, allowed, expected, items_type)
     if not right:
-        return _fail("wrong_answer", f"argument {name!r}: {value!r} is not one of {list(allowed)!r}")
+        return _fail("wrong_answer", f"argument {name!r}: {value!r} is not one of "
+                                     f"{list(allowed)!r}")
     return PASS
 
 
@@ -244,7 +247,8 @@ def _function(functions: Sequence[dict], expected: dict) -> dict:
     raise KeyError(name)
 
 
-def _order_free(calls: Sequence[dict], functions: Sequence[dict], ground_truth: Sequence[dict]) -> Verdict:
+def _order_free(calls: Sequence[dict], functions: Sequence[dict],
+                ground_truth: Sequence[dict]) -> Verdict:
     """BFCL's ``parallel_function_checker_no_order``: each expected call, in order, takes the first
     call not yet taken that passes; the first expected call none passes fails the list."""
     taken: set[int] = set()
@@ -259,7 +263,8 @@ def _order_free(calls: Sequence[dict], functions: Sequence[dict], ground_truth: 
                 taken.add(position)
                 break
         if not verdict.ok:
-            return _fail(verdict.failure, f"expected call {index} matches no call ({verdict.reason})")
+            return _fail(verdict.failure, f"expected call {index} matches no call "
+                                          f"({verdict.reason})")
     return PASS
 
 
@@ -276,8 +281,8 @@ def default_category(ground_truth: Sequence[dict]) -> str:
     return "parallel" if len(ground_truth) > 1 else "simple"
 
 
-def check_calls(calls: Sequence[Optional[dict]], ground_truth: Sequence[dict], functions: Sequence[dict],
-                category: Optional[str] = None) -> Verdict:
+def check_calls(calls: Sequence[Optional[dict]], ground_truth: Sequence[dict],
+                functions: Sequence[dict], category: Optional[str] = None) -> Verdict:
     """A reply's calls against a task's ground truth by BFCL's AST rules.
 
     Args:
@@ -341,7 +346,8 @@ _MOST_PERMUTED = 6
 
 
 def _needed(name: str, expected: dict, required: Sequence[str]) -> bool:
-    """The argument must be given: the function requires it, or the answer lists it without ``""``."""
+    """The argument must be given: the function requires it, or the answer lists it without
+    ``""``."""
     return name in required or (name in expected and "" not in expected[name])
 
 
@@ -370,7 +376,8 @@ def pair_score(call: Optional[dict], function: dict, expected: dict) -> float:
             continue
         if given or not _needed(name, allowed, required):
             names += 1
-            values += (not given) or check_argument(name, arguments[name], allowed[name], properties[name]).ok
+            values += (not given) or check_argument(name, arguments[name], allowed[name],
+                                                    properties[name]).ok
     return (1 + names / len(concerned) + values / len(concerned)) / 3
 
 
@@ -380,9 +387,12 @@ def _best_total(scores: list[list[float]]) -> float:
     rows, columns = len(scores), len(scores[0])
     if max(rows, columns) <= _MOST_PERMUTED:
         if rows <= columns:
-            return max(sum(scores[r][c] for r, c in enumerate(p)) for p in itertools.permutations(range(columns), rows))
-        return max(sum(scores[r][c] for c, r in enumerate(p)) for p in itertools.permutations(range(rows), columns))
-    cells = sorted(((scores[r][c], r, c) for r in range(rows) for c in range(columns)), reverse=True)
+            return max(sum(scores[r][c] for r, c in enumerate(p))
+                       for p in itertools.permutations(range(columns), rows))
+        return max(sum(scores[r][c] for c, r in enumerate(p))
+                   for p in itertools.permutations(range(rows), columns))
+    cells = sorted(((scores[r][c], r, c) for r in range(rows) for c in range(columns)),
+                   reverse=True)
     used_rows, used_columns, total = set(), set(), 0.0
     for score, r, c in cells:
         if r not in used_rows and c not in used_columns:
@@ -392,8 +402,8 @@ def _best_total(scores: list[list[float]]) -> float:
     return total
 
 
-def graded_score(calls: Sequence[Optional[dict]], ground_truth: Sequence[dict], functions: Sequence[dict],
-                 category: Optional[str] = None) -> float:
+def graded_score(calls: Sequence[Optional[dict]], ground_truth: Sequence[dict],
+                 functions: Sequence[dict], category: Optional[str] = None) -> float:
     """Shaping credit from 0 to 1: 1 when :func:`check_calls` passes; irrelevance 0 otherwise;
     else the best pairing of calls with expected calls (order-free) of :func:`pair_score`,
     summed and divided by the larger of the two counts (a missing or extra call costs its share),

@@ -1,13 +1,13 @@
 """The reward protocol: anything that scores (prompt, completion) batches.
 
-A reward is a callable ``fn(prompts, completions, **context) -> list[float]``. Following TRL,
-every column of the task data other than the prompt arrives as a keyword list aligned with the
-completions (``fn(prompts, completions, answer=[...], tools=[...], **rest)``: see
-:mod:`slm_align.ondevice.rewards.columns`); ``context`` may also carry ``references`` (reference answers
-of prompt/completion data) and, for sampled completions, ``truncated`` (one bool each: the
+A reward is a callable ``fn(prompts, completions, **context) -> list[float]``. Following TRL, every
+column of the task data other than the prompt arrives as a keyword list aligned with the completions
+(``fn(prompts, completions, answer=[...], tools=[...], **rest)``: see
+:mod:`slm_align.ondevice.rewards.columns`); ``context`` may also carry ``references`` (reference
+answers of prompt/completion data) and, for sampled completions, ``truncated`` (one bool each: the
 completion hit the token budget without EOS) and, for agent episodes, ``episodes`` and
-``environments`` (see :mod:`slm_align.ondevice.rewards.episodes`). A keyword parameter without a default (or a
-``columns`` attribute, as the built-ins have) names a column the reward needs.
+``environments`` (see :mod:`slm_align.ondevice.rewards.episodes`). A keyword parameter without a
+default (or a ``columns`` attribute, as the built-ins have) names a column the reward needs.
 :class:`CombinedReward` sums weighted terms.
 
 Torch-free: the runtime scores tasks with these functions on a device.
@@ -90,7 +90,8 @@ class CombinedReward:
     def breakdown(self, prompts, completions, **context) -> dict[str, list[float]]:
         parts = {}
         for name, fn, _ in self.terms:
-            scores = [float(s) for s in call_reward(fn, list(prompts), list(completions), **context)]
+            scores = [float(s) for s in call_reward(fn, list(prompts), list(completions),
+                                                    **context)]
             if len(scores) != len(completions):
                 raise UserError(f"reward {name} returned {len(scores)} scores for "
                                 f"{len(completions)} completions")
@@ -100,5 +101,6 @@ class CombinedReward:
     def __call__(self, prompts, completions, **context) -> list[float]:
         parts = self.breakdown(prompts, completions, **context)
         weights = {name: weight for name, _, weight in self.terms}
-        return [sum(weights[name] * parts[name][i] for name in parts) for i in range(len(completions))]
+        return [sum(weights[name] * parts[name][i] for name in parts)
+                for i in range(len(completions))]
 

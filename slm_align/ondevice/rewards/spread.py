@@ -52,7 +52,8 @@ def measure_spread(scores: Sequence[float], k: int) -> Spread:
     stds = [statistics.pstdev(group) for group in groups]
     means = [statistics.fmean(group) for group in groups]
     equal = [max(group) - min(group) <= EQUAL for group in groups]
-    return Spread(within=statistics.fmean(stds), between=statistics.pstdev(means) if len(means) > 1 else 0.0,
+    return Spread(within=statistics.fmean(stds),
+                  between=statistics.pstdev(means) if len(means) > 1 else 0.0,
                   overall=statistics.pstdev(scores), all_equal_share=sum(equal) / len(groups),
                   prompts=len(groups), k=k)
 
@@ -102,12 +103,15 @@ SOLVED = 0.9
 best) is read as "the samples succeed"; at most ``1 - SOLVED`` up, as "they fail"."""
 
 CASE_REMEDIES = {
-    "solved": ("SFT already solves the task, so RL has nothing left to learn: evaluate the SFT policy "
-               "(evaluate, or export and evaluate-agent), or train RL on harder tasks or from fewer SFT steps"),
-    "unreached": ("the prior cannot reach the reward, so RL never sees a success to follow: train SFT "
-                  "longer or on more or better demonstrations, or start from a larger base model"),
-    "flat": ("the reward barely varies over the policy's samples, so RL has nothing to follow: use a more "
-             "discriminative reward (another reward model, a graded --reward, or more samples per prompt)"),
+    "solved": ("SFT already solves the task, so RL has nothing left to learn: evaluate the SFT "
+               "policy (evaluate, or export and evaluate-agent), or train RL on harder tasks or "
+               "from fewer SFT steps"),
+    "unreached": ("the prior cannot reach the reward, so RL never sees a success to follow: train "
+                  "SFT longer or on more or better demonstrations, or start from a larger base "
+                  "model"),
+    "flat": ("the reward barely varies over the policy's samples, so RL has nothing to follow: use "
+             "a more discriminative reward (another reward model, a graded --reward, or more "
+             "samples per prompt)"),
 }
 """What to do in each case of a flat within-prompt spread (:func:`flat_case`)."""
 
@@ -120,7 +124,8 @@ class FlatCase:
 
     case: str
     position: Optional[float]
-    """Mean reward as a share of the reward's range (0 worst, 1 best); None when the range is unknown."""
+    """Mean reward as a share of the reward's range (0 worst, 1 best); None when the range is
+    unknown."""
     seen: str
     """What the gate saw, in words."""
 
@@ -142,7 +147,8 @@ def flat_case(scores: Sequence[float], bounds: Optional[tuple[float, float]]) ->
     """
     mean = statistics.fmean(scores)
     if bounds is None or bounds[1] - bounds[0] <= EQUAL:
-        return FlatCase("flat", None, f"mixed but flat (mean reward {mean:.3g} over {len(scores)} samples; "
+        return FlatCase("flat", None,
+                        f"mixed but flat (mean reward {mean:.3g} over {len(scores)} samples; "
                                       "the reward's range is unknown)")
     low, high = bounds
     position = (mean - low) / (high - low)

@@ -1,6 +1,6 @@
 """Rewards for tool calls: ``json_tool_call`` (a well-formed call) and ``tool_task`` (partial credit
-for the first call, read by the agent runtime's own parser and run with the runtime's tools; on agent
-episodes, for the episode as the runtime ran it).
+for the first call, read by the agent runtime's own parser and run with the runtime's tools; on
+agent episodes, for the episode as the runtime ran it).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def _call_fits_tools(call: Any, validators: dict) -> bool:
     return isinstance(arguments, dict) and validators[call["name"]].is_valid(arguments)
 
 
-def json_tool_call(prompts, completions, schema: Optional[dict] = None, tools: Optional[Sequence[Any]] = None,
-                   **_) -> list[float]:
+def json_tool_call(prompts, completions, schema: Optional[dict] = None,
+                   tools: Optional[Sequence[Any]] = None, **_) -> list[float]:
     """1 for a valid JSON tool call ``{"name", "arguments"}``; 0.5 for other JSON; 0 for none.
 
     Valid means: against ``schema`` when given; else, when the row has a ``tools`` column (OpenAI
@@ -80,9 +80,12 @@ json_tool_call.columns = frozenset()
 json_tool_call.bounds = (0.0, 1.0)  # worst and best score (the gate reads them)
 
 
-TOOL_TASK_SCORES = {"no_call": 0.0, "malformed": 0.25, "wrong_tool": 0.5, "wrong_answer": 0.75, "solved": 1.0}
-EPISODE_SCORES = {"no_call": TOOL_TASK_SCORES["no_call"], "malformed_call": TOOL_TASK_SCORES["malformed"],
-                  "wrong_tool": TOOL_TASK_SCORES["wrong_tool"], "wrong_answer": TOOL_TASK_SCORES["wrong_answer"],
+TOOL_TASK_SCORES = {"no_call": 0.0, "malformed": 0.25, "wrong_tool": 0.5, "wrong_answer": 0.75,
+                    "solved": 1.0}
+EPISODE_SCORES = {"no_call": TOOL_TASK_SCORES["no_call"],
+                  "malformed_call": TOOL_TASK_SCORES["malformed"],
+                  "wrong_tool": TOOL_TASK_SCORES["wrong_tool"],
+                  "wrong_answer": TOOL_TASK_SCORES["wrong_answer"],
                   "success": TOOL_TASK_SCORES["solved"]}
 """``tool_task`` on an episode: the score of its category
 (:func:`~slm_align.ondevice.rewards.episodes.classify`)."""
@@ -132,9 +135,9 @@ def _tool_task_score(text: str, registry, expected_tool: Optional[str], answer: 
     return TOOL_TASK_SCORES["wrong_answer"]
 
 
-def tool_task(prompts, completions, answer: Optional[Sequence[Any]] = None, tools: Optional[Sequence[Any]] = None,
-              tool: Optional[Sequence[Optional[str]]] = None, registry=None,
-              episodes: Optional[Sequence[dict]] = None, **_) -> list[float]:
+def tool_task(prompts, completions, answer: Optional[Sequence[Any]] = None,
+              tools: Optional[Sequence[Any]] = None, tool: Optional[Sequence[Optional[str]]] = None,
+              registry=None, episodes: Optional[Sequence[dict]] = None, **_) -> list[float]:
     """Partial credit for the completion's first tool call, read by the agent runtime's
     parser (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, or a bare call
     object as the whole reply):
@@ -156,12 +159,13 @@ def tool_task(prompts, completions, answer: Optional[Sequence[Any]] = None, tool
 
     The known tools are the row's ``tools`` column (OpenAI function schemas) when present, else the
     built-in tools. Calls run with the same-named tool of ``registry``, by default the built-in
-    calculator and clock (:func:`~slm_align.ondevice.tools.builtin.default_tools`, safe by construction);
-    bind your own registry with ``functools.partial(tool_task, registry=...)`` to run other tools.
-    The scale is :data:`TOOL_TASK_SCORES`.
+    calculator and clock (:func:`~slm_align.ondevice.tools.builtin.default_tools`, safe by
+    construction); bind your own registry with ``functools.partial(tool_task, registry=...)`` to run
+    other tools. The scale is :data:`TOOL_TASK_SCORES`.
     """
     if episodes is not None:
-        return [EPISODE_SCORES[classify(view["calls"], view["answer"], answer[i], None if tool is None else tool[i])]
+        return [EPISODE_SCORES[classify(view["calls"], view["answer"], answer[i],
+                                        None if tool is None else tool[i])]
                 for i, view in enumerate(episodes)]
     executables = registry or _builtin_registry()
     registries: dict[str, Any] = {}

@@ -21,7 +21,8 @@ def use_chat_template(backend, option: Optional[str]) -> None:
 
 
 def check_chat_template(backend) -> None:
-    """Render ``backend``'s chat template once, bounded (:func:`~slm_align.ondevice.templates.chat.check_template`):
-    one that loops or fails is a one-line ChatTemplateError naming it, before any request waits on it.
-    A backend without a template passes (plain completions need none)."""
+    """Render ``backend``'s chat template once, bounded
+    (:func:`~slm_align.ondevice.templates.chat.check_template`): one that loops or fails is a
+    one-line ChatTemplateError naming it, before any request waits on it. A backend without a
+    template passes (plain completions need none)."""
     check_template(backend.chat_template, getattr(backend, "chat_template_origin", None))

@@ -4,11 +4,12 @@ template rendered with jinja2 the way transformers and llama.cpp render it, and 
 with a tool conversation. Shared by training (modeling, task data, SFT) and the torch-free runtime.
 
 Rendering uses a sandboxed environment (templates come with downloaded models) whose every render is
-bounded in steps, time and size (:mod:`slm_align.ondevice.templates.sandbox`): a template that loops, or fails,
-is one :class:`ChatTemplateError` naming it, never a hang or a traceback; ``raise_exception``,
-``strftime_now`` and the ``tojson`` filter as transformers provides them (plain JSON, keys in order:
-jinja's own filter escapes ``<``, ``>``, ``&`` and ``'`` as HTML and sorts keys, which no model was
-trained on), and ``tools`` passed through so tool-aware templates (Qwen2.5, SmolLM2) describe them.
+bounded in steps, time and size (:mod:`slm_align.ondevice.templates.sandbox`): a template that
+loops, or fails, is one :class:`ChatTemplateError` naming it, never a hang or a traceback;
+``raise_exception``, ``strftime_now`` and the ``tojson`` filter as transformers provides them (plain
+JSON, keys in order: jinja's own filter escapes ``<``, ``>``, ``&`` and ``'`` as HTML and sorts
+keys, which no model was trained on), and ``tools`` passed through so tool-aware templates (Qwen2.5,
+SmolLM2) describe them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from pathlib import Path
 from typing import Optional
 
 from slm_align.errors import UserError
-from slm_align.ondevice.templates.sandbox import TEMPLATE_CHARS, TemplateLimit, bounded_environment, render_bounded
+from slm_align.ondevice.templates.sandbox import (
+    TEMPLATE_CHARS,
+    TemplateLimit,
+    bounded_environment,
+    render_bounded,
+)
 from slm_align.ondevice.templates.sandbox.checks import check_strftime
 from slm_align.ondevice.tools.calls import ToolCall
 from slm_align.ondevice.tools.parse import FORMAT_HINT, call_text
@@ -79,8 +85,8 @@ def chosen_chat_template(option: str) -> ChatTemplate:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
-        raise UserError(f"--chat-template {option}: neither chatml nor a readable template file; pass chatml or a "
-                        "Jinja chat template file") from None
+        raise UserError(f"--chat-template {option}: neither chatml nor a readable template file; "
+                        "pass chatml or a Jinja chat template file") from None
     _check_template_syntax(text, option)
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
     origin = f"{path.name} (sha256 {digest})"
@@ -97,14 +103,14 @@ def _check_template_syntax(text: str, option: str) -> None:
     try:
         Environment().parse(text)
     except TemplateSyntaxError as exc:
-        raise UserError(f"--chat-template {option} is not a valid Jinja template (line {exc.lineno}: {exc.message}); "
-                        "fix it or pass chatml") from None
+        raise UserError(f"--chat-template {option} is not a valid Jinja template (line "
+                        f"{exc.lineno}: {exc.message}); fix it or pass chatml") from None
 
 
 class ChatTemplateError(UserError):
     """A chat template that cannot render: bad syntax, a failing expression, ``{% include %}``, or a
-    bound of :mod:`slm_align.ondevice.templates.sandbox` passed. One line naming the template; the CLI exits
-    with 2, a server answers 400."""
+    bound of :mod:`slm_align.ondevice.templates.sandbox` passed. One line naming the template; the
+    CLI exits with 2, a server answers 400."""
 
     def __init__(self, message: str, cause: Optional[Exception] = None):
         super().__init__(message)
@@ -131,19 +137,21 @@ REPLACE_IT = "fix the template, or pass --chat-template chatml (or a Jinja file)
 
 
 def _template_error(exc: Exception, origin: Optional[str]) -> UserError:
-    """The one-line error for an exception raised while ``origin``'s template compiled or rendered."""
+    """The one-line error for an exception raised while ``origin``'s template compiled or
+    rendered."""
     from jinja2 import TemplateSyntaxError
 
     name = template_name(origin)
     if isinstance(exc, TemplateLimit):
         return ChatTemplateError(f"{name} was stopped: {exc}; {REPLACE_IT}", exc)
     if isinstance(exc, TemplateSyntaxError):
-        return ChatTemplateError(f"{name} is not a valid chat template (line {exc.lineno}: {exc.message}); "
-                                 f"{REPLACE_IT}", exc)
+        return ChatTemplateError(f"{name} is not a valid chat template (line {exc.lineno}: "
+                                 f"{exc.message}); {REPLACE_IT}", exc)
     if isinstance(exc, UserError):  # raise_exception(): the template refuses this conversation
         return exc
     detail = " ".join(str(exc).split())[:200]
-    return ChatTemplateError(f"{name} failed to render ({type(exc).__name__}{': ' + detail if detail else ''}); "
+    return ChatTemplateError(f"{name} failed to render "
+                             f"({type(exc).__name__}{': ' + detail if detail else ''}); "
                              f"{REPLACE_IT}", exc)
 
 
@@ -156,8 +164,10 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 @lru_cache(maxsize=8)
@@ -169,18 +179,18 @@ def _compile(source: str):
     return env.from_string(source)
 
 
-def render(template: Optional[str], messages: list[dict], bos_token: Optional[str], eos_token: Optional[str],
-           tools: Optional[list[dict]] = None, add_generation_prompt: bool = True,
-           origin: Optional[str] = None) -> str:
+def render(template: Optional[str], messages: list[dict], bos_token: Optional[str],
+           eos_token: Optional[str], tools: Optional[list[dict]] = None,
+           add_generation_prompt: bool = True, origin: Optional[str] = None) -> str:
     """The prompt text for ``messages`` (and ``tools``), ending with the assistant's opening.
 
-    Bounded (:mod:`slm_align.ondevice.templates.sandbox`); a template that does not compile, fails or runs past
-    a bound raises :class:`ChatTemplateError` naming it by ``origin``."""
+    Bounded (:mod:`slm_align.ondevice.templates.sandbox`); a template that does not compile, fails
+    or runs past a bound raises :class:`ChatTemplateError` naming it by ``origin``."""
     require_template(template)
     given = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
     if given > TEMPLATE_CHARS:  # the conversation's fault, not the template's
-        raise UserError(f"the conversation holds {given:,} characters, more than a prompt may ({TEMPLATE_CHARS:,}); "
-                        "send a shorter message")
+        raise UserError(f"the conversation holds {given:,} characters, more than a prompt may "
+                        f"({TEMPLATE_CHARS:,}); send a shorter message")
     try:
         return render_bounded(_compile(template), {
             "messages": messages, "tools": tools or None, "bos_token": bos_token or "",
@@ -223,9 +233,9 @@ class TemplateTraits:
     """What a chat template does with a tool conversation, found by rendering a probe."""
 
     renders_tool_calls: bool
-    """An assistant message's ``tool_calls`` appear in the text (Qwen2.5, Qwen3, Llama 3.2): a call is
-    stored there. Otherwise (ChatML, SmolLM2, Gemma 3) only ``content`` is rendered, so the call's
-    text goes into the content."""
+    """An assistant message's ``tool_calls`` appear in the text (Qwen2.5, Qwen3, Llama 3.2): a call
+    is stored there. Otherwise (ChatML, SmolLM2, Gemma 3) only ``content`` is rendered, so the
+    call's text goes into the content."""
     renders_tools: bool
     """The ``tools`` list appears in the prompt."""
     tool_results: Optional[str]
@@ -244,13 +254,16 @@ def _probe_messages(with_calls: bool) -> list[dict]:
 def template_traits(template: str, origin: Optional[str] = None) -> TemplateTraits:
     """Render a probe tool conversation through ``template`` (no BOS/EOS text) and read what
     it shows. A template stopped by a bound is a :class:`ChatTemplateError`, not a trait."""
-    tools = render(template, [{"role": "user", "content": "probe"}], None, None, [_PROBE_SPEC], origin=origin)
+    tools = render(template, [{"role": "user", "content": "probe"}], None, None, [_PROBE_SPEC],
+                   origin=origin)
     try:
-        text = render(template, _probe_messages(with_calls=True), None, None, [_PROBE_SPEC], origin=origin)
+        text = render(template, _probe_messages(with_calls=True), None, None, [_PROBE_SPEC],
+                      origin=origin)
     except ChatTemplateError as exc:
         if exc.stopped:
             raise
-        return TemplateTraits(False, PROBE_TOOL in tools, f"{type(exc.cause).__name__}: {exc.cause}")
+        return TemplateTraits(False, PROBE_TOOL in tools, f"{type(exc.cause).__name__}: "
+                                                          f"{exc.cause}")
     except UserError as exc:
         return TemplateTraits(False, PROBE_TOOL in tools, str(exc))
     shown = PROBE_ARGUMENT in text
@@ -265,8 +278,9 @@ def require_tool_template(template: Optional[str], origin: Optional[str] = None)
     traits = template_traits(template, origin)
     if traits.tool_results is not None:
         reason = " ".join(traits.tool_results.split())[:160]
-        raise UserError(f"the chat template cannot show tool results ({reason}); pass --chat-template chatml, "
-                        "or a template that renders messages of role 'tool'")
+        raise UserError(f"the chat template cannot show tool results ({reason}); pass "
+                        "--chat-template chatml, or a template that renders messages of role "
+                        "'tool'")
     return traits
 
 
@@ -317,8 +331,8 @@ def _type(schema: dict) -> str:
 
 
 def tool_line(spec: dict) -> str:
-    """One offered tool (an OpenAI function schema) as a signature line: ``- name(param: type = default,
-    other: type (optional)): description``."""
+    """One offered tool (an OpenAI function schema) as a signature line:
+    ``- name(param: type = default, other: type (optional)): description``."""
     function = spec.get("function", spec)
     parameters = function.get("parameters") or {}
     required = set(parameters.get("required") or ())
@@ -343,7 +357,8 @@ def tools_system_text(tools: list[dict]) -> str:
     a signature line per tool costs a third of the tokens, which a small model's context needs
     (the bundled model's 512 tokens do not hold two schemas and a question).
     """
-    return "\n".join([FALLBACK_HEADER.format(hint=FORMAT_HINT), *(tool_line(tool) for tool in tools)])
+    return "\n".join([FALLBACK_HEADER.format(hint=FORMAT_HINT),
+                      *(tool_line(tool) for tool in tools)])
 
 
 def with_tools_described(messages: list[dict], tools: Optional[list[dict]]) -> list[dict]:

@@ -31,7 +31,8 @@ from slm_align.ondevice.tools.registry import ToolRegistry
 MAX_EXPRESSION_CHARS = 500
 MAX_INTEGER_BITS = 10_000  # about 3000 decimal digits
 MAX_ROUND_DIGITS = math.ceil(MAX_INTEGER_BITS * math.log10(2))
-"""round(x, n) with |n| past every digit a number here can have: CPython would compute 10**|n| first."""
+"""round(x, n) with |n| past every digit a number here can have: CPython would compute 10**|n|
+first."""
 
 _FUNCTIONS = {
     **{name: getattr(math, name) for name in (
@@ -58,7 +59,8 @@ def calculator(expression: str) -> str:
             cosh, tanh, hypot, floor, ceil, fabs, degrees, radians, abs, round, min, max.
     """
     if len(expression) > MAX_EXPRESSION_CHARS:
-        raise ValueError(f"expression too long ({len(expression)} characters, limit {MAX_EXPRESSION_CHARS})")
+        raise ValueError(f"expression too long ({len(expression)} characters, limit "
+                         f"{MAX_EXPRESSION_CHARS})")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError:
@@ -85,7 +87,8 @@ def _evaluate(node: ast.AST) -> Number:
         return _checked(_BINARY[type(node.op)](_evaluate(node.left), _evaluate(node.right)))
     if isinstance(node, ast.Call):
         return _checked(_call(node))
-    raise ValueError(f"{_describe(node)} is not allowed in a calculation; use numbers, + - * / // % ** and parentheses")
+    raise ValueError(f"{_describe(node)} is not allowed in a calculation; use numbers, + - * / // "
+                     "% ** and parentheses")
 
 
 def _call(node: ast.Call) -> Number:
@@ -116,11 +119,13 @@ def _power(base: Number, exponent: Number) -> Number:
     """``base ** exponent``, refused before it is computed when the integer result would be huge."""
     exact = isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and abs(base) > 1
     if exact and exponent * math.log2(abs(base)) > MAX_INTEGER_BITS:
-        raise ValueError(f"result too large: {base}**{exponent} has more than {MAX_INTEGER_BITS} bits")
+        raise ValueError(f"result too large: {base}**{exponent} "
+                         f"has more than {MAX_INTEGER_BITS} bits")
     try:
         return base ** exponent
     except OverflowError:
-        raise ValueError(f"result too large: {format_number(base)}**{format_number(exponent)}") from None
+        raise ValueError("result too large: "
+                         f"{format_number(base)}**{format_number(exponent)}") from None
 
 
 _BINARY = {
@@ -164,7 +169,8 @@ def current_time(timezone: str = "UTC") -> str:
 
 
 def time_text(moment: datetime, timezone: str) -> str:
-    """``moment`` in ``timezone`` as :func:`current_time` writes it: ISO date and time, weekday, zone."""
+    """``moment`` in ``timezone`` as :func:`current_time` writes it: ISO date and time, weekday,
+    zone."""
     local = moment.astimezone(_zone(timezone))
     return f"{local.isoformat(timespec='seconds')} ({local:%A}, {timezone})"
 
@@ -175,7 +181,8 @@ def _zone(name: str):
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError):
-        raise ValueError(f"unknown time zone {name!r}; use an IANA name such as 'Europe/Paris', or 'UTC'") from None
+        raise ValueError(f"unknown time zone {name!r}; use an IANA name "
+                         "such as 'Europe/Paris', or 'UTC'") from None
 
 
 # --- notes --------------------------------------------------------------------------------------
@@ -199,12 +206,14 @@ class NoteStore:
         max_notes: Most notes the folder may hold.
     """
 
-    def __init__(self, folder: Union[str, Path], max_note_chars: int = 10_000, max_notes: int = 1000):
+    def __init__(self, folder: Union[str, Path], max_note_chars: int = 10_000,
+                 max_notes: int = 1000):
         path = Path(folder).expanduser()
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
-            raise UserError(f"notes folder {str(path)!r} is not a directory: pass a folder path") from None
+            raise UserError(f"notes folder {str(path)!r} is not a "
+                            "directory: pass a folder path") from None
         self.folder = path.resolve()
         self.max_note_chars = max_note_chars
         self.max_notes = max_notes
@@ -220,7 +229,8 @@ class NoteStore:
         if len(text) > self.max_note_chars:
             raise ValueError(f"note too long ({len(text)} characters, limit {self.max_note_chars})")
         if not path.exists() and len(self.list_notes()) >= self.max_notes:
-            raise ValueError(f"the notes folder is full ({self.max_notes} notes); overwrite an existing note")
+            raise ValueError(f"the notes folder is full ({self.max_notes} "
+                             "notes); overwrite an existing note")
         write_text_atomic(path, text)
         return f"saved note {path.stem!r} ({len(text)} characters)"
 
@@ -249,7 +259,8 @@ class NoteStore:
         )
 
     def _path(self, title: str) -> Path:
-        """The file for ``title``, or ValueError when the title is unsafe or resolves outside the folder."""
+        """The file for ``title``, or ValueError when the title is unsafe or resolves outside the
+        folder."""
         name = _clean_title(title)
         path = self.folder / f"{name}{_NOTE_SUFFIX}"
         if path.is_symlink() or path.resolve().parent != self.folder:
@@ -265,7 +276,8 @@ def _clean_title(title: str) -> str:
     if not clean:
         raise ValueError("a note title cannot be empty")
     if "/" in clean or "\\" in clean or clean.startswith(".") or os.path.isabs(clean):
-        raise ValueError(f"note title {title!r} looks like a path; use a plain name such as 'shopping list'")
+        raise ValueError(f"note title {title!r} looks like a path; use a plain name such as "
+                         "'shopping list'")
     if len(clean) > MAX_TITLE_CHARS:
         raise ValueError(f"note title too long ({len(clean)} characters, limit {MAX_TITLE_CHARS})")
     return _UNSAFE_TITLE_CHARS.sub("_", clean)
@@ -275,7 +287,8 @@ def _clean_title(title: str) -> str:
 
 
 def default_tools(notes_folder: Optional[Union[str, Path]] = None) -> ToolRegistry:
-    """A registry with calculator and current_time, plus save_note/read_note/list_notes when a folder is given."""
+    """A registry with calculator and current_time, plus save_note/read_note/list_notes when a
+    folder is given."""
     registry = ToolRegistry()
     registry.register(calculator)
     registry.register(current_time)

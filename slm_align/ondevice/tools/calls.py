@@ -25,7 +25,8 @@ class Tool:
         description, parameters}}``."""
         return {
             "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+            "function": {"name": self.name, "description": self.description,
+                         "parameters": self.parameters},
         }
 
 

@@ -2,18 +2,19 @@
 episode, with state kept between its calls (TRL's ``environment_factory`` contract).
 
 A class is named ``module:Class`` (a task row's ``environment`` column, or ``--environment`` for the
-whole file). Per episode: ``env = Class()``, then ``env.reset(**row)`` with the task row's columns (a
-string it returns is appended to the last user message, as the episode's first observation); every
-public method but ``reset`` and ``get_reward`` becomes a tool (schema from its type hints and
-docstring, as :meth:`~slm_align.ondevice.tools.registry.ToolRegistry.register` makes it); rewards receive the
-instances as ``environments=`` and may call ``get_reward()``. A tool that raises, or runs past
-:data:`TOOL_TIMEOUT_S`, becomes an error observation (the registry's rule), never a crashed run.
+whole file). Per episode: ``env = Class()``, then ``env.reset(**row)`` with the task row's columns
+(a string it returns is appended to the last user message, as the episode's first observation);
+every public method but ``reset`` and ``get_reward`` becomes a tool (schema from its type hints and
+docstring, as :meth:`~slm_align.ondevice.tools.registry.ToolRegistry.register` makes it); rewards
+receive the instances as ``environments=`` and may call ``get_reward()``. A tool that raises, or
+runs past :data:`TOOL_TIMEOUT_S`, becomes an error observation (the registry's rule), never a
+crashed run.
 
 Bad input is refused before any training: a class that cannot be imported, is not a class, has no
 ``reset``, or has a public method without type hints.
 
-Data never runs code by itself: importing a module runs its code, so a task row's ``environment`` may
-name a class only from a module the user allowed (``--environment-module NAME``, the recipe's
+Data never runs code by itself: importing a module runs its code, so a task row's ``environment``
+may name a class only from a module the user allowed (``--environment-module NAME``, the recipe's
 ``rl.environment_modules``; ``--environment``'s own module is allowed by being named). Any other is
 refused in one line before anything is imported (:func:`check_allowed`).
 """
@@ -42,14 +43,17 @@ def check_allowed(spec: Any, allowed: Sequence[str], where: str = "a task row") 
     """Refuse, in one line and before any import, an environment named by task data (``spec``, the
     ``environment`` column of the row ``where``) whose module is not in ``allowed``."""
     if not isinstance(spec, str):
-        raise UserError(f"{where}: 'environment' must be text naming module:Class, not {type(spec).__name__}")
+        raise UserError(f"{where}: 'environment' must be text naming module:Class, not "
+                        f"{type(spec).__name__}")
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise UserError(f"{where}: environment {_shown(spec)}: name it as module:Class (e.g. my_envs:Calculator)")
+        raise UserError(f"{where}: environment {_shown(spec)}: name it as module:Class (e.g. "
+                        "my_envs:Calculator)")
     if not module_allowed(module, allowed):
-        raise UserError(f"{where} names the environment {_shown(spec)} from module {_shown(module)}, which is not "
-                        f"allowed (importing a module runs its code): pass --environment-module {_shown(module)} "
-                        "(or rl.environment_modules in the recipe) if you trust it")
+        raise UserError(f"{where} names the environment {_shown(spec)} from module "
+                        f"{_shown(module)}, which is not allowed (importing a module runs its "
+                        f"code): pass --environment-module {_shown(module)} (or "
+                        "rl.environment_modules in the recipe) if you trust it")
 
 
 def _shown(text: str, limit: int = 60) -> str:
@@ -88,8 +92,8 @@ def check_environment(cls: Any, spec: str) -> None:
         annotated = set(getattr(method, "__annotations__", {})) - {"return"}
         if hints - annotated:
             missing = ", ".join(sorted(hints - annotated))
-            raise UserError(f"environment {spec}: method {name} has no type hint for {missing}; tools "
-                            "need typed parameters (their schema comes from the hints)")
+            raise UserError(f"environment {spec}: method {name} has no type hint for {missing}; "
+                            "tools need typed parameters (their schema comes from the hints)")
 
 
 def open_environment(cls: type, row: dict) -> tuple[Any, ToolRegistry, Optional[str]]:

@@ -76,7 +76,8 @@ class _GrammarBuilder:
             calls = f'{call} ( "\\n" {call} )*'
             root = f"{calls} | free-text" if free_text else calls
         json_rules = {**_JSON_RULES, "ws": _COMPACT_WS} if compact else _JSON_RULES
-        lines = [f"root ::= {root}"] + [f"{k} ::= {v}" for k, v in {**self.rules, **json_rules}.items()]
+        lines = [f"root ::= {root}"] + [f"{k} ::= "
+                                        f"{v}" for k, v in {**self.rules, **json_rules}.items()]
         return "\n".join(lines) + "\n"
 
     def _call_branch(self, tool: Tool) -> str:
@@ -95,11 +96,13 @@ class _GrammarBuilder:
             return "( " + " | ".join(_literal(json.dumps(item)) for item in schema["enum"]) + " )"
         for key in ("anyOf", "oneOf"):
             if key in schema:
-                options = (self.value(option, f"{hint}-{i}") for i, option in enumerate(schema[key]))
+                options = (self.value(option, f"{hint}-{i}")
+                           for i, option in enumerate(schema[key]))
                 return "( " + " | ".join(options) + " )"
         kind = schema.get("type")
         if isinstance(kind, list):
-            return "( " + " | ".join(self.value({**schema, "type": one}, f"{hint}-{one}") for one in kind) + " )"
+            return "( " + " | ".join(self.value({**schema, "type": one}, f"{hint}-{one}")
+                                     for one in kind) + " )"
         if kind in _TYPE_RULES:
             return kind
         if kind == "array":
@@ -115,7 +118,8 @@ class _GrammarBuilder:
         return self.add(hint, f'"[" ws ( {item} ( ws "," ws {item} )* ws )? "]"')
 
     def _map(self, value_schema: dict, hint: str) -> str:
-        entry = self.add(f"{hint}-entry", f'string ws ":" ws {self.value(value_schema, f"{hint}-value")}')
+        entry = self.add(f"{hint}-entry", 'string ws ":" ws '
+                                          f'{self.value(value_schema, f"{hint}-value")}')
         return self.add(hint, f'"{{" ws ( {entry} ( ws "," ws {entry} )* ws )? "}}"')
 
     def _object(self, schema: dict, hint: str) -> str:
@@ -126,7 +130,8 @@ class _GrammarBuilder:
         each starts with a comma).
         """
         required = set(schema.get("required", ()))
-        unwritten = written = ""  # the members after the current one: when none / when one was written before
+        # the members after the current one: when none / when one was written before
+        unwritten = written = ""
         for key, sub in reversed(list(schema["properties"].items())):
             member_body = f'{_literal(json.dumps(key))} ws ":" ws {self.value(sub, f"{hint}-{key}")}'
             member = self.add(f"{hint}-{key}", member_body)

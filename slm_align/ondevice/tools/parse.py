@@ -26,10 +26,10 @@ _TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 _FENCED = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 FORMAT_HINT = 'write <tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>'
 MAX_DEPTH = 64
-"""Deepest nesting of arrays and objects in a call (the call object itself is level 1; ``serve`` bounds a
-request's call arguments at 64 levels too). Python's json decoder recurses, and raises RecursionError at
-about 1,000 levels; the schema check, ``json.dumps`` and the template's ``tojson`` recurse too: a model's
-reply must not take them deeper."""
+"""Deepest nesting of arrays and objects in a call (the call object itself is level 1; ``serve``
+bounds a request's call arguments at 64 levels too). Python's json decoder recurses, and raises
+RecursionError at about 1,000 levels; the schema check, ``json.dumps`` and the template's ``tojson``
+recurse too: a model's reply must not take them deeper."""
 MAX_NUMBER_CHARS = 1000
 """Longest number literal in a call. Python refuses to turn more than 4,300 digits into an int
 (ValueError) and takes quadratic time below that."""
@@ -57,7 +57,8 @@ _DECODER = json.JSONDecoder(parse_int=_int, parse_float=_float)
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests lists and dicts more than ``limit`` levels (walked without recursion)."""
+    """Whether ``value`` nests lists and dicts more than ``limit`` levels (walked without
+    recursion)."""
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -169,7 +170,8 @@ def read_calls(text: str) -> tuple[str, list]:
     if "<tool_call>" in text:
         parts = _TOOL_CALL_BLOCK.split(text)  # text, call body, text, call body, ..., text
         outside = "\n".join(part.strip() for part in parts[0::2] if part.strip())
-        return outside, [decoded for body in parts[1::2] for decoded in _decode_calls(_unfence(body.strip()))]
+        return outside, [decoded for body in parts[1::2]
+                         for decoded in _decode_calls(_unfence(body.strip()))]
     bare = _bare_calls(text)
     if bare is None:
         return text.strip(), []
@@ -177,8 +179,9 @@ def read_calls(text: str) -> tuple[str, list]:
 
 
 def call_text(calls: list) -> str:
-    """``calls`` (:class:`~slm_align.ondevice.tools.calls.ToolCall`) as the text a model writes them in:
-    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` per call, one per line, what
+    """``calls`` (:class:`~slm_align.ondevice.tools.calls.ToolCall`) as the text a model writes them
+    in: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` per call, one per line, what
     :func:`read_calls` reads back (and the runtime's grammar allows)."""
-    blocks = [json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False) for call in calls]
+    blocks = [json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+              for call in calls]
     return "\n".join(f"<tool_call>{block}</tool_call>" for block in blocks)

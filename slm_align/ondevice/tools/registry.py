@@ -3,9 +3,8 @@ parse a reply's calls, execute them, and constrain replies with a grammar.
 
 Bad input while *registering* a tool raises a one-line :class:`~slm_align.errors.UserError`.
 Anything that goes wrong while *running* (malformed JSON, an unknown tool, arguments that break the
-schema, a tool that raises) becomes an
-:class:`Observation` with ``ok=False`` and a short message the model can read and act on; nothing here raises at run
-time.
+schema, a tool that raises) becomes an :class:`Observation` with ``ok=False`` and a short message
+the model can read and act on; nothing here raises at run time.
 
 Stdlib and jsonschema only: this module runs on phones and boards.
 """
@@ -24,7 +23,12 @@ from slm_align.errors import UserError
 from slm_align.ondevice.tools.calls import Observation, ParsedCalls, Tool, ToolCall
 from slm_align.ondevice.tools.grammar import gbnf_grammar
 from slm_align.ondevice.tools.parse import FORMAT_HINT, decode_json, read_calls
-from slm_align.ondevice.tools.schema import accepting_enum_values, docstring_parts, function_schema, type_word
+from slm_align.ondevice.tools.schema import (
+    accepting_enum_values,
+    docstring_parts,
+    function_schema,
+    type_word,
+)
 
 DEFAULT_MAX_OBSERVATION_CHARS = 2000
 
@@ -43,7 +47,8 @@ class ToolRegistry:
             itself.
     """
 
-    def __init__(self, max_observation_chars: int = DEFAULT_MAX_OBSERVATION_CHARS, timeout_s: Optional[float] = None):
+    def __init__(self, max_observation_chars: int = DEFAULT_MAX_OBSERVATION_CHARS,
+                 timeout_s: Optional[float] = None):
         if max_observation_chars < 40:
             raise UserError(f"max_observation_chars must be at least 40, got "
                             f"{max_observation_chars}")
@@ -79,7 +84,8 @@ class ToolRegistry:
                 invalid schema.
         """
         if fn is None:
-            return functools.partial(self.register, name=name, description=description, schema=schema)
+            return functools.partial(self.register, name=name, description=description,
+                                     schema=schema)
         tool_name = name or getattr(fn, "__name__", "")
         self._check_name(tool_name)
         if schema is None:
@@ -188,7 +194,8 @@ class ToolRegistry:
                 return self._failure(tool.name, problem)
             text = _to_text(self._run(tool, call.arguments))
         except TimeoutError:
-            return self._failure(tool.name, f"{tool.name} did not finish within {self.timeout_s:g} s")
+            return self._failure(tool.name, f"{tool.name} did not finish "
+                                            f"within {self.timeout_s:g} s")
         except Exception as exc:
             return self._failure(tool.name, f"{tool.name} failed: {_exception_text(exc)}")
         return Observation(name=tool.name, ok=True, content=self._capped(text))
@@ -250,12 +257,12 @@ class ToolRegistry:
 
         Free text may not start a tag (``<`` followed by a letter or ``/``), so a reply that calls a
         tool must use the grammar's path, where the name is one of the registered tools and the
-        arguments are a JSON object with the schema's properties in order (optional ones may be
-        left out). Schema keywords the grammar cannot express (minimum, pattern, ...) are left to
-        :meth:`execute`'s validation. ``required``: calls only, no free text (OpenAI's ``tool_choice``
-        "required"), written compactly (at most one space between tokens: a small model pushed
-        into a call otherwise wanders off in whitespace); ``names``: only these tools may be
-        called (a named ``tool_choice``).
+        arguments are a JSON object with the schema's properties in order (optional ones may be left
+        out). Schema keywords the grammar cannot express (minimum, pattern, ...) are left to
+        :meth:`execute`'s validation. ``required``: calls only, no free text (OpenAI's
+        ``tool_choice`` "required"), written compactly (at most one space between tokens: a small
+        model pushed into a call otherwise wanders off in whitespace); ``names``: only these tools
+        may be called (a named ``tool_choice``).
         """
         tools = [tool for name, tool in self._tools.items() if names is None or name in names]
         return gbnf_grammar(tools, free_text=not required, compact=required)

@@ -42,7 +42,8 @@ def function_schema(fn: Callable, name: str) -> tuple[str, dict]:
         elif _json_default(param.default) is not None:
             prop["default"] = _json_default(param.default)[0]
         properties[param.name] = prop
-    schema = {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+    schema = {"type": "object", "properties": properties, "required": required,
+              "additionalProperties": False}
     return summary, schema
 
 
@@ -162,7 +163,8 @@ def accepting_enum_values(fn: Callable) -> Callable:
     """Wrap ``fn`` so parameters annotated with an Enum receive the member,
     not the raw JSON value."""
     hints = typing.get_type_hints(fn)
-    enums = {k: v for k, v in hints.items() if isinstance(v, type) and issubclass(v, enum.Enum) and k != "return"}
+    enums = {k: v for k, v in hints.items()
+             if isinstance(v, type) and issubclass(v, enum.Enum) and k != "return"}
     if not enums:
         return fn
 

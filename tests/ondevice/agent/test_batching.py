@@ -218,3 +218,28 @@ def test_logits_are_kept_only_when_asked():
         lane.want_logits = True
         token = next(lane.generate([1, 2, 9], SamplingParams(temperature=0.0)))
         assert token == int(np.argmax(lane.last_logits()))
+
+
+class FeedRecorder(ToyDecoder):
+    """Keeps the length of every slot's feed in every step."""
+
+    def __init__(self, slots: int):
+        super().__init__(slots)
+        self.feeds: list[list[int]] = []
+
+    def step(self, feeds):
+        self.feeds.append([len(ids) for ids in feeds.values()])
+        return super().step(feeds)
+
+
+def test_prompts_first_steps_prompts_apart_from_the_lanes_decoding():
+    items = list(zip(prompts(10), range(10)))
+    reference = alone(items)
+    decoder = FeedRecorder(slots=4)
+    with Engine(decoder, prompts_first=True) as engine:
+        results = run_many(engine, items, lambda lane, item: conversation(lane, item[0], item[1]))
+    assert results == reference
+    prompt_steps = [lengths for lengths in decoder.feeds if max(lengths) > 1]
+    assert prompt_steps and len(prompt_steps) < len(decoder.feeds)
+    assert all(min(lengths) > 1 for lengths in prompt_steps)  # no prompt beside a decode
+    assert max(len(lengths) for lengths in decoder.feeds) > 1  # and the decodes still share steps

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from slm_align.errors import UserError
-from slm_align.ondevice.agent.bench import bench, run_bench
+from slm_align.ondevice.agent.bench import BenchPlan, bench, run_bench
 from slm_align.ondevice.devices.host import cpu_flags, profile_isa
 from slm_align.ondevice.devices.measured import BenchResult, save_profile, to_toml
 from slm_align.ondevice.devices.profiles import load_profile, tomllib
@@ -151,7 +151,7 @@ def test_unknown_artifact_and_device_are_one_line_errors(artifacts, tmp_path, pr
         code, out, err = run_cli(capsys, *args)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and needle in err, err
     with pytest.raises(UserError, match="--repeats 0"):
-        run_bench(artifacts["gguf"], repeats=0)
+        run_bench(artifacts["gguf"], BenchPlan(repeats=0))
 
 
 def test_bench_has_help_with_examples(capsys):

@@ -99,7 +99,8 @@ def test_an_export_file_is_scrubbed_again_and_counts_as_its_devices_turns(fleet,
     assert "ann.lee@example.com" in (fleet / "phone-1.unpaired.jsonl").read_text()
     summary = collect_feedback([fleet / "phone-1.jsonl", fleet / "phone-1.unpaired.jsonl", fleet / "phone-1.db"],
                                tmp_path / "out")
-    assert summary["rows"] == {"pairs": 2, "unpaired": 1} and summary["rejected"]["duplicates"] == 3
+    assert summary["rows"] == {"pairs": 2, "unpaired": 1, "tasks": 1, "demonstrations": 1}
+    assert summary["rejected"]["duplicates"] == 3
     [row] = read_jsonl(tmp_path / "out" / "unpaired.jsonl")
     assert row["completion"][0]["content"] == "Write to <EMAIL> today." and row["device"] == "phone-1"
     assert row["arm"] is None  # an export file does not say which adapters answered
@@ -158,6 +159,23 @@ def test_nothing_to_collect_or_an_occupied_out_is_one_line_and_writes_nothing(fl
     with pytest.raises(UserError, match="max-rows-per-device"):
         collect_feedback([fleet / "phone-2.db"], tmp_path / "x", max_rows_per_device=0)
 
+
+
+def test_a_failed_collection_leaves_the_earlier_round_whole_and_no_scratch(fleet, tmp_path):
+    """With --overwrite, a collection that keeps no row publishes nothing: the earlier folder stays as
+    it was and no scratch folder is left beside it; one that keeps rows replaces it whole."""
+    out = tmp_path / "rounds" / "round2"
+    collect_feedback([fleet / "phone-2.db"], out)
+    earlier = {path.name: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    with pytest.raises(UserError, match="no input is feedback"):
+        collect_feedback([fleet / "notes.txt"], out, overwrite=True)
+    assert {path.name: path.read_bytes() for path in out.rglob("*") if path.is_file()} == earlier
+    assert [path.name for path in out.parent.iterdir()] == ["round2"]
+    summary = collect_feedback([fleet / "phone-1.db"], out, overwrite=True)
+    verdicts = summary["rows"]["pairs"] + summary["rows"]["unpaired"]  # task rows ride with them
+    assert summary["per_device"] == {"phone-1": verdicts}
+    assert json.loads((out / "summary.json").read_text())["per_device"] == summary["per_device"]
+    assert [path.name for path in out.parent.iterdir()] == ["round2"]
 
 def peak_collecting(stores, out) -> tuple[int, int]:
     """(peak bytes of Python allocations while collecting ``stores``, bytes of rows written)."""

@@ -28,7 +28,7 @@ def layout(path: Path) -> dict:
     """Every column, index and foreign key of the store's tables, and its schema version."""
     conn = sqlite3.connect(path)
     found = {"version": conn.execute("PRAGMA user_version").fetchone()[0]}
-    for table in ("turns", "feedback", "ab_decisions"):
+    for table in ("turns", "feedback", "ab_decisions", "call_results"):
         found[table] = conn.execute(f"PRAGMA table_info({table})").fetchall()
         found[table + "/indexes"] = [row[1:] for row in conn.execute(f"PRAGMA index_list({table})")]
         found[table + "/keys"] = conn.execute(f"PRAGMA foreign_key_list({table})").fetchall()
@@ -198,7 +198,7 @@ def token_column_missing(sql: str) -> str:
 @pytest.mark.parametrize("edit, message", [
     (newer_version, f"schema version {SCHEMA_VERSION + 1} is newer than this slm-align supports"),
     (version_forgotten, "has tables but schema version 0; its writer must set "
-                        "PRAGMA user_version = 4"),
+                        "PRAGMA user_version = 5"),
     (token_column_missing, "table turns lacks column(s) token"),
 ])
 def test_a_store_of_a_schema_the_code_does_not_know_is_refused_in_one_line(tmp_path, capsys, edit, message):

@@ -97,9 +97,9 @@ def test_wal_mode_durability_and_schema_version_are_set(tmp_path):
     PreferenceStore(path).close()
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     assert {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} >= {
-        "turns", "feedback", "ab_decisions", "ab_trials", "ab_turns"}
+        "turns", "feedback", "ab_decisions", "ab_trials", "ab_turns", "call_results"}
     conn.close()
     with PreferenceStore(path) as store:  # reopening an up-to-date file migrates nothing
         assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
@@ -148,7 +148,7 @@ def test_newer_schema_version_is_refused(tmp_path):
     conn = sqlite3.connect(path)
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     conn.close()
-    with pytest.raises(UserError, match=r"schema version 5 is newer .* upgrade slm-align") as info:
+    with pytest.raises(UserError, match=r"schema version 6 is newer .* upgrade slm-align") as info:
         PreferenceStore(path)
     assert "\n" not in str(info.value)
     assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # left untouched

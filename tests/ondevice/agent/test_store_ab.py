@@ -2,7 +2,6 @@
 routed give observations (the first verdict of each conversation counts, re-votes add nothing), a version 3
 store migrates, and conversation ids are signed so that a client cannot pick its arm."""
 
-import sqlite3
 
 import pytest
 
@@ -10,7 +9,8 @@ from slm_align.errors import UserError
 from slm_align.ondevice.agent.ab_sequential import decide
 from slm_align.ondevice.agent.ab_trial import ABTrial, ConversationIds
 from slm_align.ondevice.agent.store import PreferenceStore
-from slm_align.ondevice.agent.store_schema import MIGRATIONS
+from slm_align.ondevice.agent.store_schema import SCHEMA_VERSION
+from tests.helpers import old_store
 
 CURRENT = "ab" * 32
 CANDIDATE = "cd" * 32
@@ -47,17 +47,11 @@ def test_a_trial_resumes_with_its_key_and_counts_only_its_routed_turns(tmp_path)
     assert (evidence.conversations, evidence.current_rated, evidence.current_up) == (2, 1, 1)  # c1's first: up
 
 
-def test_a_version_3_store_migrates_to_4_keeping_its_rows(tmp_path):
+def test_a_version_3_store_migrates_keeping_its_rows(tmp_path):
     path = tmp_path / "old.db"
-    conn = sqlite3.connect(path, isolation_level=None)
-    for version, script in enumerate(MIGRATIONS[:3], start=1):
-        conn.executescript(script)
-        conn.execute(f"PRAGMA user_version = {version}")
-    conn.execute("INSERT INTO turns (conversation_id, created_at, model_id, messages, completion, sampling, consent, "
-                 "token) VALUES ('c', '2026-01-01T00:00:00.000+00:00', ?, '[]', 'x', '{}', 1, 't')", (CURRENT,))
-    conn.close()
+    old_store(path, 3, CURRENT)
     with PreferenceStore(path) as store:
-        assert store._conn.execute("PRAGMA user_version").fetchone()[0] == 4
+        assert store._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert store.counts()["turns"] == 1 and store.trials() == []
         assert store.open_trial(CURRENT, CANDIDATE, 0.5)["id"] == 1
 

@@ -57,7 +57,7 @@ class _CrashingModel:
     """Writes one file of its checkpoint, then dies (a kill or a full disk mid-save)."""
 
     def save_pretrained(self, directory, **_):
-        directory.mkdir(parents=True)
+        directory.mkdir(parents=True, exist_ok=True)  # as save_pretrained does
         (directory / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 

@@ -22,17 +22,17 @@ counts. ``{% include %}``, ``{% import %}`` and ``{% extends %}`` are refused at
 chat template is one file). No signals, no threads: it works on any thread, without torch.
 
 A single built-in operation is not interrupted, so each is checked before it runs
-(:mod:`slm_align.ondevice.templates.sandbox.checks`): what it would make against the size bound (padding,
-``to_bytes``, escaping, a date pattern's field widths), and, where its work grows faster than its
-input, what it would cost: ``encode``/``decode`` take linear codecs only (``punycode`` is quadratic),
-wrapping long words and stripping with a set of characters are bounded in characters scanned
-(:data:`TEMPLATE_SCAN`), and filters that run Python code per item (``sort``, ``unique``, ``map``,
-...) take a step per item (n log n for a sort) before they start. A render so ends within about
-:data:`TEMPLATE_SECONDS` plus one such operation (about a second at most).
+(:mod:`slm_align.ondevice.templates.sandbox.checks`): what it would make against the size bound
+(padding, ``to_bytes``, escaping, a date pattern's field widths), and, where its work grows faster
+than its input, what it would cost: ``encode``/``decode`` take linear codecs only (``punycode`` is
+quadratic), wrapping long words and stripping with a set of characters are bounded in characters
+scanned (:data:`TEMPLATE_SCAN`), and filters that run Python code per item (``sort``, ``unique``,
+``map``, ...) take a step per item (n log n for a sort) before they start. A render so ends within
+about :data:`TEMPLATE_SECONDS` plus one such operation (about a second at most).
 
 The package: :mod:`~slm_align.ondevice.templates.sandbox.budget` (the bounds, a render's allowance),
-:mod:`~slm_align.ondevice.templates.sandbox.checks` (single operations), and here the environment and the
-code generator.
+:mod:`~slm_align.ondevice.templates.sandbox.checks` (single operations), and here the environment
+and the code generator.
 """
 
 from __future__ import annotations
@@ -60,16 +60,21 @@ from slm_align.ondevice.templates.sandbox.budget import (
     check_size,
     current,
 )
-from slm_align.ondevice.templates.sandbox.checks import bounded_filter, bounded_sum, check_binop, check_method
+from slm_align.ondevice.templates.sandbox.checks import (
+    bounded_filter,
+    bounded_sum,
+    check_binop,
+    check_method,
+)
 
-__all__ = ["TEMPLATE_CHARS", "TEMPLATE_INT_BITS", "TEMPLATE_SCAN", "TEMPLATE_SECONDS", "TEMPLATE_STEPS",
-           "TEMPLATE_WORK_CHARS", "Budget", "BoundedSandbox", "TemplateLimit", "bounded_environment", "budgeted",
-           "current", "render_bounded"]
+__all__ = ["TEMPLATE_CHARS", "TEMPLATE_INT_BITS", "TEMPLATE_SCAN", "TEMPLATE_SECONDS",
+           "TEMPLATE_STEPS", "TEMPLATE_WORK_CHARS", "Budget", "BoundedSandbox", "TemplateLimit",
+           "bounded_environment", "budgeted", "current", "render_bounded"]
 
 
 def render_bounded(template, variables: dict) -> str:
-    """``template`` (compiled by a :class:`BoundedSandbox`) rendered with ``variables`` under a fresh
-    budget; a TemplateLimit past a bound."""
+    """``template`` (compiled by a :class:`BoundedSandbox`) rendered with ``variables`` under a
+    fresh budget; a TemplateLimit past a bound."""
     with budgeted() as budget:
         pieces = []
         total = 0
@@ -110,14 +115,18 @@ class _Bounding(NodeTransformer):
 
     def visit_Output(self, node: nodes.Output) -> nodes.Node:
         self.generic_visit(node)
-        node.nodes = [nodes.Const(child.data).set_lineno(child.lineno) if isinstance(child, nodes.TemplateData)
-                      else child for child in node.nodes]  # counted by finalize, as every output piece
+        node.nodes = [nodes.Const(child.data).set_lineno(child.lineno)
+                      if isinstance(child, nodes.TemplateData)
+                      # counted by finalize, as every output piece
+                      else child for child in node.nodes]
         return node
 
     def _other_file(self, node: nodes.Node) -> nodes.Node:
-        statement = {nodes.Include: "include", nodes.Import: "import", nodes.FromImport: "from ... import",
+        statement = {nodes.Include: "include", nodes.Import: "import", nodes.FromImport: "from ... "
+                                                                                         "import",
                      nodes.Extends: "extends"}[type(node)]
-        raise TemplateSyntaxError(f"{{% {statement} %}} needs another template file; a chat template is one file",
+        raise TemplateSyntaxError(f"{{% {statement} %}} needs another template file; a chat "
+                                  "template is one file",
                                   node.lineno)
 
     visit_Include = visit_Import = visit_FromImport = visit_Extends = _other_file
@@ -134,9 +143,11 @@ def _internal(function: Callable) -> Callable:
     return function
 
 
-@pass_context  # a finalize that takes the context is never applied at compile time: every piece counts
+# a finalize that takes the context is never applied at compile time: every piece counts
+@pass_context
 def _finalize(context, value: Any) -> Any:
-    """Every output piece (``{{ ... }}`` and the template's own text): one step, sized and counted."""
+    """Every output piece (``{{ ... }}`` and the template's own text): one step, sized and
+    counted."""
     budget = current()
     budget.tick()
     return budget.made(value)
@@ -152,11 +163,13 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         super().__init__(finalize=_finalize, **options)
         self.globals.pop("lipsum", None)  # runs its own loop, as long as asked
         self.filters["sum"] = bounded_sum
-        self.filters = {name: bounded_filter(name, function) for name, function in self.filters.items()}
+        self.filters = {name: bounded_filter(name, function)
+                        for name, function in self.filters.items()}
 
     def add_filters(self, filters: dict[str, Callable]) -> None:
         """Add ``filters``, bounded as the built-in ones."""
-        self.filters.update({name: bounded_filter(name, function) for name, function in filters.items()})
+        self.filters.update({name: bounded_filter(name, function)
+                             for name, function in filters.items()})
 
     # the compiled template's own calls
     @_internal

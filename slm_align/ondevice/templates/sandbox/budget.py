@@ -17,9 +17,10 @@ far below; three nested ``range(1000)`` loops do not."""
 TEMPLATE_SECONDS = 2.0
 """Wall-clock seconds one render may take. Real templates render in milliseconds, on a phone too."""
 TEMPLATE_CHARS = 4_000_000
-"""Characters (a container: characters and items, nested ones included) of the rendered text and of any
-value a template makes. A prompt fills the context: a 128k-token context at the runtime's 16
-characters a token (:data:`~slm_align.ondevice.agent.prompt.MAX_CHARS_PER_TOKEN`) is 2M characters."""
+"""Characters (a container: characters and items, nested ones included) of the rendered text and of
+any value a template makes. A prompt fills the context: a 128k-token context at the runtime's 16
+characters a token (:data:`~slm_align.ondevice.agent.prompt.MAX_CHARS_PER_TOKEN`) is 2M
+characters."""
 TEMPLATE_WORK_CHARS = 16 * TEMPLATE_CHARS
 """Characters made over one render, every value and output piece counted: the intermediate values of
 a real template are a few times its text."""
@@ -27,9 +28,9 @@ TEMPLATE_INT_BITS = 16_384
 """Bits of an integer made by ``*`` or ``**`` (Python prints no integer of more than 4,300 digits,
 about 14,300 bits)."""
 TEMPLATE_SCAN = 500_000_000
-"""Characters one built-in call may compare or copy where its work grows faster than its input (a strip
-with a set of characters looks each stripped one up in the set; wrapping a word longer than the width
-copies what is left of it for each line): half a second at most."""
+"""Characters one built-in call may compare or copy where its work grows faster than its input (a
+strip with a set of characters looks each stripped one up in the set; wrapping a word longer than
+the width copies what is left of it for each line): half a second at most."""
 TIME_CHECK_EVERY = 4096
 """Items measured between two clock readings while a large value is sized."""
 
@@ -46,8 +47,8 @@ def check_size(size: int) -> int:
 
 
 class Budget:
-    """One render's allowance: steps left, its deadline, the characters made so far; and the sizes of
-    the containers it measured (each measured once)."""
+    """One render's allowance: steps left, its deadline, the characters made so far; and the sizes
+    of the containers it measured (each measured once)."""
 
     def __init__(self, steps: int = TEMPLATE_STEPS, seconds: float = TEMPLATE_SECONDS):
         self.steps = steps
@@ -61,16 +62,18 @@ class Budget:
         self.charge(1)
 
     def charge(self, steps: int) -> None:
-        """``steps`` steps (a built-in call's items, before it runs): refused past the step budget or
-        the deadline."""
+        """``steps`` steps (a built-in call's items, before it runs): refused past the step budget
+        or the deadline."""
         self.steps -= steps
         if self.steps < 0:
-            raise TemplateLimit(f"it took more than {TEMPLATE_STEPS:,} steps (a loop that does not end?)")
+            raise TemplateLimit(f"it took more than {TEMPLATE_STEPS:,} "
+                                "steps (a loop that does not end?)")
         self.check_time()
 
     def check_time(self) -> None:
         if time.monotonic() > self.deadline:
-            raise TemplateLimit(f"it ran longer than {TEMPLATE_SECONDS:g} s (a loop that does not end?)")
+            raise TemplateLimit(f"it ran longer than {TEMPLATE_SECONDS:g} "
+                                "s (a loop that does not end?)")
 
     def made(self, value: Any) -> Any:
         """``value``, a result the template made, counted against the size and work bounds."""
@@ -83,8 +86,8 @@ class Budget:
             raise TemplateLimit(f"it made more than {TEMPLATE_WORK_CHARS:,} characters in all")
 
     def size(self, value: Any) -> int:
-        """Characters of a string (bytes of a bytes value), and for a container the characters and items
-        it holds (a part held twice counted twice, as its text would show it); refused beyond
+        """Characters of a string (bytes of a bytes value), and for a container the characters and
+        items it holds (a part held twice counted twice, as its text would show it); refused beyond
         :data:`TEMPLATE_CHARS`."""
         return self.measure(value)[0]
 
@@ -125,8 +128,8 @@ class Budget:
         return total, depth
 
     def remember(self, value: Any, size: int, depth: int) -> Any:
-        """A new value whose size and depth are known from its parts (``a + b``, ``a * n``): counted,
-        and not walked again."""
+        """A new value whose size and depth are known from its parts (``a + b``, ``a * n``):
+        counted, and not walked again."""
         if isinstance(value, (list, tuple)):
             self._sizes[id(value)] = (value, check_size(size), depth)
         self.count(check_size(size))

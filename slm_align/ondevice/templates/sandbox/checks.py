@@ -1,10 +1,10 @@
 """Single built-in operations, checked before they run: what a call would make (repetition, padding,
-replacing, joining, formatting widths, integer powers, ``to_bytes``, escaping, dates) against the size
-bound, and what it would cost where its work grows faster than its input (``encode('punycode')``,
-wrapping or stripping, sorting) against the scan and step bounds. A check raises
-:class:`~slm_align.ondevice.templates.sandbox.budget.TemplateLimit`; otherwise the call runs, with the
-arguments the check returns. Each check is arithmetic on the arguments (a count, a length), never the
-operation itself.
+replacing, joining, formatting widths, integer powers, ``to_bytes``, escaping, dates) against the
+size bound, and what it would cost where its work grows faster than its input
+(``encode('punycode')``, wrapping or stripping, sorting) against the scan and step bounds. A check
+raises :class:`~slm_align.ondevice.templates.sandbox.budget.TemplateLimit`; otherwise the call runs,
+with the arguments the check returns. Each check is arithmetic on the arguments (a count, a length),
+never the operation itself.
 """
 
 from __future__ import annotations
@@ -30,28 +30,30 @@ from slm_align.ondevice.templates.sandbox.budget import (
 FORMAT_NUMBER = re.compile(r"\d+")
 SEQUENCES = (str, list, tuple, bytes)
 TEXT = (str, bytes)
-CODECS = frozenset({"utf-8", "ascii", "iso8859-1", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le",
-                    "utf-32-be"})
+CODECS = frozenset({"utf-8", "ascii", "iso8859-1", "utf-16", "utf-16-le", "utf-16-be", "utf-32",
+                    "utf-32-le", "utf-32-be"})
 """The codecs ``encode`` and ``decode`` may use (by :func:`codecs.lookup`'s name): linear, at most 4
 bytes a character. ``punycode`` and ``idna`` take time quadratic in the text (53 s on 20,000
 characters), and the codec registry reaches further transforms: all refused."""
 CODEC_ERRORS = frozenset({"strict", "ignore", "replace"})
-"""Error handlers ``encode`` and ``decode`` may use (``namereplace`` writes up to 90 characters for one)."""
+"""Error handlers ``encode`` and ``decode`` may use (``namereplace`` writes up to 90 characters for
+one)."""
 STRFTIME_CHARS = 256
 """Characters of a ``strftime_now`` pattern (real templates pass ``'%d %b %Y'``)."""
 STRFTIME_DIRECTIVE = re.compile(r"%([-_0^#]*)(\d*)(.?)", re.DOTALL)
 URLIZE_CHARS = 100_000
 """Characters ``urlize`` may read: it runs regular expressions per word, about 4 µs a character."""
 WRAP_STEPS = 4
-"""Steps a word costs ``wordwrap`` (textwrap runs Python code per word and per space: about 3 µs)."""
+"""Steps a word costs ``wordwrap`` (textwrap runs Python code per word and per space: about 3
+µs)."""
 WORD_START = re.compile(r"[-\s({\[<]+")
 """Where Jinja's ``title`` filter starts a word."""
 ESCAPED_EXTRA = {"&": 4, "<": 3, ">": 3, '"': 4, "'": 4}
 """Characters HTML escaping adds for each of these (``&`` -> ``&amp;``)."""
 SORTING = frozenset({"sort", "dictsort", "groupby"})
 """Filters that sort their value in Python: n log n steps."""
-PER_ITEM = frozenset({"unique", "min", "max", "batch", "slice", "map", "select", "reject", "selectattr",
-                      "rejectattr"})
+PER_ITEM = frozenset({"unique", "min", "max", "batch", "slice", "map", "select", "reject",
+                      "selectattr", "rejectattr"})
 """Filters that run Python code per item of their value: a step each."""
 
 
@@ -63,7 +65,8 @@ def whole(value: Any) -> int:
 def check_scan(work: int, doing: str) -> None:
     """Refuse a call whose characters compared or copied (``work``) pass :data:`TEMPLATE_SCAN`."""
     if work > TEMPLATE_SCAN:
-        raise TemplateLimit(f"it {doing}: more than {TEMPLATE_SCAN:,} characters of work in one call")
+        raise TemplateLimit(f"it {doing}: more than {TEMPLATE_SCAN:,} "
+                            "characters of work in one call")
 
 
 def check_format(pattern: Any, args: Any, kwargs: Optional[dict] = None) -> None:
@@ -76,7 +79,8 @@ def check_format(pattern: Any, args: Any, kwargs: Optional[dict] = None) -> None
     if any(int(number) > TEMPLATE_CHARS for number in FORMAT_NUMBER.findall(pattern)):
         raise TemplateLimit(f"it formats a field wider than {TEMPLATE_CHARS:,} characters")
     values = list(args) if isinstance(args, (tuple, list)) else [args]
-    values += list((kwargs or {}).values()) + (list(args.values()) if isinstance(args, dict) else [])
+    values += list((kwargs or {}).values()) + (list(args.values()) if isinstance(args, dict)
+                                               else [])
     if ("*" in pattern or "{" in pattern) and any(abs(whole(v)) > TEMPLATE_CHARS for v in values):
         raise TemplateLimit(f"it formats a field wider than {TEMPLATE_CHARS:,} characters")
 
@@ -87,7 +91,8 @@ def check_strftime(pattern: Any) -> None:
     if not isinstance(pattern, str):
         return
     if len(pattern) > STRFTIME_CHARS:
-        raise TemplateLimit(f"it formats a date with a pattern of more than {STRFTIME_CHARS} characters")
+        raise TemplateLimit("it formats a date with a pattern of "
+                            f"more than {STRFTIME_CHARS} characters")
     if any(match.group(2) for match in STRFTIME_DIRECTIVE.finditer(pattern)):
         raise TemplateLimit("it formats a date with a field width (such as %1000Y)")
 
@@ -104,10 +109,11 @@ def check_codec(method: str, args: tuple, kwargs: dict) -> None:
     except LookupError:
         return
     if name not in CODECS:
-        raise TemplateLimit(f"it calls {method}({encoding!r}); only utf-8, utf-16, utf-32, ascii and latin-1 "
-                            "are allowed")
+        raise TemplateLimit(f"it calls {method}({encoding!r}); only utf-8, utf-16, utf-32, ascii "
+                            "and latin-1 are allowed")
     if errors not in CODEC_ERRORS:
-        raise TemplateLimit(f"it calls {method} with errors={errors!r}; only strict, ignore and replace are allowed")
+        raise TemplateLimit(f"it calls {method} with errors={errors!r}; only strict, ignore and "
+                            "replace are allowed")
 
 
 def replaced_size(text: Any, old: Any, new: Any, count: Any = None) -> int:
@@ -131,8 +137,8 @@ def joined(budget: Budget, items: Any, separator: Any) -> list:
 def check_binop(budget: Budget, operator: str, left: Any, right: Any) -> Optional[tuple[int, int]]:
     """Refuse ``left operator right`` when its result would pass a bound (checked before it is
     made); the result's (size, depth) when known from the operands."""
-    if operator == "*" and (isinstance(left, SEQUENCES) and whole(right) or isinstance(right, SEQUENCES)
-                            and whole(left)):
+    if operator == "*" and (isinstance(left, SEQUENCES) and whole(right)
+                            or isinstance(right, SEQUENCES) and whole(left)):
         sequence, times = (left, right) if isinstance(left, SEQUENCES) else (right, left)
         size, depth = budget.measure(sequence)
         return check_size(size * max(0, times)), depth
@@ -167,7 +173,8 @@ def _check_text_method(budget: Budget, owner: Any, name: str, args: tuple, kwarg
         tabs = owner.count("\t" if isinstance(owner, str) else b"\t")
         check_size(len(owner) + tabs * whole(first if args else kwargs.get("tabsize", 8)))
     elif name == "replace" and len(args) >= 2:
-        check_size(replaced_size(owner, args[0], args[1], args[2] if len(args) > 2 else kwargs.get("count")))
+        check_size(replaced_size(owner, args[0], args[1],
+                                 args[2] if len(args) > 2 else kwargs.get("count")))
     elif name == "join" and args:
         return (joined(budget, first, owner),) + args[1:]
     elif name in ("format", "format_map"):
@@ -179,7 +186,8 @@ def _check_text_method(budget: Budget, owner: Any, name: str, args: tuple, kwarg
         check_codec(name, args, kwargs)
     elif name in ("strip", "lstrip", "rstrip"):
         chars = first if args else kwargs.get("chars")
-        check_scan(len(owner) * len(chars) if isinstance(chars, TEXT) else 0, "strips a set of characters")
+        check_scan(len(owner) * len(chars) if isinstance(chars, TEXT) else 0, "strips a set "
+                                                                              "of characters")
     elif name == "hex":
         check_size(3 * len(owner))
     return args
@@ -230,7 +238,8 @@ def _indent(budget: Budget, call: FilterCall) -> None:
 
 
 def _replace(budget: Budget, call: FilterCall) -> None:
-    check_size(replaced_size(str(call.value), call.arg(1, "old", ""), call.arg(2, "new", ""), call.arg(3, "count")))
+    check_size(replaced_size(str(call.value), call.arg(1, "old", ""), call.arg(2, "new", ""),
+                             call.arg(3, "count")))
 
 
 def _format(budget: Budget, call: FilterCall) -> None:
@@ -246,9 +255,9 @@ def _batch_or_slice(budget: Budget, call: FilterCall) -> None:
 
 
 def _wordwrap(budget: Budget, call: FilterCall) -> None:
-    """The wrapped text's size; textwrap's Python code per word (:data:`WRAP_STEPS` steps each); and its
-    work on words longer than the width: it copies what is left of such a word for each line it cuts
-    (``('a' * 10**6) | wordwrap(1)`` took 21 s)."""
+    """The wrapped text's size; textwrap's Python code per word (:data:`WRAP_STEPS` steps each); and
+    its work on words longer than the width: it copies what is left of such a word for each line it
+    cuts (``('a' * 10**6) | wordwrap(1)`` took 21 s)."""
     text = str(call.value)
     width = max(1, whole(call.arg(1, "width", 79)))
     lines = len(text) // width + text.count(" ") + text.count("\n") + 1
@@ -269,7 +278,8 @@ def _tojson(budget: Budget, call: FilterCall) -> None:
     """Its text's size; with an indent Python's own encoder runs, a step per item."""
     indent = call.arg(2, "indent")
     width = len(indent) if isinstance(indent, str) else whole(indent)
-    spread = 2 + width * budget.depth(call.value) + sum(len(str(s)) for s in call.arg(3, "separators") or ())
+    spread = 2 + width * budget.depth(call.value) + sum(len(str(s))
+                                                        for s in call.arg(3, "separators") or ())
     check_size(budget.size(call.value) * spread * (6 if call.arg(1, "ensure_ascii") else 1))
     if indent is not None:
         budget.charge(budget.size(call.value))
@@ -302,7 +312,8 @@ def _title(budget: Budget, call: FilterCall) -> None:
 
 
 def _striptags(budget: Budget, call: FilterCall) -> None:
-    """markupsafe's ``striptags`` cuts tags and unescapes entities one by one in Python: two steps each."""
+    """markupsafe's ``striptags`` cuts tags and unescapes entities one by one in Python: two steps
+    each."""
     text = str(call.value)
     budget.charge(2 * (text.count("<") + text.count("&")))
 
@@ -314,9 +325,10 @@ def _urlize(budget: Budget, call: FilterCall) -> None:
 
 FILTER_CHECKS: dict[str, Callable[[Budget, FilterCall], None]] = {
     "center": _center, "indent": _indent, "replace": _replace, "format": _format, "join": _join,
-    "batch": _batch_or_slice, "slice": _batch_or_slice, "wordwrap": _wordwrap, "round": _round, "tojson": _tojson,
-    "pprint": _pprint, "trim": _trim, "escape": _escape, "e": _escape, "forceescape": _escape,
-    "urlencode": _urlencode, "urlize": _urlize, "title": _title, "striptags": _striptags,
+    "batch": _batch_or_slice, "slice": _batch_or_slice, "wordwrap": _wordwrap, "round": _round,
+    "tojson": _tojson, "pprint": _pprint, "trim": _trim, "escape": _escape, "e": _escape,
+    "forceescape": _escape, "urlencode": _urlencode, "urlize": _urlize, "title": _title,
+    "striptags": _striptags,
 }
 """The checks of the filters whose one call can make a large value or run long, by filter name."""
 
@@ -341,8 +353,8 @@ def bounded_filter(name: str, function: Callable) -> Callable:
 
 @pass_environment
 def bounded_sum(environment, iterable: Any, attribute: Any = None, start: Any = 0) -> Any:
-    """Jinja's ``sum``, for numbers only (adding lists one after another takes time quadratic in their
-    length)."""
+    """Jinja's ``sum``, for numbers only (adding lists one after another takes time quadratic in
+    their length)."""
     budget = current()
     getter = make_attrgetter(environment, attribute) if attribute is not None else None
     total = start
