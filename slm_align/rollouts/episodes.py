@@ -37,6 +37,7 @@ from slm_align.ondevice.agent.settings import SamplingParams
 from slm_align.ondevice.rewards.builtin import load_reward_fn
 from slm_align.ondevice.rewards.columns import named_terms
 from slm_align.ondevice.rewards.episodes import classify
+from slm_align.ondevice.rewards.function_calls import reply_calls
 from slm_align.ondevice.templates.chat import default_chat_template, require_tool_template
 from slm_align.ondevice.tools.builtin import default_tools
 from slm_align.ondevice.tools.environment import check_allowed, load_environment, open_environment
@@ -432,13 +433,14 @@ def episode_scores(reward_fn, prompts: list[str], episodes: list[Episode]) -> li
 
 
 def episode_stats(episodes: list[Episode], tasks: TaskSet) -> dict[str, float]:
-    """The iteration's agent metrics: the share of episodes that called a tool, the share of calls
-    that parsed, validated and ran, and the counts behind both (the watchdog tests counts, not
+    """The iteration's agent metrics: the share of episodes that called a tool (a call the runtime
+    ran, or one left in the final answer's text: with ``max_tool_rounds`` 0 the calls are the
+    answer and nothing runs them), the share of the calls run that parsed, validated and ran, and the counts behind both (the watchdog tests counts, not
     rates), tool rounds per episode, the share of episodes left untrained because a round's
     context was rendered anew, and, when the rows have an ``answer``, the share of episodes whose
     final answer is right (the runtime's success rule)."""
     calls = [call for e in episodes for call in e.calls]
-    calling = sum(1 for e in episodes if e.calls)
+    calling = sum(1 for e in episodes if e.calls or reply_calls(e.answer))
     valid = sum(1 for c in calls if c["ok"])
     stats = {"episode/call_rate": calling / len(episodes),
              "episode/valid_call_rate": valid / len(calls) if calls else float("nan"),

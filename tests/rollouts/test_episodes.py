@@ -29,6 +29,7 @@ from slm_align.rl.learner import RolloutSource
 from slm_align.rollouts.completions import Passes
 from slm_align.rollouts.episodes import (
     AgentTasks,
+    Episode,
     EpisodeSetup,
     agent_tasks,
     check_episode_rewards,
@@ -549,3 +550,16 @@ def test_the_runtimes_inserted_ids_get_no_gradient(tiny_models, tokenizer, loss_
     assert inserted.any()
     assert torch.all(grad_new[inserted] == 0) and torch.all(grad_values[inserted] == 0)
     assert torch.all(grad_new[mask.bool()] != 0) and torch.all(grad_values[mask.bool()] != 0)
+
+
+def test_calls_left_in_the_answer_count_in_the_call_rate():
+    """With ``max_tool_rounds`` 0 the calls are the answer and nothing runs them: an episode whose
+    answer holds a call counts as calling (the watchdog's tool-use collapse reads this count); one
+    answering in prose does not. Counting only the calls the runtime ran read 0.0 here."""
+    call = '<tool_call>{"name": "set_alarm", "arguments": {"time": "07:00"}}</tool_call>'
+    called = Episode("p", [1, 2], 1, [True], call, [], 0, False, [], None, [0.0])
+    prose = Episode("p", [1, 2], 1, [True], "Sure, at seven.", [], 0, False, [], None, [0.0])
+    stats = episode_stats([called, prose, prose], TaskSet(["p"], [{}]))
+    assert stats["episode/call_rate"] == pytest.approx(1 / 3)
+    assert stats["episode/with_calls"] == 1.0
+    assert stats["episode/calls"] == 0.0  # calls run (and validated) only
