@@ -435,10 +435,11 @@ def episode_scores(reward_fn, prompts: list[str], episodes: list[Episode]) -> li
 def episode_stats(episodes: list[Episode], tasks: TaskSet) -> dict[str, float]:
     """The iteration's agent metrics: the share of episodes that called a tool (a call the runtime
     ran, or one left in the final answer's text: with ``max_tool_rounds`` 0 the calls are the
-    answer and nothing runs them), the share of the calls run that parsed, validated and ran, and the counts behind both (the watchdog tests counts, not
-    rates), tool rounds per episode, the share of episodes left untrained because a round's
-    context was rendered anew, and, when the rows have an ``answer``, the share of episodes whose
-    final answer is right (the runtime's success rule)."""
+    answer and nothing runs them), the share of the calls run that parsed, validated and ran, and
+    the counts behind both (the watchdog tests counts, not rates), tool rounds per episode, the
+    share of episodes left untrained because a round's context was rendered anew, and, when the
+    rows have an ``answer``, the share of episodes whose final answer is right (the runtime's
+    success rule)."""
     calls = [call for e in episodes for call in e.calls]
     calling = sum(1 for e in episodes if e.calls or reply_calls(e.answer))
     valid = sum(1 for c in calls if c["ok"])

@@ -31,8 +31,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from slm_align.errors import UserError
-from slm_align.ondevice.agent.batching import Draw
-from slm_align.ondevice.agent.llama_prefix import DEFAULT_MAX_BYTES, MIN_SHARED, PrefixCache, shared
+from slm_align.ondevice.agent.batching import Draw, shared_prefix
+from slm_align.ondevice.agent.llama_prefix import DEFAULT_MAX_BYTES, MIN_SHARED, PrefixCache
 
 Entry = tuple[int, int, int, bool]
 """(token, position, sequence, wants logits): one id of a llama.cpp batch."""
@@ -301,7 +301,7 @@ class LlamaBatchDecoder:
             group = {}
             for slot in others:
                 full = self.ids[slot] + feeds[slot]
-                count = min(shared(lead_ids, full), len(full) - 1, len(lead_ids) - 1)
+                count = min(shared_prefix(lead_ids, full), len(full) - 1, len(lead_ids) - 1)
                 if count - self.positions[slot] >= MIN_SHARED:
                     group[slot] = count
             prompting = [slot for slot in others if slot not in group]

@@ -21,6 +21,8 @@ import ctypes
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from slm_align.ondevice.agent.batching import shared_prefix
+
 MIN_SHARED = 8
 """Ids a snapshot must save a slot before it is copied in (a copy costs about as much as a few ids'
 prefill)."""
@@ -35,16 +37,6 @@ class Snapshot:
 
     ids: tuple[int, ...]
     state: ctypes.Array = field(repr=False)
-
-
-def shared(first: Sequence[int], second: Sequence[int]) -> int:
-    """How many leading ids the two share."""
-    count = 0
-    for a, b in zip(first, second):
-        if a != b:
-            break
-        count += 1
-    return count
 
 
 class PrefixCache:
@@ -66,7 +58,7 @@ class PrefixCache:
         """The snapshot sharing the most leading ids with ``ids``, and how many."""
         found, most = None, 0
         for snapshot in self.snapshots:
-            count = shared(snapshot.ids, ids)
+            count = shared_prefix(snapshot.ids, ids)
             if count > most:
                 found, most = snapshot, count
         return found, most
@@ -91,7 +83,7 @@ class PrefixCache:
         if self.lib.llama_state_seq_get_data(self.ctx, state, size, slot) != size:
             return None
         snapshot = Snapshot(tuple(ids), state)
-        self.snapshots = [old for old in self.snapshots if shared(old.ids, ids) < len(old.ids)]
+        self.snapshots = [old for old in self.snapshots if shared_prefix(old.ids, ids) < len(old.ids)]
         self.snapshots.append(snapshot)
         while self.bytes > self.max_bytes:
             self.snapshots.pop(0)

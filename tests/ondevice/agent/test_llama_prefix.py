@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 
 from slm_align.ondevice.agent import llama_batch
-from slm_align.ondevice.agent.batching import Engine
+from slm_align.ondevice.agent.batching import Engine, shared_prefix
 from slm_align.ondevice.agent.llama_batch import LlamaBatchDecoder
-from slm_align.ondevice.agent.llama_prefix import MIN_SHARED, shared
+from slm_align.ondevice.agent.llama_prefix import MIN_SHARED
 from slm_align.ondevice.agent.loading import load_model
 from slm_align.ondevice.agent.runtime import Agent
 from slm_align.ondevice.agent.settings import SamplingParams
 from slm_align.ondevice.tools.builtin import default_tools
 from tests.helpers import export_bundled
+from tests.ondevice.agent.test_llama_batch import Recorder
 
 llama_cpp = pytest.importorskip("llama_cpp")
 QUESTIONS = [f"What is {n} times {n + 3}? Then say why." for n in range(16)]
@@ -43,30 +44,9 @@ def decoded(monkeypatch):
     return count
 
 
-class Recorder:
-    """A lane that keeps each round's ids and the logits they were drawn from."""
-
-    def __init__(self, lane):
-        self.inner = lane
-        self.rounds: list[list[int]] = []
-        self.logits: list[np.ndarray] = []
-        lane.want_logits = True
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def generate(self, prompt, params, grammar=None):
-        ids = []
-        self.rounds.append(ids)
-        for token in self.inner.generate(prompt, params, grammar):
-            ids.append(token)
-            self.logits.append(self.inner.last_logits())
-            yield token
-
-
 def conversation(lane, index: int, temperature: float) -> Recorder:
     """Two turns of the runtime's loop with tools described (a long shared system prompt)."""
-    recorder = Recorder(lane)
+    recorder = Recorder(lane, logits=True)
     sampling = SamplingParams(temperature=temperature, seed=1000 + index, max_tokens=12)
     agent = Agent(recorder, "model", tools=default_tools(), sampling=sampling, describe_tools=True)
     agent.chat(QUESTIONS[index % len(QUESTIONS)])
@@ -149,7 +129,7 @@ def test_prompts_arriving_in_one_step_decode_their_shared_prefix_once(backend):
     other five; every slot's greedy tokens (past the end token too) and logits are those without
     copies, and the tokens today's one-conversation backend gives."""
     feeds = prompts(backend, 6)
-    common = min(shared(feeds[0], other) for other in feeds[1:])
+    common = min(shared_prefix(feeds[0], other) for other in feeds[1:])
     assert common > 50  # the tool descriptions
     reference = {slot: alone(backend, ids, 11) for slot, ids in enumerate(feeds)}
     cold, cold_logits, copied_off, prefilled_off = greedy_together(backend, feeds, prefix_bytes=0)
