@@ -5,19 +5,19 @@ imported only to read a .gguf.
 """
 
 from slm_align.ondevice.devices.estimate import (
-           FitReport,
-           LooRow,
-           MemoryEstimate,
-           estimate_fit,
-           leave_one_out,
-           recommend_quant,
+    FitReport,
+    LooRow,
+    MemoryEstimate,
+    estimate_fit,
+    leave_one_out,
+    recommend_quant,
 )
 from slm_align.ondevice.devices.facts import ModelFacts, model_facts
 from slm_align.ondevice.devices.profiles import (
-           DeviceProfile,
-           ReferencePoint,
-           list_profiles,
-           load_profile,
+    DeviceProfile,
+    ReferencePoint,
+    list_profiles,
+    load_profile,
 )
 from slm_align.ondevice.devices.quant import BITS_PER_WEIGHT
 
