@@ -42,11 +42,15 @@ from agent_tasks import train_trl  # noqa: E402
 from slm_align.atomic import write_text_atomic  # noqa: E402
 from slm_align.data.function_tasks import DEFAULT_MIX  # noqa: E402
 from slm_align.modeling.models import DEFAULT_MODEL_DIR  # noqa: E402
-from slm_align.ondevice.agent.task_eval import TaskResult, compare, evaluate_artifacts  # noqa: E402
+from slm_align.ondevice.agent.task_eval import (  # noqa: E402
+    TaskResult,
+    compare,
+    evaluate_artifacts,
+    summarize,
+)
 from slm_align.ondevice.rewards.function_calls import function_call_match  # noqa: E402
 from slm_align.pipeline import run_rl, run_sft  # noqa: E402
 from slm_align.quickstart.agent import REWARD, AgentSizes, agent_recipe, export_policy, tasks_step  # noqa: E402
-from slm_align.stats import wilson_interval  # noqa: E402
 
 ARMS = ("base", "SFT-small", "SFT-all", "ours", "TRL")
 BFCL = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance")
@@ -188,13 +192,6 @@ def results_in(row: dict, groups=None) -> list[TaskResult]:
     return [r for r in results if groups is None or r.group in groups]
 
 
-def pooled_rate(results: list[TaskResult]) -> dict:
-    """Success over ``results`` with its Wilson interval."""
-    successes = sum(r.success for r in results)
-    return {"n": len(results), "success_rate": successes / len(results) if results else 0.0,
-            "success_ci95": list(wilson_interval(successes, len(results)))}
-
-
 def differences(evaluated: dict, pairs=PAIRS) -> dict:
     """Each (candidate, baseline) pair's paired bootstrap difference on the held-out rows, on BFCL's four call
     categories pooled, and on BFCL's irrelevance."""
@@ -230,7 +227,7 @@ def print_report(evaluated: dict, found: dict, record: dict) -> None:
           + f" {'BFCL calls':>17} {'calls h/b':>9} {'seconds':>8}")
     for name, suites in evaluated.items():
         bfcl = suites["bfcl"]["by_category"]
-        calls = pooled_rate(results_in(suites["bfcl"], CALL_CATEGORIES))
+        calls = summarize(results_in(suites["bfcl"], CALL_CATEGORIES))
         rates = f"{suites['heldout']['call_rate']:.2f}/{suites['bfcl']['call_rate']:.2f}"
         print(f"{name:<10} {interval(suites['heldout']):>17} "
               + " ".join(f"{interval(category_row(bfcl[c])):>17}" for c in BFCL)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from slm_align.data.function_tasks import canonical_arguments, function_tasks
-from slm_align.ondevice.agent.task_eval import TaskResult
+from slm_align.ondevice.agent.task_eval import TaskResult, summarize
 from slm_align.ondevice.rewards.function_calls import function_call_match
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -98,7 +98,6 @@ def test_call_categories_pool_without_irrelevance(bench):
     assert found["ours - SFT-small [bfcl_calls]"]["success_delta"] == pytest.approx(2 / 8)
     assert found["ours - SFT-small [bfcl_irrelevance]"]["success_delta"] == pytest.approx(1.0)
     assert found["ours - SFT-small [heldout]"]["success_delta"] == 0.0
-    pooled = function_calling.pooled_rate(function_calling.results_in(_results(candidate),
-                                                                      function_calling.CALL_CATEGORIES))
-    assert pooled["n"] == 8
+    pooled = summarize(function_calling.results_in(_results(candidate), function_calling.CALL_CATEGORIES))
+    assert pooled["episodes"] == 8
     assert pooled["success_rate"] == pytest.approx(0.25)
