@@ -221,6 +221,9 @@ class HeadroomSettings(Strict):
                                        "PPO, whose learned value baseline copes.")
     max_new_tokens: int = Field(64, ge=1, description="Tokens sampled per completion when "
                                 "measuring the spread.")
+    temperature: Optional[float] = Field(None, gt=0, description="Sampling temperature of the "
+                                         "spread's samples; None: RL's (rl.temperature), the "
+                                         "temperature whose spread GRPO's groups see.")
 
 
 class TrackingSettings(Strict):

@@ -101,18 +101,21 @@ def _spread_figure(recipe: Recipe, policy, tokenizer, reward, prompts: list[str]
 
     settings = recipe.headroom
     k = settings.samples_per_prompt
+    temperature = spread_temperature(recipe)
     repeated = [prompt for prompt in prompts for _ in range(k)]
     tasks = agent_tasks(recipe.rl, source.tasks)
     if tasks is None:
-        samples = sample(policy, tokenizer, repeated, settings.max_new_tokens, temperature=1.0, seed=recipe.seed)
+        samples = sample(policy, tokenizer, repeated, settings.max_new_tokens, temperature=temperature,
+                         seed=recipe.seed)
         scores = score(reward, samples)
     else:  # RL will run agent episodes: the spread is measured on episodes too
         tasks.check_template(tokenizer)
-        rl = recipe.rl.model_copy(update={"max_new_tokens": settings.max_new_tokens, "temperature": 1.0})
+        rl = recipe.rl.model_copy(update={"max_new_tokens": settings.max_new_tokens, "temperature": temperature})
         scores = episode_scores(reward, repeated, run_episodes(policy, tokenizer, repeated, rl, recipe.seed, tasks))
         info["spread_unit"] = "agent episodes"
     spread = measure_spread(scores, k)
     info["spread_samples"] = len(repeated)
+    info["spread_temperature"] = temperature
     info["reward_terms"] = [name for name, _, _ in reward.terms]
     info["reward_spread"] = spread.to_dict()
     info["recommendation"] = recommend(spread, settings.max_all_equal_share, recipe.rl.group_size)
@@ -123,6 +126,13 @@ def _spread_figure(recipe: Recipe, policy, tokenizer, reward, prompts: list[str]
         info["spread_case"] = case.to_dict()
         figure.remedy = case.remedy
     return figure
+
+
+def spread_temperature(recipe: Recipe) -> float:
+    """The temperature the spread is sampled at: ``headroom.temperature``, else RL's, since GRPO's
+    advantage is zero exactly where a group's rewards agree at the temperature RL samples at."""
+    given = recipe.headroom.temperature
+    return recipe.rl.temperature if given is None else given
 
 
 def _perplexity_documents(recipe: Recipe, corpus, source) -> list:
