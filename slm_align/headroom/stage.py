@@ -308,8 +308,9 @@ def record_report(report: dict, recipe: Recipe, run: Path, adapter: Optional[Pat
     write_json_atomic(Path(run) / REPORT, record)
 
 
-REQUEST_RL = ("from_sft", "episodes", "max_tool_rounds", "environment", "group_size")
-"""The RL settings the gate's measurement depends on (episodes or completions, the advice's group)."""
+REQUEST_RL = ("from_sft", "episodes", "max_tool_rounds", "environment", "group_size", "temperature")
+"""The RL settings the gate's measurement depends on (episodes or completions, the advice's group, the
+spread's temperature)."""
 REQUEST_PATHS = ("data.tasks", "data.path", "model.source")
 
 

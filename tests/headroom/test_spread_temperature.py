@@ -77,3 +77,11 @@ def test_agent_episodes_are_sampled_at_rls_temperature(monkeypatch):
     gate._spread_figure(recipe, None, None, Reward(), ["a", "b"], info, SimpleNamespace(tasks=object()))
     assert seen == [(0.8, 48)]
     assert info["spread_unit"] == "agent episodes"
+
+
+def test_a_runs_record_keeps_the_temperature_its_spread_was_sampled_at(tmp_path):
+    """``check-headroom --run`` measures again at the temperature ``train``'s gate sampled at."""
+    recipe = Recipe.model_validate({"rl": {"temperature": 0.6}})
+    settings = gate.gate_request(recipe, tmp_path, None, ["function_call_match"])["settings"]
+    assert settings["rl.temperature"] == 0.6
+    assert settings["headroom.temperature"] is None
