@@ -173,7 +173,7 @@ def ours_arm(recipe, work: Path, record: dict) -> Path:
 
 def judged(args: argparse.Namespace, work: Path, suite: str, name: str, artifact: Path) -> dict:
     """One arm's evaluation on ``suite`` (``heldout`` or ``bfcl``), kept in ``work/eval`` for reruns."""
-    out = work / "eval" / f"{suite}-{name}.json"
+    out = eval_file(args, work, suite, name)
     if out.is_file():
         return json.loads(out.read_text())
     settings = {"max_tokens": args.judge_tokens, "max_tool_rounds": 0, "threads": args.threads, "batch": 8}
@@ -184,6 +184,13 @@ def judged(args: argparse.Namespace, work: Path, suite: str, name: str, artifact
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, json.dumps(report["artifacts"][0], indent=1))
     return report["artifacts"][0]
+
+
+def eval_file(args: argparse.Namespace, work: Path, suite: str, name: str) -> Path:
+    """Where an arm's evaluation is kept: named by what it judged (reply tokens; BFCL's entries per category),
+    so a rerun with another ``--limit`` or ``--judge-tokens`` judges again instead of reusing it."""
+    judged_on = f"{args.judge_tokens}t" + (f"-{args.limit}each" if suite == "bfcl" else "")
+    return work / "eval" / f"{suite}-{name}-{judged_on}.json"
 
 
 def results_in(row: dict, groups=None) -> list[TaskResult]:

@@ -101,3 +101,17 @@ def test_call_categories_pool_without_irrelevance(bench):
     pooled = summarize(function_calling.results_in(_results(candidate), function_calling.CALL_CATEGORIES))
     assert pooled["episodes"] == 8
     assert pooled["success_rate"] == pytest.approx(0.25)
+
+
+def test_an_evaluation_is_kept_under_what_it_judged(bench, tmp_path):
+    """A rerun with another BFCL limit or reply budget judges again; the same settings find the same file."""
+    _, function_calling = bench
+    args = function_calling.parse_args(["--work", str(tmp_path), "--limit", "10", "--judge-tokens", "128"])
+    more = function_calling.parse_args(["--work", str(tmp_path), "--limit", "30", "--judge-tokens", "128"])
+    longer = function_calling.parse_args(["--work", str(tmp_path), "--limit", "10", "--judge-tokens", "256"])
+    kept = function_calling.eval_file(args, tmp_path, "bfcl", "ours")
+    assert kept == function_calling.eval_file(args, tmp_path, "bfcl", "ours")
+    assert kept != function_calling.eval_file(more, tmp_path, "bfcl", "ours")
+    assert kept != function_calling.eval_file(longer, tmp_path, "bfcl", "ours")
+    assert function_calling.eval_file(args, tmp_path, "heldout", "ours") == (
+        function_calling.eval_file(more, tmp_path, "heldout", "ours"))
