@@ -20,7 +20,8 @@ from slm_align.ondevice.agent.runtime import Agent
 
 DEFAULT_BATCH = 8
 """Episodes decoded together by default: 8 caches of a small model's context fit a laptop's memory, and
-on a 2-core host a forward of 8 rows of SmolLM2-135M took 3.6x one row's (docs/benchmarks.md)."""
+on one thread a forward of 8 rows of SmolLM2-135M Q8_0 takes 3.5x one row's (75.5 against 21.8 ms;
+16 rows 6.1x: 8 rows is most of what one core gains, docs/benchmarks.md)."""
 
 PROMPTS_FIRST = True
 """Steps hold prompts only or one-id decodes only (``Engine(prompts_first=True)``), as one episode
