@@ -77,6 +77,7 @@ def run_ours(args) -> dict:
     from slm_align.envelope.policy import build_policy
     from slm_align.modeling.models import load_tokenizer, resolve_source
     from slm_align.rl.grpo import GRPO
+    from slm_align.rl.learner import RolloutSource
     from slm_align.rl.llama_sampler import LlamaSampler
     from slm_align.rollouts.episodes import agent_tasks
     from slm_align.rollouts.policy_backend import policy_template
@@ -88,14 +89,15 @@ def run_ours(args) -> dict:
     prompts = prompt_source(recipe, tokenizer)
     reward = prompts.reward(["task_success"])
     policy = build_policy(source, None, recipe.rl, 0, device="cpu")
-    loop = GRPO(policy, tokenizer, reward, prompts.train, recipe.rl, 0)
-    loop.episodes = agent_tasks(recipe.rl, prompts.tasks)
+    sampler = None
     if args.side == "ours_llama":
         folder = args.work / "sampler"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
-        loop.sampler = LlamaSampler(policy, tokenizer, source, folder, "source", args.threads, 1024)
-        loop.sampler.for_episodes(policy_template(tokenizer, None), 4096)
+        sampler = LlamaSampler(policy, tokenizer, source, folder, "source", args.threads, 1024)
+        sampler.for_episodes(policy_template(tokenizer, None), 4096)
+    rollouts = RolloutSource(prompts.train, agent_tasks(recipe.rl, prompts.tasks), sampler)
+    loop = GRPO(policy, tokenizer, reward, rollouts, recipe.rl, 0)
     times, cpu, logged = [], [], []
     for step in range(args.iterations + 1):
         started, cpu_started = time.perf_counter(), time.process_time()

@@ -238,9 +238,17 @@ class LlamaBatchDecoder:
 
     def _entries(self, feeds: dict[int, list[int]], logits: bool = True) -> list[Entry]:
         """(token, position, slot, wants logits) of every fed id, the slots' positions and ids
-        advanced; logits at each slot's last id (none when ``logits`` is off)."""
+        advanced; logits at each slot's last id (none when ``logits`` is off).
+
+        In slot order, not the order the lanes asked in: with a KV stream per sequence llama.cpp
+        splits a batch into micro-batches by ``split_equal(sequential=true)``, which takes a
+        sequence into the current micro-batch only when its id is the previous one's + 1
+        (``src/llama-batch.cpp``, "accept only increasing sequence ids"). Each micro-batch is a
+        forward over all the weights: slots 3, 0, 1, 2 in arrival order were three forwards, in
+        slot order one (a step of 8 SmolLM2 rows: 110-116 ms against 70-72, docs/benchmarks.md).
+        Slots missing from a step (a conversation prompting or running its tools) still split it."""
         entries = []
-        for slot, ids in feeds.items():
+        for slot, ids in sorted(feeds.items()):
             start = self.positions[slot]
             last = len(ids) - 1
             entries += [(token, start + i, slot, logits and i == last)

@@ -20,7 +20,14 @@ from slm_align.ondevice.agent.runtime import Agent
 
 DEFAULT_BATCH = 8
 """Episodes decoded together by default: 8 caches of a small model's context fit a laptop's memory, and
-on a 2-core host a forward of 8 rows of SmolLM2-135M took 3.6x one row's (docs/benchmarks.md)."""
+on one thread a forward of 8 rows of SmolLM2-135M Q8_0 takes 3.5x one row's (75.5 against 21.8 ms;
+16 rows 6.1x: 8 rows is most of what one core gains, docs/benchmarks.md)."""
+
+PROMPTS_FIRST = True
+"""Steps hold prompts only or one-id decodes only (``Engine(prompts_first=True)``), as one episode
+alone runs them: a step mixing both runs llama.cpp's matrix-matrix kernel for the one-id rows, whose
+rounding flipped 4 of 48 greedy replies of SmolLM2 Q8_0 against one at a time (docs/benchmarks.md).
+Off: the mixed steps (``benchmarks/evaluate_batch.py --prompts-first off`` compares)."""
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -60,7 +67,8 @@ def run_batched(agent: Agent, items: Sequence[Item], batch: int, wrap: Callable,
 
     decoder = LlamaBatchDecoder(backend, min(batch, len(items)))
     try:
-        with Engine(decoder, keep_caches=True) as engine:  # episodes open alike: the system prompt's ids are reused
+        # episodes open alike: the system prompt's ids are reused (keep_caches)
+        with Engine(decoder, keep_caches=True, prompts_first=PROMPTS_FIRST) as engine:
             return run_many(engine, items, one)
     finally:
         decoder.close()

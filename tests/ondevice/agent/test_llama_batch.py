@@ -8,6 +8,7 @@ import re
 import pytest
 
 from slm_align.errors import UserError
+from slm_align.ondevice.agent import llama_batch
 from slm_align.ondevice.agent.batching import Engine, run_many
 from slm_align.ondevice.agent.llama_batch import LlamaBatchDecoder
 from slm_align.ondevice.agent.loading import load_model
@@ -106,6 +107,42 @@ def test_draws_come_from_the_same_logits_alone_and_batched(backend):
         assert len(one.logits) == len(many.logits) > 0
         for a, b in zip(one.logits, many.logits):
             assert abs(a - b).max() < 1e-3
+
+
+def second_logits(backend, prompts: dict[int, list[int]], monkeypatch=None, batches=None) -> dict:
+    """Each slot's logits for its second token (greedy), the slots stepped together; with
+    ``batches``, the sequence ids of every batch of the second step are recorded there."""
+    decoder = LlamaBatchDecoder(backend, 4, prefix_bytes=0)
+    real = llama_batch.decode_entries
+
+    def recording(lib, ctx, entries):
+        batches.append([sequence for _, _, sequence, _ in entries])
+        return real(lib, ctx, entries)
+
+    try:
+        for slot, ids in prompts.items():
+            decoder.begin(slot, SamplingParams(temperature=0.0), None, ids, True)
+        first = decoder.step(prompts)
+        if batches is not None:
+            monkeypatch.setattr(llama_batch, "decode_entries", recording)
+        second = decoder.step({slot: [first[slot].token] for slot in prompts})
+    finally:
+        decoder.close()
+    return {slot: draw.logits for slot, draw in second.items()}
+
+
+def test_a_step_hands_llama_cpp_its_slots_in_increasing_order(backend, monkeypatch):
+    """llama.cpp (a KV stream per sequence) cuts a batch into micro-batches wherever a sequence id
+    is not the previous one's + 1, a forward each: slots asked for as 3, 0, 1, 2 must reach it as
+    0, 1, 2, 3 (one forward), and each slot still gets the logits of its own prompt."""
+    prompts = {slot: backend.tokenize(QUESTIONS[slot]) for slot in (3, 0, 1, 2)}
+    batches = []
+    together = second_logits(backend, prompts, monkeypatch, batches)
+    assert batches == [[0, 1, 2, 3]]
+    alone = {slot: second_logits(backend, {slot: prompts[slot]})[slot] for slot in prompts}
+    for slot in prompts:
+        assert abs(together[slot] - alone[slot]).max() < 1e-3
+    assert abs(alone[0] - alone[3]).max() > 1e-2  # different prompts, different rows
 
 
 def test_conversations_are_admitted_mid_batch_and_leave_no_cache(backend):

@@ -42,6 +42,20 @@ def widest(monkeypatch):
     return seen
 
 
+@pytest.fixture()
+def stepped(monkeypatch):
+    """The ids each step of a batched decoder fed per slot, one list of lengths a step."""
+    steps = []
+
+    class Recording(LlamaBatchDecoder):
+        def step(self, feeds):
+            steps.append([len(ids) for ids in feeds.values()])
+            return super().step(feeds)
+
+    monkeypatch.setattr(task_batch, "LlamaBatchDecoder", Recording)
+    return steps
+
+
 def episodes(report: dict) -> list[dict]:
     return report["artifacts"][0]["results"]
 
@@ -56,6 +70,21 @@ def test_batched_episodes_give_the_report_one_at_a_time_gives(gguf, tasks, wides
     assert episodes(together) == episodes(alone) and len(episodes(alone)) == 10 * samples
     assert together == alone
     assert len({row["reply"] for row in episodes(alone)}) > 1
+
+
+def test_greedy_batched_steps_never_mix_a_prompt_with_one_id_decodes(gguf, tasks, stepped):
+    """Prompts go first (``Engine(prompts_first=True)``): a step holds prompts only or one-id
+    decodes only, as one conversation alone runs them. A step mixing both runs llama.cpp's
+    matrix-matrix kernel for the one-id rows, whose rounding flipped 4 of 48 greedy replies of
+    SmolLM2 (docs/benchmarks.md); so the replies are the same as one at a time."""
+    settings = dict(max_tokens=24, temperature=0.0, threads=1)
+    alone = evaluate_artifacts(tasks, [gguf], batch=1, **settings)
+    together = evaluate_artifacts(tasks, [gguf], batch=4, **settings)
+    assert together == alone
+    prompts = [step for step in stepped if max(step) > 1]
+    decodes = [step for step in stepped if max(step) == 1]
+    assert prompts and [step for step in decodes if len(step) > 1]  # both kinds ran, decodes batched
+    assert [step for step in prompts if min(step) == 1] == []
 
 
 def test_batch_below_1_is_refused_in_one_line(gguf, tasks, capsys):
