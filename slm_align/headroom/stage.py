@@ -229,6 +229,7 @@ def gate_inputs(recipe: Recipe, run: Optional[Path], adapter: Optional[Path], re
             "reward_stage": reward_stage, "rewards": list(rewards), "source": source_fingerprint(data),
             "data": data.model_dump(exclude={"path", "tasks"}), "tasks": tasks, "seed": recipe.seed,
             "headroom": recipe.headroom.model_dump(), "group_size": recipe.rl.group_size,
+            "temperature": spread_temperature(recipe),
             "episodes": recipe.rl.model_dump(include={"episodes", "max_tool_rounds", "environment"})}
 
 

@@ -85,3 +85,11 @@ def test_a_runs_record_keeps_the_temperature_its_spread_was_sampled_at(tmp_path)
     settings = gate.gate_request(recipe, tmp_path, None, ["function_call_match"])["settings"]
     assert settings["rl.temperature"] == 0.6
     assert settings["headroom.temperature"] is None
+
+
+def test_a_gate_measured_at_another_temperature_is_not_reused(tmp_path):
+    """``train`` reuses a recorded gate only when its inputs match: RL's temperature is one of them."""
+    warm = Recipe.model_validate({"rl": {"temperature": 0.8}})
+    hot = Recipe.model_validate({"rl": {"temperature": 1.0}})
+    assert gate.gate_inputs(warm, None, None, None, []) != gate.gate_inputs(hot, None, None, None, [])
+    assert gate.gate_inputs(warm, None, None, None, []) == gate.gate_inputs(warm, None, None, None, [])
