@@ -132,6 +132,7 @@ RL = (
     Flag("--rl-lr", "rl.learning_rate"),
     Flag("--prompts-per-step", "rl.prompts_per_step"),
     Flag("--group-size", "rl.group_size", aliases=("--num-generations",)),
+    Flag("--micro-batch-size", "rl.micro_batch_size"),
     MAX_NEW_TOKENS,
     Flag("--kl-coef", "rl.ppo.kl_coef"),
     Flag("--kl-mode", "rl.ppo.kl_mode"),

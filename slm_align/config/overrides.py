@@ -75,8 +75,9 @@ def merged_overrides(sets: list[str], flags: dict[str, Any]) -> dict[str, Any]:
 
 KTO_ONLY = ("desirable_weight", "undesirable_weight")
 """Preference settings only KTO reads."""
-RL_ONLY = ("steps", "prompts_per_step", "group_size", "learning_rate", "epochs", "minibatch_size", "clip_eps",
-           "eval_prompts", "report_prompts", "episodes", "max_tool_rounds", "environment", "environment_modules")
+RL_ONLY = ("steps", "prompts_per_step", "group_size", "learning_rate", "epochs", "minibatch_size", "micro_batch_size",
+           "clip_eps", "eval_prompts", "report_prompts", "episodes", "max_tool_rounds", "environment",
+           "environment_modules")
 """Settings of the ``[rl]`` section that PPO and GRPO read and DPO/KTO do not (they train from preference files
 under ``[preference]``)."""
 PREFERENCE_TWINS = {"rl.steps": "--pref-steps", "rl.learning_rate": "--pref-lr"}

@@ -100,7 +100,8 @@ class GuardedOptimizer:
     averaging across data-parallel ranks, a finite gradient, the gradient-norm clip, the optimizer
     step, finite parameters. Any non-finite value restores the :meth:`snapshot` taken before the
     forward pass bit for bit and is counted; ``max_consecutive_rollbacks`` in a row stop the run
-    (:class:`TrainingDiverged`).
+    (:class:`TrainingDiverged`). A step over micro-batches (gradient accumulation) calls the same
+    pieces itself: :meth:`begin`, :meth:`backward` per micro-batch, then :meth:`finish`.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, envelope, world,
@@ -120,25 +121,45 @@ class GuardedOptimizer:
     def step(self, loss: torch.Tensor, snapshot: Optional[Snapshot], after_backward=None) -> dict:
         """Backward and one optimizer step on ``loss``: ``{"loss", "grad_norm"}``, or
         ``{"rolled_back": 1}``."""
-        guarded = self.envelope.rollback
+        self.begin()
+        if not self.backward(loss):
+            return self.roll_back(snapshot, "non-finite loss")
+        return self.finish(float(loss.detach()), snapshot, after_backward)
+
+    def begin(self) -> None:
+        """No gradient yet: before a step's first backward (and to drop gradients a skipped step
+        accumulated)."""
         self.optimizer.zero_grad(set_to_none=True)
-        if guarded and self.world.any(not all_finite([loss])):
-            return self._roll_back(snapshot, "non-finite loss")
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """Backward of one (micro-batch's) loss, its gradients added to those already there; False,
+        with no backward, when the loss is not finite on some rank and rollback is on (the caller
+        rolls back)."""
+        if self.envelope.rollback and self.world.any(not all_finite([loss])):
+            return False
         loss.backward()
+        return True
+
+    def finish(self, loss: float, snapshot: Optional[Snapshot], after_backward=None) -> dict:
+        """The step on the gradients accumulated since :meth:`begin` (``loss``: their loss, for
+        the record): the hook, averaging over ranks, a finite gradient, the clip, the optimizer
+        step, finite parameters."""
+        guarded = self.envelope.rollback
         if after_backward is not None:
             after_backward()
         self.world.average_([p.grad for p in self.params])  # data parallel: every replica takes the same step
         if guarded and not all_finite([p.grad for p in self.params]):
-            return self._roll_back(snapshot, "non-finite gradient")
+            return self.roll_back(snapshot, "non-finite gradient")
         max_norm = self.envelope.grad_clip if self.envelope.grad_clip else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         self.optimizer.step()
         if guarded and not all_finite(self.params):
-            return dict(self._roll_back(snapshot, "non-finite parameter"), grad_norm=grad_norm)
+            return dict(self.roll_back(snapshot, "non-finite parameter"), grad_norm=grad_norm)
         self.counters.consecutive_rollbacks = 0
-        return {"loss": float(loss.detach()), "grad_norm": grad_norm}
+        return {"loss": loss, "grad_norm": grad_norm}
 
-    def _roll_back(self, snapshot: Snapshot, reason: str) -> dict:
+    def roll_back(self, snapshot: Snapshot, reason: str) -> dict:
+        """The snapshot back, counted (a run stops after too many in a row)."""
         snapshot.restore()
         self.counters.rolled_back(self.envelope.max_consecutive_rollbacks, reason)
         return {"rolled_back": 1}

@@ -10,9 +10,10 @@ One iteration, top to bottom:
 3. all-equal groups: a group whose rewards do not differ carries no signal; counted, and
    (``resample_zero_std``) sampled once more;
 4. advantages: sigma-clip the raw scores over the batch, then normalise within each group;
-5. update: ``epochs`` passes in shuffled minibatches, each: the ratio, the ratio guard, the loss
+5. update: ``epochs`` passes in shuffled minibatches, each in micro-batches: the ratio, the loss
    (the clipped policy loss with an asymmetric clip plus beta times the k3 KL to the reference,
-   both normalised by ``loss_type``), the guarded optimizer step;
+   both normalised by ``loss_type`` over the minibatch) and its backward; then the ratio guard,
+   the guarded optimizer step;
 6. metrics, the share of all-equal groups among them.
 
 After Shao et al. 2024 (DeepSeekMath, GRPO), Yu et al. 2025 (DAPO: clip-higher) and Liu et al.
@@ -22,14 +23,15 @@ After Shao et al. 2024 (DeepSeekMath, GRPO), Yu et al. 2025 (DAPO: clip-higher) 
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
 from slm_align.config import RLSettings
 from slm_align.envelope.seeds import derive_seed
 from slm_align.rl.advantages import Advantages, all_equal_groups, grpo_advantages
-from slm_align.rl.learner import Learner, rollout_kl, rollout_metrics
-from slm_align.rl.losses import aggregate, clipped_policy_loss, kl_k3
+from slm_align.rl.learner import Learner, PolicyForward, rollout_kl, rollout_metrics
+from slm_align.rl.losses import Whole, aggregate, clipped_policy_loss, kl_k3
 from slm_align.rl.schedule import IterationSize
 from slm_align.rollouts.completions import Passes, Rollout, replace_rows
 from slm_align.rollouts.phases import PhaseClock
@@ -115,32 +117,28 @@ class GRPO(Learner):
         return Advantages(per_sequence.unsqueeze(-1) * batch.mask)
 
     def minibatch(self, batch: Rollout, rows: torch.Tensor, adv: Advantages) -> dict:
-        """One guarded optimizer step on ``rows`` (b,) of the rollout; its statistics.
+        """One guarded optimizer step on ``rows`` (b,) of the rollout, in micro-batches
+        (:meth:`~slm_align.rl.learner.Learner.guarded_update`); its statistics."""
+        return self.guarded_update(batch, rows, partial(self.loss, batch, adv))
+
+    def loss(self, batch: Rollout, adv: Advantages, fwd: PolicyForward, whole: Whole) -> tuple[torch.Tensor, dict]:
+        """The minibatch's loss on ``fwd``'s rows (a micro-batch of it, the minibatch ``whole``).
 
         loss = agg(L_clip(rho, A)) + beta * agg(k3), over the (b, T) completion tokens: L_clip the
         clipped surrogate with DAPO's clip-higher range [1 - clip_eps, 1 + clip_eps_high]
         (:func:`clipped_policy_loss`); k3 = exp(d) - 1 - d, d = log pi_ref - log pi (:func:`kl_k3`);
-        agg the ``loss_type`` normalisation (:func:`aggregate`). Shao et al. 2024, eq. 3.
+        agg the ``loss_type`` normalisation over the whole minibatch (:func:`aggregate`), so that
+        the micro-batches' losses add up to it. Shao et al. 2024, eq. 3.
         """
         s, grpo = self.settings, self.settings.grpo
-        # --- ratio: snapshot, forward with dropout off, rho_t = pi / pi_old in fp32 (log clamped)
-        fwd = self.policy_forward(batch, rows)
-        # --- guard: a mean ratio over the bound skips the minibatch (counted): no backward, no step
-        if self.ratio_guard_skips(fwd):
-            return dict(fwd.stats, skipped=1)
-        # --- loss
-        with self.clock.phase("update_forward"):
-            low, high = s.clip_eps, grpo.clip_eps_high  # clip-higher: a rare token may rise further
-            loss, clip_frac = clipped_policy_loss(fwd.ratio, adv.tokens[rows], fwd.mask, low, high,
-                                                  grpo.loss_type, self.token_budget(), fwd.weights)
-            stats = {"loss/policy": float(loss.detach()), "clip_frac": float(clip_frac)}
-            if grpo.beta:
-                kl = kl_k3(fwd.logprobs, batch.ref_logprobs[rows], self.envelope.log_ratio_clamp)
-                loss = loss + grpo.beta * aggregate(kl, fwd.mask, grpo.loss_type, self.token_budget())
-        # --- guarded step: backward, finite loss, gradient and parameters, else the snapshot back
-        with self.clock.phase("update_backward"):
-            result = self.guard.step(loss, fwd.snapshot, self.after_backward)
-        return dict(fwd.stats, **stats, skipped=0, **result)
+        low, high = s.clip_eps, grpo.clip_eps_high  # clip-higher: a rare token may rise further
+        loss, clip_frac = clipped_policy_loss(fwd.ratio, adv.tokens[fwd.rows], fwd.mask, low, high,
+                                              grpo.loss_type, self.token_budget(), fwd.weights, whole)
+        stats = {"loss/policy": float(loss.detach()), "clip_frac": float(clip_frac)}
+        if grpo.beta:
+            kl = kl_k3(fwd.logprobs, batch.ref_logprobs[fwd.rows], self.envelope.log_ratio_clamp)
+            loss = loss + grpo.beta * aggregate(kl, fwd.mask, grpo.loss_type, self.token_budget(), whole)
+        return loss, stats
 
     def run_step(self, step: int) -> dict:
         """One GRPO iteration: groups, advantages, guarded updates; the iteration's metrics."""

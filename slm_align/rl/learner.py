@@ -3,21 +3,21 @@ that both call.
 
 The run state (:class:`Learner`): the envelope's trainable run (policy, AdamW, the guard, the
 step), the value head, the prompts, the reward, the KL coefficient, the phase clock, the metrics
-and the checkpoint. The algorithms own their iteration and their epoch and minibatch loop: each
-minibatch calls :meth:`Learner.policy_forward` (snapshot, forward with dropout off, the fp32
-importance ratio) and :meth:`Learner.ratio_guard_skips` (the ratio guard), computes its own loss,
-and steps through the guarded optimizer (``self.guard.step``). Nothing here calls an algorithm back.
+and the checkpoint. The algorithms own their iteration and their epoch and minibatch loop, and
+each minibatch hands its loss (a function of one micro-batch's forward) to
+:meth:`Learner.guarded_update`: the snapshot, then per micro-batch :meth:`Learner.policy_forward`
+(forward with dropout off, the fp32 importance ratio), the loss and its backward, then the ratio
+guard (:meth:`Learner.ratio_guard_skips`) and the guarded optimizer step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
 from slm_align.config import RLSettings
-from slm_align.envelope.guard import Snapshot
 from slm_align.envelope.logprobs import forward_logprobs
 from slm_align.envelope.policy import policy_rewards
 from slm_align.envelope.ratio import ratio_guard_trips, ratio_of
@@ -27,6 +27,7 @@ from slm_align.envelope.value_head import ValueHead
 from slm_align.errors import UserError
 from slm_align.progress import counted
 from slm_align.rl.advantages import masked_mean
+from slm_align.rl.losses import Whole
 from slm_align.rl.sampler_correction import sampler_mismatch, sampler_weights
 from slm_align.rl.schedule import IterationSize
 from slm_align.rollouts.completions import Passes, Rollout, RolloutModels, collect
@@ -51,8 +52,7 @@ class RolloutSource:
 
 @dataclass
 class PolicyForward:
-    """b rollout rows (T completion tokens) under the current policy, and the snapshot taken before
-    the forward pass (what a rollback restores; None with rollback off)."""
+    """b rollout rows (T completion tokens) under the current policy."""
 
     rows: torch.Tensor  # (b,) indices into the rollout
     logprobs: torch.Tensor  # (b, T) log pi(y_t), with gradient
@@ -60,8 +60,12 @@ class PolicyForward:
     ratio: torch.Tensor  # (b, T) fp32 importance ratio rho_t
     mask: torch.Tensor  # (b, T) completion tokens that train
     stats: dict  # "ratio/mean", "ratio/max", "entropy"
-    snapshot: Optional[Snapshot]
     weights: Optional[torch.Tensor] = None  # (b, T) or (b, 1): the sampler correction (None: PyTorch sampled)
+
+
+MicroLoss = Callable[[PolicyForward, Whole], tuple[torch.Tensor, dict]]
+"""An algorithm's loss on one micro-batch's forward, normalised by its whole minibatch, and its
+statistics ("loss/..." figures already divided by the whole; others means over its tokens)."""
 
 
 class Learner(TrainableRun):
@@ -184,23 +188,63 @@ class Learner(TrainableRun):
                     yield order[start:start + size]
                     count.advance()
 
-    def policy_forward(self, batch: Rollout, rows: torch.Tensor) -> PolicyForward:
-        """``rows`` of the rollout under the current policy, timed as "update_forward": first the
-        snapshot (nothing has moved yet), then the forward with dropout off (autocast at the run's
-        precision), then in fp32 the importance ratio, (b, T),
+    def micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """A minibatch's (b,) rows cut into ``micro_batch_size`` (all of them when None)."""
+        size = self.settings.micro_batch_size or rows.numel()
+        return list(rows.split(size))
+
+    def guarded_update(self, batch: Rollout, rows: torch.Tensor, loss_of: MicroLoss) -> dict:
+        """One guarded optimizer step on ``rows`` (b,) of the rollout; its statistics.
+
+        The snapshot (nothing has moved yet); then each micro-batch of the rows
+        (:meth:`micro_batches`): its forward (:meth:`policy_forward`), its share of the minibatch's
+        loss, ``loss_of(forward, whole)`` (normalised by the whole minibatch), and its backward
+        (gradients add up; its activations are freed before the next forward); then the ratio
+        guard on the minibatch's mean ratio, which drops the gradients of a tripped minibatch (no
+        step); then the guarded step. A non-finite loss rolls back before its backward."""
+        snapshot = self.guard.snapshot()
+        whole = Whole.of(batch.mask[rows])
+        fills_old = batch.old_logprobs is None
+        if fills_old:
+            batch.old_logprobs = empty_old_logprobs(batch, rows)
+        self.guard.begin()
+        parts, losses = [], []
+        for micro in self.micro_batches(rows):
+            forward = self.policy_forward(batch, micro, fills_old)
+            with self.clock.phase("update_forward"):
+                loss, stats = loss_of(forward, whole)
+            with self.clock.phase("update_backward"):
+                if not self.guard.backward(loss):
+                    batch.old_logprobs = None if fills_old else batch.old_logprobs
+                    return self.guard.roll_back(snapshot, "non-finite loss")
+            parts.append((dict(forward.stats, **stats), float(forward.mask.sum())))
+            losses.append(float(loss.detach()))
+        stats = merged_stats(parts)
+        if self.ratio_guard_skips(stats):
+            self.guard.begin()
+            return dict(stats, skipped=1)
+        with self.clock.phase("update_backward"):
+            result = self.guard.finish(sum(losses), snapshot, self.after_backward)
+        return dict(stats, skipped=0, **result)
+
+    def policy_forward(self, batch: Rollout, rows: torch.Tensor, fills_old: bool = False) -> PolicyForward:
+        """``rows`` of the rollout under the current policy, timed as "update_forward": the forward
+        with dropout off (autocast at the run's precision), then in fp32 the importance ratio, (b, T),
 
             rho_t = exp(clamp(log pi(y_t) - log pi_old(y_t), -c, c)),  c = log_ratio_clamp
 
-        (:func:`~slm_align.envelope.ratio.ratio_of`), its masked mean and max, the mean entropy."""
+        (:func:`~slm_align.envelope.ratio.ratio_of`), its masked mean and max, the mean entropy.
+        ``fills_old``: the rollout has no old log-probabilities of its own and no step has been
+        taken since it was drawn; this forward's, detached, are written as the old ones
+        (:func:`old_logprobs`)."""
         with self.clock.phase("update_forward"):
-            snapshot = self.guard.snapshot()
             self.prepare_forward()
             with self.forward_context():
                 new, entropy, values = forward_logprobs(
                     self.policy, batch.input_ids[rows], batch.attention_mask[rows],
                     batch.prompt_width, self.settings.temperature, self.value_head)
             mask = batch.mask[rows]
-            old = old_logprobs(batch, rows, new)
+            old = old_logprobs(batch, rows, new, fills_old)
             ratio = ratio_of(new, old, self.envelope.log_ratio_clamp)
             stats = {"ratio/mean": float(masked_mean(ratio.detach(), mask)),
                      "ratio/max": float((ratio.detach() * mask).max()),
@@ -209,7 +253,7 @@ class Learner(TrainableRun):
             if batch.sampler_logprobs is not None:
                 s = self.settings
                 weights = sampler_weights(old, batch.sampler_logprobs[rows], mask, s.sampler_cap, s.sampler_correction)
-        return PolicyForward(rows, new, values, ratio, mask, stats, snapshot, weights)
+        return PolicyForward(rows, new, values, ratio, mask, stats, weights)
 
     def sampler_figures(self, batch: Rollout) -> dict:
         """The sampler-trainer mismatch of the rollout (:func:`sampler_mismatch`); none when PyTorch sampled."""
@@ -219,12 +263,12 @@ class Learner(TrainableRun):
         return sampler_mismatch(batch.old_logprobs, batch.sampler_logprobs, batch.mask, s.sampler_cap,
                                 s.sampler_correction)
 
-    def ratio_guard_skips(self, forward: PolicyForward) -> bool:
-        """The ratio guard (envelope rule 5): whether the minibatch's mean ratio, averaged over
-        ranks, exceeds ``envelope.ratio_guard`` (0: off). A trip is counted; the caller skips the
-        minibatch: no backward, no optimizer step, parameters and optimizer state as they are."""
+    def ratio_guard_skips(self, stats: dict) -> bool:
+        """The ratio guard (envelope rule 5): whether the minibatch's mean ratio (``stats``), averaged
+        over ranks, exceeds ``envelope.ratio_guard`` (0: off). A trip is counted; the caller skips the
+        minibatch: its gradients dropped, no optimizer step, parameters and optimizer state as they are."""
         bound = self.envelope.ratio_guard
-        if not bound or not ratio_guard_trips(self.world.mean(forward.stats["ratio/mean"]), bound):
+        if not bound or not ratio_guard_trips(self.world.mean(stats["ratio/mean"]), bound):
             return False
         self.counters.skipped += 1
         return True
@@ -250,20 +294,47 @@ class Learner(TrainableRun):
         self.kl_coef = state["kl_coef"]
 
 
-def old_logprobs(batch: Rollout, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """(b, T) log-probabilities of ``rows`` under the rollout policy: the old pass's, or, when the
-    rollout skipped that pass (one minibatch per epoch), the first epoch's forward's own ``new``
-    detached, kept in the batch for the later epochs and the KL metric. Those are the rollout
-    policy's exactly (no step has been taken yet), so the first epoch's ratio is exactly 1."""
-    if batch.old_logprobs is not None:
-        return batch.old_logprobs[rows]
+def empty_old_logprobs(batch: Rollout, rows: torch.Tensor) -> torch.Tensor:
+    """(B, T) zeros for the old log-probabilities the first minibatch's forward writes, when the
+    rollout skipped their pass: that minibatch must hold every row (one minibatch per epoch)."""
     if rows.numel() != batch.mask.shape[0]:
         raise ValueError("a rollout without old log-probabilities trains in one "
                          "minibatch of all its rows")
-    old = torch.zeros_like(batch.mask)
-    old[rows] = new.detach().float()
-    batch.old_logprobs = old
-    return old[rows]
+    return torch.zeros_like(batch.mask)
+
+
+def old_logprobs(batch: Rollout, rows: torch.Tensor, new: torch.Tensor, fills: bool = False) -> torch.Tensor:
+    """(b, T) log-probabilities of ``rows`` under the rollout policy: the old pass's, or, when the
+    rollout skipped that pass (``fills``: one minibatch per epoch), the first epoch's forward's own
+    ``new`` detached, written into the batch for the later epochs and the KL metric. Those are the
+    rollout policy's exactly (no step has been taken yet), so the first epoch's ratio is exactly 1."""
+    if fills:
+        batch.old_logprobs[rows] = new.detach().float()
+    return batch.old_logprobs[rows]
+
+
+SUMMED = ("loss/policy", "loss/value")
+"""Statistics a micro-batch reports already divided by its whole minibatch: the minibatch's is the sum."""
+
+
+def merged_stats(parts: list[tuple[dict, float]]) -> dict:
+    """A minibatch's statistics from its micro-batches' (each with its trained tokens): the
+    "loss/..." figures summed, "ratio/max" the largest, the rest token-weighted means (masked means
+    over the minibatch, as one forward of all rows gives them). One part: its own figures."""
+    if len(parts) == 1:
+        return parts[0][0]
+    total = sum(tokens for _, tokens in parts)
+    merged = {}
+    for key in parts[0][0]:
+        values = [figures[key] for figures, _ in parts]
+        if key in SUMMED:
+            merged[key] = sum(values)
+        elif key == "ratio/max":
+            merged[key] = max(values)
+        else:
+            weighted = sum(value * tokens for value, (_, tokens) in zip(values, parts))
+            merged[key] = weighted / total if total else 0.0
+    return merged
 
 
 def rollout_kl(batch: Rollout) -> Optional[float]:

@@ -6,38 +6,62 @@ Shapes: B sequences, T completion tokens; ``mask`` (B, T) is 1 on the completion
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from slm_align.rl.advantages import masked_mean
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_tokens: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class Whole:
+    """The minibatch a loss is normalised over: its rows (sequences) and the completion tokens
+    that train in it. A micro-batch's loss divided by its minibatch's whole, summed over the
+    micro-batches, is the minibatch's loss (gradient accumulation without a per-micro-batch
+    normaliser, which would weigh a short micro-batch's tokens more)."""
+
+    rows: int
+    tokens: float
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> "Whole":
+        """The whole of a (B, T) completion mask."""
+        return cls(mask.shape[0], float(mask.sum()))
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_tokens: int,
+              whole: Optional[Whole] = None) -> torch.Tensor:
     """Reduce a per-token loss to a scalar, three ways.
 
     Args:
-        per_token, mask: (B, T). max_tokens: the completion budget L_max
-        (``max_new_tokens``). loss_type: "token_mean": sum(l * m) / sum(m), every token of
-        the batch weighs the same (DAPO, Yu et al.
-            2025; TRL's "bnpo"); "grpo": mean over sequences of sum_t(l * m) / sum_t(m),
-            each sequence weighs the same (Shao et al. 2024); "dr_grpo": sum(l * m) / (B *
-            L_max), a constant normaliser with no length bias (Liu et al. 2025,
-            "Understanding R1-Zero-Like Training").
+        per_token, mask: (b, T), b rows of a minibatch of B rows. max_tokens: the completion
+            budget L_max (``max_new_tokens``). whole: the minibatch's B and sum(m) (None: these b
+            rows are the whole minibatch). loss_type:
+            "token_mean": sum(l * m) / sum_minibatch(m), every token of the minibatch weighs the
+            same (DAPO, Yu et al. 2025; TRL's "bnpo");
+            "grpo": sum over sequences of (sum_t(l * m) / sum_t(m)) / B, each sequence weighs the
+            same (Shao et al. 2024);
+            "dr_grpo": sum(l * m) / (B * L_max), a constant normaliser with no length bias (Liu et
+            al. 2025, "Understanding R1-Zero-Like Training").
 
     Returns:
-        A scalar. As TRL's GRPOTrainer ``loss_type`` options.
+        A scalar; summed over a minibatch's micro-batches (each with the minibatch's ``whole``),
+        the minibatch's. As TRL's GRPOTrainer ``loss_type`` options.
     """
+    whole = whole or Whole.of(mask)
     if loss_type == "token_mean":
-        return masked_mean(per_token, mask)
+        return (per_token * mask).sum() / max(whole.tokens, 1.0)
     if loss_type == "grpo":
         per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        return per_sequence.mean()
+        return per_sequence.sum() / whole.rows
     if loss_type == "dr_grpo":
-        return (per_token * mask).sum() / (per_token.shape[0] * max_tokens)
+        return (per_token * mask).sum() / (whole.rows * max_tokens)
     raise ValueError(f"unknown loss type {loss_type}")
 
 
 def clipped_policy_loss(ratio, advantages, mask, eps_low: float, eps_high: float, loss_type: str,
-                        max_tokens: int, weights=None):
+                        max_tokens: int, weights=None, whole: Optional[Whole] = None):
     """PPO's pessimistic clipped surrogate.
 
     Args:
@@ -48,11 +72,12 @@ def clipped_policy_loss(ratio, advantages, mask, eps_low: float, eps_high: float
         weights: None, or (B, T) / (B, 1) weights without gradient multiplying each token's term: the
             sampler correction of rollouts another engine drew
             (:func:`~slm_align.rl.sampler_correction.sampler_weights`).
+        whole: the minibatch these rows belong to (see :func:`aggregate`; None: all of it).
 
     Returns:
         loss: scalar, ``aggregate(max(-A_t * rho_t, -A_t * clip(rho_t, 1 - eps_low, 1 +
-        eps_high)))``; clip_frac: scalar, the masked share of tokens where the clipped term is the
-        larger (the clip is active).
+        eps_high)))``; clip_frac: scalar, the masked share of these rows' tokens where the clipped
+        term is the larger (the clip is active).
 
     Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7 (negated: a loss to
     minimise), as torchtune's ``PPOLoss`` and TRL's trainers write it.
@@ -62,28 +87,30 @@ def clipped_policy_loss(ratio, advantages, mask, eps_low: float, eps_high: float
     per_token = torch.maximum(unclipped, clipped)
     if weights is not None:
         per_token = per_token * weights
-    loss = aggregate(per_token, mask, loss_type, max_tokens)
+    loss = aggregate(per_token, mask, loss_type, max_tokens, whole)
     clip_frac = masked_mean((clipped > unclipped).float(), mask)
     return loss, clip_frac
 
 
-def clipped_value_loss(values, old_values, returns, mask, clip: float) -> torch.Tensor:
+def clipped_value_loss(values, old_values, returns, mask, clip: float,
+                       whole: Optional[Whole] = None) -> torch.Tensor:
     """PPO's clipped value loss.
 
     Args:
-        values, old_values, returns, mask: (B, T) the value head's V now, V_old at
+        values, old_values, returns, mask: (b, T) the value head's V now, V_old at
         rollout time, GAE's returns R,
             the completion mask. clip: how far V may move from V_old before
-            the clipped term takes over.
+            the clipped term takes over. whole: the minibatch these rows belong to (None: all).
 
     Returns:
-        Scalar 0.5 * masked_mean(max((V - R)^2, (V_clip - R)^2)), V_clip = V_old +
-        clip(V - V_old, -clip, clip).
+        Scalar 0.5 * masked_mean(max((V - R)^2, (V_clip - R)^2)) over the minibatch's tokens,
+        V_clip = V_old + clip(V - V_old, -clip, clip).
 
     As TRL's PPOTrainer and torchtune's ``PPOLoss`` (after OpenAI's baselines ppo2).
     """
     clipped = old_values + (values - old_values).clamp(-clip, clip)
-    return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
+    squared = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    return 0.5 * aggregate(squared, mask, "token_mean", 1, whole)
 
 
 def kl_k1(logprobs, ref_logprobs):

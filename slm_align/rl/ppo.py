@@ -6,9 +6,10 @@ One iteration, top to bottom:
 2. rollout: sample, score, and recompute old/reference log-probabilities and values in fp32;
 3. advantages: whiten the scores, sigma-clip them, spread them into per-token rewards with a KL
    penalty, GAE, whiten and sigma-clip the advantages;
-4. update: ``epochs`` passes in shuffled minibatches, each: the ratio, the ratio guard, the loss
-   (the clipped policy loss, token mean; the clipped value loss; optionally the k3 KL in the loss
-   instead of the reward), the guarded optimizer step;
+4. update: ``epochs`` passes in shuffled minibatches, each in micro-batches: the ratio, the loss
+   (the clipped policy loss, token mean over the minibatch; the clipped value loss; optionally the
+   k3 KL in the loss instead of the reward) and its backward; then the ratio guard, the guarded
+   optimizer step;
 5. the adaptive KL controller, then the metrics (the value head's explained variance among them).
 
 After Schulman et al. 2017 (PPO) and Ziegler et al. 2019 (PPO for language models), as TRL's
@@ -18,6 +19,7 @@ PPOTrainer; laid out as CleanRL's ``ppo.py``.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -31,8 +33,15 @@ from slm_align.rl.advantages import (
     sigma_clip,
     whiten_scores,
 )
-from slm_align.rl.learner import Learner, rollout_kl, rollout_metrics
-from slm_align.rl.losses import adaptive_kl_coef, clipped_policy_loss, clipped_value_loss, kl_k3
+from slm_align.rl.learner import Learner, PolicyForward, rollout_kl, rollout_metrics
+from slm_align.rl.losses import (
+    Whole,
+    adaptive_kl_coef,
+    aggregate,
+    clipped_policy_loss,
+    clipped_value_loss,
+    kl_k3,
+)
 from slm_align.rl.schedule import IterationSize
 from slm_align.rollouts.completions import Rollout
 from slm_align.rollouts.phases import PhaseClock
@@ -87,36 +96,32 @@ class PPO(Learner):
         return Advantages(advantages, returns)
 
     def minibatch(self, batch: Rollout, rows: torch.Tensor, adv: Advantages) -> dict:
-        """One guarded optimizer step on ``rows`` (b,) of the rollout; its statistics.
+        """One guarded optimizer step on ``rows`` (b,) of the rollout, in micro-batches
+        (:meth:`~slm_align.rl.learner.Learner.guarded_update`); its statistics."""
+        return self.guarded_update(batch, rows, partial(self.loss, batch, adv))
+
+    def loss(self, batch: Rollout, adv: Advantages, fwd: PolicyForward, whole: Whole) -> tuple[torch.Tensor, dict]:
+        """The minibatch's loss on ``fwd``'s rows (a micro-batch of it, the minibatch ``whole``).
 
         loss = L_clip(rho, A) + value_coef * L_V(V, V_old, R) (+ kl_coef * mean_t k3_t when
-        kl_mode is "loss"), over the (b, T) completion tokens: L_clip the clipped surrogate, token
-        mean, clip range [1 - eps, 1 + eps] (:func:`clipped_policy_loss`); L_V the clipped value
-        loss (:func:`clipped_value_loss`). Schulman et al. 2017, eq. 9 without the entropy bonus.
+        kl_mode is "loss"), over the (b, T) completion tokens, each a token mean over the whole
+        minibatch: L_clip the clipped surrogate, clip range [1 - eps, 1 + eps]
+        (:func:`clipped_policy_loss`); L_V the clipped value loss (:func:`clipped_value_loss`).
+        Schulman et al. 2017, eq. 9 without the entropy bonus.
         """
         s, ppo = self.settings, self.settings.ppo
-        # --- ratio: snapshot, forward with dropout off, rho_t = pi / pi_old in fp32 (log clamped)
-        fwd = self.policy_forward(batch, rows)
-        # --- guard: a mean ratio over the bound skips the minibatch (counted): no backward, no step
-        if self.ratio_guard_skips(fwd):
-            return dict(fwd.stats, skipped=1)
-        # --- loss
-        with self.clock.phase("update_forward"):
-            policy_loss, clip_frac = clipped_policy_loss(fwd.ratio, adv.tokens[rows], fwd.mask,
-                                                         s.clip_eps, s.clip_eps, "token_mean",
-                                                         s.max_new_tokens, fwd.weights)
-            value_loss = clipped_value_loss(fwd.values, batch.values[rows], adv.returns[rows],
-                                            fwd.mask, ppo.value_clip)
-            loss = policy_loss + ppo.value_coef * value_loss
-            if ppo.kl_mode == "loss":
-                kl = kl_k3(fwd.logprobs, batch.ref_logprobs[rows], self.envelope.log_ratio_clamp)
-                loss = loss + self.kl_coef * masked_mean(kl, fwd.mask)
-            stats = {"loss/policy": float(policy_loss.detach()), "clip_frac": float(clip_frac),
-                     "loss/value": float(value_loss.detach())}
-        # --- guarded step: backward, finite loss, gradient and parameters, else the snapshot back
-        with self.clock.phase("update_backward"):
-            result = self.guard.step(loss, fwd.snapshot, self.after_backward)
-        return dict(fwd.stats, **stats, skipped=0, **result)
+        rows = fwd.rows
+        policy_loss, clip_frac = clipped_policy_loss(fwd.ratio, adv.tokens[rows], fwd.mask, s.clip_eps, s.clip_eps,
+                                                     "token_mean", s.max_new_tokens, fwd.weights, whole)
+        value_loss = clipped_value_loss(fwd.values, batch.values[rows], adv.returns[rows], fwd.mask,
+                                        ppo.value_clip, whole)
+        loss = policy_loss + ppo.value_coef * value_loss
+        if ppo.kl_mode == "loss":
+            kl = kl_k3(fwd.logprobs, batch.ref_logprobs[rows], self.envelope.log_ratio_clamp)
+            loss = loss + self.kl_coef * aggregate(kl, fwd.mask, "token_mean", s.max_new_tokens, whole)
+        stats = {"loss/policy": float(policy_loss.detach()), "clip_frac": float(clip_frac),
+                 "loss/value": float(value_loss.detach())}
+        return loss, stats
 
     def run_step(self, step: int) -> dict:
         """One PPO iteration: rollout, advantages, guarded updates, the KL controller; metrics."""

@@ -13,9 +13,16 @@ from slm_align.envelope.world import World
 from slm_align.rl.advantages import Advantages, masked_mean
 from slm_align.rl.grpo import GRPO, zero_std_share
 from slm_align.rl.learner import PolicyForward
-from slm_align.rl.losses import adaptive_kl_coef, aggregate, clipped_policy_loss, clipped_value_loss, kl_k1, kl_k3
+from slm_align.rl.losses import (
+    Whole,
+    adaptive_kl_coef,
+    aggregate,
+    clipped_policy_loss,
+    clipped_value_loss,
+    kl_k1,
+    kl_k3,
+)
 from slm_align.rl.ppo import PPO, explained_variance
-from slm_align.rollouts.phases import PhaseClock
 
 
 def test_loss_normalisations():
@@ -71,23 +78,18 @@ def test_explained_variance_by_hand():
     assert explained_variance(torch.ones(1, 3), torch.zeros(1, 3), torch.ones(1, 3)) == 0.0  # constant returns
 
 
-def fake_run(forward: PolicyForward, **settings):
-    """What an algorithm's ``minibatch`` reads from its run: settings, the envelope, PPO's KL
-    coefficient, the phase clock, the shared forward (here ``forward``, made by hand), the ratio
-    guard (not tripping), the guarded step (here handing the loss back instead of stepping) and
-    the token budget of a single-turn row (``max_new_tokens``)."""
+def fake_run(**settings):
+    """What an algorithm's ``loss`` reads from its run: settings, the envelope, PPO's KL
+    coefficient and the token budget of a single-turn row (``max_new_tokens``)."""
     rl = RLSettings(max_new_tokens=2, **settings)
-    guard = SimpleNamespace(step=lambda loss, snapshot, after_backward: {"loss": loss})
-    return SimpleNamespace(settings=rl, envelope=EnvelopeSettings(), kl_coef=0.3, clock=PhaseClock(), guard=guard,
-                           policy_forward=lambda batch, rows: forward, ratio_guard_skips=lambda fwd: False,
-                           after_backward=None, token_budget=lambda: rl.max_new_tokens)
+    return SimpleNamespace(settings=rl, envelope=EnvelopeSettings(), kl_coef=0.3,
+                           token_budget=lambda: rl.max_new_tokens)
 
 
-def minibatch_loss(algorithm, run, batch, rows, advantages: Advantages):
-    """``algorithm``'s minibatch on a :func:`fake_run`: the loss its guarded step
-    got, and its statistics."""
-    result = algorithm.minibatch(run, batch, rows, advantages)
-    return result.pop("loss"), result
+def minibatch_loss(algorithm, run, batch, forward: PolicyForward, advantages: Advantages):
+    """``algorithm``'s loss on a :func:`fake_run` for ``forward``'s rows as a whole minibatch, and
+    its statistics."""
+    return algorithm.loss(run, batch, advantages, forward, Whole.of(forward.mask))
 
 
 def loss_inputs():
@@ -105,9 +107,9 @@ def test_ppo_loss_adds_the_weighted_value_loss_and_k3_only_in_loss_mode(kl_mode)
     rows, new, ref, mask, ratio, batch = loss_inputs()
     advantages = torch.tensor([[1.0, -1.0]])
     returns = torch.tensor([[2.0, 0.0]])
-    forward = PolicyForward(rows, new, torch.tensor([[0.0, 0.0]]), ratio, mask, {}, None)
-    run = fake_run(forward, ppo=PPOSettings(value_coef=0.25, kl_mode=kl_mode))
-    loss, stats = minibatch_loss(PPO, run, batch, rows, Advantages(advantages, returns))
+    forward = PolicyForward(rows, new, torch.tensor([[0.0, 0.0]]), ratio, mask, {})
+    run = fake_run(ppo=PPOSettings(value_coef=0.25, kl_mode=kl_mode))
+    loss, stats = minibatch_loss(PPO, run, batch, forward, Advantages(advantages, returns))
     policy = 0.0  # ratio 1: -(1 * 1 + (-1) * 1) / 2
     value = 0.5 * (4.0 + 0.0) / 2  # V = V_old = 0, R = (2, 0)
     k3 = masked_mean(kl_k3(new, ref), mask).item() if kl_mode == "loss" else 0.0
@@ -119,9 +121,9 @@ def test_grpo_loss_adds_beta_times_the_k3_kl_with_the_same_normalisation():
     rows, new, ref, mask, ratio, batch = loss_inputs()
     mask = torch.tensor([[1.0, 0.0]])  # one token trains: dr_grpo divides by B * max_new_tokens = 2
     advantages = torch.tensor([[2.0, 5.0]])
-    forward = PolicyForward(rows, new, None, ratio, mask, {}, None)
-    run = fake_run(forward, grpo=GRPOSettings(beta=0.5, loss_type="dr_grpo"))
-    loss, stats = minibatch_loss(GRPO, run, batch, rows, Advantages(advantages))
+    forward = PolicyForward(rows, new, None, ratio, mask, {})
+    run = fake_run(grpo=GRPOSettings(beta=0.5, loss_type="dr_grpo"))
+    loss, stats = minibatch_loss(GRPO, run, batch, forward, Advantages(advantages))
     k3 = math.exp(-0.5) - 1 + 0.5  # d = log pi_ref - log pi = -0.5 on the token that trains
     assert stats["loss/policy"] == pytest.approx(-2.0 / 2)
     assert loss.item() == pytest.approx(-2.0 / 2 + 0.5 * k3 / 2)
