@@ -85,6 +85,7 @@ def build_ours(args):
     from slm_align.modeling.accelerator import resolve_device
     from slm_align.modeling.models import load_tokenizer, resolve_source
     from slm_align.rl.grpo import GRPO
+    from slm_align.rl.learner import RolloutSource
     from slm_align.rl.ppo import PPO
 
     torch.set_num_threads(args.threads)
@@ -100,22 +101,24 @@ def build_ours(args):
         settings = settings.model_copy(update={"sampler": "llama_cpp", "sampler_base": args.sampler_base})
     policy = build_policy(source, None, settings, seed=0, device=resolve_device(args.device))
     prompts = prompts_for(args.prompts * (args.iterations + 1))
+    rollouts = RolloutSource(prompts, sampler=llama_sampler(args, policy, tokenizer, source))
+    placement = Placement(precision=args.precision)
     if args.algo == "ppo":  # the same number of samples: prompts x G prompt draws, one completion each
         value_head = ValueHead(policy.config.hidden_size).to(resolve_device(args.device))
-        loop = PPO(policy, tokenizer, reward, prompts, settings, seed=0, value_head=value_head,
-                   placement=Placement(precision=args.precision))
-    else:
-        loop = GRPO(policy, tokenizer, reward, prompts, settings, seed=0,
-                    placement=Placement(precision=args.precision))
-    if args.side == "ours_llama":
-        import tempfile
+        return PPO(policy, tokenizer, reward, rollouts, settings, seed=0, value_head=value_head, placement=placement)
+    return GRPO(policy, tokenizer, reward, rollouts, settings, seed=0, placement=placement)
 
-        from slm_align.rl.llama_sampler import LlamaSampler
 
-        folder = tempfile.mkdtemp(prefix="grpo-bench-sampler-")
-        loop.sampler = LlamaSampler(policy, tokenizer, source, Path(folder), args.sampler_base, threads=args.threads,
-                                    n_ctx=1024)
-    return loop
+def llama_sampler(args, policy, tokenizer, source):
+    """The llama.cpp sampler of the ``ours_llama`` side (None: PyTorch samples)."""
+    if args.side != "ours_llama":
+        return None
+    import tempfile
+
+    from slm_align.rl.llama_sampler import LlamaSampler
+
+    folder = tempfile.mkdtemp(prefix="grpo-bench-sampler-")
+    return LlamaSampler(policy, tokenizer, source, Path(folder), args.sampler_base, threads=args.threads, n_ctx=1024)
 
 
 def run_ours(args) -> dict:
