@@ -132,7 +132,7 @@ class GRPO(Learner):
         """
         s, grpo = self.settings, self.settings.grpo
         low, high = s.clip_eps, grpo.clip_eps_high  # clip-higher: a rare token may rise further
-        loss, clip_frac = clipped_policy_loss(fwd.ratio, adv.tokens[fwd.rows], fwd.mask, low, high,
+        loss, clip_frac = clipped_policy_loss(fwd.ratio, adv.tokens[fwd.rows], fwd.mask, (low, high),
                                               grpo.loss_type, self.token_budget(), fwd.weights, whole)
         stats = {"loss/policy": float(loss.detach()), "clip_frac": float(clip_frac)}
         if grpo.beta:

@@ -60,13 +60,13 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_t
     raise ValueError(f"unknown loss type {loss_type}")
 
 
-def clipped_policy_loss(ratio, advantages, mask, eps_low: float, eps_high: float, loss_type: str,
-                        max_tokens: int, weights=None, whole: Optional[Whole] = None):
+def clipped_policy_loss(ratio, advantages, mask, clip: tuple[float, float], loss_type: str, max_tokens: int,
+                        weights=None, whole: Optional[Whole] = None):
     """PPO's pessimistic clipped surrogate.
 
     Args:
         ratio, advantages, mask: (B, T) importance ratios rho_t, advantages A_t, the
-        completion mask. eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high] (equal
+        completion mask. clip: (eps_low, eps_high), the clip range [1 - eps_low, 1 + eps_high] (equal
         for PPO; GRPO's upper bound is
             DAPO's "clip-higher", Yu et al. 2025). loss_type, max_tokens: see :func:`aggregate`.
         weights: None, or (B, T) / (B, 1) weights without gradient multiplying each token's term: the
@@ -82,6 +82,7 @@ def clipped_policy_loss(ratio, advantages, mask, eps_low: float, eps_high: float
     Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7 (negated: a loss to
     minimise), as torchtune's ``PPOLoss`` and TRL's trainers write it.
     """
+    eps_low, eps_high = clip
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
     per_token = torch.maximum(unclipped, clipped)

@@ -111,7 +111,7 @@ class PPO(Learner):
         """
         s, ppo = self.settings, self.settings.ppo
         rows = fwd.rows
-        policy_loss, clip_frac = clipped_policy_loss(fwd.ratio, adv.tokens[rows], fwd.mask, s.clip_eps, s.clip_eps,
+        policy_loss, clip_frac = clipped_policy_loss(fwd.ratio, adv.tokens[rows], fwd.mask, (s.clip_eps, s.clip_eps),
                                                      "token_mean", s.max_new_tokens, fwd.weights, whole)
         value_loss = clipped_value_loss(fwd.values, batch.values[rows], adv.returns[rows], fwd.mask,
                                         ppo.value_clip, whole)

@@ -115,3 +115,16 @@ def test_an_evaluation_is_kept_under_what_it_judged(bench, tmp_path):
     assert kept != function_calling.eval_file(longer, tmp_path, "bfcl", "ours")
     assert function_calling.eval_file(args, tmp_path, "heldout", "ours") == (
         function_calling.eval_file(more, tmp_path, "heldout", "ours"))
+
+
+def test_memory_flags_reach_our_rl_recipe(bench, tmp_path):
+    """--micro-batch-size and --gradient-checkpointing set ours' update (the SFT recipes carry them unused)."""
+    _, function_calling = bench
+    plain = function_calling.recipes(function_calling.parse_args(["--work", str(tmp_path), "--model", "bundled"]),
+                                     tmp_path)["small"]
+    saving = function_calling.parse_args(["--work", str(tmp_path), "--model", "bundled", "--micro-batch-size", "4",
+                                          "--gradient-checkpointing"])
+    small = function_calling.recipes(saving, tmp_path)["small"]
+    assert (plain.rl.micro_batch_size, plain.compute.gradient_checkpointing) == (None, False)
+    assert (small.rl.micro_batch_size, small.compute.gradient_checkpointing) == (4, True)
+    assert small.rl.minibatch_size == 4 * 8  # prompts x group: the minibatch it cuts

@@ -36,9 +36,9 @@ def test_loss_normalisations():
 def test_clipped_policy_loss_is_pessimistic_and_asymmetric():
     mask = torch.ones(1, 2)
     ratio = torch.tensor([[1.5, 0.5]])
-    loss, clip_frac = clipped_policy_loss(ratio, torch.tensor([[1.0, 1.0]]), mask, 0.2, 0.28, "token_mean", 2)
+    loss, clip_frac = clipped_policy_loss(ratio, torch.tensor([[1.0, 1.0]]), mask, (0.2, 0.28), "token_mean", 2)
     assert loss.item() == pytest.approx(-(1.28 + 0.5) / 2) and clip_frac.item() == 0.5
-    loss, _ = clipped_policy_loss(ratio, torch.tensor([[-1.0, -1.0]]), mask, 0.2, 0.28, "token_mean", 2)
+    loss, _ = clipped_policy_loss(ratio, torch.tensor([[-1.0, -1.0]]), mask, (0.2, 0.28), "token_mean", 2)
     assert loss.item() == pytest.approx((1.5 + 0.8) / 2)
 
 

@@ -65,8 +65,8 @@ def test_the_policy_loss_weighs_each_tokens_term():
     ratio = torch.ones(1, 3)
     advantages = torch.tensor([[2.0, 2.0, 2.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    plain, _ = clipped_policy_loss(ratio, advantages, mask, 0.2, 0.2, "token_mean", 3)
+    plain, _ = clipped_policy_loss(ratio, advantages, mask, (0.2, 0.2), "token_mean", 3)
     weights = torch.tensor([[0.5, 2.0, 7.0]])
-    weighted, _ = clipped_policy_loss(ratio, advantages, mask, 0.2, 0.2, "token_mean", 3, weights)
+    weighted, _ = clipped_policy_loss(ratio, advantages, mask, (0.2, 0.2), "token_mean", 3, weights)
     assert plain.item() == pytest.approx(-2.0)
     assert weighted.item() == pytest.approx(-(2.0 * 0.5 + 2.0 * 2.0) / 2)  # the padding's 7 takes no part

@@ -542,7 +542,7 @@ def test_the_runtimes_inserted_ids_get_no_gradient(tiny_models, tokenizer, loss_
     values = torch.zeros_like(mask, requires_grad=True)
     ratio = ratio_of(new, logprobs - 0.1, 20.0)
     advantages = torch.linspace(-1.0, 1.0, mask.shape[1]).unsqueeze(0)
-    policy, _ = clipped_policy_loss(ratio, advantages, mask, 0.2, 0.28, loss_type, 96)
+    policy, _ = clipped_policy_loss(ratio, advantages, mask, (0.2, 0.28), loss_type, 96)
     kl = aggregate(kl_k3(new, logprobs + 0.3, 20.0), mask, loss_type, 96)
     value = clipped_value_loss(values, torch.zeros_like(mask), torch.ones_like(mask), mask, 0.2)
     grad_new, grad_values = torch.autograd.grad(policy + kl + value, [new, values])
