@@ -25,7 +25,7 @@ from slm_align.envelope.run import Placement, TrainableRun
 from slm_align.envelope.seeds import derive_seed
 from slm_align.envelope.value_head import ValueHead
 from slm_align.errors import UserError
-from slm_align.progress import counted
+from slm_align.progress import counted, say_line
 from slm_align.rl.advantages import masked_mean
 from slm_align.rl.losses import Whole
 from slm_align.rl.sampler_correction import sampler_mismatch, sampler_weights
@@ -201,10 +201,43 @@ class Learner(TrainableRun):
         loss, ``loss_of(forward, whole)`` (normalised by the whole minibatch), and its backward
         (gradients add up; its activations are freed before the next forward); then the ratio
         guard on the minibatch's mean ratio, which drops the gradients of a tripped minibatch (no
-        step); then the guarded step. A non-finite loss rolls back before its backward."""
+        step); then the guarded step. A non-finite loss rolls back before its backward.
+
+        Out of memory (``torch.OutOfMemoryError``: CUDA's, or an allocation the host refused), the
+        minibatch starts again from the snapshot in micro-batches half as large, said in one line
+        (:meth:`halve_micro_batches`), as accelerate's ``find_executable_batch_size`` does for a
+        Trainer. A host whose kernel kills the process instead (Linux overcommit) gives no such
+        chance: set ``--micro-batch-size`` there."""
         snapshot = self.guard.snapshot()
-        whole = Whole.of(batch.mask[rows])
         fills_old = batch.old_logprobs is None
+        while True:
+            try:
+                return self.micro_batched_step(batch, rows, loss_of, snapshot, fills_old)
+            except torch.OutOfMemoryError:
+                if snapshot is not None:
+                    snapshot.restore()
+                batch.old_logprobs = None if fills_old else batch.old_logprobs
+                self.guard.begin()
+                self.halve_micro_batches(rows.numel())
+
+    def halve_micro_batches(self, rows: int) -> None:
+        """After running out of memory: ``micro_batch_size`` halved for the rest of the run, said in
+        one line; at one row already, a clear stop instead."""
+        size = self.settings.micro_batch_size or rows
+        if size <= 1:
+            raise UserError("RL update: out of memory with one row at a time; use --gradient-checkpointing, "
+                            "a smaller --max-new-tokens or a smaller model")
+        half = size // 2
+        self.settings = self.settings.model_copy(update={"micro_batch_size": half})
+        say_line(f"RL update: out of memory with {size} rows at a time; now {half} "
+                 f"(--micro-batch-size {half} starts there)")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def micro_batched_step(self, batch: Rollout, rows: torch.Tensor, loss_of: MicroLoss, snapshot,
+                           fills_old: bool) -> dict:
+        """:meth:`guarded_update`'s one try at the current ``micro_batch_size``."""
+        whole = Whole.of(batch.mask[rows])
         if fills_old:
             batch.old_logprobs = empty_old_logprobs(batch, rows)
         self.guard.begin()

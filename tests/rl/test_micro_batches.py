@@ -5,6 +5,7 @@ forward over all rows; the guards hold as before."""
 import pytest
 import torch
 
+from slm_align.errors import UserError
 from slm_align.rl.advantages import masked_mean
 from slm_align.rl.grpo import GRPO
 from slm_align.rl.learner import merged_stats
@@ -144,3 +145,41 @@ def test_a_non_finite_micro_batch_rolls_back_and_forgets_half_written_old_logpro
     result = loop.minibatch(batch, torch.arange(16), adv)
     assert "loss" in result and batch.old_logprobs is not None
     assert not same_state(lora_state(loop), params)
+
+
+class ShortOfMemory(GRPO):
+    """GRPO whose forward of more than ``fits`` rows at once runs out of memory."""
+
+    fits = 2
+
+    def loss(self, batch, adv, fwd, whole):
+        if fwd.rows.numel() > self.fits:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return super().loss(batch, adv, fwd, whole)
+
+
+def test_out_of_memory_halves_the_micro_batches_and_takes_the_same_step(sft_run, capsys):
+    plain = make_loop(sft_run)
+    batch, adv, rows = prepared(plain)
+    expected = plain.minibatch(batch, rows, adv)
+    short = make_loop(sft_run, loop_class=ShortOfMemory)
+    batch, adv, rows = prepared(short)
+    result = short.minibatch(batch, rows, adv)
+    assert short.settings.micro_batch_size == 2  # 8 rows, then 4, then 2
+    assert metrics_close(expected["loss"], result["loss"]) and metrics_close(expected["grad_norm"], result["grad_norm"])
+    after, reference = lora_state(short), lora_state(plain)
+    assert all(torch.allclose(after[n], reference[n], rtol=1e-4, atol=1e-6) for n in after)
+    said = capsys.readouterr().err
+    assert "out of memory with 8 rows at a time; now 4" in said and "now 2 (--micro-batch-size 2" in said
+
+
+def test_out_of_memory_at_one_row_stops_with_the_remedies_and_nothing_moved(sft_run):
+    short = make_loop(sft_run, loop_class=ShortOfMemory, minibatch_size=16)
+    short.fits = 0
+    batch = short.rollout(0)
+    adv = short.advantages(batch)
+    params, state = lora_state(short), optimizer_state(short)
+    with pytest.raises(UserError, match="out of memory with one row at a time; use --gradient-checkpointing"):
+        short.minibatch(batch, torch.arange(16), adv)
+    assert same_state(lora_state(short), params) and same_state(optimizer_state(short), state)
+    assert batch.old_logprobs is None
