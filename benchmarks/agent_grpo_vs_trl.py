@@ -51,7 +51,8 @@ def recipe_for(args, work: Path):
         "rl.algo": "grpo", "rl.episodes": "on", "rl.prompts_per_step": args.prompts,
         "rl.group_size": args.group_size, "rl.minibatch_size": args.prompts * args.group_size,
         "rl.max_new_tokens": 48, "rl.temperature": 0.7, "rl.max_tool_rounds": 1, "rl.learning_rate": LR,
-        "rl.sampler": "llama_cpp" if args.side == "ours_llama" else "torch"})
+        "rl.sampler": "llama_cpp" if args.side == "ours_llama" else "torch",
+        "rl.micro_batch_size": args.micro_batch_size})
 
 
 def prepare(args, work: Path) -> Path:
@@ -195,6 +196,9 @@ def main() -> None:
     parser.add_argument("--sampler", choices=["torch", "llama_cpp", "both"], default="torch")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--work", type=Path, default=Path("/tmp/agent-grpo-vs-trl"))
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="ours: rows per forward and backward in the update (the same step; TRL's update takes "
+                             "the minibatch at once, per_device_train_batch_size)")
     parser.add_argument("--together", action="store_true", help="run the sides at the same time, once each, "
                         "instead of alternating --repeats times")
     add_side_arguments(parser, ("ours", "ours_llama", "trl"))
