@@ -52,7 +52,7 @@ def recipe_for(args, work: Path):
         "rl.group_size": args.group_size, "rl.minibatch_size": args.prompts * args.group_size,
         "rl.max_new_tokens": 48, "rl.temperature": 0.7, "rl.max_tool_rounds": 1, "rl.learning_rate": LR,
         "rl.sampler": "llama_cpp" if args.side == "ours_llama" else "torch",
-        "rl.micro_batch_size": args.micro_batch_size})
+        **({} if args.micro_batch_size is None else {"rl.micro_batch_size": args.micro_batch_size})})
 
 
 def prepare(args, work: Path) -> Path:

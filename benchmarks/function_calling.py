@@ -83,8 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Ours: recompute each layer in the update instead of keeping its activations "
                              "(compute.gradient_checkpointing; a minibatch of 24 episodes took 19-23 GB without).")
     parser.add_argument("--micro-batch-size", type=int, default=None,
-                        help="Ours: rows forwarded and backpropagated at once in the update (rl.micro_batch_size; "
-                             "the step is the same; benchmarks/rl_update_memory.py shows the memory it saves).")
+                        help="Ours: rows forwarded and backpropagated at once in the update (rl.micro_batch_size, "
+                             "default 8; the step is the same; benchmarks/rl_update_memory.py shows the memory "
+                             "it saves).")
     parser.add_argument("--arms", default=",".join(ARMS), help="Arms to train and judge, comma-separated.")
     parser.add_argument("--work", type=Path, required=True, help="Working directory (resumable).")
     return parser.parse_args(argv)
@@ -98,8 +99,9 @@ def recipes(args: argparse.Namespace, work: Path) -> dict:
     budget = {"model.source": model_source(args.model), "data.max_length": args.max_length,
               "rl.prompts_per_step": args.prompts, "rl.group_size": args.group_size,
               "rl.minibatch_size": args.prompts * args.group_size, "compute.threads": args.threads,
-              "compute.gradient_checkpointing": args.gradient_checkpointing,
-              "rl.micro_batch_size": args.micro_batch_size}
+              "compute.gradient_checkpointing": args.gradient_checkpointing}
+    if args.micro_batch_size is not None:
+        budget["rl.micro_batch_size"] = args.micro_batch_size
     small = agent_recipe(work, sizes, "cpu", budget)
     every = agent_recipe(work, sizes, "cpu", dict(budget, **{"data.path": str(work / "tasks" / "sft.jsonl"),
                                                              "sft.max_steps": args.sft_all_steps}))

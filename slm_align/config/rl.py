@@ -190,9 +190,10 @@ class RLSettings(Strict):
     epochs: int = Field(2, ge=1, description="Passes over each rollout.")
     minibatch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
     micro_batch_size: Optional[int] = Field(
-        None, ge=1, description="Sequences forwarded and backpropagated at once within a minibatch "
-        "(None: the whole minibatch). Smaller holds fewer activations; the gradients of the "
-        "micro-batches add up to the minibatch's step, under its loss normaliser.")
+        8, ge=1, description="Sequences forwarded and backpropagated at once within a minibatch "
+        "(None: the whole minibatch; 8 as TRL's per_device_train_batch_size). Smaller holds fewer "
+        "activations; the gradients of the micro-batches add up to the minibatch's step, under its "
+        "loss normaliser.")
     clip_eps: float = Field(0.2, gt=0, lt=1,
                             description="Ratio clip (PPO, and GRPO's lower bound).")
     mask_truncated: bool = Field(False, description="Give truncated completions no gradient.")

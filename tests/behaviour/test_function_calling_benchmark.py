@@ -125,6 +125,6 @@ def test_memory_flags_reach_our_rl_recipe(bench, tmp_path):
     saving = function_calling.parse_args(["--work", str(tmp_path), "--model", "bundled", "--micro-batch-size", "4",
                                           "--gradient-checkpointing"])
     small = function_calling.recipes(saving, tmp_path)["small"]
-    assert (plain.rl.micro_batch_size, plain.compute.gradient_checkpointing) == (None, False)
+    assert (plain.rl.micro_batch_size, plain.compute.gradient_checkpointing) == (8, False)  # the defaults
     assert (small.rl.micro_batch_size, small.compute.gradient_checkpointing) == (4, True)
     assert small.rl.minibatch_size == 4 * 8  # prompts x group: the minibatch it cuts
