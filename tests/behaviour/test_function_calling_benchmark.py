@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from slm_align.data.function_tasks import canonical_arguments, function_tasks
+from slm_align.data.function_tasks import DEFAULT_MIX, canonical_arguments, function_tasks
 from slm_align.ondevice.agent.task_eval import TaskResult, summarize
 from slm_align.ondevice.rewards.function_calls import function_call_match
+from slm_align.quickstart.agent import AgentSizes, tasks_step
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -115,3 +116,23 @@ def test_an_evaluation_is_kept_under_what_it_judged(bench, tmp_path):
     assert kept != function_calling.eval_file(longer, tmp_path, "bfcl", "ours")
     assert function_calling.eval_file(args, tmp_path, "heldout", "ours") == (
         function_calling.eval_file(more, tmp_path, "heldout", "ours"))
+
+
+def test_twins_reach_the_task_step_and_a_work_dir_of_the_other_setting_is_refused(bench, tmp_path):
+    """``--twins`` writes training rows with twins (held-out rows as without), is recorded in the settings, and a
+    rerun on a work directory written with the other setting stops instead of training on the wrong rows."""
+    _, function_calling = bench
+    args = function_calling.parse_args(["--work", str(tmp_path / "twins"), "--twins"])
+    assert args.twins and not function_calling.parse_args(["--work", str(tmp_path)]).twins
+    sizes = AgentSizes(train_tasks=40, heldout_tasks=10, demonstrations=10)
+    for name, twins in (("twins", True), ("plain", False)):
+        function_calling.check_tasks(tmp_path / name, twins)
+        tasks_step(tmp_path / name, sizes, print, mix=DEFAULT_MIX, twins=twins)
+    train = {name: (tmp_path / name / "tasks" / "train.jsonl").read_text() for name in ("twins", "plain")}
+    assert "_multiple_twin_" in train["twins"] and "_multiple_twin_" not in train["plain"]
+    heldout = [(tmp_path / name / "tasks" / "heldout.jsonl").read_bytes() for name in ("twins", "plain")]
+    assert heldout[0] == heldout[1]
+    with pytest.raises(SystemExit, match="without --twins"):
+        function_calling.check_tasks(tmp_path / "plain", True)
+    with pytest.raises(SystemExit, match="with --twins"):
+        function_calling.check_tasks(tmp_path / "twins", False)
