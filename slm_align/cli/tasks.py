@@ -53,6 +53,9 @@ def tasks_make(
                                        help="Share of training tasks whose SFT chat answers from memory, "
                                             "without the tool (a teacher's habit RL can correct; "
                                             "calculator only)."),
+    twins: bool = typer.Option(False, "--twins", help="Give each training irrelevance row a twin: "
+                               "the same request with its function offered too, answered by a "
+                               "call (functions only; the held-out rows do not change)."),
     as_json: bool = JsonFlag,
 ) -> None:
     """Write a bundled tool-use task: the calculator's arithmetic and unit questions, split
@@ -65,10 +68,13 @@ def tasks_make(
         raise UserError(f"--kind {kind!r} is not a task kind; use one of {', '.join(KINDS)}")
     if kind != "calculator" and memory_share:
         raise UserError("--memory-share applies to --kind calculator only; leave it out")
+    if kind != "functions" and twins:
+        raise UserError("--twins applies to --kind functions only; leave it out")
     train = KINDS[kind][0] if train is None else train
     heldout = KINDS[kind][1] if heldout is None else heldout
     if kind == "functions":
-        paths = write_function_tasks(out, train=train, heldout=heldout, seed=seed, overwrite=overwrite)
+        paths = write_function_tasks(out, train=train, heldout=heldout, seed=seed, overwrite=overwrite,
+                                     twins=twins)
     else:
         paths = write_agent_tasks(out, train, heldout, seed, overwrite=overwrite,
                                   memory_share=memory_share)
@@ -77,6 +83,7 @@ def tasks_make(
               "seed": seed, "memory_share": memory_share}
     if kind == "functions":
         result["categories"] = _categories(paths)
+        result["twins"] = twins
 
     def human() -> None:
         for name, path in paths.items():

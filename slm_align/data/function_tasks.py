@@ -18,10 +18,20 @@ The held-out split holds functions that no training row offers or asks for (a se
 domain's functions); ``sft.jsonl`` holds each training row as a chat whose assistant turn makes the
 calls in ``tool_calls`` (the runtime's form) or, for irrelevance, says in a sentence that no
 function fits. Everything is seeded: the same seed writes the same files.
+
+Twins (``twins=True``, ``tasks make --kind functions --twins``): each irrelevance row of the
+training split gets a twin, a ``multiple`` row with the same request, the same offered functions
+plus the one the request is for (at a seeded place), and that request's ground truth: the same
+words need a call or a sentence depending on what is offered, so a model must read the offered
+functions. A twin follows or precedes its irrelevance row (seeded), so the first N rows (the few
+demonstrations) hold both halves of a pair. The twins take the place of as many rows of the call
+categories (shared out among them by the mix): the training split keeps its size and its share of
+irrelevance rows. The held-out split never has twins; with twins off nothing changes.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from pathlib import Path
@@ -153,38 +163,87 @@ def make_row(category: str, functions: list[dict], rng: random.Random) -> dict:
 
 def _irrelevance_row(anchor: dict, functions: list[dict], rng: random.Random) -> dict:
     """Functions of ``anchor``'s domain offered, a request for a function of an unrelated group."""
+    return _irrelevance_pair(anchor, functions, rng)[0]
+
+
+def _irrelevance_pair(anchor: dict, functions: list[dict],
+                      rng: random.Random) -> tuple[dict, dict, object]:
+    """An irrelevance row (:func:`_irrelevance_row`), the function its request is for and the
+    request (what its twin needs)."""
     offered = [anchor, *[function for function in _same_domain_first(anchor, functions, 2, rng)
                          if function["domain"] == anchor["domain"]][: rng.randint(0, 2)]]
     unrelated = [function for function in functions if function["group"] != anchor["group"]]
-    request = draw_request(rng.choice(unrelated), rng)
+    asked = rng.choice(unrelated)
+    request = draw_request(asked, rng)
     row = _row("irrelevance", [request], offered, rng)
     row["ground_truth"] = []
-    return row
+    return row, asked, request
+
+
+def twin_row(irrelevance: dict, asked: dict, request, rng: random.Random) -> dict:
+    """The twin of an irrelevance row: its request and offered functions with ``asked`` (the
+    function the request is for) put at a seeded place among them; ground truth the request's
+    (category ``multiple``: an irrelevance row offers at least one function)."""
+    tools = copy.deepcopy(irrelevance["tools"])
+    tools.insert(rng.randint(0, len(tools)), tool_schema(asked))
+    return {"category": "multiple", "messages": copy.deepcopy(irrelevance["messages"]),
+            "tools": tools, "ground_truth": [request.truth]}
+
+
+def twin_counts(counts: dict[str, int], mix: Optional[dict] = None) -> dict[str, int]:
+    """The counts of :func:`category_counts` with room for one twin per irrelevance row: the call
+    categories give up as many rows, shared out among them by ``mix`` (largest remainders)."""
+    mix = DEFAULT_MIX if mix is None else mix
+    pairs = counts["irrelevance"]
+    left = sum(counts.values()) - 2 * pairs
+    if left < 0:
+        raise UserError(f"--twins gives each of the {pairs} irrelevance rows a twin, more rows than "
+                        "the split holds; lower the irrelevance share to at most half")
+    calls = {category: mix.get(category, 0.0) for category in CATEGORIES[:-1]}
+    shared = category_counts(left, calls) if left and sum(calls.values()) else {}
+    return {category: shared.get(category, 0) for category in CATEGORIES[:-1]} | {
+        "irrelevance": pairs}
+
+
+def _made_row(category: str, functions: list[dict], rng: random.Random,
+              twins: bool) -> tuple[dict, Optional[dict]]:
+    """A row of ``category`` and, with ``twins`` on an irrelevance row, its twin (else None)."""
+    if not (twins and category == "irrelevance"):
+        return make_row(category, functions, rng), None
+    row, asked, request = _irrelevance_pair(rng.choice(functions), functions, rng)
+    return row, twin_row(row, asked, request, rng)
 
 
 def make_rows(n: int, functions: list[dict], seed: int, split: str,
-              mix: Optional[dict] = None) -> list[dict]:
-    """``n`` rows over ``functions`` in the categories of ``mix``; no two share a request;
-    ids ``functions_<split>_<category>_<number>``; shuffled (a ``--limit`` takes every category)."""
+              mix: Optional[dict] = None, twins: bool = False) -> list[dict]:
+    """``n`` rows over ``functions`` in the categories of ``mix``; no two share a request (but an
+    irrelevance row and its twin, with ``twins``: see the module's docstring); ids
+    ``functions_<split>_<category>_<number>`` (a twin: ``..._multiple_twin_<its irrelevance row's
+    number>``); shuffled (a ``--limit`` takes every category), a twin beside its pair."""
     rng = random.Random(seed)
-    rows = []
+    counts = category_counts(n, mix)
+    units: list[list[dict]] = []
     seen: set[str] = set()
-    for category, count in category_counts(n, mix).items():
+    for category, count in (twin_counts(counts, mix) if twins else counts).items():
         made = 0
         for _ in range(100 * count + 100):
             if made == count:
                 break
-            row = make_row(category, functions, rng)
+            row, twin = _made_row(category, functions, rng, twins)
             text = row["messages"][0]["content"]
             if text in seen or (category.startswith("parallel") and len(row["ground_truth"]) < 2):
                 continue
             seen.add(text)
             made += 1
-            rows.append({"id": f"functions_{split}_{category}_{made:04d}", **row})
+            unit = [{"id": f"functions_{split}_{category}_{made:04d}", **row}]
+            if twin is not None:
+                unit.append({"id": f"functions_{split}_multiple_twin_{made:04d}", **twin})
+                rng.shuffle(unit)
+            units.append(unit)
         if made < count:
             raise UserError(f"cannot generate {count} distinct {category} rows; ask for fewer")
-    rng.shuffle(rows)
-    return rows
+    rng.shuffle(units)
+    return [row for unit in units for row in unit]
 
 
 def sft_chat(row: dict, rng: random.Random) -> dict:
@@ -221,11 +280,12 @@ def check_counts(n_train: int, n_heldout: int) -> None:
 
 
 def function_tasks(train: int = 1000, heldout: int = 250, seed: int = 0,
-                   mix: Optional[dict] = None) -> dict[str, list[dict]]:
-    """The rows of each file (``sft``, ``train``, ``heldout``), without writing them."""
+                   mix: Optional[dict] = None, twins: bool = False) -> dict[str, list[dict]]:
+    """The rows of each file (``sft``, ``train``, ``heldout``), without writing them; ``twins``:
+    each training irrelevance row with its twin (the module's docstring)."""
     check_counts(train, heldout)
     train_functions, heldout_functions = split_functions(seed)
-    train_rows = make_rows(train, train_functions, seed + 1, "train", mix)
+    train_rows = make_rows(train, train_functions, seed + 1, "train", mix, twins)
     heldout_rows = make_rows(heldout, heldout_functions, seed + 2, "heldout", mix)
     rng = random.Random(seed + 3)
     return {"sft": [sft_chat(row, rng) for row in train_rows], "train": train_rows,
@@ -233,10 +293,12 @@ def function_tasks(train: int = 1000, heldout: int = 250, seed: int = 0,
 
 
 def write_function_tasks(out, train: int = 1000, heldout: int = 250, seed: int = 0,
-                         overwrite: bool = False, mix: Optional[dict] = None) -> dict[str, Path]:
+                         overwrite: bool = False, mix: Optional[dict] = None,
+                         twins: bool = False) -> dict[str, Path]:
     """Write ``sft.jsonl``, ``train.jsonl`` and ``heldout.jsonl`` of the function-calling family
-    into ``out``; returns their paths keyed ``sft``, ``train``, ``heldout``. Nothing is written when
-    a count is out of range or a file exists (unless ``overwrite``)."""
+    into ``out``; returns their paths keyed ``sft``, ``train``, ``heldout``. ``twins``: each
+    training irrelevance row gets a twin that calls (the module's docstring). Nothing is written
+    when a count is out of range or a file exists (unless ``overwrite``)."""
     folder = Path(out)
     paths = {name: folder / f"{name}.jsonl" for name in FILES}
     check_counts(train, heldout)
@@ -246,7 +308,7 @@ def write_function_tasks(out, train: int = 1000, heldout: int = 250, seed: int =
                         "choose another --out or pass --overwrite")
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--out {folder} is a file; pass a directory")
-    rows = function_tasks(train, heldout, seed, mix)
+    rows = function_tasks(train, heldout, seed, mix, twins)
     folder.mkdir(parents=True, exist_ok=True)
     for name, path in paths.items():
         write_text_atomic(path, jsonl_text(rows[name]))

@@ -78,8 +78,10 @@ def agent_recipe(run: Path, sizes: AgentSizes, device: str,
         "rl.watchdog.probe_prompts": 8, "compute.device": device, **(overrides or {})})
 
 
-def tasks_step(run: Path, sizes: AgentSizes, say: Say, mix: Optional[dict] = None) -> dict:
-    """The function-calling rows (``mix``: the categories' shares, default :data:`MIX`) and the few
+def tasks_step(run: Path, sizes: AgentSizes, say: Say, mix: Optional[dict] = None,
+               twins: bool = False) -> dict:
+    """The function-calling rows (``mix``: the categories' shares, default :data:`MIX`; ``twins``:
+    each training irrelevance row with a twin that calls, as ``tasks make --twins``) and the few
     demonstrations (kept when an earlier run wrote them)."""
     tasks = run / "tasks"
     say(f"[bold]1/4 function tasks[/] {sizes.train_tasks} training and {sizes.heldout_tasks} "
@@ -87,7 +89,7 @@ def tasks_step(run: Path, sizes: AgentSizes, say: Say, mix: Optional[dict] = Non
         f"never sees; SFT sees the chats of the first {sizes.demonstrations} training rows only")
     if not all((tasks / f"{name}.jsonl").is_file() for name in FILES):
         write_function_tasks(tasks, sizes.train_tasks, sizes.heldout_tasks, seed=SEED,
-                             overwrite=True, mix=mix or MIX)
+                             overwrite=True, mix=mix or MIX, twins=twins)
     if not (tasks / DEMONSTRATIONS).is_file():
         chats = (tasks / "sft.jsonl").read_text(encoding="utf-8").splitlines()
         write_text_atomic(tasks / DEMONSTRATIONS, "\n".join(chats[:sizes.demonstrations]) + "\n")

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from slm_align.data.function_tasks import canonical_arguments, function_tasks
+from slm_align.data.function_tasks import DEFAULT_MIX, canonical_arguments, function_tasks
 from slm_align.ondevice.agent.task_eval import TaskResult, summarize
 from slm_align.ondevice.rewards.function_calls import function_call_match
+from slm_align.quickstart.agent import AgentSizes, tasks_step
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -128,3 +129,23 @@ def test_memory_flags_reach_our_rl_recipe(bench, tmp_path):
     assert (plain.rl.micro_batch_size, plain.compute.gradient_checkpointing) == (8, False)  # the defaults
     assert (small.rl.micro_batch_size, small.compute.gradient_checkpointing) == (4, True)
     assert small.rl.minibatch_size == 4 * 8  # prompts x group: the minibatch it cuts
+
+
+def test_twins_reach_the_task_step_and_a_work_dir_of_the_other_setting_is_refused(bench, tmp_path):
+    """``--twins`` writes training rows with twins (held-out rows as without), is recorded in the settings, and a
+    rerun on a work directory written with the other setting stops instead of training on the wrong rows."""
+    _, function_calling = bench
+    args = function_calling.parse_args(["--work", str(tmp_path / "twins"), "--twins"])
+    assert args.twins and not function_calling.parse_args(["--work", str(tmp_path)]).twins
+    sizes = AgentSizes(train_tasks=40, heldout_tasks=10, demonstrations=10)
+    for name, twins in (("twins", True), ("plain", False)):
+        function_calling.check_tasks(tmp_path / name, twins)
+        tasks_step(tmp_path / name, sizes, print, mix=DEFAULT_MIX, twins=twins)
+    train = {name: (tmp_path / name / "tasks" / "train.jsonl").read_text() for name in ("twins", "plain")}
+    assert "_multiple_twin_" in train["twins"] and "_multiple_twin_" not in train["plain"]
+    heldout = [(tmp_path / name / "tasks" / "heldout.jsonl").read_bytes() for name in ("twins", "plain")]
+    assert heldout[0] == heldout[1]
+    with pytest.raises(SystemExit, match="without --twins"):
+        function_calling.check_tasks(tmp_path / "plain", True)
+    with pytest.raises(SystemExit, match="with --twins"):
+        function_calling.check_tasks(tmp_path / "twins", False)
