@@ -18,7 +18,8 @@ from slm_align.runs import artifact_manifest
 from tests.helpers import run_cli
 
 TRAIN = ("train", "--algo", "grpo", "--set", "sft.max_steps=2", "--reward-steps", "2", "--steps", "2",
-         "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--report-prompts", "2", "--force")
+         "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--report-prompts", "2",
+         "--micro-batch-size", "2", "--force")
 
 
 @pytest.fixture
@@ -207,14 +208,15 @@ def test_train_with_json_keeps_stdout_to_the_json_and_says_each_stage(logged):
 
 
 def test_each_rl_step_says_its_sampling_and_its_update_in_a_log(logged):
-    """Inside a GRPO iteration, at cadence 0: its sampled tokens and its minibatches, with the step's number;
-    before issue 44 a log heard nothing between two iterations."""
+    """Inside a GRPO iteration, at cadence 0: its sampled tokens and its update's micro-batches, with the step's
+    number; before issue 44 a log heard nothing between two iterations."""
     lines = progress_lines(logged[1]["train"][2])
     for step in (1, 2):
         assert any(line.startswith(f"RL (grpo) step {step}/2: sampling 1/8 tokens of ") for line in lines), step
         update = [line for line in lines if line.startswith(f"RL (grpo) step {step}/2: update ")]
-        done = len(update)  # one line per minibatch at cadence 0, the last one k/k
-        assert done and update[-1].startswith(f"RL (grpo) step {step}/2: update {done}/{done} minibatches"), update
+        done = len(update)  # one line per micro-batch at cadence 0, the last one k/k
+        assert done == 4, update  # 2 epochs of one minibatch of 4 rows, 2 rows at a time
+        assert update[-1].startswith(f"RL (grpo) step {step}/2: update {done}/{done} micro-batches"), update
 
 
 def test_the_gate_counts_documents_and_samples_and_ends_with_its_figures(logged):

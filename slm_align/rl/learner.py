@@ -25,7 +25,7 @@ from slm_align.envelope.run import Placement, TrainableRun
 from slm_align.envelope.seeds import derive_seed
 from slm_align.envelope.value_head import ValueHead
 from slm_align.errors import UserError
-from slm_align.progress import counted, say_line
+from slm_align.progress import Count, counted, say_line
 from slm_align.rl.advantages import masked_mean
 from slm_align.rl.losses import Whole
 from slm_align.rl.sampler_correction import sampler_mismatch, sampler_weights
@@ -124,6 +124,8 @@ class Learner(TrainableRun):
         self.episodes = rollouts.episodes
         """Agent tasks whose rollouts are multi-turn episodes run by the runtime's loop (None: one
         completion per prompt)."""
+        self.update_count = Count(None, None)
+        """The running iteration's update count (:meth:`minibatches`; inactive outside it)."""
 
     def collect_rollout(self, prompts: list[str], seed: int, passes: Passes = Passes()) -> Rollout:
         """One completion (or, with agent tasks, one episode) per prompt, scored, with the old and
@@ -177,16 +179,22 @@ class Learner(TrainableRun):
     def minibatches(self, batch: Rollout, step: int) -> Iterator[torch.Tensor]:
         """The (b,) rows of each minibatch of an iteration: ``epochs`` passes over the rollout,
         each a seeded shuffle ("minibatch_order" at step and epoch) cut into ``minibatch_size``;
-        counted (:func:`~slm_align.progress.counted`) as the step's update."""
+        the step's update counted (:func:`~slm_align.progress.counted`) in micro-batches, which
+        :meth:`micro_batched_step` advances (a log hears from a long update every micro-batch; an
+        out-of-memory retry counts its micro-batches again)."""
         size = self.settings.minibatch_size
-        total = self.settings.epochs * -(-batch.size // size)
-        with counted("update", total, "minibatches") as count:
-            for epoch in range(self.settings.epochs):
-                seed = derive_seed(self.seed, "minibatch_order", step, epoch=epoch)
-                order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
-                for start in range(0, batch.size, size):
-                    yield order[start:start + size]
-                    count.advance()
+        micro = self.settings.micro_batch_size or size
+        per_epoch = sum(-(-min(size, batch.size - start) // micro) for start in range(0, batch.size, size))
+        with counted("update", self.settings.epochs * per_epoch, "micro-batches") as count:
+            self.update_count = count
+            try:
+                for epoch in range(self.settings.epochs):
+                    seed = derive_seed(self.seed, "minibatch_order", step, epoch=epoch)
+                    order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(seed))
+                    for start in range(0, batch.size, size):
+                        yield order[start:start + size]
+            finally:
+                self.update_count = Count(None, None)
 
     def micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """A minibatch's (b,) rows cut into ``micro_batch_size`` (all of them when None)."""
@@ -252,6 +260,7 @@ class Learner(TrainableRun):
                     return self.guard.roll_back(snapshot, "non-finite loss")
             parts.append((dict(forward.stats, **stats), float(forward.mask.sum())))
             losses.append(float(loss.detach()))
+            self.update_count.advance()
         stats = merged_stats(parts)
         if self.ratio_guard_skips(stats):
             self.guard.begin()
