@@ -50,11 +50,14 @@ from slm_align.ondevice.agent.task_eval import (  # noqa: E402
     evaluate_artifacts,
     summarize,
 )
-from slm_align.ondevice.rewards.function_calls import function_call_match  # noqa: E402
+from slm_align.ondevice.rewards.builtin import BUILTINS  # noqa: E402
 from slm_align.pipeline import run_rl, run_sft  # noqa: E402
-from slm_align.quickstart.agent import REWARD, AgentSizes, agent_recipe, export_policy, tasks_step  # noqa: E402
+from slm_align.quickstart.agent import AgentSizes, agent_recipe, export_policy, tasks_step  # noqa: E402
 
 ARMS = ("base", "SFT-small", "SFT-all", "ours", "TRL")
+REWARDS = ("function_call_match", "function_call_graded")
+"""The RL reward, both sides: BFCL's rules (1 or 0), or partial credit for the function's name, its argument names
+and values (shaping; a declined call row and a call on an irrelevance row still score 0)."""
 BFCL = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance")
 """BFCL's categories judged, as ``evaluate-agent --bfcl`` names them."""
 CALL_CATEGORIES = BFCL[:4]
@@ -91,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--twins", action="store_true",
                         help="Give each training irrelevance row a twin: the same request with its function offered "
                              "too, answered by a call (tasks make --twins); held-out rows unchanged.")
+    parser.add_argument("--reward", choices=REWARDS, default="function_call_match",
+                        help="The RL reward of ours and TRL (the judging is BFCL's rules either way).")
     parser.add_argument("--arms", default=",".join(ARMS), help="Arms to train and judge, comma-separated.")
     parser.add_argument("--work", type=Path, required=True, help="Working directory (resumable).")
     return parser.parse_args(argv)
@@ -136,7 +141,8 @@ def train_arms(args: argparse.Namespace, work: Path, found: dict, arms: list[str
     builders = {"base": partial(base_arm, source, work),
                 "SFT-small": partial(sft_arm, small, work / "small", work / "export-sft-small"),
                 "SFT-all": partial(sft_arm, every, work / "all", work / "export-sft-all"),
-                "ours": partial(ours_arm, small, work, record), "TRL": partial(trl_arm, small, work, record)}
+                "ours": partial(ours_arm, small, work, record, args.reward),
+                "TRL": partial(trl_arm, small, work, record, args.reward)}
     for name in arms:
         if name == "TRL" and small.rl.learning_rate is None and "ours" not in record:
             raise SystemExit("the TRL arm takes ours' learning rate: run the ours arm first")
@@ -157,13 +163,13 @@ def base_arm(source: str, work: Path) -> Path:
     return export_policy(Path(source), work / "export-base")
 
 
-def trl_arm(recipe, work: Path, record: dict) -> Path:
+def trl_arm(recipe, work: Path, record: dict, reward: str) -> Path:
     """TRL's GRPOTrainer from SFT-small at ours' learning rate (the recipe's, else the one ours resolved),
-    rewarded by ``function_call_match``."""
+    rewarded by ``reward`` (a built-in reward's name)."""
     files = {"train": work / "tasks" / "train.jsonl"}
     learning_rate = recipe.rl.learning_rate or record["ours"]["learning_rate"]
     artifact, seconds = train_trl(recipe, files, work, learning_rate,
-                                  reward=function_call_match, columns=COLUMNS, sft_stage=work / "small" / "sft")
+                                  reward=BUILTINS[reward], columns=COLUMNS, sft_stage=work / "small" / "sft")
     record["TRL_train_seconds"] = seconds
     return artifact
 
@@ -173,12 +179,13 @@ def sft_arm(recipe, run: Path, out: Path) -> Path:
     return export_policy(run, out)
 
 
-def ours_arm(recipe, work: Path, record: dict) -> Path:
-    """Our GRPO from SFT-small's stage (copied), the gate's report and the RL metrics recorded."""
+def ours_arm(recipe, work: Path, record: dict, reward: str) -> Path:
+    """Our GRPO from SFT-small's stage (copied) rewarded by ``reward``, the gate's report and the RL metrics
+    recorded."""
     run = work / "ours"
     if not (run / "sft").exists():
         shutil.copytree(work / "small" / "sft", run / "sft")
-    result = run_rl(recipe, run, rewards=[REWARD], force=True, resume=True)
+    result = run_rl(recipe, run, rewards=[reward], force=True, resume=True)
     gate = run / "headroom.json"
     record["ours_rl"] = {"metrics": result.metrics,
                          "gate": json.loads(gate.read_text()) if gate.is_file() else None}
