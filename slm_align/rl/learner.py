@@ -225,8 +225,7 @@ class Learner(TrainableRun):
                 if snapshot is not None:
                     snapshot.restore()
                 batch.old_logprobs = None if fills_old else batch.old_logprobs
-                self.guard.begin()
-                self.halve_micro_batches(rows.numel())
+                self.halve_micro_batches(rows.numel())  # the next try begins with no gradient
 
     def halve_micro_batches(self, rows: int) -> None:
         """After running out of memory: ``micro_batch_size`` halved for the rest of the run, said in
