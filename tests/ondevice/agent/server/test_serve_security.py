@@ -217,11 +217,16 @@ def test_connections_that_trickle_headers_are_closed_and_the_rest_are_bounded(on
         first = socket.create_connection(("127.0.0.1", port), timeout=30)
         first.sendall(request)
         assert first.recv(12) == b"HTTP/1.1 200"  # within the limit: served
-        beyond = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(4)]
-        wait_until(lambda: open_connections() == 5, "the server holds all five connections")
+        beyond = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(7)]
+        wait_until(lambda: open_connections() == 8, "the server holds all eight connections")
         for client in beyond:
             client.sendall(request)
-        assert [client.recv(12) for client in beyond] == [b"HTTP/1.1 503"] * 4  # refused, not queued forever
+        answers = [client.recv(12) for client in beyond]
+        assert set(answers) <= {b"HTTP/1.1 200", b"HTTP/1.1 503"}  # every one answered, none queued forever
+        # A refused connection closes, so a request the loop reaches late may find room again: the exact split
+        # depends on scheduling. What cannot vary: a request is served only while fewer than 4 connections are
+        # open, and a served one stays open, so at most 3 are served and at least 4 refused.
+        assert answers.count(b"HTTP/1.1 503") >= 4
 
 
 @contextmanager
