@@ -146,6 +146,11 @@ def evaluate_agent(
     batch: int = typer.Option(8, "--batch", help="Episodes of a GGUF model decoded together in one "
                               "llama.cpp context (continuous batching; the same results as 1, one at "
                               "a time). ONNX models run one at a time."),
+    call_threshold: Optional[float] = typer.Option(None, "--call-threshold", help="The call rule: a reply "
+                                                   "calls a tool exactly when the model's probability of "
+                                                   "opening a call is at least this, a number from 0 to 1 "
+                                                   "(0.5: by the larger mass; default: off, the likeliest "
+                                                   "token decides)."),
     threads: Optional[int] = ThreadsOpt,
     as_json: bool = JsonFlag,
 ) -> None:
@@ -162,7 +167,8 @@ def evaluate_agent(
         check_out_file(out, [path for path in (tasks, *artifact) if path is not None], overwrite)
     report = evaluate_artifacts(tasks, artifact, limit=limit, max_tokens=max_new_tokens,
                                 max_tool_rounds=max_tool_rounds, seed=seed, samples=samples,
-                                temperature=temperature, bfcl=bfcl, threads=threads, batch=batch)
+                                temperature=temperature, bfcl=bfcl, threads=threads, batch=batch,
+                                call_threshold=call_threshold)
     if out is not None:
         write_json_atomic(out, report)
     emit(as_json, report, lambda: print_agent_report(report))
@@ -174,6 +180,8 @@ def _title(report: dict) -> str:
     decoding = "greedy"
     if samples > 1:
         decoding = f"{samples} samples each at temperature {report['temperature']:g}"
+    if report.get("call_threshold") is not None:
+        decoding += f", calls at P(call) >= {report['call_threshold']:g}"
     rounds = f"up to {report['max_tool_rounds']} tool rounds"
     categories = report["artifacts"][0].get("by_category") if report["artifacts"] else None
     if categories and sum(group["episodes"] for group in categories.values()) == report["artifacts"][0]["episodes"]:

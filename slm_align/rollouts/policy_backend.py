@@ -136,5 +136,7 @@ def check_exact(params) -> None:
         inexact.append(f"min_p {params.min_p}")
     if getattr(params, "penalized", False):
         inexact.append("repetition penalties")
+    if getattr(params, "call_threshold", None) is not None:
+        inexact.append(f"the call rule (call_threshold {params.call_threshold})")
     if inexact:
         raise UserError(f"RL episodes sample the policy exactly, at the temperature only; drop {', '.join(inexact)}")

@@ -9,6 +9,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from slm_align.errors import UserError
+from slm_align.ondevice.agent.call_rule import CallVocabulary, call_vocabulary, restrict, rule_acts
 from slm_align.ondevice.agent.llama_open import TEMPLATE_KEY, open_llama
 from slm_align.ondevice.devices.host import default_threads
 
@@ -153,17 +154,22 @@ class LlamaCppBackend:
         return np.ctypeslib.as_array(row, shape=(self.vocab_size,)).copy()
 
     def generate(self, prompt: Sequence[int], params, grammar: Optional[str] = None) -> Iterator[int]:
-        """llama.cpp's own sampler chain (and grammar); the cache of a shared prefix is reused."""
+        """llama.cpp's own sampler chain (and grammar); the cache of a shared prefix is reused;
+        ``params.call_threshold`` applies the call rule first in the chain (:class:`CallRuleProcessor`)."""
         if len(prompt) >= self.n_ctx:
             raise UserError(f"context window of {self.n_ctx} tokens exceeded; "
                             "start a new conversation")
-        from llama_cpp import LlamaGrammar
+        from llama_cpp import LlamaGrammar, LogitsProcessorList
 
         self.llm.set_seed(params.seed)
+        rule = None
+        if params.call_threshold is not None:
+            rule = LogitsProcessorList([CallRuleProcessor(len(prompt), params.call_threshold, call_vocabulary(self))])
         return self.llm.generate(list(prompt), top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                                  temp=params.temperature, repeat_penalty=params.repeat_penalty,
                                  frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
-                                 grammar=LlamaGrammar.from_string(grammar, verbose=False) if grammar else None)
+                                 grammar=LlamaGrammar.from_string(grammar, verbose=False) if grammar else None,
+                                 logits_processor=rule)
 
     def _eval(self, ids: Sequence[int]) -> None:
         if not ids:
@@ -172,3 +178,20 @@ class LlamaCppBackend:
             raise UserError(f"context window of {self.n_ctx} tokens exceeded; "
                             "start a new conversation")
         self.llm.eval(list(ids))
+
+
+class CallRuleProcessor:
+    """The call rule (:mod:`~slm_align.ondevice.agent.call_rule`) as llama-cpp-python's logits processor: it
+    sees the context's ids and the candidates' logits in id order (the first sampler of the chain)."""
+
+    def __init__(self, prompt_length: int, threshold: float, vocabulary: CallVocabulary):
+        self.prompt_length = prompt_length
+        self.threshold = threshold
+        self.vocabulary = vocabulary
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        if not rule_acts(self.threshold, self.vocabulary, input_ids[self.prompt_length:].tolist()):
+            return scores
+        scores = np.array(scores)
+        restrict(scores, self.threshold, self.vocabulary)
+        return scores

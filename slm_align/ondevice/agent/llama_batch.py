@@ -32,6 +32,7 @@ import numpy as np
 
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.batching import Draw, shared_prefix
+from slm_align.ondevice.agent.call_rule import call_vocabulary, restrict, rule_acts
 from slm_align.ondevice.agent.llama_prefix import DEFAULT_MAX_BYTES, MIN_SHARED, PrefixCache
 
 Entry = tuple[int, int, int, bool]
@@ -143,6 +144,9 @@ class LlamaBatchDecoder:
         self._keep_logits: dict[int, bool] = {}
         self._greedy_grammar: dict[int, bool] = {}
         """Slots drawing greedily under a grammar, without penalties (see :func:`greedy_if_grammar_allows`)."""
+        self._call_rules: dict[int, tuple[int, Optional[float]]] = {}
+        """Each slot's round: where its reply starts in :attr:`ids`, and its call threshold (see
+        :mod:`~slm_align.ondevice.agent.call_rule`)."""
         self.grammar_checks = [0, 0]
         """Draws the grammar shortcut settled, and draws it handed to the whole chain."""
         self.apply_adapters()
@@ -221,6 +225,7 @@ class LlamaBatchDecoder:
         self._chains[slot] = sampler_chain(self.llm, params, grammar)
         self._keep_logits[slot] = logits
         self._greedy_grammar[slot] = bool(grammar) and params.temperature == 0.0 and not params.penalized
+        self._call_rules[slot] = (len(prompt), params.call_threshold)
 
     def step(self, feeds: dict[int, list[int]]) -> dict[int, Draw]:
         """Each slot's ids appended in batches of ``n_batch`` entries (the backend's), each slot
@@ -332,6 +337,7 @@ class LlamaBatchDecoder:
         return served
 
     def _draw(self, slot: int, index: int) -> Draw:
+        self._apply_call_rule(slot, index)
         keep = self._keep_logits[slot]
         logits = row_logits(self.lib, self.ctx, index, self.vocab_size) if keep or self._greedy_grammar[slot] else None
         if self._greedy_grammar[slot]:
@@ -341,6 +347,17 @@ class LlamaBatchDecoder:
                 return Draw(token, logits if keep else None)
         token = self.lib.llama_sampler_sample(self._chains[slot].sampler, self.ctx, index)
         return Draw(int(token), logits if keep else None)
+
+    def _apply_call_rule(self, slot: int, index: int) -> None:
+        """The call rule on entry ``index``'s logits, in llama.cpp's own buffer, so the slot's chain (and the
+        logits kept) see what it banned."""
+        start, threshold = self._call_rules[slot]
+        if threshold is None:
+            return
+        vocabulary = call_vocabulary(self.backend)
+        if rule_acts(threshold, vocabulary, self.ids[slot][start:]):
+            live = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, index), shape=(self.vocab_size,))
+            restrict(live, threshold, vocabulary)
 
     def close(self) -> None:
         self.prefixes.clear()

@@ -245,9 +245,13 @@ class Agent:
         return fitter.fit(messages, max_tokens)
 
     def _generate(self, prompt: list[int], sampling: SamplingParams, grammar: Optional[str],
-                  chat: bool = True) -> Iterator[str]:
+                  chat: bool = True, may_call: bool = False) -> Iterator[str]:
         """Text pieces of one completion, ended by EOS (in a chat also by the token the template
-        ends an assistant's turn with), a stop string or ``max_tokens``."""
+        ends an assistant's turn with), a stop string or ``max_tokens``. ``sampling.call_threshold``
+        acts only on a reply that ``may_call`` a tool: one whose prompt offers tools (with no tool round
+        left, or none allowed, its calls stay in the text: a function row's answer)."""
+        if not may_call:
+            sampling = replace(sampling, call_threshold=None)
         stops = self._chat_stops() if chat else self.backend.eos_ids
         tokens: list[int] = []
         self._sampled = tokens
@@ -331,7 +335,7 @@ class Agent:
         prompt, window = self._prompt_tokens(self.messages, params.max_tokens)
         self.trace = [("prompt", list(prompt))]
         for _ in range(self.max_tool_rounds if self.tools else 0):
-            text = "".join(self._generate(prompt, params, self._grammar()))
+            text = "".join(self._generate(prompt, params, self._grammar(), may_call=True))
             self.trace.append(("sampled", list(self._sampled)))
             parsed = self.tools.parse_calls(text)
             if not parsed.wants_tools:
@@ -341,14 +345,14 @@ class Agent:
             turn = self._act(text, parsed, calls)
             prompt = self._after_round(prompt, turn, params)
         if self.tools and self.max_tool_rounds:  # no round left: a call would run nothing, never shown as text
-            text = "".join(self._generate(prompt, params, self.answer_grammar))
+            text = "".join(self._generate(prompt, params, self.answer_grammar, may_call=True))
             self.trace.append(("sampled", list(self._sampled)))
             text = user_answer(text, self.tools.parse_calls(text))
             yield text
             self._finish(text, window + self.messages[start:], calls, params)
             return
         pieces = []
-        for piece in self._generate(prompt, params, self.answer_grammar):
+        for piece in self._generate(prompt, params, self.answer_grammar, may_call=bool(self.tools)):
             pieces.append(piece)
             yield piece
         self.trace.append(("sampled", list(self._sampled)))

@@ -53,6 +53,10 @@ class SamplingParams:
     """Strings that end the reply (not included in it)."""
     seed: int = 0
     """Seed of the sampler, so a reply can be reproduced."""
+    call_threshold: Optional[float] = None
+    """The call rule (:mod:`~slm_align.ondevice.agent.call_rule`): on a round that may call a tool, call
+    exactly when the model's probability of opening a call is at least this (None: the sampler alone
+    decides, greedy by the single likeliest token; 0.5: by the larger mass)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -183,14 +183,15 @@ def load_checked(artifact: Union[str, Path], threads: Optional[int] = None) -> M
 
 
 def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
-               max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, threads: Optional[int] = None) -> Agent:
+               max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, threads: Optional[int] = None,
+               call_threshold: Optional[float] = None) -> Agent:
     """A greedy agent with the built-in tools on ``artifact`` (any form of
     :func:`~slm_align.ondevice.agent.artifact_forms.resolve_artifact`: a model, base + adapters, an
     adapter export's manifest, a bundle; ``threads``: its backend's, default
-    :func:`~slm_align.ondevice.devices.host.default_threads`); one that does not load is a
-    UserError."""
+    :func:`~slm_align.ondevice.devices.host.default_threads`; ``call_threshold``: the call rule, see
+    :mod:`~slm_align.ondevice.agent.call_rule`); one that does not load is a UserError."""
     model = load_checked(artifact, threads)
-    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, call_threshold=call_threshold)
     return Agent(_CountingBackend(model.backend), model.sha256, tools=default_tools(), sampling=sampling,
                  max_tool_rounds=max_tool_rounds, describe_tools=True)  # every artifact is shown the tools
 
@@ -421,8 +422,8 @@ def evaluate_artifacts(tasks: Union[str, Path, None], artifacts: Sequence[Union[
     if not artifacts:
         raise UserError("pass at least one --artifact (a .gguf file or an ONNX export directory)")
     rows, name = task_rows(tasks, bfcl, limit)
-    agents = [open_agent(artifact, settings.max_tokens, settings.max_tool_rounds, settings.threads)
-              for artifact in artifacts]  # all load, or none runs
+    agents = [open_agent(artifact, settings.max_tokens, settings.max_tool_rounds, settings.threads,
+                         settings.call_threshold) for artifact in artifacts]  # all load, or none runs
     runs, summaries = _run_artifacts(agents, artifacts, rows, settings)
     report = {"tasks": name, "n_tasks": len(rows), "max_tokens": settings.max_tokens,
               "max_tool_rounds": settings.max_tool_rounds, **settings.report(),

@@ -43,8 +43,14 @@ def _temperature(value) -> bool:
     return number and TEMPERATURE_LIMITS["ge"] <= value <= TEMPERATURE_LIMITS["le"]
 
 
+def _probability(value) -> bool:
+    """``value`` is a number from 0 to 1."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and 0 <= value <= 1
+
+
 def check_settings(samples: int, temperature: float, max_tool_rounds: int, max_tokens: int,
-                   batch: int = 1) -> None:
+                   batch: int = 1, call_threshold: Optional[float] = None) -> None:
     """Refuse a setting out of its bounds, in one line naming the flag and what it accepts."""
     if not _integer(samples, 1):
         raise UserError(f"--samples must be an integer >= 1 (episodes per task; 1 answers "
@@ -58,6 +64,9 @@ def check_settings(samples: int, temperature: float, max_tool_rounds: int, max_t
         raise UserError(f"--max-new-tokens must be an integer >= 1, got {max_tokens}")
     if not _integer(batch, 1):
         raise UserError(f"--batch must be an integer >= 1 (episodes decoded together), got {batch}")
+    if call_threshold is not None and not _probability(call_threshold):
+        raise UserError(f"--call-threshold must be a number from 0 to 1 (call when the model's probability of "
+                        f"opening a call is at least this), got {call_threshold}")
 
 
 @dataclass(frozen=True)
@@ -80,11 +89,15 @@ class EpisodeSettings:
     threads: Optional[int] = None
     """Each backend's CPU threads (None:
     :func:`~slm_align.ondevice.devices.host.default_threads`)."""
+    call_threshold: Optional[float] = None
+    """The call rule: a reply calls a tool exactly when the model's probability of opening a call is at
+    least this (None: off, greedy decides by the likeliest token; see
+    :mod:`~slm_align.ondevice.agent.call_rule`)."""
 
     def check(self) -> None:
         """One line for the first setting out of its bounds (:func:`check_settings`)."""
         check_settings(self.samples, self.temperature, self.max_tool_rounds, self.max_tokens,
-                       self.batch)
+                       self.batch, self.call_threshold)
 
     def report(self) -> dict:
         """How the episodes ran, for the report: greedy or sampled, the temperature (0 when
@@ -92,4 +105,4 @@ class EpisodeSettings:
         greedy = self.samples == 1
         return {"samples": self.samples, "decoding": "greedy" if greedy else "sampled",
                 "temperature": 0.0 if greedy else self.temperature, "seed": self.seed,
-                "intervals": dict(INTERVALS)}
+                "call_threshold": self.call_threshold, "intervals": dict(INTERVALS)}
