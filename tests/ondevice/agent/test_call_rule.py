@@ -1,0 +1,175 @@
+"""The call rule: a reply calls exactly when the model's probability of opening a call reaches the threshold,
+on every backend that decodes for the runtime, and nowhere a tool cannot be called."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from slm_align.data.function_tasks import write_function_tasks
+from slm_align.errors import UserError
+from slm_align.ondevice.agent.call_rule import (
+    CALL_OPENING,
+    CallVocabulary,
+    call_vocabulary,
+    opening_probability,
+    restrict,
+    rule_acts,
+)
+from slm_align.ondevice.agent.function_eval import function_messages, function_registry
+from slm_align.ondevice.agent.runtime import Agent
+from slm_align.ondevice.agent.settings import SamplingParams
+from slm_align.ondevice.agent.task_eval import evaluate_artifacts, open_agent
+from slm_align.rollouts.policy_backend import check_exact
+from tests.helpers import export_bundled, run_cli
+
+PIECES = ["<", "<tool", "<tool_call>", "<tool_call>\n{", "<b", "tool", " ", "\n\n", "", "Sorry", " <"]
+
+
+def test_openers_are_the_starts_of_a_call_and_blanks_are_whitespace():
+    vocabulary = CallVocabulary.of(PIECES)
+    assert [PIECES[i] for i in np.flatnonzero(vocabulary.openers)] == ["<", "<tool", CALL_OPENING, "<tool_call>\n{"]
+    assert [PIECES[i] for i in np.flatnonzero(vocabulary.blank)] == [" ", "\n\n"]
+
+
+def test_the_opening_probability_is_the_softmax_mass_of_the_openers():
+    logits = np.log(np.array([0.1, 0.15, 0.05, 0.2, 0.5], dtype=np.float32)) + 3.0  # a shift changes nothing
+    openers = np.array([True, True, False, False, False])
+    assert opening_probability(logits, openers) == pytest.approx(0.25, abs=1e-6)
+
+
+def probabilities(p_open: float) -> np.ndarray:
+    """Logits over PIECES where the openers hold ``p_open`` together and "Sorry" is the likeliest token."""
+    weights = np.full(len(PIECES), 0.01)
+    weights[[0, 1, 2, 3]] = p_open / 4
+    weights[PIECES.index("Sorry")] = 0.0
+    weights[PIECES.index("Sorry")] = 1 - weights.sum()
+    return np.log(weights).astype(np.float32)
+
+
+@pytest.mark.parametrize("p_open, calls", [(0.44, False), (0.51, True), (0.56, True)])
+def test_restrict_bans_the_side_below_the_threshold(p_open, calls):
+    vocabulary = CallVocabulary.of(PIECES)
+    logits = probabilities(p_open)
+    before = logits.copy()
+    assert restrict(logits, 0.5, vocabulary) is calls
+    banned = vocabulary.openers if not calls else ~vocabulary.openers
+    assert np.all(np.isneginf(logits[banned]))
+    assert np.array_equal(logits[~banned], before[~banned])  # what the rule allows keeps its logits
+    # "Sorry" is the likeliest single token: greedy alone would decline at 0.56; the rule calls from 0.5 up
+    assert (int(np.argmax(logits)) in np.flatnonzero(vocabulary.openers)) is calls
+
+
+def test_a_probability_equal_to_the_threshold_calls():
+    logits = np.zeros(2, dtype=np.float32)  # P(open) exactly 0.5
+    assert restrict(logits, 0.5, CallVocabulary.of(["<", "No"])) is True
+    assert np.isneginf(logits[1])
+
+
+def test_a_tokenizer_without_openers_is_never_banned_everything():
+    vocabulary = CallVocabulary.of(["a", "b", " "])
+    logits = np.zeros(3, dtype=np.float32)
+    assert restrict(logits, 0.0, vocabulary) is False
+    assert np.all(np.isfinite(logits))
+
+
+def test_the_rule_decides_while_the_reply_is_blank_only():
+    vocabulary = CallVocabulary.of(PIECES)
+    space, sorry = PIECES.index(" "), PIECES.index("Sorry")
+    assert rule_acts(0.5, vocabulary, [])
+    assert rule_acts(0.5, vocabulary, [space, space])
+    assert not rule_acts(0.5, vocabulary, [space, sorry])
+    assert not rule_acts(None, vocabulary, [])
+
+
+def test_rl_episodes_refuse_the_rule():
+    with pytest.raises(UserError, match="call rule"):
+        check_exact(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, call_threshold=0.5))
+
+
+# --- on real backends: the bundled model exported ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    made = export_bundled(tmp_path_factory.mktemp("artifacts"), ("gguf", "Q8_0"), ("onnx", "fp32"))
+    return made
+
+
+@pytest.fixture(scope="module")
+def heldout(tmp_path_factory):
+    """Function rows over functions the bundled model never saw: one function offered (simple) or none that
+    fits (irrelevance), short enough for its 512 positions."""
+    return write_function_tasks(tmp_path_factory.mktemp("functions"), train=20, heldout=8, seed=4,
+                                mix={"simple": 1, "irrelevance": 1})["heldout"]
+
+
+def first_probability(agent: Agent, row: dict) -> float:
+    """P(open a call) at the first position of ``row``'s reply, from the backend's own logits for the
+    prompt the runtime renders."""
+    agent.tools = function_registry(row)
+    prompt, _ = agent._prompt_tokens(function_messages(row), agent.sampling.max_tokens)
+    backend = getattr(agent.backend, "inner", agent.backend)
+    backend.reset()
+    return opening_probability(backend.feed(prompt), call_vocabulary(backend).openers)
+
+
+def openings(report: dict) -> list[bool]:
+    """Whether each reply opens a call (its first visible character starts ``<tool_call>``)."""
+    return [result["reply"].lstrip().startswith("<") for result in report["artifacts"][0]["results"]]
+
+
+def judged(artifact, tasks, **settings) -> dict:
+    return evaluate_artifacts(tasks, [artifact], threads=1, max_tokens=24, **settings)
+
+
+@pytest.mark.parametrize("backend, batch", [("gguf", 1), ("gguf", 4), ("onnx", 1)])
+def test_threshold_zero_always_opens_a_call_and_one_never(exports, heldout, backend, batch):
+    free = openings(judged(exports[backend], heldout, batch=batch))
+    always = openings(judged(exports[backend], heldout, batch=batch, call_threshold=0.0))
+    never = openings(judged(exports[backend], heldout, batch=batch, call_threshold=1.0))
+    assert always == [True] * len(free)
+    assert never == [False] * len(free)
+    assert free != always or free != never  # the rule changed replies the likeliest token decided
+
+
+@pytest.mark.parametrize("backend", ["gguf", "onnx"])
+def test_the_threshold_is_compared_with_the_models_own_probability(exports, heldout, backend):
+    rows = [json.loads(line) for line in heldout.read_text().splitlines()][:3]
+    agent = open_agent(exports[backend], max_tokens=24, max_tool_rounds=0, threads=1)
+    for row in rows:
+        p = first_probability(agent, row)
+        for threshold, opens in ((p * 0.999, True), (min(1.0, p * 1.001 + 1e-9), False)):
+            tasks = heldout.parent / "one.jsonl"
+            tasks.write_text(json.dumps(row) + "\n")
+            assert openings(judged(exports[backend], tasks, batch=1, call_threshold=threshold)) == [opens]
+
+
+def test_batched_replies_equal_one_at_a_time_under_the_rule(exports, heldout):
+    one = judged(exports["gguf"], heldout, batch=1, call_threshold=0.5)
+    many = judged(exports["gguf"], heldout, batch=4, call_threshold=0.5)
+    assert [r["reply"] for r in many["artifacts"][0]["results"]] == [r["reply"] for r in one["artifacts"][0]["results"]]
+    assert one["call_threshold"] == 0.5
+
+
+def test_the_rule_leaves_replies_that_cannot_call_alone(exports):
+    agent = open_agent(exports["gguf"], max_tokens=12, threads=1)
+    plain = "".join(agent.complete("Once upon a time"))
+    ruled = "".join(agent.complete("Once upon a time", call_threshold=0.0))
+    assert ruled == plain  # threshold 0 would force a call opening where the rule acted
+    agent.tools = None
+    without_tools = agent.chat("Hello there", call_threshold=0.0).text
+    assert not without_tools.lstrip().startswith("<")
+
+
+def test_evaluate_agent_refuses_a_threshold_outside_0_to_1(exports, heldout, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    code, _, err = run_cli(capsys, "evaluate-agent", heldout, "--artifact", exports["gguf"], "--call-threshold",
+                           "1.5", "--out", out)
+    assert code == 2
+    assert "--call-threshold must be a number from 0 to 1" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()
