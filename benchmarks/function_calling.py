@@ -96,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "too, answered by a call (tasks make --twins); held-out rows unchanged.")
     parser.add_argument("--reward", choices=REWARDS, default="function_call_match",
                         help="The RL reward of ours and TRL (the judging is BFCL's rules either way).")
+    parser.add_argument("--call-threshold", type=float, default=None,
+                        help="Judge every arm under the call rule (evaluate-agent --call-threshold): a reply calls "
+                             "exactly when P(open a call) is at least this. Default: off.")
     parser.add_argument("--arms", default=",".join(ARMS), help="Arms to train and judge, comma-separated.")
     parser.add_argument("--work", type=Path, required=True, help="Working directory (resumable).")
     return parser.parse_args(argv)
@@ -198,7 +201,8 @@ def judged(args: argparse.Namespace, work: Path, suite: str, name: str, artifact
     out = eval_file(args, work, suite, name)
     if out.is_file():
         return json.loads(out.read_text())
-    settings = {"max_tokens": args.judge_tokens, "max_tool_rounds": 0, "threads": args.threads, "batch": 8}
+    settings = {"max_tokens": args.judge_tokens, "max_tool_rounds": 0, "threads": args.threads, "batch": 8,
+                "call_threshold": args.call_threshold}
     if suite == "heldout":
         report = evaluate_artifacts(work / "tasks" / "heldout.jsonl", [artifact], **settings)
     else:
@@ -209,9 +213,12 @@ def judged(args: argparse.Namespace, work: Path, suite: str, name: str, artifact
 
 
 def eval_file(args: argparse.Namespace, work: Path, suite: str, name: str) -> Path:
-    """Where an arm's evaluation is kept: named by what it judged (reply tokens; BFCL's entries per category),
-    so a rerun with another ``--limit`` or ``--judge-tokens`` judges again instead of reusing it."""
+    """Where an arm's evaluation is kept: named by what it judged (reply tokens; BFCL's entries per category; the
+    call rule), so a rerun with another ``--limit``, ``--judge-tokens`` or ``--call-threshold`` judges again
+    instead of reusing it."""
     judged_on = f"{args.judge_tokens}t" + (f"-{args.limit}each" if suite == "bfcl" else "")
+    if args.call_threshold is not None:
+        judged_on += f"-rule{args.call_threshold:g}"
     return work / "eval" / f"{suite}-{name}-{judged_on}.json"
 
 

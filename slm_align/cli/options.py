@@ -55,6 +55,9 @@ def threads_within_cores(value: Optional[int]) -> Optional[int]:
 
 
 CtxOpt = typer.Option(None, *CTX_NAMES, min=16, help="Context window in tokens.")
+CallThresholdOpt = typer.Option(None, "--call-threshold", help="The call rule: a reply calls a tool exactly when "
+                                "the model's probability of opening a call is at least this, a number from 0 to "
+                                "1 (0.5: by the larger mass; default: off, the likeliest token decides).")
 SetOpt = typer.Option([], "--set", help="Any recipe setting as KEY=VALUE, typed and checked like "
                       "the TOML (--set sft.lora.r=32 --set rl.grpo.loss_type=dr_grpo); repeatable; "
                       "a named flag wins. `slm-align config show` lists every setting.")

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Optional
 
 import typer
 from rich.console import Console
 
-from slm_align.cli.options import ChatTemplateOpt, CtxOpt, JsonFlag, ThreadsOpt, typed_flags
+from slm_align.cli.options import CallThresholdOpt, ChatTemplateOpt, CtxOpt, JsonFlag, ThreadsOpt, typed_flags
 from slm_align.cli.render import emit, print_feedback_export, print_fleet_ab, print_serving
 from slm_align.errors import UserError
-from slm_align.ondevice.agent.settings import Sampling
+from slm_align.ondevice.agent.settings import Sampling, check_call_threshold
 
 commands = typer.Typer()
 feedback_app = typer.Typer(help="On-device preferences: export or collect them for the next round; decide a "
@@ -50,6 +51,7 @@ def chat(
     threads: Optional[int] = ThreadsOpt,
     n_ctx: Optional[int] = CtxOpt,
     sampling: Optional[Sampling] = None,
+    call_threshold: Optional[float] = CallThresholdOpt,
     chat_template: Optional[str] = ChatTemplateOpt,
     raw: bool = typer.Option(False, "--raw", help="Plain completion (base models): each line is "
                              "continued as text, no template, no tools, nothing recorded."),
@@ -65,8 +67,10 @@ def chat(
 
     if raw:
         refuse_with_raw(chat_template=chat_template, store=store, system=system, tools=tools)
+    check_call_threshold(call_threshold)
+    chosen = replace(sampling.params(), call_threshold=call_threshold)
     agent = Agent.load(artifact, device=device, threads=threads, n_ctx=n_ctx, store=store, consent=consent,
-                       system=system, tools=default_tools(notes) if tools else None, sampling=sampling.params(),
+                       system=system, tools=default_tools(notes) if tools else None, sampling=chosen,
                        chat_template=chat_template, adapters=adapter or ())
     if not raw:
         require_template(agent.backend.chat_template)
@@ -164,6 +168,7 @@ def serve(
                                           "candidate answers while the A/B test collects."),
     batch: int = typer.Option(8, "--batch", help="Requests of a GGUF model decoded together in one llama.cpp "
                               "context (1: one at a time; ONNX models and adapter sets answer one at a time)."),
+    call_threshold: Optional[float] = CallThresholdOpt,
     as_json: bool = JsonFlag,
 ) -> None:
     """Serve an exported model: an OpenAI-compatible API (/v1/chat/completions, and /v1/completions
@@ -173,7 +178,7 @@ def serve(
     run_server(artifact, host=host, port=port, api_key=api_key, insecure=insecure, store_path=store, consent=consent,
                tools=tools, device=device, threads=threads, n_ctx=n_ctx, allowed_hosts=allow_host,
                chat_template=chat_template, adapters=named_adapters(adapter or ()), candidate=candidate or (),
-               candidate_share=candidate_share, batch=batch,
+               candidate_share=candidate_share, batch=batch, call_threshold=call_threshold,
                announce=lambda info: emit(as_json, info, lambda: print_serving(info)))
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from slm_align.cli.options import JsonFlag, ThreadsOpt
+from slm_align.cli.options import CallThresholdOpt, JsonFlag, ThreadsOpt
 from slm_align.cli.render import emit, stdout
 from slm_align.data.function_tasks import CATEGORIES
 from slm_align.errors import UserError
@@ -146,11 +146,7 @@ def evaluate_agent(
     batch: int = typer.Option(8, "--batch", help="Episodes of a GGUF model decoded together in one "
                               "llama.cpp context (continuous batching; the same results as 1, one at "
                               "a time). ONNX models run one at a time."),
-    call_threshold: Optional[float] = typer.Option(None, "--call-threshold", help="The call rule: a reply "
-                                                   "calls a tool exactly when the model's probability of "
-                                                   "opening a call is at least this, a number from 0 to 1 "
-                                                   "(0.5: by the larger mass; default: off, the likeliest "
-                                                   "token decides)."),
+    call_threshold: Optional[float] = CallThresholdOpt,
     threads: Optional[int] = ThreadsOpt,
     as_json: bool = JsonFlag,
 ) -> None:

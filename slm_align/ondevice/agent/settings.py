@@ -21,6 +21,8 @@ from typing import Annotated, Any, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
+from slm_align.errors import UserError
+
 PENALTY_WINDOW = 64
 """Generated tokens the repetition penalties look back over (llama-cpp-python's
 ``last_n_tokens_size``)."""
@@ -65,6 +67,16 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Any repetition penalty is on."""
         return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def check_call_threshold(value) -> None:
+    """Refuse a call threshold that is not a number from 0 to 1, in one line naming the flag."""
+    if value is None:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and 0 <= value <= 1):
+        raise UserError(f"--call-threshold must be a number from 0 to 1 (call when the model's probability of "
+                        f"opening a call is at least this), got {value}")
 
 
 DEFAULTS = SamplingParams()

@@ -9,7 +9,7 @@ from typing import Optional
 
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.bounds import accepted, bounds, typed
-from slm_align.ondevice.agent.settings import Temperature
+from slm_align.ondevice.agent.settings import Temperature, check_call_threshold
 from slm_align.ondevice.agent.task_batch import DEFAULT_BATCH
 
 DEFAULT_MAX_TOKENS = 96
@@ -43,12 +43,6 @@ def _temperature(value) -> bool:
     return number and TEMPERATURE_LIMITS["ge"] <= value <= TEMPERATURE_LIMITS["le"]
 
 
-def _probability(value) -> bool:
-    """``value`` is a number from 0 to 1."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number and 0 <= value <= 1
-
-
 def check_settings(samples: int, temperature: float, max_tool_rounds: int, max_tokens: int,
                    batch: int = 1, call_threshold: Optional[float] = None) -> None:
     """Refuse a setting out of its bounds, in one line naming the flag and what it accepts."""
@@ -64,9 +58,7 @@ def check_settings(samples: int, temperature: float, max_tool_rounds: int, max_t
         raise UserError(f"--max-new-tokens must be an integer >= 1, got {max_tokens}")
     if not _integer(batch, 1):
         raise UserError(f"--batch must be an integer >= 1 (episodes decoded together), got {batch}")
-    if call_threshold is not None and not _probability(call_threshold):
-        raise UserError(f"--call-threshold must be a number from 0 to 1 (call when the model's probability of "
-                        f"opening a call is at least this), got {call_threshold}")
+    check_call_threshold(call_threshold)
 
 
 @dataclass(frozen=True)

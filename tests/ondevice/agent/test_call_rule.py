@@ -173,3 +173,20 @@ def test_evaluate_agent_refuses_a_threshold_outside_0_to_1(exports, heldout, tmp
     assert "--call-threshold must be a number from 0 to 1" in err
     assert len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("threshold, opens", [(0.0, True), (1.0, False)])
+def test_serve_applies_the_rule_to_replies_that_may_call(exports, threshold, opens):
+    from slm_align.ondevice.agent.server import create_app
+    from tests.ondevice.agent.server.test_serve import WEATHER_TOOL, Running
+
+    ask = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "temperature": 0,
+           "max_tokens": 12}
+    with Running(create_app(exports["gguf"], call_threshold=threshold)) as running:
+        with_tools = running.client().chat.completions.create(**ask, tools=[WEATHER_TOOL]).choices[0].message
+        plain = running.client().chat.completions.create(**ask).choices[0].message
+    with Running(create_app(exports["gguf"])) as running:
+        free = running.client().chat.completions.create(**ask).choices[0].message
+    opened = bool(with_tools.tool_calls) or (with_tools.content or "").lstrip().startswith("<")
+    assert opened is opens
+    assert plain.content == free.content  # no tools offered: the rule stays out (this model may still write a call)

@@ -22,7 +22,7 @@ from slm_align.ondevice.agent.server.guard import HostGuard, is_loopback
 from slm_align.ondevice.agent.server.routes import ROUTES, BearerAuth
 from slm_align.ondevice.agent.server.service import Service
 from slm_align.ondevice.agent.server.settings import Access, Answering, Opening, Routing
-from slm_align.ondevice.agent.settings import refuse_unknown, take_options
+from slm_align.ondevice.agent.settings import check_call_threshold, refuse_unknown, take_options
 from slm_align.ondevice.agent.store import PreferenceStore
 from slm_align.ondevice.templates.artifact import check_chat_template
 from slm_align.ondevice.tools.builtin import default_tools
@@ -55,6 +55,7 @@ def create_app(artifact: Union[str, Path], opening: Opening = Opening(), access:
     batch = answering.batch
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise UserError(f"--batch must be an integer >= 1 (requests decoded together), got {batch}")
+    check_call_threshold(answering.call_threshold)
     model = load_model(artifact, opening.device, opening.threads, opening.n_ctx,
                        opening.chat_template)
     if getattr(model.backend, "adapters", ()):  # the router owns the adapters: a chain given as one
@@ -91,7 +92,7 @@ def _service(model: Model, answering: Answering, routing: Routing, limits: Limit
             store.close()
         raise
     tools = default_tools(answering.notes) if answering.tools else None
-    return Service(model, store, answering.consent, tools, limits, router, answering.batch)
+    return Service(model, store, answering.consent, tools, limits, router, answering.batch, answering.call_threshold)
 
 
 def check_exposure(host: str, api_key: Optional[str], insecure: bool) -> None:

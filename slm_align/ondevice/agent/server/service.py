@@ -7,7 +7,7 @@ import json
 import threading
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterator, Optional, Union
 
 from slm_align.ondevice.agent.batching import Engine
@@ -64,12 +64,14 @@ class Service:
 
     def __init__(self, model: Model, store: Optional[PreferenceStore], consent: bool,
                  tools: Optional[ToolRegistry], limits: Limits, router: Optional[AdapterRouter] = None,
-                 batch: int = 1):
+                 batch: int = 1, call_threshold: Optional[float] = None):
         self.model = model
         self.store = store
         self.consent = consent
         self.tools = tools
         self.limits = limits
+        self.call_threshold = call_threshold
+        """The call rule on every reply that may call (see :mod:`~slm_align.ondevice.agent.call_rule`)."""
         self.router = router or AdapterRouter(model)
         """The adapter sets and which one answers each request."""
         self.engine: Optional[Engine] = None
@@ -121,7 +123,8 @@ class Service:
         """A fresh agent on ``backend`` (the shared one, or a lane): client tools are returned, server
         tools run in its loop."""
         tools = chat.client_tools or (self.tools if chat.server_tools else None)
-        agent = Agent(backend, self.model.sha256, tools=tools, sampling=chat.sampling, store=self.store,
+        sampling = replace(chat.sampling, call_threshold=self.call_threshold)
+        agent = Agent(backend, self.model.sha256, tools=tools, sampling=sampling, store=self.store,
                       consent=self.consent, max_tool_rounds=0 if chat.client_tools else 4, cancel=cancel,
                       answer_grammar=chat.answer_grammar, logprobs=chat.logprobs)
         agent.conversation_id = chat.conversation_id or agent.conversation_id

@@ -57,6 +57,9 @@ class Answering:
     batch: int = DEFAULT_BATCH
     """Requests of a GGUF model decoded together (one llama.cpp context, a sequence each; 1: one at
     a time on one model thread, as ONNX models and adapter sets always are)."""
+    call_threshold: Optional[float] = None
+    """The call rule on replies that may call a tool: call exactly when the model's probability of
+    opening a call is at least this (None: off; see :mod:`~slm_align.ondevice.agent.call_rule`)."""
 
 
 @dataclass(frozen=True)
