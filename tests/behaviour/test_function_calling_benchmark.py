@@ -116,6 +116,26 @@ def test_an_evaluation_is_kept_under_what_it_judged(bench, tmp_path):
     assert kept != function_calling.eval_file(longer, tmp_path, "bfcl", "ours")
     assert function_calling.eval_file(args, tmp_path, "heldout", "ours") == (
         function_calling.eval_file(more, tmp_path, "heldout", "ours"))
+    ruled = function_calling.parse_args(["--work", str(tmp_path), "--limit", "10", "--judge-tokens", "128",
+                                         "--call-threshold", "0.5"])
+    for suite in ("bfcl", "heldout"):  # judged under the call rule: never the rule-free evaluation
+        assert function_calling.eval_file(ruled, tmp_path, suite, "ours") != (
+            function_calling.eval_file(args, tmp_path, suite, "ours"))
+
+
+def test_the_call_threshold_reaches_the_judge(bench, tmp_path, monkeypatch):
+    _, function_calling = bench
+    seen = []
+
+    def evaluate_artifacts(tasks, artifacts, **settings):
+        seen.append(settings["call_threshold"])
+        return {"artifacts": [{"results": []}]}
+
+    monkeypatch.setattr(function_calling, "evaluate_artifacts", evaluate_artifacts)
+    for given, expected in ((["--call-threshold", "0.5"], 0.5), ([], None)):
+        args = function_calling.parse_args(["--work", str(tmp_path), *given])
+        function_calling.judged(args, tmp_path, "bfcl", "ours", tmp_path / "model.gguf")
+        assert seen[-1] == expected
 
 
 def test_memory_flags_reach_our_rl_recipe(bench, tmp_path):
