@@ -39,15 +39,17 @@ class CallVocabulary:
     """Which token ids open a call and which are blank, for one tokenizer."""
 
     openers: np.ndarray
-    """(vocab,) bool: the token's text is a non-empty start of :data:`CALL_OPENING`, or starts with it."""
+    """(vocab,) bool: the token's text, leading whitespace aside, is a non-empty start of :data:`CALL_OPENING`
+    or starts with it (``" <"`` opens ``" <tool_call>"``, which the runtime reads as a call too)."""
     blank: np.ndarray
     """(vocab,) bool: the token's text is whitespace only (drawing it leaves the reply undecided)."""
 
     @classmethod
     def of(cls, pieces: Sequence[str]) -> "CallVocabulary":
         """The vocabulary of a tokenizer whose id ``i`` reads ``pieces[i]``."""
-        openers = np.array([bool(piece) and (CALL_OPENING.startswith(piece) or piece.startswith(CALL_OPENING))
-                            for piece in pieces])
+        stripped = [piece.lstrip() for piece in pieces]
+        openers = np.array([bool(text) and (CALL_OPENING.startswith(text) or text.startswith(CALL_OPENING))
+                            for text in stripped])
         blank = np.array([bool(piece) and not piece.strip() for piece in pieces])
         return cls(openers=openers, blank=blank)
 

@@ -30,7 +30,8 @@ PIECES = ["<", "<tool", "<tool_call>", "<tool_call>\n{", "<b", "tool", " ", "\n\
 
 def test_openers_are_the_starts_of_a_call_and_blanks_are_whitespace():
     vocabulary = CallVocabulary.of(PIECES)
-    assert [PIECES[i] for i in np.flatnonzero(vocabulary.openers)] == ["<", "<tool", CALL_OPENING, "<tool_call>\n{"]
+    assert [PIECES[i] for i in np.flatnonzero(vocabulary.openers)] == ["<", "<tool", CALL_OPENING, "<tool_call>\n{",
+                                                                       " <"]
     assert [PIECES[i] for i in np.flatnonzero(vocabulary.blank)] == [" ", "\n\n"]
 
 
@@ -42,8 +43,9 @@ def test_the_opening_probability_is_the_softmax_mass_of_the_openers():
 
 def probabilities(p_open: float) -> np.ndarray:
     """Logits over PIECES where the openers hold ``p_open`` together and "Sorry" is the likeliest token."""
+    openers = CallVocabulary.of(PIECES).openers
     weights = np.full(len(PIECES), 0.01)
-    weights[[0, 1, 2, 3]] = p_open / 4
+    weights[openers] = p_open / openers.sum()
     weights[PIECES.index("Sorry")] = 0.0
     weights[PIECES.index("Sorry")] = 1 - weights.sum()
     return np.log(weights).astype(np.float32)
