@@ -99,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--call-threshold", type=float, default=None,
                         help="Judge every arm under the call rule (evaluate-agent --call-threshold): a reply calls "
                              "exactly when P(open a call) is at least this. Default: off.")
+    parser.add_argument("--base-chat-template", default=None,
+                        help="The chat template the base arm is judged with when its GGUF ships none (Gemma 3 "
+                             "270M's base): chatml or a Jinja file, the one SFT trained with.")
     parser.add_argument("--arms", default=",".join(ARMS), help="Arms to train and judge, comma-separated.")
     parser.add_argument("--work", type=Path, required=True, help="Working directory (resumable).")
     return parser.parse_args(argv)
@@ -202,7 +205,8 @@ def judged(args: argparse.Namespace, work: Path, suite: str, name: str, artifact
     if out.is_file():
         return json.loads(out.read_text())
     settings = {"max_tokens": args.judge_tokens, "max_tool_rounds": 0, "threads": args.threads, "batch": 8,
-                "call_threshold": args.call_threshold}
+                "call_threshold": args.call_threshold,
+                "chat_template": args.base_chat_template if name == "base" else None}
     if suite == "heldout":
         report = evaluate_artifacts(work / "tasks" / "heldout.jsonl", [artifact], **settings)
     else:

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from slm_align.cli.options import CallThresholdOpt, JsonFlag, ThreadsOpt
+from slm_align.cli.options import CallThresholdOpt, ChatTemplateOpt, JsonFlag, ThreadsOpt
 from slm_align.cli.render import emit, stdout
 from slm_align.data.function_tasks import CATEGORIES
 from slm_align.errors import UserError
@@ -147,6 +147,7 @@ def evaluate_agent(
                               "llama.cpp context (continuous batching; the same results as 1, one at "
                               "a time). ONNX models run one at a time."),
     call_threshold: Optional[float] = CallThresholdOpt,
+    chat_template: Optional[str] = ChatTemplateOpt,
     threads: Optional[int] = ThreadsOpt,
     as_json: bool = JsonFlag,
 ) -> None:
@@ -164,7 +165,7 @@ def evaluate_agent(
     report = evaluate_artifacts(tasks, artifact, limit=limit, max_tokens=max_new_tokens,
                                 max_tool_rounds=max_tool_rounds, seed=seed, samples=samples,
                                 temperature=temperature, bfcl=bfcl, threads=threads, batch=batch,
-                                call_threshold=call_threshold)
+                                call_threshold=call_threshold, chat_template=chat_template)
     if out is not None:
         write_json_atomic(out, report)
     emit(as_json, report, lambda: print_agent_report(report))

@@ -123,19 +123,21 @@ def test_an_evaluation_is_kept_under_what_it_judged(bench, tmp_path):
             function_calling.eval_file(args, tmp_path, suite, "ours"))
 
 
-def test_the_call_threshold_reaches_the_judge(bench, tmp_path, monkeypatch):
+def test_the_call_threshold_and_the_base_template_reach_the_judge(bench, tmp_path, monkeypatch):
     _, function_calling = bench
     seen = []
 
     def evaluate_artifacts(tasks, artifacts, **settings):
-        seen.append(settings["call_threshold"])
+        seen.append((settings["call_threshold"], settings["chat_template"]))
         return {"artifacts": [{"results": []}]}
 
     monkeypatch.setattr(function_calling, "evaluate_artifacts", evaluate_artifacts)
     for given, expected in ((["--call-threshold", "0.5"], 0.5), ([], None)):
-        args = function_calling.parse_args(["--work", str(tmp_path), *given])
+        args = function_calling.parse_args(["--work", str(tmp_path), "--base-chat-template", "chatml", *given])
         function_calling.judged(args, tmp_path, "bfcl", "ours", tmp_path / "model.gguf")
-        assert seen[-1] == expected
+        assert seen[-1] == (expected, None)  # a tuned arm keeps the template it was exported with
+        function_calling.judged(args, tmp_path, "bfcl", "base", tmp_path / "base.gguf")
+        assert seen[-1] == (expected, "chatml")
 
 
 def test_memory_flags_reach_our_rl_recipe(bench, tmp_path):

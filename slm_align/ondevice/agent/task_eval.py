@@ -166,13 +166,15 @@ def check_artifact_exists(artifact: Union[str, Path]) -> None:
         raise UserError(f"artifact {artifact} not found; pass {FORMS}")
 
 
-def load_checked(artifact: Union[str, Path], threads: Optional[int] = None) -> Model:
+def load_checked(artifact: Union[str, Path], threads: Optional[int] = None,
+                 chat_template: Optional[str] = None) -> Model:
     """The opened ``artifact`` (any form of
     :func:`~slm_align.ondevice.agent.artifact_forms.resolve_artifact`) with a chat template that
-    renders; a missing, damaged or unknown artifact is a one-line UserError."""
+    renders (``chat_template``, "chatml" or a Jinja file, in place of its own); a missing, damaged or
+    unknown artifact is a one-line UserError."""
     check_artifact_exists(artifact)
     try:  # an unknown form is refused by load_model's resolve_artifact
-        model = load_model(artifact, threads=threads)
+        model = load_model(artifact, threads=threads, chat_template=chat_template)
     except UserError:
         raise
     except Exception as exc:  # llama.cpp and onnxruntime raise their own types for a damaged file
@@ -184,13 +186,14 @@ def load_checked(artifact: Union[str, Path], threads: Optional[int] = None) -> M
 
 def open_agent(artifact: Union[str, Path], max_tokens: int = DEFAULT_MAX_TOKENS,
                max_tool_rounds: int = DEFAULT_TOOL_ROUNDS, threads: Optional[int] = None,
-               call_threshold: Optional[float] = None) -> Agent:
+               call_threshold: Optional[float] = None, chat_template: Optional[str] = None) -> Agent:
     """A greedy agent with the built-in tools on ``artifact`` (any form of
     :func:`~slm_align.ondevice.agent.artifact_forms.resolve_artifact`: a model, base + adapters, an
     adapter export's manifest, a bundle; ``threads``: its backend's, default
     :func:`~slm_align.ondevice.devices.host.default_threads`; ``call_threshold``: the call rule, see
-    :mod:`~slm_align.ondevice.agent.call_rule`); one that does not load is a UserError."""
-    model = load_checked(artifact, threads)
+    :mod:`~slm_align.ondevice.agent.call_rule`; ``chat_template``: in place of the artifact's own, as
+    ``chat --chat-template``); one that does not load is a UserError."""
+    model = load_checked(artifact, threads, chat_template)
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, call_threshold=call_threshold)
     return Agent(_CountingBackend(model.backend), model.sha256, tools=default_tools(), sampling=sampling,
                  max_tool_rounds=max_tool_rounds, describe_tools=True)  # every artifact is shown the tools
@@ -423,7 +426,8 @@ def evaluate_artifacts(tasks: Union[str, Path, None], artifacts: Sequence[Union[
         raise UserError("pass at least one --artifact (a .gguf file or an ONNX export directory)")
     rows, name = task_rows(tasks, bfcl, limit)
     agents = [open_agent(artifact, settings.max_tokens, settings.max_tool_rounds, settings.threads,
-                         settings.call_threshold) for artifact in artifacts]  # all load, or none runs
+                         settings.call_threshold, settings.chat_template)
+              for artifact in artifacts]  # all load, or none runs
     runs, summaries = _run_artifacts(agents, artifacts, rows, settings)
     report = {"tasks": name, "n_tasks": len(rows), "max_tokens": settings.max_tokens,
               "max_tool_rounds": settings.max_tool_rounds, **settings.report(),

@@ -85,6 +85,9 @@ class EpisodeSettings:
     """The call rule: a reply calls a tool exactly when the model's probability of opening a call is at
     least this (None: off, greedy decides by the likeliest token; see
     :mod:`~slm_align.ondevice.agent.call_rule`)."""
+    chat_template: Optional[str] = None
+    """A chat template in place of every artifact's own ("chatml" or a Jinja file): a base model that
+    ships none is judged with the template its tuned versions were trained with (None: each its own)."""
 
     def check(self) -> None:
         """One line for the first setting out of its bounds (:func:`check_settings`)."""
@@ -97,4 +100,5 @@ class EpisodeSettings:
         greedy = self.samples == 1
         return {"samples": self.samples, "decoding": "greedy" if greedy else "sampled",
                 "temperature": 0.0 if greedy else self.temperature, "seed": self.seed,
-                "call_threshold": self.call_threshold, "intervals": dict(INTERVALS)}
+                "call_threshold": self.call_threshold, "chat_template": self.chat_template,
+                "intervals": dict(INTERVALS)}

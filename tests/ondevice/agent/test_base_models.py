@@ -9,12 +9,14 @@ import sys
 
 import pytest
 
+from slm_align.data.agent_tasks import make_tasks
 from slm_align.errors import UserError
 from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.ondevice.agent.decode import greedy
 from slm_align.ondevice.agent.open_artifact import open_backend
 from slm_align.ondevice.agent.runtime import Agent
 from slm_align.ondevice.agent.settings import SamplingParams
+from slm_align.ondevice.agent.task_eval import evaluate_artifacts
 from slm_align.ondevice.gguf.writer import write_gguf
 from slm_align.ondevice.templates.chat import CHATML_TEMPLATE
 from slm_align.runs import artifact_manifest
@@ -183,3 +185,15 @@ def test_a_served_base_model_refuses_chat_and_bad_completions_in_one_line(base_s
     assert answer.status_code == 400 and message in text
     models = base_server.client().models.list().data
     assert models[0].model_extra["x_chat_template"] is None
+
+
+def test_evaluate_agent_judges_a_base_model_with_the_template_given(capsys, ggufs, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(row) + "\n" for row in make_tasks(3, seed=1)))
+    code, out, err = run_cli(capsys, "evaluate-agent", tasks, "--artifact", ggufs["base"], "--max-new-tokens", "16")
+    assert code == 2 and out == "" and "--chat-template" in err and len(err.strip().splitlines()) == 1
+    given = evaluate_artifacts(tasks, [ggufs["base"]], chat_template="chatml", max_tokens=16, threads=1)
+    own = evaluate_artifacts(tasks, [ggufs["chat"]], max_tokens=16, threads=1)  # the same weights, ChatML inside
+    replies = [[result["reply"] for result in report["artifacts"][0]["results"]] for report in (given, own)]
+    assert replies[0] == replies[1]
+    assert given["chat_template"] == "chatml" and own["chat_template"] is None

@@ -22,7 +22,7 @@ def test_a_setting_out_of_bounds_is_refused_naming_its_flag(field, value, flag):
 def test_the_report_says_greedy_with_temperature_0_or_sampled_with_its_own():
     assert EpisodeSettings(temperature=0.9, seed=3).report() == {
         "samples": 1, "decoding": "greedy", "temperature": 0.0, "seed": 3, "call_threshold": None,
-        "intervals": INTERVALS}
+        "chat_template": None, "intervals": INTERVALS}
     assert EpisodeSettings(samples=4, temperature=0.9).report()["temperature"] == 0.9
 
 
@@ -30,8 +30,8 @@ def recording_open_agent(monkeypatch) -> list:
     """Replace the artifact loading with a record of how each agent would be opened, then stop."""
     opened = []
 
-    def open_agent(artifact, max_tokens, max_tool_rounds, threads, call_threshold):
-        opened.append((artifact, max_tokens, max_tool_rounds, threads, call_threshold))
+    def open_agent(artifact, max_tokens, max_tool_rounds, threads, call_threshold, chat_template):
+        opened.append((artifact, max_tokens, max_tool_rounds, threads, call_threshold, chat_template))
         raise KeyboardInterrupt  # nothing runs past the opening
 
     monkeypatch.setattr(task_eval, "open_agent", open_agent)
@@ -47,7 +47,7 @@ def test_evaluate_artifacts_takes_the_object_or_its_fields_by_name(monkeypatch):
                   "threads": 2, "call_threshold": 0.5}):
         with pytest.raises(KeyboardInterrupt):
             task_eval.evaluate_artifacts("tasks.jsonl", ["model.gguf"], **call)
-    assert opened == [("model.gguf", 12, 0, 2, 0.5)] * 3
+    assert opened == [("model.gguf", 12, 0, 2, 0.5, None)] * 3
 
 
 def test_evaluate_artifacts_refuses_an_unknown_keyword_and_a_bad_setting_before_opening(monkeypatch):
