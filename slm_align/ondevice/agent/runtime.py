@@ -248,8 +248,9 @@ class Agent:
                   chat: bool = True, may_call: bool = False) -> Iterator[str]:
         """Text pieces of one completion, ended by EOS (in a chat also by the token the template
         ends an assistant's turn with), a stop string or ``max_tokens``. ``sampling.call_threshold``
-        acts only on a reply that ``may_call`` a tool: one whose prompt offers tools (with no tool round
-        left, or none allowed, its calls stay in the text: a function row's answer)."""
+        acts only on a reply that ``may_call`` a tool: a tool round, or a reply whose tools are offered with
+        no round allowed (its calls stay in the text: a function row's answer). Not the answer after the
+        last round: a call there runs nothing."""
         if not may_call:
             sampling = replace(sampling, call_threshold=None)
         stops = self._chat_stops() if chat else self.backend.eos_ids
@@ -345,7 +346,7 @@ class Agent:
             turn = self._act(text, parsed, calls)
             prompt = self._after_round(prompt, turn, params)
         if self.tools and self.max_tool_rounds:  # no round left: a call would run nothing, never shown as text
-            text = "".join(self._generate(prompt, params, self.answer_grammar, may_call=True))
+            text = "".join(self._generate(prompt, params, self.answer_grammar))  # the rule would force calls
             self.trace.append(("sampled", list(self._sampled)))
             text = user_answer(text, self.tools.parse_calls(text))
             yield text

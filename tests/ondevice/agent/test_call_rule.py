@@ -192,3 +192,29 @@ def test_serve_applies_the_rule_to_replies_that_may_call(exports, threshold, ope
     opened = bool(with_tools.tool_calls) or (with_tools.content or "").lstrip().startswith("<")
     assert opened is opens
     assert plain.content == free.content  # no tools offered: the rule stays out (this model may still write a call)
+
+
+class ThresholdsSeen:
+    """A backend that records the call threshold each completion was asked to decode with."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.thresholds = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, prompt, params, grammar=None):
+        self.thresholds.append(params.call_threshold)
+        return self.inner.generate(prompt, params, grammar)
+
+
+def test_the_rule_acts_on_tool_rounds_and_never_on_the_answer_after_the_last(exports):
+    from slm_align.ondevice.tools.builtin import default_tools
+
+    agent = open_agent(exports["gguf"], max_tokens=24, max_tool_rounds=1, threads=1, call_threshold=0.0)
+    agent.tools = default_tools()
+    agent.backend = ThresholdsSeen(agent.backend)
+    agent.chat("What is 12 times 7?")
+    # threshold 0 forces the first round to open a call; its tool ran, and the answer after the last round is free
+    assert agent.backend.thresholds == [0.0, None]
