@@ -22,6 +22,7 @@ from slm_align.ondevice.agent.function_eval import function_messages, function_r
 from slm_align.ondevice.agent.runtime import Agent
 from slm_align.ondevice.agent.settings import SamplingParams
 from slm_align.ondevice.agent.task_eval import evaluate_artifacts, open_agent
+from slm_align.ondevice.tools.builtin import default_tools
 from slm_align.rollouts.policy_backend import check_exact
 from tests.helpers import export_bundled, run_cli
 
@@ -179,7 +180,7 @@ def test_evaluate_agent_refuses_a_threshold_outside_0_to_1(exports, heldout, tmp
 
 @pytest.mark.parametrize("threshold, opens", [(0.0, True), (1.0, False)])
 def test_serve_applies_the_rule_to_replies_that_may_call(exports, threshold, opens):
-    from slm_align.ondevice.agent.server import create_app
+    from slm_align.ondevice.agent.server import create_app  # the server's extra (uvicorn, openai): here only
     from tests.ondevice.agent.server.test_serve import WEATHER_TOOL, Running
 
     ask = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "temperature": 0,
@@ -210,8 +211,6 @@ class ThresholdsSeen:
 
 
 def test_the_rule_acts_on_tool_rounds_and_never_on_the_answer_after_the_last(exports):
-    from slm_align.ondevice.tools.builtin import default_tools
-
     agent = open_agent(exports["gguf"], max_tokens=24, max_tool_rounds=1, threads=1, call_threshold=0.0)
     agent.tools = default_tools()
     agent.backend = ThresholdsSeen(agent.backend)
