@@ -36,6 +36,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_rl import model_source  # noqa: E402
@@ -44,6 +45,7 @@ from agent_tasks import train_trl  # noqa: E402
 from slm_align.atomic import write_text_atomic  # noqa: E402
 from slm_align.data.function_tasks import DEFAULT_MIX  # noqa: E402
 from slm_align.modeling.models import DEFAULT_MODEL_DIR  # noqa: E402
+from slm_align.ondevice.agent.call_calibration import choose_call_threshold  # noqa: E402
 from slm_align.ondevice.agent.task_eval import (  # noqa: E402
     TaskResult,
     compare,
@@ -96,15 +98,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "too, answered by a call (tasks make --twins); held-out rows unchanged.")
     parser.add_argument("--reward", choices=REWARDS, default="function_call_match",
                         help="The RL reward of ours and TRL (the judging is BFCL's rules either way).")
-    parser.add_argument("--call-threshold", type=float, default=None,
+    parser.add_argument("--call-threshold", type=threshold_arg, default=None,
                         help="Judge every arm under the call rule (evaluate-agent --call-threshold): a reply calls "
-                             "exactly when P(open a call) is at least this. Default: off.")
+                             "exactly when P(open a call) is at least this; auto: each arm's own, chosen on the "
+                             "first --calibration-rows training rows (slm-align choose-call-threshold). Default: off.")
+    parser.add_argument("--calibration-rows", type=int, default=200,
+                        help="Training rows the thresholds of --call-threshold auto are chosen on.")
     parser.add_argument("--base-chat-template", default=None,
                         help="The chat template the base arm is judged with when its GGUF ships none (Gemma 3 "
                              "270M's base): chatml or a Jinja file, the one SFT trained with.")
     parser.add_argument("--arms", default=",".join(ARMS), help="Arms to train and judge, comma-separated.")
     parser.add_argument("--work", type=Path, required=True, help="Working directory (resumable).")
     return parser.parse_args(argv)
+
+
+def threshold_arg(text: str):
+    """``--call-threshold``: a number, or ``auto``."""
+    return text if text == "auto" else float(text)
 
 
 def recipes(args: argparse.Namespace, work: Path) -> dict:
@@ -204,9 +214,9 @@ def judged(args: argparse.Namespace, work: Path, suite: str, name: str, artifact
     out = eval_file(args, work, suite, name)
     if out.is_file():
         return json.loads(out.read_text())
+    chat_template = args.base_chat_template if name == "base" else None
     settings = {"max_tokens": args.judge_tokens, "max_tool_rounds": 0, "threads": args.threads, "batch": 8,
-                "call_threshold": args.call_threshold,
-                "chat_template": args.base_chat_template if name == "base" else None}
+                "call_threshold": arm_threshold(args, work, name, artifact), "chat_template": chat_template}
     if suite == "heldout":
         report = evaluate_artifacts(work / "tasks" / "heldout.jsonl", [artifact], **settings)
     else:
@@ -216,12 +226,35 @@ def judged(args: argparse.Namespace, work: Path, suite: str, name: str, artifact
     return report["artifacts"][0]
 
 
+def arm_threshold(args: argparse.Namespace, work: Path, name: str, artifact: Path) -> Optional[float]:
+    """The call rule's threshold an arm is judged with: ``--call-threshold``'s number, or with ``auto`` the one
+    ``choose-call-threshold`` picks for this arm on the first ``--calibration-rows`` training rows (never on the
+    rows judged), kept in ``work/eval`` for reruns."""
+    if args.call_threshold != "auto":
+        return args.call_threshold
+    out = threshold_file(work, name, args.calibration_rows)
+    if not out.is_file():
+        chat_template = args.base_chat_template if name == "base" else None
+        chosen = choose_call_threshold(work / "tasks" / "train.jsonl", artifact, limit=args.calibration_rows,
+                                       threads=args.threads, chat_template=chat_template)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out, json.dumps(chosen, indent=1))
+    return json.loads(out.read_text())["threshold"]
+
+
+def threshold_file(work: Path, name: str, rows: int) -> Path:
+    """Where an arm's chosen threshold is kept."""
+    return work / "eval" / f"threshold-{name}-{rows}rows.json"
+
+
 def eval_file(args: argparse.Namespace, work: Path, suite: str, name: str) -> Path:
     """Where an arm's evaluation is kept: named by what it judged (reply tokens; BFCL's entries per category; the
     call rule), so a rerun with another ``--limit``, ``--judge-tokens`` or ``--call-threshold`` judges again
     instead of reusing it."""
     judged_on = f"{args.judge_tokens}t" + (f"-{args.limit}each" if suite == "bfcl" else "")
-    if args.call_threshold is not None:
+    if args.call_threshold == "auto":
+        judged_on += f"-ruleauto{args.calibration_rows}"
+    elif args.call_threshold is not None:
         judged_on += f"-rule{args.call_threshold:g}"
     return work / "eval" / f"{suite}-{name}-{judged_on}.json"
 
@@ -320,13 +353,18 @@ def main(argv=None) -> None:
     found_differences = differences(evaluated)
     summary = {name: {suite: {key: value for key, value in row.items() if key != "results"}
                       for suite, row in suites.items()} for name, suites in evaluated.items()}
+    thresholds = {name: arm_threshold(args, work, name, Path(record[name]["artifact"])) for name in arms}
     report = {"settings": {key: str(value) for key, value in vars(args).items()}, "arms": record,
-              "summary": summary, "differences": found_differences}
+              "call_thresholds": thresholds, "summary": summary, "differences": found_differences}
     write_text_atomic(work / "function_calling.json", json.dumps(report, indent=1))
     print(f"\n{args.model}: {args.train} training rows, {args.demonstrations} demonstrations (SFT-small "
           f"{args.sft_steps} steps, SFT-all {args.sft_all_steps}), RL {args.rl_steps} iterations x {args.prompts} "
           f"prompts x G{args.group_size}, {args.max_new_tokens} new tokens; judged on {args.heldout} held-out rows "
           f"and {args.limit} BFCL entries per category, {args.threads} thread(s)")
+    if args.call_threshold is not None:
+        print("call rule thresholds: " + ", ".join(f"{name} {value:.2f}" for name, value in thresholds.items())
+              + (f" (each arm's own, chosen on {args.calibration_rows} training rows)"
+                 if args.call_threshold == "auto" else ""))
     print_report(evaluated, found_differences, record)
     print(f"\nthe full report: {work / 'function_calling.json'}")
 

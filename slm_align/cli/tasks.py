@@ -171,6 +171,60 @@ def evaluate_agent(
     emit(as_json, report, lambda: print_agent_report(report))
 
 
+@commands.command("choose-call-threshold", epilog="Examples:\n\n  slm-align choose-call-threshold "
+                  "data/functions/train.jsonl --artifact rl/model-Q8_0.gguf --limit 200\n\n  "
+                  "slm-align evaluate-agent --bfcl irrelevance,simple_python --artifact rl/model-Q8_0.gguf "
+                  "--call-threshold 0.62   # the threshold it chose")
+def choose_call_threshold(
+    tasks: Path = typer.Argument(..., help="Function rows that call and irrelevance rows (tasks make --kind "
+                                           "functions writes both: use the training split, never the rows "
+                                           "you will judge on)."),
+    artifact: Path = typer.Option(..., "--artifact", help="Exported model (.gguf or ONNX directory), a base "
+                                  "with its adapters, an adapter export's manifest or a bundle folder."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Use the first N rows only."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the report (every row's score and "
+                                                           "the whole table) here."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file (never an input)."),
+    chat_template: Optional[str] = ChatTemplateOpt,
+    threads: Optional[int] = ThreadsOpt,
+    as_json: bool = JsonFlag,
+) -> None:
+    """Choose the call rule's threshold (--call-threshold) for an exported model: each row's probability of
+    opening a call under greedy decoding, and the threshold that best separates the rows that call from
+    the irrelevance rows (balanced accuracy of the decision), with the table around it."""
+    from slm_align.atomic import write_json_atomic
+    from slm_align.ondevice.agent.call_calibration import choose_call_threshold as choose
+    from slm_align.runs import check_out_file
+
+    if out is not None:
+        check_out_file(out, [tasks, artifact], overwrite)
+    report = choose(tasks, artifact, limit=limit, threads=threads, chat_template=chat_template)
+    if out is not None:
+        write_json_atomic(out, report)
+    emit(as_json, report, lambda: print_threshold_report(report))
+
+
+def print_threshold_report(report: dict) -> None:
+    """The chosen threshold, its rates, and the table at every tenth with the chosen row."""
+    table = Table(title=f"Call threshold for {Path(report['artifact']).name} on {report['rows']} rows "
+                        f"({report['call_rows']} that call)")
+    for column in ("threshold", "call rows that call", "irrelevance rows that decline", "balanced"):
+        table.add_column(column, justify="right")
+    shown = [row for row in report["table"] if round(row["threshold"] * 10, 6) % 1 == 0]
+    shown = sorted([*shown, report], key=threshold_of)
+    for row in shown:
+        style = "bold" if row is report else None
+        table.add_row(f"{row['threshold']:.2f}", f"{row['call_rate']:.3f}", f"{row['decline_rate']:.3f}",
+                      f"{row['balanced']:.3f}", style=style)
+    stdout.print(table)
+    stdout.print(f"chosen: --call-threshold {report['threshold']:.2f} (balanced accuracy {report['balanced']:.3f})")
+
+
+def threshold_of(row: dict) -> float:
+    """A table row's threshold (its sort key)."""
+    return row["threshold"]
+
+
 def _title(report: dict) -> str:
     """The table's title: the tasks, how they were answered, the tool rounds allowed."""
     samples = report.get("samples", 1)

@@ -79,13 +79,20 @@ def rule_acts(threshold: Optional[float], vocabulary: Optional[CallVocabulary], 
     return all(token < len(blank) and blank[token] for token in generated)
 
 
+def opener_mask(vocabulary: CallVocabulary, size: int) -> np.ndarray:
+    """(size,) bool: the openers among a model's ``size`` logits (its padded rows beyond the tokenizer's ids
+    open nothing)."""
+    openers = np.zeros(size, dtype=bool)
+    known = min(size, len(vocabulary.openers))
+    openers[:known] = vocabulary.openers[:known]
+    return openers
+
+
 def restrict(logits: np.ndarray, threshold: float, vocabulary: CallVocabulary) -> bool:
     """Ban, in place in ``logits`` (vocab,), what the rule rules out at this position: every opener when
     P(open) < ``threshold``, every other token when it is reached (never all: a tokenizer without openers
     never calls). Returns whether it chose a call."""
-    openers = np.zeros(len(logits), dtype=bool)  # a model's padded rows beyond the tokenizer's ids open nothing
-    known = min(len(logits), len(vocabulary.openers))
-    openers[:known] = vocabulary.openers[:known]
+    openers = opener_mask(vocabulary, len(logits))
     calls = bool(openers.any()) and opening_probability(logits, openers) >= threshold
     logits[~openers if calls else openers] = -np.inf
     return calls

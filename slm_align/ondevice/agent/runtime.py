@@ -237,7 +237,7 @@ class Agent:
             self.ab.enter(self, self.conversation_id)
 
     # prompting
-    def _prompt_tokens(self, messages: list[dict], max_tokens: int) -> tuple[list[int], list[dict]]:
+    def prompt_tokens(self, messages: list[dict], max_tokens: int) -> tuple[list[int], list[dict]]:
         """The prompt's ids, dropping the oldest turns (never the system prompt) until the reply
         fits; message contents are tokenised once each, as plain text (see
         :mod:`slm_align.ondevice.agent.prompt`)."""
@@ -253,7 +253,7 @@ class Agent:
         last round: a call there runs nothing."""
         if not may_call:
             sampling = replace(sampling, call_threshold=None)
-        stops = self._chat_stops() if chat else self.backend.eos_ids
+        stops = self.chat_stops() if chat else self.backend.eos_ids
         tokens: list[int] = []
         self._sampled = tokens
         """The ids the model sampled this round (its end-of-turn token included when it ended by
@@ -290,7 +290,7 @@ class Agent:
         if text[len(emitted):]:
             yield text[len(emitted):]
 
-    def _chat_stops(self) -> set[int]:
+    def chat_stops(self) -> set[int]:
         """End-of-sequence ids and the template's end of the assistant's turn
         (:func:`~slm_align.ondevice.agent.prompt.turn_end`), worked out once per template."""
         template = self.backend.chat_template
@@ -333,7 +333,7 @@ class Agent:
         self.messages = list(messages)
         start = len(self.messages)
         calls: list[dict] = []
-        prompt, window = self._prompt_tokens(self.messages, params.max_tokens)
+        prompt, window = self.prompt_tokens(self.messages, params.max_tokens)
         self.trace = [("prompt", list(prompt))]
         for _ in range(self.max_tool_rounds if self.tools else 0):
             text = "".join(self._generate(prompt, params, self._grammar(), may_call=True))
@@ -369,7 +369,7 @@ class Agent:
         if len(following) + params.max_tokens <= self.backend.n_ctx:
             self.trace.append(("inserted", following[len(prompt) + len(self._sampled):]))
             return following
-        following, _ = self._prompt_tokens(self.messages, params.max_tokens)
+        following, _ = self.prompt_tokens(self.messages, params.max_tokens)
         self.trace.append(("prompt", list(following)))
         return following
 
@@ -454,7 +454,7 @@ class Agent:
         if messages is None and not self._last_prompt:
             raise UserError("no answer to compare with yet; chat first")
         params = alternative_sampling(replace(self.sampling, **sampling), seed)
-        prompt, _ = self._prompt_tokens(messages if messages is not None else self._last_prompt, params.max_tokens)
+        prompt, _ = self.prompt_tokens(messages if messages is not None else self._last_prompt, params.max_tokens)
         return "".join(self._generate(prompt, params, None))
 
 

@@ -114,7 +114,7 @@ def first_probability(agent: Agent, row: dict) -> float:
     """P(open a call) at the first position of ``row``'s reply, from the backend's own logits for the
     prompt the runtime renders."""
     agent.tools = function_registry(row)
-    prompt, _ = agent._prompt_tokens(function_messages(row), agent.sampling.max_tokens)
+    prompt, _ = agent.prompt_tokens(function_messages(row), agent.sampling.max_tokens)
     backend = getattr(agent.backend, "inner", agent.backend)
     backend.reset()
     return opening_probability(backend.feed(prompt), call_vocabulary(backend).openers)

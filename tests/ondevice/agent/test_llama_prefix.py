@@ -90,7 +90,7 @@ def prompts(backend, count: int) -> list[list[int]]:
     """Chat prompts that open alike (the tool descriptions) and differ in their question."""
     agent = Agent(backend, "model", tools=default_tools(), describe_tools=True)
     chats = [[{"role": "user", "content": QUESTIONS[i]}] for i in range(count)]
-    return [agent._prompt_tokens(chat, 16)[0] for chat in chats]
+    return [agent.prompt_tokens(chat, 16)[0] for chat in chats]
 
 
 def greedy_together(backend, feeds: list[list[int]], prefix_bytes: int, steps: int = 10):

@@ -73,7 +73,7 @@ def test_conversation_longer_than_the_window_keeps_working(artifacts):
         reply = agent.chat(f"Story number {turn}, please.")
         assert reply.text is not None
     assert len(agent.messages) == 1 + 2 * 12  # the history is kept; only the prompt window drops turns
-    prompt, window = agent._prompt_tokens(agent.messages + [{"role": "user", "content": "next"}], 24)
+    prompt, window = agent.prompt_tokens(agent.messages + [{"role": "user", "content": "next"}], 24)
     assert window[0]["content"] == "SYSTEM-PROMPT" and len(window) < len(agent.messages)
     assert len(prompt) + 24 <= 192
 
