@@ -41,10 +41,11 @@ from slm_align.ondevice.agent import function_eval
 from slm_align.ondevice.agent.call_rule import CallVocabulary, call_vocabulary, opener_mask, opening_probability
 from slm_align.ondevice.agent.runtime import Agent
 from slm_align.ondevice.agent.task_eval import load_tasks, open_agent
-from slm_align.progress import counted
+from slm_align.progress import counted, stage_lines
 
 MAX_BLANKS = 8
-"""Most blank tokens the walk follows before it stops (no template's reply opens with more)."""
+"""Most positions the walk decides (the first and up to 7 blank tokens after it; no template's reply opens
+with more blanks)."""
 
 GRID = np.round(np.linspace(0.0, 1.0, 101), 2)
 """The thresholds considered: 0, 0.01, ..., 1."""
@@ -68,13 +69,14 @@ def opening_score(backend, prompt: Sequence[int], vocabulary: CallVocabulary, st
     backend.reset()
     logits = backend.feed(list(prompt))
     best = 0.0
-    for _ in range(MAX_BLANKS):
+    for position in range(MAX_BLANKS):
         logits = np.array(logits, dtype=np.float32)
         openers = opener_mask(vocabulary, len(logits))
         best = max(best, opening_probability(logits, openers))
         logits[openers] = -np.inf
         token = int(np.argmax(logits))
-        if token in stops or token >= len(vocabulary.blank) or not vocabulary.blank[token]:
+        walks_on = token not in stops and token < len(vocabulary.blank) and vocabulary.blank[token]
+        if not walks_on or position == MAX_BLANKS - 1:
             break
         logits = backend.feed([token])
     return best
@@ -161,8 +163,10 @@ def choose_call_threshold(tasks: Union[str, Path], artifact: Union[str, Path], l
                         f"threshold is chosen on rows that call and irrelevance rows of tasks make --kind functions")
     check_both_kinds([bool(row["ground_truth"]) for row in rows])
     agent = open_agent(artifact, threads=threads, chat_template=chat_template)
-    scores = row_scores(agent, rows)
-    chosen = choose_threshold(scores)
+    with stage_lines("choose-call-threshold", f"P(open a call) on {len(rows)} rows") as stage:
+        scores = row_scores(agent, rows, label=Path(artifact).name)
+        chosen = choose_threshold(scores)
+        stage.figures = f"--call-threshold {chosen['threshold']:.2f}, balanced accuracy {chosen['balanced']:.3f}"
     by_category = {}
     for category in sorted({score.category for score in scores}):
         group = [score for score in scores if score.category == category]

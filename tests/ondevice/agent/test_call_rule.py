@@ -10,15 +10,14 @@ import pytest
 
 from slm_align.data.function_tasks import write_function_tasks
 from slm_align.errors import UserError
+from slm_align.ondevice.agent.call_calibration import row_scores
 from slm_align.ondevice.agent.call_rule import (
     CALL_OPENING,
     CallVocabulary,
-    call_vocabulary,
     opening_probability,
     restrict,
     rule_acts,
 )
-from slm_align.ondevice.agent.function_eval import function_messages, function_registry
 from slm_align.ondevice.agent.runtime import Agent
 from slm_align.ondevice.agent.settings import SamplingParams
 from slm_align.ondevice.agent.task_eval import evaluate_artifacts, open_agent
@@ -110,14 +109,10 @@ def heldout(tmp_path_factory):
                                 mix={"simple": 1, "irrelevance": 1})["heldout"]
 
 
-def first_probability(agent: Agent, row: dict) -> float:
-    """P(open a call) at the first position of ``row``'s reply, from the backend's own logits for the
-    prompt the runtime renders."""
-    agent.tools = function_registry(row)
-    prompt, _ = agent.prompt_tokens(function_messages(row), agent.sampling.max_tokens)
-    backend = getattr(agent.backend, "inner", agent.backend)
-    backend.reset()
-    return opening_probability(backend.feed(prompt), call_vocabulary(backend).openers)
+def opening_scores(agent: Agent, rows: list) -> list[float]:
+    """Each row's opening score (choose-call-threshold's: the largest P(open) on the greedy walk over blanks),
+    from the backend's own logits for the prompt the runtime renders."""
+    return [score.score for score in row_scores(agent, rows)]
 
 
 def openings(report: dict) -> list[bool]:
@@ -143,8 +138,7 @@ def test_threshold_zero_always_opens_a_call_and_one_never(exports, heldout, back
 def test_the_threshold_is_compared_with_the_models_own_probability(exports, heldout, backend):
     rows = [json.loads(line) for line in heldout.read_text().splitlines()][:3]
     agent = open_agent(exports[backend], max_tokens=24, max_tool_rounds=0, threads=1)
-    for row in rows:
-        p = first_probability(agent, row)
+    for row, p in zip(rows, opening_scores(agent, rows)):
         for threshold, opens in ((p * 0.999, True), (min(1.0, p * 1.001 + 1e-9), False)):
             tasks = heldout.parent / "one.jsonl"
             tasks.write_text(json.dumps(row) + "\n")
@@ -217,3 +211,34 @@ def test_the_rule_acts_on_tool_rounds_and_never_on_the_answer_after_the_last(exp
     agent.chat("What is 12 times 7?")
     # threshold 0 forces the first round to open a call; its tool ran, and the answer after the last round is free
     assert agent.backend.thresholds == [0.0, None]
+
+
+def test_choose_call_threshold_predicts_the_replies_under_the_threshold_it_chose(exports, heldout, tmp_path, capsys):
+    out = tmp_path / "threshold.json"
+    code, stdout, _ = run_cli(capsys, "choose-call-threshold", heldout, "--artifact", exports["gguf"], "--threads", "1",
+                              "--out", out, "--json")
+    assert code == 0
+    report = json.loads(stdout)
+    assert json.loads(out.read_text())["threshold"] == report["threshold"]
+    rows = heldout.read_text().splitlines()
+    assert len(report["scores"]) == len(rows) and len(report["table"]) == 101
+    assert report["balanced"] == max(row["balanced"] for row in report["table"])
+    predicted = [score["score"] >= report["threshold"] for score in report["scores"]]
+    replies = judged(exports["gguf"], heldout, batch=4, call_threshold=report["threshold"])
+    assert openings(replies) == predicted
+
+
+def test_choose_call_threshold_refuses_rows_it_cannot_choose_on(exports, heldout, tmp_path, capsys):
+    calculator = tmp_path / "calc.jsonl"
+    calculator.write_text(json.dumps({"prompt": "What is 2 + 2?", "answer": "4"}) + "\n")
+    simple_only = tmp_path / "simple.jsonl"
+    simple_only.write_text("".join(line + "\n" for line in heldout.read_text().splitlines()
+                                   if json.loads(line)["ground_truth"]))
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    for tasks, message in ((calculator, "not a function row"), (simple_only, "rows that call and rows that do not")):
+        code, _, err = run_cli(capsys, "choose-call-threshold", tasks, "--artifact", exports["gguf"])
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli(capsys, "choose-call-threshold", heldout, "--artifact", exports["gguf"], "--out", kept)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert kept.read_text() == "{}"
