@@ -172,13 +172,11 @@ def evaluate_agent(
 
 
 @commands.command("choose-call-threshold", epilog="Examples:\n\n  slm-align choose-call-threshold "
-                  "data/functions/train.jsonl --artifact rl/model-Q8_0.gguf --limit 200\n\n  "
-                  "slm-align evaluate-agent --bfcl irrelevance,simple_python --artifact rl/model-Q8_0.gguf "
-                  "--call-threshold 0.62   # the threshold it chose")
+                  "data/functions/train.jsonl --artifact rl/model-Q8_0.gguf --limit 200 --out threshold.json")
 def choose_call_threshold(
-    tasks: Path = typer.Argument(..., help="Function rows that call and irrelevance rows (tasks make --kind "
-                                           "functions writes both: use the training split, never the rows "
-                                           "you will judge on)."),
+    tasks: Path = typer.Argument(..., help="Function rows that call and irrelevance rows (the training "
+                                           "split of the function family has both; never the rows you "
+                                           "will judge on)."),
     artifact: Path = typer.Option(..., "--artifact", help="Exported model (.gguf or ONNX directory), a base "
                                   "with its adapters, an adapter export's manifest or a bundle folder."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Use the first N rows only."),
@@ -189,9 +187,10 @@ def choose_call_threshold(
     threads: Optional[int] = ThreadsOpt,
     as_json: bool = JsonFlag,
 ) -> None:
-    """Choose the call rule's threshold (--call-threshold) for an exported model: each row's probability of
-    opening a call under greedy decoding, and the threshold that best separates the rows that call from
-    the irrelevance rows (balanced accuracy of the decision), with the table around it."""
+    """Choose the call rule's threshold for an exported model (the number evaluate-agent, chat and serve
+    take as their call threshold): each row's probability of opening a call under greedy decoding, and
+    the threshold that best separates the rows that call from the irrelevance rows (balanced accuracy of
+    the decision), with the table around it."""
     from slm_align.atomic import write_json_atomic
     from slm_align.ondevice.agent.call_calibration import choose_call_threshold as choose
     from slm_align.runs import check_out_file
