@@ -140,6 +140,32 @@ def test_the_call_threshold_and_the_base_template_reach_the_judge(bench, tmp_pat
         assert seen[-1] == (expected, "chatml")
 
 
+def test_auto_judges_each_arm_with_its_own_threshold_chosen_on_training_rows(bench, tmp_path, monkeypatch):
+    _, function_calling = bench
+    judged_with, chosen_on = {}, []
+
+    def choose_call_threshold(tasks, artifact, limit=None, threads=None, chat_template=None):
+        chosen_on.append((Path(tasks).name, limit, chat_template))
+        return {"threshold": 0.61 if Path(artifact).stem == "ours" else 0.42}
+
+    def evaluate_artifacts(tasks, artifacts, **settings):
+        judged_with[Path(artifacts[0]).stem] = settings["call_threshold"]
+        return {"artifacts": [{"results": []}]}
+
+    monkeypatch.setattr(function_calling, "choose_call_threshold", choose_call_threshold)
+    monkeypatch.setattr(function_calling, "evaluate_artifacts", evaluate_artifacts)
+    args = function_calling.parse_args(["--work", str(tmp_path), "--call-threshold", "auto", "--calibration-rows",
+                                        "50", "--base-chat-template", "chatml"])
+    for name in ("ours", "base"):
+        for suite in ("heldout", "bfcl"):
+            function_calling.judged(args, tmp_path, suite, name, tmp_path / f"{name}.gguf")
+    assert judged_with == {"ours": 0.61, "base": 0.42}
+    assert chosen_on == [("train.jsonl", 50, None), ("train.jsonl", 50, "chatml")]  # once per arm, then kept
+    fixed = function_calling.parse_args(["--work", str(tmp_path), "--call-threshold", "0.5"])
+    assert function_calling.eval_file(args, tmp_path, "bfcl", "ours") != function_calling.eval_file(
+        fixed, tmp_path, "bfcl", "ours")
+
+
 def test_memory_flags_reach_our_rl_recipe(bench, tmp_path):
     """--micro-batch-size and --gradient-checkpointing set ours' update (the SFT recipes carry them unused)."""
     _, function_calling = bench
