@@ -22,18 +22,30 @@ def render(example: Example, tokenizer) -> tuple[str, str]:
     return "", example.text or ""
 
 
+def opening_ids(tokenizer, text: str) -> list[int]:
+    """``text``'s ids as it opens a sequence: with the tokenizer's special tokens (its BOS where it adds one),
+    unless the text already opens with that BOS (a chat template that writes ``{{ bos_token }}``, as
+    Gemma's and Llama 3's do): one BOS, never two. The runtime opens its prompts the same way
+    (:func:`slm_align.ondevice.agent.prompt.with_leading_ids`)."""
+    bos = tokenizer.bos_token
+    written = bool(bos) and text.startswith(bos)
+    return tokenizer(text, add_special_tokens=not written)["input_ids"]
+
+
 def encode(example: Example, tokenizer, max_length: int) -> dict[str, list[int]]:
     """``input_ids`` and ``labels`` (prompt tokens masked with -100), EOS appended,
     truncated to ``max_length``."""
     prompt, completion = render(example, tokenizer)
-    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
-    special = not prompt_ids  # BOS (when the tokenizer adds one) goes once, at the very start
-    completion_ids = tokenizer(completion, add_special_tokens=special)["input_ids"]
+    prompt_token_ids = opening_ids(tokenizer, prompt) if prompt else []
+    if prompt_token_ids:  # BOS (when the tokenizer adds one) goes once, at the very start
+        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    else:
+        completion_ids = opening_ids(tokenizer, completion)
     if tokenizer.eos_token_id is not None and (not completion_ids
                                                or completion_ids[-1] != tokenizer.eos_token_id):
         completion_ids = completion_ids + [tokenizer.eos_token_id]
-    input_ids = (prompt_ids + completion_ids)[:max_length]
-    labels = ([IGNORE_INDEX] * len(prompt_ids) + completion_ids)[:max_length]
+    input_ids = (prompt_token_ids + completion_ids)[:max_length]
+    labels = ([IGNORE_INDEX] * len(prompt_token_ids) + completion_ids)[:max_length]
     return {"input_ids": input_ids, "labels": labels}
 
 

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from slm_align.data.encoding import opening_ids
 from slm_align.errors import UserError
 from slm_align.progress import Count, counted
 
@@ -50,8 +51,7 @@ def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, temperatur
 
     from slm_align.modeling.accelerator import device_of
 
-    encoded = [tokenizer(p, add_special_tokens=True)["input_ids"] or [tokenizer.eos_token_id]
-               for p in prompts]
+    encoded = [opening_ids(tokenizer, p) or [tokenizer.eos_token_id] for p in prompts]
     width = max(len(ids) for ids in encoded)
     pad = tokenizer.pad_token_id
     device = device_of(model)

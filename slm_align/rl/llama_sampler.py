@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from slm_align.config import ModelSettings, RLSettings
+from slm_align.data.encoding import opening_ids
 from slm_align.errors import UserError
 from slm_align.modeling.generation import Samples, draw_tokens
 from slm_align.modeling.models import resolve_source, save_tokenizer
@@ -297,7 +298,7 @@ class LlamaSampler:
         (left-padded prompts, completions through their first EOS), with llama.cpp's log-probabilities:
         log softmax(logits / temperature) of each drawn token, the distribution it was drawn from (:func:`draw`)."""
         eos = tokenizer.eos_token_id
-        encoded = [tokenizer(p, add_special_tokens=True)["input_ids"] or [eos] for p in prompts]
+        encoded = [opening_ids(tokenizer, p) or [eos] for p in prompts]
         longest = max(len(ids) for ids in encoded)
         if longest + max_new_tokens > self.n_ctx:
             raise UserError(

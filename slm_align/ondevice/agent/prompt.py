@@ -11,6 +11,11 @@ Two rules make it safe and cheap:
   names, descriptions and schemas, past calls' arguments) has its control-token text protected by
   :class:`~slm_align.ondevice.agent.control_text.ControlText`, and so do the contents when the template looks
   into them (then the window's text is tokenised whole).
+- The prompt opens with what the tokenizer puts before every text it tokenizes with its special tokens
+  (:func:`leading_ids`: Gemma's and Llama's ``<bos>``, nothing for SmolLM2 or Qwen), once, unless the
+  template wrote it: training encodes its prompts so (:func:`slm_align.data.encoding.opening_ids`), and
+  a Gemma prompt without its ``<bos>`` is another input (SFT's calls came out as a loop of
+  ``<tool_call>`` lines in the runtime while they were right with it).
 - Each content is tokenised once. When the conversation does not fit the context, the oldest turns
   (never the system prompt, never the last turn) are cut where the cumulative token counts say, and
   the window is rendered again to check: a few renders, not one per dropped turn. Before any of
@@ -78,9 +83,10 @@ class PromptFitter:
             window = stored[:head] + stored[start:]
             indices = list(range(head)) + list(range(start, len(messages)))
             pieces = self._render(messages, indices)
-            over = len(pieces.ids) + max_tokens - self.backend.n_ctx
+            ids = with_leading_ids(pieces.ids, leading_ids(self.backend))
+            over = len(ids) + max_tokens - self.backend.n_ctx
             if over <= 0:
-                return pieces.ids, window
+                return ids, window
             later = [s for s in starts if s > start]
             if not later:
                 raise UserError(f"the message needs {len(pieces.ids)} tokens plus {max_tokens} for "
@@ -181,6 +187,25 @@ class PromptFitter:
             content = messages[index]["content"]
             self._contents[index] = self.backend.tokenize(content, add_special=False, special=False) if content else []
         return self._contents[index]
+
+
+def leading_ids(backend) -> list[int]:
+    """The ids ``backend``'s tokenizer puts before every text when it adds its special tokens (``[bos]`` for
+    Gemma and Llama, ``[]`` for SmolLM2 and Qwen): those of ``"a"`` tokenized with them, up to where
+    ``"a"`` tokenized without them begins."""
+    bare = backend.tokenize("a", add_special=False, special=False)
+    marked = backend.tokenize("a", add_special=True, special=False)
+    for start in range(len(marked) - len(bare) + 1):
+        if marked[start:start + len(bare)] == bare:
+            return marked[:start]
+    return []
+
+
+def with_leading_ids(ids: list[int], leading: list[int]) -> list[int]:
+    """``ids`` opened by ``leading`` once: as they are when they already open with it."""
+    if ids[:len(leading)] == leading:
+        return ids
+    return leading + ids
 
 
 def drops_tools(backend) -> bool:
