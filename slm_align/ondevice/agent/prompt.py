@@ -89,7 +89,7 @@ class PromptFitter:
                 return ids, window
             later = [s for s in starts if s > start]
             if not later:
-                raise UserError(f"the message needs {len(pieces.ids)} tokens plus {max_tokens} for "
+                raise UserError(f"the message needs {len(ids)} tokens plus {max_tokens} for "
                                 f"the answer, more than the context window of "
                                 f"{self.backend.n_ctx}; send a shorter message")
             start = self._cut(start, later, over, pieces)
