@@ -68,10 +68,10 @@ def opening_score(backend, prompt: Sequence[int], vocabulary: CallVocabulary, st
     likeliest non-opener is blank. ``stops``: the ids that end the reply (they end the walk too)."""
     backend.reset()
     logits = backend.feed(list(prompt))
+    openers = opener_mask(vocabulary, len(logits))
     best = 0.0
     for position in range(MAX_BLANKS):
         logits = np.array(logits, dtype=np.float32)
-        openers = opener_mask(vocabulary, len(logits))
         best = max(best, opening_probability(logits, openers))
         logits[openers] = -np.inf
         token = int(np.argmax(logits))

@@ -79,11 +79,12 @@ class PromptFitter:
         head = 1 if messages and messages[0]["role"] == "system" else 0
         starts = cut_points(messages, head)
         start = self._first_within_chars(messages, starts)
+        leading = leading_ids(self.backend)
         while True:
             window = stored[:head] + stored[start:]
             indices = list(range(head)) + list(range(start, len(messages)))
             pieces = self._render(messages, indices)
-            ids = with_leading_ids(pieces.ids, leading_ids(self.backend))
+            ids = with_leading_ids(pieces.ids, leading)
             over = len(ids) + max_tokens - self.backend.n_ctx
             if over <= 0:
                 return ids, window
