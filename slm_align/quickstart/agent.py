@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from slm_align.atomic import write_text_atomic
 from slm_align.config import Recipe, load_recipe
-from slm_align.data.function_tasks import FILES, write_function_tasks
+from slm_align.data.function_tasks import CATEGORIES, FILES, write_function_tasks
 from slm_align.modeling.models import DEFAULT_MODEL_DIR
 from slm_align.ondevice.agent.task_eval import TaskResult, compare, evaluate_artifacts
 from slm_align.pipeline import export_once, gate, run_rl, run_sft
@@ -84,12 +84,14 @@ def tasks_step(run: Path, sizes: AgentSizes, say: Say, mix: Optional[dict] = Non
     each training irrelevance row with a twin that calls, as ``tasks make --twins``) and the few
     demonstrations (kept when an earlier run wrote them)."""
     tasks = run / "tasks"
+    mix = mix or MIX
+    named = ", ".join(category for category in CATEGORIES if mix.get(category))
     say(f"[bold]1/4 function tasks[/] {sizes.train_tasks} training and {sizes.heldout_tasks} "
-        "held-out rows (simple, parallel, irrelevance); held-out rows offer functions training "
+        f"held-out rows ({named}); held-out rows offer functions training "
         f"never sees; SFT sees the chats of the first {sizes.demonstrations} training rows only")
     if not all((tasks / f"{name}.jsonl").is_file() for name in FILES):
         write_function_tasks(tasks, sizes.train_tasks, sizes.heldout_tasks, seed=SEED,
-                             overwrite=True, mix=mix or MIX, twins=twins)
+                             overwrite=True, mix=mix, twins=twins)
     if not (tasks / DEMONSTRATIONS).is_file():
         chats = (tasks / "sft.jsonl").read_text(encoding="utf-8").splitlines()
         write_text_atomic(tasks / DEMONSTRATIONS, "\n".join(chats[:sizes.demonstrations]) + "\n")

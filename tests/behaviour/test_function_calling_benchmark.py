@@ -197,3 +197,16 @@ def test_twins_reach_the_task_step_and_a_work_dir_of_the_other_setting_is_refuse
         function_calling.check_tasks(tmp_path / "plain", True)
     with pytest.raises(SystemExit, match="with --twins"):
         function_calling.check_tasks(tmp_path / "twins", False)
+
+
+def test_the_task_step_names_the_categories_it_writes(tmp_path):
+    """The first progress line names the categories of the mix the rows are written with: the quickstart's three, or
+    all five of the benchmark's, and the rows hold exactly those."""
+    sizes = AgentSizes(train_tasks=40, heldout_tasks=10, demonstrations=10)
+    for name, mix, named in (("quickstart", None, "(simple, parallel, irrelevance)"),
+                             ("bench", DEFAULT_MIX, "(simple, multiple, parallel, parallel_multiple, irrelevance)")):
+        lines = []
+        tasks_step(tmp_path / name, sizes, lines.append, mix=mix)
+        assert named in lines[0]
+        rows = [json.loads(line) for line in (tmp_path / name / "tasks" / "train.jsonl").read_text().splitlines()]
+        assert ", ".join(sorted({row["category"] for row in rows})) == ", ".join(sorted(named[1:-1].split(", ")))
