@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 import torch
+from transformers import DynamicCache
 
 from slm_align.errors import UserError
 from slm_align.modeling.accelerator import device_of
@@ -107,9 +108,13 @@ class PolicyBackend(PolicyFacts):
 
     @torch.no_grad()
     def _append(self, ids: list[int]) -> None:
-        """Feed ``ids`` after the cache; keep the last position's logits."""
+        """Feed ``ids`` after the cache; keep the last position's logits. The cache is a plain
+        ``DynamicCache`` from the start: the model's own would keep a sliding-window layer's last
+        ``sliding_window - 1`` positions only (Gemma 3) and refuse :meth:`_start`'s crop once a
+        conversation is longer (the window is the attention mask's, as in a full forward)."""
         inputs = torch.tensor([ids], device=self.device)
-        output = self.model(input_ids=inputs, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        cache = self._cache if self._cache is not None else DynamicCache()
+        output = self.model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
         self._cache = output.past_key_values
         self._logits = output.logits[:, -1]
         self.tokens = self.tokens + ids

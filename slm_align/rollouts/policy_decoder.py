@@ -206,7 +206,7 @@ class PolicyDecoder(PolicyFacts):
         return list(output.logits[:, -1])
 
     def _batched(self, slots: list[int], lengths: list[int], width: int,
-                 count: int) -> tuple[Optional[DynamicCache], torch.Tensor]:
+                 count: int) -> tuple[DynamicCache, torch.Tensor]:
         """The slots' caches as one left-padded cache and its (B, width + count) attention mask. When the
         slots decode again after the last decode forward, or some of them (the others stopped), its cache and
         mask one column on (their rows); else gathered anew."""
@@ -223,10 +223,13 @@ class PolicyDecoder(PolicyFacts):
             attention[row, width - length:] = 1
         return self._gathered(slots, lengths, width), attention
 
-    def _gathered(self, slots: list[int], lengths: list[int], width: int) -> Optional[DynamicCache]:
-        """The slots' caches as one (B, kv_heads, width, head_dim) DynamicCache, each row left-padded."""
+    def _gathered(self, slots: list[int], lengths: list[int], width: int) -> DynamicCache:
+        """The slots' caches as one (B, kv_heads, width, head_dim) DynamicCache, each row left-padded. Empty
+        caches too are given: the model's own would keep a sliding-window layer's last ``sliding_window - 1``
+        positions only (Gemma 3), and :meth:`_keep` reads every fed position's keys back (the window is the
+        attention mask's, as in a full forward)."""
         if width == 0:
-            return None
+            return DynamicCache()
         layers = []
         for index in range(len(self.caches[slots[0]].keys)):
             pairs = [self.caches[slot].layer(index) for slot in slots]

@@ -8,12 +8,21 @@ import pytest
 import torch
 
 from slm_align.data.tasks import TaskSet
+from slm_align.envelope.logprobs import forward_logprobs
 from slm_align.errors import UserError
 from slm_align.ondevice.agent.batching import Engine, run_many
 from slm_align.ondevice.agent.prompt import turn_end
 from slm_align.ondevice.agent.settings import SamplingParams
 from slm_align.ondevice.tools.builtin import default_tools
-from slm_align.rollouts.episodes import AgentTasks, EpisodeSetup, backend_episodes, episode_params, run_episode
+from slm_align.rollouts.episodes import (
+    AgentTasks,
+    EpisodeSetup,
+    backend_episodes,
+    episode_params,
+    pack,
+    run_episode,
+    sampler_logprobs,
+)
 from slm_align.rollouts.policy_backend import PolicyBackend
 from slm_align.rollouts.policy_decoder import PolicyDecoder
 from tests.rollouts.test_episodes import (
@@ -152,3 +161,42 @@ def test_tools_run_per_episode_in_a_batch(model, tokenizer):
     for prompt, episode in zip(PROMPTS[:4], episodes):
         assert prompt in tokenizer.decode(episode.ids[:episode.prompt_length])
         assert len(episode.drawn_logprobs) == len(episode.sampled)
+
+
+def test_past_gemma_3s_sliding_window_the_samplers_draw_what_the_trainer_scores(tiny_models, tokenizer):
+    """Gemma 3's sliding-window layers: prompts wider than the window (8 here; 512 in the real model) sample
+    on the decoder and alone, and every drawn log-probability is the one the update's forward gives. The
+    model's own cache kept only the window's last positions, so a wider prefill used to fail to be kept."""
+    model = tiny(tiny_models, "gemma3_text")
+    prompts = PROMPTS[:4] * 2
+    batched = episodes_on(PolicyDecoder(model, tokenizer, slots=8), prompts)
+    alone = episodes_on(PolicyBackend(model, tokenizer), prompts)
+    assert min(e.prompt_length for e in batched) > model.config.sliding_window
+    assert [e.ids for e in batched] == [e.ids for e in alone]
+    input_ids, attention, width, mask = pack(batched, tokenizer.pad_token_id, "cpu")
+    assert input_ids.shape[1] > 2 * model.config.sliding_window
+    with torch.no_grad():
+        scored, _, _ = forward_logprobs(model, input_ids, attention, width, 1.0, with_entropy=False)
+    drawn = sampler_logprobs(batched, mask.shape[1], "cpu")
+    torch.testing.assert_close(scored * mask, drawn * mask, rtol=0, atol=1e-4)
+
+
+def test_a_conversation_longer_than_the_window_keeps_its_shared_prefix_on_the_backend(tiny_models, tokenizer):
+    """The next round's prompt shares a prefix wider than the window with the cache: the backend crops to it
+    (the model's sliding-window cache refused to crop) and draws from the logits a fresh backend gets."""
+    model = tiny(tiny_models, "gemma3_text")
+    first = tokenizer(" ".join(PROMPTS))["input_ids"]
+    assert len(first) > model.config.sliding_window
+    backend = PolicyBackend(model, tokenizer)
+    drawn = []
+    for token in backend.generate(first, params_of(1.0, 0)):
+        drawn.append(token)
+        if len(drawn) == 5:
+            break
+    second = first + drawn[:3] + tokenizer(" and then")["input_ids"]
+    fresh = PolicyBackend(model, tokenizer)
+    for one in (backend, fresh):
+        next(one.generate(second, params_of(1.0, 1)))
+    assert backend.tokens == fresh.tokens == second
+    torch.testing.assert_close(torch.from_numpy(backend.last_logits()), torch.from_numpy(fresh.last_logits()),
+                               rtol=0, atol=1e-4)
