@@ -93,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Ours: rows forwarded and backpropagated at once in the update (rl.micro_batch_size, "
                              "default 8; the step is the same; benchmarks/rl_update_memory.py shows the memory "
                              "it saves).")
+    parser.add_argument("--rl-learning-rate", type=float, default=None,
+                        help="Ours and TRL: the RL learning rate (rl.learning_rate; default the quickstart's 3e-4).")
     parser.add_argument("--twins", action="store_true",
                         help="Give each training irrelevance row a twin: the same request with its function offered "
                              "too, answered by a call (tasks make --twins); held-out rows unchanged.")
@@ -128,6 +130,8 @@ def recipes(args: argparse.Namespace, work: Path) -> dict:
               "compute.gradient_checkpointing": args.gradient_checkpointing}
     if args.micro_batch_size is not None:
         budget["rl.micro_batch_size"] = args.micro_batch_size
+    if args.rl_learning_rate is not None:
+        budget["rl.learning_rate"] = args.rl_learning_rate
     small = agent_recipe(work, sizes, "cpu", budget)
     every = agent_recipe(work, sizes, "cpu", dict(budget, **{"data.path": str(work / "tasks" / "sft.jsonl"),
                                                              "sft.max_steps": args.sft_all_steps}))

@@ -210,3 +210,14 @@ def test_the_task_step_names_the_categories_it_writes(tmp_path):
         assert named in lines[0]
         rows = [json.loads(line) for line in (tmp_path / name / "tasks" / "train.jsonl").read_text().splitlines()]
         assert ", ".join(sorted({row["category"] for row in rows})) == ", ".join(sorted(named[1:-1].split(", ")))
+
+
+def test_the_rl_learning_rate_flag_reaches_ours_and_trls_recipe_only(bench, tmp_path):
+    """``--rl-learning-rate`` sets the RL stage's rate of the recipe ours and TRL train from; without it the
+    quickstart's 3e-4 stands, and SFT's rate is not touched either way."""
+    _, function_calling = bench
+    given = function_calling.parse_args(["--work", str(tmp_path), "--model", "bundled", "--rl-learning-rate", "1e-4"])
+    default = function_calling.parse_args(["--work", str(tmp_path), "--model", "bundled"])
+    small, plain = (function_calling.recipes(args, tmp_path)["small"] for args in (given, default))
+    assert (small.rl.learning_rate, plain.rl.learning_rate) == (1e-4, 3e-4)
+    assert small.sft.learning_rate == plain.sft.learning_rate
