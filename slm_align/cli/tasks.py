@@ -303,6 +303,9 @@ def print_agent_report(report: dict) -> None:
     for row in report["artifacts"]:
         if "tools_shown" in row:
             stdout.print(f"tools shown to {labels[row['artifact']]} by: {row['tools_shown']}")
+        if row.get("truncated"):
+            stdout.print(f"{labels[row['artifact']]}: {row['truncated']} of {row['episodes']} replies stopped at "
+                         f"--max-new-tokens {report['max_tokens']}, their calls cut short; judge with more tokens")
     figure = "success" if samples == 1 else "pass@1"
     for comparison in report["comparisons"]:
         pairs = [("", comparison), *(comparison.get("by_category") or {}).items()]

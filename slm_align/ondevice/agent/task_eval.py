@@ -73,6 +73,8 @@ class TaskResult:
     """A function row's category (BFCL's, or the generated rows'); "" for other tasks."""
     reason: str = ""
     """Why a function row's calls failed BFCL's rules ("" otherwise)."""
+    truncated: bool = False
+    """The final reply stopped at the token budget (``max_tokens``), not at its own end."""
 
     @property
     def success(self) -> bool:
@@ -234,7 +236,7 @@ def run_function_task(agent: Agent, row: dict, task: int = 0, sample: int = 0,
                       valid_calls=function_eval.valid_calls(row, calls), rounds=0,
                       tokens=counter.generated - generated, task=task, sample=sample,
                       seed=(sampling or {}).get("seed"), group=str(row.get("category") or ""),
-                      reason=verdict.reason)
+                      reason=verdict.reason, truncated=agent.last.truncated)
 
 
 def run_task(agent: Agent, row: dict, task: int = 0, sample: int = 0,
@@ -262,7 +264,7 @@ def run_task(agent: Agent, row: dict, task: int = 0, sample: int = 0,
                       valid_calls=sum(1 for call in reply.tool_calls if call["ok"]),
                       rounds=max(0, counter.generations - generations - 1),
                       tokens=counter.generated - generated, task=task, sample=sample,
-                      seed=(sampling or {}).get("seed"))
+                      seed=(sampling or {}).get("seed"), truncated=reply.truncated)
 
 
 def run_episodes(agent: Agent, rows: Sequence[dict], samples: int = DEFAULT_SAMPLES,
@@ -345,8 +347,9 @@ def summarize(results: Sequence[TaskResult], samples: int = DEFAULT_SAMPLES, see
     :func:`slm_align.stats.wilson_interval`; over n·k sampled episodes it treats them as
     independent, see ``pass_at_1_ci95`` for the interval over tasks); ``call_rate`` = share of
     episodes with at least one call; ``valid_call_rate`` = calls that parsed, validated and ran ok
-    / calls (None without calls); rounds and generated tokens per episode; each failure's count
-    and share; and :func:`pass_figures`.
+    / calls (None without calls); rounds and generated tokens per episode; ``truncated``: episodes
+    whose final reply stopped at the token budget (a call cut there fails as malformed); each
+    failure's count and share; and :func:`pass_figures`.
     """
     episodes = len(results)
     successes = sum(1 for r in results if r.success)
@@ -364,6 +367,7 @@ def summarize(results: Sequence[TaskResult], samples: int = DEFAULT_SAMPLES, see
         "call_rate": statistics.fmean(float(r.calls > 0) for r in results),
         "rounds_per_task": statistics.fmean(r.rounds for r in results),
         "tokens_per_task": statistics.fmean(r.tokens for r in results),
+        "truncated": sum(1 for r in results if r.truncated),
         **failure_figures(results),
         **pass_figures(results, samples, seed),
         "by_category": function_eval.category_figures(results),

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -529,3 +530,27 @@ def test_every_artifact_is_shown_the_tools_and_the_report_says_how(gguf, tmp_pat
     assert prompts[Path(gguf)].startswith(f"<|im_start|>system\n{fallback}<|im_end|>")
     assert "Tools: calculator current_time" in prompts[Path(listed)] and header not in prompts[Path(listed)]
     assert all(row["successes"] == 1 for row in report["artifacts"])
+
+
+def test_a_reply_stopped_by_the_token_budget_is_counted_and_named(gguf, capsys):
+    """A function row's reply cut at the token budget is counted as truncated (its call fails as malformed); the
+    same call ending by itself is not; the printed report names the cut replies and the budget."""
+    from slm_align.cli.tasks import print_agent_report
+    from slm_align.data.function_tasks import canonical_arguments, function_tasks
+
+    row = next(row for row in function_tasks(40, 10)["heldout"] if row["category"] == "simple")
+    [(name, allowed)] = row["ground_truth"][0].items()
+    call = json.dumps({"name": name, "arguments": canonical_arguments(allowed)})
+    whole = f"<tool_call>{call}</tool_call>"
+    agent = scripted_agent(gguf, [whole, f"<tool_call>{call[:-1]}, " + "\"note\": \"more\", " * 40 + "}}</tool_call>"])
+    budget = len(agent.backend.tokenize(whole, add_special=False)) + 2
+    agent.sampling = replace(agent.sampling, max_tokens=budget)
+    results = [run_task(agent, row, task=index) for index in range(2)]
+    assert [r.category for r in results] == ["success", "malformed_call"]
+    assert [r.truncated for r in results] == [False, True] and results[1].tokens == budget
+    summary = summarize(results)
+    assert summary["truncated"] == 1
+    print_agent_report({"n_tasks": 2, "max_tool_rounds": 0, "samples": 1, "max_tokens": budget,
+                        "artifacts": [{**summary, "artifact": "a/model.gguf"}], "comparisons": []})
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"model.gguf: 1 of 2 replies stopped at --max-new-tokens {budget}" in out
