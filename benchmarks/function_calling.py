@@ -43,6 +43,7 @@ from agent_rl import model_source  # noqa: E402
 from agent_tasks import train_trl  # noqa: E402
 
 from slm_align.atomic import write_text_atomic  # noqa: E402
+from slm_align.config.overrides import parse_sets  # noqa: E402
 from slm_align.data.function_tasks import DEFAULT_MIX  # noqa: E402
 from slm_align.modeling.models import DEFAULT_MODEL_DIR  # noqa: E402
 from slm_align.ondevice.agent.call_calibration import choose_call_threshold  # noqa: E402
@@ -95,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "it saves).")
     parser.add_argument("--rl-learning-rate", type=float, default=None,
                         help="Ours and TRL: the RL learning rate (rl.learning_rate; default the quickstart's 3e-4).")
+    parser.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="Ours (and TRL where it has the setting): an RL recipe setting, as train's --set "
+                             "(rl.temperature=1.0, rl.grpo.refill_flat=2); repeatable; rl.* keys only.")
     parser.add_argument("--twins", action="store_true",
                         help="Give each training irrelevance row a twin: the same request with its function offered "
                              "too, answered by a call (tasks make --twins); held-out rows unchanged.")
@@ -132,10 +136,21 @@ def recipes(args: argparse.Namespace, work: Path) -> dict:
         budget["rl.micro_batch_size"] = args.micro_batch_size
     if args.rl_learning_rate is not None:
         budget["rl.learning_rate"] = args.rl_learning_rate
+    budget.update(rl_settings(args.rl_set))
     small = agent_recipe(work, sizes, "cpu", budget)
     every = agent_recipe(work, sizes, "cpu", dict(budget, **{"data.path": str(work / "tasks" / "sft.jsonl"),
                                                              "sft.max_steps": args.sft_all_steps}))
     return {"sizes": sizes, "small": small, "all": every}
+
+
+def rl_settings(items: list[str]) -> dict:
+    """``--rl-set`` items as recipe overrides; SFT's settings are refused (SFT-small is shared by every RL
+    variant in a work dir)."""
+    overrides = parse_sets(items)
+    for key in overrides:
+        if not key.startswith("rl."):
+            raise SystemExit(f"--rl-set {key}: only rl.* settings (SFT-small is every RL arm's start)")
+    return overrides
 
 
 def timed(record: dict, name: str, build) -> Path:

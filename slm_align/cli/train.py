@@ -141,6 +141,7 @@ RL = (
     Flag("--loss-type", "rl.grpo.loss_type"),
     Flag("--scale-rewards", "rl.grpo.scale_rewards"),
     Flag("--resample-zero-std", "rl.grpo.resample_zero_std", sets=True),
+    Flag("--refill-flat", "rl.grpo.refill_flat"),
     Flag("--mask-truncated", "rl.mask_truncated", sets=True, aliases=("--mask-truncated-completions",)),
     Flag("--length-penalty", "rl.length_penalty"),
     Flag("--no-reinit-lora", "rl.envelope.reinit_lora", sets=False,

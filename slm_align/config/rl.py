@@ -122,6 +122,10 @@ class GRPOSettings(Strict):
     loss_type: Literal["grpo", "dr_grpo", "token_mean"] = Field("grpo", description="GRPO: loss normalisation.")
     resample_zero_std: bool = Field(False, description="GRPO: resample groups whose "
                                                        "rewards are all equal (once).")
+    refill_flat: int = Field(0, ge=0, le=8, description="GRPO, DAPO's dynamic sampling: replace "
+                             "all-equal groups by groups of newly drawn training prompts, in at "
+                             "most this many more draws an iteration (0: off); a group still "
+                             "all-equal after them stays, with no signal.")
 
 
 RL_SECTIONS = {"ppo": PPOSettings, "grpo": GRPOSettings}

@@ -26,6 +26,8 @@ SEED_STREAMS = {
     "prompts": SeedStream(1_000_003, 1, 0, 0, 0),  # which training prompts an iteration uses (same on every rank)
     "rollout": SeedStream(7919, 1, 100_003, 0, 0),  # the sampler of this rank's completions
     "resample": SeedStream(7919, 1, 100_003, 0, 104_729),  # GRPO's second draw of its all-equal groups
+    "refill_prompts": SeedStream(1_000_003, 1, 100_003, 1013, 15_485_863),  # GRPO's new prompts for all-equal groups
+    "refill": SeedStream(7919, 1, 100_003, 1013, 32_452_843),  # the sampler of those new prompts' completions
     "minibatch_order": SeedStream(31, 1009, 0, 1, 0),  # the shuffle of the rollout before each epoch
     "preference_order": SeedStream(37, 0, 0, 1013, 0),  # DPO/KTO: the shuffle of the training items per epoch
 }

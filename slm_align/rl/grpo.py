@@ -7,8 +7,9 @@ One iteration, top to bottom:
    contiguous);
 2. rollout: sample, score, and recompute old/reference log-probabilities in fp32 (each pass only
    when something uses it);
-3. all-equal groups: a group whose rewards do not differ carries no signal; counted, and
-   (``resample_zero_std``) sampled once more;
+3. all-equal groups: a group whose rewards do not differ carries no signal; counted,
+   (``resample_zero_std``) sampled once more, and (``refill_flat``, DAPO's dynamic sampling)
+   replaced by groups of new prompts;
 4. advantages: sigma-clip the raw scores over the batch, then normalise within each group;
 5. update: ``epochs`` passes in shuffled minibatches, each in micro-batches: the ratio, the loss
    (the clipped policy loss with an asymmetric clip plus beta times the k3 KL to the reference,
@@ -89,20 +90,48 @@ class GRPO(Learner):
         return self.collect_rollout(prompts, seed, passes)
 
     def rollout(self, step: int) -> Rollout:
-        """The groups of an iteration (B = prompts x G rows), all-equal ones drawn once more when
-        asked; how many groups the first draw had all equal is the rollout's ``all_equal``."""
-        group = self.settings.group_size
+        """The groups of an iteration (B = prompts x G rows): all-equal ones drawn once more when
+        asked (``resample_zero_std``), then replaced by new prompts' groups (``refill_flat``). How
+        many groups the first draw had all equal is the rollout's ``all_equal`` (it measures the
+        policy); how many were replaced by new prompts, its ``refilled``."""
+        group, rank = self.settings.group_size, self.world.rank
         prompts = self.prompts_for(step)
-        batch = self.sample(prompts, derive_seed(self.seed, "rollout", step, self.world.rank))
-        # --- all-equal groups: reward std below ZERO_STD, no signal; drawn once more when asked
+        batch = self.sample(prompts, derive_seed(self.seed, "rollout", step, rank))
+        # --- all-equal groups: reward std below ZERO_STD, no signal
         flat = all_equal_groups(batch.scores, group)
+        first_flat = len(flat)
         if flat and self.settings.grpo.resample_zero_std:
-            rows = [g * group + k for g in flat for k in range(group)]
-            seed = derive_seed(self.seed, "resample", step, self.world.rank)
-            redo = self.sample([prompts[i] for i in rows], seed)
-            batch = replace_rows(batch, rows, redo, self.tokenizer.pad_token_id)
-        batch.all_equal = len(flat)
+            same = [prompts[g * group] for g in flat]
+            batch = self.redraw(batch, flat, same, derive_seed(self.seed, "resample", step, rank))
+        batch, refilled = self.refill(batch, step)
+        batch.all_equal, batch.refilled = first_flat, refilled
         return batch
+
+    def refill(self, batch: Rollout, step: int) -> tuple[Rollout, int]:
+        """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2, "over-sample and filter out prompts
+        with accuracy 1 and 0"): in up to ``refill_flat`` more draws, each group still all-equal is
+        replaced, in place, by a group of a newly drawn training prompt, so that the update
+        holds groups with a signal. The batch keeps its size (DAPO draws until the batch is full; a
+        round cap bounds an iteration's sampling, whatever the reward). Returns the batch and how
+        many groups were replaced."""
+        group, rank = self.settings.group_size, self.world.rank
+        refilled = 0
+        for round_ in range(self.settings.grpo.refill_flat):
+            flat = all_equal_groups(batch.scores, group)
+            if not flat:
+                break
+            fresh = self.draw_prompts(derive_seed(self.seed, "refill_prompts", step, rank, round_), len(flat))
+            batch = self.redraw(batch, flat, fresh, derive_seed(self.seed, "refill", step, rank, round_))
+            refilled += len(flat)
+        return batch, refilled
+
+    def redraw(self, batch: Rollout, groups: list[int], prompts: list[str], seed: int) -> Rollout:
+        """``batch`` with each of its ``groups`` (indices) replaced by a new group of the prompt in
+        ``prompts`` at the same position, sampled with ``seed``."""
+        size = self.settings.group_size
+        rows = [g * size + k for g in groups for k in range(size)]
+        redo = self.sample([prompt for prompt in prompts for _ in range(size)], seed)
+        return replace_rows(batch, rows, redo, self.tokenizer.pad_token_id)
 
     def advantages(self, batch: Rollout) -> Advantages:
         """(B, T) advantages: A_i on every completion token of row i; no returns (no value head).
@@ -156,6 +185,11 @@ class GRPO(Learner):
         metrics = rollout_metrics(batch, results, rollout_kl(batch), time.perf_counter() - started)
         metrics.update(self.run_metrics())
         metrics["grpo/zero_std_frac"] = zero_std_frac
+        if self.settings.grpo.refill_flat:
+            metrics["grpo/refilled_groups"] = float(batch.refilled)
+            metrics["grpo/trained_zero_std_frac"] = zero_std_share(
+                len(all_equal_groups(batch.scores, self.settings.group_size)), self.settings.prompts_per_step,
+                self.world)
         metrics.update(self.sampler_figures(batch))
         return metrics
 

@@ -159,11 +159,16 @@ class Learner(TrainableRun):
         """This rank's training prompts of an iteration, chosen by (seed, step) so that a resumed
         run sees the same ones: this rank's share of the iteration's draws (whole GRPO groups),
         each repeated ``completions_per_prompt`` times in a row (GRPO: a group; PPO: once)."""
-        generator = torch.Generator().manual_seed(derive_seed(self.seed, "prompts", step))
         size = self.iteration_size(self.settings)
-        draws = torch.randint(len(self.train_prompts), (size.prompts,), generator=generator)
-        picks = draws.tolist()[self.world.rank::self.world.size]
-        return [self.train_prompts[i] for i in picks for _ in range(size.completions_per_prompt)]
+        picks = self.draw_prompts(derive_seed(self.seed, "prompts", step), size.prompts)
+        return [prompt for prompt in picks[self.world.rank::self.world.size]
+                for _ in range(size.completions_per_prompt)]
+
+    def draw_prompts(self, seed: int, count: int) -> list[str]:
+        """``count`` training prompts drawn uniformly with replacement by ``seed``."""
+        generator = torch.Generator().manual_seed(seed)
+        draws = torch.randint(len(self.train_prompts), (count,), generator=generator)
+        return [self.train_prompts[i] for i in draws.tolist()]
 
     def require_training_tokens(self, batch: Rollout, step: int) -> None:
         """Stop when no completion token of the rollout trains (on every rank): an update would

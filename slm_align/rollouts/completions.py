@@ -33,6 +33,7 @@ class Rollout:
     scores: torch.Tensor  # (B,) reward of each completion (after any length penalty)
     truncated: torch.Tensor  # (B,) bool
     all_equal: int = 0  # GRPO: groups whose first draw's rewards were all equal (no signal)
+    refilled: int = 0  # GRPO: all-equal groups replaced by new prompts' groups (refill_flat)
     stats: dict = field(default_factory=dict)  # metrics of the rollout itself (agent episodes': call rate, ...)
     sampler_logprobs: Optional[torch.Tensor] = None  # (B, T) another engine's log-probs of its tokens (llama.cpp)
     round_tokens: Optional[list[list[int]]] = None  # per row, tokens sampled in each round (agent episodes)

@@ -207,7 +207,7 @@ def test_train_help_lists_each_algorithm_and_guard_in_its_own_panel(capsys, monk
                 "Headroom gate": ["--max-ppl", "--gate-samples"],
                 "RL (common)": ["--algo", "--steps", "--group-size", "--max-new-tokens", "--no-sft"],
                 "PPO": ["--kl-coef", "--kl-mode", "--adaptive-kl"],
-                "GRPO": ["--beta", "--loss-type", "--scale-rewards", "--resample-zero-std"],
+                "GRPO": ["--beta", "--loss-type", "--scale-rewards", "--resample-zero-std", "--refill-flat"],
                 "Safety envelope": ["--no-reinit-lora", "--no-ratio-guard", "--no-rollback", "--sigma-clip"],
                 "Watchdog": ["--watchdog", "--watchdog-every"], "DPO / KTO": ["--pref-beta", "--pref-steps"],
                 "KTO": ["--desirable-weight", "--undesirable-weight"], "Compute": ["--device", "--precision"],

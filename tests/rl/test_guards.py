@@ -292,6 +292,52 @@ def test_zero_variance_groups_are_counted_and_resampled(sft_run):
     assert resampled.mask.shape == resampled.old_logprobs.shape
 
 
+def test_all_equal_groups_are_replaced_by_new_prompts_groups(sft_run):
+    constant, varied = "The sun.", "Tom found a red ball."
+
+    def constant_on_the_sun(prompts, completions, **_):
+        return [0.0 if p == constant else len(c) for p, c in zip(prompts, completions)]
+
+    def first_draw(step):  # one group without a signal, one with
+        return [constant] * 4 + [varied] * 4
+
+    refilling = make_loop(sft_run, prompts_per_step=2, grpo={"refill_flat": 2})
+    plain = make_loop(sft_run, prompts_per_step=2)
+    for loop in (refilling, plain):
+        loop.reward_fn, loop.prompts_for = constant_on_the_sun, first_draw
+        loop.train_prompts = [varied, "One day, Mia was happy."]  # what a refill may draw: each with a spread
+    kept, refilled = plain.rollout(0), refilling.rollout(0)
+    assert kept.prompts[:4] == [constant] * 4 and kept.refilled == 0  # off: the flat group stays
+    assert constant not in refilled.prompts and set(refilled.prompts[:4]) <= set(refilling.train_prompts)
+    assert len(set(refilled.prompts[:4])) == 1  # a whole group of one new prompt, in the flat group's place
+    assert refilled.prompts[4:] == kept.prompts[4:] and refilled.completions[4:] == kept.completions[4:]
+    assert refilled.all_equal == kept.all_equal == 1  # the first draw's count, as the watchdog reads it
+    assert refilled.refilled == 1 and refilled.scores.view(-1, 4).std(-1).min() > 0  # every group now has a signal
+    assert refilled.input_ids.shape[0] == refilled.mask.shape[0] == 8
+    metrics = refilling.run_step(0)
+    assert metrics["grpo/zero_std_frac"] == 0.5 and metrics["grpo/refilled_groups"] == 1.0
+    assert metrics["grpo/trained_zero_std_frac"] == 0.0
+
+
+def test_refilling_stops_after_its_rounds_and_keeps_a_group_that_stays_flat(sft_run):
+    def constant(prompts, completions, **_):
+        return [1.0 for _ in prompts]
+
+    loop = make_loop(sft_run, prompts_per_step=2, grpo={"refill_flat": 3})
+    loop.reward_fn = constant
+    drawn = []
+    sample = loop.sample
+
+    def counting_sample(prompts, seed):
+        drawn.append(len(prompts))
+        return sample(prompts, seed)
+
+    loop.sample = counting_sample
+    batch = loop.rollout(0)
+    assert drawn == [8, 8, 8, 8]  # the first draw, then both groups again in each of the 3 rounds
+    assert batch.all_equal == 2 and batch.refilled == 6 and batch.scores.shape == (8,)
+
+
 def test_reference_policy_is_the_merged_sft_model_and_not_the_base(sft_run):
     from slm_align.modeling.models import load_model, merged_policy
 
