@@ -18,6 +18,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One torch thread for the tiny models (and the CLI runs tests start, which inherit it): on 2 cores the second
 # thread costs more in hand-offs than it computes (tests/rl/test_guards.py: 31 against 48 CPU seconds).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch's CPU kernels use the widest vector instructions the host has, and AVX-512 sums in another order than AVX2.
+# A few tests follow a recorded trajectory that such rounding moves (the watchdog's entropy collapse at iteration 36
+# of a chaotic 50-iteration run, an export's greedy near-tie): they were recorded with the AVX2 kernels, and on an
+# AVX-512 host (AMD EPYC Zen 4) they failed with its kernels and passed with these. Every x86 host that runs the
+# suite has AVX2 (llama.cpp is built with it); other hosts ignore the setting.
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 # .gguf sources are dequantized into a cache (slm_align.ondevice.gguf.cache): one per test session, not the
 # user's, removed at exit (the real Gemma 3 270M takes 1 GB there).
 if "SLM_ALIGN_CACHE" not in os.environ:
