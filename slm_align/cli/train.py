@@ -130,6 +130,7 @@ RL = (
          "--reward or --reward-model."),
     Flag("--steps", "rl.steps"),
     Flag("--rl-lr", "rl.learning_rate"),
+    Flag("--rl-warmup-steps", "rl.warmup_steps"),
     Flag("--prompts-per-step", "rl.prompts_per_step"),
     Flag("--group-size", "rl.group_size", aliases=("--num-generations",)),
     Flag("--micro-batch-size", "rl.micro_batch_size"),

@@ -191,6 +191,9 @@ class RLSettings(Strict):
     learning_rate: Optional[float] = Field(None, gt=0, lt=1, description="AdamW learning rate of "
                                            "LoRA (and value head); None: scaled to the model's "
                                            "size (slm_align/envelope/learning_rate.py).")
+    warmup_steps: int = Field(0, ge=0, description="Iterations over which the learning rate rises "
+                              "linearly to its value (iteration t of the first N at (t+1)/(N+1) of "
+                              "it); 0: the full rate from the first update.")
     epochs: int = Field(2, ge=1, description="Passes over each rollout.")
     minibatch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
     micro_batch_size: Optional[int] = Field(

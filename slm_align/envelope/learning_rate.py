@@ -39,3 +39,15 @@ def default_learning_rate(parameters: int) -> float:
 def base_parameters(model) -> int:
     """Weights of the model that are not trainable adapter parameters."""
     return sum(parameter.numel() for parameter in model.parameters() if not parameter.requires_grad)
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """The share of the learning rate used at 0-based iteration ``step`` under a linear warmup of
+    ``warmup_steps`` iterations: ``min(1, (step + 1) / (warmup_steps + 1))``; 1 throughout when 0.
+
+    With 2: a third of the rate at iteration 0, two thirds at 1, all of it from 2 on. Adam's first
+    update moves every weight by about the rate whatever its gradient (m / sqrt(v) is the gradient's
+    sign), so the first iterations are the ones a warmup tames. Our own function, not torch's
+    ``LinearLR``: the rate is set from the iteration count at each iteration, so it composes with the
+    watchdog's scale and a resumed run needs no scheduler state."""
+    return min(1.0, (step + 1) / (warmup_steps + 1))

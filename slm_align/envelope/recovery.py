@@ -72,13 +72,13 @@ def scale_shaping(loop, factor: float) -> None:
 
 
 def apply_scales(loop, watchdog: Watchdog, base_beta: float) -> None:
-    """The learning rate (base times ``lr_scale``), GRPO's beta (base times ``kl_scale``) and the
-    call-format shaping (base weight times ``shaping_scale``) the watchdog asks for.
+    """The learning rate (base times ``lr_scale``, under the warmup's share), GRPO's beta (base times
+    ``kl_scale``) and the call-format shaping (base weight times ``shaping_scale``) the watchdog asks for.
 
     PPO's kl_coef lives in the learner's own state (and checkpoint); the event
     multiplies it directly."""
-    for group in loop.optimizer.param_groups:
-        group["lr"] = loop.learning_rate * watchdog.lr_scale
+    loop.lr_scale = watchdog.lr_scale
+    loop.set_learning_rate()
     loop.rescale_kl(base_beta, watchdog.kl_scale)
     scale_shaping(loop, watchdog.shaping_scale)
 

@@ -15,7 +15,7 @@ import torch
 
 from slm_align.config import EnvelopeSettings
 from slm_align.envelope.guard import GuardCounters, GuardedOptimizer, load_trainable_state, trainable_state
-from slm_align.envelope.learning_rate import base_parameters, default_learning_rate
+from slm_align.envelope.learning_rate import base_parameters, default_learning_rate, warmup_factor
 from slm_align.envelope.policy import checkpoint_in_eval, enable_checkpointing
 from slm_align.envelope.world import World
 from slm_align.modeling.accelerator import device_of, forward_autocast
@@ -56,6 +56,17 @@ class TrainableRun:
         self.guard = GuardedOptimizer(self.params, self.optimizer, envelope, self.world,
                                       GuardCounters())
         self.step = 0
+        self.lr_scale = 1.0
+        """The watchdog's multiplier of the learning rate (1 until a recovery lowers it)."""
+        self.warmup_steps = 0
+        """Iterations of linear learning-rate warmup (:func:`warmup_factor`; 0: none)."""
+
+    def set_learning_rate(self) -> None:
+        """AdamW's rate for this iteration's updates: the base rate times the watchdog's scale times
+        the warmup's share at ``step``."""
+        rate = self.learning_rate * self.lr_scale * warmup_factor(self.step, self.warmup_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
 
     @property
     def counters(self) -> GuardCounters:

@@ -105,6 +105,7 @@ class Learner(TrainableRun):
         if value_head is not None:
             named_params += [(f"value_head.{n}", p) for n, p in value_head.named_parameters()]
         super().__init__(policy, named_params, settings.learning_rate, settings.envelope, placement)
+        self.warmup_steps = settings.warmup_steps
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.train_prompts = rollouts.prompts
@@ -321,10 +322,11 @@ class Learner(TrainableRun):
 
     # ---- metrics and checkpoints -------------------------------------------------------------
     def run_metrics(self) -> dict:
-        """The iteration count, the KL coefficient, what the guards did so far (totals of the run)
-        and the iteration's phase timings."""
+        """The iteration count, the KL coefficient, the learning rate of the iteration's updates, what
+        the guards did so far (totals of the run) and the iteration's phase timings."""
         counters = self.counters
-        return {"step": self.step, "kl_coef": self.kl_coef, "guard/skipped": counters.skipped,
+        rate = self.optimizer.param_groups[0]["lr"]
+        return {"step": self.step, "kl_coef": self.kl_coef, "learning_rate": rate, "guard/skipped": counters.skipped,
                 "guard/rollbacks": counters.rollbacks,
                 "guard/score_clipped": counters.score_clipped,
                 "guard/advantage_clipped": counters.advantage_clipped, **self.clock.metrics()}

@@ -133,7 +133,9 @@ class PPO(Learner):
         self.require_training_tokens(batch, step)
         # --- advantages
         adv = self.advantages(batch)
-        # --- update: ``epochs`` seeded shuffles of the rollout, a guarded step per minibatch
+        # --- update: ``epochs`` seeded shuffles of the rollout, a guarded step per minibatch,
+        # at the iteration's learning rate (warmup, the watchdog's scale)
+        self.set_learning_rate()
         results = [self.minibatch(batch, rows, adv) for rows in self.minibatches(batch, step)]
         self.step = step + 1
         # --- KL controller: beta * (1 + 0.1 * clip(KL / target - 1, -0.2, 0.2)), Ziegler et al.

@@ -3,7 +3,7 @@
 import pytest
 
 from slm_align.config import load_recipe
-from slm_align.envelope.learning_rate import base_parameters, default_learning_rate
+from slm_align.envelope.learning_rate import base_parameters, default_learning_rate, warmup_factor
 from slm_align.modeling.models import attach_lora, build_tiny_model
 from slm_align.rl.learner import RolloutSource
 from slm_align.rl.ppo import PPO
@@ -27,3 +27,9 @@ def test_loop_uses_the_recipe_rate_or_the_scaled_default(tokenizer, recipe_rate)
     assert loop.learning_rate == pytest.approx(expected)
     assert loop.optimizer.param_groups[0]["lr"] == pytest.approx(expected)
     assert base_parameters(policy) == sum(p.numel() for n, p in policy.named_parameters() if "lora_" not in n)
+
+
+def test_warmup_rises_linearly_to_the_full_rate_and_is_off_at_zero():
+    assert [warmup_factor(step, 2) for step in range(5)] == pytest.approx([1 / 3, 2 / 3, 1, 1, 1])
+    assert [warmup_factor(step, 0) for step in range(3)] == [1.0, 1.0, 1.0]
+    assert warmup_factor(0, 4) == pytest.approx(0.2)  # never 0: the first update still moves

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from slm_align.config import WatchdogSettings
 from slm_align.envelope.recovery import WatchedRun, read_events
+from slm_align.envelope.run import TrainableRun
 from slm_align.envelope.watchdog import (
     Trigger,
     Watchdog,
@@ -464,11 +465,15 @@ class FakeLearner:
     """What the watchdog's wiring touches on a learner: one trainable tensor and its AdamW,
     the learning rate, PPO's KL coefficient, the reward and the iteration."""
 
+    set_learning_rate = TrainableRun.set_learning_rate  # the real rule: base x the watchdog's scale x warmup
+
     def __init__(self, reward_fn):
         self.weight = torch.nn.Parameter(torch.zeros(2))
         self.named_params = [("w", self.weight)]
         self.optimizer = torch.optim.AdamW([self.weight], lr=1e-3)
         self.learning_rate = 1e-3
+        self.lr_scale = 1.0
+        self.warmup_steps = 0
         self.settings = SimpleNamespace(algo="ppo", steps=20)
         self.kl_coef = 0.05
         self.reward_fn = reward_fn

@@ -102,6 +102,27 @@ def test_one_iteration_changes_every_lora_parameter(sft_run, algo):
         assert metrics["loss/value"] is not None and "value/explained_variance" in metrics
 
 
+def first_update(loop) -> dict:
+    """How iteration 0 moved each trainable parameter."""
+    before = lora_state(loop)
+    loop.run_step(0)
+    return {name: value - before[name] for name, value in lora_state(loop).items()}
+
+
+def test_warmup_scales_adams_first_update_and_composes_with_the_watchdogs_scale(sft_run):
+    one_step = dict(epochs=1, minibatch_size=16, learning_rate=3e-4)  # 16 rows: one optimizer step
+    full = first_update(make_loop(sft_run, **one_step))
+    warmed = first_update(make_loop(sft_run, warmup_steps=2, **one_step))
+    lora_b = [name for name in full if "lora_B" in name]  # B starts at 0, so A gets no gradient yet
+    assert lora_b and all(full[name].abs().max() > 0 for name in lora_b)
+    for name in full:  # Adam's first step is lr * m / sqrt(v): a third of the rate, a third of the move
+        assert torch.allclose(warmed[name] * 3, full[name], rtol=1e-4, atol=1e-10)
+    loop = make_loop(sft_run, warmup_steps=2, **one_step)
+    loop.lr_scale = 0.5  # a recovery halved the rate
+    rates = [loop.run_step(step)["learning_rate"] for step in range(3)]
+    assert rates == pytest.approx([0.5e-4, 1e-4, 1.5e-4])
+
+
 class NaNGradientLoop(GRPO):
     fault = False
 
