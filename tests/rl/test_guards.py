@@ -109,7 +109,7 @@ def first_update(loop) -> dict:
     return {name: value - before[name] for name, value in lora_state(loop).items()}
 
 
-def test_warmup_scales_adams_first_update_and_composes_with_the_watchdogs_scale(sft_run):
+def test_warmup_scales_adams_first_update(sft_run):
     one_step = dict(epochs=1, minibatch_size=16, learning_rate=3e-4)  # 16 rows: one optimizer step
     full = first_update(make_loop(sft_run, **one_step))
     warmed = first_update(make_loop(sft_run, warmup_steps=2, **one_step))
@@ -117,7 +117,11 @@ def test_warmup_scales_adams_first_update_and_composes_with_the_watchdogs_scale(
     assert lora_b and all(full[name].abs().max() > 0 for name in lora_b)
     for name in full:  # Adam's first step is lr * m / sqrt(v): a third of the rate, a third of the move
         assert torch.allclose(warmed[name] * 3, full[name], rtol=1e-4, atol=1e-10)
-    loop = make_loop(sft_run, warmup_steps=2, **one_step)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_each_iteration_runs_at_its_warmed_rate_times_the_watchdogs_scale(sft_run, algo):
+    loop = make_loop(sft_run, algo=algo, warmup_steps=2, learning_rate=3e-4)
     loop.lr_scale = 0.5  # a recovery halved the rate
     rates = [loop.run_step(step)["learning_rate"] for step in range(3)]
     assert rates == pytest.approx([0.5e-4, 1e-4, 1.5e-4])
