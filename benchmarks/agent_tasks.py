@@ -92,7 +92,7 @@ def train_trl(recipe, files: dict, work: Path, learning_rate: float, reward=None
               columns: tuple[str, ...] = ("answer", "tool"), sft_stage: Path = None) -> tuple[Path, float]:
     """TRL's GRPOTrainer from our SFT policy (``sft_stage``, default the ``ours`` run's), single-turn on
     ``reward`` (default ``tool_task``) given the rows' ``columns`` (:func:`trl_columns`); merged, saved and
-    exported."""
+    exported. Ours' RL warmup (``rl.warmup_steps`` iterations) becomes TRL's ``warmup_steps`` in optimizer steps."""
     import datasets
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
@@ -130,8 +130,8 @@ def train_trl(recipe, files: dict, work: Path, learning_rate: float, reward=None
         num_generations=rl.group_size, max_completion_length=rl.max_new_tokens, temperature=rl.temperature,
         top_k=0, top_p=1.0, beta=rl.grpo.beta, epsilon=rl.clip_eps, epsilon_high=rl.grpo.clip_eps_high,
         loss_type=TRL_LOSS[rl.grpo.loss_type], scale_rewards=rl.grpo.scale_rewards,
-        learning_rate=learning_rate, max_steps=updates * rl.steps, seed=0, dataloader_num_workers=0,
-        remove_unused_columns=False, shuffle_dataset=False)
+        learning_rate=learning_rate, warmup_steps=updates * rl.warmup_steps, max_steps=updates * rl.steps,
+        seed=0, dataloader_num_workers=0, remove_unused_columns=False, shuffle_dataset=False)
     lora = LoraConfig(task_type="CAUSAL_LM", r=rl.lora.r, lora_alpha=rl.lora.alpha, lora_dropout=rl.lora.dropout,
                       target_modules=rl.lora.target_modules or "all-linear")
     trainer = GRPOTrainer(model=model, reward_funcs=reward or tool_task, args=config, train_dataset=dataset,
