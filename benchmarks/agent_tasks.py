@@ -92,10 +92,10 @@ def train_trl(recipe, files: dict, work: Path, learning_rate: float, reward=None
               columns: tuple[str, ...] = ("answer", "tool"), sft_stage: Path = None) -> tuple[Path, float]:
     """TRL's GRPOTrainer from our SFT policy (``sft_stage``, default the ``ours`` run's), single-turn on
     ``reward`` (default ``tool_task``) given the rows' ``columns`` (:func:`trl_columns`); merged, saved and
-    exported. Ours' RL warmup (``rl.warmup_steps`` iterations) becomes TRL's ``warmup_steps`` in optimizer steps."""
+    exported; TRL's settings: :func:`trl_grpo_config`."""
     import datasets
     from peft import LoraConfig
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from slm_align.data.tasks import read_tasks
     from slm_align.export.converters.merge import merge_run
@@ -116,22 +116,12 @@ def train_trl(recipe, files: dict, work: Path, learning_rate: float, reward=None
     reachable_backbone(model)
     tasks = read_tasks(files["train"], tokenizer)
     rl = recipe.rl
-    samples = rl.prompts_per_step * rl.group_size
-    updates = samples * rl.epochs // rl.minibatch_size  # optimizer steps per iteration, as ours takes them
     bos = tokenizer.bos_token if begins_with_bos(tokenizer) else ""  # TRL adds no special tokens to a prompt
     needed = rl.prompts_per_step * (rl.steps + 1)
     prompts = [bos + tasks.prompts[i % len(tasks)] for i in range(needed)]
     rows = [tasks.columns[i % len(tasks)] for i in range(needed)]
     dataset = datasets.Dataset.from_dict({"prompt": prompts, **trl_columns(rows, columns)})
-    config = GRPOConfig(
-        output_dir=str(work / "trl-out"), use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=10_000,
-        save_strategy="no", per_device_train_batch_size=rl.minibatch_size,
-        steps_per_generation=samples // rl.minibatch_size, num_iterations=rl.epochs,
-        num_generations=rl.group_size, max_completion_length=rl.max_new_tokens, temperature=rl.temperature,
-        top_k=0, top_p=1.0, beta=rl.grpo.beta, epsilon=rl.clip_eps, epsilon_high=rl.grpo.clip_eps_high,
-        loss_type=TRL_LOSS[rl.grpo.loss_type], scale_rewards=rl.grpo.scale_rewards,
-        learning_rate=learning_rate, warmup_steps=updates * rl.warmup_steps, max_steps=updates * rl.steps,
-        seed=0, dataloader_num_workers=0, remove_unused_columns=False, shuffle_dataset=False)
+    config = trl_grpo_config(recipe, work / "trl-out", learning_rate)
     lora = LoraConfig(task_type="CAUSAL_LM", r=rl.lora.r, lora_alpha=rl.lora.alpha, lora_dropout=rl.lora.dropout,
                       target_modules=rl.lora.target_modules or "all-linear")
     trainer = GRPOTrainer(model=model, reward_funcs=reward or tool_task, args=config, train_dataset=dataset,
@@ -145,6 +135,27 @@ def train_trl(recipe, files: dict, work: Path, learning_rate: float, reward=None
     if (merged / SIDECAR).is_file():  # a GGUF source's own tokenizer fields, for an export that tokenises as it did
         shutil.copyfile(merged / SIDECAR, folder / SIDECAR)
     return export_policy(folder, work / "export-trl"), seconds
+
+
+def trl_grpo_config(recipe, out: Path, learning_rate: float):
+    """TRL's ``GRPOConfig`` at ours' budget: the same replies an iteration (prompts x group), cut into minibatches
+    of ours' size, each iteration's epochs, sampling, clipping, KL weight, loss and rate. Ours' RL warmup
+    (``rl.warmup_steps`` iterations) becomes TRL's ``warmup_steps`` in optimizer steps; after it TRL's default
+    schedule decays the rate linearly where ours holds it."""
+    from trl import GRPOConfig
+
+    rl = recipe.rl
+    samples = rl.prompts_per_step * rl.group_size
+    updates = samples * rl.epochs // rl.minibatch_size  # optimizer steps per iteration, as ours takes them
+    return GRPOConfig(
+        output_dir=str(out), use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=10_000,
+        save_strategy="no", per_device_train_batch_size=rl.minibatch_size,
+        steps_per_generation=samples // rl.minibatch_size, num_iterations=rl.epochs,
+        num_generations=rl.group_size, max_completion_length=rl.max_new_tokens, temperature=rl.temperature,
+        top_k=0, top_p=1.0, beta=rl.grpo.beta, epsilon=rl.clip_eps, epsilon_high=rl.grpo.clip_eps_high,
+        loss_type=TRL_LOSS[rl.grpo.loss_type], scale_rewards=rl.grpo.scale_rewards,
+        learning_rate=learning_rate, warmup_steps=updates * rl.warmup_steps, max_steps=updates * rl.steps,
+        seed=0, dataloader_num_workers=0, remove_unused_columns=False, shuffle_dataset=False)
 
 
 def trl_columns(rows: list[dict], names: tuple[str, ...]) -> dict[str, list]:

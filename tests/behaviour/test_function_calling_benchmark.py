@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from slm_align.data.function_tasks import DEFAULT_MIX, canonical_arguments, function_tasks
 from slm_align.ondevice.agent.task_eval import TaskResult, summarize
@@ -221,3 +222,33 @@ def test_the_rl_learning_rate_flag_reaches_ours_and_trls_recipe_only(bench, tmp_
     small, plain = (function_calling.recipes(args, tmp_path)["small"] for args in (given, default))
     assert (small.rl.learning_rate, plain.rl.learning_rate) == (1e-4, 3e-4)
     assert small.sft.learning_rate == plain.sft.learning_rate
+
+
+def test_trls_config_takes_ours_budget_and_warmup_in_optimizer_steps(bench, tmp_path):
+    """TRL's GRPOConfig samples ours' replies an iteration and takes ours' optimizer steps; ours' warmup of 2
+    iterations at 2 epochs an iteration is TRL's 4 warmup steps, and TRL's rate climbs through them to the full rate.
+    Without ``rl.warmup_steps`` TRL starts at the full rate."""
+    from transformers import get_scheduler
+
+    agent_tasks, function_calling = bench
+    argv = ["--work", str(tmp_path), "--model", "bundled", "--rl-steps", "5"]
+    warm = function_calling.parse_args([*argv, "--rl-set", "rl.warmup_steps=2", "--rl-set", "rl.epochs=2"])
+    plain = function_calling.parse_args([*argv, "--rl-set", "rl.epochs=2"])
+    warm_recipe, plain_recipe = (function_calling.recipes(args, tmp_path)["small"] for args in (warm, plain))
+    rl = warm_recipe.rl
+    config = agent_tasks.trl_grpo_config(warm_recipe, tmp_path / "trl-out", 3e-4)
+    updates = rl.prompts_per_step * rl.group_size * 2 // rl.minibatch_size
+    assert config.per_device_train_batch_size * config.steps_per_generation == rl.prompts_per_step * rl.group_size
+    assert (config.num_iterations, config.max_steps, config.warmup_steps) == (2, 5 * updates, 2 * updates)
+    assert config.warmup_steps == 4
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=config.learning_rate)
+    schedule = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=config.warmup_steps,
+                             num_training_steps=config.max_steps)
+    rates = []
+    for _ in range(config.max_steps):
+        rates.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert rates[:5] == pytest.approx([0.0, 0.75e-4, 1.5e-4, 2.25e-4, 3e-4])
+    assert agent_tasks.trl_grpo_config(plain_recipe, tmp_path / "trl-out", 3e-4).warmup_steps == 0
