@@ -134,6 +134,24 @@ def read_manifest(stage_dir: Path) -> Optional[dict]:
 ALIGNED_STAGES = ("rl", "dpo", "kto")
 """The stages that train an adapter on top of the merged SFT prior."""
 
+RL_LAST = "rl-last"
+"""A policy besides the stages': the RL stage's last iteration (``rl/adapter-last``, kept with the watchdog on),
+for a run whose watchdog published an earlier iteration as ``rl/adapter``."""
+
+LAST_ADAPTER = "adapter-last"
+"""The folder in the RL stage that holds its last iteration's adapter."""
+
+
+def policy_stage(policy: str) -> str:
+    """The stage directory a policy's adapter lies in: ``rl`` for :data:`RL_LAST`, else the policy's own."""
+    return "rl" if policy == RL_LAST else policy
+
+
+def policy_adapter(run: Path, policy: str) -> Path:
+    """A policy's adapter folder: ``RUN/rl/adapter-last`` for :data:`RL_LAST`, else ``RUN/STAGE/adapter``."""
+    folder = LAST_ADAPTER if policy == RL_LAST else "adapter"
+    return Path(run) / policy_stage(policy) / folder
+
 
 def aligned_stages(run: Path) -> list[str]:
     """The run's finished aligned stages that hold an adapter, oldest first (by their

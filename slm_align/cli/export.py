@@ -35,8 +35,9 @@ def merge(
                                                       "stage (RL used if present)."),
     out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default: RUN/merged, "
                                        "or RUN/merged-STAGE with --stage)."),
-    stage: Optional[str] = typer.Option(None, "--stage", help="The run's policy to fold in: sft, rl, dpo "
-                                        "or kto (default: the latest finished stage)."),
+    stage: Optional[str] = typer.Option(None, "--stage", help="The run's policy to fold in: sft, rl, dpo, "
+                                        "kto or rl-last (RL's last iteration where the watchdog published an "
+                                        "earlier one; default: the latest finished stage)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     config: Optional[Path] = ConfigOpt,
     settings: Optional[dict[str, Any]] = None,
@@ -85,7 +86,8 @@ def export(
     out: Optional[Path] = typer.Option(None, *OUT_NAMES, help="Output directory (default "
                                        "RUN/export, RUN/export-STAGE with --stage, or ./export)."),
     stage: Optional[str] = typer.Option(None, "--stage", help="A run's policy to export: sft (the "
-                                        "prior), rl, dpo or kto (default: the latest finished stage)."),
+                                        "prior), rl, dpo, kto or rl-last (RL's last iteration where the "
+                                        "watchdog published an earlier one; default: the latest finished stage)."),
     preset: Optional[str] = typer.Option(None, help="ONNX int8 preset: arm64, "
                                                     "avx2, avx512, avx512_vnni."),
     ort_format: bool = typer.Option(False, "--ort-format", help="ONNX: also write model.ort for mobile builds."),

@@ -34,7 +34,7 @@ def published_line(record: Optional[dict]) -> Optional[str]:
     line = f"published: the adapter of iteration {record['published_step']} (the watchdog's best held-out probe)"
     last = record.get("last")
     if last is not None and not last["is_published"]:
-        line += f"; the last, iteration {last['step']}, kept as rl/adapter-last"
+        line += f"; the last, iteration {last['step']}, kept as rl/adapter-last (export --stage rl-last)"
     if record.get("stopped_early"):
         line += f"; stopped early on {record['stopped_early']}"
     return line
@@ -51,7 +51,7 @@ def report_section(record: Optional[dict], events: list[dict]) -> list[str]:
                         f"(iteration {record['published_step']}) is published.", ""]
     lines.append(f"Published: the adapter of iteration {record['published_step']} (the peak of "
                  f"the held-out probe, mean reward {record['best_reward']:.3f}); the last "
-                 f"iteration's adapter is kept as `rl/adapter-last`.")
+                 f"iteration's adapter is kept as `rl/adapter-last` (`export --stage rl-last`).")
     if record.get("stopped_early"):
         lines.append(f"Stopped early: {record['stopped_early']}.")
     lines.append("")

@@ -695,8 +695,9 @@ def test_train_from_the_cli_says_each_event_and_the_published_iteration_and_repo
         assert event_line(event) in console
     record = manifest_of(out / "rl")["metrics"]["watchdog"]
     best = record["published_step"]
-    assert f"published: the adapter of iteration {best} (the watchdog's best held-out probe); the last, iteration " \
-           f"{events[-1]['step']}, kept as rl/adapter-last; stopped early on reward_drop" in console
+    assert (f"published: the adapter of iteration {best} (the watchdog's best held-out probe); the last, iteration "
+            f"{events[-1]['step']}, kept as rl/adapter-last (export --stage rl-last); stopped early on reward_drop"
+            in console)
     report = (out / "eval" / "report.md").read_text()
     section = report[report.index("## Watchdog"):]
     assert f"Published: the adapter of iteration {best} " in section and "Stopped early: reward_drop" in section
@@ -713,7 +714,7 @@ def test_published_line_names_the_iteration_with_the_watchdog_on_and_off():
               "last": {"step": 9, "heldout_reward": 0.1, "is_published": False}}
     assert published_line(record) == ("published: the adapter of iteration 5 (the watchdog's best "
                                       "held-out probe); the last, iteration 9, "
-                                      "kept as rl/adapter-last")
+                                      "kept as rl/adapter-last (export --stage rl-last)")
     record["last"]["is_published"] = True
     assert published_line(record) == "published: the adapter of iteration 5 (the watchdog's best held-out probe)"
     assert published_line({"enabled": False, "published_step": 8}) == ("published: the last "

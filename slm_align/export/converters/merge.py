@@ -30,22 +30,27 @@ from slm_align.modeling.models import (
 from slm_align.ondevice.templates.chat import default_chat_template
 from slm_align.runs import (
     ALIGNED_STAGES,
+    LAST_ADAPTER,
+    RL_LAST,
     Artifact,
     StageResult,
     aligned_stages,
     check_out_dir,
+    policy_adapter,
+    policy_stage,
     publish_artifact,
     stage_identity,
 )
 
-POLICY_STAGES = ("sft", *ALIGNED_STAGES)
-"""The policies a run can be merged and exported as: the SFT prior, or an aligned stage on it."""
+POLICY_STAGES = ("sft", *ALIGNED_STAGES, RL_LAST)
+"""The policies a run can be merged and exported as: the SFT prior, an aligned stage on it, or the RL stage's last
+iteration (where the watchdog published an earlier one)."""
 
 
 def merged_stage(run: Path, stage: Optional[str] = None) -> Optional[str]:
-    """The aligned stage whose adapter a merge folds in: ``stage`` when given (None for ``sft``, the
-    prior alone; a stage the run has not finished is refused in one line), else the run's most
-    recently finished of RL, DPO and KTO (None: the SFT prior alone)."""
+    """The aligned policy whose adapter a merge folds in: ``stage`` when given (None for ``sft``, the
+    prior alone; ``rl-last``, the RL stage's last iteration; a stage the run has not finished is refused in one
+    line), else the run's most recently finished of RL, DPO and KTO (None: the SFT prior alone)."""
     if stage is None:
         stages = aligned_stages(run)
         return stages[-1] if stages else None
@@ -53,10 +58,14 @@ def merged_stage(run: Path, stage: Optional[str] = None) -> Optional[str]:
         raise UserError(f"--stage {stage}: choose {', '.join(POLICY_STAGES)}")
     if stage == "sft":
         return None
-    if stage not in aligned_stages(run):
-        raise UserError(f"run {run} has no finished {stage} stage (no {stage}/adapter with its "
-                        "manifest); train it first, or choose --stage "
-                        f"{' or '.join(['sft', *aligned_stages(run)])}")
+    finished = aligned_stages(run)
+    if policy_stage(stage) not in finished:
+        raise UserError(f"run {run} has no finished {policy_stage(stage)} stage (no {policy_stage(stage)}/adapter "
+                        "with its manifest); train it first, or choose --stage "
+                        f"{' or '.join(['sft', *finished])}")
+    if not policy_adapter(run, stage).is_dir():
+        raise UserError(f"run {run} kept no rl/{LAST_ADAPTER} (the watchdog keeps it; with --watchdog off "
+                        "rl/adapter is the last iteration's): choose --stage rl")
     return stage
 
 
@@ -72,7 +81,7 @@ def policy_identity(run: Path, aligned: Optional[str]) -> dict:
     that a stage trained again makes its merge and exports stale while a file merely touched does
     not."""
     stages = ["sft"] + ([aligned] if aligned is not None else [])
-    return {name: stage_identity(Path(run) / name) for name in stages}
+    return {name: stage_identity(Path(run) / policy_stage(name)) for name in stages}
 
 
 def current_merged(run: Path, stage: Optional[str] = None) -> Path:
@@ -98,7 +107,7 @@ class MergedModel(Artifact):
         self.recipe, self.sft_adapter = recipe_from_sft(run, recipe)
         self.adapters = [self.sft_adapter]
         if aligned is not None:
-            self.adapters.append(run / aligned / "adapter")
+            self.adapters.append(policy_adapter(run, aligned))
         self.source = resolve_source(self.recipe.model.source)
 
     def inputs(self) -> dict:

@@ -49,6 +49,7 @@ from slm_align.runs import (
     Artifact,
     StageResult,
     check_out_dir,
+    policy_adapter,
     publish_artifact,
     read_manifest,
     sha256_file,
@@ -175,7 +176,7 @@ def adapter_chain(run: Path, stage: Optional[str] = None) -> list[tuple[str, Pat
     chain = [("sft", run / "sft" / "adapter")]
     aligned = merged_stage(run, stage)
     if aligned is not None:
-        chain.append((aligned, run / aligned / "adapter"))
+        chain.append((aligned, policy_adapter(run, aligned)))
     return chain
 
 

@@ -20,7 +20,7 @@ from slm_align.config.from_sft import recorded_data_path
 from slm_align.config.hub_ids import looks_like_hub_id
 from slm_align.export.publishing.parity import perplexity_change
 from slm_align.modeling.models import DEFAULT_MODEL_DIR
-from slm_align.runs import MANIFEST, MODEL_CARD, aligned_stages
+from slm_align.runs import MANIFEST, MODEL_CARD, RL_LAST, aligned_stages, policy_stage
 
 CARD = MODEL_CARD
 MARKER = "<!-- model card written by slm-align: merge and export rewrite this file -->"
@@ -45,20 +45,25 @@ class RunRecords:
     evaluation: Optional[dict]
     preference: Optional[dict] = None
     """The DPO or KTO stage's manifest when that is the aligned stage the merge folds in."""
+    last_rl: bool = False
+    """The merge folds in the RL stage's last iteration (``rl-last``), not the adapter the stage published."""
 
 
 def read_run(run: Path, stage: Optional[str] = None) -> RunRecords:
     """The manifests and reports of ``run``; of its aligned stages, only the one a merge
-    folds in: ``stage`` (``sft``: none), else the latest."""
+    folds in: ``stage`` (``sft``: none; ``rl-last``: the RL stage's, whose evaluation report, of the published
+    adapter, is left out), else the latest."""
     stages = aligned_stages(run)
     latest = stages[-1] if stages else None
     if stage is not None:
-        latest = stage if stage in stages else None
+        latest = policy_stage(stage) if policy_stage(stage) in stages else None
+    last_rl = stage == RL_LAST
     rl = _read_json(run / "rl" / MANIFEST) if latest == "rl" else None
     preference = _read_json(run / latest / MANIFEST) if latest in ("dpo", "kto") else None
+    evaluation = None if last_rl else _read_json(run / "eval" / "report.json")
     return RunRecords(run=run, sft=_read_json(run / "sft" / MANIFEST),
                       headroom=_read_json(run / "headroom.json"), rl=rl,
-                      evaluation=_read_json(run / "eval" / "report.json"), preference=preference)
+                      evaluation=evaluation, preference=preference, last_rl=last_rl)
 
 
 def run_of(path: Optional[Path]) -> Optional[Path]:
@@ -187,11 +192,19 @@ def _sft_line(sft: dict) -> str:
             f"{metrics['eval_documents']} held-out documents")
 
 
-def _rl_line(rl: dict) -> str:
+def _rl_line(rl: dict, last: bool = False) -> str:
+    """The RL stage's line: its held-out reward after RL is the published adapter's, or with ``last`` the last
+    iteration's (measured when it is not the one published)."""
     metrics = rl["metrics"]
+    after, policy = metrics["heldout_reward_rl"], "RL"
+    kept = (metrics.get("watchdog") or {}).get("last")
+    if last and kept is not None:
+        policy = f"RL's last iteration, {kept['step']}"
+        if kept["heldout_reward"] is not None:
+            after = kept["heldout_reward"]
     return (f"- RL: {metrics['algo'].upper()}, {metrics['steps']} iterations, learning rate "
             f"{metrics['learning_rate']:g}; held-out reward {metrics['heldout_reward_sft']:.3f} "
-            f"(SFT) -> {metrics['heldout_reward_rl']:.3f} (RL) over "
+            f"(SFT) -> {after:.3f} ({policy}) over "
             f"{metrics['eval_prompts']} prompts")
 
 
@@ -216,7 +229,7 @@ def training_section(records: RunRecords) -> list[str]:
              "", f"- Base model: {base_model(records.sft['inputs']['model'])['name']}",
              _data_line(records.sft["inputs"]), _sft_line(records.sft)]
     if records.rl is not None:
-        lines.append(_rl_line(records.rl))
+        lines.append(_rl_line(records.rl, records.last_rl))
     if records.preference is not None:
         lines.append(_preference_line(records.preference))
     return lines + [""]
@@ -277,8 +290,11 @@ def envelope_section(records: RunRecords) -> list[str]:
     lines = ["## Safety envelope", "", f"- Settings: {settings}", f"- Guard counts: {guards}"]
     watchdog = metrics.get("watchdog")
     if watchdog and watchdog["enabled"]:
-        lines.append(f"- Collapse watchdog: {watchdog['events']} events, {watchdog['recoveries']} "
-                     f"recoveries; published the adapter of iteration {watchdog['published_step']}")
+        line = (f"- Collapse watchdog: {watchdog['events']} events, {watchdog['recoveries']} "
+                f"recoveries; published the adapter of iteration {watchdog['published_step']}")
+        if records.last_rl:
+            line += "; this model holds the last iteration's adapter (rl/adapter-last) instead"
+        lines.append(line)
     elif watchdog:
         lines.append("- Collapse watchdog: off (the last adapter published)")
     return lines + [""]
