@@ -86,6 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--judge-tokens", type=int, default=128, help="Tokens of a judged reply.")
     parser.add_argument("--limit", type=int, default=30, help="BFCL entries per category.")
     parser.add_argument("--max-length", type=int, default=1024, help="SFT sequence length (data.max_length).")
+    parser.add_argument("--sft-micro-batch", type=int, default=None,
+                        help="SFT's chats per forward pass (sft.batch_size), the optimizer step kept at the recipe's "
+                             "8 chats by sft.grad_accum: Gemma's 262k-word logits for 8 chats of up to 1,024 "
+                             "tokens outgrew a 24 GB host in SFT-all. Default: all 8 at once.")
     parser.add_argument("--threads", type=int, default=1, help="torch and llama.cpp threads.")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="Ours: recompute each layer in the update instead of keeping its activations "
@@ -140,7 +144,19 @@ def recipes(args: argparse.Namespace, work: Path) -> dict:
     small = agent_recipe(work, sizes, "cpu", budget)
     every = agent_recipe(work, sizes, "cpu", dict(budget, **{"data.path": str(work / "tasks" / "sft.jsonl"),
                                                              "sft.max_steps": args.sft_all_steps}))
+    if args.sft_micro_batch is not None:
+        small, every = (micro_batched(recipe, args.sft_micro_batch) for recipe in (small, every))
     return {"sizes": sizes, "small": small, "all": every}
+
+
+def micro_batched(recipe, chats: int):
+    """``recipe`` with SFT's step of ``batch_size x grad_accum`` chats taken ``chats`` at a time (the same step:
+    the Trainer sums the micro-batches' gradients over the step's tokens)."""
+    step = recipe.sft.batch_size * recipe.sft.grad_accum
+    if chats < 1 or step % chats:
+        raise SystemExit(f"--sft-micro-batch {chats}: choose a divisor of SFT's step of {step} chats")
+    return recipe.model_copy(update={"sft": recipe.sft.model_copy(update={"batch_size": chats,
+                                                                          "grad_accum": step // chats})})
 
 
 def rl_settings(items: list[str]) -> dict:

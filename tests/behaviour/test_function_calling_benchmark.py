@@ -252,3 +252,19 @@ def test_trls_config_takes_ours_budget_and_warmup_in_optimizer_steps(bench, tmp_
         schedule.step()
     assert rates[:5] == pytest.approx([0.0, 0.75e-4, 1.5e-4, 2.25e-4, 3e-4])
     assert agent_tasks.trl_grpo_config(plain_recipe, tmp_path / "trl-out", 3e-4).warmup_steps == 0
+
+
+def test_sft_micro_batches_keep_sfts_step_of_eight_chats(bench, tmp_path):
+    """``--sft-micro-batch 2`` forwards 2 chats at a time and accumulates 4 passes: SFT-small's and SFT-all's step
+    stays 8 chats (their other settings as without the flag); a size that does not divide the step is refused."""
+    _, function_calling = bench
+    argv = ["--work", str(tmp_path), "--model", "bundled"]
+    plain = function_calling.recipes(function_calling.parse_args(argv), tmp_path)
+    split = function_calling.recipes(function_calling.parse_args([*argv, "--sft-micro-batch", "2"]), tmp_path)
+    for name in ("small", "all"):
+        assert (plain[name].sft.batch_size, plain[name].sft.grad_accum) == (8, 1)
+        assert (split[name].sft.batch_size, split[name].sft.grad_accum) == (2, 4)
+        assert split[name].sft.max_steps == plain[name].sft.max_steps
+        assert split[name].data == plain[name].data
+    with pytest.raises(SystemExit, match="--sft-micro-batch 3: choose a divisor of SFT's step of 8 chats"):
+        function_calling.recipes(function_calling.parse_args([*argv, "--sft-micro-batch", "3"]), tmp_path)
