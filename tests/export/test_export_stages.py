@@ -123,6 +123,7 @@ def test_rl_last_exports_the_last_iteration_where_the_watchdog_published_another
     assert not torch.allclose(_logits(copy / "merged-rl"), expected, atol=1e-3)  # the published adapter differs
     card = (copy / "export-rl-last" / "README.md").read_text()
     assert "this model holds the last iteration's adapter (rl/adapter-last)" in card
+    assert "(RL's last iteration, 2)" in card  # its held-out reward, not the published adapter's
     assert adapter_chain(copy, "rl-last") == [("sft", copy / "sft" / "adapter"),
                                               ("rl-last", copy / "rl" / "adapter-last")]  # the shipped adapter's
 
