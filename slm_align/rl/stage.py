@@ -49,7 +49,7 @@ from slm_align.rl.llama_episodes import EPISODE_CONTEXT
 from slm_align.rl.llama_sampler import LlamaSampler
 from slm_align.rollouts.episodes import agent_tasks, check_episode_rewards
 from slm_align.rollouts.policy_backend import policy_template
-from slm_align.runs import artifact_digest, stage_identity
+from slm_align.runs import LAST_ADAPTER, artifact_digest, stage_identity
 from slm_align.scoring.learned_reward import learned_reward
 from slm_align.tracking import Tracker, open_tracker, require_library
 
@@ -119,7 +119,7 @@ class RLStage:
     held-out reward of the SFT and RL policies, the best probe's adapter published (rank 0)."""
 
     name = STAGE
-    keep = ("adapter", "adapter-last", EVENTS, "value_head.safetensors", "metrics.jsonl", "plots", "inputs.json")
+    keep = ("adapter", LAST_ADAPTER, EVENTS, "value_head.safetensors", "metrics.jsonl", "plots", "inputs.json")
 
     def __init__(self, prior: Prior, rewards: Sequence[str], world: World, compute,
                  say: Callable[[str], None]):
@@ -309,7 +309,7 @@ class RLStage:
             return None
         scale_shaping(loop, 1.0)
         if self.world.main:
-            save_adapter(loop.policy, partial / "adapter-last")
+            save_adapter(loop.policy, partial / LAST_ADAPTER)
         if watch.watchdog.best_step == loop.step:
             return {"step": loop.step, "heldout_reward": None, "is_published": True}  # the same weights
         started = time.perf_counter()
